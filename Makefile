@@ -1,0 +1,43 @@
+# envfleet: every target sets up what it needs on a fresh machine (venv, dockerd, base image).
+SHELL := /bin/bash
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+
+.PHONY: venv docker base-image test demo bench proto proto-check lint image clean-containers
+
+$(VENV_STAMP): pyproject.toml
+	@test -x .venv/bin/python || python3 -m venv .venv
+	.venv/bin/pip install -q --disable-pip-version-check --upgrade pip
+	.venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	@rm -f .venv/.installed-*
+	@touch $@
+
+venv: $(VENV_STAMP)
+
+docker:
+	@scripts/ensure-docker.sh
+
+base-image: venv docker
+	@$(PY) -m orchestrator.cli image build-base
+
+test: venv docker base-image
+	$(PY) -m pytest -q -p no:cacheprovider
+	@scripts/check-leaks.sh
+
+demo: venv docker base-image
+	@$(PY) -m orchestrator.cli demo
+
+bench: venv docker base-image
+	$(PY) -m bench.run --out bench/results.json
+
+proto: venv
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy envd orchestrator environments bench tests
+
+# The orchestrator's own image, built offline on top of the base image.
+image: venv docker base-image
+	@$(PY) -m orchestrator.cli image build-orchestrator

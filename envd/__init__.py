@@ -1,0 +1,1 @@
+"""envd: the small daemon inside each sandbox (processes, files, health) over gRPC on a unix socket."""

@@ -1,0 +1,302 @@
+"""envd's gRPC server: the Process and Filesystem services, grpc.health.v1, and the token check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import inspect
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from envd import files
+from envd.errors import EnvdError, InvalidRequestError, NotFoundError, PathError, SymlinkRefusedError
+from envd.process import Command, Ended, Output, ProcessRunner, Started
+from protos import envd_pb2 as pb
+from protos import envd_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class EnvdConfig:
+    """How one envd serves: where, for whom, and its default limits."""
+
+    socket_path: str
+    token: str
+    workspace: str = "/workspace"
+    default_timeout_s: float = 600.0
+    max_timeout_s: float = 24 * 3600.0
+    default_max_output_bytes: int = 1 << 20
+    max_output_bytes_limit: int = 256 << 20
+    default_read_bytes: int = 16 << 20
+    base_env: dict[str, str] = field(
+        default_factory=lambda: {
+            "PATH": DEFAULT_PATH,
+            "HOME": "/tmp",
+            "LANG": "C.UTF-8",
+            "TZ": "UTC",
+            "TMPDIR": "/tmp",
+        }
+    )
+
+
+_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (SymlinkRefusedError, grpc.StatusCode.PERMISSION_DENIED),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (PathError, grpc.StatusCode.FAILED_PRECONDITION),
+    (EnvdError, grpc.StatusCode.INTERNAL),
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _status_for(exc: BaseException) -> grpc.StatusCode:
+    return next(code for cls, code in _STATUS if isinstance(exc, cls))
+
+
+def maps_errors(fn: F) -> F:
+    """Turn envd's errors (and OSErrors from file calls) into gRPC statuses with their message."""
+
+    @functools.wraps(fn)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except EnvdError as e:
+            await context.abort(_status_for(e), str(e))
+        except OSError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.filename or ''}: {e.strerror}")
+
+    @functools.wraps(fn)
+    async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except EnvdError as e:
+            await context.abort(_status_for(e), str(e))
+        except OSError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.filename or ''}: {e.strerror}")
+
+    return streaming if inspect.isasyncgenfunction(fn) else unary  # type: ignore[return-value]
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call but health checks unless it carries `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong sandbox token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith("/grpc.health.v1."):
+            return await continuation(details)
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):
+                    return await continuation(details)
+        handler = await continuation(details)
+        if handler is not None and handler.request_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
+def _command(req: pb.ProcessRequest, cfg: EnvdConfig) -> Command:
+    which = req.WhichOneof("command")
+    if which == "argv":
+        argv = list(req.argv.args)
+        if not argv or not argv[0]:
+            raise InvalidRequestError("argv is empty: give the program and its arguments")
+    elif which == "shell":
+        if not req.shell.strip():
+            raise InvalidRequestError("shell command is empty")
+        argv = ["/bin/sh", "-c", req.shell]
+    else:
+        raise InvalidRequestError("no command: set argv or shell")
+    if req.timeout_s < 0 or req.timeout_s > cfg.max_timeout_s or req.timeout_s != req.timeout_s:
+        raise InvalidRequestError(f"timeout_s must be between 0 and {cfg.max_timeout_s:g}, got {req.timeout_s}")
+    if req.max_output_bytes < 0 or req.max_output_bytes > cfg.max_output_bytes_limit:
+        raise InvalidRequestError(
+            f"max_output_bytes must be between 0 and {cfg.max_output_bytes_limit}, got {req.max_output_bytes}"
+        )
+    for key in req.env:
+        if not key or "=" in key or "\0" in key:
+            raise InvalidRequestError(f"invalid environment variable name {key!r}")
+    cwd = req.cwd or cfg.workspace
+    if not os.path.isabs(cwd):
+        cwd = os.path.join(cfg.workspace, cwd)
+    return Command(
+        argv=argv,
+        cwd=cwd,
+        env=dict(req.env),
+        stdin=req.stdin,
+        timeout_s=req.timeout_s or cfg.default_timeout_s,
+        max_output_bytes=req.max_output_bytes or cfg.default_max_output_bytes,
+    )
+
+
+def _ended_pb(e: Ended) -> pb.Ended:
+    return pb.Ended(
+        exit_code=e.exit_code,
+        signal=e.signal,
+        timed_out=e.timed_out,
+        truncated=e.truncated,
+        oom_killed=e.oom_killed,
+        duration_s=e.duration_s,
+    )
+
+
+class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
+    """Runs commands; see protos/envd.proto."""
+
+    def __init__(self, cfg: EnvdConfig) -> None:
+        self._cfg = cfg
+        self._runner = ProcessRunner(base_env=cfg.base_env)
+
+    @maps_errors
+    async def Start(self, request: pb.ProcessRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        cmd = _command(request, self._cfg)
+        async with contextlib.aclosing(self._runner.run(cmd)) as events:
+            async for ev in events:
+                if isinstance(ev, Output):
+                    yield pb.ProcessEvent(stdout=ev.data) if ev.stream == 1 else pb.ProcessEvent(stderr=ev.data)
+                elif isinstance(ev, Started):
+                    yield pb.ProcessEvent(started=pb.Started(pid=ev.pid))
+                else:
+                    yield pb.ProcessEvent(ended=_ended_pb(ev))
+
+    @maps_errors
+    async def Run(self, request: pb.ProcessRequest, context: grpc.aio.ServicerContext) -> pb.RunResult:
+        cmd = _command(request, self._cfg)
+        out: list[bytes] = []
+        err: list[bytes] = []
+        result = pb.RunResult()
+        async with contextlib.aclosing(self._runner.run(cmd)) as events:
+            async for ev in events:
+                if isinstance(ev, Output):
+                    (out if ev.stream == 1 else err).append(ev.data)
+                elif isinstance(ev, Started):
+                    result.pid = ev.pid
+                else:
+                    result.ended.CopyFrom(_ended_pb(ev))
+        result.stdout = b"".join(out)
+        result.stderr = b"".join(err)
+        return result
+
+    @maps_errors
+    async def Signal(self, request: pb.SignalRequest, context: grpc.aio.ServicerContext) -> pb.SignalResponse:
+        self._runner.signal(request.pid, request.signal)
+        return pb.SignalResponse()
+
+
+def _info_pb(e: files.Entry) -> pb.FileInfo:
+    return pb.FileInfo(
+        name=e.name, path=e.path, kind=e.kind.value, size=e.size, mode=e.mode, mtime=e.mtime, link_target=e.link_target
+    )
+
+
+class FilesystemService(pb_grpc.FilesystemServicer):  # type: ignore[misc]
+    """File operations that never follow symbolic links; see envd/files.py."""
+
+    def __init__(self, cfg: EnvdConfig) -> None:
+        self._cfg = cfg
+
+    @maps_errors
+    async def ReadFile(self, request: pb.ReadFileRequest, context: grpc.aio.ServicerContext) -> pb.ReadFileResponse:
+        if request.max_bytes < 0:
+            raise InvalidRequestError(f"max_bytes must be >= 0, got {request.max_bytes}")
+        limit = min(request.max_bytes or self._cfg.default_read_bytes, MAX_MESSAGE_BYTES - 4096)
+        data, truncated = await asyncio.to_thread(files.read_file, request.path, self._cfg.workspace, limit)
+        return pb.ReadFileResponse(content=data, truncated=truncated)
+
+    @maps_errors
+    async def WriteFile(self, request: pb.WriteFileRequest, context: grpc.aio.ServicerContext) -> pb.WriteFileResponse:
+        mode = request.mode or 0o644
+        if mode > 0o7777:
+            raise InvalidRequestError(f"mode {oct(mode)} is not a permission mode")
+        await asyncio.to_thread(
+            files.write_file, request.path, self._cfg.workspace, request.content, mode, request.make_parents
+        )
+        return pb.WriteFileResponse()
+
+    @maps_errors
+    async def ListDir(self, request: pb.ListDirRequest, context: grpc.aio.ServicerContext) -> pb.ListDirResponse:
+        entries = await asyncio.to_thread(files.list_dir, request.path, self._cfg.workspace)
+        return pb.ListDirResponse(entries=[_info_pb(e) for e in entries])
+
+    @maps_errors
+    async def Stat(self, request: pb.StatRequest, context: grpc.aio.ServicerContext) -> pb.FileInfo:
+        return _info_pb(files.stat_path(request.path, self._cfg.workspace))
+
+    @maps_errors
+    async def Upload(
+        self, request_iterator: AsyncIterator[pb.UploadChunk], context: grpc.aio.ServicerContext
+    ) -> pb.UploadResponse:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("chunk") != "dest_dir" or not first.dest_dir:
+            raise InvalidRequestError("the first upload chunk must name dest_dir")
+        with tempfile.SpooledTemporaryFile(max_size=files.SPOOL_BYTES) as spool:
+            async for chunk in request_iterator:
+                spool.write(chunk.data)
+            spool.seek(0)
+            count = await asyncio.to_thread(files.extract_tar, spool, first.dest_dir, self._cfg.workspace)
+        return pb.UploadResponse(files=count)
+
+    @maps_errors
+    async def Download(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        spool = await asyncio.to_thread(files.build_tar, request.path, self._cfg.workspace)
+        with spool:
+            for chunk in files.iter_chunks(spool):
+                yield pb.DataChunk(data=chunk)
+
+
+async def create_server(cfg: EnvdConfig) -> grpc.aio.Server:
+    """A started envd server on cfg.socket_path, reporting SERVING."""
+    server = grpc.aio.server(
+        interceptors=[TokenInterceptor(cfg.token)],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    pb_grpc.add_ProcessServicer_to_server(ProcessService(cfg), server)
+    pb_grpc.add_FilesystemServicer_to_server(FilesystemService(cfg), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(cfg.socket_path)
+    server.add_insecure_port(f"unix://{cfg.socket_path}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server
+
+
+async def serve(cfg: EnvdConfig) -> None:
+    """Serve until cancelled."""
+    server = await create_server(cfg)
+    log.info("envd serving on %s", cfg.socket_path)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(grace=1)

@@ -1,0 +1,1 @@
+"""envfleet's orchestrator: sandboxes, scheduling, rollouts and the trainer-facing gRPC services."""

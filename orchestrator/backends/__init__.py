@@ -1,0 +1,1 @@
+"""Sandbox backends: the SandboxBackend/Sandbox seam and its implementations (one module each)."""

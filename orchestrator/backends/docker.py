@@ -1,0 +1,466 @@
+"""The Docker backend: hardened containers on a local engine, reached through envd (or `docker exec`).
+
+The docker SDK is synchronous, so every engine call runs in a bounded thread pool and the event loop never blocks.
+Each container carries labels naming its owner process and lease, so a sweep (at start and periodically) removes
+what a crashed owner left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import docker
+import docker.errors
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.backends.base import (
+    Command,
+    ExecEvent,
+    ExecResult,
+    FileEntry,
+    Sandbox,
+    SandboxBackend,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    Transport,
+)
+from orchestrator.backends.envd_transport import EnvdTransport
+from orchestrator.errors import (
+    LimitNotAppliedError,
+    SandboxCreateError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxStartTimeoutError,
+    SandboxUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LABEL_MANAGED = "envfleet.managed"
+LABEL_OWNER = "envfleet.owner"
+LABEL_INSTANCE = "envfleet.instance"
+LABEL_PID = "envfleet.owner_pid"
+LABEL_PID_START = "envfleet.owner_start"
+LABEL_HOST = "envfleet.host"
+LABEL_LEASE = "envfleet.lease_expiry"
+LABEL_SOCKET_DIR = "envfleet.socket_dir"
+ENVD_MOUNT = "/run/envd"
+ENVD_COMMAND = ["python3", "-S", "/opt/envfleet/envd/launch.py", "--socket", f"{ENVD_MOUNT}/envd.sock"]
+LIMIT_WARNING_WORDS = ("limit", "memory", "swap", "cpu", "pids", "discarded", "not support")
+
+
+class DockerBackendConfig(BaseModel):
+    """Settings of the docker backend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["docker"] = "docker"
+    base_url: str | None = Field(None, description="engine address; DOCKER_HOST or the local socket when unset")
+    owner: str = Field("envfleet", min_length=1, max_length=64, description="who owns the sandboxes (a label)")
+    socket_root: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "envfleet")
+    api_workers: int = Field(16, ge=1, le=256, description="threads (and HTTP connections) for engine calls")
+    api_timeout_s: float = Field(120.0, gt=0)
+    sweep_interval_s: float = Field(30.0, gt=0)
+
+
+def _proc_start_time(pid: int) -> str:
+    """The kernel's start time of a process (clock ticks since boot), which tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    return raw[raw.rfind(b")") + 2 :].split()[19].decode()
+
+
+def owner_alive(pid: int, start: str) -> bool:
+    """Whether the process that created a sandbox still runs (same pid and same start time)."""
+    return bool(start) and _proc_start_time(pid) == start
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The identity this backend instance writes into every container's labels."""
+
+    name: str
+    instance: str
+    pid: int
+    start: str
+    host: str
+
+    @classmethod
+    def current(cls, name: str) -> Owner:
+        """This process."""
+        pid = os.getpid()
+        return cls(name, uuid.uuid4().hex, pid, _proc_start_time(pid), socket.gethostname())
+
+
+def _logs_tail(api: Any, cid: str, lines: int = 20) -> str:
+    try:
+        raw = api.logs(cid, stdout=True, stderr=True, tail=lines)
+    except docker.errors.APIError:
+        return "(no logs)"
+    text: str = raw.decode(errors="replace").strip() if isinstance(raw, bytes) else str(raw)
+    return text or "(no output)"
+
+
+class DockerSandbox(Sandbox):
+    """A running container and the transport into it."""
+
+    def __init__(
+        self, backend: DockerBackend, cid: str, name: str, spec: SandboxSpec, transport: Transport, socket_dir: Path
+    ) -> None:
+        self.id = cid
+        self.name = name
+        self.spec = spec
+        self.transport = transport
+        self.socket_dir = socket_dir
+        self._backend = backend
+        self._closed = False
+
+    async def _diagnose(self, e: SandboxUnavailableError) -> SandboxError:
+        """Tell a dead container (killed from outside, OOM) from a merely unresponsive envd."""
+        try:
+            st = await self.state()
+        except SandboxError:
+            return e
+        if st.running:
+            return e
+        cause = "killed by the OOM killer" if st.oom_killed else "stopped from outside"
+        return SandboxDiedError(f"sandbox {self.name} is gone ({cause}; exit code {st.exit_code}) {st.error}".strip())
+
+    async def _guard(self, coro: Any) -> Any:
+        if self._closed:
+            raise SandboxDiedError(f"sandbox {self.name} was closed")
+        try:
+            return await coro
+        except SandboxUnavailableError as e:
+            raise await self._diagnose(e) from e
+
+    async def exec(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> ExecResult:
+        result: ExecResult = await self._guard(
+            self.transport.exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
+        )
+        return result
+
+    async def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        if self._closed:
+            raise SandboxDiedError(f"sandbox {self.name} was closed")
+        stream = self.transport.exec_stream(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
+        try:
+            async for ev in stream:
+                yield ev
+        except SandboxUnavailableError as e:
+            raise await self._diagnose(e) from e
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
+        data: bytes = await self._guard(self.transport.read_file(path, max_bytes))
+        return data
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True) -> None:
+        await self._guard(self.transport.write_file(path, data, mode, make_parents))
+
+    async def list_dir(self, path: str) -> list[FileEntry]:
+        entries: list[FileEntry] = await self._guard(self.transport.list_dir(path))
+        return entries
+
+    async def upload(self, tar: bytes, dest_dir: str) -> int:
+        count: int = await self._guard(self.transport.upload(tar, dest_dir))
+        return count
+
+    async def download(self, path: str) -> bytes:
+        data: bytes = await self._guard(self.transport.download(path))
+        return data
+
+    async def state(self) -> SandboxState:
+        return await self._backend.state_of(self.id)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.transport.close()
+        await self._backend.destroy(self.id, self.socket_dir)
+
+
+class DockerBackend(SandboxBackend):
+    """Hardened sandboxes on a Docker engine. Use `await DockerBackend.start(config)`; `close()` destroys all."""
+
+    def __init__(self, config: DockerBackendConfig | None = None) -> None:
+        self.config = config or DockerBackendConfig()
+        self.owner = Owner.current(self.config.owner)
+        self._pool = ThreadPoolExecutor(max_workers=self.config.api_workers, thread_name_prefix="docker-api")
+        kwargs: dict[str, Any] = {"timeout": self.config.api_timeout_s, "max_pool_size": self.config.api_workers}
+        if self.config.base_url:
+            kwargs["base_url"] = self.config.base_url
+            self.client = docker.DockerClient(**kwargs)
+        else:
+            self.client = docker.from_env(**kwargs)
+        self.api = self.client.api
+        self._owned: dict[str, DockerSandbox] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._swap_limit: bool | None = None
+
+    @classmethod
+    async def start(cls, config: DockerBackendConfig | None = None, *, sweep: bool = True) -> DockerBackend:
+        """A backend that has swept what dead owners left and keeps sweeping in the background."""
+        backend = cls(config)
+        info = await backend._call(backend.api.info)
+        backend._swap_limit = bool(info.get("SwapLimit"))
+        if sweep:
+            await backend.sweep()
+            backend._sweeper = asyncio.create_task(backend._sweep_forever())
+        return backend
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def _labels(self, spec: SandboxSpec, socket_dir: Path) -> dict[str, str]:
+        o = self.owner
+        return {
+            **spec.labels,
+            LABEL_MANAGED: "1",
+            LABEL_OWNER: o.name,
+            LABEL_INSTANCE: o.instance,
+            LABEL_PID: str(o.pid),
+            LABEL_PID_START: o.start,
+            LABEL_HOST: o.host,
+            LABEL_LEASE: f"{time.time() + spec.ttl_s:.0f}",
+            LABEL_SOCKET_DIR: str(socket_dir),
+        }
+
+    def _host_config(self, spec: SandboxSpec, socket_dir: Path | None) -> Any:
+        lim, hard = spec.limits, spec.hardening
+        uid, gid = hard.user.split(":")
+        kwargs: dict[str, Any] = {
+            "network_mode": "none",
+            "read_only": hard.read_only_root,
+            "cap_drop": ["ALL"] if hard.cap_drop_all else None,
+            "security_opt": ["no-new-privileges"] if hard.no_new_privileges else None,
+            "init": hard.init,
+            "pids_limit": lim.pids,
+            "mem_limit": f"{lim.memory_mb}m",
+            "nano_cpus": int(lim.cpus * 1e9),
+            "tmpfs": {
+                "/tmp": f"rw,exec,nosuid,nodev,size={lim.tmp_mb}m,mode=1777",
+                spec.workspace: f"rw,exec,nosuid,nodev,size={lim.workspace_mb}m,uid={uid},gid={gid},mode=0755",
+            },
+        }
+        if self._swap_limit:
+            kwargs["memswap_limit"] = f"{lim.memory_mb}m"  # no swap beyond the memory limit
+        if socket_dir is not None:
+            kwargs["binds"] = {str(socket_dir): {"bind": ENVD_MOUNT, "mode": "rw"}}
+        return self.api.create_host_config(**kwargs)
+
+    async def create(self, spec: SandboxSpec) -> DockerSandbox:
+        name = f"envfleet-{uuid.uuid4().hex[:12]}"
+        uid, gid = (int(x) for x in spec.hardening.user.split(":"))
+        socket_dir = self.config.socket_root / name
+        use_envd = spec.transport == "envd"
+        token = secrets.token_urlsafe(24)
+        socket_dir.mkdir(parents=True, mode=0o700)
+        os.chown(socket_dir, uid, gid)
+        cid: str | None = None
+        try:
+            created = await self._call(
+                self.api.create_container,
+                spec.image,
+                command=ENVD_COMMAND if use_envd else ["sleep", "infinity"],
+                name=name,
+                user=spec.hardening.user,
+                working_dir=spec.workspace,
+                environment={"ENVD_TOKEN": token, **spec.env} if use_envd else dict(spec.env),
+                labels=self._labels(spec, socket_dir),
+                host_config=self._host_config(spec, socket_dir if use_envd else None),
+                network_disabled=True,
+            )
+            cid = created["Id"]
+            warnings = [w for w in created.get("Warnings") or [] if any(k in w.lower() for k in LIMIT_WARNING_WORDS)]
+            if warnings:
+                raise LimitNotAppliedError(f"the engine could not apply a limit: {'; '.join(warnings)}")
+            await self._call(self.api.start, cid)
+            transport: Transport
+            if use_envd:
+                transport = EnvdTransport(str(socket_dir / "envd.sock"), token)
+                await self._wait_ready(cid, name, transport, socket_dir / "envd.sock", spec.startup_timeout_s)
+            else:
+                from orchestrator.backends.docker_exec import DockerExecTransport
+
+                transport = DockerExecTransport(self, cid, spec)
+        except BaseException as e:
+            await self._discard(cid, socket_dir)
+            if isinstance(e, docker.errors.ImageNotFound):
+                raise SandboxCreateError(f"image {spec.image!r} not found; build it first") from e
+            if isinstance(e, docker.errors.APIError):
+                raise SandboxCreateError(f"docker refused to create the sandbox: {e.explanation or e}") from e
+            raise
+        sandbox = DockerSandbox(self, cid, name, spec, transport, socket_dir)
+        self._owned[cid] = sandbox
+        return sandbox
+
+    async def _wait_ready(self, cid: str, name: str, transport: Transport, sock: Path, deadline_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        next_state_check = loop.time() + 0.5
+        delay = 0.002
+        while True:
+            if sock.exists() and await transport.health(timeout=max(0.05, min(2.0, deadline - loop.time()))):
+                return
+            now = loop.time()
+            if now >= deadline:
+                await transport.close()
+                tail = await self._call(_logs_tail, self.api, cid)
+                raise SandboxStartTimeoutError(
+                    f"sandbox {name}: envd did not become healthy within {deadline_s:g}s; last log lines:\n{tail}"
+                )
+            if now >= next_state_check:
+                next_state_check = now + 0.5
+                st = await self.state_of(cid)
+                if not st.running:
+                    await transport.close()
+                    tail = await self._call(_logs_tail, self.api, cid)
+                    raise SandboxCreateError(
+                        f"sandbox {name} exited during startup (exit code {st.exit_code}); last log lines:\n{tail}"
+                    )
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.05)
+
+    async def state_of(self, cid: str) -> SandboxState:
+        """The engine's view of a container."""
+        try:
+            info = await self._call(self.api.inspect_container, cid)
+        except docker.errors.NotFound:
+            return SandboxState(running=False, exit_code=None, oom_killed=False, error="container no longer exists")
+        except docker.errors.APIError as e:
+            raise SandboxUnavailableError(f"docker engine: {e.explanation or e}") from e
+        st = info["State"]
+        return SandboxState(
+            running=bool(st.get("Running")),
+            exit_code=st.get("ExitCode"),
+            oom_killed=bool(st.get("OOMKilled")),
+            error=st.get("Error") or "",
+        )
+
+    async def destroy(self, cid: str, socket_dir: Path) -> None:
+        """Remove a container (force) and its socket directory."""
+        self._owned.pop(cid, None)
+        await self._discard(cid, socket_dir)
+
+    async def _discard(self, cid: str | None, socket_dir: Path) -> None:
+        if cid is not None:
+            try:
+                await asyncio.shield(self._call(self.api.remove_container, cid, force=True, v=True))
+            except docker.errors.NotFound:
+                pass
+            except docker.errors.APIError as e:
+                if "already in progress" not in str(e):
+                    log.warning("could not remove container %s: %s", cid[:12], e)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+    async def list_owned(self) -> list[SandboxInfo]:
+        return [
+            SandboxInfo(s.id, s.name, s.spec.image, "running", {LABEL_INSTANCE: self.owner.instance})
+            for s in self._owned.values()
+        ]
+
+    def _doomed(self, labels: Mapping[str, str], created: float, now: float, older_than: float | None) -> str:
+        """Why a managed container should be swept, or '' to keep it."""
+        try:
+            lease = float(labels.get(LABEL_LEASE, "0"))
+        except ValueError:
+            lease = 0.0
+        if lease and lease < now:
+            return "lease expired"
+        if older_than is not None and now - created > older_than:
+            return f"older than {older_than:g}s"
+        if labels.get(LABEL_INSTANCE) == self.owner.instance:
+            return ""
+        if labels.get(LABEL_HOST) != self.owner.host:
+            return ""  # another host's owner: we cannot see its processes
+        pid = labels.get(LABEL_PID, "")
+        if not pid.isdigit() or not owner_alive(int(pid), labels.get(LABEL_PID_START, "")):
+            return "owner process is gone"
+        return ""
+
+    async def sweep(self, older_than: float | None = None) -> int:
+        containers = await self._call(self.api.containers, all=True, filters={"label": f"{LABEL_MANAGED}=1"})
+        now = time.time()
+        removed = 0
+        live_names = set()
+        for c in containers:
+            labels = c.get("Labels") or {}
+            name = (c.get("Names") or ["/?"])[0].lstrip("/")
+            reason = self._doomed(labels, float(c.get("Created", now)), now, older_than)
+            if not reason:
+                live_names.add(name)
+                continue
+            log.info("sweeping %s (%s)", name, reason)
+            own = self._owned.get(c["Id"])
+            if own is not None:
+                await own.close()
+            else:
+                await self._discard(c["Id"], Path(labels.get(LABEL_SOCKET_DIR) or self.config.socket_root / name))
+            removed += 1
+        # socket directories whose container is gone (a crash between mkdir and create)
+        with contextlib.suppress(FileNotFoundError):
+            for d in self.config.socket_root.iterdir():
+                if d.name not in live_names and now - d.stat().st_mtime > 60:
+                    shutil.rmtree(d, ignore_errors=True)
+        return removed
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            try:
+                n = await self.sweep()
+                if n:
+                    log.info("periodic sweep removed %d sandbox(es)", n)
+            except Exception:
+                log.exception("periodic sweep failed")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await asyncio.gather(*(s.close() for s in list(self._owned.values())), return_exceptions=True)
+        self._pool.shutdown(wait=False)
+        self.client.close()

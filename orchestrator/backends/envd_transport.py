@@ -1,0 +1,206 @@
+"""The fast path into a sandbox: gRPC to envd over a unix socket in a bind-mounted host directory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Literal, NoReturn
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.backends.base import (
+    Command,
+    ExecEnded,
+    ExecEvent,
+    ExecOutput,
+    ExecResult,
+    ExecStarted,
+    FileEntry,
+    Transport,
+)
+from orchestrator.errors import (
+    InvalidRequestError,
+    SandboxFileError,
+    SandboxFileNotFoundError,
+    SandboxPermissionError,
+    SandboxUnavailableError,
+)
+from protos import envd_pb2 as pb
+from protos import envd_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_BYTES = 64 << 20
+UPLOAD_CHUNK = 1 << 20
+# Calls other than exec get this deadline; exec gets its own timeout plus this slack.
+CALL_DEADLINE_S = 60.0
+_KINDS: dict[int, Literal["file", "dir", "symlink", "other"]] = {1: "file", 2: "dir", 3: "symlink", 4: "other"}
+
+
+def _raise(e: grpc.aio.AioRpcError) -> NoReturn:
+    code, msg = e.code(), e.details() or ""
+    if code == grpc.StatusCode.NOT_FOUND:
+        raise SandboxFileNotFoundError(msg) from None
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        raise SandboxPermissionError(msg) from None
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        raise InvalidRequestError(msg) from None
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        raise SandboxFileError(msg) from None
+    raise SandboxUnavailableError(f"envd: {code.name}: {msg}") from e
+
+
+class EnvdTransport(Transport):
+    """One gRPC channel to one sandbox's envd."""
+
+    def __init__(self, socket_path: str, token: str) -> None:
+        self.socket_path = socket_path
+        self._md = (("authorization", f"Bearer {token}"),)
+        self._channel = grpc.aio.insecure_channel(
+            f"unix://{socket_path}",
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # a sandbox socket appears once; reconnect quickly rather than after grpc's 1 s default backoff
+                ("grpc.initial_reconnect_backoff_ms", 10),
+                ("grpc.min_reconnect_backoff_ms", 10),
+                ("grpc.max_reconnect_backoff_ms", 200),
+            ],
+        )
+        self._proc = pb_grpc.ProcessStub(self._channel)
+        self._fs = pb_grpc.FilesystemStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def health(self, timeout: float) -> bool:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    @staticmethod
+    def _request(
+        cmd: Command,
+        cwd: str | None,
+        env: Mapping[str, str] | None,
+        stdin: bytes,
+        timeout: float | None,
+        max_output: int | None,
+    ) -> pb.ProcessRequest:
+        req = pb.ProcessRequest(
+            cwd=cwd or "", env=dict(env or {}), stdin=stdin, timeout_s=timeout or 0, max_output_bytes=max_output or 0
+        )
+        if isinstance(cmd, str):
+            req.shell = cmd
+        else:
+            req.argv.args.extend(cmd)
+        return req
+
+    async def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        req = self._request(cmd, cwd, env, stdin, timeout, max_output)
+        call = self._proc.Start(req, metadata=self._md, timeout=(timeout or 600.0) + CALL_DEADLINE_S)
+        try:
+            async for ev in call:
+                which = ev.WhichOneof("event")
+                if which == "stdout":
+                    yield ExecOutput("stdout", ev.stdout)
+                elif which == "stderr":
+                    yield ExecOutput("stderr", ev.stderr)
+                elif which == "started":
+                    yield ExecStarted(ev.started.pid)
+                elif which == "ended":
+                    e = ev.ended
+                    yield ExecEnded(e.exit_code, e.signal, e.timed_out, e.truncated, e.oom_killed, e.duration_s)
+        except grpc.aio.AioRpcError as e:
+            _raise(e)
+        finally:
+            call.cancel()  # closing the stream early kills the process inside
+
+    async def exec(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> ExecResult:
+        """One unary round trip: cheaper than the stream when nobody watches the output live."""
+        req = self._request(cmd, cwd, env, stdin, timeout, max_output)
+        try:
+            r = await self._proc.Run(req, metadata=self._md, timeout=(timeout or 600.0) + CALL_DEADLINE_S)
+        except grpc.aio.AioRpcError as e:
+            _raise(e)
+        e = r.ended
+        return ExecResult(
+            exit_code=e.exit_code,
+            stdout=bytes(r.stdout),
+            stderr=bytes(r.stderr),
+            signal=e.signal,
+            timed_out=e.timed_out,
+            truncated=e.truncated,
+            oom_killed=e.oom_killed,
+            duration_s=e.duration_s,
+        )
+
+    async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
+        try:
+            r = await self._fs.ReadFile(
+                pb.ReadFileRequest(path=path, max_bytes=max_bytes), metadata=self._md, timeout=CALL_DEADLINE_S
+            )
+        except grpc.aio.AioRpcError as e:
+            _raise(e)
+        return bytes(r.content)
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True) -> None:
+        req = pb.WriteFileRequest(path=path, content=data, mode=mode, make_parents=make_parents)
+        try:
+            await self._fs.WriteFile(req, metadata=self._md, timeout=CALL_DEADLINE_S)
+        except grpc.aio.AioRpcError as e:
+            _raise(e)
+
+    async def list_dir(self, path: str) -> list[FileEntry]:
+        try:
+            r = await self._fs.ListDir(pb.ListDirRequest(path=path), metadata=self._md, timeout=CALL_DEADLINE_S)
+        except grpc.aio.AioRpcError as e:
+            _raise(e)
+        return [
+            FileEntry(i.name, i.path, _KINDS.get(i.kind, "other"), i.size, i.mode, i.mtime, i.link_target)
+            for i in r.entries
+        ]
+
+    async def upload(self, tar: bytes, dest_dir: str) -> int:
+        async def chunks() -> AsyncIterator[pb.UploadChunk]:
+            yield pb.UploadChunk(dest_dir=dest_dir)
+            for i in range(0, len(tar), UPLOAD_CHUNK):
+                yield pb.UploadChunk(data=tar[i : i + UPLOAD_CHUNK])
+
+        try:
+            r = await self._fs.Upload(chunks(), metadata=self._md, timeout=CALL_DEADLINE_S)
+        except grpc.aio.AioRpcError as e:
+            _raise(e)
+        return int(r.files)
+
+    async def download(self, path: str) -> bytes:
+        parts: list[bytes] = []
+        try:
+            async for chunk in self._fs.Download(
+                pb.DownloadRequest(path=path), metadata=self._md, timeout=CALL_DEADLINE_S
+            ):
+                parts.append(chunk.data)
+        except grpc.aio.AioRpcError as e:
+            _raise(e)
+        return b"".join(parts)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._channel.close()

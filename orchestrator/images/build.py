@@ -1,0 +1,241 @@
+"""A cached `docker build`: the tag is a hash of every build input, so an unchanged image is never rebuilt.
+
+The build runs on the engine's classic builder through the low-level API, with no network, from an in-memory
+context; every streamed line goes to a log file, and a failure names the Dockerfile step that failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import json
+import logging
+import re
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
+
+import docker
+import docker.errors
+
+from orchestrator.errors import InvalidRequestError
+from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, safe_name
+from orchestrator.images.errors import ImageBuildError
+
+log = logging.getLogger(__name__)
+
+REPO_PREFIX = "envfleet"
+TAIL_LINES = 20
+_SPOOL_MAX_BYTES = 64 << 20
+_NAME = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
+_STEP = re.compile(r"^Step \d+/\d+ : ")
+
+ContextFile = bytes | Path
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One regular file of the build context: its path in the context, and its bytes or the host file holding them."""
+
+    path: str
+    mode: int
+    data: bytes | None = None
+    source: Path | None = None
+
+    def open(self) -> IO[bytes]:
+        return io.BytesIO(self.data) if self.data is not None else self._source().open("rb")
+
+    def size(self) -> int:
+        return len(self.data) if self.data is not None else self._source().stat().st_size
+
+    def _source(self) -> Path:
+        assert self.source is not None
+        return self.source
+
+
+def image_key(
+    dockerfile: str,
+    context_files: Mapping[str, ContextFile],
+    buildargs: Mapping[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> str:
+    """The hex sha256 over the Dockerfile, build args, labels and every context file's path, mode and bytes."""
+    return _key(dockerfile, _collect(context_files), buildargs or {}, labels or {})
+
+
+def build_image(
+    client: docker.DockerClient,
+    *,
+    name: str,
+    dockerfile: str,
+    context_files: Mapping[str, ContextFile],
+    buildargs: Mapping[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
+    log_dir: Path | None = None,
+    cache_dir: Path | None = None,
+) -> str:
+    """Build `envfleet/<name>:<hash of the inputs, 12 hex>` unless the engine has it already; return the tag.
+
+    `context_files` maps a relative path in the build context to its bytes, or to a host file or folder (all files
+    under a folder, recursively). The build has no network. Raises ImageBuildError naming the failing step.
+    """
+    if not _NAME.match(name):
+        raise InvalidRequestError(
+            f"image name {name!r} must be lowercase [a-z0-9] words joined by '.', '_', '-' or '/'"
+        )
+    entries = _collect(context_files)
+    args = dict(buildargs or {})
+    labs = dict(labels or {})
+    key = _key(dockerfile, entries, args, labs)[:12]
+    tag = f"{REPO_PREFIX}/{name}:{key}"
+    if image_exists(client, tag):
+        log.debug("cache hit: %s", tag)
+        return tag
+    cache = cache_dir or default_cache_dir()
+    logs = log_dir or log_dir_for(cache)
+    logs.mkdir(parents=True, exist_ok=True)
+    with file_lock(cache / "locks", tag):
+        if image_exists(client, tag):
+            return tag
+        log_path = logs / f"{safe_name(name)}-{key}.log"
+        started = time.monotonic()
+        log.info("building %s (%d context files), log %s", tag, len(entries), log_path)
+        with tempfile.SpooledTemporaryFile(max_size=_SPOOL_MAX_BYTES) as context:
+            _write_context(context, dockerfile, entries)
+            context.seek(0)
+            _run_build(client, context, tag, args, labs, log_path)
+        if not image_exists(client, tag):
+            raise ImageBuildError(f"building {tag}: the build finished but the image is missing", log_path=log_path)
+        log.info("built %s in %.1f s", tag, time.monotonic() - started)
+    return tag
+
+
+def _check_context_path(path: str) -> str:
+    p = PurePosixPath(path)
+    if not path or p.is_absolute() or ".." in p.parts or str(p) in (".", "Dockerfile"):
+        raise InvalidRequestError(f"context path {path!r} must be relative, without '..', and not 'Dockerfile'")
+    return str(p)
+
+
+def _collect(context_files: Mapping[str, ContextFile]) -> list[_Entry]:
+    entries: dict[str, _Entry] = {}
+    for rel, item in context_files.items():
+        root = _check_context_path(rel)
+        if isinstance(item, bytes):
+            found = [_Entry(root, 0o644, data=item)]
+        elif item.is_dir():
+            found = [
+                _Entry(f"{root}/{f.relative_to(item).as_posix()}", _mode(f), source=f)
+                for f in sorted(item.rglob("*"))
+                if f.is_file()
+            ]
+        elif item.is_file():
+            found = [_Entry(root, _mode(item), source=item)]
+        else:
+            raise InvalidRequestError(f"context file {rel!r}: {item} is neither a file nor a folder")
+        for e in found:
+            if e.path in entries:
+                raise InvalidRequestError(f"context path {e.path!r} is given twice")
+            entries[e.path] = e
+    return [entries[p] for p in sorted(entries)]
+
+
+def _mode(path: Path) -> int:
+    return 0o755 if path.stat().st_mode & 0o111 else 0o644
+
+
+def _key(dockerfile: str, entries: list[_Entry], buildargs: Mapping[str, str], labels: Mapping[str, str]) -> str:
+    h = hashlib.sha256()
+    head = {
+        "dockerfile": dockerfile,
+        "buildargs": dict(sorted(buildargs.items())),
+        "labels": dict(sorted(labels.items())),
+    }
+    h.update(json.dumps(head, sort_keys=True).encode() + b"\n")
+    for e in entries:
+        content = hashlib.sha256()
+        with e.open() as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                content.update(chunk)
+        h.update(json.dumps([e.path, e.mode, content.hexdigest()]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _write_context(out: IO[bytes], dockerfile: str, entries: list[_Entry]) -> None:
+    """A deterministic tar of the context: root-owned, mtime 0, Dockerfile first."""
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        data = dockerfile.encode()
+        tar.addfile(_tarinfo("Dockerfile", len(data), 0o644), io.BytesIO(data))
+        for e in entries:
+            with e.open() as f:
+                tar.addfile(_tarinfo(e.path, e.size(), e.mode), f)
+
+
+def _tarinfo(name: str, size: int, mode: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, mode, 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def _run_build(
+    client: docker.DockerClient,
+    context: IO[bytes],
+    tag: str,
+    buildargs: dict[str, str],
+    labels: dict[str, str],
+    log_path: Path,
+) -> None:
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    step: str | None = None
+    with log_path.open("w", encoding="utf-8") as logf:
+
+        def fail(message: str, cause: BaseException | None = None) -> ImageBuildError:
+            logf.flush()
+            where = f" at {step!r}" if step else ""
+            text = f"building {tag} failed{where}: {message.strip()}\n--- last log lines ({log_path}) ---\n"
+            err = ImageBuildError(text + "\n".join(tail), log_path=log_path, step=step)
+            err.__cause__ = cause
+            return err
+
+        try:
+            stream: Iterator[dict[str, Any]] = client.api.build(
+                fileobj=context,
+                custom_context=True,
+                tag=tag,
+                network_mode="none",
+                rm=True,
+                forcerm=True,
+                pull=False,
+                decode=True,
+                buildargs=buildargs,
+                labels=labels,
+            )
+            for chunk in stream:
+                for line in _lines(chunk):
+                    logf.write(line + "\n")
+                    tail.append(line)
+                    if _STEP.match(line):
+                        step = line
+                if "error" in chunk:
+                    raise fail(str(chunk.get("error") or chunk.get("errorDetail")))
+        except docker.errors.APIError as e:
+            logf.write(f"ERROR: {e}\n")
+            tail.append(f"ERROR: {e}")
+            raise fail(str(e.explanation or e), e) from e
+
+
+def _lines(chunk: Mapping[str, Any]) -> list[str]:
+    if "stream" in chunk:
+        return [s.rstrip("\r") for s in str(chunk["stream"]).rstrip("\n").split("\n")]
+    if "error" in chunk:
+        return [f"ERROR: {chunk['error']}"]
+    if "status" in chunk:
+        return [" ".join(str(chunk[k]) for k in ("id", "status", "progress") if chunk.get(k))]
+    return [json.dumps(chunk, sort_keys=True)]

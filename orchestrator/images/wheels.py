@@ -1,0 +1,164 @@
+"""envd's private Python dependencies as an unpacked "site" folder, fetched as binary wheels for the image's CPython.
+
+The host's pip downloads manylinux wheels for the image's interpreter (not the host's), so no compiler and no pip is
+needed inside the image: the wheels are unpacked here and copied in, to be put on envd's sys.path only.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from orchestrator.images.cache import file_lock, log_dir_for, log_tail, sha256_hex
+from orchestrator.images.errors import ImageBuildError
+
+log = logging.getLogger(__name__)
+
+# The CPython of the default rootfs (Debian bookworm's python3).
+IMAGE_PYTHON = "3.11"
+ENVD_DISTRIBUTIONS = ("grpcio", "protobuf", "grpcio-health-checking")
+PIP_TIMEOUT_S = 900.0
+_MANYLINUX = ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
+_MACHINES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}
+
+
+def envd_requirements() -> list[str]:
+    """envd's runtime dependencies pinned to the host's installed versions, so the committed protobuf code matches."""
+    return [f"{name}=={importlib.metadata.version(name)}" for name in ENVD_DISTRIBUTIONS]
+
+
+def wheel_platforms(machine: str | None = None) -> list[str]:
+    """The manylinux platform tags pip may pick for `machine` (default: this host's architecture)."""
+    raw = (machine or platform.machine()).lower()
+    arch = _MACHINES.get(raw)
+    if arch is None:
+        raise ImageBuildError(f"no manylinux wheels for machine {raw!r}", step="pip download")
+    return [f"{tag}_{arch}" for tag in _MANYLINUX]
+
+
+def fetch_site(requirements: list[str], dest: Path, cache_dir: Path, *, python_version: str = IMAGE_PYTHON) -> Path:
+    """Download binary wheels for `requirements` (cached by their hash) and unpack them into `dest`; return `dest`.
+
+    `dest` is replaced as a whole, and left alone when it already holds exactly these wheels.
+    """
+    platforms = wheel_platforms()
+    key = sha256_hex(
+        json.dumps({"requirements": sorted(requirements), "python": python_version, "platforms": platforms}).encode()
+    )[:16]
+    wheel_dir = _download(requirements, key, platforms, python_version, cache_dir)
+    marker = dest.parent / f".{dest.name}.key"
+    if dest.is_dir() and marker.is_file() and marker.read_text() == key:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(cache_dir / "locks", f"site-{dest.name}"):
+        if dest.is_dir() and marker.is_file() and marker.read_text() == key:
+            return dest
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        try:
+            for wheel in sorted(wheel_dir.glob("*.whl")):
+                _unpack_wheel(wheel, staging)
+            marker.unlink(missing_ok=True)
+            if dest.exists():
+                shutil.rmtree(dest)
+            staging.rename(dest)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+        marker.write_text(key)
+    log.info("unpacked %d wheels into %s", len(list(wheel_dir.glob("*.whl"))), dest)
+    return dest
+
+
+def _download(requirements: list[str], key: str, platforms: list[str], python_version: str, cache_dir: Path) -> Path:
+    wheel_dir = cache_dir / "wheels" / key
+    done = wheel_dir / ".complete"
+    if done.is_file():
+        return wheel_dir
+    with file_lock(cache_dir / "locks", f"wheels-{key}"):
+        if done.is_file():
+            return wheel_dir
+        log_path = log_dir_for(cache_dir) / f"wheels-{key}.log"
+        wheel_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".wheels-{key}-", dir=wheel_dir.parent))
+        abi = "cp" + python_version.replace(".", "")
+        argv = [
+            sys.executable, "-m", "pip", "download",
+            "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+            "--only-binary=:all:", "--no-deps",
+            "--python-version", python_version, "--implementation", "cp", "--abi", abi,
+            *(arg for p in platforms for arg in ("--platform", p)),
+            "-d", str(staging),
+            *requirements,
+        ]  # fmt: skip
+        log.info("downloading wheels for %s into %s", requirements, wheel_dir)
+        try:
+            with log_path.open("wb") as logf:
+                logf.write(("$ " + " ".join(argv) + "\n").encode())
+                logf.flush()
+                proc = subprocess.run(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    timeout=PIP_TIMEOUT_S,
+                    env={**os.environ, "PIP_NO_INPUT": "1"},
+                )
+            if proc.returncode != 0:
+                raise ImageBuildError(
+                    f"pip download of {requirements} failed with exit status {proc.returncode}; "
+                    f"log {log_path}:\n{log_tail(log_path)}",
+                    log_path=log_path,
+                    step="pip download",
+                )
+            if wheel_dir.exists():
+                shutil.rmtree(wheel_dir)
+            staging.rename(wheel_dir)
+            done.write_text("\n".join(sorted(p.name for p in wheel_dir.glob("*.whl"))) + "\n")
+        except subprocess.TimeoutExpired as e:
+            raise ImageBuildError(
+                f"pip download of {requirements} timed out; log {log_path}:\n{log_tail(log_path)}",
+                log_path=log_path,
+                step="pip download",
+            ) from e
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+    return wheel_dir
+
+
+def _unpack_wheel(wheel: Path, dest: Path) -> None:
+    """Install a wheel by unpacking it; `*.data/{purelib,platlib}` go to the top, other `.data` is dropped."""
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            if info.is_dir():
+                continue
+            rel = _install_path(info.filename, wheel)
+            if rel is None:
+                continue
+            out = dest.joinpath(*rel.parts)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, out.open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+            mode = (info.external_attr >> 16) & 0o777
+            out.chmod(0o755 if mode & 0o111 else 0o644)
+
+
+def _install_path(name: str, wheel: Path) -> PurePosixPath | None:
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        raise ImageBuildError(f"wheel {wheel.name} has an unsafe member path {name!r}", step="unpack wheels")
+    top = path.parts[0]
+    if top.endswith(".data"):
+        if len(path.parts) > 2 and path.parts[1] in ("purelib", "platlib"):
+            return PurePosixPath(*path.parts[2:])
+        return None
+    return path

@@ -1,0 +1,104 @@
+"""Shared fixtures: a host-side envd, the base image, a docker backend, and a leak check around the whole run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import docker
+import pytest
+
+from orchestrator.backends.docker import LABEL_MANAGED, LABEL_OWNER, DockerBackend, DockerBackendConfig
+from orchestrator.backends.envd_transport import EnvdTransport
+
+REPO = Path(__file__).resolve().parent.parent
+TEST_OWNER = "envfleet-test"
+
+
+@pytest.fixture
+def host_envd(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
+    """envd as a real subprocess on the host: (socket path, token, workspace)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    sock = tmp_path / "envd.sock"
+    token = "test-token"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "envd", "--socket", str(sock), "--workspace", str(ws)],
+        env={**os.environ, "ENVD_TOKEN": token},
+        cwd=REPO,
+    )
+    deadline = time.monotonic() + 20
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("host envd did not start")
+        time.sleep(0.02)
+    try:
+        yield str(sock), token, ws
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+async def envd_client(host_envd: tuple[str, str, Path]) -> AsyncIterator[EnvdTransport]:
+    """A transport connected to the host envd."""
+    sock, token, _ = host_envd
+    t = EnvdTransport(sock, token)
+    for _ in range(100):
+        if await t.health(timeout=1):
+            break
+        await asyncio.sleep(0.02)
+    yield t
+    await t.close()
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> docker.DockerClient:
+    """The local engine; the suite needs one (make test starts it)."""
+    client = docker.from_env()
+    client.ping()
+    return client
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_client: docker.DockerClient) -> str:
+    """The envd base image tag, built once (cached by the hash of its inputs)."""
+    from orchestrator.images import ensure_base_image
+
+    return ensure_base_image(docker_client)
+
+
+@pytest.fixture
+async def backend(base_image: str) -> AsyncIterator[DockerBackend]:
+    """A docker backend owned by the test suite; every sandbox it made is gone afterwards."""
+    b = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER), sweep=False)
+    try:
+        yield b
+    finally:
+        owned = await b.list_owned()
+        await b.close()
+    assert not owned, f"test left {len(owned)} sandbox(es) open: {[s.name for s in owned]}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_containers() -> Iterator[None]:
+    """Fail the run if any container labelled by the test suite outlives it."""
+    yield
+    try:
+        client = docker.from_env()
+        left = client.containers.list(all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]})
+    except docker.errors.DockerException:
+        return
+    for c in left:
+        c.remove(force=True)
+    assert not left, f"leaked containers: {[c.name for c in left]}"
