@@ -96,7 +96,9 @@ def no_leaked_containers() -> Iterator[None]:
     yield
     try:
         client = docker.from_env()
-        left = client.containers.list(all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]})
+        left = client.containers.list(
+            all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
+        )
     except docker.errors.DockerException:
         return
     for c in left:

@@ -1,0 +1,8 @@
+"""Offline image pipeline: rootfs (debootstrap) -> base (envd) -> environment images, each cached by an input hash."""
+
+from orchestrator.images.base import ensure_base_image
+from orchestrator.images.build import build_image
+from orchestrator.images.errors import ImageBuildError
+from orchestrator.images.spec import ImageSpec, build_from_spec, render_dockerfile
+
+__all__ = ["ImageBuildError", "ImageSpec", "build_from_spec", "build_image", "ensure_base_image", "render_dockerfile"]

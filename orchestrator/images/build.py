@@ -194,16 +194,8 @@ def _run_build(
 ) -> None:
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     step: str | None = None
+    error: str | None = None
     with log_path.open("w", encoding="utf-8") as logf:
-
-        def fail(message: str, cause: BaseException | None = None) -> ImageBuildError:
-            logf.flush()
-            where = f" at {step!r}" if step else ""
-            text = f"building {tag} failed{where}: {message.strip()}\n--- last log lines ({log_path}) ---\n"
-            err = ImageBuildError(text + "\n".join(tail), log_path=log_path, step=step)
-            err.__cause__ = cause
-            return err
-
         try:
             stream: Iterator[dict[str, Any]] = client.api.build(
                 fileobj=context,
@@ -224,16 +216,24 @@ def _run_build(
                     if _STEP.match(line):
                         step = line
                 if "error" in chunk:
-                    raise fail(str(chunk.get("error") or chunk.get("errorDetail")))
+                    error = str(chunk["error"] or chunk.get("errorDetail"))
+                    break
         except docker.errors.APIError as e:
-            logf.write(f"ERROR: {e}\n")
-            tail.append(f"ERROR: {e}")
-            raise fail(str(e.explanation or e), e) from e
+            error = str(e.explanation or e)
+            logf.write(f"ERROR: {error}\n")
+            tail.append(f"ERROR: {error}")
+    if error is not None:
+        where = f" at {step!r}" if step else ""
+        raise ImageBuildError(
+            f"building {tag} failed{where}: {error.strip()}\n--- last log lines ({log_path}) ---\n" + "\n".join(tail),
+            log_path=log_path,
+            step=step,
+        )
 
 
 def _lines(chunk: Mapping[str, Any]) -> list[str]:
     if "stream" in chunk:
-        return [s.rstrip("\r") for s in str(chunk["stream"]).rstrip("\n").split("\n")]
+        return [s.rstrip("\r") for s in str(chunk["stream"]).split("\n") if s.strip()]
     if "error" in chunk:
         return [f"ERROR: {chunk['error']}"]
     if "status" in chunk:

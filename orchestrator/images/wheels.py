@@ -31,18 +31,57 @@ _MANYLINUX = ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
 _MACHINES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}
 
 
-def envd_requirements() -> list[str]:
-    """envd's runtime dependencies pinned to the host's installed versions, so the committed protobuf code matches."""
-    return [f"{name}=={importlib.metadata.version(name)}" for name in ENVD_DISTRIBUTIONS]
+def envd_requirements(machine: str | None = None, python_version: str = IMAGE_PYTHON) -> list[str]:
+    """envd's runtime dependencies and theirs, pinned to the host's installed versions.
+
+    Pinning to the host keeps the committed protobuf code and the image's runtime in step; the closure is taken
+    over the host's metadata, with markers evaluated for the image's Python and architecture (extras left out).
+    """
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    arch = _arch(machine)
+    env: dict[str, str] = {  # evaluate() fills the keys not given here from the host
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+        "implementation_name": "cpython",
+        "implementation_version": f"{python_version}.0",
+        "platform_python_implementation": "CPython",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "os_name": "posix",
+        "platform_machine": arch,
+        "extra": "",
+    }
+    pins: dict[str, str] = {}
+    todo = list(ENVD_DISTRIBUTIONS)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in pins:
+            continue
+        try:
+            pins[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError as e:
+            raise ImageBuildError(f"envd needs {name}, which is not installed on the host", step="wheels") from e
+        for text in importlib.metadata.requires(name) or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate(env):
+                todo.append(req.name)
+    return [f"{name}=={version}" for name, version in sorted(pins.items())]
 
 
 def wheel_platforms(machine: str | None = None) -> list[str]:
     """The manylinux platform tags pip may pick for `machine` (default: this host's architecture)."""
+    arch = _arch(machine)
+    return [f"{tag}_{arch}" for tag in _MANYLINUX]
+
+
+def _arch(machine: str | None) -> str:
     raw = (machine or platform.machine()).lower()
     arch = _MACHINES.get(raw)
     if arch is None:
         raise ImageBuildError(f"no manylinux wheels for machine {raw!r}", step="pip download")
-    return [f"{tag}_{arch}" for tag in _MANYLINUX]
+    return arch
 
 
 def fetch_site(requirements: list[str], dest: Path, cache_dir: Path, *, python_version: str = IMAGE_PYTHON) -> Path:

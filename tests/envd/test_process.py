@@ -52,9 +52,7 @@ async def test_missing_program_is_127_and_missing_cwd_is_an_error(envd_client: E
 async def test_streaming_order(envd_client: EnvdTransport) -> None:
     events = [
         ev
-        async for ev in envd_client.exec_stream(
-            "echo one; sleep 0.2; echo two >&2; sleep 0.2; echo three", timeout=10
-        )
+        async for ev in envd_client.exec_stream("echo one; sleep 0.2; echo two >&2; sleep 0.2; echo three", timeout=10)
     ]
     assert isinstance(events[0], ExecStarted) and events[0].pid > 0
     assert isinstance(events[-1], ExecEnded) and events[-1].exit_code == 0

@@ -1,0 +1,124 @@
+"""envd's file API against a real envd subprocess: round trips, tar, and symbolic links that must not be followed."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backends.envd_transport import EnvdTransport
+from orchestrator.errors import InvalidRequestError, SandboxFileError, SandboxFileNotFoundError, SandboxPermissionError
+
+
+def _tar(members: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o640
+            tar.addfile(info, io.BytesIO(data))
+        for name, target in (links or {}).items():
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+async def test_write_read_round_trip_with_mode(envd_client: EnvdTransport, host_envd: tuple[str, str, Path]) -> None:
+    _, _, ws = host_envd
+    await envd_client.write_file("a/b/c.sh", b"#!/bin/sh\necho hi\n", mode=0o750)
+    assert (ws / "a/b/c.sh").stat().st_mode & 0o777 == 0o750
+    assert await envd_client.read_file("a/b/c.sh") == b"#!/bin/sh\necho hi\n"
+    assert await envd_client.read_file(str(ws / "a/b/c.sh"), max_bytes=3) == b"#!/"
+    r = await envd_client.exec("./a/b/c.sh")
+    assert r.stdout == b"hi\n"
+
+
+async def test_list_and_missing(envd_client: EnvdTransport) -> None:
+    await envd_client.write_file("d/x.txt", b"12345")
+    await envd_client.exec("mkdir d/sub && ln -s x.txt d/link")
+    entries = {e.name: e for e in await envd_client.list_dir("d")}
+    assert entries["x.txt"].kind == "file" and entries["x.txt"].size == 5
+    assert entries["sub"].kind == "dir"
+    assert entries["link"].kind == "symlink" and entries["link"].link_target == "x.txt"
+    with pytest.raises(SandboxFileNotFoundError, match="no such file"):
+        await envd_client.read_file("d/nope")
+    with pytest.raises(SandboxFileError, match="not a directory"):
+        await envd_client.list_dir("d/x.txt")
+    with pytest.raises(SandboxFileNotFoundError, match="parent directory"):
+        await envd_client.write_file("nodir/f", b"", make_parents=False)
+
+
+async def test_symlinks_are_never_followed(envd_client: EnvdTransport, host_envd: tuple[str, str, Path]) -> None:
+    _, _, ws = host_envd
+    outside = ws.parent / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("host secret")
+    os.symlink("/etc/shadow", ws / "shadow")
+    os.symlink(str(outside), ws / "hostdir")
+    with pytest.raises(SandboxPermissionError, match="symbolic link"):
+        await envd_client.read_file("shadow")
+    with pytest.raises(SandboxPermissionError, match="symbolic link"):
+        await envd_client.read_file("hostdir/secret")
+    with pytest.raises(SandboxPermissionError, match="symbolic link"):
+        await envd_client.write_file("hostdir/planted", b"x")
+    with pytest.raises(SandboxPermissionError, match="symbolic link"):
+        await envd_client.write_file("shadow", b"x")
+    assert not (outside / "planted").exists()
+    assert (outside / "secret").read_text() == "host secret"
+    # a download stores the link as a link, never the target's content
+    data = await envd_client.download("shadow")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        (m,) = tar.getmembers()
+        assert m.issym() and m.linkname == "/etc/shadow"
+
+
+async def test_tar_upload_download_round_trip(envd_client: EnvdTransport, host_envd: tuple[str, str, Path]) -> None:
+    _, _, ws = host_envd
+    blob = os.urandom(3 << 20)
+    n = await envd_client.upload(_tar({"pkg/a.py": b"print(1)\n", "pkg/big.bin": blob}, {"pkg/l": "a.py"}), "dest")
+    assert n == 3
+    assert (ws / "dest/pkg/big.bin").read_bytes() == blob
+    assert os.readlink(ws / "dest/pkg/l") == "a.py"
+    with tarfile.open(fileobj=io.BytesIO(await envd_client.download("dest/pkg"))) as tar:
+        names = sorted(tar.getnames())
+        assert names == ["pkg", "pkg/a.py", "pkg/big.bin", "pkg/l"]
+        f = tar.extractfile("pkg/big.bin")
+        assert f is not None and f.read() == blob
+
+
+@pytest.mark.parametrize(
+    ("members", "links", "message"),
+    [
+        ({"../escape": b"x"}, {}, "escapes the destination"),
+        ({"/etc/passwd": b"x"}, {}, "escapes the destination"),
+        ({}, {"evil": "/etc"}, "link out of the destination"),
+        ({}, {"evil": "../../.."}, "link out of the destination"),
+    ],
+)
+async def test_tar_upload_refuses_escapes(
+    envd_client: EnvdTransport, members: dict[str, bytes], links: dict[str, str], message: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        await envd_client.upload(_tar(members, links), "up")
+
+
+async def test_tar_upload_never_writes_through_an_existing_link(
+    envd_client: EnvdTransport, host_envd: tuple[str, str, Path]
+) -> None:
+    _, _, ws = host_envd
+    outside = ws.parent / "outside2"
+    outside.mkdir()
+    (ws / "up").mkdir()
+    os.symlink(str(outside), ws / "up" / "d")
+    with pytest.raises(SandboxPermissionError, match="symbolic link"):
+        await envd_client.upload(_tar({"d/planted": b"x"}), "up")
+    assert not (outside / "planted").exists()
+
+
+async def test_upload_of_garbage_is_invalid(envd_client: EnvdTransport) -> None:
+    with pytest.raises(InvalidRequestError, match="not a tar archive"):
+        await envd_client.upload(b"this is not a tar file" * 100, "g")

@@ -1,0 +1,308 @@
+"""The docker backend on a real engine: exec through envd, hardening, limits, files, sweeping and concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from collections.abc import AsyncIterator
+
+import docker
+import pytest
+
+from orchestrator.backends.base import ExecOutput, Limits, SandboxSpec
+from orchestrator.backends.docker import (
+    LABEL_INSTANCE,
+    LABEL_LEASE,
+    LABEL_MANAGED,
+    LABEL_OWNER,
+    DockerBackend,
+    DockerBackendConfig,
+    DockerSandbox,
+)
+from orchestrator.errors import (
+    SandboxCreateError,
+    SandboxDiedError,
+    SandboxPermissionError,
+    SandboxStartTimeoutError,
+)
+from tests.conftest import REPO, TEST_OWNER
+
+
+@pytest.fixture
+async def sandbox(backend: DockerBackend, base_image: str) -> AsyncIterator[DockerSandbox]:
+    s = await backend.create(SandboxSpec(image=base_image))
+    yield s
+    await s.close()
+
+
+async def test_exec_basics_through_envd(sandbox: DockerSandbox) -> None:
+    r = await sandbox.exec("echo out; echo err >&2; exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
+    r = await sandbox.exec(["cat"], stdin=b"piped")
+    assert r.stdout == b"piped"
+    r = await sandbox.exec("echo $X; pwd", env={"X": "y"}, cwd="/tmp")
+    assert r.stdout == b"y\n/tmp\n"
+    events = [ev async for ev in sandbox.exec_stream("echo a; sleep 0.1; echo b >&2; sleep 0.1; echo c")]
+    assert [(e.stream, e.data) for e in events if isinstance(e, ExecOutput)] == [
+        ("stdout", b"a\n"),
+        ("stderr", b"b\n"),
+        ("stdout", b"c\n"),
+    ]
+
+
+async def test_not_root_and_root_filesystem_is_read_only(sandbox: DockerSandbox) -> None:
+    r = await sandbox.exec("id -u; id -g")
+    assert r.stdout.split() == [b"1000", b"1000"]
+    r = await sandbox.exec("touch /usr/evil")
+    assert r.exit_code != 0 and b"Read-only file system" in r.stderr
+    r = await sandbox.exec("touch /evil")
+    assert r.exit_code != 0
+    # the workspace and /tmp are writable, with a size cap
+    r = await sandbox.exec("touch /workspace/ok /tmp/ok && df -m /tmp /workspace | tail -2")
+    assert r.exit_code == 0, r.stderr
+
+
+async def test_inspect_shows_every_hardening_flag(sandbox: DockerSandbox, docker_client: docker.DockerClient) -> None:
+    hc = docker_client.api.inspect_container(sandbox.id)["HostConfig"]
+    cfg = docker_client.api.inspect_container(sandbox.id)["Config"]
+    lim = sandbox.spec.limits
+    assert hc["NetworkMode"] == "none"
+    assert hc["CapDrop"] == ["ALL"]
+    assert "no-new-privileges" in hc["SecurityOpt"]
+    assert hc["ReadonlyRootfs"] is True
+    assert hc["PidsLimit"] == lim.pids
+    assert hc["Memory"] == lim.memory_mb << 20
+    assert hc["NanoCpus"] == int(lim.cpus * 1e9)
+    assert hc["Init"] is True
+    assert set(hc["Tmpfs"]) == {"/tmp", "/workspace"}
+    assert f"size={lim.tmp_mb}m" in hc["Tmpfs"]["/tmp"]
+    assert cfg["User"] == "1000:1000"
+    assert cfg["Labels"][LABEL_MANAGED] == "1" and cfg["Labels"][LABEL_OWNER] == TEST_OWNER
+    assert float(cfg["Labels"][LABEL_LEASE]) > time.time()
+
+
+async def test_timeout_kills_grandchildren_in_the_sandbox(sandbox: DockerSandbox) -> None:
+    r = await sandbox.exec("sleep 1000 & setsid sleep 1001 & sleep 1000", timeout=1)
+    assert r.timed_out and r.exit_code == 137
+    ps = await sandbox.exec(["ps", "-eo", "args"])
+    assert b"sleep 100" not in ps.stdout, ps.stdout.decode()
+
+
+async def test_output_flood_is_capped(sandbox: DockerSandbox) -> None:
+    r = await sandbox.exec(["yes"], max_output=64 << 10, timeout=2)
+    assert r.truncated and r.timed_out and len(r.stdout) == 64 << 10
+
+
+async def test_fork_bomb_hits_the_pids_limit_and_spares_the_neighbours(backend: DockerBackend, base_image: str) -> None:
+    spec = SandboxSpec(image=base_image, limits=Limits(pids=64))
+    async with await backend.create(spec) as bomb, await backend.create(SandboxSpec(image=base_image)) as other:
+        r = await bomb.exec("bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=8)
+        assert b"fork" in r.stderr.lower() or b"resource temporarily unavailable" in r.stderr.lower(), r.stderr[-500:]
+        # the neighbour and the host keep working
+        assert (await other.exec("echo fine")).stdout == b"fine\n"
+        host = subprocess.run(["true"], check=False)
+        assert host.returncode == 0
+        # and the bomb's own envd still answers once the timeout killed the tree
+        assert (await bomb.exec("echo back")).stdout == b"back\n"
+
+
+async def test_memory_hog_is_reported_as_oom(backend: DockerBackend, base_image: str) -> None:
+    spec = SandboxSpec(image=base_image, limits=Limits(memory_mb=128))
+    async with await backend.create(spec) as s:
+        hog = "a = []\nwhile True: a.append(bytearray(16 << 20))\n"
+        r = await s.exec(["python3", "-c", hog], timeout=30)
+        assert r.oom_killed and r.signal == 9, r
+        assert (await s.exec("echo alive")).stdout == b"alive\n"
+
+
+async def test_no_network_inside(sandbox: DockerSandbox) -> None:
+    r = await sandbox.exec("ls /sys/class/net")
+    assert r.stdout.split() == [b"lo"]
+    # a TCP server on the host's loopback cannot be reached from inside
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        probe = textwrap.dedent(f"""
+            import socket
+            s = socket.socket(); s.settimeout(2)
+            try:
+                s.connect(("127.0.0.1", {port})); print("connected")
+            except OSError as e:
+                print("refused", e)
+        """)
+        r = await sandbox.exec(["python3", "-c", probe], timeout=10)
+        assert r.stdout.startswith(b"refused"), r.stdout
+    finally:
+        server.close()
+
+
+async def test_files_round_trip_and_symlinks_not_followed(sandbox: DockerSandbox) -> None:
+    await sandbox.write_file("src/app.py", b"print('hi')\n")
+    assert await sandbox.read_file("/workspace/src/app.py") == b"print('hi')\n"
+    assert (await sandbox.exec(["python3", "src/app.py"])).stdout == b"hi\n"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("pkg/mod.py")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"x\n"))
+    assert await sandbox.upload(buf.getvalue(), "/workspace/up") == 1
+    with tarfile.open(fileobj=io.BytesIO(await sandbox.download("/workspace/up"))) as tar:
+        assert sorted(tar.getnames()) == ["up", "up/pkg", "up/pkg/mod.py"]
+    await sandbox.exec("ln -s /etc/shadow shadow && ln -s /run/envd hostdir")
+    with pytest.raises(SandboxPermissionError, match="symbolic link"):
+        await sandbox.read_file("shadow")
+    with pytest.raises(SandboxPermissionError, match="symbolic link"):
+        await sandbox.write_file("hostdir/planted", b"x")
+    names = {e.name: e.kind for e in await sandbox.list_dir("/workspace")}
+    assert names["shadow"] == "symlink" and names["hostdir"] == "symlink"
+
+
+async def test_container_killed_from_outside_is_reported(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    s = await backend.create(SandboxSpec(image=base_image))
+    try:
+        docker_client.api.kill(s.id)
+        with pytest.raises(SandboxDiedError, match="stopped from outside"):
+            await s.exec("true")
+        st = await s.state()
+        assert not st.running
+    finally:
+        await s.close()
+
+
+def _image_with_launcher(client: docker.DockerClient, base: str, name: str, launcher: str) -> str:
+    dockerfile = f"FROM {base}\nRUN printf '%s\\n' '{launcher}' > /opt/envfleet/envd/launch.py\n"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(dockerfile)
+        tar.addfile(info, io.BytesIO(dockerfile.encode()))
+    buf.seek(0)
+    tag = f"envfleet-test/{name}:latest"
+    client.images.build(fileobj=buf, custom_context=True, tag=tag, network_mode="none", rm=True)
+    return tag
+
+
+async def test_sandbox_that_never_gets_healthy_is_destroyed_with_its_logs(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    stuck = _image_with_launcher(
+        docker_client, base_image, "stuck", 'import time; print("envd stuck", flush=True); time.sleep(1000)'
+    )
+    broken = _image_with_launcher(docker_client, base_image, "broken", 'import sys; sys.exit("envd broke")')
+    before = {c.id for c in docker_client.containers.list(all=True)}
+    try:
+        with pytest.raises(SandboxStartTimeoutError, match=r"(?s)did not become healthy within 2s.*envd stuck"):
+            await backend.create(SandboxSpec(image=stuck, startup_timeout_s=2))
+        with pytest.raises(SandboxCreateError, match=r"(?s)exited during startup.*envd broke"):
+            await backend.create(SandboxSpec(image=broken, startup_timeout_s=20))
+        with pytest.raises(SandboxCreateError, match="not found"):
+            await backend.create(SandboxSpec(image="envfleet-test/none:missing"))
+        after = {c.id for c in docker_client.containers.list(all=True)}
+        assert after <= before, "a failed create left a container behind"
+        assert not await backend.list_owned()
+    finally:
+        for tag in (stuck, broken):
+            docker_client.images.remove(tag, force=True)
+
+
+OWNER_SCRIPT = """
+import asyncio, sys
+from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
+from orchestrator.backends.base import SandboxSpec
+
+async def main():
+    b = await DockerBackend.start(DockerBackendConfig(owner=sys.argv[2]), sweep=False)
+    for _ in range(3):
+        await b.create(SandboxSpec(image=sys.argv[1]))
+    print("ready", flush=True)
+    await asyncio.sleep(1000)
+
+asyncio.run(main())
+"""
+
+
+async def test_sandboxes_of_a_killed_owner_are_swept(base_image: str, docker_client: docker.DockerClient) -> None:
+    owner = f"{TEST_OWNER}-crash"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OWNER_SCRIPT, base_image, owner], stdout=subprocess.PIPE, cwd=REPO, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)
+        assert line.strip() == "ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    flt = {"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={owner}"]}
+    left = docker_client.containers.list(all=True, filters=flt)
+    assert len(left) == 3, "the killed owner's sandboxes should still exist before the sweep"
+    sweeper = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER))  # sweeps at start
+    try:
+        assert docker_client.containers.list(all=True, filters=flt) == []
+        for c in left:
+            assert not os.path.exists(c.labels["envfleet.socket_dir"])
+    finally:
+        await sweeper.close()
+
+
+async def test_sweep_keeps_live_owners_and_removes_expired_leases(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    live = await backend.create(SandboxSpec(image=base_image))
+    short = await backend.create(SandboxSpec(image=base_image, ttl_s=1))
+    other = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER), sweep=False)
+    try:
+        await asyncio.sleep(1.5)
+        removed = await other.sweep()
+        assert removed == 1
+        names = {c.name for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_MANAGED}=1"})}
+        assert live.name in names and short.name not in names
+        assert (
+            docker_client.api.inspect_container(live.id)["Config"]["Labels"][LABEL_INSTANCE] == backend.owner.instance
+        )
+    finally:
+        await other.close()
+        await live.close()
+        await short.close()
+
+
+async def test_fifty_concurrent_sandboxes_leave_nothing_behind(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    async def one(i: int) -> bytes:
+        async with await backend.create(SandboxSpec(image=base_image, limits=Limits(memory_mb=256))) as s:
+            return (await s.exec(["echo", str(i)])).stdout
+
+    outs = await asyncio.gather(*(one(i) for i in range(50)))
+    assert sorted(outs) == sorted(f"{i}\n".encode() for i in range(50))
+    assert not await backend.list_owned()
+    assert docker_client.containers.list(all=True, filters={"label": f"{LABEL_OWNER}={TEST_OWNER}"}) == []
+    t0 = time.monotonic()
+    docker_client.ping()
+    assert time.monotonic() - t0 < 5, "the daemon should stay responsive"
+
+
+async def test_docker_exec_transport_behind_the_same_interface(backend: DockerBackend, base_image: str) -> None:
+    async with await backend.create(SandboxSpec(image=base_image, transport="docker-exec")) as s:
+        r = await s.exec("echo out; echo err >&2; exit 4")
+        assert (r.exit_code, r.stdout, r.stderr) == (4, b"out\n", b"err\n")
+        assert (await s.exec(["cat"], stdin=b"in")).stdout == b"in"
+        r = await s.exec("sleep 100", timeout=1)
+        assert r.timed_out
+        r = await s.exec(["yes"], max_output=1000, timeout=1)
+        assert r.truncated and len(r.stdout) == 1000
+        await s.write_file("/workspace/f.txt", b"data")
+        assert await s.read_file("/workspace/f.txt") == b"data"
+        assert [e.name for e in await s.list_dir("/workspace")] == ["f.txt"]

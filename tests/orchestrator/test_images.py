@@ -1,0 +1,164 @@
+"""The offline image pipeline: ImageSpec validation and rendering, input hashing, and real builds on the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import docker.errors
+import pytest
+from pydantic import ValidationError
+
+from orchestrator.errors import InvalidRequestError
+from orchestrator.images import ImageBuildError, ImageSpec, build_image, ensure_base_image, render_dockerfile
+from orchestrator.images.build import image_key
+
+
+@pytest.fixture
+def created_images(docker_client: docker.DockerClient) -> Iterator[list[str]]:
+    """Tags a test built; removed afterwards so the suite leaves no images behind."""
+    tags: list[str] = []
+    yield tags
+    for tag in tags:
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            docker_client.images.remove(tag)
+
+
+# --- ImageSpec and the Dockerfile it renders (no engine needed) ---
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("etc/motd", "must be absolute"),
+        ("./motd", "must be absolute"),
+        ("/etc/../root/.bashrc", "must not contain '..'"),
+        ("/..", "must not contain '..'"),
+        ("/home/$USER/x", r"must not contain '\$'"),
+        ("/etc/", "must name a file"),
+    ],
+)
+def test_image_spec_rejects_bad_file_paths(path: str, why: str) -> None:
+    with pytest.raises(ValidationError, match=why):
+        ImageSpec(base="envfleet/base:latest", files={path: "x"})
+
+
+def test_image_spec_rejects_unknown_fields_and_relative_workdir() -> None:
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        ImageSpec.model_validate({"base": "envfleet/base:latest", "cmd": ["true"]})
+    with pytest.raises(ValidationError, match="workdir 'src' must be absolute"):
+        ImageSpec(base="envfleet/base:latest", workdir="src")
+    with pytest.raises(ValidationError, match="not a shell variable name"):
+        ImageSpec(base="envfleet/base:latest", env={"A-B": "1"})
+
+
+def test_render_dockerfile_orders_env_workdir_copy_run() -> None:
+    spec = ImageSpec(
+        base="envfleet/base:latest",
+        env={"GREETING": 'say "hi" to $USER\\'},
+        workdir="/srv/app",
+        files={"/srv/app/a b.txt": "hello\n"},
+        run=["echo one", "if true; then\n  echo two\nfi"],
+    )
+    dockerfile, context = render_dockerfile(spec)
+    assert dockerfile.splitlines() == [
+        "FROM envfleet/base:latest",
+        'ENV GREETING="say \\"hi\\" to \\$USER\\\\"',
+        "WORKDIR /srv/app",
+        'COPY ["files/srv/app/a b.txt", "/srv/app/a b.txt"]',
+        "RUN echo one",
+        'RUN ["/bin/sh", "-c", "if true; then\\n  echo two\\nfi"]',
+    ]
+    assert context == {"files/srv/app/a b.txt": b"hello\n"}
+
+
+def test_image_key_covers_folder_contents_and_modes(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    script = tmp_path / "pkg" / "run.sh"
+    script.write_text("echo hi\n")
+    files = {"app": tmp_path}
+    key = image_key("FROM scratch\n", files)
+    assert image_key("FROM scratch\n", files) == key
+    script.chmod(0o755)
+    key_exec = image_key("FROM scratch\n", files)
+    assert key_exec != key
+    script.write_text("echo bye\n")
+    assert image_key("FROM scratch\n", files) != key_exec
+    assert image_key("FROM scratch\n", files, buildargs={"A": "1"}) != image_key("FROM scratch\n", files)
+
+
+def test_build_image_rejects_escaping_context_paths(docker_client: docker.DockerClient) -> None:
+    with pytest.raises(InvalidRequestError, match=r"must be relative, without '\.\.'"):
+        build_image(docker_client, name="never-built", dockerfile="FROM scratch\n", context_files={"../x": b""})
+    with pytest.raises(InvalidRequestError, match="image name 'Bad Name'"):
+        build_image(docker_client, name="Bad Name", dockerfile="FROM scratch\n", context_files={})
+
+
+# --- real builds on the engine ---
+
+
+@pytest.mark.docker
+def test_base_image_cache_hit_is_fast_and_does_not_rebuild(docker_client: docker.DockerClient, base_image: str) -> None:
+    assert base_image.startswith("envfleet/base:")
+    before = docker_client.images.get(base_image)
+    t0 = time.monotonic()
+    again = ensure_base_image(docker_client)
+    elapsed = time.monotonic() - t0
+    assert again == base_image
+    assert elapsed < 2.0, f"cache hit took {elapsed:.2f} s"
+    after = docker_client.images.get(again)
+    assert after.id == before.id
+    assert after.attrs["Created"] == before.attrs["Created"]
+    assert docker_client.images.get("envfleet/base:latest").id == before.id
+    assert after.labels.get("envfleet.envd") == "1"
+
+
+@pytest.mark.docker
+def test_build_spec_from_base_adds_files_env_and_runs_commands(
+    docker_client: docker.DockerClient, base_image: str, created_images: list[str]
+) -> None:
+    nonce = uuid.uuid4().hex  # a fresh hash, so this really builds
+    spec = ImageSpec(
+        base=base_image,
+        files={"/etc/envfleet-test/hello.txt": f"hello {nonce}\n"},
+        env={"GREETING": 'a "quoted" $value'},
+        workdir="/srv/app",
+        run=['cp /etc/envfleet-test/hello.txt copied.txt && printf %s "$GREETING" > greeting.txt'],
+    )
+    dockerfile, context = render_dockerfile(spec)
+    tag = build_image(docker_client, name="test-images-spec", dockerfile=dockerfile, context_files=dict(context))
+    created_images.append(tag)
+    assert tag.startswith("envfleet/test-images-spec:")
+
+    out = docker_client.containers.run(
+        tag,
+        ["sh", "-c", "cat /etc/envfleet-test/hello.txt copied.txt greeting.txt; echo; pwd; id -u"],
+        network_mode="none",
+        user="1000",
+        remove=True,
+    )
+    assert out.decode().splitlines() == [f"hello {nonce}", f"hello {nonce}", 'a "quoted" $value', "/srv/app", "1000"]
+
+    t0 = time.monotonic()
+    again = build_image(docker_client, name="test-images-spec", dockerfile=dockerfile, context_files=dict(context))
+    assert again == tag
+    assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.docker
+def test_failing_run_raises_naming_the_step(docker_client: docker.DockerClient, base_image: str) -> None:
+    spec = ImageSpec(base=base_image, run=["exit 3"])
+    dockerfile, context = render_dockerfile(spec)
+    with pytest.raises(ImageBuildError, match=r"failed at 'Step 2/2 : RUN exit 3'") as info:
+        build_image(docker_client, name="test-images-fail", dockerfile=dockerfile, context_files=dict(context))
+    err = info.value
+    assert err.step == "Step 2/2 : RUN exit 3"
+    assert "returned a non-zero code: 3" in str(err)
+    assert err.log_path is not None and "RUN exit 3" in err.log_path.read_text()
+    # forcerm: the failed step's container is gone
+    left = docker_client.containers.list(all=True, filters={"ancestor": base_image})
+    assert not [c for c in left if "exit 3" in " ".join(c.attrs["Config"]["Cmd"] or [])]
