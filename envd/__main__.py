@@ -1,9 +1,13 @@
-"""`python -m envd`: serve envd on a unix socket. The token comes from ENVD_TOKEN and is removed from the environment."""
+"""`python -m envd`: serve envd on a unix socket.
+
+The token comes from ENVD_TOKEN and is removed from the environment, so no process envd starts inherits it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -23,10 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         sys.exit("envd: ENVD_TOKEN is not set; refusing to serve without a token")
     cfg = EnvdConfig(socket_path=args.socket, token=token, workspace=args.workspace)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(cfg))
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

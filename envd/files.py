@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from envd.errors import InvalidRequestError, NotFoundError, PathError, SymlinkRefusedError
 
@@ -161,7 +161,7 @@ def _member_target(dest: str, name: str) -> str:
     return os.path.join(dest, norm)
 
 
-def extract_tar(fileobj: BinaryIO, dest_dir: str, workspace: str) -> int:
+def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
     """Extract a tar into dest_dir, refusing members that would land, or point, outside it. Returns the file count."""
     dest = resolve(dest_dir, workspace)
     _make_dirs(dest, dest_dir)

@@ -13,7 +13,7 @@ import contextlib
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 
 from envd.errors import InvalidRequestError, NotFoundError
@@ -159,7 +159,7 @@ class ProcessRunner:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signum)
 
-    async def run(self, cmd: Command) -> AsyncIterator[Event]:
+    async def run(self, cmd: Command) -> AsyncGenerator[Event, None]:
         """Run `cmd`, yielding Started, Output chunks in arrival order, then Ended. Closing the iterator kills it."""
         if not os.path.isdir(cmd.cwd):
             raise NotFoundError(f"cwd {cmd.cwd} does not exist or is not a directory")
@@ -259,12 +259,17 @@ async def _exited(proc: asyncio.subprocess.Process) -> None:
     except ProcessLookupError:
         return
     except OSError:  # no pidfd support: poll the watcher's returncode
-        while proc.returncode is None:
+        while proc.returncode is None:  # noqa: ASYNC110 - the watcher sets it without an event to wait on
             await asyncio.sleep(0.02)
         return
     try:
-        done = loop.create_future()
-        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+        done: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(fd, readable)
         try:
             await done
         finally:

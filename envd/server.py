@@ -9,7 +9,9 @@ import hmac
 import inspect
 import logging
 import os
+import sys
 import tempfile
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -212,7 +214,13 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
 
 def _info_pb(e: files.Entry) -> pb.FileInfo:
     return pb.FileInfo(
-        name=e.name, path=e.path, kind=e.kind.value, size=e.size, mode=e.mode, mtime=e.mtime, link_target=e.link_target
+        name=e.name,
+        path=e.path,
+        kind=f"FILE_KIND_{e.kind.name}",
+        size=e.size,
+        mode=e.mode,
+        mtime=e.mtime,
+        link_target=e.link_target,
     )
 
 
@@ -292,8 +300,20 @@ async def create_server(cfg: EnvdConfig) -> grpc.aio.Server:
     return server
 
 
+def _use_pidfd_child_watcher() -> None:
+    # Python 3.11 waits for each child in a thread of its own; a pidfd watcher waits on the event loop instead,
+    # which takes a thread start off every exec. 3.12+ picks pidfd by itself.
+    if sys.version_info < (3, 12) and hasattr(os, "pidfd_open"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            watcher = asyncio.PidfdChildWatcher()
+            watcher.attach_loop(asyncio.get_running_loop())
+            asyncio.set_child_watcher(watcher)
+
+
 async def serve(cfg: EnvdConfig) -> None:
     """Serve until cancelled."""
+    _use_pidfd_child_watcher()
     server = await create_server(cfg)
     log.info("envd serving on %s", cfg.socket_path)
     try:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from orchestrator.backends.docker import LABEL_MANAGED, LABEL_OWNER, DockerBacke
 from orchestrator.backends.envd_transport import EnvdTransport
 
 REPO = Path(__file__).resolve().parent.parent
-TEST_OWNER = "envfleet-test"
+# one owner label per test run, so concurrent runs never touch each other's sandboxes
+TEST_OWNER = f"envfleet-test-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

@@ -140,16 +140,16 @@ class EnvdTransport(Transport):
             r = await self._proc.Run(req, metadata=self._md, timeout=(timeout or 600.0) + CALL_DEADLINE_S)
         except grpc.aio.AioRpcError as e:
             _raise(e)
-        e = r.ended
+        end = r.ended
         return ExecResult(
-            exit_code=e.exit_code,
+            exit_code=end.exit_code,
             stdout=bytes(r.stdout),
             stderr=bytes(r.stderr),
-            signal=e.signal,
-            timed_out=e.timed_out,
-            truncated=e.truncated,
-            oom_killed=e.oom_killed,
-            duration_s=e.duration_s,
+            signal=end.signal,
+            timed_out=end.timed_out,
+            truncated=end.truncated,
+            oom_killed=end.oom_killed,
+            duration_s=end.duration_s,
         )
 
     async def read_file(self, path: str, max_bytes: int = 0) -> bytes:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from orchestrator.images.cache import file_lock, log_dir_for, log_tail, sha256_hex
@@ -31,8 +32,12 @@ _MANYLINUX = ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
 _MACHINES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}
 
 
-def envd_requirements(machine: str | None = None, python_version: str = IMAGE_PYTHON) -> list[str]:
-    """envd's runtime dependencies and theirs, pinned to the host's installed versions.
+def envd_requirements(
+    machine: str | None = None, python_version: str = IMAGE_PYTHON, roots: Sequence[str] = ENVD_DISTRIBUTIONS
+) -> list[str]:
+    """The runtime dependencies of `roots` (default: envd's) and theirs, pinned to the host's installed versions.
+
+    The roots themselves are left out when they are not plain dependencies (the envfleet distribution, say).
 
     Pinning to the host keeps the committed protobuf code and the image's runtime in step; the closure is taken
     over the host's metadata, with markers evaluated for the image's Python and architecture (extras left out).
@@ -54,7 +59,7 @@ def envd_requirements(machine: str | None = None, python_version: str = IMAGE_PY
         "extra": "",
     }
     pins: dict[str, str] = {}
-    todo = list(ENVD_DISTRIBUTIONS)
+    todo = list(roots)
     while todo:
         name = canonicalize_name(todo.pop())
         if name in pins:
@@ -67,7 +72,8 @@ def envd_requirements(machine: str | None = None, python_version: str = IMAGE_PY
             req = Requirement(text)
             if req.marker is None or req.marker.evaluate(env):
                 todo.append(req.name)
-    return [f"{name}=={version}" for name, version in sorted(pins.items())]
+    skip = {canonicalize_name(r) for r in roots if r not in ENVD_DISTRIBUTIONS}
+    return [f"{name}=={version}" for name, version in sorted(pins.items()) if name not in skip]
 
 
 def wheel_platforms(machine: str | None = None) -> list[str]:

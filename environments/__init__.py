@@ -1,0 +1,1 @@
+"""Built-in environments, one package each (tool use, coding, SWE-style repository tasks)."""
