@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -26,7 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.pop("ENVD_TOKEN", "")
     if not token:
         sys.exit("envd: ENVD_TOKEN is not set; refusing to serve without a token")
-    cfg = EnvdConfig(socket_path=args.socket, token=token, workspace=args.workspace)
+    defaults = EnvdConfig(socket_path=args.socket, token=token, workspace=args.workspace)
+    # the container's environment (image ENV and the sandbox spec's env) is the base of every process's environment
+    cfg = dataclasses.replace(defaults, base_env={**defaults.base_env, **os.environ})
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(cfg))
 

@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
+import tempfile
+from pathlib import Path
 
 import docker
 from rich.console import Console
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def _cmd_image_build_base(args: argparse.Namespace) -> int:
     from orchestrator.images import ensure_base_image
 
-    tag = ensure_base_image(docker.from_env())
-    print(tag)
+    print(ensure_base_image(docker.from_env()))
     return 0
 
 
@@ -26,13 +31,19 @@ def _cmd_image_build_orchestrator(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_sandbox_demo(args: argparse.Namespace) -> int:
     from orchestrator.demo import run_demo
     from orchestrator.images import ensure_base_image
 
     image = args.image or ensure_base_image(docker.from_env())
-    asyncio.run(run_demo(image, Console()))
+    asyncio.run(run_demo(image, console))
     return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from orchestrator.job_demo import run_job_demo
+
+    return asyncio.run(run_job_demo(console, Path(args.out), args.tasks, args.n))
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -49,21 +60,187 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_config(args: argparse.Namespace) -> object:
+    from orchestrator.backends.docker import DockerBackendConfig
+    from orchestrator.server.app import OrchestratorConfig
+
+    return OrchestratorConfig(
+        host=args.host,
+        port=args.port,
+        data_dir=Path(args.data_dir),
+        max_in_flight=args.max_in_flight,
+        backend=DockerBackendConfig(owner=args.owner),
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from orchestrator.server.app import OrchestratorConfig, create_server
+
+    async def go() -> None:
+        config = _server_config(args)
+        assert isinstance(config, OrchestratorConfig)
+        orch = await create_server(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print(f"listening {orch.address}", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await orch.stop()
+
+    asyncio.run(go())
+    return 0
+
+
+def _cmd_scripted_policy(args: argparse.Namespace) -> int:
+    from orchestrator.registry import Registry
+    from orchestrator.rollout.scripts import reference_script
+    from orchestrator.scripted_policy import _serve
+
+    env = Registry.from_entry_points().get(args.env)
+    script = reference_script(env, mode=args.mode, latency_s=args.latency)
+    args.no_tokens = False
+    asyncio.run(_serve(args, script))
+    return 0
+
+
+def _cmd_envs(args: argparse.Namespace) -> int:
+    from environments.tools import get_tools
+    from orchestrator.registry import Registry
+
+    registry = Registry.from_entry_points()
+    if args.envs_command == "describe":
+        r = registry.lookup(args.name)
+        env = r.env
+        console.print(f"[bold]{env.ref()}[/bold]  {env.description}")
+        console.print(f"source: {r.source}; tasks: {len(env.tasks())}; max turns: {env.max_turns}")
+        for tool in get_tools(env.tools):
+            console.print(f"  tool [cyan]{tool.name}[/cyan]: {tool.description}")
+        for task in list(env.tasks())[:3]:
+            console.print(f"  task {task.id}: {task.prompt[:100]}")
+        return 0
+    table = Table("environment", "tasks", "tools", "source")
+    for r in registry.all():
+        table.add_row(r.env.ref(), str(len(r.env.tasks())), ", ".join(r.env.tools), r.source)
+    console.print(table)
+    return 0
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from orchestrator.client import EnvfleetClient
+
+    async def go() -> None:
+        async with EnvfleetClient(args.server) as client:
+            jobs = await client.list_jobs()
+        table = Table("job", "env", "state", "done/total", "by status", "rollouts/s")
+        for j in jobs:
+            table.add_row(
+                j.job_id,
+                j.env,
+                j.state,
+                f"{j.done}/{j.total}",
+                ", ".join(f"{k}={v}" for k, v in sorted(j.by_status.items())),
+                f"{j.rollouts_per_s:.2f}",
+            )
+        console.print(table)
+
+    asyncio.run(go())
+    return 0
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from orchestrator.job_demo import collect_rollouts
+    from orchestrator.models import JobSpec, TaskSelection
+    from orchestrator.rollout.policy import PolicyEndpoint
+
+    spec = JobSpec(
+        env=args.env,
+        tasks=TaskSelection(kind="sample", count=args.tasks, seed=args.seed) if args.tasks else TaskSelection(),
+        group_size=args.n,
+        policy=PolicyEndpoint(base_url=args.policy, model=args.model, api_key=args.api_key),
+        max_concurrency=args.concurrency,
+        max_turns=args.max_turns,
+    )
+
+    async def go() -> int:
+        if args.server:
+            return await collect_rollouts(args.server, spec, Path(args.out), console)
+        from orchestrator.server.app import OrchestratorConfig, create_server
+
+        with tempfile.TemporaryDirectory(prefix="envfleet-") as data:
+            orch = await create_server(OrchestratorConfig(port=0, data_dir=Path(data)))
+            try:
+                return await collect_rollouts(orch.address, spec, Path(args.out), console)
+            finally:
+                await orch.stop()
+
+    return asyncio.run(go())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
     p.add_argument("-v", "--verbose", action="count", default=0)
     sub = p.add_subparsers(dest="command", required=True)
 
+    serve = sub.add_parser("serve", help="run the orchestrator's gRPC server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--data-dir", default=".envfleet", help="where the result log lives")
+    serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
+    serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
+    serve.add_argument("--backend", choices=["docker"], default="docker")
+    serve.set_defaults(fn=_cmd_serve)
+
+    envs = sub.add_parser("envs", help="registered environments").add_subparsers(dest="envs_command", required=True)
+    envs.add_parser("list").set_defaults(fn=_cmd_envs)
+    describe = envs.add_parser("describe")
+    describe.add_argument("name", help="name or name@version")
+    describe.set_defaults(fn=_cmd_envs)
+
+    rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
+    rollout.add_argument("--env", required=True)
+    rollout.add_argument("--n", type=int, default=1, help="samples per task")
+    rollout.add_argument("--tasks", type=int, default=0, help="sample this many tasks (default: all)")
+    rollout.add_argument("--seed", type=int, default=0)
+    rollout.add_argument("--policy", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    rollout.add_argument("--model", default="policy")
+    rollout.add_argument("--api-key", default="")
+    rollout.add_argument("--concurrency", type=int, default=8)
+    rollout.add_argument("--max-turns", type=int, default=16)
+    rollout.add_argument("--out", default="rollouts.jsonl")
+    rollout.add_argument("--server", help="an orchestrator address; default: run one in this process")
+    rollout.set_defaults(fn=_cmd_rollout)
+
+    jobs = sub.add_parser("jobs", help="list an orchestrator's jobs")
+    jobs.add_argument("--server", default="127.0.0.1:50051")
+    jobs.set_defaults(fn=_cmd_jobs)
+
+    demo = sub.add_parser("demo", help="orchestrator + scripted policy + a job of scored rollouts, end to end")
+    demo.add_argument("--out", default="demo-rollouts.jsonl")
+    demo.add_argument("--tasks", type=int, default=8)
+    demo.add_argument("--n", type=int, default=2)
+    demo.set_defaults(fn=_cmd_demo)
+
+    sandbox_demo = sub.add_parser("sandbox-demo", help="drive one hardened sandbox through envd and show timings")
+    sandbox_demo.add_argument("--image", help="sandbox image (default: the base image)")
+    sandbox_demo.set_defaults(fn=_cmd_sandbox_demo)
+
+    scripted = sub.add_parser("scripted-policy", help="serve a scripted policy that replays reference solutions")
+    scripted.add_argument("--env", required=True)
+    scripted.add_argument("--mode", choices=["solve", "wrong", "empty"], default="solve")
+    scripted.add_argument("--latency", type=float, default=0.0, help="seconds per completion")
+    scripted.add_argument("--host", default="127.0.0.1")
+    scripted.add_argument("--port", type=int, default=0)
+    scripted.set_defaults(fn=_cmd_scripted_policy)
+
     image = sub.add_parser("image", help="build images offline").add_subparsers(dest="image_command", required=True)
     image.add_parser("build-base", help="build (or reuse) the envd base image").set_defaults(fn=_cmd_image_build_base)
     image.add_parser("build-orchestrator", help="build the orchestrator's own image").set_defaults(
         fn=_cmd_image_build_orchestrator
     )
-
-    demo = sub.add_parser("demo", help="drive one hardened sandbox through envd and show timings")
-    demo.add_argument("--image", help="sandbox image (default: the base image)")
-    demo.set_defaults(fn=_cmd_demo)
 
     sweep = sub.add_parser("sweep", help="remove sandboxes of dead owners and expired leases")
     sweep.add_argument("--older-than", type=float, default=None, help="also remove any sandbox older than N seconds")
@@ -76,7 +253,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(args.fn(args))
+    try:
+        code = args.fn(args)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""The rollout runner: the policy seam and the agent loop between a policy and a sandbox."""

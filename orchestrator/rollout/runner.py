@@ -1,0 +1,225 @@
+"""One rollout from work item to scored Rollout: acquire a sandbox, set the task up, run the agent loop, score,
+release. Infrastructure failures are retried on a fresh sandbox; no failure is ever reported as a reward."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+import docker
+
+from environments.base import Environment, Task
+from environments.tools import get_tools
+from orchestrator.backends.base import SandboxBackend, SandboxSpec
+from orchestrator.errors import EnvfleetError, SandboxError
+from orchestrator.images import ImageBuildError, build_from_spec, ensure_base_image
+from orchestrator.models import (
+    JobSpec,
+    Provenance,
+    Rollout,
+    RolloutError,
+    RolloutStatus,
+    Timing,
+    Tokens,
+    Turn,
+    rollout_id,
+)
+from orchestrator.rollout.loop import run_episode
+from orchestrator.rollout.policy import Policy, PolicyError
+
+log = logging.getLogger(__name__)
+
+# The same task and sample always see the same environment variables and seed.
+DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LC_ALL": "C.UTF-8"}
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One sample of one task of one job."""
+
+    job_id: str
+    task: Task
+    sample_index: int
+    enqueued_at: float
+
+    @property
+    def id(self) -> str:
+        return rollout_id(self.job_id, self.task.id, self.sample_index)
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.job_id}:{self.task.id}"
+
+    @property
+    def seed(self) -> int:
+        return int.from_bytes(hashlib.sha256(self.id.encode()).digest()[:4], "big")
+
+
+class ImageResolver:
+    """The image tag (and id) each environment runs on, built once per process through the offline pipeline."""
+
+    def __init__(self, client: docker.DockerClient) -> None:
+        self._client = client
+        self._cache: dict[str, tuple[str, str]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def resolve(self, env: Environment) -> tuple[str, str]:
+        key = env.ref()
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            if key not in self._cache:
+                self._cache[key] = await asyncio.to_thread(self._build, env)
+            return self._cache[key]
+
+    def _build(self, env: Environment) -> tuple[str, str]:
+        spec = env.image_spec()
+        if spec is None:
+            tag = ensure_base_image(self._client)
+        else:
+            base = spec.base if spec.base else ensure_base_image(self._client)
+            tag = build_from_spec(self._client, name=f"env-{env.name}", spec=spec.model_copy(update={"base": base}))
+        return tag, str(self._client.images.get(tag).id)
+
+
+class RolloutRunner:
+    """Runs work items on a sandbox backend."""
+
+    def __init__(self, backend: SandboxBackend, images: ImageResolver) -> None:
+        self.backend = backend
+        self.images = images
+
+    async def run(
+        self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str
+    ) -> Rollout:
+        """A scored (or failed) rollout; INFRA_ERROR attempts are retried up to the job's budget."""
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            rollout = await self._attempt(item, env, spec, policy, policy_version, started)
+            rollout.attempts = attempt
+            if rollout.status != RolloutStatus.INFRA_ERROR or attempt > spec.max_infra_retries:
+                return rollout
+            log.warning(
+                "rollout %s: infrastructure error (attempt %d), retrying on a fresh sandbox: %s",
+                item.id,
+                attempt,
+                rollout.error.message if rollout.error else "",
+            )
+
+    async def _attempt(
+        self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str, started: float
+    ) -> Rollout:
+        timing = Timing(queue=started - item.enqueued_at)
+        turns: list[Turn] = []
+        tokens = Tokens()
+        prov = Provenance(
+            env_version=env.version, seed=item.seed, policy_model=spec.policy.model, policy_version=policy_version
+        )
+        base = {
+            "id": item.id,
+            "job_id": item.job_id,
+            "env": env.ref(),
+            "task_id": item.task.id,
+            "group_id": item.group_id,
+            "sample_index": item.sample_index,
+            "policy_version": policy_version,
+        }
+
+        def failed(status: RolloutStatus, e: BaseException) -> Rollout:
+            timing.total = time.monotonic() - t_start
+            return Rollout(
+                **base,
+                status=status,
+                turns=turns,
+                tokens=tokens,
+                timing=timing,
+                provenance=prov,
+                error=RolloutError(kind=type(e).__name__, message=str(e) or repr(e)),
+            )
+
+        t_start = time.monotonic()
+        sandbox = None
+        try:
+            async with asyncio.timeout(spec.rollout_timeout_s):
+                t0 = time.monotonic()
+                try:
+                    image, image_id = await self.images.resolve(env)
+                except (ImageBuildError, docker.errors.DockerException) as e:
+                    raise _EnvBroken(f"image for {env.ref()} could not be built: {e}") from e
+                prov.image, prov.image_id = image, image_id
+                sandbox = await self.backend.create(
+                    SandboxSpec(
+                        image=image,
+                        limits=env.limits,
+                        env={**DETERMINISTIC_ENV, "ENVFLEET_SEED": str(item.seed)},
+                        labels={"envfleet.job": item.job_id, "envfleet.rollout": item.id},
+                    )
+                )
+                timing.sandbox_acquire = time.monotonic() - t0
+                t0 = time.monotonic()
+                await _env_call(env.setup(sandbox, item.task, item.seed))
+                timing.setup = time.monotonic() - t0
+                result = await run_episode(
+                    env,
+                    item.task,
+                    sandbox,
+                    policy,
+                    get_tools(env.tools),
+                    spec.sampling,
+                    min(spec.max_turns, env.max_turns) if spec.max_turns else env.max_turns,
+                    item.id,
+                    turns,
+                )
+                tokens = result.tokens.result()
+                timing.generation, timing.tools = result.generation_s, result.tools_s
+                prov.policy_model = result.policy_model or spec.policy.model
+                t0 = time.monotonic()
+                score = await _env_call(env.score(sandbox, item.task, result.episode))
+                timing.scoring = time.monotonic() - t0
+        except PolicyError as e:
+            return failed(RolloutStatus.POLICY_ERROR, e)
+        except SandboxError as e:
+            return failed(RolloutStatus.INFRA_ERROR, e)
+        except _EnvBroken as e:
+            return failed(RolloutStatus.ENV_ERROR, e.__cause__ or e)
+        except TimeoutError as e:
+            return failed(
+                RolloutStatus.TIMEOUT,
+                TimeoutError(f"rollout exceeded {spec.rollout_timeout_s:g}s") if not str(e) else e,
+            )
+        finally:
+            if sandbox is not None:
+                try:
+                    await asyncio.shield(sandbox.close())
+                except Exception:
+                    log.exception("could not destroy sandbox of %s", item.id)
+        timing.total = time.monotonic() - t_start
+        truncated = result.episode.finish in ("max_turns", "length")
+        return Rollout(
+            **base,
+            status=RolloutStatus.TRUNCATED if truncated else RolloutStatus.OK,
+            reward=score.reward,
+            reward_components=score.components,
+            metrics={**score.metrics, "tool_calls": float(result.episode.tool_calls)},
+            turns=turns,
+            tokens=tokens,
+            timing=timing,
+            provenance=prov,
+        )
+
+
+class _EnvBroken(EnvfleetError):
+    """The environment's own code failed (setup, scoring, image): ENV_ERROR, not retried."""
+
+
+async def _env_call(coro):  # type: ignore[no-untyped-def]
+    """Await environment code; its failures (other than sandbox and policy ones) mean the environment is broken."""
+    try:
+        return await coro
+    except (SandboxError, PolicyError, asyncio.CancelledError, TimeoutError):
+        raise
+    except Exception as e:
+        raise _EnvBroken(f"{type(e).__name__}: {e}") from e

@@ -1,0 +1,66 @@
+"""Flat token arrays across the turns of an episode, exact or absent.
+
+Turn k's prompt must extend turn k-1's prompt plus its completion; the extension is the observation (tool results
+and chat template glue) and gets mask 0. When a server returns no ids, or a later prompt does not extend the earlier
+one, the arrays are dropped and the status says why: tokens are never invented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchestrator.models import Tokens
+from orchestrator.rollout.policy import Completion
+
+
+@dataclass
+class TokenTracker:
+    """Accumulates one episode's tokens, completion by completion."""
+
+    status: str = "complete"
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    _turns: int = 0
+
+    def add(self, c: Completion) -> None:
+        """Fold in one completion (and the observation before it)."""
+        self._turns += 1
+        if self.status != "complete":
+            return
+        if c.prompt_ids is None or c.completion_ids is None or c.logprobs is None:
+            self._drop("missing")
+            return
+        if self._turns == 1:
+            self.prompt_ids = list(c.prompt_ids)
+        else:
+            seen = len(self.prompt_ids) + len(self.completion_ids)
+            if c.prompt_ids[: len(self.prompt_ids)] != self.prompt_ids or (
+                c.prompt_ids[len(self.prompt_ids) : seen] != self.completion_ids
+            ):
+                self._drop("inconsistent")
+                return
+            observation = c.prompt_ids[seen:]
+            self.completion_ids += observation
+            self.mask += [0] * len(observation)
+            self.logprobs += [0.0] * len(observation)
+        self.completion_ids += c.completion_ids
+        self.mask += [1] * len(c.completion_ids)
+        self.logprobs += c.logprobs
+
+    def _drop(self, status: str) -> None:
+        self.status = status
+        self.prompt_ids, self.completion_ids, self.mask, self.logprobs = [], [], [], []
+
+    def result(self) -> Tokens:
+        """The Tokens of the episode so far."""
+        if self._turns == 0:
+            return Tokens(status="missing")
+        return Tokens(
+            status=self.status,  # type: ignore[arg-type]
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.completion_ids,
+            completion_mask=self.mask,
+            completion_logprobs=self.logprobs,
+        )

@@ -1,0 +1,85 @@
+"""One interceptor maps every envfleet error to a gRPC status with the error's message; nothing leaks as UNKNOWN."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+
+from orchestrator.errors import EnvfleetError, InvalidRequestError, SandboxError
+from orchestrator.jobs import JobFinishedError, JobNotFoundError
+from orchestrator.registry import EnvironmentNotFoundError
+
+log = logging.getLogger(__name__)
+
+STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (EnvironmentNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (JobNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (JobFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (SandboxError, grpc.StatusCode.UNAVAILABLE),
+    (EnvfleetError, grpc.StatusCode.INTERNAL),
+]
+
+
+def status_for(e: BaseException) -> grpc.StatusCode | None:
+    """The status code of a known error, or None for a bug."""
+    return next((code for cls, code in STATUS_OF if isinstance(e, cls)), None)
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: Exception, method: str) -> None:
+    code = status_for(e)
+    if code is None:
+        log.exception("unhandled error in %s", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
+    await context.abort(code, str(e))
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Wraps every handler so that an exception becomes a status with a message a user can act on."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            @functools.wraps(inner_uu)
+            async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:
+                    await _abort(context, e, method)
+
+            return grpc.unary_unary_rpc_method_handler(
+                uu, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            )
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
+
+            async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:
+                    await _abort(context, e, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                us, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            )
+        return handler

@@ -1,0 +1,404 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RolloutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_STATUS_UNSPECIFIED: _ClassVar[RolloutStatus]
+    OK: _ClassVar[RolloutStatus]
+    TRUNCATED: _ClassVar[RolloutStatus]
+    TIMEOUT: _ClassVar[RolloutStatus]
+    POLICY_ERROR: _ClassVar[RolloutStatus]
+    ENV_ERROR: _ClassVar[RolloutStatus]
+    INFRA_ERROR: _ClassVar[RolloutStatus]
+ROLLOUT_STATUS_UNSPECIFIED: RolloutStatus
+OK: RolloutStatus
+TRUNCATED: RolloutStatus
+TIMEOUT: RolloutStatus
+POLICY_ERROR: RolloutStatus
+ENV_ERROR: RolloutStatus
+INFRA_ERROR: RolloutStatus
+
+class ListEnvironmentsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListEnvironmentsResponse(_message.Message):
+    __slots__ = ("environments",)
+    ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
+    environments: _containers.RepeatedCompositeFieldContainer[EnvironmentInfo]
+    def __init__(self, environments: _Optional[_Iterable[_Union[EnvironmentInfo, _Mapping]]] = ...) -> None: ...
+
+class DescribeEnvironmentRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ToolInfo(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
+class EnvironmentInfo(_message.Message):
+    __slots__ = ("name", "version", "description", "num_tasks", "tools", "image", "default_max_turns", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TASKS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    description: str
+    num_tasks: int
+    tools: _containers.RepeatedCompositeFieldContainer[ToolInfo]
+    image: str
+    default_max_turns: int
+    source: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., num_tasks: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[ToolInfo, _Mapping]]] = ..., image: _Optional[str] = ..., default_max_turns: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class TaskSelection(_message.Message):
+    __slots__ = ("kind", "ids", "count", "seed")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_ALL: _ClassVar[TaskSelection.Kind]
+        KIND_IDS: _ClassVar[TaskSelection.Kind]
+        KIND_SAMPLE: _ClassVar[TaskSelection.Kind]
+    KIND_ALL: TaskSelection.Kind
+    KIND_IDS: TaskSelection.Kind
+    KIND_SAMPLE: TaskSelection.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    kind: TaskSelection.Kind
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    count: int
+    seed: int
+    def __init__(self, kind: _Optional[_Union[TaskSelection.Kind, str]] = ..., ids: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "max_tokens", "seed", "stop")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PolicyEndpoint(_message.Message):
+    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries")
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    base_url: str
+    model: str
+    api_key: str
+    version: str
+    request_timeout_s: float
+    max_retries: int
+    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups")
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFRA_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    tasks: TaskSelection
+    group_size: int
+    sampling: SamplingParams
+    policy: PolicyEndpoint
+    max_concurrency: int
+    priority: int
+    max_turns: int
+    rollout_timeout_s: float
+    max_infra_retries: int
+    deliver_groups: bool
+    def __init__(self, env: _Optional[str] = ..., tasks: _Optional[_Union[TaskSelection, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyEndpoint, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., priority: _Optional[int] = ..., max_turns: _Optional[int] = ..., rollout_timeout_s: _Optional[float] = ..., max_infra_retries: _Optional[int] = ..., deliver_groups: _Optional[bool] = ...) -> None: ...
+
+class SubmitJobResponse(_message.Message):
+    __slots__ = ("job_id", "num_rollouts")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    num_rollouts: int
+    def __init__(self, job_id: _Optional[str] = ..., num_rollouts: _Optional[int] = ...) -> None: ...
+
+class StreamRolloutsRequest(_message.Message):
+    __slots__ = ("job_id", "resume_after", "max_in_flight", "max_batch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    resume_after: int
+    max_in_flight: int
+    max_batch: int
+    def __init__(self, job_id: _Optional[str] = ..., resume_after: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("role", "text", "tool_calls", "tool_call_id", "name")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    text: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Tokens(_message.Message):
+    __slots__ = ("status", "prompt_ids", "completion_ids", "completion_mask", "completion_logprobs")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_MASK_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_ids: _containers.RepeatedScalarFieldContainer[int]
+    completion_mask: _containers.RepeatedScalarFieldContainer[int]
+    completion_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, status: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., completion_mask: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue", "sandbox_acquire", "setup", "generation", "tools", "scoring", "total")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    SCORING_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    queue: float
+    sandbox_acquire: float
+    setup: float
+    generation: float
+    tools: float
+    scoring: float
+    total: float
+    def __init__(self, queue: _Optional[float] = ..., sandbox_acquire: _Optional[float] = ..., setup: _Optional[float] = ..., generation: _Optional[float] = ..., tools: _Optional[float] = ..., scoring: _Optional[float] = ..., total: _Optional[float] = ...) -> None: ...
+
+class Provenance(_message.Message):
+    __slots__ = ("image", "image_id", "env_version", "seed", "policy_model", "policy_version")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    image: str
+    image_id: str
+    env_version: str
+    seed: int
+    policy_model: str
+    policy_version: str
+    def __init__(self, image: _Optional[str] = ..., image_id: _Optional[str] = ..., env_version: _Optional[str] = ..., seed: _Optional[int] = ..., policy_model: _Optional[str] = ..., policy_version: _Optional[str] = ...) -> None: ...
+
+class RolloutError(_message.Message):
+    __slots__ = ("kind", "message")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    message: str
+    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Rollout(_message.Message):
+    __slots__ = ("id", "job_id", "env", "task_id", "group_id", "sample_index", "policy_version", "status", "reward", "reward_components", "metrics", "turns", "tokens", "timing", "provenance", "error", "attempts", "seq", "advantage")
+    class RewardComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    PROVENANCE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    job_id: str
+    env: str
+    task_id: str
+    group_id: str
+    sample_index: int
+    policy_version: str
+    status: RolloutStatus
+    reward: float
+    reward_components: _containers.ScalarMap[str, float]
+    metrics: _containers.ScalarMap[str, float]
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    tokens: Tokens
+    timing: Timing
+    provenance: Provenance
+    error: RolloutError
+    attempts: int
+    seq: int
+    advantage: float
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., env: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., policy_version: _Optional[str] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., error: _Optional[_Union[RolloutError, _Mapping]] = ..., attempts: _Optional[int] = ..., seq: _Optional[int] = ..., advantage: _Optional[float] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("group_id", "task_id", "rollouts", "failed")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    task_id: str
+    rollouts: _containers.RepeatedCompositeFieldContainer[Rollout]
+    failed: int
+    def __init__(self, group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class RolloutBatch(_message.Message):
+    __slots__ = ("rollouts", "groups")
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    rollouts: _containers.RepeatedCompositeFieldContainer[Rollout]
+    groups: _containers.RepeatedCompositeFieldContainer[Group]
+    def __init__(self, rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("job_id", "up_to", "ids")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    UP_TO_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    up_to: int
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., up_to: _Optional[int] = ..., ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AckResponse(_message.Message):
+    __slots__ = ("acked",)
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    acked: int
+    def __init__(self, acked: _Optional[int] = ...) -> None: ...
+
+class UpdatePolicyRequest(_message.Message):
+    __slots__ = ("job_id", "version", "base_url")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    version: str
+    base_url: str
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[str] = ..., base_url: _Optional[str] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "state", "env", "total", "done", "by_status", "acked", "in_flight", "rollouts_per_s", "policy_version", "created_at")
+    class ByStatusEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    env: str
+    total: int
+    done: int
+    by_status: _containers.ScalarMap[str, int]
+    acked: int
+    in_flight: int
+    rollouts_per_s: float
+    policy_version: str
+    created_at: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., env: _Optional[str] = ..., total: _Optional[int] = ..., done: _Optional[int] = ..., by_status: _Optional[_Mapping[str, int]] = ..., acked: _Optional[int] = ..., in_flight: _Optional[int] = ..., rollouts_per_s: _Optional[float] = ..., policy_version: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...

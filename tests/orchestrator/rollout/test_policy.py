@@ -1,0 +1,318 @@
+"""OpenAIPolicy against the real scripted server over real sockets: parsing, exact tokens, retries, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from orchestrator.errors import EnvfleetError
+from orchestrator.rollout import toy_tokenizer as toy
+from orchestrator.rollout.policy import (
+    OpenAIPolicy,
+    PolicyConnectionError,
+    PolicyEndpoint,
+    PolicyError,
+    PolicyHTTPError,
+    PolicyResponseError,
+    PolicyTimeoutError,
+    Sampling,
+    ToolCall,
+    parse_chat_completion,
+)
+from orchestrator.scripted_policy import Script, ScriptedServer, start_scripted_server
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "run a shell command",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+        },
+    }
+]
+SCRIPT = Script.model_validate(
+    {
+        "tasks": {
+            "t1": [
+                {"content": "Let me look.", "tool_calls": [{"name": "bash", "arguments": {"cmd": "ls -l"}}]},
+                {"tool_calls": [{"name": "bash", "arguments": {"cmd": "cat a"}}, {"name": "submit", "arguments": {}}]},
+                {"content": "The answer is 42 ✓"},
+            ],
+            "flaky": [{"content": "ok after a 500", "error_status": 500, "fail_times": 1}],
+            "broken": [{"error_status": 500}],
+            "throttled": [{"content": "ok after 429s", "error_status": 429, "fail_times": 2}],
+            "bad-request": [{"error_status": 400}],
+            "hang": [{"hang": True}],
+            "hang-once": [{"content": "ok after a hang", "hang": True, "fail_times": 1}],
+        }
+    }
+)
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a careful agent."},
+    {"role": "user", "content": "What is in the directory?"},
+]
+
+PolicyFactory = Callable[..., OpenAIPolicy]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[ScriptedServer]:
+    s = await start_scripted_server(SCRIPT)
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def make_policy() -> AsyncIterator[PolicyFactory]:
+    made: list[OpenAIPolicy] = []
+
+    def make(url: str, **kw: Any) -> OpenAIPolicy:
+        p = OpenAIPolicy(PolicyEndpoint(base_url=url, **kw), backoff_base_s=0.01, backoff_cap_s=0.05)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        await p.aclose()
+
+
+def expected_logprobs(ids: list[int]) -> list[float]:
+    return [toy.logprob(t, i) for i, t in enumerate(ids)]
+
+
+async def test_tool_calls_and_exact_tokens_over_a_multi_turn_episode(
+    server: ScriptedServer, make_policy: PolicyFactory
+) -> None:
+    policy = make_policy(server.url)
+    msgs = list(MESSAGES)
+
+    c1 = await policy.complete(msgs, TOOLS, Sampling(), user="job7:t1:0")
+    assert c1.finish_reason == "tool_calls"
+    assert c1.text == "Let me look."
+    assert c1.tool_calls == [ToolCall("call_0_0", "bash", json.dumps({"cmd": "ls -l"}))]
+    assert json.loads(c1.tool_calls[0].arguments) == {"cmd": "ls -l"}
+    assert c1.raw_message["role"] == "assistant" and c1.raw_message["tool_calls"][0]["id"] == "call_0_0"
+    assert c1.prompt_ids == toy.prompt_ids(msgs)
+    assert c1.completion_ids == toy.completion_ids(c1.raw_message)
+    assert c1.logprobs == expected_logprobs(c1.completion_ids)
+    assert c1.model == "policy"
+
+    msgs += [c1.raw_message, {"role": "tool", "tool_call_id": "call_0_0", "content": "a\nb\n"}]
+    c2 = await policy.complete(msgs, TOOLS, Sampling(), user="job7:t1:0")
+    assert [t.name for t in c2.tool_calls] == ["bash", "submit"]
+    assert [t.id for t in c2.tool_calls] == ["call_1_0", "call_1_1"]
+    assert c2.text == "" and c2.raw_message["content"] is None  # tool calls only: content null, as OpenAI sends it
+    # The prefix property, on what the server actually returned: turn 2's prompt extends turn 1's prompt + completion.
+    assert c1.prompt_ids is not None and c1.completion_ids is not None and c2.prompt_ids is not None
+    assert c2.prompt_ids[: len(c1.prompt_ids) + len(c1.completion_ids)] == c1.prompt_ids + c1.completion_ids
+
+    msgs += [c2.raw_message]
+    msgs += [{"role": "tool", "tool_call_id": t.id, "content": "fine"} for t in c2.tool_calls]
+    c3 = await policy.complete(msgs, TOOLS, Sampling(), user="job7:t1:0")
+    assert (c3.text, c3.tool_calls, c3.finish_reason) == ("The answer is 42 ✓", [], "stop")
+    assert c3.completion_ids == toy.encode("The answer is 42 ✓") + [toy.END]
+    assert c3.logprobs == expected_logprobs(c3.completion_ids)
+
+    c4 = await policy.complete(
+        [*msgs, c3.raw_message, {"role": "user", "content": "more?"}], [], Sampling(), user="j:t1:0"
+    )
+    assert (c4.text, c4.finish_reason) == ("done", "stop")  # past the end of the script
+    assert server.requests == 4
+
+
+async def test_unknown_task_and_no_user_get_the_default_answer(
+    server: ScriptedServer, make_policy: PolicyFactory
+) -> None:
+    policy = make_policy(server.url)
+    for user in ("job:nope:0", ""):
+        c = await policy.complete(MESSAGES, [], Sampling(), user=user)
+        assert (c.text, c.tool_calls, c.finish_reason) == ("I cannot solve this.", [], "stop")
+
+
+async def test_a_server_without_tokens_gives_none_never_made_up(make_policy: PolicyFactory) -> None:
+    s = await start_scripted_server(SCRIPT, tokens=False)
+    try:
+        c = await make_policy(s.url).complete(MESSAGES, TOOLS, Sampling(), user="j:t1:0")
+    finally:
+        await s.close()
+    assert c.tool_calls[0].name == "bash"
+    assert (c.prompt_ids, c.completion_ids, c.logprobs) == (None, None, None)
+
+
+async def test_retries_a_500_then_succeeds(server: ScriptedServer, make_policy: PolicyFactory) -> None:
+    c = await make_policy(server.url, max_retries=2).complete(MESSAGES, [], Sampling(), user="j:flaky:0")
+    assert c.text == "ok after a 500"
+    assert (server.requests, server.faults) == (2, 1)
+
+
+async def test_retries_429(server: ScriptedServer, make_policy: PolicyFactory) -> None:
+    c = await make_policy(server.url, max_retries=2).complete(MESSAGES, [], Sampling(), user="j:throttled:0")
+    assert c.text == "ok after 429s"
+    assert server.requests == 3
+
+
+async def test_always_500_fails_after_the_retries(server: ScriptedServer, make_policy: PolicyFactory) -> None:
+    policy = make_policy(server.url, max_retries=2)
+    with pytest.raises(PolicyHTTPError, match=r"HTTP 500.*scripted fault") as e:
+        await policy.complete(MESSAGES, [], Sampling(), user="j:broken:0")
+    assert e.value.status == 500
+    assert isinstance(e.value, PolicyError) and isinstance(e.value, EnvfleetError)
+    assert server.requests == 3
+
+
+async def test_a_4xx_fails_at_once(server: ScriptedServer, make_policy: PolicyFactory) -> None:
+    with pytest.raises(PolicyHTTPError, match=r"HTTP 400: .*scripted fault") as e:
+        await make_policy(server.url, max_retries=5).complete(MESSAGES, [], Sampling(), user="j:bad-request:0")
+    assert e.value.status == 400
+    assert server.requests == 1
+
+
+async def test_a_hang_times_out_within_the_request_timeout(server: ScriptedServer, make_policy: PolicyFactory) -> None:
+    policy = make_policy(server.url, request_timeout_s=0.3, max_retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(PolicyTimeoutError, match=r"did not answer within 0.3s"):
+        await policy.complete(MESSAGES, [], Sampling(), user="j:hang:0")
+    assert 0.25 < time.monotonic() - t0 < 1.5
+    with pytest.raises(TimeoutError):  # the builtin mixin
+        await policy.complete(MESSAGES, [], Sampling(), user="j:hang:1")
+
+
+async def test_a_timeout_is_retried(server: ScriptedServer, make_policy: PolicyFactory) -> None:
+    c = await make_policy(server.url, request_timeout_s=0.3, max_retries=1).complete(
+        MESSAGES, [], Sampling(), user="j:hang-once:0"
+    )
+    assert c.text == "ok after a hang"
+    assert server.requests == 2
+
+
+async def test_connection_refused_fails_after_the_retries(make_policy: PolicyFactory) -> None:
+    s = await start_scripted_server(SCRIPT)
+    url = s.url
+    await s.close()
+    with pytest.raises(PolicyConnectionError, match=r"unreachable: ConnectError") as e:
+        await make_policy(url, max_retries=2).complete(MESSAGES, [], Sampling())
+    assert isinstance(e.value, ConnectionError)
+
+
+async def test_200_concurrent_completions(make_policy: PolicyFactory) -> None:
+    s = await start_scripted_server(Script.model_validate({**SCRIPT.model_dump(), "latency_s": 0.05}))
+    policy = make_policy(s.url)
+    try:
+        results = await asyncio.gather(
+            *(policy.complete(MESSAGES, TOOLS, Sampling(), user=f"j:t1:{i}") for i in range(200))
+        )
+    finally:
+        await s.close()
+    assert all(c.tool_calls[0].id == "call_0_0" and c.completion_ids is not None for c in results)
+    assert s.requests == 200
+
+
+async def test_request_shape() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"model": "m", "choices": [{"message": {"content": "hi"}}]})
+
+    endpoint = PolicyEndpoint(base_url="http://policy.invalid/v1/", model="m", api_key="sk-test")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        policy = OpenAIPolicy(endpoint, client)
+        await policy.complete(MESSAGES, TOOLS, Sampling(temperature=0.5, seed=3, stop=["X"]), user="j:t:0")
+        await policy.complete(MESSAGES, [], Sampling())
+        await policy.aclose()  # not its client: stays open
+        assert not client.is_closed
+    first, second = (json.loads(r.content) for r in seen)
+    assert str(seen[0].url) == "http://policy.invalid/v1/chat/completions"
+    assert seen[0].headers["authorization"] == "Bearer sk-test"
+    assert first == {
+        "model": "m",
+        "messages": MESSAGES,
+        "stream": False,
+        "temperature": 0.5,
+        "top_p": 1.0,
+        "max_tokens": 1024,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "seed": 3,
+        "stop": ["X"],
+        "user": "j:t:0",
+    }
+    assert not {"tools", "tool_choice", "seed", "stop", "user"} & second.keys()
+    assert "sk-test" not in repr(endpoint)
+
+
+def test_parse_vllm_fallbacks() -> None:
+    entries = [{"token": f"token_id:{t}", "logprob": -0.5 * (i + 1)} for i, t in enumerate([7, 8, 9])]
+    data = {
+        "model": "qwen",
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "abc", "tool_calls": []},
+                "finish_reason": "length",
+                "prompt_token_ids": [1, 2, 3],
+                "logprobs": {"content": entries},
+            }
+        ],
+    }
+    c = parse_chat_completion(data, model="fallback")
+    assert (c.prompt_ids, c.completion_ids, c.logprobs) == ([1, 2, 3], [7, 8, 9], [-0.5, -1.0, -1.5])
+    assert (c.finish_reason, c.model, c.raw_message) == ("length", "qwen", {"role": "assistant", "content": "abc"})
+
+    # token_ids disagree in length with the logprobs: the logprobs are dropped, not aligned by guesswork
+    data["choices"][0]["token_ids"] = [7, 8]
+    c = parse_chat_completion(data, model="fallback")
+    assert (c.completion_ids, c.logprobs) == ([7, 8], None)
+
+    # tokens as text (no return_tokens_as_token_ids) and no token_ids: no ids, logprobs kept
+    plain = {"choices": [{"message": {"content": "ab"}, "logprobs": {"content": [{"token": "a", "logprob": -1}]}}]}
+    c = parse_chat_completion(plain, model="fallback")
+    assert (c.prompt_ids, c.completion_ids, c.logprobs, c.model) == (None, None, [-1.0], "fallback")
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ([], "expected a JSON object"),
+        ({"choices": []}, "no choices"),
+        ({"choices": [{"text": "legacy"}]}, "no message"),
+        ({"choices": [{"message": {"content": 5}}]}, "content is a int"),
+        ({"choices": [{"message": {"content": "", "tool_calls": [{"function": {}}]}}]}, "no function name"),
+    ],
+)
+def test_parse_rejects_malformed_responses(body: Any, match: str) -> None:
+    with pytest.raises(PolicyResponseError, match=match):
+        parse_chat_completion(body, model="m")
+
+
+async def test_non_json_2xx_is_a_response_error() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, text="<html>"))) as c:
+        policy = OpenAIPolicy(PolicyEndpoint(base_url="http://x.invalid/v1"), c)
+        with pytest.raises(PolicyResponseError, match="not JSON: '<html>'"):
+            await policy.complete(MESSAGES, [], Sampling())
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValidationError, match="must start with http"):
+        PolicyEndpoint(base_url="localhost:8000/v1")
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        PolicyEndpoint.model_validate({"base_url": "http://x/v1", "timeout": 3})
+    with pytest.raises(ValidationError):
+        PolicyEndpoint(base_url="http://x/v1", max_retries=21)
+    with pytest.raises(ValidationError):
+        Sampling(temperature=2.5)
+    with pytest.raises(ValidationError):
+        Sampling(top_p=0)
+    with pytest.raises(ValidationError):
+        Sampling(max_tokens=0)
