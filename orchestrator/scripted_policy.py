@@ -34,6 +34,7 @@ MAX_HEADER_LINE = 64 << 10
 MAX_HEADERS = 100
 MAX_BODY = 64 << 20
 LISTEN_BACKLOG = 1024
+CLOSE_GRACE_S = 2.0
 
 
 class ScriptedToolCall(BaseModel):
@@ -183,7 +184,7 @@ class ScriptedServer:
         self.requests = 0
         self.faults = 0
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._failures: dict[tuple[str, int], int] = {}
         self._ids = itertools.count(1)
         self._host = "127.0.0.1"
@@ -213,9 +214,16 @@ class ScriptedServer:
         """Stop listening and drop every open connection, hanging ones included."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        # Closing the transports ends every handler at its next read or write (a hang sees EOF); cancelling is the
+        # fallback, as asyncio 3.11 logs a cancelled connection handler as an error.
+        for writer in self._connections.values():
+            writer.close()
+        if self._connections:
+            _, stuck = await asyncio.wait(set(self._connections), timeout=CLOSE_GRACE_S)
+            for task in stuck:
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -228,7 +236,7 @@ class ScriptedServer:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        self._connections[task] = writer
         try:
             while True:
                 try:
@@ -256,7 +264,7 @@ class ScriptedServer:
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.debug("connection ended: %s: %s", type(e).__name__, e)
         finally:
-            self._connections.discard(task)
+            self._connections.pop(task, None)
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

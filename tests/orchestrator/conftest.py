@@ -1,0 +1,70 @@
+"""Fixtures for the orchestrator: a scripted policy server and an orchestrator serving real gRPC on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backends.docker import DockerBackendConfig
+from orchestrator.client import EnvfleetClient
+from orchestrator.models import JobSpec, TaskSelection
+from orchestrator.registry import Registry
+from orchestrator.rollout.policy import PolicyEndpoint
+from orchestrator.rollout.scripts import reference_script
+from orchestrator.scripted_policy import Script, ScriptedServer, start_scripted_server
+from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from tests.conftest import TEST_OWNER
+
+ENV = "python-tool"
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return Registry.from_entry_points()
+
+
+@pytest.fixture
+def task_ids(registry: Registry) -> list[str]:
+    return [t.id for t in registry.get(ENV).tasks()]
+
+
+ScriptFactory = Callable[[Script], "AsyncIterator[ScriptedServer]"]
+
+
+@pytest.fixture
+async def policy_server(registry: Registry) -> AsyncIterator[ScriptedServer]:
+    """The scripted policy replaying the reference solution of every python-tool task."""
+    server = await start_scripted_server(reference_script(registry.get(ENV)))
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+async def orchestrator(tmp_path: Path, base_image: str) -> AsyncIterator[Orchestrator]:
+    """An orchestrator on a free loopback port with its own data dir; stopped (sandboxes destroyed) afterwards."""
+    orch = await create_server(
+        OrchestratorConfig(port=0, data_dir=tmp_path / "data", backend=DockerBackendConfig(owner=TEST_OWNER))
+    )
+    yield orch
+    await orch.stop(grace=1)
+
+
+@pytest.fixture
+async def client(orchestrator: Orchestrator) -> AsyncIterator[EnvfleetClient]:
+    async with EnvfleetClient(orchestrator.address) as c:
+        yield c
+
+
+def job(url: str, ids: list[str], n: int = 1, **kw: object) -> JobSpec:
+    """A python-tool job on the given task ids."""
+    return JobSpec.model_validate(
+        {
+            "env": ENV,
+            "tasks": TaskSelection(kind="ids", ids=ids),
+            "group_size": n,
+            "policy": PolicyEndpoint(base_url=url, model="scripted", version="v1"),
+            **kw,
+        }
+    )

@@ -1,0 +1,179 @@
+"""End to end over real gRPC and real Docker: submit, stream, ack; rewards, statuses, groups and exact tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import docker
+import grpc
+import pytest
+
+from orchestrator.client import EnvfleetClient
+from orchestrator.models import RolloutStatus
+from orchestrator.registry import Registry
+from orchestrator.rollout import toy_tokenizer as toy
+from orchestrator.rollout.scripts import reference_script
+from orchestrator.scripted_policy import Script, ScriptedServer, Step, start_scripted_server
+from orchestrator.server.app import Orchestrator
+from protos import orchestrator_pb2 as pb
+from tests.conftest import TEST_OWNER
+from tests.orchestrator.conftest import ENV, job
+
+
+async def test_job_streams_scored_groups_with_exact_tokens(
+    client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], registry: Registry
+) -> None:
+    ids = task_ids[:3]
+    job_id = await client.submit(job(policy_server.url, ids, n=2, deliver_groups=True))
+    groups = [g async for g in client.groups(job_id)]
+    assert sorted(g.task_id for g in groups) == sorted(ids)
+    env = registry.get(ENV)
+    for g in groups:
+        assert len(g.rollouts) == 2 and g.failed == 0
+        assert sorted(r.sample_index for r in g.rollouts) == [0, 1]
+        assert g.advantages == [pytest.approx(0.0), pytest.approx(0.0)]  # equal rewards: no advantage
+        for r in g.rollouts:
+            assert r.status == RolloutStatus.OK and r.reward == 1.0, r.error
+            assert r.reward_components == {"exact_match": 1.0}
+            assert r.metrics["used_python"] == 1.0
+            assert r.policy_version == "v1" and r.attempts == 1
+            assert r.provenance.image.startswith("envfleet/base:") and r.provenance.image_id.startswith("sha256:")
+            # tokens: exactly what the (toy) server tokenized, observation tokens masked out
+            task = next(t for t in env.tasks() if t.id == r.task_id)
+            t = r.tokens
+            assert t.status == "complete"
+            assert t.prompt_ids == toy.prompt_ids(env.messages(task))
+            assert len(t.completion_ids) == len(t.completion_mask) == len(t.completion_logprobs)
+            policy_positions = [i for i, m in enumerate(t.completion_mask) if m == 1]
+            assert 0 < len(policy_positions) < len(t.completion_ids)  # there are observation tokens in between
+            assert all(t.completion_logprobs[i] == 0.0 for i, m in enumerate(t.completion_mask) if m == 0)
+            assert all(t.completion_logprobs[i] < 0 for i in policy_positions)
+            # the first completion is the tokenization of the first assistant message, with its logprobs
+            first = [tid for tid, m in zip(t.completion_ids, t.completion_mask, strict=True)][: len(policy_positions)]
+            assert first[-1] == toy.END or toy.END in t.completion_ids
+    info = await client.get_job(job_id)
+    assert info.state == "COMPLETED" and info.done == 6 and info.acked == 6
+    assert dict(info.by_status) == {"OK": 6}
+
+
+async def test_wrong_answers_score_zero_and_stay_ok(client: EnvfleetClient, task_ids: list[str], registry: Registry) -> None:
+    server = await start_scripted_server(reference_script(registry.get(ENV), mode="wrong"))
+    try:
+        job_id = await client.submit(job(server.url, task_ids[:2]))
+        rollouts = [r async for r in client.rollouts(job_id)]
+    finally:
+        await server.close()
+    assert [r.status for r in rollouts] == [RolloutStatus.OK, RolloutStatus.OK]
+    assert [r.reward for r in rollouts] == [0.0, 0.0]
+
+
+async def test_policy_errors_and_hangs_are_never_rewards(client: EnvfleetClient, task_ids: list[str]) -> None:
+    a, b = task_ids[:2]
+    script = Script(tasks={a: [Step(error_status=500)], b: [Step(hang=True)]})
+    server = await start_scripted_server(script)
+    try:
+        spec = job(server.url, [a], rollout_timeout_s=60)
+        spec = spec.model_copy(update={"policy": spec.policy.model_copy(update={"max_retries": 1})})
+        job_a = await client.submit(spec)
+        job_b = await client.submit(job(server.url, [b], rollout_timeout_s=3))
+        (ra,) = [r async for r in client.rollouts(job_a)]
+        (rb,) = [r async for r in client.rollouts(job_b)]
+    finally:
+        await server.close()
+    assert ra.status == RolloutStatus.POLICY_ERROR and ra.reward is None
+    assert ra.error is not None and "500" in ra.error.message
+    assert rb.status == RolloutStatus.TIMEOUT and rb.reward is None
+    assert rb.error is not None and "3s" in rb.error.message
+
+
+async def test_container_killed_from_outside_is_infra_error_then_retried(
+    client: EnvfleetClient, registry: Registry, task_ids: list[str], docker_client: docker.DockerClient
+) -> None:
+    script = reference_script(registry.get(ENV), mode="solve", latency_s=1.5)
+    server = await start_scripted_server(script)
+    try:
+        job_id = await client.submit(job(server.url, task_ids[:1], max_infra_retries=2))
+        flt = {"label": [f"envfleet.job={job_id}"]}
+        for _ in range(200):
+            running = docker_client.containers.list(filters=flt)
+            if running:
+                break
+            await asyncio.sleep(0.05)
+        assert running, "the rollout's sandbox never appeared"
+        await asyncio.sleep(0.3)
+        running[0].kill()
+        (r,) = [r async for r in client.rollouts(job_id)]
+    finally:
+        await server.close()
+    assert r.status == RolloutStatus.OK and r.reward == 1.0
+    assert r.attempts == 2
+
+
+async def test_infra_error_after_the_retry_budget_is_not_a_reward(
+    client: EnvfleetClient, registry: Registry, task_ids: list[str], docker_client: docker.DockerClient
+) -> None:
+    script = reference_script(registry.get(ENV), mode="solve", latency_s=1.0)
+    server = await start_scripted_server(script)
+    killed: set[str] = set()
+    try:
+        job_id = await client.submit(job(server.url, task_ids[:1], max_infra_retries=0))
+        stream = client.rollouts(job_id)
+        collector = asyncio.create_task(anext(stream))
+        while not collector.done():
+            for c in docker_client.containers.list(filters={"label": [f"envfleet.job={job_id}"]}):
+                if c.id not in killed:
+                    killed.add(c.id)
+                    await asyncio.sleep(0.2)
+                    c.kill()
+            await asyncio.sleep(0.05)
+        r = collector.result()
+        await stream.aclose()
+    finally:
+        await server.close()
+    assert r.status == RolloutStatus.INFRA_ERROR and r.reward is None and r.attempts == 1
+    # killed while starting or while running: either way a sandbox error, never a score
+    assert r.error is not None and r.error.kind in ("SandboxDiedError", "SandboxCreateError"), r.error
+
+
+async def test_update_policy_and_cancel(
+    client: EnvfleetClient, registry: Registry, task_ids: list[str], docker_client: docker.DockerClient
+) -> None:
+    server = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.5))
+    try:
+        job_id = await client.submit(job(server.url, task_ids[:12], max_concurrency=2))
+        status = await client.update_policy(job_id, "v2")
+        assert status.policy_version == "v2"
+        for _ in range(300):
+            if (await client.get_job(job_id)).done >= 4:
+                break
+            await asyncio.sleep(0.1)
+        cancelled = await client.cancel_job(job_id)
+        assert cancelled.state == "CANCELLED"
+        await asyncio.sleep(0.5)
+        assert docker_client.containers.list(all=True, filters={"label": [f"envfleet.job={job_id}"]}) == []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.update_policy(job_id, "v3")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        done = [r async for r in client.rollouts(job_id)]
+        # each rollout records the version it started with: only the first two began before the update
+        versions = [r.policy_version for r in done]
+        assert versions.count("v1") <= 2 and versions.count("v2") >= 2, versions
+        assert len(done) < 12
+    finally:
+        await server.close()
+
+
+async def test_environment_service(client: EnvfleetClient) -> None:
+    envs = await client.list_envs()
+    assert ENV in [e.name for e in envs]
+    info = await client.describe_env(ENV)
+    assert info.version == "1" and info.num_tasks >= 50 and [t.name for t in info.tools] == ["python", "submit"]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.describe_env("pyhton-tool")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "did you mean python-tool" in (e.value.details() or "")
+
+
+async def test_owner_label_is_the_test_suites(orchestrator: Orchestrator) -> None:
+    assert orchestrator.backend.config.owner == TEST_OWNER
+    assert pb.RolloutStatus.Name(pb.OK) == "OK"
