@@ -26,9 +26,9 @@ BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
 # Head of an error response body kept in an exception message.
 ERROR_BODY_HEAD = 500
-# httpcore's pool does work quadratic in its size on every request (encode/httpcore#1035), which costs seconds at a
-# few hundred concurrent requests (200 at once: 3-10 s in one pool, under 1 s in pools of 8); so an owned client is a set of small pools, another opened when every pool has
-# SHARD_TARGET requests in flight. The scheduler, not the pools, bounds concurrency.
+# httpcore's pool does work quadratic in its size on every request (encode/httpcore#1035): 200 requests at once
+# take 3-10 s through one pool, under 1 s through pools of 8. So an owned client is a set of small pools, another
+# opened when every pool has SHARD_TARGET requests in flight. The scheduler, not the pools, bounds concurrency.
 SHARD_TARGET = 8
 MAX_SHARDS = 128
 SHARD_MAX_CONNECTIONS = 64

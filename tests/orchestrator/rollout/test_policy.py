@@ -118,7 +118,7 @@ async def test_tool_calls_and_exact_tokens_over_a_multi_turn_episode(
     msgs += [{"role": "tool", "tool_call_id": t.id, "content": "fine"} for t in c2.tool_calls]
     c3 = await policy.complete(msgs, TOOLS, Sampling(), user="job7:t1:0")
     assert (c3.text, c3.tool_calls, c3.finish_reason) == ("The answer is 42 ✓", [], "stop")
-    assert c3.completion_ids == toy.encode("The answer is 42 ✓") + [toy.END]
+    assert c3.completion_ids == [*toy.encode("The answer is 42 ✓"), toy.END]
     assert c3.logprobs == expected_logprobs(c3.completion_ids)
 
     c4 = await policy.complete(
@@ -255,7 +255,7 @@ async def test_request_shape() -> None:
 
 def test_parse_vllm_fallbacks() -> None:
     entries = [{"token": f"token_id:{t}", "logprob": -0.5 * (i + 1)} for i, t in enumerate([7, 8, 9])]
-    data = {
+    data: dict[str, Any] = {
         "model": "qwen",
         "choices": [
             {

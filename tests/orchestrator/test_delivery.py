@@ -1,0 +1,142 @@
+"""Delivery that loses nothing: disconnect and resume, and an orchestrator SIGKILLed mid-job and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import docker
+import grpc
+
+from orchestrator.client import EnvfleetClient
+from orchestrator.registry import Registry
+from orchestrator.rollout.scripts import reference_script
+from orchestrator.scripted_policy import ScriptedServer, start_scripted_server
+from orchestrator.store import ResultStore
+from protos import orchestrator_pb2 as pb
+from tests.conftest import REPO, TEST_OWNER
+from tests.orchestrator.conftest import ENV, job
+
+
+async def test_disconnect_and_resume_loses_nothing(
+    client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    job_id = await client.submit(job(policy_server.url, task_ids[:8], max_concurrency=4))
+    # first connection: take 5 rollouts, ack only the first 3, then drop the stream
+    first: list[pb.Rollout] = []
+    call = client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_batch=1))
+    async for batch in call:
+        first.extend(batch.rollouts)
+        if len(first) >= 5:
+            break
+    call.cancel()
+    await client.ack(job_id, up_to=first[2].seq)
+    # reconnect after the acked seq: the 2 unacked ones come again, then the rest; nothing is lost
+    second = [r async for r in client.rollouts(job_id, resume_after=first[2].seq)]
+    ids_second = [r.id for r in second]
+    assert len(set(ids_second)) == len(ids_second)
+    assert {r.id for r in first[3:5]} <= set(ids_second), "unacked rollouts must be delivered again"
+    assert not {r.id for r in first[:3]} & set(ids_second), "acked rollouts must not come back"
+    assert {r.id for r in first[:3]} | set(ids_second) == {f"{job_id}:{t}:0" for t in task_ids[:8]}
+    info = await client.get_job(job_id)
+    assert info.acked == 8
+
+
+async def test_backpressure_holds_at_max_in_flight(
+    client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    job_id = await client.submit(job(policy_server.url, task_ids[:6], max_concurrency=6))
+    while (await client.get_job(job_id)).state != "COMPLETED":
+        await asyncio.sleep(0.1)
+    got: list[pb.Rollout] = []
+    call = client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_in_flight=2, max_batch=10))
+    batch = await call.read()
+    got.extend(batch.rollouts)
+    assert len(got) == 2
+    pending = asyncio.create_task(call.read())
+    await asyncio.sleep(0.5)
+    assert not pending.done(), "the stream sent past max_in_flight"  # nothing more until something is acked
+    await client.ack(job_id, ids=[got[0].id])
+    batch = await asyncio.wait_for(pending, 5)
+    assert len(batch.rollouts) == 1
+    call.cancel()
+
+
+async def _start(data: Path, owner: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", "--data-dir", str(data), "--owner", owner],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)
+    assert line.startswith("listening "), line
+    return proc, line.split()[1]
+
+
+async def test_sigkill_mid_job_then_restart_completes_without_loss(
+    tmp_path: Path, base_image: str, registry: Registry, task_ids: list[str], docker_client: docker.DockerClient
+) -> None:
+    server = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.4))
+    owner = f"{TEST_OWNER}-kill"
+    data = tmp_path / "data"
+    ids = task_ids[:10]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        proc, address = await _start(data, owner)
+        procs.append(proc)
+        async with EnvfleetClient(address) as c:
+            job_id = await c.submit(job(server.url, ids, max_concurrency=3))
+            for _ in range(600):
+                if (await c.get_job(job_id)).done >= 3:
+                    break
+                await asyncio.sleep(0.1)
+            done_before = (await c.get_job(job_id)).done
+        assert 3 <= done_before < len(ids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        left = docker_client.containers.list(all=True, filters={"label": [f"envfleet.owner={owner}"]})
+        assert left, "the killed orchestrator's in-flight sandboxes should still exist before the restart"
+
+        proc, address = await _start(data, owner)
+        procs.append(proc)
+        async with EnvfleetClient(address) as c:
+            rollouts = [r async for r in c.rollouts(job_id)]
+            info = await c.get_job(job_id)
+        assert info.state == "COMPLETED" and info.done == len(ids)
+        assert sorted(r.task_id for r in rollouts) == sorted(ids)
+        assert all(r.reward == 1.0 for r in rollouts)
+        # the dead orchestrator's sandboxes were swept at restart
+        for c_ in left:
+            try:
+                docker_client.containers.get(c_.id)
+                raise AssertionError(f"container {c_.name} of the killed orchestrator survived the restart")
+            except docker.errors.NotFound:
+                pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(30)
+        await server.close()
+    # rollouts done before the kill were not redone: exactly one row per rollout id
+    store = await ResultStore.open(data / "results.sqlite3")
+    try:
+        assert len(await store.done_ids(job_id)) == len(ids)
+    finally:
+        await store.close()
+    assert docker_client.containers.list(all=True, filters={"label": [f"envfleet.owner={owner}"]}) == []
+
+
+async def test_stream_of_unknown_job_is_not_found(client: EnvfleetClient) -> None:
+    call = client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id="nope"))
+    try:
+        await call.read()
+        raise AssertionError("expected NOT_FOUND")
+    except grpc.aio.AioRpcError as e:
+        assert e.code() == grpc.StatusCode.NOT_FOUND and "no job 'nope'" in (e.details() or "")
