@@ -88,7 +88,7 @@ _args = st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), _text), ma
 _calls = st.lists(st.tuples(st.text(min_size=1, max_size=8), _args), max_size=3)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     history=st.lists(st.tuples(st.sampled_from(["system", "user", "tool"]), _text), min_size=1, max_size=4),
     content=st.one_of(st.none(), _text),

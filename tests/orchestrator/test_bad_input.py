@@ -1,0 +1,151 @@
+"""Bad input gets the right status and a message that says what to fix; the server stays healthy."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.client import EnvfleetClient
+from orchestrator.errors import InvalidRequestError
+from orchestrator.models import JobSpec
+from orchestrator.server.app import Orchestrator
+from orchestrator.server.convert import job_spec_from_pb
+from protos import orchestrator_pb2 as pb
+from protos import orchestrator_pb2_grpc as pb_grpc
+
+GOOD_POLICY = pb.PolicyEndpoint(base_url="http://127.0.0.1:9/v1", model="m")
+
+
+def spec(**kw: object) -> pb.JobSpec:
+    base: dict[str, object] = {"env": "python-tool", "policy": GOOD_POLICY}
+    base.update(kw)
+    return pb.JobSpec(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "message"),
+    [
+        (spec(env="no-such-env"), grpc.StatusCode.NOT_FOUND, "no environment named 'no-such-env'"),
+        (spec(env="python-tol"), grpc.StatusCode.NOT_FOUND, "did you mean python-tool"),
+        (spec(env="python-tool@9"), grpc.StatusCode.NOT_FOUND, "has no version '9'"),
+        (spec(env=""), grpc.StatusCode.INVALID_ARGUMENT, "env: String should have at least 1 character"),
+        (spec(group_size=-1), grpc.StatusCode.INVALID_ARGUMENT, "group_size: Input should be greater than or equal to 1"),
+        (spec(group_size=100000), grpc.StatusCode.INVALID_ARGUMENT, "group_size: Input should be less than or equal"),
+        (spec(rollout_timeout_s=1e12), grpc.StatusCode.INVALID_ARGUMENT, "rollout_timeout_s"),
+        (spec(rollout_timeout_s=-5), grpc.StatusCode.INVALID_ARGUMENT, "rollout_timeout_s"),
+        (spec(max_concurrency=-3), grpc.StatusCode.INVALID_ARGUMENT, "max_concurrency"),
+        (spec(max_turns=10**6), grpc.StatusCode.INVALID_ARGUMENT, "max_turns"),
+        (spec(priority=1000), grpc.StatusCode.INVALID_ARGUMENT, "priority"),
+        (spec(policy=pb.PolicyEndpoint(base_url="ftp://x")), grpc.StatusCode.INVALID_ARGUMENT, "policy.base_url"),
+        (spec(policy=pb.PolicyEndpoint()), grpc.StatusCode.INVALID_ARGUMENT, "policy.base_url"),
+        (
+            spec(tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tasks.ids is empty",
+        ),
+        (
+            spec(tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["nope"])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "unknown task id",
+        ),
+        (
+            spec(tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_SAMPLE, count=10**5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "has only",
+        ),
+        (
+            spec(sampling=pb.SamplingParams(temperature=-1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.temperature",
+        ),
+    ],
+)
+async def test_malformed_job_specs(
+    client: EnvfleetClient, request_: pb.JobSpec, code: grpc.StatusCode, message: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await client.rollout_stub.SubmitJob(request_)
+    assert e.value.code() == code
+    assert message in (e.value.details() or ""), e.value.details()
+
+
+async def test_bad_arguments_of_other_calls(client: EnvfleetClient) -> None:
+    stub = client.rollout_stub
+    cases = [
+        (stub.GetJob(pb.GetJobRequest()), grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty"),
+        (stub.GetJob(pb.GetJobRequest(job_id="x" * 500)), grpc.StatusCode.INVALID_ARGUMENT, "too long"),
+        (stub.CancelJob(pb.CancelJobRequest(job_id="missing")), grpc.StatusCode.NOT_FOUND, "no job"),
+        (stub.Ack(pb.AckRequest(job_id="missing")), grpc.StatusCode.NOT_FOUND, "no job"),
+        (stub.UpdatePolicy(pb.UpdatePolicyRequest(job_id="missing")), grpc.StatusCode.INVALID_ARGUMENT, "version"),
+        (client.env_stub.Describe(pb.DescribeEnvironmentRequest()), grpc.StatusCode.INVALID_ARGUMENT, "name is empty"),
+    ]
+    for call, code, message in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call
+        assert e.value.code() == code and message in (e.value.details() or ""), e.value.details()
+    stream = stub.StreamRollouts(pb.StreamRolloutsRequest(job_id="j", max_in_flight=-1))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stream.read()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_in_flight" in (e.value.details() or "")
+
+
+async def test_oversized_message_is_refused_and_server_stays_healthy(
+    client: EnvfleetClient, orchestrator: Orchestrator
+) -> None:
+    huge = pb.JobSpec(env="python-tool", tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["x" * (1 << 20)] * 70))
+    # a raw channel with no send limit of its own: the server's 64 MiB limit is what refuses it
+    async with grpc.aio.insecure_channel(orchestrator.address) as raw:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await pb_grpc.RolloutServiceStub(raw).SubmitJob(huge, timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    async with grpc.aio.insecure_channel(orchestrator.address) as ch:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert [e.name for e in await client.list_envs()]
+
+
+_pb_specs = st.builds(
+    pb.JobSpec,
+    env=st.text(max_size=30),
+    group_size=st.integers(-(2**31), 2**31 - 1),
+    max_concurrency=st.integers(-(2**31), 2**31 - 1),
+    priority=st.integers(-(2**31), 2**31 - 1),
+    max_turns=st.integers(-(2**31), 2**31 - 1),
+    rollout_timeout_s=st.floats(allow_nan=True, allow_infinity=True),
+    tasks=st.builds(
+        pb.TaskSelection,
+        kind=st.sampled_from([0, 1, 2]),
+        ids=st.lists(st.text(max_size=10), max_size=3),
+        count=st.integers(-(2**31), 2**31 - 1),
+        seed=st.integers(-(2**63), 2**63 - 1),
+    ),
+    sampling=st.builds(
+        pb.SamplingParams,
+        temperature=st.floats(allow_nan=True),
+        top_p=st.floats(allow_nan=True),
+        max_tokens=st.integers(-(2**31), 2**31 - 1),
+    ),
+    policy=st.builds(
+        pb.PolicyEndpoint,
+        base_url=st.one_of(st.text(max_size=30), st.just("http://127.0.0.1:8000/v1")),
+        request_timeout_s=st.floats(allow_nan=True, allow_infinity=True),
+        max_retries=st.integers(-(2**31), 2**31 - 1),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_pb_specs)
+def test_job_spec_validator_accepts_or_explains(m: pb.JobSpec) -> None:
+    """Any wire JobSpec either validates or raises InvalidRequestError with a message; nothing else escapes."""
+    try:
+        s = job_spec_from_pb(m)
+    except InvalidRequestError as e:
+        assert str(e).startswith("invalid job spec: ") and len(str(e)) > 20
+        return
+    assert isinstance(s, JobSpec)
+    assert 1 <= s.group_size <= 1024 and 0 < s.rollout_timeout_s <= 86400
+    assert s.policy.base_url.startswith(("http://", "https://"))
