@@ -20,6 +20,7 @@ from typing import Any
 
 import docker
 
+from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from orchestrator.backends.base import SandboxSpec
 from orchestrator.backends.docker import DockerBackend, DockerBackendConfig, DockerSandbox
 from orchestrator.images import ensure_base_image
@@ -156,6 +157,8 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
         results["host_spawn_p50_ms"] = host_spawn_p50(50)
     finally:
         await backend.close()
+    results["orchestrator_overhead"] = await orchestrator_overhead(image, total=48, concurrency=8)
+    results["stream_throughput"] = await stream_throughput(20_000)
     results["meta"] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),

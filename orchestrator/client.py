@@ -74,14 +74,17 @@ class EnvfleetClient:
         return str(r.job_id)
 
     async def get_job(self, job_id: str) -> pb.JobStatus:
-        return await self.rollout_stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=self.timeout_s)
+        r: pb.JobStatus = await self.rollout_stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=self.timeout_s)
+        return r
 
     async def cancel_job(self, job_id: str) -> pb.JobStatus:
-        return await self.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=self.timeout_s)
+        r: pb.JobStatus = await self.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=self.timeout_s)
+        return r
 
     async def update_policy(self, job_id: str, version: str, base_url: str = "") -> pb.JobStatus:
         req = pb.UpdatePolicyRequest(job_id=job_id, version=version, base_url=base_url)
-        return await self.rollout_stub.UpdatePolicy(req, timeout=self.timeout_s)
+        r: pb.JobStatus = await self.rollout_stub.UpdatePolicy(req, timeout=self.timeout_s)
+        return r
 
     async def list_jobs(self) -> list[pb.JobStatus]:
         return list((await self.rollout_stub.ListJobs(pb.ListJobsRequest(), timeout=self.timeout_s)).jobs)
@@ -91,7 +94,10 @@ class EnvfleetClient:
         return list(r.environments)
 
     async def describe_env(self, name: str) -> pb.EnvironmentInfo:
-        return await self.env_stub.Describe(pb.DescribeEnvironmentRequest(name=name), timeout=self.timeout_s)
+        r: pb.EnvironmentInfo = await self.env_stub.Describe(
+            pb.DescribeEnvironmentRequest(name=name), timeout=self.timeout_s
+        )
+        return r
 
     async def ack(self, job_id: str, up_to: int = 0, ids: Sequence[str] = ()) -> int:
         """Ack everything up to a seq, and/or rollouts by id."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from environments.base import Environment, Task
 from orchestrator.errors import EnvfleetError, InvalidRequestError
-from orchestrator.models import JobCounts, JobInfo, JobSpec, JobState, Rollout
+from orchestrator.models import JobCounts, JobInfo, JobSpec, JobState
 from orchestrator.registry import Registry
 from orchestrator.rollout.policy import OpenAIPolicy, Policy
 from orchestrator.rollout.runner import RolloutRunner, WorkItem
@@ -43,30 +43,31 @@ class Group:
 
     group_id: str
     task_id: str
-    rollouts: list[Rollout]
+    entries: list[LogEntry]
     advantages: list[float | None]
-
-    @property
-    def failed(self) -> int:
-        return sum(not r.status.scored for r in self.rollouts)
+    failed: int
 
 
 @dataclass
 class Batch:
-    """What one stream message carries: rollouts, or whole groups."""
+    """What one stream message carries: log entries (rollouts as stored), or whole groups of them.
 
-    rollouts: list[Rollout] = field(default_factory=list)
+    Entries stay in their stored JSON form: the wire edge turns them straight into messages, which keeps the
+    stream fast; `LogEntry.rollout()` gives the model when one is needed.
+    """
+
+    entries: list[LogEntry] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
 
 
-def group_advantages(rollouts: Sequence[Rollout]) -> list[float | None]:
-    """(reward - mean) / (std + 1e-6) over the scored samples; None for the failed ones (mask them)."""
-    scored = [r.reward for r in rollouts if r.status.scored and r.reward is not None]
+def group_advantages(rewards: Sequence[float | None]) -> list[float | None]:
+    """(reward - mean) / (std + 1e-6) over the scored samples (reward not None); None for the failed ones."""
+    scored = [r for r in rewards if r is not None]
     if not scored:
-        return [None] * len(rollouts)
+        return [None] * len(rewards)
     arr = np.asarray(scored, dtype=np.float64)
     mean, std = float(arr.mean()), float(arr.std())
-    return [(r.reward - mean) / (std + 1e-6) if r.status.scored and r.reward is not None else None for r in rollouts]
+    return [None if r is None else (r - mean) / (std + 1e-6) for r in rewards]
 
 
 @dataclass
@@ -330,10 +331,15 @@ def _whole_groups(entries: list[LogEntry]) -> list[LogEntry]:
 
 
 def _batch(entries: list[LogEntry], grouped: bool) -> Batch:
-    rollouts = [e.rollout() for e in entries]
     if not grouped:
-        return Batch(rollouts=rollouts)
-    groups: dict[str, list[Rollout]] = {}
-    for r in rollouts:
-        groups.setdefault(r.group_id, []).append(r)
-    return Batch(groups=[Group(g, rs[0].task_id, rs, group_advantages(rs)) for g, rs in groups.items()])
+        return Batch(entries=entries)
+    by_group: dict[str, list[LogEntry]] = {}
+    for e in entries:
+        by_group.setdefault(e.group_id, []).append(e)
+    groups = []
+    for g, members in by_group.items():
+        rollouts = [m.rollout() for m in members]
+        rewards = [r.reward if r.status.scored else None for r in rollouts]
+        failed = sum(not r.status.scored for r in rollouts)
+        groups.append(Group(g, rollouts[0].task_id, members, group_advantages(rewards), failed))
+    return Batch(groups=groups)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Callable
+import functools
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from orchestrator.rollout.runner import WorkItem
 
@@ -31,7 +33,7 @@ class JobQueue:
 class Scheduler:
     """Starts `run(item)` for queued items within the caps; call `kick()` after enqueueing."""
 
-    def __init__(self, max_in_flight: int, run: Callable[[WorkItem], Awaitable[None]]) -> None:
+    def __init__(self, max_in_flight: int, run: Callable[[WorkItem], Coroutine[Any, Any, None]]) -> None:
         self.max_in_flight = max_in_flight
         self._run = run
         self._queues: dict[str, JobQueue] = {}
@@ -90,9 +92,9 @@ class Scheduler:
                 item = q.pending.popleft()
                 task = asyncio.create_task(self._run(item), name=f"rollout {item.id}")
                 q.running[item.id] = task
-                task.add_done_callback(lambda _t, q=q, rid=item.id: self._done(q, rid))
+                task.add_done_callback(functools.partial(self._done, q, item.id))
 
-    def _done(self, q: JobQueue, rid: str) -> None:
+    def _done(self, q: JobQueue, rid: str, _task: asyncio.Task[None]) -> None:
         q.running.pop(rid, None)
         if not q.pending and not q.running:
             self._queues.pop(q.job_id, None)

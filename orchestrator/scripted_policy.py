@@ -264,10 +264,12 @@ class ScriptedServer:
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.debug("connection ended: %s: %s", type(e).__name__, e)
         finally:
-            self._connections.pop(task, None)
             writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            try:
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
+            finally:
+                self._connections.pop(task, None)  # only now: close() waits for the handlers it still lists
 
     async def _route(self, req: _Request) -> tuple[int, dict[str, Any]]:
         routes = {

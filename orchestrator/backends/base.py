@@ -267,7 +267,12 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Destroy the sandbox. Idempotent."""
+        """Destroy the sandbox and wait until it is gone. Idempotent."""
+
+    async def release(self) -> None:
+        """Give the sandbox up: it is unusable at once and destroyed in the background (the backend's close()
+        waits for that). The rollout path uses this, so a finished rollout does not wait on the engine."""
+        await self.close()
 
     async def __aenter__(self) -> Sandbox:
         return self

@@ -219,6 +219,13 @@ class DockerSandbox(Sandbox):
         await self.transport.close()
         await self._backend.destroy(self.id, self.socket_dir)
 
+    async def release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.transport.close()
+        self._backend.destroy_later(self.id, self.socket_dir)
+
 
 class DockerBackend(SandboxBackend):
     """Hardened sandboxes on a Docker engine. Use `await DockerBackend.start(config)`; `close()` destroys all."""
@@ -235,6 +242,7 @@ class DockerBackend(SandboxBackend):
             self.client = docker.from_env(**kwargs)
         self.api = self.client.api
         self._owned: dict[str, DockerSandbox] = {}
+        self._removals: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._swap_limit: bool | None = None
 
@@ -252,6 +260,17 @@ class DockerBackend(SandboxBackend):
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def _call_to_completion(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Like _call, but a cancelled caller still waits for the engine call to finish, so that whatever it
+        created is known and can be removed (a thread cannot be cancelled; its container would leak)."""
+        fut = asyncio.ensure_future(self._call(fn, *args, **kwargs))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await fut
+            raise
 
     def _labels(self, spec: SandboxSpec, socket_dir: Path) -> dict[str, str]:
         o = self.owner
@@ -300,7 +319,7 @@ class DockerBackend(SandboxBackend):
         os.chown(socket_dir, uid, gid)
         cid: str | None = None
         try:
-            created = await self._call(
+            created = await self._call_to_completion(
                 self.api.create_container,
                 spec.image,
                 command=ENVD_COMMAND if use_envd else ["sleep", "infinity"],
@@ -316,7 +335,7 @@ class DockerBackend(SandboxBackend):
             warnings = [w for w in created.get("Warnings") or [] if any(k in w.lower() for k in LIMIT_WARNING_WORDS)]
             if warnings:
                 raise LimitNotAppliedError(f"the engine could not apply a limit: {'; '.join(warnings)}")
-            await self._call(self.api.start, cid)
+            await self._call_to_completion(self.api.start, cid)
             transport: Transport
             if use_envd:
                 transport = EnvdTransport(str(socket_dir / "envd.sock"), token)
@@ -326,7 +345,7 @@ class DockerBackend(SandboxBackend):
 
                 transport = DockerExecTransport(self, cid, spec)
         except BaseException as e:
-            await self._discard(cid, socket_dir)
+            await self._discard(cid or name, socket_dir)
             if isinstance(e, docker.errors.ImageNotFound):
                 raise SandboxCreateError(f"image {spec.image!r} not found; build it first") from e
             if isinstance(e, docker.errors.APIError):
@@ -339,7 +358,8 @@ class DockerBackend(SandboxBackend):
     async def _wait_ready(self, cid: str, name: str, transport: Transport, sock: Path, deadline_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_s
-        next_state_check = loop.time() + 0.5
+        # the engine is asked about the container only now and then: under load, extra inspects slow every create
+        next_state_check = loop.time() + 1.0
         delay = 0.002
         while True:
             if sock.exists() and await transport.health(timeout=max(0.05, min(2.0, deadline - loop.time()))):
@@ -352,7 +372,7 @@ class DockerBackend(SandboxBackend):
                     f"sandbox {name}: envd did not become healthy within {deadline_s:g}s; last log lines:\n{tail}"
                 )
             if now >= next_state_check:
-                next_state_check = now + 0.5
+                next_state_check = now + 1.0
                 st = await self.state_of(cid)
                 if not st.running:
                     await transport.close()
@@ -378,6 +398,12 @@ class DockerBackend(SandboxBackend):
             oom_killed=bool(st.get("OOMKilled")),
             error=st.get("Error") or "",
         )
+
+    def destroy_later(self, cid: str, socket_dir: Path) -> None:
+        """Destroy in the background; close() waits for every such removal."""
+        task = asyncio.create_task(self.destroy(cid, socket_dir), name=f"destroy {cid[:12]}")
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
 
     async def destroy(self, cid: str, socket_dir: Path) -> None:
         """Remove a container (force) and its socket directory."""
@@ -462,5 +488,6 @@ class DockerBackend(SandboxBackend):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await asyncio.gather(*(s.close() for s in list(self._owned.values())), return_exceptions=True)
+        await asyncio.gather(*list(self._removals), return_exceptions=True)
         self._pool.shutdown(wait=False)
         self.client.close()

@@ -135,8 +135,11 @@ class Policy(abc.ABC):
 class _Retryable(Exception):
     """An attempt failed in a way worth retrying; carries the error to raise when the retries run out."""
 
-    def __init__(self, error: PolicyError, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, error: PolicyError, retry_after_s: float | None = None, cause: BaseException | None = None
+    ) -> None:
         super().__init__(str(error))
+        error.__cause__ = cause
         self.error = error
         self.retry_after_s = retry_after_s
 
@@ -225,6 +228,7 @@ class OpenAIPolicy(Policy):
                 data = await self._attempt(body, headers)
             except _Retryable as r:
                 if attempt + 1 >= attempts:
+                    r.error.args = (f"{r.error} (attempt {attempt + 1} of {attempts})",)
                     raise r.error from r.error.__cause__
                 delay = self._backoff(attempt, r.retry_after_s)
                 log.warning(
@@ -243,26 +247,23 @@ class OpenAIPolicy(Policy):
 
     async def _attempt(self, body: dict[str, Any], headers: dict[str, str]) -> Any:
         timeout_s = self.endpoint.request_timeout_s
+        i = self._pick_client()
+        self._inflight[i] += 1
         try:
             # httpx's timeouts bound each phase; this bounds the whole attempt, a slow trickle included
-            i = self._pick_client()
-            self._inflight[i] += 1
-            try:
-                async with asyncio.timeout(timeout_s):
-                    resp = await self._clients[i].post(self._url, json=body, headers=headers)
-            finally:
-                if i < len(self._inflight):  # aclose may have emptied the list meanwhile
-                    self._inflight[i] -= 1
+            async with asyncio.timeout(timeout_s):
+                resp = await self._clients[i].post(self._url, json=body, headers=headers)
         except (TimeoutError, httpx.TimeoutException) as e:
-            err = PolicyTimeoutError(f"policy server {self._url} did not answer within {timeout_s:g}s")
-            err.__cause__ = e
-            raise _Retryable(err) from e
+            msg = f"policy server {self._url} did not answer within {timeout_s:g}s"
+            raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
         except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
-            err2 = PolicyConnectionError(f"policy server {self._url} unreachable: {type(e).__name__}: {e}")
-            err2.__cause__ = e
-            raise _Retryable(err2) from e
+            msg = f"policy server {self._url} unreachable: {type(e).__name__}: {e}"
+            raise _Retryable(PolicyConnectionError(msg), cause=e) from e
         except httpx.HTTPError as e:
             raise PolicyError(f"request to policy server {self._url} failed: {type(e).__name__}: {e}") from e
+        finally:
+            if i < len(self._inflight):  # aclose may have emptied the list meanwhile
+                self._inflight[i] -= 1
 
         if resp.is_success:
             try:

@@ -7,7 +7,9 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import docker
 
@@ -31,6 +33,7 @@ from orchestrator.rollout.loop import run_episode
 from orchestrator.rollout.policy import Policy, PolicyError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The same task and sample always see the same environment variables and seed.
 DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LC_ALL": "C.UTF-8"}
@@ -192,8 +195,12 @@ class RolloutRunner:
             )
         finally:
             if sandbox is not None:
+                # a finished rollout hands the sandbox to background destruction; a cancelled one (CancelJob)
+                # waits until it is gone, so cancelling stops the job's sandboxes before it returns
+                task = asyncio.current_task()
+                cancelled = task is not None and task.cancelling() > 0
                 try:
-                    await asyncio.shield(sandbox.close())
+                    await asyncio.shield(sandbox.close() if cancelled else sandbox.release())
                 except Exception:
                     log.exception("could not destroy sandbox of %s", item.id)
         timing.total = time.monotonic() - t_start
@@ -215,7 +222,7 @@ class _EnvBroken(EnvfleetError):
     """The environment's own code failed (setup, scoring, image): ENV_ERROR, not retried."""
 
 
-async def _env_call(coro):  # type: ignore[no-untyped-def]
+async def _env_call(coro: Awaitable[T]) -> T:
     """Await environment code; its failures (other than sandbox and policy ones) mean the environment is broken."""
     try:
         return await coro

@@ -11,7 +11,19 @@ from environments.base import Environment
 from environments.tools import get_tools
 from orchestrator.errors import InvalidRequestError
 from orchestrator.jobs import Batch
-from orchestrator.models import JobInfo, JobSpec, Rollout, RolloutStatus
+from orchestrator.models import (
+    JobInfo,
+    JobSpec,
+    Provenance,
+    Rollout,
+    RolloutError,
+    RolloutStatus,
+    Timing,
+    Tokens,
+    ToolCallRecord,
+    Turn,
+)
+from orchestrator.store import LogEntry
 from protos import orchestrator_pb2 as pb
 
 _KIND = {pb.TaskSelection.KIND_ALL: "all", pb.TaskSelection.KIND_IDS: "ids", pb.TaskSelection.KIND_SAMPLE: "sample"}
@@ -70,100 +82,74 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         raise InvalidRequestError(f"invalid job spec: {validation_message(e)}") from None
 
 
-def rollout_to_pb(r: Rollout, advantage: float | None = None) -> pb.Rollout:
-    """The wire form of a rollout."""
-    m = pb.Rollout(
-        id=r.id,
-        job_id=r.job_id,
-        env=r.env,
-        task_id=r.task_id,
-        group_id=r.group_id,
-        sample_index=r.sample_index,
-        policy_version=r.policy_version,
-        status=_STATUS_PB[r.status],
-        reward_components=r.reward_components,
-        metrics=r.metrics,
-        turns=[
-            pb.Turn(
-                role=t.role,
-                text=t.text,
-                tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in t.tool_calls],
-                tool_call_id=t.tool_call_id,
-                name=t.name,
-            )
-            for t in r.turns
-        ],
-        tokens=pb.Tokens(
-            status=r.tokens.status,
-            prompt_ids=r.tokens.prompt_ids,
-            completion_ids=r.tokens.completion_ids,
-            completion_mask=r.tokens.completion_mask,
-            completion_logprobs=r.tokens.completion_logprobs,
-        ),
-        timing=pb.Timing(**r.timing.model_dump()),
-        provenance=pb.Provenance(**r.provenance.model_dump()),
-        attempts=r.attempts,
-        seq=r.seq,
-    )
-    if r.reward is not None:
-        m.reward = r.reward
-    if r.error is not None:
-        m.error.kind, m.error.message = r.error.kind, r.error.message
+def entry_to_pb(entry: LogEntry, advantage: float | None = None) -> pb.Rollout:
+    """A stored rollout (its JSON) straight into a message: the model's field names are the message's."""
+    d = json.loads(entry.payload)
+    if d.get("reward") is None:
+        d.pop("reward", None)
+    if d.get("error") is None:
+        d.pop("error", None)
+    m = pb.Rollout(**d, seq=entry.seq)
     if advantage is not None:
         m.advantage = advantage
     return m
 
 
 def rollout_from_pb(m: pb.Rollout) -> Rollout:
-    """The model of a wire rollout (the client's edge)."""
-    return Rollout.model_validate(
-        {
-            "id": m.id,
-            "job_id": m.job_id,
-            "env": m.env,
-            "task_id": m.task_id,
-            "group_id": m.group_id,
-            "sample_index": m.sample_index,
-            "policy_version": m.policy_version,
-            "status": _STATUS_MODEL[m.status],
-            "reward": m.reward if m.HasField("reward") else None,
-            "reward_components": dict(m.reward_components),
-            "metrics": dict(m.metrics),
-            "turns": [
-                {
-                    "role": t.role,
-                    "text": t.text,
-                    "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in t.tool_calls],
-                    "tool_call_id": t.tool_call_id,
-                    "name": t.name,
-                }
-                for t in m.turns
-            ],
-            "tokens": {
-                "status": m.tokens.status or "missing",
-                "prompt_ids": list(m.tokens.prompt_ids),
-                "completion_ids": list(m.tokens.completion_ids),
-                "completion_mask": list(m.tokens.completion_mask),
-                "completion_logprobs": list(m.tokens.completion_logprobs),
-            },
-            "timing": {f: getattr(m.timing, f) for f in pb.Timing.DESCRIPTOR.fields_by_name},
-            "provenance": {f: getattr(m.provenance, f) for f in pb.Provenance.DESCRIPTOR.fields_by_name},
-            "error": {"kind": m.error.kind, "message": m.error.message} if m.HasField("error") else None,
-            "attempts": m.attempts,
-            "seq": m.seq,
-        }
+    """The model of a wire rollout (the client's edge). The server validated it when it was stored."""
+    t = m.tokens
+    return Rollout.model_construct(
+        id=m.id,
+        job_id=m.job_id,
+        env=m.env,
+        task_id=m.task_id,
+        group_id=m.group_id,
+        sample_index=m.sample_index,
+        policy_version=m.policy_version,
+        status=_STATUS_MODEL[m.status],
+        reward=m.reward if m.HasField("reward") else None,
+        reward_components=dict(m.reward_components),
+        metrics=dict(m.metrics),
+        turns=[
+            Turn.model_construct(
+                role=x.role,  # type: ignore[arg-type]  # validated when stored
+                text=x.text,
+                tool_calls=[
+                    ToolCallRecord.model_construct(id=c.id, name=c.name, arguments=c.arguments) for c in x.tool_calls
+                ],
+                tool_call_id=x.tool_call_id,
+                name=x.name,
+            )
+            for x in m.turns
+        ],
+        tokens=Tokens.model_construct(
+            status=t.status or "missing",  # type: ignore[arg-type]
+            prompt_ids=list(t.prompt_ids),
+            completion_ids=list(t.completion_ids),
+            completion_mask=list(t.completion_mask),
+            completion_logprobs=list(t.completion_logprobs),
+        ),
+        timing=Timing.model_construct(**{f: getattr(m.timing, f) for f in _TIMING_FIELDS}),
+        provenance=Provenance.model_construct(**{f: getattr(m.provenance, f) for f in _PROVENANCE_FIELDS}),
+        error=RolloutError.model_construct(kind=m.error.kind, message=m.error.message) if m.HasField("error") else None,
+        attempts=m.attempts,
+        seq=m.seq,
     )
+
+
+_TIMING_FIELDS = tuple(Timing.model_fields)
+_PROVENANCE_FIELDS = tuple(Provenance.model_fields)
 
 
 def batch_to_pb(b: Batch) -> pb.RolloutBatch:
     """One stream message."""
     return pb.RolloutBatch(
-        rollouts=[rollout_to_pb(r) for r in b.rollouts],
+        rollouts=[entry_to_pb(e) for e in b.entries],
         groups=[
             pb.Group(
                 group_id=g.group_id,
                 task_id=g.task_id,
-                rollouts=[rollout_to_pb(r, a) for r, a in zip(g.rollouts, g.advantages, strict=True)],
+                rollouts=[entry_to_pb(e, a) for e, a in zip(g.entries, g.advantages, strict=True)],
                 failed=g.failed,
             )
             for g in b.groups

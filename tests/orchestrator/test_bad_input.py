@@ -32,7 +32,11 @@ def spec(**kw: object) -> pb.JobSpec:
         (spec(env="python-tol"), grpc.StatusCode.NOT_FOUND, "did you mean python-tool"),
         (spec(env="python-tool@9"), grpc.StatusCode.NOT_FOUND, "has no version '9'"),
         (spec(env=""), grpc.StatusCode.INVALID_ARGUMENT, "env: String should have at least 1 character"),
-        (spec(group_size=-1), grpc.StatusCode.INVALID_ARGUMENT, "group_size: Input should be greater than or equal to 1"),
+        (
+            spec(group_size=-1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "group_size: Input should be greater than or equal to 1",
+        ),
         (spec(group_size=100000), grpc.StatusCode.INVALID_ARGUMENT, "group_size: Input should be less than or equal"),
         (spec(rollout_timeout_s=1e12), grpc.StatusCode.INVALID_ARGUMENT, "rollout_timeout_s"),
         (spec(rollout_timeout_s=-5), grpc.StatusCode.INVALID_ARGUMENT, "rollout_timeout_s"),
@@ -95,7 +99,9 @@ async def test_bad_arguments_of_other_calls(client: EnvfleetClient) -> None:
 async def test_oversized_message_is_refused_and_server_stays_healthy(
     client: EnvfleetClient, orchestrator: Orchestrator
 ) -> None:
-    huge = pb.JobSpec(env="python-tool", tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["x" * (1 << 20)] * 70))
+    huge = pb.JobSpec(
+        env="python-tool", tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["x" * (1 << 20)] * 70)
+    )
     # a raw channel with no send limit of its own: the server's 64 MiB limit is what refuses it
     async with grpc.aio.insecure_channel(orchestrator.address) as raw:
         with pytest.raises(grpc.aio.AioRpcError) as e:

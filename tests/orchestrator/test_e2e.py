@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import docker
 import grpc
 import pytest
 
 from orchestrator.client import EnvfleetClient
-from orchestrator.models import RolloutStatus
+from orchestrator.models import Rollout, RolloutStatus
 from orchestrator.registry import Registry
 from orchestrator.rollout import toy_tokenizer as toy
 from orchestrator.rollout.scripts import reference_script
@@ -56,7 +57,9 @@ async def test_job_streams_scored_groups_with_exact_tokens(
     assert dict(info.by_status) == {"OK": 6}
 
 
-async def test_wrong_answers_score_zero_and_stay_ok(client: EnvfleetClient, task_ids: list[str], registry: Registry) -> None:
+async def test_wrong_answers_score_zero_and_stay_ok(
+    client: EnvfleetClient, task_ids: list[str], registry: Registry
+) -> None:
     server = await start_scripted_server(reference_script(registry.get(ENV), mode="wrong"))
     try:
         job_id = await client.submit(job(server.url, task_ids[:2]))
@@ -93,15 +96,15 @@ async def test_container_killed_from_outside_is_infra_error_then_retried(
     server = await start_scripted_server(script)
     try:
         job_id = await client.submit(job(server.url, task_ids[:1], max_infra_retries=2))
-        flt = {"label": [f"envfleet.job={job_id}"]}
+        flt = {"label": [f"envfleet.job={job_id}"], "status": ["running"]}
         for _ in range(200):
-            running = docker_client.containers.list(filters=flt)
+            running = docker_client.api.containers(filters=flt)
             if running:
                 break
             await asyncio.sleep(0.05)
         assert running, "the rollout's sandbox never appeared"
         await asyncio.sleep(0.3)
-        running[0].kill()
+        docker_client.api.kill(running[0]["Id"])
         (r,) = [r async for r in client.rollouts(job_id)]
     finally:
         await server.close()
@@ -118,16 +121,21 @@ async def test_infra_error_after_the_retry_budget_is_not_a_reward(
     try:
         job_id = await client.submit(job(server.url, task_ids[:1], max_infra_retries=0))
         stream = client.rollouts(job_id)
-        collector = asyncio.create_task(anext(stream))
+
+        async def first() -> Rollout:
+            return await anext(stream)
+
+        collector = asyncio.create_task(first())
         while not collector.done():
-            for c in docker_client.containers.list(filters={"label": [f"envfleet.job={job_id}"]}):
-                if c.id not in killed:
-                    killed.add(c.id)
+            for c in docker_client.api.containers(filters={"label": [f"envfleet.job={job_id}"]}):
+                if c["Id"] not in killed:
+                    killed.add(c["Id"])
                     await asyncio.sleep(0.2)
-                    c.kill()
+                    with contextlib.suppress(docker.errors.APIError):
+                        docker_client.api.kill(c["Id"])
             await asyncio.sleep(0.05)
         r = collector.result()
-        await stream.aclose()
+        await stream.aclose()  # type: ignore[attr-defined]
     finally:
         await server.close()
     assert r.status == RolloutStatus.INFRA_ERROR and r.reward is None and r.attempts == 1
@@ -149,8 +157,12 @@ async def test_update_policy_and_cancel(
             await asyncio.sleep(0.1)
         cancelled = await client.cancel_job(job_id)
         assert cancelled.state == "CANCELLED"
-        await asyncio.sleep(0.5)
-        assert docker_client.containers.list(all=True, filters={"label": [f"envfleet.job={job_id}"]}) == []
+        # cancelling waits for the running rollouts' sandboxes; finished ones may still be going in the background
+        for _ in range(100):
+            if not docker_client.api.containers(all=True, filters={"label": [f"envfleet.job={job_id}"]}):
+                break
+            await asyncio.sleep(0.05)
+        assert docker_client.api.containers(all=True, filters={"label": [f"envfleet.job={job_id}"]}) == []
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.update_policy(job_id, "v3")
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -161,7 +161,7 @@ async def test_retries_429(server: ScriptedServer, make_policy: PolicyFactory) -
 
 async def test_always_500_fails_after_the_retries(server: ScriptedServer, make_policy: PolicyFactory) -> None:
     policy = make_policy(server.url, max_retries=2)
-    with pytest.raises(PolicyHTTPError, match=r"HTTP 500.*scripted fault") as e:
+    with pytest.raises(PolicyHTTPError, match=r"HTTP 500.*scripted fault.*\(attempt 3 of 3\)$") as e:
         await policy.complete(MESSAGES, [], Sampling(), user="j:broken:0")
     assert e.value.status == 500
     assert isinstance(e.value, PolicyError) and isinstance(e.value, EnvfleetError)
