@@ -111,6 +111,8 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     from orchestrator.registry import Registry
 
     registry = Registry.from_entry_points()
+    if args.envs_command == "validate":
+        return asyncio.run(_validate_env(registry.get(args.name), args.limit))
     if args.envs_command == "describe":
         r = registry.lookup(args.name)
         env = r.env
@@ -126,6 +128,25 @@ def _cmd_envs(args: argparse.Namespace) -> int:
         table.add_row(r.env.ref(), str(len(r.env.tasks())), ", ".join(r.env.tools), r.source)
     console.print(table)
     return 0
+
+
+async def _validate_env(env: object, limit: int | None) -> int:
+    from environments.base import Environment
+    from environments.checker import check_environment
+    from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
+    from orchestrator.rollout.runner import ImageResolver
+
+    assert isinstance(env, Environment)
+    backend = await DockerBackend.start(DockerBackendConfig(owner="envfleet-validate"))
+    try:
+        report = await check_environment(env, backend, ImageResolver(backend.client), limit=limit)
+    finally:
+        await backend.close()
+    for p in report.problems:
+        console.print(f"[red]problem[/red] {p}")
+    verdict = "[green]ok[/green]" if report.ok else f"[red]{len(report.problems)} problem(s)[/red]"
+    console.print(f"{report.env}: {verdict}; {report.tasks_checked} tasks checked in {report.seconds:.1f}s")
+    return 0 if report.ok else 1
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
@@ -199,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     describe = envs.add_parser("describe")
     describe.add_argument("name", help="name or name@version")
     describe.set_defaults(fn=_cmd_envs)
+    validate = envs.add_parser("validate", help="build, load and check an environment on real sandboxes")
+    validate.add_argument("name", help="name or name@version")
+    validate.add_argument("--limit", type=int, default=None, help="check only the first N tasks")
+    validate.set_defaults(fn=_cmd_envs)
 
     rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
     rollout.add_argument("--env", required=True)
