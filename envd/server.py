@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from envd import files
 from envd.errors import EnvdError, InvalidRequestError, NotFoundError, PathError, SymlinkRefusedError
 from envd.process import Command, Ended, Output, ProcessRunner, Started
+from envd.reset import reset_sandbox
 from protos import envd_pb2 as pb
 from protos import envd_pb2_grpc as pb_grpc
 
@@ -210,6 +211,16 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
     async def Signal(self, request: pb.SignalRequest, context: grpc.aio.ServicerContext) -> pb.SignalResponse:
         self._runner.signal(request.pid, request.signal)
         return pb.SignalResponse()
+
+    @maps_errors
+    async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetResponse:
+        seed = request.workspace_seed
+        if seed and (not os.path.isabs(seed) or not os.path.isdir(seed)):
+            raise InvalidRequestError(f"workspace_seed {seed!r} is not an absolute path to a directory")
+        socket_dir, socket_name = os.path.split(self._cfg.socket_path)
+        r = await asyncio.to_thread(reset_sandbox, self._cfg.workspace, socket_dir, socket_name, seed)
+        self._runner.running.clear()
+        return pb.ResetResponse(ok=r.ok, detail=r.detail, killed=r.killed, duration_s=r.duration_s)
 
 
 def _info_pb(e: files.Entry) -> pb.FileInfo:

@@ -106,6 +106,10 @@ class Environment(abc.ABC):
     max_turns: ClassVar[int] = 16
     tool_timeout_s: ClassVar[float] = 60.0
     rubric: ClassVar[Rubric]
+    # Reusable sandboxes are reset in place between rollouts instead of destroyed (see orchestrator/backends/pool.py);
+    # the workspace is then restored from `workspace_seed`, a directory in the image (empty: an empty workspace).
+    reusable: ClassVar[bool] = False
+    workspace_seed: ClassVar[str] = ""
 
     def image_spec(self) -> ImageSpec | None:
         """The image to build FROM the base image, or None to use the base image as it is."""

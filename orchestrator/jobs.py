@@ -17,6 +17,7 @@ import numpy as np
 
 from environments.base import Environment, Task
 from orchestrator.errors import EnvfleetError, InvalidRequestError
+from orchestrator.metrics import Metrics
 from orchestrator.models import JobCounts, JobInfo, JobSpec, JobState
 from orchestrator.registry import Registry
 from orchestrator.rollout.policy import OpenAIPolicy, Policy
@@ -122,7 +123,15 @@ def select_tasks(env: Environment, spec: JobSpec) -> list[Task]:
 class JobManager:
     """Owns the jobs of one orchestrator. Start with `await JobManager.start(...)`."""
 
-    def __init__(self, store: ResultStore, registry: Registry, runner: RolloutRunner, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        store: ResultStore,
+        registry: Registry,
+        runner: RolloutRunner,
+        max_in_flight: int,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.metrics = metrics or Metrics()
         self.store = store
         self.registry = registry
         self.runner = runner
@@ -132,10 +141,15 @@ class JobManager:
 
     @classmethod
     async def start(
-        cls, store: ResultStore, registry: Registry, runner: RolloutRunner, max_in_flight: int = 64
+        cls,
+        store: ResultStore,
+        registry: Registry,
+        runner: RolloutRunner,
+        max_in_flight: int = 64,
+        metrics: Metrics | None = None,
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store."""
-        mgr = cls(store, registry, runner, max_in_flight)
+        mgr = cls(store, registry, runner, max_in_flight, metrics)
         mgr.scheduler.start()
         await mgr._resume()
         return mgr
@@ -199,7 +213,13 @@ class JobManager:
         if job.state == JobState.QUEUED:
             job.state = JobState.RUNNING
             await self.store.set_job_state(job.job_id, JobState.RUNNING)
-        rollout = await self.runner.run(item, job.env, job.spec, job.policy, job.spec.policy.version)
+        self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
+        self._gauge()
+        try:
+            rollout = await self.runner.run(item, job.env, job.spec, job.policy, job.spec.policy.version)
+        finally:
+            self._gauge(-1)
+        self.metrics.rollouts.labels(rollout.status.value).inc()
         if job.state == JobState.CANCELLED:
             return
         grouped = job.spec.deliver_groups
@@ -213,6 +233,10 @@ class JobManager:
         if job.done >= job.total:
             await self._finish(job, JobState.COMPLETED)
         job.notify()
+
+    def _gauge(self, leaving: int = 0) -> None:
+        self.metrics.queue_depth.set(self.scheduler.queue_depth)
+        self.metrics.in_flight.set(self.scheduler.in_flight + leaving)
 
     async def _finish(self, job: _Job, state: JobState) -> None:
         job.state = state

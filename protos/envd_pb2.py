@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/envd.proto\x12\x10\x65nvfleet.envd.v1\"\x14\n\x04\x41rgv\x12\x0c\n\x04\x61rgs\x18\x01 \x03(\t\"\x81\x02\n\x0eProcessRequest\x12&\n\x04\x61rgv\x18\x01 \x01(\x0b\x32\x16.envfleet.envd.v1.ArgvH\x00\x12\x0f\n\x05shell\x18\x02 \x01(\tH\x00\x12\x0b\n\x03\x63wd\x18\x03 \x01(\t\x12\x36\n\x03\x65nv\x18\x04 \x03(\x0b\x32).envfleet.envd.v1.ProcessRequest.EnvEntry\x12\r\n\x05stdin\x18\x05 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x18\n\x10max_output_bytes\x18\x07 \x01(\x03\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"\x16\n\x07Started\x12\x0b\n\x03pid\x18\x01 \x01(\x05\"x\n\x05\x45nded\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0e\n\x06signal\x18\x02 \x01(\x05\x12\x11\n\ttimed_out\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12\x12\n\noom_killed\x18\x05 \x01(\x08\x12\x12\n\nduration_s\x18\x06 \x01(\x01\"\x93\x01\n\x0cProcessEvent\x12,\n\x07started\x18\x01 \x01(\x0b\x32\x19.envfleet.envd.v1.StartedH\x00\x12\x10\n\x06stdout\x18\x02 \x01(\x0cH\x00\x12\x10\n\x06stderr\x18\x03 \x01(\x0cH\x00\x12(\n\x05\x65nded\x18\x04 \x01(\x0b\x32\x17.envfleet.envd.v1.EndedH\x00\x42\x07\n\x05\x65vent\"`\n\tRunResult\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06stdout\x18\x02 \x01(\x0c\x12\x0e\n\x06stderr\x18\x03 \x01(\x0c\x12&\n\x05\x65nded\x18\x04 \x01(\x0b\x32\x17.envfleet.envd.v1.Ended\",\n\rSignalRequest\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06signal\x18\x02 \x01(\x05\"\x10\n\x0eSignalResponse\"2\n\x0fReadFileRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\tmax_bytes\x18\x02 \x01(\x03\"6\n\x10ReadFileResponse\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\x0c\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"U\n\x10WriteFileRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\x12\x0c\n\x04mode\x18\x03 \x01(\r\x12\x14\n\x0cmake_parents\x18\x04 \x01(\x08\"\x13\n\x11WriteFileResponse\"\x1e\n\x0eListDirRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x90\x01\n\x08\x46ileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12(\n\x04kind\x18\x03 \x01(\x0e\x32\x1a.envfleet.envd.v1.FileKind\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\r\x12\r\n\x05mtime\x18\x06 \x01(\x01\x12\x13\n\x0blink_target\x18\x07 \x01(\t\">\n\x0fListDirResponse\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.envfleet.envd.v1.FileInfo\"\x1b\n\x0bStatRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\":\n\x0bUploadChunk\x12\x12\n\x08\x64\x65st_dir\x18\x01 \x01(\tH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x63hunk\"\x1f\n\x0eUploadResponse\x12\r\n\x05\x66iles\x18\x01 \x01(\x05\"\x1f\n\x0f\x44ownloadRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x19\n\tDataChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*x\n\x08\x46ileKind\x12\x19\n\x15\x46ILE_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x46ILE_KIND_FILE\x10\x01\x12\x11\n\rFILE_KIND_DIR\x10\x02\x12\x15\n\x11\x46ILE_KIND_SYMLINK\x10\x03\x12\x13\n\x0f\x46ILE_KIND_OTHER\x10\x04\x32\xe9\x01\n\x07Process\x12K\n\x05Start\x12 .envfleet.envd.v1.ProcessRequest\x1a\x1e.envfleet.envd.v1.ProcessEvent0\x01\x12\x44\n\x03Run\x12 .envfleet.envd.v1.ProcessRequest\x1a\x1b.envfleet.envd.v1.RunResult\x12K\n\x06Signal\x12\x1f.envfleet.envd.v1.SignalRequest\x1a .envfleet.envd.v1.SignalResponse2\xe3\x03\n\nFilesystem\x12Q\n\x08ReadFile\x12!.envfleet.envd.v1.ReadFileRequest\x1a\".envfleet.envd.v1.ReadFileResponse\x12T\n\tWriteFile\x12\".envfleet.envd.v1.WriteFileRequest\x1a#.envfleet.envd.v1.WriteFileResponse\x12N\n\x07ListDir\x12 .envfleet.envd.v1.ListDirRequest\x1a!.envfleet.envd.v1.ListDirResponse\x12\x41\n\x04Stat\x12\x1d.envfleet.envd.v1.StatRequest\x1a\x1a.envfleet.envd.v1.FileInfo\x12K\n\x06Upload\x12\x1d.envfleet.envd.v1.UploadChunk\x1a .envfleet.envd.v1.UploadResponse(\x01\x12L\n\x08\x44ownload\x12!.envfleet.envd.v1.DownloadRequest\x1a\x1b.envfleet.envd.v1.DataChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/envd.proto\x12\x10\x65nvfleet.envd.v1\"\x14\n\x04\x41rgv\x12\x0c\n\x04\x61rgs\x18\x01 \x03(\t\"\x81\x02\n\x0eProcessRequest\x12&\n\x04\x61rgv\x18\x01 \x01(\x0b\x32\x16.envfleet.envd.v1.ArgvH\x00\x12\x0f\n\x05shell\x18\x02 \x01(\tH\x00\x12\x0b\n\x03\x63wd\x18\x03 \x01(\t\x12\x36\n\x03\x65nv\x18\x04 \x03(\x0b\x32).envfleet.envd.v1.ProcessRequest.EnvEntry\x12\r\n\x05stdin\x18\x05 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x18\n\x10max_output_bytes\x18\x07 \x01(\x03\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"\x16\n\x07Started\x12\x0b\n\x03pid\x18\x01 \x01(\x05\"x\n\x05\x45nded\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0e\n\x06signal\x18\x02 \x01(\x05\x12\x11\n\ttimed_out\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12\x12\n\noom_killed\x18\x05 \x01(\x08\x12\x12\n\nduration_s\x18\x06 \x01(\x01\"\x93\x01\n\x0cProcessEvent\x12,\n\x07started\x18\x01 \x01(\x0b\x32\x19.envfleet.envd.v1.StartedH\x00\x12\x10\n\x06stdout\x18\x02 \x01(\x0cH\x00\x12\x10\n\x06stderr\x18\x03 \x01(\x0cH\x00\x12(\n\x05\x65nded\x18\x04 \x01(\x0b\x32\x17.envfleet.envd.v1.EndedH\x00\x42\x07\n\x05\x65vent\"`\n\tRunResult\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06stdout\x18\x02 \x01(\x0c\x12\x0e\n\x06stderr\x18\x03 \x01(\x0c\x12&\n\x05\x65nded\x18\x04 \x01(\x0b\x32\x17.envfleet.envd.v1.Ended\",\n\rSignalRequest\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x0e\n\x06signal\x18\x02 \x01(\x05\"\x10\n\x0eSignalResponse\"&\n\x0cResetRequest\x12\x16\n\x0eworkspace_seed\x18\x01 \x01(\t\"O\n\rResetResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0e\n\x06killed\x18\x03 \x01(\x05\x12\x12\n\nduration_s\x18\x04 \x01(\x01\"2\n\x0fReadFileRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\tmax_bytes\x18\x02 \x01(\x03\"6\n\x10ReadFileResponse\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\x0c\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"U\n\x10WriteFileRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\x12\x0c\n\x04mode\x18\x03 \x01(\r\x12\x14\n\x0cmake_parents\x18\x04 \x01(\x08\"\x13\n\x11WriteFileResponse\"\x1e\n\x0eListDirRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x90\x01\n\x08\x46ileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12(\n\x04kind\x18\x03 \x01(\x0e\x32\x1a.envfleet.envd.v1.FileKind\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\r\x12\r\n\x05mtime\x18\x06 \x01(\x01\x12\x13\n\x0blink_target\x18\x07 \x01(\t\">\n\x0fListDirResponse\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.envfleet.envd.v1.FileInfo\"\x1b\n\x0bStatRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\":\n\x0bUploadChunk\x12\x12\n\x08\x64\x65st_dir\x18\x01 \x01(\tH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x63hunk\"\x1f\n\x0eUploadResponse\x12\r\n\x05\x66iles\x18\x01 \x01(\x05\"\x1f\n\x0f\x44ownloadRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x19\n\tDataChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*x\n\x08\x46ileKind\x12\x19\n\x15\x46ILE_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x46ILE_KIND_FILE\x10\x01\x12\x11\n\rFILE_KIND_DIR\x10\x02\x12\x15\n\x11\x46ILE_KIND_SYMLINK\x10\x03\x12\x13\n\x0f\x46ILE_KIND_OTHER\x10\x04\x32\xb3\x02\n\x07Process\x12K\n\x05Start\x12 .envfleet.envd.v1.ProcessRequest\x1a\x1e.envfleet.envd.v1.ProcessEvent0\x01\x12\x44\n\x03Run\x12 .envfleet.envd.v1.ProcessRequest\x1a\x1b.envfleet.envd.v1.RunResult\x12K\n\x06Signal\x12\x1f.envfleet.envd.v1.SignalRequest\x1a .envfleet.envd.v1.SignalResponse\x12H\n\x05Reset\x12\x1e.envfleet.envd.v1.ResetRequest\x1a\x1f.envfleet.envd.v1.ResetResponse2\xe3\x03\n\nFilesystem\x12Q\n\x08ReadFile\x12!.envfleet.envd.v1.ReadFileRequest\x1a\".envfleet.envd.v1.ReadFileResponse\x12T\n\tWriteFile\x12\".envfleet.envd.v1.WriteFileRequest\x1a#.envfleet.envd.v1.WriteFileResponse\x12N\n\x07ListDir\x12 .envfleet.envd.v1.ListDirRequest\x1a!.envfleet.envd.v1.ListDirResponse\x12\x41\n\x04Stat\x12\x1d.envfleet.envd.v1.StatRequest\x1a\x1a.envfleet.envd.v1.FileInfo\x12K\n\x06Upload\x12\x1d.envfleet.envd.v1.UploadChunk\x1a .envfleet.envd.v1.UploadResponse(\x01\x12L\n\x08\x44ownload\x12!.envfleet.envd.v1.DownloadRequest\x1a\x1b.envfleet.envd.v1.DataChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROCESSREQUEST_ENVENTRY']._loaded_options = None
   _globals['_PROCESSREQUEST_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_FILEKIND']._serialized_start=1420
-  _globals['_FILEKIND']._serialized_end=1540
+  _globals['_FILEKIND']._serialized_start=1541
+  _globals['_FILEKIND']._serialized_end=1661
   _globals['_ARGV']._serialized_start=39
   _globals['_ARGV']._serialized_end=59
   _globals['_PROCESSREQUEST']._serialized_start=62
@@ -53,32 +53,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SIGNALREQUEST']._serialized_end=759
   _globals['_SIGNALRESPONSE']._serialized_start=761
   _globals['_SIGNALRESPONSE']._serialized_end=777
-  _globals['_READFILEREQUEST']._serialized_start=779
-  _globals['_READFILEREQUEST']._serialized_end=829
-  _globals['_READFILERESPONSE']._serialized_start=831
-  _globals['_READFILERESPONSE']._serialized_end=885
-  _globals['_WRITEFILEREQUEST']._serialized_start=887
-  _globals['_WRITEFILEREQUEST']._serialized_end=972
-  _globals['_WRITEFILERESPONSE']._serialized_start=974
-  _globals['_WRITEFILERESPONSE']._serialized_end=993
-  _globals['_LISTDIRREQUEST']._serialized_start=995
-  _globals['_LISTDIRREQUEST']._serialized_end=1025
-  _globals['_FILEINFO']._serialized_start=1028
-  _globals['_FILEINFO']._serialized_end=1172
-  _globals['_LISTDIRRESPONSE']._serialized_start=1174
-  _globals['_LISTDIRRESPONSE']._serialized_end=1236
-  _globals['_STATREQUEST']._serialized_start=1238
-  _globals['_STATREQUEST']._serialized_end=1265
-  _globals['_UPLOADCHUNK']._serialized_start=1267
-  _globals['_UPLOADCHUNK']._serialized_end=1325
-  _globals['_UPLOADRESPONSE']._serialized_start=1327
-  _globals['_UPLOADRESPONSE']._serialized_end=1358
-  _globals['_DOWNLOADREQUEST']._serialized_start=1360
-  _globals['_DOWNLOADREQUEST']._serialized_end=1391
-  _globals['_DATACHUNK']._serialized_start=1393
-  _globals['_DATACHUNK']._serialized_end=1418
-  _globals['_PROCESS']._serialized_start=1543
-  _globals['_PROCESS']._serialized_end=1776
-  _globals['_FILESYSTEM']._serialized_start=1779
-  _globals['_FILESYSTEM']._serialized_end=2262
+  _globals['_RESETREQUEST']._serialized_start=779
+  _globals['_RESETREQUEST']._serialized_end=817
+  _globals['_RESETRESPONSE']._serialized_start=819
+  _globals['_RESETRESPONSE']._serialized_end=898
+  _globals['_READFILEREQUEST']._serialized_start=900
+  _globals['_READFILEREQUEST']._serialized_end=950
+  _globals['_READFILERESPONSE']._serialized_start=952
+  _globals['_READFILERESPONSE']._serialized_end=1006
+  _globals['_WRITEFILEREQUEST']._serialized_start=1008
+  _globals['_WRITEFILEREQUEST']._serialized_end=1093
+  _globals['_WRITEFILERESPONSE']._serialized_start=1095
+  _globals['_WRITEFILERESPONSE']._serialized_end=1114
+  _globals['_LISTDIRREQUEST']._serialized_start=1116
+  _globals['_LISTDIRREQUEST']._serialized_end=1146
+  _globals['_FILEINFO']._serialized_start=1149
+  _globals['_FILEINFO']._serialized_end=1293
+  _globals['_LISTDIRRESPONSE']._serialized_start=1295
+  _globals['_LISTDIRRESPONSE']._serialized_end=1357
+  _globals['_STATREQUEST']._serialized_start=1359
+  _globals['_STATREQUEST']._serialized_end=1386
+  _globals['_UPLOADCHUNK']._serialized_start=1388
+  _globals['_UPLOADCHUNK']._serialized_end=1446
+  _globals['_UPLOADRESPONSE']._serialized_start=1448
+  _globals['_UPLOADRESPONSE']._serialized_end=1479
+  _globals['_DOWNLOADREQUEST']._serialized_start=1481
+  _globals['_DOWNLOADREQUEST']._serialized_end=1512
+  _globals['_DATACHUNK']._serialized_start=1514
+  _globals['_DATACHUNK']._serialized_end=1539
+  _globals['_PROCESS']._serialized_start=1664
+  _globals['_PROCESS']._serialized_end=1971
+  _globals['_FILESYSTEM']._serialized_start=1974
+  _globals['_FILESYSTEM']._serialized_end=2457
 # @@protoc_insertion_point(module_scope)

@@ -109,6 +109,24 @@ class SignalResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResetRequest(_message.Message):
+    __slots__ = ("workspace_seed",)
+    WORKSPACE_SEED_FIELD_NUMBER: _ClassVar[int]
+    workspace_seed: str
+    def __init__(self, workspace_seed: _Optional[str] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("ok", "detail", "killed", "duration_s")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    KILLED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    detail: str
+    killed: int
+    duration_s: float
+    def __init__(self, ok: _Optional[bool] = ..., detail: _Optional[str] = ..., killed: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
 class ReadFileRequest(_message.Message):
     __slots__ = ("path", "max_bytes")
     PATH_FIELD_NUMBER: _ClassVar[int]

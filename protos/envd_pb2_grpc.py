@@ -50,6 +50,11 @@ class ProcessStub:
                 request_serializer=protos_dot_envd__pb2.SignalRequest.SerializeToString,
                 response_deserializer=protos_dot_envd__pb2.SignalResponse.FromString,
                 _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/envfleet.envd.v1.Process/Reset',
+                request_serializer=protos_dot_envd__pb2.ResetRequest.SerializeToString,
+                response_deserializer=protos_dot_envd__pb2.ResetResponse.FromString,
+                _registered_method=True)
 
 
 class ProcessServicer:
@@ -78,6 +83,15 @@ class ProcessServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reset(self, request, context):
+        """Reset returns the sandbox to a pristine state for its next rollout: every other process is killed, the
+        writable places are wiped, and the workspace is restored from its seed. ok=false means isolation cannot be
+        guaranteed and the sandbox must be destroyed instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProcessServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +109,11 @@ def add_ProcessServicer_to_server(servicer, server):
                     servicer.Signal,
                     request_deserializer=protos_dot_envd__pb2.SignalRequest.FromString,
                     response_serializer=protos_dot_envd__pb2.SignalResponse.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=protos_dot_envd__pb2.ResetRequest.FromString,
+                    response_serializer=protos_dot_envd__pb2.ResetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class Process:
             '/envfleet.envd.v1.Process/Signal',
             protos_dot_envd__pb2.SignalRequest.SerializeToString,
             protos_dot_envd__pb2.SignalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.envd.v1.Process/Reset',
+            protos_dot_envd__pb2.ResetRequest.SerializeToString,
+            protos_dot_envd__pb2.ResetResponse.FromString,
             options,
             channel_credentials,
             insecure,

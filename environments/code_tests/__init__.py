@@ -111,6 +111,7 @@ class CodeTestsEnv(Environment):
     )
     max_turns = 12
     tool_timeout_s = 30.0
+    reusable = True
     rubric = Rubric(
         [
             ("hidden_tests", hidden_tests_passed, 1.0),

@@ -142,6 +142,7 @@ class PythonToolEnv(Environment):
     system_prompt = "You solve computation puzzles. Use the python tool to compute, then call submit with the answer."
     max_turns = 8
     tool_timeout_s = 20.0
+    reusable = True
     rubric = Rubric(
         [("exact_match", exact_match, 1.0), ("used_python", used_tool("python"), 0.0), ("turns", num_turns, 0.0)]
     )

@@ -120,6 +120,14 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class ResetOutcome:
+    """Whether an in-place reset left the sandbox pristine; if not, it must be destroyed."""
+
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class SandboxState:
     """The container's state as the engine sees it."""
 
@@ -203,6 +211,10 @@ class Transport(abc.ABC):
     async def health(self, timeout: float) -> bool:
         """Whether the inside answers."""
 
+    async def reset(self, workspace_seed: str) -> ResetOutcome:
+        """Return the sandbox to a pristine state in place; a transport that cannot says so (ok=False)."""
+        return ResetOutcome(False, f"{type(self).__name__} cannot reset a sandbox in place")
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections."""
@@ -268,6 +280,10 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Destroy the sandbox and wait until it is gone. Idempotent."""
+
+    async def reset(self, workspace_seed: str = "") -> ResetOutcome:
+        """Kill every process, wipe every writable place and restore the workspace, for reuse by another rollout."""
+        return ResetOutcome(False, f"{type(self).__name__} cannot be reset in place")
 
     async def release(self) -> None:
         """Give the sandbox up: it is unusable at once and destroyed in the background (the backend's close()

@@ -33,6 +33,7 @@ from orchestrator.backends.base import (
     ExecEvent,
     ExecResult,
     FileEntry,
+    ResetOutcome,
     Sandbox,
     SandboxBackend,
     SandboxInfo,
@@ -132,6 +133,7 @@ class DockerSandbox(Sandbox):
         self.spec = spec
         self.transport = transport
         self.socket_dir = socket_dir
+        self.lease_expiry = time.time() + spec.ttl_s
         self._backend = backend
         self._closed = False
 
@@ -211,6 +213,13 @@ class DockerSandbox(Sandbox):
 
     async def state(self) -> SandboxState:
         return await self._backend.state_of(self.id)
+
+    async def reset(self, workspace_seed: str = "") -> ResetOutcome:
+        if self._closed:
+            return ResetOutcome(False, "closed")
+        if time.time() > self.lease_expiry - 60:
+            return ResetOutcome(False, "its lease is about to expire")
+        return await self.transport.reset(workspace_seed)
 
     async def close(self) -> None:
         if self._closed:

@@ -17,6 +17,7 @@ from orchestrator.backends.base import (
     ExecResult,
     ExecStarted,
     FileEntry,
+    ResetOutcome,
     Transport,
 )
 from orchestrator.errors import (
@@ -151,6 +152,15 @@ class EnvdTransport(Transport):
             oom_killed=end.oom_killed,
             duration_s=end.duration_s,
         )
+
+    async def reset(self, workspace_seed: str) -> ResetOutcome:
+        try:
+            r = await self._proc.Reset(
+                pb.ResetRequest(workspace_seed=workspace_seed), metadata=self._md, timeout=CALL_DEADLINE_S
+            )
+        except grpc.aio.AioRpcError as e:
+            return ResetOutcome(False, f"envd reset failed: {e.code().name}: {e.details()}")
+        return ResetOutcome(bool(r.ok), r.detail)
 
     async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
         try:

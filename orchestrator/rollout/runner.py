@@ -15,7 +15,8 @@ import docker
 
 from environments.base import Environment, Task
 from environments.tools import get_tools
-from orchestrator.backends.base import SandboxBackend, SandboxSpec
+from orchestrator.backends.base import Sandbox, SandboxSpec
+from orchestrator.backends.pool import SandboxPool
 from orchestrator.errors import EnvfleetError, SandboxError
 from orchestrator.images import ImageBuildError, build_from_spec, ensure_base_image
 from orchestrator.models import (
@@ -89,9 +90,10 @@ class ImageResolver:
 class RolloutRunner:
     """Runs work items on a sandbox backend."""
 
-    def __init__(self, backend: SandboxBackend, images: ImageResolver) -> None:
-        self.backend = backend
+    def __init__(self, sandboxes: SandboxPool, images: ImageResolver) -> None:
+        self.sandboxes = sandboxes
         self.images = images
+        self.active: dict[str, Sandbox] = {}  # rollout id -> its sandbox, while it runs
 
     async def run(
         self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str
@@ -145,6 +147,8 @@ class RolloutRunner:
 
         t_start = time.monotonic()
         sandbox = None
+        warm = False
+        infra_failed = False
         try:
             async with asyncio.timeout(spec.rollout_timeout_s):
                 t0 = time.monotonic()
@@ -153,14 +157,13 @@ class RolloutRunner:
                 except (ImageBuildError, docker.errors.DockerException) as e:
                     raise _EnvBroken(f"image for {env.ref()} could not be built: {e}") from e
                 prov.image, prov.image_id = image, image_id
-                sandbox = await self.backend.create(
-                    SandboxSpec(
-                        image=image,
-                        limits=env.limits,
-                        env={**DETERMINISTIC_ENV, "ENVFLEET_SEED": str(item.seed)},
-                        labels={"envfleet.job": item.job_id, "envfleet.rollout": item.id},
-                    )
+                # the seed travels with the task (setup), not in the sandbox's environment, so sandboxes stay
+                # interchangeable in the warm pool
+                sandbox, source = await self.sandboxes.acquire(
+                    SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))
                 )
+                warm = source == "warm"
+                self.active[item.id] = sandbox
                 timing.sandbox_acquire = time.monotonic() - t0
                 t0 = time.monotonic()
                 await _env_call(env.setup(sandbox, item.task, item.seed))
@@ -185,6 +188,7 @@ class RolloutRunner:
         except PolicyError as e:
             return failed(RolloutStatus.POLICY_ERROR, e)
         except SandboxError as e:
+            infra_failed = True
             return failed(RolloutStatus.INFRA_ERROR, e)
         except _EnvBroken as e:
             return failed(RolloutStatus.ENV_ERROR, e.__cause__ or e)
@@ -194,13 +198,21 @@ class RolloutRunner:
                 TimeoutError(f"rollout exceeded {spec.rollout_timeout_s:g}s") if not str(e) else e,
             )
         finally:
+            self.active.pop(item.id, None)
             if sandbox is not None:
                 # a finished rollout hands the sandbox to background destruction; a cancelled one (CancelJob)
                 # waits until it is gone, so cancelling stops the job's sandboxes before it returns
                 task = asyncio.current_task()
                 cancelled = task is not None and task.cancelling() > 0
                 try:
-                    await asyncio.shield(sandbox.close() if cancelled else sandbox.release())
+                    if cancelled:
+                        await asyncio.shield(sandbox.close())
+                    else:
+                        # a sandbox that failed us is never reused; a reusable one is reset in place when it can be
+                        recycle = env.reusable and not infra_failed
+                        await asyncio.shield(
+                            self.sandboxes.release(sandbox, recycle=recycle, workspace_seed=env.workspace_seed)
+                        )
                 except Exception:
                     log.exception("could not destroy sandbox of %s", item.id)
         timing.total = time.monotonic() - t_start
@@ -210,7 +222,7 @@ class RolloutRunner:
             status=RolloutStatus.TRUNCATED if truncated else RolloutStatus.OK,
             reward=score.reward,
             reward_components=score.components,
-            metrics={**score.metrics, "tool_calls": float(result.episode.tool_calls)},
+            metrics={**score.metrics, "tool_calls": float(result.episode.tool_calls), "sandbox_warm": float(warm)},
             turns=turns,
             tokens=tokens,
             timing=timing,

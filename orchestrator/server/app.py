@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
+from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.jobs import JobManager
+from orchestrator.metrics import Metrics
 from orchestrator.registry import Registry
 from orchestrator.rollout.runner import ImageResolver, RolloutRunner
 from orchestrator.server.errors import ErrorInterceptor
@@ -35,6 +39,8 @@ class OrchestratorConfig(BaseModel):
     max_in_flight: int = Field(64, ge=1, le=100_000, description="rollouts in flight on this host")
     backend: DockerBackendConfig = DockerBackendConfig(owner="envfleet-orchestrator")
     reflection: bool = True
+    pool: PoolConfig = PoolConfig()
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint; None: off")
 
 
 class Orchestrator:
@@ -57,6 +63,10 @@ class Orchestrator:
         self.backend = backend
         self.store = store
         self._health = health_servicer
+        self.pool: SandboxPool | None = None
+        self.metrics: Metrics | None = None
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
 
     @property
     def address(self) -> str:
@@ -70,6 +80,10 @@ class Orchestrator:
         await self._health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.jobs.close()
+        if self.pool is not None:
+            await self.pool.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         await self.backend.close()
         await self.store.close()
 
@@ -79,8 +93,11 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     store = await ResultStore.open(config.data_dir / "results.sqlite3")
     backend = await DockerBackend.start(config.backend)
     registry = registry or Registry.from_entry_points()
-    runner = RolloutRunner(backend, ImageResolver(backend.client))
-    jobs = await JobManager.start(store, registry, runner, config.max_in_flight)
+    metrics = Metrics()
+    pool = SandboxPool(backend, config.pool, metrics)
+    pool.start()
+    runner = RolloutRunner(pool, ImageResolver(backend.client))
+    jobs = await JobManager.start(store, registry, runner, config.max_in_flight, metrics=metrics)
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor()],
         options=[
@@ -101,4 +118,10 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("orchestrator serving on %s:%d (data in %s)", config.host, port, config.data_dir)
-    return Orchestrator(config, server, port, jobs, backend, store, health_servicer)
+    orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer)
+    orch.pool, orch.metrics = pool, metrics
+    if config.metrics_port is not None:
+        orch._metrics_server, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        orch.metrics_port = orch._metrics_server.server_port
+        log.info("metrics on http://%s:%d/metrics", config.host, orch.metrics_port)
+    return orch

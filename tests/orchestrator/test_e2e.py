@@ -89,22 +89,30 @@ async def test_policy_errors_and_hangs_are_never_rewards(client: EnvfleetClient,
     assert rb.error is not None and "3s" in rb.error.message
 
 
+async def _sandbox_of(orchestrator: Orchestrator, rollout_id: str, avoid: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+    """The container id of a running rollout's sandbox (waits for it)."""
+    for _ in range(400):
+        sb = orchestrator.jobs.runner.active.get(rollout_id)
+        if sb is not None and sb.id not in avoid:
+            return sb.id
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"rollout {rollout_id} never got a sandbox")
+
+
 async def test_container_killed_from_outside_is_infra_error_then_retried(
-    client: EnvfleetClient, registry: Registry, task_ids: list[str], docker_client: docker.DockerClient
+    client: EnvfleetClient,
+    registry: Registry,
+    task_ids: list[str],
+    docker_client: docker.DockerClient,
+    orchestrator: Orchestrator,
 ) -> None:
     script = reference_script(registry.get(ENV), mode="solve", latency_s=1.5)
     server = await start_scripted_server(script)
     try:
         job_id = await client.submit(job(server.url, task_ids[:1], max_infra_retries=2))
-        flt = {"label": [f"envfleet.job={job_id}"], "status": ["running"]}
-        for _ in range(200):
-            running = docker_client.api.containers(filters=flt)
-            if running:
-                break
-            await asyncio.sleep(0.05)
-        assert running, "the rollout's sandbox never appeared"
+        victim = await _sandbox_of(orchestrator, f"{job_id}:{task_ids[0]}:0")
         await asyncio.sleep(0.3)
-        docker_client.api.kill(running[0]["Id"])
+        docker_client.api.kill(victim)
         (r,) = [r async for r in client.rollouts(job_id)]
     finally:
         await server.close()
@@ -113,7 +121,11 @@ async def test_container_killed_from_outside_is_infra_error_then_retried(
 
 
 async def test_infra_error_after_the_retry_budget_is_not_a_reward(
-    client: EnvfleetClient, registry: Registry, task_ids: list[str], docker_client: docker.DockerClient
+    client: EnvfleetClient,
+    registry: Registry,
+    task_ids: list[str],
+    docker_client: docker.DockerClient,
+    orchestrator: Orchestrator,
 ) -> None:
     script = reference_script(registry.get(ENV), mode="solve", latency_s=1.0)
     server = await start_scripted_server(script)
@@ -127,13 +139,13 @@ async def test_infra_error_after_the_retry_budget_is_not_a_reward(
 
         collector = asyncio.create_task(first())
         while not collector.done():
-            for c in docker_client.api.containers(filters={"label": [f"envfleet.job={job_id}"]}):
-                if c["Id"] not in killed:
-                    killed.add(c["Id"])
-                    await asyncio.sleep(0.2)
-                    with contextlib.suppress(docker.errors.APIError):
-                        docker_client.api.kill(c["Id"])
-            await asyncio.sleep(0.05)
+            sb = orchestrator.jobs.runner.active.get(f"{job_id}:{task_ids[0]}:0")
+            if sb is not None and sb.id not in killed:
+                killed.add(sb.id)
+                await asyncio.sleep(0.2)
+                with contextlib.suppress(docker.errors.APIError):
+                    docker_client.api.kill(sb.id)
+            await asyncio.sleep(0.02)
         r = collector.result()
         await stream.aclose()  # type: ignore[attr-defined]
     finally:
@@ -144,7 +156,11 @@ async def test_infra_error_after_the_retry_budget_is_not_a_reward(
 
 
 async def test_update_policy_and_cancel(
-    client: EnvfleetClient, registry: Registry, task_ids: list[str], docker_client: docker.DockerClient
+    client: EnvfleetClient,
+    registry: Registry,
+    task_ids: list[str],
+    docker_client: docker.DockerClient,
+    orchestrator: Orchestrator,
 ) -> None:
     server = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.5))
     try:
@@ -155,14 +171,12 @@ async def test_update_policy_and_cancel(
             if (await client.get_job(job_id)).done >= 4:
                 break
             await asyncio.sleep(0.1)
+        running = {sb.id for rid, sb in orchestrator.jobs.runner.active.items() if rid.startswith(job_id)}
+        assert running, "rollouts should be running when the job is cancelled"
         cancelled = await client.cancel_job(job_id)
         assert cancelled.state == "CANCELLED"
-        # cancelling waits for the running rollouts' sandboxes; finished ones may still be going in the background
-        for _ in range(100):
-            if not docker_client.api.containers(all=True, filters={"label": [f"envfleet.job={job_id}"]}):
-                break
-            await asyncio.sleep(0.05)
-        assert docker_client.api.containers(all=True, filters={"label": [f"envfleet.job={job_id}"]}) == []
+        # cancelling returns once the running rollouts' sandboxes are destroyed
+        assert not running & {c["Id"] for c in docker_client.api.containers(all=True)}
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.update_policy(job_id, "v3")
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -1,0 +1,105 @@
+"""Reset a sandbox in place between rollouts: kill every process but envd and init, wipe every writable place,
+restore the workspace from its seed, then verify. Anything left means the sandbox is not reused."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+KILL_ROUNDS = 50
+
+
+@dataclass(frozen=True)
+class ResetResult:
+    """Whether the sandbox is pristine again, and what was not."""
+
+    ok: bool
+    detail: str
+    killed: int
+    duration_s: float
+
+
+def _other_pids() -> list[int]:
+    me = os.getpid()
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+
+
+def kill_all_others() -> tuple[int, list[int]]:
+    """SIGKILL every process except PID 1 (init) and envd itself until none is left; returns (killed, survivors)."""
+    killed = 0
+    for _ in range(KILL_ROUNDS):
+        pids = _other_pids()
+        if not pids:
+            return killed, []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        time.sleep(0.01)  # init reaps them; a zombie vanishes from /proc once reaped
+    return killed, _other_pids()
+
+
+def _empty_dir(path: str, keep: Iterable[str] = ()) -> list[str]:
+    """Remove everything inside `path` (links removed, never followed); returns what could not be removed."""
+    failed = []
+    keep_set = set(keep)
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if name in keep_set:
+            continue
+        full = os.path.join(path, name)
+        try:
+            st = os.lstat(full)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+        except OSError as e:
+            failed.append(f"{full}: {e.strerror}")
+    return failed
+
+
+def _copy_seed(seed: str, workspace: str) -> None:
+    for name in os.listdir(seed):
+        src, dst = os.path.join(seed, name), os.path.join(workspace, name)
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, dst, symlinks=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def reset_sandbox(workspace: str, socket_dir: str, socket_name: str, seed: str) -> ResetResult:
+    """Kill, wipe, restore, verify."""
+    t0 = time.monotonic()
+    problems: list[str] = []
+    killed, survivors = kill_all_others()
+    if survivors:
+        problems.append(f"processes survived SIGKILL: {survivors}")
+    places = {"/tmp": (), "/dev/shm": (), workspace: (), socket_dir: (socket_name,)}
+    for place, keep in places.items():
+        problems += _empty_dir(place, keep)
+    if seed:
+        try:
+            _copy_seed(seed, workspace)
+        except OSError as e:
+            problems.append(f"restoring the workspace from {seed}: {e}")
+    # verify: nothing but the allowed entries is left anywhere writable
+    for place, keep in places.items():
+        with contextlib.suppress(FileNotFoundError):
+            left = set(os.listdir(place)) - set(keep)
+            if place == workspace and seed:
+                left -= set(os.listdir(seed))
+            if left:
+                problems.append(f"{place} still holds {sorted(left)[:5]}")
+    if _other_pids():
+        problems.append(f"processes appeared during the reset: {_other_pids()}")
+    return ResetResult(not problems, "; ".join(problems), killed, time.monotonic() - t0)

@@ -1,0 +1,264 @@
+"""Warm pools and recycling in front of a sandbox backend.
+
+Sandboxes are kept ready per pool key (image, limits, hardening, env). Each pool's target size follows demand:
+the observed acquire rate times the cold-start latency (Little's law) plus headroom, between a minimum and a maximum.
+Idle capacity is shared: when a pool needs room, the oldest idle sandbox of any pool is evicted, so a pool never
+starves another image. Idle sandboxes expire after a TTL and are drained on close. A released sandbox whose
+environment is reusable is reset in place (envd kills every process, wipes every writable place and restores the
+workspace); when the reset cannot guarantee isolation, the sandbox is destroyed instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.backends.base import Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.errors import SandboxError
+from orchestrator.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class PoolConfig(BaseModel):
+    """How many sandboxes to keep warm."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    max_idle_total: int = Field(32, ge=0, le=100_000, description="idle sandboxes across all pools")
+    max_idle_per_pool: int = Field(16, ge=0, le=100_000)
+    min_idle_per_pool: int = Field(0, ge=0, le=100_000)
+    idle_ttl_s: float = Field(300.0, gt=0, description="an idle sandbox older than this is destroyed")
+    headroom: float = Field(1.5, ge=1.0, le=10.0, description="multiplier on rate x latency")
+    rate_window_s: float = Field(10.0, gt=0, description="window of the acquire-rate estimate")
+    refill_concurrency: int = Field(4, ge=1, le=256, description="cold creates the refiller runs at once")
+
+
+def pool_key(spec: SandboxSpec) -> str:
+    """What makes two sandboxes interchangeable: everything but the labels."""
+    raw = spec.model_dump_json(exclude={"labels"})
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Idle:
+    sandbox: Sandbox
+    since: float
+
+
+@dataclass
+class _Pool:
+    key: str
+    spec: SandboxSpec
+    idle: collections.deque[_Idle] = field(default_factory=collections.deque)
+    acquires: collections.deque[float] = field(default_factory=collections.deque)
+    creating: int = 0
+    start_latency_s: float = 0.5  # EWMA of cold creates
+    recycled_pending: int = 0
+
+    def rate(self, now: float, window: float) -> float:
+        while self.acquires and self.acquires[0] < now - window:
+            self.acquires.popleft()
+        return len(self.acquires) / window
+
+
+class SandboxPool:
+    """acquire() a ready sandbox, release() it (recycled or destroyed). Start with `start()`, end with `close()`."""
+
+    def __init__(self, backend: SandboxBackend, config: PoolConfig | None = None, metrics: Metrics | None = None):
+        self.backend = backend
+        self.config = config or PoolConfig()
+        self.metrics = metrics or Metrics()
+        self._pools: dict[str, _Pool] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._gate = asyncio.Semaphore(self.config.refill_concurrency)
+        self._inflight: set[asyncio.Task[None]] = set()
+        self.busy = 0
+
+    def start(self) -> None:
+        """Start the background refiller."""
+        if self.config.enabled:
+            self._task = asyncio.create_task(self._refill_loop(), name="pool-refill")
+
+    @property
+    def idle_total(self) -> int:
+        return sum(len(p.idle) for p in self._pools.values())
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per pool: idle, target, acquire rate, start latency."""
+        now = time.monotonic()
+        return {
+            k: {
+                "idle": len(p.idle),
+                "target": self._target(p, now),
+                "rate_per_s": p.rate(now, self.config.rate_window_s),
+                "start_latency_s": p.start_latency_s,
+                "creating": p.creating,
+            }
+            for k, p in self._pools.items()
+        }
+
+    def warm(self, spec: SandboxSpec) -> None:
+        """Declare a pool ahead of demand, so its minimum size is kept warm from now on."""
+        self._pool(spec)
+        self._wake.set()
+
+    def _pool(self, spec: SandboxSpec) -> _Pool:
+        key = pool_key(spec)
+        p = self._pools.get(key)
+        if p is None:
+            p = self._pools[key] = _Pool(key, spec.model_copy(update={"labels": {}}))
+        return p
+
+    def _target(self, p: _Pool, now: float) -> int:
+        c = self.config
+        want = math.ceil(p.rate(now, c.rate_window_s) * p.start_latency_s * c.headroom)
+        return max(c.min_idle_per_pool, min(c.max_idle_per_pool, want))
+
+    async def acquire(self, spec: SandboxSpec) -> tuple[Sandbox, str]:
+        """A ready sandbox and where it came from ("warm" or "cold")."""
+        p = self._pool(spec)
+        now = time.monotonic()
+        p.acquires.append(now)
+        self._wake.set()
+        while p.idle:
+            entry = p.idle.popleft()
+            self._gauge()
+            if now - entry.since > self.config.idle_ttl_s or not await _alive(entry.sandbox):
+                self._destroy_later(entry.sandbox)
+                continue
+            self.busy += 1
+            self.metrics.acquire_seconds.labels("warm").observe(time.monotonic() - now)
+            return entry.sandbox, "warm"
+        sandbox = await self._create(p)
+        self.busy += 1
+        self.metrics.acquire_seconds.labels("cold").observe(time.monotonic() - now)
+        return sandbox, "cold"
+
+    async def _create(self, p: _Pool) -> Sandbox:
+        t0 = time.monotonic()
+        p.creating += 1
+        try:
+            sandbox = await self.backend.create(p.spec)
+        except SandboxError:
+            self.metrics.docker_errors.labels("create").inc()
+            raise
+        finally:
+            p.creating -= 1
+        took = time.monotonic() - t0
+        p.start_latency_s = 0.8 * p.start_latency_s + 0.2 * took
+        self.metrics.create_seconds.observe(took)
+        return sandbox
+
+    async def release(self, sandbox: Sandbox, *, recycle: bool, workspace_seed: str = "") -> bool:
+        """Hand a sandbox back. Recycled (reset in place and kept warm) when asked and isolation holds; returns
+        whether it was recycled. Otherwise destroyed in the background."""
+        self.busy = max(0, self.busy - 1)
+        if recycle and self.config.enabled and self._room_for(pool_key(sandbox.spec)):
+            t0 = time.monotonic()
+            outcome = await sandbox.reset(workspace_seed)
+            if outcome.ok:
+                self.metrics.reset_seconds.observe(time.monotonic() - t0)
+                self._pool(sandbox.spec).idle.append(_Idle(sandbox, time.monotonic()))
+                self._gauge()
+                return True
+            log.info("sandbox %s not recycled: %s", getattr(sandbox, "name", "?"), outcome.detail)
+        await sandbox.release()
+        return False
+
+    def _creating_total(self) -> int:
+        return sum(p.creating for p in self._pools.values())
+
+    def _room_for(self, key: str) -> bool:
+        p = self._pools.get(key)
+        if p is None or len(p.idle) >= self.config.max_idle_per_pool:
+            return False
+        if self.idle_total >= self.config.max_idle_total:
+            return self._evict_one(exclude=key)
+        return True
+
+    def _evict_one(self, exclude: str) -> bool:
+        """Destroy the oldest idle sandbox of another pool, to share capacity between images."""
+        candidates = [(p.idle[0].since, p) for k, p in self._pools.items() if k != exclude and p.idle]
+        if not candidates:
+            return False
+        _, victim = min(candidates, key=lambda c: c[0])
+        self._destroy_later(victim.idle.popleft().sandbox)
+        self._gauge()
+        return True
+
+    def _destroy_later(self, sandbox: Sandbox) -> None:
+        task = asyncio.create_task(sandbox.release())
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    def _gauge(self) -> None:
+        self.metrics.sandboxes.labels("idle").set(self.idle_total)
+        self.metrics.sandboxes.labels("busy").set(self.busy)
+        for k, p in self._pools.items():
+            self.metrics.pool_idle.labels(k).set(len(p.idle))
+
+    async def _refill_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
+            self._wake.clear()
+            now = time.monotonic()
+            for p in list(self._pools.values()):
+                # expire idle sandboxes past their TTL
+                while p.idle and now - p.idle[0].since > self.config.idle_ttl_s:
+                    self._destroy_later(p.idle.popleft().sandbox)
+                target = self._target(p, now)
+                self.metrics.pool_target.labels(p.key).set(target)
+                missing = target - len(p.idle) - p.creating
+                for _ in range(max(0, missing)):
+                    if self.idle_total + self._creating_total() >= self.config.max_idle_total:
+                        break  # speculative refills never evict another pool's sandboxes
+                    task = asyncio.create_task(self._refill_one(p))
+                    self._inflight.add(task)
+                    task.add_done_callback(self._inflight.discard)
+            self._gauge()
+
+    async def _refill_one(self, p: _Pool) -> None:
+        async with self._gate:
+            try:
+                sandbox = await self._create(p)
+            except SandboxError as e:
+                log.warning("warm pool refill failed: %s", e)
+                await asyncio.sleep(1.0)  # back off when the engine struggles
+                return
+        p.idle.append(_Idle(sandbox, time.monotonic()))
+        self._gauge()
+
+    async def close(self) -> None:
+        """Stop refilling and destroy every idle sandbox."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for t in list(self._inflight):
+            t.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        idle = [e.sandbox for p in self._pools.values() for e in p.idle]
+        for p in self._pools.values():
+            p.idle.clear()
+        await asyncio.gather(*(s.close() for s in idle), return_exceptions=True)
+        self._gauge()
+
+
+async def _alive(sandbox: Sandbox) -> bool:
+    transport = getattr(sandbox, "transport", None)
+    if transport is None:
+        return True
+    return bool(await transport.health(timeout=2.0))

@@ -1,0 +1,48 @@
+"""Prometheus metrics of one orchestrator, in a registry of its own (no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """Every metric the orchestrator exports."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.sandboxes = Gauge("envfleet_sandboxes", "Sandboxes by state", ["state"], registry=r)
+        self.acquire_seconds = Histogram(
+            "envfleet_sandbox_acquire_seconds",
+            "Time to get a ready sandbox",
+            ["source"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.create_seconds = Histogram(
+            "envfleet_sandbox_create_seconds", "Cold create until envd is healthy", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.reset_seconds = Histogram(
+            "envfleet_sandbox_reset_seconds",
+            "In-place reset of a recycled sandbox",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.exec_seconds = Histogram(
+            "envfleet_tool_exec_seconds", "Tool calls run in sandboxes", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.rollouts = Counter("envfleet_rollouts_total", "Finished rollouts by status", ["status"], registry=r)
+        self.queue_depth = Gauge("envfleet_queue_depth", "Work items waiting for a slot", registry=r)
+        self.queue_wait_seconds = Histogram(
+            "envfleet_queue_wait_seconds", "Time work items waited", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.in_flight = Gauge("envfleet_rollouts_in_flight", "Rollouts running now", registry=r)
+        self.pool_idle = Gauge("envfleet_pool_idle", "Idle warm sandboxes by pool", ["pool"], registry=r)
+        self.pool_target = Gauge("envfleet_pool_target", "Target warm size by pool", ["pool"], registry=r)
+        self.docker_errors = Counter("envfleet_docker_api_errors_total", "Failed engine calls", ["call"], registry=r)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return bytes(generate_latest(self.registry))

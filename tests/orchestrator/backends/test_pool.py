@@ -1,0 +1,123 @@
+"""Warm pools and recycling on real Docker: refill, drain, TTL, shared capacity, and isolation between rollouts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import docker
+import pytest
+
+from orchestrator.backends.base import Limits, SandboxSpec
+from orchestrator.backends.docker import DockerBackend
+from orchestrator.backends.pool import PoolConfig, SandboxPool
+
+
+async def _until(pred, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def pool_factory(backend: DockerBackend) -> AsyncIterator[object]:
+    pools: list[SandboxPool] = []
+
+    def make(**kw: object) -> SandboxPool:
+        p = SandboxPool(backend, PoolConfig(**kw))  # type: ignore[arg-type]
+        p.start()
+        pools.append(p)
+        return p
+
+    yield make
+    for p in pools:
+        await p.close()
+
+
+def _ids(client: docker.DockerClient, owner_instance: str) -> set[str]:
+    return {c["Id"] for c in client.api.containers(all=True, filters={"label": f"envfleet.instance={owner_instance}"})}
+
+
+async def test_refill_and_drain(
+    pool_factory,
+    base_image: str,
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,  # type: ignore[no-untyped-def]
+) -> None:
+    pool: SandboxPool = pool_factory(min_idle_per_pool=2, max_idle_per_pool=4)
+    spec = SandboxSpec(image=base_image)
+    pool.warm(spec)
+    await _until(lambda: pool.idle_total == 2)
+    t0 = time.monotonic()
+    sb, source = await pool.acquire(spec)
+    assert source == "warm" and time.monotonic() - t0 < 1.0
+    assert (await sb.exec(["echo", "hi"])).stdout == b"hi\n"
+    await _until(lambda: pool.idle_total == 2)  # refilled behind the acquire
+    await pool.release(sb, recycle=False)
+    await pool.close()
+    await _until(lambda: not _ids(docker_client, backend.owner.instance), timeout=20)
+
+
+async def test_idle_sandboxes_expire(pool_factory, base_image: str) -> None:  # type: ignore[no-untyped-def]
+    pool: SandboxPool = pool_factory(idle_ttl_s=1.0)
+    spec = SandboxSpec(image=base_image)
+    sb, _ = await pool.acquire(spec)
+    assert await pool.release(sb, recycle=True)
+    assert pool.idle_total == 1
+    await _until(lambda: pool.idle_total == 0, timeout=10)
+
+
+async def test_capacity_is_shared_between_pools(pool_factory, base_image: str) -> None:  # type: ignore[no-untyped-def]
+    pool: SandboxPool = pool_factory(max_idle_total=1, max_idle_per_pool=1)
+    a = SandboxSpec(image=base_image, limits=Limits(memory_mb=256))
+    b = SandboxSpec(image=base_image, limits=Limits(memory_mb=512))
+    sa, _ = await pool.acquire(a)
+    sb, _ = await pool.acquire(b)
+    assert await pool.release(sa, recycle=True)
+    assert await pool.release(sb, recycle=True)  # evicts a's idle sandbox rather than starving b
+    assert pool.idle_total == 1
+    got, source = await pool.acquire(b)
+    assert source == "warm" and got.id == sb.id
+    await pool.release(got, recycle=False)
+
+
+async def test_docker_exec_sandboxes_are_never_recycled(pool_factory, base_image: str) -> None:  # type: ignore[no-untyped-def]
+    pool: SandboxPool = pool_factory()
+    sb, _ = await pool.acquire(SandboxSpec(image=base_image, transport="docker-exec"))
+    assert not await pool.release(sb, recycle=True)
+    assert pool.idle_total == 0
+
+
+MARKERS = (
+    "for d in /tmp /workspace /dev/shm /run/envd; do echo secret > $d/.marker-$RANDOM; mkdir -p $d/sub; "
+    "echo x > $d/sub/f; done"
+)
+
+
+async def test_recycled_sandbox_keeps_nothing_from_the_previous_rollout(pool_factory, base_image: str) -> None:  # type: ignore[no-untyped-def]
+    pool: SandboxPool = pool_factory()
+    spec = SandboxSpec(image=base_image)
+    sb, _ = await pool.acquire(spec)
+    first_id = sb.id
+    # the previous rollout leaves markers everywhere writable, background processes (one escaped with setsid),
+    # shell history and an exported variable behind
+    r = await sb.exec(["bash", "-c", MARKERS + "; echo 'echo leaked' > /tmp/.bash_history; export LEAK=1"])
+    assert r.exit_code == 0, r.stderr
+    await sb.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    stream = sb.exec_stream("setsid sleep 1001 & sleep 1002", timeout=100)
+    async for _ in stream:
+        break
+    assert await pool.release(sb, recycle=True)
+    again, source = await pool.acquire(spec)
+    assert source == "warm" and again.id == first_id
+    ps = await again.exec(["ps", "-eo", "pid,args"])
+    assert b"sleep 100" not in ps.stdout, ps.stdout.decode()
+    listing = await again.exec("ls -A /tmp /workspace /dev/shm /run/envd")
+    assert b"marker" not in listing.stdout and b"sub" not in listing.stdout and b".bash_history" not in listing.stdout
+    assert b"envd.sock" in listing.stdout  # envd itself is untouched
+    env = await again.exec("env")
+    assert b"LEAK" not in env.stdout
+    await pool.release(again, recycle=False)
+    await stream.aclose()  # type: ignore[attr-defined]
