@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import docker
 import pytest
@@ -14,7 +14,7 @@ from orchestrator.backends.docker import DockerBackend
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 
 
-async def _until(pred, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+async def _until(pred: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -22,11 +22,11 @@ async def _until(pred, timeout: float = 30.0) -> None:  # type: ignore[no-untype
 
 
 @pytest.fixture
-async def pool_factory(backend: DockerBackend) -> AsyncIterator[object]:
+async def pool_factory(backend: DockerBackend) -> AsyncIterator[Callable[..., SandboxPool]]:
     pools: list[SandboxPool] = []
 
     def make(**kw: object) -> SandboxPool:
-        p = SandboxPool(backend, PoolConfig(**kw))  # type: ignore[arg-type]
+        p = SandboxPool(backend, PoolConfig.model_validate(kw))  # type: ignore[arg-type]
         p.start()
         pools.append(p)
         return p
@@ -41,10 +41,10 @@ def _ids(client: docker.DockerClient, owner_instance: str) -> set[str]:
 
 
 async def test_refill_and_drain(
-    pool_factory,
+    pool_factory: Callable[..., SandboxPool],
     base_image: str,
     backend: DockerBackend,
-    docker_client: docker.DockerClient,  # type: ignore[no-untyped-def]
+    docker_client: docker.DockerClient,
 ) -> None:
     pool: SandboxPool = pool_factory(min_idle_per_pool=2, max_idle_per_pool=4)
     spec = SandboxSpec(image=base_image)
@@ -60,7 +60,7 @@ async def test_refill_and_drain(
     await _until(lambda: not _ids(docker_client, backend.owner.instance), timeout=20)
 
 
-async def test_idle_sandboxes_expire(pool_factory, base_image: str) -> None:  # type: ignore[no-untyped-def]
+async def test_idle_sandboxes_expire(pool_factory: Callable[..., SandboxPool], base_image: str) -> None:
     pool: SandboxPool = pool_factory(idle_ttl_s=1.0)
     spec = SandboxSpec(image=base_image)
     sb, _ = await pool.acquire(spec)
@@ -69,7 +69,7 @@ async def test_idle_sandboxes_expire(pool_factory, base_image: str) -> None:  # 
     await _until(lambda: pool.idle_total == 0, timeout=10)
 
 
-async def test_capacity_is_shared_between_pools(pool_factory, base_image: str) -> None:  # type: ignore[no-untyped-def]
+async def test_capacity_is_shared_between_pools(pool_factory: Callable[..., SandboxPool], base_image: str) -> None:
     pool: SandboxPool = pool_factory(max_idle_total=1, max_idle_per_pool=1)
     a = SandboxSpec(image=base_image, limits=Limits(memory_mb=256))
     b = SandboxSpec(image=base_image, limits=Limits(memory_mb=512))
@@ -83,7 +83,9 @@ async def test_capacity_is_shared_between_pools(pool_factory, base_image: str) -
     await pool.release(got, recycle=False)
 
 
-async def test_docker_exec_sandboxes_are_never_recycled(pool_factory, base_image: str) -> None:  # type: ignore[no-untyped-def]
+async def test_docker_exec_sandboxes_are_never_recycled(
+    pool_factory: Callable[..., SandboxPool], base_image: str
+) -> None:
     pool: SandboxPool = pool_factory()
     sb, _ = await pool.acquire(SandboxSpec(image=base_image, transport="docker-exec"))
     assert not await pool.release(sb, recycle=True)
@@ -96,7 +98,9 @@ MARKERS = (
 )
 
 
-async def test_recycled_sandbox_keeps_nothing_from_the_previous_rollout(pool_factory, base_image: str) -> None:  # type: ignore[no-untyped-def]
+async def test_recycled_sandbox_keeps_nothing_from_the_previous_rollout(
+    pool_factory: Callable[..., SandboxPool], base_image: str
+) -> None:
     pool: SandboxPool = pool_factory()
     spec = SandboxSpec(image=base_image)
     sb, _ = await pool.acquire(spec)
