@@ -110,6 +110,9 @@ class Environment(abc.ABC):
     # the workspace is then restored from `workspace_seed`, a directory in the image (empty: an empty workspace).
     reusable: ClassVar[bool] = False
     workspace_seed: ClassVar[str] = ""
+    # An expensive, deterministic setup that only touches the workspace: the group's first sample runs it and the
+    # others start from its snapshot (orchestrator/rollout/snapshots.py).
+    snapshot_setup: ClassVar[bool] = False
 
     def image_spec(self) -> ImageSpec | None:
         """The image to build FROM the base image, or None to use the base image as it is."""

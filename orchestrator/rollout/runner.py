@@ -32,6 +32,7 @@ from orchestrator.models import (
 )
 from orchestrator.rollout.loop import run_episode
 from orchestrator.rollout.policy import Policy, PolicyError
+from orchestrator.rollout.snapshots import SnapshotCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,6 +95,7 @@ class RolloutRunner:
         self.sandboxes = sandboxes
         self.images = images
         self.active: dict[str, Sandbox] = {}  # rollout id -> its sandbox, while it runs
+        self.snapshots = SnapshotCache()
 
     async def run(
         self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str
@@ -149,6 +151,7 @@ class RolloutRunner:
         sandbox = None
         warm = False
         infra_failed = False
+        setup_kind = "own"
         try:
             async with asyncio.timeout(spec.rollout_timeout_s):
                 t0 = time.monotonic()
@@ -166,7 +169,17 @@ class RolloutRunner:
                 self.active[item.id] = sandbox
                 timing.sandbox_acquire = time.monotonic() - t0
                 t0 = time.monotonic()
-                await _env_call(env.setup(sandbox, item.task, item.seed))
+                box = sandbox
+                if env.snapshot_setup and spec.group_size > 1:
+                    setup_kind = await self.snapshots.prepare(
+                        (item.job_id, item.task.id),
+                        box,
+                        box.spec.workspace,
+                        lambda: _env_call(env.setup(box, item.task, item.seed)),
+                    )
+                else:
+                    await _env_call(env.setup(box, item.task, item.seed))
+                    setup_kind = "own"
                 timing.setup = time.monotonic() - t0
                 result = await run_episode(
                     env,
@@ -222,7 +235,12 @@ class RolloutRunner:
             status=RolloutStatus.TRUNCATED if truncated else RolloutStatus.OK,
             reward=score.reward,
             reward_components=score.components,
-            metrics={**score.metrics, "tool_calls": float(result.episode.tool_calls), "sandbox_warm": float(warm)},
+            metrics={
+                **score.metrics,
+                "tool_calls": float(result.episode.tool_calls),
+                "sandbox_warm": float(warm),
+                "setup_from_snapshot": float(setup_kind == "restored"),
+            },
             turns=turns,
             tokens=tokens,
             timing=timing,
