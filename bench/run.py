@@ -21,6 +21,7 @@ from typing import Any
 import docker
 
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
+from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
 from orchestrator.backends.base import SandboxSpec
 from orchestrator.backends.docker import DockerBackend, DockerBackendConfig, DockerSandbox
 from orchestrator.images import ensure_base_image
@@ -159,6 +160,9 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
         await backend.close()
     results["orchestrator_overhead"] = await orchestrator_overhead(image, total=48, concurrency=8)
     results["stream_throughput"] = await stream_throughput(20_000)
+    results.update(await warm_and_recycle(image, runs))
+    results["orchestrator_overhead_recycled"] = await orchestrator_overhead_recycled(image)
+    results["group_snapshot"] = await group_snapshot(8)
     results["meta"] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
