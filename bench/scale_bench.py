@@ -49,7 +49,9 @@ async def warm_and_recycle(image: str, runs: int = 20) -> dict[str, Any]:
     spec = SandboxSpec(image=image)
     try:
         pool.warm(spec)
-        while pool.idle_total < 4:
+        for _ in range(1200):  # the refiller fills the pool in the background
+            if pool.idle_total >= 4:
+                break
             await asyncio.sleep(0.05)
         acquire: list[float] = []
         run_rm: list[float] = []
