@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv docker base-image test demo bench proto proto-check lint image clean-containers
+.PHONY: venv docker base-image test demo bench bench-scale proto proto-check lint image clean-containers
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -29,6 +29,10 @@ demo: venv docker base-image
 
 bench: venv docker base-image
 	$(PY) -m bench.run --out bench/results.json
+
+# Not part of `make test`: holds 1,000 sandboxes at once (minutes, most of the host's memory).
+bench-scale: venv docker base-image
+	$(PY) -m bench.scale --out bench/results.json
 
 proto: venv
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto

@@ -14,6 +14,8 @@ import docker
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.cli_remote import add_client_arguments, add_register_command, add_serve_security_arguments
+
 console = Console(width=None if sys.stdout.isatty() else 150)
 
 
@@ -62,7 +64,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _server_config(args: argparse.Namespace) -> object:
     from orchestrator.backends.docker import DockerBackendConfig
+    from orchestrator.cli_remote import security_config
     from orchestrator.server.app import OrchestratorConfig
+    from orchestrator.sessions import SessionConfig
 
     return OrchestratorConfig(
         host=args.host,
@@ -70,21 +74,31 @@ def _server_config(args: argparse.Namespace) -> object:
         data_dir=Path(args.data_dir),
         max_in_flight=args.max_in_flight,
         backend=DockerBackendConfig(owner=args.owner),
+        security=security_config(args),
+        reflection=args.reflection,
+        sessions=SessionConfig(idle_ttl_s=args.session_ttl),
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
     )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from orchestrator.errors import ConfigError
     from orchestrator.server.app import OrchestratorConfig, create_server
 
     async def go() -> None:
         config = _server_config(args)
         assert isinstance(config, OrchestratorConfig)
-        orch = await create_server(config)
+        try:
+            orch = await create_server(config)
+        except ConfigError as e:
+            raise SystemExit(f"envfleet serve: {e}") from None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         print(f"listening {orch.address}", flush=True)
+        if orch.metrics_port is not None:
+            print(f"metrics http://{config.host}:{orch.metrics_port}/metrics", flush=True)
         try:
             await stop.wait()
         finally:
@@ -149,11 +163,18 @@ async def _validate_env(env: object, limit: int | None) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator.status import fetch_status, render_status
+
+    console.print(render_status(fetch_status(args.metrics)))
+    return 0
+
+
 def _cmd_jobs(args: argparse.Namespace) -> int:
-    from orchestrator.client import EnvfleetClient
+    from orchestrator.cli_remote import connect
 
     async def go() -> None:
-        async with EnvfleetClient(args.server) as client:
+        async with connect(args) as client:
             jobs = await client.list_jobs()
         table = Table("job", "env", "state", "done/total", "by status", "rollouts/s")
         for j in jobs:
@@ -200,6 +221,13 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     return asyncio.run(go())
 
 
+def _cmd_swe(args: argparse.Namespace) -> int:
+    from environments.swe import cli as swe_cli
+
+    run = {"swe-eval": swe_cli.swe_eval, "swe-validate": swe_cli.swe_validate, "swe-build": swe_cli.swe_build}
+    return run[args.command](args, console)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
@@ -213,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
     serve.add_argument("--backend", choices=["docker"], default="docker")
+    serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus endpoint port; -1: off")
+    add_serve_security_arguments(serve)
     serve.set_defaults(fn=_cmd_serve)
 
     envs = sub.add_parser("envs", help="registered environments").add_subparsers(dest="envs_command", required=True)
@@ -224,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("name", help="name or name@version")
     validate.add_argument("--limit", type=int, default=None, help="check only the first N tasks")
     validate.set_defaults(fn=_cmd_envs)
+    add_register_command(envs)
 
     rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
     rollout.add_argument("--env", required=True)
@@ -239,8 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--server", help="an orchestrator address; default: run one in this process")
     rollout.set_defaults(fn=_cmd_rollout)
 
-    jobs = sub.add_parser("jobs", help="list an orchestrator's jobs")
-    jobs.add_argument("--server", default="127.0.0.1:50051")
+    status = sub.add_parser("status", help="an orchestrator's fleet: sandboxes, pools, queue, rollouts, latencies")
+    status.add_argument("--metrics", default="http://127.0.0.1:9464/metrics", help="the server's metrics URL")
+    status.set_defaults(fn=_cmd_status)
+
+    jobs = sub.add_parser("jobs", help="list an orchestrator's jobs (your tenant's, with a token)")
+    add_client_arguments(jobs)
     jobs.set_defaults(fn=_cmd_jobs)
 
     demo = sub.add_parser("demo", help="orchestrator + scripted policy + a job of scored rollouts, end to end")
@@ -270,6 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="remove sandboxes of dead owners and expired leases")
     sweep.add_argument("--older-than", type=float, default=None, help="also remove any sandbox older than N seconds")
     sweep.set_defaults(fn=_cmd_sweep)
+
+    from environments.swe.cli import add_build_arguments, add_eval_arguments, add_validate_arguments
+
+    swe_eval = sub.add_parser("swe-eval", help="evaluate SWE-bench predictions on the fleet; report per instance")
+    add_eval_arguments(swe_eval)
+    swe_eval.set_defaults(fn=_cmd_swe)
+    swe_validate = sub.add_parser("swe-validate", help="check a SWE dataset: gold resolves k of k, empty none")
+    add_validate_arguments(swe_validate)
+    swe_validate.set_defaults(fn=_cmd_swe)
+    swe_build = sub.add_parser("swe-build", help="build the SWE dataset from pinned PyPI sdists (mutants)")
+    add_build_arguments(swe_build)
+    swe_build.set_defaults(fn=_cmd_swe)
     return p
 
 

@@ -5,7 +5,9 @@
         async for rollout in client.rollouts(job_id):
             train_on(rollout.tokens, rollout.reward)
 
-`SyncEnvfleetClient` offers the same calls without asyncio.
+`SyncEnvfleetClient` offers the same calls without asyncio. With `token=` every call carries it as a bearer token;
+with `tls=ClientTLS(...)` the channel uses TLS (and a client certificate, for mTLS). `session_stub` and
+`sandbox_stub` reach the SessionService and the SandboxService.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from orchestrator.client_auth import ClientTLS, aio_channel
 from orchestrator.models import JobSpec, Rollout
 from orchestrator.server.convert import job_spec_to_pb, rollout_from_pb
 from protos import orchestrator_pb2 as pb
@@ -45,19 +48,24 @@ class GroupResult:
 class EnvfleetClient:
     """Async client of one orchestrator."""
 
-    def __init__(self, target: str, *, timeout_s: float = 30.0, reconnect_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 30.0,
+        reconnect_s: float = 60.0,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        insecure: bool = False,
+    ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
-        self._channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        self._channel = aio_channel(target, token=token, tls=tls, insecure=insecure)
         self.rollout_stub = pb_grpc.RolloutServiceStub(self._channel)
         self.env_stub = pb_grpc.EnvironmentServiceStub(self._channel)
+        self.session_stub = pb_grpc.SessionServiceStub(self._channel)
+        self.sandbox_stub = pb_grpc.SandboxServiceStub(self._channel)
 
     async def __aenter__(self) -> EnvfleetClient:
         return self

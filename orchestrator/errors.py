@@ -49,3 +49,31 @@ class SandboxFileNotFoundError(SandboxFileError, FileNotFoundError):
 
 class SandboxPermissionError(SandboxFileError, PermissionError):
     """The path may not be used: a symbolic link, or not permitted for the sandbox user."""
+
+
+class NotFoundError(EnvfleetError, LookupError):
+    """No such session or sandbox, or not the caller's (another tenant's work is reported as missing)."""
+
+
+class AlreadyExistsError(EnvfleetError):
+    """The name is taken: e.g. name@version registered with a different spec."""
+
+
+class FailedPreconditionError(EnvfleetError):
+    """The request is well-formed but the state does not allow it (an ended session, a spec that does not work)."""
+
+
+class QuotaExceededError(EnvfleetError):
+    """A per-tenant limit or a size limit was reached."""
+
+
+class UnauthenticatedError(EnvfleetError, PermissionError):
+    """No valid credentials: a missing, unknown or expired bearer token."""
+
+
+class PermissionDeniedError(EnvfleetError, PermissionError):
+    """The caller is known but may not do this (e.g. re-register another tenant's environment)."""
+
+
+class ConfigError(EnvfleetError, ValueError):
+    """The server's own configuration is unsafe or broken (refused at start, never at a call)."""

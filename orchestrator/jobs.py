@@ -12,7 +12,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-import httpx
 import numpy as np
 
 from environments.base import Environment, Task
@@ -22,8 +21,9 @@ from orchestrator.models import JobCounts, JobInfo, JobSpec, JobState
 from orchestrator.registry import Registry
 from orchestrator.rollout.policy import OpenAIPolicy, Policy
 from orchestrator.rollout.runner import RolloutRunner, WorkItem
-from orchestrator.scheduler import Scheduler
+from orchestrator.scheduler import Capacity, Need, Scheduler
 from orchestrator.store import LogEntry, ResultStore
+from orchestrator.tenancy import LOCAL_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class _Job:
     by_status: Counter[str] = field(default_factory=Counter)
     started_mono: float = field(default_factory=time.monotonic)
     listeners: list[_Listener] = field(default_factory=list)
+    owner: str = LOCAL_TENANT  # the tenant that submitted it; other tenants see no such job
 
     def notify(self, acked: Sequence[int] = ()) -> None:
         for lst in self.listeners:
@@ -130,13 +131,14 @@ class JobManager:
         runner: RolloutRunner,
         max_in_flight: int,
         metrics: Metrics | None = None,
+        capacity: Capacity | None = None,
     ) -> None:
         self.metrics = metrics or Metrics()
         self.store = store
         self.registry = registry
         self.runner = runner
-        self.scheduler = Scheduler(max_in_flight, self._run_item)
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=64))
+        self.scheduler = Scheduler(max_in_flight, self._run_item, capacity)
+        self._policies: list[Policy] = []
         self._jobs: dict[str, _Job] = {}
 
     @classmethod
@@ -147,15 +149,19 @@ class JobManager:
         runner: RolloutRunner,
         max_in_flight: int = 64,
         metrics: Metrics | None = None,
+        capacity: Capacity | None = None,
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store."""
-        mgr = cls(store, registry, runner, max_in_flight, metrics)
+        mgr = cls(store, registry, runner, max_in_flight, metrics, capacity)
         mgr.scheduler.start()
         await mgr._resume()
         return mgr
 
     def _policy(self, spec: JobSpec) -> Policy:
-        return OpenAIPolicy(spec.policy, client=self.http)
+        # each policy manages its own small HTTP pools: one big httpx pool slows down quadratically with its size
+        policy = OpenAIPolicy(spec.policy)
+        self._policies.append(policy)
+        return policy
 
     async def _resume(self) -> None:
         for stored in await self.store.jobs():
@@ -172,6 +178,7 @@ class JobManager:
                 stored.state,
                 stored.created_at,
                 self._policy(stored.spec),
+                owner=stored.owner,
             )
             by_status, _ = await self.store.counts(stored.job_id)
             job.by_status.update(by_status)
@@ -187,14 +194,14 @@ class JobManager:
             if not items:
                 await self._finish(job, JobState.COMPLETED)
                 continue
-            self.scheduler.add_job(job.job_id, stored.spec.priority, stored.spec.max_concurrency, items)
+            self.scheduler.add_job(job.job_id, stored.spec.priority, stored.spec.max_concurrency, items, _need(env))
 
     def _items(self, job_id: str, env: Environment, spec: JobSpec) -> list[WorkItem]:
         now = time.monotonic()
         return [WorkItem(job_id, task, k, now) for task in select_tasks(env, spec) for k in range(spec.group_size)]
 
-    async def submit(self, spec: JobSpec) -> tuple[str, int]:
-        """Validate, record and queue a job; returns its id and rollout count."""
+    async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
+        """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
         env = self.registry.get(spec.env)
         spec = spec.model_copy(update={"env": env.ref()})
         job_id = uuid.uuid4().hex[:16]
@@ -203,9 +210,12 @@ class JobManager:
             raise InvalidRequestError(f"{env.ref()} selects no tasks")
         if len(items) > MAX_ROLLOUTS_PER_JOB:
             raise InvalidRequestError(f"job would run {len(items)} rollouts; the limit is {MAX_ROLLOUTS_PER_JOB}")
-        await self.store.create_job(job_id, spec, len(items))
-        self._jobs[job_id] = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), self._policy(spec))
-        self.scheduler.add_job(job_id, spec.priority, spec.max_concurrency, items)
+        self.scheduler.check_fits(_need(env))  # refused before anything is recorded
+        await self.store.create_job(job_id, spec, len(items), owner)
+        self._jobs[job_id] = _Job(
+            job_id, spec, env, len(items), JobState.QUEUED, time.time(), self._policy(spec), owner=owner
+        )
+        self.scheduler.add_job(job_id, spec.priority, spec.max_concurrency, items, _need(env))
         return job_id, len(items)
 
     async def _run_item(self, item: WorkItem) -> None:
@@ -239,21 +249,29 @@ class JobManager:
         self.metrics.in_flight.set(self.scheduler.in_flight + leaving)
 
     async def _finish(self, job: _Job, state: JobState) -> None:
+        self.runner.snapshots.forget_job(job.job_id)
         job.state = state
         await self.store.set_job_state(job.job_id, state)
         job.notify()
 
-    def _job(self, job_id: str) -> _Job:
+    def _job(self, job_id: str, owner: str | None = None) -> _Job:
+        """The job; for a caller `owner`, another tenant's job is reported exactly like a missing one."""
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or (owner is not None and job.owner != owner):
             raise JobNotFoundError(f"no job {job_id!r}")
         return job
 
     async def stream(
-        self, job_id: str, resume_after: int = 0, max_in_flight: int = 256, max_batch: int = 64
+        self,
+        job_id: str,
+        resume_after: int = 0,
+        max_in_flight: int = 256,
+        max_batch: int = 64,
+        *,
+        owner: str | None = None,
     ) -> AsyncIterator[Batch]:
         """Unacked rollouts (or whole groups) after `resume_after`, at most `max_in_flight` unacked at once."""
-        job = self._job(job_id)
+        job = self._job(job_id, owner)
         n = job.spec.group_size if job.spec.deliver_groups else 1
         cursor = resume_after
         me = _Listener()
@@ -280,18 +298,18 @@ class JobManager:
         finally:
             job.listeners.remove(me)
 
-    async def ack(self, job_id: str, up_to: int, ids: Sequence[str]) -> int:
+    async def ack(self, job_id: str, up_to: int, ids: Sequence[str], *, owner: str | None = None) -> int:
         """Ack rollouts; returns how many were newly acked."""
-        job = self._job(job_id)
+        job = self._job(job_id, owner)
         if up_to < 0:
             raise InvalidRequestError(f"up_to must be >= 0, got {up_to}")
         seqs = await self.store.ack(job_id, up_to, ids)
         job.notify(seqs)
         return len(seqs)
 
-    async def update_policy(self, job_id: str, version: str, base_url: str) -> JobInfo:
+    async def update_policy(self, job_id: str, version: str, base_url: str, *, owner: str | None = None) -> JobInfo:
         """Rollouts started from now on use this endpoint and record this version."""
-        job = self._job(job_id)
+        job = self._job(job_id, owner)
         if job.finished:
             raise JobFinishedError(f"job {job_id} is {job.state.value}; its policy can no longer change")
         update = {"version": version} | ({"base_url": base_url} if base_url else {})
@@ -304,18 +322,18 @@ class JobManager:
         await self.store.update_spec(job_id, job.spec)
         return await self.info(job_id)
 
-    async def cancel(self, job_id: str) -> JobInfo:
+    async def cancel(self, job_id: str, *, owner: str | None = None) -> JobInfo:
         """Stop a job: pending work is dropped and running rollouts are cancelled (their sandboxes destroyed)."""
-        job = self._job(job_id)
+        job = self._job(job_id, owner)
         if not job.finished:
             job.state = JobState.CANCELLED
             await self.scheduler.cancel_job(job_id)
             await self._finish(job, JobState.CANCELLED)
         return await self.info(job_id)
 
-    async def info(self, job_id: str) -> JobInfo:
+    async def info(self, job_id: str, *, owner: str | None = None) -> JobInfo:
         """Status, counts by rollout status, throughput."""
-        job = self._job(job_id)
+        job = self._job(job_id, owner)
         by_status, acked = await self.store.counts(job_id)
         elapsed = max(time.monotonic() - job.started_mono, 1e-9)
         return JobInfo(
@@ -333,16 +351,21 @@ class JobManager:
             ),
         )
 
-    async def list(self) -> list[JobInfo]:
-        """Every job this orchestrator knows."""
-        return [await self.info(j) for j in self._jobs]
+    async def list(self, *, owner: str | None = None) -> list[JobInfo]:
+        """Every job this orchestrator knows (of tenant `owner` only, when given)."""
+        return [await self.info(j) for j, job in list(self._jobs.items()) if owner is None or job.owner == owner]
 
     async def close(self) -> None:
         """Stop running rollouts (their sandboxes are destroyed); unfinished jobs resume at the next start."""
         await self.scheduler.close()
         for job in self._jobs.values():
             job.notify()
-        await self.http.aclose()
+        for policy in self._policies:
+            await policy.aclose()
+
+
+def _need(env: Environment) -> Need:
+    return Need(cpus=env.limits.cpus, memory_mb=env.limits.memory_mb)
 
 
 def _whole_groups(entries: list[LogEntry]) -> list[LogEntry]:

@@ -1,7 +1,10 @@
 """Admission and fair share: which job's next work item runs when a slot frees.
 
-A global cap bounds rollouts in flight on this host; each job has its own cap; among jobs with work and room, the
-one with the fewest running rollouts per unit of priority goes next (weighted fair share).
+Admission is by host capacity: a rollout starts only while the sandboxes in flight, their CPU quotas and their
+memory limits fit the configured capacity (with overcommit: sandboxes mostly wait on the policy). A job whose single
+sandbox could never fit is refused (CapacityError, RESOURCE_EXHAUSTED); a job that fits but finds the host full is
+queued. Each job also has its own cap; among jobs with work and room, the one with the fewest running rollouts per
+unit of priority goes next (weighted fair share).
 """
 
 from __future__ import annotations
@@ -9,11 +12,45 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import os
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.errors import EnvfleetError
 from orchestrator.rollout.runner import WorkItem
+
+
+class CapacityError(EnvfleetError):
+    """The request can never fit this host's capacity (RESOURCE_EXHAUSTED)."""
+
+
+class Capacity(BaseModel):
+    """What this host may run at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_sandboxes: int = Field(1024, ge=1, le=100_000)
+    cpus: float = Field(default_factory=lambda: float(os.cpu_count() or 1) * 16, gt=0, description="CPU quota sum")
+    memory_mb: int = Field(default_factory=lambda: _host_memory_mb() * 2, gt=0, description="memory limit sum")
+
+
+def _host_memory_mb() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        return 4096
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one rollout of a job reserves while it runs."""
+
+    cpus: float = 0.0
+    memory_mb: int = 0
 
 
 @dataclass
@@ -23,6 +60,7 @@ class JobQueue:
     job_id: str
     priority: int
     max_concurrency: int
+    need: Need = Need()
     pending: collections.deque[WorkItem] = field(default_factory=collections.deque)
     running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
@@ -33,9 +71,17 @@ class JobQueue:
 class Scheduler:
     """Starts `run(item)` for queued items within the caps; call `kick()` after enqueueing."""
 
-    def __init__(self, max_in_flight: int, run: Callable[[WorkItem], Coroutine[Any, Any, None]]) -> None:
+    def __init__(
+        self,
+        max_in_flight: int,
+        run: Callable[[WorkItem], Coroutine[Any, Any, None]],
+        capacity: Capacity | None = None,
+    ) -> None:
         self.max_in_flight = max_in_flight
+        self.capacity = capacity or Capacity()
         self._run = run
+        self._cpus_used = 0.0
+        self._memory_used = 0
         self._queues: dict[str, JobQueue] = {}
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -51,8 +97,20 @@ class Scheduler:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="scheduler")
 
-    def add_job(self, job_id: str, priority: int, max_concurrency: int, items: list[WorkItem]) -> None:
-        q = self._queues.setdefault(job_id, JobQueue(job_id, priority, max_concurrency))
+    def check_fits(self, need: Need) -> None:
+        """Refuse, with the numbers, a rollout that could never be admitted on this host."""
+        cap = self.capacity
+        if need.cpus > cap.cpus or need.memory_mb > cap.memory_mb:
+            raise CapacityError(
+                f"one sandbox needs {need.cpus:g} CPUs and {need.memory_mb} MB, but this host's capacity is "
+                f"{cap.cpus:g} CPUs and {cap.memory_mb} MB in all; lower the environment's limits or raise capacity"
+            )
+
+    def add_job(
+        self, job_id: str, priority: int, max_concurrency: int, items: list[WorkItem], need: Need = Need()
+    ) -> None:
+        self.check_fits(need)
+        q = self._queues.setdefault(job_id, JobQueue(job_id, priority, max_concurrency, need))
         q.pending.extend(items)
         self.kick()
 
@@ -78,8 +136,16 @@ class Scheduler:
     def kick(self) -> None:
         self._kick.set()
 
+    def _fits(self, need: Need) -> bool:
+        cap = self.capacity
+        return (
+            self.in_flight < min(self.max_in_flight, cap.max_sandboxes)
+            and self._cpus_used + need.cpus <= cap.cpus
+            and self._memory_used + need.memory_mb <= cap.memory_mb
+        )
+
     def _next(self) -> JobQueue | None:
-        ready = [q for q in self._queues.values() if q.has_room()]
+        ready = [q for q in self._queues.values() if q.has_room() and self._fits(q.need)]
         if not ready:
             return None
         return min(ready, key=lambda q: (len(q.running) / q.priority, -q.priority))
@@ -88,14 +154,18 @@ class Scheduler:
         while True:
             await self._kick.wait()
             self._kick.clear()
-            while self.in_flight < self.max_in_flight and (q := self._next()) is not None:
+            while (q := self._next()) is not None:
                 item = q.pending.popleft()
+                self._cpus_used += q.need.cpus
+                self._memory_used += q.need.memory_mb
                 task = asyncio.create_task(self._run(item), name=f"rollout {item.id}")
                 q.running[item.id] = task
                 task.add_done_callback(functools.partial(self._done, q, item.id))
 
     def _done(self, q: JobQueue, rid: str, _task: asyncio.Task[None]) -> None:
         q.running.pop(rid, None)
+        self._cpus_used = max(0.0, self._cpus_used - q.need.cpus)
+        self._memory_used = max(0, self._memory_used - q.need.memory_mb)
         if not q.pending and not q.running:
             self._queues.pop(q.job_id, None)
         self.kick()

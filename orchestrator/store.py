@@ -25,7 +25,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     state TEXT NOT NULL,
     created_at REAL NOT NULL,
     finished_at REAL,
-    total INTEGER NOT NULL
+    total INTEGER NOT NULL,
+    owner TEXT NOT NULL DEFAULT 'local'
 );
 CREATE TABLE IF NOT EXISTS rollouts (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -52,6 +53,7 @@ class StoredJob:
     created_at: float
     finished_at: float | None
     total: int
+    owner: str = "local"  # the tenant that submitted it
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class ResultStore:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
         db.executescript(SCHEMA)
+        if "owner" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:  # a log from before tenants
+            db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT 'local'")
         self._db = db
 
     async def _run(self, fn: Callable[[], T]) -> T:
@@ -109,12 +113,12 @@ class ResultStore:
 
     # -- jobs
 
-    async def create_job(self, job_id: str, spec: JobSpec, total: int) -> None:
-        """Record a new job."""
+    async def create_job(self, job_id: str, spec: JobSpec, total: int, owner: str = "local") -> None:
+        """Record a new job of tenant `owner`."""
         await self._run(
             lambda: self.db.execute(
-                "INSERT INTO jobs (job_id, spec, state, created_at, total) VALUES (?, ?, ?, ?, ?)",
-                (job_id, spec.model_dump_json(), JobState.QUEUED.value, time.time(), total),
+                "INSERT INTO jobs (job_id, spec, state, created_at, total, owner) VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, spec.model_dump_json(), JobState.QUEUED.value, time.time(), total, owner),
             )
         )
 
@@ -139,11 +143,11 @@ class ResultStore:
 
         def q() -> list[StoredJob]:
             rows = self.db.execute(
-                "SELECT job_id, spec, state, created_at, finished_at, total FROM jobs ORDER BY created_at"
+                "SELECT job_id, spec, state, created_at, finished_at, total, owner FROM jobs ORDER BY created_at"
             ).fetchall()
             wanted = {s.value for s in states} if states is not None else None
             return [
-                StoredJob(r[0], JobSpec.model_validate_json(r[1]), JobState(r[2]), r[3], r[4], r[5])
+                StoredJob(r[0], JobSpec.model_validate_json(r[1]), JobState(r[2]), r[3], r[4], r[5], r[6])
                 for r in rows
                 if wanted is None or r[2] in wanted
             ]

@@ -402,3 +402,447 @@ class ListJobsResponse(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+
+class SandboxLimits(_message.Message):
+    __slots__ = ("memory_mb", "cpus", "pids", "tmp_mb", "workspace_mb")
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    TMP_MB_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_MB_FIELD_NUMBER: _ClassVar[int]
+    memory_mb: int
+    cpus: float
+    pids: int
+    tmp_mb: int
+    workspace_mb: int
+    def __init__(self, memory_mb: _Optional[int] = ..., cpus: _Optional[float] = ..., pids: _Optional[int] = ..., tmp_mb: _Optional[int] = ..., workspace_mb: _Optional[int] = ...) -> None: ...
+
+class ImageSource(_message.Message):
+    __slots__ = ("dockerfile", "base", "packages", "files", "setup", "env")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DOCKERFILE_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    dockerfile: str
+    base: str
+    packages: _containers.RepeatedScalarFieldContainer[str]
+    files: _containers.ScalarMap[str, str]
+    setup: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    def __init__(self, dockerfile: _Optional[str] = ..., base: _Optional[str] = ..., packages: _Optional[_Iterable[str]] = ..., files: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TaskSpec(_message.Message):
+    __slots__ = ("id", "prompt", "data_json", "files", "reference")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    DATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    prompt: str
+    data_json: str
+    files: _containers.ScalarMap[str, str]
+    reference: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., data_json: _Optional[str] = ..., files: _Optional[_Mapping[str, str]] = ..., reference: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+
+class ScoringSpec(_message.Message):
+    __slots__ = ("command", "timeout_s", "min_reference_reward")
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MIN_REFERENCE_REWARD_FIELD_NUMBER: _ClassVar[int]
+    command: str
+    timeout_s: float
+    min_reference_reward: float
+    def __init__(self, command: _Optional[str] = ..., timeout_s: _Optional[float] = ..., min_reference_reward: _Optional[float] = ...) -> None: ...
+
+class EnvironmentSpec(_message.Message):
+    __slots__ = ("name", "version", "description", "image", "tasks", "tasks_jsonl", "tools", "scoring", "limits", "system_prompt", "max_turns", "tool_timeout_s", "setup_command")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_JSONL_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    SCORING_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SETUP_COMMAND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    description: str
+    image: ImageSource
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
+    tasks_jsonl: str
+    tools: _containers.RepeatedScalarFieldContainer[str]
+    scoring: ScoringSpec
+    limits: SandboxLimits
+    system_prompt: str
+    max_turns: int
+    tool_timeout_s: float
+    setup_command: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[_Union[ImageSource, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., tasks_jsonl: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., scoring: _Optional[_Union[ScoringSpec, _Mapping]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., system_prompt: _Optional[str] = ..., max_turns: _Optional[int] = ..., tool_timeout_s: _Optional[float] = ..., setup_command: _Optional[str] = ...) -> None: ...
+
+class ValidationReport(_message.Message):
+    __slots__ = ("env", "image", "num_tasks", "reference_task_id", "reference_reward", "reference_components", "duration_s", "checks")
+    class ReferenceComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TASKS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_REWARD_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    image: str
+    num_tasks: int
+    reference_task_id: str
+    reference_reward: float
+    reference_components: _containers.ScalarMap[str, float]
+    duration_s: float
+    checks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, env: _Optional[str] = ..., image: _Optional[str] = ..., num_tasks: _Optional[int] = ..., reference_task_id: _Optional[str] = ..., reference_reward: _Optional[float] = ..., reference_components: _Optional[_Mapping[str, float]] = ..., duration_s: _Optional[float] = ..., checks: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("env", "task_id", "seed", "max_turns")
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    task_id: str
+    seed: int
+    max_turns: int
+    def __init__(self, env: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., max_turns: _Optional[int] = ...) -> None: ...
+
+class Observation(_message.Message):
+    __slots__ = ("text", "messages", "tools")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    messages: _containers.RepeatedCompositeFieldContainer[Turn]
+    tools: _containers.RepeatedCompositeFieldContainer[ToolInfo]
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[ToolInfo, _Mapping]]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("env", "task_id", "seed", "turn", "max_turns", "image", "idle_ttl_s")
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    task_id: str
+    seed: int
+    turn: int
+    max_turns: int
+    image: str
+    idle_ttl_s: float
+    def __init__(self, env: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., turn: _Optional[int] = ..., max_turns: _Optional[int] = ..., image: _Optional[str] = ..., idle_ttl_s: _Optional[float] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("session_id", "observation", "info")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    observation: Observation
+    info: SessionInfo
+    def __init__(self, session_id: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class Action(_message.Message):
+    __slots__ = ("tool_call", "final_answer")
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    tool_call: ToolCall
+    final_answer: str
+    def __init__(self, tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., final_answer: _Optional[str] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("session_id", "action")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    action: Action
+    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("observation", "reward", "terminated", "truncated", "status", "reward_components", "metrics", "error", "info")
+    class RewardComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    TERMINATED_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    observation: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    status: RolloutStatus
+    reward_components: _containers.ScalarMap[str, float]
+    metrics: _containers.ScalarMap[str, float]
+    error: RolloutError
+    info: SessionInfo
+    def __init__(self, observation: _Optional[str] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[_Union[RolloutError, _Mapping]] = ..., info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("was_running",)
+    WAS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    was_running: bool
+    def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
+
+class CreateSandboxRequest(_message.Message):
+    __slots__ = ("image", "env", "limits", "ttl_s", "env_vars")
+    class EnvVarsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ENV_VARS_FIELD_NUMBER: _ClassVar[int]
+    image: str
+    env: str
+    limits: SandboxLimits
+    ttl_s: float
+    env_vars: _containers.ScalarMap[str, str]
+    def __init__(self, image: _Optional[str] = ..., env: _Optional[str] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., ttl_s: _Optional[float] = ..., env_vars: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SandboxInfo(_message.Message):
+    __slots__ = ("sandbox_id", "image", "env", "state", "limits", "created_at", "expires_at", "ended_at", "end_reason")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    END_REASON_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    image: str
+    env: str
+    state: str
+    limits: SandboxLimits
+    created_at: float
+    expires_at: float
+    ended_at: float
+    end_reason: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., image: _Optional[str] = ..., env: _Optional[str] = ..., state: _Optional[str] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., end_reason: _Optional[str] = ...) -> None: ...
+
+class GetSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ListSandboxesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSandboxesResponse(_message.Message):
+    __slots__ = ("sandboxes",)
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[SandboxInfo]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ...) -> None: ...
+
+class Argv(_message.Message):
+    __slots__ = ("args",)
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    args: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, args: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExecRequest(_message.Message):
+    __slots__ = ("sandbox_id", "shell", "argv", "cwd", "env", "stdin", "timeout_s", "max_output_bytes")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    SHELL_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    shell: str
+    argv: Argv
+    cwd: str
+    env: _containers.ScalarMap[str, str]
+    stdin: bytes
+    timeout_s: float
+    max_output_bytes: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., shell: _Optional[str] = ..., argv: _Optional[_Union[Argv, _Mapping]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
+
+class ExecStarted(_message.Message):
+    __slots__ = ("pid",)
+    PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    def __init__(self, pid: _Optional[int] = ...) -> None: ...
+
+class ExecEnded(_message.Message):
+    __slots__ = ("exit_code", "signal", "timed_out", "truncated", "oom_killed", "duration_s")
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    exit_code: int
+    signal: int
+    timed_out: bool
+    truncated: bool
+    oom_killed: bool
+    duration_s: float
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., truncated: _Optional[bool] = ..., oom_killed: _Optional[bool] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class ExecEvent(_message.Message):
+    __slots__ = ("started", "stdout", "stderr", "ended")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    started: ExecStarted
+    stdout: bytes
+    stderr: bytes
+    ended: ExecEnded
+    def __init__(self, started: _Optional[_Union[ExecStarted, _Mapping]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., ended: _Optional[_Union[ExecEnded, _Mapping]] = ...) -> None: ...
+
+class SandboxReadFileRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path", "max_bytes")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: str
+    max_bytes: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class SandboxReadFileResponse(_message.Message):
+    __slots__ = ("content",)
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    content: bytes
+    def __init__(self, content: _Optional[bytes] = ...) -> None: ...
+
+class SandboxWriteFileRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path", "content", "mode")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: str
+    content: bytes
+    mode: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., content: _Optional[bytes] = ..., mode: _Optional[int] = ...) -> None: ...
+
+class SandboxWriteFileResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SandboxUploadRequest(_message.Message):
+    __slots__ = ("sandbox_id", "dest_dir", "tar")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_DIR_FIELD_NUMBER: _ClassVar[int]
+    TAR_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    dest_dir: str
+    tar: bytes
+    def __init__(self, sandbox_id: _Optional[str] = ..., dest_dir: _Optional[str] = ..., tar: _Optional[bytes] = ...) -> None: ...
+
+class SandboxUploadResponse(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: int
+    def __init__(self, files: _Optional[int] = ...) -> None: ...
+
+class SandboxDownloadRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class SandboxDownloadResponse(_message.Message):
+    __slots__ = ("tar",)
+    TAR_FIELD_NUMBER: _ClassVar[int]
+    tar: bytes
+    def __init__(self, tar: _Optional[bytes] = ...) -> None: ...
+
+class DeleteSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class DeleteSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -46,6 +46,16 @@ class EnvironmentServiceStub:
                 request_serializer=protos_dot_orchestrator__pb2.DescribeEnvironmentRequest.SerializeToString,
                 response_deserializer=protos_dot_orchestrator__pb2.EnvironmentInfo.FromString,
                 _registered_method=True)
+        self.Register = channel.unary_unary(
+                '/envfleet.v1.EnvironmentService/Register',
+                request_serializer=protos_dot_orchestrator__pb2.EnvironmentSpec.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.EnvironmentInfo.FromString,
+                _registered_method=True)
+        self.Validate = channel.unary_unary(
+                '/envfleet.v1.EnvironmentService/Validate',
+                request_serializer=protos_dot_orchestrator__pb2.EnvironmentSpec.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.ValidationReport.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -61,9 +71,24 @@ class EnvironmentServiceServicer:
 
     def Describe(self, request, context):
         """NOT_FOUND for an unknown name, with the closest names in the message.
-        Reserved for declarative registration by non-Python users (a separate issue):
-        rpc Register(EnvironmentSpec) returns (EnvironmentInfo);
-        rpc Validate(EnvironmentSpec) returns (ValidationReport);
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Register(self, request, context):
+        """Declarative registration (no Python needed): validates like Validate, then persists the spec, which survives
+        restarts. INVALID_ARGUMENT lists every bad field as `path: reason`; FAILED_PRECONDITION when the image does not
+        build (with the build log's tail) or the reference solution does not pass the scoring command; ALREADY_EXISTS for
+        the same name@version with a different spec; PERMISSION_DENIED for a name that belongs to another tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Validate(self, request, context):
+        """Builds the image, loads the tasks and runs the first reference solution through the scoring command; registers
+        nothing. Fails with the same statuses as Register.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +106,16 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=protos_dot_orchestrator__pb2.DescribeEnvironmentRequest.FromString,
                     response_serializer=protos_dot_orchestrator__pb2.EnvironmentInfo.SerializeToString,
+            ),
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=protos_dot_orchestrator__pb2.EnvironmentSpec.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.EnvironmentInfo.SerializeToString,
+            ),
+            'Validate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Validate,
+                    request_deserializer=protos_dot_orchestrator__pb2.EnvironmentSpec.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.ValidationReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +174,60 @@ class EnvironmentService:
             '/envfleet.v1.EnvironmentService/Describe',
             protos_dot_orchestrator__pb2.DescribeEnvironmentRequest.SerializeToString,
             protos_dot_orchestrator__pb2.EnvironmentInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.EnvironmentService/Register',
+            protos_dot_orchestrator__pb2.EnvironmentSpec.SerializeToString,
+            protos_dot_orchestrator__pb2.EnvironmentInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Validate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.EnvironmentService/Validate',
+            protos_dot_orchestrator__pb2.EnvironmentSpec.SerializeToString,
+            protos_dot_orchestrator__pb2.ValidationReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -479,6 +568,599 @@ class RolloutService:
             '/envfleet.v1.RolloutService/ListJobs',
             protos_dot_orchestrator__pb2.ListJobsRequest.SerializeToString,
             protos_dot_orchestrator__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class SessionServiceStub:
+    """---------------------------------------------------------------- sessions: the trainer drives the loop
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reset = channel.unary_unary(
+                '/envfleet.v1.SessionService/Reset',
+                request_serializer=protos_dot_orchestrator__pb2.ResetRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.ResetResponse.FromString,
+                _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/envfleet.v1.SessionService/Step',
+                request_serializer=protos_dot_orchestrator__pb2.StepRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.StepResponse.FromString,
+                _registered_method=True)
+        self.Close = channel.unary_unary(
+                '/envfleet.v1.SessionService/Close',
+                request_serializer=protos_dot_orchestrator__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+
+
+class SessionServiceServicer:
+    """---------------------------------------------------------------- sessions: the trainer drives the loop
+
+    """
+
+    def Reset(self, request, context):
+        """Acquires one sandbox for the environment, sets the task up and returns the first observation.
+        The task is task_id, or chosen by seed, or at random when neither is given.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """One action: a tool call or a final answer. A terminal step scores the episode and releases the sandbox.
+        NOT_FOUND for an unknown session, or one that expired (the message says so); FAILED_PRECONDITION once ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Close(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SessionServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=protos_dot_orchestrator__pb2.ResetRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.ResetResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=protos_dot_orchestrator__pb2.StepRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.StepResponse.SerializeToString,
+            ),
+            'Close': grpc.unary_unary_rpc_method_handler(
+                    servicer.Close,
+                    request_deserializer=protos_dot_orchestrator__pb2.CloseSessionRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.CloseSessionResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'envfleet.v1.SessionService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('envfleet.v1.SessionService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SessionService:
+    """---------------------------------------------------------------- sessions: the trainer drives the loop
+
+    """
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SessionService/Reset',
+            protos_dot_orchestrator__pb2.ResetRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SessionService/Step',
+            protos_dot_orchestrator__pb2.StepRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Close(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SessionService/Close',
+            protos_dot_orchestrator__pb2.CloseSessionRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class SandboxServiceStub:
+    """---------------------------------------------------------------- raw sandboxes
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Create = channel.unary_unary(
+                '/envfleet.v1.SandboxService/Create',
+                request_serializer=protos_dot_orchestrator__pb2.CreateSandboxRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.SandboxInfo.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/envfleet.v1.SandboxService/Get',
+                request_serializer=protos_dot_orchestrator__pb2.GetSandboxRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.SandboxInfo.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/envfleet.v1.SandboxService/List',
+                request_serializer=protos_dot_orchestrator__pb2.ListSandboxesRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.ListSandboxesResponse.FromString,
+                _registered_method=True)
+        self.Exec = channel.unary_stream(
+                '/envfleet.v1.SandboxService/Exec',
+                request_serializer=protos_dot_orchestrator__pb2.ExecRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.ExecEvent.FromString,
+                _registered_method=True)
+        self.ReadFile = channel.unary_unary(
+                '/envfleet.v1.SandboxService/ReadFile',
+                request_serializer=protos_dot_orchestrator__pb2.SandboxReadFileRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.SandboxReadFileResponse.FromString,
+                _registered_method=True)
+        self.WriteFile = channel.unary_unary(
+                '/envfleet.v1.SandboxService/WriteFile',
+                request_serializer=protos_dot_orchestrator__pb2.SandboxWriteFileRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.SandboxWriteFileResponse.FromString,
+                _registered_method=True)
+        self.Upload = channel.unary_unary(
+                '/envfleet.v1.SandboxService/Upload',
+                request_serializer=protos_dot_orchestrator__pb2.SandboxUploadRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.SandboxUploadResponse.FromString,
+                _registered_method=True)
+        self.Download = channel.unary_unary(
+                '/envfleet.v1.SandboxService/Download',
+                request_serializer=protos_dot_orchestrator__pb2.SandboxDownloadRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.SandboxDownloadResponse.FromString,
+                _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/envfleet.v1.SandboxService/Delete',
+                request_serializer=protos_dot_orchestrator__pb2.DeleteSandboxRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.DeleteSandboxResponse.FromString,
+                _registered_method=True)
+
+
+class SandboxServiceServicer:
+    """---------------------------------------------------------------- raw sandboxes
+
+    """
+
+    def Create(self, request, context):
+        """A hardened sandbox from an envfleet image or an environment's image; destroyed when its ttl ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """NOT_FOUND for an unknown sandbox; for an expired one, the message says when it expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """The caller's own sandboxes: running ones, and those that ended in the last hour (state EXPIRED or DELETED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exec(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadFile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteFile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Upload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Download(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Delete(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SandboxServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Create': grpc.unary_unary_rpc_method_handler(
+                    servicer.Create,
+                    request_deserializer=protos_dot_orchestrator__pb2.CreateSandboxRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.SandboxInfo.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=protos_dot_orchestrator__pb2.GetSandboxRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.SandboxInfo.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=protos_dot_orchestrator__pb2.ListSandboxesRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.ListSandboxesResponse.SerializeToString,
+            ),
+            'Exec': grpc.unary_stream_rpc_method_handler(
+                    servicer.Exec,
+                    request_deserializer=protos_dot_orchestrator__pb2.ExecRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.ExecEvent.SerializeToString,
+            ),
+            'ReadFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadFile,
+                    request_deserializer=protos_dot_orchestrator__pb2.SandboxReadFileRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.SandboxReadFileResponse.SerializeToString,
+            ),
+            'WriteFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteFile,
+                    request_deserializer=protos_dot_orchestrator__pb2.SandboxWriteFileRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.SandboxWriteFileResponse.SerializeToString,
+            ),
+            'Upload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=protos_dot_orchestrator__pb2.SandboxUploadRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.SandboxUploadResponse.SerializeToString,
+            ),
+            'Download': grpc.unary_unary_rpc_method_handler(
+                    servicer.Download,
+                    request_deserializer=protos_dot_orchestrator__pb2.SandboxDownloadRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.SandboxDownloadResponse.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=protos_dot_orchestrator__pb2.DeleteSandboxRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.DeleteSandboxResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'envfleet.v1.SandboxService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('envfleet.v1.SandboxService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SandboxService:
+    """---------------------------------------------------------------- raw sandboxes
+
+    """
+
+    @staticmethod
+    def Create(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/Create',
+            protos_dot_orchestrator__pb2.CreateSandboxRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/Get',
+            protos_dot_orchestrator__pb2.GetSandboxRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/List',
+            protos_dot_orchestrator__pb2.ListSandboxesRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.ListSandboxesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/Exec',
+            protos_dot_orchestrator__pb2.ExecRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.ExecEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/ReadFile',
+            protos_dot_orchestrator__pb2.SandboxReadFileRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.SandboxReadFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/WriteFile',
+            protos_dot_orchestrator__pb2.SandboxWriteFileRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.SandboxWriteFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/Upload',
+            protos_dot_orchestrator__pb2.SandboxUploadRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.SandboxUploadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Download(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/Download',
+            protos_dot_orchestrator__pb2.SandboxDownloadRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.SandboxDownloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SandboxService/Delete',
+            protos_dot_orchestrator__pb2.DeleteSandboxRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.DeleteSandboxResponse.FromString,
             options,
             channel_credentials,
             insecure,

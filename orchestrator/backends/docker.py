@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeVar
 
 import docker
 import docker.errors
+import requests
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.backends.base import (
@@ -79,6 +80,8 @@ class DockerBackendConfig(BaseModel):
     api_workers: int = Field(16, ge=1, le=256, description="threads (and HTTP connections) for engine calls")
     api_timeout_s: float = Field(120.0, gt=0)
     sweep_interval_s: float = Field(30.0, gt=0)
+    health_interval_s: float = Field(1.0, gt=0, description="how often the engine is pinged")
+    health_timeout_s: float = Field(2.0, gt=0, description="a ping slower than this marks the engine unhealthy")
 
 
 def _proc_start_time(pid: int) -> str:
@@ -254,6 +257,19 @@ class DockerBackend(SandboxBackend):
         self._removals: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._swap_limit: bool | None = None
+        self._creating: set[str] = set()
+        self.engine_errors = 0
+        self.engine_healthy = True
+        self._health_listeners: list[Callable[[bool], None]] = []
+        self._health_task: asyncio.Task[None] | None = None
+        # pings go on their own thread and client, so they answer even when every pool thread waits on a stuck engine
+        self._ping_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="docker-ping")
+        ping_timeout = max(1, round(self.config.health_timeout_s))
+        self._ping_client = (
+            docker.DockerClient(base_url=self.config.base_url, timeout=ping_timeout)
+            if self.config.base_url
+            else docker.from_env(timeout=ping_timeout)
+        ).api
 
     @classmethod
     async def start(cls, config: DockerBackendConfig | None = None, *, sweep: bool = True) -> DockerBackend:
@@ -264,11 +280,43 @@ class DockerBackend(SandboxBackend):
         if sweep:
             await backend.sweep()
             backend._sweeper = asyncio.create_task(backend._sweep_forever())
+        backend._health_task = asyncio.create_task(backend._watch_engine())
         return backend
 
-    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def on_engine_health(self, listener: Callable[[bool], None]) -> None:
+        """Call `listener(healthy)` whenever the engine starts or stops answering."""
+        self._health_listeners.append(listener)
+
+    async def _watch_engine(self) -> None:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        while True:
+            try:
+                await asyncio.wait_for(
+                    loop.run_in_executor(self._ping_pool, self._ping_client.ping), self.config.health_timeout_s + 1
+                )
+                healthy = True
+            except Exception:
+                healthy = False
+            if healthy != self.engine_healthy:
+                self.engine_healthy = healthy
+                log.warning("docker engine is %s", "answering again" if healthy else "NOT answering")
+                for listener in self._health_listeners:
+                    listener(healthy)
+                if healthy:
+                    await self._sweep_quietly()  # what the stall left half-created or half-removed
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking engine call on the pool; an engine that does not answer is an infrastructure error."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+            self.engine_errors += 1
+            raise SandboxUnavailableError(
+                f"the docker engine did not answer {getattr(fn, '__name__', 'a call')} "
+                f"within {self.config.api_timeout_s:g}s: {e}"
+            ) from e
 
     async def _call_to_completion(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Like _call, but a cancelled caller still waits for the engine call to finish, so that whatever it
@@ -320,6 +368,13 @@ class DockerBackend(SandboxBackend):
 
     async def create(self, spec: SandboxSpec) -> DockerSandbox:
         name = f"envfleet-{uuid.uuid4().hex[:12]}"
+        self._creating.add(name)
+        try:
+            return await self._create(spec, name)
+        finally:
+            self._creating.discard(name)
+
+    async def _create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
         uid, gid = (int(x) for x in spec.hardening.user.split(":"))
         socket_dir = self.config.socket_root / name
         use_envd = spec.transport == "envd"
@@ -447,7 +502,11 @@ class DockerBackend(SandboxBackend):
         if older_than is not None and now - created > older_than:
             return f"older than {older_than:g}s"
         if labels.get(LABEL_INSTANCE) == self.owner.instance:
-            return ""
+            # ours, but neither alive in our hands nor being created: a removal or a create that the engine
+            # finished after we had given up on it (it stalled)
+            name = labels.get(LABEL_SOCKET_DIR, "").rsplit("/", 1)[-1]
+            known = {s.name for s in self._owned.values()} | self._creating
+            return "" if name in known else "orphan of this instance"
         if labels.get(LABEL_HOST) != self.owner.host:
             return ""  # another host's owner: we cannot see its processes
         pid = labels.get(LABEL_PID, "")
@@ -481,6 +540,14 @@ class DockerBackend(SandboxBackend):
                     shutil.rmtree(d, ignore_errors=True)
         return removed
 
+    async def _sweep_quietly(self) -> None:
+        try:
+            n = await self.sweep()
+            if n:
+                log.info("sweep removed %d sandbox(es)", n)
+        except SandboxError as e:
+            log.warning("sweep failed: %s", e)
+
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
@@ -492,11 +559,18 @@ class DockerBackend(SandboxBackend):
                 log.exception("periodic sweep failed")
 
     async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await asyncio.gather(*(s.close() for s in list(self._owned.values())), return_exceptions=True)
         await asyncio.gather(*list(self._removals), return_exceptions=True)
+        await self._sweep_quietly()  # removals the engine dropped while it stalled
         self._pool.shutdown(wait=False)
+        self._ping_pool.shutdown(wait=False)
+        self._ping_client.close()
         self.client.close()

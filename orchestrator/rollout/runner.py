@@ -109,6 +109,7 @@ class RolloutRunner:
             rollout.attempts = attempt
             if rollout.status != RolloutStatus.INFRA_ERROR or attempt > spec.max_infra_retries:
                 return rollout
+            await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))  # back off while the engine recovers
             log.warning(
                 "rollout %s: infrastructure error (attempt %d), retrying on a fresh sandbox: %s",
                 item.id,
@@ -210,6 +211,11 @@ class RolloutRunner:
                 RolloutStatus.TIMEOUT,
                 TimeoutError(f"rollout exceeded {spec.rollout_timeout_s:g}s") if not str(e) else e,
             )
+        except Exception as e:
+            # a failure nobody classified is never a reward and never a lost rollout: count it as infrastructure
+            log.exception("rollout %s failed unexpectedly", item.id)
+            infra_failed = True
+            return failed(RolloutStatus.INFRA_ERROR, e)
         finally:
             self.active.pop(item.id, None)
             if sandbox is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,22 @@ from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.jobs import JobManager
 from orchestrator.metrics import Metrics
+from orchestrator.registration import EnvImageResolver, Registrar, SpecStore
 from orchestrator.registry import Registry
-from orchestrator.rollout.runner import ImageResolver, RolloutRunner
+from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.sandboxes import SandboxManager, SandboxServiceConfig
+from orchestrator.scheduler import Capacity
 from orchestrator.server.errors import ErrorInterceptor
+from orchestrator.server.security import (
+    Authenticator,
+    AuthInterceptor,
+    SecurityConfig,
+    check_transport,
+    server_credentials,
+)
 from orchestrator.server.services import EnvironmentService, RolloutService
+from orchestrator.server.trainer_services import SandboxService, SessionService
+from orchestrator.sessions import SessionConfig, SessionManager
 from orchestrator.store import ResultStore
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -38,9 +51,13 @@ class OrchestratorConfig(BaseModel):
     data_dir: Path = Path(".envfleet")
     max_in_flight: int = Field(64, ge=1, le=100_000, description="rollouts in flight on this host")
     backend: DockerBackendConfig = DockerBackendConfig(owner="envfleet-orchestrator")
-    reflection: bool = True
+    reflection: bool | None = Field(None, description="server reflection; None: on without TLS, off with TLS")
     pool: PoolConfig = PoolConfig()
+    capacity: Capacity = Field(default_factory=Capacity)
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint; None: off")
+    security: SecurityConfig = SecurityConfig()
+    sessions: SessionConfig = SessionConfig()
+    sandboxes: SandboxServiceConfig = SandboxServiceConfig()
 
 
 class Orchestrator:
@@ -67,6 +84,9 @@ class Orchestrator:
         self.metrics: Metrics | None = None
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
+        self.sessions: SessionManager | None = None
+        self.sandboxes: SandboxManager | None = None
+        self.registrar: Registrar | None = None
 
     @property
     def address(self) -> str:
@@ -79,6 +99,10 @@ class Orchestrator:
         """Stop serving, cancel running rollouts (destroying their sandboxes), close the store."""
         await self._health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.sessions is not None:
+            await self.sessions.close_all()
+        if self.sandboxes is not None:
+            await self.sandboxes.close_all()
         await self.jobs.close()
         if self.pool is not None:
             await self.pool.close()
@@ -90,38 +114,78 @@ class Orchestrator:
 
 async def create_server(config: OrchestratorConfig, registry: Registry | None = None) -> Orchestrator:
     """Open the store, sweep and start the backend, resume unfinished jobs, and serve."""
+    # configuration problems are refused before anything is opened
+    check_transport(config.host, config.security)
+    auth = Authenticator.from_config(config.security)
+    tls = config.security.tls
+    credentials = server_credentials(tls) if tls else None
     store = await ResultStore.open(config.data_dir / "results.sqlite3")
     backend = await DockerBackend.start(config.backend)
     registry = registry or Registry.from_entry_points()
+    registrar = Registrar(registry, backend, backend.client, SpecStore(config.data_dir / "environments"))
+    await registrar.load()
+    images = EnvImageResolver(backend.client)
     metrics = Metrics()
     pool = SandboxPool(backend, config.pool, metrics)
     pool.start()
-    runner = RolloutRunner(pool, ImageResolver(backend.client))
-    jobs = await JobManager.start(store, registry, runner, config.max_in_flight, metrics=metrics)
+    runner = RolloutRunner(pool, images)
+    jobs = await JobManager.start(
+        store, registry, runner, config.max_in_flight, metrics=metrics, capacity=config.capacity
+    )
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()],
+        interceptors=[AuthInterceptor(auth), ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentService(registry), server)
-    orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(jobs), server)
+    sessions = SessionManager.start(config.sessions, registry, pool, images)
+    sandboxes = SandboxManager.start(config.sandboxes, registry, backend, images, backend.client)
+    orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(
+        EnvironmentService(registry, registrar, auth), server
+    )
+    orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(jobs, auth), server)
+    orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
+    orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if config.reflection:
-        names = [
-            orchestrator_pb2.DESCRIPTOR.services_by_name[s].full_name for s in ("EnvironmentService", "RolloutService")
-        ]
+    if config.reflection if config.reflection is not None else tls is None:
+        names = [s.full_name for s in orchestrator_pb2.DESCRIPTOR.services_by_name.values()]
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("orchestrator serving on %s:%d (data in %s)", config.host, port, config.data_dir)
+    log.info(
+        "orchestrator serving on %s:%d (%s, %s; data in %s)",
+        config.host,
+        port,
+        "TLS" + (" with client certificates" if tls and tls.client_ca_file else "") if tls else "plaintext",
+        "bearer tokens" if auth.enabled else "no auth (local tenant)",
+        config.data_dir,
+    )
     orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer)
+
+    pending: set[asyncio.Task[None]] = set()
+
+    def engine_health(healthy: bool) -> None:
+        # the health check says NOT_SERVING while the docker engine does not answer
+        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        task = asyncio.get_running_loop().create_task(health_servicer.set("", status))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    backend.on_engine_health(engine_health)
     orch.pool, orch.metrics = pool, metrics
+    orch.sessions, orch.sandboxes, orch.registrar = sessions, sandboxes, registrar
     if config.metrics_port is not None:
-        orch._metrics_server, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        try:
+            orch._metrics_server, _ = start_http_server(
+                config.metrics_port, addr=config.host, registry=metrics.registry
+            )
+        except OSError as e:  # the port is taken (another orchestrator on this host): serve metrics elsewhere
+            log.warning("metrics port %d unavailable (%s); using a free port", config.metrics_port, e)
+            orch._metrics_server, _ = start_http_server(0, addr=config.host, registry=metrics.registry)
         orch.metrics_port = orch._metrics_server.server_port
         log.info("metrics on http://%s:%d/metrics", config.host, orch.metrics_port)
     return orch

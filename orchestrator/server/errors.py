@@ -10,9 +10,25 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
-from orchestrator.errors import EnvfleetError, InvalidRequestError, SandboxError
+from orchestrator.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    EnvfleetError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    QuotaExceededError,
+    SandboxError,
+    SandboxFileError,
+    SandboxFileNotFoundError,
+    SandboxPermissionError,
+    UnauthenticatedError,
+)
+from orchestrator.images.errors import ImageBuildError
 from orchestrator.jobs import JobFinishedError, JobNotFoundError
 from orchestrator.registry import EnvironmentNotFoundError
+from orchestrator.scheduler import CapacityError
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +38,20 @@ STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EnvironmentNotFoundError, grpc.StatusCode.NOT_FOUND),
     (JobNotFoundError, grpc.StatusCode.NOT_FOUND),
     (JobFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (QuotaExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ImageBuildError, grpc.StatusCode.FAILED_PRECONDITION),
+    # file errors inside a sandbox are the caller's (a raw sandbox's owner): what envd said, not an outage
+    (SandboxFileNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (SandboxPermissionError, grpc.StatusCode.PERMISSION_DENIED),
+    (SandboxFileError, grpc.StatusCode.FAILED_PRECONDITION),
     (SandboxError, grpc.StatusCode.UNAVAILABLE),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (EnvfleetError, grpc.StatusCode.INTERNAL),
 ]
 

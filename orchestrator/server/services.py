@@ -1,4 +1,7 @@
-"""The servicers: thin adapters from the wire to the JobManager and the Registry."""
+"""The servicers: thin adapters from the wire to the JobManager and the Registry.
+
+Every call acts as the calling tenant (from its bearer token): a tenant sees only its own jobs.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +9,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from orchestrator.errors import InvalidRequestError
+from environments.declarative import DeclarativeEnvironment
+from orchestrator.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.jobs import JobManager
+from orchestrator.registration import Registrar
 from orchestrator.registry import Registry
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
+from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
+from orchestrator.server.security import Authenticator
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
@@ -26,13 +33,19 @@ def _job_id(job_id: str) -> str:
 
 
 class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[misc]
-    """List and Describe registered environments."""
+    """List and Describe registered environments; Register and Validate declarative ones."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(
+        self, registry: Registry, registrar: Registrar | None = None, auth: Authenticator | None = None
+    ) -> None:
         self._registry = registry
+        self._registrar = registrar
+        self._auth = auth or Authenticator()
 
     @staticmethod
     def _image(env: object) -> str:
+        if isinstance(env, DeclarativeEnvironment):
+            return env.image_description()
         spec = env.image_spec()  # type: ignore[attr-defined]
         return "envfleet/base" if spec is None else f"built from an ImageSpec on {spec.base or 'envfleet/base'}"
 
@@ -51,15 +64,30 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
         r = self._registry.lookup(request.name)
         return environment_pb(r.env, r.source, self._image(r.env))
 
+    def _registrar_or_fail(self) -> Registrar:
+        if self._registrar is None:
+            raise FailedPreconditionError("this server does not accept environment registrations")
+        return self._registrar
+
+    async def Register(self, request: pb.EnvironmentSpec, context: grpc.aio.ServicerContext) -> pb.EnvironmentInfo:
+        tenant = self._auth.tenant(context)
+        r = await self._registrar_or_fail().register(spec_from_pb(request), tenant)
+        return environment_pb(r.env, r.source, self._image(r.env))
+
+    async def Validate(self, request: pb.EnvironmentSpec, context: grpc.aio.ServicerContext) -> pb.ValidationReport:
+        self._auth.tenant(context)
+        return validation_report_pb(await self._registrar_or_fail().validate(spec_from_pb(request)))
+
 
 class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
     """Jobs and the rollout stream."""
 
-    def __init__(self, jobs: JobManager) -> None:
+    def __init__(self, jobs: JobManager, auth: Authenticator | None = None) -> None:
         self._jobs = jobs
+        self._auth = auth or Authenticator()
 
     async def SubmitJob(self, request: pb.JobSpec, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
-        job_id, total = await self._jobs.submit(job_spec_from_pb(request))
+        job_id, total = await self._jobs.submit(job_spec_from_pb(request), self._auth.tenant(context))
         return pb.SubmitJobResponse(job_id=job_id, num_rollouts=total)
 
     async def StreamRollouts(
@@ -75,27 +103,35 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         if not 0 <= request.max_batch <= MAX_BATCH:
             raise InvalidRequestError(f"max_batch must be between 1 and {MAX_BATCH}, got {request.max_batch}")
         async for batch in self._jobs.stream(
-            job_id, request.resume_after, request.max_in_flight or 256, request.max_batch or 64
+            job_id,
+            request.resume_after,
+            request.max_in_flight or 256,
+            request.max_batch or 64,
+            owner=self._auth.tenant(context),
         ):
             yield batch_to_pb(batch)
 
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckResponse:
         if len(request.ids) > 100_000:
             raise InvalidRequestError("at most 100000 ids per Ack")
-        acked = await self._jobs.ack(_job_id(request.job_id), request.up_to, list(request.ids))
+        owner = self._auth.tenant(context)
+        acked = await self._jobs.ack(_job_id(request.job_id), request.up_to, list(request.ids), owner=owner)
         return pb.AckResponse(acked=acked)
 
     async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:
         if not request.version:
             raise InvalidRequestError("version is empty: name the new policy version")
-        info = await self._jobs.update_policy(_job_id(request.job_id), request.version, request.base_url)
+        info = await self._jobs.update_policy(
+            _job_id(request.job_id), request.version, request.base_url, owner=self._auth.tenant(context)
+        )
         return job_status_pb(info)
 
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:
-        return job_status_pb(await self._jobs.cancel(_job_id(request.job_id)))
+        return job_status_pb(await self._jobs.cancel(_job_id(request.job_id), owner=self._auth.tenant(context)))
 
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:
-        return job_status_pb(await self._jobs.info(_job_id(request.job_id)))
+        return job_status_pb(await self._jobs.info(_job_id(request.job_id), owner=self._auth.tenant(context)))
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[job_status_pb(i) for i in await self._jobs.list()])
+        jobs = await self._jobs.list(owner=self._auth.tenant(context))
+        return pb.ListJobsResponse(jobs=[job_status_pb(i) for i in jobs])

@@ -1,0 +1,249 @@
+"""`make bench-scale`: hold many sandboxes at once on this host and push light rollouts through them.
+
+Phases (all in one run, results under `scale` in bench/results.json):
+1. warm N sandboxes (each with its envd) through the pool; the host's used memory at peak minus before, per sandbox.
+   Growth stops early, and says so, if the projection would pass 90% of the host's memory;
+2. acquire latency with 64 concurrent acquires from the warm pool (p50, p99);
+3. R rollouts (3 turns, the scripted policy answering after a simulated 1 s, one short exec per turn) with all the
+   sandboxes in flight, recycled between rollouts;
+4. efficiency at 256 concurrent rollouts: measured rollouts per minute over the ideal (concurrency / episode time);
+5. leaked containers after shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import docker
+
+from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
+from orchestrator.backends.base import Limits, Sandbox, SandboxSpec
+from orchestrator.backends.docker import DockerBackendConfig
+from orchestrator.backends.pool import PoolConfig
+from orchestrator.client import EnvfleetClient
+from orchestrator.images import ensure_base_image
+from orchestrator.models import JobSpec, TaskSelection
+from orchestrator.registry import Registry
+from orchestrator.rollout.policy import PolicyEndpoint
+from orchestrator.rollout.runner import DETERMINISTIC_ENV
+from orchestrator.rollout.scripts import reference_script
+from orchestrator.server.app import OrchestratorConfig, create_server
+
+OWNER = "envfleet-scale"
+log = logging.getLogger("scale")
+
+
+def _ok(ctx: ScoringContext) -> float:
+    return float(ctx.episode.answer == "ok")
+
+
+class LightEnv(Environment):
+    """Three turns: two short execs and a submit."""
+
+    name = "scale-light"
+    tools = ("bash", "submit")
+    max_turns = 3
+    reusable = True
+    rubric = Rubric([("ok", _ok, 1.0)])
+    limits = Limits(memory_mb=128, cpus=0.5, pids=64, tmp_mb=16, workspace_mb=16)
+
+    def __init__(self, count: int) -> None:
+        self._tasks = tuple(
+            Task(
+                id=f"s{i:05d}",
+                prompt="two commands then submit ok",
+                reference=(
+                    ToolInvocation("bash", {"command": "echo a"}),
+                    ToolInvocation("bash", {"command": "echo b"}),
+                    ToolInvocation("submit", {"answer": "ok"}),
+                ),
+            )
+            for i in range(count)
+        )
+
+    def tasks(self) -> Sequence[Task]:
+        return self._tasks
+
+
+def used_memory_mb() -> float:
+    """MemTotal - MemAvailable, in MB."""
+    info = {
+        k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    }
+    return (info["MemTotal"] - info["MemAvailable"]) / 1024
+
+
+def total_memory_mb() -> float:
+    return int(Path("/proc/meminfo").read_text().split()[1]) / 1024
+
+
+async def _start_policy(script_path: Path, latency: float) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "orchestrator.scripted_policy",
+        "--script",
+        str(script_path),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    line = (await proc.stdout.readline()).decode().split()
+    return proc, line[1]
+
+
+async def run(sandboxes: int, rollouts: int, latency: float, eff_concurrency: int, eff_rollouts: int) -> dict[str, Any]:
+    client = docker.from_env()
+    image = ensure_base_image(client)
+    env = LightEnv(rollouts + eff_rollouts + 1)
+    registry = Registry()
+    registry.register(env)
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="envfleet-scale-") as data:
+        script = reference_script(env, latency_s=latency)
+        (Path(data) / "script.json").write_text(script.model_dump_json())
+        policy_proc, policy_url = await _start_policy(Path(data) / "script.json", latency)
+        mem_before = used_memory_mb()
+        orch = await create_server(
+            OrchestratorConfig(
+                port=0,
+                data_dir=Path(data),
+                max_in_flight=sandboxes,
+                backend=DockerBackendConfig(owner=OWNER, api_workers=32, api_timeout_s=600),
+                pool=PoolConfig(
+                    max_idle_total=sandboxes, max_idle_per_pool=sandboxes, refill_concurrency=16, idle_ttl_s=3600
+                ),
+            ),
+            registry=registry,
+        )
+        assert orch.pool is not None
+        pool = orch.pool
+        try:
+            # 1. warm the sandboxes, watching memory
+            spec = SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))  # what the runner asks
+            pool.warm(spec)
+            held: list[Sandbox] = []
+            limit_mb = 0.9 * total_memory_mb()
+            t0 = time.monotonic()
+            stopped_early = ""
+            while len(held) < sandboxes:
+                batch = min(32, sandboxes - len(held))
+                got = await asyncio.gather(*(pool.backend.create(spec) for _ in range(batch)), return_exceptions=True)
+                held += [g for g in got if not isinstance(g, BaseException)]
+                errors = [g for g in got if isinstance(g, BaseException)]
+                if errors:
+                    log.warning("%d creates failed, e.g. %s", len(errors), errors[0])
+                per = (used_memory_mb() - mem_before) / max(len(held), 1)
+                if used_memory_mb() + per * batch > limit_mb:
+                    stopped_early = f"stopped at {len(held)}: the next batch would pass 90% of host memory"
+                    break
+                if len(held) % 128 < batch:
+                    log.warning("%d sandboxes up (%.1f MB each so far)", len(held), per)
+            warm_s = time.monotonic() - t0
+            await asyncio.sleep(2)
+            peak = len(held)
+            mem_peak = used_memory_mb()
+            result["peak_concurrent_sandboxes"] = peak
+            result["host_mem_per_sandbox_mb"] = round((mem_peak - mem_before) / max(peak, 1), 2)
+            result["warm_up_s"] = round(warm_s, 1)
+            if stopped_early:
+                result["note"] = stopped_early
+            # hand them to the pool, so the rollouts find them warm
+            for sb in held:
+                assert await pool.release(sb, recycle=True)
+            # 2. 64 concurrent acquires from the warm pool
+            lat: list[float] = []
+            for _ in range(5):
+
+                async def one() -> tuple[object, float]:
+                    t = time.perf_counter()
+                    s, _ = await pool.acquire(spec)
+                    return s, time.perf_counter() - t
+
+                got2 = await asyncio.gather(*(one() for _ in range(64)))
+                lat += [d for _, d in got2]
+                for s, _ in got2:
+                    await pool.release(s, recycle=True)  # type: ignore[arg-type]
+            lat.sort()
+            p50, p99 = statistics.median(lat), lat[int(0.99 * (len(lat) - 1))]
+            result["acquire_p50_ms"] = round(p50 * 1000, 2)
+            result["acquire_p99_ms"] = round(p99 * 1000, 2)
+            result["acquire_p99_over_p50"] = round(p99 / p50, 2)
+            # 3. the rollouts, all sandboxes in flight
+            ids = [t.id for t in env.tasks()]
+            async with EnvfleetClient(orch.address, timeout_s=600) as c:
+                job = JobSpec(
+                    env=env.name,
+                    policy=PolicyEndpoint(base_url=policy_url, request_timeout_s=600),
+                    max_concurrency=peak,
+                    rollout_timeout_s=900,
+                    tasks=TaskSelection(kind="ids", ids=ids[:rollouts]),
+                )
+                t0 = time.monotonic()
+                got3 = [r async for r in c.rollouts(await c.submit(job), max_in_flight=4096, max_batch=256)]
+                big_s = time.monotonic() - t0
+                by = Counter(r.status.value for r in got3)
+                result["rollouts_ok"] = by.pop("OK", 0)
+                result["rollouts_failed"] = dict(by)
+                result["rollouts_per_min_at_peak"] = round(len(got3) / big_s * 60, 1)
+                # 4. efficiency at eff_concurrency
+                job2 = job.model_copy(
+                    update={
+                        "max_concurrency": eff_concurrency,
+                        "tasks": TaskSelection(kind="ids", ids=ids[rollouts : rollouts + eff_rollouts]),
+                    }
+                )
+                t0 = time.monotonic()
+                got4 = [r async for r in c.rollouts(await c.submit(job2), max_in_flight=4096, max_batch=256)]
+                eff_s = time.monotonic() - t0
+            episode_s = 3 * latency
+            ideal_per_min = eff_concurrency / episode_s * 60
+            measured = len(got4) / eff_s * 60
+            result["efficiency"] = round(measured / ideal_per_min, 3)
+            result["efficiency_concurrency"] = eff_concurrency
+            result["efficiency_detail"] = {
+                "measured_per_min": round(measured, 1),
+                "ideal_per_min": round(ideal_per_min, 1),
+                "ok": sum(r.status.value == "OK" for r in got4),
+                "rollouts": len(got4),
+            }
+        finally:
+            await orch.stop(grace=1)
+            policy_proc.terminate()
+            await policy_proc.wait()
+    await asyncio.sleep(1)
+    result["leaked_containers"] = len(client.api.containers(all=True, filters={"label": f"envfleet.owner={OWNER}"}))
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sandboxes", type=int, default=1000)
+    p.add_argument("--rollouts", type=int, default=2000)
+    p.add_argument("--latency", type=float, default=1.0)
+    p.add_argument("--efficiency-concurrency", type=int, default=256)
+    p.add_argument("--efficiency-rollouts", type=int, default=768)
+    p.add_argument("--out", type=Path, default=Path("bench/results.json"))
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    res = asyncio.run(
+        run(args.sandboxes, args.rollouts, args.latency, args.efficiency_concurrency, args.efficiency_rollouts)
+    )
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results["scale"] = res
+    args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

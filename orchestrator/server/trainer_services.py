@@ -1,0 +1,168 @@
+"""SessionService and SandboxService, for trainers that run their own agent loop: thin adapters from the wire to
+the SessionManager and the SandboxManager.
+
+Every call acts as the calling tenant (from its bearer token); the managers keep tenants apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from orchestrator.errors import InvalidRequestError
+from orchestrator.sandboxes import SandboxManager
+from orchestrator.server.convert_sessions import (
+    action_from_pb,
+    check_id,
+    command_from_pb,
+    exec_event_pb,
+    reset_response_pb,
+    sandbox_info_pb,
+    step_response_pb,
+)
+from orchestrator.server.convert_specs import limits_overrides
+from orchestrator.server.security import Authenticator
+from orchestrator.sessions import SessionManager
+from protos import orchestrator_pb2 as pb
+from protos import orchestrator_pb2_grpc as pb_grpc
+
+MAX_ENV_REF = 200
+MAX_PATH = 4096
+
+
+def _env_ref(value: str, required: bool = True) -> str:
+    if required and not value:
+        raise InvalidRequestError("env is empty: give an environment name or name@version")
+    if len(value) > MAX_ENV_REF:
+        raise InvalidRequestError(f"env is too long (over {MAX_ENV_REF} characters)")
+    return value
+
+
+def _path(value: str, what: str = "path") -> str:
+    if not value:
+        raise InvalidRequestError(f"{what} is empty")
+    if len(value) > MAX_PATH or "\0" in value:
+        raise InvalidRequestError(f"{what} is over {MAX_PATH} characters or holds NUL")
+    return value
+
+
+class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
+    """Reset, Step, Close."""
+
+    def __init__(self, sessions: SessionManager, auth: Authenticator) -> None:
+        self._sessions = sessions
+        self._auth = auth
+
+    async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetResponse:
+        tenant = self._auth.tenant(context)
+        if len(request.task_id) > 128:
+            raise InvalidRequestError("task_id is too long (over 128 characters)")
+        view, obs = await self._sessions.reset(
+            tenant,
+            _env_ref(request.env),
+            request.task_id,
+            request.seed if request.HasField("seed") else None,
+            request.max_turns,
+        )
+        return reset_response_pb(view, obs)
+
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        tenant = self._auth.tenant(context)
+        sid = check_id(request.session_id, "session_id")
+        result = await self._sessions.step(tenant, sid, action_from_pb(request.action))
+        return step_response_pb(result)
+
+    async def Close(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        tenant = self._auth.tenant(context)
+        running = await self._sessions.close(tenant, check_id(request.session_id, "session_id"))
+        return pb.CloseSessionResponse(was_running=running)
+
+
+class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
+    """Create, Get, List, Exec, files, Delete."""
+
+    def __init__(self, sandboxes: SandboxManager, auth: Authenticator) -> None:
+        self._sandboxes = sandboxes
+        self._auth = auth
+
+    async def Create(self, request: pb.CreateSandboxRequest, context: grpc.aio.ServicerContext) -> pb.SandboxInfo:
+        tenant = self._auth.tenant(context)
+        record = await self._sandboxes.create(
+            tenant,
+            image=request.image,
+            env=_env_ref(request.env, required=False),
+            limits=limits_overrides(request.limits),
+            ttl_s=request.ttl_s,
+            env_vars=dict(request.env_vars),
+        )
+        return sandbox_info_pb(record)
+
+    async def Get(self, request: pb.GetSandboxRequest, context: grpc.aio.ServicerContext) -> pb.SandboxInfo:
+        tenant = self._auth.tenant(context)
+        return sandbox_info_pb(await self._sandboxes.get(tenant, check_id(request.sandbox_id, "sandbox_id")))
+
+    async def List(
+        self, request: pb.ListSandboxesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSandboxesResponse:
+        tenant = self._auth.tenant(context)
+        return pb.ListSandboxesResponse(sandboxes=[sandbox_info_pb(r) for r in await self._sandboxes.list(tenant)])
+
+    async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecEvent]:
+        tenant = self._auth.tenant(context)
+        if len(request.cwd) > MAX_PATH:
+            raise InvalidRequestError(f"cwd is over {MAX_PATH} characters")
+        events = self._sandboxes.exec_stream(
+            tenant,
+            check_id(request.sandbox_id, "sandbox_id"),
+            command_from_pb(request),
+            cwd=request.cwd,
+            env=dict(request.env),
+            stdin=request.stdin,
+            timeout_s=request.timeout_s,
+            max_output=request.max_output_bytes,
+        )
+        async for ev in events:
+            yield exec_event_pb(ev)
+
+    async def ReadFile(
+        self, request: pb.SandboxReadFileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SandboxReadFileResponse:
+        tenant = self._auth.tenant(context)
+        data = await self._sandboxes.read_file(
+            tenant, check_id(request.sandbox_id, "sandbox_id"), _path(request.path), request.max_bytes
+        )
+        return pb.SandboxReadFileResponse(content=data)
+
+    async def WriteFile(
+        self, request: pb.SandboxWriteFileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SandboxWriteFileResponse:
+        tenant = self._auth.tenant(context)
+        await self._sandboxes.write_file(
+            tenant, check_id(request.sandbox_id, "sandbox_id"), _path(request.path), request.content, request.mode
+        )
+        return pb.SandboxWriteFileResponse()
+
+    async def Upload(
+        self, request: pb.SandboxUploadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SandboxUploadResponse:
+        tenant = self._auth.tenant(context)
+        dest = _path(request.dest_dir, "dest_dir") if request.dest_dir else "."
+        files = await self._sandboxes.upload(tenant, check_id(request.sandbox_id, "sandbox_id"), request.tar, dest)
+        return pb.SandboxUploadResponse(files=files)
+
+    async def Download(
+        self, request: pb.SandboxDownloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SandboxDownloadResponse:
+        tenant = self._auth.tenant(context)
+        tar = await self._sandboxes.download(tenant, check_id(request.sandbox_id, "sandbox_id"), _path(request.path))
+        return pb.SandboxDownloadResponse(tar=tar)
+
+    async def Delete(
+        self, request: pb.DeleteSandboxRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSandboxResponse:
+        tenant = self._auth.tenant(context)
+        await self._sandboxes.delete(tenant, check_id(request.sandbox_id, "sandbox_id"))
+        return pb.DeleteSandboxResponse()

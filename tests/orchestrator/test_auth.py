@@ -1,0 +1,211 @@
+"""Bearer tokens, tenant isolation (also across a restart), TLS and mTLS, and the plaintext policy, on real gRPC."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from orchestrator.client import EnvfleetClient
+from orchestrator.client_auth import ClientTLS
+from orchestrator.errors import ConfigError
+from orchestrator.models import JobSpec, TaskSelection
+from orchestrator.rollout.policy import PolicyEndpoint
+from orchestrator.scripted_policy import ScriptedServer
+from protos import orchestrator_pb2 as pb
+from protos import orchestrator_pb2_grpc as pb_grpc
+from tests.orchestrator.conftest import ENV
+from tests.orchestrator.servers import expect_error, serve
+
+TOKEN_A, TOKEN_B, TOKEN_OLD = (secrets.token_urlsafe(24) for _ in range(3))
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(
+        "tokens:\n"
+        f"  {TOKEN_A}: team-a\n"
+        f"  {TOKEN_B}: {{tenant: team-b}}\n"
+        f'  {TOKEN_OLD}: {{tenant: team-a, expires_at: "2020-01-01T00:00:00Z"}}\n'
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """A CA made at run time, a server certificate for 127.0.0.1 and a client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server, client = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("trainer@team-a")
+    files = {
+        "ca": ca.cert_pem,
+        "server_cert": server.cert_chain_pems[0],
+        "server_key": server.private_key_pem,
+        "client_cert": client.cert_chain_pems[0],
+        "client_key": client.private_key_pem,
+    }
+    paths = {name: d / f"{name}.pem" for name in files}
+    for name, blob in files.items():
+        blob.write_to_path(str(paths[name]))
+    yield paths
+
+
+async def _list_jobs(channel: grpc.aio.Channel, token: str | None = None) -> pb.ListJobsResponse:
+    md = (("authorization", f"Bearer {token}"),) if token else None
+    reply: pb.ListJobsResponse = await pb_grpc.RolloutServiceStub(channel).ListJobs(
+        pb.ListJobsRequest(), metadata=md, timeout=10
+    )
+    return reply
+
+
+async def test_tokens_and_tenant_isolation(
+    tmp_path: Path, token_file: Path, policy_server: ScriptedServer, base_image: str
+) -> None:
+    security = {"token_file": token_file}
+    async with serve(tmp_path / "data", security=security) as orch:
+        async with grpc.aio.insecure_channel(orch.address) as raw:
+            await expect_error(_list_jobs(raw), grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
+            await expect_error(_list_jobs(raw, "w" * 32), grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
+            await expect_error(_list_jobs(raw, TOKEN_OLD), grpc.StatusCode.UNAUTHENTICATED, "expired at 2020-01-01")
+            stream = pb_grpc.RolloutServiceStub(raw).StreamRollouts(pb.StreamRolloutsRequest(job_id="j"))
+            await expect_error(stream, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
+            health = await health_pb2_grpc.HealthStub(raw).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # health needs no token
+
+        async with EnvfleetClient(orch.address, token=TOKEN_A) as a, EnvfleetClient(orch.address, token=TOKEN_B) as b:
+            spec = JobSpec(
+                env=ENV,
+                tasks=TaskSelection(kind="ids", ids=["py-000"]),
+                policy=PolicyEndpoint(base_url=policy_server.url, model="scripted"),
+            )
+            job_id = await a.submit(spec)
+            # tenant B can neither see, stream, ack, update nor cancel A's job: it does not exist for B
+            rs = b.rollout_stub
+            for call in (
+                rs.GetJob(pb.GetJobRequest(job_id=job_id)),
+                rs.CancelJob(pb.CancelJobRequest(job_id=job_id)),
+                rs.Ack(pb.AckRequest(job_id=job_id, up_to=100)),
+                rs.UpdatePolicy(pb.UpdatePolicyRequest(job_id=job_id, version="evil")),
+                rs.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id)),
+            ):
+                await expect_error(call, grpc.StatusCode.NOT_FOUND, f"no job '{job_id}'")
+            assert await b.list_jobs() == []
+            (rollout,) = [r async for r in a.rollouts(job_id)]
+            assert rollout.reward == 1.0 and [j.job_id for j in await a.list_jobs()] == [job_id]
+
+            # sessions
+            session = await a.session_stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+            sid = session.session_id
+            await expect_error(
+                b.session_stub.Step(pb.StepRequest(session_id=sid, action=pb.Action(final_answer="1"))),
+                grpc.StatusCode.NOT_FOUND,
+                "no session",
+            )
+            await expect_error(b.session_stub.Close(pb.CloseSessionRequest(session_id=sid)), grpc.StatusCode.NOT_FOUND)
+            assert (await a.session_stub.Close(pb.CloseSessionRequest(session_id=sid))).was_running
+
+            # raw sandboxes
+            box = await a.sandbox_stub.Create(pb.CreateSandboxRequest(image=base_image))
+            bid, ss = box.sandbox_id, b.sandbox_stub
+            for call in (
+                ss.Exec(pb.ExecRequest(sandbox_id=bid, shell="id")),
+                ss.ReadFile(pb.SandboxReadFileRequest(sandbox_id=bid, path="x")),
+                ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=bid, path="x", content=b"evil")),
+                ss.Download(pb.SandboxDownloadRequest(sandbox_id=bid, path=".")),
+                ss.Get(pb.GetSandboxRequest(sandbox_id=bid)),
+                ss.Delete(pb.DeleteSandboxRequest(sandbox_id=bid)),
+            ):
+                await expect_error(call, grpc.StatusCode.NOT_FOUND, f"no sandbox '{bid}'")
+            assert list((await ss.List(pb.ListSandboxesRequest())).sandboxes) == []
+            assert [s.sandbox_id for s in (await a.sandbox_stub.List(pb.ListSandboxesRequest())).sandboxes] == [bid]
+            await a.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=bid))
+
+            # an environment name belongs to the tenant that registered it
+            env = pb.EnvironmentSpec(
+                name="team-a-env",
+                version="1",
+                tools=["submit"],
+                tasks=[pb.TaskSpec(id="t", prompt="say hi", reference=[pb.ToolCall(name="submit", arguments="{}")])],
+                scoring=pb.ScoringSpec(command="echo '{\"reward\": 1}'"),
+            )
+            assert (await a.env_stub.Register(env)).source == "spec"
+            env.version = "2"
+            await expect_error(b.env_stub.Register(env), grpc.StatusCode.PERMISSION_DENIED, "another tenant")
+
+    # ownership is durable: after a restart B still cannot see A's job, nor take A's environment name
+    async with (
+        serve(tmp_path / "data", security=security) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        assert (await a.get_job(job_id)).state == "COMPLETED"
+        await expect_error(b.get_job(job_id), grpc.StatusCode.NOT_FOUND)
+        await expect_error(b.env_stub.Register(env), grpc.StatusCode.PERMISSION_DENIED, "another tenant")
+
+
+async def test_tls_and_mtls(tmp_path: Path, token_file: Path, pki: dict[str, Path], base_image: str) -> None:
+    tls = {"cert_file": pki["server_cert"], "key_file": pki["server_key"]}
+    async with serve(tmp_path / "tls", security={"token_file": token_file, "tls": tls}) as orch:
+        trusted = ClientTLS.from_files(pki["ca"])
+        async with EnvfleetClient(orch.address, token=TOKEN_A, tls=trusted) as client:
+            assert await client.list_jobs() == []
+        async with grpc.aio.insecure_channel(orch.address) as plain:  # a plaintext client cannot talk to it
+            await expect_error(_list_jobs(plain, TOKEN_A), grpc.StatusCode.UNAVAILABLE)
+        async with grpc.aio.secure_channel(orch.address, trusted.credentials()) as channel:
+            # reflection is off by default once TLS is on
+            replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                metadata=(("authorization", f"Bearer {TOKEN_A}"),),
+            )
+            await expect_error(replies, grpc.StatusCode.UNIMPLEMENTED)
+
+    mtls = {**tls, "client_ca_file": pki["ca"]}
+    async with serve(tmp_path / "mtls", security={"token_file": token_file, "tls": mtls}) as orch:
+        without = ClientTLS.from_files(pki["ca"])
+        async with grpc.aio.secure_channel(orch.address, without.credentials()) as channel:
+            await expect_error(_list_jobs(channel, TOKEN_A), grpc.StatusCode.UNAVAILABLE)
+        with_cert = ClientTLS.from_files(pki["ca"], pki["client_cert"], pki["client_key"])
+        async with EnvfleetClient(orch.address, token=TOKEN_A, tls=with_cert) as client:
+            assert await client.list_jobs() == []
+            await expect_error(client.rollout_stub.GetJob(pb.GetJobRequest(job_id="nope")), grpc.StatusCode.NOT_FOUND)
+
+
+async def test_plaintext_is_refused_off_loopback(
+    tmp_path: Path, token_file: Path, caplog: pytest.LogCaptureFixture, base_image: str
+) -> None:
+    with pytest.raises(ConfigError, match="bearer tokens would cross the network in clear"):
+        async with serve(tmp_path / "a", host="0.0.0.0", security={"token_file": token_file}):
+            pass
+    with pytest.raises(ConfigError, match="anyone could call it"):
+        async with serve(tmp_path / "b", host="0.0.0.0"):
+            pass
+    with caplog.at_level(logging.WARNING, logger="orchestrator.server.security"):
+        insecure = {"token_file": token_file, "insecure": True}
+        async with (
+            serve(tmp_path / "c", host="0.0.0.0", security=insecure) as orch,
+            EnvfleetClient(f"127.0.0.1:{orch.port}", token=TOKEN_B) as client,
+        ):
+            assert await client.list_jobs() == []
+    assert "INSECURE: serving plaintext gRPC on 0.0.0.0" in caplog.text
+    with pytest.raises(ValueError, match="refusing to send a bearer token in clear"):
+        EnvfleetClient("10.1.2.3:50051", token=TOKEN_A)
+
+
+async def test_no_token_file_keeps_the_local_quick_start(client: EnvfleetClient) -> None:
+    """Without a token file every caller is the local tenant; reflection lists the new services."""
+    assert await client.list_jobs() == []
+    async with grpc.aio.insecure_channel(client.target) as channel:
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        reply = await replies.read()
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"envfleet.v1.SessionService", "envfleet.v1.SandboxService", "envfleet.v1.RolloutService"} <= names

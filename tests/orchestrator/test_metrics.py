@@ -1,0 +1,49 @@
+"""The Prometheus endpoint and `envfleet status` against a live orchestrator."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from orchestrator.backends.docker import DockerBackendConfig
+from orchestrator.client import EnvfleetClient
+from orchestrator.scripted_policy import ScriptedServer
+from orchestrator.server.app import OrchestratorConfig, create_server
+from tests.conftest import REPO, TEST_OWNER
+from tests.orchestrator.conftest import job
+
+
+async def test_metrics_endpoint_and_status(
+    tmp_path: Path, base_image: str, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    orch = await create_server(
+        OrchestratorConfig(port=0, data_dir=tmp_path, backend=DockerBackendConfig(owner=TEST_OWNER), metrics_port=0)
+    )
+    try:
+        async with EnvfleetClient(orch.address) as c:
+            got = [r async for r in c.rollouts(await c.submit(job(policy_server.url, task_ids[:3])))]
+        assert len(got) == 3
+        url = f"http://127.0.0.1:{orch.metrics_port}/metrics"
+        async with httpx.AsyncClient() as h:
+            text = (await h.get(url)).text
+        assert 'envfleet_rollouts_total{status="OK"} 3.0' in text
+        assert 'envfleet_sandbox_acquire_seconds_count{source="cold"}' in text
+        assert "envfleet_sandbox_create_seconds_bucket" in text
+        assert "envfleet_queue_depth 0.0" in text
+        assert 'envfleet_sandboxes{state="idle"}' in text  # python-tool recycles: its sandboxes wait warm
+        r = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "orchestrator.cli", "status", "--metrics", url],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+        assert "rollouts OK" in r.stdout and "queue depth" in r.stdout and "acquire p50 (cold)" in r.stdout
+    finally:
+        await orch.stop()

@@ -1,0 +1,289 @@
+"""Declarative environments end to end: validate and register over gRPC, run a job on one, survive a restart, and
+refuse every kind of bad spec with the field and the reason, leaving nothing half-registered."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from orchestrator.client import EnvfleetClient
+from orchestrator.models import JobSpec, RolloutStatus, TaskSelection
+from orchestrator.registry import Registry
+from orchestrator.rollout.policy import PolicyEndpoint
+from orchestrator.rollout.scripts import reference_script
+from orchestrator.scripted_policy import start_scripted_server
+from protos import orchestrator_pb2 as pb
+from tests.conftest import REPO
+from tests.orchestrator.servers import expect_error, serve
+
+GRADER = """\
+import json, sys
+episode = json.load(sys.stdin)
+expected = str(episode["data"]["expected"])
+answer = (episode["answer"] or "").strip()
+print("grading", episode["task_id"], file=sys.stderr)
+print(json.dumps({"reward": float(answer == expected), "exact": float(answer == expected), "note": "ok"}))
+"""
+SHELL_GRADER = (
+    "python3 -c 'import json, sys; e = json.load(sys.stdin); "
+    'print(json.dumps({"reward": float(e["answer"] == e["data"]["word"])}))\''
+)
+TEXTS = ["alpha beta gamma", "one two three four five", "a b"]
+
+
+def word_count_spec(name: str = "word-count", version: str = "1") -> dict[str, Any]:
+    """A spec as a user writes it (YAML-shaped): an image with a grader, tasks with files and references."""
+    return {
+        "name": name,
+        "version": version,
+        "description": "count the words of a file",
+        "image": {
+            "packages": ["python3", "procps"],
+            "files": {"/opt/grader/score.py": GRADER},
+            "setup": ["chmod 0755 /opt/grader"],
+            "env": {"GRADER_MODE": "strict"},
+        },
+        "tools": ["bash", "submit"],
+        "tasks": [
+            {
+                "id": f"wc-{i}",
+                "prompt": "How many words are in text.txt? Submit the number.",
+                "data": {"expected": len(text.split())},
+                "files": {"text.txt": text + "\n"},
+                "reference": [
+                    {"name": "bash", "arguments": {"command": "wc -w < text.txt"}},
+                    {"name": "submit", "arguments": {"answer": str(len(text.split()))}},
+                ],
+            }
+            for i, text in enumerate(TEXTS)
+        ],
+        "scoring": {"command": "python3 /opt/grader/score.py", "timeout_s": 30},
+        "limits": {"memory_mb": 256, "pids": 64},
+        "max_turns": 6,
+        "tool_timeout_s": 20,
+    }
+
+
+def to_pb(d: dict[str, Any]) -> pb.EnvironmentSpec:
+    """The wire form of a raw spec dict, without validating it (bad specs must reach the server)."""
+    m = pb.EnvironmentSpec(
+        name=d.get("name", ""),
+        version=d.get("version", ""),
+        description=d.get("description", ""),
+        tools=d.get("tools", []),
+    )
+    if "image" in d:
+        img = d["image"]
+        m.image.CopyFrom(
+            pb.ImageSource(
+                dockerfile=img.get("dockerfile", ""),
+                base=img.get("base", ""),
+                packages=img.get("packages", []),
+                files=img.get("files", {}),
+                setup=img.get("setup", []),
+                env=img.get("env", {}),
+            )
+        )
+    for t in d.get("tasks", []):
+        m.tasks.append(
+            pb.TaskSpec(
+                id=t["id"],
+                prompt=t["prompt"],
+                data_json=json.dumps(t.get("data", {})),
+                files=t.get("files", {}),
+                reference=[
+                    pb.ToolCall(name=c["name"], arguments=json.dumps(c["arguments"])) for c in t.get("reference", [])
+                ],
+            )
+        )
+    if "scoring" in d:
+        m.scoring.command = d["scoring"].get("command", "")
+        for f in ("timeout_s", "min_reference_reward"):
+            if f in d["scoring"]:
+                setattr(m.scoring, f, d["scoring"][f])
+    for k, v in d.get("limits", {}).items():
+        setattr(m.limits, k, v)
+    for f in ("max_turns", "tool_timeout_s", "system_prompt", "setup_command"):
+        if f in d:
+            setattr(m, f, d[f])
+    return m
+
+
+async def test_register_validate_and_run_a_job(tmp_path: Path, base_image: str) -> None:
+    registry = Registry.from_entry_points()
+    spec = to_pb(word_count_spec())
+    async with serve(tmp_path / "data", registry) as orch, EnvfleetClient(orch.address) as client:
+        report = await client.env_stub.Validate(spec)
+        assert (
+            report.env == "word-count@1"
+            and report.num_tasks == 3
+            and report.image.startswith("envfleet/env-word-count:")
+        )
+        assert report.reference_task_id == "wc-0" and report.reference_reward == 1.0
+        assert dict(report.reference_components) == {"exact": 1.0}
+        assert "word-count" not in [e.name for e in await client.list_envs()]  # Validate registers nothing
+
+        info = await client.env_stub.Register(spec)
+        assert (info.name, info.version, info.num_tasks, info.source) == ("word-count", "1", 3, "spec")
+        assert [t.name for t in info.tools] == ["bash", "submit"] and info.default_max_turns == 6
+        assert (await client.env_stub.Register(spec)).name == "word-count"  # the same spec again: a no-op
+        changed = copy.deepcopy(word_count_spec())
+        changed["description"] = "something else"
+        await expect_error(client.env_stub.Register(to_pb(changed)), grpc.StatusCode.ALREADY_EXISTS, "bump the version")
+        taken = word_count_spec(name="python-tool")
+        await expect_error(client.env_stub.Register(to_pb(taken)), grpc.StatusCode.PERMISSION_DENIED, "built-in")
+
+        policy = await start_scripted_server(reference_script(registry.get("word-count")))
+        try:
+            job_id = await client.submit(
+                JobSpec(
+                    env="word-count",
+                    tasks=TaskSelection(kind="all"),
+                    policy=PolicyEndpoint(base_url=policy.url, model="scripted"),
+                )
+            )
+            rollouts = [r async for r in client.rollouts(job_id)]
+        finally:
+            await policy.close()
+        assert sorted(r.task_id for r in rollouts) == ["wc-0", "wc-1", "wc-2"]
+        for r in rollouts:
+            assert r.status == RolloutStatus.OK and r.reward == 1.0, r.error
+            assert r.reward_components == {"exact": 1.0} and r.env == "word-count@1"
+            assert r.provenance.image.startswith("envfleet/env-word-count:")
+
+    # a registered spec survives a restart (a fresh registry, the same data dir)
+    async with serve(tmp_path / "data", Registry.from_entry_points()) as orch, EnvfleetClient(orch.address) as client:
+        again = await client.describe_env("word-count@1")
+        assert again.source == "spec" and again.num_tasks == 3
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env="word-count", task_id="wc-1"))
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="4")))
+        assert s.status == pb.OK and s.reward == 0.0  # a wrong answer is a scored 0 (wc-1 has 5 words)
+
+
+def _bad(edit: Any) -> pb.EnvironmentSpec:
+    d = word_count_spec(name="bad-env")
+    edit(d)
+    return to_pb(d)
+
+
+BAD_SPECS = [
+    (lambda d: d.update(tools=["bash", "telnet"]), "tools: unknown tool(s) ['telnet']"),
+    (lambda d: d.pop("scoring"), "scoring: Field required"),
+    (lambda d: d["scoring"].update(command=""), "scoring.command: String should have at least 1 character"),
+    (lambda d: d["limits"].update(memory_mb=0), "limits.memory_mb: Input should be greater than or equal to 16"),
+    (lambda d: d["limits"].update(pids=-1), "limits.pids: Input should be greater than or equal to 8"),
+    (lambda d: d.update(tool_timeout_s=1e12), "tool_timeout_s: Input should be less than or equal to 3600"),
+    (lambda d: d["scoring"].update(timeout_s=1e12), "scoring.timeout_s: Input should be less than or equal to 3600"),
+    (lambda d: d["image"]["files"].update({"/opt/../etc/passwd": "x"}), "image.files: file path '/opt/../etc/passwd'"),
+    (lambda d: d["tasks"][1]["files"].update({"../../escape": "x"}), "tasks[1].files: task file '../../escape'"),
+    (lambda d: d["tasks"][0].update(id="wc-1"), "tasks: task ids are not unique: ['wc-1']"),
+    (lambda d: d.update(name="Bad Name"), "name: String should match pattern"),
+    (
+        lambda d: d.update(image={"dockerfile": "FROM alpine:3\nRUN true"}),
+        "image.dockerfile: the final stage is FROM 'alpine:3'",
+    ),
+    (lambda d: d["tasks"][0]["reference"].append({"name": "python", "arguments": {}}), "which are not in tools"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), BAD_SPECS, ids=[m.split(":")[0] for _, m in BAD_SPECS])
+async def test_bad_specs_are_refused_naming_the_field(
+    client: EnvfleetClient, tmp_path: Path, edit: Any, message: str
+) -> None:
+    for call in (client.env_stub.Validate, client.env_stub.Register):
+        details = await expect_error(call(_bad(edit)), grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert details.startswith("invalid environment spec")
+    assert "bad-env" not in [e.name for e in await client.list_envs()]
+    assert not list((tmp_path / "data").glob("environments/bad-env*"))
+
+
+async def test_every_problem_is_reported_at_once(client: EnvfleetClient) -> None:
+    def many(d: dict[str, Any]) -> None:
+        d.update(tools=["nope"], tool_timeout_s=1e12)
+        d.pop("scoring")
+        d["limits"].update(memory_mb=0, pids=-1)
+
+    details = await expect_error(client.env_stub.Register(_bad(many)), grpc.StatusCode.INVALID_ARGUMENT, "(5 problems)")
+    for field in ("tools", "scoring", "limits.memory_mb", "limits.pids", "tool_timeout_s"):
+        assert f"{field}: " in details
+
+
+async def test_specs_that_do_not_work(client: EnvfleetClient, tmp_path: Path) -> None:
+    broken = _bad(lambda d: d.update(image={"dockerfile": "FROM envfleet/base:latest\nRUN echo boom-marker && exit 3"}))
+    details = await expect_error(
+        client.env_stub.Register(broken), grpc.StatusCode.FAILED_PRECONDITION, "image.dockerfile"
+    )
+    assert "boom-marker" in details and "last log lines" in details  # the build log's tail
+
+    garbage = _bad(lambda d: d["scoring"].update(command="echo not-json"))
+    await expect_error(
+        client.env_stub.Validate(garbage),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "scoring.command",
+        'finite numeric "reward"',
+        "not-json",
+    )
+    wrong = _bad(lambda d: d["tasks"][0]["reference"][1]["arguments"].update(answer="99"))
+    await expect_error(
+        client.env_stub.Register(wrong),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "tasks[0].reference",
+        "scored 0, below scoring.min_reference_reward 1",
+    )
+    assert "bad-env" not in [e.name for e in await client.list_envs()]
+    assert not list((tmp_path / "data").glob("environments/*.json"))
+
+
+def _envfleet(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+async def test_register_without_python(client: EnvfleetClient, tmp_path: Path) -> None:
+    """A YAML spec, a JSONL task file and the CLI: nothing else."""
+    tasks = [
+        {
+            "id": f"echo-{i}",
+            "prompt": f"Submit the word w{i}.",
+            "data": {"word": f"w{i}"},
+            "reference": [{"name": "submit", "arguments": {"answer": f"w{i}"}}],
+        }
+        for i in range(2)
+    ]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    spec = {
+        "name": "echo-word",
+        "version": "0.1",
+        "tools": ["submit"],
+        "tasks_file": "tasks.jsonl",
+        "scoring": {"command": SHELL_GRADER},
+        "limits": {"memory_mb": 128},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    r = await asyncio.to_thread(
+        _envfleet, "envs", "register", str(tmp_path / "spec.yaml"), "--server", client.target, "--dry-run"
+    )
+    assert (
+        r.returncode == 0 and "echo-word@0.1 is valid" in r.stdout and "reference: task echo-0 scored 1" in r.stdout
+    ), r.stderr
+    r = await asyncio.to_thread(_envfleet, "envs", "register", str(tmp_path / "spec.yaml"), "--server", client.target)
+    assert r.returncode == 0 and "registered echo-word@0.1: 2 task(s)" in r.stdout, r.stderr
+    assert (await client.describe_env("echo-word")).num_tasks == 2
+
+    spec["limits"] = {"memory_mb": 0}
+    (tmp_path / "tasks.jsonl").write_text('{"id": "x"}\n')
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
+    r = await asyncio.to_thread(_envfleet, "envs", "register", str(tmp_path / "bad.yaml"), "--server", client.target)
+    assert r.returncode == 2
+    assert "tasks_jsonl line 1.prompt: Field required" in r.stderr and "limits.memory_mb" in r.stderr, r.stderr

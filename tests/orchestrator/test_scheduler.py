@@ -1,0 +1,146 @@
+"""Admission and fair share. The first tests drive the Scheduler alone (pure unit tests with a fake rollout); the
+last ones go through a live orchestrator on real Docker."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from environments.base import Task
+from orchestrator.backends.docker import DockerBackendConfig
+from orchestrator.client import EnvfleetClient
+from orchestrator.registry import Registry
+from orchestrator.rollout.runner import WorkItem
+from orchestrator.rollout.scripts import reference_script
+from orchestrator.scheduler import Capacity, CapacityError, Need, Scheduler
+from orchestrator.scripted_policy import start_scripted_server
+from orchestrator.server.app import OrchestratorConfig, create_server
+from tests.conftest import TEST_OWNER
+from tests.orchestrator.conftest import ENV, job
+
+
+def _items(job_id: str, n: int) -> list[WorkItem]:
+    return [WorkItem(job_id, Task(id=f"t{i}", prompt="p"), 0, 0.0) for i in range(n)]
+
+
+async def test_fair_share_follows_priority() -> None:
+    started: list[str] = []
+    running: dict[str, int] = {"a": 0, "b": 0}
+    peak_ratio: list[float] = []
+
+    async def run(item: WorkItem) -> None:
+        started.append(item.job_id)
+        running[item.job_id] += 1
+        if running["a"] and running["b"]:
+            peak_ratio.append(running["a"] / running["b"])
+        await asyncio.sleep(0.02)
+        running[item.job_id] -= 1
+
+    s = Scheduler(8, run)
+    s.start()
+    s.add_job("a", priority=3, max_concurrency=100, items=_items("a", 60))
+    s.add_job("b", priority=1, max_concurrency=100, items=_items("b", 60))
+    for _ in range(500):
+        if len(started) >= 80:
+            break
+        await asyncio.sleep(0.01)
+    await s.close()
+    first = started[:40]
+    # with both queues full, job a (priority 3) gets three slots for each of b's
+    assert 2.0 <= first.count("a") / max(first.count("b"), 1) <= 4.5, first
+    assert max(peak_ratio) <= 7  # never starves b
+
+
+async def test_admission_caps_sandboxes_and_refuses_what_never_fits() -> None:
+    peak = 0
+    now = 0
+
+    async def run(item: WorkItem) -> None:
+        nonlocal peak, now
+        now += 1
+        peak = max(peak, now)
+        await asyncio.sleep(0.01)
+        now -= 1
+
+    s = Scheduler(64, run, Capacity(max_sandboxes=3, cpus=100, memory_mb=10_000))
+    s.start()
+    s.add_job("a", 1, 64, _items("a", 20), Need(cpus=1, memory_mb=512))
+    s.add_job("b", 1, 64, _items("b", 20), Need(cpus=1, memory_mb=512))
+    for _ in range(500):
+        if s.in_flight == 0 and s.queue_depth == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert peak == 3
+    with pytest.raises(CapacityError, match="one sandbox needs 1 CPUs and 20000 MB"):
+        s.add_job("c", 1, 1, _items("c", 1), Need(cpus=1, memory_mb=20_000))
+    await s.close()
+
+
+async def test_memory_capacity_bounds_concurrency() -> None:
+    peak = 0
+    now = 0
+
+    async def run(item: WorkItem) -> None:
+        nonlocal peak, now
+        now += 1
+        peak = max(peak, now)
+        await asyncio.sleep(0.01)
+        now -= 1
+
+    s = Scheduler(64, run, Capacity(max_sandboxes=64, cpus=64, memory_mb=2048))
+    s.start()
+    s.add_job("a", 1, 64, _items("a", 12), Need(cpus=0.5, memory_mb=512))
+    for _ in range(500):
+        if s.in_flight == 0 and s.queue_depth == 0:
+            break
+        await asyncio.sleep(0.01)
+    await s.close()
+    assert peak == 4
+
+
+async def test_live_admission_queues_jobs_and_refuses_impossible_ones(
+    tmp_path: Path, base_image: str, task_ids: list[str]
+) -> None:
+    env = Registry.from_entry_points().get(ENV)
+    policy = await start_scripted_server(reference_script(env, latency_s=0.3))
+    orch = await create_server(
+        OrchestratorConfig(
+            port=0,
+            data_dir=tmp_path,
+            backend=DockerBackendConfig(owner=TEST_OWNER),
+            capacity=Capacity(max_sandboxes=1, cpus=8, memory_mb=8192),
+        )
+    )
+    try:
+        async with EnvfleetClient(orch.address) as c:
+            a = await c.submit(job(policy.url, task_ids[:2]))
+            b = await c.submit(job(policy.url, task_ids[2:3]))
+            for _ in range(100):
+                if (await c.get_job(a)).in_flight:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await c.get_job(b)).state == "QUEUED", "a job beyond capacity waits, it does not fail"
+            assert [r.reward async for r in c.rollouts(a)] == [1.0, 1.0]
+            assert [r.reward async for r in c.rollouts(b)] == [1.0]
+        small = await create_server(
+            OrchestratorConfig(
+                port=0,
+                data_dir=tmp_path / "small",
+                backend=DockerBackendConfig(owner=TEST_OWNER),
+                capacity=Capacity(cpus=0.5, memory_mb=8192),
+            )
+        )
+        try:
+            async with EnvfleetClient(small.address) as c:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.submit(job(policy.url, task_ids[:1]))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "lower the environment's limits or raise capacity" in (e.value.details() or "")
+        finally:
+            await small.stop()
+    finally:
+        await orch.stop()
+        await policy.close()

@@ -1,0 +1,155 @@
+"""SessionService over real gRPC and real sandboxes: an episode to its end, truncation, failures that are never a
+reward, expiry, and the gymnasium wrapper under gymnasium's own checker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import docker
+import grpc
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from orchestrator.client import EnvfleetClient
+from orchestrator.gym_env import SessionEnv
+from orchestrator.registry import Registry
+from protos import orchestrator_pb2 as pb
+from tests.orchestrator.conftest import ENV
+from tests.orchestrator.servers import expect_error, serve
+
+
+def tool(name: str, **arguments: object) -> pb.Action:
+    return pb.Action(tool_call=pb.ToolCall(name=name, arguments=json.dumps(arguments)))
+
+
+async def test_episode_to_terminal_with_reward_and_status(client: EnvfleetClient, registry: Registry) -> None:
+    task = registry.get(ENV).tasks()[0]
+    code, answer = task.reference[0].arguments["code"], str(task.data["answer"])
+    stub = client.session_stub
+    r = await stub.Reset(pb.ResetRequest(env=ENV, task_id=task.id))
+    assert r.observation.text == task.prompt
+    assert [m.role for m in r.observation.messages] == ["system", "user"]
+    assert [t.name for t in r.observation.tools] == ["python", "submit"]
+    assert json.loads(r.observation.tools[0].parameters_json)["required"] == ["code"]
+    assert (r.info.env, r.info.task_id, r.info.turn) == ("python-tool@1", task.id, 0)
+    sid = r.session_id
+
+    s = await stub.Step(pb.StepRequest(session_id=sid, action=tool("python", code=code)))
+    assert s.observation.strip() == answer
+    assert s.reward == 0.0 and not s.terminated and not s.truncated and s.status == pb.ROLLOUT_STATUS_UNSPECIFIED
+    s = await stub.Step(pb.StepRequest(session_id=sid, action=tool("bash", command="ls")))
+    assert "unknown tool 'bash'" in s.observation and not s.terminated
+    s = await stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer=answer)))
+    assert s.terminated and not s.truncated and s.status == pb.OK
+    assert s.HasField("reward") and s.reward == 1.0
+    assert dict(s.reward_components) == {"exact_match": 1.0} and s.metrics["tool_calls"] == 3.0
+    assert s.info.turn == 3
+
+    await expect_error(
+        stub.Step(pb.StepRequest(session_id=sid, action=tool("python", code="1"))),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "has ended (OK)",
+    )
+    assert not (await stub.Close(pb.CloseSessionRequest(session_id=sid))).was_running
+    await expect_error(
+        stub.Step(pb.StepRequest(session_id=sid, action=tool("python", code="1"))),
+        grpc.StatusCode.NOT_FOUND,
+        "was closed",
+    )
+
+
+async def test_final_answer_turn_limit_and_bad_requests(client: EnvfleetClient, registry: Registry) -> None:
+    stub = client.session_stub
+    r = await stub.Reset(pb.ResetRequest(env=ENV, seed=7))
+    again = await stub.Reset(pb.ResetRequest(env=ENV, seed=7))
+    assert r.info.task_id == again.info.task_id  # a seed picks the same task
+    s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="no idea")))
+    assert s.terminated and s.status == pb.OK and s.reward == 0.0  # a wrong answer is a scored 0
+
+    t = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-001", max_turns=1))
+    s = await stub.Step(pb.StepRequest(session_id=t.session_id, action=tool("python", code="print(1)")))
+    assert s.truncated and not s.terminated and s.status == pb.TRUNCATED and s.reward == 0.0
+    assert (await stub.Close(pb.CloseSessionRequest(session_id=again.session_id))).was_running
+
+    await expect_error(stub.Reset(pb.ResetRequest(env="pyhton-tool")), grpc.StatusCode.NOT_FOUND, "did you mean")
+    await expect_error(stub.Reset(pb.ResetRequest(env=ENV, task_id="nope")), grpc.StatusCode.INVALID_ARGUMENT, "nope")
+    await expect_error(
+        stub.Reset(pb.ResetRequest(env=ENV, max_turns=-1)), grpc.StatusCode.INVALID_ARGUMENT, "max_turns"
+    )
+    await expect_error(stub.Step(pb.StepRequest(session_id="x" * 24)), grpc.StatusCode.INVALID_ARGUMENT, "action")
+    await expect_error(
+        stub.Step(pb.StepRequest(session_id="x" * 24, action=pb.Action(final_answer=""))),
+        grpc.StatusCode.NOT_FOUND,
+        "no session",
+    )
+
+
+async def test_infrastructure_failure_is_never_a_reward(
+    client: EnvfleetClient, docker_client: docker.DockerClient
+) -> None:
+    stub = client.session_stub
+    r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-002"))
+    s = await stub.Step(
+        pb.StepRequest(
+            session_id=r.session_id, action=tool("python", code="import socket; print(socket.gethostname())")
+        )
+    )
+    container = s.observation.strip()  # docker's default hostname: the container id's first 12 characters
+    await asyncio.to_thread(docker_client.api.kill, container)
+    s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
+    assert s.status == pb.INFRA_ERROR and not s.HasField("reward")
+    assert s.truncated and not s.terminated and s.error.kind == "SandboxDiedError", s.error
+
+
+async def test_idle_sessions_expire(tmp_path: Path, base_image: str) -> None:
+    async with serve(tmp_path, sessions={"idle_ttl_s": 0.5}) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        live = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        for _ in range(3):  # steps keep a session alive
+            await asyncio.sleep(0.3)
+            await stub.Step(pb.StepRequest(session_id=live.session_id, action=tool("python", code="print(1)")))
+        await expect_error(
+            stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="1"))),
+            grpc.StatusCode.NOT_FOUND,
+            "expired after 0.5s idle",
+        )
+        await expect_error(
+            stub.Close(pb.CloseSessionRequest(session_id=r.session_id)), grpc.StatusCode.NOT_FOUND, "expired"
+        )
+        await asyncio.sleep(1.0)
+        assert orch.sessions is not None and orch.sessions.open_sessions() == 0  # the reaper took the idle one too
+
+
+def _gym_episode(address: str, task_id: str, code: str, answer: str) -> None:
+    env = SessionEnv(address, ENV)
+    try:
+        check_env(env, skip_render_check=True)
+        obs, info = env.reset(options={"task_id": task_id})
+        assert "python" in obs and [t["function"]["name"] for t in info["tools"]] == ["python", "submit"]
+        obs, reward, terminated, truncated, info = env.step(json.dumps({"name": "python", "arguments": {"code": code}}))
+        assert obs.strip() == answer and reward == 0.0 and not terminated and not truncated
+        obs, reward, terminated, truncated, info = env.step(
+            json.dumps({"name": "submit", "arguments": {"answer": answer}})
+        )
+        assert (reward, terminated, truncated, info["status"]) == (1.0, True, False, "OK")
+        env.reset(seed=3)
+        _, reward, terminated, _, info = env.step('{"answer": "wrong"}')
+        assert (reward, terminated, info["status"]) == (0.0, True, "OK")
+        with pytest.raises(grpc.RpcError):  # the episode is over
+            env.step("again")
+    finally:
+        env.close()
+        env.close()
+
+
+async def test_gymnasium_wrapper_passes_check_env(
+    client: EnvfleetClient, registry: Registry, orchestrator: object
+) -> None:
+    task = registry.get(ENV).tasks()[4]
+    address = client.target
+    await asyncio.to_thread(
+        _gym_episode, address, task.id, task.reference[0].arguments["code"], str(task.data["answer"])
+    )
