@@ -1,0 +1,296 @@
+"""swe: repository tasks (the shipped SWE dataset) as an RL environment. Tools: bash, read_file, str_replace, submit.
+
+Images: the orchestrator resolves one image per environment, while each instance has its own repository. All
+instances of a project share an environment tier, so the sandbox runs the environment tier (`image_spec`) and
+`setup` uploads the instance's repository into /workspace: a tar exported once per process from the instance image
+(the instance tier, built and checked against base_commit) and cached in memory. Putting every instance's repository
+into one image instead would leak the fixes: two mutants of one project hold each other's correct code.
+
+Scoring: the workspace's diff against base_commit (taken with a pristine copy of the repository's git directory, so
+whatever the agent did to /workspace/.git does not matter) is graded exactly as `swe-eval` grades a prediction, in a
+fresh copy of the pristine repository under /tmp. Reward 1 when resolved, else 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import shlex
+import tarfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import docker
+
+from environments.base import Environment, Episode, Rubric, Score, ScoringContext, Task, ToolInvocation
+from environments.swe.builder.pins import INSTANCES
+from environments.swe.evaluate import SWE_LIMITS, evaluate_in_sandbox
+from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, Grade
+from environments.swe.images import REPO_DIR, environment_image, instance_image
+from environments.swe.instance import EnvironmentSpec, SweInstance, load_instances
+from environments.swe.script import EVAL_ENV
+from orchestrator.backends.base import Sandbox
+from orchestrator.errors import InvalidRequestError
+from orchestrator.images.spec import ImageSpec
+
+log = logging.getLogger(__name__)
+
+WORKSPACE = "/workspace"
+GRADE_DIR = "/tmp/swe-grade"
+SYSTEM_PROMPT = (
+    "You are a software engineer fixing a bug in a Python repository. The repository is checked out in /workspace "
+    "(a git repository). Use the tools to explore it, run its tests and edit files. When the issue is fixed, call "
+    "submit. Your changes to the files in /workspace are what gets evaluated."
+)
+
+
+def task_prompt(instance: SweInstance) -> str:
+    """What the policy is told: the issue, and where the code is."""
+    runner = instance.test_runner.framework
+    how = "python3 -m pytest" if runner == "pytest" else "python3 -m unittest"
+    return (
+        f"<issue>\n{instance.problem_statement.strip()}\n</issue>\n\n"
+        f"The repository {instance.repo} (version {instance.version}) is in /workspace. "
+        f"Its tests run with `{how}` from /workspace"
+        + (f" (with PYTHONPATH={':'.join(instance.test_runner.pythonpath)})" if instance.test_runner.pythonpath else "")
+        + ". Make the smallest change to the library code that resolves the issue, then call submit."
+    )
+
+
+def _hunks(patch: str) -> list[tuple[str, str, str]]:
+    """(path, old text, new text) of every hunk of a unified diff (context lines on both sides)."""
+    out: list[tuple[str, str, str]] = []
+    path = ""
+    old: list[str] = []
+    new: list[str] = []
+    lines = patch.splitlines(keepends=True)
+
+    def flush() -> None:
+        if old or new:
+            out.append((path, "".join(old), "".join(new)))
+        old.clear()
+        new.clear()
+
+    for i, line in enumerate(lines):
+        if line.startswith("+++ "):
+            flush()
+            path = line[4:].strip().removeprefix("b/")
+        elif line.startswith("--- ") or line.startswith("diff --git") or line.startswith("@@"):
+            flush()
+        elif line.startswith("\\"):
+            continue
+        elif line[:1] in (" ", "-", "+"):
+            text = line[1:]
+            if i + 1 < len(lines) and lines[i + 1].startswith("\\"):
+                text = text.rstrip("\n")
+            if line[0] in (" ", "-"):
+                old.append(text)
+            if line[0] in (" ", "+"):
+                new.append(text)
+    flush()
+    return out
+
+
+def reference_solution(instance: SweInstance) -> tuple[ToolInvocation, ...]:
+    """The gold patch as tool calls: one str_replace per hunk (context included, so the text is unique), then
+    submit."""
+    calls = [
+        ToolInvocation("str_replace", {"path": path, "old_str": old, "new_str": new})
+        for path, old, new in _hunks(instance.patch)
+    ]
+    return (*calls, ToolInvocation("submit", {"answer": "done"}))
+
+
+def _strip_first(tar_bytes: bytes) -> bytes:
+    """Re-root a `docker cp`-style tar (`repo/...`) at its top folder's content."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as src, tarfile.open(fileobj=out, mode="w") as dst:
+        for m in src.getmembers():
+            _, _, rest = m.name.partition("/")
+            if not rest:
+                continue
+            m.name = rest
+            if m.islnk():
+                m.linkname = m.linkname.partition("/")[2]
+            dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+    return out.getvalue()
+
+
+class RepoCache:
+    """Instance repositories as tars, exported once per process from the instance images (built when missing)."""
+
+    def __init__(self) -> None:
+        self._client: docker.DockerClient | None = None
+        self._tars: dict[str, bytes] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._thread_lock = threading.Lock()
+
+    def client(self) -> docker.DockerClient:
+        """The engine (opened on first use)."""
+        with self._thread_lock:
+            if self._client is None:
+                self._client = docker.from_env()
+            return self._client
+
+    async def tar(self, instance: SweInstance, env_image: str) -> bytes:
+        """The repository at base_commit as a tar rooted at the repository."""
+        async with self._locks.setdefault(instance.instance_id, asyncio.Lock()):
+            if instance.instance_id not in self._tars:
+                self._tars[instance.instance_id] = await asyncio.to_thread(self._export, instance, env_image)
+            return self._tars[instance.instance_id]
+
+    def _export(self, instance: SweInstance, env_image: str) -> bytes:
+        client = self.client()
+        tag = instance_image(client, instance, env_image=env_image)
+        container = client.containers.create(tag, command=["true"], labels={"envfleet.swe.export": "1"})
+        try:
+            chunks, _ = container.get_archive(REPO_DIR)
+            return _strip_first(b"".join(chunks))
+        finally:
+            container.remove(force=True)
+
+
+async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str) -> str:
+    """The agent's change: /workspace against base_commit, through a pristine git directory and a private index."""
+    index = f"{GRADE_DIR}/agent.index"
+    git = f"git --git-dir={shlex.quote(git_dir)} --work-tree={WORKSPACE}"
+    cmd = (
+        f"set -e; export GIT_INDEX_FILE={index}; cd {WORKSPACE}; {git} read-tree {instance.base_commit}; "
+        f"{git} add -A .; {git} diff --cached --binary {instance.base_commit}"
+    )
+    r = await sandbox.exec(["bash", "-c", cmd], env=EVAL_ENV, timeout=120, max_output=64 << 20)
+    if r.exit_code != 0:
+        raise InvalidRequestError(f"could not take the workspace diff: {r.stderr.decode(errors='replace')[-500:]}")
+    return r.stdout.decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class SweScoringContext(ScoringContext):
+    """The scoring context with the episode's grade, computed once for every rubric function."""
+
+    grade: Grade
+
+
+def _grade_of(ctx: ScoringContext) -> Grade:
+    if not isinstance(ctx, SweScoringContext):
+        raise TypeError("swe rubric functions need the grade: score through SweEnv.score")
+    return ctx.grade
+
+
+def resolved(ctx: ScoringContext) -> float:
+    """1 when the workspace's diff resolves the instance (every FAIL_TO_PASS and PASS_TO_PASS test passes)."""
+    return float(_grade_of(ctx).resolved)
+
+
+def patch_applied(ctx: ScoringContext) -> float:
+    """A metric: the agent changed something and the diff applied to a pristine copy."""
+    return float(_grade_of(ctx).patch_successfully_applied)
+
+
+def _rate(category: str) -> Callable[[ScoringContext], float]:
+    def fn(ctx: ScoringContext) -> float:
+        part = (_grade_of(ctx).tests_status or {}).get(category) or {"success": [], "failure": []}
+        total = len(part["success"]) + len(part["failure"])
+        return len(part["success"]) / total if total else 0.0
+
+    fn.__doc__ = f"A metric: the share of {category} tests that pass."
+    return fn
+
+
+class SweEnv(Environment):
+    """Fix a bug in a real Python project; reward 1 when the hidden FAIL_TO_PASS and PASS_TO_PASS tests pass."""
+
+    name = "swe"
+    version = "1"
+    description = "SWE-bench-style repository tasks (mutants of PyPI projects); reward: resolved."
+    tools = ("bash", "read_file", "str_replace", "submit")
+    system_prompt = SYSTEM_PROMPT
+    limits = SWE_LIMITS
+    max_turns = 40
+    tool_timeout_s = 120.0
+    # every task runs on the same image (the environment tier) and setup rewrites /workspace, so a sandbox reset in
+    # place (processes killed, /tmp and /workspace wiped) serves the next task
+    reusable = True
+    rubric = Rubric(
+        [
+            ("resolved", resolved, 1.0),
+            ("patch_applied", patch_applied, 0.0),
+            ("fail_to_pass_rate", _rate(FAIL_TO_PASS), 0.0),
+            ("pass_to_pass_rate", _rate(PASS_TO_PASS), 0.0),
+        ]
+    )
+
+    def __init__(self, dataset: Path | None = None) -> None:
+        self.dataset = dataset or INSTANCES
+        self._repos = RepoCache()
+
+    @cached_property
+    def instances(self) -> dict[str, SweInstance]:
+        """The dataset by instance id."""
+        return {i.instance_id: i for i in load_instances(self.dataset)}
+
+    @cached_property
+    def environment(self) -> EnvironmentSpec:
+        """One environment tier for every instance: the union of their pinned requirements."""
+        reqs: dict[str, str] = {}
+        for inst in self.instances.values():
+            for r in inst.environment.requirements:
+                name = r.split("==")[0].lower()
+                if reqs.setdefault(name, r) != r:
+                    raise InvalidRequestError(f"instances pin {name} differently: {reqs[name]} and {r}")
+        return EnvironmentSpec(requirements=tuple(reqs.values()))
+
+    @cached_property
+    def _env_image(self) -> str:
+        return environment_image(self._repos.client(), self.environment)
+
+    def image_spec(self) -> ImageSpec:
+        """The environment tier (built here: the resolver calls this in a thread)."""
+        return ImageSpec(base=self._env_image)
+
+    def tasks(self) -> Sequence[Task]:
+        return [
+            Task(
+                id=inst.instance_id,
+                prompt=task_prompt(inst),
+                data={"instance_id": inst.instance_id},
+                reference=reference_solution(inst),
+            )
+            for inst in sorted(self.instances.values(), key=lambda i: i.instance_id)
+        ]
+
+    def instance(self, task: Task) -> SweInstance:
+        """The instance behind a task."""
+        try:
+            return self.instances[str(task.data["instance_id"])]
+        except KeyError:
+            raise InvalidRequestError(f"task {task.id!r} is not an instance of {self.dataset}") from None
+
+    async def setup(self, sandbox: Sandbox, task: Task, seed: int) -> None:
+        """Put the repository at base_commit into /workspace."""
+        inst = self.instance(task)
+        env_image = await asyncio.to_thread(lambda: self._env_image)
+        await sandbox.upload(await self._repos.tar(inst, env_image), WORKSPACE)
+
+    async def grade(self, sandbox: Sandbox, task: Task) -> Grade:
+        """Grade the workspace as a prediction: its diff, on a fresh pristine copy, with the instance's tests."""
+        inst = self.instance(task)
+        env_image = await asyncio.to_thread(lambda: self._env_image)
+        base = f"{GRADE_DIR}/base"
+        r = await sandbox.exec(["bash", "-c", f"rm -rf {GRADE_DIR} && mkdir -p {base}"], timeout=60)
+        if r.exit_code != 0:
+            raise InvalidRequestError(f"could not prepare {GRADE_DIR}: {r.stdout.decode(errors='replace')[-300:]}")
+        await sandbox.upload(await self._repos.tar(inst, env_image), base)
+        diff = await workspace_diff(sandbox, inst, f"{base}/.git")
+        out = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{GRADE_DIR}/work")
+        log.debug("%s graded %s (%s)", task.id, out.grade.resolution.value, out.grade.apply_method)
+        return out.grade
+
+    async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
+        """Grade the workspace once, then apply the rubric to the grade."""
+        grade = await self.grade(sandbox, task)
+        return await self.rubric.score(SweScoringContext(sandbox, task, episode, grade))

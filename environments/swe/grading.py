@@ -1,0 +1,339 @@
+"""Grading as pure functions: an evaluation log's text -> per-test status -> FAIL_TO_PASS / PASS_TO_PASS -> report.
+
+The log markers and the grading rules are SWE-bench's (harness/constants, harness/grading.py, log_parsers), so a log
+written here can be graded by SWE-bench's own code and the two agree (tests/environments/swe/test_crosscheck.py).
+The test output is fenced by sentinel lines that carry a per-run nonce, so a patch cannot print a fake end of output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+
+class TestStatus(StrEnum):
+    """A test's outcome, as SWE-bench names it."""
+
+    __test__ = False
+
+    PASSED = "PASSED"
+    FAILED = "FAILED"
+    SKIPPED = "SKIPPED"
+    ERROR = "ERROR"
+    XFAIL = "XFAIL"
+
+
+class ResolvedStatus(StrEnum):
+    """FULL: every FAIL_TO_PASS and PASS_TO_PASS test passes; PARTIAL: some FAIL_TO_PASS, all PASS_TO_PASS; NO."""
+
+    FULL = "RESOLVED_FULL"
+    PARTIAL = "RESOLVED_PARTIAL"
+    NO = "RESOLVED_NO"
+
+
+FAIL_TO_PASS = "FAIL_TO_PASS"
+PASS_TO_PASS = "PASS_TO_PASS"
+FAIL_TO_FAIL = "FAIL_TO_FAIL"
+PASS_TO_FAIL = "PASS_TO_FAIL"
+
+APPLY_PATCH_FAIL = ">>>>> Patch Apply Failed"
+APPLY_PATCH_PASS = ">>>>> Applied Patch"
+RESET_FAILED = ">>>>> Reset Failed"
+TESTS_ERROR = ">>>>> Tests Errored"
+TESTS_TIMEOUT = ">>>>> Tests Timed Out"
+START_TEST_OUTPUT = ">>>>> Start Test Output"
+END_TEST_OUTPUT = ">>>>> End Test Output"
+TEST_EXIT_CODE = ">>>>> Test Exit Code"
+TEST_PATCH_FAIL = ">>>>> Test Patch Apply Failed"
+EMPTY_PATCH = ">>>>> Empty Patch"
+
+ApplyMethod = Literal["git apply", "git apply --reject", "patch --fuzz"]
+APPLY_METHODS: tuple[ApplyMethod, ...] = ("git apply", "git apply --reject", "patch --fuzz")
+_BAD_MARKERS = (APPLY_PATCH_FAIL, RESET_FAILED, TESTS_ERROR, TESTS_TIMEOUT, TEST_PATCH_FAIL)
+_EXIT_CODE = re.compile(rf"^{re.escape(TEST_EXIT_CODE)}:\s*(-?\d+)\s*$", re.M)
+_APPLIED = re.compile(rf"^{re.escape(APPLY_PATCH_PASS)} \(([^)]*)\)\s*$", re.M)
+
+StatusMap = dict[str, TestStatus]
+TestsStatus = dict[str, dict[str, list[str]]]
+
+
+# ---- parsers: test output -> {test name: status} ----
+
+
+def parse_pytest(output: str) -> StatusMap:
+    """pytest with `-rA`: the short summary lists every test as `STATUS node-id[ - message]`."""
+    statuses: StatusMap = {}
+    names = tuple(s.value for s in TestStatus)
+    for line in output.splitlines():
+        word, _, rest = line.partition(" ")
+        if word not in names or not rest:
+            continue
+        name = rest.split(" - ", 1)[0].strip()
+        if not name or (word == "SKIPPED" and re.fullmatch(r"\[\d+\]", name.split()[0])):
+            continue  # `SKIPPED [1] file:line: reason` names no test
+        statuses[name] = TestStatus(word)
+    return statuses
+
+
+_UNITTEST_LINE = re.compile(
+    r"^(?P<name>\S+ \([\w.]+\)) \.\.\. (?P<result>ok|FAIL|ERROR|skipped.*|expected failure|unexpected success)$"
+)
+_UNITTEST_SUMMARY = re.compile(r"^(?P<kind>FAIL|ERROR): (?P<name>\S+ \([\w.]+\))")
+_UNITTEST_RESULT = {
+    "ok": TestStatus.PASSED,
+    "FAIL": TestStatus.FAILED,
+    "ERROR": TestStatus.ERROR,
+    "expected failure": TestStatus.XFAIL,
+    "unexpected success": TestStatus.FAILED,
+}
+
+
+def parse_unittest(output: str) -> StatusMap:
+    """`python -m unittest -v`: one `name (module.Class.name) ... result` line per test, then FAIL:/ERROR: blocks
+    (a failing subtest shows only there)."""
+    statuses: StatusMap = {}
+    for raw in output.splitlines():
+        line = raw.strip()
+        m = _UNITTEST_LINE.match(line)
+        if m:
+            result = m["result"]
+            statuses[m["name"]] = TestStatus.SKIPPED if result.startswith("skipped") else _UNITTEST_RESULT[result]
+            continue
+        s = _UNITTEST_SUMMARY.match(line)
+        if s:
+            statuses[s["name"]] = TestStatus.FAILED if s["kind"] == "FAIL" else TestStatus.ERROR
+    return statuses
+
+
+PARSERS: dict[str, Callable[[str], StatusMap]] = {"pytest": parse_pytest, "unittest": parse_unittest}
+
+
+def unittest_id(name: str) -> str:
+    """The dotted id unittest runs, from a verbose-output name: `test_x (pkg.mod.C.test_x)` -> `pkg.mod.C.test_x`."""
+    m = re.fullmatch(r"(\S+) \(([\w.]+)\)", name)
+    if not m:
+        raise ValueError(f"{name!r} is not a unittest name like 'test_x (package.module.Class.test_x)'")
+    method, where = m.groups()
+    return where if where.endswith("." + method) else f"{where}.{method}"  # Python < 3.11 prints only the class
+
+
+# ---- the evaluation log ----
+
+
+@dataclass(frozen=True)
+class EvalLog:
+    """What an evaluation log says: whether the patch applied (and how), the test statuses, and what went wrong."""
+
+    patch_applied: bool
+    apply_method: ApplyMethod | None
+    empty_patch: bool
+    statuses: StatusMap
+    valid: bool  # the test run happened and its output describes it
+    error: str | None
+    exit_code: int | None
+    timed_out: bool
+    output: str = field(repr=False, default="")
+
+
+def _fenced(log: str, nonce: str) -> str | None:
+    start = f"{START_TEST_OUTPUT} {nonce}".rstrip()
+    end = f"{END_TEST_OUTPUT} {nonce}".rstrip()
+    lines = log.split("\n")
+    try:
+        i = lines.index(start)
+        j = lines.index(end, i + 1)
+    except ValueError:
+        return None
+    return "\n".join(lines[i + 1 : j])
+
+
+def find_nonce(log: str) -> str:
+    """The nonce of an evaluation log's fence ('' when the log has none)."""
+    for line in log.split("\n"):
+        if line.startswith(START_TEST_OUTPUT):
+            return line[len(START_TEST_OUTPUT) :].strip()
+    return ""
+
+
+def read_eval_log(log: str, framework: str, nonce: str = "") -> EvalLog:
+    """Parse an evaluation log (what the eval script printed). Markers outside the fenced test output count only
+    when they are whole lines; test output can never forge the end fence without the nonce."""
+    parse = PARSERS[framework]
+    empty = f"\n{EMPTY_PATCH}\n" in f"\n{log}\n"
+    m = _APPLIED.search(log)
+    method: ApplyMethod | None = None
+    if m and m.group(1) in APPLY_METHODS:
+        method = m.group(1)  # type: ignore[assignment]
+    head = log.split(f"{START_TEST_OUTPUT} {nonce}".rstrip(), 1)[0]
+    head_lines = set(head.split("\n"))
+
+    def result(valid: bool, error: str | None, statuses: StatusMap | None = None, **kw: Any) -> EvalLog:
+        return EvalLog(
+            patch_applied=kw.pop("applied", method is not None),
+            apply_method=method,
+            empty_patch=empty,
+            statuses=statuses or {},
+            valid=valid,
+            error=error,
+            exit_code=kw.pop("exit_code", None),
+            timed_out=kw.pop("timed_out", False),
+            output=kw.pop("output", ""),
+        )
+
+    reset = next((line for line in head.split("\n") if line.startswith(RESET_FAILED)), None)
+    if reset is not None:
+        return result(False, f"the repository could not be set up: {reset[len(RESET_FAILED) :].strip(': ')}")
+    if APPLY_PATCH_FAIL in head_lines:
+        return result(False, "the patch did not apply (git apply, git apply --reject, patch --fuzz all failed)")
+    if TEST_PATCH_FAIL in head_lines:
+        return result(False, "the test patch did not apply")
+    output = _fenced(log, nonce)
+    if output is None:
+        return result(False, "the test output is incomplete (no end fence): the run was killed or cut")
+    tail = log.rsplit(f"{END_TEST_OUTPUT} {nonce}".rstrip(), 1)[-1]
+    code_match = _EXIT_CODE.search(tail)
+    exit_code = int(code_match.group(1)) if code_match else None
+    timed_out = TESTS_TIMEOUT in tail.split("\n")
+    statuses = parse(output)
+    if timed_out:
+        return result(False, "the tests timed out", statuses, exit_code=exit_code, timed_out=True, output=output)
+    if not statuses:
+        return result(False, "no test results in the output", statuses, exit_code=exit_code, output=output)
+    if exit_code not in (None, 0) and not any(s in (TestStatus.FAILED, TestStatus.ERROR) for s in statuses.values()):
+        # SWE-bench's check: a non-zero exit with no failure reported means the log does not describe the run
+        return result(False, f"the test command exited {exit_code} but reported no failure", statuses, output=output)
+    return result(True, None, statuses, exit_code=exit_code, output=output)
+
+
+# ---- grading: statuses -> FAIL_TO_PASS / PASS_TO_PASS -> resolution ----
+
+
+def test_passed(name: str, statuses: Mapping[str, TestStatus]) -> bool:
+    """PASSED or XFAIL."""
+    return statuses.get(name) in (TestStatus.PASSED, TestStatus.XFAIL)
+
+
+def test_maintained(name: str, statuses: Mapping[str, TestStatus]) -> bool:
+    """For PASS_TO_PASS: passing, or skipped (a skip is not a regression)."""
+    return test_passed(name, statuses) or statuses.get(name) == TestStatus.SKIPPED
+
+
+def test_failed(name: str, statuses: Mapping[str, TestStatus]) -> bool:
+    """Missing, FAILED, ERROR or SKIPPED (a skipped FAIL_TO_PASS test is not a resolution)."""
+    return statuses.get(name) in (None, TestStatus.FAILED, TestStatus.ERROR, TestStatus.SKIPPED)
+
+
+def grade_tests(
+    statuses: Mapping[str, TestStatus], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]
+) -> TestsStatus:
+    """SWE-bench's `tests_status`: success / failure lists of each category (FAIL_TO_FAIL and PASS_TO_FAIL empty)."""
+    report: TestsStatus = {k: {"success": [], "failure": []} for k in (FAIL_TO_PASS, PASS_TO_PASS)}
+    for name in fail_to_pass:
+        if test_passed(name, statuses):
+            report[FAIL_TO_PASS]["success"].append(name)
+        elif test_failed(name, statuses):
+            report[FAIL_TO_PASS]["failure"].append(name)
+    for name in pass_to_pass:
+        if test_maintained(name, statuses):
+            report[PASS_TO_PASS]["success"].append(name)
+        elif test_failed(name, statuses):
+            report[PASS_TO_PASS]["failure"].append(name)
+    report[FAIL_TO_FAIL] = {"success": [], "failure": []}
+    report[PASS_TO_FAIL] = {"success": [], "failure": []}
+    return report
+
+
+def _rate(part: Mapping[str, list[str]]) -> float:
+    total = len(part["success"]) + len(part["failure"])
+    return 1.0 if total == 0 else len(part["success"]) / total
+
+
+def resolution(tests_status: TestsStatus) -> ResolvedStatus:
+    """FULL when every FAIL_TO_PASS and PASS_TO_PASS test succeeds; PARTIAL when some FAIL_TO_PASS do and every
+    PASS_TO_PASS does; NO otherwise."""
+    f2p, p2p = _rate(tests_status[FAIL_TO_PASS]), _rate(tests_status[PASS_TO_PASS])
+    if f2p == 1 and p2p == 1:
+        return ResolvedStatus.FULL
+    if 0 < f2p < 1 and p2p == 1:
+        return ResolvedStatus.PARTIAL
+    return ResolvedStatus.NO
+
+
+@dataclass(frozen=True)
+class Grade:
+    """The outcome of one evaluation."""
+
+    instance_id: str
+    patch_is_none: bool
+    patch_exists: bool
+    patch_successfully_applied: bool
+    apply_method: ApplyMethod | None
+    resolution: ResolvedStatus
+    tests_status: TestsStatus | None
+    error: str | None
+    statuses: StatusMap
+
+    @property
+    def resolved(self) -> bool:
+        """SWE-bench's `resolved`: a non-empty patch that applied and made the tests FULL."""
+        return self.resolution == ResolvedStatus.FULL and self.patch_exists and self.patch_successfully_applied
+
+    def report(self) -> dict[str, Any]:
+        """`report.json`'s content: `{instance_id: {...}}` in SWE-bench's shape, plus envfleet's extra keys."""
+        body: dict[str, Any] = {
+            "patch_is_None": self.patch_is_none,
+            "patch_exists": self.patch_exists,
+            "patch_successfully_applied": self.patch_successfully_applied,
+            "resolved": self.resolved,
+            "resolution": self.resolution.value,
+            "apply_method": self.apply_method,
+        }
+        if self.tests_status is not None:
+            body["tests_status"] = self.tests_status
+        if self.error:
+            body["error"] = self.error
+        return {self.instance_id: body}
+
+
+def grade_log(
+    instance_id: str,
+    log: str,
+    *,
+    framework: str,
+    fail_to_pass: Sequence[str],
+    pass_to_pass: Sequence[str],
+    model_patch: str | None,
+    nonce: str = "",
+) -> Grade:
+    """Grade an evaluation log against the instance's tests. An empty patch is run (its statuses are reported) but
+    never counts as resolved, as in SWE-bench."""
+    parsed = read_eval_log(log, framework, nonce)
+    exists = bool(model_patch and model_patch.strip())
+    applied = parsed.patch_applied and exists
+    if not parsed.valid:
+        return Grade(
+            instance_id,
+            model_patch is None,
+            exists,
+            applied,
+            parsed.apply_method,
+            ResolvedStatus.NO,
+            None,
+            parsed.error,
+            parsed.statuses,
+        )
+    tests = grade_tests(parsed.statuses, fail_to_pass, pass_to_pass)
+    return Grade(
+        instance_id,
+        model_patch is None,
+        exists,
+        applied,
+        parsed.apply_method,
+        resolution(tests),
+        tests,
+        None,
+        parsed.statuses,
+    )

@@ -1,0 +1,235 @@
+"""Images in tiers, each tagged by a hash of its build inputs and reused when present:
+
+    base (envd; orchestrator.images)  ->  environment (dependencies from host-downloaded wheels, fixed env vars)
+                                      ->  instance (the repository at base_commit in /opt/repo, one root commit)
+
+Sources are fetched on the host (pip for a PyPI sdist, checked against its sha256) into the cache
+(`$ENVFLEET_CACHE/swe`, default ~/.cache/envfleet/swe) and the builds run with no network. Blocking calls: run them
+in a thread from async code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import docker
+import docker.errors
+
+from environments.swe.instance import ArchiveSource, EnvironmentSpec, ImageSource, SdistSource, SweInstance
+from orchestrator.errors import InvalidRequestError
+from orchestrator.images import ensure_base_image
+from orchestrator.images.build import build_image
+from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, log_tail, safe_name
+from orchestrator.images.errors import ImageBuildError
+from orchestrator.images.wheels import fetch_site
+
+log = logging.getLogger(__name__)
+
+REPO_DIR = "/opt/repo"
+SITE_DIR = "/opt/swe/site"
+IMAGE_ENV = {"TZ": "UTC", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "LC_ALL": "C.UTF-8"}
+PIP_TIMEOUT_S = 600.0
+_SNAPSHOT = Path(__file__).with_name("snapshot.py")
+
+
+def swe_cache(cache_dir: Path | None = None) -> Path:
+    """The SWE part of the cache: sdists, unpacked sources, wheels."""
+    d = (cache_dir or default_cache_dir()) / "swe"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_source(source: SdistSource | ArchiveSource, cache_dir: Path | None = None) -> Path:
+    """The source archive on the host, checked against its sha256; a PyPI sdist is downloaded once with pip."""
+    if isinstance(source, ArchiveSource):
+        if not source.path.is_file():
+            raise InvalidRequestError(f"source archive {source.path} does not exist")
+        got = sha256_file(source.path)
+        if got != source.sha256:
+            raise InvalidRequestError(f"source archive {source.path} has sha256 {got}, expected {source.sha256}")
+        return source.path
+    cache = (cache_dir or default_cache_dir()).expanduser()
+    dest = swe_cache(cache) / "sdists" / source.sha256[:16] / source.filename
+    if dest.is_file() and sha256_file(dest) == source.sha256:
+        return dest
+    with file_lock(cache / "locks", f"sdist-{source.sha256[:16]}"):
+        if dest.is_file() and sha256_file(dest) == source.sha256:
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            _pip_download_sdist(source, Path(tmp), cache)
+            found = [p for p in Path(tmp).iterdir() if p.is_file() and sha256_file(p) == source.sha256]
+            if not found:
+                names = sorted(p.name for p in Path(tmp).iterdir())
+                raise ImageBuildError(
+                    f"pip downloaded {names} for {source.package}=={source.version}, none with sha256 {source.sha256}",
+                    step="fetch sdist",
+                )
+            os.replace(found[0], dest)
+    log.info("fetched %s (%s)", dest.name, source.sha256[:12])
+    return dest
+
+
+def _pip_download_sdist(source: SdistSource, into: Path, cache: Path) -> None:
+    log_path = log_dir_for(cache) / f"sdist-{safe_name(source.package)}-{source.version}.log"
+    reqs = into / "requirements.txt"
+    reqs.write_text(f"{source.package}=={source.version} --hash=sha256:{source.sha256}\n")
+    argv = [
+        sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+        "--no-deps", "--no-binary", ":all:", "--require-hashes", "-r", str(reqs), "-d", str(into),
+    ]  # fmt: skip
+    with log_path.open("wb") as logf:
+        try:
+            proc = subprocess.run(
+                argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, timeout=PIP_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired as e:
+            raise ImageBuildError(f"pip download of {source.package} timed out", step="fetch sdist") from e
+    reqs.unlink()
+    if proc.returncode != 0:
+        raise ImageBuildError(
+            f"pip download of {source.package}=={source.version} failed ({proc.returncode}); "
+            f"log {log_path}:\n{log_tail(log_path)}",
+            log_path=log_path,
+            step="fetch sdist",
+        )
+
+
+def environment_image(
+    client: docker.DockerClient, spec: EnvironmentSpec, *, base: str | None = None, cache_dir: Path | None = None
+) -> str:
+    """The environment tier: the base image, fixed environment variables, and the dependencies (pinned wheels for
+    the image's CPython, downloaded on the host, unpacked into /opt/swe/site on PYTHONPATH-free sys.path)."""
+    base_tag = base or ensure_base_image(client, cache_dir=cache_dir)
+    lines = [f"FROM {base_tag}", *(f"ENV {k}={v}" for k, v in sorted(IMAGE_ENV.items()))]
+    context: dict[str, bytes | Path] = {}
+    if spec.requirements:
+        cache = cache_dir or default_cache_dir()
+        key = hashlib.sha256("\n".join(spec.requirements).encode()).hexdigest()[:16]
+        site = fetch_site(list(spec.requirements), swe_cache(cache) / "site" / key, cache, python_version=spec.python)
+        context["site"] = site
+        # a .pth file in the interpreter's own dist-packages puts the site on sys.path for every python3 run
+        context["swe-site.pth"] = f"{SITE_DIR}\n".encode()
+        lines += [f"COPY site {SITE_DIR}", "COPY swe-site.pth /usr/lib/python3/dist-packages/swe-site.pth"]
+    return build_image(
+        client,
+        name="swe/env",
+        dockerfile="\n".join(lines) + "\n",
+        context_files=context,
+        labels={"envfleet.swe.tier": "environment"},
+        cache_dir=cache_dir,
+    )
+
+
+def image_name(instance_id: str) -> str:
+    """The image repository name of an instance (lowercase, docker-safe)."""
+    return "swe/" + (re.sub(r"[^a-z0-9]+", "-", instance_id.lower()).strip("-") or "instance")
+
+
+def instance_image(
+    client: docker.DockerClient,
+    instance: SweInstance,
+    *,
+    env_image: str | None = None,
+    cache_dir: Path | None = None,
+) -> str:
+    """The instance tier: the repository at base_commit in /opt/repo, built from the source archive and checked
+    against base_commit (the build fails when the snapshot's hash differs)."""
+    source = instance.source
+    if isinstance(source, ImageSource):
+        if not image_exists(client, source.image):
+            raise ImageBuildError(f"{instance.instance_id}: prebuilt image {source.image} is missing", step="source")
+        return source.image
+    return repo_image(
+        client,
+        name=image_name(instance.instance_id),
+        source=source,
+        base_commit=instance.base_commit,
+        env_image=env_image or environment_image(client, instance.environment, cache_dir=cache_dir),
+        labels={"envfleet.swe.tier": "instance", "envfleet.swe.instance": instance.instance_id},
+        cache_dir=cache_dir,
+    )
+
+
+def repo_image(
+    client: docker.DockerClient,
+    *,
+    name: str,
+    source: SdistSource | ArchiveSource,
+    base_commit: str,
+    env_image: str,
+    labels: dict[str, str],
+    cache_dir: Path | None = None,
+) -> str:
+    """An image FROM `env_image` with the snapshot repository of `source` (plus its setup patch) in /opt/repo; the
+    build checks that the snapshot's commit is `base_commit`. The archive lives only in a lower layer, unreachable
+    from a container (and the setup patch is removed in the same step that applies it)."""
+    archive = fetch_source(source, cache_dir)
+    dockerfile = (
+        f"FROM {env_image}\n"
+        f"COPY source/{archive.name} /opt/swe-build/source/\n"
+        "COPY snapshot.py setup.patch /opt/swe-build/\n"
+        f"RUN python3 -S /opt/swe-build/snapshot.py --archive /opt/swe-build/source/{archive.name} "
+        f"--dest {REPO_DIR} --strip {source.strip_components} --patch /opt/swe-build/setup.patch "
+        f"--expect {base_commit} && rm -rf /opt/swe-build\n"
+    )
+    return build_image(
+        client,
+        name=name,
+        dockerfile=dockerfile,
+        context_files={
+            f"source/{archive.name}": archive,
+            "snapshot.py": _SNAPSHOT,
+            "setup.patch": source.setup_patch.encode(),
+        },
+        labels=labels,
+        cache_dir=cache_dir,
+    )
+
+
+def ensure_images(
+    client: docker.DockerClient,
+    instances: Iterable[SweInstance],
+    *,
+    workers: int = 2,
+    cache_dir: Path | None = None,
+    on_built: Callable[[SweInstance, str], None] | None = None,
+) -> dict[str, str]:
+    """Every instance's image tag (built when missing), environment tiers first; `on_built` sees each one."""
+    items = list(instances)
+    base = ensure_base_image(client, cache_dir=cache_dir)
+    envs: dict[EnvironmentSpec, str] = {}
+    for inst in items:
+        if inst.environment not in envs and not isinstance(inst.source, ImageSource):
+            envs[inst.environment] = environment_image(client, inst.environment, base=base, cache_dir=cache_dir)
+    # fetch each distinct source once before the parallel builds
+    for src in {i.source.sha256: i.source for i in items if not isinstance(i.source, ImageSource)}.values():
+        assert not isinstance(src, ImageSource)
+        fetch_source(src, cache_dir)
+
+    def one(inst: SweInstance) -> tuple[str, str]:
+        tag = instance_image(client, inst, env_image=envs.get(inst.environment), cache_dir=cache_dir)
+        if on_built is not None:
+            on_built(inst, tag)
+        return inst.instance_id, tag
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="swe-build") as pool:
+        return dict(pool.map(one, items))

@@ -1,0 +1,190 @@
+"""The evaluation script that runs inside a sandbox, and the bundle (one tar) that carries it there.
+
+One exec does everything: unpack the bundle (patches, script, runner) from stdin into a scratch folder, copy the
+pristine repository into a fresh work folder, apply the model patch (git apply, then git apply --reject, then
+patch --fuzz, resetting the tree between tries), put the test files back to base_commit, apply the test patch, run
+the named tests under a timeout with their output fenced by nonce-carrying sentinel lines, and print the exit code.
+"""
+
+from __future__ import annotations
+
+import io
+import shlex
+import tarfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from environments.swe.grading import (
+    APPLY_PATCH_FAIL,
+    APPLY_PATCH_PASS,
+    EMPTY_PATCH,
+    END_TEST_OUTPUT,
+    RESET_FAILED,
+    START_TEST_OUTPUT,
+    TEST_EXIT_CODE,
+    TEST_PATCH_FAIL,
+    TESTS_TIMEOUT,
+    unittest_id,
+)
+from environments.swe.instance import SweInstance
+
+SCRATCH = "/tmp/swe"
+MAX_TEST_OUTPUT = 8 << 20
+# Deterministic and closed: fixed time zone, hash seed and locale; no user site, no git config from $HOME.
+EVAL_ENV: dict[str, str] = {
+    "TZ": "UTC",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONNOUSERSITE": "1",
+    "LC_ALL": "C.UTF-8",
+    "HOME": "/tmp",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+}
+
+UNITTEST_RUNNER = """\
+import os, sys, unittest
+# one line per test: a docstring would otherwise push the result onto a second line
+unittest.TestCase.shortDescription = lambda self: None
+sys.path[0] = os.getcwd()
+unittest.main(module=None, argv=["python -m unittest", "-v", "-b", *sys.argv[1:]])
+"""
+
+BOOTSTRAP = f"rm -rf {SCRATCH} && mkdir -p {SCRATCH} && tar -x -C {SCRATCH} && exec bash {SCRATCH}/eval.sh"
+
+
+def test_command(instance: SweInstance) -> list[str]:
+    """The argv that runs the instance's named tests."""
+    if instance.test_runner.framework == "pytest":
+        return [
+            "python3",
+            "-m",
+            "pytest",
+            "-rA",
+            "--tb=short",
+            "-p",
+            "no:cacheprovider",
+            "--confcutdir=.",
+            *instance.tests,
+        ]
+    return ["python3", f"{SCRATCH}/unittest_runner.py", *(unittest_id(t) for t in instance.tests)]
+
+
+def test_files(instance: SweInstance) -> list[str]:
+    """Files that hold the instance's tests or that the test patch touches; they are put back to base_commit
+    before the test patch applies, so a model patch cannot edit the tests it is graded by."""
+    files: set[str] = set()
+    for name in instance.tests:
+        if instance.test_runner.framework == "pytest":
+            files.add(name.split("::", 1)[0])
+        else:
+            module = unittest_id(name).rsplit(".", 2)[0].replace(".", "/") + ".py"
+            roots = instance.test_runner.pythonpath or ["."]
+            files.update(module if r == "." else f"{r}/{module}" for r in roots)
+    for line in instance.test_patch.splitlines():
+        if line.startswith(("--- a/", "+++ b/")):
+            files.add(line[6:].split("\t")[0])
+    return sorted(f for f in files if f and not f.startswith("/") and ".." not in f.split("/"))
+
+
+def eval_script(instance: SweInstance, *, nonce: str, repo_dir: str, work_dir: str, timeout_s: float) -> str:
+    """The bash script. It always exits 0 once it has started: what happened is in its output (the markers)."""
+    q = shlex.quote
+    pythonpath = ":".join(
+        f"{work_dir}/{p}".rstrip("/.") if p != "." else work_dir for p in instance.test_runner.pythonpath
+    )
+    env = " ".join(f"{k}={q(v)}" for k, v in EVAL_ENV.items())
+    files = " ".join(q(f) for f in test_files(instance))
+    return f"""#!/bin/bash
+set -uo pipefail
+export {env}
+unset PYTHONPATH PYTHONSTARTUP PYTEST_ADDOPTS PYTEST_PLUGINS
+S={SCRATCH}
+W={q(work_dir)}
+BASE={instance.base_commit}
+fail_reset() {{ echo "{RESET_FAILED}: $1"; exit 0; }}
+reset_tree() {{ git reset -q --hard "$BASE" && git clean -fdq; }}
+mkdir -p "$W" || fail_reset "cannot create $W"
+find "$W" -mindepth 1 -delete 2>/dev/null || fail_reset "cannot empty $W"
+cp -a {q(repo_dir)}/. "$W"/ || fail_reset "cannot copy {repo_dir}"
+cd "$W" || fail_reset "cannot enter $W"
+head=$(git rev-parse HEAD 2>&1) || fail_reset "not a git repository: $head"
+[ "$head" = "$BASE" ] || fail_reset "HEAD is $head, expected $BASE"
+if [ -s "$S/model.patch" ]; then
+  method=""
+  if git apply --verbose "$S/model.patch"; then method="git apply"
+  else
+    reset_tree
+    if git apply --verbose --reject "$S/model.patch"; then method="git apply --reject"
+    else
+      reset_tree
+      if patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$S/model.patch"; then method="patch --fuzz"; fi
+    fi
+  fi
+  [ -n "$method" ] || {{ reset_tree; echo "{APPLY_PATCH_FAIL}"; exit 0; }}
+  echo "{APPLY_PATCH_PASS} ($method)"
+else
+  echo "{EMPTY_PATCH}"
+fi
+for f in {files}; do
+  if git cat-file -e "$BASE:$f" 2>/dev/null; then git checkout -q "$BASE" -- "$f"; else rm -f -- "$f"; fi
+done
+if [ -s "$S/test.patch" ]; then
+  git apply --verbose "$S/test.patch" || {{ echo "{TEST_PATCH_FAIL}"; exit 0; }}
+fi
+export PYTHONPATH={q(pythonpath)}
+[ -n "$PYTHONPATH" ] || unset PYTHONPATH
+timeout -k 5 {timeout_s:g} {shlex.join(test_command(instance))} > "$S/tests.log" 2>&1 < /dev/null
+rc=$?
+echo "{START_TEST_OUTPUT} {nonce}"
+head -c {MAX_TEST_OUTPUT} "$S/tests.log"
+echo
+echo "{END_TEST_OUTPUT} {nonce}"
+echo "{TEST_EXIT_CODE}: $rc"
+[ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] || echo "{TESTS_TIMEOUT}"
+exit 0
+"""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """The files an evaluation carries into the sandbox."""
+
+    files: Mapping[str, bytes]
+
+    def tar(self) -> bytes:
+        """An uncompressed tar of the files (what BOOTSTRAP unpacks from stdin)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, data in sorted(self.files.items()):
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = len(data), 0o644, 0
+                tar.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+
+def make_bundle(
+    instance: SweInstance,
+    model_patch: str | None,
+    *,
+    nonce: str,
+    repo_dir: str = "/opt/repo",
+    work_dir: str = "/workspace",
+    timeout_s: float | None = None,
+) -> Bundle:
+    """The evaluation bundle of one instance and one model patch."""
+    script = eval_script(
+        instance,
+        nonce=nonce,
+        repo_dir=repo_dir,
+        work_dir=work_dir,
+        timeout_s=timeout_s if timeout_s is not None else instance.test_runner.timeout_s,
+    )
+    return Bundle(
+        {
+            "eval.sh": script.encode(),
+            "model.patch": (model_patch or "").encode(),
+            "test.patch": instance.test_patch.encode(),
+            "unittest_runner.py": UNITTEST_RUNNER.encode(),
+        }
+    )

@@ -1,0 +1,57 @@
+"""The swe RL environment: reference solutions as tool calls, and a full rollout through the orchestrator with the
+scripted policy applying the gold fix through the tools (scored resolved) and one submitting nothing (scored 0)."""
+
+from __future__ import annotations
+
+from environments.swe.env import SweEnv, reference_solution
+from environments.swe.instance import SweInstance
+from orchestrator.client import EnvfleetClient
+from orchestrator.models import JobSpec, RolloutStatus, TaskSelection
+from orchestrator.rollout.policy import PolicyEndpoint
+from orchestrator.rollout.scripts import reference_script
+from orchestrator.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
+from tests.environments.swe.conftest import Tiny
+
+
+def test_reference_solution_is_the_gold_patch_as_edits(tiny: Tiny) -> None:
+    calls = reference_solution(tiny.pytest)
+    assert [c.name for c in calls] == ["str_replace", "submit"]
+    args = calls[0].arguments
+    assert args["path"] == "calc.py" and "if x > lo:" in args["old_str"] and "if x < lo:" in args["new_str"]
+    # applying the edit to the buggy file gives the fixed file
+    assert tiny.bad.replace(args["old_str"], args["new_str"]) == tiny.good
+    assert tiny.bad.count(args["old_str"]) == 1
+
+
+def test_tasks_come_from_the_shipped_dataset(shipped: list[SweInstance]) -> None:
+    env = SweEnv()
+    tasks = env.tasks()
+    assert [t.id for t in tasks] == sorted(i.instance_id for i in shipped)
+    for task in tasks:
+        inst = env.instance(task)
+        assert inst.problem_statement.strip() in task.prompt and inst.patch not in task.prompt
+        assert task.reference[-1].name == "submit"
+
+
+async def test_rollout_through_the_orchestrator(client: EnvfleetClient) -> None:
+    env = SweEnv()
+    solved, idle = env.tasks()[0], env.tasks()[1]
+    script = reference_script(env, [solved])
+    script = Script(tasks={**script.tasks, idle.id: [Step(tool_calls=[ScriptedToolCall(name="submit")])]})
+    server = await start_scripted_server(script)
+    try:
+        spec = JobSpec(
+            env="swe",
+            tasks=TaskSelection(kind="ids", ids=[solved.id, idle.id]),
+            policy=PolicyEndpoint(base_url=server.url),
+        )
+        rollouts = {r.task_id: r async for r in client.rollouts(await client.submit(spec))}
+    finally:
+        await server.close()
+    good, none = rollouts[solved.id], rollouts[idle.id]
+    assert good.status == RolloutStatus.OK, good.error
+    assert good.reward == 1.0 and good.reward_components == {"resolved": 1.0}
+    assert good.metrics["patch_applied"] == 1.0 and good.metrics["fail_to_pass_rate"] == 1.0
+    tool_turns = [t for t in good.turns if t.role == "tool"]
+    assert [t.name for t in tool_turns][-1] == "submit" and all("error" not in t.text for t in tool_turns)
+    assert none.status == RolloutStatus.OK and none.reward == 0.0 and none.metrics["patch_applied"] == 0.0

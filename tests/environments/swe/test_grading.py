@@ -1,0 +1,153 @@
+"""Grading as pure functions: parsers, the evaluation log, FAIL_TO_PASS / PASS_TO_PASS categories, resolution."""
+
+from __future__ import annotations
+
+import pytest
+
+from environments.swe.grading import (
+    APPLY_PATCH_FAIL,
+    END_TEST_OUTPUT,
+    START_TEST_OUTPUT,
+    TEST_EXIT_CODE,
+    TESTS_TIMEOUT,
+    ResolvedStatus,
+    TestStatus,
+    grade_log,
+    grade_tests,
+    parse_pytest,
+    parse_unittest,
+    read_eval_log,
+    resolution,
+    unittest_id,
+)
+
+PYTEST_OUT = """\
+============================= test session starts ==============================
+collected 5 items
+
+tests/test_a.py .F.sx                                                    [100%]
+
+=================================== FAILURES ===================================
+___________________________________ test_two ___________________________________
+E   assert 1 == 2
+=========================== short test summary info ============================
+PASSED tests/test_a.py::test_one
+PASSED tests/test_a.py::test_p[a-b]
+FAILED tests/test_a.py::test_two - assert 1 == 2
+SKIPPED [1] tests/test_a.py:20: not today
+XFAIL tests/test_a.py::test_x - known
+ERROR tests/test_a.py::TestK::test_e - RuntimeError: boom
+============== 1 failed, 2 passed, 1 skipped, 1 xfailed in 0.10s ===============
+"""
+
+UNITTEST_OUT = """\
+test_a (tests.test_m.ATests.test_a) ... ok
+test_b (tests.test_m.ATests.test_b) ... FAIL
+test_c (tests.test_m.ATests.test_c) ... skipped 'slow'
+test_d (tests.test_m.ATests.test_d) ... ERROR
+test_e (tests.test_m.ATests.test_e) ... expected failure
+test_f (tests.test_m.BTests.test_f) ... ok
+
+======================================================================
+FAIL: test_b (tests.test_m.ATests.test_b)
+----------------------------------------------------------------------
+Traceback (most recent call last):
+AssertionError: 1 != 2
+
+======================================================================
+FAIL: test_f (tests.test_m.BTests.test_f) (i=3)
+----------------------------------------------------------------------
+AssertionError: subtest
+----------------------------------------------------------------------
+Ran 6 tests in 0.001s
+
+FAILED (failures=2, errors=1, skipped=1, expected failures=1)
+"""
+
+
+def test_pytest_parser_reads_the_short_summary() -> None:
+    assert parse_pytest(PYTEST_OUT) == {
+        "tests/test_a.py::test_one": TestStatus.PASSED,
+        "tests/test_a.py::test_p[a-b]": TestStatus.PASSED,
+        "tests/test_a.py::test_two": TestStatus.FAILED,
+        "tests/test_a.py::test_x": TestStatus.XFAIL,
+        "tests/test_a.py::TestK::test_e": TestStatus.ERROR,
+    }
+
+
+def test_unittest_parser_reads_verbose_lines_and_failure_blocks() -> None:
+    statuses = parse_unittest(UNITTEST_OUT)
+    assert statuses["test_a (tests.test_m.ATests.test_a)"] == TestStatus.PASSED
+    assert statuses["test_b (tests.test_m.ATests.test_b)"] == TestStatus.FAILED
+    assert statuses["test_c (tests.test_m.ATests.test_c)"] == TestStatus.SKIPPED
+    assert statuses["test_d (tests.test_m.ATests.test_d)"] == TestStatus.ERROR
+    assert statuses["test_e (tests.test_m.ATests.test_e)"] == TestStatus.XFAIL
+    # a failing subtest shows only in the failure block: the test fails though its line said ok
+    assert statuses["test_f (tests.test_m.BTests.test_f)"] == TestStatus.FAILED
+
+
+def test_unittest_id() -> None:
+    assert unittest_id("test_a (tests.test_m.ATests.test_a)") == "tests.test_m.ATests.test_a"
+    assert unittest_id("test_a (tests.test_m.ATests)") == "tests.test_m.ATests.test_a"  # Python <= 3.10 output
+    with pytest.raises(ValueError, match="not a unittest name"):
+        unittest_id("tests/test_a.py::test_a")
+
+
+def _log(body: str, nonce: str = "n1", code: int = 1, head: str = ">>>>> Applied Patch (git apply)") -> str:
+    return f"{head}\n{START_TEST_OUTPUT} {nonce}\n{body}\n{END_TEST_OUTPUT} {nonce}\n{TEST_EXIT_CODE}: {code}\n"
+
+
+F2P = ["tests/test_a.py::test_two"]
+P2P = ["tests/test_a.py::test_one", "tests/test_a.py::test_x"]
+
+
+def test_grade_categories_follow_swe_bench() -> None:
+    statuses = parse_pytest(PYTEST_OUT)
+    tests = grade_tests(statuses, [*F2P, "tests/test_a.py::missing"], P2P)
+    assert tests["FAIL_TO_PASS"] == {"success": [], "failure": [*F2P, "tests/test_a.py::missing"]}
+    assert tests["PASS_TO_PASS"] == {"success": P2P, "failure": []}
+    assert tests["FAIL_TO_FAIL"] == tests["PASS_TO_FAIL"] == {"success": [], "failure": []}
+    assert resolution(tests) == ResolvedStatus.NO
+    # a skipped PASS_TO_PASS test is kept, a skipped FAIL_TO_PASS test is not resolved
+    skipped = {"a": TestStatus.SKIPPED, "b": TestStatus.PASSED, "c": TestStatus.PASSED}
+    assert resolution(grade_tests(skipped, ["b"], ["a"])) == ResolvedStatus.FULL
+    assert resolution(grade_tests(skipped, ["a", "b"], ["c"])) == ResolvedStatus.PARTIAL
+    assert resolution(grade_tests({"a": TestStatus.PASSED, "b": TestStatus.FAILED}, ["a"], ["b"])) == ResolvedStatus.NO
+
+
+def test_read_eval_log_needs_the_nonce_fence() -> None:
+    good = read_eval_log(_log(PYTEST_OUT), "pytest", "n1")
+    assert good.valid and good.apply_method == "git apply" and good.exit_code == 1
+    # a patch that prints a fake end fence without the nonce cannot cut the output short
+    forged = _log(PYTEST_OUT + f"\n{END_TEST_OUTPUT}\nPASSED tests/test_a.py::test_two", "n1")
+    assert read_eval_log(forged, "pytest", "n2").error is not None
+    cut = f">>>>> Applied Patch (git apply)\n{START_TEST_OUTPUT} n1\n{PYTEST_OUT}"
+    assert "incomplete" in (read_eval_log(cut, "pytest", "n1").error or "")
+
+
+@pytest.mark.parametrize(
+    ("log", "error"),
+    [
+        (f"{APPLY_PATCH_FAIL}\n", "did not apply"),
+        (">>>>> Reset Failed: HEAD is x\n", "could not be set up"),
+        (_log(PYTEST_OUT, code=124) + f"{TESTS_TIMEOUT}\n", "timed out"),
+        (_log("nothing ran", code=4), "no test results"),
+        (_log("PASSED tests/test_a.py::test_two", code=1), "reported no failure"),
+    ],
+)
+def test_bad_logs_are_not_graded(log: str, error: str) -> None:
+    grade = grade_log("i", log, framework="pytest", fail_to_pass=F2P, pass_to_pass=P2P, model_patch="x", nonce="n1")
+    assert not grade.resolved and grade.resolution == ResolvedStatus.NO and error in (grade.error or "")
+    assert "tests_status" not in grade.report()["i"]
+
+
+def test_report_shape() -> None:
+    fixed = PYTEST_OUT.replace("FAILED tests/test_a.py::test_two - assert 1 == 2", "PASSED tests/test_a.py::test_two")
+    log = _log(fixed.replace("ERROR tests/test_a.py::TestK::test_e - RuntimeError: boom", ""), code=0)
+    grade = grade_log("i", log, framework="pytest", fail_to_pass=F2P, pass_to_pass=P2P, model_patch="x", nonce="n1")
+    body = grade.report()["i"]
+    assert body["resolved"] is True and body["patch_successfully_applied"] is True
+    assert set(body["tests_status"]) == {"FAIL_TO_PASS", "PASS_TO_PASS", "FAIL_TO_FAIL", "PASS_TO_FAIL"}
+    # the same log with an empty patch: graded, never resolved
+    empty = grade_log("i", log, framework="pytest", fail_to_pass=F2P, pass_to_pass=P2P, model_patch="", nonce="n1")
+    assert empty.resolution == ResolvedStatus.FULL and not empty.resolved and not empty.report()["i"]["patch_exists"]
