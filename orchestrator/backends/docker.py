@@ -477,7 +477,10 @@ class DockerBackend(SandboxBackend):
     async def _discard(self, cid: str | None, socket_dir: Path) -> None:
         if cid is not None:
             try:
-                await asyncio.shield(self._call(self.api.remove_container, cid, force=True, v=True))
+                removal = asyncio.ensure_future(self._call(self.api.remove_container, cid, force=True, v=True))
+                # if our caller is cancelled the removal still finishes; its outcome is then read here, not lost
+                removal.add_done_callback(lambda t: t.cancelled() or t.exception())
+                await asyncio.shield(removal)
             except docker.errors.NotFound:
                 pass
             except docker.errors.APIError as e:
