@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `swe-eval`."""
     p.add_argument("--dataset", required=True, type=Path, help="instances (JSONL or JSON list)")
-    p.add_argument("--predictions", required=True, type=Path, help="SWE-bench predictions (JSONL or JSON)")
+    p.add_argument(
+        "--predictions", required=True, type=Path, help="SWE-bench predictions (JSONL or JSON), or `gold` / `empty`"
+    )
     p.add_argument("--run-id", required=True)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--log-dir", type=Path, default=Path("logs/swe-eval"), help="where run folders go")
@@ -90,12 +92,16 @@ def swe_eval(args: argparse.Namespace, console: Console) -> int:
     import docker
 
     from environments.swe.evaluate import run_evaluation
-    from environments.swe.instance import load_instances, load_predictions
+    from environments.swe.instance import empty_predictions, gold_predictions, load_instances, load_predictions
     from orchestrator.errors import EnvfleetError
 
     try:
         instances = load_instances(args.dataset)
-        preds = load_predictions(args.predictions, instances)
+        if str(args.predictions) in ("gold", "empty") and not args.predictions.exists():
+            make = gold_predictions if str(args.predictions) == "gold" else empty_predictions
+            preds = make(instances)
+        else:
+            preds = load_predictions(args.predictions, instances)
     except EnvfleetError as e:
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
@@ -157,16 +163,26 @@ def swe_validate(args: argparse.Namespace, console: Console) -> int:
     run_id = args.run_id or time.strftime("validate-%Y%m%d-%H%M%S")
 
     async def go() -> object:
-        async with _backend(args.owner) as backend:
-            return await validate_dataset(
-                instances,
-                backend=backend,
-                client=docker.from_env(),
-                runs=args.k,
-                workers=args.workers,
-                log_dir=args.log_dir,
-                run_id=run_id,
-            )
+        with _progress(console) as bar:
+            counts = {"resolved": 0, "errors": 0}
+            task = bar.add_task("swe-validate", total=len(instances) * (args.k + 1), resolved=0, errors=0)
+
+            def on_done(instance_id: str, outcome: str) -> None:
+                counts["resolved"] += outcome == "resolved"
+                counts["errors"] += outcome == "error"
+                bar.update(task, advance=1, resolved=counts["resolved"], errors=counts["errors"])
+
+            async with _backend(args.owner) as backend:
+                return await validate_dataset(
+                    instances,
+                    backend=backend,
+                    client=docker.from_env(),
+                    runs=args.k,
+                    workers=args.workers,
+                    log_dir=args.log_dir,
+                    run_id=run_id,
+                    progress=on_done,
+                )
 
     from environments.swe.validate import ValidationResult
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import secrets
 import shlex
 import tarfile
 import threading
@@ -29,12 +30,12 @@ import docker
 from environments.base import Environment, Episode, Rubric, Score, ScoringContext, Task, ToolInvocation
 from environments.swe.builder.pins import INSTANCES
 from environments.swe.evaluate import SWE_LIMITS, evaluate_in_sandbox
-from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, Grade
+from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, Grade, ResolvedStatus
 from environments.swe.images import REPO_DIR, environment_image, instance_image
 from environments.swe.instance import EnvironmentSpec, SweInstance, load_instances
 from environments.swe.script import EVAL_ENV
 from orchestrator.backends.base import Sandbox
-from orchestrator.errors import InvalidRequestError
+from orchestrator.errors import InvalidRequestError, SandboxError
 from orchestrator.images.spec import ImageSpec
 
 log = logging.getLogger(__name__)
@@ -154,17 +155,18 @@ class RepoCache:
             container.remove(force=True)
 
 
-async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str) -> str:
-    """The agent's change: /workspace against base_commit, through a pristine git directory and a private index."""
-    index = f"{GRADE_DIR}/agent.index"
+async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, index: str) -> str | None:
+    """The agent's change: /workspace against base_commit, through a pristine git directory and a private index.
+    None when git cannot read the workspace (the agent made it unreadable: its own doing, graded as no patch)."""
     git = f"git --git-dir={shlex.quote(git_dir)} --work-tree={WORKSPACE}"
     cmd = (
-        f"set -e; export GIT_INDEX_FILE={index}; cd {WORKSPACE}; {git} read-tree {instance.base_commit}; "
+        f"set -e; export GIT_INDEX_FILE={shlex.quote(index)}; cd {WORKSPACE}; {git} read-tree {instance.base_commit}; "
         f"{git} add -A .; {git} diff --cached --binary {instance.base_commit}"
     )
     r = await sandbox.exec(["bash", "-c", cmd], env=EVAL_ENV, timeout=120, max_output=64 << 20)
-    if r.exit_code != 0:
-        raise InvalidRequestError(f"could not take the workspace diff: {r.stderr.decode(errors='replace')[-500:]}")
+    if r.exit_code != 0 or r.truncated:
+        log.info("%s: no usable workspace diff: %s", instance.instance_id, r.stderr.decode(errors="replace")[-300:])
+        return None
     return r.stdout.decode(errors="replace")
 
 
@@ -280,13 +282,19 @@ class SweEnv(Environment):
         """Grade the workspace as a prediction: its diff, on a fresh pristine copy, with the instance's tests."""
         inst = self.instance(task)
         env_image = await asyncio.to_thread(lambda: self._env_image)
-        base = f"{GRADE_DIR}/base"
-        r = await sandbox.exec(["bash", "-c", f"rm -rf {GRADE_DIR} && mkdir -p {base}"], timeout=60)
+        # a fresh, unpredictable folder: nothing the agent left in /tmp can be in the way
+        root = f"{GRADE_DIR}-{secrets.token_hex(6)}"
+        base = f"{root}/base"
+        r = await sandbox.exec(["mkdir", "-p", base], timeout=60)
         if r.exit_code != 0:
-            raise InvalidRequestError(f"could not prepare {GRADE_DIR}: {r.stdout.decode(errors='replace')[-300:]}")
+            raise SandboxError(f"could not create {base}: {r.stderr.decode(errors='replace')[-300:]}")
         await sandbox.upload(await self._repos.tar(inst, env_image), base)
-        diff = await workspace_diff(sandbox, inst, f"{base}/.git")
-        out = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{GRADE_DIR}/work")
+        diff = await workspace_diff(sandbox, inst, f"{base}/.git", f"{root}/agent.index")
+        if diff is None or not diff.strip():
+            # nothing (usable) changed: not resolved, as SWE-bench grades an empty patch, without a test run
+            why = "empty patch" if diff is not None else "the workspace could not be read"
+            return Grade(task.id, False, False, False, None, ResolvedStatus.NO, None, why, {})
+        out = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{root}/work")
         log.debug("%s graded %s (%s)", task.id, out.grade.resolution.value, out.grade.apply_method)
         return out.grade
 
