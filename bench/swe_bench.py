@@ -80,7 +80,8 @@ async def _baseline_one(inst: SweInstance, image: str) -> bool:
         raise RuntimeError(f"docker run failed: {out.decode()[-500:]}")
     try:
         await _docker("exec", "-i", cid, "sh", "-c", "cat > /tmp/model.patch", stdin=inst.patch.encode())
-        await _docker("exec", "-i", cid, "sh", "-c", "cat > /tmp/swe_unittest.py", stdin=UNITTEST_RUNNER.encode())
+        if inst.test_runner.framework == "unittest":
+            await _docker("exec", "-i", cid, "sh", "-c", "cat > /tmp/swe_unittest.py", stdin=UNITTEST_RUNNER.encode())
         code, out = await _docker("exec", "-w", "/workspace", cid, "sh", "-c", "cp -a /opt/repo/. /workspace/")
         code, out = await _docker("exec", "-w", "/workspace", cid, "git", "apply", "/tmp/model.patch")
         if code != 0:

@@ -126,8 +126,11 @@ if [ -s "$S/model.patch" ]; then
 else
   echo "{EMPTY_PATCH}"
 fi
+# the test files go back to base_commit (in one git call); test files the patch added are removed
+tracked=$(git ls-tree -r --name-only "$BASE" -- {files})
+[ -z "$tracked" ] || printf '%s\n' "$tracked" | git checkout -q "$BASE" --pathspec-from-file=- || fail_reset "test files"
 for f in {files}; do
-  if git cat-file -e "$BASE:$f" 2>/dev/null; then git checkout -q "$BASE" -- "$f"; else rm -f -- "$f"; fi
+  case $'\n'"$tracked"$'\n' in *$'\n'"$f"$'\n'*) ;; *) rm -f -- "$f" ;; esac
 done
 if [ -s "$S/test.patch" ]; then
   git apply --verbose "$S/test.patch" || {{ echo "{TEST_PATCH_FAIL}"; exit 0; }}

@@ -129,7 +129,7 @@ async def test_sigkill_mid_job_then_restart_completes_without_loss(
         assert len(await store.done_ids(job_id)) == len(ids)
     finally:
         await store.close()
-    assert docker_client.containers.list(all=True, filters={"label": [f"envfleet.owner={owner}"]}) == []
+    assert docker_client.api.containers(all=True, filters={"label": [f"envfleet.owner={owner}"]}) == []
 
 
 async def test_stream_of_unknown_job_is_not_found(client: EnvfleetClient) -> None:

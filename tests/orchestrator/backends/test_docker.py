@@ -201,7 +201,7 @@ async def test_sandbox_that_never_gets_healthy_is_destroyed_with_its_logs(
         docker_client, base_image, "stuck", 'import time; print("envd stuck", flush=True); time.sleep(1000)'
     )
     broken = _image_with_launcher(docker_client, base_image, "broken", 'import sys; sys.exit("envd broke")')
-    before = {c.id for c in docker_client.containers.list(all=True)}
+    before = {c["Id"] for c in docker_client.api.containers(all=True)}
     try:
         with pytest.raises(SandboxStartTimeoutError, match=r"(?s)did not become healthy within 2s.*envd stuck"):
             await backend.create(SandboxSpec(image=stuck, startup_timeout_s=2))
@@ -209,7 +209,7 @@ async def test_sandbox_that_never_gets_healthy_is_destroyed_with_its_logs(
             await backend.create(SandboxSpec(image=broken, startup_timeout_s=20))
         with pytest.raises(SandboxCreateError, match="not found"):
             await backend.create(SandboxSpec(image="envfleet-test/none:missing"))
-        after = {c.id for c in docker_client.containers.list(all=True)}
+        after = {c["Id"] for c in docker_client.api.containers(all=True)}
         assert after <= before, "a failed create left a container behind"
         assert not await backend.list_owned()
     finally:
@@ -250,7 +250,7 @@ async def test_sandboxes_of_a_killed_owner_are_swept(base_image: str, docker_cli
     assert len(left) == 3, "the killed owner's sandboxes should still exist before the sweep"
     sweeper = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER))  # sweeps at start
     try:
-        assert docker_client.containers.list(all=True, filters=flt) == []
+        assert docker_client.api.containers(all=True, filters=flt) == []
         for c in left:
             assert not os.path.exists(c.labels["envfleet.socket_dir"])
     finally:
@@ -267,7 +267,10 @@ async def test_sweep_keeps_live_owners_and_removes_expired_leases(
         await asyncio.sleep(1.5)
         removed = await other.sweep()
         assert removed == 1
-        names = {c.name for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_MANAGED}=1"})}
+        names = {
+            c["Names"][0].lstrip("/")
+            for c in docker_client.api.containers(all=True, filters={"label": f"{LABEL_MANAGED}=1"})
+        }
         assert live.name in names and short.name not in names
         assert (
             docker_client.api.inspect_container(live.id)["Config"]["Labels"][LABEL_INSTANCE] == backend.owner.instance
@@ -288,7 +291,7 @@ async def test_fifty_concurrent_sandboxes_leave_nothing_behind(
     outs = await asyncio.gather(*(one(i) for i in range(50)))
     assert sorted(outs) == sorted(f"{i}\n".encode() for i in range(50))
     assert not await backend.list_owned()
-    assert docker_client.containers.list(all=True, filters={"label": f"{LABEL_OWNER}={TEST_OWNER}"}) == []
+    assert docker_client.api.containers(all=True, filters={"label": f"{LABEL_OWNER}={TEST_OWNER}"}) == []
     t0 = time.monotonic()
     docker_client.ping()
     assert time.monotonic() - t0 < 5, "the daemon should stay responsive"
