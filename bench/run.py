@@ -22,6 +22,7 @@ import docker
 
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
+from bench.swe_bench import swe_eval_throughput
 from orchestrator.backends.base import SandboxSpec
 from orchestrator.backends.docker import DockerBackend, DockerBackendConfig, DockerSandbox
 from orchestrator.images import ensure_base_image
@@ -163,6 +164,7 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
     results.update(await warm_and_recycle(image, runs))
     results["orchestrator_overhead_recycled"] = await orchestrator_overhead_recycled(image)
     results["group_snapshot"] = await group_snapshot(8)
+    results["swe_eval_throughput"] = await swe_eval_throughput()
     results["meta"] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),

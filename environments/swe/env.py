@@ -14,24 +14,19 @@ fresh copy of the pristine repository under /tmp. Reward 1 when resolved, else 0
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import secrets
 import shlex
-import tarfile
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-import docker
-
 from environments.base import Environment, Episode, Rubric, Score, ScoringContext, Task, ToolInvocation
 from environments.swe.builder.pins import INSTANCES
 from environments.swe.evaluate import SWE_LIMITS, evaluate_in_sandbox
 from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, Grade, ResolvedStatus
-from environments.swe.images import REPO_DIR, environment_image, instance_image
+from environments.swe.images import RepoTars, environment_image
 from environments.swe.instance import EnvironmentSpec, SweInstance, load_instances
 from environments.swe.script import EVAL_ENV
 from orchestrator.backends.base import Sandbox
@@ -104,55 +99,6 @@ def reference_solution(instance: SweInstance) -> tuple[ToolInvocation, ...]:
         for path, old, new in _hunks(instance.patch)
     ]
     return (*calls, ToolInvocation("submit", {"answer": "done"}))
-
-
-def _strip_first(tar_bytes: bytes) -> bytes:
-    """Re-root a `docker cp`-style tar (`repo/...`) at its top folder's content."""
-    out = io.BytesIO()
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as src, tarfile.open(fileobj=out, mode="w") as dst:
-        for m in src.getmembers():
-            _, _, rest = m.name.partition("/")
-            if not rest:
-                continue
-            m.name = rest
-            if m.islnk():
-                m.linkname = m.linkname.partition("/")[2]
-            dst.addfile(m, src.extractfile(m) if m.isfile() else None)
-    return out.getvalue()
-
-
-class RepoCache:
-    """Instance repositories as tars, exported once per process from the instance images (built when missing)."""
-
-    def __init__(self) -> None:
-        self._client: docker.DockerClient | None = None
-        self._tars: dict[str, bytes] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._thread_lock = threading.Lock()
-
-    def client(self) -> docker.DockerClient:
-        """The engine (opened on first use)."""
-        with self._thread_lock:
-            if self._client is None:
-                self._client = docker.from_env()
-            return self._client
-
-    async def tar(self, instance: SweInstance, env_image: str) -> bytes:
-        """The repository at base_commit as a tar rooted at the repository."""
-        async with self._locks.setdefault(instance.instance_id, asyncio.Lock()):
-            if instance.instance_id not in self._tars:
-                self._tars[instance.instance_id] = await asyncio.to_thread(self._export, instance, env_image)
-            return self._tars[instance.instance_id]
-
-    def _export(self, instance: SweInstance, env_image: str) -> bytes:
-        client = self.client()
-        tag = instance_image(client, instance, env_image=env_image)
-        container = client.containers.create(tag, command=["true"], labels={"envfleet.swe.export": "1"})
-        try:
-            chunks, _ = container.get_archive(REPO_DIR)
-            return _strip_first(b"".join(chunks))
-        finally:
-            container.remove(force=True)
 
 
 async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, index: str) -> str | None:
@@ -228,7 +174,7 @@ class SweEnv(Environment):
 
     def __init__(self, dataset: Path | None = None) -> None:
         self.dataset = dataset or INSTANCES
-        self._repos = RepoCache()
+        self._repos = RepoTars()
 
     @cached_property
     def instances(self) -> dict[str, SweInstance]:

@@ -23,12 +23,13 @@ from typing import Any
 import docker
 
 from environments.swe.grading import Grade, ResolvedStatus, grade_log
-from environments.swe.images import REPO_DIR, environment_image, instance_image
+from environments.swe.images import REPO_DIR, RepoTars, environment_image, instance_image
 from environments.swe.instance import EnvironmentSpec, Prediction, SweInstance
 from environments.swe.patches import check_patch
 from environments.swe.report import RunLayout, RunSummary, models_of, write_atomic
 from environments.swe.script import BOOTSTRAP, EVAL_ENV, MAX_TEST_OUTPUT, make_bundle
 from orchestrator.backends.base import Limits, Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.errors import EnvfleetError, InvalidRequestError, SandboxError
 from orchestrator.images import ImageBuildError
 
@@ -38,6 +39,7 @@ SWE_LIMITS = Limits(memory_mb=2048, cpus=1.0, pids=512, tmp_mb=512, workspace_mb
 EXEC_MARGIN_S = 120.0
 INFRA_ATTEMPTS = 3
 DEFAULT_LOG_DIR = Path("logs/swe-eval")
+WORK_DIR = "/workspace"
 
 
 class EvaluationError(EnvfleetError):
@@ -126,7 +128,13 @@ class ImageCache:
 
 
 class Evaluator:
-    """Evaluates predictions on fresh sandboxes of a backend (hardened defaults), retrying infrastructure errors."""
+    """Evaluates predictions on sandboxes of a backend (hardened defaults), retrying infrastructure errors.
+
+    By default each evaluation gets a fresh sandbox of its instance image, as SWE-bench does. With a `pool`, every
+    evaluation runs on a warm sandbox of the environment tier instead, with the instance's repository (exported once
+    from the instance image) uploaded into /workspace, and the sandbox is reset in place afterwards (envd kills every
+    process and wipes /tmp and /workspace) to serve the next instance.
+    """
 
     def __init__(
         self,
@@ -136,11 +144,14 @@ class Evaluator:
         limits: Limits = SWE_LIMITS,
         cache_dir: Path | None = None,
         timeout_s: float | None = None,
+        pool: SandboxPool | None = None,
     ) -> None:
         self.backend = backend
         self.images = ImageCache(client, cache_dir=cache_dir)
         self.limits = limits
         self.timeout_s = timeout_s
+        self.pool = pool
+        self.repos = RepoTars(client)
 
     async def image(self, instance: SweInstance) -> str:
         """The instance's image tag (built when missing)."""
@@ -149,14 +160,30 @@ class Evaluator:
         except (ImageBuildError, docker.errors.DockerException, InvalidRequestError) as e:
             raise EvaluationError(f"{instance.instance_id}: image: {e}") from e
 
+    def _spec(self, image: str, instance_id: str) -> SandboxSpec:
+        return SandboxSpec(image=image, limits=self.limits, env=EVAL_ENV, labels={"envfleet.swe.instance": instance_id})
+
     async def create(self, instance: SweInstance) -> Sandbox:
-        """A fresh hardened sandbox of the instance's image."""
+        """A sandbox ready to evaluate the instance: fresh from its image, or warm with its repository uploaded."""
         image = await self.image(instance)
-        return await self.backend.create(
-            SandboxSpec(
-                image=image, limits=self.limits, env=EVAL_ENV, labels={"envfleet.swe.instance": instance.instance_id}
-            )
-        )
+        if self.pool is None:
+            return await self.backend.create(self._spec(image, instance.instance_id))
+        env_image = await self.images.environment(instance.environment)
+        tar = await self.repos.tar(instance, env_image)
+        sandbox, _ = await self.pool.acquire(self._spec(env_image, instance.instance_id))
+        try:
+            await sandbox.upload(tar, WORK_DIR)
+        except BaseException:
+            await self.pool.release(sandbox, recycle=False)
+            raise
+        return sandbox
+
+    async def release(self, sandbox: Sandbox, *, failed: bool) -> None:
+        """Give a sandbox back: destroyed in the background, or reset in place for the next instance (pooled)."""
+        if self.pool is None:
+            await sandbox.release()
+        else:
+            await self.pool.release(sandbox, recycle=not failed)
 
     @staticmethod
     def needs_sandbox(prediction: Prediction) -> bool:
@@ -174,7 +201,7 @@ class Evaluator:
         problem = check_patch(prediction.model_patch or "")
         if problem is not None and problem.fatal:
             if sandbox is not None:
-                await sandbox.release()
+                await self.release(sandbox, failed=False)
             grade = Grade(
                 instance.instance_id,
                 patch_is_none=False,
@@ -188,21 +215,26 @@ class Evaluator:
             )
             return EvalOutput(grade, f"malformed patch: {problem.message}\n", "")
         image = await self.image(instance)
+        repo_dir = WORK_DIR if self.pool is not None else REPO_DIR
         last: Exception | None = None
         for attempt in range(1, INFRA_ATTEMPTS + 1):
             sb = sandbox
             sandbox = None
+            failed = True
             try:
                 if sb is None:
                     sb = await self.create(instance)
-                out = await evaluate_in_sandbox(sb, instance, prediction.model_patch, timeout_s=self.timeout_s)
+                out = await evaluate_in_sandbox(
+                    sb, instance, prediction.model_patch, repo_dir=repo_dir, timeout_s=self.timeout_s
+                )
+                failed = False
             except SandboxError as e:
                 last = e
                 log.warning("%s: sandbox failure (attempt %d): %s", instance.instance_id, attempt, e)
                 continue
             finally:
                 if sb is not None:
-                    await asyncio.shield(sb.release())  # destroyed in the background
+                    await asyncio.shield(self.release(sb, failed=failed))
             grade = out.grade
             if problem is not None and not grade.patch_successfully_applied and grade.patch_exists:
                 grade = dataclasses.replace(grade, error=f"{grade.error}; malformed patch: {problem.message}")
@@ -244,10 +276,12 @@ async def run_evaluation(
     timeout_s: float | None = None,
     progress: ProgressFn | None = None,
     prefetch_next: bool = True,
+    reuse_sandboxes: bool = False,
 ) -> dict[str, Any]:
     """Evaluate every prediction (skipping those with a report already), write the artifacts and summary.json, and
     return the summary. Instances without a prediction are counted in total_instances only. `workers` evaluations
-    run at once; with `prefetch_next` each worker creates its next sandbox while the current evaluation runs."""
+    run at once; with `prefetch_next` each worker creates its next sandbox while the current evaluation runs.
+    `reuse_sandboxes` evaluates on warm, recycled sandboxes of the environment tier (see Evaluator)."""
     if workers < 1:
         raise InvalidRequestError("workers must be >= 1")
     by_id = {i.instance_id: i for i in instances}
@@ -257,7 +291,11 @@ async def run_evaluation(
     layout = RunLayout(log_dir, run_id)
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     summary = RunSummary(total_instances=len(instances))
-    evaluator = Evaluator(backend, client, cache_dir=cache_dir, timeout_s=timeout_s)
+    pool = None
+    if reuse_sandboxes:
+        pool = SandboxPool(backend, PoolConfig(max_idle_total=2 * workers, max_idle_per_pool=2 * workers))
+        pool.start()
+    evaluator = Evaluator(backend, client, cache_dir=cache_dir, timeout_s=timeout_s, pool=pool)
     started = time.monotonic()
     todo: list[Prediction] = []
     for pred in predictions:
@@ -323,9 +361,13 @@ async def run_evaluation(
                 if isinstance(spare, Sandbox):
                     await spare.release()
 
-    async with asyncio.TaskGroup() as tg:
-        for _ in range(min(workers, max(1, len(todo)))):
-            tg.create_task(worker())
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(min(workers, max(1, len(todo)))):
+                tg.create_task(worker())
+    finally:
+        if pool is not None:
+            await pool.close()
     summary.seconds = time.monotonic() - started
     result = summary.summary(run_id, models_of(predictions))
     write_atomic(layout.summary_path, json.dumps(result, indent=2) + "\n")

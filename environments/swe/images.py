@@ -10,13 +10,17 @@ in a thread from async code.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
 import logging
 import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -233,3 +237,52 @@ def ensure_images(
 
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="swe-build") as pool:
         return dict(pool.map(one, items))
+
+
+def _strip_first(tar_bytes: bytes) -> bytes:
+    """Re-root a `docker cp`-style tar (`repo/...`) at its top folder's content."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as src, tarfile.open(fileobj=out, mode="w") as dst:
+        for m in src.getmembers():
+            _, _, rest = m.name.partition("/")
+            if not rest:
+                continue
+            m.name = rest
+            if m.islnk():
+                m.linkname = m.linkname.partition("/")[2]
+            dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+    return out.getvalue()
+
+
+class RepoTars:
+    """Instance repositories as tars, exported once per process from the instance images (built when missing)."""
+
+    def __init__(self, client: docker.DockerClient | None = None) -> None:
+        self._client = client
+        self._tars: dict[str, bytes] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._thread_lock = threading.Lock()
+
+    def client(self) -> docker.DockerClient:
+        """The engine (opened on first use)."""
+        with self._thread_lock:
+            if self._client is None:
+                self._client = docker.from_env()
+            return self._client
+
+    async def tar(self, instance: SweInstance, env_image: str) -> bytes:
+        """The repository at base_commit as a tar rooted at the repository."""
+        async with self._locks.setdefault(instance.instance_id, asyncio.Lock()):
+            if instance.instance_id not in self._tars:
+                self._tars[instance.instance_id] = await asyncio.to_thread(self._export, instance, env_image)
+            return self._tars[instance.instance_id]
+
+    def _export(self, instance: SweInstance, env_image: str) -> bytes:
+        client = self.client()
+        tag = instance_image(client, instance, env_image=env_image)
+        container = client.containers.create(tag, command=["true"], labels={"envfleet.swe.export": "1"})
+        try:
+            chunks, _ = container.get_archive(REPO_DIR)
+            return _strip_first(b"".join(chunks))
+        finally:
+            container.remove(force=True)

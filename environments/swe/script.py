@@ -104,9 +104,11 @@ W={q(work_dir)}
 BASE={instance.base_commit}
 fail_reset() {{ echo "{RESET_FAILED}: $1"; exit 0; }}
 reset_tree() {{ git reset -q --hard "$BASE" && git clean -fdq; }}
-mkdir -p "$W" || fail_reset "cannot create $W"
-find "$W" -mindepth 1 -delete 2>/dev/null || fail_reset "cannot empty $W"
-cp -a {q(repo_dir)}/. "$W"/ || fail_reset "cannot copy {repo_dir}"
+if [ {q(repo_dir)} != "$W" ]; then  # else the caller has just put a fresh copy there
+  mkdir -p "$W" || fail_reset "cannot create $W"
+  find "$W" -mindepth 1 -delete 2>/dev/null || fail_reset "cannot empty $W"
+  cp -a {q(repo_dir)}/. "$W"/ || fail_reset "cannot copy {repo_dir}"
+fi
 cd "$W" || fail_reset "cannot enter $W"
 head=$(git rev-parse HEAD 2>&1) || fail_reset "not a git repository: $head"
 [ "$head" = "$BASE" ] || fail_reset "HEAD is $head, expected $BASE"
@@ -128,7 +130,9 @@ else
 fi
 # the test files go back to base_commit (in one git call); test files the patch added are removed
 tracked=$(git ls-tree -r --name-only "$BASE" -- {files})
-[ -z "$tracked" ] || printf '%s\n' "$tracked" | git checkout -q "$BASE" --pathspec-from-file=- || fail_reset "test files"
+if [ -n "$tracked" ]; then
+  printf '%s\n' "$tracked" | git checkout -q "$BASE" --pathspec-from-file=- || fail_reset "test files"
+fi
 for f in {files}; do
   case $'\n'"$tracked"$'\n' in *$'\n'"$f"$'\n'*) ;; *) rm -f -- "$f" ;; esac
 done
