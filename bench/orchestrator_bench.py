@@ -7,8 +7,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,11 @@ class TrivialEnv(Environment):
         return self._tasks
 
 
-async def orchestrator_rollouts_per_s(image_ready: str, total: int, concurrency: int, owner: str) -> float:
-    """Rollouts/s through the whole orchestrator (gRPC, scheduler, envd, scoring, result log, stream)."""
-    env = TrivialEnv(total)
+@asynccontextmanager
+async def bench_orchestrator(
+    env: Environment, concurrency: int, owner: str = "envfleet-bench"
+) -> AsyncIterator[tuple[EnvfleetClient, str]]:
+    """An in-process orchestrator serving only `env`, a scripted policy replaying its references, and a client."""
     registry = Registry()
     registry.register(env)
     policy = await start_scripted_server(reference_script(env))
@@ -73,21 +76,28 @@ async def orchestrator_rollouts_per_s(image_ready: str, total: int, concurrency:
         )
         try:
             async with EnvfleetClient(orch.address) as client:
-                spec = JobSpec(env=env.name, policy=PolicyEndpoint(base_url=policy.url), max_concurrency=concurrency)
-                # warm: the image resolve and the first create are not part of the steady state
-                warm = await client.submit(spec.model_copy(update={"tasks": TaskSelection(kind="ids", ids=["t0000"])}))
-                [r async for r in client.rollouts(warm)]
-                t0 = time.perf_counter()
-                job_id = await client.submit(spec)
-                got = [r async for r in client.rollouts(job_id)]
-                elapsed = time.perf_counter() - t0
-            bad = [r for r in got if r.status != RolloutStatus.OK or r.reward != 1.0]
-            if bad or len(got) != total:
-                raise RuntimeError(f"benchmark rollouts failed: {len(bad)} bad of {len(got)}: {bad[:1]}")
-            return total / elapsed
+                yield client, policy.url
         finally:
             await orch.stop()
             await policy.close()
+
+
+async def orchestrator_rollouts_per_s(image_ready: str, total: int, concurrency: int, owner: str) -> float:
+    """Rollouts/s through the whole orchestrator (gRPC, scheduler, envd, scoring, result log, stream)."""
+    env = TrivialEnv(total)
+    async with bench_orchestrator(env, concurrency, owner) as (client, url):
+        spec = JobSpec(env=env.name, policy=PolicyEndpoint(base_url=url), max_concurrency=concurrency)
+        # warm: the image resolve and the first create are not part of the steady state
+        warm = await client.submit(spec.model_copy(update={"tasks": TaskSelection(kind="ids", ids=["t0000"])}))
+        [r async for r in client.rollouts(warm)]
+        t0 = time.perf_counter()
+        job_id = await client.submit(spec)
+        got = [r async for r in client.rollouts(job_id)]
+        elapsed = time.perf_counter() - t0
+    bad = [r for r in got if r.status != RolloutStatus.OK or r.reward != 1.0]
+    if bad or len(got) != total:
+        raise RuntimeError(f"benchmark rollouts failed: {len(bad)} bad of {len(got)}: {bad[:1]}")
+    return total / elapsed
 
 
 def baseline_rollouts_per_s(image: str, total: int, concurrency: int) -> float:

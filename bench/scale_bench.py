@@ -7,26 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import docker
 
-from bench.orchestrator_bench import TrivialEnv, baseline_rollouts_per_s
+from bench.orchestrator_bench import TrivialEnv, baseline_rollouts_per_s, bench_orchestrator
 from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from orchestrator.backends.base import Sandbox, SandboxSpec
 from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
-from orchestrator.client import EnvfleetClient
 from orchestrator.models import JobSpec, RolloutStatus, TaskSelection
-from orchestrator.registry import Registry
 from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import start_scripted_server
-from orchestrator.server.app import OrchestratorConfig, create_server
 
 OWNER = "envfleet-bench"
 
@@ -93,39 +86,21 @@ class RecycledTrivialEnv(TrivialEnv):
 async def orchestrator_overhead_recycled(image: str, total: int = 200, concurrency: int = 8) -> dict[str, Any]:
     """Rollouts/s with warm pools and recycling against the same plain docker SDK loop (run, exec_run, remove)."""
     env = RecycledTrivialEnv(total + 1)
-    registry = Registry()
-    registry.register(env)
-    policy = await start_scripted_server(reference_script(env))
-    with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
-        orch = await create_server(
-            OrchestratorConfig(
-                port=0, data_dir=Path(data), max_in_flight=concurrency, backend=DockerBackendConfig(owner=OWNER)
-            ),
-            registry=registry,
+    async with bench_orchestrator(env, concurrency, OWNER) as (client, url):
+        spec = JobSpec(env=env.name, policy=PolicyEndpoint(base_url=url), max_concurrency=concurrency)
+        ids = [t.id for t in env.tasks()]
+        warm = await client.submit(spec.model_copy(update={"tasks": TaskSelection(kind="ids", ids=ids[:concurrency])}))
+        [r async for r in client.rollouts(warm)]  # the pool fills as the first rollouts finish
+        t0 = time.perf_counter()
+        job = await client.submit(
+            spec.model_copy(update={"tasks": TaskSelection(kind="ids", ids=ids[concurrency : concurrency + total])})
         )
-        try:
-            async with EnvfleetClient(orch.address) as client:
-                spec = JobSpec(env=env.name, policy=PolicyEndpoint(base_url=policy.url), max_concurrency=concurrency)
-                ids = [t.id for t in env.tasks()]
-                warm = await client.submit(
-                    spec.model_copy(update={"tasks": TaskSelection(kind="ids", ids=ids[:concurrency])})
-                )
-                [r async for r in client.rollouts(warm)]  # the pool fills as the first rollouts finish
-                t0 = time.perf_counter()
-                job = await client.submit(
-                    spec.model_copy(
-                        update={"tasks": TaskSelection(kind="ids", ids=ids[concurrency : concurrency + total])}
-                    )
-                )
-                got = [r async for r in client.rollouts(job)]
-                ours = len(got) / (time.perf_counter() - t0)
-            bad = [r for r in got if r.status != RolloutStatus.OK or r.reward != 1.0]
-            if bad:
-                raise RuntimeError(f"{len(bad)} bad rollouts, e.g. {bad[0].error}")
-            warm_share = sum(r.metrics.get("sandbox_warm", 0.0) for r in got) / len(got)
-        finally:
-            await orch.stop()
-            await policy.close()
+        got = [r async for r in client.rollouts(job)]
+        ours = len(got) / (time.perf_counter() - t0)
+    bad = [r for r in got if r.status != RolloutStatus.OK or r.reward != 1.0]
+    if bad:
+        raise RuntimeError(f"{len(bad)} bad rollouts, e.g. {bad[0].error}")
+    warm_share = sum(r.metrics.get("sandbox_warm", 0.0) for r in got) / len(got)
     base = await asyncio.to_thread(baseline_rollouts_per_s, image, 48, concurrency)
     return {
         "envfleet_rollouts_per_s": round(ours, 2),
@@ -169,27 +144,11 @@ async def group_snapshot(n: int = 8) -> dict[str, Any]:
     """Seconds until all n samples of a group are set up and scored: from one snapshot vs n independent setups."""
     results: dict[str, float] = {}
     for env in (HeavySetupEnv(), HeavySetupNoSnapshotEnv()):
-        registry = Registry()
-        registry.register(env)
-        policy = await start_scripted_server(reference_script(env))
-        with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
-            orch = await create_server(
-                OrchestratorConfig(
-                    port=0, data_dir=Path(data), max_in_flight=n, backend=DockerBackendConfig(owner=OWNER)
-                ),
-                registry=registry,
-            )
-            try:
-                async with EnvfleetClient(orch.address) as client:
-                    spec = JobSpec(
-                        env=env.name, group_size=n, policy=PolicyEndpoint(base_url=policy.url), max_concurrency=n
-                    )
-                    t0 = time.perf_counter()
-                    got = [r async for r in client.rollouts(await client.submit(spec))]
-                    results[env.name] = time.perf_counter() - t0
-                assert all(r.reward == 1.0 for r in got), [r.error for r in got]
-            finally:
-                await orch.stop()
-                await policy.close()
+        async with bench_orchestrator(env, n, OWNER) as (client, url):
+            spec = JobSpec(env=env.name, group_size=n, policy=PolicyEndpoint(base_url=url), max_concurrency=n)
+            t0 = time.perf_counter()
+            got = [r async for r in client.rollouts(await client.submit(spec))]
+            results[env.name] = time.perf_counter() - t0
+        assert all(r.reward == 1.0 for r in got), [r.error for r in got]
     ours, base = results[HeavySetupEnv.name], results[HeavySetupNoSnapshotEnv.name]
     return {"envfleet_s": round(ours, 2), "baseline_s": round(base, 2), "ratio": round(ours / base, 3), "n": n}

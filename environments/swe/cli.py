@@ -34,6 +34,12 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=None, help="test timeout in seconds (default: per instance)")
     p.add_argument("--instance-ids", nargs="*", help="only these instances")
     p.add_argument("--owner", default="envfleet-swe-eval", help="owner label of the sandboxes")
+    p.add_argument(
+        "--reuse-sandboxes",
+        action="store_true",
+        help="warm sandboxes of the environment tier, reset in place between instances (default: a fresh sandbox "
+        "of the instance image for each)",
+    )
 
 
 def add_validate_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,6 +136,7 @@ def swe_eval(args: argparse.Namespace, console: Console) -> int:
                     log_dir=args.log_dir,
                     timeout_s=args.timeout,
                     progress=on_done,
+                    reuse_sandboxes=args.reuse_sandboxes,
                 )
 
     summary = asyncio.run(go())

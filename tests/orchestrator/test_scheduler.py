@@ -54,51 +54,48 @@ async def test_fair_share_follows_priority() -> None:
     assert max(peak_ratio) <= 7  # never starves b
 
 
-async def test_admission_caps_sandboxes_and_refuses_what_never_fits() -> None:
-    peak = 0
-    now = 0
+class PeakCounter:
+    """A fake rollout that records how many ran at once."""
 
-    async def run(item: WorkItem) -> None:
-        nonlocal peak, now
-        now += 1
-        peak = max(peak, now)
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    async def run(self, item: WorkItem) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
         await asyncio.sleep(0.01)
-        now -= 1
+        self.now -= 1
 
-    s = Scheduler(64, run, Capacity(max_sandboxes=3, cpus=100, memory_mb=10_000))
+
+async def _drain(s: Scheduler) -> None:
+    for _ in range(500):
+        if s.in_flight == 0 and s.queue_depth == 0:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_admission_caps_sandboxes_and_refuses_what_never_fits() -> None:
+    counter = PeakCounter()
+    s = Scheduler(64, counter.run, Capacity(max_sandboxes=3, cpus=100, memory_mb=10_000))
     s.start()
     s.add_job("a", 1, 64, _items("a", 20), Need(cpus=1, memory_mb=512))
     s.add_job("b", 1, 64, _items("b", 20), Need(cpus=1, memory_mb=512))
-    for _ in range(500):
-        if s.in_flight == 0 and s.queue_depth == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert peak == 3
+    await _drain(s)
+    assert counter.peak == 3
     with pytest.raises(CapacityError, match="one sandbox needs 1 CPUs and 20000 MB"):
         s.add_job("c", 1, 1, _items("c", 1), Need(cpus=1, memory_mb=20_000))
     await s.close()
 
 
 async def test_memory_capacity_bounds_concurrency() -> None:
-    peak = 0
-    now = 0
-
-    async def run(item: WorkItem) -> None:
-        nonlocal peak, now
-        now += 1
-        peak = max(peak, now)
-        await asyncio.sleep(0.01)
-        now -= 1
-
-    s = Scheduler(64, run, Capacity(max_sandboxes=64, cpus=64, memory_mb=2048))
+    counter = PeakCounter()
+    s = Scheduler(64, counter.run, Capacity(max_sandboxes=64, cpus=64, memory_mb=2048))
     s.start()
     s.add_job("a", 1, 64, _items("a", 12), Need(cpus=0.5, memory_mb=512))
-    for _ in range(500):
-        if s.in_flight == 0 and s.queue_depth == 0:
-            break
-        await asyncio.sleep(0.01)
+    await _drain(s)
     await s.close()
-    assert peak == 4
+    assert counter.peak == 4
 
 
 async def test_live_admission_queues_jobs_and_refuses_impossible_ones(

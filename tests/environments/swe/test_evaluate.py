@@ -145,3 +145,32 @@ def test_cli(tiny: Tiny, base_image: str, tmp_path: Path, capsys: pytest.Capture
         main(["swe-eval", "--dataset", str(dataset), "--predictions", str(bad), "--run-id", "x", "--owner", TEST_OWNER])
     assert failed.value.code == 2
     assert "line 1: unknown instance 'nope'" in capsys.readouterr().out
+
+
+async def test_reused_sandboxes_grade_alike(
+    tiny: Tiny, backend: DockerBackend, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    """Warm sandboxes of the environment tier, reset in place between instances: the same outcomes."""
+    py, ut = tiny.pytest.instance_id, tiny.unittest.instance_id
+    preds = [
+        pred(py, "gold", tiny.pytest.patch),
+        pred(ut, "gold", tiny.pytest.patch),
+        pred(py, "empty", ""),
+        pred(py, "breaks", file_diff("calc.py", tiny.bad, tiny.good.replace("a + b", "a - b"))),
+        pred(ut, "empty", ""),
+    ]
+    summary = await run_evaluation(
+        [tiny.pytest, tiny.unittest],
+        preds,
+        run_id="pooled",
+        backend=backend,
+        client=docker_client,
+        workers=1,
+        log_dir=tmp_path,
+        reuse_sandboxes=True,
+    )
+    assert summary["error_ids"] == [] and summary["resolved_ids"] == [py, ut]
+    run = tmp_path / "pooled"
+    assert report(run, "breaks", py)["tests_status"]["PASS_TO_PASS"]["failure"] == ["tests/test_calc.py::test_add"]
+    empty = report(run, "empty", ut)
+    assert empty["tests_status"]["FAIL_TO_PASS"]["failure"] == tiny.unittest.FAIL_TO_PASS
