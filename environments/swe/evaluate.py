@@ -151,7 +151,7 @@ class Evaluator:
         self.limits = limits
         self.timeout_s = timeout_s
         self.pool = pool
-        self.repos = RepoTars(client)
+        self.repos = RepoTars(client, cache_dir=cache_dir)
 
     async def image(self, instance: SweInstance) -> str:
         """The instance's image tag (built when missing)."""

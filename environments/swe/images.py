@@ -255,10 +255,12 @@ def _strip_first(tar_bytes: bytes) -> bytes:
 
 
 class RepoTars:
-    """Instance repositories as tars, exported once per process from the instance images (built when missing)."""
+    """Instance repositories as tars rooted at the repository, exported from the instance images (built when
+    missing) and kept in memory and on disk (`<cache>/swe/repos/<image id>.tar`: an image id names its content)."""
 
-    def __init__(self, client: docker.DockerClient | None = None) -> None:
+    def __init__(self, client: docker.DockerClient | None = None, *, cache_dir: Path | None = None) -> None:
         self._client = client
+        self._cache_dir = cache_dir
         self._tars: dict[str, bytes] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._thread_lock = threading.Lock()
@@ -274,12 +276,26 @@ class RepoTars:
         """The repository at base_commit as a tar rooted at the repository."""
         async with self._locks.setdefault(instance.instance_id, asyncio.Lock()):
             if instance.instance_id not in self._tars:
-                self._tars[instance.instance_id] = await asyncio.to_thread(self._export, instance, env_image)
+                self._tars[instance.instance_id] = await asyncio.to_thread(self._load, instance, env_image)
             return self._tars[instance.instance_id]
 
-    def _export(self, instance: SweInstance, env_image: str) -> bytes:
+    def _load(self, instance: SweInstance, env_image: str) -> bytes:
         client = self.client()
-        tag = instance_image(client, instance, env_image=env_image)
+        tag = instance_image(client, instance, env_image=env_image, cache_dir=self._cache_dir)
+        image_id = str(client.images.get(tag).id).removeprefix("sha256:")
+        path = swe_cache(self._cache_dir) / "repos" / f"{image_id[:32]}.tar"
+        if path.is_file():
+            return path.read_bytes()
+        data = self._export(client, tag)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".repo-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return data
+
+    @staticmethod
+    def _export(client: docker.DockerClient, tag: str) -> bytes:
         container = client.containers.create(tag, command=["true"], labels={"envfleet.swe.export": "1"})
         try:
             chunks, _ = container.get_archive(REPO_DIR)

@@ -201,7 +201,8 @@ async def test_sandbox_that_never_gets_healthy_is_destroyed_with_its_logs(
         docker_client, base_image, "stuck", 'import time; print("envd stuck", flush=True); time.sleep(1000)'
     )
     broken = _image_with_launcher(docker_client, base_image, "broken", 'import sys; sys.exit("envd broke")')
-    before = {c["Id"] for c in docker_client.api.containers(all=True)}
+    mine = {"label": f"{LABEL_INSTANCE}={backend.owner.instance}"}  # not other work on this host
+    before = {c["Id"] for c in docker_client.api.containers(all=True, filters=mine)}
     try:
         with pytest.raises(SandboxStartTimeoutError, match=r"(?s)did not become healthy within 2s.*envd stuck"):
             await backend.create(SandboxSpec(image=stuck, startup_timeout_s=2))
@@ -209,7 +210,7 @@ async def test_sandbox_that_never_gets_healthy_is_destroyed_with_its_logs(
             await backend.create(SandboxSpec(image=broken, startup_timeout_s=20))
         with pytest.raises(SandboxCreateError, match="not found"):
             await backend.create(SandboxSpec(image="envfleet-test/none:missing"))
-        after = {c["Id"] for c in docker_client.api.containers(all=True)}
+        after = {c["Id"] for c in docker_client.api.containers(all=True, filters=mine)}
         assert after <= before, "a failed create left a container behind"
         assert not await backend.list_owned()
     finally:
