@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import tempfile
 import threading
 import time
@@ -18,6 +17,7 @@ import docker
 from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from orchestrator.backends.docker import DockerBackendConfig
 from orchestrator.client import EnvfleetClient
+from orchestrator.job_demo import start_orchestrator_process
 from orchestrator.models import JobSpec, JobState, Rollout, RolloutStatus, TaskSelection, Turn
 from orchestrator.registry import Registry
 from orchestrator.rollout.policy import PolicyEndpoint
@@ -175,22 +175,8 @@ async def stream_throughput(total: int = 20_000) -> dict[str, Any]:
         await store.set_job_state(job_id, JobState.COMPLETED)
         await store.close()
         # the orchestrator runs in its own process, as it does for a real trainer
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "serve",
-            "--port",
-            "0",
-            "--data-dir",
-            data,
-            "--owner",
-            "envfleet-bench",
-            stdout=asyncio.subprocess.PIPE,
-        )
+        proc, address = await start_orchestrator_process(Path(data), "envfleet-bench")
         try:
-            assert proc.stdout is not None
-            address = (await asyncio.wait_for(proc.stdout.readline(), 120)).split()[1].decode()
             async with EnvfleetClient(address) as client:
                 t0 = time.perf_counter()
                 n = 0

@@ -23,7 +23,7 @@ import docker
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
 from bench.swe_bench import swe_eval_throughput
-from orchestrator.backends.base import SandboxSpec
+from orchestrator.backends.base import Sandbox, SandboxSpec
 from orchestrator.backends.docker import DockerBackend, DockerBackendConfig, DockerSandbox
 from orchestrator.images import ensure_base_image
 
@@ -47,25 +47,30 @@ async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
     return time.perf_counter() - t0
 
 
+async def _true_vs_exec_run(sandbox: Sandbox, container: Any, runs: int) -> dict[str, Any]:
+    """`true` through the sandbox's transport against the SDK's exec_run on the same container."""
+    ours: list[float] = []
+    base: list[float] = []
+    # alternate blocks of 10, so the engine's after-work from a `docker exec` does not land inside ours
+    for _ in range(0, runs, 10):
+        for _ in range(10):
+            ours.append(await timed(lambda: sandbox.exec(["true"])))
+        for _ in range(10):
+            t0 = time.perf_counter()
+            container.exec_run("true", user="1000:1000")
+            base.append(time.perf_counter() - t0)
+    return pair(ours, base)
+
+
 async def bench_exec(backend: DockerBackend, client: docker.DockerClient, image: str, runs: int) -> dict[str, Any]:
     """exec of `true` through envd against the SDK's exec_run on the same container."""
     async with await backend.create(SandboxSpec(image=image)) as s:
         assert isinstance(s, DockerSandbox)
         container = client.containers.get(s.id)
-        ours: list[float] = []
-        base: list[float] = []
         for _ in range(5):  # warm both paths
             await s.exec(["true"])
             container.exec_run("true", user="1000:1000")
-        # alternate blocks of 10, so the engine's after-work from a `docker exec` does not land inside ours
-        for _ in range(0, runs, 10):
-            for _ in range(10):
-                ours.append(await timed(lambda: s.exec(["true"])))
-            for _ in range(10):
-                t0 = time.perf_counter()
-                container.exec_run("true", user="1000:1000")
-                base.append(time.perf_counter() - t0)
-        return pair(ours, base)
+        return await _true_vs_exec_run(s, container, runs)
 
 
 async def bench_docker_exec_transport(
@@ -74,17 +79,7 @@ async def bench_docker_exec_transport(
     """The fallback transport (`docker exec`) against the bare SDK exec_run: what the fallback costs on top."""
     async with await backend.create(SandboxSpec(image=image, transport="docker-exec")) as s:
         container = client.containers.get(s.id)
-        ours: list[float] = []
-        base: list[float] = []
-        # alternate blocks of 10, so the engine's after-work from a `docker exec` does not land inside ours
-        for _ in range(0, runs, 10):
-            for _ in range(10):
-                ours.append(await timed(lambda: s.exec(["true"])))
-            for _ in range(10):
-                t0 = time.perf_counter()
-                container.exec_run("true", user="1000:1000")
-                base.append(time.perf_counter() - t0)
-        return pair(ours, base)
+        return await _true_vs_exec_run(s, container, runs)
 
 
 async def bench_cold_start(

@@ -76,7 +76,8 @@ def _print_table(console: Console, rollouts: list[Rollout]) -> None:
     console.print(table)
 
 
-async def _start_orchestrator(data_dir: Path) -> tuple[asyncio.subprocess.Process, str]:
+async def start_orchestrator_process(data_dir: Path, owner: str) -> tuple[asyncio.subprocess.Process, str]:
+    """`envfleet serve` in its own process on a free port; returns it and its address once it listens."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -87,7 +88,7 @@ async def _start_orchestrator(data_dir: Path) -> tuple[asyncio.subprocess.Proces
         "--data-dir",
         str(data_dir),
         "--owner",
-        "envfleet-demo",
+        owner,
         stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdout is not None
@@ -110,7 +111,7 @@ async def run_job_demo(console: Console, out: Path, num_tasks: int, n: int) -> i
     policy = await start_scripted_server(script)
     with tempfile.TemporaryDirectory(prefix="envfleet-demo-") as data:
         console.print(f"scripted policy at {policy.url}; starting the orchestrator ...")
-        proc, address = await _start_orchestrator(Path(data))
+        proc, address = await start_orchestrator_process(Path(data), "envfleet-demo")
         try:
             console.print(f"orchestrator at {address}; submitting {num_tasks} tasks x {n} samples on {DEMO_ENV}")
             spec = JobSpec(
