@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import subprocess
 import sys
@@ -20,6 +21,45 @@ from orchestrator.backends.envd_transport import EnvdTransport
 REPO = Path(__file__).resolve().parent.parent
 # one owner label per test run, so concurrent runs never touch each other's sandboxes
 TEST_OWNER = f"envfleet-test-{uuid.uuid4().hex[:8]}"
+
+
+# pytest-timeout fails a hung test after `timeout` seconds but shows only the threads; an async test hangs in its
+# event loop, so every asyncio task's stack is printed shortly before, to say which await never returned.
+HANG_DUMP_BEFORE_S = 20.0
+
+
+def _await_chain(coro: object) -> list[str]:
+    """Where a suspended coroutine waits, outermost first (Task.print_stack shows only the outermost frame)."""
+    where = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            where.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return where
+
+
+def _dump_tasks() -> None:
+    tasks = asyncio.all_tasks()
+    print(f"\n+++ {len(tasks)} asyncio task(s) pending near the test timeout +++", file=sys.stderr)
+    for task in tasks:
+        print(task.get_name(), *_await_chain(task.get_coro()), sep="\n", file=sys.stderr)
+
+
+@pytest.fixture
+async def _hang_dump(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    timeout = float(request.config.getini("timeout") or 0)
+    handle = asyncio.get_running_loop().call_later(max(1.0, timeout - HANG_DUMP_BEFORE_S), _dump_tasks)
+    try:
+        yield
+    finally:
+        handle.cancel()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if inspect.iscoroutinefunction(getattr(item, "obj", None)) and hasattr(item, "fixturenames"):
+            item.fixturenames.insert(0, "_hang_dump")
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from protos import orchestrator_pb2, orchestrator_pb2_grpc
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
+STOP_STAGE_S = 60.0  # the longest any one stage of a shutdown may take
 
 
 class OrchestratorConfig(BaseModel):
@@ -96,20 +98,31 @@ class Orchestrator:
         await self.server.wait_for_termination()
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stop serving, cancel running rollouts (destroying their sandboxes), close the store."""
+        """Stop serving, cancel running rollouts (destroying their sandboxes), close the store.
+
+        Every stage is bounded: one that overruns is logged and left behind, and the backend's close, which always
+        runs, removes every container this instance still owns."""
         await self._health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        await _bounded("the gRPC server", self.server.stop(grace), grace + STOP_STAGE_S)
         if self.sessions is not None:
-            await self.sessions.close_all()
+            await _bounded("the sessions", self.sessions.close_all(), STOP_STAGE_S)
         if self.sandboxes is not None:
-            await self.sandboxes.close_all()
-        await self.jobs.close()
+            await _bounded("the sandbox service", self.sandboxes.close_all(), STOP_STAGE_S)
+        await _bounded("the jobs", self.jobs.close(), STOP_STAGE_S)
         if self.pool is not None:
-            await self.pool.close()
+            await _bounded("the warm pool", self.pool.close(), STOP_STAGE_S)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         await self.backend.close()
         await self.store.close()
+
+
+async def _bounded(what: str, stage: Awaitable[None], limit_s: float) -> None:
+    try:
+        async with asyncio.timeout(limit_s):
+            await stage
+    except TimeoutError:
+        log.error("shutdown: %s did not stop within %gs; going on (the backend removes what is left)", what, limit_s)
 
 
 async def create_server(config: OrchestratorConfig, registry: Registry | None = None) -> Orchestrator:

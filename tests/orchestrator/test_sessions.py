@@ -104,22 +104,23 @@ async def test_infrastructure_failure_is_never_a_reward(
 
 
 async def test_idle_sessions_expire(tmp_path: Path, base_image: str) -> None:
-    async with serve(tmp_path, sessions={"idle_ttl_s": 0.5}) as orch, EnvfleetClient(orch.address) as client:
+    # steps come every 0.4 s, well inside the 1 s TTL even on a loaded host; the other session idles past it
+    async with serve(tmp_path, sessions={"idle_ttl_s": 1.0}) as orch, EnvfleetClient(orch.address) as client:
         stub = client.session_stub
         r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
         live = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
-        for _ in range(3):  # steps keep a session alive
-            await asyncio.sleep(0.3)
+        for _ in range(4):  # steps keep a session alive
+            await asyncio.sleep(0.4)
             await stub.Step(pb.StepRequest(session_id=live.session_id, action=tool("python", code="print(1)")))
         await expect_error(
             stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="1"))),
             grpc.StatusCode.NOT_FOUND,
-            "expired after 0.5s idle",
+            "expired after 1s idle",
         )
         await expect_error(
             stub.Close(pb.CloseSessionRequest(session_id=r.session_id)), grpc.StatusCode.NOT_FOUND, "expired"
         )
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.5)
         assert orch.sessions is not None and orch.sessions.open_sessions() == 0  # the reaper took the idle one too
 
 
