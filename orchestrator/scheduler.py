@@ -5,6 +5,9 @@ memory limits fit the configured capacity (with overcommit: sandboxes mostly wai
 sandbox could never fit is refused (CapacityError, RESOURCE_EXHAUSTED); a job that fits but finds the host full is
 queued. Each job also has its own cap; among jobs with work and room, the one with the fewest running rollouts per
 unit of priority goes next (weighted fair share).
+
+Placement is image-aware: a job whose sandbox image is still being built is held back (`ready=False`), so its
+rollouts do not sit on slots waiting for a build while jobs whose images exist could run; `set_ready` releases it.
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ class JobQueue:
     priority: int
     max_concurrency: int
     need: Need = Need()
+    ready: bool = True  # False while the job's image is being built
     pending: collections.deque[WorkItem] = field(default_factory=collections.deque)
     running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     def has_room(self) -> bool:
-        return bool(self.pending) and len(self.running) < self.max_concurrency
+        return self.ready and bool(self.pending) and len(self.running) < self.max_concurrency
 
 
 class Scheduler:
@@ -106,13 +110,33 @@ class Scheduler:
                 f"{cap.cpus:g} CPUs and {cap.memory_mb} MB in all; lower the environment's limits or raise capacity"
             )
 
+    @property
+    def waiting_for_images(self) -> int:
+        """Queued rollouts held back until their image is built."""
+        return sum(len(q.pending) for q in self._queues.values() if not q.ready)
+
     def add_job(
-        self, job_id: str, priority: int, max_concurrency: int, items: list[WorkItem], need: Need = Need()
+        self,
+        job_id: str,
+        priority: int,
+        max_concurrency: int,
+        items: list[WorkItem],
+        need: Need = Need(),
+        *,
+        ready: bool = True,
     ) -> None:
+        """Queue a job's items; with `ready=False` none starts before `set_ready(job_id)`."""
         self.check_fits(need)
-        q = self._queues.setdefault(job_id, JobQueue(job_id, priority, max_concurrency, need))
+        q = self._queues.setdefault(job_id, JobQueue(job_id, priority, max_concurrency, need, ready))
         q.pending.extend(items)
         self.kick()
+
+    def set_ready(self, job_id: str) -> None:
+        """The job's image exists: its items may start."""
+        q = self._queues.get(job_id)
+        if q is not None and not q.ready:
+            q.ready = True
+            self.kick()
 
     def running_of(self, job_id: str) -> int:
         q = self._queues.get(job_id)

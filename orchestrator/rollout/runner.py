@@ -64,12 +64,18 @@ class WorkItem:
 
 
 class ImageResolver:
-    """The image tag (and id) each environment runs on, built once per process through the offline pipeline."""
+    """The image tag (and id) each environment runs on, built once per process through the offline pipeline;
+    `prebuild` starts a build in the background for a job that is still queued."""
 
     def __init__(self, client: docker.DockerClient) -> None:
         self._client = client
         self._cache: dict[str, tuple[str, str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._prebuilds: dict[str, asyncio.Task[None]] = {}
+
+    def ready(self, env: Environment) -> bool:
+        """Whether the environment's image is already built (resolve returns at once)."""
+        return env.ref() in self._cache
 
     async def resolve(self, env: Environment) -> tuple[str, str]:
         key = env.ref()
@@ -77,6 +83,22 @@ class ImageResolver:
             if key not in self._cache:
                 self._cache[key] = await asyncio.to_thread(self._build, env)
             return self._cache[key]
+
+    def prebuild(self, env: Environment) -> asyncio.Task[None]:
+        """Build the image in the background; the task ends (never raising) when the image exists or the build
+        failed. A failed build is retried, and reported, by the rollouts that need the image."""
+        key = env.ref()
+        task = self._prebuilds.get(key)
+        if task is None:
+            task = self._prebuilds[key] = asyncio.create_task(self._prebuild(env), name=f"prebuild {key}")
+            task.add_done_callback(lambda _: self._prebuilds.pop(key, None))
+        return task
+
+    async def _prebuild(self, env: Environment) -> None:
+        try:
+            await self.resolve(env)
+        except Exception as e:
+            log.warning("prebuilding the image of %s failed (its rollouts will report it): %s", env.ref(), e)
 
     def _build(self, env: Environment) -> tuple[str, str]:
         spec = env.image_spec()

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import docker
 import grpc
 import pytest
 
 from environments.base import Task
+from environments.python_tool import PythonToolEnv
 from orchestrator.backends.docker import DockerBackendConfig
 from orchestrator.client import EnvfleetClient
+from orchestrator.images.spec import ImageSpec
 from orchestrator.registry import Registry
 from orchestrator.rollout.runner import WorkItem
 from orchestrator.rollout.scripts import reference_script
@@ -96,6 +99,63 @@ async def test_memory_capacity_bounds_concurrency() -> None:
     await _drain(s)
     await s.close()
     assert counter.peak == 4
+
+
+async def test_a_job_whose_image_is_building_leaves_the_slots_to_others() -> None:
+    started: list[str] = []
+
+    async def run(item: WorkItem) -> None:
+        started.append(item.job_id)
+        await asyncio.sleep(0.01)
+
+    s = Scheduler(1, run)
+    s.start()
+    s.add_job("building", 5, 10, _items("building", 3), ready=False)  # higher priority, but no image yet
+    s.add_job("built", 1, 10, _items("built", 3))
+    for _ in range(500):
+        if len(started) == 3 and s.in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert started == ["built"] * 3 and s.waiting_for_images == 3
+    s.set_ready("building")
+    await _drain(s)
+    await s.close()
+    assert started == ["built"] * 3 + ["building"] * 3 and s.waiting_for_images == 0
+
+
+class SlowImageEnv(PythonToolEnv):
+    """python-tool on an image whose build takes seconds (and is new to every test run)."""
+
+    name = "python-tool-slow-image"
+
+    def image_spec(self) -> ImageSpec:
+        return ImageSpec(base="envfleet/base:latest", run=[f"sleep 4 && echo {TEST_OWNER} > /tmp/built-for"])
+
+
+async def test_live_image_aware_placement_runs_built_images_while_another_builds(
+    tmp_path: Path, base_image: str, docker_client: docker.DockerClient, task_ids: list[str]
+) -> None:
+    registry = Registry.from_entry_points()
+    slow = SlowImageEnv()
+    registry.register(slow)
+    policy = await start_scripted_server(reference_script(slow, latency_s=0.1))
+    cfg = OrchestratorConfig(port=0, data_dir=tmp_path, max_in_flight=1, backend=DockerBackendConfig(owner=TEST_OWNER))
+    orch = await create_server(cfg, registry)
+    try:
+        async with EnvfleetClient(orch.address) as c:
+            building = await c.submit(job(policy.url, task_ids[:2]).model_copy(update={"env": slow.name}))
+            built = await c.submit(job(policy.url, task_ids[2:4]))
+            quick = [r async for r in c.rollouts(built)]
+            late = [r async for r in c.rollouts(building)]
+        assert [r.reward for r in quick + late] == [1.0] * 4
+        # the one slot served the built image while the other image was being built, not the other way round
+        assert max(r.timing.queue for r in quick) < min(r.timing.queue for r in late), (quick, late)
+        assert min(r.timing.queue for r in late) >= 3.0
+    finally:
+        await orch.stop()
+        await policy.close()
+        for image in docker_client.images.list(name=f"env-{slow.name}"):
+            docker_client.images.remove(image.id, force=True)
 
 
 async def test_live_admission_queues_jobs_and_refuses_impossible_ones(
