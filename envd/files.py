@@ -3,20 +3,24 @@
 Every path is checked component by component with lstat: a symbolic link anywhere on the way is refused. Listings
 and stat report links as links, and tar downloads store them as links, so a link to /etc/shadow or to a host path
 is never read through.
+
+tarfile and tempfile are imported on first use: most sandboxes never move a tar, and every module envd loads is
+private memory in each sandbox.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-import tarfile
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import IO, BinaryIO
+from typing import IO, TYPE_CHECKING, BinaryIO
 
 from envd.errors import InvalidRequestError, NotFoundError, PathError, SymlinkRefusedError
+
+if TYPE_CHECKING:
+    from tempfile import SpooledTemporaryFile
 
 SPOOL_BYTES = 8 << 20
 CHUNK_BYTES = 1 << 20
@@ -161,8 +165,17 @@ def _member_target(dest: str, name: str) -> str:
     return os.path.join(dest, norm)
 
 
+def spool() -> SpooledTemporaryFile[bytes]:
+    """A binary temporary file kept in memory up to SPOOL_BYTES, then on disk."""
+    import tempfile
+
+    return tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+
+
 def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
     """Extract a tar into dest_dir, refusing members that would land, or point, outside it. Returns the file count."""
+    import tarfile
+
     dest = resolve(dest_dir, workspace)
     _make_dirs(dest, dest_dir)
     count = 0
@@ -214,13 +227,15 @@ def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
 
 def build_tar(path: str, workspace: str) -> BinaryIO:
     """A spooled tar of a file or directory tree, links stored as links. The caller closes it."""
+    import tarfile
+
     full = resolve(path, workspace, final_may_be_link=True)
     _lstat(full, path)
-    spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
-    with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    out = spool()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         tar.add(full, arcname=os.path.basename(full) or ".", recursive=True)
-    spool.seek(0)
-    return spool  # type: ignore[return-value]
+    out.seek(0)
+    return out  # type: ignore[return-value]
 
 
 def iter_chunks(f: BinaryIO) -> Iterator[bytes]:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import uuid
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 
@@ -163,7 +162,7 @@ class ProcessRunner:
         """Run `cmd`, yielding Started, Output chunks in arrival order, then Ended. Closing the iterator kills it."""
         if not os.path.isdir(cmd.cwd):
             raise NotFoundError(f"cwd {cmd.cwd} does not exist or is not a directory")
-        exec_id = uuid.uuid4().hex
+        exec_id = os.urandom(16).hex()
         env = {**self.base_env, **cmd.env, EXEC_ID_VAR: exec_id}
         oom_before = read_oom_kills()
         loop = asyncio.get_running_loop()

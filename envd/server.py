@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import inspect
 import logging
 import os
 import sys
-import tempfile
 import warnings
+from _operator import _compare_digest  # hmac.compare_digest without hmac, which loads OpenSSL through _hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -22,7 +21,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from envd import files
 from envd.errors import EnvdError, InvalidRequestError, NotFoundError, PathError, SymlinkRefusedError
 from envd.process import Command, Ended, Output, ProcessRunner, Started
-from envd.reset import reset_sandbox
 from protos import envd_pb2 as pb
 from protos import envd_pb2_grpc as pb_grpc
 
@@ -117,7 +115,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected):
+                if _compare_digest(given, self._expected):
                     return await continuation(details)
         handler = await continuation(details)
         if handler is not None and handler.request_streaming:
@@ -217,6 +215,8 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
         seed = request.workspace_seed
         if seed and (not os.path.isabs(seed) or not os.path.isdir(seed)):
             raise InvalidRequestError(f"workspace_seed {seed!r} is not an absolute path to a directory")
+        from envd.reset import reset_sandbox  # with shutil, loaded by the first Reset: private memory per sandbox
+
         socket_dir, socket_name = os.path.split(self._cfg.socket_path)
         r = await asyncio.to_thread(reset_sandbox, self._cfg.workspace, socket_dir, socket_name, seed)
         self._runner.running.clear()
@@ -275,7 +275,7 @@ class FilesystemService(pb_grpc.FilesystemServicer):  # type: ignore[misc]
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("chunk") != "dest_dir" or not first.dest_dir:
             raise InvalidRequestError("the first upload chunk must name dest_dir")
-        with tempfile.SpooledTemporaryFile(max_size=files.SPOOL_BYTES) as spool:
+        with files.spool() as spool:
             async for chunk in request_iterator:
                 spool.write(chunk.data)
             spool.seek(0)

@@ -4,8 +4,9 @@ FROM ${ROOTFS}
 COPY site /opt/envfleet/site
 COPY protos /opt/envfleet/protos
 COPY envd /opt/envfleet/envd
-# Precompile (the sandbox's root filesystem is read-only); add the sandbox user (uid 1000) without useradd if need be.
-RUN python3 -m compileall -q /opt/envfleet \
+# Precompile, also for envd's -OO (the sandbox's root filesystem is read-only); add the sandbox user (uid 1000)
+# without useradd if need be.
+RUN python3 -m compileall -q /opt/envfleet && python3 -OO -m compileall -q /usr/lib/python3.11 /opt/envfleet \
     && if getent passwd 1000 >/dev/null; then :; \
        elif command -v useradd >/dev/null; then useradd -u 1000 -U -M -d /tmp -s /bin/bash sandbox; \
        else echo 'sandbox:x:1000:1000::/tmp:/bin/bash' >> /etc/passwd && echo 'sandbox:x:1000:' >> /etc/group; fi \
@@ -16,4 +17,4 @@ RUN python3 -S -c "import sys; sys.path[:0] = ['/opt/envfleet/site', '/opt/envfl
 ENV LANG=C.UTF-8 TZ=UTC
 WORKDIR /workspace
 LABEL envfleet.envd=1
-CMD ["python3", "-S", "/opt/envfleet/envd/launch.py"]
+CMD ["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py"]
