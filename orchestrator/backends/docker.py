@@ -18,8 +18,8 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -42,6 +42,7 @@ from orchestrator.backends.base import (
     SandboxState,
     Transport,
 )
+from orchestrator.backends.call_limiter import CallLimiter, Permit
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.errors import (
     LimitNotAppliedError,
@@ -64,8 +65,12 @@ LABEL_HOST = "envfleet.host"
 LABEL_LEASE = "envfleet.lease_expiry"
 LABEL_SOCKET_DIR = "envfleet.socket_dir"
 ENVD_MOUNT = "/run/envd"
-ENVD_COMMAND = ["python3", "-S", "/opt/envfleet/envd/launch.py", "--socket", f"{ENVD_MOUNT}/envd.sock"]
+# -OO: no docstrings or asserts in envd and its libraries, about 0.9 MB less per sandbox (the base image holds the
+# matching .opt-2.pyc files, since the root filesystem is read-only)
+ENVD_COMMAND = ["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py", "--socket", f"{ENVD_MOUNT}/envd.sock"]
 LIMIT_WARNING_WORDS = ("limit", "memory", "swap", "cpu", "pids", "discarded", "not support")
+# how an engine that does not answer shows in the SDK
+ENGINE_SILENT = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
 
 class DockerBackendConfig(BaseModel):
@@ -77,11 +82,25 @@ class DockerBackendConfig(BaseModel):
     base_url: str | None = Field(None, description="engine address; DOCKER_HOST or the local socket when unset")
     owner: str = Field("envfleet", min_length=1, max_length=64, description="who owns the sandboxes (a label)")
     socket_root: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "envfleet")
-    api_workers: int = Field(16, ge=1, le=256, description="threads (and HTTP connections) for engine calls")
+    api_workers: int = Field(
+        16, ge=1, le=256, description="threads (and HTTP connections) for engine calls; the most in flight at once"
+    )
     api_timeout_s: float = Field(120.0, gt=0)
     sweep_interval_s: float = Field(30.0, gt=0)
     health_interval_s: float = Field(1.0, gt=0, description="how often the engine is pinged")
     health_timeout_s: float = Field(2.0, gt=0, description="a ping slower than this marks the engine unhealthy")
+    # Fifty sandboxes at once peak near 75 engine calls/s here (the engine manages 4-5 creates/s; each sandbox is a
+    # create, a start, a state check per second while it starts, a remove): 200/s never holds a healthy engine back
+    # and stops only a runaway loop. A burst of 50 lets fifty creates begin at once.
+    api_rate_per_s: float = Field(200.0, gt=0, description="engine calls started per second, at most")
+    api_burst: int = Field(50, ge=1, description="engine calls that may start at once after a quiet spell")
+    api_slow_factor: float = Field(
+        3.0, gt=1, description="a call this many times slower than the recent average of its kind cuts the limit"
+    )
+    api_slow_min_s: float = Field(
+        0.5, ge=0, description="calls quicker than this never count as slow (jitter on a busy host is no stall)"
+    )
+    api_max_backoff_s: float = Field(5.0, ge=0, description="longest pause of new calls while the engine fails")
 
 
 def _proc_start_time(pid: int) -> str:
@@ -114,15 +133,6 @@ class Owner:
         """This process."""
         pid = os.getpid()
         return cls(name, uuid.uuid4().hex, pid, _proc_start_time(pid), socket.gethostname())
-
-
-def _logs_tail(api: Any, cid: str, lines: int = 20) -> str:
-    try:
-        raw = api.logs(cid, stdout=True, stderr=True, tail=lines)
-    except docker.errors.APIError:
-        return "(no logs)"
-    text: str = raw.decode(errors="replace").strip() if isinstance(raw, bytes) else str(raw)
-    return text or "(no output)"
 
 
 class DockerSandbox(Sandbox):
@@ -246,6 +256,15 @@ class DockerBackend(SandboxBackend):
         self.config = config or DockerBackendConfig()
         self.owner = Owner.current(self.config.owner)
         self._pool = ThreadPoolExecutor(max_workers=self.config.api_workers, thread_name_prefix="docker-api")
+        # engine calls in flight and their pace; its counters are what a status page would show
+        self.limiter = CallLimiter(
+            max_limit=self.config.api_workers,
+            rate_per_s=self.config.api_rate_per_s,
+            burst=self.config.api_burst,
+            slow_factor=self.config.api_slow_factor,
+            slow_min_s=self.config.api_slow_min_s,
+            max_backoff_s=self.config.api_max_backoff_s,
+        )
         kwargs: dict[str, Any] = {"timeout": self.config.api_timeout_s, "max_pool_size": self.config.api_workers}
         if self.config.base_url:
             kwargs["base_url"] = self.config.base_url
@@ -307,27 +326,75 @@ class DockerBackend(SandboxBackend):
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a blocking engine call on the pool; an engine that does not answer is an infrastructure error."""
-        loop = asyncio.get_running_loop()
+        """Run a blocking engine call on the pool, within the limiter; an engine that does not answer is an
+        infrastructure error."""
+        running = await self._submit(fn, *args, **kwargs)
+        return await self._outcome(fn, asyncio.wrap_future(running))
+
+    async def _call_to_completion(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Like _call, but a caller cancelled once the call has started still waits for it to finish, so that
+        whatever it created is known and can be removed (a thread cannot be cancelled; its container would leak).
+        Cancelled while still waiting for the limiter, nothing was started and the caller leaves at once."""
+        running = asyncio.wrap_future(await self._submit(fn, *args, **kwargs))
         try:
-            return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+            return await self._outcome(fn, asyncio.shield(running))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await running
+            raise
+
+    async def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        """Start `fn` on the pool once the limiter lets it. Only calls on the engine's API client are limited:
+        other blocking work (the docker-exec fallback runs a whole command in one call) lasts as long as that
+        work does, which says nothing about the engine, and must not hold a permit that long."""
+        call = functools.partial(fn, *args, **kwargs)
+        if getattr(fn, "__self__", None) is not self.api:
+            return self._pool.submit(call)
+        permit = await self.limiter.acquire(getattr(fn, "__name__", "call"))
+        try:
+            return self._run_permitted(permit, call)
+        except BaseException:
+            self.limiter.release(permit, None)
+            raise
+
+    def _run_permitted(self, permit: Permit, call: Callable[[], T]) -> Future[T]:
+        """Run `call` on the pool; the permit goes back when the thread is done, not when its caller gives up,
+        so the engine never has more of our calls in flight than the limit allows."""
+        loop = asyncio.get_running_loop()
+        started: list[float] = []
+
+        def timed() -> T:
+            started.append(time.monotonic())
+            return call()
+
+        def finished(done: Future[T]) -> None:
+            latency = time.monotonic() - started[0] if started else None  # None: cancelled before it ran
+            silent = not done.cancelled() and isinstance(done.exception(), ENGINE_SILENT)
+            # a call stuck past close() finishes after the loop is gone; nobody waits for its permit then
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(functools.partial(self.limiter.release, permit, latency, overloaded=silent))
+
+        running = self._pool.submit(timed)
+        running.add_done_callback(finished)
+        return running
+
+    async def _outcome(self, fn: Callable[..., T], running: Awaitable[T]) -> T:
+        try:
+            return await running
+        except ENGINE_SILENT as e:
             self.engine_errors += 1
             raise SandboxUnavailableError(
                 f"the docker engine did not answer {getattr(fn, '__name__', 'a call')} "
                 f"within {self.config.api_timeout_s:g}s: {e}"
             ) from e
 
-    async def _call_to_completion(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Like _call, but a cancelled caller still waits for the engine call to finish, so that whatever it
-        created is known and can be removed (a thread cannot be cancelled; its container would leak)."""
-        fut = asyncio.ensure_future(self._call(fn, *args, **kwargs))
+    async def _logs_tail(self, cid: str, lines: int = 20) -> str:
         try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await fut
-            raise
+            raw = await self._call(self.api.logs, cid, stdout=True, stderr=True, tail=lines)
+        except docker.errors.APIError:
+            return "(no logs)"
+        text: str = raw.decode(errors="replace").strip() if isinstance(raw, bytes) else str(raw)
+        return text or "(no output)"
 
     def _labels(self, spec: SandboxSpec, socket_dir: Path) -> dict[str, str]:
         o = self.owner
@@ -431,7 +498,7 @@ class DockerBackend(SandboxBackend):
             now = loop.time()
             if now >= deadline:
                 await transport.close()
-                tail = await self._call(_logs_tail, self.api, cid)
+                tail = await self._logs_tail(cid)
                 raise SandboxStartTimeoutError(
                     f"sandbox {name}: envd did not become healthy within {deadline_s:g}s; last log lines:\n{tail}"
                 )
@@ -440,7 +507,7 @@ class DockerBackend(SandboxBackend):
                 st = await self.state_of(cid)
                 if not st.running:
                     await transport.close()
-                    tail = await self._call(_logs_tail, self.api, cid)
+                    tail = await self._logs_tail(cid)
                     raise SandboxCreateError(
                         f"sandbox {name} exited during startup (exit code {st.exit_code}); last log lines:\n{tail}"
                     )
