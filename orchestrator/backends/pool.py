@@ -1,7 +1,10 @@
 """Warm pools and recycling in front of a sandbox backend.
 
 Sandboxes are kept ready per pool key (image, limits, hardening, env). Each pool's target size follows demand:
-the observed acquire rate times the cold-start latency (Little's law) plus headroom, between a minimum and a maximum.
+the observed acquire rate, less the rate at which recycled sandboxes come back, times the cold-start latency
+(Little's law) plus headroom, between a minimum and a maximum. A pool whose sandboxes are recycled as fast as they
+are taken needs no cold creates (each one would only be destroyed again at release, for want of room), so while a
+pool's releases are recycled its busy sandboxes count as idle ones on their way back.
 Idle capacity is shared: when a pool needs room, the oldest idle sandbox of any pool is evicted, so a pool never
 starves another image. Idle sandboxes expire after a TTL and are drained on close. A released sandbox whose
 environment is reusable is reset in place (envd kills every process, wipes every writable place and restores the
@@ -61,14 +64,25 @@ class _Pool:
     spec: SandboxSpec
     idle: collections.deque[_Idle] = field(default_factory=collections.deque)
     acquires: collections.deque[float] = field(default_factory=collections.deque)
+    recycles: collections.deque[float] = field(default_factory=collections.deque)
     creating: int = 0
+    busy: int = 0
+    recycling: bool = False  # whether its last release was recycled
     start_latency_s: float = 0.5  # EWMA of cold creates
-    recycled_pending: int = 0
 
     def rate(self, now: float, window: float) -> float:
-        while self.acquires and self.acquires[0] < now - window:
-            self.acquires.popleft()
-        return len(self.acquires) / window
+        """Acquires per second over the window."""
+        return _per_second(self.acquires, now, window)
+
+    def unmet_rate(self, now: float, window: float) -> float:
+        """Acquires per second that recycled sandboxes do not cover."""
+        return max(0.0, self.rate(now, window) - _per_second(self.recycles, now, window))
+
+
+def _per_second(times: collections.deque[float], now: float, window: float) -> float:
+    while times and times[0] < now - window:
+        times.popleft()
+    return len(times) / window
 
 
 class SandboxPool:
@@ -122,7 +136,7 @@ class SandboxPool:
 
     def _target(self, p: _Pool, now: float) -> int:
         c = self.config
-        want = math.ceil(p.rate(now, c.rate_window_s) * p.start_latency_s * c.headroom)
+        want = math.ceil(p.unmet_rate(now, c.rate_window_s) * p.start_latency_s * c.headroom)
         return max(c.min_idle_per_pool, min(c.max_idle_per_pool, want))
 
     async def acquire(self, spec: SandboxSpec) -> tuple[Sandbox, str]:
@@ -138,10 +152,12 @@ class SandboxPool:
                 self._destroy_later(entry.sandbox)
                 continue
             self.busy += 1
+            p.busy += 1
             self.metrics.acquire_seconds.labels("warm").observe(time.monotonic() - now)
             return entry.sandbox, "warm"
         sandbox = await self._create(p)
         self.busy += 1
+        p.busy += 1
         self.metrics.acquire_seconds.labels("cold").observe(time.monotonic() - now)
         return sandbox, "cold"
 
@@ -164,15 +180,25 @@ class SandboxPool:
         """Hand a sandbox back. Recycled (reset in place and kept warm) when asked and isolation holds; returns
         whether it was recycled. Otherwise destroyed in the background."""
         self.busy = max(0, self.busy - 1)
-        if recycle and self.config.enabled and self._room_for(pool_key(sandbox.spec)):
+        key = pool_key(sandbox.spec)
+        p = self._pools.get(key)
+        if p is not None:
+            p.busy = max(0, p.busy - 1)
+        if recycle and self.config.enabled and self._room_for(key):
             t0 = time.monotonic()
             outcome = await sandbox.reset(workspace_seed)
             if outcome.ok:
-                self.metrics.reset_seconds.observe(time.monotonic() - t0)
-                self._pool(sandbox.spec).idle.append(_Idle(sandbox, time.monotonic()))
+                now = time.monotonic()
+                self.metrics.reset_seconds.observe(now - t0)
+                p = self._pool(sandbox.spec)
+                p.idle.append(_Idle(sandbox, now))
+                p.recycles.append(now)
+                p.recycling = True
                 self._gauge()
                 return True
             log.info("sandbox %s not recycled: %s", getattr(sandbox, "name", "?"), outcome.detail)
+        if p is not None:
+            p.recycling = False
         await sandbox.release()
         return False
 
@@ -221,7 +247,8 @@ class SandboxPool:
                     self._destroy_later(p.idle.popleft().sandbox)
                 target = self._target(p, now)
                 self.metrics.pool_target.labels(p.key).set(target)
-                missing = target - len(p.idle) - p.creating
+                returning = p.busy if p.recycling else 0
+                missing = target - len(p.idle) - p.creating - returning
                 for _ in range(max(0, missing)):
                     if self.idle_total + self._creating_total() >= self.config.max_idle_total:
                         break  # speculative refills never evict another pool's sandboxes
