@@ -154,7 +154,7 @@ async def test_live_image_aware_placement_runs_built_images_while_another_builds
     finally:
         await orch.stop()
         await policy.close()
-        for image in docker_client.images.list(name=f"env-{slow.name}"):
+        for image in docker_client.images.list(name=f"envfleet/env-{slow.name}"):
             docker_client.images.remove(image.id, force=True)
 
 
