@@ -147,12 +147,13 @@ class SandboxPool:
         self._wake.set()
         while p.idle:
             entry = p.idle.popleft()
+            p.busy += 1  # already, so the refiller never sees it neither idle nor busy while it is checked
             self._gauge()
             if now - entry.since > self.config.idle_ttl_s or not await _alive(entry.sandbox):
+                p.busy -= 1
                 self._destroy_later(entry.sandbox)
                 continue
             self.busy += 1
-            p.busy += 1
             self.metrics.acquire_seconds.labels("warm").observe(time.monotonic() - now)
             return entry.sandbox, "warm"
         sandbox = await self._create(p)

@@ -125,3 +125,25 @@ async def test_recycled_sandbox_keeps_nothing_from_the_previous_rollout(
     assert b"LEAK" not in env.stdout
     await pool.release(again, recycle=False)
     await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_recycling_pool_creates_nothing_while_its_sandboxes_come_back(
+    pool_factory: Callable[..., SandboxPool],
+    base_image: str,
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,
+) -> None:
+    pool: SandboxPool = pool_factory(max_idle_per_pool=8, max_idle_total=8)
+    spec = SandboxSpec(image=base_image)
+    for sb, _ in await asyncio.gather(*(pool.acquire(spec) for _ in range(4))):
+        assert await pool.release(sb, recycle=True)
+    await asyncio.sleep(1.5)  # during the cold acquires the refiller may rightly have added one
+    fleet = _ids(docker_client, backend.owner.instance)
+    assert pool.idle_total == len(fleet) >= 4
+    for _ in range(3):  # the whole fleet busy at once: the refiller must count it as on its way back
+        held = await asyncio.gather(*(pool.acquire(spec) for _ in fleet))
+        assert {source for _, source in held} == {"warm"}
+        await asyncio.sleep(1.5)  # the refiller wakes at least once a second
+        for sb, _ in held:
+            assert await pool.release(sb, recycle=True)
+    assert _ids(docker_client, backend.owner.instance) == fleet  # nothing created (or destroyed) in between
