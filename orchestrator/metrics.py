@@ -42,6 +42,14 @@ class Metrics:
         self.pool_idle = Gauge("envfleet_pool_idle", "Idle warm sandboxes by pool", ["pool"], registry=r)
         self.pool_target = Gauge("envfleet_pool_target", "Target warm size by pool", ["pool"], registry=r)
         self.docker_errors = Counter("envfleet_docker_api_errors_total", "Failed engine calls", ["call"], registry=r)
+        self.queue_waiting_for_images = Gauge(
+            "envfleet_queue_waiting_for_images", "Queued work items held back until their image is built", registry=r
+        )
+        self.docker_api_limit = Gauge(
+            "envfleet_docker_api_limit", "Engine calls allowed in flight now (cut when the engine slows)", registry=r
+        )
+        self.docker_api_in_flight = Gauge("envfleet_docker_api_in_flight", "Engine calls in flight", registry=r)
+        self.docker_api_waiting = Gauge("envfleet_docker_api_waiting", "Engine calls waiting for a permit", registry=r)
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -56,6 +56,7 @@ def render_status(samples: Samples) -> Table:
         t.add_row(f"sandboxes {lab.get('state')}", f"{v:g}")
     t.add_row("rollouts in flight", f"{_value(samples, 'envfleet_rollouts_in_flight'):g}")
     t.add_row("queue depth", f"{_value(samples, 'envfleet_queue_depth'):g}")
+    t.add_row("  of which waiting for an image", f"{_value(samples, 'envfleet_queue_waiting_for_images'):g}")
     wait = histogram_quantile(samples, "envfleet_queue_wait_seconds", 0.5)
     t.add_row("queue wait p50", "-" if wait is None else f"<= {wait:g} s")
     for lab, v in sorted(samples.get("envfleet_rollouts_total", []), key=lambda x: x[0].get("status", "")):
@@ -75,4 +76,9 @@ def render_status(samples: Samples) -> Table:
         if p is not None:
             t.add_row(label, f"<= {p * 1000:g} ms")
     t.add_row("engine errors", f"{_value(samples, 'envfleet_docker_api_errors_total'):g}")
+    t.add_row(
+        "engine calls in flight / limit (waiting)",
+        f"{_value(samples, 'envfleet_docker_api_in_flight'):g} / {_value(samples, 'envfleet_docker_api_limit'):g}"
+        f" ({_value(samples, 'envfleet_docker_api_waiting'):g})",
+    )
     return t

@@ -145,6 +145,11 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     jobs = await JobManager.start(
         store, registry, runner, config.max_in_flight, metrics=metrics, capacity=config.capacity
     )
+    # read when scraped
+    metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
+    metrics.docker_api_limit.set_function(lambda: backend.limiter.permits)
+    metrics.docker_api_in_flight.set_function(lambda: backend.limiter.in_flight)
+    metrics.docker_api_waiting.set_function(lambda: backend.limiter.waiting)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(auth), ErrorInterceptor()],
         options=[

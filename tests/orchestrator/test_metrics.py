@@ -33,7 +33,9 @@ async def test_metrics_endpoint_and_status(
         assert 'envfleet_rollouts_total{status="OK"} 3.0' in text
         assert 'envfleet_sandbox_acquire_seconds_count{source="cold"}' in text
         assert "envfleet_sandbox_create_seconds_bucket" in text
-        assert "envfleet_queue_depth 0.0" in text
+        assert "envfleet_queue_depth 0.0" in text and "envfleet_queue_waiting_for_images 0.0" in text
+        assert "envfleet_docker_api_limit 16.0" in text  # api_workers: a healthy engine never had it cut
+        assert "envfleet_docker_api_waiting 0.0" in text
         assert 'envfleet_sandboxes{state="idle"}' in text  # python-tool recycles: its sandboxes wait warm
         r = await asyncio.to_thread(
             subprocess.run,
@@ -45,5 +47,6 @@ async def test_metrics_endpoint_and_status(
         )
         assert r.returncode == 0, r.stderr
         assert "rollouts OK" in r.stdout and "queue depth" in r.stdout and "acquire p50 (cold)" in r.stdout
+        assert "waiting for an image" in r.stdout and "engine calls in flight / limit" in r.stdout
     finally:
         await orch.stop()
