@@ -38,6 +38,7 @@ from orchestrator.registry import Registry
 from orchestrator.rollout.policy import PolicyEndpoint
 from orchestrator.rollout.runner import DETERMINISTIC_ENV
 from orchestrator.rollout.scripts import reference_script
+from orchestrator.scheduler import Capacity
 from orchestrator.server.app import OrchestratorConfig, create_server
 
 OWNER = "envfleet-scale"
@@ -119,6 +120,13 @@ async def run(sandboxes: int, rollouts: int, latency: float, eff_concurrency: in
                 port=0,
                 data_dir=Path(data),
                 max_in_flight=sandboxes,
+                # the default admission (CPU quotas up to 16x the cores) would cap these 0.5-CPU sandboxes at 64 in
+                # flight; light rollouts mostly wait on the policy, so the host is declared big enough for all of them
+                capacity=Capacity(
+                    max_sandboxes=sandboxes,
+                    cpus=sandboxes * env.limits.cpus,
+                    memory_mb=sandboxes * env.limits.memory_mb,
+                ),
                 backend=DockerBackendConfig(owner=OWNER, api_workers=32, api_timeout_s=600),
                 pool=PoolConfig(
                     max_idle_total=sandboxes, max_idle_per_pool=sandboxes, refill_concurrency=16, idle_ttl_s=3600

@@ -40,7 +40,8 @@ from protos import orchestrator_pb2, orchestrator_pb2_grpc
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
-STOP_STAGE_S = 60.0  # the longest any one stage of a shutdown may take
+STOP_STAGE_S = 60.0  # the longest any one stage of a shutdown may take, plus for the pool:
+REMOVE_BUDGET_S = 0.5  # per idle sandbox (the engine removes about 10 a second here)
 
 
 class OrchestratorConfig(BaseModel):
@@ -110,7 +111,8 @@ class Orchestrator:
             await _bounded("the sandbox service", self.sandboxes.close_all(), STOP_STAGE_S)
         await _bounded("the jobs", self.jobs.close(), STOP_STAGE_S)
         if self.pool is not None:
-            await _bounded("the warm pool", self.pool.close(), STOP_STAGE_S)
+            drain_s = STOP_STAGE_S + self.pool.idle_total * REMOVE_BUDGET_S  # it destroys every idle sandbox
+            await _bounded("the warm pool", self.pool.close(), drain_s)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         await self.backend.close()
