@@ -109,6 +109,9 @@ class _Hang(Exception):
     """The scripted turn never answers."""
 
 
+_HANG: tuple[int, dict[str, Any]] = (0, {})  # _fault's answer for a turn that never answers (compared by identity)
+
+
 def _error_body(status: int, message: str, kind: str = "BadRequestError") -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
@@ -292,6 +295,9 @@ class ScriptedServer:
         return 200, {"object": "list", "data": [card]}
 
     async def _chat(self, req: _Request) -> tuple[int, dict[str, Any]]:
+        # the simulated latency is the whole answer time, this server's own work included, as a model server's is
+        loop = asyncio.get_running_loop()
+        answer_at = loop.time() + self.script.latency_s
         self.requests += 1
         try:
             body = json.loads(req.body)
@@ -308,22 +314,29 @@ class ScriptedServer:
         except ValueError as e:
             return 400, _error_body(400, str(e))
 
-        if self.script.latency_s:
-            await asyncio.sleep(self.script.latency_s)
         turn = sum(1 for m in messages if m.get("role") == "assistant")
         step = self._step(user, turn)
-        if step.error_status is not None or step.hang:
-            key = (user, turn)
-            failed = self._failures.get(key, 0)
-            if step.fail_times is None or failed < step.fail_times:
-                self._failures[key] = failed + 1
-                self.faults += 1
-                if step.hang:
-                    raise _Hang
-                assert step.error_status is not None
-                msg = f"scripted fault: HTTP {step.error_status} (turn {turn})"
-                return step.error_status, _error_body(step.error_status, msg, "ScriptedFault")
-        return 200, self._completion(body, step, turn, prompt)
+        reply = self._fault(user, turn, step) or (200, self._completion(body, step, turn, prompt))
+        await asyncio.sleep(max(0.0, answer_at - loop.time()))
+        if reply is _HANG:
+            raise _Hang
+        return reply
+
+    def _fault(self, user: str, turn: int, step: Step) -> tuple[int, dict[str, Any]] | None:
+        """The scripted failure of this turn, if it still has one to give (_HANG: never answer)."""
+        if step.error_status is None and not step.hang:
+            return None
+        key = (user, turn)
+        failed = self._failures.get(key, 0)
+        if step.fail_times is not None and failed >= step.fail_times:
+            return None
+        self._failures[key] = failed + 1
+        self.faults += 1
+        if step.hang:
+            return _HANG
+        assert step.error_status is not None
+        msg = f"scripted fault: HTTP {step.error_status} (turn {turn})"
+        return step.error_status, _error_body(step.error_status, msg, "ScriptedFault")
 
     def _step(self, user: str, turn: int) -> Step:
         task = task_of(user)
