@@ -14,7 +14,7 @@ import docker
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.cli_remote import add_client_arguments, add_register_command, add_serve_security_arguments
+from orchestrator.cli_remote import add_client_arguments, add_register_command, add_serve_security_arguments, connect
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -208,13 +208,14 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
     async def go() -> int:
         if args.server:
-            return await collect_rollouts(args.server, spec, Path(args.out), console)
+            return await collect_rollouts(connect(args), spec, Path(args.out), console)
+        from orchestrator.client import EnvfleetClient
         from orchestrator.server.app import OrchestratorConfig, create_server
 
         with tempfile.TemporaryDirectory(prefix="envfleet-") as data:
             orch = await create_server(OrchestratorConfig(port=0, data_dir=Path(data)))
             try:
-                return await collect_rollouts(orch.address, spec, Path(args.out), console)
+                return await collect_rollouts(EnvfleetClient(orch.address), spec, Path(args.out), console)
             finally:
                 await orch.stop()
 
@@ -267,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--concurrency", type=int, default=8)
     rollout.add_argument("--max-turns", type=int, default=16)
     rollout.add_argument("--out", default="rollouts.jsonl")
-    rollout.add_argument("--server", help="an orchestrator address; default: run one in this process")
+    add_client_arguments(rollout, None, "an orchestrator address (default: run one in this process)")
     rollout.set_defaults(fn=_cmd_rollout)
 
     status = sub.add_parser("status", help="an orchestrator's fleet: sandboxes, pools, queue, rollouts, latencies")

@@ -55,9 +55,11 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
     )
 
 
-def add_client_arguments(p: argparse.ArgumentParser) -> None:
+def add_client_arguments(
+    p: argparse.ArgumentParser, server_default: str | None = "127.0.0.1:50051", server_help: str = ""
+) -> None:
     """How a client command reaches a server."""
-    p.add_argument("--server", default="127.0.0.1:50051", help="orchestrator address")
+    p.add_argument("--server", default=server_default, help=server_help or "orchestrator address")
     p.add_argument("--token-file", help="a file holding your bearer token (default: $ENVFLEET_TOKEN)")
     p.add_argument("--tls-ca", help="CA certificate to trust (PEM); turns TLS on")
     p.add_argument("--tls-cert", help="client certificate (PEM), for mTLS")

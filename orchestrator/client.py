@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -116,7 +116,7 @@ class EnvfleetClient:
 
     async def _batches(
         self, job_id: str, resume_after: int, max_in_flight: int, max_batch: int
-    ) -> AsyncIterator[pb.RolloutBatch]:
+    ) -> AsyncGenerator[pb.RolloutBatch, int | None]:
         """Stream batches; after a dropped connection, reconnect and resume after the last acked seq."""
         cursor = resume_after
         loop = asyncio.get_running_loop()
@@ -154,58 +154,66 @@ class EnvfleetClient:
 
         With auto_ack, a rollout is acked when you ask for the next one, i.e. after you have consumed it.
         """
-        seen: set[str] = set()
-        stream = self._batches(job_id, resume_after, max_in_flight, max_batch)
-        acked: int | None = None
-        try:
-            while True:
-                try:
-                    batch = await stream.asend(acked)  # type: ignore[attr-defined]
-                except StopAsyncIteration:
-                    return
-                acked = None
-                items = [rollout_from_pb(m) for m in batch.rollouts] + [
-                    rollout_from_pb(m) for g in batch.groups for m in g.rollouts
-                ]
-                for r in items:
-                    if r.id not in seen:
-                        seen.add(r.id)
-                        yield r
-                if auto_ack and items:
-                    last = max(r.seq for r in items)
-                    await self.ack(job_id, up_to=last)
-                    acked = last
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+
+        def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, Rollout]]:
+            members = [*batch.rollouts, *(m for g in batch.groups for m in g.rollouts)]
+            return [(r.id, r.seq, r) for r in map(rollout_from_pb, members)]
+
+        batches = self._batches(job_id, resume_after, max_in_flight, max_batch)
+        async for r in self._consume(job_id, batches, auto_ack, unpack):
+            yield r
 
     async def groups(
         self, job_id: str, *, resume_after: int = 0, max_in_flight: int = 256, auto_ack: bool = True
     ) -> AsyncIterator[GroupResult]:
         """Whole groups, for jobs submitted with deliver_groups=True."""
-        stream = self._batches(job_id, resume_after, max_in_flight, 64)
+
+        def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, GroupResult]]:
+            out = []
+            for g in batch.groups:
+                rs = [rollout_from_pb(m) for m in g.rollouts]
+                adv = [m.advantage if m.HasField("advantage") else None for m in g.rollouts]
+                out.append(
+                    (
+                        g.group_id,
+                        max((r.seq for r in rs), default=0),
+                        GroupResult(g.group_id, g.task_id, rs, adv, g.failed),
+                    )
+                )
+            return out
+
+        async for g in self._consume(job_id, self._batches(job_id, resume_after, max_in_flight, 64), auto_ack, unpack):
+            yield g
+
+    async def _consume(
+        self,
+        job_id: str,
+        batches: AsyncGenerator[pb.RolloutBatch, int | None],
+        auto_ack: bool,
+        unpack: Callable[[pb.RolloutBatch], list[tuple[str, int, T]]],
+    ) -> AsyncIterator[T]:
+        """Yield each batch's items (key, seq, item) whose key is new; with auto_ack, a batch is acked when the next
+        is asked for, i.e. once its items were consumed."""
         seen: set[str] = set()
         acked: int | None = None
         try:
             while True:
                 try:
-                    batch = await stream.asend(acked)  # type: ignore[attr-defined]
+                    batch = await batches.asend(acked)
                 except StopAsyncIteration:
                     return
                 acked = None
-                last = 0
-                for g in batch.groups:
-                    rs = [rollout_from_pb(m) for m in g.rollouts]
-                    last = max([last, *(r.seq for r in rs)])
-                    if g.group_id in seen:
-                        continue
-                    seen.add(g.group_id)
-                    adv = [m.advantage if m.HasField("advantage") else None for m in g.rollouts]
-                    yield GroupResult(g.group_id, g.task_id, rs, adv, g.failed)
+                entries = unpack(batch)
+                for key, _, item in entries:
+                    if key not in seen:
+                        seen.add(key)
+                        yield item
+                last = max((seq for _, seq, _ in entries), default=0)
                 if auto_ack and last:
                     await self.ack(job_id, up_to=last)
                     acked = last
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await batches.aclose()
 
 
 class SyncEnvfleetClient:

@@ -25,11 +25,11 @@ from orchestrator.scripted_policy import Script, start_scripted_server
 DEMO_ENV = "python-tool"
 
 
-async def collect_rollouts(address: str, spec: JobSpec, out: Path, console: Console) -> int:
-    """Submit `spec`, stream every rollout with a live progress line, write JSONL, print a table."""
+async def collect_rollouts(client: EnvfleetClient, spec: JobSpec, out: Path, console: Console) -> int:
+    """Submit `spec`, stream every rollout with a live progress line, write JSONL, print a table; closes the client."""
     rollouts: list[Rollout] = []
     counts: Counter[str] = Counter()
-    async with EnvfleetClient(address) as client:
+    async with client:
         job_id = await client.submit(spec)
         total = (await client.get_job(job_id)).total
         t0 = time.monotonic()
@@ -121,7 +121,7 @@ async def run_job_demo(console: Console, out: Path, num_tasks: int, n: int) -> i
                 policy=PolicyEndpoint(base_url=policy.url, model="scripted", version="demo-1"),
                 max_concurrency=8,
             )
-            return await collect_rollouts(address, spec, out, console)
+            return await collect_rollouts(EnvfleetClient(address), spec, out, console)
         finally:
             proc.terminate()
             with contextlib.suppress(TimeoutError):

@@ -35,8 +35,8 @@ from orchestrator.errors import (
 from orchestrator.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
 from orchestrator.registry import Registry
 
-# The runner's classification of environment code failures (ENV_ERROR), shared so both paths agree.
-from orchestrator.rollout.runner import DETERMINISTIC_ENV, ImageResolver, _env_call, _EnvBroken
+# the runner's classification of environment code failures (ENV_ERROR), shared so both paths agree
+from orchestrator.rollout.runner import DETERMINISTIC_ENV, EnvironmentBroken, ImageResolver, env_call
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,8 @@ class SessionManager:
             )
         )
         try:
-            await _env_call(env.setup(sandbox, task, seed))
-        except _EnvBroken as e:
+            await env_call(env.setup(sandbox, task, seed))
+        except EnvironmentBroken as e:
             await self._pool.release(sandbox, recycle=False)
             raise FailedPreconditionError(f"{env.ref()}: setting up task {task.id} failed: {e}") from e
         except BaseException:
@@ -302,10 +302,10 @@ class SessionManager:
                 if finish is None:
                     return StepResult(observation, 0.0, False, False, None, self._view(s))
                 episode = Episode(list(s.turns), answer, finish, s.tool_calls)
-                score = await _env_call(s.env.score(s.sandbox, s.task, episode))
+                score = await env_call(s.env.score(s.sandbox, s.task, episode))
         except SandboxError as e:
             return await self._fail(s, observation, RolloutStatus.INFRA_ERROR, e)
-        except _EnvBroken as e:
+        except EnvironmentBroken as e:
             return await self._fail(s, observation, RolloutStatus.ENV_ERROR, e.__cause__ or e)
         except TimeoutError as e:
             return await self._fail(s, observation, RolloutStatus.TIMEOUT, e)

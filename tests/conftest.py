@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import subprocess
@@ -11,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -83,12 +85,17 @@ def host_envd(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
     try:
         yield str(sock), token, ws
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 5 s; returns once it is reaped."""
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture
@@ -120,16 +127,23 @@ def base_image(docker_client: docker.DockerClient) -> str:
     return ensure_base_image(docker_client)
 
 
-@pytest.fixture
-async def backend(base_image: str) -> AsyncIterator[DockerBackend]:
-    """A docker backend owned by the test suite; every sandbox it made is gone afterwards."""
-    b = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER), sweep=False)
+@contextlib.asynccontextmanager
+async def owned_backend(**config: Any) -> AsyncIterator[DockerBackend]:
+    """A docker backend owned by the test suite; fails the test if it left a sandbox open, and removes them all."""
+    b = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER, **config), sweep=False)
     try:
         yield b
     finally:
         owned = await b.list_owned()
         await b.close()
     assert not owned, f"test left {len(owned)} sandbox(es) open: {[s.name for s in owned]}"
+
+
+@pytest.fixture
+async def backend(base_image: str) -> AsyncIterator[DockerBackend]:
+    """A docker backend owned by the test suite; every sandbox it made is gone afterwards."""
+    async with owned_backend() as b:
+        yield b
 
 
 @pytest.fixture(scope="session", autouse=True)

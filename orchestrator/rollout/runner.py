@@ -181,7 +181,7 @@ class RolloutRunner:
                 try:
                     image, image_id = await self.images.resolve(env)
                 except (ImageBuildError, docker.errors.DockerException) as e:
-                    raise _EnvBroken(f"image for {env.ref()} could not be built: {e}") from e
+                    raise EnvironmentBroken(f"image for {env.ref()} could not be built: {e}") from e
                 prov.image, prov.image_id = image, image_id
                 # the seed travels with the task (setup), not in the sandbox's environment, so sandboxes stay
                 # interchangeable in the warm pool
@@ -198,10 +198,10 @@ class RolloutRunner:
                         (item.job_id, item.task.id),
                         box,
                         box.spec.workspace,
-                        lambda: _env_call(env.setup(box, item.task, item.seed)),
+                        lambda: env_call(env.setup(box, item.task, item.seed)),
                     )
                 else:
-                    await _env_call(env.setup(box, item.task, item.seed))
+                    await env_call(env.setup(box, item.task, item.seed))
                     setup_kind = "own"
                 timing.setup = time.monotonic() - t0
                 result = await run_episode(
@@ -219,14 +219,14 @@ class RolloutRunner:
                 timing.generation, timing.tools = result.generation_s, result.tools_s
                 prov.policy_model = result.policy_model or spec.policy.model
                 t0 = time.monotonic()
-                score = await _env_call(env.score(sandbox, item.task, result.episode))
+                score = await env_call(env.score(sandbox, item.task, result.episode))
                 timing.scoring = time.monotonic() - t0
         except PolicyError as e:
             return failed(RolloutStatus.POLICY_ERROR, e)
         except SandboxError as e:
             infra_failed = True
             return failed(RolloutStatus.INFRA_ERROR, e)
-        except _EnvBroken as e:
+        except EnvironmentBroken as e:
             return failed(RolloutStatus.ENV_ERROR, e.__cause__ or e)
         except TimeoutError as e:
             return failed(
@@ -276,15 +276,15 @@ class RolloutRunner:
         )
 
 
-class _EnvBroken(EnvfleetError):
+class EnvironmentBroken(EnvfleetError):
     """The environment's own code failed (setup, scoring, image): ENV_ERROR, not retried."""
 
 
-async def _env_call(coro: Awaitable[T]) -> T:
+async def env_call(coro: Awaitable[T]) -> T:
     """Await environment code; its failures (other than sandbox and policy ones) mean the environment is broken."""
     try:
         return await coro
     except (SandboxError, PolicyError, asyncio.CancelledError, TimeoutError):
         raise
     except Exception as e:
-        raise _EnvBroken(f"{type(e).__name__}: {e}") from e
+        raise EnvironmentBroken(f"{type(e).__name__}: {e}") from e

@@ -14,8 +14,7 @@ import pytest
 
 from envd.__main__ import parse_options
 from orchestrator.backends.envd_transport import EnvdTransport
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO, stop_process
 
 
 @pytest.fixture
@@ -30,12 +29,7 @@ def launched_envd(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str
     try:
         yield proc, sock
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 async def test_launched_envd_serves_without_loading_openssl(

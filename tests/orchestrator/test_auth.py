@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from orchestrator.rollout.policy import PolicyEndpoint
 from orchestrator.scripted_policy import ScriptedServer
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
+from tests.conftest import REPO
 from tests.orchestrator.conftest import ENV
 from tests.orchestrator.servers import expect_error, serve
 
@@ -209,3 +215,31 @@ async def test_no_token_file_keeps_the_local_quick_start(client: EnvfleetClient)
         reply = await replies.read()
     names = {s.name for s in reply.list_services_response.service}
     assert {"envfleet.v1.SessionService", "envfleet.v1.SandboxService", "envfleet.v1.RolloutService"} <= names
+
+
+async def test_rollout_command_reaches_a_server_with_a_token(
+    tmp_path: Path, token_file: Path, policy_server: ScriptedServer, base_image: str
+) -> None:
+    mine = tmp_path / "my-token"
+    mine.write_text(TOKEN_A + "\n")
+    out = tmp_path / "r.jsonl"
+    async with serve(tmp_path / "srv", security={"token_file": token_file}) as orch:
+
+        def rollout(*extra: str) -> subprocess.CompletedProcess[str]:
+            argv = ["rollout", "--env", ENV, "--tasks", "1", "--policy", policy_server.url, "--out", str(out)]
+            return subprocess.run(
+                [sys.executable, "-m", "orchestrator.cli", *argv, "--server", orch.address, *extra],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={k: v for k, v in os.environ.items() if k != "ENVFLEET_TOKEN"},
+            )
+
+        refused = await asyncio.to_thread(rollout)
+        assert refused.returncode != 0 and "missing bearer token" in refused.stderr, refused.stderr[-2000:]
+        ok = await asyncio.to_thread(rollout, "--token-file", str(mine))
+        assert ok.returncode == 0, ok.stderr[-2000:]
+        assert [json.loads(x)["status"] for x in out.read_text().splitlines()] == ["OK"]
+        async with EnvfleetClient(orch.address, token=TOKEN_A) as a:
+            assert [j.env for j in await a.list_jobs()] == ["python-tool@1"]  # the job is team-a's

@@ -15,20 +15,15 @@ import pytest
 from orchestrator.backends.base import SandboxSpec
 from orchestrator.backends.docker import LABEL_INSTANCE, DockerBackend, DockerBackendConfig
 from orchestrator.errors import SandboxUnavailableError
-from tests.conftest import TEST_OWNER
+from tests.conftest import TEST_OWNER, owned_backend
 from tests.orchestrator.backends.test_call_limiter import until
 
 
 @pytest.fixture
 async def narrow_backend(base_image: str) -> AsyncIterator[DockerBackend]:
     """A backend that may have at most two engine calls in flight."""
-    b = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER, api_workers=2), sweep=False)
-    try:
+    async with owned_backend(api_workers=2) as b:
         yield b
-    finally:
-        owned = await b.list_owned()
-        await b.close()
-    assert not owned, f"test left {len(owned)} sandbox(es) open: {[s.name for s in owned]}"
 
 
 def containers_of(client: docker.DockerClient, backend: DockerBackend) -> list[str]:
