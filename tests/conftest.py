@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import os
 import subprocess
@@ -37,7 +38,15 @@ def _await_chain(coro: object) -> list[str]:
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
         if frame is not None:
             where.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+        awaited = (
+            getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+        )
+        if awaited is not None and not hasattr(awaited, "cr_frame") and not hasattr(awaited, "gi_frame"):
+            # an async generator's asend/athrow object (a fixture's teardown), a Task or a Future: name it, and
+            # follow the async generator it drives, if any
+            where.append(f"  awaiting {awaited!r}"[:300])
+            awaited = next((r for r in gc.get_referents(awaited) if inspect.isasyncgen(r)), None)
+        coro = awaited
     return where
 
 

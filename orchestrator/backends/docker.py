@@ -309,10 +309,11 @@ class DockerBackend(SandboxBackend):
     async def _watch_engine(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns the ping's result when the cancel of
+            # close() arrives just as the ping ends, and the loop would then ping forever with close() waiting on it
             try:
-                await asyncio.wait_for(
-                    loop.run_in_executor(self._ping_pool, self._ping_client.ping), self.config.health_timeout_s + 1
-                )
+                async with asyncio.timeout(self.config.health_timeout_s + 1):
+                    await loop.run_in_executor(self._ping_pool, self._ping_client.ping)
                 healthy = True
             except Exception:
                 healthy = False

@@ -174,7 +174,8 @@ class DockerExecTransport(Transport):
 
     async def health(self, timeout: float) -> bool:
         try:
-            r = await asyncio.wait_for(self.exec(["true"]), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for, which can swallow a cancel on Python 3.11
+                r = await self.exec(["true"])
         except (TimeoutError, SandboxUnavailableError):
             return False
         return r.exit_code == 0
