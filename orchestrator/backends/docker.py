@@ -344,13 +344,16 @@ class DockerBackend(SandboxBackend):
                 await running
             raise
 
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking work that is more than one engine call (the docker-exec fallback runs a whole command in
+        one call) on the pool, outside the limiter: it lasts as long as that work does, which says nothing about the
+        engine, and must not hold a permit that long."""
+        running = self._pool.submit(functools.partial(fn, *args, **kwargs))
+        return await self._outcome(fn, asyncio.wrap_future(running))
+
     async def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        """Start `fn` on the pool once the limiter lets it. Only calls on the engine's API client are limited:
-        other blocking work (the docker-exec fallback runs a whole command in one call) lasts as long as that
-        work does, which says nothing about the engine, and must not hold a permit that long."""
+        """Start the engine call `fn` on the pool once the limiter lets it."""
         call = functools.partial(fn, *args, **kwargs)
-        if getattr(fn, "__self__", None) is not self.api:
-            return self._pool.submit(call)
         permit = await self.limiter.acquire(getattr(fn, "__name__", "call"))
         try:
             return self._run_permitted(permit, call)

@@ -89,7 +89,7 @@ class DockerExecTransport(Transport):
         argv = ["timeout", "-k", "1", f"{limit:g}", *inner]
         t0 = time.monotonic()
         try:
-            code, out, err, truncated = await self._backend._call(
+            code, out, err, truncated = await self._backend.run_blocking(
                 self._run_blocking,
                 argv,
                 cwd or self._spec.workspace,
