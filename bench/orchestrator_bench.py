@@ -14,17 +14,17 @@ from typing import Any
 
 import docker
 
-from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
-from orchestrator.backends.docker import DockerBackendConfig
-from orchestrator.client import EnvfleetClient
-from orchestrator.job_demo import start_orchestrator_process
-from orchestrator.models import JobSpec, JobState, Rollout, RolloutStatus, TaskSelection, Turn
-from orchestrator.registry import Registry
-from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import start_scripted_server
+from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
+from orchestrator.core.models import JobSpec, JobState, Rollout, RolloutStatus, TaskSelection, Turn
+from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.server.app import OrchestratorConfig, create_server
-from orchestrator.store import ResultStore
+from orchestrator.service.registry import Registry
+from orchestrator.service.store import ResultStore
+from orchestrator.testing.demo import start_orchestrator_process
+from orchestrator.testing.scripted_policy import start_scripted_server
+from orchestrator.testing.scripts import reference_script
 
 COMMANDS = ("echo one", "echo two")
 

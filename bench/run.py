@@ -23,8 +23,8 @@ import docker
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
 from bench.swe_bench import swe_eval_throughput
-from orchestrator.backends.base import Sandbox, SandboxSpec
-from orchestrator.backends.docker import DockerBackend, DockerBackendConfig, DockerSandbox
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
+from orchestrator.core.sandbox import Sandbox, SandboxSpec
 from orchestrator.images import ensure_base_image
 
 log = logging.getLogger("bench")

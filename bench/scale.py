@@ -27,19 +27,18 @@ from typing import Any
 
 import docker
 
-from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
-from orchestrator.backends.base import Limits, Sandbox, SandboxSpec
-from orchestrator.backends.docker import DockerBackendConfig
+from orchestrator.backends.docker.backend import DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig
-from orchestrator.client import EnvfleetClient
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
+from orchestrator.core.models import JobSpec, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.core.sandbox import DETERMINISTIC_ENV, Limits, Sandbox, SandboxSpec
 from orchestrator.images import ensure_base_image
-from orchestrator.models import JobSpec, TaskSelection
-from orchestrator.registry import Registry
-from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.rollout.runner import DETERMINISTIC_ENV
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scheduler import Capacity
 from orchestrator.server.app import OrchestratorConfig, create_server
+from orchestrator.service.registry import Registry
+from orchestrator.service.scheduler import Capacity
+from orchestrator.testing.scripts import reference_script
 
 OWNER = "envfleet-scale"
 log = logging.getLogger("scale")
@@ -93,7 +92,7 @@ async def _start_policy(script_path: Path, latency: float) -> tuple[asyncio.subp
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "orchestrator.scripted_policy",
+        "orchestrator.testing.scripted_policy",
         "--script",
         str(script_path),
         stdout=asyncio.subprocess.PIPE,

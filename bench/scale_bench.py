@@ -14,12 +14,12 @@ from typing import Any
 import docker
 
 from bench.orchestrator_bench import TrivialEnv, baseline_rollouts_per_s, bench_orchestrator
-from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
-from orchestrator.backends.base import Sandbox, SandboxSpec
-from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
-from orchestrator.models import JobSpec, RolloutStatus, TaskSelection
-from orchestrator.rollout.policy import PolicyEndpoint
+from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
+from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.core.sandbox import Sandbox, SandboxSpec
 
 OWNER = "envfleet-bench"
 

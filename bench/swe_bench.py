@@ -26,7 +26,7 @@ from environments.swe.grading import PARSERS, grade_tests, resolution
 from environments.swe.images import ensure_images
 from environments.swe.instance import SweInstance, gold_predictions, load_instances
 from environments.swe.script import EVAL_ENV, UNITTEST_RUNNER, test_command
-from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 
 log = logging.getLogger("bench.swe")
 

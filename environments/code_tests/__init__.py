@@ -8,9 +8,9 @@ import json
 from collections.abc import Sequence
 from functools import cache
 
-from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from environments.code_tests.problems import PROBLEMS, Problem
 from environments.python_tool import num_turns, used_tool
+from environments.sdk import Environment, Rubric, ScoringContext, Task, ToolInvocation
 
 SOLUTION = "solution.py"
 HIDDEN_DIR = "/tmp/.envfleet-hidden"

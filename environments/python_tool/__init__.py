@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 from functools import cache
 
-from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
+from environments.sdk import Environment, Rubric, ScoringContext, Task, ToolInvocation
 
 NUM_TASKS = 60
 SEED = 20261129

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
-    from orchestrator.backends.docker import DockerBackend
+    from orchestrator.backends.docker.backend import DockerBackend
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
 
 @asynccontextmanager
 async def _backend(owner: str) -> AsyncIterator[DockerBackend]:
-    from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
+    from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 
     backend = await DockerBackend.start(DockerBackendConfig(owner=owner))
     try:
@@ -99,7 +99,7 @@ def swe_eval(args: argparse.Namespace, console: Console) -> int:
 
     from environments.swe.evaluate import run_evaluation
     from environments.swe.instance import empty_predictions, gold_predictions, load_instances, load_predictions
-    from orchestrator.errors import EnvfleetError
+    from orchestrator.core.errors import EnvfleetError
 
     try:
         instances = load_instances(args.dataset)
@@ -160,7 +160,7 @@ def swe_validate(args: argparse.Namespace, console: Console) -> int:
 
     from environments.swe.instance import dump_jsonl, load_instances
     from environments.swe.validate import validate_dataset
-    from orchestrator.errors import EnvfleetError
+    from orchestrator.core.errors import EnvfleetError
 
     try:
         instances = load_instances(args.dataset)
@@ -263,3 +263,25 @@ def swe_build(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(f"{len(shipped)} instances -> {args.out} in {time.monotonic() - t0:.0f}s", highlight=False)
     return 0 if shipped else 1
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The `envfleet.cli` entry point: adds swe-eval, swe-validate and swe-build to the `envfleet` command."""
+
+    def runner(fn: Callable[[argparse.Namespace, Console], int]) -> Callable[[argparse.Namespace], int]:
+        def run(args: argparse.Namespace) -> int:
+            from rich.console import Console
+
+            return fn(args, Console())
+
+        return run
+
+    swe_eval_p = sub.add_parser("swe-eval", help="evaluate SWE-bench predictions on the fleet; report per instance")
+    add_eval_arguments(swe_eval_p)
+    swe_eval_p.set_defaults(fn=runner(swe_eval))
+    swe_validate_p = sub.add_parser("swe-validate", help="check a SWE dataset: gold resolves k of k, empty none")
+    add_validate_arguments(swe_validate_p)
+    swe_validate_p.set_defaults(fn=runner(swe_validate))
+    swe_build_p = sub.add_parser("swe-build", help="build the SWE dataset from pinned PyPI sdists (mutants)")
+    add_build_arguments(swe_build_p)
+    swe_build_p.set_defaults(fn=runner(swe_build))

@@ -22,16 +22,24 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from environments.base import Environment, Episode, Rubric, Score, ScoringContext, Task, ToolInvocation
+from environments.sdk import (
+    Environment,
+    Episode,
+    ImageSpec,
+    Rubric,
+    Sandbox,
+    Score,
+    ScoringContext,
+    Task,
+    ToolInvocation,
+)
 from environments.swe.builder.pins import INSTANCES
 from environments.swe.evaluate import SWE_LIMITS, evaluate_in_sandbox
 from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, Grade, ResolvedStatus
 from environments.swe.images import RepoTars, environment_image
 from environments.swe.instance import EnvironmentSpec, SweInstance, load_instances
 from environments.swe.script import EVAL_ENV
-from orchestrator.backends.base import Sandbox
-from orchestrator.errors import InvalidRequestError, SandboxError
-from orchestrator.images.spec import ImageSpec
+from orchestrator.core.errors import InvalidRequestError, SandboxError
 
 log = logging.getLogger(__name__)
 

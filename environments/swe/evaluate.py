@@ -22,16 +22,16 @@ from typing import Any
 
 import docker
 
+from environments.sdk import Limits, Sandbox
 from environments.swe.grading import Grade, ResolvedStatus, grade_log
 from environments.swe.images import REPO_DIR, RepoTars, environment_image, instance_image
 from environments.swe.instance import EnvironmentSpec, Prediction, SweInstance
 from environments.swe.patches import check_patch
 from environments.swe.report import RunLayout, RunSummary, models_of, write_atomic
 from environments.swe.script import BOOTSTRAP, EVAL_ENV, MAX_TEST_OUTPUT, make_bundle
-from orchestrator.backends.base import Limits, Sandbox, SandboxBackend, SandboxSpec
 from orchestrator.backends.pool import PoolConfig, SandboxPool
-from orchestrator.errors import EnvfleetError, InvalidRequestError, SandboxError
-from orchestrator.images import ImageBuildError
+from orchestrator.core.errors import EnvfleetError, ImageBuildError, InvalidRequestError, SandboxError
+from orchestrator.core.sandbox import SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,10 @@ import docker
 import docker.errors
 
 from environments.swe.instance import ArchiveSource, EnvironmentSpec, ImageSource, SdistSource, SweInstance
-from orchestrator.errors import InvalidRequestError
+from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images import ensure_base_image
 from orchestrator.images.build import build_image
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, log_tail, safe_name
-from orchestrator.images.errors import ImageBuildError
 from orchestrator.images.wheels import fetch_site
 
 log = logging.getLogger(__name__)

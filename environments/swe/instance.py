@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from orchestrator.errors import InvalidRequestError
+from orchestrator.core.errors import InvalidRequestError
 
 INSTANCE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 _SHA256 = r"^[0-9a-f]{64}$"

@@ -20,7 +20,7 @@ from environments.swe.evaluate import run_evaluation
 from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS
 from environments.swe.instance import SweInstance, empty_predictions, gold_predictions
 from environments.swe.report import RunLayout
-from orchestrator.backends.base import SandboxBackend
+from orchestrator.core.sandbox import SandboxBackend
 
 log = logging.getLogger(__name__)
 

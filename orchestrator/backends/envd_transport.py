@@ -9,7 +9,14 @@ from typing import Literal, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.backends.base import (
+from orchestrator.core.errors import (
+    InvalidRequestError,
+    SandboxFileError,
+    SandboxFileNotFoundError,
+    SandboxPermissionError,
+    SandboxUnavailableError,
+)
+from orchestrator.core.sandbox import (
     Command,
     ExecEnded,
     ExecEvent,
@@ -19,13 +26,6 @@ from orchestrator.backends.base import (
     FileEntry,
     ResetOutcome,
     Transport,
-)
-from orchestrator.errors import (
-    InvalidRequestError,
-    SandboxFileError,
-    SandboxFileNotFoundError,
-    SandboxPermissionError,
-    SandboxUnavailableError,
 )
 from protos import envd_pb2 as pb
 from protos import envd_pb2_grpc as pb_grpc

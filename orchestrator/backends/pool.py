@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.backends.base import Sandbox, SandboxBackend, SandboxSpec
-from orchestrator.errors import SandboxError
-from orchestrator.metrics import Metrics
+from orchestrator.core.errors import SandboxError
+from orchestrator.core.metrics import Metrics
+from orchestrator.core.sandbox import Sandbox, SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,6 @@
 
 from orchestrator.images.base import ensure_base_image
 from orchestrator.images.build import build_image
-from orchestrator.images.errors import ImageBuildError
-from orchestrator.images.spec import ImageSpec, build_from_spec, render_dockerfile
+from orchestrator.images.spec import build_from_spec
 
-__all__ = ["ImageBuildError", "ImageSpec", "build_from_spec", "build_image", "ensure_base_image", "render_dockerfile"]
+__all__ = ["build_from_spec", "build_image", "ensure_base_image"]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import docker
 
+from orchestrator.core.errors import ImageBuildError
 from orchestrator.images.build import REPO_PREFIX, build_image
 from orchestrator.images.cache import default_cache_dir, log_dir_for
-from orchestrator.images.errors import ImageBuildError
 from orchestrator.images.rootfs import ensure_rootfs_image
 from orchestrator.images.wheels import envd_requirements, fetch_site
 

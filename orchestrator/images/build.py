@@ -23,9 +23,8 @@ from typing import IO, Any
 import docker
 import docker.errors
 
-from orchestrator.errors import InvalidRequestError
+from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, safe_name
-from orchestrator.images.errors import ImageBuildError
 
 log = logging.getLogger(__name__)
 

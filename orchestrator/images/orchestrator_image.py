@@ -6,10 +6,10 @@ from pathlib import Path
 
 import docker
 
+from orchestrator.core.errors import ImageBuildError
 from orchestrator.images.base import _package_files, ensure_base_image
 from orchestrator.images.build import build_image
 from orchestrator.images.cache import default_cache_dir, log_dir_for
-from orchestrator.images.errors import ImageBuildError
 from orchestrator.images.wheels import envd_requirements, fetch_site
 
 PACKAGES = ("protos", "envd", "orchestrator", "environments")

@@ -21,9 +21,8 @@ from typing import BinaryIO
 import docker
 import docker.errors
 
-from orchestrator.errors import InvalidRequestError
+from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, log_tail, sha256_hex
-from orchestrator.images.errors import ImageBuildError
 
 log = logging.getLogger(__name__)
 

@@ -2,103 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import docker
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from orchestrator.core.image_spec import ImageSpec, render_dockerfile
 from orchestrator.images.build import build_image
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
-# Dockerfile instructions substitute $VARS in paths and treat a backslash as an escape; allow neither in paths.
-_PATH_FORBIDDEN = ("\n", "\r", "\0", "$", "\\")
-
-
-class ImageSpec(BaseModel):
-    """An image built FROM `base`: `files` (absolute path -> text) are copied in, then `run` commands run in order.
-
-    `env` is set before the commands run and `workdir` is their working directory (and the image's).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    base: str
-    files: dict[str, str] = Field(default_factory=dict)
-    run: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    workdir: str | None = None
-
-    @field_validator("base")
-    @classmethod
-    def _check_base(cls, v: str) -> str:
-        if not _IMAGE_REF.match(v):
-            raise ValueError(f"base {v!r} is not an image reference")
-        return v
-
-    @field_validator("files")
-    @classmethod
-    def _check_files(cls, v: dict[str, str]) -> dict[str, str]:
-        for path in v:
-            _check_image_path(path, "file path")
-        return v
-
-    @field_validator("workdir")
-    @classmethod
-    def _check_workdir(cls, v: str | None) -> str | None:
-        return None if v is None else _check_image_path(v, "workdir")
-
-    @field_validator("env")
-    @classmethod
-    def _check_env(cls, v: dict[str, str]) -> dict[str, str]:
-        for name, value in v.items():
-            if not _ENV_NAME.match(name):
-                raise ValueError(f"env name {name!r} is not a shell variable name")
-            if "\n" in value or "\r" in value or "\0" in value:
-                raise ValueError(f"env {name} holds a newline or NUL")
-        return v
-
-    @field_validator("run")
-    @classmethod
-    def _check_run(cls, v: list[str]) -> list[str]:
-        for cmd in v:
-            if not cmd.strip() or "\0" in cmd:
-                raise ValueError(f"run command {cmd!r} is empty or holds NUL")
-        return v
-
-
-def _check_image_path(path: str, what: str) -> str:
-    p = PurePosixPath(path)
-    if not p.is_absolute():
-        raise ValueError(f"{what} {path!r} must be absolute")
-    if ".." in p.parts:
-        raise ValueError(f"{what} {path!r} must not contain '..'")
-    if path.endswith("/") and what == "file path":
-        raise ValueError(f"{what} {path!r} must name a file, not a folder")
-    if str(p) == "/" and what == "file path":
-        raise ValueError(f"{what} {path!r} must name a file")
-    if any(c in path for c in _PATH_FORBIDDEN):
-        raise ValueError(f"{what} {path!r} must not contain '$', a backslash, a newline or NUL")
-    return path
-
-
-def render_dockerfile(spec: ImageSpec) -> tuple[str, dict[str, bytes]]:
-    """The Dockerfile for `spec` and its build context (relative path -> bytes, Dockerfile excluded)."""
-    lines = [f"FROM {spec.base}"]
-    lines += [f'ENV {name}="{_env_quote(value)}"' for name, value in spec.env.items()]
-    if spec.workdir is not None:
-        lines.append(f"WORKDIR {spec.workdir}")
-    context: dict[str, bytes] = {}
-    for path, text in spec.files.items():
-        rel = "files" + str(PurePosixPath(path))
-        context[rel] = text.encode()
-        lines.append(f"COPY {json.dumps([rel, path])}")
-    for cmd in spec.run:
-        one_line = "\n" not in cmd and "\r" not in cmd and not cmd.rstrip().endswith("\\")
-        lines.append(f"RUN {cmd}" if one_line else f"RUN {json.dumps(['/bin/sh', '-c', cmd])}")
-    return "\n".join(lines) + "\n", context
 
 
 def build_from_spec(
@@ -114,8 +23,3 @@ def build_from_spec(
     return build_image(
         client, name=name, dockerfile=dockerfile, context_files=dict(context), labels=labels, log_dir=log_dir
     )
-
-
-def _env_quote(value: str) -> str:
-    """Quote for a Dockerfile ENV double-quoted word: backslash, quote and '$' (no variable substitution)."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")

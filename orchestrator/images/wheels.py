@@ -19,8 +19,8 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
+from orchestrator.core.errors import ImageBuildError
 from orchestrator.images.cache import file_lock, log_dir_for, log_tail, sha256_hex
-from orchestrator.images.errors import ImageBuildError
 
 log = logging.getLogger(__name__)
 

@@ -7,19 +7,13 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import docker
-
-from environments.base import Environment, Task
-from environments.tools import get_tools
-from orchestrator.backends.base import Sandbox, SandboxSpec
 from orchestrator.backends.pool import SandboxPool
-from orchestrator.errors import EnvfleetError, SandboxError
-from orchestrator.images import ImageBuildError, build_from_spec, ensure_base_image
-from orchestrator.models import (
+from orchestrator.core.environment import Environment, ImageSource, Task
+from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, PolicyError, SandboxError
+from orchestrator.core.models import (
     JobSpec,
     Provenance,
     Rollout,
@@ -30,15 +24,14 @@ from orchestrator.models import (
     Turn,
     rollout_id,
 )
-from orchestrator.rollout.loop import run_episode
-from orchestrator.rollout.policy import Policy, PolicyError
+from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
+from orchestrator.core.tools import get_tools
+from orchestrator.rollout.episode import env_call, run_episode
+from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.snapshots import SnapshotCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# The same task and sample always see the same environment variables and seed.
-DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LC_ALL": "C.UTF-8"}
 
 
 @dataclass(frozen=True)
@@ -63,57 +56,10 @@ class WorkItem:
         return int.from_bytes(hashlib.sha256(self.id.encode()).digest()[:4], "big")
 
 
-class ImageResolver:
-    """The image tag (and id) each environment runs on, built once per process through the offline pipeline;
-    `prebuild` starts a build in the background for a job that is still queued."""
-
-    def __init__(self, client: docker.DockerClient) -> None:
-        self._client = client
-        self._cache: dict[str, tuple[str, str]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._prebuilds: dict[str, asyncio.Task[None]] = {}
-
-    def ready(self, env: Environment) -> bool:
-        """Whether the environment's image is already built (resolve returns at once)."""
-        return env.ref() in self._cache
-
-    async def resolve(self, env: Environment) -> tuple[str, str]:
-        key = env.ref()
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            if key not in self._cache:
-                self._cache[key] = await asyncio.to_thread(self._build, env)
-            return self._cache[key]
-
-    def prebuild(self, env: Environment) -> asyncio.Task[None]:
-        """Build the image in the background; the task ends (never raising) when the image exists or the build
-        failed. A failed build is retried, and reported, by the rollouts that need the image."""
-        key = env.ref()
-        task = self._prebuilds.get(key)
-        if task is None:
-            task = self._prebuilds[key] = asyncio.create_task(self._prebuild(env), name=f"prebuild {key}")
-            task.add_done_callback(lambda _: self._prebuilds.pop(key, None))
-        return task
-
-    async def _prebuild(self, env: Environment) -> None:
-        try:
-            await self.resolve(env)
-        except Exception as e:
-            log.warning("prebuilding the image of %s failed (its rollouts will report it): %s", env.ref(), e)
-
-    def _build(self, env: Environment) -> tuple[str, str]:
-        spec = env.image_spec()
-        if spec is None:
-            tag = ensure_base_image(self._client)
-        else:
-            base = spec.base if spec.base else ensure_base_image(self._client)
-            tag = build_from_spec(self._client, name=f"env-{env.name}", spec=spec.model_copy(update={"base": base}))
-        return tag, str(self._client.images.get(tag).id)
-
-
 class RolloutRunner:
     """Runs work items on a sandbox backend."""
 
-    def __init__(self, sandboxes: SandboxPool, images: ImageResolver) -> None:
+    def __init__(self, sandboxes: SandboxPool, images: ImageSource) -> None:
         self.sandboxes = sandboxes
         self.images = images
         self.active: dict[str, Sandbox] = {}  # rollout id -> its sandbox, while it runs
@@ -180,7 +126,7 @@ class RolloutRunner:
                 t0 = time.monotonic()
                 try:
                     image, image_id = await self.images.resolve(env)
-                except (ImageBuildError, docker.errors.DockerException) as e:
+                except ImageBuildError as e:
                     raise EnvironmentBroken(f"image for {env.ref()} could not be built: {e}") from e
                 prov.image, prov.image_id = image, image_id
                 # the seed travels with the task (setup), not in the sandbox's environment, so sandboxes stay
@@ -274,17 +220,3 @@ class RolloutRunner:
             timing=timing,
             provenance=prov,
         )
-
-
-class EnvironmentBroken(EnvfleetError):
-    """The environment's own code failed (setup, scoring, image): ENV_ERROR, not retried."""
-
-
-async def env_call(coro: Awaitable[T]) -> T:
-    """Await environment code; its failures (other than sandbox and policy ones) mean the environment is broken."""
-    try:
-        return await coro
-    except (SandboxError, PolicyError, asyncio.CancelledError, TimeoutError):
-        raise
-    except Exception as e:
-        raise EnvironmentBroken(f"{type(e).__name__}: {e}") from e

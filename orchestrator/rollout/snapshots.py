@@ -14,7 +14,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
-from orchestrator.backends.base import Sandbox
+from orchestrator.core.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 

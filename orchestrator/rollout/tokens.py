@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.models import Tokens
-from orchestrator.rollout.policy import Completion
+from orchestrator.core.models import Tokens
+from orchestrator.rollout.policy.base import Completion
 
 
 @dataclass

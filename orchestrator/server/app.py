@@ -14,15 +14,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
-from orchestrator.jobs import JobManager
-from orchestrator.metrics import Metrics
-from orchestrator.registration import EnvImageResolver, Registrar, SpecStore
-from orchestrator.registry import Registry
+from orchestrator.core.metrics import Metrics
 from orchestrator.rollout.runner import RolloutRunner
-from orchestrator.sandboxes import SandboxManager, SandboxServiceConfig
-from orchestrator.scheduler import Capacity
 from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
     Authenticator,
@@ -33,8 +28,13 @@ from orchestrator.server.security import (
 )
 from orchestrator.server.services import EnvironmentService, RolloutService
 from orchestrator.server.trainer_services import SandboxService, SessionService
-from orchestrator.sessions import SessionConfig, SessionManager
-from orchestrator.store import ResultStore
+from orchestrator.service.jobs import JobManager
+from orchestrator.service.registration import EnvImageResolver, Registrar, SpecStore
+from orchestrator.service.registry import Registry
+from orchestrator.service.sandboxes import SandboxManager, SandboxServiceConfig
+from orchestrator.service.scheduler import Capacity
+from orchestrator.service.sessions import SessionConfig, SessionManager
+from orchestrator.service.store import ResultStore
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from environments.tools import Tool
-from orchestrator.backends.base import Command, ExecEnded, ExecEvent, ExecOutput, ExecStarted, Limits
-from orchestrator.errors import InvalidRequestError
-from orchestrator.models import Turn
-from orchestrator.sandboxes import SandboxRecord
-from orchestrator.sessions import Action, FinalAnswer, Observation, SessionView, StepResult, ToolAction
+from orchestrator.core.errors import InvalidRequestError
+from orchestrator.core.models import Turn
+from orchestrator.core.sandbox import Command, ExecEnded, ExecEvent, ExecOutput, ExecStarted, Limits
+from orchestrator.core.tools import Tool
+from orchestrator.service.sandboxes import SandboxRecord
+from orchestrator.service.sessions import Action, FinalAnswer, Observation, SessionView, StepResult, ToolAction
 from protos import orchestrator_pb2 as pb
 
 MAX_ID = 128

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from environments.declarative import EnvironmentSpec, Problem, SpecError, parse_spec
-from orchestrator.backends.base import Limits
-from orchestrator.registration import ValidationResult
+from orchestrator.core.sandbox import Limits
+from orchestrator.service.declarative import EnvironmentSpec, Problem, SpecError, parse_spec
+from orchestrator.service.registration import ValidationResult
 from protos import orchestrator_pb2 as pb
 
 _LIMIT_FIELDS = tuple(Limits.model_fields)

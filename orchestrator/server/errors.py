@@ -10,12 +10,17 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
-from orchestrator.errors import (
+from orchestrator.core.errors import (
     AlreadyExistsError,
+    CapacityError,
     ConfigError,
     EnvfleetError,
+    EnvironmentNotFoundError,
     FailedPreconditionError,
+    ImageBuildError,
     InvalidRequestError,
+    JobFinishedError,
+    JobNotFoundError,
     NotFoundError,
     PermissionDeniedError,
     QuotaExceededError,
@@ -25,10 +30,6 @@ from orchestrator.errors import (
     SandboxPermissionError,
     UnauthenticatedError,
 )
-from orchestrator.images.errors import ImageBuildError
-from orchestrator.jobs import JobFinishedError, JobNotFoundError
-from orchestrator.registry import EnvironmentNotFoundError
-from orchestrator.scheduler import CapacityError
 
 log = logging.getLogger(__name__)
 

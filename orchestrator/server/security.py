@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
@@ -16,8 +15,9 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict
 
-from orchestrator.errors import ConfigError, UnauthenticatedError
-from orchestrator.tenancy import LOCAL_TENANT, TokenSource
+from orchestrator.core.errors import ConfigError, UnauthenticatedError
+from orchestrator.core.net import is_loopback
+from orchestrator.service.tenancy import LOCAL_TENANT, TokenSource
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +44,6 @@ class SecurityConfig(BaseModel):
     token_file: Path | None = None
     tls: TLSConfig | None = None
     insecure: bool = False  # allow plaintext on a non-loopback address (logged loudly)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listen address only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_transport(host: str, security: SecurityConfig) -> None:

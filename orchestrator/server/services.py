@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from environments.declarative import DeclarativeEnvironment
-from orchestrator.errors import FailedPreconditionError, InvalidRequestError
-from orchestrator.jobs import JobManager
-from orchestrator.registration import Registrar
-from orchestrator.registry import Registry
+from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
 from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
 from orchestrator.server.security import Authenticator
+from orchestrator.service.declarative import DeclarativeEnvironment
+from orchestrator.service.jobs import JobManager
+from orchestrator.service.registration import Registrar
+from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 

@@ -10,8 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from orchestrator.errors import InvalidRequestError
-from orchestrator.sandboxes import SandboxManager
+from orchestrator.core.errors import InvalidRequestError
 from orchestrator.server.convert_sessions import (
     action_from_pb,
     check_id,
@@ -23,7 +22,8 @@ from orchestrator.server.convert_sessions import (
 )
 from orchestrator.server.convert_specs import limits_overrides
 from orchestrator.server.security import Authenticator
-from orchestrator.sessions import SessionManager
+from orchestrator.service.sandboxes import SandboxManager
+from orchestrator.service.sessions import SessionManager
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from orchestrator.backends.envd_transport import EnvdTransport
-from orchestrator.errors import InvalidRequestError, SandboxFileError, SandboxFileNotFoundError, SandboxPermissionError
+from orchestrator.core.errors import (
+    InvalidRequestError,
+    SandboxFileError,
+    SandboxFileNotFoundError,
+    SandboxPermissionError,
+)
 
 
 def _tar(members: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:

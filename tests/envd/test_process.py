@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.backends.base import ExecEnded, ExecOutput, ExecStarted
 from orchestrator.backends.envd_transport import EnvdTransport
-from orchestrator.errors import InvalidRequestError, SandboxFileNotFoundError, SandboxUnavailableError
+from orchestrator.core.errors import InvalidRequestError, SandboxFileNotFoundError, SandboxUnavailableError
+from orchestrator.core.sandbox import ExecEnded, ExecOutput, ExecStarted
 from protos import envd_pb2 as pb
 from protos import envd_pb2_grpc as pb_grpc
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from environments.checker import check_environment, check_tasks
 from environments.code_tests import CodeTestsEnv
 from environments.python_tool import PythonToolEnv
-from orchestrator.backends.docker import DockerBackend
-from orchestrator.client import EnvfleetClient
-from orchestrator.models import JobSpec, RolloutStatus, TaskSelection
-from orchestrator.registry import Registry
-from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.rollout.runner import ImageResolver
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import start_scripted_server
+from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.images.resolver import ImageResolver
+from orchestrator.service.checker import check_environment, check_tasks
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import start_scripted_server
+from orchestrator.testing.scripts import reference_script
 
 BUILTINS = sorted(
     r.env.name for r in Registry.from_entry_points().all() if r.source.startswith("entry-point:environments.")

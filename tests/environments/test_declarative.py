@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from environments.declarative import SpecError, load_spec_file, make_environment, parse_spec
-from environments.declarative.env import image_name, parse_score
-from environments.declarative.errors import ScoringError
-from orchestrator.backends.base import ExecResult
+from orchestrator.core.sandbox import ExecResult
+from orchestrator.service.declarative import SpecError, load_spec_file, make_environment, parse_spec
+from orchestrator.service.declarative.env import image_name, parse_score
+from orchestrator.service.declarative.errors import ScoringError
 
 
 def minimal(**kw: Any) -> dict[str, Any]:

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.docker import DockerBackendConfig
-from orchestrator.client import EnvfleetClient
-from orchestrator.models import JobSpec, TaskSelection
-from orchestrator.registry import Registry
-from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import Script, ScriptedServer, start_scripted_server
+from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import Script, ScriptedServer, start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from tests.conftest import TEST_OWNER
 
 ENV = "python-tool"

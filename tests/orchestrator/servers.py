@@ -10,9 +10,9 @@ from typing import Any
 import grpc
 import pytest
 
-from orchestrator.backends.docker import DockerBackendConfig
-from orchestrator.registry import Registry
+from orchestrator.backends.docker.backend import DockerBackendConfig
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.service.registry import Registry
 from tests.conftest import TEST_OWNER
 
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.client import EnvfleetClient
+from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.server.app import Orchestrator
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc

@@ -18,12 +18,12 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from orchestrator.client import EnvfleetClient
-from orchestrator.client_auth import ClientTLS
-from orchestrator.errors import ConfigError
-from orchestrator.models import JobSpec, TaskSelection
-from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.scripted_policy import ScriptedServer
+from orchestrator.client.auth import ClientTLS
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import ConfigError
+from orchestrator.core.models import JobSpec, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.testing.scripted_policy import ScriptedServer
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import REPO

@@ -8,9 +8,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.client import EnvfleetClient
-from orchestrator.errors import InvalidRequestError
-from orchestrator.models import JobSpec
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import InvalidRequestError
+from orchestrator.core.models import JobSpec
 from orchestrator.server.app import Orchestrator
 from orchestrator.server.convert import job_spec_from_pb
 from protos import orchestrator_pb2 as pb

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.client import SyncEnvfleetClient
-from orchestrator.scripted_policy import ScriptedServer
+from orchestrator.client.sdk import SyncEnvfleetClient
 from orchestrator.server.app import Orchestrator
+from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.conftest import REPO
 from tests.orchestrator.conftest import job
 

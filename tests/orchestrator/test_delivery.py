@@ -12,11 +12,11 @@ from pathlib import Path
 import docker
 import grpc
 
-from orchestrator.client import EnvfleetClient
-from orchestrator.registry import Registry
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import ScriptedServer, start_scripted_server
-from orchestrator.store import ResultStore
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.service.registry import Registry
+from orchestrator.service.store import ResultStore
+from orchestrator.testing.scripted_policy import ScriptedServer, start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import ENV, job

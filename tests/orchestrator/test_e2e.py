@@ -9,13 +9,13 @@ import docker
 import grpc
 import pytest
 
-from orchestrator.client import EnvfleetClient
-from orchestrator.models import Rollout, RolloutStatus
-from orchestrator.registry import Registry
-from orchestrator.rollout import toy_tokenizer as toy
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import Script, ScriptedServer, Step, start_scripted_server
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import Rollout, RolloutStatus
+from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.server.app import Orchestrator
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import Script, ScriptedServer, Step, start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV, job

@@ -11,14 +11,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.backends.docker import DockerBackendConfig
+from orchestrator.backends.docker.backend import DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig
-from orchestrator.client import EnvfleetClient
-from orchestrator.models import RolloutStatus
-from orchestrator.registry import Registry
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import start_scripted_server
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import RolloutStatus
 from orchestrator.server.app import OrchestratorConfig, create_server
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
 

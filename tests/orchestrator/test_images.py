@@ -13,8 +13,9 @@ import docker.errors
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.errors import InvalidRequestError
-from orchestrator.images import ImageBuildError, ImageSpec, build_image, ensure_base_image, render_dockerfile
+from orchestrator.core.errors import ImageBuildError, InvalidRequestError
+from orchestrator.core.image_spec import ImageSpec, render_dockerfile
+from orchestrator.images import build_image, ensure_base_image
 from orchestrator.images.build import image_key
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import httpx
 
-from orchestrator.backends.docker import DockerBackendConfig
-from orchestrator.client import EnvfleetClient
-from orchestrator.scripted_policy import ScriptedServer
+from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.server.app import OrchestratorConfig, create_server
+from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import job
 

@@ -15,12 +15,12 @@ import grpc
 import pytest
 import yaml
 
-from orchestrator.client import EnvfleetClient
-from orchestrator.models import JobSpec, RolloutStatus, TaskSelection
-from orchestrator.registry import Registry
-from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import start_scripted_server
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
 from tests.conftest import REPO
 from tests.orchestrator.servers import expect_error, serve

@@ -10,7 +10,7 @@ from pathlib import Path
 import docker
 import grpc
 
-from orchestrator.client import EnvfleetClient
+from orchestrator.client.sdk import EnvfleetClient
 from protos import orchestrator_pb2 as pb
 from tests.orchestrator.servers import expect_error, serve
 

@@ -10,17 +10,18 @@ import docker
 import grpc
 import pytest
 
-from environments.base import Task
 from environments.python_tool import PythonToolEnv
-from orchestrator.backends.docker import DockerBackendConfig
-from orchestrator.client import EnvfleetClient
-from orchestrator.images.spec import ImageSpec
-from orchestrator.registry import Registry
+from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Task
+from orchestrator.core.errors import CapacityError
+from orchestrator.core.image_spec import ImageSpec
 from orchestrator.rollout.runner import WorkItem
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scheduler import Capacity, CapacityError, Need, Scheduler
-from orchestrator.scripted_policy import start_scripted_server
 from orchestrator.server.app import OrchestratorConfig, create_server
+from orchestrator.service.registry import Registry
+from orchestrator.service.scheduler import Capacity, Need, Scheduler
+from orchestrator.testing.scripted_policy import start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
 

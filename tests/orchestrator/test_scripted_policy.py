@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from orchestrator.rollout import toy_tokenizer as toy
-from orchestrator.scripted_policy import Script, ScriptedServer, Step, start_scripted_server, task_of
+from orchestrator.testing import toy_tokenizer as toy
+from orchestrator.testing.scripted_policy import Script, ScriptedServer, Step, start_scripted_server, task_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -287,7 +287,16 @@ def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"tasks": {"t": [{"content": "from the CLI"}]}}))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.scripted_policy", "--script", str(script), "--port", "0", "--no-tokens"],
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.testing.scripted_policy",
+            "--script",
+            str(script),
+            "--port",
+            "0",
+            "--no-tokens",
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
@@ -316,7 +325,7 @@ def test_cli_rejects_a_bad_script(tmp_path: Path) -> None:
     script = tmp_path / "bad.json"
     script.write_text(json.dumps({"tasks": {"t": [{"contents": "typo"}]}}))
     r = subprocess.run(
-        [sys.executable, "-m", "orchestrator.scripted_policy", "--script", str(script)],
+        [sys.executable, "-m", "orchestrator.testing.scripted_policy", "--script", str(script)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from orchestrator.client import EnvfleetClient
-from orchestrator.gym_env import SessionEnv
-from orchestrator.registry import Registry
+from orchestrator.client.gym import SessionEnv
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
 from tests.orchestrator.conftest import ENV
 from tests.orchestrator.servers import expect_error, serve

@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from environments.base import Environment, Rubric, ScoringContext, Task, ToolInvocation
-from orchestrator.backends.base import Sandbox
-from orchestrator.backends.docker import DockerBackendConfig
-from orchestrator.client import EnvfleetClient
-from orchestrator.models import JobSpec, RolloutStatus
-from orchestrator.registry import Registry
-from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import start_scripted_server
+from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
+from orchestrator.core.models import JobSpec, RolloutStatus
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.core.sandbox import Sandbox
 from orchestrator.server.app import OrchestratorConfig, create_server
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from tests.conftest import TEST_OWNER
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.client_auth import check_client_transport, target_host
-from orchestrator.errors import ConfigError, UnauthenticatedError
-from orchestrator.server.security import Authenticator, SecurityConfig, check_transport, is_loopback
-from orchestrator.tenancy import LOCAL_TENANT, TokenSource, TokenTable
+from orchestrator.client.auth import check_client_transport, target_host
+from orchestrator.core.errors import ConfigError, UnauthenticatedError
+from orchestrator.core.net import is_loopback
+from orchestrator.server.security import Authenticator, SecurityConfig, check_transport
+from orchestrator.service.tenancy import LOCAL_TENANT, TokenSource, TokenTable
 
 GOOD = "a" * 32
 
@@ -50,7 +51,7 @@ def test_token_file_is_reloaded_when_it_changes(tmp_path: Path, monkeypatch: pyt
     assert auth.tenant_of_metadata([("authorization", f"Bearer {GOOD}")]) == "team-a"
     path.write_text(f"tokens:\n  {GOOD}: team-z\n")
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
-    monkeypatch.setattr("orchestrator.tenancy.RELOAD_CHECK_S", 0.0)
+    monkeypatch.setattr("orchestrator.service.tenancy.RELOAD_CHECK_S", 0.0)
     assert auth.tenant_of_metadata([("authorization", f"Bearer {GOOD}")]) == "team-z"
     path.write_text("tokens: [")  # a broken edit keeps the previous tokens
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))

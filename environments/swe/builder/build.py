@@ -38,8 +38,8 @@ from environments.swe.patches import file_diff
 from environments.swe.script import BOOTSTRAP, EVAL_ENV, SCRATCH, UNITTEST_RUNNER, Bundle
 from environments.swe.snapshot import extract_archive, snapshot_commit
 from environments.swe.validate import validate_dataset
-from orchestrator.backends.base import SandboxBackend, SandboxSpec
-from orchestrator.errors import EnvfleetError, SandboxError
+from orchestrator.core.errors import EnvfleetError, SandboxError
+from orchestrator.core.sandbox import SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from environments.swe.instance import SdistSource
-from orchestrator.errors import InvalidRequestError
+from orchestrator.core.errors import InvalidRequestError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 PINS = DATA_DIR / "projects.json"

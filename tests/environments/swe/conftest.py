@@ -148,7 +148,7 @@ def shipped_runs(shipped: list[SweInstance], base_image: str, tmp_path_factory: 
 
     from environments.swe.evaluate import run_evaluation
     from environments.swe.instance import empty_predictions, gold_predictions
-    from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
+    from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
     from tests.conftest import TEST_OWNER
 
     log_dir = tmp_path_factory.mktemp("shipped-runs")

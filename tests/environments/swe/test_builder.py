@@ -11,7 +11,7 @@ import docker
 from environments.swe.builder.build import BuildOptions, build_dataset
 from environments.swe.builder.pins import load_pins
 from environments.swe.instance import SweInstance
-from orchestrator.backends.docker import DockerBackend
+from orchestrator.backends.docker.backend import DockerBackend
 
 PROJECT = "cachetools"  # the quickest suite of the pinned projects
 

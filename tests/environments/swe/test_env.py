@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from environments.swe.env import SweEnv, reference_solution
 from environments.swe.instance import SweInstance
-from orchestrator.client import EnvfleetClient
-from orchestrator.models import JobSpec, RolloutStatus, TaskSelection
-from orchestrator.rollout.policy import PolicyEndpoint
-from orchestrator.rollout.scripts import reference_script
-from orchestrator.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from tests.environments.swe.conftest import Tiny
 
 

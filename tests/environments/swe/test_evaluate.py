@@ -13,8 +13,8 @@ import pytest
 from environments.swe.evaluate import run_evaluation
 from environments.swe.instance import Prediction, dump_jsonl
 from environments.swe.patches import file_diff
-from orchestrator.backends.docker import DockerBackend
-from orchestrator.cli import main
+from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.cli.main import main
 from tests.conftest import TEST_OWNER
 from tests.environments.swe.conftest import Tiny
 

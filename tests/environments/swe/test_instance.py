@@ -10,7 +10,7 @@ import pytest
 
 from environments.swe.instance import SweInstance, load_instances, load_predictions
 from environments.swe.patches import check_patch, file_diff, patch_files
-from orchestrator.errors import InvalidRequestError
+from orchestrator.core.errors import InvalidRequestError
 
 
 def record(**kw: Any) -> dict[str, Any]:

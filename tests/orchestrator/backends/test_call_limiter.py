@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from orchestrator.backends.call_limiter import FIRST_BACKOFF_S, CallLimiter
+from orchestrator.backends.docker.call_limiter import FIRST_BACKOFF_S, CallLimiter
 
 FAST, SLOW = 0.01, 2.0
 

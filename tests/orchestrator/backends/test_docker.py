@@ -17,8 +17,7 @@ from collections.abc import AsyncIterator
 import docker
 import pytest
 
-from orchestrator.backends.base import ExecOutput, Limits, SandboxSpec
-from orchestrator.backends.docker import (
+from orchestrator.backends.docker.backend import (
     LABEL_INSTANCE,
     LABEL_LEASE,
     LABEL_MANAGED,
@@ -27,12 +26,13 @@ from orchestrator.backends.docker import (
     DockerBackendConfig,
     DockerSandbox,
 )
-from orchestrator.errors import (
+from orchestrator.core.errors import (
     SandboxCreateError,
     SandboxDiedError,
     SandboxPermissionError,
     SandboxStartTimeoutError,
 )
+from orchestrator.core.sandbox import ExecOutput, Limits, SandboxSpec
 from tests.conftest import REPO, TEST_OWNER
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import docker
 import pytest
 
-from orchestrator.backends.base import SandboxSpec
-from orchestrator.backends.docker import LABEL_INSTANCE, DockerBackend, DockerBackendConfig
-from orchestrator.errors import SandboxUnavailableError
+from orchestrator.backends.docker.backend import LABEL_INSTANCE, DockerBackend, DockerBackendConfig
+from orchestrator.core.errors import SandboxUnavailableError
+from orchestrator.core.sandbox import SandboxSpec
 from tests.conftest import TEST_OWNER, owned_backend
 from tests.orchestrator.backends.test_call_limiter import until
 

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable
 import docker
 import pytest
 
-from orchestrator.backends.base import Limits, SandboxSpec
-from orchestrator.backends.docker import DockerBackend
+from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.backends.pool import PoolConfig, SandboxPool
+from orchestrator.core.sandbox import Limits, SandboxSpec
 
 
 async def _until(pred: Callable[[], bool], timeout: float = 30.0) -> None:

@@ -12,21 +12,20 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.errors import EnvfleetError
-from orchestrator.rollout import toy_tokenizer as toy
-from orchestrator.rollout.policy import (
-    OpenAIPolicy,
+from orchestrator.core.errors import (
+    EnvfleetError,
     PolicyConnectionError,
-    PolicyEndpoint,
     PolicyError,
     PolicyHTTPError,
     PolicyResponseError,
     PolicyTimeoutError,
-    Sampling,
-    ToolCall,
-    parse_chat_completion,
 )
-from orchestrator.scripted_policy import Script, ScriptedServer, start_scripted_server
+from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.testing import toy_tokenizer as toy
+from orchestrator.rollout.policy.base import ToolCall
+from orchestrator.rollout.policy.client import OpenAIPolicy
+from orchestrator.rollout.policy.parsing import parse_chat_completion
+from orchestrator.testing.scripted_policy import Script, ScriptedServer, start_scripted_server
 
 TOOLS: list[dict[str, Any]] = [
     {

@@ -1,0 +1,5 @@
+"""`python -m orchestrator.cli`."""
+
+from orchestrator.cli.main import main
+
+main()

@@ -1,0 +1,331 @@
+"""The `envfleet` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import tempfile
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import docker
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.cli.remote import add_client_arguments, add_register_command, add_serve_security_arguments, connect
+
+console = Console(width=None if sys.stdout.isatty() else 150)
+
+
+def _cmd_image_build_base(args: argparse.Namespace) -> int:
+    from orchestrator.images import ensure_base_image
+
+    print(ensure_base_image(docker.from_env()))
+    return 0
+
+
+def _cmd_image_build_orchestrator(args: argparse.Namespace) -> int:
+    from orchestrator.images.orchestrator_image import ensure_orchestrator_image
+
+    print(ensure_orchestrator_image(docker.from_env()))
+    return 0
+
+
+def _cmd_sandbox_demo(args: argparse.Namespace) -> int:
+    from orchestrator.cli.sandbox_demo import run_demo
+    from orchestrator.images import ensure_base_image
+
+    image = args.image or ensure_base_image(docker.from_env())
+    asyncio.run(run_demo(image, console))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from orchestrator.testing.demo import run_job_demo
+
+    return asyncio.run(run_job_demo(console, Path(args.out), args.tasks, args.n))
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
+
+    async def go() -> int:
+        backend = await DockerBackend.start(DockerBackendConfig(owner="envfleet-sweep"), sweep=False)
+        try:
+            return await backend.sweep(older_than=args.older_than)
+        finally:
+            await backend.close()
+
+    print(f"removed {asyncio.run(go())} sandbox(es)")
+    return 0
+
+
+def _server_config(args: argparse.Namespace) -> object:
+    from orchestrator.backends.docker.backend import DockerBackendConfig
+    from orchestrator.cli.remote import security_config
+    from orchestrator.server.app import OrchestratorConfig
+    from orchestrator.service.sessions import SessionConfig
+
+    return OrchestratorConfig(
+        host=args.host,
+        port=args.port,
+        data_dir=Path(args.data_dir),
+        max_in_flight=args.max_in_flight,
+        backend=DockerBackendConfig(owner=args.owner),
+        security=security_config(args),
+        reflection=args.reflection,
+        sessions=SessionConfig(idle_ttl_s=args.session_ttl),
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from orchestrator.core.errors import ConfigError
+    from orchestrator.server.app import OrchestratorConfig, create_server
+
+    async def go() -> None:
+        config = _server_config(args)
+        assert isinstance(config, OrchestratorConfig)
+        try:
+            orch = await create_server(config)
+        except ConfigError as e:
+            raise SystemExit(f"envfleet serve: {e}") from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print(f"listening {orch.address}", flush=True)
+        if orch.metrics_port is not None:
+            print(f"metrics http://{config.host}:{orch.metrics_port}/metrics", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await orch.stop()
+
+    asyncio.run(go())
+    return 0
+
+
+def _cmd_scripted_policy(args: argparse.Namespace) -> int:
+    from orchestrator.service.registry import Registry
+    from orchestrator.testing.scripted_policy import _serve
+    from orchestrator.testing.scripts import reference_script
+
+    env = Registry.from_entry_points().get(args.env)
+    script = reference_script(env, mode=args.mode, latency_s=args.latency)
+    args.no_tokens = False
+    asyncio.run(_serve(args, script))
+    return 0
+
+
+def _cmd_envs(args: argparse.Namespace) -> int:
+    from orchestrator.core.tools import get_tools
+    from orchestrator.service.registry import Registry
+
+    registry = Registry.from_entry_points()
+    if args.envs_command == "validate":
+        return asyncio.run(_validate_env(registry.get(args.name), args.limit))
+    if args.envs_command == "describe":
+        r = registry.lookup(args.name)
+        env = r.env
+        console.print(f"[bold]{env.ref()}[/bold]  {env.description}")
+        console.print(f"source: {r.source}; tasks: {len(env.tasks())}; max turns: {env.max_turns}")
+        for tool in get_tools(env.tools):
+            console.print(f"  tool [cyan]{tool.name}[/cyan]: {tool.description}")
+        for task in list(env.tasks())[:3]:
+            console.print(f"  task {task.id}: {task.prompt[:100]}")
+        return 0
+    table = Table("environment", "tasks", "tools", "source")
+    for r in registry.all():
+        table.add_row(r.env.ref(), str(len(r.env.tasks())), ", ".join(r.env.tools), r.source)
+    console.print(table)
+    return 0
+
+
+async def _validate_env(env: object, limit: int | None) -> int:
+    from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
+    from orchestrator.core.environment import Environment
+    from orchestrator.images.resolver import ImageResolver
+    from orchestrator.service.checker import check_environment
+
+    assert isinstance(env, Environment)
+    backend = await DockerBackend.start(DockerBackendConfig(owner="envfleet-validate"))
+    try:
+        report = await check_environment(env, backend, ImageResolver(backend.client), limit=limit)
+    finally:
+        await backend.close()
+    for p in report.problems:
+        console.print(f"[red]problem[/red] {p}")
+    verdict = "[green]ok[/green]" if report.ok else f"[red]{len(report.problems)} problem(s)[/red]"
+    console.print(f"{report.env}: {verdict}; {report.tasks_checked} tasks checked in {report.seconds:.1f}s")
+    return 0 if report.ok else 1
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator.cli.status import fetch_status, render_status
+
+    console.print(render_status(fetch_status(args.metrics)))
+    return 0
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from orchestrator.cli.remote import connect
+
+    async def go() -> None:
+        async with connect(args) as client:
+            jobs = await client.list_jobs()
+        table = Table("job", "env", "state", "done/total", "by status", "rollouts/s")
+        for j in jobs:
+            table.add_row(
+                j.job_id,
+                j.env,
+                j.state,
+                f"{j.done}/{j.total}",
+                ", ".join(f"{k}={v}" for k, v in sorted(j.by_status.items())),
+                f"{j.rollouts_per_s:.2f}",
+            )
+        console.print(table)
+
+    asyncio.run(go())
+    return 0
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from orchestrator.core.models import JobSpec, TaskSelection
+    from orchestrator.core.policy import PolicyEndpoint
+    from orchestrator.testing.demo import collect_rollouts
+
+    spec = JobSpec(
+        env=args.env,
+        tasks=TaskSelection(kind="sample", count=args.tasks, seed=args.seed) if args.tasks else TaskSelection(),
+        group_size=args.n,
+        policy=PolicyEndpoint(base_url=args.policy, model=args.model, api_key=args.api_key),
+        max_concurrency=args.concurrency,
+        max_turns=args.max_turns,
+    )
+
+    async def go() -> int:
+        if args.server:
+            return await collect_rollouts(connect(args), spec, Path(args.out), console)
+        from orchestrator.client.sdk import EnvfleetClient
+        from orchestrator.server.app import OrchestratorConfig, create_server
+
+        with tempfile.TemporaryDirectory(prefix="envfleet-") as data:
+            orch = await create_server(OrchestratorConfig(port=0, data_dir=Path(data)))
+            try:
+                return await collect_rollouts(EnvfleetClient(orch.address), spec, Path(args.out), console)
+            finally:
+                await orch.stop()
+
+    return asyncio.run(go())
+
+
+PLUGIN_COMMANDS_GROUP = "envfleet.cli"
+
+
+def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Subcommands that installed plug-ins add: each entry point of the `envfleet.cli` group is a function that
+    takes the subparsers and adds its commands (with `set_defaults(fn=...)`)."""
+    for ep in sorted(entry_points(group=PLUGIN_COMMANDS_GROUP), key=lambda e: e.name):
+        ep.load()(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the orchestrator's gRPC server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--data-dir", default=".envfleet", help="where the result log lives")
+    serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
+    serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
+    serve.add_argument("--backend", choices=["docker"], default="docker")
+    serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus endpoint port; -1: off")
+    add_serve_security_arguments(serve)
+    serve.set_defaults(fn=_cmd_serve)
+
+    envs = sub.add_parser("envs", help="registered environments").add_subparsers(dest="envs_command", required=True)
+    envs.add_parser("list").set_defaults(fn=_cmd_envs)
+    describe = envs.add_parser("describe")
+    describe.add_argument("name", help="name or name@version")
+    describe.set_defaults(fn=_cmd_envs)
+    validate = envs.add_parser("validate", help="build, load and check an environment on real sandboxes")
+    validate.add_argument("name", help="name or name@version")
+    validate.add_argument("--limit", type=int, default=None, help="check only the first N tasks")
+    validate.set_defaults(fn=_cmd_envs)
+    add_register_command(envs)
+
+    rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
+    rollout.add_argument("--env", required=True)
+    rollout.add_argument("--n", type=int, default=1, help="samples per task")
+    rollout.add_argument("--tasks", type=int, default=0, help="sample this many tasks (default: all)")
+    rollout.add_argument("--seed", type=int, default=0)
+    rollout.add_argument("--policy", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    rollout.add_argument("--model", default="policy")
+    rollout.add_argument("--api-key", default="")
+    rollout.add_argument("--concurrency", type=int, default=8)
+    rollout.add_argument("--max-turns", type=int, default=16)
+    rollout.add_argument("--out", default="rollouts.jsonl")
+    add_client_arguments(rollout, None, "an orchestrator address (default: run one in this process)")
+    rollout.set_defaults(fn=_cmd_rollout)
+
+    status = sub.add_parser("status", help="an orchestrator's fleet: sandboxes, pools, queue, rollouts, latencies")
+    status.add_argument("--metrics", default="http://127.0.0.1:9464/metrics", help="the server's metrics URL")
+    status.set_defaults(fn=_cmd_status)
+
+    jobs = sub.add_parser("jobs", help="list an orchestrator's jobs (your tenant's, with a token)")
+    add_client_arguments(jobs)
+    jobs.set_defaults(fn=_cmd_jobs)
+
+    demo = sub.add_parser("demo", help="orchestrator + scripted policy + a job of scored rollouts, end to end")
+    demo.add_argument("--out", default="demo-rollouts.jsonl")
+    demo.add_argument("--tasks", type=int, default=8)
+    demo.add_argument("--n", type=int, default=2)
+    demo.set_defaults(fn=_cmd_demo)
+
+    sandbox_demo = sub.add_parser("sandbox-demo", help="drive one hardened sandbox through envd and show timings")
+    sandbox_demo.add_argument("--image", help="sandbox image (default: the base image)")
+    sandbox_demo.set_defaults(fn=_cmd_sandbox_demo)
+
+    scripted = sub.add_parser("scripted-policy", help="serve a scripted policy that replays reference solutions")
+    scripted.add_argument("--env", required=True)
+    scripted.add_argument("--mode", choices=["solve", "wrong", "empty"], default="solve")
+    scripted.add_argument("--latency", type=float, default=0.0, help="seconds per completion")
+    scripted.add_argument("--host", default="127.0.0.1")
+    scripted.add_argument("--port", type=int, default=0)
+    scripted.set_defaults(fn=_cmd_scripted_policy)
+
+    image = sub.add_parser("image", help="build images offline").add_subparsers(dest="image_command", required=True)
+    image.add_parser("build-base", help="build (or reuse) the envd base image").set_defaults(fn=_cmd_image_build_base)
+    image.add_parser("build-orchestrator", help="build the orchestrator's own image").set_defaults(
+        fn=_cmd_image_build_orchestrator
+    )
+
+    sweep = sub.add_parser("sweep", help="remove sandboxes of dead owners and expired leases")
+    sweep.add_argument("--older-than", type=float, default=None, help="also remove any sandbox older than N seconds")
+    sweep.set_defaults(fn=_cmd_sweep)
+
+    add_plugin_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `envfleet` console script."""
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = args.fn(args)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

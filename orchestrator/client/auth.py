@@ -1,0 +1,112 @@
+"""Client-side credentials: a bearer token on every call, TLS (with an optional client certificate for mTLS).
+
+A token is never sent in clear to a non-loopback address unless the caller passes `insecure=True`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from orchestrator.core.net import is_loopback
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """What a client trusts (root_certificates; None: the system's roots) and, for mTLS, what it presents."""
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+
+    @classmethod
+    def from_files(cls, ca: Path | None = None, cert: Path | None = None, key: Path | None = None) -> ClientTLS:
+        """Read PEM files (any may be None)."""
+        return cls(*(p.read_bytes() if p else None for p in (ca, cert, key)))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials."""
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+
+def target_host(target: str) -> str:
+    """The host part of `host:port`, `[v6]:port` or `dns:///host:port`."""
+    rest = target.split("///", 1)[-1]
+    host = rest.rpartition(":")[0] if ":" in rest else rest
+    return host.strip("[]")
+
+
+def check_client_transport(target: str, token: str | None, tls: ClientTLS | None, insecure: bool) -> None:
+    """Refuse to send a token in clear over the network."""
+    if token and tls is None and not insecure and not is_loopback(target_host(target)):
+        raise ValueError(
+            f"refusing to send a bearer token in clear to {target}: use TLS, or pass insecure=True if you mean it"
+        )
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata carrying a token (empty without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), *bearer_metadata(token))
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
+
+
+class _BearerUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Adds the bearer token to every unary call of an aio channel."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await continuation(_with_token(client_call_details, self._token), request)
+
+
+# grpc.aio files an interceptor under the first call kind it implements, so each kind needs its own object
+class _BearerStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Adds the bearer token to every server-streaming call of an aio channel."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
+        return await continuation(_with_token(client_call_details, self._token), request)
+
+
+def aio_channel(
+    target: str, *, token: str | None = None, tls: ClientTLS | None = None, insecure: bool = False
+) -> grpc.aio.Channel:
+    """An asyncio channel that carries the token on every call (TLS when given)."""
+    check_client_transport(target, token, tls, insecure)
+    interceptors = [_BearerUnary(token), _BearerStream(token)] if token else None
+    if tls is not None:
+        return grpc.aio.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
+def sync_channel(
+    target: str, *, token: str | None = None, tls: ClientTLS | None = None, insecure: bool = False
+) -> grpc.Channel:
+    """A blocking channel (pass `bearer_metadata(token)` as each call's metadata)."""
+    check_client_transport(target, token, tls, insecure)
+    if tls is not None:
+        return grpc.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)

@@ -1,0 +1,272 @@
+"""The Python trainer SDK: submit a job, iterate over scored rollouts (acked for you, resumed after a disconnect).
+
+    async with EnvfleetClient("127.0.0.1:50051") as client:
+        job_id = await client.submit(JobSpec(env="python-tool", group_size=8, policy=PolicyEndpoint(base_url=URL)))
+        async for rollout in client.rollouts(job_id):
+            train_on(rollout.tokens, rollout.reward)
+
+`SyncEnvfleetClient` offers the same calls without asyncio. With `token=` every call carries it as a bearer token;
+with `tls=ClientTLS(...)` the channel uses TLS (and a client certificate, for mTLS). `session_stub` and
+`sandbox_stub` reach the SessionService and the SandboxService.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from orchestrator.client.auth import ClientTLS, aio_channel
+from orchestrator.client.convert import job_spec_to_pb, rollout_from_pb
+from orchestrator.core.models import JobSpec, Rollout
+from protos import orchestrator_pb2 as pb
+from protos import orchestrator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 64 << 20
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """A whole group: its samples and their group-normalized advantages (None for failed samples)."""
+
+    group_id: str
+    task_id: str
+    rollouts: list[Rollout]
+    advantages: list[float | None]
+    failed: int
+
+
+class EnvfleetClient:
+    """Async client of one orchestrator."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 30.0,
+        reconnect_s: float = 60.0,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        insecure: bool = False,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
+        self._channel = aio_channel(target, token=token, tls=tls, insecure=insecure)
+        self.rollout_stub = pb_grpc.RolloutServiceStub(self._channel)
+        self.env_stub = pb_grpc.EnvironmentServiceStub(self._channel)
+        self.session_stub = pb_grpc.SessionServiceStub(self._channel)
+        self.sandbox_stub = pb_grpc.SandboxServiceStub(self._channel)
+
+    async def __aenter__(self) -> EnvfleetClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def submit(self, spec: JobSpec) -> str:
+        """Submit a job; returns its id."""
+        r = await self.rollout_stub.SubmitJob(job_spec_to_pb(spec), timeout=self.timeout_s)
+        return str(r.job_id)
+
+    async def get_job(self, job_id: str) -> pb.JobStatus:
+        r: pb.JobStatus = await self.rollout_stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=self.timeout_s)
+        return r
+
+    async def cancel_job(self, job_id: str) -> pb.JobStatus:
+        r: pb.JobStatus = await self.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=self.timeout_s)
+        return r
+
+    async def update_policy(self, job_id: str, version: str, base_url: str = "") -> pb.JobStatus:
+        req = pb.UpdatePolicyRequest(job_id=job_id, version=version, base_url=base_url)
+        r: pb.JobStatus = await self.rollout_stub.UpdatePolicy(req, timeout=self.timeout_s)
+        return r
+
+    async def list_jobs(self) -> list[pb.JobStatus]:
+        return list((await self.rollout_stub.ListJobs(pb.ListJobsRequest(), timeout=self.timeout_s)).jobs)
+
+    async def list_envs(self) -> list[pb.EnvironmentInfo]:
+        r = await self.env_stub.List(pb.ListEnvironmentsRequest(), timeout=self.timeout_s)
+        return list(r.environments)
+
+    async def describe_env(self, name: str) -> pb.EnvironmentInfo:
+        r: pb.EnvironmentInfo = await self.env_stub.Describe(
+            pb.DescribeEnvironmentRequest(name=name), timeout=self.timeout_s
+        )
+        return r
+
+    async def ack(self, job_id: str, up_to: int = 0, ids: Sequence[str] = ()) -> int:
+        """Ack everything up to a seq, and/or rollouts by id."""
+        r = await self.rollout_stub.Ack(
+            pb.AckRequest(job_id=job_id, up_to=up_to, ids=list(ids)), timeout=self.timeout_s
+        )
+        return int(r.acked)
+
+    async def _batches(
+        self, job_id: str, resume_after: int, max_in_flight: int, max_batch: int
+    ) -> AsyncGenerator[pb.RolloutBatch, int | None]:
+        """Stream batches; after a dropped connection, reconnect and resume after the last acked seq."""
+        cursor = resume_after
+        loop = asyncio.get_running_loop()
+        give_up = None
+        while True:
+            req = pb.StreamRolloutsRequest(
+                job_id=job_id, resume_after=cursor, max_in_flight=max_in_flight, max_batch=max_batch
+            )
+            try:
+                async for batch in self.rollout_stub.StreamRollouts(req):
+                    give_up = None
+                    acked = yield batch
+                    if acked is not None:
+                        cursor = max(cursor, acked)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                give_up = give_up or loop.time() + self.reconnect_s
+                if loop.time() > give_up:
+                    raise
+                log.warning("stream of job %s broke (%s); resuming after seq %d", job_id, e.code().name, cursor)
+                await asyncio.sleep(0.5)
+
+    async def rollouts(
+        self,
+        job_id: str,
+        *,
+        resume_after: int = 0,
+        max_in_flight: int = 256,
+        max_batch: int = 64,
+        auto_ack: bool = True,
+    ) -> AsyncIterator[Rollout]:
+        """Every rollout of the job, once (duplicates after a reconnect are dropped by id).
+
+        With auto_ack, a rollout is acked when you ask for the next one, i.e. after you have consumed it.
+        """
+
+        def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, Rollout]]:
+            members = [*batch.rollouts, *(m for g in batch.groups for m in g.rollouts)]
+            return [(r.id, r.seq, r) for r in map(rollout_from_pb, members)]
+
+        batches = self._batches(job_id, resume_after, max_in_flight, max_batch)
+        async for r in self._consume(job_id, batches, auto_ack, unpack):
+            yield r
+
+    async def groups(
+        self, job_id: str, *, resume_after: int = 0, max_in_flight: int = 256, auto_ack: bool = True
+    ) -> AsyncIterator[GroupResult]:
+        """Whole groups, for jobs submitted with deliver_groups=True."""
+
+        def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, GroupResult]]:
+            out = []
+            for g in batch.groups:
+                rs = [rollout_from_pb(m) for m in g.rollouts]
+                adv = [m.advantage if m.HasField("advantage") else None for m in g.rollouts]
+                out.append(
+                    (
+                        g.group_id,
+                        max((r.seq for r in rs), default=0),
+                        GroupResult(g.group_id, g.task_id, rs, adv, g.failed),
+                    )
+                )
+            return out
+
+        async for g in self._consume(job_id, self._batches(job_id, resume_after, max_in_flight, 64), auto_ack, unpack):
+            yield g
+
+    async def _consume(
+        self,
+        job_id: str,
+        batches: AsyncGenerator[pb.RolloutBatch, int | None],
+        auto_ack: bool,
+        unpack: Callable[[pb.RolloutBatch], list[tuple[str, int, T]]],
+    ) -> AsyncIterator[T]:
+        """Yield each batch's items (key, seq, item) whose key is new; with auto_ack, a batch is acked when the next
+        is asked for, i.e. once its items were consumed."""
+        seen: set[str] = set()
+        acked: int | None = None
+        try:
+            while True:
+                try:
+                    batch = await batches.asend(acked)
+                except StopAsyncIteration:
+                    return
+                acked = None
+                entries = unpack(batch)
+                for key, _, item in entries:
+                    if key not in seen:
+                        seen.add(key)
+                        yield item
+                last = max((seq for _, seq, _ in entries), default=0)
+                if auto_ack and last:
+                    await self.ack(job_id, up_to=last)
+                    acked = last
+        finally:
+            await batches.aclose()
+
+
+class SyncEnvfleetClient:
+    """The same client for code without asyncio: a private event loop runs on a background thread."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="envfleet-client", daemon=True)
+        self._thread.start()
+        self._client: EnvfleetClient = self._call(self._make(target, kwargs))
+
+    @staticmethod
+    async def _make(target: str, kwargs: dict[str, Any]) -> EnvfleetClient:
+        return EnvfleetClient(target, **kwargs)
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def submit(self, spec: JobSpec) -> str:
+        return self._call(self._client.submit(spec))
+
+    def get_job(self, job_id: str) -> pb.JobStatus:
+        return self._call(self._client.get_job(job_id))
+
+    def cancel_job(self, job_id: str) -> pb.JobStatus:
+        return self._call(self._client.cancel_job(job_id))
+
+    def ack(self, job_id: str, up_to: int = 0, ids: Sequence[str] = ()) -> int:
+        return self._call(self._client.ack(job_id, up_to, ids))
+
+    def rollouts(self, job_id: str, **kwargs: Any) -> Iterator[Rollout]:
+        """A blocking iterator over the job's rollouts (see EnvfleetClient.rollouts)."""
+        agen = self._client.rollouts(job_id, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._call(_anext(agen))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(agen.aclose())  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._call(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> SyncEnvfleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _anext(agen: AsyncIterator[T]) -> T:
+    return await agen.__anext__()

@@ -1,0 +1,153 @@
+"""The environment API: what an environment author writes. Small on purpose.
+
+An environment names an image, a set of tools, its tasks, how to set a task up in a sandbox, and how to score an
+episode. Scoring is a rubric of weighted reward functions; a weight of 0 makes a function a metric.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
+
+from orchestrator.core.image_spec import ImageSpec
+from orchestrator.core.models import Turn
+from orchestrator.core.sandbox import Limits, Sandbox
+
+
+@dataclass(frozen=True)
+class ToolInvocation:
+    """A tool call in a reference solution."""
+
+    name: str
+    arguments: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task. `data` is for the environment only (answers, hidden tests) and never shown to the policy."""
+
+    id: str
+    prompt: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+    reference: Sequence[ToolInvocation] = ()  # a tool-call path that solves the task, for checks and scripted runs
+
+
+Finish = Literal["submit", "stop", "max_turns", "length"]
+
+
+@dataclass
+class Episode:
+    """What happened in one rollout, as the scorer sees it."""
+
+    turns: list[Turn]
+    answer: str | None  # the argument of `submit`, or the final text when the policy stopped without it
+    finish: Finish
+    tool_calls: int = 0
+
+
+@dataclass(frozen=True)
+class ScoringContext:
+    """Everything a reward function may look at. The sandbox is still alive: functions may run commands in it."""
+
+    sandbox: Sandbox
+    task: Task
+    episode: Episode
+
+
+RewardFn = Callable[[ScoringContext], float | Awaitable[float]]
+
+
+@dataclass(frozen=True)
+class Score:
+    """The reward, its named components (weight != 0) and metrics (weight 0)."""
+
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rubric:
+    """Weighted reward functions: reward = sum(weight * value) over the non-zero weights."""
+
+    functions: Sequence[tuple[str, RewardFn, float]]
+
+    async def score(self, ctx: ScoringContext) -> Score:
+        """Run every function (in order) and combine them."""
+        components: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        reward = 0.0
+        for name, fn, weight in self.functions:
+            value = fn(ctx)
+            if inspect.isawaitable(value):
+                value = await value
+            value = float(value)
+            if weight == 0:
+                metrics[name] = value
+            else:
+                components[name] = value
+                reward += weight * value
+        return Score(reward, components, metrics)
+
+
+class Environment(abc.ABC):
+    """Subclass this, set the class attributes, implement `tasks` and a rubric; register it as an entry point in
+    the group `envfleet.environments` (name = the environment's name)."""
+
+    name: ClassVar[str]
+    version: ClassVar[str] = "1"
+    description: ClassVar[str] = ""
+    tools: ClassVar[tuple[str, ...]] = ("bash", "submit")
+    system_prompt: ClassVar[str] = "You are an agent working in a sandbox. Use the tools; call submit when done."
+    limits: ClassVar[Limits] = Limits(memory_mb=512, cpus=1.0, pids=128)
+    max_turns: ClassVar[int] = 16
+    tool_timeout_s: ClassVar[float] = 60.0
+    rubric: ClassVar[Rubric]
+    # Reusable sandboxes are reset in place between rollouts instead of destroyed (see orchestrator/backends/pool.py);
+    # the workspace is then restored from `workspace_seed`, a directory in the image (empty: an empty workspace).
+    reusable: ClassVar[bool] = False
+    workspace_seed: ClassVar[str] = ""
+    # An expensive, deterministic setup that only touches the workspace: the group's first sample runs it and the
+    # others start from its snapshot (orchestrator/rollout/snapshots.py).
+    snapshot_setup: ClassVar[bool] = False
+
+    def image_spec(self) -> ImageSpec | None:
+        """The image to build FROM the base image, or None to use the base image as it is."""
+        return None
+
+    @abc.abstractmethod
+    def tasks(self) -> Sequence[Task]:
+        """Every task, in a stable order (ids unique)."""
+
+    def messages(self, task: Task) -> list[dict[str, Any]]:
+        """The opening chat messages of an episode."""
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.prompt}]
+
+    async def setup(self, sandbox: Sandbox, task: Task, seed: int) -> None:  # noqa: B027 - optional hook
+        """Prepare the sandbox for the task (files, repositories...). Default: nothing."""
+
+    async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
+        """Score an episode with the rubric, before the sandbox is released."""
+        return await self.rubric.score(ScoringContext(sandbox, task, episode))
+
+    @classmethod
+    def ref(cls) -> str:
+        """`name@version`."""
+        return f"{cls.name}@{cls.version}"
+
+
+class ImageSource(Protocol):
+    """Where the image an environment runs on comes from: built once per process (Docker) or named (fake)."""
+
+    def ready(self, env: Environment) -> bool:
+        """Whether the image exists already, so `resolve` returns at once."""
+
+    async def resolve(self, env: Environment) -> tuple[str, str]:
+        """The image's tag and id, built first if needed; raises ImageBuildError when it cannot be built."""
+
+    def prebuild(self, env: Environment) -> asyncio.Task[None]:
+        """Start building in the background; the task never raises."""

@@ -1,0 +1,143 @@
+"""The orchestrator's exception tree.
+
+SandboxError and its leaves are infrastructure failures: a rollout that meets one is INFRA_ERROR and retried, never
+scored. SandboxFileError and InvalidRequestError are the caller's or the task's problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class EnvfleetError(Exception):
+    """Root of every envfleet error."""
+
+
+class InvalidRequestError(EnvfleetError, ValueError):
+    """A request or spec is malformed; the message says which field and why."""
+
+
+class SandboxError(EnvfleetError):
+    """The sandbox infrastructure failed (engine, container or envd); not the task's fault."""
+
+
+class SandboxCreateError(SandboxError):
+    """A sandbox could not be created or never became ready."""
+
+
+class LimitNotAppliedError(SandboxCreateError):
+    """The engine could not apply a requested limit, so the create failed closed."""
+
+
+class SandboxStartTimeoutError(SandboxCreateError, TimeoutError):
+    """envd did not answer its health check before the startup deadline."""
+
+
+class SandboxDiedError(SandboxError):
+    """The sandbox's container stopped underneath us (killed from outside, OOM, engine restart)."""
+
+
+class SandboxUnavailableError(SandboxError, ConnectionError):
+    """envd did not answer, though the container may still be running."""
+
+
+class SandboxFileError(EnvfleetError, OSError):
+    """A file operation inside the sandbox failed (missing path, symlink refused, not a directory...)."""
+
+
+class SandboxFileNotFoundError(SandboxFileError, FileNotFoundError):
+    """The path does not exist inside the sandbox."""
+
+
+class SandboxPermissionError(SandboxFileError, PermissionError):
+    """The path may not be used: a symbolic link, or not permitted for the sandbox user."""
+
+
+class NotFoundError(EnvfleetError, LookupError):
+    """No such session or sandbox, or not the caller's (another tenant's work is reported as missing)."""
+
+
+class AlreadyExistsError(EnvfleetError):
+    """The name is taken: e.g. name@version registered with a different spec."""
+
+
+class FailedPreconditionError(EnvfleetError):
+    """The request is well-formed but the state does not allow it (an ended session, a spec that does not work)."""
+
+
+class QuotaExceededError(EnvfleetError):
+    """A per-tenant limit or a size limit was reached."""
+
+
+class UnauthenticatedError(EnvfleetError, PermissionError):
+    """No valid credentials: a missing, unknown or expired bearer token."""
+
+
+class PermissionDeniedError(EnvfleetError, PermissionError):
+    """The caller is known but may not do this (e.g. re-register another tenant's environment)."""
+
+
+class ConfigError(EnvfleetError, ValueError):
+    """The server's own configuration is unsafe or broken (refused at start, never at a call)."""
+
+
+class ImageBuildError(EnvfleetError, RuntimeError):
+    """An image could not be built; the message names the failing step and ends with the log's tail."""
+
+    def __init__(self, message: str, *, log_path: Path | None = None, step: str | None = None) -> None:
+        super().__init__(message)
+        self.log_path = log_path
+        self.step = step
+
+
+class PolicyError(EnvfleetError):
+    """The policy server could not produce a completion; the rollout is POLICY_ERROR, never scored."""
+
+
+class PolicyHTTPError(PolicyError):
+    """The server answered with an HTTP error status (after the retries, for 429 and 5xx)."""
+
+    def __init__(self, message: str, status: int, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.status, self.body))
+
+
+class PolicyTimeoutError(PolicyError, TimeoutError):
+    """The server did not answer within the endpoint's request timeout (on every attempt)."""
+
+
+class PolicyConnectionError(PolicyError, ConnectionError):
+    """The server could not be reached, or dropped the connection (on every attempt)."""
+
+
+class PolicyResponseError(PolicyError, ValueError):
+    """The server answered 2xx with a body that is not a chat completion."""
+
+
+class JobNotFoundError(EnvfleetError, LookupError):
+    """No job with that id."""
+
+
+class JobFinishedError(EnvfleetError):
+    """The job is completed or cancelled, so the request cannot apply."""
+
+
+class CapacityError(EnvfleetError):
+    """The request can never fit this host's capacity (RESOURCE_EXHAUSTED)."""
+
+
+class EnvironmentNotFoundError(EnvfleetError, LookupError):
+    """No environment of that name (or version); the message suggests the closest names."""
+
+
+class InvalidEnvironmentError(InvalidRequestError):
+    """A registration that fails validation."""
+
+
+class EnvironmentBroken(EnvfleetError):
+    """The environment's own code failed (setup, scoring, image): ENV_ERROR, not retried."""

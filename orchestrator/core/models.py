@@ -1,0 +1,196 @@
+"""The orchestrator's core types: what a job asks for and what a trainer receives. Protobuf is only the wire form
+of these (orchestrator/server/convert.py); the store keeps them as JSON."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from orchestrator.core.policy import PolicyEndpoint, Sampling
+
+
+class RolloutStatus(StrEnum):
+    """How a rollout ended. Only OK and TRUNCATED carry a reward to learn from."""
+
+    OK = "OK"
+    TRUNCATED = "TRUNCATED"  # turn or token limit; scored
+    TIMEOUT = "TIMEOUT"  # the rollout's wall-clock limit
+    POLICY_ERROR = "POLICY_ERROR"  # the inference server failed or answered garbage
+    ENV_ERROR = "ENV_ERROR"  # the task or environment is broken
+    INFRA_ERROR = "INFRA_ERROR"  # sandbox, engine or daemon failure; retried, never a reward
+
+    @property
+    def scored(self) -> bool:
+        """Whether the rollout's reward is meaningful."""
+        return self in (RolloutStatus.OK, RolloutStatus.TRUNCATED)
+
+
+class JobState(StrEnum):
+    """A job's lifecycle."""
+
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    CANCELLED = "CANCELLED"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskSelection(_Model):
+    """Which tasks of the environment a job runs."""
+
+    kind: Literal["all", "ids", "sample"] = "all"
+    ids: list[str] = Field(default_factory=list, max_length=100_000)
+    count: int = Field(0, ge=0, le=1_000_000, description="how many tasks to sample (kind=sample)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TaskSelection:
+        if self.kind == "ids" and not self.ids:
+            raise ValueError("tasks.ids is empty: name at least one task id")
+        if self.kind == "sample" and self.count < 1:
+            raise ValueError("tasks.count must be >= 1 when sampling tasks")
+        if self.kind != "ids" and self.ids:
+            raise ValueError("tasks.ids given but tasks.kind is not 'ids'")
+        return self
+
+
+class JobSpec(_Model):
+    """A trainer's request: which environment, which tasks, how many samples, and which policy."""
+
+    env: str = Field(min_length=1, max_length=200, description="name or name@version")
+    tasks: TaskSelection = TaskSelection()
+    group_size: int = Field(1, ge=1, le=1024, description="samples per task (GRPO's n)")
+    sampling: Sampling = Sampling()
+    policy: PolicyEndpoint
+    max_concurrency: int = Field(8, ge=1, le=4096, description="rollouts of this job in flight at once")
+    priority: int = Field(1, ge=1, le=100, description="weight in the fair share between jobs")
+    max_turns: int = Field(16, ge=1, le=1000)
+    rollout_timeout_s: float = Field(600.0, gt=0, le=24 * 3600)
+    max_infra_retries: int = Field(2, ge=0, le=10)
+    deliver_groups: bool = False
+
+
+class ToolCallRecord(_Model):
+    """A tool call as the policy made it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class Turn(_Model):
+    """One message of the episode."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    text: str = ""
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
+    tool_call_id: str = ""
+    name: str = ""
+
+
+class Tokens(_Model):
+    """Flat token arrays for training. Present only when the server returned them; never invented.
+
+    completion_ids spans every turn after the first prompt: policy tokens (mask 1) and the observation tokens between
+    them (mask 0, logprob 0). status says whether they are complete, missing, or inconsistent (a later prompt did not
+    extend the earlier one, so no flat array can be exact).
+    """
+
+    status: Literal["complete", "missing", "inconsistent"] = "missing"
+    prompt_ids: list[int] = Field(default_factory=list)
+    completion_ids: list[int] = Field(default_factory=list)
+    completion_mask: list[int] = Field(default_factory=list)
+    completion_logprobs: list[float] = Field(default_factory=list)
+
+
+class Timing(_Model):
+    """Seconds spent in each phase of one rollout."""
+
+    queue: float = 0.0
+    sandbox_acquire: float = 0.0
+    setup: float = 0.0
+    generation: float = 0.0
+    tools: float = 0.0
+    scoring: float = 0.0
+    total: float = 0.0
+
+
+class Provenance(_Model):
+    """What produced the rollout."""
+
+    image: str = ""
+    image_id: str = ""
+    env_version: str = ""
+    seed: int = 0
+    policy_model: str = ""
+    policy_version: str = ""
+
+
+class RolloutError(_Model):
+    """Why a rollout failed."""
+
+    kind: str
+    message: str
+
+
+class Rollout(_Model):
+    """One scored attempt at one task. `id` is `job:task:sample`, stable across retries and restarts."""
+
+    id: str
+    job_id: str
+    env: str
+    task_id: str
+    group_id: str
+    sample_index: int
+    policy_version: str = ""
+    status: RolloutStatus
+    reward: float | None = None
+    reward_components: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    turns: list[Turn] = Field(default_factory=list)
+    tokens: Tokens = Tokens()
+    timing: Timing = Timing()
+    provenance: Provenance = Provenance()
+    error: RolloutError | None = None
+    attempts: int = 1
+    seq: int = 0  # position in the job's result log, set by the store
+
+    @model_validator(mode="after")
+    def _no_reward_without_score(self) -> Rollout:
+        if not self.status.scored and self.reward is not None:
+            raise ValueError(f"a {self.status.value} rollout must not carry a reward")
+        if self.status.scored and self.reward is None:
+            raise ValueError(f"a {self.status.value} rollout needs a reward")
+        return self
+
+
+def rollout_id(job_id: str, task_id: str, sample_index: int) -> str:
+    """The idempotent id of one sample of one task in one job."""
+    return f"{job_id}:{task_id}:{sample_index}"
+
+
+class JobCounts(_Model):
+    """Progress of a job."""
+
+    total: int = 0
+    done: int = 0
+    by_status: dict[str, int] = Field(default_factory=dict)
+    acked: int = 0
+    in_flight: int = 0
+    rollouts_per_s: float = 0.0
+
+
+class JobInfo(_Model):
+    """A job as GetJob reports it."""
+
+    job_id: str
+    spec: JobSpec
+    state: JobState
+    counts: JobCounts = JobCounts()
+    created_at: float = 0.0
+    finished_at: float | None = None

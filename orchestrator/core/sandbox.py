@@ -1,0 +1,332 @@
+"""The sandbox seam: SandboxSpec in, Sandbox out, and the transport a Sandbox uses to reach inside."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Limits(BaseModel):
+    """Resource limits of one sandbox. Each is applied or the create fails; none is silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_mb: int = Field(1024, ge=16, le=1 << 20, description="memory limit (no swap beyond it)")
+    cpus: float = Field(1.0, gt=0, le=1024, description="CPU quota in cores")
+    pids: int = Field(256, ge=8, le=1 << 22, description="maximum number of processes and threads")
+    tmp_mb: int = Field(256, ge=1, le=1 << 20, description="size cap of the /tmp tmpfs")
+    workspace_mb: int = Field(1024, ge=1, le=1 << 20, description="size cap of the writable workspace")
+
+
+class Hardening(BaseModel):
+    """Hardening flags, all on by default. Turning one off is explicit and visible in the spec."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    read_only_root: bool = True
+    cap_drop_all: bool = True
+    no_new_privileges: bool = True
+    init: bool = True
+    user: str = Field("1000:1000", pattern=r"^[0-9]+:[0-9]+$", description="uid:gid; never root by default")
+
+    @field_validator("user")
+    @classmethod
+    def _not_root(cls, v: str) -> str:
+        if v.split(":")[0] == "0":
+            raise ValueError("the sandbox user must not be root (uid 0)")
+        return v
+
+
+class SandboxSpec(BaseModel):
+    """What to create: an image, limits, hardening, and how to reach inside."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    image: str = Field(min_length=1)
+    limits: Limits = Limits()
+    hardening: Hardening = Hardening()
+    workspace: str = Field("/workspace", pattern=r"^/[^\x00]*$")
+    env: dict[str, str] = Field(default_factory=dict, description="environment of envd's processes")
+    labels: dict[str, str] = Field(default_factory=dict)
+    ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600, description="lease: the sweep removes it after this")
+    startup_timeout_s: float = Field(30.0, gt=0, le=600)
+    transport: Literal["envd", "docker-exec"] = "envd"
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The outcome of one command."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    signal: int = 0
+    timed_out: bool = False
+    truncated: bool = False
+    oom_killed: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Exited 0 on its own."""
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class ExecStarted:
+    """The command's process exists."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class ExecOutput:
+    """A chunk of output, in arrival order."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ExecEnded:
+    """The command and everything it started are gone."""
+
+    exit_code: int
+    signal: int
+    timed_out: bool
+    truncated: bool
+    oom_killed: bool
+    duration_s: float
+
+
+ExecEvent = ExecStarted | ExecOutput | ExecEnded
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One directory entry (links are reported, never followed)."""
+
+    name: str
+    path: str
+    kind: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    link_target: str = ""
+
+
+@dataclass(frozen=True)
+class ResetOutcome:
+    """Whether an in-place reset left the sandbox pristine; if not, it must be destroyed."""
+
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class SandboxState:
+    """The container's state as the engine sees it."""
+
+    running: bool
+    exit_code: int | None
+    oom_killed: bool
+    error: str = ""
+
+
+Command = str | Sequence[str]
+
+
+class Transport(abc.ABC):
+    """How a Sandbox reaches inside its container: envd over a unix socket, or `docker exec`."""
+
+    @abc.abstractmethod
+    def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None,
+        env: Mapping[str, str] | None,
+        stdin: bytes,
+        timeout: float | None,
+        max_output: int | None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run a command (a string runs under /bin/sh -c), streaming its events."""
+
+    async def exec(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> ExecResult:
+        """Run a command and collect its output."""
+        out: list[bytes] = []
+        err: list[bytes] = []
+        end: ExecEnded | None = None
+        async for ev in self.exec_stream(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output):
+            if isinstance(ev, ExecOutput):
+                (out if ev.stream == "stdout" else err).append(ev.data)
+            elif isinstance(ev, ExecEnded):
+                end = ev
+        assert end is not None, "a transport's stream always ends with ExecEnded"
+        return ExecResult(
+            exit_code=end.exit_code,
+            stdout=b"".join(out),
+            stderr=b"".join(err),
+            signal=end.signal,
+            timed_out=end.timed_out,
+            truncated=end.truncated,
+            oom_killed=end.oom_killed,
+            duration_s=end.duration_s,
+        )
+
+    @abc.abstractmethod
+    async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
+        """The content of a regular file."""
+
+    @abc.abstractmethod
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True) -> None:
+        """Create or replace a file."""
+
+    @abc.abstractmethod
+    async def list_dir(self, path: str) -> list[FileEntry]:
+        """A directory's entries."""
+
+    @abc.abstractmethod
+    async def upload(self, tar: bytes, dest_dir: str) -> int:
+        """Extract a tar archive into dest_dir; returns the number of entries written."""
+
+    @abc.abstractmethod
+    async def download(self, path: str) -> bytes:
+        """A tar archive of a file or directory (links stored as links)."""
+
+    @abc.abstractmethod
+    async def health(self, timeout: float) -> bool:
+        """Whether the inside answers."""
+
+    async def reset(self, workspace_seed: str) -> ResetOutcome:
+        """Return the sandbox to a pristine state in place; a transport that cannot says so (ok=False)."""
+        return ResetOutcome(False, f"{type(self).__name__} cannot reset a sandbox in place")
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+
+class Sandbox(abc.ABC):
+    """One isolated machine for one rollout."""
+
+    id: str
+    name: str
+    spec: SandboxSpec
+
+    @abc.abstractmethod
+    async def exec(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> ExecResult:
+        """Run a command (a string runs under /bin/sh -c) and collect its output."""
+
+    @abc.abstractmethod
+    def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run a command, streaming started, output chunks and ended."""
+
+    @abc.abstractmethod
+    async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
+        """The content of a regular file."""
+
+    @abc.abstractmethod
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True) -> None:
+        """Create or replace a file."""
+
+    @abc.abstractmethod
+    async def list_dir(self, path: str) -> list[FileEntry]:
+        """A directory's entries."""
+
+    @abc.abstractmethod
+    async def upload(self, tar: bytes, dest_dir: str) -> int:
+        """Extract a tar archive into dest_dir."""
+
+    @abc.abstractmethod
+    async def download(self, path: str) -> bytes:
+        """A tar archive of a file or directory."""
+
+    @abc.abstractmethod
+    async def state(self) -> SandboxState:
+        """The container's state (running, exit code, OOM-killed)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Destroy the sandbox and wait until it is gone. Idempotent."""
+
+    async def reset(self, workspace_seed: str = "") -> ResetOutcome:
+        """Kill every process, wipe every writable place and restore the workspace, for reuse by another rollout."""
+        return ResetOutcome(False, f"{type(self).__name__} cannot be reset in place")
+
+    async def release(self) -> None:
+        """Give the sandbox up: it is unusable at once and destroyed in the background (the backend's close()
+        waits for that). The rollout path uses this, so a finished rollout does not wait on the engine."""
+        await self.close()
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    """A sandbox as listed by its backend."""
+
+    id: str
+    name: str
+    image: str
+    status: str
+    labels: Mapping[str, str]
+
+
+class SandboxBackend(abc.ABC):
+    """Creates sandboxes and cleans up after owners that died."""
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        """A ready sandbox: its first exec can run as soon as this returns."""
+
+    @abc.abstractmethod
+    async def list_owned(self) -> list[SandboxInfo]:
+        """The sandboxes this backend instance created and has not destroyed."""
+
+    @abc.abstractmethod
+    async def sweep(self, older_than: float | None = None) -> int:
+        """Remove sandboxes of dead owners and expired leases; returns how many were removed."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Destroy every owned sandbox and stop background work."""
+
+
+# The same task and sample always see the same environment variables and seed.
+DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LC_ALL": "C.UTF-8"}

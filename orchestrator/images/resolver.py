@@ -1,0 +1,66 @@
+"""The image each environment runs on, built once per process through the offline pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import docker
+
+from orchestrator.core.environment import Environment
+from orchestrator.core.errors import ImageBuildError
+from orchestrator.images.base import ensure_base_image
+from orchestrator.images.spec import build_from_spec
+
+log = logging.getLogger(__name__)
+
+
+class ImageResolver:
+    """The image tag (and id) each environment runs on, built once per process through the offline pipeline;
+    `prebuild` starts a build in the background for a job that is still queued."""
+
+    def __init__(self, client: docker.DockerClient) -> None:
+        self._client = client
+        self._cache: dict[str, tuple[str, str]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._prebuilds: dict[str, asyncio.Task[None]] = {}
+
+    def ready(self, env: Environment) -> bool:
+        """Whether the environment's image is already built (resolve returns at once)."""
+        return env.ref() in self._cache
+
+    async def resolve(self, env: Environment) -> tuple[str, str]:
+        """The image's tag and id, built first if needed; an engine failure is an ImageBuildError."""
+        key = env.ref()
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            if key not in self._cache:
+                try:
+                    self._cache[key] = await asyncio.to_thread(self._build, env)
+                except docker.errors.DockerException as e:
+                    raise ImageBuildError(f"the engine failed building the image of {key}: {e}") from e
+            return self._cache[key]
+
+    def prebuild(self, env: Environment) -> asyncio.Task[None]:
+        """Build the image in the background; the task ends (never raising) when the image exists or the build
+        failed. A failed build is retried, and reported, by the rollouts that need the image."""
+        key = env.ref()
+        task = self._prebuilds.get(key)
+        if task is None:
+            task = self._prebuilds[key] = asyncio.create_task(self._prebuild(env), name=f"prebuild {key}")
+            task.add_done_callback(lambda _: self._prebuilds.pop(key, None))
+        return task
+
+    async def _prebuild(self, env: Environment) -> None:
+        try:
+            await self.resolve(env)
+        except Exception as e:
+            log.warning("prebuilding the image of %s failed (its rollouts will report it): %s", env.ref(), e)
+
+    def _build(self, env: Environment) -> tuple[str, str]:
+        spec = env.image_spec()
+        if spec is None:
+            tag = ensure_base_image(self._client)
+        else:
+            base = spec.base if spec.base else ensure_base_image(self._client)
+            tag = build_from_spec(self._client, name=f"env-{env.name}", spec=spec.model_copy(update={"base": base}))
+        return tag, str(self._client.images.get(tag).id)

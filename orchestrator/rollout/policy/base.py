@@ -1,0 +1,46 @@
+"""The policy seam: chat messages and tools in, a Completion with token ids and logprobs out."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.core.policy import Sampling
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call the model asked for; arguments is the raw JSON string as the model produced it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One assistant turn: what it said, the tools it called, and, when the server gave them, its tokens."""
+
+    text: str
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    prompt_ids: list[int] | None
+    completion_ids: list[int] | None
+    logprobs: list[float] | None
+    model: str
+    raw_message: dict[str, Any]
+
+
+class Policy(abc.ABC):
+    """The model being trained, as the rollout runner sees it."""
+
+    @abc.abstractmethod
+    async def complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, *, user: str = ""
+    ) -> Completion:
+        """One assistant turn for the conversation so far; user tags the request (the rollout id)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release connections."""

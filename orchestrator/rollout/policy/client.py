@@ -1,0 +1,195 @@
+"""The policy seam: chat messages and tools in, a Completion with token ids and logprobs out.
+
+OpenAIPolicy speaks OpenAI-compatible chat completions over httpx and asks vLLM/SGLang-style servers for the token ids
+and logprobs a trainer needs (`return_token_ids`, `logprobs`). What the server does not return stays None: token ids
+and logprobs are never invented here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+import httpx
+
+from orchestrator.core.errors import (
+    PolicyConnectionError,
+    PolicyError,
+    PolicyHTTPError,
+    PolicyResponseError,
+    PolicyTimeoutError,
+)
+from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.rollout.policy.base import Completion, Policy
+from orchestrator.rollout.policy.parsing import ERROR_BODY_HEAD, parse_chat_completion
+
+log = logging.getLogger(__name__)
+
+BACKOFF_BASE_S = 0.2
+BACKOFF_CAP_S = 5.0
+# httpcore's pool does work quadratic in its size on every request (encode/httpcore#1035): 200 requests at once
+# take 3-10 s through one pool, under 1 s through pools of 8. So an owned client is a set of small pools, another
+# opened when every pool has SHARD_TARGET requests in flight. The scheduler, not the pools, bounds concurrency.
+SHARD_TARGET = 8
+MAX_SHARDS = 128
+SHARD_MAX_CONNECTIONS = 64
+
+
+class _Retryable(Exception):
+    """An attempt failed in a way worth retrying; carries the error to raise when the retries run out."""
+
+    def __init__(
+        self, error: PolicyError, retry_after_s: float | None = None, cause: BaseException | None = None
+    ) -> None:
+        super().__init__(str(error))
+        error.__cause__ = cause
+        self.error = error
+        self.retry_after_s = retry_after_s
+
+
+class OpenAIPolicy(Policy):
+    """A policy served by an OpenAI-compatible chat completions endpoint (vLLM, SGLang, the scripted server)."""
+
+    def __init__(
+        self,
+        endpoint: PolicyEndpoint,
+        client: httpx.AsyncClient | None = None,
+        *,
+        backoff_base_s: float = BACKOFF_BASE_S,
+        backoff_cap_s: float = BACKOFF_CAP_S,
+    ) -> None:
+        self.endpoint = endpoint
+        self._own_client = client is None
+        self._ssl_context = httpx.create_ssl_context() if client is None else None  # shared: 60 ms to build each
+        self._clients = [client or self._new_client()]
+        self._inflight = [0]
+        self._backoff_base_s = backoff_base_s
+        self._backoff_cap_s = backoff_cap_s
+        self._url = f"{endpoint.base_url}/chat/completions"
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this policy made it."""
+        if self._own_client:
+            clients, self._clients, self._inflight = self._clients, [], []
+            for c in clients:
+                await c.aclose()
+
+    def _new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            verify=self._ssl_context or True,
+            timeout=httpx.Timeout(self.endpoint.request_timeout_s),
+            limits=httpx.Limits(max_connections=SHARD_MAX_CONNECTIONS, max_keepalive_connections=SHARD_TARGET),
+        )
+
+    def _pick_client(self) -> int:
+        if not self._clients:
+            raise PolicyError("the policy client is closed")
+        i = min(range(len(self._clients)), key=self._inflight.__getitem__)
+        if self._own_client and self._inflight[i] >= SHARD_TARGET and len(self._clients) < MAX_SHARDS:
+            self._clients.append(self._new_client())
+            self._inflight.append(0)
+            i = len(self._clients) - 1
+        return i
+
+    def request_body(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, user: str = ""
+    ) -> dict[str, Any]:
+        """The JSON body of one chat completions request."""
+        body: dict[str, Any] = {
+            "model": self.endpoint.model,
+            "messages": messages,
+            "stream": False,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+            # vLLM: token ids of prompt and completion, and the sampled token's logprob, its token as "token_id:N"
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if tools:
+            body["tools"] = tools
+            body["tool_choice"] = "auto"
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if user:
+            body["user"] = user
+        return body
+
+    async def complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, *, user: str = ""
+    ) -> Completion:
+        """POST one chat completion, retrying 429, 5xx, timeouts and connection errors with backoff."""
+        body = self.request_body(messages, tools, sampling, user)
+        headers = {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
+        attempts = self.endpoint.max_retries + 1
+        for attempt in range(attempts):
+            try:
+                data = await self._attempt(body, headers)
+            except _Retryable as r:
+                if attempt + 1 >= attempts:
+                    r.error.args = (f"{r.error} (attempt {attempt + 1} of {attempts})",)
+                    raise r.error from r.error.__cause__
+                delay = self._backoff(attempt, r.retry_after_s)
+                log.warning(
+                    "policy request failed (attempt %d/%d), retrying in %.2fs: %s", attempt + 1, attempts, delay, r
+                )
+                await asyncio.sleep(delay)
+                continue
+            return parse_chat_completion(data, model=self.endpoint.model)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _backoff(self, attempt: int, retry_after_s: float | None) -> float:
+        delay = self._backoff_base_s * (1 << attempt) + random.uniform(0, self._backoff_base_s)
+        if retry_after_s is not None:
+            delay = max(delay, retry_after_s)
+        return min(self._backoff_cap_s, delay)
+
+    async def _attempt(self, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        timeout_s = self.endpoint.request_timeout_s
+        i = self._pick_client()
+        self._inflight[i] += 1
+        try:
+            # httpx's timeouts bound each phase; this bounds the whole attempt, a slow trickle included
+            async with asyncio.timeout(timeout_s):
+                resp = await self._clients[i].post(self._url, json=body, headers=headers)
+        except (TimeoutError, httpx.TimeoutException) as e:
+            msg = f"policy server {self._url} did not answer within {timeout_s:g}s"
+            raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
+            msg = f"policy server {self._url} unreachable: {type(e).__name__}: {e}"
+            raise _Retryable(PolicyConnectionError(msg), cause=e) from e
+        except httpx.HTTPError as e:
+            raise PolicyError(f"request to policy server {self._url} failed: {type(e).__name__}: {e}") from e
+        finally:
+            if i < len(self._inflight):  # aclose may have emptied the list meanwhile
+                self._inflight[i] -= 1
+
+        if resp.is_success:
+            try:
+                return resp.json()
+            except ValueError as e:
+                raise PolicyResponseError(
+                    f"policy server {self._url} answered {resp.status_code} with a body that is not JSON: "
+                    f"{resp.text[:ERROR_BODY_HEAD]!r}"
+                ) from e
+        head = resp.text[:ERROR_BODY_HEAD]
+        http_err = PolicyHTTPError(
+            f"policy server {self._url} answered HTTP {resp.status_code}: {head}", resp.status_code, head
+        )
+        if resp.status_code == 429 or resp.status_code >= 500:
+            raise _Retryable(http_err, _retry_after(resp))
+        raise http_err
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    value = resp.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: the backoff schedule is good enough

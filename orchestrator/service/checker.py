@@ -1,0 +1,141 @@
+"""The environment checker (`envfleet envs validate NAME`): its image builds, its tasks load, its tools run, and on
+every task the reference solution scores 1 while an empty answer scores 0. Run over every built-in by a test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.core.environment import Environment, Episode, ImageSource, Task
+from orchestrator.core.errors import EnvfleetError
+from orchestrator.core.models import ToolCallRecord, Turn
+from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.core.tools import call_tool, get_tools
+
+TOOL_PROBES: dict[str, tuple[dict[str, str], str]] = {
+    "bash": ({"command": "echo envfleet-ok"}, "envfleet-ok"),
+    "python": ({"code": "print(6 * 7)"}, "42"),
+    "write_file": ({"path": "/tmp/envfleet-check.txt", "content": "alpha"}, "wrote"),
+    "read_file": ({"path": "/tmp/envfleet-check.txt"}, "alpha"),
+    "str_replace": ({"path": "/tmp/envfleet-check.txt", "old_str": "alpha", "new_str": "beta"}, "edited"),
+    "submit": ({"answer": "x"}, "submitted"),
+}
+TOOL_ORDER = ("bash", "python", "write_file", "read_file", "str_replace", "submit")
+
+
+@dataclass
+class CheckReport:
+    """What the checker found; `ok` when nothing."""
+
+    env: str
+    tasks_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_tasks(env: Environment) -> list[str]:
+    """Static checks of the task list."""
+    problems = []
+    tasks = list(env.tasks())
+    if not tasks:
+        problems.append("tasks(): no tasks")
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        problems.append("tasks(): ids are not unique")
+    for t in tasks:
+        if not t.id or not t.prompt.strip():
+            problems.append(f"task {t.id!r}: empty id or prompt")
+        if not t.reference:
+            problems.append(f"task {t.id!r}: no reference solution to check")
+        elif any(inv.name not in env.tools for inv in t.reference):
+            problems.append(f"task {t.id!r}: the reference uses a tool the environment does not offer")
+    return problems
+
+
+async def _check_tools(env: Environment, sandbox: Sandbox) -> list[str]:
+    problems = []
+    tools = {t.name: t for t in get_tools(env.tools)}
+    for name in TOOL_ORDER:
+        if name not in tools:
+            continue
+        args, expect = TOOL_PROBES[name]
+        if name in ("read_file", "str_replace") and "write_file" not in tools:
+            await sandbox.write_file(args["path"], b"alpha")
+        result = await call_tool(tools[name], sandbox, json.dumps(args), env.tool_timeout_s)
+        if expect not in result.output:
+            problems.append(f"tool {name}: expected {expect!r} in its output, got {result.output[:200]!r}")
+    return problems
+
+
+async def _replay(env: Environment, sandbox: Sandbox, task: Task) -> Episode:
+    tools = {t.name: t for t in get_tools(env.tools)}
+    turns = [Turn(role="user", text=task.prompt)]
+    answer: str | None = None
+    for i, inv in enumerate(task.reference):
+        call_id = f"ref_{i}"
+        turns.append(
+            Turn(
+                role="assistant",
+                tool_calls=[ToolCallRecord(id=call_id, name=inv.name, arguments=json.dumps(inv.arguments))],
+            )
+        )
+        result = await call_tool(tools[inv.name], sandbox, json.dumps(dict(inv.arguments)), env.tool_timeout_s)
+        turns.append(Turn(role="tool", text=result.output, tool_call_id=call_id, name=inv.name))
+        if result.submitted:
+            answer = result.answer
+            break
+    return Episode(turns, answer, "submit", len(task.reference))
+
+
+async def _check_task(env: Environment, backend: SandboxBackend, image: str, task: Task, seed: int) -> list[str]:
+    spec = SandboxSpec(image=image, limits=env.limits, env={**DETERMINISTIC_ENV, "ENVFLEET_SEED": str(seed)})
+    problems = []
+    async with await backend.create(spec) as sandbox:
+        await env.setup(sandbox, task, seed)
+        empty = await env.score(sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit"))
+        if empty.reward != 0:
+            problems.append(f"task {task.id}: an empty answer scores {empty.reward}, expected 0")
+    async with await backend.create(spec) as sandbox:
+        await env.setup(sandbox, task, seed)
+        solved = await env.score(sandbox, task, await _replay(env, sandbox, task))
+        if abs(solved.reward - 1.0) > 1e-9:
+            problems.append(f"task {task.id}: the reference solution scores {solved.reward}, expected 1 ({solved})")
+    return problems
+
+
+async def check_environment(
+    env: Environment, backend: SandboxBackend, images: ImageSource, *, concurrency: int = 8, limit: int | None = None
+) -> CheckReport:
+    """Run every check; problems are collected, not raised."""
+    t0 = time.monotonic()
+    report = CheckReport(env.ref())
+    report.problems += check_tasks(env)
+    try:
+        image, _ = await images.resolve(env)
+    except EnvfleetError as e:
+        report.problems.append(f"image: {e}")
+        report.seconds = time.monotonic() - t0
+        return report
+    async with await backend.create(SandboxSpec(image=image, limits=env.limits)) as sandbox:
+        report.problems += await _check_tools(env, sandbox)
+    tasks = [t for t in env.tasks() if t.reference][:limit]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, task: Task) -> list[str]:
+        async with gate:
+            try:
+                return await _check_task(env, backend, image, task, i)
+            except EnvfleetError as e:
+                return [f"task {task.id}: {type(e).__name__}: {e}"]
+
+    for problems in await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))):
+        report.problems += problems
+    report.tasks_checked = len(tasks)
+    report.seconds = time.monotonic() - t0
+    return report

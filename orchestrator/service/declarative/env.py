@@ -1,0 +1,175 @@
+"""An Environment made from an EnvironmentSpec: its image is built from the spec, its tasks are the spec's, and its
+score is whatever the spec's scoring command prints."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any, ClassVar
+
+import docker
+
+from orchestrator.core.environment import Environment, Episode, Rubric, Score, Task, ToolInvocation
+from orchestrator.core.image_spec import ImageSpec
+from orchestrator.core.sandbox import ExecResult, Sandbox
+from orchestrator.images import build_from_spec, build_image, ensure_base_image
+from orchestrator.service.declarative.errors import ScoringError
+from orchestrator.service.declarative.spec import EnvironmentSpec
+
+MAX_SCORING_OUTPUT = 1 << 20
+MAX_ANSWER_ENV = 64 << 10
+TAIL_CHARS = 600
+# The package check runs at build time, offline: a missing package fails the build with this message.
+_PACKAGE_CHECK = (
+    "for p in {packages}; do dpkg-query -W -f='${{Status}}' \"$p\" 2>/dev/null | grep -q 'install ok installed' "
+    '|| {{ echo "package $p is not installed in the base image (builds are offline: nothing is downloaded)" >&2; '
+    "exit 1; }}; done"
+)
+
+
+def image_name(env_name: str) -> str:
+    """The image repository of an environment, e.g. env-word-count (docker's naming rules are stricter)."""
+    return "env-" + re.sub(r"[._-]+", "-", env_name).strip("-")
+
+
+def _tail(data: bytes) -> str:
+    text = data.decode(errors="replace").strip()
+    return text if len(text) <= TAIL_CHARS else "..." + text[-TAIL_CHARS:]
+
+
+def parse_score(result: ExecResult, timeout_s: float) -> Score:
+    """The Score printed by a scoring command (its last stdout line, a JSON object with a numeric reward)."""
+    if result.timed_out:
+        raise ScoringError(f"scoring command timed out after {timeout_s:g}s")
+    if result.exit_code != 0:
+        raise ScoringError(
+            f"scoring command exited with code {result.exit_code}: {_tail(result.stderr or result.stdout)}"
+        )
+    lines = [line for line in result.stdout.decode(errors="replace").splitlines() if line.strip()]
+    try:
+        out = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        out = None
+    reward = out.get("reward") if isinstance(out, dict) else None
+    if not isinstance(reward, int | float) or isinstance(reward, bool) or not math.isfinite(reward):
+        raise ScoringError(
+            'scoring command must print a JSON object with a finite numeric "reward" as its last line; '
+            f"its output ended with: {_tail(result.stdout) or '(nothing)'}"
+        )
+    assert isinstance(out, dict)
+    components = {
+        str(k): float(v)
+        for k, v in out.items()
+        if k != "reward" and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    return Score(float(reward), components)
+
+
+class DeclarativeEnvironment(Environment):
+    """Base of the classes `make_environment` creates, one per spec (an Environment's identity is class-level)."""
+
+    spec: ClassVar[EnvironmentSpec]
+    rubric = Rubric([])  # unused: score() runs the spec's scoring command
+
+    @cached_property
+    def _tasks(self) -> tuple[Task, ...]:
+        return tuple(
+            Task(
+                id=t.id,
+                prompt=t.prompt,
+                data={"data": t.data, "files": t.files},
+                reference=tuple(ToolInvocation(c.name, c.arguments) for c in t.reference),
+            )
+            for t in self.spec.tasks
+        )
+
+    def tasks(self) -> Sequence[Task]:
+        return self._tasks
+
+    def image_spec(self) -> ImageSpec | None:
+        """The ImageSpec of a base-plus-files image (None for a Dockerfile or the plain base image)."""
+        img = self.spec.image
+        if img.dockerfile is not None or img.is_default:
+            return None
+        run = [_PACKAGE_CHECK.format(packages=" ".join(img.packages))] if img.packages else []
+        return ImageSpec(base=img.base or "envfleet/base:latest", files=img.files, run=[*run, *img.setup], env=img.env)
+
+    def image_description(self) -> str:
+        """How Describe shows the image."""
+        img = self.spec.image
+        if img.dockerfile is not None:
+            return "built from the spec's Dockerfile"
+        if img.is_default:
+            return img.base or "envfleet/base"
+        return f"built from the spec on {img.base or 'envfleet/base'}"
+
+    def build_image(self, client: docker.DockerClient) -> str:
+        """Build (or find cached) this environment's image, offline; returns its tag. Blocking: run in a thread."""
+        img = self.spec.image
+        if img.dockerfile is not None:
+            return build_image(client, name=image_name(self.name), dockerfile=img.dockerfile, context_files={})
+        base = img.base or ensure_base_image(client)
+        spec = self.image_spec()
+        if spec is None:
+            return base
+        return build_from_spec(client, name=image_name(self.name), spec=spec.model_copy(update={"base": base}))
+
+    def _task_json(self, task: Task) -> dict[str, Any]:
+        return {"task_id": task.id, "prompt": task.prompt, "data": task.data.get("data", {})}
+
+    async def setup(self, sandbox: Sandbox, task: Task, seed: int) -> None:
+        """Write the task's files into the workspace, then run the spec's setup command (task JSON on stdin)."""
+        for path, text in dict(task.data.get("files", {})).items():
+            await sandbox.write_file(path, text.encode())
+        cmd = self.spec.setup_command
+        if cmd:
+            r = await sandbox.exec(
+                ["/bin/sh", "-c", cmd],
+                stdin=json.dumps(self._task_json(task)).encode(),
+                env={"ENVFLEET_TASK_ID": task.id, "ENVFLEET_SEED": str(seed)},
+                timeout=self.tool_timeout_s,
+                max_output=MAX_SCORING_OUTPUT,
+            )
+            if not r.ok:
+                what = "timed out" if r.timed_out else f"exited with code {r.exit_code}"
+                raise ScoringError(f"setup command {what}: {_tail(r.stderr or r.stdout)}")
+
+    async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
+        """Run the scoring command with the episode as JSON on stdin and parse the reward it prints."""
+        payload = {
+            **self._task_json(task),
+            "answer": episode.answer,
+            "finish": episode.finish,
+            "tool_calls": episode.tool_calls,
+            "turns": [t.model_dump(exclude_defaults=True) for t in episode.turns],
+        }
+        scoring = self.spec.scoring
+        r = await sandbox.exec(
+            ["/bin/sh", "-c", scoring.command],
+            stdin=json.dumps(payload).encode(),
+            env={"ENVFLEET_TASK_ID": task.id, "ENVFLEET_ANSWER": (episode.answer or "")[:MAX_ANSWER_ENV]},
+            timeout=scoring.timeout_s,
+            max_output=MAX_SCORING_OUTPUT,
+        )
+        return parse_score(r, scoring.timeout_s)
+
+
+def make_environment(spec: EnvironmentSpec) -> DeclarativeEnvironment:
+    """The Environment a spec describes."""
+    attrs: dict[str, Any] = {
+        "spec": spec,
+        "name": spec.name,
+        "version": spec.version,
+        "description": spec.description,
+        "tools": tuple(spec.tools),
+        "system_prompt": spec.system_prompt,
+        "limits": spec.limits,
+        "max_turns": spec.max_turns,
+        "tool_timeout_s": spec.tool_timeout_s,
+        "__doc__": f"The declarative environment {spec.ref()}.",
+    }
+    cls: type[DeclarativeEnvironment] = type(f"Declarative({spec.ref()})", (DeclarativeEnvironment,), attrs)
+    return cls()

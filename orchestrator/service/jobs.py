@@ -1,0 +1,394 @@
+"""Jobs: submit, run through the scheduler, log every scored rollout, stream with acks and backpressure, resume
+after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchestrator.core.environment import Environment, Task
+from orchestrator.core.errors import EnvfleetError, InvalidRequestError, JobFinishedError, JobNotFoundError
+from orchestrator.core.metrics import Metrics
+from orchestrator.core.models import JobCounts, JobInfo, JobSpec, JobState
+from orchestrator.rollout.policy.base import Policy
+from orchestrator.rollout.policy.client import OpenAIPolicy
+from orchestrator.rollout.runner import RolloutRunner, WorkItem
+from orchestrator.service.registry import Registry
+from orchestrator.service.scheduler import Capacity, Need, Scheduler
+from orchestrator.service.store import LogEntry, ResultStore
+from orchestrator.service.tenancy import LOCAL_TENANT
+
+log = logging.getLogger(__name__)
+
+MAX_ROLLOUTS_PER_JOB = 1_000_000
+
+
+@dataclass
+class Group:
+    """A whole group of samples of one task, with group-normalized advantages of the scored ones."""
+
+    group_id: str
+    task_id: str
+    entries: list[LogEntry]
+    advantages: list[float | None]
+    failed: int
+
+
+@dataclass
+class Batch:
+    """What one stream message carries: log entries (rollouts as stored), or whole groups of them.
+
+    Entries stay in their stored JSON form: the wire edge turns them straight into messages, which keeps the
+    stream fast; `LogEntry.rollout()` gives the model when one is needed.
+    """
+
+    entries: list[LogEntry] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
+
+
+def group_advantages(rewards: Sequence[float | None]) -> list[float | None]:
+    """(reward - mean) / (std + 1e-6) over the scored samples (reward not None); None for the failed ones."""
+    scored = [r for r in rewards if r is not None]
+    if not scored:
+        return [None] * len(rewards)
+    arr = np.asarray(scored, dtype=np.float64)
+    mean, std = float(arr.mean()), float(arr.std())
+    return [None if r is None else (r - mean) / (std + 1e-6) for r in rewards]
+
+
+@dataclass
+class _Listener:
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    outstanding: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Job:
+    job_id: str
+    spec: JobSpec
+    env: Environment
+    total: int
+    state: JobState
+    created_at: float
+    policy: Policy
+    done: int = 0
+    by_status: Counter[str] = field(default_factory=Counter)
+    started_mono: float = field(default_factory=time.monotonic)
+    listeners: list[_Listener] = field(default_factory=list)
+    owner: str = LOCAL_TENANT  # the tenant that submitted it; other tenants see no such job
+
+    def notify(self, acked: Sequence[int] = ()) -> None:
+        for lst in self.listeners:
+            lst.outstanding.difference_update(acked)
+            lst.wake.set()
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (JobState.COMPLETED, JobState.CANCELLED)
+
+
+def select_tasks(env: Environment, spec: JobSpec) -> list[Task]:
+    """The job's tasks, in a deterministic order."""
+    tasks = list(env.tasks())
+    sel = spec.tasks
+    if sel.kind == "all":
+        return tasks
+    if sel.kind == "ids":
+        by_id = {t.id: t for t in tasks}
+        missing = [i for i in sel.ids if i not in by_id]
+        if missing:
+            raise InvalidRequestError(
+                f"tasks.ids: {len(missing)} unknown task id(s) in {env.ref()}, e.g. {missing[:5]}"
+            )
+        return [by_id[i] for i in dict.fromkeys(sel.ids)]
+    if sel.count > len(tasks):
+        raise InvalidRequestError(f"tasks.count={sel.count} but {env.ref()} has only {len(tasks)} tasks")
+    return random.Random(sel.seed).sample(tasks, sel.count)
+
+
+class JobManager:
+    """Owns the jobs of one orchestrator. Start with `await JobManager.start(...)`."""
+
+    def __init__(
+        self,
+        store: ResultStore,
+        registry: Registry,
+        runner: RolloutRunner,
+        max_in_flight: int,
+        metrics: Metrics | None = None,
+        capacity: Capacity | None = None,
+    ) -> None:
+        self.metrics = metrics or Metrics()
+        self.store = store
+        self.registry = registry
+        self.runner = runner
+        self.scheduler = Scheduler(max_in_flight, self._run_item, capacity)
+        self._policies: list[Policy] = []
+        self._jobs: dict[str, _Job] = {}
+
+    @classmethod
+    async def start(
+        cls,
+        store: ResultStore,
+        registry: Registry,
+        runner: RolloutRunner,
+        max_in_flight: int = 64,
+        metrics: Metrics | None = None,
+        capacity: Capacity | None = None,
+    ) -> JobManager:
+        """A manager that has resumed every unfinished job in the store."""
+        mgr = cls(store, registry, runner, max_in_flight, metrics, capacity)
+        mgr.scheduler.start()
+        await mgr._resume()
+        return mgr
+
+    def _policy(self, spec: JobSpec) -> Policy:
+        # each policy manages its own small HTTP pools: one big httpx pool slows down quadratically with its size
+        policy = OpenAIPolicy(spec.policy)
+        self._policies.append(policy)
+        return policy
+
+    async def _resume(self) -> None:
+        for stored in await self.store.jobs():
+            try:
+                env = self.registry.get(stored.spec.env)
+            except EnvfleetError as e:
+                log.error("cannot resume job %s: %s", stored.job_id, e)
+                continue
+            job = _Job(
+                stored.job_id,
+                stored.spec,
+                env,
+                stored.total,
+                stored.state,
+                stored.created_at,
+                self._policy(stored.spec),
+                owner=stored.owner,
+            )
+            by_status, _ = await self.store.counts(stored.job_id)
+            job.by_status.update(by_status)
+            job.done = sum(by_status.values())
+            self._jobs[job.job_id] = job
+            if job.finished:
+                continue
+            if stored.spec.deliver_groups:
+                await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
+            done_ids = await self.store.done_ids(job.job_id)
+            items = [i for i in self._items(job.job_id, env, stored.spec) if i.id not in done_ids]
+            log.info("resuming job %s: %d of %d rollouts left", job.job_id, len(items), job.total)
+            if not items:
+                await self._finish(job, JobState.COMPLETED)
+                continue
+            self._queue(job.job_id, env, stored.spec, items)
+
+    def _items(self, job_id: str, env: Environment, spec: JobSpec) -> list[WorkItem]:
+        now = time.monotonic()
+        return [WorkItem(job_id, task, k, now) for task in select_tasks(env, spec) for k in range(spec.group_size)]
+
+    async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
+        """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
+        env = self.registry.get(spec.env)
+        spec = spec.model_copy(update={"env": env.ref()})
+        job_id = uuid.uuid4().hex[:16]
+        items = self._items(job_id, env, spec)
+        if not items:
+            raise InvalidRequestError(f"{env.ref()} selects no tasks")
+        if len(items) > MAX_ROLLOUTS_PER_JOB:
+            raise InvalidRequestError(f"job would run {len(items)} rollouts; the limit is {MAX_ROLLOUTS_PER_JOB}")
+        self.scheduler.check_fits(_need(env))  # refused before anything is recorded
+        await self.store.create_job(job_id, spec, len(items), owner)
+        self._jobs[job_id] = _Job(
+            job_id, spec, env, len(items), JobState.QUEUED, time.time(), self._policy(spec), owner=owner
+        )
+        self._queue(job_id, env, spec, items)
+        return job_id, len(items)
+
+    def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem]) -> None:
+        """Hand a job's items to the scheduler; while its image is missing it is built in the background and the
+        slots go to jobs whose images exist."""
+        images = self.runner.images
+        ready = images.ready(env)
+        self.scheduler.add_job(job_id, spec.priority, spec.max_concurrency, items, _need(env), ready=ready)
+        if not ready:
+            images.prebuild(env).add_done_callback(lambda _: self.scheduler.set_ready(job_id))
+
+    async def _run_item(self, item: WorkItem) -> None:
+        job = self._jobs[item.job_id]
+        if job.state == JobState.QUEUED:
+            job.state = JobState.RUNNING
+            await self.store.set_job_state(job.job_id, JobState.RUNNING)
+        self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
+        self._gauge()
+        try:
+            rollout = await self.runner.run(item, job.env, job.spec, job.policy, job.spec.policy.version)
+        finally:
+            self._gauge(-1)
+        self.metrics.rollouts.labels(rollout.status.value).inc()
+        if job.state == JobState.CANCELLED:
+            return
+        grouped = job.spec.deliver_groups
+        seq = await self.store.append(rollout, visible=not grouped)
+        if seq is None:
+            return  # already in the log (a resumed duplicate)
+        if grouped:
+            await self.store.publish_complete_groups(job.job_id, job.spec.group_size, item.group_id)
+        job.done += 1
+        job.by_status[rollout.status.value] += 1
+        if job.done >= job.total:
+            await self._finish(job, JobState.COMPLETED)
+        job.notify()
+
+    def _gauge(self, leaving: int = 0) -> None:
+        self.metrics.queue_depth.set(self.scheduler.queue_depth)
+        self.metrics.in_flight.set(self.scheduler.in_flight + leaving)
+
+    async def _finish(self, job: _Job, state: JobState) -> None:
+        self.runner.snapshots.forget_job(job.job_id)
+        job.state = state
+        await self.store.set_job_state(job.job_id, state)
+        job.notify()
+
+    def _job(self, job_id: str, owner: str | None = None) -> _Job:
+        """The job; for a caller `owner`, another tenant's job is reported exactly like a missing one."""
+        job = self._jobs.get(job_id)
+        if job is None or (owner is not None and job.owner != owner):
+            raise JobNotFoundError(f"no job {job_id!r}")
+        return job
+
+    async def stream(
+        self,
+        job_id: str,
+        resume_after: int = 0,
+        max_in_flight: int = 256,
+        max_batch: int = 64,
+        *,
+        owner: str | None = None,
+    ) -> AsyncIterator[Batch]:
+        """Unacked rollouts (or whole groups) after `resume_after`, at most `max_in_flight` unacked at once."""
+        job = self._job(job_id, owner)
+        n = job.spec.group_size if job.spec.deliver_groups else 1
+        cursor = resume_after
+        me = _Listener()
+        job.listeners.append(me)
+        try:
+            while True:
+                me.wake.clear()
+                finished = job.finished
+                room = max_in_flight - len(me.outstanding)
+                entries: list[LogEntry] = []
+                if room > 0:
+                    limit = max(min(room, max_batch), n)
+                    entries = await self.store.read(job_id, cursor, limit)
+                    if n > 1 and len(entries) == limit:
+                        entries = _whole_groups(entries)
+                if entries:
+                    cursor = entries[-1].seq
+                    me.outstanding.update(e.seq for e in entries)
+                    yield _batch(entries, grouped=n > 1)
+                    continue
+                if finished and room > 0:
+                    return
+                await me.wake.wait()
+        finally:
+            job.listeners.remove(me)
+
+    async def ack(self, job_id: str, up_to: int, ids: Sequence[str], *, owner: str | None = None) -> int:
+        """Ack rollouts; returns how many were newly acked."""
+        job = self._job(job_id, owner)
+        if up_to < 0:
+            raise InvalidRequestError(f"up_to must be >= 0, got {up_to}")
+        seqs = await self.store.ack(job_id, up_to, ids)
+        job.notify(seqs)
+        return len(seqs)
+
+    async def update_policy(self, job_id: str, version: str, base_url: str, *, owner: str | None = None) -> JobInfo:
+        """Rollouts started from now on use this endpoint and record this version."""
+        job = self._job(job_id, owner)
+        if job.finished:
+            raise JobFinishedError(f"job {job_id} is {job.state.value}; its policy can no longer change")
+        update = {"version": version} | ({"base_url": base_url} if base_url else {})
+        try:
+            endpoint = job.spec.policy.model_validate({**job.spec.policy.model_dump(), **update})
+        except ValueError as e:
+            raise InvalidRequestError(f"policy update: {e}") from None
+        job.spec = job.spec.model_copy(update={"policy": endpoint})
+        job.policy = self._policy(job.spec)
+        await self.store.update_spec(job_id, job.spec)
+        return await self.info(job_id)
+
+    async def cancel(self, job_id: str, *, owner: str | None = None) -> JobInfo:
+        """Stop a job: pending work is dropped and running rollouts are cancelled (their sandboxes destroyed)."""
+        job = self._job(job_id, owner)
+        if not job.finished:
+            job.state = JobState.CANCELLED
+            await self.scheduler.cancel_job(job_id)
+            await self._finish(job, JobState.CANCELLED)
+        return await self.info(job_id)
+
+    async def info(self, job_id: str, *, owner: str | None = None) -> JobInfo:
+        """Status, counts by rollout status, throughput."""
+        job = self._job(job_id, owner)
+        by_status, acked = await self.store.counts(job_id)
+        elapsed = max(time.monotonic() - job.started_mono, 1e-9)
+        return JobInfo(
+            job_id=job.job_id,
+            spec=job.spec,
+            state=job.state,
+            created_at=job.created_at,
+            counts=JobCounts(
+                total=job.total,
+                done=sum(by_status.values()),
+                by_status=by_status,
+                acked=acked,
+                in_flight=self.scheduler.running_of(job_id),
+                rollouts_per_s=job.done / elapsed,
+            ),
+        )
+
+    async def list(self, *, owner: str | None = None) -> list[JobInfo]:
+        """Every job this orchestrator knows (of tenant `owner` only, when given)."""
+        return [await self.info(j) for j, job in list(self._jobs.items()) if owner is None or job.owner == owner]
+
+    async def close(self) -> None:
+        """Stop running rollouts (their sandboxes are destroyed); unfinished jobs resume at the next start."""
+        await self.scheduler.close()
+        for job in self._jobs.values():
+            job.notify()
+        for policy in self._policies:
+            await policy.aclose()
+
+
+def _need(env: Environment) -> Need:
+    return Need(cpus=env.limits.cpus, memory_mb=env.limits.memory_mb)
+
+
+def _whole_groups(entries: list[LogEntry]) -> list[LogEntry]:
+    """Drop a trailing group cut by the read limit (groups are consecutive in the log)."""
+    last = entries[-1].group_id
+    i = len(entries)
+    while i > 0 and entries[i - 1].group_id == last:
+        i -= 1
+    return entries[:i] if i > 0 else entries
+
+
+def _batch(entries: list[LogEntry], grouped: bool) -> Batch:
+    if not grouped:
+        return Batch(entries=entries)
+    by_group: dict[str, list[LogEntry]] = {}
+    for e in entries:
+        by_group.setdefault(e.group_id, []).append(e)
+    groups = []
+    for g, members in by_group.items():
+        rollouts = [m.rollout() for m in members]
+        rewards = [r.reward if r.status.scored else None for r in rollouts]
+        failed = sum(not r.status.scored for r in rollouts)
+        groups.append(Group(g, rollouts[0].task_id, members, group_advantages(rewards), failed))
+    return Batch(groups=groups)

@@ -1,0 +1,355 @@
+"""Raw sandboxes (E2B style): a tenant creates a hardened sandbox, runs commands and moves files, then deletes it.
+
+Hardening and limits are the backend's, validated by SandboxSpec exactly as for rollouts; only envfleet images (they
+carry envd) or an environment's image may be used. A sandbox whose TTL ends is destroyed; its owner then sees it
+as EXPIRED in List and a NOT_FOUND that says so from every other call. Another tenant's sandbox is reported exactly
+like a missing one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import docker
+import docker.errors
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orchestrator.core.environment import ImageSource
+from orchestrator.core.errors import InvalidRequestError, NotFoundError, QuotaExceededError, SandboxError
+from orchestrator.core.sandbox import Command, ExecEvent, Limits, Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.images.cache import image_exists
+from orchestrator.service.registry import Registry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+State = Literal["RUNNING", "EXPIRED", "DELETED"]
+ENVFLEET_IMAGE_PREFIX = "envfleet/"
+TOMBSTONE_KEEP_S = 3600.0
+MAX_TOMBSTONES_PER_TENANT = 1000
+LEASE_GRACE_S = 60.0
+MAX_LEASE_S = 7 * 24 * 3600.0  # SandboxSpec's limit
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SandboxServiceConfig(BaseModel):
+    """Limits of the raw sandbox API."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    default_ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+    max_ttl_s: float = Field(24 * 3600.0, gt=0, le=7 * 24 * 3600)
+    max_per_tenant: int = Field(32, ge=1, le=100_000, description="live sandboxes per tenant")
+    reap_interval_s: float = Field(1.0, gt=0, le=3600)
+    exec_default_timeout_s: float = Field(60.0, gt=0)
+    exec_max_timeout_s: float = Field(3600.0, gt=0)
+    default_max_output: int = Field(1 << 20, ge=1)
+    max_output: int = Field(32 << 20, ge=1, le=48 << 20, description="per exec, and per file read or download")
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    """A tenant's view of one of its sandboxes."""
+
+    sandbox_id: str
+    image: str
+    env: str
+    state: State
+    limits: Limits
+    created_at: float
+    expires_at: float
+    ended_at: float = 0.0
+    end_reason: str = ""
+
+
+@dataclass
+class _Live:
+    record: SandboxRecord
+    tenant: str
+    sandbox: Sandbox
+
+
+def _limits(base: Limits, overrides: Mapping[str, Any]) -> Limits:
+    try:
+        return Limits.model_validate({**base.model_dump(), **overrides})
+    except ValidationError as e:
+        bad = "; ".join(
+            f"limits.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})" for err in e.errors()
+        )
+        raise InvalidRequestError(bad) from None
+
+
+def _check_env_vars(env: Mapping[str, str], what: str) -> dict[str, str]:
+    if len(env) > 256:
+        raise InvalidRequestError(f"{what}: at most 256 variables")
+    for name, value in env.items():
+        if not _ENV_NAME.match(name):
+            raise InvalidRequestError(f"{what}: {name!r} is not a variable name")
+        if "\0" in value or len(value) > 128 << 10:
+            raise InvalidRequestError(f"{what}: the value of {name} holds NUL or is over 128 KiB")
+    return dict(env)
+
+
+class SandboxManager:
+    """Every tenant's raw sandboxes. Start with `SandboxManager.start(...)`; `close()` destroys them all."""
+
+    def __init__(
+        self,
+        config: SandboxServiceConfig,
+        registry: Registry,
+        backend: SandboxBackend,
+        images: ImageSource,
+        client: docker.DockerClient,
+    ) -> None:
+        self.config = config
+        self._registry = registry
+        self._backend = backend
+        self._images = images
+        self._client = client
+        self._live: dict[str, _Live] = {}
+        self._reserved: dict[str, int] = {}
+        self._ended: dict[str, OrderedDict[str, SandboxRecord]] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    def start(
+        cls,
+        config: SandboxServiceConfig,
+        registry: Registry,
+        backend: SandboxBackend,
+        images: ImageSource,
+        client: docker.DockerClient,
+    ) -> SandboxManager:
+        """A manager that destroys sandboxes whose TTL ended, in the background."""
+        mgr = cls(config, registry, backend, images, client)
+        mgr._reaper = asyncio.create_task(mgr._reap_forever(), name="sandbox reaper")
+        return mgr
+
+    async def _image_and_limits(self, image: str, env_ref: str, overrides: Mapping[str, Any]) -> tuple[str, Limits]:
+        if bool(image) == bool(env_ref):
+            raise InvalidRequestError("give exactly one of image and env")
+        if env_ref:
+            env = self._registry.get(env_ref)
+            tag, _ = await self._images.resolve(env)
+            return tag, _limits(env.limits, overrides)
+        if not image.startswith(ENVFLEET_IMAGE_PREFIX) or len(image) > 256:
+            raise InvalidRequestError(
+                f"image {image[:256]!r}: only envfleet images (envfleet/...) may be used; they carry envd"
+            )
+        if not await asyncio.to_thread(self._image_present, image):
+            raise NotFoundError(f"image {image!r} is not on this host; build it first (envfleet image build-base)")
+        return image, _limits(Limits(), overrides)
+
+    def _image_present(self, image: str) -> bool:
+        try:
+            return image_exists(self._client, image)
+        except docker.errors.APIError:  # an invalid reference
+            return False
+
+    async def create(
+        self,
+        tenant: str,
+        *,
+        image: str = "",
+        env: str = "",
+        limits: Mapping[str, Any] | None = None,
+        ttl_s: float = 0.0,
+        env_vars: Mapping[str, str] | None = None,
+    ) -> SandboxRecord:
+        """A running sandbox owned by `tenant`, destroyed after `ttl_s` (0: the default)."""
+        ttl = ttl_s or self.config.default_ttl_s
+        if not 0 < ttl <= self.config.max_ttl_s:
+            raise InvalidRequestError(f"ttl_s must be between 0 and {self.config.max_ttl_s:g}, got {ttl_s!r}")
+        variables = _check_env_vars(env_vars or {}, "env_vars")
+        tag, lim = await self._image_and_limits(image, env, limits or {})
+        live_now = sum(x.tenant == tenant for x in self._live.values()) + self._reserved.get(tenant, 0)
+        if live_now >= self.config.max_per_tenant:
+            raise QuotaExceededError(
+                f"{live_now} sandboxes are running, the limit per tenant is {self.config.max_per_tenant}; delete some"
+            )
+        sid = "sb-" + secrets.token_hex(10)
+        self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
+        try:
+            sandbox = await self._backend.create(
+                SandboxSpec(
+                    image=tag,
+                    limits=lim,
+                    env=variables,
+                    labels={"envfleet.sandbox": sid, "envfleet.tenant": tenant},
+                    ttl_s=min(ttl + LEASE_GRACE_S, MAX_LEASE_S),
+                )
+            )
+        finally:
+            self._reserved[tenant] -= 1
+        now = time.time()
+        record = SandboxRecord(sid, tag, env, "RUNNING", lim, now, now + ttl)
+        self._live[sid] = _Live(record, tenant, sandbox)
+        return record
+
+    def _tombstone(self, tenant: str, sandbox_id: str) -> SandboxRecord | None:
+        return self._ended.get(tenant, OrderedDict()).get(sandbox_id)
+
+    async def _get(self, tenant: str, sandbox_id: str) -> _Live:
+        live = self._live.get(sandbox_id)
+        if live is not None and live.tenant == tenant:
+            if time.time() < live.record.expires_at:
+                return live
+            await self._end(live, "EXPIRED", "its ttl ended")
+        tomb = self._tombstone(tenant, sandbox_id)
+        if tomb is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.ended_at))
+            raise NotFoundError(f"sandbox {sandbox_id} {tomb.state.lower()} at {when} ({tomb.end_reason})")
+        raise NotFoundError(f"no sandbox {sandbox_id!r}")
+
+    async def _end(self, live: _Live, state: State, reason: str) -> None:
+        sid = live.record.sandbox_id
+        if self._live.pop(sid, None) is None:
+            return
+        ended = self._ended.setdefault(live.tenant, OrderedDict())
+        ended[sid] = dataclasses.replace(live.record, state=state, ended_at=time.time(), end_reason=reason)
+        while len(ended) > MAX_TOMBSTONES_PER_TENANT:
+            ended.popitem(last=False)
+        try:
+            await asyncio.shield(live.sandbox.close())
+        except SandboxError:
+            log.warning("could not destroy sandbox %s", sid, exc_info=True)
+
+    async def _use(self, live: _Live, call: Awaitable[T]) -> T:
+        """Run a call on a sandbox; if it failed because the sandbox ended meanwhile, say so (NOT_FOUND)."""
+        try:
+            return await call
+        except SandboxError:
+            if live.record.sandbox_id not in self._live:
+                await self._get(live.tenant, live.record.sandbox_id)
+            raise
+
+    async def get(self, tenant: str, sandbox_id: str) -> SandboxRecord:
+        """A sandbox of the tenant's that is running; NOT_FOUND (saying when and why) for one that ended."""
+        return (await self._get(tenant, sandbox_id)).record
+
+    async def list(self, tenant: str) -> list[SandboxRecord]:
+        """The tenant's running sandboxes, then those that ended in the last hour."""
+        await self.reap()
+        running = [x.record for x in self._live.values() if x.tenant == tenant]
+        ended = list(self._ended.get(tenant, OrderedDict()).values())
+        return sorted(running, key=lambda r: r.created_at) + ended
+
+    def _exec_limits(self, timeout_s: float, max_output: int) -> tuple[float, int]:
+        c = self.config
+        timeout = timeout_s or c.exec_default_timeout_s
+        if not 0 < timeout <= c.exec_max_timeout_s:
+            raise InvalidRequestError(f"timeout_s must be between 0 and {c.exec_max_timeout_s:g}, got {timeout_s!r}")
+        cap = max_output or c.default_max_output
+        if not 0 < cap <= c.max_output:
+            raise InvalidRequestError(f"max_output_bytes must be between 0 and {c.max_output}, got {max_output}")
+        return timeout, cap
+
+    async def exec_stream(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        cmd: Command,
+        *,
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout_s: float = 0.0,
+        max_output: int = 0,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run a command, streaming started, stdout/stderr chunks and ended."""
+        if isinstance(cmd, str):
+            if not cmd.strip() or "\0" in cmd:
+                raise InvalidRequestError("shell: the command is empty or holds NUL")
+        elif not cmd or any("\0" in a for a in cmd):
+            raise InvalidRequestError("argv: give at least one argument, none holding NUL")
+        if "\0" in cwd:
+            raise InvalidRequestError("cwd holds NUL")
+        timeout, cap = self._exec_limits(timeout_s, max_output)
+        variables = _check_env_vars(env or {}, "env")
+        live = await self._get(tenant, sandbox_id)
+        stream = live.sandbox.exec_stream(
+            cmd, cwd=cwd or None, env=variables, stdin=stdin, timeout=timeout, max_output=cap
+        )
+        try:
+            while True:
+                try:
+                    event = await self._use(live, anext(stream))
+                except StopAsyncIteration:
+                    return
+                yield event
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+
+    async def read_file(self, tenant: str, sandbox_id: str, path: str, max_bytes: int = 0) -> bytes:
+        """A file's content (at most max_bytes, 0: the configured cap)."""
+        if not 0 <= max_bytes <= self.config.max_output:
+            raise InvalidRequestError(f"max_bytes must be between 0 and {self.config.max_output}, got {max_bytes}")
+        live = await self._get(tenant, sandbox_id)
+        return await self._use(live, live.sandbox.read_file(path, max_bytes or self.config.max_output))
+
+    async def write_file(self, tenant: str, sandbox_id: str, path: str, data: bytes, mode: int = 0) -> None:
+        """Create or replace a file (parents are created)."""
+        if not 0 <= mode <= 0o7777:
+            raise InvalidRequestError(f"mode must be a permission mode (0 to 0o7777), got {mode}")
+        live = await self._get(tenant, sandbox_id)
+        await self._use(live, live.sandbox.write_file(path, data, mode or 0o644))
+
+    async def upload(self, tenant: str, sandbox_id: str, tar: bytes, dest_dir: str) -> int:
+        """Extract a tar archive into dest_dir; returns the number of entries."""
+        live = await self._get(tenant, sandbox_id)
+        return await self._use(live, live.sandbox.upload(tar, dest_dir or "."))
+
+    async def download(self, tenant: str, sandbox_id: str, path: str) -> bytes:
+        """A tar archive of a file or folder (links stored as links)."""
+        live = await self._get(tenant, sandbox_id)
+        data = await self._use(live, live.sandbox.download(path))
+        if len(data) > self.config.max_output:
+            raise QuotaExceededError(
+                f"the archive of {path!r} is {len(data)} bytes, over the limit of {self.config.max_output}"
+            )
+        return data
+
+    async def delete(self, tenant: str, sandbox_id: str) -> None:
+        """Destroy a sandbox now."""
+        live = await self._get(tenant, sandbox_id)
+        await self._end(live, "DELETED", "deleted by its owner")
+
+    async def reap(self) -> int:
+        """Destroy sandboxes whose TTL ended, and forget old tombstones; returns how many were destroyed."""
+        now = time.time()
+        doomed = [x for x in list(self._live.values()) if now >= x.record.expires_at]
+        for live in doomed:
+            log.info("sandbox %s of %s: ttl ended, destroying it", live.record.sandbox_id, live.tenant)
+            await self._end(live, "EXPIRED", "its ttl ended")
+        for ended in self._ended.values():
+            while ended and now - next(iter(ended.values())).ended_at > TOMBSTONE_KEEP_S:
+                ended.popitem(last=False)
+        return len(doomed)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("sandbox reaper failed")
+
+    async def close_all(self) -> None:
+        """Stop the reaper and destroy every sandbox."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        live, self._live = list(self._live.values()), {}
+        await asyncio.gather(*(x.sandbox.close() for x in live), return_exceptions=True)

@@ -1,0 +1,200 @@
+"""Admission and fair share: which job's next work item runs when a slot frees.
+
+Admission is by host capacity: a rollout starts only while the sandboxes in flight, their CPU quotas and their
+memory limits fit the configured capacity (with overcommit: sandboxes mostly wait on the policy). A job whose single
+sandbox could never fit is refused (CapacityError, RESOURCE_EXHAUSTED); a job that fits but finds the host full is
+queued. Each job also has its own cap; among jobs with work and room, the one with the fewest running rollouts per
+unit of priority goes next (weighted fair share).
+
+Placement is image-aware: a job whose sandbox image is still being built is held back (`ready=False`), so its
+rollouts do not sit on slots waiting for a build while jobs whose images exist could run; `set_ready` releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import os
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.core.errors import CapacityError
+from orchestrator.rollout.runner import WorkItem
+
+
+class Capacity(BaseModel):
+    """What this host may run at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_sandboxes: int = Field(1024, ge=1, le=100_000)
+    cpus: float = Field(default_factory=lambda: float(os.cpu_count() or 1) * 16, gt=0, description="CPU quota sum")
+    memory_mb: int = Field(default_factory=lambda: _host_memory_mb() * 2, gt=0, description="memory limit sum")
+
+
+def _host_memory_mb() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        return 4096
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one rollout of a job reserves while it runs."""
+
+    cpus: float = 0.0
+    memory_mb: int = 0
+
+
+@dataclass
+class JobQueue:
+    """One job's pending work and its share."""
+
+    job_id: str
+    priority: int
+    max_concurrency: int
+    need: Need = Need()
+    ready: bool = True  # False while the job's image is being built
+    pending: collections.deque[WorkItem] = field(default_factory=collections.deque)
+    running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    def has_room(self) -> bool:
+        return self.ready and bool(self.pending) and len(self.running) < self.max_concurrency
+
+
+class Scheduler:
+    """Starts `run(item)` for queued items within the caps; call `kick()` after enqueueing."""
+
+    def __init__(
+        self,
+        max_in_flight: int,
+        run: Callable[[WorkItem], Coroutine[Any, Any, None]],
+        capacity: Capacity | None = None,
+    ) -> None:
+        self.max_in_flight = max_in_flight
+        self.capacity = capacity or Capacity()
+        self._run = run
+        self._cpus_used = 0.0
+        self._memory_used = 0
+        self._queues: dict[str, JobQueue] = {}
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(q.running) for q in self._queues.values())
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(len(q.pending) for q in self._queues.values())
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="scheduler")
+
+    def check_fits(self, need: Need) -> None:
+        """Refuse, with the numbers, a rollout that could never be admitted on this host."""
+        cap = self.capacity
+        if need.cpus > cap.cpus or need.memory_mb > cap.memory_mb:
+            raise CapacityError(
+                f"one sandbox needs {need.cpus:g} CPUs and {need.memory_mb} MB, but this host's capacity is "
+                f"{cap.cpus:g} CPUs and {cap.memory_mb} MB in all; lower the environment's limits or raise capacity"
+            )
+
+    @property
+    def waiting_for_images(self) -> int:
+        """Queued rollouts held back until their image is built."""
+        return sum(len(q.pending) for q in self._queues.values() if not q.ready)
+
+    def add_job(
+        self,
+        job_id: str,
+        priority: int,
+        max_concurrency: int,
+        items: list[WorkItem],
+        need: Need = Need(),
+        *,
+        ready: bool = True,
+    ) -> None:
+        """Queue a job's items; with `ready=False` none starts before `set_ready(job_id)`."""
+        self.check_fits(need)
+        q = self._queues.setdefault(job_id, JobQueue(job_id, priority, max_concurrency, need, ready))
+        q.pending.extend(items)
+        self.kick()
+
+    def set_ready(self, job_id: str) -> None:
+        """The job's image exists: its items may start."""
+        q = self._queues.get(job_id)
+        if q is not None and not q.ready:
+            q.ready = True
+            self.kick()
+
+    def running_of(self, job_id: str) -> int:
+        q = self._queues.get(job_id)
+        return len(q.running) if q else 0
+
+    def pending_of(self, job_id: str) -> int:
+        q = self._queues.get(job_id)
+        return len(q.pending) if q else 0
+
+    async def cancel_job(self, job_id: str) -> None:
+        """Drop a job's pending items and cancel its running ones (their sandboxes are destroyed)."""
+        q = self._queues.pop(job_id, None)
+        if q is None:
+            return
+        q.pending.clear()
+        tasks = list(q.running.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    def _fits(self, need: Need) -> bool:
+        cap = self.capacity
+        return (
+            self.in_flight < min(self.max_in_flight, cap.max_sandboxes)
+            and self._cpus_used + need.cpus <= cap.cpus
+            and self._memory_used + need.memory_mb <= cap.memory_mb
+        )
+
+    def _next(self) -> JobQueue | None:
+        ready = [q for q in self._queues.values() if q.has_room() and self._fits(q.need)]
+        if not ready:
+            return None
+        return min(ready, key=lambda q: (len(q.running) / q.priority, -q.priority))
+
+    async def _loop(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            while (q := self._next()) is not None:
+                item = q.pending.popleft()
+                self._cpus_used += q.need.cpus
+                self._memory_used += q.need.memory_mb
+                task = asyncio.create_task(self._run(item), name=f"rollout {item.id}")
+                q.running[item.id] = task
+                task.add_done_callback(functools.partial(self._done, q, item.id))
+
+    def _done(self, q: JobQueue, rid: str, _task: asyncio.Task[None]) -> None:
+        q.running.pop(rid, None)
+        self._cpus_used = max(0.0, self._cpus_used - q.need.cpus)
+        self._memory_used = max(0, self._memory_used - q.need.memory_mb)
+        if not q.pending and not q.running:
+            self._queues.pop(q.job_id, None)
+        self.kick()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        tasks = [t for q in self._queues.values() for t in q.running.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._queues.clear()

@@ -1,0 +1,408 @@
+"""Sessions: the trainer drives the agent loop (gym style) while the fleet keeps the sandbox, the tools and scoring.
+
+reset -> one sandbox, the task set up, the first observation; step(action) -> the tool's output, or, at the end of
+the episode, the environment's score with the same status taxonomy as rollouts (an infrastructure failure is never a
+reward); close -> the sandbox is destroyed. A session idle longer than its TTL expires; its id then answers NOT_FOUND
+saying so. Another tenant's session is reported exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.backends.pool import SandboxPool
+from orchestrator.core.environment import Environment, Episode, Finish, ImageSource, Task
+from orchestrator.core.errors import (
+    EnvironmentBroken,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    QuotaExceededError,
+    SandboxError,
+)
+from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
+
+# the runner's classification of environment code failures (ENV_ERROR), shared so both paths agree
+from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
+from orchestrator.core.tools import Tool, call_tool, get_tools
+from orchestrator.rollout.episode import env_call
+from orchestrator.service.registry import Registry
+
+log = logging.getLogger(__name__)
+
+MAX_TOMBSTONES = 10_000
+TOMBSTONE_KEEP_S = 3600.0
+LEASE_GRACE_S = 60.0
+MAX_LEASE_S = 7 * 24 * 3600.0  # SandboxSpec's limit
+
+
+class SessionConfig(BaseModel):
+    """Limits of the session API."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    idle_ttl_s: float = Field(600.0, gt=0, le=7 * 24 * 3600, description="a session idle this long expires")
+    max_lifetime_s: float = Field(24 * 3600.0, gt=0, le=7 * 24 * 3600, description="hard cap on a session's age")
+    max_per_tenant: int = Field(64, ge=1, le=100_000, description="open sessions per tenant")
+    scoring_budget_s: float = Field(600.0, gt=0, le=24 * 3600, description="added to the tool timeout per step")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the policy sees at reset: the prompt, the opening messages and the tools it may call."""
+
+    text: str
+    messages: list[Turn]
+    tools: list[Tool]
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """A session's public state."""
+
+    session_id: str
+    env: str
+    task_id: str
+    seed: int
+    turn: int
+    max_turns: int
+    image: str
+    idle_ttl_s: float
+
+
+@dataclass(frozen=True)
+class ToolAction:
+    """Call a tool with JSON arguments (the text the policy produced)."""
+
+    name: str
+    arguments: str
+    call_id: str = ""
+
+
+@dataclass(frozen=True)
+class FinalAnswer:
+    """End the episode with this answer (like a completion without tool calls)."""
+
+    text: str
+
+
+Action = ToolAction | FinalAnswer
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one step. `status` is set on the last step only; `reward` is None when it failed."""
+
+    observation: str
+    reward: float | None
+    terminated: bool
+    truncated: bool
+    status: RolloutStatus | None
+    info: SessionView
+    components: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: RolloutError | None = None
+
+
+@dataclass
+class _Session:
+    id: str
+    tenant: str
+    env: Environment
+    task: Task
+    seed: int
+    max_turns: int
+    sandbox: Sandbox
+    image: str
+    tools: dict[str, Tool]
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    turn: int = 0
+    tool_calls: int = 0
+    turns: list[Turn] = field(default_factory=list)
+    ended: RolloutStatus | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(frozen=True)
+class _Tombstone:
+    tenant: str
+    why: str
+    at: float
+
+
+def seed_for_task(task_id: str) -> int:
+    """A stable seed for a task chosen by id."""
+    return int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:4], "big")
+
+
+class SessionManager:
+    """Open sessions of every tenant. Start with `SessionManager.start(...)`; `close()` destroys them all."""
+
+    def __init__(self, config: SessionConfig, registry: Registry, pool: SandboxPool, images: ImageSource) -> None:
+        self.config = config
+        self._registry = registry
+        self._pool = pool
+        self._images = images
+        self._sessions: dict[str, _Session] = {}
+        self._reserved: dict[str, int] = {}
+        self._ended: OrderedDict[str, _Tombstone] = OrderedDict()
+        self._reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    def start(cls, config: SessionConfig, registry: Registry, pool: SandboxPool, images: ImageSource) -> SessionManager:
+        """A manager whose idle sessions expire in the background."""
+        mgr = cls(config, registry, pool, images)
+        mgr._reaper = asyncio.create_task(mgr._reap_forever(), name="session reaper")
+        return mgr
+
+    def _pick_task(self, env: Environment, task_id: str, seed: int | None) -> tuple[Task, int]:
+        tasks = list(env.tasks())
+        if task_id:
+            task = next((t for t in tasks if t.id == task_id), None)
+            if task is None:
+                raise InvalidRequestError(f"task_id: {env.ref()} has no task {task_id!r}")
+            return task, seed if seed is not None else seed_for_task(task_id)
+        if not tasks:
+            raise FailedPreconditionError(f"{env.ref()} has no tasks")
+        seed = seed if seed is not None else secrets.randbits(31)
+        return tasks[random.Random(seed).randrange(len(tasks))], seed
+
+    async def reset(
+        self, tenant: str, env_ref: str, task_id: str = "", seed: int | None = None, max_turns: int = 0
+    ) -> tuple[SessionView, Observation]:
+        """Open a session: a sandbox with the task set up. The task is `task_id`, or drawn with `seed`."""
+        env = self._registry.get(env_ref)
+        task, seed = self._pick_task(env, task_id, seed)
+        if not 0 <= max_turns <= 1000:
+            raise InvalidRequestError(f"max_turns must be between 1 and 1000 (0: the default), got {max_turns}")
+        open_now = sum(s.tenant == tenant and s.ended is None for s in self._sessions.values())
+        open_now += self._reserved.get(tenant, 0)
+        if open_now >= self.config.max_per_tenant:
+            raise QuotaExceededError(
+                f"{open_now} sessions are open, the limit per tenant is {self.config.max_per_tenant}; close some"
+            )
+        self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
+        try:
+            session = await self._open(tenant, env, task, seed, max_turns or env.max_turns)
+        finally:
+            self._reserved[tenant] -= 1
+        self._sessions[session.id] = session
+        return self._view(session), self._observation(env, task)
+
+    async def _open(self, tenant: str, env: Environment, task: Task, seed: int, max_turns: int) -> _Session:
+        sid = secrets.token_hex(12)
+        image, _ = await self._images.resolve(env)
+        # as in the runner, the seed travels with the task (setup), so warm sandboxes stay interchangeable
+        sandbox, _ = await self._pool.acquire(
+            SandboxSpec(
+                image=image,
+                limits=env.limits,
+                env=dict(DETERMINISTIC_ENV),
+                ttl_s=min(self.config.max_lifetime_s + LEASE_GRACE_S, MAX_LEASE_S),
+            )
+        )
+        try:
+            await env_call(env.setup(sandbox, task, seed))
+        except EnvironmentBroken as e:
+            await self._pool.release(sandbox, recycle=False)
+            raise FailedPreconditionError(f"{env.ref()}: setting up task {task.id} failed: {e}") from e
+        except BaseException:
+            await asyncio.shield(self._pool.release(sandbox, recycle=False))
+            raise
+        tools = {t.name: t for t in get_tools(env.tools)}
+        return _Session(sid, tenant, env, task, seed, max_turns, sandbox, image, tools)
+
+    @staticmethod
+    def _observation(env: Environment, task: Task) -> Observation:
+        messages = [Turn(role=m["role"], text=str(m.get("content") or "")) for m in env.messages(task)]
+        return Observation(task.prompt, messages, get_tools(env.tools))
+
+    def _view(self, s: _Session) -> SessionView:
+        return SessionView(s.id, s.env.ref(), s.task.id, s.seed, s.turn, s.max_turns, s.image, self.config.idle_ttl_s)
+
+    def _expired_why(self, s: _Session, now: float) -> str:
+        if now - s.last_used > self.config.idle_ttl_s:
+            return f"expired after {self.config.idle_ttl_s:g}s idle (its sandbox was destroyed); call Reset again"
+        if now - s.created > self.config.max_lifetime_s:
+            return f"expired: it reached the maximum session lifetime of {self.config.max_lifetime_s:g}s"
+        return ""
+
+    async def _get(self, tenant: str, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is not None and s.tenant == tenant:
+            why = "" if s.lock.locked() else self._expired_why(s, time.monotonic())
+            if not why:
+                return s
+            await self._drop(s, why)
+        tomb = self._ended.get(session_id)
+        if tomb is not None and tomb.tenant == tenant:
+            raise NotFoundError(f"session {session_id} {tomb.why}")
+        raise NotFoundError(f"no session {session_id!r}")
+
+    async def _drop(self, s: _Session, why: str) -> None:
+        """Forget a session, leaving a tombstone that tells its owner why."""
+        if self._sessions.pop(s.id, None) is None:
+            return
+        self._ended[s.id] = _Tombstone(s.tenant, why, time.monotonic())
+        while len(self._ended) > MAX_TOMBSTONES:
+            self._ended.popitem(last=False)
+        if s.ended is None:
+            await self._release(s, recycle=False)
+
+    async def _release(self, s: _Session, recycle: bool) -> None:
+        """Hand the sandbox back: recycled when the environment allows it and nothing failed, else destroyed."""
+        try:
+            await asyncio.shield(
+                self._pool.release(s.sandbox, recycle=recycle and s.env.reusable, workspace_seed=s.env.workspace_seed)
+            )
+        except SandboxError:
+            log.warning("could not release the sandbox of session %s", s.id, exc_info=True)
+
+    async def step(self, tenant: str, session_id: str, action: Action) -> StepResult:
+        """Apply one action; the step that ends the episode scores it and releases the sandbox."""
+        s = await self._get(tenant, session_id)
+        async with s.lock:
+            if s.ended is not None:
+                raise FailedPreconditionError(
+                    f"session {session_id} has ended ({s.ended.value}); call Reset for a new episode"
+                )
+            s.last_used = time.monotonic()
+            try:
+                return await self._step(s, action)
+            finally:
+                s.last_used = time.monotonic()
+
+    async def _step(self, s: _Session, action: Action) -> StepResult:
+        observation = ""
+        finish: Finish | None = None
+        answer: str | None = None
+        try:
+            async with asyncio.timeout(s.env.tool_timeout_s + self.config.scoring_budget_s):
+                if isinstance(action, ToolAction):
+                    observation, finish, answer = await self._tool(s, action)
+                else:
+                    s.turns.append(Turn(role="assistant", text=action.text))
+                    finish, answer = "stop", action.text
+                s.turn += 1
+                if finish is None and s.turn >= s.max_turns:
+                    finish = "max_turns"
+                if finish is None:
+                    return StepResult(observation, 0.0, False, False, None, self._view(s))
+                episode = Episode(list(s.turns), answer, finish, s.tool_calls)
+                score = await env_call(s.env.score(s.sandbox, s.task, episode))
+        except SandboxError as e:
+            return await self._fail(s, observation, RolloutStatus.INFRA_ERROR, e)
+        except EnvironmentBroken as e:
+            return await self._fail(s, observation, RolloutStatus.ENV_ERROR, e.__cause__ or e)
+        except TimeoutError as e:
+            return await self._fail(s, observation, RolloutStatus.TIMEOUT, e)
+        status = RolloutStatus.TRUNCATED if finish == "max_turns" else RolloutStatus.OK
+        await self._end(s, status, recycle=True)
+        return StepResult(
+            observation,
+            score.reward,
+            terminated=finish != "max_turns",
+            truncated=finish == "max_turns",
+            status=status,
+            info=self._view(s),
+            components=dict(score.components),
+            metrics={**score.metrics, "tool_calls": float(s.tool_calls)},
+        )
+
+    async def _tool(self, s: _Session, action: ToolAction) -> tuple[str, Literal["submit"] | None, str | None]:
+        call_id = action.call_id or f"call-{s.turn}"
+        s.tool_calls += 1
+        s.turns.append(
+            Turn(
+                role="assistant",
+                tool_calls=[ToolCallRecord(id=call_id, name=action.name, arguments=action.arguments)],
+            )
+        )
+        tool = s.tools.get(action.name)
+        if tool is None:
+            output, submitted, answer = (
+                f"error: unknown tool {action.name!r}; available: {', '.join(s.tools)}",
+                False,
+                None,
+            )
+        else:
+            result = await call_tool(tool, s.sandbox, action.arguments, s.env.tool_timeout_s)
+            output, submitted, answer = result.output, result.submitted, result.answer
+        s.turns.append(Turn(role="tool", text=output, tool_call_id=call_id, name=action.name))
+        return output, "submit" if submitted else None, answer
+
+    async def _end(self, s: _Session, status: RolloutStatus, recycle: bool = False) -> None:
+        s.ended = status
+        await self._release(s, recycle)
+
+    async def _fail(self, s: _Session, observation: str, status: RolloutStatus, e: BaseException) -> StepResult:
+        log.info("session %s ended with %s: %s", s.id, status.value, e)
+        await self._end(s, status)
+        message = str(e) or ("the step exceeded its time budget" if status == RolloutStatus.TIMEOUT else repr(e))
+        return StepResult(
+            observation,
+            None,
+            terminated=False,
+            truncated=True,
+            status=status,
+            info=self._view(s),
+            error=RolloutError(kind=type(e).__name__, message=message),
+        )
+
+    async def close(self, tenant: str, session_id: str) -> bool:
+        """Destroy the session's sandbox; returns whether the episode was still running."""
+        s = await self._get(tenant, session_id)
+        running = s.ended is None
+        await self._drop(s, "was closed")
+        return running
+
+    def open_sessions(self, tenant: str | None = None) -> int:
+        """How many sessions hold a sandbox now (of one tenant, or of all)."""
+        return sum(s.ended is None and tenant in (None, s.tenant) for s in self._sessions.values())
+
+    async def _reap_forever(self) -> None:
+        interval = min(max(self.config.idle_ttl_s / 4, 0.2), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("session reaper failed")
+
+    async def reap(self) -> int:
+        """Expire idle sessions now; returns how many."""
+        now = time.monotonic()
+        doomed = [
+            (s, why)
+            for s in list(self._sessions.values())
+            if not s.lock.locked() and (why := self._expired_why(s, now))
+        ]
+        for s, why in doomed:
+            log.info("session %s of %s %s", s.id, s.tenant, why)
+            await self._drop(s, why)
+        while self._ended and now - next(iter(self._ended.values())).at > TOMBSTONE_KEEP_S:
+            self._ended.popitem(last=False)
+        return len(doomed)
+
+    async def close_all(self) -> None:
+        """Stop expiring and destroy every session's sandbox."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(
+            *(self._pool.release(s.sandbox, recycle=False) for s in sessions if s.ended is None), return_exceptions=True
+        )

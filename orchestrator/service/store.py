@@ -1,0 +1,285 @@
+"""The durable result log: jobs and scored rollouts in SQLite (WAL), with acks, resume and idempotent appends.
+
+Every call runs on one dedicated thread that owns the connection, so the event loop never blocks on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from orchestrator.core.models import JobSpec, JobState, Rollout
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    total INTEGER NOT NULL,
+    owner TEXT NOT NULL DEFAULT 'local'
+);
+CREATE TABLE IF NOT EXISTS rollouts (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    rollout_id TEXT NOT NULL UNIQUE,
+    group_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    acked INTEGER NOT NULL DEFAULT 0,
+    visible INTEGER NOT NULL DEFAULT 1
+);
+CREATE INDEX IF NOT EXISTS rollouts_job_seq ON rollouts (job_id, visible, acked, seq);
+CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (job_id, group_id);
+"""
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """A job row."""
+
+    job_id: str
+    spec: JobSpec
+    state: JobState
+    created_at: float
+    finished_at: float | None
+    total: int
+    owner: str = "local"  # the tenant that submitted it
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """A rollout as read back from the log."""
+
+    seq: int
+    group_id: str
+    payload: str  # the Rollout as JSON (without its seq)
+
+    def rollout(self) -> Rollout:
+        """Decode the payload, with its seq."""
+        r = Rollout.model_validate_json(self.payload)
+        r.seq = self.seq
+        return r
+
+
+class ResultStore:
+    """Append scored rollouts, read them from a cursor, ack them. Open with `await ResultStore.open(path)`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store")
+        self._db: sqlite3.Connection | None = None
+
+    @classmethod
+    async def open(cls, path: Path) -> ResultStore:
+        """Open (creating if needed) the log at `path`."""
+        store = cls(path)
+        await store._run(store._connect)
+        return store
+
+    def _connect(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+        db.executescript(SCHEMA)
+        if "owner" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:  # a log from before tenants
+            db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT 'local'")
+        self._db = db
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        assert self._db is not None, "store is not open"
+        return self._db
+
+    async def close(self) -> None:
+        """Close the connection."""
+        if self._db is not None:
+            await self._run(self.db.close)
+            self._db = None
+        self._pool.shutdown(wait=True)
+
+    # -- jobs
+
+    async def create_job(self, job_id: str, spec: JobSpec, total: int, owner: str = "local") -> None:
+        """Record a new job of tenant `owner`."""
+        await self._run(
+            lambda: self.db.execute(
+                "INSERT INTO jobs (job_id, spec, state, created_at, total, owner) VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, spec.model_dump_json(), JobState.QUEUED.value, time.time(), total, owner),
+            )
+        )
+
+    async def set_job_state(self, job_id: str, state: JobState) -> None:
+        """Move a job to `state` (finished states stamp the time)."""
+        finished = time.time() if state in (JobState.COMPLETED, JobState.CANCELLED) else None
+        await self._run(
+            lambda: self.db.execute(
+                "UPDATE jobs SET state = ?, finished_at = COALESCE(?, finished_at) WHERE job_id = ?",
+                (state.value, finished, job_id),
+            )
+        )
+
+    async def update_spec(self, job_id: str, spec: JobSpec) -> None:
+        """Replace a job's spec (a policy update)."""
+        await self._run(
+            lambda: self.db.execute("UPDATE jobs SET spec = ? WHERE job_id = ?", (spec.model_dump_json(), job_id))
+        )
+
+    async def jobs(self, states: Iterable[JobState] | None = None) -> list[StoredJob]:
+        """Every job, or those in `states`, oldest first."""
+
+        def q() -> list[StoredJob]:
+            rows = self.db.execute(
+                "SELECT job_id, spec, state, created_at, finished_at, total, owner FROM jobs ORDER BY created_at"
+            ).fetchall()
+            wanted = {s.value for s in states} if states is not None else None
+            return [
+                StoredJob(r[0], JobSpec.model_validate_json(r[1]), JobState(r[2]), r[3], r[4], r[5], r[6])
+                for r in rows
+                if wanted is None or r[2] in wanted
+            ]
+
+        return await self._run(q)
+
+    # -- rollouts
+
+    async def append(self, rollout: Rollout, *, visible: bool = True) -> int | None:
+        """Append a scored rollout; returns its seq, or None when that rollout id is already in the log.
+
+        An invisible rollout is durable but not streamed yet: group delivery publishes a group once it is whole.
+        """
+        payload = rollout.model_dump_json(exclude={"seq"})
+
+        def q() -> int | None:
+            cur = self.db.execute(
+                "INSERT OR IGNORE INTO rollouts (job_id, rollout_id, group_id, status, payload, visible) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (rollout.job_id, rollout.id, rollout.group_id, rollout.status.value, payload, int(visible)),
+            )
+            return cur.lastrowid if cur.rowcount else None
+
+        return await self._run(q)
+
+    async def publish_complete_groups(self, job_id: str, group_size: int, group_id: str | None = None) -> int:
+        """Make whole groups visible, moved to the end of the log with consecutive seqs; returns how many.
+
+        Consecutive seqs keep `ack up_to` safe: every visible seq below a delivered one was delivered before it.
+        """
+
+        def q() -> int:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                sql = "SELECT group_id FROM rollouts WHERE job_id = ? AND visible = 0"
+                args: tuple[object, ...] = (job_id,)
+                if group_id is not None:
+                    sql += " AND group_id = ?"
+                    args += (group_id,)
+                groups = [
+                    g for (g,) in db.execute(sql + " GROUP BY group_id HAVING COUNT(*) >= ?", (*args, group_size))
+                ]
+                for g in groups:
+                    rows = db.execute(
+                        "SELECT rollout_id, status, payload FROM rollouts WHERE job_id = ? AND group_id = ? "
+                        "ORDER BY seq",
+                        (job_id, g),
+                    ).fetchall()
+                    db.execute("DELETE FROM rollouts WHERE job_id = ? AND group_id = ?", (job_id, g))
+                    db.executemany(
+                        "INSERT INTO rollouts (job_id, rollout_id, group_id, status, payload, visible) "
+                        "VALUES (?, ?, ?, ?, ?, 1)",
+                        [(job_id, rid, g, status, payload) for rid, status, payload in rows],
+                    )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            return len(groups)
+
+        return await self._run(q)
+
+    async def done_ids(self, job_id: str) -> set[str]:
+        """Rollout ids already in the log for a job (not to be redone on resume)."""
+        return await self._run(
+            lambda: {r[0] for r in self.db.execute("SELECT rollout_id FROM rollouts WHERE job_id = ?", (job_id,))}
+        )
+
+    async def read(self, job_id: str, after: int, limit: int) -> list[LogEntry]:
+        """Unacked rollouts of a job with seq > after, in seq order."""
+        return await self._run(
+            lambda: [
+                LogEntry(*r)
+                for r in self.db.execute(
+                    "SELECT seq, group_id, payload FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 "
+                    "AND seq > ? ORDER BY seq LIMIT ?",
+                    (job_id, after, limit),
+                )
+            ]
+        )
+
+    async def ack(self, job_id: str, up_to: int, ids: Iterable[str]) -> list[int]:
+        """Ack every seq <= up_to and the given rollout ids; returns the seqs newly acked."""
+        id_list = list(ids)
+
+        def q() -> list[int]:
+            db = self.db
+            db.execute("BEGIN")
+            try:
+                seqs = [
+                    r[0]
+                    for r in db.execute(
+                        "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq <= ?",
+                        (job_id, up_to),
+                    )
+                ]
+                for i in range(0, len(id_list), 500):
+                    chunk = id_list[i : i + 500]
+                    marks = ",".join("?" * len(chunk))
+                    seqs += [
+                        r[0]
+                        for r in db.execute(
+                            f"SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 "
+                            f"AND rollout_id IN ({marks})",
+                            (job_id, *chunk),
+                        )
+                    ]
+                seqs = sorted(set(seqs))
+                for i in range(0, len(seqs), 500):
+                    chunk = seqs[i : i + 500]
+                    db.execute(f"UPDATE rollouts SET acked = 1 WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            return seqs
+
+        return await self._run(q)
+
+    async def counts(self, job_id: str) -> tuple[dict[str, int], int]:
+        """Rollouts by status, and how many are acked."""
+
+        def q() -> tuple[dict[str, int], int]:
+            by = dict(
+                self.db.execute(
+                    "SELECT status, COUNT(*) FROM rollouts WHERE job_id = ? GROUP BY status", (job_id,)
+                ).fetchall()
+            )
+            (acked,) = self.db.execute(
+                "SELECT COUNT(*) FROM rollouts WHERE job_id = ? AND acked = 1", (job_id,)
+            ).fetchone()
+            return by, int(acked)
+
+        return await self._run(q)
