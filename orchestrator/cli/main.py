@@ -17,7 +17,13 @@ from rich.table import Table
 
 from orchestrator.cli.remote import add_client_arguments, add_register_command, add_serve_security_arguments, connect
 
-console = Console(width=None if sys.stdout.isatty() else 150)
+
+def terminal_console() -> Console:
+    """The console every command prints with: the terminal's width, or 150 columns into a pipe or file."""
+    return Console(width=None if sys.stdout.isatty() else 150)
+
+
+console = terminal_console()
 
 
 def _cmd_image_build_base(args: argparse.Namespace) -> int:

@@ -23,13 +23,14 @@ import gymnasium
 from gymnasium import spaces
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
+from orchestrator.core.errors import EnvfleetError
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
 SCORED = ("OK", "TRUNCATED")
 
 
-class SessionFailedError(RuntimeError):
+class SessionFailedError(EnvfleetError, RuntimeError):
     """The episode ended without a usable reward (infrastructure, environment or time failure)."""
 
     def __init__(self, status: str, kind: str, message: str) -> None:

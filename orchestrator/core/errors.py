@@ -1,7 +1,14 @@
-"""The orchestrator's exception tree.
+"""envfleet's one exception tree. Every error derives from EnvfleetError and from one of the bases below, which the
+gRPC edge maps to a status code (orchestrator/server/errors.py) and the client maps back:
 
-SandboxError and its leaves are infrastructure failures: a rollout that meets one is INFRA_ERROR and retried, never
-scored. SandboxFileError and InvalidRequestError are the caller's or the task's problem.
+- InvalidRequestError -> INVALID_ARGUMENT, NotFoundError -> NOT_FOUND, AlreadyExistsError -> ALREADY_EXISTS,
+  FailedPreconditionError -> FAILED_PRECONDITION, QuotaExceededError -> RESOURCE_EXHAUSTED,
+  UnauthenticatedError -> UNAUTHENTICATED, PermissionDeniedError -> PERMISSION_DENIED,
+  SandboxError -> UNAVAILABLE (infrastructure: a rollout that meets one is INFRA_ERROR and retried, never scored),
+  SandboxFileError -> the caller's problem inside a sandbox (NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION).
+- PolicyError and EnvironmentBroken classify rollouts (POLICY_ERROR, ENV_ERROR); they never reach a caller as such.
+
+Leaves also inherit a builtin where one fits (TimeoutError, LookupError...), so plain `except` clauses work.
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ class ConfigError(EnvfleetError, ValueError):
     """The server's own configuration is unsafe or broken (refused at start, never at a call)."""
 
 
-class ImageBuildError(EnvfleetError, RuntimeError):
+class ImageBuildError(FailedPreconditionError, RuntimeError):
     """An image could not be built; the message names the failing step and ends with the log's tail."""
 
     def __init__(self, message: str, *, log_path: Path | None = None, step: str | None = None) -> None:
@@ -119,19 +126,19 @@ class PolicyResponseError(PolicyError, ValueError):
     """The server answered 2xx with a body that is not a chat completion."""
 
 
-class JobNotFoundError(EnvfleetError, LookupError):
+class JobNotFoundError(NotFoundError):
     """No job with that id."""
 
 
-class JobFinishedError(EnvfleetError):
+class JobFinishedError(FailedPreconditionError):
     """The job is completed or cancelled, so the request cannot apply."""
 
 
-class CapacityError(EnvfleetError):
+class CapacityError(QuotaExceededError):
     """The request can never fit this host's capacity (RESOURCE_EXHAUSTED)."""
 
 
-class EnvironmentNotFoundError(EnvfleetError, LookupError):
+class EnvironmentNotFoundError(NotFoundError):
     """No environment of that name (or version); the message suggests the closest names."""
 
 

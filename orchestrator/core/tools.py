@@ -19,7 +19,7 @@ MAX_OBSERVATION = 16 << 10
 MAX_FILE_READ = 64 << 10
 
 
-class ToolArgumentError(ValueError):
+class ToolArgumentError(InvalidRequestError):
     """The policy called a tool with arguments that do not fit its schema."""
 
 

@@ -12,12 +12,11 @@ from typing import TypeVar
 
 from orchestrator.backends.pool import SandboxPool
 from orchestrator.core.environment import Environment, ImageSource, Task
-from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, PolicyError, SandboxError
+from orchestrator.core.errors import EnvironmentBroken, ImageBuildError
 from orchestrator.core.models import (
     JobSpec,
     Provenance,
     Rollout,
-    RolloutError,
     RolloutStatus,
     Timing,
     Tokens,
@@ -25,10 +24,10 @@ from orchestrator.core.models import (
     rollout_id,
 )
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
-from orchestrator.core.tools import get_tools
-from orchestrator.rollout.episode import env_call, run_episode
+from orchestrator.rollout.episode import run_episode
 from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.snapshots import SnapshotCache
+from orchestrator.rollout.step import classify_failure, env_call, finished_status
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,16 +103,11 @@ class RolloutRunner:
             "policy_version": policy_version,
         }
 
-        def failed(status: RolloutStatus, e: BaseException) -> Rollout:
+        def failed(e: BaseException) -> Rollout:
             timing.total = time.monotonic() - t_start
+            status, error = classify_failure(e, timeout_message=f"rollout exceeded {spec.rollout_timeout_s:g}s")
             return Rollout(
-                **base,
-                status=status,
-                turns=turns,
-                tokens=tokens,
-                timing=timing,
-                provenance=prov,
-                error=RolloutError(kind=type(e).__name__, message=str(e) or repr(e)),
+                **base, status=status, turns=turns, tokens=tokens, timing=timing, provenance=prov, error=error
             )
 
         t_start = time.monotonic()
@@ -155,7 +149,6 @@ class RolloutRunner:
                     item.task,
                     sandbox,
                     policy,
-                    get_tools(env.tools),
                     spec.sampling,
                     min(spec.max_turns, env.max_turns) if spec.max_turns else env.max_turns,
                     item.id,
@@ -167,23 +160,11 @@ class RolloutRunner:
                 t0 = time.monotonic()
                 score = await env_call(env.score(sandbox, item.task, result.episode))
                 timing.scoring = time.monotonic() - t0
-        except PolicyError as e:
-            return failed(RolloutStatus.POLICY_ERROR, e)
-        except SandboxError as e:
-            infra_failed = True
-            return failed(RolloutStatus.INFRA_ERROR, e)
-        except EnvironmentBroken as e:
-            return failed(RolloutStatus.ENV_ERROR, e.__cause__ or e)
-        except TimeoutError as e:
-            return failed(
-                RolloutStatus.TIMEOUT,
-                TimeoutError(f"rollout exceeded {spec.rollout_timeout_s:g}s") if not str(e) else e,
-            )
         except Exception as e:
-            # a failure nobody classified is never a reward and never a lost rollout: count it as infrastructure
-            log.exception("rollout %s failed unexpectedly", item.id)
-            infra_failed = True
-            return failed(RolloutStatus.INFRA_ERROR, e)
+            rollout = failed(e)
+            # a sandbox that failed us (or any failure nobody classified) is never reused
+            infra_failed = rollout.status == RolloutStatus.INFRA_ERROR
+            return rollout
         finally:
             self.active.pop(item.id, None)
             if sandbox is not None:
@@ -203,10 +184,9 @@ class RolloutRunner:
                 except Exception:
                     log.exception("could not destroy sandbox of %s", item.id)
         timing.total = time.monotonic() - t_start
-        truncated = result.episode.finish in ("max_turns", "length")
         return Rollout(
             **base,
-            status=RolloutStatus.TRUNCATED if truncated else RolloutStatus.OK,
+            status=finished_status(result.episode.finish),
             reward=score.reward,
             reward_components=score.components,
             metrics={

@@ -12,15 +12,10 @@ from pydantic import ValidationError
 
 from orchestrator.core.errors import (
     AlreadyExistsError,
-    CapacityError,
     ConfigError,
     EnvfleetError,
-    EnvironmentNotFoundError,
     FailedPreconditionError,
-    ImageBuildError,
     InvalidRequestError,
-    JobFinishedError,
-    JobNotFoundError,
     NotFoundError,
     PermissionDeniedError,
     QuotaExceededError,
@@ -33,25 +28,21 @@ from orchestrator.core.errors import (
 
 log = logging.getLogger(__name__)
 
+# by base class, most specific first (orchestrator/core/errors.py: every leaf derives from one of these)
 STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
-    (EnvironmentNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (JobNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (JobFinishedError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (QuotaExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (ImageBuildError, grpc.StatusCode.FAILED_PRECONDITION),
     # file errors inside a sandbox are the caller's (a raw sandbox's owner): what envd said, not an outage
     (SandboxFileNotFoundError, grpc.StatusCode.NOT_FOUND),
     (SandboxPermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (SandboxFileError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (QuotaExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SandboxError, grpc.StatusCode.UNAVAILABLE),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (EnvfleetError, grpc.StatusCode.INTERNAL),
 ]

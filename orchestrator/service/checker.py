@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from orchestrator.core.environment import Environment, Episode, ImageSource, Task
 from orchestrator.core.errors import EnvfleetError
-from orchestrator.core.models import ToolCallRecord, Turn
+from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
 from orchestrator.core.tools import call_tool, get_tools
+from orchestrator.rollout.step import classify_failure, env_call, replay_reference
 
 TOOL_PROBES: dict[str, tuple[dict[str, str], str]] = {
     "bash": ({"command": "echo envfleet-ok"}, "envfleet-ok"),
@@ -73,37 +74,17 @@ async def _check_tools(env: Environment, sandbox: Sandbox) -> list[str]:
     return problems
 
 
-async def _replay(env: Environment, sandbox: Sandbox, task: Task) -> Episode:
-    tools = {t.name: t for t in get_tools(env.tools)}
-    turns = [Turn(role="user", text=task.prompt)]
-    answer: str | None = None
-    for i, inv in enumerate(task.reference):
-        call_id = f"ref_{i}"
-        turns.append(
-            Turn(
-                role="assistant",
-                tool_calls=[ToolCallRecord(id=call_id, name=inv.name, arguments=json.dumps(inv.arguments))],
-            )
-        )
-        result = await call_tool(tools[inv.name], sandbox, json.dumps(dict(inv.arguments)), env.tool_timeout_s)
-        turns.append(Turn(role="tool", text=result.output, tool_call_id=call_id, name=inv.name))
-        if result.submitted:
-            answer = result.answer
-            break
-    return Episode(turns, answer, "submit", len(task.reference))
-
-
 async def _check_task(env: Environment, backend: SandboxBackend, image: str, task: Task, seed: int) -> list[str]:
     spec = SandboxSpec(image=image, limits=env.limits, env={**DETERMINISTIC_ENV, "ENVFLEET_SEED": str(seed)})
     problems = []
     async with await backend.create(spec) as sandbox:
-        await env.setup(sandbox, task, seed)
-        empty = await env.score(sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit"))
+        await env_call(env.setup(sandbox, task, seed))
+        empty = await env_call(env.score(sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit")))
         if empty.reward != 0:
             problems.append(f"task {task.id}: an empty answer scores {empty.reward}, expected 0")
     async with await backend.create(spec) as sandbox:
-        await env.setup(sandbox, task, seed)
-        solved = await env.score(sandbox, task, await _replay(env, sandbox, task))
+        await env_call(env.setup(sandbox, task, seed))
+        solved = await env_call(env.score(sandbox, task, await replay_reference(env, sandbox, task)))
         if abs(solved.reward - 1.0) > 1e-9:
             problems.append(f"task {task.id}: the reference solution scores {solved.reward}, expected 1 ({solved})")
     return problems
@@ -131,8 +112,10 @@ async def check_environment(
         async with gate:
             try:
                 return await _check_task(env, backend, image, task, i)
-            except EnvfleetError as e:
-                return [f"task {task.id}: {type(e).__name__}: {e}"]
+            except Exception as e:
+                # the same classification as a rollout's: ENV_ERROR is the environment's bug, INFRA_ERROR ours
+                status, error = classify_failure(e)
+                return [f"task {task.id}: {status.value}: {error.kind}: {error.message}"]
 
     for problems in await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))):
         report.problems += problems

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import tempfile
@@ -20,17 +19,21 @@ from pathlib import Path
 import docker
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from orchestrator.core.environment import Environment, Episode, Task
-from orchestrator.core.errors import AlreadyExistsError, ImageBuildError, PermissionDeniedError, SandboxCreateError
-from orchestrator.core.models import ToolCallRecord, Turn
-from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
-from orchestrator.core.tools import BUILTIN_TOOLS, call_tool
+from orchestrator.core.environment import Environment
+from orchestrator.core.errors import (
+    AlreadyExistsError,
+    EnvironmentBroken,
+    ImageBuildError,
+    PermissionDeniedError,
+    SandboxCreateError,
+)
+from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
 from orchestrator.images.resolver import ImageResolver
+from orchestrator.rollout.step import env_call, replay_reference
 from orchestrator.service.declarative import (
     DeclarativeEnvironment,
     EnvironmentSpec,
     Problem,
-    ScoringError,
     SpecCheckError,
     make_environment,
 )
@@ -211,14 +214,15 @@ class Registrar:
         try:
             async with asyncio.timeout(budget):
                 try:
-                    await env.setup(sandbox, task, 0)
-                except ScoringError as e:
-                    raise SpecCheckError([Problem("setup_command", str(e))]) from None
-                episode = await self._replay(env, sandbox, task)
+                    await env_call(env.setup(sandbox, task, 0))
+                except EnvironmentBroken as e:
+                    raise SpecCheckError([Problem("setup_command", str(e.__cause__ or e))]) from None
+                episode = await replay_reference(env, sandbox, task)
                 try:
-                    score = await env.score(sandbox, task, episode)
-                except ScoringError as e:
-                    raise SpecCheckError([Problem("scoring.command", f"on task {task.id!r}: {e}")]) from None
+                    score = await env_call(env.score(sandbox, task, episode))
+                except EnvironmentBroken as e:
+                    problem = f"on task {task.id!r}: {e.__cause__ or e}"
+                    raise SpecCheckError([Problem("scoring.command", problem)]) from None
         except TimeoutError:
             raise SpecCheckError([Problem(where, f"the check did not finish within {budget:g}s")]) from None
         finally:
@@ -239,24 +243,6 @@ class Registrar:
                 ]
             )
         result.checks.append(f"reference: task {task.id} scored {score.reward:g}")
-
-    @staticmethod
-    async def _replay(env: DeclarativeEnvironment, sandbox: Sandbox, task: Task) -> Episode:
-        """Run a task's reference tool calls as the policy would."""
-        turns = [Turn(role="user", text=task.prompt)]
-        answer: str | None = None
-        for n, call in enumerate(task.reference):
-            call_id = f"ref-{n}"
-            args = json.dumps(dict(call.arguments))
-            turns.append(
-                Turn(role="assistant", tool_calls=[ToolCallRecord(id=call_id, name=call.name, arguments=args)])
-            )
-            out = await call_tool(BUILTIN_TOOLS[call.name], sandbox, args, env.tool_timeout_s)
-            turns.append(Turn(role="tool", text=out.output, tool_call_id=call_id, name=call.name))
-            if out.submitted:
-                answer = out.answer
-                return Episode(turns, answer, "submit", n + 1)
-        return Episode(turns, answer, "stop", len(task.reference))
 
     async def register(self, spec: EnvironmentSpec, tenant: str) -> Registered:
         """Validate, persist, add to the registry; nothing is left behind when a step fails."""

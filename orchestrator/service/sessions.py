@@ -17,12 +17,11 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.backends.pool import SandboxPool
-from orchestrator.core.environment import Environment, Episode, Finish, ImageSource, Task
+from orchestrator.core.environment import Environment, Finish, ImageSource, Task
 from orchestrator.core.errors import (
     EnvironmentBroken,
     FailedPreconditionError,
@@ -35,8 +34,15 @@ from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord
 
 # the runner's classification of environment code failures (ENV_ERROR), shared so both paths agree
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
-from orchestrator.core.tools import Tool, call_tool, get_tools
-from orchestrator.rollout.episode import env_call
+from orchestrator.core.tools import Tool, get_tools
+from orchestrator.rollout.step import (
+    EpisodeState,
+    classify_failure,
+    env_call,
+    finished_status,
+    record_assistant,
+    run_tool_call,
+)
 from orchestrator.service.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -125,12 +131,10 @@ class _Session:
     max_turns: int
     sandbox: Sandbox
     image: str
-    tools: dict[str, Tool]
+    state: EpisodeState
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     turn: int = 0
-    tool_calls: int = 0
-    turns: list[Turn] = field(default_factory=list)
     ended: RolloutStatus | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -221,8 +225,7 @@ class SessionManager:
         except BaseException:
             await asyncio.shield(self._pool.release(sandbox, recycle=False))
             raise
-        tools = {t.name: t for t in get_tools(env.tools)}
-        return _Session(sid, tenant, env, task, seed, max_turns, sandbox, image, tools)
+        return _Session(sid, tenant, env, task, seed, max_turns, sandbox, image, EpisodeState.start(env))
 
     @staticmethod
     def _observation(env: Environment, task: Task) -> Observation:
@@ -287,28 +290,27 @@ class SessionManager:
     async def _step(self, s: _Session, action: Action) -> StepResult:
         observation = ""
         finish: Finish | None = None
-        answer: str | None = None
         try:
             async with asyncio.timeout(s.env.tool_timeout_s + self.config.scoring_budget_s):
                 if isinstance(action, ToolAction):
-                    observation, finish, answer = await self._tool(s, action)
+                    call = ToolCallRecord(
+                        id=action.call_id or f"call-{s.turn}", name=action.name, arguments=action.arguments
+                    )
+                    record_assistant(s.state, "", [call])
+                    observation = await run_tool_call(s.env, s.sandbox, s.state, call)
+                    finish = "submit" if s.state.submitted else None
                 else:
-                    s.turns.append(Turn(role="assistant", text=action.text))
-                    finish, answer = "stop", action.text
+                    record_assistant(s.state, action.text, [])
+                    finish, s.state.answer = "stop", action.text
                 s.turn += 1
                 if finish is None and s.turn >= s.max_turns:
                     finish = "max_turns"
                 if finish is None:
                     return StepResult(observation, 0.0, False, False, None, self._view(s))
-                episode = Episode(list(s.turns), answer, finish, s.tool_calls)
-                score = await env_call(s.env.score(s.sandbox, s.task, episode))
-        except SandboxError as e:
-            return await self._fail(s, observation, RolloutStatus.INFRA_ERROR, e)
-        except EnvironmentBroken as e:
-            return await self._fail(s, observation, RolloutStatus.ENV_ERROR, e.__cause__ or e)
-        except TimeoutError as e:
-            return await self._fail(s, observation, RolloutStatus.TIMEOUT, e)
-        status = RolloutStatus.TRUNCATED if finish == "max_turns" else RolloutStatus.OK
+                score = await env_call(s.env.score(s.sandbox, s.task, s.state.episode(finish)))
+        except Exception as e:
+            return await self._fail(s, observation, e)
+        status = finished_status(finish)
         await self._end(s, status, recycle=True)
         return StepResult(
             observation,
@@ -318,47 +320,19 @@ class SessionManager:
             status=status,
             info=self._view(s),
             components=dict(score.components),
-            metrics={**score.metrics, "tool_calls": float(s.tool_calls)},
+            metrics={**score.metrics, "tool_calls": float(s.state.tool_calls)},
         )
-
-    async def _tool(self, s: _Session, action: ToolAction) -> tuple[str, Literal["submit"] | None, str | None]:
-        call_id = action.call_id or f"call-{s.turn}"
-        s.tool_calls += 1
-        s.turns.append(
-            Turn(
-                role="assistant",
-                tool_calls=[ToolCallRecord(id=call_id, name=action.name, arguments=action.arguments)],
-            )
-        )
-        tool = s.tools.get(action.name)
-        if tool is None:
-            output, submitted, answer = (
-                f"error: unknown tool {action.name!r}; available: {', '.join(s.tools)}",
-                False,
-                None,
-            )
-        else:
-            result = await call_tool(tool, s.sandbox, action.arguments, s.env.tool_timeout_s)
-            output, submitted, answer = result.output, result.submitted, result.answer
-        s.turns.append(Turn(role="tool", text=output, tool_call_id=call_id, name=action.name))
-        return output, "submit" if submitted else None, answer
 
     async def _end(self, s: _Session, status: RolloutStatus, recycle: bool = False) -> None:
         s.ended = status
         await self._release(s, recycle)
 
-    async def _fail(self, s: _Session, observation: str, status: RolloutStatus, e: BaseException) -> StepResult:
-        log.info("session %s ended with %s: %s", s.id, status.value, e)
+    async def _fail(self, s: _Session, observation: str, e: BaseException) -> StepResult:
+        status, error = classify_failure(e, timeout_message="the step exceeded its time budget")
+        log.info("session %s ended with %s: %s", s.id, status.value, error.message)
         await self._end(s, status)
-        message = str(e) or ("the step exceeded its time budget" if status == RolloutStatus.TIMEOUT else repr(e))
         return StepResult(
-            observation,
-            None,
-            terminated=False,
-            truncated=True,
-            status=status,
-            info=self._view(s),
-            error=RolloutError(kind=type(e).__name__, message=message),
+            observation, None, terminated=False, truncated=True, status=status, info=self._view(s), error=error
         )
 
     async def close(self, tenant: str, session_id: str) -> bool:

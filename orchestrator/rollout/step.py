@@ -1,0 +1,122 @@
+"""One episode step and one outcome classification, used by every entry point: the agent loop (jobs), sessions,
+the environment checker and registration validation.
+
+A step records the assistant's tool calls, runs each in the sandbox and records its observation. Task-level
+problems (an unknown tool, bad arguments, a tool timeout) are observations for the policy. Everything else ends the
+episode and is classified once, by `classify_failure`: an infrastructure failure is never a reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from orchestrator.core.environment import Environment, Episode, Finish, Task
+from orchestrator.core.errors import EnvironmentBroken, PolicyError, SandboxError
+from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
+from orchestrator.core.sandbox import Sandbox
+from orchestrator.core.tools import Tool, call_tool, get_tools
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class EpisodeState:
+    """An episode as it runs: its turns, the tools it may call, and, once it ended, how."""
+
+    tools: dict[str, Tool]
+    turns: list[Turn] = field(default_factory=list)
+    tool_calls: int = 0
+    answer: str | None = None
+    submitted: bool = False
+
+    @classmethod
+    def start(cls, env: Environment, turns: list[Turn] | None = None) -> EpisodeState:
+        """A fresh episode with the environment's tools; `turns` (kept by reference) receives every turn."""
+        return cls({t.name: t for t in get_tools(env.tools)}, turns if turns is not None else [])
+
+    def episode(self, finish: Finish) -> Episode:
+        """The episode as the scorer sees it."""
+        return Episode(list(self.turns), self.answer, finish, self.tool_calls)
+
+
+def record_assistant(state: EpisodeState, text: str, calls: Sequence[ToolCallRecord]) -> None:
+    """Record one assistant turn with the tool calls it made."""
+    state.turns.append(Turn(role="assistant", text=text, tool_calls=list(calls)))
+
+
+async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState, call: ToolCallRecord) -> str:
+    """Run one tool call in the sandbox and record its observation; returns the observation text.
+
+    A `submit` sets the state's answer. SandboxError propagates: the sandbox failed, not the policy.
+    """
+    state.tool_calls += 1
+    tool = state.tools.get(call.name)
+    if tool is None:
+        output = f"error: unknown tool {call.name!r}; available: {', '.join(state.tools)}"
+    else:
+        result = await call_tool(tool, sandbox, call.arguments, env.tool_timeout_s)
+        output = result.output
+        if result.submitted:
+            state.submitted, state.answer = True, result.answer
+    state.turns.append(Turn(role="tool", text=output, tool_call_id=call.id, name=call.name))
+    return output
+
+
+async def replay_reference(env: Environment, sandbox: Sandbox, task: Task) -> Episode:
+    """Run a task's reference tool calls as a policy would (one assistant turn per call), until `submit`."""
+    state = EpisodeState.start(env, [Turn(role="user", text=task.prompt)])
+    for i, inv in enumerate(task.reference):
+        call = ToolCallRecord(id=f"ref-{i}", name=inv.name, arguments=json.dumps(dict(inv.arguments)))
+        record_assistant(state, "", [call])
+        await run_tool_call(env, sandbox, state, call)
+        if state.submitted:
+            return state.episode("submit")
+    return state.episode("stop")
+
+
+async def env_call(coro: Awaitable[T]) -> T:
+    """Await environment code (setup, scoring); its failures, other than sandbox and policy ones, mean the
+    environment is broken (ENV_ERROR)."""
+    try:
+        return await coro
+    except (SandboxError, PolicyError, asyncio.CancelledError, TimeoutError):
+        raise
+    except Exception as e:
+        raise EnvironmentBroken(f"{type(e).__name__}: {e}") from e
+
+
+def finished_status(finish: Finish) -> RolloutStatus:
+    """The status of an episode that ended normally: a turn or token limit is TRUNCATED, the rest OK."""
+    return RolloutStatus.TRUNCATED if finish in ("max_turns", "length") else RolloutStatus.OK
+
+
+def classify_failure(
+    e: BaseException, *, timeout_message: str = "the episode exceeded its time limit"
+) -> tuple[RolloutStatus, RolloutError]:
+    """The one classification of an episode that failed: which status, and the error the trainer sees.
+
+    The order matters: PolicyTimeoutError is a policy failure and SandboxStartTimeoutError an infrastructure one,
+    though both are TimeoutErrors. A failure nobody classified is infrastructure: never a reward, never lost.
+    """
+    status: RolloutStatus
+    if isinstance(e, PolicyError):
+        status = RolloutStatus.POLICY_ERROR
+    elif isinstance(e, SandboxError):
+        status = RolloutStatus.INFRA_ERROR
+    elif isinstance(e, EnvironmentBroken):
+        status = RolloutStatus.ENV_ERROR
+        e = e.__cause__ or e
+    elif isinstance(e, TimeoutError):
+        status = RolloutStatus.TIMEOUT
+        if not str(e):
+            e = TimeoutError(timeout_message)
+    else:
+        log.error("unclassified failure, counted as infrastructure", exc_info=e)
+        status = RolloutStatus.INFRA_ERROR
+    return status, RolloutError(kind=type(e).__name__, message=str(e) or repr(e))

@@ -1,0 +1,193 @@
+"""One episode step, one outcome classification: the same faults give the same outcome through every entry point
+(the agent loop of a job, sessions, the environment checker), on real sandboxes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.backends.pool import PoolConfig, SandboxPool
+from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
+from orchestrator.core.errors import (
+    EnvironmentBroken,
+    PolicyConnectionError,
+    PolicyTimeoutError,
+    SandboxDiedError,
+    SandboxStartTimeoutError,
+)
+from orchestrator.core.models import JobSpec, RolloutStatus
+from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.core.sandbox import Limits
+from orchestrator.images.resolver import ImageResolver
+from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
+from orchestrator.rollout.runner import RolloutRunner, WorkItem
+from orchestrator.rollout.step import classify_failure
+from orchestrator.service.checker import check_environment
+from orchestrator.service.registry import Registry
+from orchestrator.service.sessions import FinalAnswer, SessionConfig, SessionManager, ToolAction
+from tests.conftest import owned_backend
+
+
+def _rubric(ctx: ScoringContext) -> float:
+    if ctx.task.id == "rubric-raises":
+        raise RuntimeError("the rubric itself is broken")
+    return 1.0 if ctx.episode.answer == "done" else 0.0
+
+
+class FaultsEnv(Environment):
+    """Each task is one fault; its reference is what the policy does."""
+
+    name = "faults"
+    tools = ("bash", "submit")
+    tool_timeout_s = 1.0
+    limits = Limits(memory_mb=256, cpus=0.5, pids=64)
+    rubric = Rubric([("done", _rubric, 1.0)])
+
+    def tasks(self) -> Sequence[Task]:
+        submit = ToolInvocation("submit", {"answer": "done"})
+        return [
+            Task("tool-timeout", "sleep", reference=(ToolInvocation("bash", {"command": "sleep 30"}), submit)),
+            Task("unknown-tool", "call nope", reference=(ToolInvocation("nope", {}), submit)),
+            # envd runs as the sandbox user: killing every process of that user kills the sandbox's daemon
+            Task("sandbox-dies", "die", reference=(ToolInvocation("bash", {"command": "kill -9 -1"}), submit)),
+            Task("rubric-raises", "score", reference=(submit,)),
+        ]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an entry point reports: the status, and the observation of the first tool call (if it got one)."""
+
+    status: RolloutStatus
+    first_observation: str
+
+
+class ReplayPolicy(Policy):
+    """A policy double that makes the task's reference tool calls, one per turn, or fails like a dead server."""
+
+    def __init__(self, task: Task, fail: bool = False) -> None:
+        self._calls = list(task.reference)
+        self._fail = fail
+
+    async def complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, *, user: str = ""
+    ) -> Completion:
+        if self._fail:
+            raise PolicyConnectionError("the policy server refused the connection")
+        inv = self._calls.pop(0)
+        call = ToolCall(id=f"c{len(messages)}", name=inv.name, arguments=json.dumps(dict(inv.arguments)))
+        raw = {"role": "assistant", "content": "", "tool_calls": []}
+        return Completion("", [call], "tool_calls", None, None, None, "replay", raw)
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture
+async def fleet(base_image: str) -> AsyncIterator[tuple[DockerBackend, SandboxPool, ImageResolver]]:
+    async with owned_backend() as backend:
+        pool = SandboxPool(backend, PoolConfig())
+        pool.start()
+        try:
+            yield backend, pool, ImageResolver(backend.client)
+        finally:
+            await pool.close()
+
+
+async def via_job(fleet: Any, env: Environment, task: Task, fail_policy: bool = False) -> Outcome:
+    _, pool, images = fleet
+    runner = RolloutRunner(pool, images)
+    spec = JobSpec(env=env.name, policy=PolicyEndpoint(base_url="http://127.0.0.1:9/v1"), max_infra_retries=0)
+    item = WorkItem("job", task, 0, time.monotonic())
+    rollout = await runner.run(item, env, spec, ReplayPolicy(task, fail_policy), "v1")
+    tool_turns = [t for t in rollout.turns if t.role == "tool"]
+    return Outcome(rollout.status, tool_turns[0].text if tool_turns else "")
+
+
+async def via_session(fleet: Any, env: Environment, task: Task) -> Outcome:
+    _, pool, images = fleet
+    registry = Registry()
+    registry.register(env, source="test")
+    sessions = SessionManager(SessionConfig(), registry, pool, images)
+    try:
+        view, _ = await sessions.reset("tenant", env.ref(), task.id)
+        first = ""
+        for inv in task.reference:
+            r = await sessions.step("tenant", view.session_id, ToolAction(inv.name, json.dumps(dict(inv.arguments))))
+            first = first or r.observation
+            if r.status is not None:
+                return Outcome(r.status, first)
+        r = await sessions.step("tenant", view.session_id, FinalAnswer("done"))
+        assert r.status is not None
+        return Outcome(r.status, first)
+    finally:
+        await sessions.close_all()
+
+
+async def via_checker(fleet: Any, env: Environment, task: Task) -> str:
+    backend, _, images = fleet
+
+    class OneTask(type(env)):  # type: ignore[misc]
+        def tasks(self) -> Sequence[Task]:
+            return [task]
+
+    report = await check_environment(OneTask(), backend, images)
+    return "; ".join(report.problems) or "OK"
+
+
+# task id -> (the status, a phrase in the first tool observation, a phrase in the checker's report)
+FAULTS: dict[str, tuple[RolloutStatus, str, str]] = {
+    "tool-timeout": (RolloutStatus.OK, "timed out and was killed", "OK"),
+    "unknown-tool": (
+        RolloutStatus.OK,
+        "error: unknown tool 'nope'; available: bash, submit",
+        "the reference uses a tool the environment does not offer",
+    ),
+    "sandbox-dies": (RolloutStatus.INFRA_ERROR, "", "task sandbox-dies: INFRA_ERROR"),
+    "rubric-raises": (RolloutStatus.ENV_ERROR, "submitted", "task rubric-raises: ENV_ERROR: RuntimeError: the rubric"),
+}
+
+
+@pytest.mark.parametrize("task_id", list(FAULTS))
+async def test_a_fault_has_one_outcome_through_every_entry_point(fleet: Any, task_id: str) -> None:
+    env = FaultsEnv()
+    task = next(t for t in env.tasks() if t.id == task_id)
+    status, observation, checker_says = FAULTS[task_id]
+    job_outcome = await via_job(fleet, env, task)
+    session_outcome = await via_session(fleet, env, task)
+    assert job_outcome.status == session_outcome.status == status
+    if status != RolloutStatus.INFRA_ERROR:
+        assert observation in job_outcome.first_observation
+        assert job_outcome.first_observation == session_outcome.first_observation
+    assert checker_says in await via_checker(fleet, env, task)
+
+
+async def test_a_policy_failure_is_policy_error_never_a_reward(fleet: Any) -> None:
+    env = FaultsEnv()
+    task = env.tasks()[1]
+    outcome = await via_job(fleet, env, task, fail_policy=True)
+    assert outcome.status == RolloutStatus.POLICY_ERROR
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "message"),
+    [
+        (PolicyTimeoutError("slow"), RolloutStatus.POLICY_ERROR, "slow"),
+        (SandboxStartTimeoutError("envd"), RolloutStatus.INFRA_ERROR, "envd"),
+        (SandboxDiedError("gone"), RolloutStatus.INFRA_ERROR, "gone"),
+        (EnvironmentBroken("wrapped"), RolloutStatus.ENV_ERROR, "wrapped"),
+        (TimeoutError(), RolloutStatus.TIMEOUT, "the episode exceeded its time limit"),
+        (KeyError("bug"), RolloutStatus.INFRA_ERROR, "'bug'"),
+    ],
+)
+def test_classify_failure(error: BaseException, status: RolloutStatus, message: str) -> None:
+    got_status, got_error = classify_failure(error)
+    assert got_status == status
+    assert got_error.message == message
+    assert not got_status.scored
