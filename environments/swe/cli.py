@@ -270,9 +270,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     def runner(fn: Callable[[argparse.Namespace, Console], int]) -> Callable[[argparse.Namespace], int]:
         def run(args: argparse.Namespace) -> int:
-            from rich.console import Console
+            from orchestrator.cli.main import terminal_console
 
-            return fn(args, Console())
+            return fn(args, terminal_console())
 
         return run
 

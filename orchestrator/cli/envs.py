@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.cli.errors import CommandLineError
 from orchestrator.cli.remote import add_client_arguments, orchestrator_client
-from orchestrator.core.errors import ConfigError
 from protos import orchestrator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     if _is_spec_file(args.name):
         return _validate_spec(args, console, dry_run=True)
     if args.server:
-        raise ConfigError(
+        raise CommandLineError(
             f"{args.name!r} is not a spec file: over --server, envs validate checks a declarative spec "
             f"(EnvironmentService.Validate takes the spec, not a name, and built-in plug-ins have no spec to send). "
             f"To check the plug-in on this host's sandboxes, run `envfleet envs validate {args.name}` without --server"

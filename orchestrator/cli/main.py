@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.cli.envs import add_envs_commands
+from orchestrator.cli.errors import CommandLineError
 from orchestrator.cli.remote import (
     DEFAULT_METRICS_PORT,
     add_client_arguments,
@@ -24,9 +25,15 @@ from orchestrator.cli.remote import (
     orchestrator_client,
     rpc_error_message,
 )
-from orchestrator.core.errors import ConfigError, EnvfleetError
+from orchestrator.core.errors import EnvfleetError
 
-console = Console(width=None if sys.stdout.isatty() else 150)
+
+def terminal_console() -> Console:
+    """The console every command prints with: the terminal's width, or 150 columns into a pipe or file."""
+    return Console(width=None if sys.stdout.isatty() else 150)
+
+
+console = terminal_console()
 log = logging.getLogger(__name__)
 
 
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     except EnvfleetError as e:
         log.debug("command failed", exc_info=True)
         print(f"envfleet: error: {e}", file=sys.stderr)
-        code = 2 if isinstance(e, ConfigError) else 1
+        code = 2 if isinstance(e, CommandLineError) else 1
     sys.exit(code)
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 
+from orchestrator.cli.errors import CommandLineError
 from orchestrator.client.auth import ClientTLS
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.errors import ConfigError
 from orchestrator.server.security import SecurityConfig, TLSConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -75,13 +75,13 @@ def _read(flag: str, path: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as e:
-        raise ConfigError(f"cannot read {flag} {path}: {e.strerror or e}") from None
+        raise CommandLineError(f"cannot read {flag} {path}: {e.strerror or e}") from None
 
 
 def connect(args: argparse.Namespace) -> EnvfleetClient:
     """An EnvfleetClient for the client flags (the token from --token-file, else $ENVFLEET_TOKEN).
 
-    ConfigError (exit 2) for an unreadable file or a token that would go out in clear."""
+    CommandLineError (exit 2) for an unreadable file or a token that would go out in clear."""
     token = _read("--token-file", args.token_file).decode().strip() if args.token_file else None
     token = token or os.environ.get("ENVFLEET_TOKEN")
     tls = None
@@ -91,7 +91,7 @@ def connect(args: argparse.Namespace) -> EnvfleetClient:
     try:
         return EnvfleetClient(args.server, token=token or None, tls=tls, insecure=args.insecure)
     except ValueError as e:  # the SDK refuses a token in clear to a remote host
-        raise ConfigError(f"{e} (here: --tls-ca CA.pem, or --insecure)") from None
+        raise CommandLineError(f"{e} (here: --tls-ca CA.pem, or --insecure)") from None
 
 
 @asynccontextmanager
