@@ -34,7 +34,6 @@ def terminal_console() -> Console:
 
 
 console = terminal_console()
-log = logging.getLogger(__name__)
 
 
 def _cmd_image_build_base(args: argparse.Namespace) -> int:
@@ -207,6 +206,8 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
     return asyncio.run(go())
 
+
+log = logging.getLogger(__name__)
 
 PLUGIN_COMMANDS_GROUP = "envfleet.cli"
 
