@@ -26,6 +26,7 @@ from orchestrator.cli.remote import (
     rpc_error_message,
 )
 from orchestrator.core.errors import EnvfleetError
+from protos import orchestrator_pb2 as pb
 
 
 def terminal_console() -> Console:
@@ -150,9 +151,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"envfleet: cannot read the metrics at {url}: {e} ({hint})", file=sys.stderr)
         return 1
 
-    async def go() -> list[object]:
+    async def go() -> list[pb.JobStatus]:
         async with connect(args) as client:
-            return list(await client.list_jobs())
+            return await client.list_jobs()
 
     jobs = asyncio.run(go())
     console.print(render_status(samples))
@@ -160,12 +161,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _jobs_table(jobs: list[object], title: str) -> Table:
-    from protos import orchestrator_pb2 as pb
-
+def _jobs_table(jobs: list[pb.JobStatus], title: str) -> Table:
     table = Table("job", "env", "state", "done/total", "by status", "rollouts/s", title=title)
     for j in jobs:
-        assert isinstance(j, pb.JobStatus)
         table.add_row(
             j.job_id,
             j.env,
@@ -178,9 +176,9 @@ def _jobs_table(jobs: list[object], title: str) -> Table:
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
-    async def go() -> list[object]:
+    async def go() -> list[pb.JobStatus]:
         async with connect(args) as client:
-            return list(await client.list_jobs())
+            return await client.list_jobs()
 
     console.print(_jobs_table(asyncio.run(go()), f"jobs on {args.server}"))
     return 0
