@@ -7,15 +7,26 @@ import asyncio
 import logging
 import signal
 import sys
-import tempfile
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import docker
+import grpc
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.cli.remote import add_client_arguments, add_register_command, add_serve_security_arguments, connect
+from orchestrator.cli.envs import add_envs_commands
+from orchestrator.cli.errors import CommandLineError
+from orchestrator.cli.remote import (
+    DEFAULT_METRICS_PORT,
+    add_client_arguments,
+    add_serve_security_arguments,
+    connect,
+    orchestrator_client,
+    rpc_error_message,
+)
+from orchestrator.core.errors import EnvfleetError
+from protos import orchestrator_pb2 as pb
 
 
 def terminal_console() -> Console:
@@ -127,75 +138,49 @@ def _cmd_scripted_policy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_envs(args: argparse.Namespace) -> int:
-    from orchestrator.core.tools import get_tools
-    from orchestrator.service.registry import Registry
-
-    registry = Registry.from_entry_points()
-    if args.envs_command == "validate":
-        return asyncio.run(_validate_env(registry.get(args.name), args.limit))
-    if args.envs_command == "describe":
-        r = registry.lookup(args.name)
-        env = r.env
-        console.print(f"[bold]{env.ref()}[/bold]  {env.description}")
-        console.print(f"source: {r.source}; tasks: {len(env.tasks())}; max turns: {env.max_turns}")
-        for tool in get_tools(env.tools):
-            console.print(f"  tool [cyan]{tool.name}[/cyan]: {tool.description}")
-        for task in list(env.tasks())[:3]:
-            console.print(f"  task {task.id}: {task.prompt[:100]}")
-        return 0
-    table = Table("environment", "tasks", "tools", "source")
-    for r in registry.all():
-        table.add_row(r.env.ref(), str(len(r.env.tasks())), ", ".join(r.env.tools), r.source)
-    console.print(table)
-    return 0
-
-
-async def _validate_env(env: object, limit: int | None) -> int:
-    from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
-    from orchestrator.core.environment import Environment
-    from orchestrator.images.resolver import ImageResolver
-    from orchestrator.service.checker import check_environment
-
-    assert isinstance(env, Environment)
-    backend = await DockerBackend.start(DockerBackendConfig(owner="envfleet-validate"))
-    try:
-        report = await check_environment(env, backend, ImageResolver(backend.client), limit=limit)
-    finally:
-        await backend.close()
-    for p in report.problems:
-        console.print(f"[red]problem[/red] {p}")
-    verdict = "[green]ok[/green]" if report.ok else f"[red]{len(report.problems)} problem(s)[/red]"
-    console.print(f"{report.env}: {verdict}; {report.tasks_checked} tasks checked in {report.seconds:.1f}s")
-    return 0 if report.ok else 1
-
-
 def _cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.cli.status import fetch_status, render_status
+    import httpx
 
-    console.print(render_status(fetch_status(args.metrics)))
+    from orchestrator.cli.status import fetch_status, metrics_url, render_status
+
+    url = args.metrics or metrics_url(args.server, DEFAULT_METRICS_PORT)
+    try:
+        samples = fetch_status(url)
+    except httpx.HTTPError as e:
+        hint = "is the server's --metrics-port on? name the page with --metrics URL"
+        print(f"envfleet: cannot read the metrics at {url}: {e} ({hint})", file=sys.stderr)
+        return 1
+
+    async def go() -> list[pb.JobStatus]:
+        async with connect(args) as client:
+            return await client.list_jobs()
+
+    jobs = asyncio.run(go())
+    console.print(render_status(samples))
+    console.print(_jobs_table(jobs, f"jobs on {args.server}"))
     return 0
+
+
+def _jobs_table(jobs: list[pb.JobStatus], title: str) -> Table:
+    table = Table("job", "env", "state", "done/total", "by status", "rollouts/s", title=title)
+    for j in jobs:
+        table.add_row(
+            j.job_id,
+            j.env,
+            j.state,
+            f"{j.done}/{j.total}",
+            ", ".join(f"{k}={v}" for k, v in sorted(j.by_status.items())),
+            f"{j.rollouts_per_s:.2f}",
+        )
+    return table
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
-    from orchestrator.cli.remote import connect
-
-    async def go() -> None:
+    async def go() -> list[pb.JobStatus]:
         async with connect(args) as client:
-            jobs = await client.list_jobs()
-        table = Table("job", "env", "state", "done/total", "by status", "rollouts/s")
-        for j in jobs:
-            table.add_row(
-                j.job_id,
-                j.env,
-                j.state,
-                f"{j.done}/{j.total}",
-                ", ".join(f"{k}={v}" for k, v in sorted(j.by_status.items())),
-                f"{j.rollouts_per_s:.2f}",
-            )
-        console.print(table)
+            return await client.list_jobs()
 
-    asyncio.run(go())
+    console.print(_jobs_table(asyncio.run(go()), f"jobs on {args.server}"))
     return 0
 
 
@@ -214,20 +199,13 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     )
 
     async def go() -> int:
-        if args.server:
-            return await collect_rollouts(connect(args), spec, Path(args.out), console)
-        from orchestrator.client.sdk import EnvfleetClient
-        from orchestrator.server.app import OrchestratorConfig, create_server
-
-        with tempfile.TemporaryDirectory(prefix="envfleet-") as data:
-            orch = await create_server(OrchestratorConfig(port=0, data_dir=Path(data)))
-            try:
-                return await collect_rollouts(EnvfleetClient(orch.address), spec, Path(args.out), console)
-            finally:
-                await orch.stop()
+        async with orchestrator_client(args) as client:
+            return await collect_rollouts(client, spec, Path(args.out), console)
 
     return asyncio.run(go())
 
+
+log = logging.getLogger(__name__)
 
 PLUGIN_COMMANDS_GROUP = "envfleet.cli"
 
@@ -252,20 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
     serve.add_argument("--backend", choices=["docker"], default="docker")
-    serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus endpoint port; -1: off")
+    serve.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus endpoint port; -1: off"
+    )
     add_serve_security_arguments(serve)
     serve.set_defaults(fn=_cmd_serve)
 
-    envs = sub.add_parser("envs", help="registered environments").add_subparsers(dest="envs_command", required=True)
-    envs.add_parser("list").set_defaults(fn=_cmd_envs)
-    describe = envs.add_parser("describe")
-    describe.add_argument("name", help="name or name@version")
-    describe.set_defaults(fn=_cmd_envs)
-    validate = envs.add_parser("validate", help="build, load and check an environment on real sandboxes")
-    validate.add_argument("name", help="name or name@version")
-    validate.add_argument("--limit", type=int, default=None, help="check only the first N tasks")
-    validate.set_defaults(fn=_cmd_envs)
-    add_register_command(envs)
+    add_envs_commands(sub, console)
 
     rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
     rollout.add_argument("--env", required=True)
@@ -281,8 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_arguments(rollout, None, "an orchestrator address (default: run one in this process)")
     rollout.set_defaults(fn=_cmd_rollout)
 
-    status = sub.add_parser("status", help="an orchestrator's fleet: sandboxes, pools, queue, rollouts, latencies")
-    status.add_argument("--metrics", default="http://127.0.0.1:9464/metrics", help="the server's metrics URL")
+    status = sub.add_parser(
+        "status", help="an orchestrator's fleet (sandboxes, pools, queue, rollouts, latencies) and your jobs"
+    )
+    status.add_argument(
+        "--metrics", default=None, help=f"the server's metrics URL (default: port {DEFAULT_METRICS_PORT} of its host)"
+    )
+    add_client_arguments(status)
     status.set_defaults(fn=_cmd_status)
 
     jobs = sub.add_parser("jobs", help="list an orchestrator's jobs (your tenant's, with a token)")
@@ -330,6 +306,14 @@ def main(argv: list[str] | None = None) -> None:
         code = args.fn(args)
     except KeyboardInterrupt:
         code = 130
+    except grpc.RpcError as e:  # the server's answer, or no server: one line, no traceback (-vv logs it)
+        log.debug("call failed", exc_info=True)
+        print(f"envfleet: {rpc_error_message(e, getattr(args, 'server', None))}", file=sys.stderr)
+        code = 1
+    except EnvfleetError as e:
+        log.debug("command failed", exc_info=True)
+        print(f"envfleet: error: {e}", file=sys.stderr)
+        code = 2 if isinstance(e, CommandLineError) else 1
     sys.exit(code)
 
 

@@ -1,20 +1,24 @@
-"""The command line's security and client parts: `serve`'s TLS/token flags, the flags a client command uses to reach
-a server, and `envfleet envs register spec.yaml`."""
+"""The command line's security and client parts: `serve`'s TLS/token flags, and the one way every client command
+reaches a server (`--server ADDR` plus the token and TLS flags), falling back to something local only without it."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import sys
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
-from rich.console import Console
 
+from orchestrator.cli.errors import CommandLineError
 from orchestrator.client.auth import ClientTLS
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.server.security import SecurityConfig, TLSConfig
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+DEFAULT_METRICS_PORT = 9464  # `envfleet serve --metrics-port`
 
 
 def add_serve_security_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,10 +60,10 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
 
 
 def add_client_arguments(
-    p: argparse.ArgumentParser, server_default: str | None = "127.0.0.1:50051", server_help: str = ""
+    p: argparse.ArgumentParser, server_default: str | None = DEFAULT_SERVER, server_help: str = ""
 ) -> None:
-    """How a client command reaches a server."""
-    p.add_argument("--server", default=server_default, help=server_help or "orchestrator address")
+    """How a client command reaches a server: the same flags on every command that can talk to one."""
+    p.add_argument("--server", default=server_default, help=server_help or f"orchestrator address ({server_default})")
     p.add_argument("--token-file", help="a file holding your bearer token (default: $ENVFLEET_TOKEN)")
     p.add_argument("--tls-ca", help="CA certificate to trust (PEM); turns TLS on")
     p.add_argument("--tls-cert", help="client certificate (PEM), for mTLS")
@@ -67,57 +71,56 @@ def add_client_arguments(
     p.add_argument("--insecure", action="store_true", help="allow sending the token in clear to a remote server")
 
 
+def _read(flag: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise CommandLineError(f"cannot read {flag} {path}: {e.strerror or e}") from None
+
+
 def connect(args: argparse.Namespace) -> EnvfleetClient:
-    """An EnvfleetClient for the client flags (the token from --token-file, else $ENVFLEET_TOKEN)."""
-    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("ENVFLEET_TOKEN")
+    """An EnvfleetClient for the client flags (the token from --token-file, else $ENVFLEET_TOKEN).
+
+    CommandLineError (exit 2) for an unreadable file or a token that would go out in clear."""
+    token = _read("--token-file", args.token_file).decode().strip() if args.token_file else None
+    token = token or os.environ.get("ENVFLEET_TOKEN")
     tls = None
     if args.tls_ca or args.tls_cert:
-        tls = ClientTLS.from_files(*(Path(p) if p else None for p in (args.tls_ca, args.tls_cert, args.tls_key)))
-    return EnvfleetClient(args.server, token=token or None, tls=tls, insecure=args.insecure)
-
-
-def add_register_command(envs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`envfleet envs register spec.yaml`."""
-    register = envs.add_parser("register", help="register a declarative environment (spec YAML) with a server")
-    register.add_argument("spec", help="the spec: YAML or JSON (tasks_file and image.dockerfile_file are relative)")
-    register.add_argument("--dry-run", action="store_true", help="only validate: build, load, run the reference")
-    register.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the server")
-    add_client_arguments(register)
-    register.set_defaults(fn=cmd_register)
-
-
-def cmd_register(args: argparse.Namespace) -> int:
-    """Validate the spec locally, then Register (or Validate) it on the server; problems are printed one a line."""
-    from orchestrator.server.convert_specs import spec_to_pb
-    from orchestrator.service.declarative import SpecError, load_spec_file
-
-    out, err = Console(), Console(stderr=True)
+        files = (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key))
+        tls = ClientTLS(*(_read(flag, path) if path else None for flag, path in files))
     try:
-        spec = load_spec_file(Path(args.spec))
-    except SpecError as e:
-        err.print(f"[red]{args.spec}: {len(e.problems)} problem(s)[/red]")
-        for problem in e.problems:
-            err.print(f"  {problem.field}: {problem.message}", markup=False, highlight=False)
-        return 2
+        return EnvfleetClient(args.server, token=token or None, tls=tls, insecure=args.insecure)
+    except ValueError as e:  # the SDK refuses a token in clear to a remote host
+        raise CommandLineError(f"{e} (here: --tls-ca CA.pem, or --insecure)") from None
 
-    async def go() -> int:
+
+@asynccontextmanager
+async def orchestrator_client(args: argparse.Namespace) -> AsyncIterator[EnvfleetClient]:
+    """A client of `--server`, or, only when it is absent, of an orchestrator started in this process for the
+    command (its data in a temporary directory, its sandboxes destroyed on the way out)."""
+    if args.server:
         async with connect(args) as client:
-            try:
-                if args.dry_run:
-                    report = await client.env_stub.Validate(spec_to_pb(spec), timeout=args.timeout)
-                    out.print(f"{report.env} is valid ({report.duration_s:.1f}s)")
-                    for check in report.checks:
-                        out.print(f"  {check}", markup=False, highlight=False)
-                    return 0
-                info = await client.env_stub.Register(spec_to_pb(spec), timeout=args.timeout)
-            except grpc.aio.AioRpcError as e:
-                err.print(f"{e.code().name}: {e.details()}", markup=False, highlight=False)
-                return 1
-        out.print(f"registered {info.name}@{info.version}: {info.num_tasks} task(s), image {info.image}")
-        return 0
+            yield client
+        return
+    from orchestrator.server.app import OrchestratorConfig, create_server
 
-    try:
-        return asyncio.run(go())
-    except ValueError as e:  # e.g. a token that would go out in clear
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with tempfile.TemporaryDirectory(prefix="envfleet-") as data:
+        orch = await create_server(OrchestratorConfig(port=0, data_dir=Path(data)))
+        try:
+            async with EnvfleetClient(orch.address) as client:
+                yield client
+        finally:
+            await orch.stop()
+
+
+def rpc_error_message(e: grpc.RpcError, server: str | None) -> str:
+    """One line for a failed call: who could not be reached, or what the server said."""
+    code = e.code() if callable(getattr(e, "code", None)) else None
+    details = e.details() if callable(getattr(e, "details", None)) else str(e)
+    where = server or "the in-process orchestrator"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"cannot reach the orchestrator at {where}: {details}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the orchestrator at {where} did not answer in time: {details}"
+    name = code.name if code is not None else "error"
+    return f"{where} answered {name}: {details}"

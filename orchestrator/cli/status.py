@@ -8,12 +8,22 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rich.table import Table
 
+from orchestrator.client.auth import target_host
+
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
+def metrics_url(server: str, port: int) -> str:
+    """The metrics page of the orchestrator at `server` (host:port): same host, the metrics port, plain HTTP."""
+    host = target_host(server)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
 def fetch_status(url: str) -> Samples:
-    """Every sample of the metrics page, by sample name."""
-    text = httpx.get(url, timeout=10).text
+    """Every sample of the metrics page, by sample name (httpx.HTTPError when it cannot be read)."""
+    response = httpx.get(url, timeout=10)
+    response.raise_for_status()
+    text = response.text
     out: Samples = defaultdict(list)
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -59,6 +59,10 @@ class TaskSelection(_Model):
         return self
 
 
+# How a delivered group's advantages are computed from its rewards (orchestrator/service/advantages.py).
+AdvantageMode = Literal["grpo", "dr_grpo", "rloo", "none"]
+
+
 class JobSpec(_Model):
     """A trainer's request: which environment, which tasks, how many samples, and which policy."""
 
@@ -73,6 +77,11 @@ class JobSpec(_Model):
     rollout_timeout_s: float = Field(600.0, gt=0, le=24 * 3600)
     max_infra_retries: int = Field(2, ge=0, le=10)
     deliver_groups: bool = False
+    advantage: AdvantageMode = Field(
+        "grpo",
+        description="advantages of delivered groups: grpo (r - mean) / (std + eps), dr_grpo r - mean, "
+        "rloo r - mean of the others, none (raw reward)",
+    )
 
 
 class ToolCallRecord(_Model):

@@ -12,15 +12,14 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.errors import EnvfleetError, InvalidRequestError, JobFinishedError, JobNotFoundError
 from orchestrator.core.metrics import Metrics
-from orchestrator.core.models import JobCounts, JobInfo, JobSpec, JobState
+from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState
 from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.runner import RolloutRunner, WorkItem
+from orchestrator.service.advantages import group_advantages
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity, Need, Scheduler
 from orchestrator.service.store import LogEntry, ResultStore
@@ -33,7 +32,7 @@ MAX_ROLLOUTS_PER_JOB = 1_000_000
 
 @dataclass
 class Group:
-    """A whole group of samples of one task, with group-normalized advantages of the scored ones."""
+    """A whole group of samples of one task, with the advantages of the scored ones (the job's `advantage` mode)."""
 
     group_id: str
     task_id: str
@@ -52,16 +51,6 @@ class Batch:
 
     entries: list[LogEntry] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
-
-
-def group_advantages(rewards: Sequence[float | None]) -> list[float | None]:
-    """(reward - mean) / (std + 1e-6) over the scored samples (reward not None); None for the failed ones."""
-    scored = [r for r in rewards if r is not None]
-    if not scored:
-        return [None] * len(rewards)
-    arr = np.asarray(scored, dtype=np.float64)
-    mean, std = float(arr.mean()), float(arr.std())
-    return [None if r is None else (r - mean) / (std + 1e-6) for r in rewards]
 
 
 @dataclass
@@ -292,7 +281,7 @@ class JobManager:
                 if entries:
                     cursor = entries[-1].seq
                     me.outstanding.update(e.seq for e in entries)
-                    yield _batch(entries, grouped=n > 1)
+                    yield _batch(entries, grouped=n > 1, advantage=job.spec.advantage)
                     continue
                 if finished and room > 0:
                     return
@@ -379,7 +368,7 @@ def _whole_groups(entries: list[LogEntry]) -> list[LogEntry]:
     return entries[:i] if i > 0 else entries
 
 
-def _batch(entries: list[LogEntry], grouped: bool) -> Batch:
+def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "grpo") -> Batch:
     if not grouped:
         return Batch(entries=entries)
     by_group: dict[str, list[LogEntry]] = {}
@@ -390,5 +379,5 @@ def _batch(entries: list[LogEntry], grouped: bool) -> Batch:
         rollouts = [m.rollout() for m in members]
         rewards = [r.reward if r.status.scored else None for r in rollouts]
         failed = sum(not r.status.scored for r in rollouts)
-        groups.append(Group(g, rollouts[0].task_id, members, group_advantages(rewards), failed))
+        groups.append(Group(g, rollouts[0].task_id, members, group_advantages(rewards, advantage), failed))
     return Batch(groups=groups)

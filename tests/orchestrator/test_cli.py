@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from orchestrator.client.sdk import SyncEnvfleetClient
+import pytest
+import yaml
+
+from orchestrator.cli.main import build_parser
+from orchestrator.client.sdk import EnvfleetClient, SyncEnvfleetClient
 from orchestrator.server.app import Orchestrator
 from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.conftest import REPO
 from tests.orchestrator.conftest import job
+from tests.orchestrator.servers import serve
+
+CLIENT_FLAGS = ("--server", "--token-file", "--tls-ca", "--tls-cert", "--tls-key", "--insecure")
+# Commands that never talk to an orchestrator, and why. A new command must be added here or take CLIENT_FLAGS.
+LOCAL_ONLY = {
+    "serve": "is the server; its --token-file/--tls-* flags configure it",
+    "demo": "starts its own orchestrator and scripted policy, end to end (make demo)",
+    "sandbox-demo": "drives one sandbox through envd on this host's Docker",
+    "scripted-policy": "is a policy server, which orchestrators call",
+    "image build-base": "builds an image on this host's Docker",
+    "image build-orchestrator": "builds an image on this host's Docker",
+    "sweep": "removes this host's leftover containers",
+    "swe-eval": "runs on this host's Docker; the API has no evaluation call",
+    "swe-validate": "runs on this host's Docker; the API has no evaluation call",
+    "swe-build": "runs on this host's Docker; the API has no evaluation call",
+}
+SHELL_GRADER = (
+    "python3 -c 'import json, sys; e = json.load(sys.stdin); "
+    'print(json.dumps({"reward": float(e["answer"] == e["data"]["word"])}))\''
+)
 
 
 def _envfleet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -62,3 +89,140 @@ async def test_sync_client(orchestrator: Orchestrator, policy_server: ScriptedSe
             return got
 
     assert sorted(await asyncio.to_thread(run)) == sorted(task_ids[:3])
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[str, set[str]]]:
+    """Every leaf command of the parser, with the option strings it accepts."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield " ".join(path), {o for a in parser._actions for o in a.option_strings}
+        return
+    for name, child in subs[0].choices.items():
+        yield from _commands(child, (*path, name))
+
+
+def test_every_command_that_can_reach_a_server_takes_the_client_flags() -> None:
+    commands = dict(_commands(build_parser()))
+    assert set(LOCAL_ONLY) <= set(commands), f"stale entries: {set(LOCAL_ONLY) - set(commands)}"
+    remote = {name for name in commands if name not in LOCAL_ONLY}
+    assert {"envs list", "envs describe", "envs validate", "envs register", "jobs", "rollout", "status"} <= remote
+    for name in sorted(remote):
+        missing = [f for f in CLIENT_FLAGS if f not in commands[name]]
+        assert not missing, f"`envfleet {name}` lacks {missing}: add_client_arguments(), or LOCAL_ONLY with a reason"
+    for name in LOCAL_ONLY:
+        assert "--server" not in commands[name], f"`envfleet {name}` takes --server: classify it as a client command"
+    flags = ["--server", "h:1", "--token-file", "t", "--tls-ca", "a", "--tls-cert", "b", "--tls-key", "k", "--insecure"]
+    args = build_parser().parse_args(["envs", "list", *flags])  # refused before: "unrecognized arguments"
+    assert (args.server, args.token_file, args.tls_ca, args.tls_cert, args.tls_key, args.insecure) == (
+        "h:1",
+        "t",
+        "a",
+        "b",
+        "k",
+        True,
+    )
+
+
+def _echo_spec(folder: Path) -> Path:
+    """A declarative spec as a user writes it: YAML, a JSONL task file, a shell grader."""
+    tasks = [
+        {
+            "id": f"echo-{i}",
+            "prompt": f"Submit the word w{i}.",
+            "data": {"word": f"w{i}"},
+            "reference": [{"name": "submit", "arguments": {"answer": f"w{i}"}}],
+        }
+        for i in range(2)
+    ]
+    (folder / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    spec = {
+        "name": "cli-echo",
+        "version": "0.2",
+        "description": "echo a word",
+        "tools": ["submit"],
+        "tasks_file": "tasks.jsonl",
+        "scoring": {"command": SHELL_GRADER},
+        "limits": {"memory_mb": 128},
+    }
+    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return folder / "spec.yaml"
+
+
+async def test_envs_commands_over_a_server(client: EnvfleetClient, tmp_path: Path) -> None:
+    """validate, register, list and describe with --server answer for the server, not the local registry."""
+    spec = str(_echo_spec(tmp_path))
+    addr = client.target
+    r = await asyncio.to_thread(_envfleet, "envs", "validate", spec, "--server", addr)
+    assert r.returncode == 0 and "cli-echo@0.2 is valid" in r.stdout, r.stderr
+    assert "cli-echo" not in [e.name for e in await client.list_envs()]
+    r = await asyncio.to_thread(_envfleet, "envs", "register", spec, "--server", addr)
+    assert r.returncode == 0 and "registered cli-echo@0.2: 2 task(s)" in r.stdout, r.stderr
+
+    r = await asyncio.to_thread(_envfleet, "envs", "list", "--server", addr)
+    assert r.returncode == 0, r.stderr
+    assert f"environments on {addr}" in r.stdout
+    assert "cli-echo@0.2" in r.stdout and "python-tool@1" in r.stdout
+    local = await asyncio.to_thread(_envfleet, "envs", "list")
+    assert local.returncode == 0 and "python-tool@1" in local.stdout and "cli-echo" not in local.stdout
+
+    r = await asyncio.to_thread(_envfleet, "envs", "describe", "cli-echo", "--server", addr)
+    assert r.returncode == 0 and "cli-echo@0.2" in r.stdout and "echo a word" in r.stdout, r.stderr
+    assert "source: spec; tasks: 2" in r.stdout and "tool submit" in r.stdout
+    r = await asyncio.to_thread(_envfleet, "envs", "describe", "cli-ech", "--server", addr)
+    assert r.returncode == 1 and f"{addr} answered NOT_FOUND" in r.stderr and "cli-echo" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+    r = await asyncio.to_thread(_envfleet, "envs", "validate", "python-tool", "--server", addr)
+    assert r.returncode == 2 and "'python-tool' is not a spec file" in r.stderr and "without --server" in r.stderr
+
+
+async def test_envs_validate_a_spec_without_a_server(tmp_path: Path, base_image: str) -> None:
+    """No --server: the spec is validated by an orchestrator started in the command's own process."""
+    r = await asyncio.to_thread(_envfleet, "envs", "validate", str(_echo_spec(tmp_path)))
+    assert r.returncode == 0 and "cli-echo@0.2 is valid" in r.stdout, r.stderr
+
+
+async def test_status_reads_metrics_and_jobs(tmp_path: Path, base_image: str) -> None:
+    async with serve(tmp_path / "data", metrics_port=0) as orch:
+        metrics = f"http://127.0.0.1:{orch.metrics_port}/metrics"
+        r = await asyncio.to_thread(_envfleet, "status", "--server", orch.address, "--metrics", metrics)
+    assert r.returncode == 0, r.stderr
+    assert "envfleet status" in r.stdout and "queue depth" in r.stdout and f"jobs on {orch.address}" in r.stdout
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["envs", "list"],
+        ["envs", "describe", "python-tool"],
+        ["envs", "validate", "SPEC"],
+        ["envs", "register", "SPEC"],
+        ["jobs"],
+        ["rollout", "--env", "python-tool", "--policy", "http://127.0.0.1:9/v1"],
+        ["status"],
+    ],
+    ids=" ".join,
+)
+def test_a_bad_address_is_one_clear_line(command: list[str], tmp_path: Path) -> None:
+    addr = f"127.0.0.1:{_closed_port()}"
+    command = [str(_echo_spec(tmp_path)) if c == "SPEC" else c for c in command]
+    r = _envfleet(*command, "--server", addr, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("envfleet: cannot "), r.stderr
+    assert addr in lines[0] or addr.split(":")[0] in lines[0], r.stderr
+
+
+def test_a_token_in_clear_is_refused_before_any_call(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("secret\n")
+    r = _envfleet("jobs", "--server", "192.0.2.1:50051", "--token-file", str(tmp_path / "token"))
+    assert r.returncode == 2 and "refusing to send a bearer token in clear" in r.stderr and "--insecure" in r.stderr
+    r = _envfleet("jobs", "--server", "192.0.2.1:50051", "--token-file", str(tmp_path / "nope"))
+    assert r.returncode == 2 and f"cannot read --token-file {tmp_path / 'nope'}" in r.stderr

@@ -1,0 +1,52 @@
+"""Group advantages: one learning signal per sample from the rewards of its group (the n samples of one task).
+
+Failed samples (reward None: a status that carries no reward) are masked: they get None and take no part in the
+group's statistics, so an infrastructure failure never pulls the baseline down as a reward of 0 would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import get_args
+
+import numpy as np
+import numpy.typing as npt
+
+from orchestrator.core.errors import InvalidRequestError
+from orchestrator.core.models import AdvantageMode
+
+EPS = 1e-6
+
+MODES: tuple[AdvantageMode, ...] = get_args(AdvantageMode)
+
+
+def _advantages(r: npt.NDArray[np.float64], mode: AdvantageMode, eps: float) -> npt.NDArray[np.float64]:
+    """Vectorised over the scored rewards `r` (at least one)."""
+    out: npt.NDArray[np.float64]
+    if mode == "grpo":  # population std (ddof=0): GRPO normalizes within the group
+        out = (r - r.mean()) / (r.std() + eps)
+    elif mode == "dr_grpo":  # Dr. GRPO: no std division, which weights up the tasks with
+        # near-equal rewards (too easy or too hard): a difficulty bias
+        out = r - r.mean()
+    elif mode == "rloo":  # baseline of sample i: the mean of the *other* samples; a lone sample has none: 0
+        out = r - (r.sum() - r) / (r.size - 1) if r.size > 1 else np.zeros_like(r)
+    else:  # none: the raw rewards
+        out = r.copy()
+    return out
+
+
+def group_advantages(
+    rewards: Sequence[float | None], mode: AdvantageMode = "grpo", eps: float = EPS
+) -> list[float | None]:
+    """The advantage of each sample under `mode` (grpo, dr_grpo, rloo or none), computed over the scored samples
+    only; None where the reward is None."""
+    if mode not in MODES:  # the JobSpec validates it; this guards direct callers
+        raise InvalidRequestError(f"unknown advantage mode {mode!r}; one of {', '.join(MODES)}")
+    scored = np.fromiter((r is not None for r in rewards), dtype=bool, count=len(rewards))
+    values = np.fromiter((r for r in rewards if r is not None), dtype=np.float64)
+    out: list[float | None] = [None] * len(rewards)
+    if values.size == 0:  # every sample failed: nothing to compare
+        return out
+    for i, a in zip(np.flatnonzero(scored).tolist(), _advantages(values, mode, eps).tolist(), strict=True):
+        out[i] = a
+    return out
