@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -85,6 +86,8 @@ def _server_config(args: argparse.Namespace) -> object:
         reflection=args.reflection,
         sessions=SessionConfig(idle_ttl_s=args.session_ttl),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        workers=args.workers,
+        worker_listen=args.worker_listen,
     )
 
 
@@ -251,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=".envfleet", help="where the result log lives")
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="rollout worker processes on this host (default: one per core); 0 runs rollouts in the server process",
+    )
+    serve.add_argument("--worker-listen", default=None, help="also accept remote workers (Ray actors) at HOST:PORT")
     serve.add_argument("--backend", choices=["docker"], default="docker")
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus endpoint port; -1: off")
     add_serve_security_arguments(serve)

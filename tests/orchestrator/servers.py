@@ -11,7 +11,9 @@ import grpc
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.registry import Registry
 from tests.conftest import TEST_OWNER
 
@@ -39,3 +41,10 @@ async def expect_error(call: Any, code: grpc.StatusCode, *fragments: str) -> str
     for fragment in fragments:
         assert fragment in details, details
     return details
+
+
+def local_runner(orch: Orchestrator) -> RolloutRunner:
+    """The in-process runner of an orchestrator without rollout workers."""
+    executor = orch.jobs.executor
+    assert isinstance(executor, LocalExecutor), "this orchestrator runs its rollouts on workers"
+    return executor.runner

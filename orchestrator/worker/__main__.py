@@ -1,0 +1,70 @@
+"""`python -m orchestrator.worker --connect TARGET --config JSON`: one rollout worker process. The worker token is
+read from standard input (one line), so it never appears in a command line or an environment."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.backends.pool import SandboxPool
+from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.service.executor import LocalExecutor
+from orchestrator.service.registration import EnvImageResolver
+from orchestrator.service.registry import Registry
+from orchestrator.worker.agent import WorkerAgent
+from orchestrator.worker.config import WorkerConfig
+
+log = logging.getLogger("orchestrator.worker")
+
+
+async def serve(target: str, token: str, config: WorkerConfig, name: str) -> None:
+    """Run a worker until SIGTERM or SIGINT; its sandboxes are destroyed on the way out."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    backend = await DockerBackend.start(config.backend)
+    pool = SandboxPool(backend, config.pool)
+    pool.start()
+    executor = LocalExecutor(RolloutRunner(pool, EnvImageResolver(backend.client)))
+    agent = WorkerAgent(
+        target,
+        token,
+        executor,
+        Registry.from_entry_points(),
+        name=name,
+        slots=config.slots,
+        heartbeat_s=config.heartbeat_s,
+    )
+    try:
+        await agent.run_forever(stop)
+    finally:
+        await executor.close()
+        await pool.close()
+        await backend.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a worker process."""
+    p = argparse.ArgumentParser(prog="python -m orchestrator.worker")
+    p.add_argument("--connect", required=True, help="the control plane's worker address (unix:PATH or HOST:PORT)")
+    p.add_argument("--config", default="{}", help="WorkerConfig as JSON")
+    p.add_argument("--name", default="worker")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(args.verbose, 2),
+        format=f"%(asctime)s %(levelname)s {args.name} %(name)s: %(message)s",
+    )
+    token = sys.stdin.readline().strip()
+    if not token:
+        sys.exit("the worker token must come on standard input")
+    asyncio.run(serve(args.connect, token, WorkerConfig.model_validate_json(args.config), args.name))
+
+
+if __name__ == "__main__":
+    main()
