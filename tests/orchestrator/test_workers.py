@@ -57,7 +57,7 @@ async def plane(tmp_path: Path, base_image: str) -> AsyncIterator[Orchestrator]:
     assert not left, f"sandboxes left behind after stop: {[c.name for c in left]}"
 
 
-async def _collect(client: EnvfleetClient, job_id: str, during: asyncio.Task[None] | None = None) -> list[Rollout]:
+async def _collect(client: EnvfleetClient, job_id: str, during: asyncio.Task[int] | None = None) -> list[Rollout]:
     got = [r async for r in client.rollouts(job_id)]
     if during is not None:
         await during
