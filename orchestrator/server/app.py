@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
@@ -37,6 +37,7 @@ from orchestrator.service.sandboxes import SandboxManager, SandboxServiceConfig
 from orchestrator.service.scheduler import Capacity
 from orchestrator.service.sessions import SessionConfig, SessionManager
 from orchestrator.service.store import ResultStore
+from orchestrator.worker.ray_fleet import RayConfig
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,13 @@ class OrchestratorConfig(BaseModel):
         None, description="also accept workers over TCP here (HOST:PORT), e.g. Ray actors on other nodes"
     )
     worker_heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="a silent worker is lost after this")
+    ray: RayConfig | None = Field(None, description="place workers as actors on a Ray cluster's sandbox hosts")
+
+    @model_validator(mode="after")
+    def _ray_needs_tcp(self) -> OrchestratorConfig:
+        if self.ray is not None and not self.worker_listen:
+            raise ValueError("ray: Ray workers dial the control plane over TCP; set worker_listen (HOST:PORT)")
+        return self
 
 
 class Orchestrator:
@@ -162,7 +170,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     pool.start()
     workers: WorkerPlane | None = None
     executor: Executor
-    if config.workers or config.worker_listen:
+    if config.workers or config.worker_listen or config.ray:
         workers = await WorkerPlane.start(config, images)
         executor = workers.hub
     else:

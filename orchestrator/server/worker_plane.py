@@ -15,6 +15,7 @@ import grpc
 from orchestrator.core.environment import ImageSource
 from orchestrator.worker.config import WorkerConfig
 from orchestrator.worker.hub import WorkerHub
+from orchestrator.worker.ray_fleet import RayWorkers
 from orchestrator.worker.servicer import WorkerServicer
 from orchestrator.worker.spawn import LocalWorkers
 from protos import worker_pb2_grpc as wpb_grpc
@@ -42,6 +43,7 @@ class WorkerPlane:
         self.hub = hub
         self.token = token
         self.local = local
+        self.ray: RayWorkers | None = None
         self.tcp_address: str | None = None
         self._server = server
         self._socket_dir = socket_dir
@@ -72,6 +74,14 @@ class WorkerPlane:
             worker_config = WorkerConfig(backend=config.backend, pool=config.pool, slots=slots)
             plane.local = LocalWorkers(config.workers, plane.unix_target, token, worker_config)
             plane.local.start()
+        if config.ray is not None and plane.tcp_address is not None:
+            worker_config = WorkerConfig(backend=config.backend, pool=config.pool)
+            plane.ray = RayWorkers(config.ray, plane.tcp_address, token, worker_config)
+            try:
+                await plane.ray.start()
+            except BaseException:
+                await plane.stop()
+                raise
         log.info(
             "rollout workers connect at %s%s; %d local worker process(es)",
             plane.unix_target,
@@ -81,9 +91,11 @@ class WorkerPlane:
         return plane
 
     async def stop(self) -> None:
-        """Stop the local workers (they destroy their sandboxes), then the worker wire."""
+        """Stop the workers (they destroy their sandboxes), then the worker wire."""
         await self.hub.close()
         if self.local is not None:
             await self.local.stop()
+        if self.ray is not None:
+            await self.ray.stop()
         await self._server.stop(1)
         shutil.rmtree(self._socket_dir, ignore_errors=True)

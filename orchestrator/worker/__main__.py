@@ -9,43 +9,18 @@ import logging
 import signal
 import sys
 
-from orchestrator.backends.docker.backend import DockerBackend
-from orchestrator.backends.pool import SandboxPool
-from orchestrator.rollout.runner import RolloutRunner
-from orchestrator.service.executor import LocalExecutor
-from orchestrator.service.registration import EnvImageResolver
-from orchestrator.service.registry import Registry
-from orchestrator.worker.agent import WorkerAgent
 from orchestrator.worker.config import WorkerConfig
+from orchestrator.worker.process import run_worker
 
 log = logging.getLogger("orchestrator.worker")
 
 
-async def serve(target: str, token: str, config: WorkerConfig, name: str) -> None:
-    """Run a worker until SIGTERM or SIGINT; its sandboxes are destroyed on the way out."""
+async def _serve(target: str, token: str, config: WorkerConfig, name: str) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    backend = await DockerBackend.start(config.backend)
-    pool = SandboxPool(backend, config.pool)
-    pool.start()
-    executor = LocalExecutor(RolloutRunner(pool, EnvImageResolver(backend.client)))
-    agent = WorkerAgent(
-        target,
-        token,
-        executor,
-        Registry.from_entry_points(),
-        name=name,
-        slots=config.slots,
-        heartbeat_s=config.heartbeat_s,
-    )
-    try:
-        await agent.run_forever(stop)
-    finally:
-        await executor.close()
-        await pool.close()
-        await backend.close()
+    await run_worker(target, token, config, name, stop)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     token = sys.stdin.readline().strip()
     if not token:
         sys.exit("the worker token must come on standard input")
-    asyncio.run(serve(args.connect, token, WorkerConfig.model_validate_json(args.config), args.name))
+    asyncio.run(_serve(args.connect, token, WorkerConfig.model_validate_json(args.config), args.name))
 
 
 if __name__ == "__main__":
