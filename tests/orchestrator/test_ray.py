@@ -18,7 +18,7 @@ from orchestrator.testing.scripted_policy import ScriptedServer
 from orchestrator.worker.ray_fleet import RayConfig
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import job
-from tests.orchestrator.test_workers import _check_delivery, slow_policy  # noqa: F401 - a fixture
+from tests.orchestrator.servers import check_delivery
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 RESOURCE = "envfleet_sandbox_host"
@@ -63,7 +63,7 @@ async def test_a_job_across_two_ray_nodes_survives_losing_one(
     ray_plane: Orchestrator,
     cluster: Any,
     slow_policy: ScriptedServer,
-    task_ids: list[str],  # noqa: F811
+    task_ids: list[str],
 ) -> None:
     assert ray_plane.workers is not None and ray_plane.workers.ray is not None
     fleet, hub = ray_plane.workers.ray, ray_plane.workers.hub
@@ -81,7 +81,7 @@ async def test_a_job_across_two_ray_nodes_survives_losing_one(
         cluster.remove_node(victim_node)
         rollouts = [r async for r in client.rollouts(job_id)]
         info = await client.get_job(job_id)
-    _check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:32]})
+    check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:32]})
     assert info.by_status.get("OK", 0) == 32, info.by_status
     assert hub.lost >= 1
     for _ in range(100):  # the watcher forgets the dead node

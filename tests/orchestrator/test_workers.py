@@ -17,20 +17,10 @@ from orchestrator.backends.docker.backend import LABEL_MANAGED, LABEL_OWNER, Doc
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
-from orchestrator.service.registry import Registry
-from orchestrator.testing.scripted_policy import ScriptedServer, start_scripted_server
-from orchestrator.testing.scripts import reference_script
+from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.conftest import TEST_OWNER
-from tests.orchestrator.conftest import ENV, job
-
-
-@pytest.fixture
-async def slow_policy(registry: Registry) -> AsyncIterator[ScriptedServer]:
-    """The reference solutions, 0.3 s per completion: a job lasts long enough to lose a worker in the middle."""
-    script = reference_script(registry.get(ENV)).model_copy(update={"latency_s": 0.3})
-    server = await start_scripted_server(script)
-    yield server
-    await server.close()
+from tests.orchestrator.conftest import job
+from tests.orchestrator.servers import check_delivery
 
 
 @pytest.fixture
@@ -64,18 +54,6 @@ async def _collect(client: EnvfleetClient, job_id: str, during: asyncio.Task[int
     return got
 
 
-def _check_delivery(rollouts: list[Rollout], expected_ids: set[str]) -> None:
-    by_id: dict[str, Rollout] = {}
-    for r in rollouts:
-        by_id.setdefault(r.id, r)  # at least once: a duplicate is dropped by id
-    assert set(by_id) == expected_ids
-    for r in by_id.values():
-        if r.status.scored:
-            assert r.reward is not None
-        else:
-            assert r.reward is None and r.status == RolloutStatus.INFRA_ERROR, (r.status, r.error)
-
-
 async def test_a_job_spreads_over_two_workers(
     plane: Orchestrator, policy_server: ScriptedServer, task_ids: list[str]
 ) -> None:
@@ -83,7 +61,7 @@ async def test_a_job_spreads_over_two_workers(
     async with EnvfleetClient(plane.address) as client:
         job_id = await client.submit(job(policy_server.url, task_ids[:32], n=2, max_concurrency=16))
         rollouts = await _collect(client, job_id)
-    _check_delivery(rollouts, {f"{job_id}:{t}:{k}" for t in task_ids[:32] for k in range(2)})
+    check_delivery(rollouts, {f"{job_id}:{t}:{k}" for t in task_ids[:32] for k in range(2)})
     assert all(r.status == RolloutStatus.OK for r in rollouts)
     served = [w.served for w in plane.workers.hub.workers()]
     assert len(served) == 2 and all(n > 0 for n in served), f"each worker should have served rollouts: {served}"
@@ -111,7 +89,7 @@ async def test_a_worker_killed_mid_job_loses_nothing(
         kill = asyncio.create_task(_lose_a_worker_midway(plane, client, job_id, signal.SIGKILL))
         rollouts = await _collect(client, job_id, kill)
         info = await client.get_job(job_id)
-    _check_delivery(rollouts, {f"{job_id}:{t}:{k}" for t in task_ids[:32] for k in range(2)})
+    check_delivery(rollouts, {f"{job_id}:{t}:{k}" for t in task_ids[:32] for k in range(2)})
     assert plane.workers.hub.lost >= 1
     assert plane.workers.local.restarts >= 1, "the killed worker is started again"
     # retried on the other worker: within the job's infra budget, so every rollout still scored
@@ -130,7 +108,7 @@ async def test_a_stopped_worker_is_cut_off_and_its_work_done_elsewhere(
         finally:
             os.kill(victim, signal.SIGCONT)
         info = await client.get_job(job_id)
-    _check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:24]})
+    check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:24]})
     assert info.by_status.get("OK", 0) == 24, info.by_status
     assert plane.workers.hub.lost >= 1
     # resumed, the stopped worker finds its stream gone, drops its rollouts (and their sandboxes) and joins again
