@@ -8,7 +8,7 @@ VENV_STAMP := .venv/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
 	.venv/bin/pip install -q --disable-pip-version-check --upgrade pip
-	.venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	.venv/bin/pip install -q --disable-pip-version-check -e '.[dev,ray]'
 	@rm -f .venv/.installed-*
 	@touch $@
 

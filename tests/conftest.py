@@ -22,6 +22,8 @@ from orchestrator.backends.docker.backend import LABEL_MANAGED, LABEL_OWNER, Doc
 from orchestrator.backends.envd_transport import EnvdTransport
 
 REPO = Path(__file__).resolve().parent.parent
+# Ray clusters of the tests stay on loopback: without this, Ray advertises the host's own network address
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # one owner label per test run, so concurrent runs never touch each other's sandboxes
 TEST_OWNER = f"envfleet-test-{uuid.uuid4().hex[:8]}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from importlib.metadata import entry_points
@@ -85,6 +86,7 @@ def _server_config(args: argparse.Namespace) -> object:
     from orchestrator.cli.remote import security_config
     from orchestrator.server.app import OrchestratorConfig
     from orchestrator.service.sessions import SessionConfig
+    from orchestrator.worker.ray_fleet import RayConfig
 
     return OrchestratorConfig(
         host=args.host,
@@ -96,6 +98,11 @@ def _server_config(args: argparse.Namespace) -> object:
         reflection=args.reflection,
         sessions=SessionConfig(idle_ttl_s=args.session_ttl),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        workers=args.workers if args.workers is not None else (0 if args.ray_address else os.cpu_count() or 1),
+        worker_listen=args.worker_listen,
+        ray=RayConfig(address=args.ray_address, resource=args.ray_resource, per_node=args.ray_workers_per_node)
+        if args.ray_address
+        else None,
     )
 
 
@@ -229,6 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=".envfleet", help="where the result log lives")
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="rollout worker processes on this host (default: one per core, or none with --ray-address); "
+        "0 runs rollouts in the server process",
+    )
+    serve.add_argument("--worker-listen", default=None, help="also accept remote workers (Ray actors) at HOST:PORT")
+    serve.add_argument("--ray-address", default=None, help="join this Ray cluster (auto, or HOST:PORT of its head)")
+    serve.add_argument("--ray-resource", default="envfleet_sandbox_host", help="the custom resource of sandbox hosts")
+    serve.add_argument("--ray-workers-per-node", type=int, default=1, help="worker actors per sandbox host")
     serve.add_argument("--backend", choices=["docker"], default="docker")
     serve.add_argument(
         "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus endpoint port; -1: off"

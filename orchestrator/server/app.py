@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
@@ -28,6 +28,8 @@ from orchestrator.server.security import (
 )
 from orchestrator.server.services import EnvironmentService, RolloutService
 from orchestrator.server.trainer_services import SandboxService, SessionService
+from orchestrator.server.worker_plane import WorkerPlane
+from orchestrator.service.executor import Executor, LocalExecutor
 from orchestrator.service.jobs import JobManager
 from orchestrator.service.registration import EnvImageResolver, Registrar, SpecStore
 from orchestrator.service.registry import Registry
@@ -35,6 +37,7 @@ from orchestrator.service.sandboxes import SandboxManager, SandboxServiceConfig
 from orchestrator.service.scheduler import Capacity
 from orchestrator.service.sessions import SessionConfig, SessionManager
 from orchestrator.service.store import ResultStore
+from orchestrator.worker.ray_fleet import RayConfig
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,20 @@ class OrchestratorConfig(BaseModel):
     security: SecurityConfig = SecurityConfig()
     sessions: SessionConfig = SessionConfig()
     sandboxes: SandboxServiceConfig = SandboxServiceConfig()
+    workers: int = Field(
+        0, ge=0, le=1024, description="rollout worker processes on this host; 0: rollouts run in this process"
+    )
+    worker_listen: str | None = Field(
+        None, description="also accept workers over TCP here (HOST:PORT), e.g. Ray actors on other nodes"
+    )
+    worker_heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="a silent worker is lost after this")
+    ray: RayConfig | None = Field(None, description="place workers as actors on a Ray cluster's sandbox hosts")
+
+    @model_validator(mode="after")
+    def _ray_needs_tcp(self) -> OrchestratorConfig:
+        if self.ray is not None and not self.worker_listen:
+            raise ValueError("ray: Ray workers dial the control plane over TCP; set worker_listen (HOST:PORT)")
+        return self
 
 
 class Orchestrator:
@@ -90,6 +107,7 @@ class Orchestrator:
         self.sessions: SessionManager | None = None
         self.sandboxes: SandboxManager | None = None
         self.registrar: Registrar | None = None
+        self.workers: WorkerPlane | None = None
 
     @property
     def address(self) -> str:
@@ -110,6 +128,9 @@ class Orchestrator:
         if self.sandboxes is not None:
             await _bounded("the sandbox service", self.sandboxes.close_all(), STOP_STAGE_S)
         await _bounded("the jobs", self.jobs.close(), STOP_STAGE_S)
+        if self.workers is not None:
+            await _bounded("the workers", self.workers.stop(), STOP_STAGE_S + 10)
+            await _bounded("the sweep of lost workers' sandboxes", _swept(self.backend), STOP_STAGE_S)
         if self.pool is not None:
             drain_s = STOP_STAGE_S + self.pool.idle_total * REMOVE_BUDGET_S  # it destroys every idle sandbox
             await _bounded("the warm pool", self.pool.close(), drain_s)
@@ -117,6 +138,10 @@ class Orchestrator:
             self._metrics_server.shutdown()
         await self.backend.close()
         await self.store.close()
+
+
+async def _swept(backend: DockerBackend) -> None:
+    await backend.sweep()
 
 
 async def _bounded(what: str, stage: Awaitable[None], limit_s: float) -> None:
@@ -143,9 +168,15 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     metrics = Metrics()
     pool = SandboxPool(backend, config.pool, metrics)
     pool.start()
-    runner = RolloutRunner(pool, images)
+    workers: WorkerPlane | None = None
+    executor: Executor
+    if config.workers or config.worker_listen or config.ray:
+        workers = await WorkerPlane.start(config, images)
+        executor = workers.hub
+    else:
+        executor = LocalExecutor(RolloutRunner(pool, images))
     jobs = await JobManager.start(
-        store, registry, runner, config.max_in_flight, metrics=metrics, capacity=config.capacity
+        store, registry, executor, config.max_in_flight, metrics=metrics, capacity=config.capacity
     )
     # read when scraped
     metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
@@ -198,6 +229,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     backend.on_engine_health(engine_health)
     orch.pool, orch.metrics = pool, metrics
     orch.sessions, orch.sandboxes, orch.registrar = sessions, sandboxes, registrar
+    orch.workers = workers
     if config.metrics_port is not None:
         try:
             orch._metrics_server, _ = start_http_server(

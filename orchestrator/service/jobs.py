@@ -16,10 +16,9 @@ from orchestrator.core.environment import Environment, Task
 from orchestrator.core.errors import EnvfleetError, InvalidRequestError, JobFinishedError, JobNotFoundError
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState
-from orchestrator.rollout.policy.base import Policy
-from orchestrator.rollout.policy.client import OpenAIPolicy
-from orchestrator.rollout.runner import RolloutRunner, WorkItem
+from orchestrator.rollout.runner import WorkItem
 from orchestrator.service.advantages import group_advantages
+from orchestrator.service.executor import Executor
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity, Need, Scheduler
 from orchestrator.service.store import LogEntry, ResultStore
@@ -67,7 +66,6 @@ class _Job:
     total: int
     state: JobState
     created_at: float
-    policy: Policy
     done: int = 0
     by_status: Counter[str] = field(default_factory=Counter)
     started_mono: float = field(default_factory=time.monotonic)
@@ -110,7 +108,7 @@ class JobManager:
         self,
         store: ResultStore,
         registry: Registry,
-        runner: RolloutRunner,
+        executor: Executor,
         max_in_flight: int,
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
@@ -118,9 +116,8 @@ class JobManager:
         self.metrics = metrics or Metrics()
         self.store = store
         self.registry = registry
-        self.runner = runner
+        self.executor = executor
         self.scheduler = Scheduler(max_in_flight, self._run_item, capacity)
-        self._policies: list[Policy] = []
         self._jobs: dict[str, _Job] = {}
 
     @classmethod
@@ -128,22 +125,16 @@ class JobManager:
         cls,
         store: ResultStore,
         registry: Registry,
-        runner: RolloutRunner,
+        executor: Executor,
         max_in_flight: int = 64,
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store."""
-        mgr = cls(store, registry, runner, max_in_flight, metrics, capacity)
+        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity)
         mgr.scheduler.start()
         await mgr._resume()
         return mgr
-
-    def _policy(self, spec: JobSpec) -> Policy:
-        # each policy manages its own small HTTP pools: one big httpx pool slows down quadratically with its size
-        policy = OpenAIPolicy(spec.policy)
-        self._policies.append(policy)
-        return policy
 
     async def _resume(self) -> None:
         for stored in await self.store.jobs():
@@ -159,7 +150,6 @@ class JobManager:
                 stored.total,
                 stored.state,
                 stored.created_at,
-                self._policy(stored.spec),
                 owner=stored.owner,
             )
             by_status, _ = await self.store.counts(stored.job_id)
@@ -194,16 +184,14 @@ class JobManager:
             raise InvalidRequestError(f"job would run {len(items)} rollouts; the limit is {MAX_ROLLOUTS_PER_JOB}")
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
         await self.store.create_job(job_id, spec, len(items), owner)
-        self._jobs[job_id] = _Job(
-            job_id, spec, env, len(items), JobState.QUEUED, time.time(), self._policy(spec), owner=owner
-        )
+        self._jobs[job_id] = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
         self._queue(job_id, env, spec, items)
         return job_id, len(items)
 
     def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem]) -> None:
         """Hand a job's items to the scheduler; while its image is missing it is built in the background and the
         slots go to jobs whose images exist."""
-        images = self.runner.images
+        images = self.executor.images
         ready = images.ready(env)
         self.scheduler.add_job(job_id, spec.priority, spec.max_concurrency, items, _need(env), ready=ready)
         if not ready:
@@ -217,7 +205,7 @@ class JobManager:
         self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
         self._gauge()
         try:
-            rollout = await self.runner.run(item, job.env, job.spec, job.policy, job.spec.policy.version)
+            rollout = await self.executor.run(item, job.env, job.spec)
         finally:
             self._gauge(-1)
         self.metrics.rollouts.labels(rollout.status.value).inc()
@@ -240,7 +228,7 @@ class JobManager:
         self.metrics.in_flight.set(self.scheduler.in_flight + leaving)
 
     async def _finish(self, job: _Job, state: JobState) -> None:
-        self.runner.snapshots.forget_job(job.job_id)
+        self.executor.job_ended(job.job_id)
         job.state = state
         await self.store.set_job_state(job.job_id, state)
         job.notify()
@@ -309,7 +297,6 @@ class JobManager:
         except ValueError as e:
             raise InvalidRequestError(f"policy update: {e}") from None
         job.spec = job.spec.model_copy(update={"policy": endpoint})
-        job.policy = self._policy(job.spec)
         await self.store.update_spec(job_id, job.spec)
         return await self.info(job_id)
 
@@ -351,8 +338,7 @@ class JobManager:
         await self.scheduler.close()
         for job in self._jobs.values():
             job.notify()
-        for policy in self._policies:
-            await policy.aclose()
+        await self.executor.close()
 
 
 def _need(env: Environment) -> Need:

@@ -42,6 +42,15 @@ async def policy_server(registry: Registry) -> AsyncIterator[ScriptedServer]:
 
 
 @pytest.fixture
+async def slow_policy(registry: Registry) -> AsyncIterator[ScriptedServer]:
+    """The reference solutions, 0.3 s per completion: a job lasts long enough to lose a worker in the middle."""
+    script = reference_script(registry.get(ENV)).model_copy(update={"latency_s": 0.3})
+    server = await start_scripted_server(script)
+    yield server
+    await server.close()
+
+
+@pytest.fixture
 async def orchestrator(tmp_path: Path, base_image: str) -> AsyncIterator[Orchestrator]:
     """An orchestrator on a free loopback port with its own data dir; stopped (sandboxes destroyed) afterwards."""
     orch = await create_server(

@@ -11,7 +11,10 @@ import grpc
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.core.models import Rollout, RolloutStatus
+from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.registry import Registry
 from tests.conftest import TEST_OWNER
 
@@ -39,3 +42,23 @@ async def expect_error(call: Any, code: grpc.StatusCode, *fragments: str) -> str
     for fragment in fragments:
         assert fragment in details, details
     return details
+
+
+def local_runner(orch: Orchestrator) -> RolloutRunner:
+    """The in-process runner of an orchestrator without rollout workers."""
+    executor = orch.jobs.executor
+    assert isinstance(executor, LocalExecutor), "this orchestrator runs its rollouts on workers"
+    return executor.runner
+
+
+def check_delivery(rollouts: list[Rollout], expected_ids: set[str]) -> None:
+    """Every expected rollout once after dedup by id; a failed one carries no reward and is INFRA_ERROR."""
+    by_id: dict[str, Rollout] = {}
+    for r in rollouts:
+        by_id.setdefault(r.id, r)  # at least once: a duplicate is dropped by id
+    assert set(by_id) == expected_ids
+    for r in by_id.values():
+        if r.status.scored:
+            assert r.reward is not None
+        else:
+            assert r.reward is None and r.status == RolloutStatus.INFRA_ERROR, (r.status, r.error)

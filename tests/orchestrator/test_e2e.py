@@ -19,6 +19,7 @@ from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import local_runner
 
 
 async def test_job_streams_scored_groups_with_exact_tokens(
@@ -92,7 +93,7 @@ async def test_policy_errors_and_hangs_are_never_rewards(client: EnvfleetClient,
 async def _sandbox_of(orchestrator: Orchestrator, rollout_id: str, avoid: set[str] = frozenset()) -> str:  # type: ignore[assignment]
     """The container id of a running rollout's sandbox (waits for it)."""
     for _ in range(400):
-        sb = orchestrator.jobs.runner.active.get(rollout_id)
+        sb = local_runner(orchestrator).active.get(rollout_id)
         if sb is not None and sb.id not in avoid:
             return sb.id
         await asyncio.sleep(0.025)
@@ -139,7 +140,7 @@ async def test_infra_error_after_the_retry_budget_is_not_a_reward(
 
         collector = asyncio.create_task(first())
         while not collector.done():
-            sb = orchestrator.jobs.runner.active.get(f"{job_id}:{task_ids[0]}:0")
+            sb = local_runner(orchestrator).active.get(f"{job_id}:{task_ids[0]}:0")
             if sb is not None and sb.id not in killed:
                 killed.add(sb.id)
                 await asyncio.sleep(0.2)
@@ -171,7 +172,7 @@ async def test_update_policy_and_cancel(
             if (await client.get_job(job_id)).done >= 4:
                 break
             await asyncio.sleep(0.1)
-        running = {sb.id for rid, sb in orchestrator.jobs.runner.active.items() if rid.startswith(job_id)}
+        running = {sb.id for rid, sb in local_runner(orchestrator).active.items() if rid.startswith(job_id)}
         assert running, "rollouts should be running when the job is cancelled"
         cancelled = await client.cancel_job(job_id)
         assert cancelled.state == "CANCELLED"

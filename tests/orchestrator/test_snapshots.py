@@ -16,6 +16,7 @@ from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import start_scripted_server
 from orchestrator.testing.scripts import reference_script
 from tests.conftest import TEST_OWNER
+from tests.orchestrator.servers import local_runner
 
 
 async def _prepared(ctx: ScoringContext) -> float:
@@ -63,7 +64,7 @@ async def test_group_starts_from_one_snapshot(tmp_path: Path, base_image: str) -
         assert all(r.status == RolloutStatus.OK and r.reward == 1.0 for r in rollouts), [r.error for r in rollouts]
         assert env.setups == 2, "one setup per group"
         assert sum(r.metrics["setup_from_snapshot"] for r in rollouts) == 6
-        assert len(orch.jobs.runner.snapshots) == 0, "snapshots are dropped when the job ends"
+        assert len(local_runner(orch).snapshots) == 0, "snapshots are dropped when the job ends"
     finally:
         await orch.stop()
         await policy.close()

@@ -1,0 +1,101 @@
+"""The control plane's worker side, wired: the hub, the worker wire's gRPC server (a unix socket in a private
+directory, and TCP when remote workers join), and this host's supervised worker processes."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+
+from orchestrator.core.environment import ImageSource
+from orchestrator.worker.config import WorkerConfig
+from orchestrator.worker.hub import WorkerHub
+from orchestrator.worker.ray_fleet import RayWorkers
+from orchestrator.worker.servicer import WorkerServicer
+from orchestrator.worker.spawn import LocalWorkers
+from protos import worker_pb2_grpc as wpb_grpc
+
+if TYPE_CHECKING:
+    from orchestrator.server.app import OrchestratorConfig
+
+log = logging.getLogger(__name__)
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # workers ping every 10 s; allow it without data in flight
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class WorkerPlane:
+    """Rollout workers of one control plane. Remote workers (Ray actors) need `tcp_address` and `token`."""
+
+    def __init__(
+        self, hub: WorkerHub, server: grpc.aio.Server, socket_dir: Path, token: str, local: LocalWorkers | None
+    ) -> None:
+        self.hub = hub
+        self.token = token
+        self.local = local
+        self.ray: RayWorkers | None = None
+        self.tcp_address: str | None = None
+        self._server = server
+        self._socket_dir = socket_dir
+
+    @property
+    def unix_target(self) -> str:
+        """Where workers of this host connect."""
+        return f"unix:{self._socket_dir / 'workers.sock'}"
+
+    @classmethod
+    async def start(cls, config: OrchestratorConfig, images: ImageSource) -> WorkerPlane:
+        """Serve the worker wire and start `config.workers` local worker processes."""
+        hub = WorkerHub(images, heartbeat_timeout_s=config.worker_heartbeat_timeout_s)
+        token = secrets.token_urlsafe(32)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        wpb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(hub, token), server)
+        # a fresh 0700 directory: no other host account can reach the socket, and no one can plant one
+        socket_dir = Path(tempfile.mkdtemp(prefix="envfleet-workers-"))
+        plane = cls(hub, server, socket_dir, token, None)
+        server.add_insecure_port(plane.unix_target)
+        if config.worker_listen:
+            host = config.worker_listen.rsplit(":", 1)[0]
+            port = server.add_insecure_port(config.worker_listen)
+            plane.tcp_address = f"{host}:{port}"
+        await server.start()
+        if config.workers:
+            slots = -(-config.max_in_flight // config.workers)
+            worker_config = WorkerConfig(backend=config.backend, pool=config.pool, slots=slots)
+            plane.local = LocalWorkers(config.workers, plane.unix_target, token, worker_config)
+            plane.local.start()
+        if config.ray is not None and plane.tcp_address is not None:
+            worker_config = WorkerConfig(backend=config.backend, pool=config.pool)
+            plane.ray = RayWorkers(config.ray, plane.tcp_address, token, worker_config)
+            try:
+                await plane.ray.start()
+            except BaseException:
+                await plane.stop()
+                raise
+        log.info(
+            "rollout workers connect at %s%s; %d local worker process(es)",
+            plane.unix_target,
+            f" and {plane.tcp_address}" if plane.tcp_address else "",
+            config.workers,
+        )
+        return plane
+
+    async def stop(self) -> None:
+        """Stop the workers (they destroy their sandboxes), then the worker wire."""
+        await self.hub.close()
+        if self.local is not None:
+            await self.local.stop()
+        if self.ray is not None:
+            await self.ray.stop()
+        await self._server.stop(1)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)

@@ -1,0 +1,63 @@
+"""Where a job's rollouts run: in this process (`LocalExecutor`), or on rollout workers (`WorkerHub`, in
+orchestrator/service/workers.py). The job manager sees only this seam."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from orchestrator.core.environment import Environment, ImageSource
+from orchestrator.core.models import JobSpec, Rollout
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.rollout.policy.client import OpenAIPolicy
+from orchestrator.rollout.runner import RolloutRunner, WorkItem
+
+
+class Executor(Protocol):
+    """Runs rollouts to a scored (or failed) Rollout; never raises for a rollout's own failure."""
+
+    @property
+    def images(self) -> ImageSource:
+        """The images the control plane builds ahead of a job (readiness gates its queue)."""
+
+    async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
+        """One rollout of `item`, with the policy endpoint and version `spec` holds now."""
+
+    def job_ended(self, job_id: str) -> None:
+        """Drop what was kept for a finished job (group snapshots)."""
+
+    async def close(self) -> None:
+        """Release connections; running rollouts were cancelled by the scheduler before."""
+
+
+class LocalExecutor:
+    """Rollouts on this process's event loop, through one RolloutRunner (one small policy client per endpoint)."""
+
+    def __init__(self, runner: RolloutRunner) -> None:
+        self.runner = runner
+        self._policies: dict[PolicyEndpoint, OpenAIPolicy] = {}
+
+    @property
+    def images(self) -> ImageSource:
+        """The runner's image source."""
+        return self.runner.images
+
+    def policy(self, endpoint: PolicyEndpoint) -> OpenAIPolicy:
+        """The client of one endpoint, made once: each manages its own small HTTP pools."""
+        policy = self._policies.get(endpoint)
+        if policy is None:
+            policy = self._policies[endpoint] = OpenAIPolicy(endpoint)
+        return policy
+
+    async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
+        """Run the rollout here."""
+        return await self.runner.run(item, env, spec, self.policy(spec.policy), spec.policy.version)
+
+    def job_ended(self, job_id: str) -> None:
+        """Forget the job's group snapshots."""
+        self.runner.snapshots.forget_job(job_id)
+
+    async def close(self) -> None:
+        """Close every policy client."""
+        policies, self._policies = list(self._policies.values()), {}
+        for policy in policies:
+            await policy.aclose()

@@ -1,0 +1,160 @@
+"""The worker's side of the worker wire: connect to the control plane, run what it assigns, send back scored
+rollouts, and reconnect when the stream ends. A worker holds no durable state: when its stream ends it cancels its
+running rollouts (their sandboxes are destroyed) and the control plane retries them elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from orchestrator.core.environment import Environment, Task
+from orchestrator.core.models import JobSpec
+from orchestrator.rollout.runner import WorkItem
+from orchestrator.service.declarative.env import make_environment
+from orchestrator.service.declarative.spec import EnvironmentSpec
+from orchestrator.service.executor import LocalExecutor
+from orchestrator.service.registry import Registry
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
+
+log = logging.getLogger(__name__)
+
+RECONNECT_MIN_S = 0.2
+RECONNECT_MAX_S = 5.0
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class WorkerAgent:
+    """Runs a control plane's assignments on this process's executor."""
+
+    def __init__(
+        self,
+        target: str,
+        token: str,
+        executor: LocalExecutor,
+        registry: Registry,
+        *,
+        name: str = "worker",
+        slots: int = 64,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self.target = target
+        self.worker_id = f"{name}-{socket.gethostname()}-{os.getpid()}"
+        self._token = token
+        self._executor = executor
+        self._registry = registry
+        self._slots = slots
+        self._heartbeat_s = heartbeat_s
+        self._declarative: dict[str, Environment] = {}
+        self._tasks: dict[str, dict[str, Task]] = {}
+        self.sessions = 0  # streams opened so far
+
+    async def run_forever(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, reconnecting (with backoff) whenever the stream ends or cannot open."""
+        delay = RECONNECT_MIN_S
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await self._session(stop)
+            except grpc.aio.AioRpcError as e:
+                log.info("worker %s: stream to %s ended: %s", self.worker_id, self.target, e.code().name)
+            if time.monotonic() - started > 10:
+                delay = RECONNECT_MIN_S
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await stop.wait()
+            delay = min(delay * 2, RECONNECT_MAX_S)
+
+    async def _session(self, stop: asyncio.Event) -> None:
+        outbox: asyncio.Queue[wpb.WorkerMessage] = asyncio.Queue()
+        running: dict[str, asyncio.Task[None]] = {}
+        hello = wpb.WorkerHello(worker_id=self.worker_id, host=socket.gethostname(), slots=self._slots, pid=os.getpid())
+        outbox.put_nowait(wpb.WorkerMessage(hello=hello))
+
+        async def outbound() -> AsyncIterator[wpb.WorkerMessage]:
+            while True:
+                yield await outbox.get()
+
+        async def heartbeats() -> None:
+            while True:
+                outbox.put_nowait(wpb.WorkerMessage(heartbeat=wpb.Heartbeat(running=len(running))))
+                await asyncio.sleep(self._heartbeat_s)
+
+        async with grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS) as channel:
+            call = wpb_grpc.WorkerServiceStub(channel).Connect(
+                outbound(), metadata=(("authorization", f"Bearer {self._token}"),)
+            )
+            beat = asyncio.create_task(heartbeats(), name="heartbeats")
+            stopping = asyncio.create_task(stop.wait(), name="stop")
+            stopping.add_done_callback(lambda _: call.cancel())
+            self.sessions += 1
+            try:
+                async for message in call:
+                    if message.HasField("assign"):
+                        a = message.assign
+                        task = asyncio.create_task(self._run(a, outbox), name=f"assignment {a.assignment_id}")
+                        running[a.assignment_id] = task
+                        task.add_done_callback(functools.partial(_forget, running, a.assignment_id))
+                    elif message.HasField("cancel"):
+                        doomed = running.get(message.cancel.assignment_id)
+                        if doomed is not None:
+                            doomed.cancel()
+                    elif message.HasField("job_ended"):
+                        self._executor.job_ended(message.job_ended.job_id)
+            except asyncio.CancelledError:
+                if not stop.is_set():
+                    raise
+            finally:
+                stopping.cancel()
+                beat.cancel()
+                # nothing outlives the stream: the control plane retries these elsewhere
+                for task in running.values():
+                    task.cancel()
+                await asyncio.gather(beat, *running.values(), return_exceptions=True)
+
+    async def _run(self, a: wpb.Assignment, outbox: asyncio.Queue[wpb.WorkerMessage]) -> None:
+        try:
+            spec = JobSpec.model_validate_json(a.job_spec_json)
+            env = self._environment(spec.env, a.env_spec_json)
+            task = self._task(env, a.task_id)
+        except Exception as e:
+            log.exception("worker %s cannot run assignment %s", self.worker_id, a.assignment_id)
+            error = f"worker {self.worker_id} cannot run it: {type(e).__name__}: {e}"[:2000]
+            outbox.put_nowait(wpb.WorkerMessage(result=wpb.RolloutResult(assignment_id=a.assignment_id, error=error)))
+            return
+        item = WorkItem(a.job_id, task, a.sample_index, time.monotonic() - a.queued_s)
+        rollout = await self._executor.run(item, env, spec)
+        result = wpb.RolloutResult(assignment_id=a.assignment_id, rollout_json=rollout.model_dump_json().encode())
+        outbox.put_nowait(wpb.WorkerMessage(result=result))
+
+    def _environment(self, ref: str, spec_json: bytes) -> Environment:
+        if not spec_json:
+            return self._registry.get(ref)
+        env = self._declarative.get(ref)
+        if env is None:
+            env = self._declarative[ref] = make_environment(EnvironmentSpec.model_validate_json(spec_json))
+        return env
+
+    def _task(self, env: Environment, task_id: str) -> Task:
+        by_id = self._tasks.get(env.ref())
+        if by_id is None:
+            by_id = self._tasks[env.ref()] = {t.id: t for t in env.tasks()}
+        return by_id[task_id]
+
+
+def _forget(running: dict[str, asyncio.Task[None]], assignment_id: str, _: asyncio.Task[None]) -> None:
+    running.pop(assignment_id, None)

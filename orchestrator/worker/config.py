@@ -1,0 +1,19 @@
+"""What a worker process is started with: the sandbox backend and warm pool it owns, and how often it checks in."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.backends.pool import PoolConfig
+
+
+class WorkerConfig(BaseModel):
+    """A worker's configuration, handed over by the control plane (or a Ray launch) as JSON."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: DockerBackendConfig = DockerBackendConfig(owner="envfleet-orchestrator")
+    pool: PoolConfig = PoolConfig()
+    slots: int = Field(64, ge=1, le=100_000, description="rollouts this worker expects to run at once")
+    heartbeat_s: float = Field(1.0, gt=0, le=60)

@@ -1,0 +1,272 @@
+"""The control plane's side of rollout workers: who is connected, what each runs, and what happens when one is
+lost. `WorkerHub` is an Executor: the job manager hands it rollouts as it would run them locally.
+
+Placement: the samples of a group go to the worker that ran the group's first sample (its snapshot and warm
+sandboxes are there); otherwise the least loaded worker, preferring a host that already ran the environment (its
+image is there). A worker is lost when its stream ends or its heartbeats stop (a crashed, killed, stopped or
+partitioned process). Its unfinished rollouts go to other workers as infrastructure retries, within the job's
+`max_infra_retries`; past that budget the rollout is INFRA_ERROR, never a reward. A late answer from a lost
+worker is dropped: the result log keeps one rollout per id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from orchestrator.core.environment import Environment, ImageSource
+from orchestrator.core.errors import SandboxError
+from orchestrator.core.models import JobSpec, Rollout, RolloutError, RolloutStatus
+from orchestrator.rollout.runner import WorkItem
+from orchestrator.service.declarative.env import DeclarativeEnvironment
+from protos import worker_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its worker counts as stuck
+MAX_TRACKED_GROUPS = 100_000
+
+
+class WorkerLostError(SandboxError):
+    """The worker running a rollout went away (crashed, killed, stopped answering)."""
+
+
+@dataclass
+class _Worker:
+    id: str
+    host: str
+    slots: int
+    pid: int
+    outbox: asyncio.Queue[wpb.ControlMessage | None] = field(default_factory=asyncio.Queue)
+    running: dict[str, asyncio.Future[Rollout]] = field(default_factory=dict)
+    connected_at: float = field(default_factory=time.monotonic)
+    served: int = 0
+
+    @property
+    def load(self) -> float:
+        return len(self.running) / max(self.slots, 1)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A connected worker as `envfleet status` and tests see it."""
+
+    worker_id: str
+    host: str
+    slots: int
+    pid: int
+    running: int
+    served: int
+
+
+class WorkerHub:
+    """Rollout workers connected to this control plane, and the rollouts they run."""
+
+    def __init__(self, images: ImageSource, *, heartbeat_timeout_s: float = 10.0) -> None:
+        self._images = images
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._workers: dict[str, _Worker] = {}
+        self._joined = asyncio.Condition()
+        self._group_home: dict[str, str] = {}  # group id -> worker id
+        self._hosts_with: dict[str, set[str]] = {}  # env ref -> hosts that ran it
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.lost = 0  # workers lost so far
+
+    @property
+    def images(self) -> ImageSource:
+        """The control plane's image source: it builds a job's image before the job's rollouts are placed."""
+        return self._images
+
+    def workers(self) -> list[WorkerInfo]:
+        """The connected workers."""
+        return [WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served) for w in self._workers.values()]
+
+    async def wait_for_workers(self, n: int, timeout_s: float = 60.0) -> None:
+        """Return once `n` workers are connected."""
+        async with asyncio.timeout(timeout_s), self._joined:
+            await self._joined.wait_for(lambda: len(self._workers) >= n)
+
+    # -- the executor seam -------------------------------------------------------------------------------------
+
+    async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
+        """Run the rollout on a worker; a lost worker's rollout is retried on another, within the job's budget."""
+        lost: list[str] = []
+        while True:
+            try:
+                worker = await self._pick(item, env, spec)
+                rollout = await self._run_on(worker, item, env, spec)
+            except WorkerLostError as e:
+                lost.append(str(e))
+                if len(lost) > spec.max_infra_retries:
+                    return _lost_rollout(item, env, spec, lost)
+                log.warning("rollout %s: %s; retrying on another worker", item.id, e)
+                continue
+            rollout.attempts += len(lost)
+            return rollout
+
+    def job_ended(self, job_id: str) -> None:
+        """Tell every worker to drop the job's snapshots; forget where its groups ran."""
+        for group in [g for g in self._group_home if g.startswith(job_id + ":")]:
+            del self._group_home[group]
+        for w in self._workers.values():
+            w.outbox.put_nowait(wpb.ControlMessage(job_ended=wpb.JobEnded(job_id=job_id)))
+
+    async def close(self) -> None:
+        """End every worker's stream (workers reconnect to the next control plane) and fail what is running."""
+        self._closed = True
+        for w in list(self._workers.values()):
+            self._drop(w, "the control plane is stopping")
+        async with self._joined:
+            self._joined.notify_all()
+
+    # -- placement ---------------------------------------------------------------------------------------------
+
+    async def _pick(self, item: WorkItem, env: Environment, spec: JobSpec) -> _Worker:
+        try:
+            async with asyncio.timeout(spec.rollout_timeout_s), self._joined:
+                await self._joined.wait_for(lambda: bool(self._workers) or self._closed)
+        except TimeoutError:
+            raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
+        if self._closed:
+            raise WorkerLostError("the control plane is stopping")
+        home = self._workers.get(self._group_home.get(item.group_id, ""))
+        if home is not None and home.load < 2.0:
+            return home
+        hosts = self._hosts_with.get(env.ref(), set())
+        # least loaded first; among equals, a host that already has the image
+        worker = min(self._workers.values(), key=lambda w: (round(w.load, 3), w.host not in hosts, w.served))
+        if len(self._group_home) >= MAX_TRACKED_GROUPS:
+            self._group_home.pop(next(iter(self._group_home)))
+        self._group_home.setdefault(item.group_id, worker.id)
+        return worker
+
+    async def _run_on(self, worker: _Worker, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
+        assignment_id = f"a{next(self._ids)}"
+        future: asyncio.Future[Rollout] = asyncio.get_running_loop().create_future()
+        worker.running[assignment_id] = future
+        worker.outbox.put_nowait(
+            wpb.ControlMessage(
+                assign=wpb.Assignment(
+                    assignment_id=assignment_id,
+                    job_spec_json=spec.model_dump_json().encode(),
+                    job_id=item.job_id,
+                    task_id=item.task.id,
+                    sample_index=item.sample_index,
+                    queued_s=time.monotonic() - item.enqueued_at,
+                    env_spec_json=env.spec.model_dump_json().encode()
+                    if isinstance(env, DeclarativeEnvironment)
+                    else b"",
+                )
+            )
+        )
+        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + 8.0) + RESULT_SLACK_S
+        try:
+            async with asyncio.timeout(budget):
+                rollout = await future
+        except TimeoutError:
+            raise WorkerLostError(f"worker {worker.id} gave no result within {budget:g}s") from None
+        except asyncio.CancelledError:
+            # CancelJob or shutdown: the worker stops the rollout and destroys its sandbox
+            if worker.running.pop(assignment_id, None) is not None:
+                worker.outbox.put_nowait(wpb.ControlMessage(cancel=wpb.Cancel(assignment_id=assignment_id)))
+            raise
+        finally:
+            worker.running.pop(assignment_id, None)
+        worker.served += 1
+        self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
+        return rollout
+
+    # -- the worker's stream -----------------------------------------------------------------------------------
+
+    async def attach(
+        self, hello: wpb.WorkerHello, inbound: AsyncIterator[wpb.WorkerMessage]
+    ) -> AsyncIterator[wpb.ControlMessage]:
+        """Serve one worker's stream: yields what to send it; returns (ending the stream) when it is lost."""
+        if self._closed:
+            return
+        worker = _Worker(hello.worker_id, hello.host, max(hello.slots, 1), hello.pid)
+        previous = self._workers.get(worker.id)
+        if previous is not None:
+            self._drop(previous, "it connected again")
+        self._workers[worker.id] = worker
+        log.info("worker %s joined (host %s, pid %d, %d slots)", worker.id, worker.host, worker.pid, worker.slots)
+        async with self._joined:
+            self._joined.notify_all()
+        reader = asyncio.create_task(self._read(worker, inbound), name=f"worker {worker.id} reader")
+        try:
+            while True:
+                message = await worker.outbox.get()
+                if message is None:
+                    return
+                yield message
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self._drop(worker, "its stream ended")
+
+    async def _read(self, worker: _Worker, inbound: AsyncIterator[wpb.WorkerMessage]) -> None:
+        why = "its stream ended"
+        try:
+            while True:
+                async with asyncio.timeout(self.heartbeat_timeout_s):
+                    message = await anext(inbound, None)
+                if message is None:
+                    break
+                if message.HasField("result"):
+                    self._deliver(worker, message.result)
+        except TimeoutError:
+            why = f"no heartbeat for {self.heartbeat_timeout_s:g}s"
+        except Exception as e:  # the connection broke
+            why = f"its stream failed: {type(e).__name__}"
+        self._drop(worker, why)
+
+    def _deliver(self, worker: _Worker, result: wpb.RolloutResult) -> None:
+        future = worker.running.pop(result.assignment_id, None)
+        if future is None or future.done():
+            return  # cancelled, or given up on: the answer is late
+        if result.error:
+            future.set_exception(WorkerLostError(result.error))
+            return
+        try:
+            future.set_result(Rollout.model_validate_json(result.rollout_json))
+        except ValueError as e:
+            future.set_exception(WorkerLostError(f"worker {worker.id} sent an invalid rollout: {e}"))
+
+    def _drop(self, worker: _Worker, why: str) -> None:
+        """Forget a worker: its rollouts fail over, its stream ends."""
+        if self._workers.get(worker.id) is not worker:
+            return
+        del self._workers[worker.id]
+        self.lost += 0 if self._closed else 1
+        if not self._closed:
+            log.warning(
+                "worker %s (pid %d) lost: %s; %d rollout(s) to retry", worker.id, worker.pid, why, len(worker.running)
+            )
+        for future in worker.running.values():
+            if not future.done():
+                future.set_exception(WorkerLostError(f"worker {worker.id} was lost: {why}"))
+        worker.running.clear()
+        worker.outbox.put_nowait(None)
+
+
+def _lost_rollout(item: WorkItem, env: Environment, spec: JobSpec, lost: list[str]) -> Rollout:
+    """The rollout of an item whose workers were all lost: INFRA_ERROR, delivered so the trainer can mask it."""
+    return Rollout(
+        id=item.id,
+        job_id=item.job_id,
+        env=env.ref(),
+        task_id=item.task.id,
+        group_id=item.group_id,
+        sample_index=item.sample_index,
+        policy_version=spec.policy.version,
+        status=RolloutStatus.INFRA_ERROR,
+        error=RolloutError(kind=WorkerLostError.__name__, message="; ".join(lost)[-2000:]),
+        attempts=len(lost),
+    )

@@ -1,0 +1,38 @@
+"""One worker's life: its backend, warm pool and executor, and the agent that serves a control plane until told to
+stop. Used by `python -m orchestrator.worker` and by Ray actors."""
+
+from __future__ import annotations
+
+import asyncio
+
+from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.backends.pool import SandboxPool
+from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.service.executor import LocalExecutor
+from orchestrator.service.registration import EnvImageResolver
+from orchestrator.service.registry import Registry
+from orchestrator.worker.agent import WorkerAgent
+from orchestrator.worker.config import WorkerConfig
+
+
+async def run_worker(target: str, token: str, config: WorkerConfig, name: str, stop: asyncio.Event) -> None:
+    """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out."""
+    backend = await DockerBackend.start(config.backend)
+    pool = SandboxPool(backend, config.pool)
+    pool.start()
+    executor = LocalExecutor(RolloutRunner(pool, EnvImageResolver(backend.client)))
+    agent = WorkerAgent(
+        target,
+        token,
+        executor,
+        Registry.from_entry_points(),
+        name=name,
+        slots=config.slots,
+        heartbeat_s=config.heartbeat_s,
+    )
+    try:
+        await agent.run_forever(stop)
+    finally:
+        await executor.close()
+        await pool.close()
+        await backend.close()

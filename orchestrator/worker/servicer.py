@@ -1,0 +1,36 @@
+"""The control plane's WorkerService: checks a worker's token and hands its stream to the hub."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+
+import grpc
+
+from orchestrator.worker.hub import WorkerHub
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
+
+
+class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
+    """Only a process holding the fleet's worker token may join: a worker receives policy credentials and sends
+    back rewards."""
+
+    def __init__(self, hub: WorkerHub, token: str) -> None:
+        self._hub = hub
+        self._expected = f"Bearer {token}".encode()
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[wpb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.ControlMessage]:
+        """Authenticate, read the hello, then serve the stream until the worker is lost."""
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(str(given).encode(), self._expected):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a worker needs the fleet's worker token")
+        inbound = aiter(request_iterator)
+        first = await anext(inbound, None)
+        if first is None or not first.HasField("hello"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a worker's first message must be its hello")
+        assert first is not None
+        async for message in self._hub.attach(first.hello, inbound):
+            yield message

@@ -1,0 +1,85 @@
+"""Local worker processes: one per core by default, started by the control plane and restarted when one exits
+unexpectedly. Each is `python -m orchestrator.worker`, with the worker token on its standard input."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from orchestrator.worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+RESTART_MIN_S = 0.5
+RESTART_MAX_S = 30.0
+STOP_GRACE_S = 60.0
+
+
+class LocalWorkers:
+    """N worker processes of this host, supervised: a crashed or killed one is started again."""
+
+    def __init__(self, n: int, target: str, token: str, config: WorkerConfig, *, verbose: int = 0) -> None:
+        self.n = n
+        self._target = target
+        self._token = token
+        self._config = config
+        self._verbose = verbose
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._supervisors: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self.restarts = 0
+
+    @property
+    def pids(self) -> list[int]:
+        """The pids of the worker processes running now."""
+        return [p.pid for p in self._procs.values() if p.returncode is None]
+
+    def start(self) -> None:
+        """Start every worker, each under its own supervisor."""
+        for i in range(self.n):
+            self._supervisors.append(asyncio.create_task(self._supervise(i), name=f"worker {i} supervisor"))
+
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+        argv = [sys.executable, "-m", "orchestrator.worker", "--connect", self._target, "--name", f"w{index}"]
+        argv += ["--config", self._config.model_dump_json()] + ["-v"] * self._verbose
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
+        assert proc.stdin is not None
+        proc.stdin.write(self._token.encode() + b"\n")
+        await proc.stdin.drain()
+        proc.stdin.close()
+        return proc
+
+    async def _supervise(self, index: int) -> None:
+        delay = RESTART_MIN_S
+        while not self._stopping:
+            proc = self._procs[index] = await self._spawn(index)
+            code = await proc.wait()
+            if self._stopping:
+                return
+            self.restarts += 1
+            log.warning("worker %d (pid %d) exited with %s; starting it again in %gs", index, proc.pid, code, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RESTART_MAX_S)
+
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every worker (they destroy their sandboxes), SIGKILL those still running after `grace_s`."""
+        self._stopping = True
+        procs = [p for p in self._procs.values() if p.returncode is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(grace_s):
+                await asyncio.gather(*(p.wait() for p in procs))
+        except TimeoutError:
+            log.error("workers did not stop within %gs; killing them (the sweep removes their sandboxes)", grace_s)
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+            await asyncio.gather(*(p.wait() for p in procs))
+        for task in self._supervisors:
+            task.cancel()
+        await asyncio.gather(*self._supervisors, return_exceptions=True)

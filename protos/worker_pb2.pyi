@@ -1,0 +1,84 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerHello(_message.Message):
+    __slots__ = ("worker_id", "host", "slots", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    host: str
+    slots: int
+    pid: int
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("running",)
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    def __init__(self, running: _Optional[int] = ...) -> None: ...
+
+class RolloutResult(_message.Message):
+    __slots__ = ("assignment_id", "rollout_json", "error")
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    rollout_json: bytes
+    error: str
+    def __init__(self, assignment_id: _Optional[str] = ..., rollout_json: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("hello", "heartbeat", "result")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    hello: WorkerHello
+    heartbeat: Heartbeat
+    result: RolloutResult
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., result: _Optional[_Union[RolloutResult, _Mapping]] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json")
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    ENV_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    job_spec_json: bytes
+    job_id: str
+    task_id: str
+    sample_index: int
+    queued_s: float
+    env_spec_json: bytes
+    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("assignment_id",)
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    assignment_id: str
+    def __init__(self, assignment_id: _Optional[str] = ...) -> None: ...
+
+class JobEnded(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ControlMessage(_message.Message):
+    __slots__ = ("assign", "cancel", "job_ended")
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
+    assign: Assignment
+    cancel: Cancel
+    job_ended: JobEnded
+    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., job_ended: _Optional[_Union[JobEnded, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,115 @@
+"""Rollout workers on one host: a control plane and worker processes (real subprocesses, real gRPC, real Docker).
+A worker killed, or stopped and cut off, mid-job: every rollout of the job is still delivered once after dedup, none
+as a fake reward, and no sandbox is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import docker
+import pytest
+
+from orchestrator.backends.docker.backend import LABEL_MANAGED, LABEL_OWNER, DockerBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import Rollout, RolloutStatus
+from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.testing.scripted_policy import ScriptedServer
+from tests.conftest import TEST_OWNER
+from tests.orchestrator.conftest import job
+from tests.orchestrator.servers import check_delivery
+
+
+@pytest.fixture
+async def plane(tmp_path: Path, base_image: str) -> AsyncIterator[Orchestrator]:
+    """A control plane with 2 local worker processes; a silent worker is lost after 3 s."""
+    orch = await create_server(
+        OrchestratorConfig(
+            port=0,
+            data_dir=tmp_path / "data",
+            backend=DockerBackendConfig(owner=TEST_OWNER),
+            workers=2,
+            worker_heartbeat_timeout_s=3.0,
+        )
+    )
+    try:
+        assert orch.workers is not None
+        await orch.workers.hub.wait_for_workers(2, timeout_s=120)
+        yield orch
+    finally:
+        await orch.stop(grace=1)
+    left = docker.from_env().containers.list(
+        all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
+    )
+    assert not left, f"sandboxes left behind after stop: {[c.name for c in left]}"
+
+
+async def _collect(client: EnvfleetClient, job_id: str, during: asyncio.Task[int] | None = None) -> list[Rollout]:
+    got = [r async for r in client.rollouts(job_id)]
+    if during is not None:
+        await during
+    return got
+
+
+async def test_a_job_spreads_over_two_workers(
+    plane: Orchestrator, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    assert plane.workers is not None and plane.workers.local is not None
+    async with EnvfleetClient(plane.address) as client:
+        job_id = await client.submit(job(policy_server.url, task_ids[:32], n=2, max_concurrency=16))
+        rollouts = await _collect(client, job_id)
+    check_delivery(rollouts, {f"{job_id}:{t}:{k}" for t in task_ids[:32] for k in range(2)})
+    assert all(r.status == RolloutStatus.OK for r in rollouts)
+    served = [w.served for w in plane.workers.hub.workers()]
+    assert len(served) == 2 and all(n > 0 for n in served), f"each worker should have served rollouts: {served}"
+    # the control plane ran none itself: its own process holds no rollout sandbox
+    assert sum(served) == 64
+
+
+async def _lose_a_worker_midway(plane: Orchestrator, client: EnvfleetClient, job_id: str, how: signal.Signals) -> int:
+    assert plane.workers is not None and plane.workers.local is not None
+    for _ in range(1500):
+        if (await client.get_job(job_id)).done >= 8:
+            break
+        await asyncio.sleep(0.2)
+    victim = plane.workers.local.pids[0]
+    os.kill(victim, how)
+    return victim
+
+
+async def test_a_worker_killed_mid_job_loses_nothing(
+    plane: Orchestrator, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    assert plane.workers is not None and plane.workers.local is not None
+    async with EnvfleetClient(plane.address) as client:
+        job_id = await client.submit(job(slow_policy.url, task_ids[:32], n=2, max_concurrency=16))
+        kill = asyncio.create_task(_lose_a_worker_midway(plane, client, job_id, signal.SIGKILL))
+        rollouts = await _collect(client, job_id, kill)
+        info = await client.get_job(job_id)
+    check_delivery(rollouts, {f"{job_id}:{t}:{k}" for t in task_ids[:32] for k in range(2)})
+    assert plane.workers.hub.lost >= 1
+    assert plane.workers.local.restarts >= 1, "the killed worker is started again"
+    # retried on the other worker: within the job's infra budget, so every rollout still scored
+    assert info.by_status.get("OK", 0) == 64, info.by_status
+
+
+async def test_a_stopped_worker_is_cut_off_and_its_work_done_elsewhere(
+    plane: Orchestrator, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    assert plane.workers is not None and plane.workers.local is not None
+    async with EnvfleetClient(plane.address) as client:
+        job_id = await client.submit(job(slow_policy.url, task_ids[:24], max_concurrency=12))
+        victim = await _lose_a_worker_midway(plane, client, job_id, signal.SIGSTOP)
+        try:
+            rollouts = await _collect(client, job_id)
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        info = await client.get_job(job_id)
+    check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:24]})
+    assert info.by_status.get("OK", 0) == 24, info.by_status
+    assert plane.workers.hub.lost >= 1
+    # resumed, the stopped worker finds its stream gone, drops its rollouts (and their sandboxes) and joins again
+    await plane.workers.hub.wait_for_workers(2, timeout_s=60)
