@@ -23,6 +23,7 @@ import gymnasium
 from gymnasium import spaces
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
+from orchestrator.client.convert import rollout_status_from_pb
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
@@ -99,7 +100,9 @@ class SessionEnv(gymnasium.Env[str, str]):
         if sid is None:
             return
         try:
-            self._stub.Close(pb.CloseSessionRequest(session_id=sid), timeout=self.timeout_s, metadata=self._metadata)
+            self._stub.CloseSession(
+                pb.CloseSessionRequest(session_id=sid), timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:  # already expired: nothing to release
                 raise
@@ -142,7 +145,8 @@ class SessionEnv(gymnasium.Env[str, str]):
             timeout=self.timeout_s,
             metadata=self._metadata,
         )
-        status = pb.RolloutStatus.Name(r.status) if r.status else ""
+        known = rollout_status_from_pb(r.status)
+        status = known.value if known is not None else ""
         info: dict[str, Any] = {
             "turn": r.info.turn,
             "status": status,

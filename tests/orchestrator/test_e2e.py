@@ -11,9 +11,9 @@ import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
-from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
+from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.testing.scripted_policy import Script, ScriptedServer, Step, start_scripted_server
 from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
@@ -202,4 +202,4 @@ async def test_environment_service(client: EnvfleetClient) -> None:
 
 async def test_owner_label_is_the_test_suites(orchestrator: Orchestrator) -> None:
     assert orchestrator.backend.config.owner == TEST_OWNER
-    assert pb.RolloutStatus.Name(pb.OK) == "OK"
+    assert pb.RolloutStatus.Name(pb.ROLLOUT_STATUS_OK) == "ROLLOUT_STATUS_OK"
