@@ -354,7 +354,8 @@ class RolloutServiceServicer:
     def CancelJob(self, request, context):
         """Stops the job and answers its status (state CANCELLED) once it has stopped; cancelling a finished job changes
         nothing and answers its status. Queued rollouts are dropped, never run. Running rollouts are cancelled: their
-        sandboxes are destroyed before CancelJob answers, and their results are discarded (not logged, not streamed).
+        sandboxes are destroyed before CancelJob answers, and their results are discarded (not logged, not streamed;
+        only a result that was already being written to the log as the cancel arrived may still be logged).
         Rollouts logged before the cancel stay in the log: open streams send the ones not yet sent and then end, as
         for a completed job; later streams send what is not acked. In group delivery, a group that was not whole at
         the cancel is never delivered.
@@ -370,7 +371,7 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """The caller's jobs since the server started (finished ones included), oldest first.
+        """The caller's jobs in the server's log, finished ones included, oldest first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
