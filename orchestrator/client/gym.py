@@ -23,7 +23,6 @@ import gymnasium
 from gymnasium import spaces
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
-from orchestrator.client.convert import rollout_status_from_pb
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
@@ -145,8 +144,8 @@ class SessionEnv(gymnasium.Env[str, str]):
             timeout=self.timeout_s,
             metadata=self._metadata,
         )
-        known = rollout_status_from_pb(r.status)
-        status = known.value if known is not None else ""
+        # the models' short name ("OK"): the wire's enum values carry the ROLLOUT_STATUS_ prefix
+        status = pb.RolloutStatus.Name(r.status).removeprefix("ROLLOUT_STATUS_") if r.status else ""
         info: dict[str, Any] = {
             "turn": r.info.turn,
             "status": status,
