@@ -336,8 +336,9 @@ class RolloutServiceServicer:
 
     def Ack(self, request, context):
         """Marks rollouts consumed: they are never sent again, on any stream. Acking is idempotent.
-        INVALID_ARGUMENT "nothing delivered after seq N" when up_to is beyond the highest seq delivered so far on
-        any stream of the job (N); after a server restart, everything logged before the restart counts as delivered.
+        INVALID_ARGUMENT "nothing delivered after seq N" when up_to is beyond the highest seq the server has sent on
+        any stream of the job (N; sent, whether or not your client has read it yet); after a server restart,
+        everything logged before the restart counts as sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
