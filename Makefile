@@ -2,8 +2,11 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+BUF_VERSION := 1.75.0
+BUF := .tools/node_modules/.bin/buf
+TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 
-.PHONY: venv docker base-image test demo bench bench-scale proto proto-check lint image clean-containers
+.PHONY: venv buf docker base-image test demo bench bench-scale proto proto-check lint image clean-containers
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -14,14 +17,22 @@ $(VENV_STAMP): pyproject.toml
 
 venv: $(VENV_STAMP)
 
+# buf (protobuf lint) ships as an npm package with the binary inside; without npm, tests/test_proto.py skips it
+$(BUF):
+	@if command -v npm >/dev/null; then \
+		npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@$(BUF_VERSION); \
+	else echo "npm not found: buf lint will be skipped"; fi
+
+buf: $(BUF)
+
 docker:
 	@scripts/ensure-docker.sh
 
 base-image: venv docker
 	@$(PY) -m orchestrator.cli image build-base
 
-test: venv docker base-image
-	$(PY) -m pytest -q -p no:cacheprovider
+test: venv buf docker base-image
+	$(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider
 	@scripts/check-leaks.sh
 
 demo: venv docker base-image
@@ -37,7 +48,8 @@ bench-scale: venv docker base-image
 proto: venv
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
 
-lint: venv
+lint: venv buf
+	@if [ -x $(BUF) ]; then $(BUF) lint; fi
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy envd orchestrator environments bench tests

@@ -10,19 +10,54 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class RolloutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROLLOUT_STATUS_UNSPECIFIED: _ClassVar[RolloutStatus]
-    OK: _ClassVar[RolloutStatus]
-    TRUNCATED: _ClassVar[RolloutStatus]
-    TIMEOUT: _ClassVar[RolloutStatus]
-    POLICY_ERROR: _ClassVar[RolloutStatus]
-    ENV_ERROR: _ClassVar[RolloutStatus]
-    INFRA_ERROR: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_OK: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_TRUNCATED: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_TIMEOUT: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_POLICY_ERROR: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_ENV_ERROR: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_INFRA_ERROR: _ClassVar[RolloutStatus]
+
+class TokenStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_STATUS_UNSPECIFIED: _ClassVar[TokenStatus]
+    TOKEN_STATUS_COMPLETE: _ClassVar[TokenStatus]
+    TOKEN_STATUS_MISSING: _ClassVar[TokenStatus]
+    TOKEN_STATUS_INCONSISTENT: _ClassVar[TokenStatus]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_COMPLETED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SANDBOX_STATE_UNSPECIFIED: _ClassVar[SandboxState]
+    SANDBOX_STATE_RUNNING: _ClassVar[SandboxState]
+    SANDBOX_STATE_EXPIRED: _ClassVar[SandboxState]
+    SANDBOX_STATE_DELETED: _ClassVar[SandboxState]
 ROLLOUT_STATUS_UNSPECIFIED: RolloutStatus
-OK: RolloutStatus
-TRUNCATED: RolloutStatus
-TIMEOUT: RolloutStatus
-POLICY_ERROR: RolloutStatus
-ENV_ERROR: RolloutStatus
-INFRA_ERROR: RolloutStatus
+ROLLOUT_STATUS_OK: RolloutStatus
+ROLLOUT_STATUS_TRUNCATED: RolloutStatus
+ROLLOUT_STATUS_TIMEOUT: RolloutStatus
+ROLLOUT_STATUS_POLICY_ERROR: RolloutStatus
+ROLLOUT_STATUS_ENV_ERROR: RolloutStatus
+ROLLOUT_STATUS_INFRA_ERROR: RolloutStatus
+TOKEN_STATUS_UNSPECIFIED: TokenStatus
+TOKEN_STATUS_COMPLETE: TokenStatus
+TOKEN_STATUS_MISSING: TokenStatus
+TOKEN_STATUS_INCONSISTENT: TokenStatus
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_COMPLETED: JobState
+JOB_STATE_CANCELLED: JobState
+SANDBOX_STATE_UNSPECIFIED: SandboxState
+SANDBOX_STATE_RUNNING: SandboxState
+SANDBOX_STATE_EXPIRED: SandboxState
+SANDBOX_STATE_DELETED: SandboxState
 
 class ListEnvironmentsRequest(_message.Message):
     __slots__ = ()
@@ -74,12 +109,14 @@ class TaskSelection(_message.Message):
     __slots__ = ("kind", "ids", "count", "seed")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
-        KIND_ALL: _ClassVar[TaskSelection.Kind]
+        KIND_UNSPECIFIED: _ClassVar[TaskSelection.Kind]
         KIND_IDS: _ClassVar[TaskSelection.Kind]
         KIND_SAMPLE: _ClassVar[TaskSelection.Kind]
-    KIND_ALL: TaskSelection.Kind
+        KIND_ALL: _ClassVar[TaskSelection.Kind]
+    KIND_UNSPECIFIED: TaskSelection.Kind
     KIND_IDS: TaskSelection.Kind
     KIND_SAMPLE: TaskSelection.Kind
+    KIND_ALL: TaskSelection.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -191,18 +228,20 @@ class Turn(_message.Message):
     def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("status", "prompt_ids", "completion_ids", "completion_mask", "completion_logprobs")
+    __slots__ = ("status_name", "status", "prompt_ids", "completion_ids", "completion_mask", "completion_logprobs")
+    STATUS_NAME_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_MASK_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    status: str
+    status_name: str
+    status: TokenStatus
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_mask: _containers.RepeatedScalarFieldContainer[int]
     completion_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, status: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., completion_mask: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, status_name: _Optional[str] = ..., status: _Optional[_Union[TokenStatus, str]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., completion_mask: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue", "sandbox_acquire", "setup", "generation", "tools", "scoring", "total")
@@ -247,7 +286,7 @@ class RolloutError(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("id", "job_id", "env", "task_id", "group_id", "sample_index", "policy_version", "status", "reward", "reward_components", "metrics", "turns", "tokens", "timing", "provenance", "error", "attempts", "seq", "advantage")
+    __slots__ = ("id", "job_id", "env", "task_id", "group_id", "sample_index", "policy_version", "status", "reward", "reward_components", "metrics", "turns", "tokens", "timing", "provenance", "error", "attempts", "seq", "advantage", "started_at", "finished_at")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +320,8 @@ class Rollout(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_id: str
     env: str
@@ -300,7 +341,9 @@ class Rollout(_message.Message):
     attempts: int
     seq: int
     advantage: float
-    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., env: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., policy_version: _Optional[str] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., error: _Optional[_Union[RolloutError, _Mapping]] = ..., attempts: _Optional[int] = ..., seq: _Optional[int] = ..., advantage: _Optional[float] = ...) -> None: ...
+    started_at: float
+    finished_at: float
+    def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., env: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., policy_version: _Optional[str] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., error: _Optional[_Union[RolloutError, _Mapping]] = ..., attempts: _Optional[int] = ..., seq: _Optional[int] = ..., advantage: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("group_id", "task_id", "rollouts", "failed")
@@ -365,7 +408,7 @@ class ListJobsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "env", "total", "done", "by_status", "acked", "in_flight", "rollouts_per_s", "policy_version", "created_at")
+    __slots__ = ("job_id", "state_name", "state", "env", "total", "done", "by_status", "acked", "in_flight", "rollouts_per_s", "policy_version", "created_at", "finished_at")
     class ByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +417,7 @@ class JobStatus(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -384,8 +428,10 @@ class JobStatus(_message.Message):
     ROLLOUTS_PER_S_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    state: str
+    state_name: str
+    state: JobState
     env: str
     total: int
     done: int
@@ -395,7 +441,8 @@ class JobStatus(_message.Message):
     rollouts_per_s: float
     policy_version: str
     created_at: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., env: _Optional[str] = ..., total: _Optional[int] = ..., done: _Optional[int] = ..., by_status: _Optional[_Mapping[str, int]] = ..., acked: _Optional[int] = ..., in_flight: _Optional[int] = ..., rollouts_per_s: _Optional[float] = ..., policy_version: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+    finished_at: float
+    def __init__(self, job_id: _Optional[str] = ..., state_name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., env: _Optional[str] = ..., total: _Optional[int] = ..., done: _Optional[int] = ..., by_status: _Optional[_Mapping[str, int]] = ..., acked: _Optional[int] = ..., in_flight: _Optional[int] = ..., rollouts_per_s: _Optional[float] = ..., policy_version: _Optional[str] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs",)
@@ -671,10 +718,11 @@ class CreateSandboxRequest(_message.Message):
     def __init__(self, image: _Optional[str] = ..., env: _Optional[str] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., ttl_s: _Optional[float] = ..., env_vars: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SandboxInfo(_message.Message):
-    __slots__ = ("sandbox_id", "image", "env", "state", "limits", "created_at", "expires_at", "ended_at", "end_reason")
+    __slots__ = ("sandbox_id", "image", "env", "state_name", "state", "limits", "created_at", "expires_at", "ended_at", "end_reason")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
+    STATE_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -684,13 +732,14 @@ class SandboxInfo(_message.Message):
     sandbox_id: str
     image: str
     env: str
-    state: str
+    state_name: str
+    state: SandboxState
     limits: SandboxLimits
     created_at: float
     expires_at: float
     ended_at: float
     end_reason: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., image: _Optional[str] = ..., env: _Optional[str] = ..., state: _Optional[str] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., end_reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, sandbox_id: _Optional[str] = ..., image: _Optional[str] = ..., env: _Optional[str] = ..., state_name: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., end_reason: _Optional[str] = ...) -> None: ...
 
 class GetSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)

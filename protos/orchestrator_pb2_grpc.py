@@ -242,6 +242,14 @@ class EnvironmentService:
 class RolloutServiceStub:
     """---------------------------------------------------------------- jobs and rollouts
 
+    Delivery, in short: SubmitJob, then StreamRollouts and Ack what you have consumed; after a disconnect, call
+    StreamRollouts again with resume_after = the highest seq you acked. Delivery is at least once: drop duplicates
+    by Rollout.id.
+
+    `seq` is an opaque cursor: an int64 that increases along one job's log. It is not a count or an index: seqs
+    are shared by every job of the server and have gaps (never compute with them, never assume seq + 1 exists).
+    Within one stream, rollouts arrive in increasing seq order (per message and across messages), so the last
+    rollout of a message has the highest seq so far. Use a seq only to ack (`up_to`) and to resume (`resume_after`).
     """
 
     def __init__(self, channel):
@@ -290,38 +298,69 @@ class RolloutServiceStub:
 class RolloutServiceServicer:
     """---------------------------------------------------------------- jobs and rollouts
 
+    Delivery, in short: SubmitJob, then StreamRollouts and Ack what you have consumed; after a disconnect, call
+    StreamRollouts again with resume_after = the highest seq you acked. Delivery is at least once: drop duplicates
+    by Rollout.id.
+
+    `seq` is an opaque cursor: an int64 that increases along one job's log. It is not a count or an index: seqs
+    are shared by every job of the server and have gaps (never compute with them, never assume seq + 1 exists).
+    Within one stream, rollouts arrive in increasing seq order (per message and across messages), so the last
+    rollout of a message has the highest seq so far. Use a seq only to ack (`up_to`) and to resume (`resume_after`).
     """
 
     def SubmitJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """INVALID_ARGUMENT names every bad field; NOT_FOUND for an unknown environment (with the closest names);
+        RESOURCE_EXHAUSTED when one rollout of the environment could never fit the fleet.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StreamRollouts(self, request, context):
-        """Server streaming of scored rollouts (or whole groups when the job asked for them), at least once:
-        every rollout not yet acked with seq > resume_after, at most max_in_flight unacked at a time.
-        The stream ends when the job is finished and everything has been sent.
+        """Server streaming of scored rollouts, at least once, in increasing seq order: every rollout of the job that is
+        not yet acked and has seq > resume_after. With JobSpec.deliver_groups the messages carry whole groups instead.
+
+        Backpressure: max_in_flight counts unacked rollouts (not groups) sent on this stream. While that many are
+        unacked the stream sends nothing more; an Ack (on any connection) frees room. In group delivery a group is
+        never split: a message is sent whenever fewer than max_in_flight rollouts are unacked and carries at least one
+        whole group, so unacked rollouts can exceed max_in_flight by up to group_size - 1 (the same holds for
+        max_batch). A rollout sent but not acked is not sent again on the same stream; a new stream sends it again.
+
+        The stream ends (status OK) once the job is finished (COMPLETED or CANCELLED) and every logged rollout after
+        resume_after that is not acked has been sent on it. It waits, open, while the job runs; keep no deadline on
+        it, or resume after DEADLINE_EXCEEDED. NOT_FOUND for an unknown job; INVALID_ARGUMENT for a field out of range.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Ack(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Marks rollouts consumed: they are never sent again, on any stream. Acking is idempotent.
+        INVALID_ARGUMENT "nothing delivered after seq N" when up_to is beyond the highest seq the server has sent on
+        any stream of the job (N; sent, whether or not your client has read it yet); after a server restart,
+        everything logged before the restart counts as sent.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdatePolicy(self, request, context):
         """New rollouts use the new policy endpoint; each rollout records the version it started with.
+        FAILED_PRECONDITION once the job is finished.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stops the job and answers its status (state CANCELLED) once it has stopped; cancelling a finished job changes
+        nothing and answers its status. Queued rollouts are dropped, never run. Running rollouts are cancelled: their
+        sandboxes are destroyed before CancelJob answers, and their results are discarded (not logged, not streamed;
+        only a result that was already being written to the log as the cancel arrived may still be logged).
+        Rollouts logged before the cancel stay in the log: open streams send the ones not yet sent and then end, as
+        for a completed job; later streams send what is not acked. In group delivery, a group that was not whole at
+        the cancel is never delivered.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -333,7 +372,8 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's jobs in the server's log, finished ones included, oldest first.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -387,6 +427,14 @@ def add_RolloutServiceServicer_to_server(servicer, server):
 class RolloutService:
     """---------------------------------------------------------------- jobs and rollouts
 
+    Delivery, in short: SubmitJob, then StreamRollouts and Ack what you have consumed; after a disconnect, call
+    StreamRollouts again with resume_after = the highest seq you acked. Delivery is at least once: drop duplicates
+    by Rollout.id.
+
+    `seq` is an opaque cursor: an int64 that increases along one job's log. It is not a count or an index: seqs
+    are shared by every job of the server and have gaps (never compute with them, never assume seq + 1 exists).
+    Within one stream, rollouts arrive in increasing seq order (per message and across messages), so the last
+    rollout of a message has the highest seq so far. Use a seq only to ack (`up_to`) and to resume (`resume_after`).
     """
 
     @staticmethod
@@ -600,6 +648,11 @@ class SessionServiceStub:
                 request_serializer=protos_dot_orchestrator__pb2.StepRequest.SerializeToString,
                 response_deserializer=protos_dot_orchestrator__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/envfleet.v1.SessionService/CloseSession',
+                request_serializer=protos_dot_orchestrator__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
         self.Close = channel.unary_unary(
                 '/envfleet.v1.SessionService/Close',
                 request_serializer=protos_dot_orchestrator__pb2.CloseSessionRequest.SerializeToString,
@@ -628,8 +681,18 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseSession(self, request, context):
+        """Ends the session and destroys its sandbox; safe on a session whose episode has ended. NOT_FOUND for an
+        unknown or expired session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Close(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Deprecated: the same as CloseSession, kept for one release. Its name collides with close() in generated
+        Node.js clients; call CloseSession.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -646,6 +709,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=protos_dot_orchestrator__pb2.StepRequest.FromString,
                     response_serializer=protos_dot_orchestrator__pb2.StepResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=protos_dot_orchestrator__pb2.CloseSessionRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.CloseSessionResponse.SerializeToString,
             ),
             'Close': grpc.unary_unary_rpc_method_handler(
                     servicer.Close,
@@ -709,6 +777,33 @@ class SessionService:
             '/envfleet.v1.SessionService/Step',
             protos_dot_orchestrator__pb2.StepRequest.SerializeToString,
             protos_dot_orchestrator__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.SessionService/CloseSession',
+            protos_dot_orchestrator__pb2.CloseSessionRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,28 +1,78 @@
-"""Protobuf <-> core models for what a client sends and receives (JobSpec out, Rollout in); the server shares the
-tables."""
+"""Protobuf <-> core models for what a client sends and receives (JobSpec out, Rollout and JobStatus in); the server
+shares the enum tables."""
 
 from __future__ import annotations
 
 from orchestrator.core.models import (
     JobSpec,
+    JobState,
+    JobStatus,
     Provenance,
     Rollout,
     RolloutError,
     RolloutStatus,
     Timing,
     Tokens,
+    TokenStatus,
     ToolCallRecord,
     Turn,
 )
 from protos import orchestrator_pb2 as pb
 
-_KIND = {pb.TaskSelection.KIND_ALL: "all", pb.TaskSelection.KIND_IDS: "ids", pb.TaskSelection.KIND_SAMPLE: "sample"}
+# "all" is sent as 0 (KIND_UNSPECIFIED): servers before KIND_ALL = 3 read 0 as "all" and know no 3
+KIND_FROM_PB = {
+    pb.TaskSelection.KIND_UNSPECIFIED: "all",
+    pb.TaskSelection.KIND_ALL: "all",
+    pb.TaskSelection.KIND_IDS: "ids",
+    pb.TaskSelection.KIND_SAMPLE: "sample",
+}
+_KIND_PB = {
+    "all": pb.TaskSelection.KIND_UNSPECIFIED,
+    "ids": pb.TaskSelection.KIND_IDS,
+    "sample": pb.TaskSelection.KIND_SAMPLE,
+}
+
+# the models keep the short names (RolloutStatus.OK); the wire's enum values carry buf's prefix
+ROLLOUT_STATUS_PB: dict[str, pb.RolloutStatus] = {
+    "OK": pb.ROLLOUT_STATUS_OK,
+    "TRUNCATED": pb.ROLLOUT_STATUS_TRUNCATED,
+    "TIMEOUT": pb.ROLLOUT_STATUS_TIMEOUT,
+    "POLICY_ERROR": pb.ROLLOUT_STATUS_POLICY_ERROR,
+    "ENV_ERROR": pb.ROLLOUT_STATUS_ENV_ERROR,
+    "INFRA_ERROR": pb.ROLLOUT_STATUS_INFRA_ERROR,
+}
+ROLLOUT_STATUS_FROM_PB: dict[int, RolloutStatus] = {v: RolloutStatus(k) for k, v in ROLLOUT_STATUS_PB.items()}
+
+TOKEN_STATUS_PB: dict[str, pb.TokenStatus] = {
+    "complete": pb.TOKEN_STATUS_COMPLETE,
+    "missing": pb.TOKEN_STATUS_MISSING,
+    "inconsistent": pb.TOKEN_STATUS_INCONSISTENT,
+}
+_TOKEN_STATUS_FROM_PB: dict[int, TokenStatus] = {
+    pb.TOKEN_STATUS_COMPLETE: "complete",
+    pb.TOKEN_STATUS_MISSING: "missing",
+    pb.TOKEN_STATUS_INCONSISTENT: "inconsistent",
+}
+
+JOB_STATE_PB: dict[str, pb.JobState] = {
+    "QUEUED": pb.JOB_STATE_QUEUED,
+    "RUNNING": pb.JOB_STATE_RUNNING,
+    "COMPLETED": pb.JOB_STATE_COMPLETED,
+    "CANCELLED": pb.JOB_STATE_CANCELLED,
+}
+_JOB_STATE_FROM_PB: dict[int, JobState] = {v: JobState(k) for k, v in JOB_STATE_PB.items()}
 
 
-_STATUS_PB = {s: pb.RolloutStatus.Value(s.value) for s in RolloutStatus}
+def rollout_status_from_pb(value: int) -> RolloutStatus | None:
+    """The model's status of a wire RolloutStatus; None for UNSPECIFIED (or a value newer than this client)."""
+    return ROLLOUT_STATUS_FROM_PB.get(value)
 
 
-_STATUS_MODEL = {v: k for k, v in _STATUS_PB.items()}
+def _token_status(t: pb.Tokens) -> TokenStatus:
+    if t.status in _TOKEN_STATUS_FROM_PB:
+        return _TOKEN_STATUS_FROM_PB[t.status]
+    # a server from before the enum sends only the text
+    return t.status_name if t.status_name in ("complete", "inconsistent") else "missing"  # type: ignore[return-value]
 
 
 def rollout_from_pb(m: pb.Rollout) -> Rollout:
@@ -36,7 +86,7 @@ def rollout_from_pb(m: pb.Rollout) -> Rollout:
         group_id=m.group_id,
         sample_index=m.sample_index,
         policy_version=m.policy_version,
-        status=_STATUS_MODEL[m.status],
+        status=ROLLOUT_STATUS_FROM_PB[m.status],
         reward=m.reward if m.HasField("reward") else None,
         reward_components=dict(m.reward_components),
         metrics=dict(m.metrics),
@@ -53,7 +103,7 @@ def rollout_from_pb(m: pb.Rollout) -> Rollout:
             for x in m.turns
         ],
         tokens=Tokens.model_construct(
-            status=t.status or "missing",  # type: ignore[arg-type]
+            status=_token_status(t),
             prompt_ids=list(t.prompt_ids),
             completion_ids=list(t.completion_ids),
             completion_mask=list(t.completion_mask),
@@ -64,6 +114,8 @@ def rollout_from_pb(m: pb.Rollout) -> Rollout:
         error=RolloutError.model_construct(kind=m.error.kind, message=m.error.message) if m.HasField("error") else None,
         attempts=m.attempts,
         seq=m.seq,
+        started_at=m.started_at,
+        finished_at=m.finished_at,
     )
 
 
@@ -73,7 +125,25 @@ _TIMING_FIELDS = tuple(Timing.model_fields)
 _PROVENANCE_FIELDS = tuple(Provenance.model_fields)
 
 
-_KIND_PB = {v: k for k, v in _KIND.items()}
+def job_status_from_pb(m: pb.JobStatus) -> JobStatus:
+    """The model of GetJob's answer: state and status keys as enums."""
+    state = _JOB_STATE_FROM_PB.get(m.state)
+    if state is None:  # a server from before the enum sends only the text
+        state = JobState(m.state_name)
+    return JobStatus(
+        job_id=m.job_id,
+        state=state,
+        env=m.env,
+        total=m.total,
+        done=m.done,
+        by_status={RolloutStatus(k): v for k, v in m.by_status.items() if k in RolloutStatus.__members__},
+        acked=m.acked,
+        in_flight=m.in_flight,
+        rollouts_per_s=m.rollouts_per_s,
+        policy_version=m.policy_version,
+        created_at=m.created_at,
+        finished_at=m.finished_at,
+    )
 
 
 def job_spec_to_pb(s: JobSpec) -> pb.JobSpec:

@@ -100,7 +100,9 @@ class SessionEnv(gymnasium.Env[str, str]):
         if sid is None:
             return
         try:
-            self._stub.Close(pb.CloseSessionRequest(session_id=sid), timeout=self.timeout_s, metadata=self._metadata)
+            self._stub.CloseSession(
+                pb.CloseSessionRequest(session_id=sid), timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:  # already expired: nothing to release
                 raise
@@ -143,7 +145,8 @@ class SessionEnv(gymnasium.Env[str, str]):
             timeout=self.timeout_s,
             metadata=self._metadata,
         )
-        status = pb.RolloutStatus.Name(r.status) if r.status else ""
+        # the models' short name ("OK"): the wire's enum values carry the ROLLOUT_STATUS_ prefix
+        status = pb.RolloutStatus.Name(r.status).removeprefix("ROLLOUT_STATUS_") if r.status else ""
         info: dict[str, Any] = {
             "turn": r.info.turn,
             "status": status,

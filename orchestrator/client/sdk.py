@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import grpc
 
 from orchestrator.client.auth import ClientTLS, aio_channel
-from orchestrator.client.convert import job_spec_to_pb, rollout_from_pb
-from orchestrator.core.models import JobSpec, Rollout
+from orchestrator.client.convert import job_spec_to_pb, job_status_from_pb, rollout_from_pb
+from orchestrator.core.models import JobSpec, JobStatus, Rollout
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
@@ -81,21 +81,25 @@ class EnvfleetClient:
         r = await self.rollout_stub.SubmitJob(job_spec_to_pb(spec), timeout=self.timeout_s)
         return str(r.job_id)
 
-    async def get_job(self, job_id: str) -> pb.JobStatus:
-        r: pb.JobStatus = await self.rollout_stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=self.timeout_s)
-        return r
+    async def get_job(self, job_id: str) -> JobStatus:
+        """The job's state and counts (state is a JobState, by_status is keyed by RolloutStatus)."""
+        r = await self.rollout_stub.GetJob(pb.GetJobRequest(job_id=job_id), timeout=self.timeout_s)
+        return job_status_from_pb(r)
 
-    async def cancel_job(self, job_id: str) -> pb.JobStatus:
-        r: pb.JobStatus = await self.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=self.timeout_s)
-        return r
+    async def cancel_job(self, job_id: str) -> JobStatus:
+        """Cancel the job; answers once it has stopped (see the proto's CancelJob)."""
+        r = await self.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=self.timeout_s)
+        return job_status_from_pb(r)
 
-    async def update_policy(self, job_id: str, version: str, base_url: str = "") -> pb.JobStatus:
+    async def update_policy(self, job_id: str, version: str, base_url: str = "") -> JobStatus:
+        """Rollouts started from now on use this policy version (and endpoint, when given)."""
         req = pb.UpdatePolicyRequest(job_id=job_id, version=version, base_url=base_url)
-        r: pb.JobStatus = await self.rollout_stub.UpdatePolicy(req, timeout=self.timeout_s)
-        return r
+        return job_status_from_pb(await self.rollout_stub.UpdatePolicy(req, timeout=self.timeout_s))
 
-    async def list_jobs(self) -> list[pb.JobStatus]:
-        return list((await self.rollout_stub.ListJobs(pb.ListJobsRequest(), timeout=self.timeout_s)).jobs)
+    async def list_jobs(self) -> list[JobStatus]:
+        """The caller's jobs, oldest first."""
+        r = await self.rollout_stub.ListJobs(pb.ListJobsRequest(), timeout=self.timeout_s)
+        return [job_status_from_pb(j) for j in r.jobs]
 
     async def list_envs(self) -> list[pb.EnvironmentInfo]:
         r = await self.env_stub.List(pb.ListEnvironmentsRequest(), timeout=self.timeout_s)
@@ -235,10 +239,10 @@ class SyncEnvfleetClient:
     def submit(self, spec: JobSpec) -> str:
         return self._call(self._client.submit(spec))
 
-    def get_job(self, job_id: str) -> pb.JobStatus:
+    def get_job(self, job_id: str) -> JobStatus:
         return self._call(self._client.get_job(job_id))
 
-    def cancel_job(self, job_id: str) -> pb.JobStatus:
+    def cancel_job(self, job_id: str) -> JobStatus:
         return self._call(self._client.cancel_job(job_id))
 
     def ack(self, job_id: str, up_to: int = 0, ids: Sequence[str] = ()) -> int:

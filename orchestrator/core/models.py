@@ -36,6 +36,9 @@ class JobState(StrEnum):
     CANCELLED = "CANCELLED"
 
 
+TokenStatus = Literal["complete", "missing", "inconsistent"]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -110,7 +113,7 @@ class Tokens(_Model):
     extend the earlier one, so no flat array can be exact).
     """
 
-    status: Literal["complete", "missing", "inconsistent"] = "missing"
+    status: TokenStatus = "missing"
     prompt_ids: list[int] = Field(default_factory=list)
     completion_ids: list[int] = Field(default_factory=list)
     completion_mask: list[int] = Field(default_factory=list)
@@ -168,6 +171,8 @@ class Rollout(_Model):
     error: RolloutError | None = None
     attempts: int = 1
     seq: int = 0  # position in the job's result log, set by the store
+    started_at: float = 0.0  # unix seconds: the first attempt started; 0 if logged before this field existed
+    finished_at: float = 0.0  # unix seconds: the last attempt ended
 
     @model_validator(mode="after")
     def _no_reward_without_score(self) -> Rollout:
@@ -188,10 +193,10 @@ class JobCounts(_Model):
 
     total: int = 0
     done: int = 0
-    by_status: dict[str, int] = Field(default_factory=dict)
+    by_status: dict[RolloutStatus, int] = Field(default_factory=dict)
     acked: int = 0
     in_flight: int = 0
-    rollouts_per_s: float = 0.0
+    rollouts_per_s: float = 0.0  # done / (finished_at or now - created_at): the average since submit
 
 
 class JobInfo(_Model):
@@ -203,3 +208,20 @@ class JobInfo(_Model):
     counts: JobCounts = JobCounts()
     created_at: float = 0.0
     finished_at: float | None = None
+
+
+class JobStatus(_Model):
+    """A job as the wire's JobStatus reports it to a client (flat, without the spec)."""
+
+    job_id: str
+    state: JobState
+    env: str  # resolved: name@version
+    total: int = 0
+    done: int = 0
+    by_status: dict[RolloutStatus, int] = Field(default_factory=dict)
+    acked: int = 0
+    in_flight: int = 0
+    rollouts_per_s: float = 0.0  # done / (finished_at or now - created_at)
+    policy_version: str = ""
+    created_at: float = 0.0
+    finished_at: float = 0.0  # 0 while the job is not finished

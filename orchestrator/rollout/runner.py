@@ -69,11 +69,14 @@ class RolloutRunner:
     ) -> Rollout:
         """A scored (or failed) rollout; INFRA_ERROR attempts are retried up to the job's budget."""
         started = time.monotonic()
+        started_at = time.time()
         attempt = 0
         while True:
             attempt += 1
             rollout = await self._attempt(item, env, spec, policy, policy_version, started)
             rollout.attempts = attempt
+            # wall-clock bounds for the trainer: from the first attempt's start to the last attempt's end
+            rollout.started_at, rollout.finished_at = started_at, time.time()
             if rollout.status != RolloutStatus.INFRA_ERROR or attempt > spec.max_infra_retries:
                 return rollout
             await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))  # back off while the engine recovers

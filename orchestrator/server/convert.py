@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.client.convert import _KIND
+from orchestrator.client.convert import JOB_STATE_PB, KIND_FROM_PB, ROLLOUT_STATUS_PB, TOKEN_STATUS_PB
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.models import (
@@ -20,15 +21,27 @@ from orchestrator.service.store import LogEntry
 from protos import orchestrator_pb2 as pb
 
 
-def validation_message(e: ValidationError) -> str:
-    """A pydantic error as one line per field: `path: reason (got value)`."""
+def validation_message(e: ValidationError, notes: Mapping[str, str] | None = None) -> str:
+    """A pydantic error as one line per field: `path: reason (got value)`, plus a note on the field, if any."""
     parts = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "request"
         got = err.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"[:120]
-        parts.append(f"{loc}: {err['msg']}{shown}")
+        note = (notes or {}).get(loc)
+        parts.append(f"{loc}: {err['msg']}{shown}" + (f"; {note}" if note else ""))
     return "; ".join(parts)
+
+
+# JobSpec fields where the wire's 0 (proto3's "unset") takes the default: error messages say so, like the proto
+_WIRE_DEFAULTS: dict[str, int | float] = {
+    "group_size": 1,
+    "max_concurrency": 8,
+    "priority": 1,
+    "max_turns": 16,
+    "rollout_timeout_s": 600.0,
+}
+_JOB_SPEC_NOTES = {k: f"0 means the default, {v:g}" for k, v in _WIRE_DEFAULTS.items()}
 
 
 def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
@@ -49,35 +62,37 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
     raw: dict[str, Any] = {
         "env": m.env,
         "tasks": {
-            "kind": _KIND.get(m.tasks.kind, "?"),
+            "kind": KIND_FROM_PB.get(m.tasks.kind, "?"),
             "ids": list(m.tasks.ids),
             "count": m.tasks.count,
             "seed": m.tasks.seed,
         },
-        "group_size": m.group_size or 1,
         "sampling": sampling,
         "policy": policy,
-        "max_concurrency": m.max_concurrency or 8,
-        "priority": m.priority or 1,
-        "max_turns": m.max_turns or 16,
-        "rollout_timeout_s": m.rollout_timeout_s or 600.0,
         "deliver_groups": m.deliver_groups,
     }
+    raw |= {k: getattr(m, k) or default for k, default in _WIRE_DEFAULTS.items()}
     if m.HasField("max_infra_retries"):
         raw["max_infra_retries"] = m.max_infra_retries
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as e:
-        raise InvalidRequestError(f"invalid job spec: {validation_message(e)}") from None
+        raise InvalidRequestError(f"invalid job spec: {validation_message(e, _JOB_SPEC_NOTES)}") from None
 
 
 def entry_to_pb(entry: LogEntry, advantage: float | None = None) -> pb.Rollout:
-    """A stored rollout (its JSON) straight into a message: the model's field names are the message's."""
+    """A stored rollout (its JSON) straight into a message: the model's field names are the message's, its
+    text enums become the wire's enums."""
     d = json.loads(entry.payload)
     if d.get("reward") is None:
         d.pop("reward", None)
     if d.get("error") is None:
         d.pop("error", None)
+    d["status"] = ROLLOUT_STATUS_PB[d["status"]]
+    tokens = d.get("tokens")
+    if tokens is not None:
+        name = tokens.pop("status", "missing")
+        tokens["status"], tokens["status_name"] = TOKEN_STATUS_PB[name], name
     m = pb.Rollout(**d, seq=entry.seq)
     if advantage is not None:
         m.advantage = advantage
@@ -105,16 +120,18 @@ def job_status_pb(info: JobInfo) -> pb.JobStatus:
     c = info.counts
     return pb.JobStatus(
         job_id=info.job_id,
-        state=info.state.value,
+        state=JOB_STATE_PB[info.state.value],
+        state_name=info.state.value,
         env=info.spec.env,
         total=c.total,
         done=c.done,
-        by_status=c.by_status,
+        by_status={k.value: v for k, v in c.by_status.items()},
         acked=c.acked,
         in_flight=c.in_flight,
         rollouts_per_s=c.rollouts_per_s,
         policy_version=info.spec.policy.version,
         created_at=info.created_at,
+        finished_at=info.finished_at or 0.0,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from orchestrator.client.convert import ROLLOUT_STATUS_PB
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import Command, ExecEnded, ExecEvent, ExecOutput, ExecStarted, Limits
@@ -15,6 +16,12 @@ from protos import orchestrator_pb2 as pb
 MAX_ID = 128
 MAX_TOOL_NAME = 128
 MAX_ACTION_BYTES = 4 << 20
+
+_SANDBOX_STATE_PB = {
+    "RUNNING": pb.SANDBOX_STATE_RUNNING,
+    "EXPIRED": pb.SANDBOX_STATE_EXPIRED,
+    "DELETED": pb.SANDBOX_STATE_DELETED,
+}
 
 
 def check_id(value: str, what: str) -> str:
@@ -91,7 +98,7 @@ def step_response_pb(r: StepResult) -> pb.StepResponse:
         observation=r.observation,
         terminated=r.terminated,
         truncated=r.truncated,
-        status=r.status.value if r.status is not None else "ROLLOUT_STATUS_UNSPECIFIED",
+        status=ROLLOUT_STATUS_PB[r.status.value] if r.status is not None else pb.ROLLOUT_STATUS_UNSPECIFIED,
         reward_components=r.components,
         metrics=r.metrics,
         info=session_info_pb(r.info),
@@ -114,7 +121,8 @@ def sandbox_info_pb(r: SandboxRecord) -> pb.SandboxInfo:
         sandbox_id=r.sandbox_id,
         image=r.image,
         env=r.env,
-        state=r.state,
+        state=_SANDBOX_STATE_PB[r.state],
+        state_name=r.state,
         limits=limits_pb(r.limits),
         created_at=r.created_at,
         expires_at=r.expires_at,

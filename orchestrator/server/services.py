@@ -22,6 +22,9 @@ from protos import orchestrator_pb2_grpc as pb_grpc
 
 MAX_IN_FLIGHT = 100_000
 MAX_BATCH = 10_000
+DEFAULT_MAX_IN_FLIGHT = 256
+DEFAULT_MAX_BATCH = 64
+MAX_ACK_IDS = 100_000
 
 
 def _job_id(job_id: str) -> str:
@@ -96,24 +99,28 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         job_id = _job_id(request.job_id)
         if request.resume_after < 0:
             raise InvalidRequestError(f"resume_after must be >= 0, got {request.resume_after}")
+        # 0 is proto3's "unset": it takes the default, as the proto says
         if not 0 <= request.max_in_flight <= MAX_IN_FLIGHT:
             raise InvalidRequestError(
-                f"max_in_flight must be between 1 and {MAX_IN_FLIGHT}, got {request.max_in_flight}"
+                f"max_in_flight must be between 1 and {MAX_IN_FLIGHT} (0 means {DEFAULT_MAX_IN_FLIGHT}), "
+                f"got {request.max_in_flight}"
             )
         if not 0 <= request.max_batch <= MAX_BATCH:
-            raise InvalidRequestError(f"max_batch must be between 1 and {MAX_BATCH}, got {request.max_batch}")
+            raise InvalidRequestError(
+                f"max_batch must be between 1 and {MAX_BATCH} (0 means {DEFAULT_MAX_BATCH}), got {request.max_batch}"
+            )
         async for batch in self._jobs.stream(
             job_id,
             request.resume_after,
-            request.max_in_flight or 256,
-            request.max_batch or 64,
+            request.max_in_flight or DEFAULT_MAX_IN_FLIGHT,
+            request.max_batch or DEFAULT_MAX_BATCH,
             owner=self._auth.tenant(context),
         ):
             yield batch_to_pb(batch)
 
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckResponse:
-        if len(request.ids) > 100_000:
-            raise InvalidRequestError("at most 100000 ids per Ack")
+        if len(request.ids) > MAX_ACK_IDS:
+            raise InvalidRequestError(f"at most {MAX_ACK_IDS} ids per Ack, got {len(request.ids)}")
         owner = self._auth.tenant(context)
         acked = await self._jobs.ack(_job_id(request.job_id), request.up_to, list(request.ids), owner=owner)
         return pb.AckResponse(acked=acked)

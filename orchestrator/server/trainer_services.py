@@ -48,7 +48,7 @@ def _path(value: str, what: str = "path") -> str:
 
 
 class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
-    """Reset, Step, Close."""
+    """Reset, Step, CloseSession (and Close, its deprecated alias)."""
 
     def __init__(self, sessions: SessionManager, auth: Authenticator) -> None:
         self._sessions = sessions
@@ -73,12 +73,19 @@ class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
         result = await self._sessions.step(tenant, sid, action_from_pb(request.action))
         return step_response_pb(result)
 
-    async def Close(
+    async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
         tenant = self._auth.tenant(context)
         running = await self._sessions.close(tenant, check_id(request.session_id, "session_id"))
         return pb.CloseSessionResponse(was_running=running)
+
+    async def Close(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        """Deprecated alias of CloseSession, served for one more release (its name collides with close() in
+        generated Node.js clients)."""
+        return await self.CloseSession(request, context)
 
 
 class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]

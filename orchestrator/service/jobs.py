@@ -68,9 +68,10 @@ class _Job:
     created_at: float
     done: int = 0
     by_status: Counter[str] = field(default_factory=Counter)
-    started_mono: float = field(default_factory=time.monotonic)
     listeners: list[_Listener] = field(default_factory=list)
     owner: str = LOCAL_TENANT  # the tenant that submitted it; other tenants see no such job
+    delivered: int = 0  # the highest seq sent on any stream: Ack refuses an up_to beyond it
+    finished_at: float | None = None
 
     def notify(self, acked: Sequence[int] = ()) -> None:
         for lst in self.listeners:
@@ -151,6 +152,9 @@ class JobManager:
                 stored.state,
                 stored.created_at,
                 owner=stored.owner,
+                # what was sent before the restart is unknown: count everything already logged as delivered
+                delivered=await self.store.last_seq(stored.job_id),
+                finished_at=stored.finished_at,
             )
             by_status, _ = await self.store.counts(stored.job_id)
             job.by_status.update(by_status)
@@ -230,6 +234,7 @@ class JobManager:
     async def _finish(self, job: _Job, state: JobState) -> None:
         self.executor.job_ended(job.job_id)
         job.state = state
+        job.finished_at = time.time()
         await self.store.set_job_state(job.job_id, state)
         job.notify()
 
@@ -249,7 +254,9 @@ class JobManager:
         *,
         owner: str | None = None,
     ) -> AsyncIterator[Batch]:
-        """Unacked rollouts (or whole groups) after `resume_after`, at most `max_in_flight` unacked at once."""
+        """Unacked rollouts (or whole groups) after `resume_after` in seq order, at most `max_in_flight` unacked at
+        once (a group is never split, so it may exceed that by group_size - 1); ends once the job is finished and
+        everything logged has been sent."""
         job = self._job(job_id, owner)
         n = job.spec.group_size if job.spec.deliver_groups else 1
         cursor = resume_after
@@ -268,20 +275,25 @@ class JobManager:
                         entries = _whole_groups(entries)
                 if entries:
                     cursor = entries[-1].seq
+                    job.delivered = max(job.delivered, cursor)
                     me.outstanding.update(e.seq for e in entries)
                     yield _batch(entries, grouped=n > 1, advantage=job.spec.advantage)
                     continue
-                if finished and room > 0:
+                # a full window must not keep a finished stream open: end when nothing is left to send
+                if finished and (room > 0 or not await self.store.read(job_id, cursor, 1)):
                     return
                 await me.wake.wait()
         finally:
             job.listeners.remove(me)
 
     async def ack(self, job_id: str, up_to: int, ids: Sequence[str], *, owner: str | None = None) -> int:
-        """Ack rollouts; returns how many were newly acked."""
+        """Ack rollouts; returns how many were newly acked. An up_to beyond every seq delivered is refused: it
+        would ack rollouts the trainer never saw."""
         job = self._job(job_id, owner)
         if up_to < 0:
             raise InvalidRequestError(f"up_to must be >= 0, got {up_to}")
+        if up_to > job.delivered:
+            raise InvalidRequestError(f"up_to={up_to}: nothing delivered after seq {job.delivered}")
         seqs = await self.store.ack(job_id, up_to, ids)
         job.notify(seqs)
         return len(seqs)
@@ -313,19 +325,22 @@ class JobManager:
         """Status, counts by rollout status, throughput."""
         job = self._job(job_id, owner)
         by_status, acked = await self.store.counts(job_id)
-        elapsed = max(time.monotonic() - job.started_mono, 1e-9)
+        done = sum(by_status.values())
+        # the average since submit, frozen once the job is finished (documented on JobStatus.rollouts_per_s)
+        elapsed = max((job.finished_at or time.time()) - job.created_at, 1e-9)
         return JobInfo(
             job_id=job.job_id,
             spec=job.spec,
             state=job.state,
             created_at=job.created_at,
+            finished_at=job.finished_at,
             counts=JobCounts(
                 total=job.total,
-                done=sum(by_status.values()),
+                done=done,
                 by_status=by_status,
                 acked=acked,
                 in_flight=self.scheduler.running_of(job_id),
-                rollouts_per_s=job.done / elapsed,
+                rollouts_per_s=done / elapsed,
             ),
         )
 

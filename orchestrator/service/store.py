@@ -268,6 +268,16 @@ class ResultStore:
 
         return await self._run(q)
 
+    async def last_seq(self, job_id: str) -> int:
+        """The highest seq a stream of the job could have sent so far (0 when none)."""
+        return await self._run(
+            lambda: int(
+                self.db.execute(
+                    "SELECT COALESCE(MAX(seq), 0) FROM rollouts WHERE job_id = ? AND visible = 1", (job_id,)
+                ).fetchone()[0]
+            )
+        )
+
     async def counts(self, job_id: str) -> tuple[dict[str, int], int]:
         """Rollouts by status, and how many are acked."""
 

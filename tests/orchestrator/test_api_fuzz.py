@@ -181,7 +181,7 @@ class Fuzzer:
                 r.seed = seed
             reply = self.call(self.session.Reset, r)
             if reply is not None:
-                self.call(self.session.Close, pb.CloseSessionRequest(session_id=reply.session_id))
+                self.call(self.session.CloseSession, pb.CloseSessionRequest(session_id=reply.session_id))
 
         @many
         @given(ids(real_session), ACTION)
@@ -275,6 +275,6 @@ async def test_fuzzed_requests_get_clear_statuses(
     events = [e async for e in client.sandbox_stub.Exec(pb.ExecRequest(sandbox_id=box.sandbox_id, shell="echo ok"))]
     assert b"".join(e.stdout for e in events) == b"ok\n"
     for s in (await client.sandbox_stub.List(pb.ListSandboxesRequest())).sandboxes:
-        if s.state == "RUNNING":
+        if s.state == pb.SANDBOX_STATE_RUNNING:
             await client.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=s.sandbox_id))
     assert [j.job_id for j in await client.list_jobs()] == [job_id]  # no fuzzed job was accepted

@@ -115,8 +115,10 @@ async def test_tokens_and_tenant_isolation(
                 grpc.StatusCode.NOT_FOUND,
                 "no session",
             )
-            await expect_error(b.session_stub.Close(pb.CloseSessionRequest(session_id=sid)), grpc.StatusCode.NOT_FOUND)
-            assert (await a.session_stub.Close(pb.CloseSessionRequest(session_id=sid))).was_running
+            await expect_error(
+                b.session_stub.CloseSession(pb.CloseSessionRequest(session_id=sid)), grpc.StatusCode.NOT_FOUND
+            )
+            assert (await a.session_stub.CloseSession(pb.CloseSessionRequest(session_id=sid))).was_running
 
             # raw sandboxes
             box = await a.sandbox_stub.Create(pb.CreateSandboxRequest(image=base_image))

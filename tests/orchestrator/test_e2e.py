@@ -203,4 +203,4 @@ async def test_environment_service(client: EnvfleetClient) -> None:
 
 async def test_owner_label_is_the_test_suites(orchestrator: Orchestrator) -> None:
     assert orchestrator.backend.config.owner == TEST_OWNER
-    assert pb.RolloutStatus.Name(pb.OK) == "OK"
+    assert pb.RolloutStatus.Name(pb.ROLLOUT_STATUS_OK) == "ROLLOUT_STATUS_OK"

@@ -167,7 +167,7 @@ async def test_register_validate_and_run_a_job(tmp_path: Path, base_image: str) 
         stub = client.session_stub
         r = await stub.Reset(pb.ResetRequest(env="word-count", task_id="wc-1"))
         s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="4")))
-        assert s.status == pb.OK and s.reward == 0.0  # a wrong answer is a scored 0 (wc-1 has 5 words)
+        assert s.status == pb.ROLLOUT_STATUS_OK and s.reward == 0.0  # a wrong answer is a scored 0 (wc-1 has 5 words)
 
 
 def _bad(edit: Any) -> pb.EnvironmentSpec:

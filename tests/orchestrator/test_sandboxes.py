@@ -35,7 +35,12 @@ async def test_lifecycle_exec_files_and_hardening(
     stub = client.sandbox_stub
     info = await stub.Create(pb.CreateSandboxRequest(image=base_image, limits=pb.SandboxLimits(memory_mb=256, pids=64)))
     sid = info.sandbox_id
-    assert info.state == "RUNNING" and info.limits.memory_mb == 256 and info.limits.pids == 64
+    assert (
+        info.state == pb.SANDBOX_STATE_RUNNING
+        and info.state_name == "RUNNING"
+        and info.limits.memory_mb == 256
+        and info.limits.pids == 64
+    )
     assert info.expires_at > info.created_at
 
     events = await _exec(client, sid, shell="for i in 1 2 3; do echo $i; sleep 0.05; done; echo oops >&2; exit 3")
@@ -79,7 +84,7 @@ async def test_lifecycle_exec_files_and_hardening(
     await stub.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
     await expect_error(stub.Get(pb.GetSandboxRequest(sandbox_id=sid)), grpc.StatusCode.NOT_FOUND, "deleted")
     listed = (await stub.List(pb.ListSandboxesRequest())).sandboxes
-    assert [(s.sandbox_id, s.state) for s in listed] == [(sid, "DELETED")]
+    assert [(s.sandbox_id, s.state) for s in listed] == [(sid, pb.SANDBOX_STATE_DELETED)]
 
 
 async def test_bad_creates(client: EnvfleetClient, base_image: str) -> None:
@@ -113,7 +118,9 @@ async def test_ttl_destroys_and_owner_sees_it(
         await asyncio.sleep(1.6)
         assert await asyncio.to_thread(docker_client.api.containers, all=True, filters=flt) == []
         listed = (await stub.List(pb.ListSandboxesRequest())).sandboxes
-        assert [(s.sandbox_id, s.state, s.end_reason) for s in listed] == [(sid, "EXPIRED", "its ttl ended")]
+        assert [(s.sandbox_id, s.state, s.end_reason) for s in listed] == [
+            (sid, pb.SANDBOX_STATE_EXPIRED, "its ttl ended")
+        ]
         await expect_error(stub.Get(pb.GetSandboxRequest(sandbox_id=sid)), grpc.StatusCode.NOT_FOUND, "expired at")
         await expect_error(
             stub.Exec(pb.ExecRequest(sandbox_id=sid, shell="true")), grpc.StatusCode.NOT_FOUND, "expired"

@@ -42,7 +42,7 @@ async def test_episode_to_terminal_with_reward_and_status(client: EnvfleetClient
     s = await stub.Step(pb.StepRequest(session_id=sid, action=tool("bash", command="ls")))
     assert "unknown tool 'bash'" in s.observation and not s.terminated
     s = await stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer=answer)))
-    assert s.terminated and not s.truncated and s.status == pb.OK
+    assert s.terminated and not s.truncated and s.status == pb.ROLLOUT_STATUS_OK
     assert s.HasField("reward") and s.reward == 1.0
     assert dict(s.reward_components) == {"exact_match": 1.0} and s.metrics["tool_calls"] == 3.0
     assert s.info.turn == 3
@@ -66,11 +66,11 @@ async def test_final_answer_turn_limit_and_bad_requests(client: EnvfleetClient, 
     again = await stub.Reset(pb.ResetRequest(env=ENV, seed=7))
     assert r.info.task_id == again.info.task_id  # a seed picks the same task
     s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="no idea")))
-    assert s.terminated and s.status == pb.OK and s.reward == 0.0  # a wrong answer is a scored 0
+    assert s.terminated and s.status == pb.ROLLOUT_STATUS_OK and s.reward == 0.0  # a wrong answer is a scored 0
 
     t = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-001", max_turns=1))
     s = await stub.Step(pb.StepRequest(session_id=t.session_id, action=tool("python", code="print(1)")))
-    assert s.truncated and not s.terminated and s.status == pb.TRUNCATED and s.reward == 0.0
+    assert s.truncated and not s.terminated and s.status == pb.ROLLOUT_STATUS_TRUNCATED and s.reward == 0.0
     assert (await stub.Close(pb.CloseSessionRequest(session_id=again.session_id))).was_running
 
     await expect_error(stub.Reset(pb.ResetRequest(env="pyhton-tool")), grpc.StatusCode.NOT_FOUND, "did you mean")
@@ -99,7 +99,7 @@ async def test_infrastructure_failure_is_never_a_reward(
     container = s.observation.strip()  # docker's default hostname: the container id's first 12 characters
     await asyncio.to_thread(docker_client.api.kill, container)
     s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
-    assert s.status == pb.INFRA_ERROR and not s.HasField("reward")
+    assert s.status == pb.ROLLOUT_STATUS_INFRA_ERROR and not s.HasField("reward")
     assert s.truncated and not s.terminated and s.error.kind == "SandboxDiedError", s.error
 
 
