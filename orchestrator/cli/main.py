@@ -27,7 +27,7 @@ from orchestrator.cli.remote import (
     rpc_error_message,
 )
 from orchestrator.core.errors import EnvfleetError
-from protos import orchestrator_pb2 as pb
+from orchestrator.core.models import JobStatus
 
 
 def terminal_console() -> Console:
@@ -158,7 +158,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"envfleet: cannot read the metrics at {url}: {e} ({hint})", file=sys.stderr)
         return 1
 
-    async def go() -> list[pb.JobStatus]:
+    async def go() -> list[JobStatus]:
         async with connect(args) as client:
             return await client.list_jobs()
 
@@ -168,13 +168,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _jobs_table(jobs: list[pb.JobStatus], title: str) -> Table:
+def _jobs_table(jobs: list[JobStatus], title: str) -> Table:
     table = Table("job", "env", "state", "done/total", "by status", "rollouts/s", title=title)
     for j in jobs:
         table.add_row(
             j.job_id,
             j.env,
-            j.state,
+            j.state.value,
             f"{j.done}/{j.total}",
             ", ".join(f"{k}={v}" for k, v in sorted(j.by_status.items())),
             f"{j.rollouts_per_s:.2f}",
@@ -183,7 +183,7 @@ def _jobs_table(jobs: list[pb.JobStatus], title: str) -> Table:
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
-    async def go() -> list[pb.JobStatus]:
+    async def go() -> list[JobStatus]:
         async with connect(args) as client:
             return await client.list_jobs()
 

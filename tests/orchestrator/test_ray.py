@@ -13,6 +13,7 @@ import pytest
 
 from orchestrator.backends.docker.backend import LABEL_MANAGED, LABEL_OWNER, DockerBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.testing.scripted_policy import ScriptedServer
 from orchestrator.worker.ray_fleet import RayConfig
@@ -82,7 +83,7 @@ async def test_a_job_across_two_ray_nodes_survives_losing_one(
         rollouts = [r async for r in client.rollouts(job_id)]
         info = await client.get_job(job_id)
     check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:32]})
-    assert info.by_status.get("OK", 0) == 32, info.by_status
+    assert info.by_status.get(RolloutStatus.OK, 0) == 32, info.by_status
     assert hub.lost >= 1
     for _ in range(100):  # the watcher forgets the dead node
         if len(fleet.nodes()) == 1:

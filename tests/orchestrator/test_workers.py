@@ -93,7 +93,7 @@ async def test_a_worker_killed_mid_job_loses_nothing(
     assert plane.workers.hub.lost >= 1
     assert plane.workers.local.restarts >= 1, "the killed worker is started again"
     # retried on the other worker: within the job's infra budget, so every rollout still scored
-    assert info.by_status.get("OK", 0) == 64, info.by_status
+    assert info.by_status.get(RolloutStatus.OK, 0) == 64, info.by_status
 
 
 async def test_a_stopped_worker_is_cut_off_and_its_work_done_elsewhere(
@@ -109,7 +109,7 @@ async def test_a_stopped_worker_is_cut_off_and_its_work_done_elsewhere(
             os.kill(victim, signal.SIGCONT)
         info = await client.get_job(job_id)
     check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:24]})
-    assert info.by_status.get("OK", 0) == 24, info.by_status
+    assert info.by_status.get(RolloutStatus.OK, 0) == 24, info.by_status
     assert plane.workers.hub.lost >= 1
     # resumed, the stopped worker finds its stream gone, drops its rollouts (and their sandboxes) and joins again
     await plane.workers.hub.wait_for_workers(2, timeout_s=60)
