@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Advantage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADVANTAGE_UNSPECIFIED: _ClassVar[Advantage]
+    ADVANTAGE_GRPO: _ClassVar[Advantage]
+    ADVANTAGE_DR_GRPO: _ClassVar[Advantage]
+    ADVANTAGE_RLOO: _ClassVar[Advantage]
+    ADVANTAGE_NONE: _ClassVar[Advantage]
+
 class RolloutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROLLOUT_STATUS_UNSPECIFIED: _ClassVar[RolloutStatus]
@@ -38,6 +46,11 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_RUNNING: _ClassVar[SandboxState]
     SANDBOX_STATE_EXPIRED: _ClassVar[SandboxState]
     SANDBOX_STATE_DELETED: _ClassVar[SandboxState]
+ADVANTAGE_UNSPECIFIED: Advantage
+ADVANTAGE_GRPO: Advantage
+ADVANTAGE_DR_GRPO: Advantage
+ADVANTAGE_RLOO: Advantage
+ADVANTAGE_NONE: Advantage
 ROLLOUT_STATUS_UNSPECIFIED: RolloutStatus
 ROLLOUT_STATUS_OK: RolloutStatus
 ROLLOUT_STATUS_TRUNCATED: RolloutStatus
@@ -158,7 +171,7 @@ class PolicyEndpoint(_message.Message):
     def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups")
+    __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups", "advantage")
     ENV_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +183,7 @@ class JobSpec(_message.Message):
     ROLLOUT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_INFRA_RETRIES_FIELD_NUMBER: _ClassVar[int]
     DELIVER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     env: str
     tasks: TaskSelection
     group_size: int
@@ -181,7 +195,8 @@ class JobSpec(_message.Message):
     rollout_timeout_s: float
     max_infra_retries: int
     deliver_groups: bool
-    def __init__(self, env: _Optional[str] = ..., tasks: _Optional[_Union[TaskSelection, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyEndpoint, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., priority: _Optional[int] = ..., max_turns: _Optional[int] = ..., rollout_timeout_s: _Optional[float] = ..., max_infra_retries: _Optional[int] = ..., deliver_groups: _Optional[bool] = ...) -> None: ...
+    advantage: Advantage
+    def __init__(self, env: _Optional[str] = ..., tasks: _Optional[_Union[TaskSelection, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyEndpoint, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., priority: _Optional[int] = ..., max_turns: _Optional[int] = ..., rollout_timeout_s: _Optional[float] = ..., max_infra_retries: _Optional[int] = ..., deliver_groups: _Optional[bool] = ..., advantage: _Optional[_Union[Advantage, str]] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job_id", "num_rollouts")

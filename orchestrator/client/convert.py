@@ -31,6 +31,19 @@ _KIND_PB = {
     "ids": pb.TaskSelection.KIND_IDS,
     "sample": pb.TaskSelection.KIND_SAMPLE,
 }
+ADVANTAGE_FROM_PB = {
+    pb.ADVANTAGE_UNSPECIFIED: "grpo",
+    pb.ADVANTAGE_GRPO: "grpo",
+    pb.ADVANTAGE_DR_GRPO: "dr_grpo",
+    pb.ADVANTAGE_RLOO: "rloo",
+    pb.ADVANTAGE_NONE: "none",
+}
+ADVANTAGE_TO_PB = {
+    "grpo": pb.ADVANTAGE_UNSPECIFIED,
+    "dr_grpo": pb.ADVANTAGE_DR_GRPO,
+    "rloo": pb.ADVANTAGE_RLOO,
+    "none": pb.ADVANTAGE_NONE,
+}
 
 # the models keep the short names (RolloutStatus.OK); the wire's enum values carry buf's prefix
 ROLLOUT_STATUS_PB: dict[str, pb.RolloutStatus] = {
@@ -172,6 +185,7 @@ def job_spec_to_pb(s: JobSpec) -> pb.JobSpec:
         rollout_timeout_s=s.rollout_timeout_s,
         max_infra_retries=s.max_infra_retries,
         deliver_groups=s.deliver_groups,
+        advantage=ADVANTAGE_TO_PB[s.advantage],
     )
     if s.sampling.seed is not None:
         m.sampling.seed = s.sampling.seed

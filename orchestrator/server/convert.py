@@ -8,7 +8,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.client.convert import JOB_STATE_PB, KIND_FROM_PB, ROLLOUT_STATUS_PB, TOKEN_STATUS_PB
+from orchestrator.client.convert import (
+    ADVANTAGE_FROM_PB,
+    JOB_STATE_PB,
+    KIND_FROM_PB,
+    ROLLOUT_STATUS_PB,
+    TOKEN_STATUS_PB,
+)
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.models import (
@@ -70,6 +76,7 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         "sampling": sampling,
         "policy": policy,
         "deliver_groups": m.deliver_groups,
+        "advantage": ADVANTAGE_FROM_PB.get(m.advantage, "?"),
     }
     raw |= {k: getattr(m, k) or default for k, default in _WIRE_DEFAULTS.items()}
     if m.HasField("max_infra_retries"):

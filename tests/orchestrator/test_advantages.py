@@ -8,6 +8,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.client.convert import job_spec_to_pb
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.models import AdvantageMode, JobSpec
 from orchestrator.server.app import Orchestrator
@@ -72,9 +73,12 @@ def test_the_mode_is_a_job_field() -> None:
         job("http://127.0.0.1:9/v1", ["t"], advantage="ppo")
     with pytest.raises(InvalidRequestError, match="unknown advantage mode 'ppo'"):
         group_advantages([1.0], "ppo")  # type: ignore[arg-type]
-    # the wire form has no field for it yet: a job over gRPC gets the default
+    # on the wire: unspecified is grpo, and every mode makes the round trip through the client's conversion
     wire = job_spec_from_pb(pb.JobSpec(env="python-tool", policy=pb.PolicyEndpoint(base_url="http://x/v1")))
     assert isinstance(wire, JobSpec) and wire.advantage == "grpo"
+    for mode in MODES:
+        spec = job("http://127.0.0.1:9/v1", ["t"], advantage=mode)
+        assert job_spec_from_pb(job_spec_to_pb(spec)).advantage == mode
 
 
 async def test_the_jobs_mode_reaches_its_groups(
