@@ -5,7 +5,11 @@ hang). The task comes from the request's `user` field, the rollout id "<job_id>:
 the number of assistant messages already in the conversation. Token ids and logprobs come from the toy tokenizer, in
 vLLM's response fields, so a client can be checked token for token.
 
-    python -m orchestrator.scripted_policy --script script.json [--port 0] [--host 127.0.0.1] [--no-tokens]
+The app is a plain ASGI callable (ScriptedPolicyApp) served by uvicorn, as vLLM's own server is; HTTP parsing,
+keep-alive and flow control are uvicorn's. Measured against the hand-written asyncio server it replaced (same host,
+same run, `python -m bench.policy_server`), it costs no more per request; the figures are in bench/policy_server.py.
+
+    python -m orchestrator.testing.scripted_policy --script script.json [--port 0] [--host 127.0.0.1] [--no-tokens]
 """
 
 from __future__ import annotations
@@ -13,15 +17,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import http
 import itertools
 import json
 import logging
 import signal
+import socket
 import sys
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from typing import Any, Literal
 
+import uvicorn
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from orchestrator.testing import toy_tokenizer as toy
@@ -30,11 +36,21 @@ log = logging.getLogger(__name__)
 
 NO_SCRIPT_ANSWER = "I cannot solve this."
 END_OF_SCRIPT_ANSWER = "done"
-MAX_HEADER_LINE = 64 << 10
-MAX_HEADERS = 100
 MAX_BODY = 64 << 20
 LISTEN_BACKLOG = 1024
 CLOSE_GRACE_S = 2.0
+# Idle keep-alive connections are closed after this long. vLLM's uvicorn uses 5 s; a test double waits longer, so a
+# slow test never races the server's close of a pooled connection.
+KEEP_ALIVE_S = 300
+START_TIMEOUT_S = 10.0
+
+Template = Literal["prefix", "drop_history"]
+
+# ASGI's three callables and its message type; uvicorn's own aliases are not public.
+Message = MutableMapping[str, Any]
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 
 class ScriptedToolCall(BaseModel):
@@ -78,6 +94,12 @@ class Script(BaseModel):
     default: list[Step] = Field(default_factory=list, description="for tasks not in `tasks`")
     latency_s: float = Field(0.0, ge=0, le=3600, description="simulated latency of every completion")
     model: str = Field("policy", min_length=1, description="the model id /v1/models lists")
+    template: Template = Field(
+        "prefix",
+        description="how the prompt is rendered. prefix: every turn's prompt extends the previous prompt and "
+        "completion. drop_history: earlier assistant turns render empty, as reasoning models' chat templates drop "
+        "earlier thinking, so a later prompt does NOT extend the earlier one (token arrays become inconsistent)",
+    )
 
 
 def task_of(user: str) -> str | None:
@@ -88,242 +110,169 @@ def task_of(user: str) -> str | None:
     return user[first + 1 : last]
 
 
+def render_prompt(messages: list[dict[str, Any]], template: Template) -> list[int]:
+    """The prompt token ids of a conversation under a template (ValueError for a message the toy cannot render)."""
+    if template == "drop_history":
+        messages = [{"role": "assistant", "content": ""} if m.get("role") == "assistant" else m for m in messages]
+    return toy.prompt_ids(messages)
+
+
 class _HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    """Answer this status with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
         super().__init__(message)
         self.status = status
-
-
-class _Request:
-    __slots__ = ("body", "headers", "keep_alive", "method", "path")
-
-    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes, keep_alive: bool) -> None:
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-
-
-class _Hang(Exception):
-    """The scripted turn never answers."""
-
-
-_HANG: tuple[int, dict[str, Any]] = (0, {})  # _fault's answer for a turn that never answers (compared by identity)
+        self.kind = kind
 
 
 def _error_body(status: int, message: str, kind: str = "BadRequestError") -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-async def _readline(reader: asyncio.StreamReader) -> bytes:
-    try:
-        return await reader.readline()
-    except ValueError:  # the stream's limit: a line longer than MAX_HEADER_LINE
-        raise _HTTPError(431, f"request line or header over {MAX_HEADER_LINE} bytes") from None
-
-
-async def _read_request(reader: asyncio.StreamReader) -> _Request | None:
-    """One HTTP/1.1 request, or None at a clean end of the connection."""
-    line = b"\r\n"
-    while line in (b"\r\n", b"\n"):  # tolerate blank lines between requests
-        line = await _readline(reader)
-        if not line:
-            return None
-    parts = line.decode("latin-1").split()
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise _HTTPError(400, "malformed request line")
-    method, target, version = parts
-    headers: dict[str, str] = {}
-    while True:
-        h = await _readline(reader)
-        if not h:
-            raise asyncio.IncompleteReadError(h, None)
-        if h in (b"\r\n", b"\n"):
-            break
-        if len(headers) >= MAX_HEADERS:
-            raise _HTTPError(431, "too many headers")
-        name, sep, value = h.decode("latin-1").partition(":")
-        if not sep:
-            raise _HTTPError(400, "malformed header line")
-        headers[name.strip().lower()] = value.strip()
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        raise _HTTPError(501, "chunked request bodies are not supported; send Content-Length")
-    try:
-        length = int(headers.get("content-length", "0"))
-    except ValueError:
-        raise _HTTPError(400, "bad Content-Length") from None
-    if length < 0:
-        raise _HTTPError(400, "bad Content-Length")
-    if length > MAX_BODY:
-        raise _HTTPError(413, f"body over {MAX_BODY} bytes")
-    body = await reader.readexactly(length) if length else b""
-    conn = headers.get("connection", "").lower()
-    keep_alive = "close" not in conn if version == "HTTP/1.1" else "keep-alive" in conn
-    return _Request(method, target.split("?", 1)[0], headers, body, keep_alive)
-
-
-def _encode_response(status: int, payload: dict[str, Any], keep_alive: bool) -> bytes:
+async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
     body = json.dumps(payload).encode()
-    try:
-        reason = http.HTTPStatus(status).phrase
-    except ValueError:
-        reason = "Error"
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
-    )
-    return head.encode("latin-1") + body
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
-class ScriptedServer:
-    """A running scripted server; counts the chat completion requests it got and the faults it answered."""
+async def _read_body(scope: Scope, receive: Receive) -> bytes | None:
+    """The request body (at most MAX_BODY bytes), or None when the client went away first."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY:
+            raise _HTTPError(413, f"body over {MAX_BODY} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunk: bytes = msg.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise _HTTPError(413, f"body over {MAX_BODY} bytes")
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+class _Hang:
+    """The scripted turn never answers."""
+
+
+_HANG = _Hang()
+
+
+class ScriptedPolicyApp:
+    """The ASGI app: routes, script replay, faults, token fields; counts chat completion requests and faults."""
 
     def __init__(self, script: Script, *, tokens: bool = True) -> None:
         self.script = script
         self.tokens = tokens
         self.requests = 0
         self.faults = 0
-        self._server: asyncio.Server | None = None
-        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._failures: dict[tuple[str, int], int] = {}
         self._ids = itertools.count(1)
-        self._host = "127.0.0.1"
+        self._closing = asyncio.Event()
 
-    async def _start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(
-            self._serve_connection, host, port, limit=MAX_HEADER_LINE, backlog=LISTEN_BACKLOG
-        )
-        self._host = host
+    def close(self) -> None:
+        """Answer every waiting request (latency, hang) at once with 503, so a server can shut down promptly."""
+        self._closing.set()
 
-    @property
-    def port(self) -> int:
-        """The bound TCP port."""
-        if self._server is None or not self._server.sockets:
-            raise RuntimeError("the scripted server is not listening")
-        return int(self._server.sockets[0].getsockname()[1])
-
-    @property
-    def url(self) -> str:
-        """The OpenAI base URL, http://HOST:PORT/v1."""
-        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self._host, self._host)
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}/v1"
-
-    async def close(self) -> None:
-        """Stop listening and drop every open connection, hanging ones included."""
-        if self._server is not None:
-            self._server.close()
-        # Closing the transports ends every handler at its next read or write (a hang sees EOF); cancelling is the
-        # fallback, as asyncio 3.11 logs a cancelled connection handler as an error.
-        for writer in self._connections.values():
-            writer.close()
-        if self._connections:
-            _, stuck = await asyncio.wait(set(self._connections), timeout=CLOSE_GRACE_S)
-            for task in stuck:
-                task.cancel()
-            if stuck:
-                await asyncio.wait(stuck)
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    async def __aenter__(self) -> ScriptedServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections[task] = writer
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry point: HTTP only (lifespan is answered, websockets refused)."""
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # the server closes a websocket the app does not accept
         try:
-            while True:
-                try:
-                    req = await _read_request(reader)
-                except _HTTPError as e:
-                    writer.write(_encode_response(e.status, _error_body(e.status, str(e)), keep_alive=False))
-                    await writer.drain()
-                    return
-                if req is None:
-                    return
-                try:
-                    status, payload = await self._route(req)
-                except _Hang:
-                    # Hold the connection without answering; end when the client hangs up.
-                    while await reader.read(1 << 16):
-                        pass
-                    return
-                except Exception as e:  # a bug here must answer 500, not leave the client waiting
-                    log.exception("scripted server failed on %s %s", req.method, req.path)
-                    status, payload = 500, _error_body(500, f"{type(e).__name__}: {e}", "InternalServerError")
-                writer.write(_encode_response(status, payload, req.keep_alive))
-                await writer.drain()
-                if not req.keep_alive:
-                    return
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
-            log.debug("connection ended: %s: %s", type(e).__name__, e)
-        finally:
-            writer.close()
-            try:
-                with contextlib.suppress(ConnectionError):
-                    await writer.wait_closed()
-            finally:
-                self._connections.pop(task, None)  # only now: close() waits for the handlers it still lists
+            reply = await self._route(scope, receive)
+        except _HTTPError as e:
+            reply = e.status, _error_body(e.status, str(e), e.kind)
+        except Exception as e:  # a bug here must answer 500, not leave the client waiting
+            log.exception("scripted server failed on %s %s", scope["method"], scope["path"])
+            reply = 500, _error_body(500, f"{type(e).__name__}: {e}", "InternalServerError")
+        if reply is not None:
+            await _send_json(send, *reply)
 
-    async def _route(self, req: _Request) -> tuple[int, dict[str, Any]]:
-        routes = {
-            "/v1/chat/completions": ("POST", self._chat),
-            "/v1/models": ("GET", self._models),
-            "/health": ("GET", self._health),
-        }
-        if req.path not in routes:
-            return 404, _error_body(404, f"no route {req.path}", "NotFoundError")
-        method, handler = routes[req.path]
-        if req.method != method:
-            return 405, _error_body(405, f"{req.path} takes {method}, not {req.method}", "MethodNotAllowed")
-        return await handler(req)
+    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any]] | None:
+        path, method = scope["path"], scope["method"]
+        if path == "/v1/chat/completions":
+            allowed = "POST"
+        elif path in ("/v1/models", "/health"):
+            allowed = "GET"
+        else:
+            raise _HTTPError(404, f"no route {path}", "NotFoundError")
+        if method != allowed:
+            raise _HTTPError(405, f"{path} takes {allowed}, not {method}", "MethodNotAllowed")
+        if path == "/health":
+            return 200, {"status": "ok"}
+        if path == "/v1/models":
+            card = {"id": self.script.model, "object": "model", "created": 0, "owned_by": "envfleet"}
+            return 200, {"object": "list", "data": [card]}
+        return await self._chat(scope, receive)
 
-    async def _health(self, req: _Request) -> tuple[int, dict[str, Any]]:
-        return 200, {"status": "ok"}
-
-    async def _models(self, req: _Request) -> tuple[int, dict[str, Any]]:
-        card = {"id": self.script.model, "object": "model", "created": 0, "owned_by": "envfleet"}
-        return 200, {"object": "list", "data": [card]}
-
-    async def _chat(self, req: _Request) -> tuple[int, dict[str, Any]]:
+    async def _chat(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any]] | None:
         # the simulated latency is the whole answer time, this server's own work included, as a model server's is
         loop = asyncio.get_running_loop()
         answer_at = loop.time() + self.script.latency_s
+        raw = await _read_body(scope, receive)
+        if raw is None:
+            return None
         self.requests += 1
         try:
-            body = json.loads(req.body)
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return 400, _error_body(400, f"request body is not valid JSON: {e}")
+            raise _HTTPError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
-            return 400, _error_body(400, "request body must be a JSON object")
+            raise _HTTPError(400, "request body must be a JSON object")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return 400, _error_body(400, "'messages' must be a non-empty list of objects")
+            raise _HTTPError(400, "'messages' must be a non-empty list of objects")
         user = body["user"] if isinstance(body.get("user"), str) else ""
         try:
-            prompt = toy.prompt_ids(messages)
+            prompt = render_prompt(messages, self.script.template)
         except ValueError as e:
-            return 400, _error_body(400, str(e))
+            raise _HTTPError(400, str(e)) from None
 
         turn = sum(1 for m in messages if m.get("role") == "assistant")
         step = self._step(user, turn)
         reply = self._fault(user, turn, step) or (200, self._completion(body, step, turn, prompt))
-        await asyncio.sleep(max(0.0, answer_at - loop.time()))
-        if reply is _HANG:
-            raise _Hang
+        if isinstance(reply, _Hang):
+            return await self._hang(receive)
+        delay = answer_at - loop.time()
+        if delay > 0 and not await self._wait_closing(delay):
+            return reply
+        if self._closing.is_set():
+            return 503, _error_body(503, "the scripted server is shutting down", "ServiceUnavailable")
         return reply
 
-    def _fault(self, user: str, turn: int, step: Step) -> tuple[int, dict[str, Any]] | None:
-        """The scripted failure of this turn, if it still has one to give (_HANG: never answer)."""
+    async def _wait_closing(self, timeout_s: float) -> bool:
+        """Sleep timeout_s or until close(); True when it was close()."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._closing.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _hang(self, receive: Receive) -> tuple[int, dict[str, Any]] | None:
+        """Hold the request unanswered until the client hangs up (None) or the server closes (503)."""
+        gone = asyncio.ensure_future(_disconnected(receive))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait({gone, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in (gone, closing):
+                f.cancel()
+        if gone.done() and not gone.cancelled():
+            return None
+        return 503, _error_body(503, "the scripted server is shutting down", "ServiceUnavailable")
+
+    def _fault(self, user: str, turn: int, step: Step) -> tuple[int, dict[str, Any]] | _Hang | None:
+        """The scripted failure of this turn, if it still has one to give."""
         if step.error_status is None and not step.hang:
             return None
         key = (user, turn)
@@ -401,6 +350,135 @@ class ScriptedServer:
         return response
 
 
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers: library code installs none (the CLI's _serve handles SIGTERM/SIGINT)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Capture nothing."""
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    # Bound here, not by uvicorn: the port is known before serving starts, and a bind error raises OSError instead
+    # of uvicorn's sys.exit.
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class ScriptedServer:
+    """A running scripted server (uvicorn serving ScriptedPolicyApp); counts chat completion requests and faults."""
+
+    def __init__(self, script: Script, *, tokens: bool = True) -> None:
+        self.app = ScriptedPolicyApp(script, tokens=tokens)
+        self._host = "127.0.0.1"
+        self._port = 0
+        self._uvicorn: _Uvicorn | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def script(self) -> Script:
+        """The script being replayed."""
+        return self.app.script
+
+    @property
+    def tokens(self) -> bool:
+        """Whether token ids and logprobs are returned when asked for."""
+        return self.app.tokens
+
+    @property
+    def requests(self) -> int:
+        """Chat completion requests received (faults included)."""
+        return self.app.requests
+
+    @property
+    def faults(self) -> int:
+        """Scripted faults answered (error statuses and hangs)."""
+        return self.app.faults
+
+    async def _start(self, host: str, port: int) -> None:
+        sock = _bind(host, port)
+        self._host, self._port = host, int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            self.app,
+            http="auto",  # httptools when installed, else h11
+            ws="none",
+            lifespan="off",
+            log_config=None,  # logging is the embedding program's business
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            backlog=LISTEN_BACKLOG,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_graceful_shutdown=int(CLOSE_GRACE_S),
+        )
+        self._uvicorn = _Uvicorn(config)
+        self._task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name=f"scripted-policy:{self._port}")
+        # uvicorn has no started event; startup is a create_server on a bound socket, so this polls a few ms at most
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while not self._uvicorn.started:
+                if self._task.done():
+                    sock.close()
+                    self._task.result()
+                    raise RuntimeError("the scripted server stopped while starting")
+                await asyncio.sleep(0.001)
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port."""
+        if self._task is None or self._task.done():
+            raise RuntimeError("the scripted server is not listening")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL, http://HOST:PORT/v1."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self._host, self._host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}/v1"
+
+    async def close(self) -> None:
+        """Stop listening, answer waiting requests (latency, hangs) with 503, and close every connection."""
+        if self._uvicorn is None or self._task is None:
+            return
+        self.app.close()
+        self._uvicorn.should_exit = True
+        await self._task
+
+    async def __aenter__(self) -> ScriptedServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
 async def start_scripted_server(
     script: Script, host: str = "127.0.0.1", port: int = 0, *, tokens: bool = True
 ) -> ScriptedServer:
@@ -426,7 +504,7 @@ async def _serve(args: argparse.Namespace, script: Script) -> None:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: serve a script file until SIGTERM or SIGINT."""
     p = argparse.ArgumentParser(
-        prog="python -m orchestrator.scripted_policy", description="Serve a scripted OpenAI-compatible policy."
+        prog="python -m orchestrator.testing.scripted_policy", description="Serve a scripted OpenAI-compatible policy."
     )
     p.add_argument("--script", required=True, help="a Script as JSON")
     p.add_argument("--host", default="127.0.0.1")
