@@ -212,18 +212,33 @@ async def _waves(module: str, clients: int, waves: int, tmp: Path) -> dict[str, 
     }
 
 
-async def run(modules: list[str], clients: int, seconds: float, waves: int) -> dict[str, Any]:
-    """Every measurement for every module, interleaved so that load from elsewhere on the host hits them alike."""
-    out: dict[str, Any] = {m: {} for m in modules}
+def _median(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(s[k] for s in samples), 3) for k in samples[0]}
+
+
+async def run(modules: list[str], clients: int, seconds: float, waves: int, rounds: int) -> dict[str, Any]:
+    """Every measurement for every module, interleaved (and repeated `rounds` times, medians kept) so that load from
+    elsewhere on the host hits them alike."""
+    phases: dict[str, Callable[[str, Path], Awaitable[dict[str, float]]]] = {
+        "raw_client": lambda m, tmp: _throughput(m, clients, seconds, tmp, raw=True),
+        "httpx_client": lambda m, tmp: _throughput(m, clients, seconds, tmp, raw=False),
+        "waves_1s": lambda m, tmp: _waves(m, clients, waves, tmp),
+    }
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {m: {p: [] for p in phases} for m in modules}
     with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        for m in modules:
-            out[m]["raw_client"] = await _throughput(m, clients, seconds, tmp, raw=True)
-        for m in modules:
-            out[m]["httpx_client"] = await _throughput(m, clients, seconds, tmp, raw=False)
-        for m in modules:
-            out[m]["waves_1s"] = await _waves(m, clients, waves, tmp)
-    return {"clients": clients, "seconds": seconds, "cpus": os.cpu_count(), "results": out}
+        for _ in range(rounds):
+            for phase, measure in phases.items():
+                for m in modules:
+                    samples[m][phase].append(await measure(m, Path(d)))
+    results = {m: {p: _median(s) for p, s in by_phase.items()} for m, by_phase in samples.items()}
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "rounds": rounds,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "results": results,
+    }
 
 
 def main() -> None:
@@ -233,9 +248,10 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=256)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--waves", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1, help="repeat everything; report medians (for a noisy host)")
     args = p.parse_args()
     modules = args.module or ["orchestrator.testing.scripted_policy"]
-    print(json.dumps(asyncio.run(run(modules, args.clients, args.seconds, args.waves)), indent=2))
+    print(json.dumps(asyncio.run(run(modules, args.clients, args.seconds, args.waves, args.rounds)), indent=2))
 
 
 if __name__ == "__main__":

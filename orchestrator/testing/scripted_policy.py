@@ -158,7 +158,6 @@ class ScriptedServer:
             date_header=False,
             backlog=LISTEN_BACKLOG,
             timeout_keep_alive=KEEP_ALIVE_S,
-            timeout_graceful_shutdown=int(CLOSE_GRACE_S),
         )
         self._uvicorn = _Uvicorn(config)
         self._task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name=f"scripted-policy:{self._port}")
@@ -166,6 +165,10 @@ class ScriptedServer:
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 await asyncio.wait({self._task, listening}, return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            self._task.cancel()
+            sock.close()
+            raise
         finally:
             listening.cancel()
         if self._task.done():

@@ -229,6 +229,17 @@ async def test_malformed_request_line_gets_400_and_close(server: ScriptedServer)
     assert server.requests == 0
 
 
+async def test_a_port_in_use_raises_instead_of_exiting(server: ScriptedServer) -> None:
+    with pytest.raises(OSError, match="in use"):
+        await start_scripted_server(Script(), port=server.port)
+    assert (await _get_health(server.url)) == {"status": "ok"}  # the first server is untouched
+
+
+async def _get_health(url: str) -> Any:
+    async with httpx.AsyncClient() as c:
+        return (await c.get(url.removesuffix("/v1") + "/health")).json()
+
+
 async def test_a_body_over_the_cap_gets_413(server: ScriptedServer) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
