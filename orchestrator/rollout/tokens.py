@@ -8,16 +8,20 @@ one, the arrays are dropped and the status says why: tokens are never invented.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from orchestrator.core.models import Tokens
 from orchestrator.rollout.policy.base import Completion
+
+# The values of Tokens.status (a Literal there too; tests/orchestrator/rollout/test_tokens.py keeps the two equal).
+TokenStatus = Literal["complete", "missing", "inconsistent"]
 
 
 @dataclass
 class TokenTracker:
     """Accumulates one episode's tokens, completion by completion."""
 
-    status: str = "complete"
+    status: TokenStatus = "complete"
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -30,6 +34,9 @@ class TokenTracker:
         if self.status != "complete":
             return
         if c.prompt_ids is None or c.completion_ids is None or c.logprobs is None:
+            self._drop("missing")
+            return
+        if len(c.logprobs) != len(c.completion_ids):  # a Policy other than OpenAIPolicy may not have checked
             self._drop("missing")
             return
         if self._turns == 1:
@@ -49,7 +56,7 @@ class TokenTracker:
         self.mask += [1] * len(c.completion_ids)
         self.logprobs += c.logprobs
 
-    def _drop(self, status: str) -> None:
+    def _drop(self, status: TokenStatus) -> None:
         self.status = status
         self.prompt_ids, self.completion_ids, self.mask, self.logprobs = [], [], [], []
 
@@ -58,7 +65,7 @@ class TokenTracker:
         if self._turns == 0:
             return Tokens(status="missing")
         return Tokens(
-            status=self.status,  # type: ignore[arg-type]
+            status=self.status,
             prompt_ids=self.prompt_ids,
             completion_ids=self.completion_ids,
             completion_mask=self.mask,

@@ -1,11 +1,15 @@
 """A scripted OpenAI-compatible chat completions server: the stand-in for vLLM in demos and tests.
 
-It replays a Script: per task, one Step per assistant turn (text, tool calls, or a fault: an HTTP error status or a
-hang). The task comes from the request's `user` field, the rollout id "<job_id>:<task_id>:<sample_index>"; the turn is
-the number of assistant messages already in the conversation. Token ids and logprobs come from the toy tokenizer, in
-vLLM's response fields, so a client can be checked token for token.
+It replays a Script (policy_script.py): per task, one Step per assistant turn (text, tool calls, or a fault: an HTTP
+error status or a hang). The task comes from the request's `user` field, the rollout id
+"<job_id>:<task_id>:<sample_index>"; the turn is the number of assistant messages already in the conversation. Token
+ids and logprobs come from the toy tokenizer, in vLLM's response fields, so a client can be checked token for token.
 
-    python -m orchestrator.scripted_policy --script script.json [--port 0] [--host 127.0.0.1] [--no-tokens]
+The app is a plain ASGI callable (policy_app.ScriptedPolicyApp) served by uvicorn, as vLLM's own server is; HTTP
+parsing, keep-alive and flow control are uvicorn's. It replaced a hand-written asyncio HTTP/1.1 server after
+measuring both side by side (bench/policy_server.py has the figures): with httptools it spends less CPU per request.
+
+    python -m orchestrator.testing.scripted_policy --script script.json [--port 0] [--host 127.0.0.1] [--no-tokens]
 """
 
 from __future__ import annotations
@@ -13,197 +17,171 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import http
-import itertools
-import json
 import logging
 import signal
+import socket
 import sys
-import time
-from typing import Any
+from collections.abc import Iterator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import uvicorn
+from pydantic import ValidationError
 
-from orchestrator.testing import toy_tokenizer as toy
+from orchestrator.testing.policy_app import MAX_BODY, ScriptedPolicyApp
+from orchestrator.testing.policy_script import Script, ScriptedToolCall, Step, task_of
+
+# What tests, demos and benches import from here (the script model lives in policy_script, the app in policy_app).
+__all__ = [
+    "MAX_BODY",
+    "Script",
+    "ScriptedPolicyApp",
+    "ScriptedServer",
+    "ScriptedToolCall",
+    "Step",
+    "main",
+    "start_scripted_server",
+    "task_of",
+]
 
 log = logging.getLogger(__name__)
 
-NO_SCRIPT_ANSWER = "I cannot solve this."
-END_OF_SCRIPT_ANSWER = "done"
-MAX_HEADER_LINE = 64 << 10
-MAX_HEADERS = 100
-MAX_BODY = 64 << 20
 LISTEN_BACKLOG = 1024
 CLOSE_GRACE_S = 2.0
+# Idle keep-alive connections are closed after this long. vLLM's uvicorn uses 5 s; a test double waits longer, so a
+# slow test never races the server's close of a pooled connection.
+KEEP_ALIVE_S = 300
+START_TIMEOUT_S = 10.0
 
 
-class ScriptedToolCall(BaseModel):
-    """A tool call the scripted model makes; arguments are sent as their JSON text."""
+class _Uvicorn(uvicorn.Server):
+    """uvicorn.Server embedded in a running loop: no signal handlers, an event once listening, and a prompt stop.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Library code installs no signal handlers (the CLI's _serve handles SIGTERM and SIGINT). uvicorn's own main loop
+    polls for exit every 0.1 s and its shutdown sleeps and polls too, about 190 ms per close, which the test suite
+    would pay once per scripted server; here both wait on events and close in a few ms.
+    """
 
-    name: str = Field(min_length=1)
-    arguments: dict[str, Any] = Field(default_factory=dict)
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+        self.stop = asyncio.Event()
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Capture nothing."""
+        yield
 
-class Step(BaseModel):
-    """One assistant turn: text and tool calls, or a fault (an HTTP error status, or never answering)."""
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, then say so."""
+        await super().startup(sockets=sockets)
+        self.listening.set()
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    async def main_loop(self) -> None:
+        """Serve until stop is set (no per-tick work: the date and server headers are off)."""
+        await self.stop.wait()
 
-    content: str = ""
-    tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
-    finish_reason: str | None = Field(None, description="override, e.g. 'length'; default: tool_calls or stop")
-    error_status: int | None = Field(None, ge=400, le=599, description="answer this HTTP status instead")
-    hang: bool = Field(False, description="never answer; hold the connection until the client gives up")
-    fail_times: int | None = Field(
-        None, ge=1, description="the fault hits only this many attempts, then the turn answers normally; None: always"
-    )
-
-    @model_validator(mode="after")
-    def _one_fault(self) -> Step:
-        if self.error_status is not None and self.hang:
-            raise ValueError("a step is either an error_status or a hang, not both")
-        if self.fail_times is not None and self.error_status is None and not self.hang:
-            raise ValueError("fail_times needs a fault (error_status or hang)")
-        return self
-
-
-class Script(BaseModel):
-    """What the scripted policy answers: steps per task id, steps for any other task, simulated latency."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tasks: dict[str, list[Step]] = Field(default_factory=dict)
-    default: list[Step] = Field(default_factory=list, description="for tasks not in `tasks`")
-    latency_s: float = Field(0.0, ge=0, le=3600, description="simulated latency of every completion")
-    model: str = Field("policy", min_length=1, description="the model id /v1/models lists")
-
-
-def task_of(user: str) -> str | None:
-    """The task id in a rollout id "<job_id>:<task_id>:<sample_index>" (task ids may contain ':'), else None."""
-    first, last = user.find(":"), user.rfind(":")
-    if first < 0 or last == first:
-        return None
-    return user[first + 1 : last]
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Stop listening, let each request finish its response, then cancel what is left after the grace."""
+        for server in self.servers:
+            server.close()
+        for conn in list(self.server_state.connections):
+            conn.shutdown()  # idle ones close now, busy ones after their response
+        busy = set(self.server_state.tasks)  # the requests being answered; their connections close after
+        if busy:
+            _, stuck = await asyncio.wait(busy, timeout=CLOSE_GRACE_S)
+            if stuck:
+                log.warning("scripted server: cancelling %d request(s) still open after %gs", len(stuck), CLOSE_GRACE_S)
+            for task in stuck:
+                task.cancel()
+        for server in self.servers:
+            await server.wait_closed()
 
 
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _Request:
-    __slots__ = ("body", "headers", "keep_alive", "method", "path")
-
-    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes, keep_alive: bool) -> None:
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-
-
-class _Hang(Exception):
-    """The scripted turn never answers."""
-
-
-_HANG: tuple[int, dict[str, Any]] = (0, {})  # _fault's answer for a turn that never answers (compared by identity)
-
-
-def _error_body(status: int, message: str, kind: str = "BadRequestError") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-async def _readline(reader: asyncio.StreamReader) -> bytes:
+def _bind(host: str, port: int) -> socket.socket:
+    # Bound here, not by uvicorn: the port is known before serving starts, and a bind error raises OSError instead
+    # of uvicorn's sys.exit.
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
     try:
-        return await reader.readline()
-    except ValueError:  # the stream's limit: a line longer than MAX_HEADER_LINE
-        raise _HTTPError(431, f"request line or header over {MAX_HEADER_LINE} bytes") from None
-
-
-async def _read_request(reader: asyncio.StreamReader) -> _Request | None:
-    """One HTTP/1.1 request, or None at a clean end of the connection."""
-    line = b"\r\n"
-    while line in (b"\r\n", b"\n"):  # tolerate blank lines between requests
-        line = await _readline(reader)
-        if not line:
-            return None
-    parts = line.decode("latin-1").split()
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise _HTTPError(400, "malformed request line")
-    method, target, version = parts
-    headers: dict[str, str] = {}
-    while True:
-        h = await _readline(reader)
-        if not h:
-            raise asyncio.IncompleteReadError(h, None)
-        if h in (b"\r\n", b"\n"):
-            break
-        if len(headers) >= MAX_HEADERS:
-            raise _HTTPError(431, "too many headers")
-        name, sep, value = h.decode("latin-1").partition(":")
-        if not sep:
-            raise _HTTPError(400, "malformed header line")
-        headers[name.strip().lower()] = value.strip()
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        raise _HTTPError(501, "chunked request bodies are not supported; send Content-Length")
-    try:
-        length = int(headers.get("content-length", "0"))
-    except ValueError:
-        raise _HTTPError(400, "bad Content-Length") from None
-    if length < 0:
-        raise _HTTPError(400, "bad Content-Length")
-    if length > MAX_BODY:
-        raise _HTTPError(413, f"body over {MAX_BODY} bytes")
-    body = await reader.readexactly(length) if length else b""
-    conn = headers.get("connection", "").lower()
-    keep_alive = "close" not in conn if version == "HTTP/1.1" else "keep-alive" in conn
-    return _Request(method, target.split("?", 1)[0], headers, body, keep_alive)
-
-
-def _encode_response(status: int, payload: dict[str, Any], keep_alive: bool) -> bytes:
-    body = json.dumps(payload).encode()
-    try:
-        reason = http.HTTPStatus(status).phrase
-    except ValueError:
-        reason = "Error"
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
-    )
-    return head.encode("latin-1") + body
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class ScriptedServer:
-    """A running scripted server; counts the chat completion requests it got and the faults it answered."""
+    """A running scripted server (uvicorn serving ScriptedPolicyApp); counts chat completion requests and faults."""
 
     def __init__(self, script: Script, *, tokens: bool = True) -> None:
-        self.script = script
-        self.tokens = tokens
-        self.requests = 0
-        self.faults = 0
-        self._server: asyncio.Server | None = None
-        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
-        self._failures: dict[tuple[str, int], int] = {}
-        self._ids = itertools.count(1)
+        self.app = ScriptedPolicyApp(script, tokens=tokens)
         self._host = "127.0.0.1"
+        self._port = 0
+        self._uvicorn: _Uvicorn | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def script(self) -> Script:
+        """The script being replayed."""
+        return self.app.script
+
+    @property
+    def tokens(self) -> bool:
+        """Whether token ids and logprobs are returned when asked for."""
+        return self.app.tokens
+
+    @property
+    def requests(self) -> int:
+        """Chat completion requests received (faults included)."""
+        return self.app.requests
+
+    @property
+    def faults(self) -> int:
+        """Scripted faults answered (error statuses and hangs)."""
+        return self.app.faults
 
     async def _start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(
-            self._serve_connection, host, port, limit=MAX_HEADER_LINE, backlog=LISTEN_BACKLOG
+        sock = _bind(host, port)
+        self._host, self._port = host, int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            self.app,
+            http="auto",  # httptools when installed, else h11
+            ws="none",
+            lifespan="off",
+            log_config=None,  # logging is the embedding program's business
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            backlog=LISTEN_BACKLOG,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
-        self._host = host
+        self._uvicorn = _Uvicorn(config)
+        self._task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name=f"scripted-policy:{self._port}")
+        listening = asyncio.ensure_future(self._uvicorn.listening.wait())
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                await asyncio.wait({self._task, listening}, return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            self._task.cancel()
+            sock.close()
+            raise
+        finally:
+            listening.cancel()
+        if self._task.done():
+            sock.close()
+            self._task.result()  # raises what stopped it
+            raise RuntimeError("the scripted server stopped while starting")
 
     @property
     def port(self) -> int:
         """The bound TCP port."""
-        if self._server is None or not self._server.sockets:
+        if self._task is None or self._task.done():
             raise RuntimeError("the scripted server is not listening")
-        return int(self._server.sockets[0].getsockname()[1])
+        return self._port
 
     @property
     def url(self) -> str:
@@ -214,191 +192,18 @@ class ScriptedServer:
         return f"http://{host}:{self.port}/v1"
 
     async def close(self) -> None:
-        """Stop listening and drop every open connection, hanging ones included."""
-        if self._server is not None:
-            self._server.close()
-        # Closing the transports ends every handler at its next read or write (a hang sees EOF); cancelling is the
-        # fallback, as asyncio 3.11 logs a cancelled connection handler as an error.
-        for writer in self._connections.values():
-            writer.close()
-        if self._connections:
-            _, stuck = await asyncio.wait(set(self._connections), timeout=CLOSE_GRACE_S)
-            for task in stuck:
-                task.cancel()
-            if stuck:
-                await asyncio.wait(stuck)
-        if self._server is not None:
-            await self._server.wait_closed()
+        """Stop listening, answer waiting requests (latency, hangs) with 503, and close every connection."""
+        if self._uvicorn is None or self._task is None:
+            return
+        self.app.close()
+        self._uvicorn.stop.set()
+        await self._task
 
     async def __aenter__(self) -> ScriptedServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections[task] = writer
-        try:
-            while True:
-                try:
-                    req = await _read_request(reader)
-                except _HTTPError as e:
-                    writer.write(_encode_response(e.status, _error_body(e.status, str(e)), keep_alive=False))
-                    await writer.drain()
-                    return
-                if req is None:
-                    return
-                try:
-                    status, payload = await self._route(req)
-                except _Hang:
-                    # Hold the connection without answering; end when the client hangs up.
-                    while await reader.read(1 << 16):
-                        pass
-                    return
-                except Exception as e:  # a bug here must answer 500, not leave the client waiting
-                    log.exception("scripted server failed on %s %s", req.method, req.path)
-                    status, payload = 500, _error_body(500, f"{type(e).__name__}: {e}", "InternalServerError")
-                writer.write(_encode_response(status, payload, req.keep_alive))
-                await writer.drain()
-                if not req.keep_alive:
-                    return
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
-            log.debug("connection ended: %s: %s", type(e).__name__, e)
-        finally:
-            writer.close()
-            try:
-                with contextlib.suppress(ConnectionError):
-                    await writer.wait_closed()
-            finally:
-                self._connections.pop(task, None)  # only now: close() waits for the handlers it still lists
-
-    async def _route(self, req: _Request) -> tuple[int, dict[str, Any]]:
-        routes = {
-            "/v1/chat/completions": ("POST", self._chat),
-            "/v1/models": ("GET", self._models),
-            "/health": ("GET", self._health),
-        }
-        if req.path not in routes:
-            return 404, _error_body(404, f"no route {req.path}", "NotFoundError")
-        method, handler = routes[req.path]
-        if req.method != method:
-            return 405, _error_body(405, f"{req.path} takes {method}, not {req.method}", "MethodNotAllowed")
-        return await handler(req)
-
-    async def _health(self, req: _Request) -> tuple[int, dict[str, Any]]:
-        return 200, {"status": "ok"}
-
-    async def _models(self, req: _Request) -> tuple[int, dict[str, Any]]:
-        card = {"id": self.script.model, "object": "model", "created": 0, "owned_by": "envfleet"}
-        return 200, {"object": "list", "data": [card]}
-
-    async def _chat(self, req: _Request) -> tuple[int, dict[str, Any]]:
-        # the simulated latency is the whole answer time, this server's own work included, as a model server's is
-        loop = asyncio.get_running_loop()
-        answer_at = loop.time() + self.script.latency_s
-        self.requests += 1
-        try:
-            body = json.loads(req.body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return 400, _error_body(400, f"request body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            return 400, _error_body(400, "request body must be a JSON object")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return 400, _error_body(400, "'messages' must be a non-empty list of objects")
-        user = body["user"] if isinstance(body.get("user"), str) else ""
-        try:
-            prompt = toy.prompt_ids(messages)
-        except ValueError as e:
-            return 400, _error_body(400, str(e))
-
-        turn = sum(1 for m in messages if m.get("role") == "assistant")
-        step = self._step(user, turn)
-        reply = self._fault(user, turn, step) or (200, self._completion(body, step, turn, prompt))
-        await asyncio.sleep(max(0.0, answer_at - loop.time()))
-        if reply is _HANG:
-            raise _Hang
-        return reply
-
-    def _fault(self, user: str, turn: int, step: Step) -> tuple[int, dict[str, Any]] | None:
-        """The scripted failure of this turn, if it still has one to give (_HANG: never answer)."""
-        if step.error_status is None and not step.hang:
-            return None
-        key = (user, turn)
-        failed = self._failures.get(key, 0)
-        if step.fail_times is not None and failed >= step.fail_times:
-            return None
-        self._failures[key] = failed + 1
-        self.faults += 1
-        if step.hang:
-            return _HANG
-        assert step.error_status is not None
-        msg = f"scripted fault: HTTP {step.error_status} (turn {turn})"
-        return step.error_status, _error_body(step.error_status, msg, "ScriptedFault")
-
-    def _step(self, user: str, turn: int) -> Step:
-        task = task_of(user)
-        if task is not None and task in self.script.tasks:
-            steps = self.script.tasks[task]
-        elif self.script.default:
-            steps = self.script.default
-        else:
-            return Step(content=NO_SCRIPT_ANSWER)
-        return steps[turn] if turn < len(steps) else Step(content=END_OF_SCRIPT_ANSWER)
-
-    def _completion(self, body: dict[str, Any], step: Step, turn: int, prompt: list[int]) -> dict[str, Any]:
-        tool_calls = [
-            {
-                "id": f"call_{turn}_{i}",
-                "type": "function",
-                "function": {"name": tc.name, "arguments": json.dumps(tc.arguments)},
-            }
-            for i, tc in enumerate(step.tool_calls)
-        ]
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": step.content if step.content or not tool_calls else None,
-            "tool_calls": tool_calls,
-        }
-        completion = toy.completion_ids(message)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": step.finish_reason or ("tool_calls" if tool_calls else "stop"),
-        }
-        model = body.get("model") if isinstance(body.get("model"), str) else self.script.model
-        response: dict[str, Any] = {
-            "id": f"chatcmpl-{next(self._ids)}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(completion),
-                "total_tokens": len(prompt) + len(completion),
-            },
-        }
-        if self.tokens and body.get("return_token_ids") is True:
-            response["prompt_token_ids"] = prompt
-            choice["token_ids"] = completion
-        if self.tokens and body.get("logprobs") is True:
-            as_ids = body.get("return_tokens_as_token_ids") is True
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        "token": f"token_id:{t}" if as_ids else toy.token_text(t),
-                        "logprob": toy.logprob(t, i),
-                        "bytes": toy.token_bytes(t),
-                        "top_logprobs": [],
-                    }
-                    for i, t in enumerate(completion)
-                ]
-            }
-        return response
 
 
 async def start_scripted_server(
@@ -426,7 +231,7 @@ async def _serve(args: argparse.Namespace, script: Script) -> None:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: serve a script file until SIGTERM or SIGINT."""
     p = argparse.ArgumentParser(
-        prog="python -m orchestrator.scripted_policy", description="Serve a scripted OpenAI-compatible policy."
+        prog="python -m orchestrator.testing.scripted_policy", description="Serve a scripted OpenAI-compatible policy."
     )
     p.add_argument("--script", required=True, help="a Script as JSON")
     p.add_argument("--host", default="127.0.0.1")

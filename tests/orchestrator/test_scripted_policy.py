@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from orchestrator.testing import toy_tokenizer as toy
-from orchestrator.testing.scripted_policy import Script, ScriptedServer, Step, start_scripted_server, task_of
+from orchestrator.testing.scripted_policy import (
+    MAX_BODY,
+    Script,
+    ScriptedServer,
+    Step,
+    start_scripted_server,
+    task_of,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -153,7 +160,7 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, s
         name, _, value = line.decode().partition(":")
         headers[name.strip().lower()] = value.strip()
     body = await reader.readexactly(int(headers["content-length"]))
-    return status, headers, json.loads(body)
+    return status, headers, json.loads(body) if headers.get("content-type") == "application/json" else body
 
 
 def _request(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes:
@@ -173,7 +180,8 @@ async def test_routes_keep_alive_and_errors(server: ScriptedServer) -> None:
         assert (await _read_response(reader))[::2] == (200, {"status": "ok"})
         writer.write(_request("GET", "/v1/models"))
         status, headers, models = await _read_response(reader)
-        assert (status, headers["connection"], models["data"][0]["id"]) == (200, "keep-alive", "policy")
+        # HTTP/1.1 keeps the connection open unless told otherwise: no "Connection: close"
+        assert (status, headers.get("connection"), models["data"][0]["id"]) == (200, None, "policy")
         writer.write(_request("GET", "/v2/nothing"))
         assert (await _read_response(reader))[0] == 404
         writer.write(_request("GET", "/v1/chat/completions"))
@@ -214,11 +222,35 @@ async def test_routes_keep_alive_and_errors(server: ScriptedServer) -> None:
 async def test_malformed_request_line_gets_400_and_close(server: ScriptedServer) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"NONSENSE\r\n\r\n")
-    status, headers, err = await _read_response(reader)
+    status, headers, _ = await _read_response(reader)  # uvicorn's own answer, before the app sees anything
     assert (status, headers["connection"]) == (400, "close")
-    assert "malformed request line" in err["error"]["message"]
     assert await reader.read() == b""
     writer.close()
+    assert server.requests == 0
+
+
+async def test_a_port_in_use_raises_instead_of_exiting(server: ScriptedServer) -> None:
+    with pytest.raises(OSError, match="in use"):
+        await start_scripted_server(Script(), port=server.port)
+    assert (await _get_health(server.url)) == {"status": "ok"}  # the first server is untouched
+
+
+async def _get_health(url: str) -> Any:
+    async with httpx.AsyncClient() as c:
+        return (await c.get(url.removesuffix("/v1") + "/health")).json()
+
+
+async def test_a_body_over_the_cap_gets_413(server: ScriptedServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        # answered from the header, before a byte of the body is sent
+        writer.write(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode()
+        )
+        status, _, err = await asyncio.wait_for(_read_response(reader), 5)
+    finally:
+        writer.close()
+    assert status == 413 and err["error"]["message"] == f"body over {MAX_BODY} bytes"
 
 
 async def test_a_hang_holds_the_connection_and_close_ends_it(server: ScriptedServer) -> None:
@@ -228,7 +260,9 @@ async def test_a_hang_holds_the_connection_and_close_ends_it(server: ScriptedSer
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(reader.read(1), 0.3)
     assert server.faults == 1
-    await asyncio.wait_for(server.close(), 3)  # a hanging handler does not block shutdown
+    await asyncio.wait_for(server.close(), 3)  # a hanging handler does not block shutdown: it answers 503
+    status, _, err = await asyncio.wait_for(_read_response(reader), 3)
+    assert status == 503 and err["error"]["message"] == "the scripted server is shutting down"
     assert await asyncio.wait_for(reader.read(), 3) == b""
     writer.close()
 

@@ -1,0 +1,278 @@
+"""The scripted policy as an ASGI app: OpenAI-compatible routes, script replay, faults, vLLM-style token fields.
+
+Any ASGI server can serve it; ScriptedServer (scripted_policy.py) serves it with uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from orchestrator.testing import toy_tokenizer as toy
+from orchestrator.testing.policy_script import Script, Step, render_prompt, task_of
+
+log = logging.getLogger(__name__)
+
+NO_SCRIPT_ANSWER = "I cannot solve this."
+END_OF_SCRIPT_ANSWER = "done"
+MAX_BODY = 64 << 20
+
+# ASGI's three callables and its message type; uvicorn's own aliases are not public.
+Message = MutableMapping[str, Any]
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class _HTTPError(Exception):
+    """Answer this status with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+def _error_body(status: int, message: str, kind: str = "BadRequestError") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
+    body = json.dumps(payload).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(scope: Scope, receive: Receive) -> bytes | None:
+    """The request body (at most MAX_BODY bytes), or None when the client went away first."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY:
+            raise _HTTPError(413, f"body over {MAX_BODY} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunk: bytes = msg.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise _HTTPError(413, f"body over {MAX_BODY} bytes")
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+class _Hang:
+    """The scripted turn never answers."""
+
+
+_HANG = _Hang()
+
+
+class ScriptedPolicyApp:
+    """The ASGI app: routes, script replay, faults, token fields; counts chat completion requests and faults."""
+
+    def __init__(self, script: Script, *, tokens: bool = True) -> None:
+        self.script = script
+        self.tokens = tokens
+        self.requests = 0
+        self.faults = 0
+        self._failures: dict[tuple[str, int], int] = {}
+        self._ids = itertools.count(1)
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """Answer every waiting request (latency, hang) at once with 503, so a server can shut down promptly."""
+        self._closing.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry point: HTTP only (lifespan is answered, websockets refused)."""
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # the server closes a websocket the app does not accept
+        try:
+            reply = await self._route(scope, receive)
+        except _HTTPError as e:
+            reply = e.status, _error_body(e.status, str(e), e.kind)
+        except Exception as e:  # a bug here must answer 500, not leave the client waiting
+            log.exception("scripted server failed on %s %s", scope["method"], scope["path"])
+            reply = 500, _error_body(500, f"{type(e).__name__}: {e}", "InternalServerError")
+        if reply is not None:
+            await _send_json(send, *reply)
+
+    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any]] | None:
+        path, method = scope["path"], scope["method"]
+        if path == "/v1/chat/completions":
+            allowed = "POST"
+        elif path in ("/v1/models", "/health"):
+            allowed = "GET"
+        else:
+            raise _HTTPError(404, f"no route {path}", "NotFoundError")
+        if method != allowed:
+            raise _HTTPError(405, f"{path} takes {allowed}, not {method}", "MethodNotAllowed")
+        if path == "/health":
+            return 200, {"status": "ok"}
+        if path == "/v1/models":
+            card = {"id": self.script.model, "object": "model", "created": 0, "owned_by": "envfleet"}
+            return 200, {"object": "list", "data": [card]}
+        return await self._chat(scope, receive)
+
+    async def _chat(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any]] | None:
+        # the simulated latency is the whole answer time, this server's own work included, as a model server's is
+        loop = asyncio.get_running_loop()
+        answer_at = loop.time() + self.script.latency_s
+        raw = await _read_body(scope, receive)
+        if raw is None:
+            return None
+        self.requests += 1
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _HTTPError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _HTTPError(400, "request body must be a JSON object")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise _HTTPError(400, "'messages' must be a non-empty list of objects")
+        user = body["user"] if isinstance(body.get("user"), str) else ""
+        try:
+            prompt = render_prompt(messages, self.script.template)
+        except ValueError as e:
+            raise _HTTPError(400, str(e)) from None
+
+        turn = sum(1 for m in messages if m.get("role") == "assistant")
+        step = self._step(user, turn)
+        reply = self._fault(user, turn, step) or (200, self._completion(body, step, turn, prompt))
+        if isinstance(reply, _Hang):
+            return await self._hang(receive)
+        delay = answer_at - loop.time()
+        if delay > 0 and not await self._wait_closing(delay):
+            return reply
+        if self._closing.is_set():
+            return 503, _error_body(503, "the scripted server is shutting down", "ServiceUnavailable")
+        return reply
+
+    async def _wait_closing(self, timeout_s: float) -> bool:
+        """Sleep timeout_s or until close(); True when it was close()."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._closing.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _hang(self, receive: Receive) -> tuple[int, dict[str, Any]] | None:
+        """Hold the request unanswered until the client hangs up (None) or the server closes (503)."""
+        gone = asyncio.ensure_future(_disconnected(receive))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait({gone, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in (gone, closing):
+                f.cancel()
+            await asyncio.gather(gone, closing, return_exceptions=True)
+        if gone.done() and not gone.cancelled():
+            return None
+        return 503, _error_body(503, "the scripted server is shutting down", "ServiceUnavailable")
+
+    def _fault(self, user: str, turn: int, step: Step) -> tuple[int, dict[str, Any]] | _Hang | None:
+        """The scripted failure of this turn, if it still has one to give."""
+        if step.error_status is None and not step.hang:
+            return None
+        key = (user, turn)
+        failed = self._failures.get(key, 0)
+        if step.fail_times is not None and failed >= step.fail_times:
+            return None
+        self._failures[key] = failed + 1
+        self.faults += 1
+        if step.hang:
+            return _HANG
+        assert step.error_status is not None
+        msg = f"scripted fault: HTTP {step.error_status} (turn {turn})"
+        return step.error_status, _error_body(step.error_status, msg, "ScriptedFault")
+
+    def _step(self, user: str, turn: int) -> Step:
+        task = task_of(user)
+        if task is not None and task in self.script.tasks:
+            steps = self.script.tasks[task]
+        elif self.script.default:
+            steps = self.script.default
+        else:
+            return Step(content=NO_SCRIPT_ANSWER)
+        return steps[turn] if turn < len(steps) else Step(content=END_OF_SCRIPT_ANSWER)
+
+    def _completion(self, body: dict[str, Any], step: Step, turn: int, prompt: list[int]) -> dict[str, Any]:
+        tool_calls = [
+            {
+                "id": f"call_{turn}_{i}",
+                "type": "function",
+                "function": {"name": tc.name, "arguments": json.dumps(tc.arguments)},
+            }
+            for i, tc in enumerate(step.tool_calls)
+        ]
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": step.content if step.content or not tool_calls else None,
+            "tool_calls": tool_calls,
+        }
+        completion = toy.completion_ids(message)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": step.finish_reason or ("tool_calls" if tool_calls else "stop"),
+        }
+        model = body.get("model") if isinstance(body.get("model"), str) else self.script.model
+        response: dict[str, Any] = {
+            "id": f"chatcmpl-{next(self._ids)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(completion),
+                "total_tokens": len(prompt) + len(completion),
+            },
+        }
+        if self.tokens and body.get("return_token_ids") is True:
+            response["prompt_token_ids"] = prompt
+            choice["token_ids"] = completion
+        if self.tokens and body.get("logprobs") is True:
+            as_ids = body.get("return_tokens_as_token_ids") is True
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": f"token_id:{t}" if as_ids else toy.token_text(t),
+                        "logprob": toy.logprob(t, i),
+                        "bytes": toy.token_bytes(t),
+                        "top_logprobs": [],
+                    }
+                    for i, t in enumerate(completion)
+                ]
+            }
+        return response
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,75 @@
+"""What the scripted policy answers: a Script of Steps per task, and how it renders prompts into toy token ids."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from orchestrator.testing import toy_tokenizer as toy
+
+Template = Literal["prefix", "drop_history"]
+
+
+class ScriptedToolCall(BaseModel):
+    """A tool call the scripted model makes; arguments are sent as their JSON text."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class Step(BaseModel):
+    """One assistant turn: text and tool calls, or a fault (an HTTP error status, or never answering)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    content: str = ""
+    tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
+    finish_reason: str | None = Field(None, description="override, e.g. 'length'; default: tool_calls or stop")
+    error_status: int | None = Field(None, ge=400, le=599, description="answer this HTTP status instead")
+    hang: bool = Field(False, description="never answer; hold the connection until the client gives up")
+    fail_times: int | None = Field(
+        None, ge=1, description="the fault hits only this many attempts, then the turn answers normally; None: always"
+    )
+
+    @model_validator(mode="after")
+    def _one_fault(self) -> Step:
+        if self.error_status is not None and self.hang:
+            raise ValueError("a step is either an error_status or a hang, not both")
+        if self.fail_times is not None and self.error_status is None and not self.hang:
+            raise ValueError("fail_times needs a fault (error_status or hang)")
+        return self
+
+
+class Script(BaseModel):
+    """What the scripted policy answers: steps per task id, steps for any other task, simulated latency."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tasks: dict[str, list[Step]] = Field(default_factory=dict)
+    default: list[Step] = Field(default_factory=list, description="for tasks not in `tasks`")
+    latency_s: float = Field(0.0, ge=0, le=3600, description="simulated latency of every completion")
+    model: str = Field("policy", min_length=1, description="the model id /v1/models lists")
+    template: Template = Field(
+        "prefix",
+        description="how the prompt is rendered. prefix: every turn's prompt extends the previous prompt and "
+        "completion. drop_history: earlier assistant turns render empty, as reasoning models' chat templates drop "
+        "earlier thinking, so a later prompt does NOT extend the earlier one (token arrays become inconsistent)",
+    )
+
+
+def task_of(user: str) -> str | None:
+    """The task id in a rollout id "<job_id>:<task_id>:<sample_index>" (task ids may contain ':'), else None."""
+    first, last = user.find(":"), user.rfind(":")
+    if first < 0 or last == first:
+        return None
+    return user[first + 1 : last]
+
+
+def render_prompt(messages: list[dict[str, Any]], template: Template) -> list[int]:
+    """The prompt token ids of a conversation under a template (ValueError for a message the toy cannot render)."""
+    if template == "drop_history":
+        messages = [{"role": "assistant", "content": ""} if m.get("role") == "assistant" else m for m in messages]
+    return toy.prompt_ids(messages)
