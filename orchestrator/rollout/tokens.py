@@ -8,13 +8,11 @@ one, the arrays are dropped and the status says why: tokens are never invented.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-from orchestrator.core.models import Tokens
+from orchestrator.core.models import Tokens, TokenStatus
 from orchestrator.rollout.policy.base import Completion
 
 # The values of Tokens.status (a Literal there too; tests/orchestrator/rollout/test_tokens.py keeps the two equal).
-TokenStatus = Literal["complete", "missing", "inconsistent"]
 
 
 @dataclass

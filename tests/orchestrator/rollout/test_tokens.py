@@ -9,11 +9,11 @@ from typing import Any, get_args
 import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.models import RolloutStatus, Tokens
+from orchestrator.core.models import RolloutStatus, Tokens, TokenStatus
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.base import Completion
 from orchestrator.rollout.policy.client import OpenAIPolicy
-from orchestrator.rollout.tokens import TokenStatus, TokenTracker
+from orchestrator.rollout.tokens import TokenTracker
 from orchestrator.service.registry import Registry
 from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.testing.scripted_policy import Script, start_scripted_server
