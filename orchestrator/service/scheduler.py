@@ -82,13 +82,14 @@ class Scheduler:
         self._run = run
         self._cpus_used = 0.0
         self._memory_used = 0
+        self._running = 0  # kept as a count: summing over the queues made each decision O(jobs), a burst O(jobs^2)
         self._queues: dict[str, JobQueue] = {}
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     @property
     def in_flight(self) -> int:
-        return sum(len(q.running) for q in self._queues.values())
+        return self._running
 
     @property
     def queue_depth(self) -> int:
@@ -149,6 +150,7 @@ class Scheduler:
             return
         q.pending.clear()
         tasks = list(q.running.values())
+        # their done callbacks still release the counts: the queue is found through the callback, not the dict
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -180,10 +182,12 @@ class Scheduler:
                 self._memory_used += q.need.memory_mb
                 task = asyncio.create_task(self._run(item), name=f"rollout {item.id}")
                 q.running[item.id] = task
+                self._running += 1
                 task.add_done_callback(functools.partial(self._done, q, item.id))
 
     def _done(self, q: JobQueue, rid: str, _task: asyncio.Task[None]) -> None:
-        q.running.pop(rid, None)
+        if q.running.pop(rid, None) is not None:
+            self._running -= 1
         self._cpus_used = max(0.0, self._cpus_used - q.need.cpus)
         self._memory_used = max(0, self._memory_used - q.need.memory_mb)
         if not q.pending and not q.running:
@@ -198,3 +202,4 @@ class Scheduler:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._queues.clear()
+        self._running = 0
