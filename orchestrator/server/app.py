@@ -72,6 +72,9 @@ class OrchestratorConfig(BaseModel):
     )
     worker_heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="a silent worker is lost after this")
     ray: RayConfig | None = Field(None, description="place workers as actors on a Ray cluster's sandbox hosts")
+    environments: list[str] = Field(
+        default_factory=list, description="module:ClassName environments to serve beside the entry points"
+    )
 
     @model_validator(mode="after")
     def _ray_needs_tcp(self) -> OrchestratorConfig:
@@ -162,6 +165,8 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     store = await ResultStore.open(config.data_dir / "results.sqlite3")
     backend = await DockerBackend.start(config.backend)
     registry = registry or Registry.from_entry_points()
+    for reference in config.environments:
+        registry.load(reference)
     registrar = Registrar(registry, backend, backend.client, SpecStore(config.data_dir / "environments"))
     await registrar.load()
     images = EnvImageResolver(backend.client)

@@ -71,11 +71,13 @@ class WorkerPlane:
         await server.start()
         if config.workers:
             slots = -(-config.max_in_flight // config.workers)
-            worker_config = WorkerConfig(backend=config.backend, pool=config.pool, slots=slots)
+            worker_config = WorkerConfig(
+                backend=config.backend, pool=config.pool, slots=slots, environments=config.environments
+            )
             plane.local = LocalWorkers(config.workers, plane.unix_target, token, worker_config)
             plane.local.start()
         if config.ray is not None and plane.tcp_address is not None:
-            worker_config = WorkerConfig(backend=config.backend, pool=config.pool)
+            worker_config = WorkerConfig(backend=config.backend, pool=config.pool, environments=config.environments)
             plane.ray = RayWorkers(config.ray, plane.tcp_address, token, worker_config)
             try:
                 await plane.ray.start()

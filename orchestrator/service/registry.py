@@ -6,6 +6,7 @@ A registration is validated before use: a well-formed name and version, known to
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.metadata
 import logging
 import re
@@ -52,6 +53,22 @@ class Registry:
             except Exception:
                 log.exception("environment entry point %s (%s) failed to load", ep.name, ep.value)
         return reg
+
+    def load(self, reference: str) -> Environment:
+        """Import `module:ClassName` (an Environment class outside any entry point: the operator's configuration,
+        a benchmark, a test), register an instance and return it."""
+        module, _, attr = reference.partition(":")
+        if not module or not attr:
+            raise InvalidEnvironmentError(f"environment reference {reference!r} must be module:ClassName")
+        try:
+            env_cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise InvalidEnvironmentError(f"environment reference {reference!r}: {e}") from None
+        if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
+            raise InvalidEnvironmentError(f"environment reference {reference!r} is not an Environment class")
+        env = env_cls()
+        self.register(env, source=f"reference:{reference}")
+        return env
 
     def register(self, env: Environment, source: str = "python") -> None:
         """Validate and add an environment instance."""

@@ -17,3 +17,6 @@ class WorkerConfig(BaseModel):
     pool: PoolConfig = PoolConfig()
     slots: int = Field(64, ge=1, le=100_000, description="rollouts this worker expects to run at once")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
+    environments: list[str] = Field(
+        default_factory=list, description="module:ClassName environments to load beside the entry points"
+    )

@@ -21,11 +21,14 @@ async def run_worker(target: str, token: str, config: WorkerConfig, name: str, s
     pool = SandboxPool(backend, config.pool)
     pool.start()
     executor = LocalExecutor(RolloutRunner(pool, EnvImageResolver(backend.client)))
+    registry = Registry.from_entry_points()
+    for reference in config.environments:
+        registry.load(reference)
     agent = WorkerAgent(
         target,
         token,
         executor,
-        Registry.from_entry_points(),
+        registry,
         name=name,
         slots=config.slots,
         heartbeat_s=config.heartbeat_s,
