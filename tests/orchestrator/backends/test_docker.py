@@ -17,15 +17,8 @@ from collections.abc import AsyncIterator
 import docker
 import pytest
 
-from orchestrator.backends.docker.backend import (
-    LABEL_INSTANCE,
-    LABEL_LEASE,
-    LABEL_MANAGED,
-    LABEL_OWNER,
-    DockerBackend,
-    DockerBackendConfig,
-    DockerSandbox,
-)
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
+from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, LABEL_LEASE, LABEL_MANAGED, LABEL_OWNER
 from orchestrator.core.errors import (
     SandboxCreateError,
     SandboxDiedError,
@@ -221,7 +214,7 @@ async def test_sandbox_that_never_gets_healthy_is_destroyed_with_its_logs(
 OWNER_SCRIPT = """
 import asyncio, sys
 from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
-from orchestrator.backends.base import SandboxSpec
+from orchestrator.core.sandbox import SandboxSpec
 
 async def main():
     b = await DockerBackend.start(DockerBackendConfig(owner=sys.argv[2]), sweep=False)
