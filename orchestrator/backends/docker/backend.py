@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -21,6 +20,7 @@ import docker.errors
 
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.backends.docker.engine import Engine
+from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.startup import create_until_ready
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, Owner, sweep
 from orchestrator.core.errors import SandboxDiedError, SandboxError, SandboxUnavailableError
@@ -148,14 +148,14 @@ class DockerSandbox(Sandbox):
             return
         self._closed = True
         await self.transport.close()
-        await self._backend.destroy(self.id, self.socket_dir)
+        await self._backend.destroy(self.id, self.name)
 
     async def release(self) -> None:
         if self._closed:
             return
         self._closed = True
         await self.transport.close()
-        self._backend.destroy_later(self.id, self.socket_dir)
+        self._backend.destroy_later(self.id, self.name)
 
 
 class DockerBackend(SandboxBackend):
@@ -164,6 +164,7 @@ class DockerBackend(SandboxBackend):
     def __init__(self, config: DockerBackendConfig | None = None) -> None:
         self.config = config or DockerBackendConfig()
         self.owner = Owner.current(self.config.owner)
+        self.sockets = SocketDirs(self.config.socket_root, tmpfs=self.config.socket_tmpfs)
         self.engine = Engine(self.config)
         self.limiter = self.engine.limiter
         self.client = self.engine.client
@@ -241,18 +242,18 @@ class DockerBackend(SandboxBackend):
             error=st.get("Error") or "",
         )
 
-    def destroy_later(self, cid: str, socket_dir: Path) -> None:
+    def destroy_later(self, cid: str, name: str) -> None:
         """Destroy in the background; close() waits for every such removal."""
-        task = asyncio.create_task(self.destroy(cid, socket_dir), name=f"destroy {cid[:12]}")
+        task = asyncio.create_task(self.destroy(cid, name), name=f"destroy {cid[:12]}")
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
 
-    async def destroy(self, cid: str, socket_dir: Path) -> None:
+    async def destroy(self, cid: str, name: str) -> None:
         """Remove a container (force) and its socket directory."""
         self._owned.pop(cid, None)
-        await self.discard(cid, socket_dir)
+        await self.discard(cid, name)
 
-    async def discard(self, cid: str | None, socket_dir: Path) -> None:
+    async def discard(self, cid: str | None, name: str) -> None:
         """Remove a container this backend does not hold (force; gone already is fine) and its socket directory."""
         if cid is not None:
             try:
@@ -265,7 +266,7 @@ class DockerBackend(SandboxBackend):
             except docker.errors.APIError as e:
                 if "already in progress" not in str(e):
                     log.warning("could not remove container %s: %s", cid[:12], e)
-        shutil.rmtree(socket_dir, ignore_errors=True)
+        self.sockets.remove(name)
 
     async def list_owned(self) -> list[SandboxInfo]:
         return [

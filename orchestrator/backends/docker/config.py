@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +16,15 @@ class DockerBackendConfig(BaseModel):
     type: Literal["docker"] = "docker"
     base_url: str | None = Field(None, description="engine address; DOCKER_HOST or the local socket when unset")
     owner: str = Field("envfleet", min_length=1, max_length=64, description="who owns the sandboxes (a label)")
-    socket_root: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "envfleet")
+    socket_root: Path = Field(
+        Path("/run/envfleet"),
+        description="envd's socket directories and the sweep's key: created 0700 and owned by us, not a world-writable"
+        " place (a backend that shares it with others shares their sweep)",
+    )
+    socket_tmpfs: bool = Field(
+        True, description="each socket directory is a 64 KiB tmpfs (needs CAP_SYS_ADMIN), so no sandbox fills the disk"
+    )
+    nofile: int = Field(4096, ge=64, le=1 << 20, description="open files per sandbox process (the nofile ulimit)")
     api_workers: int = Field(
         16, ge=1, le=256, description="threads (and HTTP connections) for engine calls; the most in flight at once"
     )

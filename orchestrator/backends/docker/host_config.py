@@ -6,13 +6,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import docker.types
+
 from orchestrator.core.sandbox import SandboxSpec
 
 ENVD_MOUNT = "/run/envd"
 LIMIT_WARNING_WORDS = ("limit", "memory", "swap", "cpu", "pids", "discarded", "not support")
 
 
-def host_config(api: Any, spec: SandboxSpec, socket_dir: Path | None, *, swap_limit: bool) -> Any:
+def host_config(api: Any, spec: SandboxSpec, socket_dir: Path | None, *, swap_limit: bool, nofile: int) -> Any:
     """The engine's HostConfig for a sandbox of `spec`, with envd's socket directory bound at ENVD_MOUNT."""
     lim, hard = spec.limits, spec.hardening
     uid, gid = hard.user.split(":")
@@ -25,6 +27,8 @@ def host_config(api: Any, spec: SandboxSpec, socket_dir: Path | None, *, swap_li
         "pids_limit": lim.pids,
         "mem_limit": f"{lim.memory_mb}m",
         "nano_cpus": int(lim.cpus * 1e9),
+        # set here, not inherited from the engine's default (often 1M): one process cannot hold the host's file table
+        "ulimits": [docker.types.Ulimit(name="nofile", soft=nofile, hard=nofile)],
         "tmpfs": {
             "/tmp": f"rw,exec,nosuid,nodev,size={lim.tmp_mb}m,mode=1777",
             spec.workspace: f"rw,exec,nosuid,nodev,size={lim.workspace_mb}m,uid={uid},gid={gid},mode=0755",

@@ -6,7 +6,6 @@ A create that fails at any step removes whatever it had made; a limit the engine
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING
 import docker.errors
 
 from orchestrator.backends.docker.host_config import ENVD_MOUNT, host_config, limit_warnings
+from orchestrator.backends.docker.socket_dirs import SOCKET_NAME
 from orchestrator.backends.docker.sweeper import labels_for
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.errors import (
@@ -28,18 +28,16 @@ if TYPE_CHECKING:
 
 # -OO: no docstrings or asserts in envd and its libraries, about 0.9 MB less per sandbox (the base image holds the
 # matching .opt-2.pyc files, since the root filesystem is read-only)
-ENVD_COMMAND = ["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py", "--socket", f"{ENVD_MOUNT}/envd.sock"]
+ENVD_COMMAND = ["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py", "--socket", f"{ENVD_MOUNT}/{SOCKET_NAME}"]
 
 
 async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: str) -> tuple[str, Transport, Path]:
     """Create and start container `name` for `spec`; returns its id, a ready transport and its socket directory."""
     engine = backend.engine
     uid, gid = (int(x) for x in spec.hardening.user.split(":"))
-    socket_dir = backend.config.socket_root / name
     use_envd = spec.transport == "envd"
     token = secrets.token_urlsafe(24)
-    socket_dir.mkdir(parents=True, mode=0o700)
-    os.chown(socket_dir, uid, gid)
+    socket_dir = backend.sockets.make(name, uid, gid)
     cid: str | None = None
     try:
         created = await engine.call_to_completion(
@@ -50,9 +48,13 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
             user=spec.hardening.user,
             working_dir=spec.workspace,
             environment={"ENVD_TOKEN": token, **spec.env} if use_envd else dict(spec.env),
-            labels=labels_for(backend.owner, spec, socket_dir),
+            labels=labels_for(backend.owner, spec, backend.sockets.seal(name)),
             host_config=host_config(
-                engine.api, spec, socket_dir if use_envd else None, swap_limit=bool(backend.swap_limit)
+                engine.api,
+                spec,
+                socket_dir if use_envd else None,
+                swap_limit=bool(backend.swap_limit),
+                nofile=backend.config.nofile,
             ),
             network_disabled=True,
         )
@@ -63,14 +65,14 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
         await engine.call_to_completion(engine.api.start, cid)
         transport: Transport
         if use_envd:
-            transport = EnvdTransport(str(socket_dir / "envd.sock"), token)
-            await wait_ready(backend, cid, name, transport, socket_dir / "envd.sock", spec.startup_timeout_s)
+            transport = EnvdTransport(str(socket_dir / SOCKET_NAME), token)
+            await wait_ready(backend, cid, name, transport, spec.startup_timeout_s)
         else:
             from orchestrator.backends.docker.exec_fallback import DockerExecTransport
 
             transport = DockerExecTransport(backend, cid, spec)
     except BaseException as e:
-        await backend.discard(cid or name, socket_dir)
+        await backend.discard(cid or name, name)
         if isinstance(e, docker.errors.ImageNotFound):
             raise SandboxCreateError(f"image {spec.image!r} not found; build it first") from e
         if isinstance(e, docker.errors.APIError):
@@ -79,17 +81,24 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
     return cid, transport, socket_dir
 
 
-async def wait_ready(
-    backend: DockerBackend, cid: str, name: str, transport: Transport, sock: Path, deadline_s: float
-) -> None:
-    """Wait until envd answers its health check; a container that exits or a deadline that passes fails the create."""
+async def wait_ready(backend: DockerBackend, cid: str, name: str, transport: Transport, deadline_s: float) -> None:
+    """Wait until envd answers its health check; a container that exits or a deadline that passes fails the create.
+
+    Nothing connects before envd's socket is there and the directory is locked (taken from the sandbox): a link
+    planted where the socket should be is never followed.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
     # the engine is asked about the container only now and then: under load, extra inspects slow every create
     next_state_check = loop.time() + 1.0
     delay = 0.002
+    locked = False
     while True:
-        if sock.exists() and await transport.health(timeout=max(0.05, min(2.0, deadline - loop.time()))):
+        if not locked and backend.sockets.has_socket(name):
+            locked = True
+            if not backend.sockets.lock(name):
+                raise SandboxCreateError(f"sandbox {name}: {SOCKET_NAME} was swapped for something that is no socket")
+        if locked and await transport.health(timeout=max(0.05, min(2.0, deadline - loop.time()))):
             return
         now = loop.time()
         if now >= deadline:

@@ -9,13 +9,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import socket
 import time
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.core.sandbox import SandboxSpec
@@ -32,7 +30,13 @@ LABEL_PID = "envfleet.owner_pid"
 LABEL_PID_START = "envfleet.owner_start"
 LABEL_HOST = "envfleet.host"
 LABEL_LEASE = "envfleet.lease_expiry"
-LABEL_SOCKET_DIR = "envfleet.socket_dir"
+LABEL_SOCKET_DIR = "envfleet.socket_dir"  # written by older versions; never read: a label is no host path
+LABEL_SEAL = "envfleet.seal"
+# the labels the sweep reads: no image built from tenant input may carry them (orchestrator/images/build.py)
+CONTROL_LABELS = frozenset(
+    {LABEL_MANAGED, LABEL_OWNER, LABEL_INSTANCE, LABEL_PID, LABEL_PID_START, LABEL_HOST, LABEL_LEASE, LABEL_SOCKET_DIR}
+    | {LABEL_SEAL}
+)
 
 
 def _proc_start_time(pid: int) -> str:
@@ -67,10 +71,10 @@ class Owner:
         return cls(name, uuid.uuid4().hex, pid, _proc_start_time(pid), socket.gethostname())
 
 
-def labels_for(owner: Owner, spec: SandboxSpec, socket_dir: Path) -> dict[str, str]:
-    """The labels of a new container: the spec's own, then ours (ours win)."""
+def labels_for(owner: Owner, spec: SandboxSpec, seal: str) -> dict[str, str]:
+    """The labels of a new container: the spec's own (never one of ours), then ours, sealed."""
     return {
-        **spec.labels,
+        **{k: v for k, v in spec.labels.items() if k not in CONTROL_LABELS},
         LABEL_MANAGED: "1",
         LABEL_OWNER: owner.name,
         LABEL_INSTANCE: owner.instance,
@@ -78,19 +82,20 @@ def labels_for(owner: Owner, spec: SandboxSpec, socket_dir: Path) -> dict[str, s
         LABEL_PID_START: owner.start,
         LABEL_HOST: owner.host,
         LABEL_LEASE: f"{time.time() + spec.ttl_s:.0f}",
-        LABEL_SOCKET_DIR: str(socket_dir),
+        LABEL_SEAL: seal,
     }
 
 
 def doomed(
     labels: Mapping[str, str],
+    name: str,
     created: float,
     now: float,
     older_than: float | None,
     owner: Owner,
     known: Collection[str],
 ) -> str:
-    """Why a managed container should be swept, or '' to keep it. `known`: names this instance holds or creates."""
+    """Why sealed container `name` should be swept, or '' to keep it. `known`: names this instance holds or makes."""
     try:
         lease = float(labels.get(LABEL_LEASE, "0"))
     except ValueError:
@@ -102,7 +107,6 @@ def doomed(
     if labels.get(LABEL_INSTANCE) == owner.instance:
         # ours, but neither alive in our hands nor being created: a removal or a create that the engine
         # finished after we had given up on it (it stalled)
-        name = labels.get(LABEL_SOCKET_DIR, "").rsplit("/", 1)[-1]
         return "" if name in known else "orphan of this instance"
     if labels.get(LABEL_HOST) != owner.host:
         return ""  # another host's owner: we cannot see its processes
@@ -113,7 +117,10 @@ def doomed(
 
 
 async def sweep(backend: DockerBackend, older_than: float | None = None) -> int:
-    """Remove the managed containers (and socket directories) whose owner is gone or whose lease expired."""
+    """Remove the sealed containers (and socket directories) whose owner is gone or whose lease expired.
+
+    A container whose name and seal this backend's key cannot verify is left alone, whatever its labels say.
+    """
     engine = backend.engine
     containers = await engine.call(engine.api.containers, all=True, filters={"label": f"{LABEL_MANAGED}=1"})
     now = time.time()
@@ -123,21 +130,24 @@ async def sweep(backend: DockerBackend, older_than: float | None = None) -> int:
     for c in containers:
         labels = c.get("Labels") or {}
         name = (c.get("Names") or ["/?"])[0].lstrip("/")
-        reason = doomed(labels, float(c.get("Created", now)), now, older_than, backend.owner, known)
+        live_names.add(name)
+        if not backend.sockets.verify(name, labels.get(LABEL_SEAL, "")):
+            log.debug("not sweeping %s: its labels are not sealed by this socket root's key", name)
+            continue
+        reason = doomed(labels, name, float(c.get("Created", now)), now, older_than, backend.owner, known)
         if not reason:
-            live_names.add(name)
             continue
         log.info("sweeping %s (%s)", name, reason)
+        live_names.discard(name)
         own = backend.owned(c["Id"])
         if own is not None:
             await own.close()
         else:
-            socket_root = backend.config.socket_root
-            await backend.discard(c["Id"], Path(labels.get(LABEL_SOCKET_DIR) or socket_root / name))
+            await backend.discard(c["Id"], name)
         removed += 1
     # socket directories whose container is gone (a crash between mkdir and create)
-    with contextlib.suppress(FileNotFoundError):
-        for d in backend.config.socket_root.iterdir():
-            if d.name not in live_names and now - d.stat().st_mtime > 60:
-                shutil.rmtree(d, ignore_errors=True)
+    for name in backend.sockets.names():
+        with contextlib.suppress(FileNotFoundError):
+            if name not in live_names and name not in known and backend.sockets.age_s(name, now) > 60:
+                backend.sockets.remove(name)
     return removed
