@@ -3,6 +3,7 @@ is swept, and no image built from tenant input carries the labels the sweep read
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import subprocess
@@ -66,7 +67,8 @@ def test_a_forged_image_cannot_make_the_sweep_delete_a_host_directory(
         # the sweep acted on nothing it could not verify: the forged container is still there
         assert docker_client.containers.get(container.id).labels[LABEL_MANAGED] == "1"
     finally:
-        container.remove(force=True)
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
         docker_client.api.remove_image(image, force=True)
 
 
@@ -120,10 +122,11 @@ def test_an_image_spec_on_a_base_with_the_sweeps_labels_is_refused(
 ) -> None:
     base = _forged_image(docker_client, base_image, str(tmp_path))
     try:
+        before = {t for i in docker_client.images.list(name="envfleet/test-forged-base") for t in i.tags}
         with pytest.raises(InvalidRequestError, match=r"carries labels \[.*'envfleet.managed'.*\], reserved"):
             build_from_spec(docker_client, name="test-forged-base", spec=ImageSpec(base=base, run=["true"]))
-        left = [t for i in docker_client.images.list(name="envfleet/test-forged-base") for t in i.tags]
-        assert left == [], "the refused image is removed"
+        after = {t for i in docker_client.images.list(name="envfleet/test-forged-base") for t in i.tags}
+        assert after <= before, "the refused image is removed"
     finally:
         docker_client.api.remove_image(base, force=True)
 
