@@ -9,6 +9,8 @@ import pwd
 import shutil
 import socket
 import stat
+import time
+import uuid
 from pathlib import Path
 
 import docker
@@ -118,3 +120,20 @@ async def test_seccomp_apparmor_and_nofile_as_the_engine_reports_them(
         ulimits = {u["Name"]: (u["Soft"], u["Hard"]) for u in info["HostConfig"]["Ulimits"] or []}
         assert ulimits["nofile"] == (backend.config.nofile,) * 2
         assert (await s.exec("ulimit -n")).stdout == f"{backend.config.nofile}\n".encode()
+
+
+async def test_the_sweep_unmounts_and_removes_a_socket_directory_a_crashed_owner_left(backend: DockerBackend) -> None:
+    name = f"envfleet-{uuid.uuid4().hex[:12]}"
+    path = backend.sockets.make(name, 100000, 100000)
+    try:
+        assert os.path.ismount(path)
+        (path / "junk").write_bytes(b"x" * 1000)
+        with pytest.raises(OSError, match="No space left"):
+            (path / "big").write_bytes(b"x" * (128 << 10))  # the cap holds for root on the host too
+        old = time.time() - 3600
+        os.utime(path, (old, old))
+        await backend.sweep()
+        assert not os.path.lexists(path)
+        assert str(path) not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        backend.sockets.remove(name)
