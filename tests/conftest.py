@@ -18,7 +18,8 @@ from typing import Any
 import docker
 import pytest
 
-from orchestrator.backends.docker.backend import LABEL_MANAGED, LABEL_OWNER, DockerBackend, DockerBackendConfig
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
+from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
 from orchestrator.backends.envd_transport import EnvdTransport
 
 REPO = Path(__file__).resolve().parent.parent

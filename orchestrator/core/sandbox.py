@@ -31,7 +31,10 @@ class Hardening(BaseModel):
     cap_drop_all: bool = True
     no_new_privileges: bool = True
     init: bool = True
-    user: str = Field("1000:1000", pattern=r"^[0-9]+:[0-9]+$", description="uid:gid; never root by default")
+    # a uid no host account has (nor the base image): a file it leaves on the host belongs to nobody there
+    user: str = Field(
+        "100000:100000", pattern=r"^[0-9]+:[0-9]+$", description="uid:gid; never root, no host account by default"
+    )
 
     @field_validator("user")
     @classmethod

@@ -7,6 +7,7 @@ context; every streamed line goes to a log file, and a failure names the Dockerf
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ from typing import IO, Any
 import docker
 import docker.errors
 
+from orchestrator.backends.docker.sweeper import CONTROL_LABELS
 from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, safe_name
 
@@ -33,6 +35,7 @@ TAIL_LINES = 20
 _SPOOL_MAX_BYTES = 64 << 20
 _NAME = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
 _STEP = re.compile(r"^Step \d+/\d+ : ")
+_CONTINUED = re.compile(r"\\[ \t]*\r?\n")
 
 ContextFile = bytes | Path
 
@@ -87,13 +90,15 @@ def build_image(
         raise InvalidRequestError(
             f"image name {name!r} must be lowercase [a-z0-9] words joined by '.', '_', '-' or '/'"
         )
+    labs = dict(labels or {})
+    _refuse_control_labels(dockerfile, labs)
     entries = _collect(context_files)
     args = dict(buildargs or {})
-    labs = dict(labels or {})
     key = _key(dockerfile, entries, args, labs)[:12]
     tag = f"{REPO_PREFIX}/{name}:{key}"
     if image_exists(client, tag):
         log.debug("cache hit: %s", tag)
+        _check_image_labels(client, tag)
         return tag
     cache = cache_dir or default_cache_dir()
     logs = log_dir or log_dir_for(cache)
@@ -110,8 +115,32 @@ def build_image(
             _run_build(client, context, tag, args, labs, log_path)
         if not image_exists(client, tag):
             raise ImageBuildError(f"building {tag}: the build finished but the image is missing", log_path=log_path)
+        _check_image_labels(client, tag)
         log.info("built %s in %.1f s", tag, time.monotonic() - started)
     return tag
+
+
+def _refuse_control_labels(dockerfile: str, labels: Mapping[str, str]) -> None:
+    """A Dockerfile's LABEL lines and the build's labels may not name a label the sandbox sweep reads."""
+    named = [k for k in labels if k.lower() in CONTROL_LABELS]
+    for line in _CONTINUED.sub(" ", dockerfile).splitlines():
+        if line.lstrip().upper().startswith("LABEL"):
+            named += sorted(k for k in CONTROL_LABELS if k in line.lower())
+    if named:
+        raise InvalidRequestError(f"labels {sorted(set(named))} are reserved for envfleet's own sandboxes")
+
+
+def _check_image_labels(client: docker.DockerClient, tag: str) -> None:
+    """The built image may not carry a control label either (from its base, or spelled through an ARG): the image
+    is removed and the build refused."""
+    labels = (client.api.inspect_image(tag).get("Config") or {}).get("Labels") or {}
+    named = sorted(k for k in labels if k.lower() in CONTROL_LABELS)
+    if named:
+        with contextlib.suppress(docker.errors.APIError):
+            client.api.remove_image(tag, force=True)
+        raise InvalidRequestError(
+            f"image {tag} carries labels {named}, reserved for envfleet's own sandboxes (from its base image?)"
+        )
 
 
 def _check_context_path(path: str) -> str:

@@ -49,9 +49,9 @@ async def test_lifecycle_exec_files_and_hardening(
     assert b"".join(e.stdout for e in events) == b"1\n2\n3\n" and b"".join(e.stderr for e in events) == b"oops\n"
     assert events[-1].ended.exit_code == 3
 
-    # the same hardening as every sandbox: uid 1000, read-only root, no network, no capabilities, the limits
+    # the same hardening as every sandbox: uid 100000, read-only root, no network, no capabilities, the limits
     out = b"".join(e.stdout for e in await _exec(client, sid, shell="id -u; touch /probe 2>/dev/null || echo ro"))
-    assert out.decode().split() == ["1000", "ro"]
+    assert out.decode().split() == ["100000", "ro"]
     (c,) = await asyncio.to_thread(docker_client.api.containers, filters={"label": [f"envfleet.sandbox={sid}"]})
     host = (await asyncio.to_thread(docker_client.api.inspect_container, c["Id"]))["HostConfig"]
     assert (host["Memory"], host["PidsLimit"], host["NetworkMode"]) == (256 << 20, 64, "none")

@@ -17,22 +17,15 @@ from collections.abc import AsyncIterator
 import docker
 import pytest
 
-from orchestrator.backends.docker.backend import (
-    LABEL_INSTANCE,
-    LABEL_LEASE,
-    LABEL_MANAGED,
-    LABEL_OWNER,
-    DockerBackend,
-    DockerBackendConfig,
-    DockerSandbox,
-)
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
+from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, LABEL_LEASE, LABEL_MANAGED, LABEL_OWNER
 from orchestrator.core.errors import (
     SandboxCreateError,
     SandboxDiedError,
     SandboxPermissionError,
     SandboxStartTimeoutError,
 )
-from orchestrator.core.sandbox import ExecOutput, Limits, SandboxSpec
+from orchestrator.core.sandbox import ExecOutput, Hardening, Limits, SandboxSpec
 from tests.conftest import REPO, TEST_OWNER
 
 
@@ -60,7 +53,7 @@ async def test_exec_basics_through_envd(sandbox: DockerSandbox) -> None:
 
 async def test_not_root_and_root_filesystem_is_read_only(sandbox: DockerSandbox) -> None:
     r = await sandbox.exec("id -u; id -g")
-    assert r.stdout.split() == [b"1000", b"1000"]
+    assert r.stdout.split() == Hardening().user.encode().split(b":") == [b"100000", b"100000"]
     r = await sandbox.exec("touch /usr/evil")
     assert r.exit_code != 0 and b"Read-only file system" in r.stderr
     r = await sandbox.exec("touch /evil")
@@ -84,7 +77,7 @@ async def test_inspect_shows_every_hardening_flag(sandbox: DockerSandbox, docker
     assert hc["Init"] is True
     assert set(hc["Tmpfs"]) == {"/tmp", "/workspace"}
     assert f"size={lim.tmp_mb}m" in hc["Tmpfs"]["/tmp"]
-    assert cfg["User"] == "1000:1000"
+    assert cfg["User"] == "100000:100000"
     assert cfg["Labels"][LABEL_MANAGED] == "1" and cfg["Labels"][LABEL_OWNER] == TEST_OWNER
     assert float(cfg["Labels"][LABEL_LEASE]) > time.time()
 
@@ -221,7 +214,7 @@ async def test_sandbox_that_never_gets_healthy_is_destroyed_with_its_logs(
 OWNER_SCRIPT = """
 import asyncio, sys
 from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
-from orchestrator.backends.base import SandboxSpec
+from orchestrator.core.sandbox import SandboxSpec
 
 async def main():
     b = await DockerBackend.start(DockerBackendConfig(owner=sys.argv[2]), sweep=False)
@@ -253,7 +246,7 @@ async def test_sandboxes_of_a_killed_owner_are_swept(base_image: str, docker_cli
     try:
         assert docker_client.api.containers(all=True, filters=flt) == []
         for c in left:
-            assert not os.path.exists(c.labels["envfleet.socket_dir"])
+            assert not os.path.lexists(sweeper.config.socket_root / c.name)
     finally:
         await sweeper.close()
 

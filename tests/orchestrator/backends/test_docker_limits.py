@@ -12,7 +12,8 @@ from pathlib import Path
 import docker
 import pytest
 
-from orchestrator.backends.docker.backend import LABEL_INSTANCE, DockerBackend, DockerBackendConfig
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
+from orchestrator.backends.docker.sweeper import LABEL_INSTANCE
 from orchestrator.core.errors import SandboxUnavailableError
 from orchestrator.core.sandbox import SandboxSpec
 from tests.conftest import TEST_OWNER, owned_backend

@@ -1,0 +1,120 @@
+"""Create until ready: create and start a hardened container, then wait until envd inside answers its health check.
+
+A create that fails at any step removes whatever it had made; a limit the engine could not apply fails the create.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import docker.errors
+
+from orchestrator.backends.docker.host_config import ENVD_MOUNT, host_config, limit_warnings
+from orchestrator.backends.docker.socket_dirs import SOCKET_NAME
+from orchestrator.backends.docker.sweeper import labels_for
+from orchestrator.backends.envd_transport import EnvdTransport
+from orchestrator.core.errors import (
+    LimitNotAppliedError,
+    SandboxCreateError,
+    SandboxStartTimeoutError,
+)
+from orchestrator.core.sandbox import SandboxSpec, Transport
+
+if TYPE_CHECKING:
+    from orchestrator.backends.docker.backend import DockerBackend
+
+# -OO: no docstrings or asserts in envd and its libraries, about 0.9 MB less per sandbox (the base image holds the
+# matching .opt-2.pyc files, since the root filesystem is read-only)
+ENVD_COMMAND = ["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py", "--socket", f"{ENVD_MOUNT}/{SOCKET_NAME}"]
+
+
+async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: str) -> tuple[str, Transport, Path]:
+    """Create and start container `name` for `spec`; returns its id, a ready transport and its socket directory."""
+    engine = backend.engine
+    uid, gid = (int(x) for x in spec.hardening.user.split(":"))
+    use_envd = spec.transport == "envd"
+    token = secrets.token_urlsafe(24)
+    socket_dir = backend.sockets.make(name, uid, gid)
+    cid: str | None = None
+    try:
+        created = await engine.call_to_completion(
+            engine.api.create_container,
+            spec.image,
+            command=ENVD_COMMAND if use_envd else ["sleep", "infinity"],
+            name=name,
+            user=spec.hardening.user,
+            working_dir=spec.workspace,
+            environment={"ENVD_TOKEN": token, **spec.env} if use_envd else dict(spec.env),
+            labels=labels_for(backend.owner, spec, backend.sockets.seal(name)),
+            host_config=host_config(
+                engine.api,
+                spec,
+                socket_dir if use_envd else None,
+                swap_limit=bool(backend.swap_limit),
+                nofile=backend.config.nofile,
+            ),
+            network_disabled=True,
+        )
+        cid = created["Id"]
+        warnings = limit_warnings(created)
+        if warnings:
+            raise LimitNotAppliedError(f"the engine could not apply a limit: {'; '.join(warnings)}")
+        await engine.call_to_completion(engine.api.start, cid)
+        transport: Transport
+        if use_envd:
+            transport = EnvdTransport(str(socket_dir / SOCKET_NAME), token)
+            await wait_ready(backend, cid, name, transport, spec.startup_timeout_s)
+        else:
+            from orchestrator.backends.docker.exec_fallback import DockerExecTransport
+
+            transport = DockerExecTransport(backend, cid, spec)
+    except BaseException as e:
+        await backend.discard(cid or name, name)
+        if isinstance(e, docker.errors.ImageNotFound):
+            raise SandboxCreateError(f"image {spec.image!r} not found; build it first") from e
+        if isinstance(e, docker.errors.APIError):
+            raise SandboxCreateError(f"docker refused to create the sandbox: {e.explanation or e}") from e
+        raise
+    return cid, transport, socket_dir
+
+
+async def wait_ready(backend: DockerBackend, cid: str, name: str, transport: Transport, deadline_s: float) -> None:
+    """Wait until envd answers its health check; a container that exits or a deadline that passes fails the create.
+
+    Nothing connects before envd's socket is there and the directory is locked (taken from the sandbox): a link
+    planted where the socket should be is never followed.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    # the engine is asked about the container only now and then: under load, extra inspects slow every create
+    next_state_check = loop.time() + 1.0
+    delay = 0.002
+    locked = False
+    while True:
+        if not locked and backend.sockets.has_socket(name):
+            locked = True
+            if not backend.sockets.lock(name):
+                raise SandboxCreateError(f"sandbox {name}: {SOCKET_NAME} was swapped for something that is no socket")
+        if locked and await transport.health(timeout=max(0.05, min(2.0, deadline - loop.time()))):
+            return
+        now = loop.time()
+        if now >= deadline:
+            await transport.close()
+            tail = await backend.engine.logs_tail(cid)
+            raise SandboxStartTimeoutError(
+                f"sandbox {name}: envd did not become healthy within {deadline_s:g}s; last log lines:\n{tail}"
+            )
+        if now >= next_state_check:
+            next_state_check = now + 1.0
+            st = await backend.state_of(cid)
+            if not st.running:
+                await transport.close()
+                tail = await backend.engine.logs_tail(cid)
+                raise SandboxCreateError(
+                    f"sandbox {name} exited during startup (exit code {st.exit_code}); last log lines:\n{tail}"
+                )
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.05)

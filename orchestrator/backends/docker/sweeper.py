@@ -1,0 +1,153 @@
+"""The sweeper: labels on every container, owner liveness, lease expiry, and removal of what dead owners left.
+
+Each container carries labels naming its owner process and lease, so a sweep (at start, periodically, and when the
+engine answers again after a stall) removes what a crashed owner left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchestrator.core.sandbox import SandboxSpec
+
+if TYPE_CHECKING:
+    from orchestrator.backends.docker.backend import DockerBackend
+
+log = logging.getLogger(__name__)
+
+LABEL_MANAGED = "envfleet.managed"
+LABEL_OWNER = "envfleet.owner"
+LABEL_INSTANCE = "envfleet.instance"
+LABEL_PID = "envfleet.owner_pid"
+LABEL_PID_START = "envfleet.owner_start"
+LABEL_HOST = "envfleet.host"
+LABEL_LEASE = "envfleet.lease_expiry"
+LABEL_SOCKET_DIR = "envfleet.socket_dir"  # written by older versions; never read: a label is no host path
+LABEL_SEAL = "envfleet.seal"
+# the labels the sweep reads: no image built from tenant input may carry them (orchestrator/images/build.py)
+CONTROL_LABELS = frozenset(
+    {LABEL_MANAGED, LABEL_OWNER, LABEL_INSTANCE, LABEL_PID, LABEL_PID_START, LABEL_HOST, LABEL_LEASE, LABEL_SOCKET_DIR}
+    | {LABEL_SEAL}
+)
+
+
+def _proc_start_time(pid: int) -> str:
+    """The kernel's start time of a process (clock ticks since boot), which tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    return raw[raw.rfind(b")") + 2 :].split()[19].decode()
+
+
+def owner_alive(pid: int, start: str) -> bool:
+    """Whether the process that created a sandbox still runs (same pid and same start time)."""
+    return bool(start) and _proc_start_time(pid) == start
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The identity this backend instance writes into every container's labels."""
+
+    name: str
+    instance: str
+    pid: int
+    start: str
+    host: str
+
+    @classmethod
+    def current(cls, name: str) -> Owner:
+        """This process."""
+        pid = os.getpid()
+        return cls(name, uuid.uuid4().hex, pid, _proc_start_time(pid), socket.gethostname())
+
+
+def labels_for(owner: Owner, spec: SandboxSpec, seal: str) -> dict[str, str]:
+    """The labels of a new container: the spec's own (never one of ours), then ours, sealed."""
+    return {
+        **{k: v for k, v in spec.labels.items() if k not in CONTROL_LABELS},
+        LABEL_MANAGED: "1",
+        LABEL_OWNER: owner.name,
+        LABEL_INSTANCE: owner.instance,
+        LABEL_PID: str(owner.pid),
+        LABEL_PID_START: owner.start,
+        LABEL_HOST: owner.host,
+        LABEL_LEASE: f"{time.time() + spec.ttl_s:.0f}",
+        LABEL_SEAL: seal,
+    }
+
+
+def doomed(
+    labels: Mapping[str, str],
+    name: str,
+    created: float,
+    now: float,
+    older_than: float | None,
+    owner: Owner,
+    known: Collection[str],
+) -> str:
+    """Why sealed container `name` should be swept, or '' to keep it. `known`: names this instance holds or makes."""
+    try:
+        lease = float(labels.get(LABEL_LEASE, "0"))
+    except ValueError:
+        lease = 0.0
+    if lease and lease < now:
+        return "lease expired"
+    if older_than is not None and now - created > older_than:
+        return f"older than {older_than:g}s"
+    if labels.get(LABEL_INSTANCE) == owner.instance:
+        # ours, but neither alive in our hands nor being created: a removal or a create that the engine
+        # finished after we had given up on it (it stalled)
+        return "" if name in known else "orphan of this instance"
+    if labels.get(LABEL_HOST) != owner.host:
+        return ""  # another host's owner: we cannot see its processes
+    pid = labels.get(LABEL_PID, "")
+    if not pid.isdigit() or not owner_alive(int(pid), labels.get(LABEL_PID_START, "")):
+        return "owner process is gone"
+    return ""
+
+
+async def sweep(backend: DockerBackend, older_than: float | None = None) -> int:
+    """Remove the sealed containers (and socket directories) whose owner is gone or whose lease expired.
+
+    A container whose name and seal this backend's key cannot verify is left alone, whatever its labels say.
+    """
+    engine = backend.engine
+    containers = await engine.call(engine.api.containers, all=True, filters={"label": f"{LABEL_MANAGED}=1"})
+    now = time.time()
+    removed = 0
+    live_names = set()
+    known = backend.known_names()
+    for c in containers:
+        labels = c.get("Labels") or {}
+        name = (c.get("Names") or ["/?"])[0].lstrip("/")
+        live_names.add(name)
+        if not backend.sockets.verify(name, labels.get(LABEL_SEAL, "")):
+            log.debug("not sweeping %s: its labels are not sealed by this socket root's key", name)
+            continue
+        reason = doomed(labels, name, float(c.get("Created", now)), now, older_than, backend.owner, known)
+        if not reason:
+            continue
+        log.info("sweeping %s (%s)", name, reason)
+        live_names.discard(name)
+        own = backend.owned(c["Id"])
+        if own is not None:
+            await own.close()
+        else:
+            await backend.discard(c["Id"], name)
+        removed += 1
+    # socket directories whose container is gone (a crash between mkdir and create)
+    for name in backend.sockets.names():
+        with contextlib.suppress(FileNotFoundError):
+            if name not in live_names and name not in known and backend.sockets.age_s(name, now) > 60:
+                backend.sockets.remove(name)
+    return removed

@@ -1,0 +1,139 @@
+"""Sandbox hardening as the engine and the host report it: envd's socket directory, the sandbox uid, seccomp and
+AppArmor, and the open-files limit."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import shutil
+import socket
+import stat
+import time
+import uuid
+from pathlib import Path
+
+import docker
+import pytest
+
+from orchestrator.backends.docker import DockerBackend
+from orchestrator.backends.docker.socket_dirs import SOCKET_NAME
+from orchestrator.core.errors import SandboxCreateError
+from orchestrator.core.sandbox import Hardening, SandboxSpec
+from orchestrator.images import build_image
+
+
+async def test_a_big_write_into_the_socket_directory_fails_and_lands_nothing_on_the_host(
+    backend: DockerBackend, base_image: str
+) -> None:
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        host_dir = backend.config.socket_root / s.name
+        free_before = shutil.disk_usage("/").free
+        r = await s.exec("head -c 1G /dev/zero > /run/envd/big", timeout=120)
+        assert r.exit_code != 0
+        assert b"Permission denied" in r.stderr
+        assert os.listdir(host_dir) == [SOCKET_NAME]
+        # the directory is a tmpfs of its own, 64 KiB at most, not a folder on the host's disk
+        vfs = os.statvfs(host_dir)
+        assert vfs.f_blocks * vfs.f_frsize <= 64 << 10
+        assert os.lstat(host_dir).st_dev != os.lstat("/").st_dev
+        assert shutil.disk_usage("/").free > free_before - (256 << 20)  # others write too; 1 GiB would show
+
+
+async def test_the_socket_root_is_ours_0700_and_each_directory_is_taken_from_the_sandbox(
+    backend: DockerBackend, base_image: str
+) -> None:
+    root = os.lstat(backend.config.socket_root)
+    assert stat.S_ISDIR(root.st_mode) and stat.S_IMODE(root.st_mode) == 0o700
+    assert (root.st_uid, root.st_gid) == (os.geteuid(), os.getegid()) == (0, 0)
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        d = os.lstat(backend.config.socket_root / s.name)
+        assert (d.st_uid, stat.S_IMODE(d.st_mode)) == (0, 0o755), "locked once envd listens"
+        assert stat.S_ISSOCK(os.lstat(backend.config.socket_root / s.name / SOCKET_NAME).st_mode)
+        r = await s.exec(["sh", "-c", "ln -s / /run/envd/x; rm -f /run/envd/envd.sock; ls /run/envd"])
+        assert b"Permission denied" in r.stderr and r.stdout == b"envd.sock\n"
+        assert (await s.exec(["echo", "still answering"])).stdout == b"still answering\n"
+
+
+async def test_the_sandbox_uid_has_no_account_on_the_host(backend: DockerBackend, base_image: str) -> None:
+    uid, gid = (int(x) for x in Hardening().user.split(":"))
+    assert uid >= 100000
+    with pytest.raises(KeyError):
+        pwd.getpwuid(uid)
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        assert (await s.exec(["id", "-u"])).stdout == f"{uid}\n".encode()
+        assert (await s.exec(["id", "-g"])).stdout == f"{gid}\n".encode()
+        r = await s.exec("echo hi > /workspace/f && cat /workspace/f && echo x > /tmp/t && python3 -c 'print(1)'")
+        assert (r.exit_code, r.stdout) == (0, b"hi\n1\n"), r.stderr
+
+
+# an "envd" that plants a link where its socket should be, pointing at a socket on the host
+LINKING_ENVD = b"""import os, time
+os.symlink(os.environ["CANARY"], "/run/envd/envd.sock")
+time.sleep(600)
+"""
+
+
+async def test_a_link_planted_at_envd_sock_is_never_followed(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    image = await asyncio.to_thread(
+        build_image,
+        docker_client,
+        name="test-linking-envd",
+        dockerfile=f"FROM {base_image}\nCOPY launch.py /opt/envfleet/envd/launch.py\n",
+        context_files={"launch.py": LINKING_ENVD},
+    )
+    canary_path = str(tmp_path / "canary.sock")
+    canary = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    canary.bind(canary_path)
+    canary.listen(8)
+    canary.setblocking(False)
+    try:
+        spec = SandboxSpec(image=image, env={"CANARY": canary_path}, startup_timeout_s=3)
+        with pytest.raises(SandboxCreateError, match="envd did not become healthy"):
+            await backend.create(spec)
+        with pytest.raises(BlockingIOError):
+            canary.accept()  # nobody connected: the host never followed the link
+    finally:
+        canary.close()
+
+
+async def test_seccomp_apparmor_and_nofile_as_the_engine_reports_them(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        info = docker_client.api.inspect_container(s.id)
+        opts = info["HostConfig"]["SecurityOpt"] or []
+        assert "no-new-privileges" in opts
+        assert not [o for o in opts if o.endswith("unconfined")], opts
+        # seccomp: the kernel's word from inside (2: a filter is installed), not only the engine's
+        status = (await s.exec(["cat", "/proc/self/status"])).stdout.decode()
+        assert "\nSeccomp:\t2\n" in status
+        engine_security = " ".join(docker_client.info().get("SecurityOptions") or [])
+        assert "name=seccomp" in engine_security and "profile=unconfined" not in engine_security
+        if "name=apparmor" in engine_security:
+            assert info["AppArmorProfile"] not in ("", "unconfined")
+        else:
+            # this host's kernel has no AppArmor: the engine applies none and says so with an empty profile
+            assert info["AppArmorProfile"] == ""
+        ulimits = {u["Name"]: (u["Soft"], u["Hard"]) for u in info["HostConfig"]["Ulimits"] or []}
+        assert ulimits["nofile"] == (backend.config.nofile,) * 2
+        assert (await s.exec("ulimit -n")).stdout == f"{backend.config.nofile}\n".encode()
+
+
+async def test_the_sweep_unmounts_and_removes_a_socket_directory_a_crashed_owner_left(backend: DockerBackend) -> None:
+    name = f"envfleet-{uuid.uuid4().hex[:12]}"
+    path = backend.sockets.make(name, 100000, 100000)
+    try:
+        assert os.path.ismount(path)
+        (path / "junk").write_bytes(b"x" * 1000)
+        with pytest.raises(OSError, match="No space left"):
+            (path / "big").write_bytes(b"x" * (128 << 10))  # the cap holds for root on the host too
+        old = time.time() - 3600
+        os.utime(path, (old, old))
+        await backend.sweep()
+        assert not os.path.lexists(path)
+        assert str(path) not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        backend.sockets.remove(name)
