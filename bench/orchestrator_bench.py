@@ -118,7 +118,7 @@ def baseline_rollouts_per_s(image: str, total: int, concurrency: int) -> float:
                 detach=True,
                 network_mode="none",
                 init=True,
-                user="1000:1000",
+                user="100000:100000",
                 labels={"envfleet.bench": "baseline"},
             )
             try:

@@ -62,7 +62,7 @@ def _run_flags(image: str) -> list[str]:
     lim = SWE_LIMITS
     return [
         "run", "-d", "--network", "none", "--read-only", "--cap-drop", "ALL",
-        "--security-opt", "no-new-privileges", "--init", "--user", "1000:1000",
+        "--security-opt", "no-new-privileges", "--init", "--user", "100000:100000",
         "--pids-limit", str(lim.pids), "--memory", f"{lim.memory_mb}m", "--cpus", str(lim.cpus),
         "--tmpfs", f"/tmp:rw,exec,nosuid,nodev,size={lim.tmp_mb}m,mode=1777",
         "--tmpfs", f"/workspace:rw,exec,nosuid,nodev,size={lim.workspace_mb}m,uid=1000,gid=1000,mode=0755",

@@ -11,7 +11,8 @@ from typing import Any
 import docker
 import pytest
 
-from orchestrator.backends.docker.backend import LABEL_MANAGED, LABEL_OWNER, DockerBackendConfig
+from orchestrator.backends.docker.config import DockerBackendConfig
+from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
