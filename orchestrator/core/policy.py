@@ -17,8 +17,15 @@ class Sampling(BaseModel):
     stop: list[str] = Field(default_factory=list)
 
 
+REPLAY_URL = "replay://reference"
+
+
 class PolicyEndpoint(BaseModel):
-    """Where the policy is served: an OpenAI-compatible base URL (usually ending in /v1) and how to call it."""
+    """Where the policy is served: an OpenAI-compatible base URL (usually ending in /v1) and how to call it.
+
+    `replay://reference` is no server: each task's reference solution is replayed in process, instantly. It is for
+    measuring and simulating the fleet itself; its rollouts carry no tokens.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -32,6 +39,8 @@ class PolicyEndpoint(BaseModel):
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, v: str) -> str:
+        if v == REPLAY_URL:
+            return v
         if not v.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {v!r}")
+            raise ValueError(f"base_url must start with http:// or https:// (or be {REPLAY_URL}), got {v!r}")
         return v.rstrip("/")

@@ -7,8 +7,10 @@ from typing import Protocol
 
 from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.models import JobSpec, Rollout
-from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.policy.client import OpenAIPolicy
+from orchestrator.rollout.policy.replay import ReplayPolicy
 from orchestrator.rollout.runner import RolloutRunner, WorkItem
 
 
@@ -35,6 +37,7 @@ class LocalExecutor:
     def __init__(self, runner: RolloutRunner) -> None:
         self.runner = runner
         self._policies: dict[PolicyEndpoint, OpenAIPolicy] = {}
+        self._replays: dict[str, ReplayPolicy] = {}
 
     @property
     def images(self) -> ImageSource:
@@ -50,7 +53,12 @@ class LocalExecutor:
 
     async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
         """Run the rollout here."""
-        return await self.runner.run(item, env, spec, self.policy(spec.policy), spec.policy.version)
+        policy: Policy
+        if spec.policy.base_url == REPLAY_URL:
+            policy = self._replays.get(env.ref()) or self._replays.setdefault(env.ref(), ReplayPolicy(env))
+        else:
+            policy = self.policy(spec.policy)
+        return await self.runner.run(item, env, spec, policy, spec.policy.version)
 
     def job_ended(self, job_id: str) -> None:
         """Forget the job's group snapshots."""
