@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator.client.convert import _KIND
+from orchestrator.core.echo import echo
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.models import (
@@ -26,7 +27,7 @@ def validation_message(e: ValidationError) -> str:
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "request"
         got = err.get("input")
-        shown = "" if isinstance(got, dict) else f" (got {got!r})"[:120]
+        shown = "" if isinstance(got, dict) else f" (got {echo(got)})"
         parts.append(f"{loc}: {err['msg']}{shown}")
     return "; ".join(parts)
 

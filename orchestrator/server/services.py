@@ -14,7 +14,7 @@ from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_fr
 from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
 from orchestrator.server.security import Authenticator
 from orchestrator.service.declarative import DeclarativeEnvironment
-from orchestrator.service.jobs import JobManager
+from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar
 from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
@@ -22,14 +22,50 @@ from protos import orchestrator_pb2_grpc as pb_grpc
 
 MAX_IN_FLIGHT = 100_000
 MAX_BATCH = 10_000
+# Every identifier a caller sends is capped here, before it reaches a lookup or an error message.
+MAX_ID = 128  # job, task, session and sandbox ids (Reset's task_id too)
+MAX_ENV_REF = 200  # name@version
+MAX_NAME = 256  # a policy's model name, a policy version
+MAX_URL = 2048
+MAX_SECRET = 4096  # a policy's API key
+MAX_STOP = 64  # stop strings, each at most MAX_NAME
+
+
+def capped(value: str, what: str, limit: int, *, required: bool = False) -> str:
+    """`value` unchanged if it is at most `limit` characters (and present when required); else INVALID_ARGUMENT."""
+    if required and not value:
+        raise InvalidRequestError(f"{what} is empty")
+    if len(value) > limit:
+        raise InvalidRequestError(f"{what} is too long ({len(value)} characters, the limit is {limit})")
+    return value
 
 
 def _job_id(job_id: str) -> str:
-    if not job_id:
-        raise InvalidRequestError("job_id is empty")
-    if len(job_id) > 128:
-        raise InvalidRequestError("job_id is too long (over 128 characters)")
-    return job_id
+    return capped(job_id, "job_id", MAX_ID, required=True)
+
+
+def check_job_spec(m: pb.JobSpec) -> None:
+    """Identifier caps and the job's size (tasks x group_size), checked before the spec is even converted."""
+    capped(m.env, "env", MAX_ENV_REF)
+    for i, task_id in enumerate(m.tasks.ids):
+        capped(task_id, f"tasks.ids[{i}]", MAX_ID)
+    p = m.policy
+    capped(p.base_url, "policy.base_url", MAX_URL)
+    capped(p.model, "policy.model", MAX_NAME)
+    capped(p.version, "policy.version", MAX_NAME)
+    capped(p.api_key, "policy.api_key", MAX_SECRET)
+    if len(m.sampling.stop) > MAX_STOP:
+        raise InvalidRequestError(f"sampling.stop has {len(m.sampling.stop)} strings, the limit is {MAX_STOP}")
+    for i, s in enumerate(m.sampling.stop):
+        capped(s, f"sampling.stop[{i}]", MAX_NAME)
+    # kind=all is checked by the JobManager, which knows the environment's task count, still before building items
+    tasks = len(set(m.tasks.ids)) if m.tasks.kind == pb.TaskSelection.KIND_IDS else m.tasks.count
+    total = tasks * max(m.group_size, 1)
+    if total > MAX_ROLLOUTS_PER_JOB:
+        raise InvalidRequestError(
+            f"tasks x group_size = {tasks} x {max(m.group_size, 1)} = {total} rollouts; "
+            f"the limit per job is {MAX_ROLLOUTS_PER_JOB}"
+        )
 
 
 class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[misc]
@@ -61,6 +97,7 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
     ) -> pb.EnvironmentInfo:
         if not request.name:
             raise InvalidRequestError("name is empty: give an environment name or name@version")
+        capped(request.name, "name", MAX_ENV_REF)
         r = self._registry.lookup(request.name)
         return environment_pb(r.env, r.source, self._image(r.env))
 
@@ -87,6 +124,7 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         self._auth = auth or Authenticator()
 
     async def SubmitJob(self, request: pb.JobSpec, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        check_job_spec(request)
         job_id, total = await self._jobs.submit(job_spec_from_pb(request), self._auth.tenant(context))
         return pb.SubmitJobResponse(job_id=job_id, num_rollouts=total)
 
@@ -119,8 +157,8 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         return pb.AckResponse(acked=acked)
 
     async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:
-        if not request.version:
-            raise InvalidRequestError("version is empty: name the new policy version")
+        capped(request.version, "version", MAX_NAME, required=True)
+        capped(request.base_url, "base_url", MAX_URL)
         info = await self._jobs.update_policy(
             _job_id(request.job_id), request.version, request.base_url, owner=self._auth.tenant(context)
         )

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from orchestrator.core.echo import echo
 from orchestrator.core.sandbox import Limits
 from orchestrator.core.tools import BUILTIN_TOOLS
 from orchestrator.service.declarative.errors import Problem, SpecError
@@ -246,7 +247,7 @@ def _message(err: Mapping[str, Any]) -> str:
     msg = str(err["msg"]).removeprefix("Value error, ")
     got = err.get("input")
     if err["type"] not in ("missing", "value_error") and not isinstance(got, dict | list):
-        msg += f" (got {got!r})"[:160]
+        msg += f" (got {echo(got)})"
     return msg
 
 
