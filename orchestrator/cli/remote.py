@@ -24,7 +24,9 @@ def add_serve_security_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
     p.add_argument(
-        "--insecure", action="store_true", help="allow plaintext on a non-loopback address (tokens in clear)"
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback address without --token-file (anyone is tenant 'local') or without TLS",
     )
     p.add_argument(
         "--reflection",
