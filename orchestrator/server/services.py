@@ -112,8 +112,8 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
         return environment_pb(r.env, r.source, self._image(r.env))
 
     async def Validate(self, request: pb.EnvironmentSpec, context: grpc.aio.ServicerContext) -> pb.ValidationReport:
-        self._auth.tenant(context)
-        return validation_report_pb(await self._registrar_or_fail().validate(spec_from_pb(request)))
+        tenant = self._auth.tenant(context)
+        return validation_report_pb(await self._registrar_or_fail().validate(spec_from_pb(request), tenant))
 
 
 class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]

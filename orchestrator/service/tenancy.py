@@ -14,12 +14,14 @@ is read) is not read until it settles; a table is parsed whole, then swapped in 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -206,3 +208,41 @@ class TokenSource:
             return
         self._table = table  # parsed whole, swapped in at once
         log.info("reloaded token file %s (%d tokens)", self.path, len(table))
+
+
+class TenantGate:
+    """Slots shared by all tenants (e.g. image builds), at most `per_tenant` of them held by any one tenant, so one
+    tenant cannot hold every slot while others wait."""
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        if not 1 <= per_tenant <= total:
+            raise ConfigError(f"per-tenant slots ({per_tenant}) must be between 1 and the total ({total})")
+        self.total = total
+        self.per_tenant = per_tenant
+        self._all = asyncio.Semaphore(total)
+        self._mine: dict[str, asyncio.Semaphore] = {}
+        self._users: dict[str, int] = {}  # holding or waiting
+        self._held: dict[str, int] = {}
+
+    def held(self, tenant: str) -> int:
+        """Slots `tenant` holds now."""
+        return self._held.get(tenant, 0)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, tenant: str) -> AsyncIterator[None]:
+        """Hold one slot: first one of the tenant's own, then one of the shared ones."""
+        mine = self._mine.setdefault(tenant, asyncio.Semaphore(self.per_tenant))
+        self._users[tenant] = self._users.get(tenant, 0) + 1
+        try:
+            async with mine, self._all:
+                self._held[tenant] = self._held.get(tenant, 0) + 1
+                try:
+                    yield
+                finally:
+                    self._held[tenant] -= 1
+                    if not self._held[tenant]:
+                        del self._held[tenant]
+        finally:
+            self._users[tenant] -= 1
+            if not self._users[tenant]:  # forget idle tenants: the map stays as small as the tenants at work
+                del self._users[tenant], self._mine[tenant]
