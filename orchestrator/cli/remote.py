@@ -35,6 +35,12 @@ def add_serve_security_arguments(p: argparse.ArgumentParser) -> None:
         help="gRPC server reflection (default: on without TLS, off with TLS)",
     )
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session lives")
+    p.add_argument(
+        "--allow-policy-url",
+        action="append",
+        metavar="PREFIX",
+        help="a URL prefix jobs' policies may be served under (repeatable; host may start with '*.'); default: any",
+    )
 
 
 def security_config(args: argparse.Namespace) -> SecurityConfig:
@@ -52,9 +58,15 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
         if args.tls_cert
         else None
     )
-    return SecurityConfig(
-        token_file=Path(args.token_file) if args.token_file else None, tls=tls, insecure=args.insecure
-    )
+    try:
+        return SecurityConfig(
+            token_file=Path(args.token_file) if args.token_file else None,
+            tls=tls,
+            insecure=args.insecure,
+            policy_urls=getattr(args, "allow_policy_url", None),
+        )
+    except ValueError as e:
+        raise SystemExit(f"envfleet serve: {e}") from None
 
 
 def add_client_arguments(

@@ -22,6 +22,7 @@ from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
     Authenticator,
     AuthInterceptor,
+    PolicyURLs,
     SecurityConfig,
     check_transport,
     server_credentials,
@@ -164,7 +165,9 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(
         EnvironmentService(registry, registrar, auth), server
     )
-    orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(jobs, auth), server)
+    orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
+        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls)), server
+    )
     orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
     orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)
     health_servicer = health.aio.HealthServicer()

@@ -14,13 +14,16 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from orchestrator.core.errors import ConfigError, UnauthenticatedError
+from orchestrator.core.echo import echo
+from orchestrator.core.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
 from orchestrator.core.net import is_loopback
 from orchestrator.service import tenancy
 from orchestrator.service.tenancy import LOCAL_TENANT, Grant, TokenSource
@@ -50,6 +53,65 @@ class SecurityConfig(BaseModel):
     token_file: Path | None = None
     tls: TLSConfig | None = None
     insecure: bool = False  # allow plaintext, or no tokens, on a non-loopback address (logged loudly)
+    # where jobs' policies may be served; None: anywhere. Each entry is a URL prefix ("https://vllm.internal:8000/v1")
+    # whose host may start with "*." (any subdomain). The orchestrator calls these URLs from its own network.
+    policy_urls: list[str] | None = None
+
+    @field_validator("policy_urls")
+    @classmethod
+    def _prefixes(cls, v: list[str] | None) -> list[str] | None:
+        for entry in v or []:
+            _Prefix.parse(entry)
+        return v
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    scheme: str
+    host: str  # lower case; "*.example.com" matches any subdomain
+    port: int
+    path: str  # without a trailing slash
+
+    @classmethod
+    def parse(cls, url: str) -> _Prefix:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
+            raise ValueError(f"policy URL prefix {echo(url)} must be http(s)://host[:port][/path], without user info")
+        try:
+            port = parts.port or _DEFAULT_PORTS[parts.scheme]
+        except ValueError:
+            raise ValueError(f"policy URL prefix {echo(url)} has a bad port") from None
+        return cls(parts.scheme, parts.hostname.lower(), port, parts.path.rstrip("/"))
+
+    def matches(self, url: _Prefix) -> bool:
+        if (url.scheme, url.port) != (self.scheme, self.port):
+            return False
+        wildcard = self.host.startswith("*.")
+        host_ok = url.host.endswith(self.host[1:]) if wildcard else url.host == self.host
+        return host_ok and (url.path == self.path or url.path.startswith(self.path + "/"))
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class PolicyURLs:
+    """The allowlist of policy base URLs (SecurityConfig.policy_urls); without one every URL is allowed."""
+
+    def __init__(self, prefixes: list[str] | None) -> None:
+        self._prefixes = None if prefixes is None else [_Prefix.parse(p) for p in prefixes]
+
+    def check(self, url: str) -> None:
+        """PermissionDeniedError unless `url` falls under an allowed prefix."""
+        if self._prefixes is None or not url:
+            return
+        try:
+            parsed = _Prefix.parse(url)
+        except ValueError:
+            parsed = None
+        if parsed is None or not any(p.matches(parsed) for p in self._prefixes):
+            raise PermissionDeniedError(
+                f"policy base_url {echo(url)} is not in this server's allowlist of policy URLs; ask the operator"
+            )
 
 
 def check_transport(host: str, security: SecurityConfig) -> None:

@@ -12,7 +12,7 @@ import grpc
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
 from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
-from orchestrator.server.security import Authenticator
+from orchestrator.server.security import Authenticator, PolicyURLs
 from orchestrator.service.declarative import DeclarativeEnvironment
 from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar
@@ -119,12 +119,16 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
 class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
     """Jobs and the rollout stream."""
 
-    def __init__(self, jobs: JobManager, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self, jobs: JobManager, auth: Authenticator | None = None, policy_urls: PolicyURLs | None = None
+    ) -> None:
         self._jobs = jobs
         self._auth = auth or Authenticator()
+        self._policy_urls = policy_urls or PolicyURLs(None)
 
     async def SubmitJob(self, request: pb.JobSpec, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         check_job_spec(request)
+        self._policy_urls.check(request.policy.base_url)
         job_id, total = await self._jobs.submit(job_spec_from_pb(request), self._auth.tenant(context))
         return pb.SubmitJobResponse(job_id=job_id, num_rollouts=total)
 
@@ -159,6 +163,7 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
     async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:
         capped(request.version, "version", MAX_NAME, required=True)
         capped(request.base_url, "base_url", MAX_URL)
+        self._policy_urls.check(request.base_url)
         info = await self._jobs.update_policy(
             _job_id(request.job_id), request.version, request.base_url, owner=self._auth.tenant(context)
         )
