@@ -79,6 +79,7 @@ def _server_config(args: argparse.Namespace) -> object:
         reflection=args.reflection,
         sessions=SessionConfig(idle_ttl_s=args.session_ttl),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 
@@ -99,7 +100,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         print(f"listening {orch.address}", flush=True)
         if orch.metrics_port is not None:
-            print(f"metrics http://{config.host}:{orch.metrics_port}/metrics", flush=True)
+            print(f"metrics http://{config.metrics_host}:{orch.metrics_port}/metrics", flush=True)
         try:
             await stop.wait()
         finally:
@@ -247,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
     serve.add_argument("--backend", choices=["docker"], default="docker")
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus endpoint port; -1: off")
+    serve.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="where the metrics endpoint listens; it has no authentication, so loopback by default",
+    )
     add_serve_security_arguments(serve)
     serve.set_defaults(fn=_cmd_serve)
 

@@ -188,7 +188,7 @@ class JobManager:
             if not items:
                 await self._finish(job, JobState.COMPLETED)
                 continue
-            self._queue(job.job_id, env, stored.spec, items)
+            self._queue(job.job_id, env, stored.spec, items, stored.owner)
 
     def _items(
         self, job_id: str, env: Environment, spec: JobSpec, tasks: Sequence[Task] | None = None
@@ -217,15 +217,17 @@ class JobManager:
         self._jobs[job_id] = _Job(
             job_id, spec, env, len(items), JobState.QUEUED, time.time(), self._policy(spec), owner=owner
         )
-        self._queue(job_id, env, spec, items)
+        self._queue(job_id, env, spec, items, owner)
         return job_id, len(items)
 
-    def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem]) -> None:
+    def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem], owner: str) -> None:
         """Hand a job's items to the scheduler; while its image is missing it is built in the background and the
         slots go to jobs whose images exist."""
         images = self.runner.images
         ready = images.ready(env)
-        self.scheduler.add_job(job_id, spec.priority, spec.max_concurrency, items, _need(env), ready=ready)
+        self.scheduler.add_job(
+            job_id, spec.priority, spec.max_concurrency, items, _need(env), ready=ready, tenant=owner
+        )
         if not ready:
             images.prebuild(env).add_done_callback(lambda _: self.scheduler.set_ready(job_id))
 

@@ -154,3 +154,12 @@ async def test_a_stream_ends_when_its_token_expires_or_is_revoked(
         assert not reads["a"].done()
         # A's token expires: A's stream ends at the expiry
         await expect_error(asyncio.wait_for(reads["a"], 15), grpc.StatusCode.UNAUTHENTICATED, "expired at")
+
+
+async def test_metrics_listen_on_loopback_even_when_grpc_does_not(tmp_path: Path, base_image: str) -> None:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"tokens:\n  {TOKEN_A}: team-a\n")
+    security = {"token_file": tokens, "insecure": True}
+    # the metrics page has no authentication: it must not follow gRPC onto every interface
+    async with serve(tmp_path / "data", host="0.0.0.0", metrics_port=0, security=security) as orch:
+        assert orch._metrics_server.server_address[0] == "127.0.0.1"
