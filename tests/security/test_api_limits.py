@@ -126,7 +126,7 @@ async def test_internal_error_carries_an_id_not_the_exception_text(
     async def broken(*args: object, **kwargs: object) -> object:
         raise RuntimeError(f"cannot open {secret}")
 
-    orch.jobs.list = broken  # type: ignore[method-assign]
+    orch.jobs.list = broken  # type: ignore[method-assign,assignment]
     with caplog.at_level(logging.ERROR, logger="orchestrator.server.errors"):
         details = await expect_error(
             pb_grpc.RolloutServiceStub(channel).ListJobs(pb.ListJobsRequest(), timeout=10),

@@ -7,6 +7,7 @@ import io
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -14,7 +15,7 @@ from environments.swe import snapshot
 from environments.swe.snapshot import SnapshotError, extract_archive
 
 
-def _tar(path: Path, members: list[tuple[str, str, bytes | str]], mode: str = "w") -> Path:
+def _tar(path: Path, members: list[tuple[str, str, bytes | str]], mode: Literal["w", "w:gz"] = "w") -> Path:
     """A tar of (kind, name, data or link target) members, kind in file/sym/dir/fifo."""
     with tarfile.open(path, mode) as tf:
         for kind, name, data in members:
