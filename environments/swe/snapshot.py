@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import tarfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
+from typing import IO
 
 IDENTITY = ("envfleet", "swe@envfleet.invalid")
 EPOCH = 946684800  # 2000-01-01T00:00:00Z
@@ -35,6 +37,13 @@ COMMIT_ENV = {
 }
 # never versioned: byte code and caches the test runs would leave behind
 EXCLUDES = "__pycache__/\n*.py[cod]\n.pytest_cache/\n*.egg-info/\n.eggs/\n"
+# Limits of one archive (an archive is untrusted input: a dataset names it): members, unpacked bytes, and unpacked
+# bytes per archive byte once past RATIO_FLOOR (a source tree compresses 5-10x; a bomb, 1000x).
+MAX_MEMBERS = 300_000
+MAX_TOTAL_BYTES = 8 << 30
+MAX_RATIO = 200
+RATIO_FLOOR = 256 << 20
+_COPY_CHUNK = 1 << 20
 
 
 class SnapshotError(Exception):
@@ -51,44 +60,142 @@ def _safe_parts(name: str, strip: int) -> tuple[str, ...] | None:
     return parts[strip:]
 
 
-def _write(dest: Path, parts: tuple[str, ...], data: bytes, executable: bool) -> None:
-    out = dest.joinpath(*parts)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(data)
-    out.chmod(0o755 if executable else 0o644)
+def _shown(name: str) -> str:
+    return repr(name if len(name) <= 120 else name[:120] + "...")
+
+
+class _Tree:
+    """The destination being built. Every path is resolved against the tree as it stands, links included, so a
+    link made earlier (`d/up -> ..`, `d/e -> up/..`) can never carry a later write (`d/e/x`) outside it."""
+
+    def __init__(self, dest: Path) -> None:
+        dest.mkdir(parents=True, exist_ok=True)
+        self.root = Path(os.path.realpath(dest))
+        self._links: list[Path] = []
+
+    def _inside(self, path: str) -> bool:
+        return path == str(self.root) or path.startswith(str(self.root) + os.sep)
+
+    def folder(self, parts: tuple[str, ...], name: str) -> Path:
+        """The real folder `parts` names in the tree, made where missing; refused when it resolves outside."""
+        cur = self.root
+        for part in parts:
+            nxt = cur / part
+            if os.path.islink(nxt):
+                real = os.path.realpath(nxt)
+                if not self._inside(real) or not os.path.isdir(real):
+                    raise SnapshotError(f"member {_shown(name)} would be written through a link out of the tree")
+                cur = Path(real)
+            elif nxt.is_dir():
+                cur = nxt
+            elif os.path.lexists(nxt):
+                raise SnapshotError(f"member {_shown(name)}: {part!r} is a file, not a folder")
+            else:
+                nxt.mkdir()
+                cur = nxt
+        return cur
+
+    def _free(self, out: Path, name: str) -> None:
+        """Make room for a member at `out` (a later member replaces an earlier one, as tar does; never a folder)."""
+        if os.path.islink(out) or os.path.isfile(out):
+            os.unlink(out)  # unlink removes a link itself, never what it points to
+        elif os.path.lexists(out):
+            raise SnapshotError(f"member {_shown(name)} would replace a folder")
+
+    def write(self, parts: tuple[str, ...], src: IO[bytes], executable: bool, name: str) -> None:
+        """A regular file, written without following any link."""
+        out = self.folder(parts[:-1], name) / parts[-1]
+        self._free(out, name)
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as f:
+            shutil.copyfileobj(src, f, _COPY_CHUNK)
+        os.chmod(out, 0o755 if executable else 0o644)
+
+    def link(self, parts: tuple[str, ...], target: str, name: str) -> None:
+        """A symbolic link whose target stays inside the tree, both as written and as resolved now."""
+        where = PurePosixPath(*parts).parent / target
+        if PurePosixPath(target).is_absolute() or ".." in PurePosixPath(os.path.normpath(str(where))).parts:
+            raise SnapshotError(f"link {_shown(name)} points outside the tree")
+        parent = self.folder(parts[:-1], name)
+        if not self._inside(os.path.realpath(parent / target)):
+            raise SnapshotError(f"link {_shown(name)} points outside the tree (through another link)")
+        out = parent / parts[-1]
+        self._free(out, name)
+        os.symlink(target, out)
+        # a new link can turn an earlier one outward (`d/e -> up/..` made before `d/up -> ..`): check them all
+        self._links.append(out)
+        outward = [p for p in self._links if os.path.islink(p) and not self._inside(os.path.realpath(p))]
+        if outward:
+            os.unlink(out)
+            self._links.pop()
+            raise SnapshotError(f"link {_shown(name)} would make another link point outside the tree")
+
+    def check_links(self) -> None:
+        """Every link of the finished tree resolves inside it (a link made before the one it goes through)."""
+        for folder, dirs, files in os.walk(self.root):
+            for entry in dirs + files:
+                path = os.path.join(folder, entry)
+                if os.path.islink(path) and not self._inside(os.path.realpath(path)):
+                    rel = os.path.relpath(path, self.root)
+                    raise SnapshotError(f"link {_shown(rel)} points outside the tree (through another link)")
+
+
+class _Budget:
+    """Counts members and unpacked bytes against the archive's limits."""
+
+    def __init__(self, archive: Path) -> None:
+        self.archive_bytes = max(archive.stat().st_size, 1)
+        self.members = 0
+        self.total = 0
+
+    def add(self, size: int, name: str) -> None:
+        self.members += 1
+        self.total += max(size, 0)
+        if self.members > MAX_MEMBERS:
+            raise SnapshotError(f"the archive has more than {MAX_MEMBERS} members")
+        if self.total > MAX_TOTAL_BYTES:
+            raise SnapshotError(f"the archive unpacks to more than {MAX_TOTAL_BYTES} bytes (at {_shown(name)})")
+        if self.total > RATIO_FLOOR and self.total > MAX_RATIO * self.archive_bytes:
+            raise SnapshotError(
+                f"the archive unpacks to over {MAX_RATIO} times its size ({self.total} bytes from "
+                f"{self.archive_bytes}): refused as a decompression bomb"
+            )
 
 
 def extract_archive(archive: Path, dest: Path, strip: int = 1) -> None:
     """Unpack a .tar(.gz/.bz2/.xz) or .zip into dest, dropping `strip` leading folders. Modes are normalized to
-    0644 / 0755 (executable when any x bit is set); links inside the tree are kept, anything else is refused."""
-    dest.mkdir(parents=True, exist_ok=True)
+    0644 / 0755 (executable when any x bit is set); links that stay inside the tree are kept, anything else is
+    refused. Every write is resolved against the tree being built; members, size and ratio are limited."""
+    tree = _Tree(dest)
+    budget = _Budget(archive)
     if zipfile.is_zipfile(archive):
         with zipfile.ZipFile(archive) as zf:
             for info in zf.infolist():
+                budget.add(info.file_size, info.filename)
                 parts = _safe_parts(info.filename, strip)
                 if parts is None or info.is_dir():
                     continue
-                _write(dest, parts, zf.read(info), bool((info.external_attr >> 16) & 0o111))
+                with zf.open(info) as src:  # reads at most file_size bytes, CRC checked
+                    tree.write(parts, src, bool((info.external_attr >> 16) & 0o111), info.filename)
         return
     with tarfile.open(archive) as tf:
-        for member in tf.getmembers():
+        for member in tf:  # streamed: a huge member list is refused before it is all read
+            budget.add(member.size if member.isfile() else 0, member.name)
             parts = _safe_parts(member.name, strip)
             if parts is None or member.isdir():
                 continue
             if member.issym():
-                target = PurePosixPath(member.linkname)
-                inside = PurePosixPath(*parts).parent / target
-                if target.is_absolute() or ".." in PurePosixPath(os.path.normpath(str(inside))).parts:
-                    raise SnapshotError(f"link {member.name!r} points outside the tree")
-                out = dest.joinpath(*parts)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                os.symlink(member.linkname, out)
+                tree.link(parts, member.linkname, member.name)
             elif member.isfile():
                 f = tf.extractfile(member)
                 assert f is not None
-                _write(dest, parts, f.read(), bool(member.mode & 0o111))
+                with f:
+                    tree.write(parts, f, bool(member.mode & 0o111), member.name)
             elif member.islnk():
-                raise SnapshotError(f"hard link {member.name!r} is not supported")
+                raise SnapshotError(f"hard link {_shown(member.name)} is not supported")
+            else:
+                raise SnapshotError(f"member {_shown(member.name)} is a device or fifo; refused")
+    tree.check_links()
 
 
 def _object(kind: str, data: bytes) -> bytes:

@@ -103,6 +103,7 @@ def _server_config(args: argparse.Namespace) -> object:
         ray=RayConfig(address=args.ray_address, resource=args.ray_resource, per_node=args.ray_workers_per_node)
         if args.ray_address
         else None,
+        metrics_host=args.metrics_host,
     )
 
 
@@ -123,7 +124,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         print(f"listening {orch.address}", flush=True)
         if orch.metrics_port is not None:
-            print(f"metrics http://{config.host}:{orch.metrics_port}/metrics", flush=True)
+            print(f"metrics http://{config.metrics_host}:{orch.metrics_port}/metrics", flush=True)
         try:
             await stop.wait()
         finally:
@@ -250,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend", choices=["docker"], default="docker")
     serve.add_argument(
         "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus endpoint port; -1: off"
+    )
+    serve.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="where the metrics endpoint listens; it has no authentication, so loopback by default",
     )
     add_serve_security_arguments(serve)
     serve.set_defaults(fn=_cmd_serve)

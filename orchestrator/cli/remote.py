@@ -28,7 +28,9 @@ def add_serve_security_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
     p.add_argument(
-        "--insecure", action="store_true", help="allow plaintext on a non-loopback address (tokens in clear)"
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback address without --token-file (anyone is tenant 'local') or without TLS",
     )
     p.add_argument(
         "--reflection",
@@ -37,6 +39,12 @@ def add_serve_security_arguments(p: argparse.ArgumentParser) -> None:
         help="gRPC server reflection (default: on without TLS, off with TLS)",
     )
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session lives")
+    p.add_argument(
+        "--allow-policy-url",
+        action="append",
+        metavar="PREFIX",
+        help="a URL prefix jobs' policies may be served under (repeatable; host may start with '*.'); default: any",
+    )
 
 
 def security_config(args: argparse.Namespace) -> SecurityConfig:
@@ -54,9 +62,15 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
         if args.tls_cert
         else None
     )
-    return SecurityConfig(
-        token_file=Path(args.token_file) if args.token_file else None, tls=tls, insecure=args.insecure
-    )
+    try:
+        return SecurityConfig(
+            token_file=Path(args.token_file) if args.token_file else None,
+            tls=tls,
+            insecure=args.insecure,
+            policy_urls=getattr(args, "allow_policy_url", None),
+        )
+    except ValueError as e:
+        raise SystemExit(f"envfleet serve: {e}") from None
 
 
 def add_client_arguments(

@@ -75,7 +75,7 @@ class JobSpec(_Model):
     sampling: Sampling = Sampling()
     policy: PolicyEndpoint
     max_concurrency: int = Field(8, ge=1, le=4096, description="rollouts of this job in flight at once")
-    priority: int = Field(1, ge=1, le=100, description="weight in the fair share between jobs")
+    priority: int = Field(1, ge=1, le=100, description="weight in the fair share between one tenant's jobs")
     max_turns: int = Field(16, ge=1, le=1000)
     rollout_timeout_s: float = Field(600.0, gt=0, le=24 * 3600)
     max_infra_retries: int = Field(2, ge=0, le=10)

@@ -1,7 +1,9 @@
 """A cached `docker build`: the tag is a hash of every build input, so an unchanged image is never rebuilt.
 
 The build runs on the engine's classic builder through the low-level API, with no network, from an in-memory
-context; every streamed line goes to a log file, and a failure names the Dockerfile step that failed.
+context; every streamed line goes to a log file, and a failure names the Dockerfile step that failed. A build of
+untrusted content runs under BuildLimits: memory (no swap), CPU shares and cores, and a wall-clock deadline after
+which the connection is dropped, which makes the engine cancel the build and remove its container.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import IO, Any
 
 import docker
 import docker.errors
+import requests
+import urllib3
 
 from orchestrator.backends.docker.sweeper import CONTROL_LABELS
 from orchestrator.core.errors import ImageBuildError, InvalidRequestError
@@ -38,6 +42,35 @@ _STEP = re.compile(r"^Step \d+/\d+ : ")
 _CONTINUED = re.compile(r"\\[ \t]*\r?\n")
 
 ContextFile = bytes | Path
+
+
+@dataclass(frozen=True)
+class BuildLimits:
+    """What one build may use: what the engine's build API can enforce, plus a wall-clock deadline."""
+
+    memory_mb: int = 2048
+    cpu_shares: int = 512  # relative weight (1024: one full share), so builds yield to sandboxes under contention
+    cpuset: str | None = None  # e.g. "0-3": the cores a build may run on
+    timeout_s: float = 900.0
+
+
+def _limit_kwargs(limits: BuildLimits | None) -> dict[str, Any]:
+    """docker-py build() arguments for the limits (memswap = memory: no swap)."""
+    if limits is None:
+        return {}
+    container_limits: dict[str, Any] = {
+        "memory": limits.memory_mb << 20,
+        "memswap": limits.memory_mb << 20,
+        "cpushares": limits.cpu_shares,
+    }
+    if limits.cpuset:
+        container_limits["cpusetcpus"] = limits.cpuset
+    # the HTTP read timeout ends a silent step; the deadline check in _run_build ends a chatty one
+    return {"container_limits": container_limits, "timeout": max(1, int(limits.timeout_s))}
+
+
+def _past_deadline(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
 
 
 @dataclass(frozen=True)
@@ -80,11 +113,13 @@ def build_image(
     labels: Mapping[str, str] | None = None,
     log_dir: Path | None = None,
     cache_dir: Path | None = None,
+    limits: BuildLimits | None = None,
 ) -> str:
     """Build `envfleet/<name>:<hash of the inputs, 12 hex>` unless the engine has it already; return the tag.
 
     `context_files` maps a relative path in the build context to its bytes, or to a host file or folder (all files
-    under a folder, recursively). The build has no network. Raises ImageBuildError naming the failing step.
+    under a folder, recursively). The build has no network; with `limits`, it runs under them (untrusted content).
+    Raises ImageBuildError naming the failing step.
     """
     if not _NAME.match(name):
         raise InvalidRequestError(
@@ -112,7 +147,7 @@ def build_image(
         with tempfile.SpooledTemporaryFile(max_size=_SPOOL_MAX_BYTES) as context:
             _write_context(context, dockerfile, entries)
             context.seek(0)
-            _run_build(client, context, tag, args, labs, log_path)
+            _run_build(client, context, tag, args, labs, log_path, limits)
         if not image_exists(client, tag):
             raise ImageBuildError(f"building {tag}: the build finished but the image is missing", log_path=log_path)
         _check_image_labels(client, tag)
@@ -219,13 +254,16 @@ def _run_build(
     buildargs: dict[str, str],
     labels: dict[str, str],
     log_path: Path,
+    limits: BuildLimits | None = None,
 ) -> None:
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     step: str | None = None
     error: str | None = None
+    deadline = time.monotonic() + limits.timeout_s if limits is not None else None
     with log_path.open("w", encoding="utf-8") as logf:
+        stream: Iterator[dict[str, Any]] | None = None
         try:
-            stream: Iterator[dict[str, Any]] = client.api.build(
+            stream = client.api.build(
                 fileobj=context,
                 custom_context=True,
                 tag=tag,
@@ -236,8 +274,13 @@ def _run_build(
                 decode=True,
                 buildargs=buildargs,
                 labels=labels,
+                **_limit_kwargs(limits),
             )
             for chunk in stream:
+                if _past_deadline(deadline):
+                    error = _timed_out(limits)
+                    _log_error(logf, tail, error)
+                    break
                 for line in _lines(chunk):
                     logf.write(line + "\n")
                     tail.append(line)
@@ -248,8 +291,14 @@ def _run_build(
                     break
         except docker.errors.APIError as e:
             error = str(e.explanation or e)
-            logf.write(f"ERROR: {error}\n")
-            tail.append(f"ERROR: {error}")
+            _log_error(logf, tail, error)
+        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError):
+            if limits is None:
+                raise
+            error = _timed_out(limits)  # the read timeout: a step printed nothing until the deadline
+            _log_error(logf, tail, error)
+        finally:
+            _drop(stream)  # closing the connection is what cancels a build the engine is still running
     if error is not None:
         where = f" at {step!r}" if step else ""
         raise ImageBuildError(
@@ -257,6 +306,23 @@ def _run_build(
             log_path=log_path,
             step=step,
         )
+
+
+def _log_error(logf: IO[str], tail: collections.deque[str], error: str) -> None:
+    logf.write(f"ERROR: {error}\n")
+    tail.append(f"ERROR: {error}")
+
+
+def _timed_out(limits: BuildLimits | None) -> str:
+    # a chatty build is stopped at the deadline; a silent step when it has printed nothing for timeout_s
+    limit = limits.timeout_s if limits else 0.0
+    return f"the build did not finish within its time limit ({limit:g}s); it was cancelled"
+
+
+def _drop(stream: Iterator[dict[str, Any]] | None) -> None:
+    close = getattr(stream, "close", None)
+    if close is not None:
+        close()
 
 
 def _lines(chunk: Mapping[str, Any]) -> list[str]:

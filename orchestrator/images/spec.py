@@ -7,7 +7,7 @@ from pathlib import Path
 import docker
 
 from orchestrator.core.image_spec import ImageSpec, render_dockerfile
-from orchestrator.images.build import build_image
+from orchestrator.images.build import BuildLimits, build_image
 
 
 def build_from_spec(
@@ -17,9 +17,16 @@ def build_from_spec(
     spec: ImageSpec,
     labels: dict[str, str] | None = None,
     log_dir: Path | None = None,
+    limits: BuildLimits | None = None,
 ) -> str:
     """Render `spec` and build it with `build_image` (cached by its inputs); return the tag."""
     dockerfile, context = render_dockerfile(spec)
     return build_image(
-        client, name=name, dockerfile=dockerfile, context_files=dict(context), labels=labels, log_dir=log_dir
+        client,
+        name=name,
+        dockerfile=dockerfile,
+        context_files=dict(context),
+        labels=labels,
+        log_dir=log_dir,
+        limits=limits,
     )

@@ -22,6 +22,7 @@ from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
     Authenticator,
     AuthInterceptor,
+    PolicyURLs,
     SecurityConfig,
     check_transport,
     server_credentials,
@@ -61,6 +62,8 @@ class OrchestratorConfig(BaseModel):
     pool: PoolConfig = PoolConfig()
     capacity: Capacity = Field(default_factory=Capacity)
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint; None: off")
+    # the metrics page has no authentication (tenants' job counts, queue depths): loopback unless the operator says
+    metrics_host: str = Field("127.0.0.1", description="where the unauthenticated metrics endpoint listens")
     security: SecurityConfig = SecurityConfig()
     sessions: SessionConfig = SessionConfig()
     sandboxes: SandboxServiceConfig = SandboxServiceConfig()
@@ -200,7 +203,9 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(
         EnvironmentService(registry, registrar, auth), server
     )
-    orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(jobs, auth), server)
+    orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
+        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls)), server
+    )
     orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
     orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)
     health_servicer = health.aio.HealthServicer()
@@ -238,11 +243,11 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     if config.metrics_port is not None:
         try:
             orch._metrics_server, _ = start_http_server(
-                config.metrics_port, addr=config.host, registry=metrics.registry
+                config.metrics_port, addr=config.metrics_host, registry=metrics.registry
             )
         except OSError as e:  # the port is taken (another orchestrator on this host): serve metrics elsewhere
             log.warning("metrics port %d unavailable (%s); using a free port", config.metrics_port, e)
-            orch._metrics_server, _ = start_http_server(0, addr=config.host, registry=metrics.registry)
+            orch._metrics_server, _ = start_http_server(0, addr=config.metrics_host, registry=metrics.registry)
         orch.metrics_port = orch._metrics_server.server_port
-        log.info("metrics on http://%s:%d/metrics", config.host, orch.metrics_port)
+        log.info("metrics on http://%s:%d/metrics (unauthenticated)", config.metrics_host, orch.metrics_port)
     return orch

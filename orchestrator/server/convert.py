@@ -15,6 +15,7 @@ from orchestrator.client.convert import (
     ROLLOUT_STATUS_PB,
     TOKEN_STATUS_PB,
 )
+from orchestrator.core.echo import echo
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.models import (
@@ -33,7 +34,7 @@ def validation_message(e: ValidationError, notes: Mapping[str, str] | None = Non
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "request"
         got = err.get("input")
-        shown = "" if isinstance(got, dict) else f" (got {got!r})"[:120]
+        shown = "" if isinstance(got, dict) else f" (got {echo(got)})"
         note = (notes or {}).get(loc)
         parts.append(f"{loc}: {err['msg']}{shown}" + (f"; {note}" if note else ""))
     return "; ".join(parts)

@@ -1,15 +1,21 @@
-"""One interceptor maps every envfleet error to a gRPC status with the error's message; nothing leaks as UNKNOWN."""
+"""One interceptor maps every envfleet error to a gRPC status with the error's message; nothing leaks as UNKNOWN.
+
+Messages are bounded (a status past 16 KiB of headers breaks the HTTP/2 stream). An INTERNAL error's text stays in
+the log: the caller gets an error id, which is in the log line too, never the exception's text (paths, internals).
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from pydantic import ValidationError
 
+from orchestrator.core.echo import bounded
 from orchestrator.core.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -55,10 +61,13 @@ def status_for(e: BaseException) -> grpc.StatusCode | None:
 
 async def _abort(context: grpc.aio.ServicerContext, e: Exception, method: str) -> None:
     code = status_for(e)
-    if code is None:
-        log.exception("unhandled error in %s", method)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
-    await context.abort(code, str(e))
+    if code is None or code == grpc.StatusCode.INTERNAL:
+        error_id = secrets.token_hex(6)
+        log.error("internal error in %s (error id %s)", method, error_id, exc_info=e)
+        await context.abort(
+            grpc.StatusCode.INTERNAL, f"internal error in {method} (error id {error_id}; the server log has details)"
+        )
+    await context.abort(code, bounded(str(e)))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]

@@ -1,23 +1,32 @@
 """Who may call: bearer tokens (tenants), TLS / mTLS, and the rule that secrets never cross a network in clear.
 
 - With a token file, every call but health must carry `authorization: Bearer <token>`; the token names the tenant.
-- Without one, every caller is the single local tenant; that is only allowed on a loopback address.
-- A plaintext port on a non-loopback address is refused at start unless the operator passes `insecure`.
+  A stream is re-checked while it runs: it ends (UNAUTHENTICATED) when its token expires or is revoked.
+- Without one, every caller is the single local tenant; that is only allowed on a loopback address, TLS or not.
+- A plaintext port, or a port without tokens, on a non-loopback address is refused at start unless the operator
+  passes `insecure` (then logged loudly).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from orchestrator.core.errors import ConfigError, UnauthenticatedError
+from orchestrator.core.echo import echo
+from orchestrator.core.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
 from orchestrator.core.net import is_loopback
-from orchestrator.service.tenancy import LOCAL_TENANT, TokenSource
+from orchestrator.service import tenancy
+from orchestrator.service.tenancy import LOCAL_TENANT, Grant, TokenSource
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +52,89 @@ class SecurityConfig(BaseModel):
 
     token_file: Path | None = None
     tls: TLSConfig | None = None
-    insecure: bool = False  # allow plaintext on a non-loopback address (logged loudly)
+    insecure: bool = False  # allow plaintext, or no tokens, on a non-loopback address (logged loudly)
+    # where jobs' policies may be served; None: anywhere. Each entry is a URL prefix ("https://vllm.internal:8000/v1")
+    # whose host may start with "*." (any subdomain). The orchestrator calls these URLs from its own network.
+    policy_urls: list[str] | None = None
+
+    @field_validator("policy_urls")
+    @classmethod
+    def _prefixes(cls, v: list[str] | None) -> list[str] | None:
+        for entry in v or []:
+            _Prefix.parse(entry)
+        return v
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    scheme: str
+    host: str  # lower case; "*.example.com" matches any subdomain
+    port: int
+    path: str  # without a trailing slash
+
+    @classmethod
+    def parse(cls, url: str) -> _Prefix:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
+            raise ValueError(f"policy URL prefix {echo(url)} must be http(s)://host[:port][/path], without user info")
+        try:
+            port = parts.port or _DEFAULT_PORTS[parts.scheme]
+        except ValueError:
+            raise ValueError(f"policy URL prefix {echo(url)} has a bad port") from None
+        return cls(parts.scheme, parts.hostname.lower(), port, parts.path.rstrip("/"))
+
+    def matches(self, url: _Prefix) -> bool:
+        if (url.scheme, url.port) != (self.scheme, self.port):
+            return False
+        wildcard = self.host.startswith("*.")
+        host_ok = url.host.endswith(self.host[1:]) if wildcard else url.host == self.host
+        return host_ok and (url.path == self.path or url.path.startswith(self.path + "/"))
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class PolicyURLs:
+    """The allowlist of policy base URLs (SecurityConfig.policy_urls); without one every URL is allowed."""
+
+    def __init__(self, prefixes: list[str] | None) -> None:
+        self._prefixes = None if prefixes is None else [_Prefix.parse(p) for p in prefixes]
+
+    def check(self, url: str) -> None:
+        """PermissionDeniedError unless `url` falls under an allowed prefix."""
+        if self._prefixes is None or not url:
+            return
+        try:
+            parsed = _Prefix.parse(url)
+        except ValueError:
+            parsed = None
+        if parsed is None or not any(p.matches(parsed) for p in self._prefixes):
+            raise PermissionDeniedError(
+                f"policy base_url {echo(url)} is not in this server's allowlist of policy URLs; ask the operator"
+            )
 
 
 def check_transport(host: str, security: SecurityConfig) -> None:
-    """Refuse a plaintext server on a non-loopback address unless the operator insisted (then log loudly)."""
-    if security.tls is not None or is_loopback(host):
+    """Refuse a server off loopback without tokens (TLS or not) or without TLS, unless the operator insisted."""
+    if is_loopback(host):
         return
-    what = "bearer tokens would cross the network in clear" if security.token_file else "anyone could call it"
+    problems = []
+    if security.token_file is None:
+        # TLS only hides the traffic: without tokens every caller that reaches the port is tenant 'local'
+        problems.append("no --token-file, so anyone could call it (every caller would be tenant 'local')")
+    if security.tls is None:
+        problems.append("plaintext: bearer tokens would cross the network in clear")
+    if not problems:
+        return
+    what = "; ".join(problems)
     if not security.insecure:
         raise ConfigError(
-            f"refusing to serve plaintext on {host!r}: {what}. Give TLS certificates (--tls-cert/--tls-key), "
+            f"refusing to serve on {host!r}: {what}. Give --token-file and TLS certificates (--tls-cert/--tls-key), "
             "listen on 127.0.0.1, or pass --insecure if you really mean it"
         )
     log.warning("!" * 78)
-    log.warning("INSECURE: serving plaintext gRPC on %s (%s); use TLS outside a trusted network", host, what)
+    kind = "plaintext gRPC" if security.tls is None else "gRPC without tokens"
+    log.warning("INSECURE: serving %s on %s: %s; never do this outside a trusted network", kind, host, what)
     log.warning("!" * 78)
 
 
@@ -94,8 +171,12 @@ class Authenticator:
 
     def tenant_of_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> str:
         """The tenant of a call with this metadata; UnauthenticatedError when the token is missing or bad."""
+        return self.grant_of_metadata(metadata).tenant
+
+    def grant_of_metadata(self, metadata: Iterable[tuple[str, str | bytes]]) -> Grant:
+        """The tenant and token expiry of a call with this metadata; UnauthenticatedError when the token is bad."""
         if self._tokens is None:
-            return LOCAL_TENANT
+            return Grant(LOCAL_TENANT, None)
         values = [v for k, v in metadata if k == "authorization"]
         if not values:
             raise UnauthenticatedError("missing bearer token: send metadata 'authorization: Bearer <token>'")
@@ -105,7 +186,20 @@ class Authenticator:
             raise UnauthenticatedError("malformed authorization metadata: expected 'Bearer <token>'")
         if len(token) > MAX_TOKEN_CHARS:
             raise UnauthenticatedError("invalid bearer token")
-        return self._tokens.table().tenant_of(token.strip())
+        return self._tokens.table().grant_of(token.strip())
+
+    async def until_invalid(self, metadata: Iterable[tuple[str, str | bytes]]) -> str:
+        """Return, with the reason, once this metadata's token has expired or been revoked (polled, and at expiry)."""
+        metadata = tuple(metadata)
+        while True:
+            try:
+                grant = self.grant_of_metadata(metadata)
+            except UnauthenticatedError as e:
+                return str(e)
+            wait = tenancy.RELOAD_CHECK_S
+            if grant.expires_at is not None:
+                wait = min(wait, max(0.0, grant.expires_at - time.time()) + 0.01)
+            await asyncio.sleep(max(wait, 0.05))
 
     def tenant(self, context: grpc.aio.ServicerContext) -> str:
         """The calling tenant (servicers call this; the interceptor has already refused bad tokens)."""
@@ -133,8 +227,42 @@ def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     return grpc.stream_stream_rpc_method_handler(stream, **kw)
 
 
+def _watched(handler: grpc.RpcMethodHandler, auth: Authenticator, metadata: Any) -> grpc.RpcMethodHandler:
+    """A server-streaming handler that ends its stream (UNAUTHENTICATED) once the caller's token stops being valid."""
+    inner = handler.unary_stream
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        items = inner(request, context)
+        watcher = asyncio.ensure_future(auth.until_invalid(metadata))
+        step: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(items.__anext__())
+                await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"stream ended: {watcher.result()}")
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    return
+                step = None
+                yield item
+        finally:
+            watcher.cancel()
+            if step is not None and not step.done():
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+            await items.aclose()
+
+    return grpc.unary_stream_rpc_method_handler(
+        stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every call without a valid token (health excepted) before any servicer code runs."""
+    """Refuses every call without a valid token (health excepted) before any servicer code runs; ends a
+    server stream whose token expires or is revoked while it runs."""
 
     def __init__(self, auth: Authenticator) -> None:
         self._auth = auth
@@ -147,8 +275,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None or not self._auth.enabled or details.method.startswith(OPEN_METHOD_PREFIXES):
             return handler
+        metadata = tuple(details.invocation_metadata or ())
         try:
-            self._auth.tenant_of_metadata(details.invocation_metadata or ())
+            self._auth.tenant_of_metadata(metadata)
         except UnauthenticatedError as e:
             return _denying(handler, str(e))
+        if handler.unary_stream:
+            return _watched(handler, self._auth, metadata)
         return handler

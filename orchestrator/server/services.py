@@ -12,9 +12,9 @@ import grpc
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
 from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
-from orchestrator.server.security import Authenticator
+from orchestrator.server.security import Authenticator, PolicyURLs
 from orchestrator.service.declarative import DeclarativeEnvironment
-from orchestrator.service.jobs import JobManager
+from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar
 from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
@@ -25,14 +25,50 @@ MAX_BATCH = 10_000
 DEFAULT_MAX_IN_FLIGHT = 256
 DEFAULT_MAX_BATCH = 64
 MAX_ACK_IDS = 100_000
+# Every identifier a caller sends is capped here, before it reaches a lookup or an error message.
+MAX_ID = 128  # job, task, session and sandbox ids (Reset's task_id too)
+MAX_ENV_REF = 200  # name@version
+MAX_NAME = 256  # a policy's model name, a policy version
+MAX_URL = 2048
+MAX_SECRET = 4096  # a policy's API key
+MAX_STOP = 64  # stop strings, each at most MAX_NAME
+
+
+def capped(value: str, what: str, limit: int, *, required: bool = False) -> str:
+    """`value` unchanged if it is at most `limit` characters (and present when required); else INVALID_ARGUMENT."""
+    if required and not value:
+        raise InvalidRequestError(f"{what} is empty")
+    if len(value) > limit:
+        raise InvalidRequestError(f"{what} is too long ({len(value)} characters, the limit is {limit})")
+    return value
 
 
 def _job_id(job_id: str) -> str:
-    if not job_id:
-        raise InvalidRequestError("job_id is empty")
-    if len(job_id) > 128:
-        raise InvalidRequestError("job_id is too long (over 128 characters)")
-    return job_id
+    return capped(job_id, "job_id", MAX_ID, required=True)
+
+
+def check_job_spec(m: pb.JobSpec) -> None:
+    """Identifier caps and the job's size (tasks x group_size), checked before the spec is even converted."""
+    capped(m.env, "env", MAX_ENV_REF)
+    for i, task_id in enumerate(m.tasks.ids):
+        capped(task_id, f"tasks.ids[{i}]", MAX_ID)
+    p = m.policy
+    capped(p.base_url, "policy.base_url", MAX_URL)
+    capped(p.model, "policy.model", MAX_NAME)
+    capped(p.version, "policy.version", MAX_NAME)
+    capped(p.api_key, "policy.api_key", MAX_SECRET)
+    if len(m.sampling.stop) > MAX_STOP:
+        raise InvalidRequestError(f"sampling.stop has {len(m.sampling.stop)} strings, the limit is {MAX_STOP}")
+    for i, s in enumerate(m.sampling.stop):
+        capped(s, f"sampling.stop[{i}]", MAX_NAME)
+    # kind=all is checked by the JobManager, which knows the environment's task count, still before building items
+    tasks = len(set(m.tasks.ids)) if m.tasks.kind == pb.TaskSelection.KIND_IDS else m.tasks.count
+    total = tasks * max(m.group_size, 1)
+    if total > MAX_ROLLOUTS_PER_JOB:
+        raise InvalidRequestError(
+            f"tasks x group_size = {tasks} x {max(m.group_size, 1)} = {total} rollouts; "
+            f"the limit per job is {MAX_ROLLOUTS_PER_JOB}"
+        )
 
 
 class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[misc]
@@ -64,6 +100,7 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
     ) -> pb.EnvironmentInfo:
         if not request.name:
             raise InvalidRequestError("name is empty: give an environment name or name@version")
+        capped(request.name, "name", MAX_ENV_REF)
         r = self._registry.lookup(request.name)
         return environment_pb(r.env, r.source, self._image(r.env))
 
@@ -78,18 +115,23 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
         return environment_pb(r.env, r.source, self._image(r.env))
 
     async def Validate(self, request: pb.EnvironmentSpec, context: grpc.aio.ServicerContext) -> pb.ValidationReport:
-        self._auth.tenant(context)
-        return validation_report_pb(await self._registrar_or_fail().validate(spec_from_pb(request)))
+        tenant = self._auth.tenant(context)
+        return validation_report_pb(await self._registrar_or_fail().validate(spec_from_pb(request), tenant))
 
 
 class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
     """Jobs and the rollout stream."""
 
-    def __init__(self, jobs: JobManager, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self, jobs: JobManager, auth: Authenticator | None = None, policy_urls: PolicyURLs | None = None
+    ) -> None:
         self._jobs = jobs
         self._auth = auth or Authenticator()
+        self._policy_urls = policy_urls or PolicyURLs(None)
 
     async def SubmitJob(self, request: pb.JobSpec, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        check_job_spec(request)
+        self._policy_urls.check(request.policy.base_url)
         job_id, total = await self._jobs.submit(job_spec_from_pb(request), self._auth.tenant(context))
         return pb.SubmitJobResponse(job_id=job_id, num_rollouts=total)
 
@@ -126,8 +168,9 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         return pb.AckResponse(acked=acked)
 
     async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:
-        if not request.version:
-            raise InvalidRequestError("version is empty: name the new policy version")
+        capped(request.version, "version", MAX_NAME, required=True)
+        capped(request.base_url, "base_url", MAX_URL)
+        self._policy_urls.check(request.base_url)
         info = await self._jobs.update_policy(
             _job_id(request.job_id), request.version, request.base_url, owner=self._auth.tenant(context)
         )

@@ -29,6 +29,8 @@ from protos import orchestrator_pb2_grpc as pb_grpc
 
 MAX_ENV_REF = 200
 MAX_PATH = 4096
+MAX_IMAGE = 256
+MAX_TASK_ID = 128
 
 
 def _env_ref(value: str, required: bool = True) -> str:
@@ -36,6 +38,12 @@ def _env_ref(value: str, required: bool = True) -> str:
         raise InvalidRequestError("env is empty: give an environment name or name@version")
     if len(value) > MAX_ENV_REF:
         raise InvalidRequestError(f"env is too long (over {MAX_ENV_REF} characters)")
+    return value
+
+
+def _capped(value: str, what: str, limit: int) -> str:
+    if len(value) > limit:
+        raise InvalidRequestError(f"{what} is too long ({len(value)} characters, over {limit})")
     return value
 
 
@@ -56,8 +64,8 @@ class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
 
     async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetResponse:
         tenant = self._auth.tenant(context)
-        if len(request.task_id) > 128:
-            raise InvalidRequestError("task_id is too long (over 128 characters)")
+        if len(request.task_id) > MAX_TASK_ID:
+            raise InvalidRequestError(f"task_id is too long ({len(request.task_id)} characters, over {MAX_TASK_ID})")
         view, obs = await self._sessions.reset(
             tenant,
             _env_ref(request.env),
@@ -99,7 +107,7 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         tenant = self._auth.tenant(context)
         record = await self._sandboxes.create(
             tenant,
-            image=request.image,
+            image=_capped(request.image, "image", MAX_IMAGE),
             env=_env_ref(request.env, required=False),
             limits=limits_overrides(request.limits),
             ttl_s=request.ttl_s,

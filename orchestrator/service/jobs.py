@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.errors import EnvfleetError, InvalidRequestError, JobFinishedError, JobNotFoundError
 from orchestrator.core.metrics import Metrics
@@ -94,7 +95,7 @@ def select_tasks(env: Environment, spec: JobSpec) -> list[Task]:
         missing = [i for i in sel.ids if i not in by_id]
         if missing:
             raise InvalidRequestError(
-                f"tasks.ids: {len(missing)} unknown task id(s) in {env.ref()}, e.g. {missing[:5]}"
+                f"tasks.ids: {len(missing)} unknown task id(s) in {env.ref()}, e.g. {echo_list(missing)}"
             )
         return [by_id[i] for i in dict.fromkeys(sel.ids)]
     if sel.count > len(tasks):
@@ -170,34 +171,44 @@ class JobManager:
             if not items:
                 await self._finish(job, JobState.COMPLETED)
                 continue
-            self._queue(job.job_id, env, stored.spec, items)
+            self._queue(job.job_id, env, stored.spec, items, stored.owner)
 
-    def _items(self, job_id: str, env: Environment, spec: JobSpec) -> list[WorkItem]:
+    def _items(
+        self, job_id: str, env: Environment, spec: JobSpec, tasks: Sequence[Task] | None = None
+    ) -> list[WorkItem]:
         now = time.monotonic()
-        return [WorkItem(job_id, task, k, now) for task in select_tasks(env, spec) for k in range(spec.group_size)]
+        chosen = select_tasks(env, spec) if tasks is None else tasks
+        return [WorkItem(job_id, task, k, now) for task in chosen for k in range(spec.group_size)]
 
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
         env = self.registry.get(spec.env)
         spec = spec.model_copy(update={"env": env.ref()})
         job_id = uuid.uuid4().hex[:16]
-        items = self._items(job_id, env, spec)
-        if not items:
+        tasks = select_tasks(env, spec)
+        if not tasks:
             raise InvalidRequestError(f"{env.ref()} selects no tasks")
-        if len(items) > MAX_ROLLOUTS_PER_JOB:
-            raise InvalidRequestError(f"job would run {len(items)} rollouts; the limit is {MAX_ROLLOUTS_PER_JOB}")
+        total = len(tasks) * spec.group_size  # checked before a single work item is built
+        if total > MAX_ROLLOUTS_PER_JOB:
+            raise InvalidRequestError(
+                f"tasks x group_size = {len(tasks)} x {spec.group_size} = {total} rollouts; "
+                f"the limit per job is {MAX_ROLLOUTS_PER_JOB}"
+            )
+        items = self._items(job_id, env, spec, tasks)
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
         await self.store.create_job(job_id, spec, len(items), owner)
         self._jobs[job_id] = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
-        self._queue(job_id, env, spec, items)
+        self._queue(job_id, env, spec, items, owner)
         return job_id, len(items)
 
-    def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem]) -> None:
+    def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem], owner: str) -> None:
         """Hand a job's items to the scheduler; while its image is missing it is built in the background and the
         slots go to jobs whose images exist."""
         images = self.executor.images
         ready = images.ready(env)
-        self.scheduler.add_job(job_id, spec.priority, spec.max_concurrency, items, _need(env), ready=ready)
+        self.scheduler.add_job(
+            job_id, spec.priority, spec.max_concurrency, items, _need(env), ready=ready, tenant=owner
+        )
         if not ready:
             images.prebuild(env).add_done_callback(lambda _: self.scheduler.set_ready(job_id))
 
@@ -242,7 +253,7 @@ class JobManager:
         """The job; for a caller `owner`, another tenant's job is reported exactly like a missing one."""
         job = self._jobs.get(job_id)
         if job is None or (owner is not None and job.owner != owner):
-            raise JobNotFoundError(f"no job {job_id!r}")
+            raise JobNotFoundError(f"no job {echo(job_id)}")
         return job
 
     async def stream(

@@ -38,6 +38,7 @@ from orchestrator.service.declarative import (
     make_environment,
 )
 from orchestrator.service.registry import Registered, Registry
+from orchestrator.service.tenancy import LOCAL_TENANT, TenantGate
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +131,14 @@ class Registrar:
         client: docker.DockerClient,
         store: SpecStore,
         max_concurrent_checks: int = 2,
+        max_checks_per_tenant: int = 1,
     ) -> None:
         self._registry = registry
         self._backend = backend
         self._client = client
         self._store = store
-        self._checks = asyncio.Semaphore(max_concurrent_checks)
+        # builds and reference runs are tenant content: counted per tenant, so one cannot hold every slot
+        self._checks = TenantGate(max_concurrent_checks, min(max_checks_per_tenant, max_concurrent_checks))
         self._owners: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -172,7 +175,7 @@ class Registrar:
                 )
         return None
 
-    async def validate(self, spec: EnvironmentSpec) -> ValidationResult:
+    async def validate(self, spec: EnvironmentSpec, tenant: str = LOCAL_TENANT) -> ValidationResult:
         """Build the image, load the tasks and run a reference solution (or an empty episode) through scoring.
 
         SpecCheckError (FAILED_PRECONDITION) lists what failed; SandboxError means the fleet itself failed.
@@ -181,7 +184,7 @@ class Registrar:
         env = make_environment(spec)
         result = ValidationResult(env=spec.ref(), image="", num_tasks=len(env.tasks()))
         result.checks.append(f"spec: {result.num_tasks} task(s), tools {', '.join(spec.tools)}")
-        async with self._checks:
+        async with self._checks.slot(tenant):
             try:
                 result.image = await asyncio.to_thread(env.build_image, self._client)
             except ImageBuildError as e:
@@ -250,7 +253,7 @@ class Registrar:
             existing = self._existing(spec, tenant)
             if existing is not None:
                 return existing
-            await self.validate(spec)
+            await self.validate(spec, tenant)
             record = StoredSpec(owner=tenant, registered_at=time.time(), spec=spec)
             await asyncio.to_thread(self._store.save, record)
             try:

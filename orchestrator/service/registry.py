@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from orchestrator.core.echo import echo
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import EnvironmentNotFoundError, InvalidEnvironmentError, InvalidRequestError
 from orchestrator.core.tools import get_tools
@@ -74,9 +75,9 @@ class Registry:
         """Validate and add an environment instance."""
         name, version = getattr(env, "name", ""), getattr(env, "version", "")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidEnvironmentError(f"environment name {name!r} must match {_NAME.pattern}")
+            raise InvalidEnvironmentError(f"environment name {echo(name)} must match {_NAME.pattern}")
         if not isinstance(version, str) or not _VERSION.match(version):
-            raise InvalidEnvironmentError(f"{name}: version {version!r} must match {_VERSION.pattern}")
+            raise InvalidEnvironmentError(f"{name}: version {echo(version)} must match {_VERSION.pattern}")
         try:
             get_tools(env.tools)
         except InvalidRequestError as e:
@@ -99,12 +100,12 @@ class Registry:
         if not versions:
             close = difflib.get_close_matches(name, list(self._by_name), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(self._by_name))}"
-            raise EnvironmentNotFoundError(f"no environment named {name!r}{hint}")
+            raise EnvironmentNotFoundError(f"no environment named {echo(name)}{hint}")
         if not version:
             return versions[max(versions, key=_version_key)]
         if version not in versions:
             raise EnvironmentNotFoundError(
-                f"{name} has no version {version!r}; versions: {', '.join(sorted(versions))}"
+                f"{echo(name)} has no version {echo(version)}; versions: {', '.join(sorted(versions))}"
             )
         return versions[version]
 

@@ -24,6 +24,7 @@ import docker
 import docker.errors
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from orchestrator.core.echo import echo
 from orchestrator.core.environment import ImageSource
 from orchestrator.core.errors import InvalidRequestError, NotFoundError, QuotaExceededError, SandboxError
 from orchestrator.core.sandbox import Command, ExecEvent, Limits, Sandbox, SandboxBackend, SandboxSpec
@@ -94,7 +95,7 @@ def _check_env_vars(env: Mapping[str, str], what: str) -> dict[str, str]:
         raise InvalidRequestError(f"{what}: at most 256 variables")
     for name, value in env.items():
         if not _ENV_NAME.match(name):
-            raise InvalidRequestError(f"{what}: {name!r} is not a variable name")
+            raise InvalidRequestError(f"{what}: {echo(name)} is not a variable name")
         if "\0" in value or len(value) > 128 << 10:
             raise InvalidRequestError(f"{what}: the value of {name} holds NUL or is over 128 KiB")
     return dict(env)
@@ -144,10 +145,10 @@ class SandboxManager:
             return tag, _limits(env.limits, overrides)
         if not image.startswith(ENVFLEET_IMAGE_PREFIX) or len(image) > 256:
             raise InvalidRequestError(
-                f"image {image[:256]!r}: only envfleet images (envfleet/...) may be used; they carry envd"
+                f"image {echo(image)}: only envfleet images (envfleet/...) may be used; they carry envd"
             )
         if not await asyncio.to_thread(self._image_present, image):
-            raise NotFoundError(f"image {image!r} is not on this host; build it first (envfleet image build-base)")
+            raise NotFoundError(f"image {echo(image)} is not on this host; build it first (envfleet image build-base)")
         return image, _limits(Limits(), overrides)
 
     def _image_present(self, image: str) -> bool:
@@ -209,7 +210,7 @@ class SandboxManager:
         if tomb is not None:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.ended_at))
             raise NotFoundError(f"sandbox {sandbox_id} {tomb.state.lower()} at {when} ({tomb.end_reason})")
-        raise NotFoundError(f"no sandbox {sandbox_id!r}")
+        raise NotFoundError(f"no sandbox {echo(sandbox_id)}")
 
     async def _end(self, live: _Live, state: State, reason: str) -> None:
         sid = live.record.sandbox_id

@@ -3,8 +3,10 @@
 Admission is by host capacity: a rollout starts only while the sandboxes in flight, their CPU quotas and their
 memory limits fit the configured capacity (with overcommit: sandboxes mostly wait on the policy). A job whose single
 sandbox could never fit is refused (CapacityError, RESOURCE_EXHAUSTED); a job that fits but finds the host full is
-queued. Each job also has its own cap; among jobs with work and room, the one with the fewest running rollouts per
-unit of priority goes next (weighted fair share).
+queued. Each job also has its own cap. Fair share is per tenant first, then per job: the tenant with the fewest
+running rollouts goes next (so one tenant's many priority-100 jobs cannot starve another tenant), and among that
+tenant's jobs with work and room, the one with the fewest running rollouts per unit of priority (weighted fair
+share). Priority weighs a tenant's jobs against each other, never against another tenant's.
 
 Placement is image-aware: a job whose sandbox image is still being built is held back (`ready=False`), so its
 rollouts do not sit on slots waiting for a build while jobs whose images exist could run; `set_ready` releases it.
@@ -61,6 +63,7 @@ class JobQueue:
     max_concurrency: int
     need: Need = Need()
     ready: bool = True  # False while the job's image is being built
+    tenant: str = ""
     pending: collections.deque[WorkItem] = field(default_factory=collections.deque)
     running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
@@ -121,10 +124,11 @@ class Scheduler:
         need: Need = Need(),
         *,
         ready: bool = True,
+        tenant: str = "",
     ) -> None:
-        """Queue a job's items; with `ready=False` none starts before `set_ready(job_id)`."""
+        """Queue a job of `tenant`; with `ready=False` none of its items starts before `set_ready(job_id)`."""
         self.check_fits(need)
-        q = self._queues.setdefault(job_id, JobQueue(job_id, priority, max_concurrency, need, ready))
+        q = self._queues.setdefault(job_id, JobQueue(job_id, priority, max_concurrency, need, ready, tenant))
         q.pending.extend(items)
         self.kick()
 
@@ -170,7 +174,19 @@ class Scheduler:
         ready = [q for q in self._queues.values() if q.has_room() and self._fits(q.need)]
         if not ready:
             return None
-        return min(ready, key=lambda q: (len(q.running) / q.priority, -q.priority))
+        running: collections.Counter[str] = collections.Counter()
+        for q in self._queues.values():
+            running[q.tenant] += len(q.running)
+        tenant = min({q.tenant for q in ready}, key=lambda t: (running[t], t))
+        mine = [q for q in ready if q.tenant == tenant]
+        return min(mine, key=lambda q: (len(q.running) / q.priority, -q.priority))
+
+    def running_by_tenant(self) -> dict[str, int]:
+        """Running rollouts per tenant."""
+        out: collections.Counter[str] = collections.Counter()
+        for q in self._queues.values():
+            out[q.tenant] += len(q.running)
+        return dict(out)
 
     async def _loop(self) -> None:
         while True:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.backends.pool import SandboxPool
+from orchestrator.core.echo import echo
 from orchestrator.core.environment import Environment, Finish, ImageSource, Task
 from orchestrator.core.errors import (
     EnvironmentBroken,
@@ -176,7 +177,7 @@ class SessionManager:
         if task_id:
             task = next((t for t in tasks if t.id == task_id), None)
             if task is None:
-                raise InvalidRequestError(f"task_id: {env.ref()} has no task {task_id!r}")
+                raise InvalidRequestError(f"task_id: {env.ref()} has no task {echo(task_id)}")
             return task, seed if seed is not None else seed_for_task(task_id)
         if not tasks:
             raise FailedPreconditionError(f"{env.ref()} has no tasks")
@@ -252,7 +253,7 @@ class SessionManager:
         tomb = self._ended.get(session_id)
         if tomb is not None and tomb.tenant == tenant:
             raise NotFoundError(f"session {session_id} {tomb.why}")
-        raise NotFoundError(f"no session {session_id!r}")
+        raise NotFoundError(f"no session {echo(session_id)}")
 
     async def _drop(self, s: _Session, why: str) -> None:
         """Forget a session, leaving a tombstone that tells its owner why."""

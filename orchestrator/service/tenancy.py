@@ -6,17 +6,22 @@
       "9b1e27...": {tenant: team-b, expires_at: "2030-01-01T00:00:00Z"}
 
 Tokens are kept only as sha256 digests, so a lookup never compares secrets character by character. The file is
-re-read when it changes, so tokens can be rotated without a restart.
+re-read when it changes, so tokens can be rotated without a restart. Revocation fails closed: a deleted (or
+unreadable) file revokes every token; a file still being written (no final newline, or a size that changes while it
+is read) is not read until it settles; a table is parsed whole, then swapped in at once. Replace the file atomically
+(write a temporary file, then rename it over the old one).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -33,6 +38,8 @@ LOCAL_TENANT = "local"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MIN_TOKEN_CHARS = 16
 RELOAD_CHECK_S = 2.0
+# A changed file without a final newline may be half written: it is read once it has not changed for this long.
+SETTLE_S = 2.0
 
 
 class TokenEntry(BaseModel):
@@ -53,7 +60,9 @@ class TokenFile(BaseModel):
 
 
 @dataclass(frozen=True)
-class _Grant:
+class Grant:
+    """A valid token's tenant and expiry (epoch seconds, None: never)."""
+
     tenant: str
     expires_at: float | None
 
@@ -65,11 +74,17 @@ def _digest(token: str) -> bytes:
 class TokenTable:
     """Token digests -> tenants. Build with `TokenTable.load(path)` or from a mapping."""
 
-    def __init__(self, entries: Mapping[str, TokenEntry]) -> None:
+    def __init__(self, entries: Mapping[str, TokenEntry], revoked: str | None = None) -> None:
         self._grants = {
-            _digest(token): _Grant(e.tenant, e.expires_at.timestamp() if e.expires_at else None)
+            _digest(token): Grant(e.tenant, e.expires_at.timestamp() if e.expires_at else None)
             for token, e in entries.items()
         }
+        self._revoked = revoked
+
+    @classmethod
+    def revoked(cls, reason: str) -> TokenTable:
+        """A table that refuses every token, saying why (the token file is gone or unreadable)."""
+        return cls({}, revoked=reason)
 
     @classmethod
     def parse(cls, text: str, source: str = "token file") -> TokenTable:
@@ -104,38 +119,50 @@ class TokenTable:
             raise ConfigError(f"cannot read token file {path}: {e.strerror}") from None
         return cls.parse(text, str(path))
 
-    def tenant_of(self, token: str, now: float | None = None) -> str:
-        """The tenant a token belongs to; UnauthenticatedError for an unknown or expired token."""
+    def grant_of(self, token: str, now: float | None = None) -> Grant:
+        """The grant of a valid token; UnauthenticatedError for an unknown, expired or revoked one."""
+        if self._revoked is not None:
+            raise UnauthenticatedError(self._revoked)
         grant = self._grants.get(_digest(token))
         if grant is None:
             raise UnauthenticatedError("invalid bearer token")
         if grant.expires_at is not None and (now if now is not None else time.time()) >= grant.expires_at:
             when = datetime.fromtimestamp(grant.expires_at).astimezone().isoformat(timespec="seconds")
             raise UnauthenticatedError(f"bearer token expired at {when}")
-        return grant.tenant
+        return grant
+
+    def tenant_of(self, token: str, now: float | None = None) -> str:
+        """The tenant a token belongs to; UnauthenticatedError for an unknown, expired or revoked token."""
+        return self.grant_of(token, now).tenant
 
     def __len__(self) -> int:
         return len(self._grants)
 
 
-class TokenSource:
-    """A token file, re-read when its modification time changes (checked at most every RELOAD_CHECK_S).
+_Version = tuple[int, int, int]  # (mtime_ns, size, inode): a changed file has a new one
 
-    A broken edit is logged and the previous table stays in force, so a typo never locks every tenant out.
+
+class TokenSource:
+    """A token file, re-read when it changes (checked at most every RELOAD_CHECK_S).
+
+    Deleting the file revokes every token (fail closed). A broken edit is logged and the previous table stays in
+    force, so a typo never locks every tenant out; a file that may be half written is not read until it settles.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._table = TokenTable.load(path)
-        self._mtime = self._stat()
+        self._seen: _Version | None = self._version()
+        self._pending: tuple[_Version, float] | None = None  # a version that may be half written, since when
         self._checked = time.monotonic()
         self._lock = threading.Lock()
 
-    def _stat(self) -> int:
+    def _version(self) -> _Version | None:
         try:
-            return os.stat(self.path).st_mtime_ns
-        except OSError:
-            return -1
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
 
     def table(self) -> TokenTable:
         """The current table."""
@@ -144,12 +171,78 @@ class TokenSource:
             return self._table
         with self._lock:
             self._checked = now
-            mtime = self._stat()
-            if mtime != self._mtime:
-                self._mtime = mtime
-                try:
-                    self._table = TokenTable.load(self.path)
-                    log.info("reloaded token file %s (%d tokens)", self.path, len(self._table))
-                except ConfigError as e:
-                    log.error("token file changed but is broken; keeping the previous tokens: %s", e)
+            try:
+                self._reload(now)
+            except OSError as e:  # unreadable: fail closed, as when it is missing
+                self._revoke(f"the server's token file cannot be read ({e.strerror}): every token is refused")
         return self._table
+
+    def _revoke(self, reason: str) -> None:
+        if self._seen is not None or self._pending is not None or len(self._table):
+            log.error("%s (%s)", reason, self.path)
+        self._table, self._seen, self._pending = TokenTable.revoked(reason), None, None
+
+    def _reload(self, now: float) -> None:
+        version = self._version()
+        if version is None:
+            self._revoke("the server's token file is missing: every token is revoked")
+            return
+        if version == self._seen:
+            return
+        with self.path.open("rb") as f:
+            data = f.read()
+            st = os.fstat(f.fileno())
+        # a writer that is still at work: the size moved under the read, or the text stops mid-line
+        torn = len(data) != st.st_size or (st.st_mtime_ns, st.st_size, st.st_ino) != version
+        unfinished = bool(data) and not data.endswith(b"\n")
+        if torn or unfinished:
+            if self._pending is None or self._pending[0] != version:
+                self._pending = (version, now)
+            if torn or now - self._pending[1] < SETTLE_S:
+                return  # the previous table stays in force; checked again at the next call
+        self._seen, self._pending = version, None
+        try:
+            table = TokenTable.parse(data.decode("utf-8", "replace"), str(self.path))
+        except ConfigError as e:
+            log.error("token file changed but is broken; keeping the previous tokens: %s", e)
+            return
+        self._table = table  # parsed whole, swapped in at once
+        log.info("reloaded token file %s (%d tokens)", self.path, len(table))
+
+
+class TenantGate:
+    """Slots shared by all tenants (e.g. image builds), at most `per_tenant` of them held by any one tenant, so one
+    tenant cannot hold every slot while others wait."""
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        if not 1 <= per_tenant <= total:
+            raise ConfigError(f"per-tenant slots ({per_tenant}) must be between 1 and the total ({total})")
+        self.total = total
+        self.per_tenant = per_tenant
+        self._all = asyncio.Semaphore(total)
+        self._mine: dict[str, asyncio.Semaphore] = {}
+        self._users: dict[str, int] = {}  # holding or waiting
+        self._held: dict[str, int] = {}
+
+    def held(self, tenant: str) -> int:
+        """Slots `tenant` holds now."""
+        return self._held.get(tenant, 0)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, tenant: str) -> AsyncIterator[None]:
+        """Hold one slot: first one of the tenant's own, then one of the shared ones."""
+        mine = self._mine.setdefault(tenant, asyncio.Semaphore(self.per_tenant))
+        self._users[tenant] = self._users.get(tenant, 0) + 1
+        try:
+            async with mine, self._all:
+                self._held[tenant] = self._held.get(tenant, 0) + 1
+                try:
+                    yield
+                finally:
+                    self._held[tenant] -= 1
+                    if not self._held[tenant]:
+                        del self._held[tenant]
+        finally:
+            self._users[tenant] -= 1
+            if not self._users[tenant]:  # forget idle tenants: the map stays as small as the tenants at work
+                del self._users[tenant], self._mine[tenant]

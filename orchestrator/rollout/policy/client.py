@@ -3,11 +3,16 @@
 OpenAIPolicy speaks OpenAI-compatible chat completions over httpx and asks vLLM/SGLang-style servers for the token ids
 and logprobs a trainer needs (`return_token_ids`, `logprobs`). What the server does not return stays None: token ids
 and logprobs are never invented here.
+
+The URL is the tenant's choice, so the server at it is untrusted: its response is read with a size cap (streamed,
+stopped at `max_response_bytes`), redirects are not followed, and error messages give the status, the size and the
+content type of a response, never its body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from typing import Any
@@ -23,7 +28,7 @@ from orchestrator.core.errors import (
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.base import Completion, Policy
-from orchestrator.rollout.policy.parsing import ERROR_BODY_HEAD, parse_chat_completion
+from orchestrator.rollout.policy.parsing import parse_chat_completion
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,8 @@ BACKOFF_CAP_S = 5.0
 SHARD_TARGET = 8
 MAX_SHARDS = 128
 SHARD_MAX_CONNECTIONS = 64
+# A chat completion with token ids and logprobs of a long episode is a few MB; anything past this is refused.
+MAX_RESPONSE_BYTES = 32 << 20
 
 
 class _Retryable(Exception):
@@ -59,8 +66,10 @@ class OpenAIPolicy(Policy):
         *,
         backoff_base_s: float = BACKOFF_BASE_S,
         backoff_cap_s: float = BACKOFF_CAP_S,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.endpoint = endpoint
+        self.max_response_bytes = max_response_bytes
         self._own_client = client is None
         self._ssl_context = httpx.create_ssl_context() if client is None else None  # shared: 60 ms to build each
         self._clients = [client or self._new_client()]
@@ -80,6 +89,7 @@ class OpenAIPolicy(Policy):
         return httpx.AsyncClient(
             verify=self._ssl_context or True,
             timeout=httpx.Timeout(self.endpoint.request_timeout_s),
+            follow_redirects=False,
             limits=httpx.Limits(max_connections=SHARD_MAX_CONNECTIONS, max_keepalive_connections=SHARD_TARGET),
         )
 
@@ -157,7 +167,7 @@ class OpenAIPolicy(Policy):
         try:
             # httpx's timeouts bound each phase; this bounds the whole attempt, a slow trickle included
             async with asyncio.timeout(timeout_s):
-                resp = await self._clients[i].post(self._url, json=body, headers=headers)
+                resp, content = await self._post(self._clients[i], body, headers)
         except (TimeoutError, httpx.TimeoutException) as e:
             msg = f"policy server {self._url} did not answer within {timeout_s:g}s"
             raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
@@ -172,19 +182,49 @@ class OpenAIPolicy(Policy):
 
         if resp.is_success:
             try:
-                return resp.json()
+                return json.loads(content)
             except ValueError as e:
                 raise PolicyResponseError(
-                    f"policy server {self._url} answered {resp.status_code} with a body that is not JSON: "
-                    f"{resp.text[:ERROR_BODY_HEAD]!r}"
+                    f"policy server {self._url} answered {resp.status_code} with a body that is not JSON "
+                    f"({_described(resp, content)})"
                 ) from e
-        head = resp.text[:ERROR_BODY_HEAD]
+        log.debug("policy server %s answered HTTP %d: %r", self._url, resp.status_code, content[:200])
         http_err = PolicyHTTPError(
-            f"policy server {self._url} answered HTTP {resp.status_code}: {head}", resp.status_code, head
+            f"policy server {self._url} answered HTTP {resp.status_code} ({_described(resp, content)})",
+            resp.status_code,
         )
         if resp.status_code == 429 or resp.status_code >= 500:
             raise _Retryable(http_err, _retry_after(resp))
         raise http_err
+
+    async def _post(
+        self, client: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[httpx.Response, bytes]:
+        """POST and read the body, stopping at max_response_bytes (PolicyResponseError) instead of buffering it."""
+        cap = self.max_response_bytes
+        async with client.stream("POST", self._url, json=body, headers=headers) as resp:
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > cap:
+                raise PolicyResponseError(self._too_big(resp, f"declares {int(declared)} bytes"))
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > cap:
+                    raise PolicyResponseError(self._too_big(resp, f"sent more than {cap} bytes"))
+                chunks.append(chunk)
+        return resp, b"".join(chunks)
+
+    def _too_big(self, resp: httpx.Response, what: str) -> str:
+        return (
+            f"policy server {self._url} answered HTTP {resp.status_code} but its response {what}; "
+            f"the limit is {self.max_response_bytes} bytes"
+        )
+
+
+def _described(resp: httpx.Response, content: bytes) -> str:
+    kind = resp.headers.get("content-type", "no content type").split(";")[0].strip()[:60]
+    return f"{len(content)} bytes of {kind}; the body is not shown"
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

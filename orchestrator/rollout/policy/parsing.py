@@ -11,8 +11,8 @@ from orchestrator.rollout.policy.base import Completion, ToolCall
 
 log = logging.getLogger(__name__)
 
-# Head of a response body kept in an exception message.
-ERROR_BODY_HEAD = 500
+# A policy URL may point anywhere a tenant chose: error messages describe a response (its type, its keys, its size)
+# but never quote it, so an error cannot be used to read another host's answers.
 TOKEN_ID_PREFIX = "token_id:"
 
 
@@ -74,7 +74,7 @@ def _tool_calls(raw: Any) -> tuple[list[ToolCall], list[dict[str, Any]]]:
     for i, tc in enumerate(raw):
         fn = tc.get("function") if isinstance(tc, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise PolicyResponseError(f"tool call {i} has no function name: {str(tc)[:200]}")
+            raise PolicyResponseError(f"tool call {i} has no function name")
         args = fn.get("arguments", "")
         if not isinstance(args, str):  # some servers send the parsed object; keep it as the JSON text it was
             args = json.dumps(args)
@@ -92,7 +92,7 @@ def parse_chat_completion(data: Any, *, model: str) -> Completion:
         raise PolicyResponseError(f"response is a {type(data).__name__}, expected a JSON object")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise PolicyResponseError(f"response has no choices: {json.dumps(data)[:ERROR_BODY_HEAD]}")
+        raise PolicyResponseError(f"response has no choices (a JSON object of {len(data)} keys)")
     choice = choices[0]
     message = choice.get("message")
     if not isinstance(message, dict):

@@ -16,10 +16,12 @@ from orchestrator.core.environment import Environment, Episode, Rubric, Score, T
 from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.sandbox import ExecResult, Sandbox
 from orchestrator.images import build_from_spec, build_image, ensure_base_image
+from orchestrator.images.build import BuildLimits
 from orchestrator.service.declarative.errors import ScoringError
 from orchestrator.service.declarative.spec import EnvironmentSpec
 
 MAX_SCORING_OUTPUT = 1 << 20
+TENANT_BUILD = BuildLimits()  # a spec's build is tenant content: memory, CPU and time limits
 MAX_ANSWER_ENV = 64 << 10
 TAIL_CHARS = 600
 # The package check runs at build time, offline: a missing package fails the build with this message.
@@ -109,13 +111,14 @@ class DeclarativeEnvironment(Environment):
     def build_image(self, client: docker.DockerClient) -> str:
         """Build (or find cached) this environment's image, offline; returns its tag. Blocking: run in a thread."""
         img = self.spec.image
-        if img.dockerfile is not None:
-            return build_image(client, name=image_name(self.name), dockerfile=img.dockerfile, context_files={})
+        name = image_name(self.name)
+        if img.dockerfile is not None:  # context: the Dockerfile alone, so nothing of the host can be copied in
+            return build_image(client, name=name, dockerfile=img.dockerfile, context_files={}, limits=TENANT_BUILD)
         base = img.base or ensure_base_image(client)
         spec = self.image_spec()
         if spec is None:
             return base
-        return build_from_spec(client, name=image_name(self.name), spec=spec.model_copy(update={"base": base}))
+        return build_from_spec(client, name=name, spec=spec.model_copy(update={"base": base}), limits=TENANT_BUILD)
 
     def _task_json(self, task: Task) -> dict[str, Any]:
         return {"task_id": task.id, "prompt": task.prompt, "data": task.data.get("data", {})}

@@ -23,8 +23,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from orchestrator.core.echo import echo
 from orchestrator.core.sandbox import Limits
 from orchestrator.core.tools import BUILTIN_TOOLS
+from orchestrator.service.declarative import dockerfile
 from orchestrator.service.declarative.errors import Problem, SpecError
 
 # the registry's rules for names and versions
@@ -38,7 +40,6 @@ DEFAULT_SYSTEM_PROMPT = "You are an agent working in a sandbox. Use the tools; c
 MAX_TEXT = 256 << 10
 MAX_TASKS = 100_000
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_FROM = re.compile(r"^\s*FROM\s+(?:--platform=\S+\s+)?(\S+)", re.IGNORECASE | re.MULTILINE)
 # Dockerfile instructions substitute $VARS in paths and treat a backslash as an escape: allow neither in paths.
 _PATH_FORBIDDEN = ("\n", "\r", "\0", "$", "\\")
 
@@ -114,7 +115,9 @@ class ImageDef(_Strict):
     @classmethod
     def _envfleet_base(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(ENVFLEET_IMAGE_PREFIX):
-            raise ValueError(f"base {v!r} must be an envfleet image (envfleet/...): sandboxes need envd")
+            raise ValueError(f"base {echo(v)} must be an envfleet image (envfleet/...): sandboxes need envd")
+        if v is not None and v.startswith(dockerfile.TENANT_IMAGE_PREFIX):
+            raise ValueError(f"base {echo(v)} is another environment's image (maybe another tenant's)")
         return v
 
     @field_validator("packages")
@@ -155,14 +158,7 @@ class ImageDef(_Strict):
     def _dockerfile(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        stages = _FROM.findall(v)
-        if not stages:
-            raise ValueError("the Dockerfile has no FROM line")
-        if not stages[-1].startswith(ENVFLEET_IMAGE_PREFIX):
-            raise ValueError(
-                f"the final stage is FROM {stages[-1]!r}; it must be an envfleet image (e.g. envfleet/base:latest), "
-                "which carries envd (builds are offline: nothing can be pulled)"
-            )
+        dockerfile.check(v)  # parsed as the builder reads it: every stage, --from, ADD, ONBUILD (DockerfileError)
         return v
 
     @model_validator(mode="after")
@@ -246,7 +242,7 @@ def _message(err: Mapping[str, Any]) -> str:
     msg = str(err["msg"]).removeprefix("Value error, ")
     got = err.get("input")
     if err["type"] not in ("missing", "value_error") and not isinstance(got, dict | list):
-        msg += f" (got {got!r})"[:160]
+        msg += f" (got {echo(got)})"
     return msg
 
 

@@ -1,0 +1,128 @@
+"""Archives are unpacked on the host, so every member is resolved against the tree being built: no link chain,
+in any order, carries a write outside the destination; members, size and compression ratio are limited."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from environments.swe import snapshot
+from environments.swe.snapshot import SnapshotError, extract_archive
+
+
+def _tar(path: Path, members: list[tuple[str, str, bytes | str]], mode: Literal["w", "w:gz"] = "w") -> Path:
+    """A tar of (kind, name, data or link target) members, kind in file/sym/dir/fifo."""
+    with tarfile.open(path, mode) as tf:
+        for kind, name, data in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                assert isinstance(data, bytes)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+                continue
+            if kind == "sym":
+                info.type, info.linkname = tarfile.SYMTYPE, str(data)
+            elif kind == "dir":
+                info.type = tarfile.DIRTYPE
+            elif kind == "fifo":
+                info.type = tarfile.FIFOTYPE
+            tf.addfile(info)
+    return path
+
+
+ESCAPES = {
+    # the link `up` points at the tree's root; `e` goes through it and one more level up
+    "link made after the link it goes through": [
+        ("sym", "r/d/up", ".."),
+        ("sym", "r/d/e", "up/.."),
+        ("file", "r/d/e/x", b"pwned"),
+    ],
+    "link made before the link it goes through": [
+        ("sym", "r/d/e", "up/.."),
+        ("sym", "r/d/up", ".."),
+        ("file", "r/d/e/x", b"pwned"),
+    ],
+    "a file written over a link": [
+        ("sym", "r/d/up", ".."),
+        ("sym", "r/d/e", "up/.."),
+        ("file", "r/d/e", b"pwned"),
+    ],
+    "a plain parent link": [("sym", "r/out", ".."), ("file", "r/out/x", b"pwned")],
+    "absolute link": [("sym", "r/abs", "/tmp"), ("file", "r/abs/x", b"pwned")],
+    "dot-dot member": [("file", "r/../x", b"pwned")],
+}
+
+
+@pytest.mark.parametrize("members", list(ESCAPES.values()), ids=list(ESCAPES))
+def test_no_link_chain_writes_outside_the_destination(
+    tmp_path: Path, members: list[tuple[str, str, bytes | str]]
+) -> None:
+    outer = tmp_path / "outer"
+    dest = outer / "a" / "dest"
+    archive = _tar(tmp_path / "evil.tar", members)
+    with pytest.raises(SnapshotError, match=r"outside the tree|out of the tree|unsafe member path"):
+        extract_archive(archive, dest, strip=1)
+    written = [p for p in tmp_path.rglob("x") if p.is_file()] + [p for p in outer.rglob("*") if p.name == "e"]
+    assert all(dest in p.parents or p.is_symlink() for p in written), written
+    assert not (outer / "a" / "x").exists() and not (outer / "x").exists() and not Path("/tmp/x").exists()
+    # and nothing in the result points out of the tree
+    for p in dest.rglob("*") if dest.exists() else []:
+        if p.is_symlink():
+            assert dest.resolve() in p.resolve().parents or p.resolve() == dest.resolve()
+
+
+def test_links_inside_the_tree_are_kept(tmp_path: Path) -> None:
+    archive = _tar(
+        tmp_path / "ok.tar",
+        [
+            ("dir", "r/pkg", b""),
+            ("file", "r/pkg/mod.py", b"x = 1\n"),
+            ("sym", "r/link.py", "pkg/mod.py"),
+            ("sym", "r/pkg/up", ".."),
+            ("file", "r/pkg/up/top.txt", b"top\n"),  # through a link that stays inside: lands at the root
+        ],
+    )
+    dest = tmp_path / "dest"
+    extract_archive(archive, dest, strip=1)
+    assert (dest / "link.py").read_text() == "x = 1\n" and (dest / "top.txt").read_text() == "top\n"
+
+
+def test_devices_and_fifos_are_refused(tmp_path: Path) -> None:
+    archive = _tar(tmp_path / "fifo.tar", [("fifo", "r/p", b"")])
+    with pytest.raises(SnapshotError, match="device or fifo"):
+        extract_archive(archive, tmp_path / "dest")
+
+
+def test_member_count_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshot, "MAX_MEMBERS", 100)
+    archive = _tar(tmp_path / "many.tar", [("file", f"r/f{i}", b"") for i in range(101)])
+    with pytest.raises(SnapshotError, match="more than 100 members"):
+        extract_archive(archive, tmp_path / "dest")
+
+
+def test_total_size_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshot, "MAX_TOTAL_BYTES", 1 << 20)
+    archive = _tar(tmp_path / "big.tar", [("file", "r/a", b"a" * (600 << 10)), ("file", "r/b", b"b" * (600 << 10))])
+    with pytest.raises(SnapshotError, match="unpacks to more than 1048576 bytes"):
+        extract_archive(archive, tmp_path / "dest")
+    assert not (tmp_path / "dest" / "b").exists()
+
+
+@pytest.mark.parametrize("kind", ["tar.gz", "zip"])
+def test_compression_bomb_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    monkeypatch.setattr(snapshot, "RATIO_FLOOR", 1 << 20)
+    zeros = b"\0" * (64 << 20)  # 64 MiB of zeros compress to about 64 KiB: a ratio of about 1000
+    if kind == "zip":
+        archive = tmp_path / "bomb.zip"
+        with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr("r/zeros", zeros)
+    else:
+        archive = _tar(tmp_path / "bomb.tar.gz", [("file", "r/zeros", zeros)], mode="w:gz")
+    with pytest.raises(SnapshotError, match="decompression bomb"):
+        extract_archive(archive, tmp_path / "dest")
+    assert not (tmp_path / "dest" / "zeros").exists()

@@ -1,0 +1,228 @@
+"""Builds are sandboxes too: a tenant's Dockerfile is parsed as the builder reads it and every way out of the build
+is refused (other images, ADD <url>, ONBUILD, frontends, the host's files); builds run under memory, CPU and time
+limits; and build slots are counted per tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import docker
+import grpc
+import pytest
+
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import ImageBuildError
+from orchestrator.images.build import BuildLimits, build_image
+from orchestrator.service.declarative.dockerfile import DockerfileError, check
+from orchestrator.service.tenancy import TenantGate
+from protos import orchestrator_pb2 as pb
+from tests.orchestrator.servers import expect_error, serve
+
+BASE = "FROM envfleet/base:latest\n"
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "message"),
+    [
+        # a continuation line swallows the last FROM: the stage that is really built is alpine's
+        ("FROM alpine:3 AS evil\nRUN echo x \\\nFROM envfleet/base:latest\n", "the final stage is FROM 'alpine:3'"),
+        ("FROM debian:12 AS tools\nRUN true\n" + BASE + "COPY --from=tools /bin/ls /x\n", "FROM 'debian:12'"),
+        (BASE + "COPY --from=busybox:latest /bin/sh /x\n", "COPY --from 'busybox:latest'"),
+        (BASE + "RUN --mount=type=bind,from=alpine:3,target=/m true\n", "RUN --mount from 'alpine:3'"),
+        (BASE + "RUN --network=host true\n", "RUN --network is not allowed"),
+        (BASE + "ADD http://127.0.0.1:1/x /x\n", "the daemon would fetch it on the host network"),
+        (BASE + 'ADD ["https://example.com/x", "/x"]\n', "the daemon would fetch it"),
+        (BASE + "ADD git@github.com:o/r.git /r\n", "the daemon would fetch it"),
+        (BASE + "ONBUILD RUN curl evil\n", "ONBUILD is not allowed"),
+        ("# syntax=docker/dockerfile:1\n" + BASE, "would pull a builder frontend image"),
+        ("ARG B=alpine\nFROM $B\n", "uses a variable"),
+        ("FROM envfleet/env-someone-else:0123456789ab\n", "another environment's image"),
+        ("# escape=`\nFROM alpine AS x `\n  \nFROM envfleet/base\n" + "RUN true\n", "FROM 'alpine'"),
+        (BASE + "COPY ../../../etc/passwd /x\n", "leaves the build context"),
+        ("RUN true\n", "no FROM line"),
+    ],
+)
+def test_dockerfile_ways_out_are_refused(dockerfile: str, message: str) -> None:
+    with pytest.raises(DockerfileError, match=message.replace("[", r"\[").replace("$", r"\$")):
+        check(dockerfile)
+
+
+@pytest.mark.parametrize(
+    "dockerfile",
+    [
+        BASE + "RUN echo a \\\n  # a comment inside a continuation\n  && echo b\n",
+        "FROM envfleet/base:latest AS build\nRUN echo hi > /tmp/x\n" + BASE + "COPY --from=build /tmp/x /x\n",
+        BASE + "COPY --from=0 /etc/hostname /x\n",
+        "# escape=`\n" + BASE + "RUN echo a `\n  && echo b\n",
+    ],
+)
+def test_legitimate_dockerfiles_pass(dockerfile: str) -> None:
+    check(dockerfile)
+
+
+class Canary:
+    """An HTTP server on 127.0.0.1 that records every request it gets."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            line = await reader.readline()
+            self.requests.append(line.decode(errors="replace").strip())
+            writer.write(b"HTTP/1.0 200 OK\r\nContent-Length: 6\r\n\r\ncanary")
+            await writer.drain()
+            writer.close()
+
+        self._server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+
+@pytest.fixture
+async def canary() -> AsyncIterator[Canary]:
+    c = Canary()
+    await c.start()
+    yield c
+    await c.close()
+
+
+def _spec(dockerfile: str, name: str = "sec-build") -> pb.EnvironmentSpec:
+    return pb.EnvironmentSpec(
+        name=name,
+        version="1",
+        image=pb.ImageSource(dockerfile=dockerfile),
+        tools=["submit"],
+        tasks=[pb.TaskSpec(id="t", prompt="p", reference=[pb.ToolCall(name="submit", arguments="{}")])],
+        scoring=pb.ScoringSpec(command="echo '{\"reward\": 1}'"),
+    )
+
+
+async def test_add_url_is_refused_and_the_canary_hears_nothing(
+    tmp_path: Path, canary: Canary, docker_client: docker.DockerClient, base_image: str
+) -> None:
+    marker = uuid.uuid4().hex
+    dockerfile = f"FROM {base_image}\nADD {canary.url}/{marker} /x\n"
+    # the threat is real: unchecked, the engine fetches the URL on the host network despite --network none
+    tag = await asyncio.to_thread(
+        build_image, docker_client, name="sec-canary", dockerfile=dockerfile, context_files={}, cache_dir=tmp_path
+    )
+    docker_client.images.remove(tag, force=True)
+    assert any(marker in r for r in canary.requests), canary.requests
+    canary.requests.clear()
+    async with serve(tmp_path / "data") as orch, EnvfleetClient(orch.address) as client:
+        for call in (client.env_stub.Validate, client.env_stub.Register):
+            await expect_error(
+                call(_spec(dockerfile.replace(base_image, "envfleet/base:latest"))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "image.dockerfile",
+                "the daemon would fetch it on the host network",
+            )
+    await asyncio.sleep(0.5)
+    assert canary.requests == []
+
+
+async def test_a_build_cannot_read_the_hosts_files(tmp_path: Path, base_image: str) -> None:
+    # the context holds the Dockerfile alone: an absolute source is the context's, not the host's
+    async with serve(tmp_path / "data") as orch, EnvfleetClient(orch.address) as client:
+        dockerfile = f"FROM envfleet/base:latest\nCOPY /etc/hostname /stolen-{uuid.uuid4().hex}\n"
+        await expect_error(
+            client.env_stub.Validate(_spec(dockerfile)), grpc.StatusCode.FAILED_PRECONDITION, "does not build"
+        )
+
+
+def _containers_with(marker: str) -> list[str]:
+    out = subprocess.run(
+        ["docker", "ps", "-a", "--no-trunc", "--format", "{{.ID}} {{.Command}}"], capture_output=True, text=True
+    ).stdout
+    return [line for line in out.splitlines() if marker in line]
+
+
+def test_build_memory_limit(docker_client: docker.DockerClient, tmp_path: Path, base_image: str) -> None:
+    marker = uuid.uuid4().hex
+    dockerfile = f"FROM {base_image}\nRUN python3 -c 'b = bytearray(400 << 20); print(len(b), \"{marker}\")'\n"
+    with pytest.raises(ImageBuildError, match="returned a non-zero code: 137"):
+        build_image(
+            docker_client,
+            name="sec-memory",
+            dockerfile=dockerfile,
+            context_files={},
+            cache_dir=tmp_path,
+            limits=BuildLimits(memory_mb=128),
+        )
+
+
+@pytest.mark.parametrize("chatty", [False, True], ids=["silent", "chatty"])
+def test_build_time_limit(docker_client: docker.DockerClient, tmp_path: Path, base_image: str, chatty: bool) -> None:
+    marker = uuid.uuid4().hex
+    step = f"while true; do echo {marker}; sleep 0.2; done" if chatty else f"sleep 120; echo {marker}"
+    started = time.monotonic()
+    with pytest.raises(ImageBuildError, match=r"did not finish within its time limit \(3s\)"):
+        build_image(
+            docker_client,
+            name="sec-time",
+            dockerfile=f"FROM {base_image}\nRUN {step}\n",
+            context_files={},
+            cache_dir=tmp_path,
+            limits=BuildLimits(timeout_s=3),
+        )
+    assert time.monotonic() - started < 20
+    deadline = time.monotonic() + 20  # dropping the connection cancels the build: its container goes away
+    while _containers_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _containers_with(marker) == []
+
+
+async def test_tenant_gate_keeps_a_slot_for_others() -> None:
+    gate = TenantGate(total=2, per_tenant=1)
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def build(tenant: str, n: int) -> None:
+        async with gate.slot(tenant):
+            order.append(f"{tenant}{n}")
+            if tenant == "a":
+                await release.wait()
+
+    greedy = [asyncio.create_task(build("a", n)) for n in range(5)]
+    await asyncio.sleep(0.05)
+    assert gate.held("a") == 1
+    await asyncio.wait_for(build("b", 0), 1)  # b gets the free slot while a's four others wait
+    assert order == ["a0", "b0"]
+    release.set()
+    await asyncio.gather(*greedy)
+    assert gate.held("a") == 0 and len(order) == 6
+
+
+async def test_one_tenant_cannot_hold_every_build_slot(tmp_path: Path, base_image: str) -> None:
+    token_a, token_b = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"tokens:\n  {token_a}: team-a\n  {token_b}: team-b\n")
+    async with (
+        serve(tmp_path / "data", security={"token_file": tokens}) as orch,
+        EnvfleetClient(orch.address, token=token_a) as a,
+        EnvfleetClient(orch.address, token=token_b) as b,
+    ):
+        slow = [
+            asyncio.ensure_future(
+                a.env_stub.Validate(_spec(f"{BASE}RUN sleep 12 && echo {uuid.uuid4().hex}\n", f"slow-{n}"))
+            )
+            for n in range(2)
+        ]
+        await asyncio.sleep(1.5)  # a's validations hold what they can
+        quick = _spec(f"{BASE}RUN echo {uuid.uuid4().hex}\n", "quick")
+        report = await asyncio.wait_for(b.env_stub.Validate(quick), 60)
+        assert report.image and not all(s.done() for s in slow)
+        await asyncio.gather(*slow)
