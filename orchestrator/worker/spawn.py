@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -44,6 +45,7 @@ class LocalWorkers:
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         argv = [sys.executable, "-m", "orchestrator.worker", "--connect", self._target, "--name", f"w{index}"]
+        argv += ["--parent-pid", str(os.getpid())]
         argv += ["--config", self._config.model_dump_json()] + ["-v"] * self._verbose
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
         assert proc.stdin is not None
