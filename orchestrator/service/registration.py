@@ -14,10 +14,10 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import docker
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orchestrator.core.environment import Environment, Episode, Task
@@ -124,13 +124,13 @@ class Registrar:
         self,
         registry: Registry,
         backend: SandboxBackend,
-        client: docker.DockerClient,
+        build_image: Callable[[DeclarativeEnvironment], str],
         store: SpecStore,
         max_concurrent_checks: int = 2,
     ) -> None:
         self._registry = registry
         self._backend = backend
-        self._client = client
+        self._build_image = build_image  # blocking (run in a thread): the backend's way to get a spec's image
         self._store = store
         self._checks = asyncio.Semaphore(max_concurrent_checks)
         self._owners: dict[str, str] = {}
@@ -180,7 +180,7 @@ class Registrar:
         result.checks.append(f"spec: {result.num_tasks} task(s), tools {', '.join(spec.tools)}")
         async with self._checks:
             try:
-                result.image = await asyncio.to_thread(env.build_image, self._client)
+                result.image = await asyncio.to_thread(self._build_image, env)
             except ImageBuildError as e:
                 where = "image.dockerfile" if spec.image.dockerfile is not None else "image"
                 raise SpecCheckError([Problem(where, f"the image does not build: {e}")]) from None

@@ -15,20 +15,20 @@ import os
 import secrets
 import shutil
 import socket
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import docker
 import docker.errors
 import requests
-from pydantic import BaseModel, ConfigDict, Field
 
+# re-exported: the config lives beside the other backends' configs, so choosing a backend imports no docker
+from orchestrator.backends.config import DockerBackendConfig as DockerBackendConfig
 from orchestrator.backends.docker.call_limiter import CallLimiter, Permit
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.errors import (
@@ -71,36 +71,6 @@ ENVD_COMMAND = ["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py", "--socke
 LIMIT_WARNING_WORDS = ("limit", "memory", "swap", "cpu", "pids", "discarded", "not support")
 # how an engine that does not answer shows in the SDK
 ENGINE_SILENT = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
-
-
-class DockerBackendConfig(BaseModel):
-    """Settings of the docker backend."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    type: Literal["docker"] = "docker"
-    base_url: str | None = Field(None, description="engine address; DOCKER_HOST or the local socket when unset")
-    owner: str = Field("envfleet", min_length=1, max_length=64, description="who owns the sandboxes (a label)")
-    socket_root: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "envfleet")
-    api_workers: int = Field(
-        16, ge=1, le=256, description="threads (and HTTP connections) for engine calls; the most in flight at once"
-    )
-    api_timeout_s: float = Field(120.0, gt=0)
-    sweep_interval_s: float = Field(30.0, gt=0)
-    health_interval_s: float = Field(1.0, gt=0, description="how often the engine is pinged")
-    health_timeout_s: float = Field(2.0, gt=0, description="a ping slower than this marks the engine unhealthy")
-    # Fifty sandboxes at once peak near 75 engine calls/s here (the engine manages 4-5 creates/s; each sandbox is a
-    # create, a start, a state check per second while it starts, a remove): 200/s never holds a healthy engine back
-    # and stops only a runaway loop. A burst of 50 lets fifty creates begin at once.
-    api_rate_per_s: float = Field(200.0, gt=0, description="engine calls started per second, at most")
-    api_burst: int = Field(50, ge=1, description="engine calls that may start at once after a quiet spell")
-    api_slow_factor: float = Field(
-        3.0, gt=1, description="a call this many times slower than the recent average of its kind cuts the limit"
-    )
-    api_slow_min_s: float = Field(
-        0.5, ge=0, description="calls quicker than this never count as slow (jitter on a busy host is no stall)"
-    )
-    api_max_backoff_s: float = Field(5.0, ge=0, description="longest pause of new calls while the engine fails")
 
 
 def _proc_start_time(pid: int) -> str:
