@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv docker base-image test demo bench bench-scale proto proto-check lint image clean-containers
+.PHONY: venv docker base-image test test-fast demo bench bench-scale proto proto-check lint image clean-containers
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -23,6 +23,11 @@ base-image: venv docker
 test: venv docker base-image
 	$(PY) -m pytest -q -p no:cacheprovider
 	@scripts/check-leaks.sh
+
+# The tests that need no Docker engine (pytest -m "not docker"): the control plane on the fake backend, envd on the
+# host, parsers and validators. Starts no dockerd and builds no image.
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "not docker"
 
 demo: venv docker base-image
 	@$(PY) -m orchestrator.cli demo

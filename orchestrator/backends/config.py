@@ -101,10 +101,8 @@ def parse_backend_config(raw: Mapping[str, Any]) -> DockerBackendConfig | FakeBa
     try:
         return _ADAPTER.validate_python(dict(raw))
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'][1:] if len(err['loc']) > 1 else err['loc']))}: {err['msg']}"
-            for err in e.errors()
-        )
+        # a location starts with the backend's tag ("fake", "create_latency_s"); a bad tag has no location
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or 'type'}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid backend config: {problems}") from None
 
 

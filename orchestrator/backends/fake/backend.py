@@ -207,6 +207,7 @@ class FakeBackend(SandboxBackend):
 
     def destroy_later(self, sandbox: FakeSandbox) -> None:
         """Destroy in the background; close() waits for every such removal."""
+        self._owned.pop(sandbox.id, None)  # unusable from now on: no sweep or listing sees it again
         task = asyncio.create_task(self.destroy(sandbox), name=f"destroy {sandbox.name}")
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
