@@ -11,9 +11,9 @@ import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
-from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
+from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.testing.scripted_policy import Script, ScriptedServer, Step, start_scripted_server
 from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb

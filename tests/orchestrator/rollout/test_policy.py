@@ -21,10 +21,10 @@ from orchestrator.core.errors import (
     PolicyTimeoutError,
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
-from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.rollout.policy.base import ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.parsing import parse_chat_completion
+from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.testing.scripted_policy import Script, ScriptedServer, start_scripted_server
 
 TOOLS: list[dict[str, Any]] = [
