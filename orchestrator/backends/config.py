@@ -84,6 +84,9 @@ class FakeBackendConfig(BaseModel):
     create_latency_s: float = Field(0.0, ge=0, le=600, description="how long a create takes")
     exec_latency_s: float = Field(0.0, ge=0, le=600, description="how long every command runs")
     destroy_latency_s: float = Field(0.0, ge=0, le=600, description="how long a destroy takes")
+    image_build_latency_s: float = Field(
+        0.0, ge=0, le=3600, description="how long an environment's own image (one with an image spec) takes to build"
+    )
     base_image: str = Field("envfleet/base:latest", min_length=1, description="the image of environments without one")
     images: tuple[str, ...] = Field((), description="more image tags that exist (for the raw sandbox API)")
     rules: tuple[ExecRule, ...] = Field((), description="scripted outputs, first match wins; others are echoed")

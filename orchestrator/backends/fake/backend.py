@@ -17,7 +17,7 @@ from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.fake.fs import MemoryFS
 from orchestrator.backends.fake.machine import Behaviour, FakeMachine, _Rules
 from orchestrator.core.environment import Environment
-from orchestrator.core.errors import SandboxCreateError, SandboxDiedError
+from orchestrator.core.errors import ImageBuildError, SandboxCreateError, SandboxDiedError
 from orchestrator.core.sandbox import (
     Command,
     ExecEvent,
@@ -42,11 +42,15 @@ def _image_id(tag: str) -> str:
 
 class FakeImages:
     """The fake backend's ImageSource: it names images and builds nothing. An environment without an image spec
-    runs on the base image; one with a spec gets a tag hashed from it. Every tag handed out can be created."""
+    runs on the base image; one with a spec gets a tag hashed from it, after a simulated build (once per process,
+    like the docker ImageResolver). Every tag handed out can be created."""
 
-    def __init__(self, base_image: str, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, base_image: str, extra: tuple[str, ...] = (), build_latency_s: float = 0.0) -> None:
         self.base_image = base_image
+        self.build_latency_s = build_latency_s
         self._ids = {tag: _image_id(tag) for tag in (base_image, *extra)}
+        self._resolved: dict[str, str] = {}  # env ref -> tag
+        self._locks: dict[str, asyncio.Lock] = {}
 
     def add(self, tag: str) -> str:
         """Make `tag` an existing image; returns it."""
@@ -63,14 +67,28 @@ class FakeImages:
         return self.add(f"envfleet/env-{name}:fake-{digest}")
 
     def ready(self, env: Environment) -> bool:
-        """Always: nothing is ever built."""
-        return True
+        """Whether resolve returns at once (it has resolved this environment before)."""
+        return env.ref() in self._resolved
 
     async def resolve(self, env: Environment) -> tuple[str, str]:
-        """The environment's tag and id."""
-        spec = env.image_spec()
-        tag = self.base_image if spec is None else self.tag_for(env.name, spec.model_dump_json())
+        """The environment's tag and id; its own image takes the simulated build latency, the first time."""
+        key = env.ref()
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            if key not in self._resolved:
+                self._resolved[key] = await self._name(env)
+        tag = self._resolved[key]
         return tag, self._ids[tag]
+
+    async def _name(self, env: Environment) -> str:
+        try:
+            spec = env.image_spec()
+        except Exception as e:  # an environment whose image spec needs a real engine (swe builds its tier here)
+            raise ImageBuildError(f"the fake backend cannot name the image of {env.ref()}: {e}") from e
+        if spec is None:
+            return self.base_image
+        if self.build_latency_s:
+            await asyncio.sleep(self.build_latency_s)
+        return self.tag_for(env.name, spec.model_dump_json())
 
     def prebuild(self, env: Environment) -> asyncio.Task[None]:
         """A task that is done at once."""
@@ -167,7 +185,7 @@ class FakeBackend(SandboxBackend):
 
     def __init__(self, config: FakeBackendConfig | None = None) -> None:
         self.config = config or FakeBackendConfig()
-        self.images = FakeImages(self.config.base_image, self.config.images)
+        self.images = FakeImages(self.config.base_image, self.config.images, self.config.image_build_latency_s)
         self._behaviour = Behaviour(self.config.exec_latency_s, _Rules.of(self.config.rules), self.config.exec_handler)
         self._owned: dict[str, FakeSandbox] = {}
         self._removals: set[asyncio.Task[None]] = set()

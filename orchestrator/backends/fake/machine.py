@@ -7,7 +7,8 @@ then answers:
 
 1. the `exec_handler`, when one is configured (tests): it gets a FakeExec and returns an ExecResult;
 2. else the first rule whose regular expression matches the command line: its stdout, stderr and exit code;
-3. else an echo: stdout is the command's stdin, or the command line and a newline when it has no stdin; exit 0.
+3. else an echo, exit 0: a plain `echo ARGS` (no other shell syntax) prints its arguments as a shell would; any other
+   command's stdout is its stdin, or its command line and a newline when it has no stdin.
 """
 
 from __future__ import annotations
@@ -111,6 +112,21 @@ def _bounds(env: Mapping[str, str] | None, timeout: float | None, max_output: in
     return t or DEFAULT_TIMEOUT_S, m or DEFAULT_MAX_OUTPUT
 
 
+def _plain_echo(command_line: str) -> bytes | None:
+    """What `echo ARGS` prints, when the command is only that (no expansion, no operator, no option)."""
+    if not command_line.startswith("echo ") or any(c in command_line for c in "$`\\\n"):
+        return None
+    lexer = shlex.shlex(command_line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        words = list(lexer)
+    except ValueError:  # unbalanced quotes
+        return None
+    if any(w and set(w) <= set(";&|<>()") for w in words) or (len(words) > 1 and words[1].startswith("-")):
+        return None
+    return (" ".join(words[1:]) + "\n").encode()
+
+
 class FakeMachine(Transport):
     """A fake sandbox's inside. `alive` turns False when the sandbox is killed; every call then fails as envd's
     would on a dead container."""
@@ -180,6 +196,9 @@ class FakeMachine(Transport):
             if rule.latency_s:
                 await asyncio.sleep(rule.latency_s)
             return ExecResult(rule.exit_code, rule.stdout.encode(), rule.stderr.encode())
+        echoed = _plain_echo(request.command_line)
+        if echoed is not None:
+            return ExecResult(0, echoed, b"")
         return ExecResult(0, request.stdin or (request.command_line + "\n").encode(), b"")
 
     async def read_file(self, path: str, max_bytes: int = 0) -> bytes:

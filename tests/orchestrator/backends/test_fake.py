@@ -54,11 +54,12 @@ async def test_echo_rules_and_exit_codes() -> None:
     )
     backend = FakeBackend(FakeBackendConfig(rules=rules))
     async with await backend.create(SPEC) as box:
-        # no rule matches: stdout echoes stdin, or the command line when there is none
+        # no rule matches: stdout echoes stdin, or the command line when there is none; a plain echo prints
         r = await box.exec(["python3", "-"], stdin=b"print(1)")
         assert (r.exit_code, r.stdout, r.stderr, r.ok) == (0, b"print(1)", b"", True)
-        assert (await box.exec("echo 'hi there'")).stdout == b"echo 'hi there'\n"
         assert (await box.exec(["bash", "-c", "ls a b"])).stdout == b"bash -c 'ls a b'\n"
+        assert (await box.exec("echo '{\"reward\": 1}'  ok")).stdout == b'{"reward": 1} ok\n'
+        assert (await box.exec("echo $HOME; rm -rf /")).stdout == b"echo $HOME; rm -rf /\n"  # no shell here
         r = await box.exec("exit 3")
         assert (r.exit_code, r.stdout, r.stderr, r.ok) == (3, b"", b"bad\n", False)
         assert (await box.exec(["python", "-m", "pytest", "-q"])).stdout == b"1 passed\n"
