@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -68,9 +68,10 @@ class ExecRule(BaseModel):
         return v
 
 
-# A test's own exec behaviour for the fake backend: takes a FakeExec (orchestrator/backends/fake/machine.py), returns
-# an ExecResult (or awaits one); raising a SandboxError simulates an infrastructure failure.
-ExecHandler = Callable[[Any], "Awaitable[Any] | Any"]
+# A test's own exec behaviour for the fake backend: takes a FakeExec (orchestrator/backends/fake/machine.py) and
+# returns an ExecResult, or an awaitable of one; raising a SandboxError simulates an infrastructure failure. Typed
+# loosely here so that choosing a backend imports neither backend.
+ExecHandler = Callable[[Any], Any]
 
 
 class FakeBackendConfig(BaseModel):

@@ -6,6 +6,7 @@ Each backend's modules are imported in its branch only, so `serve --backend fake
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from orchestrator.core.metrics import Metrics
 from orchestrator.core.sandbox import SandboxBackend
 from orchestrator.service.declarative import DeclarativeEnvironment
 
+log = logging.getLogger(__name__)
 HealthListener = Callable[[bool], None]
 
 
@@ -42,6 +44,7 @@ def _fake_fleet(config: FakeBackendConfig) -> Fleet:
 
     backend = FakeBackend(config)
     images = backend.images
+    log.warning("fake backend: no command runs and sandboxes live in memory; rewards mean nothing about a policy")
 
     def build_spec_image(env: DeclarativeEnvironment) -> str:
         return images.tag_for(env.name, env.spec.image.model_dump_json())

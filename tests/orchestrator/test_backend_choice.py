@@ -68,8 +68,8 @@ async def test_serve_backend_fake_runs_jobs_end_to_end_and_survives_sigkill(
     config.write_text("exec_latency_s: 0.01\nrules:\n  - {match: '^never$', stdout: unused}\n")
     args = ("--backend", "fake", "--backend-config", str(config))
     data = tmp_path / "data"
-    tasks = registry.get(ENV).tasks()[:10]
-    slow_policy = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.3))
+    tasks = registry.get(ENV).tasks()[:6]
+    slow_policy = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.25))
     proc, address = await _serve_cli(data, *args)
     try:
         async with EnvfleetClient(address) as c:
@@ -78,13 +78,13 @@ async def test_serve_backend_fake_runs_jobs_end_to_end_and_survives_sigkill(
             info = await c.get_job(job_id)
             assert info.state == "COMPLETED" and info.done == 8
             # a second job, killed mid-way with the server
-            slow_job = await c.submit(job(slow_policy.url, [t.id for t in tasks], max_concurrency=3))
+            slow_job = await c.submit(job(slow_policy.url, [t.id for t in tasks], max_concurrency=2))
             for _ in range(600):
-                if (await c.get_job(slow_job)).done >= 3:
+                if (await c.get_job(slow_job)).done >= 2:
                     break
                 await asyncio.sleep(0.05)
             done_before = (await c.get_job(slow_job)).done
-        assert 3 <= done_before < len(tasks)
+        assert 2 <= done_before < len(tasks)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         proc, address = await _serve_cli(data, *args)
