@@ -109,6 +109,6 @@ def test_the_environment_sdk_loads_no_docker_and_no_httpx() -> None:
 
 
 def test_core_imports_no_docker_httpx_or_sqlite() -> None:
-    for path, _module in _modules("orchestrator/core"):
+    for path, module in _modules("orchestrator/core"):
         for line, target in _imports(path, "orchestrator.core." + path.stem):
             assert target.split(".")[0] not in ("docker", "httpx", "sqlite3", "requests"), f"{path}:{line}"
