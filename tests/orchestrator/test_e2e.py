@@ -1,4 +1,6 @@
-"""End to end over real gRPC and real Docker: submit, stream, ack; rewards, statuses, groups and exact tokens."""
+"""End to end over real gRPC: submit, stream, ack; rewards, statuses, groups and exact tokens. What the job manager
+and the runner decide (groups, tokens, acks, failure classes, retries) runs on the fake backend; what real sandboxes
+do (a container killed from outside, sandboxes gone on cancel) on real Docker."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import grpc
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.backends.fake import FakeBackend
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.server.app import Orchestrator
@@ -23,8 +26,9 @@ from tests.orchestrator.conftest import ENV, job
 
 
 async def test_job_streams_scored_groups_with_exact_tokens(
-    client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], registry: Registry
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], registry: Registry
 ) -> None:
+    client = fake_client
     ids = task_ids[:3]
     job_id = await client.submit(job(policy_server.url, ids, n=2, deliver_groups=True))
     groups = [g async for g in client.groups(job_id)]
@@ -120,6 +124,26 @@ async def test_container_killed_from_outside_is_infra_error_then_retried(
         await server.close()
     assert r.status == RolloutStatus.OK and r.reward == 1.0
     assert r.attempts == 2
+
+
+async def test_a_sandbox_killed_mid_rollout_is_retried_on_a_fresh_one_on_the_fake_backend(
+    fake_client: EnvfleetClient, fake_orchestrator: Orchestrator, registry: Registry, task_ids: list[str]
+) -> None:
+    backend = fake_orchestrator.backend
+    assert isinstance(backend, FakeBackend)
+    server = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.3))
+    try:
+        retried = await fake_client.submit(job(server.url, task_ids[:1], max_infra_retries=1))
+        backend.kill(await _sandbox_of(fake_orchestrator, f"{retried}:{task_ids[0]}:0"))
+        (ok,) = [r async for r in fake_client.rollouts(retried)]
+        no_budget = await fake_client.submit(job(server.url, task_ids[1:2], max_infra_retries=0))
+        backend.kill(await _sandbox_of(fake_orchestrator, f"{no_budget}:{task_ids[1]}:0"))
+        (failed,) = [r async for r in fake_client.rollouts(no_budget)]
+    finally:
+        await server.close()
+    assert (ok.status, ok.reward, ok.attempts) == (RolloutStatus.OK, 1.0, 2)
+    assert (failed.status, failed.reward, failed.attempts) == (RolloutStatus.INFRA_ERROR, None, 1)
+    assert failed.error is not None and failed.error.kind == "SandboxDiedError", failed.error
 
 
 async def test_infra_error_after_the_retry_budget_is_not_a_reward(
