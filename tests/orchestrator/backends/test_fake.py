@@ -93,7 +93,7 @@ async def test_timeouts_kill_at_the_deadline_and_output_is_capped() -> None:
     async with await backend.create(SPEC) as box:
         t0 = time.monotonic()
         r = await box.exec("slow", timeout=0.2)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 10  # killed at its deadline, not after the rule's 30 s
         assert (r.timed_out, r.exit_code, r.signal, r.stdout, r.ok) == (True, 137, 9, b"", False)
         r = await box.exec("flood", max_output=100)
         assert r.truncated and r.stdout == b"x" * 100
@@ -232,15 +232,15 @@ async def test_latencies_are_honoured() -> None:
     t0 = time.monotonic()
     boxes = await asyncio.gather(*(backend.create(SPEC) for _ in range(50)))  # they wait side by side
     created = time.monotonic() - t0
-    assert 0.3 <= created < 2.0, created
+    assert 0.3 <= created < 5.0, created
     t0 = time.monotonic()
     await boxes[0].exec("true")
-    assert 0.2 <= time.monotonic() - t0 < 1.5
+    assert 0.2 <= time.monotonic() - t0 < 5.0
     r = await boxes[0].exec("true", timeout=0.05)  # the latency counts against the command's timeout
     assert r.timed_out
     t0 = time.monotonic()
     await boxes[0].close()
-    assert 0.1 <= time.monotonic() - t0 < 1.5
+    assert 0.1 <= time.monotonic() - t0 < 5.0
     await backend.close()
 
 
