@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 
-.PHONY: venv buf docker base-image test demo bench bench-scale proto proto-check lint image clean-containers
+.PHONY: venv buf docker base-image test test-fast demo bench bench-scale proto proto-check lint image clean-containers
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -34,6 +34,11 @@ base-image: venv docker
 test: venv buf docker base-image
 	$(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider
 	@scripts/check-leaks.sh
+
+# The tests that need no Docker engine (pytest -m "not docker"): the control plane on the fake backend, envd on the
+# host, parsers and validators. Starts no dockerd and builds no image.
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "not docker"
 
 demo: venv docker base-image
 	@$(PY) -m orchestrator.cli demo

@@ -1,4 +1,10 @@
-"""Shared fixtures: a host-side envd, the base image, a docker backend, and a leak check around the whole run."""
+"""Shared fixtures: a host-side envd, the base image, a docker backend, and a leak check around the whole run.
+
+A test that needs Docker carries the `docker` marker: every test that uses a fixture below that reaches the engine
+(docker_client, base_image, backend, and the orchestrator fixtures built on them) gets it here; a test that reaches
+the engine another way says so itself. `make test-fast` (pytest -m "not docker") never touches the engine: nothing
+here talks to it at import or session start, and the leak check asks it only if a docker test ran.
+"""
 
 from __future__ import annotations
 
@@ -70,10 +76,24 @@ async def _hang_dump(request: pytest.FixtureRequest) -> AsyncIterator[None]:
         handle.cancel()
 
 
+# fixtures that reach the docker engine: a test that uses one (directly or through another fixture) needs Docker
+DOCKER_FIXTURES = frozenset({"docker_client", "base_image", "backend"})
+DOCKER_TESTS_RAN = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if DOCKER_FIXTURES.intersection(fixtures):
+            item.add_marker(pytest.mark.docker)
         if inspect.iscoroutinefunction(getattr(item, "obj", None)) and hasattr(item, "fixturenames"):
             item.fixturenames.insert(0, "_hang_dump")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("docker") is not None:
+        item.config.stash[DOCKER_TESTS_RAN] = True
 
 
 @pytest.fixture
@@ -159,9 +179,11 @@ async def backend(base_image: str) -> AsyncIterator[DockerBackend]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_leaked_containers() -> Iterator[None]:
-    """Fail the run if any container labelled by the test suite outlives it."""
+def no_leaked_containers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the run if any container labelled by the test suite outlives it (asked only if a docker test ran)."""
     yield
+    if not request.config.stash.get(DOCKER_TESTS_RAN, False):
+        return
     try:
         client = docker.from_env()
         left = client.containers.list(

@@ -208,6 +208,10 @@ class SweEnv(Environment):
         """The environment tier (built here: the resolver calls this in a thread)."""
         return ImageSpec(base=self._env_image)
 
+    def image_description(self) -> str:
+        """The tier, without building it (List and Describe run on the event loop)."""
+        return f"the SWE environment tier of {self.dataset} (built on first use)"
+
     def tasks(self) -> Sequence[Task]:
         return [
             Task(

@@ -81,8 +81,29 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backend_config(args: argparse.Namespace) -> object:
+    """The --backend's config: --backend-config's settings (a YAML or JSON mapping), the owner, the type."""
+    import yaml
+
+    from orchestrator.backends.config import parse_backend_config
+    from orchestrator.core.errors import ConfigError
+
+    raw: dict[str, object] = {}
+    if args.backend_config:
+        try:
+            loaded = yaml.safe_load(Path(args.backend_config).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"backend config {args.backend_config}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"backend config {args.backend_config}: expected a mapping of settings")
+        raw = loaded
+    settings = {"owner": args.owner, **raw}
+    if settings.setdefault("type", args.backend) != args.backend:
+        raise ConfigError(f"backend config says type {settings['type']!r} but --backend is {args.backend!r}")
+    return parse_backend_config(settings)
+
+
 def _server_config(args: argparse.Namespace) -> object:
-    from orchestrator.backends.docker.backend import DockerBackendConfig
     from orchestrator.cli.remote import security_config
     from orchestrator.server.app import OrchestratorConfig
     from orchestrator.service.sessions import SessionConfig
@@ -93,7 +114,7 @@ def _server_config(args: argparse.Namespace) -> object:
         port=args.port,
         data_dir=Path(args.data_dir),
         max_in_flight=args.max_in_flight,
-        backend=DockerBackendConfig(owner=args.owner),
+        backend=_backend_config(args),
         security=security_config(args),
         reflection=args.reflection,
         sessions=SessionConfig(idle_ttl_s=args.session_ttl),
@@ -112,9 +133,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.server.app import OrchestratorConfig, create_server
 
     async def go() -> None:
-        config = _server_config(args)
-        assert isinstance(config, OrchestratorConfig)
         try:
+            config = _server_config(args)
+            assert isinstance(config, OrchestratorConfig)
             orch = await create_server(config)
         except ConfigError as e:
             raise SystemExit(f"envfleet serve: {e}") from None
@@ -248,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster (auto, or HOST:PORT of its head)")
     serve.add_argument("--ray-resource", default="envfleet_sandbox_host", help="the custom resource of sandbox hosts")
     serve.add_argument("--ray-workers-per-node", type=int, default=1, help="worker actors per sandbox host")
-    serve.add_argument("--backend", choices=["docker"], default="docker")
+    serve.add_argument(
+        "--backend", choices=["docker", "fake"], default="docker", help="docker; or fake (in-process, for tests)"
+    )
+    serve.add_argument("--backend-config", help="a YAML or JSON file of the backend's settings")
     serve.add_argument(
         "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus endpoint port; -1: off"
     )

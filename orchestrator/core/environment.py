@@ -119,6 +119,11 @@ class Environment(abc.ABC):
         """The image to build FROM the base image, or None to use the base image as it is."""
         return None
 
+    def image_description(self) -> str:
+        """How List and Describe show the image; never builds anything (override when image_spec does)."""
+        spec = self.image_spec()
+        return "envfleet/base" if spec is None else f"built from an ImageSpec on {spec.base or 'envfleet/base'}"
+
     @abc.abstractmethod
     def tasks(self) -> Sequence[Task]:
         """Every task, in a stable order (ids unique)."""

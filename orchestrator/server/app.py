@@ -14,9 +14,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
+from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
+from orchestrator.core.sandbox import SandboxBackend
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
@@ -31,8 +32,9 @@ from orchestrator.server.services import EnvironmentService, RolloutService
 from orchestrator.server.trainer_services import SandboxService, SessionService
 from orchestrator.server.worker_plane import WorkerPlane
 from orchestrator.service.executor import Executor, LocalExecutor
+from orchestrator.service.fleet import start_fleet
 from orchestrator.service.jobs import JobManager
-from orchestrator.service.registration import EnvImageResolver, Registrar, SpecStore
+from orchestrator.service.registration import Registrar, SpecStore
 from orchestrator.service.registry import Registry
 from orchestrator.service.sandboxes import SandboxManager, SandboxServiceConfig
 from orchestrator.service.scheduler import Capacity
@@ -57,7 +59,9 @@ class OrchestratorConfig(BaseModel):
     port: int = Field(50051, ge=0, le=65535, description="0 picks a free port")
     data_dir: Path = Path(".envfleet")
     max_in_flight: int = Field(64, ge=1, le=100_000, description="rollouts in flight on this host")
-    backend: DockerBackendConfig = DockerBackendConfig(owner="envfleet-orchestrator")
+    backend: BackendConfig = Field(
+        DockerBackendConfig(owner="envfleet-orchestrator"), description="where sandboxes run: docker, or fake"
+    )
     reflection: bool | None = Field(None, description="server reflection; None: on without TLS, off with TLS")
     pool: PoolConfig = PoolConfig()
     capacity: Capacity = Field(default_factory=Capacity)
@@ -95,7 +99,7 @@ class Orchestrator:
         server: grpc.aio.Server,
         port: int,
         jobs: JobManager,
-        backend: DockerBackend,
+        backend: SandboxBackend,
         store: ResultStore,
         health_servicer: health.aio.HealthServicer,
     ) -> None:
@@ -146,7 +150,7 @@ class Orchestrator:
         await self.store.close()
 
 
-async def _swept(backend: DockerBackend) -> None:
+async def _swept(backend: SandboxBackend) -> None:
     await backend.sweep()
 
 
@@ -166,13 +170,13 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     tls = config.security.tls
     credentials = server_credentials(tls) if tls else None
     store = await ResultStore.open(config.data_dir / "results.sqlite3")
-    backend = await DockerBackend.start(config.backend)
+    fleet = await start_fleet(config.backend)
+    backend, images = fleet.backend, fleet.images
     registry = registry or Registry.from_entry_points()
     for reference in config.environments:
         registry.load(reference)
-    registrar = Registrar(registry, backend, backend.client, SpecStore(config.data_dir / "environments"))
+    registrar = Registrar(registry, backend, fleet.build_spec_image, SpecStore(config.data_dir / "environments"))
     await registrar.load()
-    images = EnvImageResolver(backend.client)
     metrics = Metrics()
     pool = SandboxPool(backend, config.pool, metrics)
     pool.start()
@@ -188,9 +192,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     )
     # read when scraped
     metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
-    metrics.docker_api_limit.set_function(lambda: backend.limiter.permits)
-    metrics.docker_api_in_flight.set_function(lambda: backend.limiter.in_flight)
-    metrics.docker_api_waiting.set_function(lambda: backend.limiter.waiting)
+    fleet.export_metrics(metrics)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(auth), ErrorInterceptor()],
         options=[
@@ -199,7 +201,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         ],
     )
     sessions = SessionManager.start(config.sessions, registry, pool, images)
-    sandboxes = SandboxManager.start(config.sandboxes, registry, backend, images, backend.client)
+    sandboxes = SandboxManager.start(config.sandboxes, registry, backend, images, fleet.image_present)
     orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(
         EnvironmentService(registry, registrar, auth), server
     )
@@ -236,7 +238,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         pending.add(task)
         task.add_done_callback(pending.discard)
 
-    backend.on_engine_health(engine_health)
+    fleet.watch_health(engine_health)
     orch.pool, orch.metrics = pool, metrics
     orch.sessions, orch.sandboxes, orch.registrar = sessions, sandboxes, registrar
     orch.workers = workers

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from orchestrator.core.environment import Environment
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
 from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
 from orchestrator.server.security import Authenticator, PolicyURLs
-from orchestrator.service.declarative import DeclarativeEnvironment
 from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar
 from orchestrator.service.registry import Registry
@@ -82,11 +82,8 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
         self._auth = auth or Authenticator()
 
     @staticmethod
-    def _image(env: object) -> str:
-        if isinstance(env, DeclarativeEnvironment):
-            return env.image_description()
-        spec = env.image_spec()  # type: ignore[attr-defined]
-        return "envfleet/base" if spec is None else f"built from an ImageSpec on {spec.base or 'envfleet/base'}"
+    def _image(env: Environment) -> str:
+        return env.image_description()
 
     async def List(
         self, request: pb.ListEnvironmentsRequest, context: grpc.aio.ServicerContext

@@ -13,10 +13,10 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import docker
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orchestrator.core.environment import Environment
@@ -128,14 +128,14 @@ class Registrar:
         self,
         registry: Registry,
         backend: SandboxBackend,
-        client: docker.DockerClient,
+        build_image: Callable[[DeclarativeEnvironment], str],
         store: SpecStore,
         max_concurrent_checks: int = 2,
         max_checks_per_tenant: int = 1,
     ) -> None:
         self._registry = registry
         self._backend = backend
-        self._client = client
+        self._build_image = build_image  # blocking (run in a thread): the backend's way to get a spec's image
         self._store = store
         # builds and reference runs are tenant content: counted per tenant, so one cannot hold every slot
         self._checks = TenantGate(max_concurrent_checks, min(max_checks_per_tenant, max_concurrent_checks))
@@ -186,7 +186,7 @@ class Registrar:
         result.checks.append(f"spec: {result.num_tasks} task(s), tools {', '.join(spec.tools)}")
         async with self._checks.slot(tenant):
             try:
-                result.image = await asyncio.to_thread(env.build_image, self._client)
+                result.image = await asyncio.to_thread(self._build_image, env)
             except ImageBuildError as e:
                 where = "image.dockerfile" if spec.image.dockerfile is not None else "image"
                 raise SpecCheckError([Problem(where, f"the image does not build: {e}")]) from None

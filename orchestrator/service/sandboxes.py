@@ -16,19 +16,16 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-import docker
-import docker.errors
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.core.echo import echo
 from orchestrator.core.environment import ImageSource
 from orchestrator.core.errors import InvalidRequestError, NotFoundError, QuotaExceededError, SandboxError
 from orchestrator.core.sandbox import Command, ExecEvent, Limits, Sandbox, SandboxBackend, SandboxSpec
-from orchestrator.images.cache import image_exists
 from orchestrator.service.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -110,13 +107,13 @@ class SandboxManager:
         registry: Registry,
         backend: SandboxBackend,
         images: ImageSource,
-        client: docker.DockerClient,
+        image_present: Callable[[str], bool],
     ) -> None:
         self.config = config
         self._registry = registry
         self._backend = backend
         self._images = images
-        self._client = client
+        self._image_present = image_present  # blocking (run in a thread); False for an invalid reference too
         self._live: dict[str, _Live] = {}
         self._reserved: dict[str, int] = {}
         self._ended: dict[str, OrderedDict[str, SandboxRecord]] = {}
@@ -129,10 +126,10 @@ class SandboxManager:
         registry: Registry,
         backend: SandboxBackend,
         images: ImageSource,
-        client: docker.DockerClient,
+        image_present: Callable[[str], bool],
     ) -> SandboxManager:
         """A manager that destroys sandboxes whose TTL ended, in the background."""
-        mgr = cls(config, registry, backend, images, client)
+        mgr = cls(config, registry, backend, images, image_present)
         mgr._reaper = asyncio.create_task(mgr._reap_forever(), name="sandbox reaper")
         return mgr
 
@@ -150,12 +147,6 @@ class SandboxManager:
         if not await asyncio.to_thread(self._image_present, image):
             raise NotFoundError(f"image {echo(image)} is not on this host; build it first (envfleet image build-base)")
         return image, _limits(Limits(), overrides)
-
-    def _image_present(self, image: str) -> bool:
-        try:
-            return image_exists(self._client, image)
-        except docker.errors.APIError:  # an invalid reference
-            return False
 
     async def create(
         self,

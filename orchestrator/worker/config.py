@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig
 
 
@@ -13,7 +13,7 @@ class WorkerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: DockerBackendConfig = DockerBackendConfig(owner="envfleet-orchestrator")
+    backend: BackendConfig = DockerBackendConfig(owner="envfleet-orchestrator")
     pool: PoolConfig = PoolConfig()
     slots: int = Field(64, ge=1, le=100_000, description="rollouts this worker expects to run at once")
     heartbeat_s: float = Field(1.0, gt=0, le=60)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.backends.pool import SandboxPool
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.service.executor import LocalExecutor
-from orchestrator.service.registration import EnvImageResolver
+from orchestrator.service.fleet import start_fleet
 from orchestrator.service.registry import Registry
 from orchestrator.worker.agent import WorkerAgent
 from orchestrator.worker.config import WorkerConfig
@@ -17,10 +16,11 @@ from orchestrator.worker.config import WorkerConfig
 
 async def run_worker(target: str, token: str, config: WorkerConfig, name: str, stop: asyncio.Event) -> None:
     """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out."""
-    backend = await DockerBackend.start(config.backend)
+    fleet = await start_fleet(config.backend)
+    backend = fleet.backend
     pool = SandboxPool(backend, config.pool)
     pool.start()
-    executor = LocalExecutor(RolloutRunner(pool, EnvImageResolver(backend.client)))
+    executor = LocalExecutor(RolloutRunner(pool, fleet.images))
     registry = Registry.from_entry_points()
     for reference in config.environments:
         registry.load(reference)

@@ -1,4 +1,5 @@
-"""Fixtures for the orchestrator: a scripted policy server and an orchestrator serving real gRPC on loopback."""
+"""Fixtures for the orchestrator: a scripted policy server and orchestrators serving real gRPC on loopback, on real
+Docker (`orchestrator`, `client`) or on the fake backend (`fake_orchestrator`, `fake_client`: control-plane tests)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.backends.config import DockerBackendConfig, FakeBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
@@ -63,6 +64,22 @@ async def orchestrator(tmp_path: Path, base_image: str) -> AsyncIterator[Orchest
 @pytest.fixture
 async def client(orchestrator: Orchestrator) -> AsyncIterator[EnvfleetClient]:
     async with EnvfleetClient(orchestrator.address) as c:
+        yield c
+
+
+@pytest.fixture
+async def fake_orchestrator(tmp_path: Path) -> AsyncIterator[Orchestrator]:
+    """An orchestrator on the fake backend: real gRPC, jobs, store and scheduler; no Docker."""
+    orch = await create_server(
+        OrchestratorConfig(port=0, data_dir=tmp_path / "data", backend=FakeBackendConfig(owner=TEST_OWNER))
+    )
+    yield orch
+    await orch.stop(grace=1)
+
+
+@pytest.fixture
+async def fake_client(fake_orchestrator: Orchestrator) -> AsyncIterator[EnvfleetClient]:
+    async with EnvfleetClient(fake_orchestrator.address) as c:
         yield c
 
 

@@ -1,4 +1,5 @@
-"""Orchestrators with a custom configuration, for tests of sessions, sandboxes, registration and auth."""
+"""Orchestrators with a custom configuration, for tests of sessions, sandboxes, registration and auth. `serve(...)`
+runs on real Docker; `serve(..., backend=FAKE)` on the fake backend."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from typing import Any
 import grpc
 import pytest
 
-from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.backends.config import DockerBackendConfig, FakeBackendConfig
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.registry import Registry
 from tests.conftest import TEST_OWNER
+
+FAKE = FakeBackendConfig(owner=TEST_OWNER)
+# the image every fake backend has, for the raw sandbox API (a docker test uses the base_image fixture instead)
+FAKE_BASE_IMAGE = FAKE.base_image
 
 
 @contextlib.asynccontextmanager

@@ -1,5 +1,6 @@
 """Hypothesis-generated requests against every RPC of a live orchestrator: a bad request gets a status that says
-what is wrong (INVALID_ARGUMENT, NOT_FOUND, ...), never UNKNOWN or INTERNAL, never a hang; the server stays healthy."""
+what is wrong (INVALID_ARGUMENT, NOT_FOUND, ...), never UNKNOWN or INTERNAL, never a hang; the server stays healthy.
+Run against real Docker (envd's answers to fuzzed paths and commands) and against the fake backend (the fast twin)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from hypothesis import strategies as st
 
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.server.app import Orchestrator
+from orchestrator.testing.scripted_policy import ScriptedServer
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
-from tests.orchestrator.conftest import ENV
+from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import FAKE_BASE_IMAGE
 
 CALL_TIMEOUT_S = 30.0
 ALLOWED = {
@@ -252,10 +255,20 @@ class Fuzzer:
 
 
 async def test_fuzzed_requests_get_clear_statuses(
-    orchestrator: Orchestrator, client: EnvfleetClient, base_image: str, policy_server: Any
+    orchestrator: Orchestrator, client: EnvfleetClient, base_image: str, policy_server: ScriptedServer
 ) -> None:
-    from tests.orchestrator.conftest import job
+    await _fuzz(orchestrator, client, base_image, policy_server)
 
+
+async def test_fuzzed_requests_get_clear_statuses_on_the_fake_backend(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, policy_server: ScriptedServer
+) -> None:
+    await _fuzz(fake_orchestrator, fake_client, FAKE_BASE_IMAGE, policy_server)
+
+
+async def _fuzz(
+    orchestrator: Orchestrator, client: EnvfleetClient, base_image: str, policy_server: ScriptedServer
+) -> None:
     job_id = await client.submit(job(policy_server.url, ["py-000"]))
     assert [r.reward async for r in client.rollouts(job_id)] == [1.0]
     box = await client.sandbox_stub.Create(pb.CreateSandboxRequest(image=base_image))

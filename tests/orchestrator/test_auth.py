@@ -1,4 +1,5 @@
-"""Bearer tokens, tenant isolation (also across a restart), TLS and mTLS, and the plaintext policy, on real gRPC."""
+"""Bearer tokens, tenant isolation (also across a restart), TLS and mTLS, and the plaintext policy, on real gRPC and
+the fake backend (who may call what is the control plane's; no sandbox behaviour is tested here)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import REPO
 from tests.orchestrator.conftest import ENV
-from tests.orchestrator.servers import expect_error, serve
+from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve
 
 TOKEN_A, TOKEN_B, TOKEN_OLD = (secrets.token_urlsafe(24) for _ in range(3))
 
@@ -72,11 +73,9 @@ async def _list_jobs(channel: grpc.aio.Channel, token: str | None = None) -> pb.
     return reply
 
 
-async def test_tokens_and_tenant_isolation(
-    tmp_path: Path, token_file: Path, policy_server: ScriptedServer, base_image: str
-) -> None:
+async def test_tokens_and_tenant_isolation(tmp_path: Path, token_file: Path, policy_server: ScriptedServer) -> None:
     security = {"token_file": token_file}
-    async with serve(tmp_path / "data", security=security) as orch:
+    async with serve(tmp_path / "data", backend=FAKE, security=security) as orch:
         async with grpc.aio.insecure_channel(orch.address) as raw:
             await expect_error(_list_jobs(raw), grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
             await expect_error(_list_jobs(raw, "w" * 32), grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
@@ -121,7 +120,7 @@ async def test_tokens_and_tenant_isolation(
             assert (await a.session_stub.CloseSession(pb.CloseSessionRequest(session_id=sid))).was_running
 
             # raw sandboxes
-            box = await a.sandbox_stub.Create(pb.CreateSandboxRequest(image=base_image))
+            box = await a.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
             bid, ss = box.sandbox_id, b.sandbox_stub
             for call in (
                 ss.Exec(pb.ExecRequest(sandbox_id=bid, shell="id")),
@@ -150,7 +149,7 @@ async def test_tokens_and_tenant_isolation(
 
     # ownership is durable: after a restart B still cannot see A's job, nor take A's environment name
     async with (
-        serve(tmp_path / "data", security=security) as orch,
+        serve(tmp_path / "data", backend=FAKE, security=security) as orch,
         EnvfleetClient(orch.address, token=TOKEN_A) as a,
         EnvfleetClient(orch.address, token=TOKEN_B) as b,
     ):
@@ -159,9 +158,9 @@ async def test_tokens_and_tenant_isolation(
         await expect_error(b.env_stub.Register(env), grpc.StatusCode.PERMISSION_DENIED, "another tenant")
 
 
-async def test_tls_and_mtls(tmp_path: Path, token_file: Path, pki: dict[str, Path], base_image: str) -> None:
+async def test_tls_and_mtls(tmp_path: Path, token_file: Path, pki: dict[str, Path]) -> None:
     tls = {"cert_file": pki["server_cert"], "key_file": pki["server_key"]}
-    async with serve(tmp_path / "tls", security={"token_file": token_file, "tls": tls}) as orch:
+    async with serve(tmp_path / "tls", backend=FAKE, security={"token_file": token_file, "tls": tls}) as orch:
         trusted = ClientTLS.from_files(pki["ca"])
         async with EnvfleetClient(orch.address, token=TOKEN_A, tls=trusted) as client:
             assert await client.list_jobs() == []
@@ -176,7 +175,7 @@ async def test_tls_and_mtls(tmp_path: Path, token_file: Path, pki: dict[str, Pat
             await expect_error(replies, grpc.StatusCode.UNIMPLEMENTED)
 
     mtls = {**tls, "client_ca_file": pki["ca"]}
-    async with serve(tmp_path / "mtls", security={"token_file": token_file, "tls": mtls}) as orch:
+    async with serve(tmp_path / "mtls", backend=FAKE, security={"token_file": token_file, "tls": mtls}) as orch:
         without = ClientTLS.from_files(pki["ca"])
         async with grpc.aio.secure_channel(orch.address, without.credentials()) as channel:
             await expect_error(_list_jobs(channel, TOKEN_A), grpc.StatusCode.UNAVAILABLE)
@@ -187,18 +186,18 @@ async def test_tls_and_mtls(tmp_path: Path, token_file: Path, pki: dict[str, Pat
 
 
 async def test_plaintext_is_refused_off_loopback(
-    tmp_path: Path, token_file: Path, caplog: pytest.LogCaptureFixture, base_image: str
+    tmp_path: Path, token_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with pytest.raises(ConfigError, match="bearer tokens would cross the network in clear"):
-        async with serve(tmp_path / "a", host="0.0.0.0", security={"token_file": token_file}):
+        async with serve(tmp_path / "a", backend=FAKE, host="0.0.0.0", security={"token_file": token_file}):
             pass
     with pytest.raises(ConfigError, match="anyone could call it"):
-        async with serve(tmp_path / "b", host="0.0.0.0"):
+        async with serve(tmp_path / "b", backend=FAKE, host="0.0.0.0"):
             pass
     with caplog.at_level(logging.WARNING, logger="orchestrator.server.security"):
         insecure = {"token_file": token_file, "insecure": True}
         async with (
-            serve(tmp_path / "c", host="0.0.0.0", security=insecure) as orch,
+            serve(tmp_path / "c", backend=FAKE, host="0.0.0.0", security=insecure) as orch,
             EnvfleetClient(f"127.0.0.1:{orch.port}", token=TOKEN_B) as client,
         ):
             assert await client.list_jobs() == []
@@ -207,8 +206,9 @@ async def test_plaintext_is_refused_off_loopback(
         EnvfleetClient("10.1.2.3:50051", token=TOKEN_A)
 
 
-async def test_no_token_file_keeps_the_local_quick_start(client: EnvfleetClient) -> None:
+async def test_no_token_file_keeps_the_local_quick_start(fake_client: EnvfleetClient) -> None:
     """Without a token file every caller is the local tenant; reflection lists the new services."""
+    client = fake_client
     assert await client.list_jobs() == []
     async with grpc.aio.insecure_channel(client.target) as channel:
         replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
@@ -220,12 +220,12 @@ async def test_no_token_file_keeps_the_local_quick_start(client: EnvfleetClient)
 
 
 async def test_rollout_command_reaches_a_server_with_a_token(
-    tmp_path: Path, token_file: Path, policy_server: ScriptedServer, base_image: str
+    tmp_path: Path, token_file: Path, policy_server: ScriptedServer
 ) -> None:
     mine = tmp_path / "my-token"
     mine.write_text(TOKEN_A + "\n")
     out = tmp_path / "r.jsonl"
-    async with serve(tmp_path / "srv", security={"token_file": token_file}) as orch:
+    async with serve(tmp_path / "srv", backend=FAKE, security={"token_file": token_file}) as orch:
 
         def rollout(*extra: str) -> subprocess.CompletedProcess[str]:
             argv = ["rollout", "--env", ENV, "--tasks", "1", "--policy", policy_server.url, "--out", str(out)]

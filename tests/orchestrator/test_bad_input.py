@@ -1,4 +1,5 @@
-"""Bad input gets the right status and a message that says what to fix; the server stays healthy."""
+"""Bad input gets the right status and a message that says what to fix; the server stays healthy. On the fake
+backend: nothing here reaches a sandbox."""
 
 from __future__ import annotations
 
@@ -68,23 +69,27 @@ def spec(**kw: object) -> pb.JobSpec:
     ],
 )
 async def test_malformed_job_specs(
-    client: EnvfleetClient, request_: pb.JobSpec, code: grpc.StatusCode, message: str
+    fake_client: EnvfleetClient, request_: pb.JobSpec, code: grpc.StatusCode, message: str
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await client.rollout_stub.SubmitJob(request_)
+        await fake_client.rollout_stub.SubmitJob(request_)
     assert e.value.code() == code
     assert message in (e.value.details() or ""), e.value.details()
 
 
-async def test_bad_arguments_of_other_calls(client: EnvfleetClient) -> None:
-    stub = client.rollout_stub
+async def test_bad_arguments_of_other_calls(fake_client: EnvfleetClient) -> None:
+    stub = fake_client.rollout_stub
     cases = [
         (stub.GetJob(pb.GetJobRequest()), grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty"),
         (stub.GetJob(pb.GetJobRequest(job_id="x" * 500)), grpc.StatusCode.INVALID_ARGUMENT, "too long"),
         (stub.CancelJob(pb.CancelJobRequest(job_id="missing")), grpc.StatusCode.NOT_FOUND, "no job"),
         (stub.Ack(pb.AckRequest(job_id="missing")), grpc.StatusCode.NOT_FOUND, "no job"),
         (stub.UpdatePolicy(pb.UpdatePolicyRequest(job_id="missing")), grpc.StatusCode.INVALID_ARGUMENT, "version"),
-        (client.env_stub.Describe(pb.DescribeEnvironmentRequest()), grpc.StatusCode.INVALID_ARGUMENT, "name is empty"),
+        (
+            fake_client.env_stub.Describe(pb.DescribeEnvironmentRequest()),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "name is empty",
+        ),
     ]
     for call, code, message in cases:
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -97,20 +102,20 @@ async def test_bad_arguments_of_other_calls(client: EnvfleetClient) -> None:
 
 
 async def test_oversized_message_is_refused_and_server_stays_healthy(
-    client: EnvfleetClient, orchestrator: Orchestrator
+    fake_client: EnvfleetClient, fake_orchestrator: Orchestrator
 ) -> None:
     huge = pb.JobSpec(
         env="python-tool", tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["x" * (1 << 20)] * 70)
     )
     # a raw channel with no send limit of its own: the server's 64 MiB limit is what refuses it
-    async with grpc.aio.insecure_channel(orchestrator.address) as raw:
+    async with grpc.aio.insecure_channel(fake_orchestrator.address) as raw:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await pb_grpc.RolloutServiceStub(raw).SubmitJob(huge, timeout=30)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    async with grpc.aio.insecure_channel(orchestrator.address) as ch:
+    async with grpc.aio.insecure_channel(fake_orchestrator.address) as ch:
         reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    assert [e.name for e in await client.list_envs()]
+    assert [e.name for e in await fake_client.list_envs()]
 
 
 _pb_specs = st.builds(

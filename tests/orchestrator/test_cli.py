@@ -80,7 +80,9 @@ async def test_rollout_command_writes_jsonl(tmp_path: Path, policy_server: Scrip
     assert "4 rollouts written" in r.stdout
 
 
-async def test_sync_client(orchestrator: Orchestrator, policy_server: ScriptedServer, task_ids: list[str]) -> None:
+async def test_sync_client(fake_orchestrator: Orchestrator, policy_server: ScriptedServer, task_ids: list[str]) -> None:
+    orchestrator = fake_orchestrator
+
     def run() -> list[str]:
         with SyncEnvfleetClient(orchestrator.address) as c:
             job_id = c.submit(job(policy_server.url, task_ids[:3]))

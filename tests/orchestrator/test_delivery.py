@@ -1,4 +1,5 @@
-"""Delivery that loses nothing: disconnect and resume, and an orchestrator SIGKILLed mid-job and restarted."""
+"""Delivery that loses nothing: disconnect and resume and backpressure (on the fake backend), and an orchestrator
+SIGKILLed mid-job and restarted on real Docker (its sandboxes swept; a fake-backend twin is in test_backend_choice)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from tests.orchestrator.conftest import ENV, job
 
 
 async def test_disconnect_and_resume_loses_nothing(
-    client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
 ) -> None:
+    client = fake_client
     job_id = await client.submit(job(policy_server.url, task_ids[:8], max_concurrency=4))
     # first connection: take 5 rollouts, ack only the first 3, then drop the stream
     first: list[pb.Rollout] = []
@@ -47,8 +49,9 @@ async def test_disconnect_and_resume_loses_nothing(
 
 
 async def test_backpressure_holds_at_max_in_flight(
-    client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
 ) -> None:
+    client = fake_client
     job_id = await client.submit(job(policy_server.url, task_ids[:6], max_concurrency=6))
     for _ in range(600):
         if (await client.get_job(job_id)).state == "COMPLETED":
@@ -132,8 +135,8 @@ async def test_sigkill_mid_job_then_restart_completes_without_loss(
     assert docker_client.api.containers(all=True, filters={"label": [f"envfleet.owner={owner}"]}) == []
 
 
-async def test_stream_of_unknown_job_is_not_found(client: EnvfleetClient) -> None:
-    call = client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id="nope"))
+async def test_stream_of_unknown_job_is_not_found(fake_client: EnvfleetClient) -> None:
+    call = fake_client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id="nope"))
     try:
         await call.read()
         raise AssertionError("expected NOT_FOUND")

@@ -1,4 +1,6 @@
-"""End to end over real gRPC and real Docker: submit, stream, ack; rewards, statuses, groups and exact tokens."""
+"""End to end over real gRPC: submit, stream, ack; rewards, statuses, groups and exact tokens. What the job manager
+and the runner decide (groups, tokens, acks, failure classes, retries) runs on the fake backend; what real sandboxes
+do (a container killed from outside, sandboxes gone on cancel) on real Docker."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import docker
 import grpc
 import pytest
 
+from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.backends.fake import FakeBackend
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.server.app import Orchestrator
@@ -23,8 +27,9 @@ from tests.orchestrator.servers import local_runner
 
 
 async def test_job_streams_scored_groups_with_exact_tokens(
-    client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], registry: Registry
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], registry: Registry
 ) -> None:
+    client = fake_client
     ids = task_ids[:3]
     job_id = await client.submit(job(policy_server.url, ids, n=2, deliver_groups=True))
     groups = [g async for g in client.groups(job_id)]
@@ -71,7 +76,8 @@ async def test_wrong_answers_score_zero_and_stay_ok(
     assert [r.reward for r in rollouts] == [0.0, 0.0]
 
 
-async def test_policy_errors_and_hangs_are_never_rewards(client: EnvfleetClient, task_ids: list[str]) -> None:
+async def test_policy_errors_and_hangs_are_never_rewards(fake_client: EnvfleetClient, task_ids: list[str]) -> None:
+    client = fake_client  # the runner's classification: no sandbox behaviour involved
     a, b = task_ids[:2]
     script = Script(tasks={a: [Step(error_status=500)], b: [Step(hang=True)]})
     server = await start_scripted_server(script)
@@ -79,7 +85,7 @@ async def test_policy_errors_and_hangs_are_never_rewards(client: EnvfleetClient,
         spec = job(server.url, [a], rollout_timeout_s=60)
         spec = spec.model_copy(update={"policy": spec.policy.model_copy(update={"max_retries": 1})})
         job_a = await client.submit(spec)
-        job_b = await client.submit(job(server.url, [b], rollout_timeout_s=3))
+        job_b = await client.submit(job(server.url, [b], rollout_timeout_s=1))
         (ra,) = [r async for r in client.rollouts(job_a)]
         (rb,) = [r async for r in client.rollouts(job_b)]
     finally:
@@ -87,7 +93,7 @@ async def test_policy_errors_and_hangs_are_never_rewards(client: EnvfleetClient,
     assert ra.status == RolloutStatus.POLICY_ERROR and ra.reward is None
     assert ra.error is not None and "500" in ra.error.message
     assert rb.status == RolloutStatus.TIMEOUT and rb.reward is None
-    assert rb.error is not None and "3s" in rb.error.message
+    assert rb.error is not None and "exceeded 1s" in rb.error.message
 
 
 async def _sandbox_of(orchestrator: Orchestrator, rollout_id: str, avoid: set[str] = frozenset()) -> str:  # type: ignore[assignment]
@@ -119,6 +125,26 @@ async def test_container_killed_from_outside_is_infra_error_then_retried(
         await server.close()
     assert r.status == RolloutStatus.OK and r.reward == 1.0
     assert r.attempts == 2
+
+
+async def test_a_sandbox_killed_mid_rollout_is_retried_on_a_fresh_one_on_the_fake_backend(
+    fake_client: EnvfleetClient, fake_orchestrator: Orchestrator, registry: Registry, task_ids: list[str]
+) -> None:
+    backend = fake_orchestrator.backend
+    assert isinstance(backend, FakeBackend)
+    server = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.3))
+    try:
+        retried = await fake_client.submit(job(server.url, task_ids[:1], max_infra_retries=1))
+        backend.kill(await _sandbox_of(fake_orchestrator, f"{retried}:{task_ids[0]}:0"))
+        (ok,) = [r async for r in fake_client.rollouts(retried)]
+        no_budget = await fake_client.submit(job(server.url, task_ids[1:2], max_infra_retries=0))
+        backend.kill(await _sandbox_of(fake_orchestrator, f"{no_budget}:{task_ids[1]}:0"))
+        (failed,) = [r async for r in fake_client.rollouts(no_budget)]
+    finally:
+        await server.close()
+    assert (ok.status, ok.reward, ok.attempts) == (RolloutStatus.OK, 1.0, 2)
+    assert (failed.status, failed.reward, failed.attempts) == (RolloutStatus.INFRA_ERROR, None, 1)
+    assert failed.error is not None and failed.error.kind == "SandboxDiedError", failed.error
 
 
 async def test_infra_error_after_the_retry_budget_is_not_a_reward(
@@ -190,7 +216,8 @@ async def test_update_policy_and_cancel(
         await server.close()
 
 
-async def test_environment_service(client: EnvfleetClient) -> None:
+async def test_environment_service(fake_client: EnvfleetClient) -> None:
+    client = fake_client
     envs = await client.list_envs()
     assert ENV in [e.name for e in envs]
     info = await client.describe_env(ENV)
@@ -202,5 +229,5 @@ async def test_environment_service(client: EnvfleetClient) -> None:
 
 
 async def test_owner_label_is_the_test_suites(orchestrator: Orchestrator) -> None:
-    assert orchestrator.backend.config.owner == TEST_OWNER
+    assert isinstance(orchestrator.backend, DockerBackend) and orchestrator.backend.config.owner == TEST_OWNER
     assert pb.RolloutStatus.Name(pb.ROLLOUT_STATUS_OK) == "ROLLOUT_STATUS_OK"

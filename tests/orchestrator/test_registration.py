@@ -198,8 +198,9 @@ BAD_SPECS = [
 
 @pytest.mark.parametrize(("edit", "message"), BAD_SPECS, ids=[m.split(":")[0] for _, m in BAD_SPECS])
 async def test_bad_specs_are_refused_naming_the_field(
-    client: EnvfleetClient, tmp_path: Path, edit: Any, message: str
+    fake_client: EnvfleetClient, tmp_path: Path, edit: Any, message: str
 ) -> None:
+    client = fake_client  # refused before any image or sandbox
     for call in (client.env_stub.Validate, client.env_stub.Register):
         details = await expect_error(call(_bad(edit)), grpc.StatusCode.INVALID_ARGUMENT, message)
         assert details.startswith("invalid environment spec")
@@ -207,7 +208,9 @@ async def test_bad_specs_are_refused_naming_the_field(
     assert not list((tmp_path / "data").glob("environments/bad-env*"))
 
 
-async def test_every_problem_is_reported_at_once(client: EnvfleetClient) -> None:
+async def test_every_problem_is_reported_at_once(fake_client: EnvfleetClient) -> None:
+    client = fake_client
+
     def many(d: dict[str, Any]) -> None:
         d.update(tools=["nope"], tool_timeout_s=1e12)
         d.pop("scoring")

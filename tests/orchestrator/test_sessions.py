@@ -1,5 +1,5 @@
-"""SessionService over real gRPC and real sandboxes: an episode to its end, truncation, failures that are never a
-reward, expiry, and the gymnasium wrapper under gymnasium's own checker."""
+"""SessionService over real gRPC: an episode to its end and the gymnasium wrapper under gymnasium's own checker on real
+sandboxes; truncation, bad requests, failures that are never a reward, and expiry (bookkeeping) on the fake backend."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ import grpc
 import pytest
 from gymnasium.utils.env_checker import check_env
 
+from orchestrator.backends.config import FakeBackendConfig
+from orchestrator.backends.fake import FakeBackend, FakeExec
 from orchestrator.client.gym import SessionEnv
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.sandbox import ExecResult
 from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
+from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV
-from tests.orchestrator.servers import expect_error, serve
+from tests.orchestrator.servers import FAKE, expect_error, serve
 
 
 def tool(name: str, **arguments: object) -> pb.Action:
@@ -60,8 +64,8 @@ async def test_episode_to_terminal_with_reward_and_status(client: EnvfleetClient
     )
 
 
-async def test_final_answer_turn_limit_and_bad_requests(client: EnvfleetClient, registry: Registry) -> None:
-    stub = client.session_stub
+async def test_final_answer_turn_limit_and_bad_requests(fake_client: EnvfleetClient, registry: Registry) -> None:
+    stub = fake_client.session_stub  # the session's bookkeeping: no command output is looked at
     r = await stub.Reset(pb.ResetRequest(env=ENV, seed=7))
     again = await stub.Reset(pb.ResetRequest(env=ENV, seed=7))
     assert r.info.task_id == again.info.task_id  # a seed picks the same task
@@ -103,9 +107,12 @@ async def test_infrastructure_failure_is_never_a_reward(
     assert s.truncated and not s.terminated and s.error.kind == "SandboxDiedError", s.error
 
 
-async def test_idle_sessions_expire(tmp_path: Path, base_image: str) -> None:
+async def test_idle_sessions_expire(tmp_path: Path) -> None:
     # steps come every 0.4 s, well inside the 1 s TTL even on a loaded host; the other session idles past it
-    async with serve(tmp_path, sessions={"idle_ttl_s": 1.0}) as orch, EnvfleetClient(orch.address) as client:
+    async with (
+        serve(tmp_path, backend=FAKE, sessions={"idle_ttl_s": 1.0}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
         stub = client.session_stub
         r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
         live = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
@@ -122,6 +129,27 @@ async def test_idle_sessions_expire(tmp_path: Path, base_image: str) -> None:
         )
         await asyncio.sleep(1.5)
         assert orch.sessions is not None and orch.sessions.open_sessions() == 0  # the reaper took the idle one too
+
+
+async def test_a_sandbox_killed_mid_session_is_never_a_reward_on_the_fake_backend(tmp_path: Path) -> None:
+    used: list[str] = []
+
+    def remember(cmd: FakeExec) -> ExecResult:
+        used.append(cmd.sandbox_name)
+        return ExecResult(0, cmd.stdin, b"")
+
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_handler=remember)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-002"))
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(2)")))
+        assert s.observation == "print(2)" and not s.terminated
+        assert isinstance(orch.backend, FakeBackend)
+        [victim] = [sb.id for sb in await orch.backend.list_owned() if sb.name == used[0]]
+        orch.backend.kill(victim)
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
+    assert s.status == pb.ROLLOUT_STATUS_INFRA_ERROR and not s.HasField("reward")
+    assert s.truncated and not s.terminated and s.error.kind == "SandboxDiedError", s.error
 
 
 def _gym_episode(address: str, task_id: str, code: str, answer: str) -> None:

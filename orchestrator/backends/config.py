@@ -1,0 +1,128 @@
+"""One pydantic config per sandbox backend, told apart by `type`, and `start_backend`, which imports the chosen
+backend only when it starts one: the fake path never imports docker (the SWE-ReX deployment-config pattern)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from orchestrator.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from orchestrator.core.sandbox import SandboxBackend
+
+
+class DockerBackendConfig(BaseModel):
+    """Settings of the docker backend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["docker"] = "docker"
+    base_url: str | None = Field(None, description="engine address; DOCKER_HOST or the local socket when unset")
+    owner: str = Field("envfleet", min_length=1, max_length=64, description="who owns the sandboxes (a label)")
+    socket_root: Path = Field(
+        Path("/run/envfleet"),
+        description="envd's socket directories and the sweep's key: created 0700 and owned by us, not a world-writable"
+        " place (a backend that shares it with others shares their sweep)",
+    )
+    socket_tmpfs: bool = Field(
+        True, description="each socket directory is a 64 KiB tmpfs (needs CAP_SYS_ADMIN), so no sandbox fills the disk"
+    )
+    nofile: int = Field(4096, ge=64, le=1 << 20, description="open files per sandbox process (the nofile ulimit)")
+    api_workers: int = Field(
+        16, ge=1, le=256, description="threads (and HTTP connections) for engine calls; the most in flight at once"
+    )
+    api_timeout_s: float = Field(120.0, gt=0)
+    sweep_interval_s: float = Field(30.0, gt=0)
+    health_interval_s: float = Field(1.0, gt=0, description="how often the engine is pinged")
+    health_timeout_s: float = Field(2.0, gt=0, description="a ping slower than this marks the engine unhealthy")
+    # Fifty sandboxes at once peak near 75 engine calls/s here (the engine manages 4-5 creates/s; each sandbox is a
+    # create, a start, a state check per second while it starts, a remove): 200/s never holds a healthy engine back
+    # and stops only a runaway loop. A burst of 50 lets fifty creates begin at once.
+    api_rate_per_s: float = Field(200.0, gt=0, description="engine calls started per second, at most")
+    api_burst: int = Field(50, ge=1, description="engine calls that may start at once after a quiet spell")
+    api_slow_factor: float = Field(
+        3.0, gt=1, description="a call this many times slower than the recent average of its kind cuts the limit"
+    )
+    api_slow_min_s: float = Field(
+        0.5, ge=0, description="calls quicker than this never count as slow (jitter on a busy host is no stall)"
+    )
+    api_max_backoff_s: float = Field(5.0, ge=0, description="longest pause of new calls while the engine fails")
+
+
+class ExecRule(BaseModel):
+    """A scripted answer of the fake backend: a command whose command line matches `match` gets this output."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    match: str = Field(min_length=1, description="a regular expression, searched in the command line")
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int = Field(0, ge=0, le=255)
+    latency_s: float = Field(0.0, ge=0, le=24 * 3600, description="extra run time of a matching command")
+
+    @field_validator("match")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a regular expression: {e}") from None
+        return v
+
+
+# A test's own exec behaviour for the fake backend: takes a FakeExec (orchestrator/backends/fake/machine.py) and
+# returns an ExecResult, or an awaitable of one; raising a SandboxError simulates an infrastructure failure. Typed
+# loosely here so that choosing a backend imports neither backend.
+ExecHandler = Callable[[Any], Any]
+
+
+class FakeBackendConfig(BaseModel):
+    """Settings of the fake backend: in-process sandboxes with an in-memory filesystem and scripted or echoed
+    command output, for control-plane tests and fleet simulations. What it scores means nothing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    type: Literal["fake"] = "fake"
+    owner: str = Field("envfleet", min_length=1, max_length=64, description="who owns the sandboxes (a label)")
+    create_latency_s: float = Field(0.0, ge=0, le=600, description="how long a create takes")
+    exec_latency_s: float = Field(0.0, ge=0, le=600, description="how long every command runs")
+    destroy_latency_s: float = Field(0.0, ge=0, le=600, description="how long a destroy takes")
+    image_build_latency_s: float = Field(
+        0.0, ge=0, le=3600, description="how long an environment's own image (one with an image spec) takes to build"
+    )
+    base_image: str = Field("envfleet/base:latest", min_length=1, description="the image of environments without one")
+    images: tuple[str, ...] = Field((), description="more image tags that exist (for the raw sandbox API)")
+    rules: tuple[ExecRule, ...] = Field((), description="scripted outputs, first match wins; others are echoed")
+    exec_handler: ExecHandler | None = Field(
+        None, exclude=True, description="in-process only (tests): decides every command's outcome, before the rules"
+    )
+
+
+BackendConfig = Annotated[DockerBackendConfig | FakeBackendConfig, Field(discriminator="type")]
+_ADAPTER: TypeAdapter[DockerBackendConfig | FakeBackendConfig] = TypeAdapter(BackendConfig)
+
+
+def parse_backend_config(raw: Mapping[str, Any]) -> DockerBackendConfig | FakeBackendConfig:
+    """A backend config from plain data (a config file); every problem is named in one ConfigError."""
+    try:
+        return _ADAPTER.validate_python(dict(raw))
+    except ValidationError as e:
+        # a location starts with the backend's tag ("fake", "create_latency_s"); a bad tag has no location
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or 'type'}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"invalid backend config: {problems}") from None
+
+
+async def start_backend(config: DockerBackendConfig | FakeBackendConfig, *, sweep: bool = True) -> SandboxBackend:
+    """A started backend of the configured type; its module is imported here, not before."""
+    if isinstance(config, FakeBackendConfig):
+        from orchestrator.backends.fake import FakeBackend
+
+        return FakeBackend(config)
+    from orchestrator.backends.docker.backend import DockerBackend
+
+    return await DockerBackend.start(config, sweep=sweep)
