@@ -8,6 +8,9 @@ Phases (all in one run, results under `scale` in bench/results.json):
    sandboxes in flight, recycled between rollouts;
 4. efficiency at 256 concurrent rollouts: measured rollouts per minute over the ideal (concurrency / episode time);
 5. leaked containers after shutdown.
+
+With `--workers N` (the default, 2) phases 3 and 4 run on N rollout worker processes: the control plane's own
+warm sandboxes of phases 1 and 2 are destroyed first, and the workers create and recycle their own.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class LightEnv(Environment):
     rubric = Rubric([("ok", _ok, 1.0)])
     limits = Limits(memory_mb=128, cpus=0.5, pids=64, tmp_mb=16, workspace_mb=16)
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int = 10_000) -> None:
         self._tasks = tuple(
             Task(
                 id=f"s{i:05d}",
@@ -102,12 +105,14 @@ async def _start_policy(script_path: Path, latency: float) -> tuple[asyncio.subp
     return proc, line[1]
 
 
-async def run(sandboxes: int, rollouts: int, latency: float, eff_concurrency: int, eff_rollouts: int) -> dict[str, Any]:
+async def run(
+    sandboxes: int, rollouts: int, latency: float, eff_concurrency: int, eff_rollouts: int, workers: int
+) -> dict[str, Any]:
     client = docker.from_env()
     image = ensure_base_image(client)
-    env = LightEnv(rollouts + eff_rollouts + 1)
+    env = LightEnv()
+    assert rollouts + eff_rollouts <= len(env.tasks())
     registry = Registry()
-    registry.register(env)
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="envfleet-scale-") as data:
         script = reference_script(env, latency_s=latency)
@@ -130,6 +135,8 @@ async def run(sandboxes: int, rollouts: int, latency: float, eff_concurrency: in
                 pool=PoolConfig(
                     max_idle_total=sandboxes, max_idle_per_pool=sandboxes, refill_concurrency=16, idle_ttl_s=3600
                 ),
+                workers=workers,
+                environments=[f"{LightEnv.__module__}:{LightEnv.__name__}"],
             ),
             registry=registry,
         )
@@ -186,6 +193,10 @@ async def run(sandboxes: int, rollouts: int, latency: float, eff_concurrency: in
             result["acquire_p50_ms"] = round(p50 * 1000, 2)
             result["acquire_p99_ms"] = round(p99 * 1000, 2)
             result["acquire_p99_over_p50"] = round(p99 / p50, 2)
+            if workers:
+                # the workers hold their own sandboxes: these would only double the memory
+                await pool.close()
+                result["workers"] = workers
             # 3. the rollouts, all sandboxes in flight
             ids = [t.id for t in env.tasks()]
             async with EnvfleetClient(orch.address, timeout_s=600) as c:
@@ -245,11 +256,19 @@ def main() -> None:
     p.add_argument("--latency", type=float, default=1.0)
     p.add_argument("--efficiency-concurrency", type=int, default=256)
     p.add_argument("--efficiency-rollouts", type=int, default=768)
+    p.add_argument("--workers", type=int, default=2, help="rollout worker processes (0: rollouts in the server)")
     p.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     res = asyncio.run(
-        run(args.sandboxes, args.rollouts, args.latency, args.efficiency_concurrency, args.efficiency_rollouts)
+        run(
+            args.sandboxes,
+            args.rollouts,
+            args.latency,
+            args.efficiency_concurrency,
+            args.efficiency_rollouts,
+            args.workers,
+        )
     )
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results["scale"] = res

@@ -12,6 +12,7 @@ worker is dropped: the result log keeps one rollout per id.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its worker counts as stuck
 MAX_TRACKED_GROUPS = 100_000
+DISPATCH_SAMPLES = 100_000
 
 
 class WorkerLostError(SandboxError):
@@ -77,6 +79,8 @@ class WorkerHub:
         self._ids = itertools.count(1)
         self._closed = False
         self.lost = 0  # workers lost so far
+        # from the control plane starting a rollout to its worker starting it (the recent ones)
+        self.dispatch_delays: collections.deque[float] = collections.deque(maxlen=DISPATCH_SAMPLES)
 
     @property
     def images(self) -> ImageSource:
@@ -148,6 +152,7 @@ class WorkerHub:
 
     async def _run_on(self, worker: _Worker, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
         assignment_id = f"a{next(self._ids)}"
+        queued_s = time.monotonic() - item.enqueued_at
         future: asyncio.Future[Rollout] = asyncio.get_running_loop().create_future()
         worker.running[assignment_id] = future
         worker.outbox.put_nowait(
@@ -158,7 +163,7 @@ class WorkerHub:
                     job_id=item.job_id,
                     task_id=item.task.id,
                     sample_index=item.sample_index,
-                    queued_s=time.monotonic() - item.enqueued_at,
+                    queued_s=queued_s,
                     env_spec_json=env.spec.model_dump_json().encode()
                     if isinstance(env, DeclarativeEnvironment)
                     else b"",
@@ -179,6 +184,8 @@ class WorkerHub:
         finally:
             worker.running.pop(assignment_id, None)
         worker.served += 1
+        # the worker's queue time is ours plus the way to it (the runner counts from the item's enqueue)
+        self.dispatch_delays.append(max(0.0, rollout.timing.queue - queued_s))
         self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
         return rollout
 

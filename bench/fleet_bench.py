@@ -1,0 +1,244 @@
+"""Control plane and rollout workers, measured side by side in one run (keys under `fleet` in bench/results.json).
+
+- `workers_speedup`: rollouts/s with 2 worker processes over 1, the same light workload (python-tool on the fake
+  backend, the replay policy: no model latency), the control plane the same.
+- `submit_latency`: p50 and p99 of SubmitJob under 200 concurrent one-task submits, from a client process of its
+  own against `envfleet serve` (fake backend, 2 workers).
+- `control_plane`: with the fake backend and the replay policy on 8 worker processes, the rollouts/s one control
+  plane delivers and its own CPU per rollout (read from /proc), so its capacity per core follows.
+- `fleet_sim`: the fake backend in worker processes holding 10,000 concurrent sandboxes and running 50,000 rollouts
+  through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the
+  control plane starting a rollout to a worker starting it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from orchestrator.backends.config import FakeBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, TaskSelection
+from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.service.registry import Registry
+from orchestrator.service.scheduler import Capacity
+
+ENV = "python-tool"
+OWNER = "envfleet-bench-fleet"
+
+
+def _ticks() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _ticks()
+
+
+def _job(ids: list[str], n: int = 1, concurrency: int = 4096) -> JobSpec:
+    return JobSpec(
+        env=ENV,
+        tasks=TaskSelection(kind="ids", ids=ids),
+        group_size=n,
+        policy=PolicyEndpoint(base_url=REPLAY_URL),
+        max_concurrency=concurrency,
+        max_infra_retries=0,
+    )
+
+
+async def _plane(data: Path, workers: int, in_flight: int, **fake: Any) -> Orchestrator:
+    orch = await create_server(
+        OrchestratorConfig(
+            port=0,
+            data_dir=data,
+            max_in_flight=in_flight,
+            capacity=Capacity(max_sandboxes=in_flight, cpus=in_flight * 8.0, memory_mb=in_flight * 8192),
+            backend=FakeBackendConfig(owner=OWNER, **fake),
+            workers=workers,
+            metrics_port=None,
+        )
+    )
+    assert orch.workers is not None
+    await orch.workers.hub.wait_for_workers(workers, timeout_s=120)
+    return orch
+
+
+async def _drain(client: EnvfleetClient, job_id: str) -> Counter[str]:
+    return Counter([r.status.value async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024)])
+
+
+async def rollouts_per_s(workers: int, total: int) -> dict[str, Any]:
+    """One job of `total` light rollouts on `workers` worker processes: rollouts/s from submit to the last one."""
+    ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
+    n = -(-total // len(ids))
+    with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
+        orch = await _plane(Path(data), workers, in_flight=128)
+        try:
+            async with EnvfleetClient(orch.address, timeout_s=600) as client:
+                await _drain(client, await client.submit(_job(ids[:4])))  # warm the workers' pools and code
+                t0 = time.perf_counter()
+                counts = await _drain(client, await client.submit(_job(ids, n=n)))
+                elapsed = time.perf_counter() - t0
+        finally:
+            await orch.stop(grace=1)
+    return {"rollouts_per_s": round(sum(counts.values()) / elapsed, 1), "ok": counts["OK"], "n": sum(counts.values())}
+
+
+async def workers_speedup(total: int = 3000) -> dict[str, Any]:
+    """2 workers over 1 on the same workload, interleaved twice so that the host's noise hits both."""
+    one, two = [], []
+    for _ in range(2):
+        one.append((await rollouts_per_s(1, total))["rollouts_per_s"])
+        two.append((await rollouts_per_s(2, total))["rollouts_per_s"])
+    a, b = statistics.median(one), statistics.median(two)
+    return {"one_worker_per_s": a, "two_workers_per_s": b, "ratio": round(b / a, 3), "cpus": os.cpu_count()}
+
+
+_SUBMITTER = """
+import asyncio, json, sys, time
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec
+
+async def main(address, spec_json, n):
+    spec = JobSpec.model_validate_json(spec_json)
+    async with EnvfleetClient(address) as client:
+        await client.submit(spec)  # the channel is up before the clock starts
+        async def one():
+            t0 = time.perf_counter()
+            await client.submit(spec)
+            return time.perf_counter() - t0
+        print(json.dumps(await asyncio.gather(*(one() for _ in range(n)))))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+async def submit_latency(concurrent: int = 200) -> dict[str, Any]:
+    """p50/p99 of SubmitJob under `concurrent` one-task submits from another process."""
+    task = Registry.from_entry_points().get(ENV).tasks()[0].id
+    spec = _job([task])
+    with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
+        orch = await _plane(Path(data), 2, in_flight=256)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                _SUBMITTER,
+                orch.address,
+                spec.model_dump_json(),
+                str(concurrent),
+                stdout=asyncio.subprocess.PIPE,
+            )
+            out, _ = await proc.communicate()
+            lat = sorted(json.loads(out))
+        finally:
+            await orch.stop(grace=1)
+    return {
+        "p50_ms": round(statistics.median(lat) * 1000, 1),
+        "p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1000, 1),
+        "concurrent": concurrent,
+    }
+
+
+async def control_plane(total: int = 8000, workers: int = 8) -> dict[str, Any]:
+    """Rollouts/s through one control plane with `workers` worker processes, and its CPU per rollout."""
+    ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
+    n = -(-total // len(ids))
+    with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
+        orch = await _plane(Path(data), workers, in_flight=512)
+        try:
+            async with EnvfleetClient(orch.address, timeout_s=600) as client:
+                await _drain(client, await client.submit(_job(ids[:16])))
+                cpu0, t0 = process_cpu_s(os.getpid()), time.perf_counter()
+                counts = await _drain(client, await client.submit(_job(ids, n=n)))
+                elapsed, cpu = time.perf_counter() - t0, process_cpu_s(os.getpid()) - cpu0
+        finally:
+            await orch.stop(grace=1)
+    done = sum(counts.values())
+    us = cpu / done * 1e6
+    return {
+        "rollouts_per_s": round(done / elapsed, 1),
+        # this process is the control plane and the client that consumes the stream: an upper bound on the plane's
+        "cpu_us_per_rollout": round(us),
+        "rollouts_per_s_per_core_capacity": round(1e6 / us),
+        "workers": workers,
+        "ok": counts["OK"],
+        "n": done,
+    }
+
+
+async def fleet_sim(concurrent: int = 10_000, total: int = 50_000, workers: int = 2) -> dict[str, Any]:
+    """`concurrent` fake sandboxes held at once by worker processes, `total` rollouts through the real control plane."""
+    ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
+    n = -(-total // len(ids))
+    expected = {f"{i}:{k}" for i in ids for k in range(n)}
+    with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
+        # each command takes 1 s, so a rollout holds its sandbox about 1 s and the fleet runs at `concurrent`
+        orch = await _plane(Path(data), workers, in_flight=concurrent, exec_latency_s=1.0)
+        assert orch.workers is not None
+        hub = orch.workers.hub
+        peak = 0
+        try:
+            async with EnvfleetClient(orch.address, timeout_s=3600) as client:
+                job_id = await client.submit(_job(ids, n=n, concurrency=concurrent))
+
+                async def watch() -> None:
+                    nonlocal peak
+                    while True:
+                        peak = max(peak, sum(w.running for w in hub.workers()))
+                        await asyncio.sleep(0.5)
+
+                watcher = asyncio.create_task(watch())
+                t0 = time.perf_counter()
+                seen: Counter[str] = Counter()
+                statuses: Counter[str] = Counter()
+                async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024):
+                    seen[r.id.split(":", 1)[1]] += 1
+                    statuses[r.status.value] += 1
+                elapsed = time.perf_counter() - t0
+                watcher.cancel()
+        finally:
+            await orch.stop(grace=1)
+    delays = sorted(hub.dispatch_delays)
+    return {
+        "rollouts": sum(seen.values()),
+        "lost": len(expected - set(seen)),
+        "unexpected_ids": len(set(seen) - expected),
+        # at-least-once: an id may come twice (dropped by id); after that, every rollout is there exactly once
+        "delivered_more_than_once": sum(c > 1 for c in seen.values()),
+        "by_status": dict(statuses),
+        "peak_concurrent_sandboxes": peak,
+        "target_concurrent_sandboxes": concurrent,
+        "rollouts_per_s": round(sum(seen.values()) / elapsed, 1),
+        "dispatch_delay_p50_ms": round(statistics.median(delays) * 1000, 1) if delays else None,
+        "dispatch_delay_p99_ms": round(delays[int(0.99 * (len(delays) - 1))] * 1000, 1) if delays else None,
+        "workers": workers,
+        "seconds": round(elapsed, 1),
+    }
+
+
+async def run_all() -> dict[str, Any]:
+    """Every fleet figure, one after another."""
+    return {
+        "workers_speedup": await workers_speedup(),
+        "submit_latency": await submit_latency(),
+        "control_plane": await control_plane(),
+        "fleet_sim": await fleet_sim(),
+    }
+
+
+if __name__ == "__main__":
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    fn = {"speedup": workers_speedup, "submit": submit_latency, "control": control_plane, "sim": fleet_sim}.get(which)
+    print(json.dumps(asyncio.run(fn() if fn else run_all()), indent=2))
