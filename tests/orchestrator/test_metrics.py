@@ -39,7 +39,7 @@ async def test_metrics_endpoint_and_status(
         assert 'envfleet_sandboxes{state="idle"}' in text  # python-tool recycles: its sandboxes wait warm
         r = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "orchestrator.cli", "status", "--metrics", url],
+            [sys.executable, "-m", "orchestrator.cli", "status", "--metrics", url, "--server", orch.address],
             cwd=REPO,
             capture_output=True,
             text=True,
