@@ -15,8 +15,10 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.cli.config import add_config_argument, add_version_argument, parse_args
 from orchestrator.cli.envs import add_envs_commands
 from orchestrator.cli.errors import CommandLineError
+from orchestrator.cli.log_format import add_log_format_argument, configure_logging
 from orchestrator.cli.remote import (
     DEFAULT_METRICS_PORT,
     add_client_arguments,
@@ -91,7 +93,9 @@ def _server_config(args: argparse.Namespace) -> object:
         port=args.port,
         data_dir=Path(args.data_dir),
         max_in_flight=args.max_in_flight,
-        backend=DockerBackendConfig(owner=args.owner),
+        backend=DockerBackendConfig(
+            owner=args.owner, **({"socket_root": args.socket_root} if args.socket_root else {})
+        ),
         security=security_config(args),
         reflection=args.reflection,
         sessions=SessionConfig(idle_ttl_s=args.session_ttl),
@@ -221,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
     p.add_argument("-v", "--verbose", action="count", default=0)
+    add_version_argument(p)
+    add_log_format_argument(p)
     sub = p.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the orchestrator's gRPC server")
@@ -231,9 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
     serve.add_argument("--backend", choices=["docker"], default="docker")
     serve.add_argument(
+        "--socket-root", type=Path, default=None, help="envd's socket folders (in a container: the host's same path)"
+    )
+    serve.add_argument(
         "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus endpoint port; -1: off"
     )
     add_serve_security_arguments(serve)
+    add_config_argument(serve)
     serve.set_defaults(fn=_cmd_serve)
 
     add_envs_commands(sub, console)
@@ -299,9 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `envfleet` console script."""
-    args = build_parser().parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(build_parser(), argv)  # options also from ENVFLEET_* and --config (cli/config.py)
+    configure_logging(args.verbose, args.log_format)
     try:
         code = args.fn(args)
     except KeyboardInterrupt:
