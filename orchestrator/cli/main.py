@@ -49,7 +49,7 @@ def _cmd_image_build_base(args: argparse.Namespace) -> int:
 def _cmd_image_build_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.images.orchestrator_image import ensure_orchestrator_image
 
-    print(ensure_orchestrator_image(docker.from_env()))
+    print(ensure_orchestrator_image(docker.from_env(), extra_wheels=args.extra_wheels))
     return 0
 
 
@@ -295,9 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     image = sub.add_parser("image", help="build images offline").add_subparsers(dest="image_command", required=True)
     image.add_parser("build-base", help="build (or reuse) the envd base image").set_defaults(fn=_cmd_image_build_base)
-    image.add_parser("build-orchestrator", help="build the orchestrator's own image").set_defaults(
-        fn=_cmd_image_build_orchestrator
+    orchestrator_image = image.add_parser("build-orchestrator", help="build the orchestrator's own image")
+    orchestrator_image.add_argument(
+        "--extra-wheels", type=Path, default=None, help="a folder of plug-in wheels (*.whl) to install next to envfleet"
     )
+    orchestrator_image.set_defaults(fn=_cmd_image_build_orchestrator)
 
     sweep = sub.add_parser("sweep", help="remove sandboxes of dead owners and expired leases")
     sweep.add_argument("--older-than", type=float, default=None, help="also remove any sandbox older than N seconds")

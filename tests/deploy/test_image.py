@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import docker
 import pytest
@@ -18,8 +19,10 @@ import pytest
 from orchestrator.cli.config import subcommand_parsers
 from orchestrator.cli.main import build_parser
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import ImageBuildError
 from orchestrator.core.models import RolloutStatus
 from orchestrator.core.sandbox import SandboxSpec
+from orchestrator.images.orchestrator_image import ensure_orchestrator_image
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import start_scripted_server
 from orchestrator.testing.scripts import reference_script
@@ -156,3 +159,50 @@ def _probe_while_the_engine_is_stopped(address: str) -> None:
     while (status := _host_probe(address)) != "SERVING":
         assert time.monotonic() < deadline, f"the server did not recover: {status}"
         time.sleep(0.25)
+
+
+PLUGIN_PYPROJECT = """
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "envfleet-demo-plugin"
+version = "0.3.0"
+
+[project.entry-points."envfleet.environments"]
+demo-plugin = "envfleet_demo_plugin:DemoEnv"
+"""
+PLUGIN_MODULE = '''
+"""A plug-in environment from its own wheel."""
+
+from environments.python_tool import PythonToolEnv
+
+
+class DemoEnv(PythonToolEnv):
+    """python-tool under another name."""
+
+    name = "demo-plugin"
+'''
+
+
+def test_extra_wheels_add_plugin_environments(
+    docker_client: docker.DockerClient, base_image: str, tmp_path: Path
+) -> None:
+    src = tmp_path / "plugin"
+    (src / "envfleet_demo_plugin").mkdir(parents=True)
+    (src / "pyproject.toml").write_text(PLUGIN_PYPROJECT)
+    (src / "envfleet_demo_plugin" / "__init__.py").write_text(PLUGIN_MODULE)
+    wheels = tmp_path / "wheels"
+    pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels)]
+    subprocess.run([*pip, str(src)], check=True, capture_output=True, timeout=120)
+
+    tag = ensure_orchestrator_image(docker_client, extra_wheels=wheels)
+    try:
+        listing = docker_cli("run", "--rm", tag, "envs", "list")
+        assert listing.returncode == 0, listing.stderr
+        assert "demo-plugin@1" in listing.stdout and "python-tool@1" in listing.stdout, listing.stdout
+    finally:
+        docker_client.images.remove(tag)
+    with pytest.raises(ImageBuildError, match=r"holds no \*\.whl"):
+        ensure_orchestrator_image(docker_client, extra_wheels=src)
