@@ -59,7 +59,8 @@ if [ -n "${ENVFLEET_CONFIG:-}" ]; then
 fi
 # every ENVFLEET_* setting of this script's environment (by name only: docker reads the values from here)
 for var in $(env | sed -n 's/^\(ENVFLEET_[A-Z0-9_]*\)=.*/\1/p'); do
-    case $var in ENVFLEET_NAME | ENVFLEET_DATA_VOLUME | ENVFLEET_NETWORK) continue ;; esac
+    # this script's own settings; a client's token and a host cache path mean nothing inside
+    case $var in ENVFLEET_NAME | ENVFLEET_DATA_VOLUME | ENVFLEET_NETWORK | ENVFLEET_TOKEN | ENVFLEET_CACHE) continue ;; esac
     set -- --env "$var" "$@"
 done
 exec docker run "$@"
