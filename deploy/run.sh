@@ -9,8 +9,7 @@
 #   ENVFLEET_SOCKET_ROOT  envd socket folders, the same absolute path on the host and inside
 #                         [/run/envfleet-orchestrator]
 #   ENVFLEET_DATA_VOLUME  named volume (or host folder) for the result log [envfleet-data]
-#   ENVFLEET_TOKEN_FILE   host path of the tokens file (YAML token -> tenant), readable by uid 1000; unset: no
-#                         auth, loopback only
+#   ENVFLEET_TOKEN_FILE   host path of the tokens file (YAML token -> tenant); unset: no auth, loopback only
 #   ENVFLEET_CONFIG       host path of a YAML or TOML file of serve options (deploy/envfleet.yaml)
 #   ENVFLEET_NETWORK      host [host], or a docker network name: then the port is published and the server
 #                         listens on 0.0.0.0, which needs TLS (ENVFLEET_TLS_CERT/KEY) or ENVFLEET_INSECURE=1
@@ -18,7 +17,8 @@
 # Any other ENVFLEET_* variable set here is passed on (every `envfleet serve` flag has one: --max-in-flight is
 # ENVFLEET_MAX_IN_FLIGHT).
 #
-# The container can do whatever the engine can: access to the engine's socket is root on this host.
+# Run it as root (it mounts SOCKET_ROOT). The container can do whatever the engine can: access to the engine's
+# socket is root on this host.
 set -eu
 
 IMAGE=${1:?usage: deploy/run.sh IMAGE [envfleet serve flags...]}
@@ -29,17 +29,21 @@ SOCKET_ROOT=${ENVFLEET_SOCKET_ROOT:-/run/envfleet-orchestrator}
 DATA_VOLUME=${ENVFLEET_DATA_VOLUME:-envfleet-data}
 NETWORK=${ENVFLEET_NETWORK:-host}
 export ENVFLEET_PORT="${ENVFLEET_PORT:-50051}" ENVFLEET_SOCKET_ROOT="$SOCKET_ROOT"
-SERVER_UID=1000  # the image's USER
-SERVER_GID=1000
 
 # Sandboxes are siblings: the engine bind-mounts their socket folders from the host's SOCKET_ROOT, which the server
-# creates inside the container at the same path. It must exist (a folder docker creates is root's) and be ours.
-install -d -m 0700 -o "$SERVER_UID" -g "$SERVER_GID" "$SOCKET_ROOT"
+# makes inside the container at the same path, each a 64 KiB tmpfs that it mounts (CAP_SYS_ADMIN) and hands to the
+# sandbox's uid (root: chown). For the engine to see those mounts, SOCKET_ROOT is a shared mount point on the host
+# and reaches the container with rshared propagation.
+install -d -m 0700 "$SOCKET_ROOT"
+mountpoint -q "$SOCKET_ROOT" || mount --bind "$SOCKET_ROOT" "$SOCKET_ROOT"
+mount --make-shared "$SOCKET_ROOT"
 
+# The server runs as root in the container (for the chown and the mounts above) with the engine's socket: either
+# alone is root on this host, so give the container to no one you would not give root.
 set -- --name "$NAME" --detach --init --stop-timeout 30 \
-    --user "$SERVER_UID:$SERVER_GID" --group-add "$(stat -c %g "$DOCKER_SOCK")" \
+    --user 0:0 --cap-add SYS_ADMIN \
     --volume "$DOCKER_SOCK:/var/run/docker.sock" \
-    --volume "$SOCKET_ROOT:$SOCKET_ROOT" \
+    --volume "$SOCKET_ROOT:$SOCKET_ROOT:rshared" \
     --volume "$DATA_VOLUME:/var/lib/envfleet" \
     "$IMAGE" serve "$@"
 if [ "$NETWORK" = host ]; then

@@ -121,3 +121,5 @@ def deployment(orchestrator_image: str, tmp_path: Path) -> Iterator[Deployment]:
     finally:
         d.remove()
         docker_cli("volume", "rm", "--force", d.volume)
+        # deploy/run.sh made the socket root a (shared) mount point
+        subprocess.run(["umount", "--recursive", "--lazy", str(d.socket_root)], capture_output=True, check=False)
