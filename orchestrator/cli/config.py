@@ -2,7 +2,8 @@
 commands named in `CONFIGURABLE_COMMANDS` (`serve`) also reads `ENVFLEET_<DEST>` and the key `<dest>` of
 `--config FILE` (YAML or TOML; `$ENVFLEET_CONFIG` names one too).
 
-Precedence: command line > environment > file > the flag's default. The mechanism walks the parser's actions, so a
+A repeatable option takes a list in the file and comma-separated values in its variable. Precedence: command line >
+environment > file > the flag's default. The mechanism walks the parser's actions, so a
 flag added later gets its variable and its key without a line here.
 """
 

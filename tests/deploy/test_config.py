@@ -25,6 +25,10 @@ def _sample(action: argparse.Action) -> tuple[Any, Any]:
     """A value for the option other than its default where it has one: (as written in a variable, as parsed)."""
     if isinstance(action, argparse._CountAction):
         return "2", 2
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+"):
+        one = argparse.Action(action.option_strings, action.dest, type=action.type, choices=action.choices)
+        _, item = _sample(one)
+        return f"{item},{item}", [item, item]  # a list: comma-separated in a variable
     if action.nargs == 0:
         want = not bool(action.default)
         return ("yes" if want else "off"), want
