@@ -25,15 +25,18 @@ def _sample(action: argparse.Action) -> tuple[Any, Any]:
     """A value for the option other than its default where it has one: (as written in a variable, as parsed)."""
     if isinstance(action, argparse._CountAction):
         return "2", 2
-    if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+"):
-        one = argparse.Action(action.option_strings, action.dest, type=action.type, choices=action.choices)
-        _, item = _sample(one)
-        return f"{item},{item}", [item, item]  # a list: comma-separated in a variable
     if action.nargs == 0:
         want = not bool(action.default)
         return ("yes" if want else "off"), want
+    _, item = _sample_item(action, None)
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+"):
+        return f"{item},{item}", [item, item]  # a list: comma-separated in a variable
+    return _sample_item(action, action.default)
+
+
+def _sample_item(action: argparse.Action, default: Any) -> tuple[Any, Any]:
     if action.choices:
-        choice = next((c for c in action.choices if c != action.default), next(iter(action.choices)))
+        choice = next((c for c in action.choices if c != default), next(iter(action.choices)))
         return str(choice), choice
     if action.type is int:
         return "7", 7
