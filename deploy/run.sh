@@ -1,7 +1,7 @@
 #!/bin/sh
 # Run the orchestrator image next to this host's Docker engine (README, "Deploy").
 #
-#   deploy/run.sh IMAGE [envfleet serve flags...]      e.g. deploy/run.sh envfleet/orchestrator:44dcd52cbc9b
+#   deploy/run.sh IMAGE [envfleet serve flags...]      e.g. deploy/run.sh envfleet/orchestrator:<tag of make image>
 #
 # Settings (environment of this script; defaults in brackets):
 #   ENVFLEET_NAME         container name [envfleet-orchestrator]
@@ -14,6 +14,10 @@
 #   ENVFLEET_NETWORK      host [host], or a docker network name: then the port is published and the server
 #                         listens on 0.0.0.0, which needs TLS (ENVFLEET_TLS_CERT/KEY) or ENVFLEET_INSECURE=1
 #   DOCKER_SOCK           the engine's socket [/var/run/docker.sock]
+#   ENVFLEET_TLS_DIR      host folder of PEM files, mounted read-only at /etc/envfleet/tls; name the files by their
+#                         path inside: ENVFLEET_TLS_CERT, ENVFLEET_TLS_KEY (ENVFLEET_TLS_CLIENT_CA for mTLS), and for
+#                         the health probe ENVFLEET_HEALTH_TLS_CA unless the certificate is self-signed
+#                         (ENVFLEET_HEALTH_TLS_CERT/KEY under mTLS)
 # Any other ENVFLEET_* variable set here is passed on (every `envfleet serve` flag has one: --max-in-flight is
 # ENVFLEET_MAX_IN_FLIGHT).
 #
@@ -61,10 +65,16 @@ if [ -n "${ENVFLEET_CONFIG:-}" ]; then
     set -- --volume "$ENVFLEET_CONFIG:$conf:ro" "$@"
     export ENVFLEET_CONFIG="$conf"
 fi
+if [ -n "${ENVFLEET_TLS_DIR:-}" ]; then
+    set -- --volume "$ENVFLEET_TLS_DIR:/etc/envfleet/tls:ro" "$@"
+fi
 # every ENVFLEET_* setting of this script's environment (by name only: docker reads the values from here)
 for var in $(env | sed -n 's/^\(ENVFLEET_[A-Z0-9_]*\)=.*/\1/p'); do
     # this script's own settings; a client's token and a host cache path mean nothing inside
-    case $var in ENVFLEET_NAME | ENVFLEET_DATA_VOLUME | ENVFLEET_NETWORK | ENVFLEET_TOKEN | ENVFLEET_CACHE) continue ;; esac
+    case $var in
+        ENVFLEET_NAME | ENVFLEET_DATA_VOLUME | ENVFLEET_NETWORK | ENVFLEET_TLS_DIR | ENVFLEET_TOKEN | ENVFLEET_CACHE)
+            continue ;;
+    esac
     set -- --env "$var" "$@"
 done
 exec docker run "$@"
