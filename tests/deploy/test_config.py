@@ -98,7 +98,7 @@ def test_command_line_wins_over_environment_over_file_over_default(tmp_path: Pat
     ("environ", "error"),
     [
         ({"ENVFLEET_PORT": "fifty"}, "$ENVFLEET_PORT='fifty': invalid int value"),
-        ({"ENVFLEET_BACKEND": "podman"}, "$ENVFLEET_BACKEND='podman': invalid choice (choose from docker)"),
+        ({"ENVFLEET_BACKEND": "podman"}, "$ENVFLEET_BACKEND='podman': invalid choice (choose from docker"),
         ({"ENVFLEET_INSECURE": "maybe"}, "$ENVFLEET_INSECURE='maybe': expected one of"),
         ({"ENVFLEET_LOG_FORMAT": "xml"}, "$ENVFLEET_LOG_FORMAT='xml': invalid choice"),
     ],
