@@ -59,6 +59,6 @@ lint: venv buf
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy envd orchestrator environments bench tests
 
-# The orchestrator's own image, built offline on top of the base image.
+# The orchestrator's own image, built offline on top of the base image; EXTRA_WHEELS=DIR adds plug-in wheels.
 image: venv docker base-image
-	@$(PY) -m orchestrator.cli image build-orchestrator
+	@$(PY) -m orchestrator.cli image build-orchestrator $(if $(EXTRA_WHEELS),--extra-wheels $(EXTRA_WHEELS))

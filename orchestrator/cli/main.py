@@ -16,8 +16,10 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.cli.config import add_config_argument, add_version_argument, parse_args
 from orchestrator.cli.envs import add_envs_commands
 from orchestrator.cli.errors import CommandLineError
+from orchestrator.cli.log_format import add_log_format_argument, configure_logging
 from orchestrator.cli.remote import (
     DEFAULT_METRICS_PORT,
     add_client_arguments,
@@ -48,7 +50,7 @@ def _cmd_image_build_base(args: argparse.Namespace) -> int:
 def _cmd_image_build_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.images.orchestrator_image import ensure_orchestrator_image
 
-    print(ensure_orchestrator_image(docker.from_env()))
+    print(ensure_orchestrator_image(docker.from_env(), extra_wheels=args.extra_wheels))
     return 0
 
 
@@ -98,6 +100,8 @@ def _backend_config(args: argparse.Namespace) -> object:
             raise ConfigError(f"backend config {args.backend_config}: expected a mapping of settings")
         raw = loaded
     settings = {"owner": args.owner, **raw}
+    if args.socket_root:
+        settings["socket_root"] = args.socket_root
     if settings.setdefault("type", args.backend) != args.backend:
         raise ConfigError(f"backend config says type {settings['type']!r} but --backend is {args.backend!r}")
     return parse_backend_config(settings)
@@ -250,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
     p.add_argument("-v", "--verbose", action="count", default=0)
+    add_version_argument(p)
+    add_log_format_argument(p)
     sub = p.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the orchestrator's gRPC server")
@@ -274,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--backend-config", help="a YAML or JSON file of the backend's settings")
     serve.add_argument(
+        "--socket-root", type=Path, default=None, help="envd's socket folders (in a container: the host's same path)"
+    )
+    serve.add_argument(
         "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus endpoint port; -1: off"
     )
     serve.add_argument(
@@ -282,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the metrics endpoint listens; it has no authentication, so loopback by default",
     )
     add_serve_security_arguments(serve)
+    add_config_argument(serve)
     serve.set_defaults(fn=_cmd_serve)
 
     add_envs_commands(sub, console)
@@ -333,9 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     image = sub.add_parser("image", help="build images offline").add_subparsers(dest="image_command", required=True)
     image.add_parser("build-base", help="build (or reuse) the envd base image").set_defaults(fn=_cmd_image_build_base)
-    image.add_parser("build-orchestrator", help="build the orchestrator's own image").set_defaults(
-        fn=_cmd_image_build_orchestrator
+    orchestrator_image = image.add_parser("build-orchestrator", help="build the orchestrator's own image")
+    orchestrator_image.add_argument(
+        "--extra-wheels", type=Path, default=None, help="a folder of plug-in wheels (*.whl) to install next to envfleet"
     )
+    orchestrator_image.set_defaults(fn=_cmd_image_build_orchestrator)
 
     sweep = sub.add_parser("sweep", help="remove sandboxes of dead owners and expired leases")
     sweep.add_argument("--older-than", type=float, default=None, help="also remove any sandbox older than N seconds")
@@ -347,9 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `envfleet` console script."""
-    args = build_parser().parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(build_parser(), argv)  # options also from ENVFLEET_* and --config (cli/config.py)
+    configure_logging(args.verbose, args.log_format)
     try:
         code = args.fn(args)
     except KeyboardInterrupt:

@@ -33,11 +33,15 @@ _MACHINES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64
 
 
 def envd_requirements(
-    machine: str | None = None, python_version: str = IMAGE_PYTHON, roots: Sequence[str] = ENVD_DISTRIBUTIONS
+    machine: str | None = None,
+    python_version: str = IMAGE_PYTHON,
+    roots: Sequence[str] = ENVD_DISTRIBUTIONS,
+    skip_roots: Sequence[str] | None = None,
 ) -> list[str]:
     """The runtime dependencies of `roots` (default: envd's) and theirs, pinned to the host's installed versions.
 
-    The roots themselves are left out when they are not plain dependencies (the envfleet distribution, say).
+    The roots themselves are left out when they are not plain dependencies (the envfleet distribution, say), or
+    as `skip_roots` names.
 
     Pinning to the host keeps the committed protobuf code and the image's runtime in step; the closure is taken
     over the host's metadata, with markers evaluated for the image's Python and architecture (extras left out).
@@ -72,7 +76,8 @@ def envd_requirements(
             req = Requirement(text)
             if req.marker is None or req.marker.evaluate(env):
                 todo.append(req.name)
-    skip = {canonicalize_name(r) for r in roots if r not in ENVD_DISTRIBUTIONS}
+    leave_out = [r for r in roots if r not in ENVD_DISTRIBUTIONS] if skip_roots is None else skip_roots
+    skip = {canonicalize_name(r) for r in leave_out}
     return [f"{name}=={version}" for name, version in sorted(pins.items()) if name not in skip]
 
 
@@ -96,9 +101,7 @@ def fetch_site(requirements: list[str], dest: Path, cache_dir: Path, *, python_v
     `dest` is replaced as a whole, and left alone when it already holds exactly these wheels.
     """
     platforms = wheel_platforms()
-    key = sha256_hex(
-        json.dumps({"requirements": sorted(requirements), "python": python_version, "platforms": platforms}).encode()
-    )[:16]
+    key = _wheels_key(requirements, python_version, platforms)
     wheel_dir = _download(requirements, key, platforms, python_version, cache_dir)
     marker = dest.parent / f".{dest.name}.key"
     if dest.is_dir() and marker.is_file() and marker.read_text() == key:
@@ -110,7 +113,7 @@ def fetch_site(requirements: list[str], dest: Path, cache_dir: Path, *, python_v
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
         try:
             for wheel in sorted(wheel_dir.glob("*.whl")):
-                _unpack_wheel(wheel, staging)
+                unpack_wheel(wheel, staging)
             marker.unlink(missing_ok=True)
             if dest.exists():
                 shutil.rmtree(dest)
@@ -121,6 +124,20 @@ def fetch_site(requirements: list[str], dest: Path, cache_dir: Path, *, python_v
         marker.write_text(key)
     log.info("unpacked %d wheels into %s", len(list(wheel_dir.glob("*.whl"))), dest)
     return dest
+
+
+def download_wheels(requirements: list[str], cache_dir: Path, *, python_version: str = IMAGE_PYTHON) -> Path:
+    """The folder holding the wheels of `requirements` (downloaded once, cached by their hash under `cache_dir`), as
+    `fetch_site` finds it: `wheels/<key>` with its `.complete` list."""
+    platforms = wheel_platforms()
+    key = _wheels_key(requirements, python_version, platforms)
+    return _download(requirements, key, platforms, python_version, cache_dir)
+
+
+def _wheels_key(requirements: list[str], python_version: str, platforms: list[str]) -> str:
+    return sha256_hex(
+        json.dumps({"requirements": sorted(requirements), "python": python_version, "platforms": platforms}).encode()
+    )[:16]
 
 
 def _download(requirements: list[str], key: str, platforms: list[str], python_version: str, cache_dir: Path) -> Path:
@@ -180,8 +197,9 @@ def _download(requirements: list[str], key: str, platforms: list[str], python_ve
     return wheel_dir
 
 
-def _unpack_wheel(wheel: Path, dest: Path) -> None:
-    """Install a wheel by unpacking it; `*.data/{purelib,platlib}` go to the top, other `.data` is dropped."""
+def unpack_wheel(wheel: Path, dest: Path) -> None:
+    """Install a wheel by unpacking it, `.dist-info` included; `*.data/{purelib,platlib}` go to the top, other `.data`
+    is dropped."""
     with zipfile.ZipFile(wheel) as zf:
         for info in zf.infolist():
             if info.is_dir():

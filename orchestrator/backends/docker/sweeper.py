@@ -39,6 +39,16 @@ CONTROL_LABELS = frozenset(
 )
 
 
+def process_host() -> str:
+    """Where this process's pids mean something: the host name and the pid namespace. An orchestrator in a container
+    (`--network host` gives it the host's name) and one on the host then never judge each other's owners gone."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid").removeprefix("pid:")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}{namespace}"
+
+
 def _proc_start_time(pid: int) -> str:
     """The kernel's start time of a process (clock ticks since boot), which tells a reused pid apart."""
     try:
@@ -68,7 +78,7 @@ class Owner:
     def current(cls, name: str) -> Owner:
         """This process."""
         pid = os.getpid()
-        return cls(name, uuid.uuid4().hex, pid, _proc_start_time(pid), socket.gethostname())
+        return cls(name, uuid.uuid4().hex, pid, _proc_start_time(pid), process_host())
 
 
 def labels_for(owner: Owner, spec: SandboxSpec, seal: str) -> dict[str, str]:

@@ -1,0 +1,167 @@
+"""Command-line options from the environment or a config file: every option of the top-level parser and of the
+commands named in `CONFIGURABLE_COMMANDS` (`serve`) also reads `ENVFLEET_<DEST>` and the key `<dest>` of
+`--config FILE` (YAML or TOML; `$ENVFLEET_CONFIG` names one too).
+
+A repeatable option takes a list in the file and comma-separated values in its variable. Precedence: command line >
+environment > file > the flag's default. The mechanism walks the parser's actions, so a
+flag added later gets its variable and its key without a line here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "ENVFLEET_"
+CONFIG_ENV = "ENVFLEET_CONFIG"
+CONFIG_FLAG = "--config"
+CONFIGURABLE_COMMANDS = ("serve",)
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NOT_SETTABLE = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
+
+
+def envfleet_version() -> str:
+    """The installed distribution's version (what `envfleet --version` prints)."""
+    try:
+        return version("envfleet")
+    except PackageNotFoundError:
+        return "unknown (not installed as a distribution)"
+
+
+def add_version_argument(p: argparse.ArgumentParser) -> None:
+    """`--version`, from the distribution's metadata."""
+    p.add_argument("--version", action="version", version=f"%(prog)s {envfleet_version()}")
+
+
+def add_config_argument(p: argparse.ArgumentParser) -> None:
+    """`--config FILE` on a configurable command."""
+    p.add_argument(
+        CONFIG_FLAG,
+        metavar="FILE",
+        default=None,
+        help=f"YAML or TOML file of this command's options (keys as the flags' names; default ${CONFIG_ENV}); "
+        f"each option also reads {ENV_PREFIX}<NAME>; the command line wins over the environment over the file",
+    )
+
+
+def settable_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options of `p` that a variable or a file key may set (not --help, --version, --config, subcommands)."""
+    return [
+        a
+        for a in p._actions
+        if a.option_strings and not isinstance(a, _NOT_SETTABLE) and a.dest != CONFIG_FLAG.lstrip("-")
+    ]
+
+
+def env_name(action: argparse.Action) -> str:
+    """The environment variable of an option: `--data-dir` is ENVFLEET_DATA_DIR."""
+    return ENV_PREFIX + action.dest.upper()
+
+
+def subcommand_parsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of `p`'s subcommands, by name."""
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return dict(a.choices)
+    return {}
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Namespace:
+    """`parser.parse_args(argv)` with the defaults of the top-level and configurable commands' options taken from
+    the config file, then the environment. A bad value or an unknown file key is a usage error (exit 2)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    env = os.environ if environ is None else environ
+    commands = subcommand_parsers(parser)
+    targets = [parser, *(commands[c] for c in CONFIGURABLE_COMMANDS if c in commands)]
+    config_path = _config_path(args, env)
+    file_values = _read_config(config_path, targets) if config_path else {}
+    for target in targets:
+        defaults: dict[str, Any] = {}
+        for action in settable_actions(target):
+            if action.dest in file_values:
+                defaults[action.dest] = _convert(target, action, file_values[action.dest], f"{config_path}")
+            raw = env.get(env_name(action))
+            if raw is not None and raw != "":
+                defaults[action.dest] = _convert(target, action, raw, f"${env_name(action)}")
+        target.set_defaults(**defaults)
+    return parser.parse_args(args)
+
+
+def _config_path(argv: list[str], env: Mapping[str, str]) -> Path | None:
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        if token == CONFIG_FLAG and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if token.startswith(CONFIG_FLAG + "="):
+            return Path(token.split("=", 1)[1])
+    return Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else None
+
+
+def _read_config(path: Path, targets: list[argparse.ArgumentParser]) -> dict[str, Any]:
+    where = targets[-1]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        where.error(f"cannot read the config file {path}: {e.strerror or e}")
+    try:
+        loaded = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        where.error(f"config file {path} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {e}")
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        where.error(f"config file {path} must be a mapping of option names to values")
+    known = {a.dest for t in targets for a in settable_actions(t)}
+    values: dict[str, Any] = {}
+    for key, value in loaded.items():
+        dest = str(key).replace("-", "_")
+        if dest not in known:
+            where.error(f"config file {path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        values[dest] = value
+    return values
+
+
+def _convert(p: argparse.ArgumentParser, action: argparse.Action, value: Any, source: str) -> Any:
+    """A file's or a variable's value as the parser would have made it from the command line."""
+    if isinstance(action, argparse._CountAction):
+        return _typed(p, int, value, source)
+    if action.nargs == 0:  # a switch: the value is the option's own (true or false), whichever flag sets it
+        flag = value if isinstance(value, bool) else str(value).strip().lower()
+        if flag not in _TRUE | _FALSE | {True, False}:
+            p.error(f"{source}={value!r}: expected one of {', '.join(sorted(_TRUE | _FALSE))}")
+        on = flag is True or flag in _TRUE
+        if isinstance(action, argparse._StoreConstAction) and not isinstance(action.const, bool):
+            return action.const if on else action.default
+        return on
+    if action.nargs in ("*", "+") or isinstance(action, argparse._AppendAction):
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+        return [_one(p, action, v, source) for v in items]
+    return _one(p, action, value, source)
+
+
+def _one(p: argparse.ArgumentParser, action: argparse.Action, value: Any, source: str) -> Any:
+    converted = _typed(p, action.type, value, source) if callable(action.type) else str(value)
+    if action.choices is not None and converted not in action.choices:
+        p.error(f"{source}={value!r}: invalid choice (choose from {', '.join(map(str, action.choices))})")
+    return converted
+
+
+def _typed(p: argparse.ArgumentParser, kind: Any, value: Any, source: str) -> Any:
+    try:
+        return kind(str(value))
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        p.error(f"{source}={value!r}: invalid {getattr(kind, '__name__', 'value')} value ({e})")

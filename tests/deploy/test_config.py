@@ -1,0 +1,157 @@
+"""`envfleet serve` configured by ENVFLEET_* variables and a YAML or TOML file, generically over the parser; and the
+JSON log lines of --log-format json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.cli.config import env_name, parse_args, settable_actions, subcommand_parsers
+from orchestrator.cli.healthcheck import default_address
+from orchestrator.cli.log_format import JsonFormatter, configure_logging
+from orchestrator.cli.main import build_parser
+
+
+def _serve() -> argparse.ArgumentParser:
+    return subcommand_parsers(build_parser())["serve"]
+
+
+def _sample(action: argparse.Action) -> tuple[Any, Any]:
+    """A value for the option other than its default where it has one: (as written in a variable, as parsed)."""
+    if isinstance(action, argparse._CountAction):
+        return "2", 2
+    if action.nargs == 0:
+        want = not bool(action.default)
+        return ("yes" if want else "off"), want
+    _, item = _sample_item(action, None)
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+"):
+        return f"{item},{item}", [item, item]  # a list: comma-separated in a variable
+    return _sample_item(action, action.default)
+
+
+def _sample_item(action: argparse.Action, default: Any) -> tuple[Any, Any]:
+    if action.choices:
+        choice = next((c for c in action.choices if c != default), next(iter(action.choices)))
+        return str(choice), choice
+    if action.type is int:
+        return "7", 7
+    if action.type is float:
+        return "2.5", 2.5
+    if action.type is Path:
+        return "/srv/envfleet/x", Path("/srv/envfleet/x")
+    if action.type is None:
+        return "some-value", "some-value"
+    raise AssertionError(f"no sample value for --{action.dest} of type {action.type}: add one here")
+
+
+def _options() -> list[argparse.Action]:
+    return [*settable_actions(build_parser()), *settable_actions(_serve())]
+
+
+def test_every_serve_flag_has_a_variable() -> None:
+    actions = settable_actions(_serve())
+    flags = {a.option_strings[0] for a in actions}
+    assert {"--port", "--data-dir", "--socket-root", "--token-file", "--reflection"} <= flags  # the walk finds them
+    for action in _options():
+        raw, parsed = _sample(action)
+        args = parse_args(build_parser(), ["serve"], environ={env_name(action): raw})
+        assert getattr(args, action.dest) == parsed, (env_name(action), raw)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".toml"])
+def test_every_serve_flag_has_a_config_key(tmp_path: Path, suffix: str) -> None:
+    values = {a.dest: _sample(a) for a in _options()}
+    path = tmp_path / f"envfleet{suffix}"
+    if suffix == ".toml":
+        # flag spelling for the keys, native TOML values (a string where the sample is a path)
+        path.write_text(
+            "\n".join(
+                f"{d.replace('_', '-')} = {json.dumps(str(p) if isinstance(p, Path) else p)}"
+                for d, (_, p) in values.items()
+            )
+        )
+    else:
+        path.write_text("\n".join(f"{d}: {json.dumps(raw)}" for d, (raw, _) in values.items()))
+    args = parse_args(build_parser(), ["serve", "--config", str(path)], environ={})
+    for dest, (_, parsed) in values.items():
+        assert getattr(args, dest) == parsed, dest
+
+
+def test_command_line_wins_over_environment_over_file_over_default(tmp_path: Path) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("port: 1001\nmax-in-flight: 5\n")
+    env = {"ENVFLEET_PORT": "1002", "ENVFLEET_CONFIG": str(conf)}
+    assert parse_args(build_parser(), ["serve", "--port", "1003"], environ=env).port == 1003
+    assert parse_args(build_parser(), ["serve"], environ=env).port == 1002
+    assert parse_args(build_parser(), ["serve"], environ={"ENVFLEET_CONFIG": str(conf)}).port == 1001
+    assert parse_args(build_parser(), ["serve"], environ={}).port == 50051
+    # the file's other key holds, and --config on the command line names the file as well as the variable does
+    assert parse_args(build_parser(), ["serve", f"--config={conf}"], environ={}).max_in_flight == 5
+
+
+@pytest.mark.parametrize(
+    ("environ", "error"),
+    [
+        ({"ENVFLEET_PORT": "fifty"}, "$ENVFLEET_PORT='fifty': invalid int value"),
+        ({"ENVFLEET_BACKEND": "podman"}, "$ENVFLEET_BACKEND='podman': invalid choice (choose from docker"),
+        ({"ENVFLEET_INSECURE": "maybe"}, "$ENVFLEET_INSECURE='maybe': expected one of"),
+        ({"ENVFLEET_LOG_FORMAT": "xml"}, "$ENVFLEET_LOG_FORMAT='xml': invalid choice"),
+    ],
+)
+def test_a_bad_variable_is_a_usage_error(
+    environ: dict[str, str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(build_parser(), ["serve"], environ=environ)
+    assert e.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_a_bad_config_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("prot: 50051\n")
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), ["serve", "--config", str(conf)], environ={})
+    assert f"config file {conf}: unknown key 'prot' (known: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), ["serve", "--config", str(tmp_path / "missing.toml")], environ={})
+    assert "cannot read the config file" in capsys.readouterr().err
+    conf.write_text("- a list\n")
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), ["serve"], environ={"ENVFLEET_CONFIG": str(conf)})
+    assert "must be a mapping of option names to values" in capsys.readouterr().err
+
+
+def test_other_commands_ignore_the_variables() -> None:
+    args = parse_args(build_parser(), ["scripted-policy", "--env", "python-tool"], environ={"ENVFLEET_PORT": "9"})
+    assert args.port == 0
+
+
+def test_json_log_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(1, "json")
+    try:
+        log = logging.getLogger("envfleet.test")
+        log.info("job %s done", "j1", extra={"job_id": "j1"})
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("failed")
+    finally:
+        configure_logging(0, "text")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert lines[0]["message"] == "job j1 done" and lines[0]["job_id"] == "j1"
+    assert lines[0]["level"] == "INFO" and lines[0]["logger"] == "envfleet.test"
+    assert lines[0]["time"].endswith("+00:00")
+    assert lines[1]["level"] == "ERROR" and "ValueError: boom" in lines[1]["exception"]
+    assert JsonFormatter().format(logging.makeLogRecord({"msg": "a\nb"})).count("\n") == 0
+
+
+def test_probe_address_follows_the_server_variables() -> None:
+    assert default_address({}) == "127.0.0.1:50051"
+    assert default_address({"ENVFLEET_HOST": "0.0.0.0", "ENVFLEET_PORT": "6000"}) == "127.0.0.1:6000"
+    assert default_address({"ENVFLEET_HOST": "::1"}) == "[::1]:50051"
