@@ -179,19 +179,24 @@ async def control_plane(total: int = 8000, workers: int = 8) -> dict[str, Any]:
 
 
 async def fleet_sim(concurrent: int = 10_000, total: int = 50_000, workers: int = 2) -> dict[str, Any]:
-    """`concurrent` fake sandboxes held at once by worker processes, `total` rollouts through the real control plane."""
+    """`concurrent` fake sandboxes held at once by worker processes, `total` rollouts through the real control plane
+    (in as many jobs as a job's concurrency cap of 4096 needs, so fair share between jobs is in play too)."""
     ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
-    n = -(-total // len(ids))
-    expected = {f"{i}:{k}" for i in ids for k in range(n)}
+    jobs = -(-concurrent // 4096)
+    n = -(-total // (jobs * len(ids)))
     with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
         # each command takes 1 s, so a rollout holds its sandbox about 1 s and the fleet runs at `concurrent`
         orch = await _plane(Path(data), workers, in_flight=concurrent, exec_latency_s=1.0)
         assert orch.workers is not None
         hub = orch.workers.hub
         peak = 0
+        seen: Counter[str] = Counter()
+        statuses: Counter[str] = Counter()
+        expected: set[str] = set()
         try:
             async with EnvfleetClient(orch.address, timeout_s=3600) as client:
-                job_id = await client.submit(_job(ids, n=n, concurrency=concurrent))
+                job_ids = [await client.submit(_job(ids, n=n, concurrency=-(-concurrent // jobs))) for _ in range(jobs)]
+                expected = {f"{j}:{i}:{k}" for j in job_ids for i in ids for k in range(n)}
 
                 async def watch() -> None:
                     nonlocal peak
@@ -199,13 +204,14 @@ async def fleet_sim(concurrent: int = 10_000, total: int = 50_000, workers: int 
                         peak = max(peak, sum(w.running for w in hub.workers()))
                         await asyncio.sleep(0.5)
 
+                async def consume(job_id: str) -> None:
+                    async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024):
+                        seen[r.id] += 1
+                        statuses[r.status.value] += 1
+
                 watcher = asyncio.create_task(watch())
                 t0 = time.perf_counter()
-                seen: Counter[str] = Counter()
-                statuses: Counter[str] = Counter()
-                async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024):
-                    seen[r.id.split(":", 1)[1]] += 1
-                    statuses[r.status.value] += 1
+                await asyncio.gather(*(consume(j) for j in job_ids))
                 elapsed = time.perf_counter() - t0
                 watcher.cancel()
         finally:
@@ -213,6 +219,7 @@ async def fleet_sim(concurrent: int = 10_000, total: int = 50_000, workers: int 
     delays = sorted(hub.dispatch_delays)
     return {
         "rollouts": sum(seen.values()),
+        "jobs": jobs,
         "lost": len(expected - set(seen)),
         "unexpected_ids": len(set(seen) - expected),
         # at-least-once: an id may come twice (dropped by id); after that, every rollout is there exactly once

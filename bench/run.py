@@ -20,6 +20,7 @@ from typing import Any
 
 import docker
 
+from bench.fleet_bench import run_all as fleet_run_all
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
 from bench.swe_bench import swe_eval_throughput
@@ -160,6 +161,7 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
     results["orchestrator_overhead_recycled"] = await orchestrator_overhead_recycled(image)
     results["group_snapshot"] = await group_snapshot(8)
     results["swe_eval_throughput"] = await swe_eval_throughput()
+    results["fleet"] = await fleet_run_all()
     results["meta"] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
