@@ -7,8 +7,8 @@
 - `control_plane`: with the fake backend and the replay policy on 8 worker processes, the rollouts/s one control
   plane delivers and its own CPU per rollout (read from /proc), so its capacity per core follows.
 - `fleet_sim`: the fake backend in worker processes holding 10,000 concurrent sandboxes and running 50,000 rollouts
-  through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the
-  control plane starting a rollout to a worker starting it).
+  through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the round
+  trip from the control plane sending a rollout to a worker to taking its result, less the rollout's own run time).
 """
 
 from __future__ import annotations

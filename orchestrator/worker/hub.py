@@ -79,7 +79,8 @@ class WorkerHub:
         self._ids = itertools.count(1)
         self._closed = False
         self.lost = 0  # workers lost so far
-        # from the control plane starting a rollout to its worker starting it (the recent ones)
+        # what placing a rollout on a worker costs it: the round trip from sending the assignment to taking the result,
+        # less the rollout's own run time (the wire both ways and the waits in both processes; the recent ones)
         self.dispatch_delays: collections.deque[float] = collections.deque(maxlen=DISPATCH_SAMPLES)
 
     @property
@@ -152,7 +153,8 @@ class WorkerHub:
 
     async def _run_on(self, worker: _Worker, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
         assignment_id = f"a{next(self._ids)}"
-        queued_s = time.monotonic() - item.enqueued_at
+        sent = time.monotonic()
+        queued_s = sent - item.enqueued_at
         future: asyncio.Future[Rollout] = asyncio.get_running_loop().create_future()
         worker.running[assignment_id] = future
         worker.outbox.put_nowait(
@@ -184,8 +186,7 @@ class WorkerHub:
         finally:
             worker.running.pop(assignment_id, None)
         worker.served += 1
-        # the worker's queue time is ours plus the way to it (the runner counts from the item's enqueue)
-        self.dispatch_delays.append(max(0.0, rollout.timing.queue - queued_s))
+        self.dispatch_delays.append(max(0.0, time.monotonic() - sent - rollout.timing.total))
         self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
         return rollout
 
