@@ -1,6 +1,9 @@
 """The durable result log: jobs and scored rollouts in SQLite (WAL), with acks, resume and idempotent appends.
 
-Every call runs on one dedicated thread that owns the connection, so the event loop never blocks on disk.
+Every call runs on one dedicated thread that owns the connection, so the event loop never blocks on disk. Calls that
+arrive together are run together, in one transaction with a savepoint each: a burst of 200 submits or of finishing
+rollouts costs one commit and one thread hop, not 200 (measured: 200 concurrent SubmitJob calls waited ~100 ms for
+their inserts one by one). Each call stays atomic, and fails alone.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from orchestrator.core.models import JobSpec, JobState, Rollout
 
 T = TypeVar("T")
 
+MAX_BATCH = 512  # calls per transaction
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY,
@@ -78,12 +82,14 @@ class ResultStore:
         self.path = path
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store")
         self._db: sqlite3.Connection | None = None
+        self._queue: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._drainer: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, path: Path) -> ResultStore:
         """Open (creating if needed) the log at `path`."""
         store = cls(path)
-        await store._run(store._connect)
+        await asyncio.get_running_loop().run_in_executor(store._pool, store._connect)
         return store
 
     def _connect(self) -> None:
@@ -97,7 +103,48 @@ class ResultStore:
         self._db = db
 
     async def _run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        """Run `fn` on the store's thread, in the next transaction."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.append((fn, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = loop.create_task(self._drain(), name="result store")
+        return await future
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+            try:
+                results = await loop.run_in_executor(self._pool, self._transaction, [fn for fn, _ in batch])
+            except BaseException as e:  # the transaction itself failed (disk full, the store closed)
+                results = [(False, e)] * len(batch)
+            for (_, future), (ok, value) in zip(batch, results, strict=True):
+                if future.done():
+                    continue  # its caller was cancelled; the call ran all the same, as a thread's would
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+
+    def _transaction(self, calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        results: list[tuple[bool, Any]] = []
+        try:
+            for fn in calls:
+                db.execute("SAVEPOINT call")
+                try:
+                    results.append((True, fn()))
+                except Exception as e:
+                    db.execute("ROLLBACK TO call")
+                    results.append((False, e))
+                db.execute("RELEASE call")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return results
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -106,8 +153,10 @@ class ResultStore:
 
     async def close(self) -> None:
         """Close the connection."""
+        if self._drainer is not None:
+            await asyncio.gather(self._drainer, return_exceptions=True)
         if self._db is not None:
-            await self._run(self.db.close)
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.db.close)
             self._db = None
         self._pool.shutdown(wait=True)
 
@@ -181,32 +230,24 @@ class ResultStore:
 
         def q() -> int:
             db = self.db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                sql = "SELECT group_id FROM rollouts WHERE job_id = ? AND visible = 0"
-                args: tuple[object, ...] = (job_id,)
-                if group_id is not None:
-                    sql += " AND group_id = ?"
-                    args += (group_id,)
-                groups = [
-                    g for (g,) in db.execute(sql + " GROUP BY group_id HAVING COUNT(*) >= ?", (*args, group_size))
-                ]
-                for g in groups:
-                    rows = db.execute(
-                        "SELECT rollout_id, status, payload FROM rollouts WHERE job_id = ? AND group_id = ? "
-                        "ORDER BY seq",
-                        (job_id, g),
-                    ).fetchall()
-                    db.execute("DELETE FROM rollouts WHERE job_id = ? AND group_id = ?", (job_id, g))
-                    db.executemany(
-                        "INSERT INTO rollouts (job_id, rollout_id, group_id, status, payload, visible) "
-                        "VALUES (?, ?, ?, ?, ?, 1)",
-                        [(job_id, rid, g, status, payload) for rid, status, payload in rows],
-                    )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+            # atomic: each call runs in a savepoint of the store's transaction
+            sql = "SELECT group_id FROM rollouts WHERE job_id = ? AND visible = 0"
+            args: tuple[object, ...] = (job_id,)
+            if group_id is not None:
+                sql += " AND group_id = ?"
+                args += (group_id,)
+            groups = [g for (g,) in db.execute(sql + " GROUP BY group_id HAVING COUNT(*) >= ?", (*args, group_size))]
+            for g in groups:
+                rows = db.execute(
+                    "SELECT rollout_id, status, payload FROM rollouts WHERE job_id = ? AND group_id = ? ORDER BY seq",
+                    (job_id, g),
+                ).fetchall()
+                db.execute("DELETE FROM rollouts WHERE job_id = ? AND group_id = ?", (job_id, g))
+                db.executemany(
+                    "INSERT INTO rollouts (job_id, rollout_id, group_id, status, payload, visible) "
+                    "VALUES (?, ?, ?, ?, ?, 1)",
+                    [(job_id, rid, g, status, payload) for rid, status, payload in rows],
+                )
             return len(groups)
 
         return await self._run(q)
@@ -236,34 +277,29 @@ class ResultStore:
 
         def q() -> list[int]:
             db = self.db
-            db.execute("BEGIN")
-            try:
-                seqs = [
+            # atomic: each call runs in a savepoint of the store's transaction
+            seqs = [
+                r[0]
+                for r in db.execute(
+                    "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq <= ?",
+                    (job_id, up_to),
+                )
+            ]
+            for i in range(0, len(id_list), 500):
+                chunk = id_list[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                seqs += [
                     r[0]
                     for r in db.execute(
-                        "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq <= ?",
-                        (job_id, up_to),
+                        f"SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 "
+                        f"AND rollout_id IN ({marks})",
+                        (job_id, *chunk),
                     )
                 ]
-                for i in range(0, len(id_list), 500):
-                    chunk = id_list[i : i + 500]
-                    marks = ",".join("?" * len(chunk))
-                    seqs += [
-                        r[0]
-                        for r in db.execute(
-                            f"SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 "
-                            f"AND rollout_id IN ({marks})",
-                            (job_id, *chunk),
-                        )
-                    ]
-                seqs = sorted(set(seqs))
-                for i in range(0, len(seqs), 500):
-                    chunk = seqs[i : i + 500]
-                    db.execute(f"UPDATE rollouts SET acked = 1 WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+            seqs = sorted(set(seqs))
+            for i in range(0, len(seqs), 500):
+                chunk = seqs[i : i + 500]
+                db.execute(f"UPDATE rollouts SET acked = 1 WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
             return seqs
 
         return await self._run(q)
