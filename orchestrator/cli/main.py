@@ -26,6 +26,7 @@ from orchestrator.cli.remote import (
     orchestrator_client,
     rpc_error_message,
 )
+from orchestrator.cli.view import add_ui_arguments, add_view_command, ui_settings
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.models import JobStatus
 
@@ -125,6 +126,7 @@ def _server_config(args: argparse.Namespace) -> object:
         if args.ray_address
         else None,
         metrics_host=args.metrics_host,
+        **ui_settings(args),
     )
 
 
@@ -146,6 +148,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"listening {orch.address}", flush=True)
         if orch.metrics_port is not None:
             print(f"metrics http://{config.metrics_host}:{orch.metrics_port}/metrics", flush=True)
+        if orch.ui is not None:
+            print(f"ui {orch.ui.url}/", flush=True)
         try:
             await stop.wait()
         finally:
@@ -282,9 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the metrics endpoint listens; it has no authentication, so loopback by default",
     )
     add_serve_security_arguments(serve)
+    add_ui_arguments(serve)
     serve.set_defaults(fn=_cmd_serve)
 
     add_envs_commands(sub, console)
+    add_view_command(sub)
 
     rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
     rollout.add_argument("--env", required=True)
