@@ -30,7 +30,10 @@ def long_rollout(turns: int = 100, job_id: str = "job-long", tool_output: str = 
     for i in range(turns // 2):
         call = ToolCallRecord(id=f"call_{i}", name="python", arguments=f'{{"code": "print({i} * 2)"}}')
         history.append(Turn(role="assistant", text=f"Step {i}: compute it.", tool_calls=[call]))
-        reply = toy_tokenizer.completion_ids({"role": "assistant", "content": f"Step {i}: compute it."})
+        wire_call = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        reply = toy_tokenizer.completion_ids(
+            {"role": "assistant", "content": f"Step {i}: compute it.", "tool_calls": [wire_call]}
+        )
         ids += reply
         mask += [1] * len(reply)
         logprobs += [toy_tokenizer.logprob(t, p) for p, t in enumerate(reply)]

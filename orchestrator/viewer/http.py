@@ -147,12 +147,10 @@ class _Handler(BaseHTTPRequestHandler):
         """Without tokens, only loopback Host names: a rebound DNS name must not read the local tenant's data."""
         if self.server_viewer.auth_enabled:
             return True
-        host = (
-            (self.headers.get("Host") or "").rsplit(":", 1)[0]
-            if "]" not in (self.headers.get("Host") or "")
-            else ((self.headers.get("Host") or "").rsplit("]", 1)[0] + "]")
-        )
-        return host in LOOPBACK_NAMES
+        host = self.headers.get("Host") or ""
+        # "name:port", "[::1]:port" or a bare name: drop the port, keep an IPv6 literal's brackets
+        name = host.rpartition("]")[0] + "]" if host.startswith("[") else host.partition(":")[0]
+        return name in LOOPBACK_NAMES
 
     def _authorization(self) -> str | None:
         header = self.headers.get("Authorization")
@@ -199,7 +197,8 @@ class _Handler(BaseHTTPRequestHandler):
         if urlsplit(self.path).path != "/login" or not self._host_ok():
             self._send(HTTPStatus.NOT_FOUND, page("Not found", "<p>Only the login form takes a POST.</p>"))
             return
-        length = int(self.headers.get("Content-Length") or 0)
+        raw_length = self.headers.get("Content-Length") or "0"
+        length = int(raw_length) if raw_length.isdigit() else 0
         if not 0 < length <= MAX_FORM_BYTES:
             self._send(HTTPStatus.BAD_REQUEST, _login_page("the form is empty or too large"))
             return

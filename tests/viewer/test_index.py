@@ -1,0 +1,64 @@
+"""The rollouts table's data: filters, orders (unscored last either way) and pages, at 100,000 rollouts; junk in
+the query string falls back to defaults."""
+
+from __future__ import annotations
+
+from orchestrator.testing.synthetic_rollouts import many_rollouts
+from orchestrator.viewer.index import MAX_PER_PAGE, Index, Query, Row
+
+N = 100_000
+
+
+def _index() -> Index:
+    index = Index()
+    index.add(Row.of(r.model_dump(mode="json"), seq=i + 1) for i, r in enumerate(many_rollouts(N)))
+    return index
+
+
+def test_filter_sort_and_page_100k_rollouts() -> None:
+    index = _index()
+    assert len(index.rows) == N and index.last_seq == N
+
+    first = index.query(Query())
+    assert [r.seq for r in first.rows] == list(range(1, 51)) and first.pages == N // 50
+
+    by_reward = index.query(Query(sort="reward", desc=True, per_page=MAX_PER_PAGE))
+    rewards = [r.reward for r in by_reward.rows]
+    assert rewards == sorted(rewards, reverse=True)  # type: ignore[type-var]
+    last_page = index.query(Query(sort="reward", desc=True, page=by_reward.pages, per_page=MAX_PER_PAGE))
+    assert last_page.rows and all(r.reward is None for r in last_page.rows), "unscored rollouts must sort last"
+    ascending = index.query(Query(sort="reward"))
+    assert ascending.rows[0].reward is not None and ascending.rows[0].reward <= ascending.rows[1].reward  # type: ignore[operator]
+
+    ok = index.query(Query(status="OK", env="code-tests@1", sort="duration", page=3))
+    assert ok.matched == sum(1 for r in index.rows.values() if r.status == "OK" and r.env == "code-tests@1")
+    assert all(r.status == "OK" and r.env == "code-tests@1" for r in ok.rows)
+    durations = [r.duration for r in ok.rows]
+    assert durations == sorted(durations) and len(durations) == 50
+
+    one_task = index.query(Query(task="task-12345"))
+    assert one_task.matched == 4 and {r.task_id for r in one_task.rows} == {"task-12345"}
+    group = index.query(Query(group="job-many:task-7"))
+    assert [r.sample_index for r in group.rows] == [0, 1, 2, 3]
+
+    summary = index.by_status()
+    assert sum(s.count for s in summary.values()) == N
+    assert summary["OK"].mean_reward is not None and summary["INFRA_ERROR"].mean_reward is None
+    _, width, counts = index.throughput(bins=40)
+    assert sum(counts) == N and len(counts) == 40 and width > 0
+
+
+def test_a_relogged_rollout_replaces_its_row() -> None:
+    index = Index()
+    [r] = list(many_rollouts(1))
+    index.add([Row.of(r.model_dump(mode="json"), seq=1)])
+    index.add([Row.of(r.model_dump(mode="json"), seq=9)])  # a group published late gets new seqs
+    assert [row.seq for row in index.query(Query()).rows] == [9]
+
+
+def test_junk_in_the_query_string_falls_back_to_defaults() -> None:
+    q = Query.from_params({"sort": "payload; DROP", "page": "-3", "per_page": "1e9", "desc": "yes"})
+    assert (q.sort, q.page, q.per_page, q.desc) == ("seq", 1, 50, False)
+    q = Query.from_params({"sort": "turns", "page": "2", "per_page": "100000", "desc": "1", "status": "OK"})
+    assert (q.sort, q.page, q.per_page, q.desc) == ("turns", 2, MAX_PER_PAGE, True)
+    assert q.params(page=None) == {"status": "OK", "sort": "turns", "desc": "1", "per_page": str(MAX_PER_PAGE)}
