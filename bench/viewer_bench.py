@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import tempfile
@@ -18,10 +19,12 @@ import time
 from pathlib import Path
 
 from orchestrator.cli.view import toy_decoder
+from orchestrator.service.store import SCHEMA
 from orchestrator.testing.synthetic_rollouts import long_rollout, many_rollouts
 from orchestrator.viewer import FileSource, ViewerServer, start_viewer
 from orchestrator.viewer.html import seg
 from orchestrator.viewer.index import Query
+from orchestrator.viewer.sources import read_rows
 
 
 def _timed(fn: object, repeat: int = 1) -> float:
@@ -56,7 +59,28 @@ def bench(n: int, work: Path) -> dict[str, float]:
         out[f"table_{n}_first_query_sort_{sort}_s"] = _timed(lambda s=sort: index.query(Query(sort=s, desc=True)))  # type: ignore[misc]
     out[f"table_{n}_later_page_s"] = _timed(lambda: index.query(Query(sort="duration", desc=True, page=900)), 20)
     out[f"job_page_{n}_render_s"] = _timed(lambda: viewer.render("/job/job-many", {"status": "OK"}, None), 5)
+    out[f"live_log_{n}_read_rows_s"] = _live_read(path, work)
     return out
+
+
+def _live_read(jsonl: Path, work: Path) -> float:
+    """Seconds to read the table rows of a job of n rollouts from a result log (a live viewer's first look)."""
+    db_path = work / "results.sqlite3"
+    db = sqlite3.connect(db_path)
+    db.executescript(SCHEMA)
+    with jsonl.open() as f:
+        lines = [(json.loads(line), line.strip()) for line in f]
+    db.executemany(
+        "INSERT INTO rollouts (job_id, rollout_id, group_id, status, payload) VALUES (?, ?, ?, ?, ?)",
+        [(d["job_id"], d["id"], d["group_id"], d["status"], line) for d, line in lines],
+    )
+    db.commit()
+    db.close()
+    reader = sqlite3.connect(f"{db_path.as_uri()}?mode=ro", uri=True)
+    try:
+        return _timed(lambda: read_rows(reader, "job-many", 0), 3)
+    finally:
+        reader.close()
 
 
 def screenshot(out: Path, work: Path) -> None:

@@ -60,7 +60,6 @@ class ViewerServer:
         self.tenant_of: TenantOf = tenant_of or (lambda header: None)
         self.auth_enabled = auth_enabled
         self.decoder_for = decoder_for
-        self.render_s = 0.0  # the last page's server-side render time (a benchmark reads it)
         viewer = self
 
         class Handler(_Handler):
@@ -121,6 +120,7 @@ class ViewerServer:
 class _Handler(BaseHTTPRequestHandler):
     server_viewer: ViewerServer
     protocol_version = "HTTP/1.1"
+    timeout = 30  # a client that stops sending does not hold its thread forever
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -179,7 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
             tenant = viewer.tenant_of(self._authorization())
             start = time.perf_counter()
             body = viewer.render(url.path, dict(parse_qsl(url.query)), tenant)
-            viewer.render_s = time.perf_counter() - start
+            render_ms = 1000 * (time.perf_counter() - start)
         except UnauthenticatedError as e:
             self._send(HTTPStatus.UNAUTHORIZED, _login_page(str(e)), {"WWW-Authenticate": "Bearer"})
         except NotFoundError as e:
@@ -189,8 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:
             log.exception("viewer: %s failed", url.path)
             self._send(HTTPStatus.INTERNAL_SERVER_ERROR, page("Error", "<p>The page failed; see the server log.</p>"))
-        else:
-            self._send(HTTPStatus.OK, body)
+        else:  # the render time shows in the browser's developer tools (Network, Timing)
+            self._send(HTTPStatus.OK, body, {"Server-Timing": f"render;dur={render_ms:.1f}"})
 
     def do_POST(self) -> None:
         """The login form: check the token, then keep it in an HttpOnly, SameSite=Strict cookie."""

@@ -154,7 +154,7 @@ def job_page(job: JobView, index: Index, q: Query) -> str:
     summary = (
         f'<div class="card" id="summary">state <b>{esc(job.state)}</b> · {_progress(job.done, job.total)} · '
         f"{job.rollouts_per_s:.2f} rollouts/s (average) · env {esc(job.env)} · group size {job.group_size} · "
-        f"advantage {esc(job.advantage)}{' · policy ' + esc(job.policy) if job.policy else ''}</div>"
+        f"advantage {_mode(job)}{' · policy ' + esc(job.policy) if job.policy else ''}</div>"
     )
     charts = (
         f'<div style="display:flex;gap:16px;flex-wrap:wrap"><div><h3>Throughput</h3>{throughput_svg(index)}</div>'
@@ -162,6 +162,11 @@ def job_page(job: JobView, index: Index, q: Query) -> str:
     )
     table = f"<h3>Rollouts</h3>{_filters(job.job_id, q, index.envs())}{_pager(job.job_id, p)}{_table(job.job_id, p)}"
     return page(f"Job {job.job_id}", summary + charts + table, [(job.job_id, href(job_url(job.job_id)))])
+
+
+def _mode(job: JobView) -> str:
+    # a file of rollouts does not record its job's spec: the default mode, and say so
+    return esc(job.advantage) + (" (the default: a file does not record the job's mode)" if job.state == "FILE" else "")
 
 
 def group_page(job: JobView, group_id: str, rollouts: list[Rollout]) -> str:
@@ -181,6 +186,6 @@ def group_page(job: JobView, group_id: str, rollouts: list[Rollout]) -> str:
         )
     body = (
         f"<p>task {esc(rollouts[0].task_id) if rollouts else '&ndash;'} · {len(rollouts)} samples · advantage mode "
-        f'{esc(job.advantage)}</p><div class="groups">{"".join(cards)}</div>'
+        f'{_mode(job)}</p><div class="groups">{"".join(cards)}</div>'
     )
     return page(f"Group {group_id}", body, [(job.job_id, href(job_url(job.job_id)))])

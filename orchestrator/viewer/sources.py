@@ -191,10 +191,7 @@ class LiveSource:
         with self._lock:
             index = self._indexes.setdefault(job_id, Index())
             # a group published late is re-logged with new seqs: reading after the last seq picks it up
-            rows = self._db().execute(
-                "SELECT seq, payload FROM rollouts WHERE job_id = ? AND seq > ? ORDER BY seq", (job_id, index.last_seq)
-            )
-            index.add(Row.parse(payload, seq) for seq, payload in rows)
+            index.add(read_rows(self._db(), job_id, index.last_seq))
             return index
 
     def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Rollout:
@@ -216,6 +213,39 @@ class LiveSource:
             "SELECT seq, payload FROM rollouts WHERE job_id = ? AND group_id = ? ORDER BY seq", (job_id, group_id)
         )
         return sorted((_decode(r) for r in rows), key=lambda r: r.sample_index)
+
+
+# The table's fields, extracted by SQLite's JSON functions: no payload (turns, tokens) reaches Python for the table.
+_ROW_SQL = """
+SELECT seq, rollout_id, job_id, json_extract(payload, '$.env'), json_extract(payload, '$.task_id'), group_id,
+       json_extract(payload, '$.sample_index'), status, json_extract(payload, '$.reward'),
+       json_array_length(payload, '$.turns'), json_extract(payload, '$.timing.total'),
+       json_extract(payload, '$.finished_at')
+FROM rollouts WHERE job_id = ? AND seq > ? ORDER BY seq
+"""
+
+
+def read_rows(db: sqlite3.Connection, job_id: str, after_seq: int) -> list[Row]:
+    """The table rows of a job's rollouts logged after `after_seq`, from a result log connection."""
+    return [
+        Row(
+            seq=seq,
+            id=rid,
+            job_id=job,
+            env=env or "",
+            task_id=task or "",
+            group_id=group,
+            sample_index=int(sample or 0),
+            status=status,
+            reward=None if reward is None else float(reward),
+            turns=int(turns or 0),
+            duration=float(total or 0.0),
+            finished_at=float(finished or 0.0),
+        )
+        for seq, rid, job, env, task, group, sample, status, reward, turns, total, finished in db.execute(
+            _ROW_SQL, (job_id, after_seq)
+        )
+    ]
 
 
 def _decode(row: tuple[int, str]) -> Rollout:

@@ -3,8 +3,13 @@ the query string falls back to defaults."""
 
 from __future__ import annotations
 
-from orchestrator.testing.synthetic_rollouts import many_rollouts
+import sqlite3
+from pathlib import Path
+
+from orchestrator.service.store import ResultStore
+from orchestrator.testing.synthetic_rollouts import long_rollout, many_rollouts
 from orchestrator.viewer.index import MAX_PER_PAGE, Index, Query, Row
+from orchestrator.viewer.sources import read_rows
 
 N = 100_000
 
@@ -62,3 +67,20 @@ def test_junk_in_the_query_string_falls_back_to_defaults() -> None:
     q = Query.from_params({"sort": "turns", "page": "2", "per_page": "100000", "desc": "1", "status": "OK"})
     assert (q.sort, q.page, q.per_page, q.desc) == ("turns", 2, MAX_PER_PAGE, True)
     assert q.params(page=None) == {"status": "OK", "sort": "turns", "desc": "1", "per_page": str(MAX_PER_PAGE)}
+
+
+async def test_rows_read_from_the_result_log_match_the_rollouts(tmp_path: Path) -> None:
+    long = long_rollout(turns=6, job_id="j").model_copy(update={"id": "j:long:0", "task_id": "long"})
+    rollouts = [*many_rollouts(30, job_id="j"), long]
+    store = await ResultStore.open(tmp_path / "results.sqlite3")
+    try:
+        for r in rollouts:
+            await store.append(r)
+        db = sqlite3.connect(f"{(tmp_path / 'results.sqlite3').as_uri()}?mode=ro", uri=True)
+        rows = read_rows(db, "j", 0)
+        later = read_rows(db, "j", 28)
+        db.close()
+    finally:
+        await store.close()
+    assert rows == [Row.of(r.model_dump(mode="json"), seq=i + 1) for i, r in enumerate(rollouts)]
+    assert [r.seq for r in later] == [29, 30, 31] and later[-1].turns == 7 and later[-1].reward == 1.0
