@@ -3,6 +3,7 @@ the query string falls back to defaults."""
 
 from __future__ import annotations
 
+import random
 import sqlite3
 from pathlib import Path
 
@@ -15,8 +16,33 @@ N = 100_000
 
 
 def _index() -> Index:
+    # rows built directly (the fields many_rollouts gives, without 100,000 pydantic models): the index is under test
+    rng = random.Random(0)
+    statuses = ["OK"] * 6 + ["TRUNCATED", "TIMEOUT", "INFRA_ERROR"]
     index = Index()
-    index.add(Row.of(r.model_dump(mode="json"), seq=i + 1) for i, r in enumerate(many_rollouts(N)))
+    rows = []
+    for i in range(N):
+        status = rng.choice(statuses)
+        task = f"task-{i // 4}"
+        reward = rng.random() if status in ("OK", "TRUNCATED") else None
+        env = rng.choice(["python-tool@1", "code-tests@1"])
+        rows.append(
+            Row(
+                i + 1,
+                f"j:{task}:{i % 4}",
+                "j",
+                env,
+                task,
+                f"job-many:{task}",
+                i % 4,
+                status,
+                reward,
+                3,
+                rng.random(),
+                i + 1,  # finished_at
+            )
+        )
+    index.add(rows)
     return index
 
 
