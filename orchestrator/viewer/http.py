@@ -96,6 +96,7 @@ class ViewerServer:
         self._http.shutdown()
         self._http.server_close()
         self._thread.join(10)
+        self.source.close()
 
     def render(self, path: str, params: dict[str, str], tenant: str | None) -> str:
         """The page at `path` for a tenant; NotFoundError for a path or id that is not there."""

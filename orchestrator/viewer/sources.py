@@ -66,6 +66,10 @@ class Source(Protocol):
         """The samples of one group, by sample index."""
         ...
 
+    def close(self) -> None:
+        """Release what the source holds open."""
+        ...
+
 
 @dataclass
 class _FileJob:
@@ -136,6 +140,9 @@ class FileSource:
         """The job's rows (the file does not change under the viewer)."""
         return self._job(job_id).index
 
+    def close(self) -> None:
+        """Nothing is held open: each read opens the file."""
+
     def _read(self, offset: int) -> Rollout:
         with self._lock, self.path.open("rb") as f:
             f.seek(offset)
@@ -163,18 +170,25 @@ class LiveSource:
         self._db_path = db_path
         self._loop = loop
         self._indexes: dict[str, Index] = {}
-        self._lock = threading.Lock()
-        self._local = threading.local()  # one connection per HTTP thread: sqlite3 connections are not shared
+        self._lock = threading.Lock()  # one read-only connection, used by one HTTP thread at a time
+        self._conn: sqlite3.Connection | None = None
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(LOOP_CALL_TIMEOUT_S)
 
     def _db(self) -> sqlite3.Connection:
-        db: sqlite3.Connection | None = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(f"{self._db_path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
-            self._local.db = db
-        return db
+        """The connection; call with the lock held."""
+        if self._conn is None:
+            uri = f"{self._db_path.resolve().as_uri()}?mode=ro"
+            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        return self._conn
+
+    def close(self) -> None:
+        """Close the connection to the result log."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def jobs(self, tenant: str | None) -> list[JobView]:
         """The tenant's jobs, oldest first."""
@@ -197,11 +211,12 @@ class LiveSource:
     def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Rollout:
         """One of the job's rollouts."""
         self.job(tenant, job_id)
-        row = (
-            self._db()
-            .execute("SELECT seq, payload FROM rollouts WHERE job_id = ? AND rollout_id = ?", (job_id, rollout_id))
-            .fetchone()
-        )
+        with self._lock:
+            row = (
+                self._db()
+                .execute("SELECT seq, payload FROM rollouts WHERE job_id = ? AND rollout_id = ?", (job_id, rollout_id))
+                .fetchone()
+            )
         if row is None:
             raise NotFoundError(f"no rollout {echo(rollout_id)} in job {echo(job_id)}")
         return _decode(row)
@@ -209,9 +224,15 @@ class LiveSource:
     def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Rollout]:
         """The samples of one of the job's groups."""
         self.job(tenant, job_id)
-        rows = self._db().execute(
-            "SELECT seq, payload FROM rollouts WHERE job_id = ? AND group_id = ? ORDER BY seq", (job_id, group_id)
-        )
+        with self._lock:
+            rows = (
+                self._db()
+                .execute(
+                    "SELECT seq, payload FROM rollouts WHERE job_id = ? AND group_id = ? ORDER BY seq",
+                    (job_id, group_id),
+                )
+                .fetchall()
+            )
         return sorted((_decode(r) for r in rows), key=lambda r: r.sample_index)
 
 

@@ -100,10 +100,13 @@ async def test_a_live_job_its_rollout_and_its_group_in_chromium(
 
 
 async def test_a_rollout_of_100_turns_renders_from_a_file(browser: Browser, tmp_path: Path) -> None:
-    r = long_rollout(turns=100)
+    r = long_rollout(turns=100, tool_output="line\n" * 200)  # long tool outputs: folded
     with serve_file(write_jsonl(tmp_path / "long.jsonl", [r])) as viewer:
         dom = await browser.dom(f"{viewer.url}/job/{seg(r.job_id)}/rollout/{seg(r.id)}")
     assert dom.count('class="card turn') == len(r.turns) == 101
+    tool_turns = dom.split('<div class="card turn role-tool"')[1:]
+    assert len(tool_turns) == 50 and all("<details><summary>" in t.split("</div>", 1)[0] for t in tool_turns)
+    assert "lines</summary>" in tool_turns[0] and "<details><summary>" not in dom.split("role-assistant", 2)[1]
     # `envfleet view` decodes the scripted policy's ids with the toy tokenizer: the text reads back
     tokens = dom.split('id="tokens"', 1)[1]
     assert '<span class="m1" title="#0 · id ' in tokens and ">S</span>" in tokens
