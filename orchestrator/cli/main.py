@@ -26,7 +26,6 @@ from orchestrator.cli.remote import (
     orchestrator_client,
     rpc_error_message,
 )
-from orchestrator.cli.view import add_ui_arguments, add_view_command, ui_settings
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.models import JobStatus
 
@@ -106,6 +105,7 @@ def _backend_config(args: argparse.Namespace) -> object:
 
 def _server_config(args: argparse.Namespace) -> object:
     from orchestrator.cli.remote import security_config
+    from orchestrator.cli.view import ui_settings
     from orchestrator.server.app import OrchestratorConfig
     from orchestrator.service.sessions import SessionConfig
     from orchestrator.worker.ray_fleet import RayConfig
@@ -252,6 +252,8 @@ def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from orchestrator.cli.view import add_ui_arguments, add_view_command
+
     p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
     p.add_argument("-v", "--verbose", action="count", default=0)
     sub = p.add_subparsers(dest="command", required=True)
