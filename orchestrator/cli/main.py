@@ -264,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=".envfleet", help="where the result log lives")
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
+    add_ui_arguments(serve)
     serve.add_argument(
         "--workers",
         type=int,
@@ -288,7 +289,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the metrics endpoint listens; it has no authentication, so loopback by default",
     )
     add_serve_security_arguments(serve)
-    add_ui_arguments(serve)
     serve.set_defaults(fn=_cmd_serve)
 
     add_envs_commands(sub, console)
