@@ -6,7 +6,7 @@ BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 
-.PHONY: venv buf docker base-image test test-fast demo bench bench-scale proto proto-check lint image clean-containers
+.PHONY: venv buf docker base-image chromium test test-fast demo bench bench-scale proto proto-check lint image clean-containers
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -31,13 +31,19 @@ docker:
 base-image: venv docker
 	@$(PY) -m orchestrator.cli image build-base
 
-test: venv buf docker base-image
+# The trajectory viewer's tests drive a real headless Chromium (Debian's package; no browser download)
+chromium:
+	@command -v chromium >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
+		else sudo apt-get install -y -q chromium; fi; }
+
+test: venv buf docker base-image chromium
 	$(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider
 	@scripts/check-leaks.sh
 
 # The tests that need no Docker engine (pytest -m "not docker"): the control plane on the fake backend, envd on the
 # host, parsers and validators. Starts no dockerd and builds no image.
-test-fast: venv
+test-fast: venv chromium
 	$(PY) -m pytest -q -p no:cacheprovider -m "not docker"
 
 demo: venv docker base-image

@@ -109,6 +109,7 @@ def _backend_config(args: argparse.Namespace) -> object:
 
 def _server_config(args: argparse.Namespace) -> object:
     from orchestrator.cli.remote import security_config
+    from orchestrator.cli.view import ui_settings
     from orchestrator.server.app import OrchestratorConfig
     from orchestrator.service.sessions import SessionConfig
     from orchestrator.worker.ray_fleet import RayConfig
@@ -129,6 +130,7 @@ def _server_config(args: argparse.Namespace) -> object:
         if args.ray_address
         else None,
         metrics_host=args.metrics_host,
+        **ui_settings(args),
     )
 
 
@@ -150,6 +152,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"listening {orch.address}", flush=True)
         if orch.metrics_port is not None:
             print(f"metrics http://{config.metrics_host}:{orch.metrics_port}/metrics", flush=True)
+        if orch.ui is not None:
+            print(f"ui {orch.ui.url}/", flush=True)
         try:
             await stop.wait()
         finally:
@@ -252,6 +256,8 @@ def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from orchestrator.cli.view import add_ui_arguments, add_view_command
+
     p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
     p.add_argument("-v", "--verbose", action="count", default=0)
     add_version_argument(p)
@@ -264,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=".envfleet", help="where the result log lives")
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
+    add_ui_arguments(serve)
     serve.add_argument(
         "--workers",
         type=int,
@@ -295,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(fn=_cmd_serve)
 
     add_envs_commands(sub, console)
+    add_view_command(sub)
 
     rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
     rollout.add_argument("--env", required=True)

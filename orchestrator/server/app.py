@@ -40,6 +40,7 @@ from orchestrator.service.sandboxes import SandboxManager, SandboxServiceConfig
 from orchestrator.service.scheduler import Capacity
 from orchestrator.service.sessions import SessionConfig, SessionManager
 from orchestrator.service.store import ResultStore
+from orchestrator.viewer.http import ViewerServer, start_live_viewer
 from orchestrator.worker.ray_fleet import RayConfig
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -79,6 +80,8 @@ class OrchestratorConfig(BaseModel):
     )
     worker_heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="a silent worker is lost after this")
     ray: RayConfig | None = Field(None, description="place workers as actors on a Ray cluster's sandbox hosts")
+    ui_port: int | None = Field(None, ge=0, le=65535, description="the trajectory viewer's HTTP port; None: off")
+    ui_host: str = Field("127.0.0.1", description="where the viewer listens (plain HTTP: loopback unless insecure)")
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to serve beside the entry points"
     )
@@ -118,6 +121,7 @@ class Orchestrator:
         self.sandboxes: SandboxManager | None = None
         self.registrar: Registrar | None = None
         self.workers: WorkerPlane | None = None
+        self.ui: ViewerServer | None = None
 
     @property
     def address(self) -> str:
@@ -133,6 +137,8 @@ class Orchestrator:
         runs, removes every container this instance still owns."""
         await self._health.enter_graceful_shutdown()
         await _bounded("the gRPC server", self.server.stop(grace), grace + STOP_STAGE_S)
+        if self.ui is not None:
+            await asyncio.to_thread(self.ui.close)
         if self.sessions is not None:
             await _bounded("the sessions", self.sessions.close_all(), STOP_STAGE_S)
         if self.sandboxes is not None:
@@ -166,6 +172,8 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     """Open the store, sweep and start the backend, resume unfinished jobs, and serve."""
     # configuration problems are refused before anything is opened
     check_transport(config.host, config.security)
+    if config.ui_port is not None:  # the viewer speaks plain HTTP: its host is checked as a server without TLS
+        check_transport(config.ui_host, config.security.model_copy(update={"tls": None}))
     auth = Authenticator.from_config(config.security)
     tls = config.security.tls
     credentials = server_credentials(tls) if tls else None
@@ -252,4 +260,12 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
             orch._metrics_server, _ = start_http_server(0, addr=config.metrics_host, registry=metrics.registry)
         orch.metrics_port = orch._metrics_server.server_port
         log.info("metrics on http://%s:%d/metrics (unauthenticated)", config.metrics_host, orch.metrics_port)
+    if config.ui_port is not None:
+        header_tenant = lambda h: auth.tenant_of_metadata([("authorization", h)] if h else [])  # noqa: E731
+        try:
+            orch.ui = start_live_viewer(jobs, store.path, config.ui_host, config.ui_port, header_tenant, auth.enabled)
+        except OSError as e:  # the port is taken: like the metrics, serve on a free one and say where
+            log.warning("viewer port %d unavailable (%s); using a free port", config.ui_port, e)
+            orch.ui = start_live_viewer(jobs, store.path, config.ui_host, 0, header_tenant, auth.enabled)
+        log.info("trajectory viewer on %s", orch.ui.url)
     return orch

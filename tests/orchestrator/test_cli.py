@@ -32,6 +32,7 @@ LOCAL_ONLY = {
     "image build-base": "builds an image on this host's Docker",
     "image build-orchestrator": "builds an image on this host's Docker",
     "sweep": "removes this host's leftover containers",
+    "view": "browses a local file of rollouts; a live server shows its own with serve --ui-port",
     "swe-eval": "runs on this host's Docker; the API has no evaluation call",
     "swe-validate": "runs on this host's Docker; the API has no evaluation call",
     "swe-build": "runs on this host's Docker; the API has no evaluation call",

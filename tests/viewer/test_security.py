@@ -1,0 +1,139 @@
+"""The viewer's threat model: rollout text is hostile (escaped, and the pages forbid scripts), it is read-only, it
+authenticates like the API (bearer token or the login cookie), a tenant sees only its own jobs, and without tokens
+it answers loopback names only."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.core.errors import ConfigError
+from orchestrator.core.models import Rollout, ToolCallRecord, Turn
+from orchestrator.core.policy import REPLAY_URL
+from orchestrator.server.app import Orchestrator
+from orchestrator.testing.synthetic_rollouts import long_rollout
+from orchestrator.viewer.html import seg
+from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import FAKE, serve
+from tests.viewer.conftest import Browser, serve_file, write_jsonl
+
+TOKEN_A = "a" * 32
+TOKEN_B = "b" * 32
+HOSTILE = "<script>document.title='pwned'</script><img src=x onerror=alert(1)>"
+
+
+def _request(
+    url: str, path: str, method: str = "GET", headers: dict[str, str] | None = None, body: str | None = None
+) -> tuple[int, dict[str, str], str]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read().decode()
+    finally:
+        conn.close()
+
+
+async def get(url: str, path: str, **kw: object) -> tuple[int, dict[str, str], str]:
+    """A request from a thread: a live viewer calls back into this test's event loop."""
+    return await asyncio.to_thread(_request, url, path, **kw)  # type: ignore[arg-type]
+
+
+def _hostile_rollout() -> Rollout:
+    r = long_rollout(turns=4, tool_output=HOSTILE)
+    call = ToolCallRecord(id='c"><b>x', name="<i>python</i>", arguments=HOSTILE)
+    r.turns.append(Turn(role="assistant", text=HOSTILE, tool_calls=[call]))
+    return r.model_copy(update={"task_id": '"><script>alert(2)</script>'})
+
+
+async def test_hostile_rollout_text_is_escaped_in_the_browser(browser: Browser, tmp_path: Path) -> None:
+    r = _hostile_rollout()
+    with serve_file(write_jsonl(tmp_path / "evil.jsonl", [r])) as viewer:
+        status, headers, raw = await get(viewer.url, f"/job/{seg(r.job_id)}/rollout/{seg(r.id)}")
+        job_page = await browser.dom(f"{viewer.url}/job/{seg(r.job_id)}")
+        dom = await browser.dom(f"{viewer.url}/job/{seg(r.job_id)}/rollout/{seg(r.id)}")
+    assert status == 200
+    assert (
+        "script-src" not in headers["content-security-policy"]
+        and "default-src 'none'" in headers["content-security-policy"]
+    )
+    for page in (raw, dom, job_page):
+        assert "<script" not in page.lower() and "<img" not in page.lower() and "<i>python" not in page
+    assert "&lt;script&gt;document.title='pwned'&lt;/script&gt;" in dom  # shown, as text
+    assert "<title>pwned</title>" not in dom
+
+
+@pytest.fixture
+async def tenants(tmp_path: Path) -> AsyncIterator[tuple[Orchestrator, str]]:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"tokens:\n  {TOKEN_A}: team-a\n  {TOKEN_B}: team-b\n")
+    async with serve(tmp_path / "data", backend=FAKE, ui_port=0, security={"token_file": tokens}) as orch:
+        task_ids = [t.id for t in orch.jobs.registry.get(ENV).tasks()][:2]
+        job_id, _ = await orch.jobs.submit(job(REPLAY_URL, task_ids, n=2), owner="team-a")
+        assert len([e async for batch in orch.jobs.stream(job_id) for e in batch.entries]) == 4
+        yield orch, job_id
+
+
+async def test_a_tenant_sees_only_its_own_jobs(tenants: tuple[Orchestrator, str]) -> None:
+    orch, job_id = tenants
+    assert orch.ui is not None
+    url = orch.ui.url
+    a = {"Authorization": f"Bearer {TOKEN_A}"}
+    b = {"Authorization": f"Bearer {TOKEN_B}"}
+    rollout_id = f"{job_id}:{next(iter(orch.jobs.registry.get(ENV).tasks())).id}:0"
+    paths = [f"/job/{seg(job_id)}", f"/job/{seg(job_id)}/rollout/{seg(rollout_id)}"]
+
+    status, _, page = await get(url, "/", headers=a)
+    assert status == 200 and job_id in page
+    for path in paths:
+        status, _, page = await get(url, path, headers=a)
+        assert status == 200 and job_id in page, path
+
+    status, _, page = await get(url, "/", headers=b)
+    assert status == 200 and job_id not in page and "No jobs yet" in page
+    for path in paths:
+        status, _, page = await get(url, path, headers=b)
+        assert status == 404 and "no job" in page, path  # exactly like a job that does not exist
+
+    status, headers, page = await get(url, "/")
+    assert status == 401 and "missing bearer token" in page and headers["www-authenticate"] == "Bearer"
+    status, _, page = await get(url, "/", headers={"Authorization": "Bearer " + "c" * 32})
+    assert status == 401 and job_id not in page
+
+
+async def test_the_login_form_sets_an_http_only_cookie(tenants: tuple[Orchestrator, str]) -> None:
+    orch, job_id = tenants
+    assert orch.ui is not None
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, _, page = await get(orch.ui.url, "/login", method="POST", headers=form, body="token=" + "c" * 32)
+    assert status == 401 and "invalid bearer token" in page
+    status, headers, _ = await get(orch.ui.url, "/login", method="POST", headers=form, body=f"token={TOKEN_A}")
+    assert status == 303 and headers["location"] == "/"
+    cookie = headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    status, _, page = await get(orch.ui.url, "/", headers={"Cookie": cookie.split(";", 1)[0]})
+    assert status == 200 and job_id in page
+
+
+async def test_without_tokens_it_is_read_only_and_answers_loopback_names_only(tmp_path: Path) -> None:
+    async with serve(tmp_path / "data", backend=FAKE, ui_port=0) as orch:
+        assert orch.ui is not None
+        url, port = orch.ui.url, orch.ui.port
+        assert (await get(url, "/"))[0] == 200
+        status, _, page = await get(url, "/", headers={"Host": f"attacker.example:{port}"})
+        assert status == 403 and "loopback host names only" in page
+        assert (await get(url, "/", method="PUT", body="x"))[0] == 405
+        assert (await get(url, "/job/x", method="DELETE"))[0] == 405
+        assert (await get(url, "/", method="POST", body="x"))[0] == 404
+        assert (await get(url, "/no/such/page"))[0] == 404
+
+
+async def test_a_viewer_off_loopback_without_tokens_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"refusing to serve on '0\.0\.0\.0'.*no --token-file"):
+        async with serve(tmp_path / "data", backend=FAKE, ui_port=0, ui_host="0.0.0.0"):
+            pass
