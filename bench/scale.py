@@ -136,7 +136,7 @@ async def run(
                     max_idle_total=sandboxes, max_idle_per_pool=sandboxes, refill_concurrency=16, idle_ttl_s=3600
                 ),
                 workers=workers,
-                environments=[f"{LightEnv.__module__}:{LightEnv.__name__}"],
+                environments=["bench.scale:LightEnv"],  # by module path: this file may run as __main__
             ),
             registry=registry,
         )
