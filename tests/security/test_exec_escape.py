@@ -27,6 +27,7 @@ from protos import envd_pb2 as pb
 from protos import envd_pb2_grpc as pb_grpc
 
 ESCAPE = "(env -i setsid sh -c 'sleep {n}' &)"
+DOUBLE_FORK_GRADER = "(env -i setsid sh -c 'sleep 1000' &); sleep 0.5; echo '{\"reward\": 1}'"
 
 
 def _pids_running(arg: str) -> list[int]:
@@ -122,7 +123,7 @@ async def test_a_declarative_scoring_command_that_double_forks_ends_on_time(
             "version": "1",
             "tools": ["bash", "submit"],
             "tasks": [{"id": "t1", "prompt": "p", "reference": [{"name": "submit", "arguments": {"answer": "x"}}]}],
-            "scoring": {"command": "(env -i setsid sh -c 'sleep 1000' &); sleep 0.5; echo '{\"reward\": 1}'", "timeout_s": 5},
+            "scoring": {"command": DOUBLE_FORK_GRADER, "timeout_s": 5},
         }
     )
     env = make_environment(spec)
