@@ -129,10 +129,13 @@ class ProcessRunner:
 
     def _others(self, pid: int) -> set[int]:
         """The roots of the subtrees that are not `pid`'s: other running commands, their orphans, kept processes."""
+        roots = set(self.running) - {pid}
+        if not roots and not self.kept:
+            return roots  # the common case: one command at a time, nothing kept, no scan needed
         table = proc_table()
         me = os.getpid()
         self.kept = {p: t for p, t in self.kept.items() if p in table and table[p].start == t}
-        roots = set(self.running) - {pid} | set(self.kept)
+        roots |= set(self.kept)
         markers = [f"{EXEC_ID_VAR}={x}".encode() for p, x in self.running.items() if p != pid]
         for p, info in table.items():
             if info.ppid != me or p in roots or p == pid:
@@ -162,7 +165,8 @@ class ProcessRunner:
         oom_before = read_oom_kills()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        reap_adopted(self.running)
+        if self.kept:  # what a kept process leaves when it dies is envd's to reap
+            reap_adopted(self.running)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd.argv,
@@ -279,10 +283,15 @@ class _Streams:
 
 async def _returncode(proc: asyncio.subprocess.Process) -> int:
     """The exit status, once the child watcher has reaped the process (never waiting for the pipes to close)."""
-    for _ in range(int(EXIT_WAIT_S / 0.005)):
+    loop = asyncio.get_running_loop()
+    until = loop.time() + EXIT_WAIT_S
+    spins = 0
+    while loop.time() < until:
         if proc.returncode is not None:
             return proc.returncode
-        await asyncio.sleep(0.005)
+        # the watcher's callback usually runs in this same loop turn or the next: yield before sleeping
+        spins += 1
+        await asyncio.sleep(0 if spins < 20 else 0.001)
     return -signal.SIGKILL  # not reaped in time: it was killed and is a zombie; report the kill
 
 

@@ -60,10 +60,10 @@ def subtree(table: dict[int, Proc], root: int, skip: Collection[int] = ()) -> se
     return {p for p in found if table[p].state != "Z"}
 
 
-def reap_adopted(managed: Collection[int]) -> None:
+def reap_adopted(managed: Collection[int], table: dict[int, Proc] | None = None) -> None:
     """Reap envd's zombie children that asyncio does not wait for (orphans envd adopted as sub-reaper)."""
     me = os.getpid()
-    for pid, info in proc_table().items():
+    for pid, info in (proc_table() if table is None else table).items():
         if info.ppid == me and info.state == "Z" and pid not in managed:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
@@ -81,13 +81,18 @@ def kill_subtree(skip: Collection[int], managed: Collection[int]) -> list[int]:
     `managed` are the children asyncio waits for: they are killed like the rest but reaped by asyncio.
     """
     me = os.getpid()
+    table = proc_table()
     stopped: set[int] = set()
     for _ in range(STOP_ROUNDS):  # stop first: a stopped process forks no more
-        doomed = subtree(proc_table(), me, skip) - stopped
+        doomed = subtree(table, me, skip) - stopped
         if not doomed:
             break
         _signal_all(doomed, signal.SIGSTOP)
         stopped |= doomed
+        table = proc_table()
+    if not stopped:  # the common case: nothing was left behind; one scan of /proc in all
+        reap_adopted(managed, table)
+        return []
     left: set[int] = set()
     for _ in range(KILL_ROUNDS):
         left = subtree(proc_table(), me, skip)
