@@ -18,9 +18,10 @@ import grpc
 import pytest
 
 from orchestrator.backends.docker import DockerBackend
+from orchestrator.backends.docker.host_config import tmpfs_sizes
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.environment import Episode, Task
-from orchestrator.core.errors import SandboxFileError
+from orchestrator.core.errors import LimitNotAppliedError, SandboxFileError
 from orchestrator.core.sandbox import Limits, SandboxSpec
 from orchestrator.service.declarative import make_environment, parse_spec
 from protos import envd_pb2 as pb
@@ -178,3 +179,26 @@ async def test_a_gzip_bomb_into_the_workspace_fails_and_the_sandbox_lives(
             await s.upload(bomb, "/workspace")
         assert (await s.exec(["echo", "alive"])).stdout == b"alive\n"
         assert (await s.state()).running
+
+
+async def test_tmpfs_caps_that_cannot_fit_under_the_memory_limit_fail_the_create(
+    backend: DockerBackend, base_image: str
+) -> None:
+    # asked: 256 + 1024 MB of tmpfs in 1 GiB of memory; given: both scaled down under 3/4 of it
+    tmp_mb, ws_mb = tmpfs_sizes(Limits())
+    assert tmp_mb + ws_mb <= 768 and ws_mb > tmp_mb > 0
+    with pytest.raises(LimitNotAppliedError, match="memory_mb=40 leaves no room"):
+        await backend.create(SandboxSpec(image=base_image, limits=Limits(memory_mb=40)))
+    assert await backend.list_owned() == []
+
+
+async def test_a_command_that_ends_leaves_a_concurrent_commands_processes_alone(
+    envd_client: EnvdTransport, sleeper: str
+) -> None:
+    b = asyncio.create_task(envd_client.exec(f"sleep {sleeper} & sleep 2; echo b", timeout=20))
+    await asyncio.sleep(0.3)
+    a = await envd_client.exec("sleep 0.2; echo a", timeout=20)
+    assert a.stdout == b"a\n"
+    assert len(_pids_running(sleeper)) == 1, "another command's end killed a running command's child"
+    assert (await b).stdout == b"b\n"
+    assert _pids_running(sleeper) == []
