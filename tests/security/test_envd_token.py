@@ -11,7 +11,7 @@ from orchestrator.backends.docker import DockerBackend
 from orchestrator.backends.docker.backend import DockerSandbox
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.errors import SandboxError
-from orchestrator.core.sandbox import SandboxSpec
+from orchestrator.core.sandbox import Sandbox, SandboxSpec
 
 FIND_ENVD = "echo $PPID"  # envd is the parent of the shell it starts
 PTRACE = """
@@ -22,7 +22,8 @@ print(rc, os.strerror(ctypes.get_errno()))
 """
 
 
-def _token(s: DockerSandbox) -> str:
+def _token(s: Sandbox) -> str:
+    assert isinstance(s, DockerSandbox)
     transport = s.transport
     assert isinstance(transport, EnvdTransport)
     return transport._md[0][1].removeprefix("Bearer ")

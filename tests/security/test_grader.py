@@ -7,9 +7,8 @@ import json
 
 from environments.code_tests import SOLUTION, CodeTestsEnv, hidden_tests_passed
 from orchestrator.backends.docker import DockerBackend
-from orchestrator.backends.docker.backend import DockerSandbox
 from orchestrator.core.environment import Episode, ScoringContext, Task
-from orchestrator.core.sandbox import Hardening, SandboxSpec
+from orchestrator.core.sandbox import Hardening, Sandbox, SandboxSpec
 from orchestrator.service.declarative import make_environment, parse_spec
 
 EPISODE = Episode(turns=[], answer="wrong", finish="submit")
@@ -17,7 +16,7 @@ EPISODE = Episode(turns=[], answer="wrong", finish="submit")
 SPEC = {"hardening": Hardening(user="1000:1000")}
 
 
-async def _plant(s: DockerSandbox, text: str) -> None:
+async def _plant(s: Sandbox, text: str) -> None:
     """What a policy can leave behind: a usercustomize.py in its user site, a json.py in the workspace."""
     site = (await s.exec(["python3", "-c", "import site; print(site.getusersitepackages())"])).stdout.decode().strip()
     assert site.startswith("/tmp/.local/lib/python3"), site
