@@ -1,9 +1,10 @@
 """Running one command: its own process group, streamed output under a byte cap, a wall-clock timeout, and a kill
 of everything it started when it ends, times out or is cancelled.
 
-"Everything it started" is found three ways, as far as a process tree can be found: its process group, its
-descendants in /proc, and any process whose environment carries the command's ENVD_EXEC_ID (which survives setsid
-and re-parenting to init).
+"Everything it started" is the part of envd's process subtree (envd is the sub-reaper, see envd/reaper.py) that no
+other running command and no kept background process owns; the process group and the ENVD_EXEC_ID marker tell
+concurrent commands apart. Output is read until the command exits or times out and what it started is killed,
+then only briefly: a process that still holds the pipes cannot hold the call.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 
 from envd.errors import InvalidRequestError, NotFoundError
+from envd.reaper import kill_subtree, proc_table, reap_adopted, subtree
 
 EXEC_ID_VAR = "ENVD_EXEC_ID"
 READ_CHUNK = 64 << 10
@@ -31,6 +33,7 @@ class Command:
     stdin: bytes
     timeout_s: float
     max_output_bytes: int
+    keep_background: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,53 +80,12 @@ def read_oom_kills() -> int:
     return -1
 
 
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, pgid) for every visible process."""
-    table: dict[int, tuple[int, int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        fields = raw[raw.rfind(b")") + 2 :].split()
-        table[int(name)] = (int(fields[1]), int(fields[2]))
-    return table
-
-
 def _carries_marker(pid: int, marker: bytes) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return marker in f.read().split(b"\0")
     except OSError:
         return False
-
-
-def kill_tree(pid: int, exec_id: str) -> None:
-    """SIGKILL the process group of `pid`, its descendants, and every process tagged with `exec_id`."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    me = os.getpid()
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for p, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(p)
-    doomed: set[int] = set()
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        for c in children.get(p, []):
-            if c not in doomed:
-                doomed.add(c)
-                stack.append(c)
-    marker = f"{EXEC_ID_VAR}={exec_id}".encode()
-    doomed.update(p for p in table if p not in doomed and p != me and _carries_marker(p, marker))
-    doomed.discard(me)
-    for p in doomed:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
 
 
 @dataclass
@@ -142,10 +104,12 @@ class _Budget:
 
 @dataclass
 class ProcessRunner:
-    """Spawns commands for envd and remembers the running ones, for Signal."""
+    """Spawns commands for envd and remembers the running ones (for Signal) and the kept background processes."""
 
     base_env: Mapping[str, str]
     running: dict[int, str] = field(default_factory=dict)
+    # background processes a keep_background command left: pid -> start time (a reused pid is not kept)
+    kept: dict[int, int] = field(default_factory=dict)
 
     def signal(self, pid: int, signum: int) -> None:
         """Send `signum` to the process group of a running command."""
@@ -158,6 +122,40 @@ class ProcessRunner:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signum)
 
+    def forget_all(self) -> None:
+        """After a Reset killed every process: nothing is running or kept any more."""
+        self.running.clear()
+        self.kept.clear()
+
+    def _others(self, pid: int) -> set[int]:
+        """The roots of the subtrees that are not `pid`'s: other running commands, their orphans, kept processes."""
+        roots = set(self.running) - {pid}
+        if not roots and not self.kept:
+            return roots  # the common case: one command at a time, nothing kept, no scan needed
+        table = proc_table()
+        me = os.getpid()
+        self.kept = {p: t for p, t in self.kept.items() if p in table and table[p].start == t}
+        roots |= set(self.kept)
+        markers = [f"{EXEC_ID_VAR}={x}".encode() for p, x in self.running.items() if p != pid]
+        for p, info in table.items():
+            if info.ppid != me or p in roots or p == pid:
+                continue
+            if info.pgid in roots or any(_carries_marker(p, m) for m in markers):
+                roots.add(p)  # an orphan of another running command, still in its group or carrying its marker
+        return roots
+
+    def kill_started(self, pid: int) -> list[int]:
+        """Kill what the command `pid` started (and `pid`): envd's subtree but for what others own."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        return kill_subtree(self._others(pid), set(self.running))
+
+    def keep_started(self, pid: int) -> None:
+        """Remember what the command `pid` left running, so later commands' ends leave it alone."""
+        table = proc_table()
+        for p in subtree(table, os.getpid(), self._others(pid)):
+            self.kept[p] = table[p].start
+
     async def run(self, cmd: Command) -> AsyncGenerator[Event, None]:
         """Run `cmd`, yielding Started, Output chunks in arrival order, then Ended. Closing the iterator kills it."""
         if not os.path.isdir(cmd.cwd):
@@ -167,6 +165,8 @@ class ProcessRunner:
         oom_before = read_oom_kills()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        if self.kept:  # what a kept process leaves when it dies is envd's to reap
+            reap_adopted(self.running)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd.argv,
@@ -187,8 +187,9 @@ class ProcessRunner:
         budget = _Budget(cmd.max_output_bytes)
         queue: asyncio.Queue[Output | None] = asyncio.Queue(maxsize=8)
         timed_out = False
+        finished = False
         tasks: list[asyncio.Task[None]] = []
-        reaper = asyncio.create_task(_reap_group_on_exit(proc, exec_id))
+        exited = asyncio.create_task(_exited(proc))
         try:
             yield Started(pid=proc.pid)
             assert proc.stdout is not None and proc.stderr is not None
@@ -199,43 +200,99 @@ class ProcessRunner:
             if cmd.stdin and proc.stdin is not None:
                 tasks.append(asyncio.create_task(_feed(proc.stdin, cmd.stdin)))
             deadline = t0 + cmd.timeout_s
-            open_streams = 2
-            while open_streams:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        item = await queue.get()
-                except TimeoutError:
-                    timed_out = True
-                    break
-                if item is None:
-                    open_streams -= 1
-                else:
-                    yield item
-            if timed_out:
-                kill_tree(proc.pid, exec_id)
-            try:
+            streams = _Streams(queue)
+            # 1. forward output until the command exits or its time is up
+            async for item in streams.until(exited, deadline):
+                yield item
+            try:  # the pipes may close before the exit shows
                 async with asyncio.timeout_at(deadline):
-                    await asyncio.shield(reaper)
+                    await asyncio.shield(exited)
             except TimeoutError:
                 timed_out = True
-                kill_tree(proc.pid, exec_id)
-                await reaper
-            returncode = await proc.wait()
+            # 2. kill what it started (or keep it), then read what is left in the pipes, briefly
+            # on the loop, not in a thread: a fork bomb leaves no pid for a new thread, and this is what frees them
+            if timed_out or not cmd.keep_background:
+                self.kill_started(proc.pid)
+            else:
+                self.keep_started(proc.pid)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(EXIT_WAIT_S):
+                    await asyncio.shield(exited)
+            grace = KEEP_DRAIN_S if cmd.keep_background and not timed_out else DRAIN_S
+            async for item in streams.until(None, loop.time() + grace):
+                yield item
+            returncode = await _returncode(proc)
+            finished = True
         finally:
-            if not reaper.done():
-                reaper.cancel()
-                kill_tree(proc.pid, exec_id)
             for t in tasks:
                 t.cancel()
-            self.running.pop(proc.pid, None)
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await asyncio.shield(proc.wait())
+            if not finished:  # cancelled or failed: what it started goes, whatever it asked
+                self.kill_started(proc.pid)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(EXIT_WAIT_S):
+                        await asyncio.shield(exited)
+            exited.cancel()
+            transport = getattr(proc, "_transport", None)
+            if transport is not None:
+                transport.close()  # the pipes' read ends: a process still holding the write ends gets EPIPE
+            if proc.returncode is not None:
+                self.running.pop(proc.pid, None)
+            else:  # asyncio still has to reap it; the stray reaper must not
+                loop.call_later(EXIT_WAIT_S, self.running.pop, proc.pid, None)
         sig = -returncode if returncode < 0 else 0
         exit_code = 128 + sig if sig else returncode
         oom = sig == signal.SIGKILL and not timed_out and oom_before >= 0 and read_oom_kills() > oom_before
         yield Ended(exit_code, sig, timed_out, budget.truncated, oom, loop.time() - t0)
+
+
+# after its kill, how long the command's own exit may take to show; then how long the pipes are read for
+EXIT_WAIT_S = 5.0
+DRAIN_S = 2.0
+KEEP_DRAIN_S = 0.1
+
+
+class _Streams:
+    """The output queue of one command, read until both pipes close, an event, or a deadline."""
+
+    def __init__(self, queue: asyncio.Queue[Output | None]) -> None:
+        self._queue = queue
+        self.open = 2
+
+    async def until(self, stop: asyncio.Future[None] | None, deadline: float) -> AsyncGenerator[Output, None]:
+        """Yield output until both pipes closed, `stop` is done or the loop's clock passes `deadline`."""
+        loop = asyncio.get_running_loop()
+        while self.open:
+            if self._queue.empty() and stop is not None and stop.done():
+                return
+            get = asyncio.ensure_future(self._queue.get())
+            waits: set[asyncio.Future[object]] = {get}  # type: ignore[arg-type]
+            if stop is not None:
+                waits.add(stop)  # type: ignore[arg-type]
+            done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - loop.time()), return_when="FIRST_COMPLETED")
+            if get not in done:
+                get.cancel()
+                if stop is None or not stop.done():
+                    return  # the deadline passed
+                continue  # stopped: forward what was already queued, then return
+            item = get.result()
+            if item is None:
+                self.open -= 1
+            else:
+                yield item
+
+
+async def _returncode(proc: asyncio.subprocess.Process) -> int:
+    """The exit status, once the child watcher has reaped the process (never waiting for the pipes to close)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + EXIT_WAIT_S
+    spins = 0
+    while loop.time() < until:
+        if proc.returncode is not None:
+            return proc.returncode
+        # the watcher's callback usually runs in this same loop turn or the next: yield before sleeping
+        spins += 1
+        await asyncio.sleep(0 if spins < 20 else 0.001)
+    return -signal.SIGKILL  # not reaped in time: it was killed and is a zombie; report the kill
 
 
 async def _pump(stream: asyncio.StreamReader, which: int, budget: _Budget, queue: asyncio.Queue[Output | None]) -> None:
@@ -275,12 +332,6 @@ async def _exited(proc: asyncio.subprocess.Process) -> None:
             loop.remove_reader(fd)
     finally:
         os.close(fd)
-
-
-async def _reap_group_on_exit(proc: asyncio.subprocess.Process, exec_id: str) -> None:
-    # When the command itself ends, what it left running in the background is killed, which also closes the pipes.
-    await _exited(proc)
-    kill_tree(proc.pid, exec_id)
 
 
 async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:

@@ -1,5 +1,6 @@
-"""Reset a sandbox in place between rollouts: kill every process but envd and init, wipe every writable place,
-restore the workspace from its seed, then verify. Anything left means the sandbox is not reused."""
+"""Reset a sandbox in place between rollouts: kill every process but envd and init, wipe every writable place (SysV
+IPC objects and POSIX message queues too), restore the workspace from its seed, then verify. Anything left means
+the sandbox is not reused."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import shutil
 import signal
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from envd.kernel import SYSV_KINDS, remove_sysv, sysv_ids
+from envd.reaper import proc_table, reap_adopted
+
 KILL_ROUNDS = 50
+MQUEUE_DIR = "/dev/mqueue"
 
 
 @dataclass(frozen=True)
@@ -26,23 +31,49 @@ class ResetResult:
 
 
 def _other_pids() -> list[int]:
+    """Live processes but init and envd (a zombie is dead: it only waits for its parent to reap it)."""
     me = os.getpid()
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+    return [p for p, info in proc_table().items() if p not in (1, me) and info.state != "Z"]
 
 
-def kill_all_others() -> tuple[int, list[int]]:
-    """SIGKILL every process except PID 1 (init) and envd itself until none is left; returns (killed, survivors)."""
+def kill_all_others(managed: Collection[int] = ()) -> tuple[int, list[int]]:
+    """SIGKILL every process except PID 1 (init) and envd itself until none is left; returns (killed, survivors).
+
+    envd reaps the orphans it adopted as sub-reaper; `managed` (children asyncio waits for) it leaves to asyncio.
+    """
     killed = 0
     for _ in range(KILL_ROUNDS):
         pids = _other_pids()
         if not pids:
+            reap_adopted(managed)
             return killed, []
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
-        time.sleep(0.01)  # init reaps them; a zombie vanishes from /proc once reaped
+        time.sleep(0.01)
+        reap_adopted(managed)
     return killed, _other_pids()
+
+
+def clear_ipc() -> list[str]:
+    """Remove every SysV IPC object and POSIX message queue; returns what could not be removed."""
+    failed = []
+    for kind in SYSV_KINDS:
+        for ident in sysv_ids(kind):
+            try:
+                remove_sysv(kind, ident)
+            except OSError as e:
+                failed.append(str(e))
+    failed += _empty_dir(MQUEUE_DIR)
+    return failed
+
+
+def _ipc_left() -> list[str]:
+    left = [f"SysV {kind} {ident}" for kind in SYSV_KINDS for ident in sysv_ids(kind)]
+    with contextlib.suppress(FileNotFoundError):
+        left += [f"message queue {name}" for name in os.listdir(MQUEUE_DIR)]
+    return left
 
 
 def _empty_dir(path: str, keep: Iterable[str] = ()) -> list[str]:
@@ -77,16 +108,19 @@ def _copy_seed(seed: str, workspace: str) -> None:
             shutil.copy2(src, dst, follow_symlinks=False)
 
 
-def reset_sandbox(workspace: str, socket_dir: str, socket_name: str, seed: str) -> ResetResult:
-    """Kill, wipe, restore, verify."""
+def reset_sandbox(
+    workspace: str, socket_dir: str, socket_name: str, seed: str, managed: Collection[int] = ()
+) -> ResetResult:
+    """Kill, wipe, restore, verify. `managed`: envd's children that asyncio reaps."""
     t0 = time.monotonic()
     problems: list[str] = []
-    killed, survivors = kill_all_others()
+    killed, survivors = kill_all_others(managed)
     if survivors:
         problems.append(f"processes survived SIGKILL: {survivors}")
     places = {"/tmp": (), "/dev/shm": (), workspace: (), socket_dir: (socket_name,)}
     for place, keep in places.items():
         problems += _empty_dir(place, keep)
+    problems += clear_ipc()
     if seed:
         try:
             _copy_seed(seed, workspace)
@@ -100,6 +134,9 @@ def reset_sandbox(workspace: str, socket_dir: str, socket_name: str, seed: str) 
                 left -= set(os.listdir(seed))
             if left:
                 problems.append(f"{place} still holds {sorted(left)[:5]}")
+    ipc = _ipc_left()
+    if ipc:
+        problems.append(f"IPC objects survived: {ipc[:5]}")
     if _other_pids():
         problems.append(f"processes appeared during the reset: {_other_pids()}")
     return ResetResult(not problems, "; ".join(problems), killed, time.monotonic() - t0)

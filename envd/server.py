@@ -154,6 +154,7 @@ def _command(req: pb.ProcessRequest, cfg: EnvdConfig) -> Command:
         stdin=req.stdin,
         timeout_s=req.timeout_s or cfg.default_timeout_s,
         max_output_bytes=req.max_output_bytes or cfg.default_max_output_bytes,
+        keep_background=req.keep_background,
     )
 
 
@@ -218,8 +219,9 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
         from envd.reset import reset_sandbox  # with shutil, loaded by the first Reset: private memory per sandbox
 
         socket_dir, socket_name = os.path.split(self._cfg.socket_path)
-        r = await asyncio.to_thread(reset_sandbox, self._cfg.workspace, socket_dir, socket_name, seed)
-        self._runner.running.clear()
+        managed = set(self._runner.running)
+        r = await asyncio.to_thread(reset_sandbox, self._cfg.workspace, socket_dir, socket_name, seed, managed)
+        self._runner.forget_all()
         return pb.ResetResponse(ok=r.ok, detail=r.detail, killed=r.killed, duration_s=r.duration_s)
 
 

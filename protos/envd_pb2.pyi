@@ -27,7 +27,7 @@ class Argv(_message.Message):
     def __init__(self, args: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ProcessRequest(_message.Message):
-    __slots__ = ("argv", "shell", "cwd", "env", "stdin", "timeout_s", "max_output_bytes")
+    __slots__ = ("argv", "shell", "cwd", "env", "stdin", "timeout_s", "max_output_bytes", "keep_background")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class ProcessRequest(_message.Message):
     STDIN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     argv: Argv
     shell: str
     cwd: str
@@ -49,7 +50,8 @@ class ProcessRequest(_message.Message):
     stdin: bytes
     timeout_s: float
     max_output_bytes: int
-    def __init__(self, argv: _Optional[_Union[Argv, _Mapping]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
+    keep_background: bool
+    def __init__(self, argv: _Optional[_Union[Argv, _Mapping]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., max_output_bytes: _Optional[int] = ..., keep_background: _Optional[bool] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("pid",)

@@ -63,7 +63,7 @@ class ProcessServicer:
 
     def Start(self, request, context):
         """Start runs a process and streams its events: started, then stdout/stderr chunks in arrival order, then ended.
-        Cancelling the call kills the process group.
+        Cancelling the call kills the process and everything it started.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +85,8 @@ class ProcessServicer:
 
     def Reset(self, request, context):
         """Reset returns the sandbox to a pristine state for its next rollout: every other process is killed, the
-        writable places are wiped, and the workspace is restored from its seed. ok=false means isolation cannot be
+        writable places are wiped (SysV IPC objects and POSIX message queues among them), and the workspace is
+        restored from its seed. ok=false means isolation cannot be
         guaranteed and the sandbox must be destroyed instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

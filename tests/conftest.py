@@ -103,9 +103,9 @@ def host_envd(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
     ws.mkdir()
     sock = tmp_path / "envd.sock"
     token = "test-token"
+    (tmp_path / "token").write_text(token)  # envd reads and removes it (the token is never in an environment)
     proc = subprocess.Popen(
         [sys.executable, "-m", "envd", "--socket", str(sock), "--workspace", str(ws)],
-        env={**os.environ, "ENVD_TOKEN": token},
         cwd=REPO,
     )
     deadline = time.monotonic() + 20

@@ -11,10 +11,15 @@ from functools import cache
 from environments.code_tests.problems import PROBLEMS, Problem
 from environments.python_tool import num_turns, used_tool
 from environments.sdk import Environment, Rubric, ScoringContext, Task, ToolInvocation
+from orchestrator.core.environment import GRADER_CWD, GRADER_ENV
 
 SOLUTION = "solution.py"
 HIDDEN_DIR = "/tmp/.envfleet-hidden"
 TEST_TIMEOUT_S = 30.0
+# The grader reads this file of the workspace and nothing else the policy wrote. It runs with `python -I` (no user
+# site, no PYTHON* variables, no script or current directory on sys.path), an empty HOME and a fixed cwd
+# (GRADER_ENV, GRADER_CWD): a usercustomize.py or a module named like one the runner imports cannot speak for it.
+GRADER_READS = (SOLUTION,)
 
 # Runs in the sandbox after the episode: imports the solution, checks each case in isolation, prints JSON counts.
 # Runs in the sandbox after the episode: loads the cases and deletes them before the solution's code runs, checks
@@ -79,8 +84,11 @@ async def hidden_tests_passed(ctx: ScoringContext) -> float:
     sb = ctx.sandbox
     await sb.write_file(f"{HIDDEN_DIR}/cases.json", json.dumps(task.data["cases"]).encode())
     await sb.write_file(f"{HIDDEN_DIR}/run.py", RUNNER.encode())
+    solution = f"{sb.spec.workspace}/{SOLUTION}"
     r = await sb.exec(
-        ["python3", f"{HIDDEN_DIR}/run.py", f"{HIDDEN_DIR}/cases.json", SOLUTION, task.data["function"]],
+        ["python3", "-I", f"{HIDDEN_DIR}/run.py", f"{HIDDEN_DIR}/cases.json", solution, task.data["function"]],
+        cwd=GRADER_CWD,
+        env=GRADER_ENV,
         timeout=TEST_TIMEOUT_S,
         max_output=64 << 10,
     )

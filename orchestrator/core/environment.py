@@ -17,6 +17,12 @@ from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import Limits, Sandbox
 
+# Added to the environment of every grader command run in a sandbox (test runs, scoring commands): no user site
+# directory (a usercustomize.py the policy planted under $HOME would run first) and a HOME with nothing in it.
+# Graders run `python -I` where they start Python themselves, and from a fixed cwd the policy cannot write to.
+GRADER_ENV: Mapping[str, str] = {"HOME": "/nonexistent", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+GRADER_CWD = "/"
+
 
 @dataclass(frozen=True)
 class ToolInvocation:

@@ -21,9 +21,9 @@ from tests.conftest import REPO, stop_process
 def launched_envd(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """envd run through launch.py: (process, socket path)."""
     sock = str(tmp_path / "envd.sock")
+    (tmp_path / "token").write_text("test-token")
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "envd" / "launch.py"), "--socket", sock, "--workspace", str(tmp_path)],
-        env={**os.environ, "ENVD_TOKEN": "test-token"},
         cwd=tmp_path,
     )
     try:
@@ -53,9 +53,15 @@ async def test_launched_envd_serves_without_loading_openssl(
 
 
 def test_options_defaults_and_both_spellings() -> None:
-    assert parse_options([]) == {"socket": "/run/envd/envd.sock", "workspace": "/workspace", "log-level": "WARNING"}
-    assert parse_options(["--socket", "/s.sock", "--workspace=/w", "--log-level=INFO"]) == {
+    assert parse_options([]) == {
+        "socket": "/run/envd/envd.sock",
+        "token-file": "",
+        "workspace": "/workspace",
+        "log-level": "WARNING",
+    }
+    assert parse_options(["--socket", "/s.sock", "--token-file=/t", "--workspace=/w", "--log-level=INFO"]) == {
         "socket": "/s.sock",
+        "token-file": "/t",
         "workspace": "/w",
         "log-level": "INFO",
     }

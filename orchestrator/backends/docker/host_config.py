@@ -8,16 +8,40 @@ from typing import Any
 
 import docker.types
 
-from orchestrator.core.sandbox import SandboxSpec
+from orchestrator.core.errors import LimitNotAppliedError
+from orchestrator.core.sandbox import Limits, SandboxSpec
 
 ENVD_MOUNT = "/run/envd"
+# tmpfs pages are charged to the sandbox's memory: this much of the limit stays for envd and the processes, so a
+# full workspace is ENOSPC for the writer, never an OOM kill of the sandbox
+MIN_PROCESS_RESERVE_MB = 48
 LIMIT_WARNING_WORDS = ("limit", "memory", "swap", "cpu", "pids", "discarded", "not support")
+
+
+def tmpfs_sizes(lim: Limits) -> tuple[int, int]:
+    """(/tmp, workspace) sizes in MB: as asked, or scaled down together to fit under the memory limit with a reserve.
+
+    Fails closed (LimitNotAppliedError) when the memory limit leaves no room for both.
+    """
+    reserve = max(MIN_PROCESS_RESERVE_MB, lim.memory_mb // 4)
+    budget = lim.memory_mb - reserve
+    asked = lim.tmp_mb + lim.workspace_mb
+    if asked <= budget:
+        return lim.tmp_mb, lim.workspace_mb
+    tmp, ws = lim.tmp_mb * budget // asked, lim.workspace_mb * budget // asked
+    if tmp < 1 or ws < 1:
+        raise LimitNotAppliedError(
+            f"memory_mb={lim.memory_mb} leaves no room for the /tmp and workspace tmpfs ({reserve} MB are kept for "
+            f"envd and the sandbox's processes); raise memory_mb"
+        )
+    return tmp, ws
 
 
 def host_config(api: Any, spec: SandboxSpec, socket_dir: Path | None, *, swap_limit: bool, nofile: int) -> Any:
     """The engine's HostConfig for a sandbox of `spec`, with envd's socket directory bound at ENVD_MOUNT."""
     lim, hard = spec.limits, spec.hardening
     uid, gid = hard.user.split(":")
+    tmp_mb, workspace_mb = tmpfs_sizes(lim)
     kwargs: dict[str, Any] = {
         "network_mode": "none",
         "read_only": hard.read_only_root,
@@ -30,8 +54,8 @@ def host_config(api: Any, spec: SandboxSpec, socket_dir: Path | None, *, swap_li
         # set here, not inherited from the engine's default (often 1M): one process cannot hold the host's file table
         "ulimits": [docker.types.Ulimit(name="nofile", soft=nofile, hard=nofile)],
         "tmpfs": {
-            "/tmp": f"rw,exec,nosuid,nodev,size={lim.tmp_mb}m,mode=1777",
-            spec.workspace: f"rw,exec,nosuid,nodev,size={lim.workspace_mb}m,uid={uid},gid={gid},mode=0755",
+            "/tmp": f"rw,exec,nosuid,nodev,size={tmp_mb}m,mode=1777",
+            spec.workspace: f"rw,exec,nosuid,nodev,size={workspace_mb}m,uid={uid},gid={gid},mode=0755",
         },
     }
     if swap_limit:

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^envfleet-[0-9a-f]{12}$")
 SOCKET_NAME = "envd.sock"
+TOKEN_NAME = "token"  # written by the host before the container starts; envd reads and removes it first thing
 KEY_FILE = ".seal-key"
 # envd needs one socket; 64 KiB and a few inodes leave room for nothing else
 TMPFS_SIZE = "64k"
@@ -152,6 +153,27 @@ class SocketDirs:
         finally:
             os.close(fd)
         return path
+
+    def put_token(self, name: str, token: str, uid: int, gid: int) -> None:
+        """Leave envd's token in the directory, readable by the sandbox user only, before the container starts."""
+        fd = os.open(self.path(name), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            tfd = os.open(TOKEN_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400, dir_fd=fd)
+            try:
+                os.write(tfd, token.encode())
+                os.fchown(tfd, uid, gid)
+            finally:
+                os.close(tfd)
+        finally:
+            os.close(fd)
+
+    def token_taken(self, name: str) -> bool:
+        """Whether envd removed its token file (it does so before it listens)."""
+        try:
+            os.lstat(self.path(name) / TOKEN_NAME)
+        except FileNotFoundError:
+            return True
+        return False
 
     def lock(self, name: str) -> bool:
         """Take the directory from the sandbox (ours, 0755) and say whether envd's socket is there, a real socket."""

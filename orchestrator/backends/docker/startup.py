@@ -40,6 +40,8 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
     socket_dir = backend.sockets.make(name, uid, gid)
     cid: str | None = None
     try:
+        if use_envd:
+            backend.sockets.put_token(name, token, uid, gid)
         created = await engine.call_to_completion(
             engine.api.create_container,
             spec.image,
@@ -47,7 +49,8 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
             name=name,
             user=spec.hardening.user,
             working_dir=spec.workspace,
-            environment={"ENVD_TOKEN": token, **spec.env} if use_envd else dict(spec.env),
+            # never the token: a container's environment is readable by every process in it (/proc/1/environ)
+            environment=dict(spec.env),
             labels=labels_for(backend.owner, spec, backend.sockets.seal(name)),
             host_config=host_config(
                 engine.api,
@@ -98,6 +101,8 @@ async def wait_ready(backend: DockerBackend, cid: str, name: str, transport: Tra
             locked = True
             if not backend.sockets.lock(name):
                 raise SandboxCreateError(f"sandbox {name}: {SOCKET_NAME} was swapped for something that is no socket")
+            if not backend.sockets.token_taken(name):
+                raise SandboxCreateError(f"sandbox {name}: envd listens but left its token file readable")
         if locked and await transport.health(timeout=max(0.05, min(2.0, deadline - loop.time()))):
             return
         now = loop.time()

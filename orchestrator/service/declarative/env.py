@@ -12,7 +12,16 @@ from typing import Any, ClassVar
 
 import docker
 
-from orchestrator.core.environment import Environment, Episode, Rubric, Score, Task, ToolInvocation
+from orchestrator.core.environment import (
+    GRADER_CWD,
+    GRADER_ENV,
+    Environment,
+    Episode,
+    Rubric,
+    Score,
+    Task,
+    ToolInvocation,
+)
 from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.sandbox import ExecResult, Sandbox
 from orchestrator.images import build_from_spec, build_image, ensure_base_image
@@ -150,10 +159,19 @@ class DeclarativeEnvironment(Environment):
             "turns": [t.model_dump(exclude_defaults=True) for t in episode.turns],
         }
         scoring = self.spec.scoring
+        # a clean grader: no user site, an empty HOME, cwd "/" (a json.py planted in the workspace is not imported
+        # by `python3 -c`); the workspace is named in ENVFLEET_WORKSPACE for commands that read the policy's files
+        env = {
+            "ENVFLEET_TASK_ID": task.id,
+            "ENVFLEET_ANSWER": (episode.answer or "")[:MAX_ANSWER_ENV],
+            "ENVFLEET_WORKSPACE": sandbox.spec.workspace,
+            **GRADER_ENV,
+        }
         r = await sandbox.exec(
             ["/bin/sh", "-c", scoring.command],
+            cwd=GRADER_CWD,
             stdin=json.dumps(payload).encode(),
-            env={"ENVFLEET_TASK_ID": task.id, "ENVFLEET_ANSWER": (episode.answer or "")[:MAX_ANSWER_ENV]},
+            env=env,
             timeout=scoring.timeout_s,
             max_output=MAX_SCORING_OUTPUT,
         )

@@ -18,6 +18,7 @@ import docker
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
+from orchestrator.backends.docker.host_config import tmpfs_sizes
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, LABEL_LEASE, LABEL_MANAGED, LABEL_OWNER
 from orchestrator.core.errors import (
     SandboxCreateError,
@@ -76,7 +77,9 @@ async def test_inspect_shows_every_hardening_flag(sandbox: DockerSandbox, docker
     assert hc["NanoCpus"] == int(lim.cpus * 1e9)
     assert hc["Init"] is True
     assert set(hc["Tmpfs"]) == {"/tmp", "/workspace"}
-    assert f"size={lim.tmp_mb}m" in hc["Tmpfs"]["/tmp"]
+    tmp_mb, ws_mb = tmpfs_sizes(lim)
+    assert f"size={tmp_mb}m" in hc["Tmpfs"]["/tmp"] and f"size={ws_mb}m" in hc["Tmpfs"]["/workspace"]
+    assert tmp_mb + ws_mb <= lim.memory_mb * 3 // 4, "the tmpfs caps fit under the memory limit with a reserve"
     assert cfg["User"] == "100000:100000"
     assert cfg["Labels"][LABEL_MANAGED] == "1" and cfg["Labels"][LABEL_OWNER] == TEST_OWNER
     assert float(cfg["Labels"][LABEL_LEASE]) > time.time()

@@ -1,0 +1,56 @@
+"""What envd asks of the kernel through libc: prctl (sub-reaper, non-dumpable) and SysV IPC removal.
+
+ctypes is loaded once, at start; these calls have no wrapper in the os module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+IPC_RMID = 0
+# /proc/sysvipc/<kind> lists the objects of the sandbox's IPC namespace; the second column is the id
+SYSV_KINDS = ("shm", "sem", "msg")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, value: int) -> None:
+    if _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def become_subreaper() -> None:
+    """Orphans of envd's commands are re-parented to envd, not to init: an escaped process stays findable."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def make_non_dumpable() -> None:
+    """No process of the sandbox (same uid) may ptrace envd or read its memory or environ through /proc."""
+    _prctl(PR_SET_DUMPABLE, 0)
+
+
+def sysv_ids(kind: str) -> list[int]:
+    """The ids of the SysV IPC objects of one kind ("shm", "sem", "msg") in this IPC namespace."""
+    try:
+        with open(f"/proc/sysvipc/{kind}") as f:
+            lines = f.read().splitlines()[1:]
+    except FileNotFoundError:
+        return []
+    return [int(line.split()[1]) for line in lines if line.strip()]
+
+
+def remove_sysv(kind: str, ident: int) -> None:
+    """Remove one SysV IPC object (IPC_RMID); a shared memory segment goes once its last user detaches."""
+    if kind == "shm":
+        rc = _libc.shmctl(ident, IPC_RMID, None)
+    elif kind == "sem":
+        rc = _libc.semctl(ident, 0, IPC_RMID)
+    else:
+        rc = _libc.msgctl(ident, IPC_RMID, None)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"removing SysV {kind} {ident}: {os.strerror(err)}")

@@ -1,0 +1,60 @@
+"""The grader runs clean: a usercustomize.py (or a module named like one the grader imports) that the policy
+planted does not run when the hidden tests or a declarative scoring command run."""
+
+from __future__ import annotations
+
+import json
+
+from environments.code_tests import SOLUTION, CodeTestsEnv, hidden_tests_passed
+from orchestrator.backends.docker import DockerBackend
+from orchestrator.core.environment import Episode, ScoringContext, Task
+from orchestrator.core.sandbox import Hardening, Sandbox, SandboxSpec
+from orchestrator.service.declarative import make_environment, parse_spec
+
+EPISODE = Episode(turns=[], answer="wrong", finish="submit")
+# the base image's own user (uid 1000) has HOME=/tmp: its user site directory is writable by the policy
+SPEC = {"hardening": Hardening(user="1000:1000")}
+
+
+async def _plant(s: Sandbox, text: str) -> None:
+    """What a policy can leave behind: a usercustomize.py in its user site, a json.py in the workspace."""
+    site = (await s.exec(["python3", "-c", "import site; print(site.getusersitepackages())"])).stdout.decode().strip()
+    assert site.startswith("/tmp/.local/lib/python3"), site
+    await s.write_file(f"{site}/usercustomize.py", text.encode())
+    await s.write_file("json.py", text.encode())
+    # the plant works for any python the policy starts itself
+    assert (await s.exec(["python3", "-c", "pass"])).stdout != b""
+
+
+async def test_hidden_tests_do_not_run_a_planted_usercustomize(backend: DockerBackend, base_image: str) -> None:
+    task = CodeTestsEnv().tasks()[0]
+    perfect = 'import os\nprint(\'{"passed": 99, "total": 99}\', flush=True)\nos._exit(0)\n'
+    async with await backend.create(SandboxSpec(image=base_image, **SPEC)) as s:
+        await s.write_file(SOLUTION, f"def {task.data['function']}(*args):\n    return None\n".encode())
+        await _plant(s, perfect)
+        assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 0.0
+        # and the real solution still passes: the clean grader grades
+        ref = task.reference[0].arguments["content"]
+        await s.write_file(SOLUTION, ref.encode())
+        assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 1.0
+
+
+async def test_a_declarative_scoring_command_does_not_run_a_planted_usercustomize(
+    backend: DockerBackend, base_image: str
+) -> None:
+    grader = "python3 -c 'import json, sys; json.load(sys.stdin); print(json.dumps({\"reward\": 0.25}))'"
+    spec = parse_spec(
+        {
+            "name": "clean-grader",
+            "version": "1",
+            "tools": ["bash", "submit"],
+            "tasks": [{"id": "t1", "prompt": "p", "reference": [{"name": "submit", "arguments": {"answer": "x"}}]}],
+            "scoring": {"command": grader, "timeout_s": 20},
+        }
+    )
+    env = make_environment(spec)
+    perfect = f"import os\nprint({json.dumps(json.dumps({'reward': 1.0}))}, flush=True)\nos._exit(0)\n"
+    async with await backend.create(SandboxSpec(image=base_image, **SPEC)) as s:
+        await _plant(s, perfect)
+        score = await env.score(s, Task(id="t1", prompt="p"), EPISODE)
+        assert score.reward == 0.25
