@@ -1,24 +1,36 @@
 """Jobs: submit, run through the scheduler, log every scored rollout, stream with acks and backpressure, resume
-after a restart."""
+after a restart.
+
+Caps (RESOURCE_EXHAUSTED, naming the cap): unfinished jobs per tenant, rollouts per job, the sandbox limits of the
+job's environment, open streams per tenant. A tenant may submit jobs only on environments it can see (public ones
+and its own private ones)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
-from orchestrator.core.errors import EnvfleetError, InvalidRequestError, JobFinishedError, JobNotFoundError
+from orchestrator.core.errors import (
+    EnvfleetError,
+    InvalidRequestError,
+    JobFinishedError,
+    JobNotFoundError,
+    QuotaExceededError,
+)
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState
 from orchestrator.rollout.runner import WorkItem
 from orchestrator.service.advantages import group_advantages
+from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
 from orchestrator.service.executor import Executor
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity, Need, Scheduler
@@ -114,7 +126,10 @@ class JobManager:
         max_in_flight: int,
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
+        caps: CapsConfig | None = None,
     ) -> None:
+        self.caps = caps or CapsConfig()
+        self._streams = TenantCounter(self.caps.streams_per_tenant, "caps.streams_per_tenant", "streams")
         self.metrics = metrics or Metrics()
         self.store = store
         self.registry = registry
@@ -131,9 +146,10 @@ class JobManager:
         max_in_flight: int = 64,
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
+        caps: CapsConfig | None = None,
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store."""
-        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity)
+        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps)
         mgr.scheduler.start()
         await mgr._resume()
         return mgr
@@ -182,7 +198,14 @@ class JobManager:
 
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
-        env = self.registry.get(spec.env)
+        env = self.registry.get(spec.env, owner)
+        check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits")
+        unfinished = sum(j.owner == owner and not j.finished for j in self._jobs.values())
+        if unfinished >= self.caps.jobs_per_tenant:
+            raise QuotaExceededError(
+                f"{unfinished} jobs are unfinished; caps.jobs_per_tenant is {self.caps.jobs_per_tenant}; "
+                "cancel some or wait for them to finish"
+            )
         spec = spec.model_copy(update={"env": env.ref()})
         job_id = uuid.uuid4().hex[:16]
         tasks = select_tasks(env, spec)
@@ -193,6 +216,11 @@ class JobManager:
             raise InvalidRequestError(
                 f"tasks x group_size = {len(tasks)} x {spec.group_size} = {total} rollouts; "
                 f"the limit per job is {MAX_ROLLOUTS_PER_JOB}"
+            )
+        if total > self.caps.rollouts_per_job:
+            raise QuotaExceededError(
+                f"tasks x group_size = {len(tasks)} x {spec.group_size} = {total} rollouts; "
+                f"caps.rollouts_per_job is {self.caps.rollouts_per_job}"
             )
         items = self._items(job_id, env, spec, tasks)
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
@@ -269,6 +297,13 @@ class JobManager:
         once (a group is never split, so it may exceed that by group_size - 1); ends once the job is finished and
         everything logged has been sent."""
         job = self._job(job_id, owner)
+        with self._streams.hold(job.owner):
+            async with contextlib.aclosing(self._stream(job, resume_after, max_in_flight, max_batch)) as batches:
+                async for batch in batches:
+                    yield batch
+
+    async def _stream(self, job: _Job, resume_after: int, max_in_flight: int, max_batch: int) -> AsyncGenerator[Batch]:
+        job_id = job.job_id
         n = job.spec.group_size if job.spec.deliver_groups else 1
         cursor = resume_after
         me = _Listener()
