@@ -54,6 +54,7 @@ TOMBSTONE_KEEP_S = 3600.0
 MAX_TOMBSTONES_PER_TENANT = 1000
 LEASE_GRACE_S = 60.0
 MAX_LEASE_S = 7 * 24 * 3600.0  # SandboxSpec's limit
+_STDIN_BOUND_SLACK = 16  # a stdin length bound from message sizes is at most this much over the length
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -294,11 +295,14 @@ class SandboxManager:
         *,
         cwd: str = "",
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: bytes | Callable[[], bytes] = b"",
+        stdin_size: int | None = None,
         timeout_s: float = 0.0,
         max_output: int = 0,
     ) -> AsyncIterator[ExecEvent]:
-        """Run a command, streaming started, stdout/stderr chunks and ended."""
+        """Run a command, streaming started, stdout/stderr chunks and ended. `stdin` may be a function that gives the
+        bytes, with `stdin_size` an upper bound of their length: the wire edge passes one, so a request refused by a
+        stdin cap is never copied out of its message."""
         if isinstance(cmd, str):
             if not cmd.strip() or "\0" in cmd:
                 raise InvalidRequestError("shell: the command is empty or holds NUL")
@@ -308,16 +312,17 @@ class SandboxManager:
             raise InvalidRequestError("cwd holds NUL")
         timeout, cap = self._exec_limits(timeout_s, max_output)
         variables = _check_env_vars(env or {}, "env")
-        if len(stdin) > self.caps.exec_stdin_bytes:
-            raise QuotaExceededError(
-                f"stdin is {len(stdin)} bytes; caps.exec_stdin_bytes is {self.caps.exec_stdin_bytes} per Exec "
-                "(use Upload or WriteFile for larger inputs)"
-            )
+        size = self._stdin_size(stdin, stdin_size)
+        if size > self.caps.exec_stdin_bytes and not isinstance(stdin, bytes):
+            stdin = stdin()  # a bound within a few bytes of the cap: the exact length decides
+            size = self._stdin_size(stdin, None)
         live = await self._get(tenant, sandbox_id)
-        with self._execs.hold(tenant), self._stdin.hold(tenant, len(stdin)):
+        with self._execs.hold(tenant), self._stdin.hold(tenant, size):
+            data = stdin if isinstance(stdin, bytes) else stdin()
             stream = live.sandbox.exec_stream(
-                cmd, cwd=cwd or None, env=variables, stdin=stdin, timeout=timeout, max_output=cap
+                cmd, cwd=cwd or None, env=variables, stdin=data, timeout=timeout, max_output=cap
             )
+            del data, stdin  # the sandbox's call holds what it needs
             try:
                 while True:
                     try:
@@ -328,6 +333,18 @@ class SandboxManager:
             finally:
                 with contextlib.suppress(Exception):
                     await stream.aclose()  # type: ignore[attr-defined]
+
+    def _stdin_size(self, stdin: bytes | Callable[[], bytes], bound: int | None) -> int:
+        """The stdin's length (or its bound); QuotaExceededError when it is surely over the cap."""
+        exact = isinstance(stdin, bytes) or bound is None
+        size = len(stdin) if isinstance(stdin, bytes) else bound if bound is not None else len(stdin())
+        cap = self.caps.exec_stdin_bytes
+        if size > cap + (0 if exact else _STDIN_BOUND_SLACK):
+            raise QuotaExceededError(
+                f"stdin is {size} bytes; caps.exec_stdin_bytes is {cap} per Exec (use Upload or WriteFile for "
+                "larger inputs)"
+            )
+        return size
 
     async def read_file(self, tenant: str, sandbox_id: str, path: str, max_bytes: int = 0) -> bytes:
         """A file's content (at most max_bytes, 0: the configured cap)."""

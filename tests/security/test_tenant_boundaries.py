@@ -35,7 +35,7 @@ def _spec(name: str, visibility: str = "") -> pb.EnvironmentSpec:
         version="1",
         tools=["submit"],
         tasks=[pb.TaskSpec(id="t", prompt="say hi", reference=[pb.ToolCall(name="submit", arguments="{}")])],
-        scoring=pb.ScoringSpec(command="echo '{\"reward\": 1, \"secret_answer\": 42}'"),
+        scoring=pb.ScoringSpec(command='echo \'{"reward": 1, "secret_answer": 42}\''),
         visibility=visibility,
     )
 
