@@ -73,6 +73,11 @@ class OrchestratorConfig(BaseModel):
     sessions: SessionConfig = SessionConfig()
     sandboxes: SandboxServiceConfig = SandboxServiceConfig()
     caps: CapsConfig = Field(CapsConfig(), description="per request and per tenant caps (RESOURCE_EXHAUSTED)")
+    # gRPC receives and parses a whole request message (~1.5x its size in memory) before any handler or cap sees it:
+    # the one bound on what an in-flight request costs before it can be refused
+    max_message_bytes: int = Field(
+        MAX_MESSAGE_BYTES, ge=4 << 20, le=MAX_MESSAGE_BYTES, description="largest request (and response) message"
+    )
     workers: int = Field(
         0, ge=0, le=1024, description="rollout worker processes on this host; 0: rollouts run in this process"
     )
@@ -84,6 +89,15 @@ class OrchestratorConfig(BaseModel):
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to serve beside the entry points"
     )
+
+    @model_validator(mode="after")
+    def _answers_fit_messages(self) -> OrchestratorConfig:
+        if self.sandboxes.max_output + (1 << 20) > self.max_message_bytes:
+            raise ValueError(
+                f"sandboxes.max_output ({self.sandboxes.max_output}) must leave 1 MiB under max_message_bytes "
+                f"({self.max_message_bytes}): a file read or a download must fit in one answer"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ray_needs_tcp(self) -> OrchestratorConfig:
@@ -204,8 +218,8 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(auth), ErrorInterceptor()],
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
         ],
     )
     # sessions and raw sandboxes share the host's capacity with rollouts: they reserve it through the scheduler

@@ -205,3 +205,18 @@ async def test_concurrent_large_stdin_is_bounded_per_tenant(tmp_path: Path, base
             f"the server grew by {growth[0] / MiB:.0f} MiB"
         )
         await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
+
+
+async def test_a_lower_message_cap_refuses_large_requests_before_they_are_read(tmp_path: Path) -> None:
+    """gRPC reads a message whole before any handler; `max_message_bytes` refuses one from its length prefix."""
+    config = {"max_message_bytes": 8 * MiB, "sandboxes": {"max_output": 4 * MiB}}
+    async with serve(tmp_path, backend=FAKE, **config) as orch, EnvfleetClient(orch.address) as c:
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))).sandbox_id
+        await expect_error(
+            ss.Exec(pb.ExecRequest(sandbox_id=sid, shell="cat", stdin=b"x" * (10 * MiB))),
+            EXHAUSTED,
+            "Received message larger than max",
+        )
+        events = [ev.WhichOneof("event") async for ev in ss.Exec(pb.ExecRequest(sandbox_id=sid, shell="true"))]
+        assert events[-1] == "ended"
