@@ -182,7 +182,7 @@ class JobManager:
             if stored.spec.deliver_groups:
                 await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
             done_ids = await self.store.done_ids(job.job_id)
-            items = [i for i in self._items(job.job_id, env, stored.spec) if i.id not in done_ids]
+            items = [i for i in self._items(job.job_id, env, stored.spec, owner=stored.owner) if i.id not in done_ids]
             log.info("resuming job %s: %d of %d rollouts left", job.job_id, len(items), job.total)
             if not items:
                 await self._finish(job, JobState.COMPLETED)
@@ -190,11 +190,17 @@ class JobManager:
             self._queue(job.job_id, env, stored.spec, items, stored.owner)
 
     def _items(
-        self, job_id: str, env: Environment, spec: JobSpec, tasks: Sequence[Task] | None = None
+        self,
+        job_id: str,
+        env: Environment,
+        spec: JobSpec,
+        tasks: Sequence[Task] | None = None,
+        *,
+        owner: str = LOCAL_TENANT,
     ) -> list[WorkItem]:
         now = time.monotonic()
         chosen = select_tasks(env, spec) if tasks is None else tasks
-        return [WorkItem(job_id, task, k, now) for task in chosen for k in range(spec.group_size)]
+        return [WorkItem(job_id, task, k, now, owner) for task in chosen for k in range(spec.group_size)]
 
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
@@ -222,7 +228,7 @@ class JobManager:
                 f"tasks x group_size = {len(tasks)} x {spec.group_size} = {total} rollouts; "
                 f"caps.rollouts_per_job is {self.caps.rollouts_per_job}"
             )
-        items = self._items(job_id, env, spec, tasks)
+        items = self._items(job_id, env, spec, tasks, owner=owner)
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
         await self.store.create_job(job_id, spec, len(items), owner)
         self._jobs[job_id] = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)

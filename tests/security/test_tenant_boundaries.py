@@ -4,6 +4,7 @@ scorer's reward components; warm pools are keyed by tenant, so a recycled sandbo
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.sandbox import SandboxSpec
 from protos import orchestrator_pb2 as pb
-from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve
+from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, local_runner, serve
+from tests.security.test_tenant_caps import silent_policy
 
 TOKEN_A, TOKEN_B = (secrets.token_urlsafe(24) for _ in range(2))
 
@@ -131,3 +133,28 @@ async def test_session_sandboxes_come_from_the_tenants_own_pool(tmp_path: Path, 
         assert live[rb.session_id].sandbox.spec.labels["envfleet.tenant"] == "team-b"
         for client, r in ((a, ra), (b, rb)):
             await client.session_stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id))
+
+
+async def test_rollout_sandboxes_come_from_the_job_owners_pool(tmp_path: Path, token_file: Path) -> None:
+    async with (
+        silent_policy() as url,
+        serve(tmp_path / "data", backend=FAKE, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        job = pb.JobSpec(
+            env="python-tool",
+            tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["py-000"]),
+            policy=pb.PolicyEndpoint(base_url=url, model="m"),
+        )
+        for client in (a, b):
+            await client.rollout_stub.SubmitJob(job)
+        runner = local_runner(orch)
+        for _ in range(100):  # both rollouts hold their sandboxes while they wait on the silent policy
+            if len(runner.active) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(box.spec.labels.get("envfleet.tenant", "") for box in runner.active.values()) == [
+            "team-a",
+            "team-b",
+        ]
