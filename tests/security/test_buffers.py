@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -209,7 +210,7 @@ async def test_concurrent_large_stdin_is_bounded_per_tenant(tmp_path: Path, base
 
 async def test_a_lower_message_cap_refuses_large_requests_before_they_are_read(tmp_path: Path) -> None:
     """gRPC reads a message whole before any handler; `max_message_bytes` refuses one from its length prefix."""
-    config = {"max_message_bytes": 8 * MiB, "sandboxes": {"max_output": 4 * MiB}}
+    config: dict[str, Any] = {"max_message_bytes": 8 * MiB, "sandboxes": {"max_output": 4 * MiB}}
     async with serve(tmp_path, backend=FAKE, **config) as orch, EnvfleetClient(orch.address) as c:
         ss = c.sandbox_stub
         sid = (await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))).sandbox_id

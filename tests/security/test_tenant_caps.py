@@ -9,6 +9,7 @@ import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -113,7 +114,7 @@ async def test_jobs_streams_and_rollouts_per_job_are_capped_per_tenant(tmp_path:
 
 
 async def test_sessions_and_raw_sandboxes_share_the_hosts_capacity_with_rollouts(tmp_path: Path) -> None:
-    config = {"capacity": {"max_sandboxes": 2}, "pool": {"enabled": False}}
+    config: dict[str, Any] = {"capacity": {"max_sandboxes": 2}, "pool": {"enabled": False}}
     async with (
         silent_policy() as url,
         serve(tmp_path, backend=FAKE, **config) as orch,
@@ -152,7 +153,7 @@ async def test_sessions_and_raw_sandboxes_share_the_hosts_capacity_with_rollouts
 
 
 async def test_per_tenant_counts_name_their_caps(tmp_path: Path) -> None:
-    config = {"sessions": {"max_per_tenant": 1}, "sandboxes": {"max_per_tenant": 1}}
+    config: dict[str, Any] = {"sessions": {"max_per_tenant": 1}, "sandboxes": {"max_per_tenant": 1}}
     async with serve(tmp_path, backend=FAKE, **config) as orch, EnvfleetClient(orch.address) as c:
         r = await c.session_stub.Reset(pb.ResetRequest(env="python-tool", task_id="py-000"))
         await expect_error(
