@@ -541,7 +541,7 @@ class ScoringSpec(_message.Message):
     def __init__(self, command: _Optional[str] = ..., timeout_s: _Optional[float] = ..., min_reference_reward: _Optional[float] = ...) -> None: ...
 
 class EnvironmentSpec(_message.Message):
-    __slots__ = ("name", "version", "description", "image", "tasks", "tasks_jsonl", "tools", "scoring", "limits", "system_prompt", "max_turns", "tool_timeout_s", "setup_command")
+    __slots__ = ("name", "version", "description", "image", "tasks", "tasks_jsonl", "tools", "scoring", "limits", "system_prompt", "max_turns", "tool_timeout_s", "setup_command", "visibility")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
@@ -555,6 +555,7 @@ class EnvironmentSpec(_message.Message):
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     TOOL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SETUP_COMMAND_FIELD_NUMBER: _ClassVar[int]
+    VISIBILITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     description: str
@@ -568,7 +569,8 @@ class EnvironmentSpec(_message.Message):
     max_turns: int
     tool_timeout_s: float
     setup_command: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[_Union[ImageSource, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., tasks_jsonl: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., scoring: _Optional[_Union[ScoringSpec, _Mapping]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., system_prompt: _Optional[str] = ..., max_turns: _Optional[int] = ..., tool_timeout_s: _Optional[float] = ..., setup_command: _Optional[str] = ...) -> None: ...
+    visibility: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[_Union[ImageSource, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., tasks_jsonl: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., scoring: _Optional[_Union[ScoringSpec, _Mapping]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., system_prompt: _Optional[str] = ..., max_turns: _Optional[int] = ..., tool_timeout_s: _Optional[float] = ..., setup_command: _Optional[str] = ..., visibility: _Optional[str] = ...) -> None: ...
 
 class ValidationReport(_message.Message):
     __slots__ = ("env", "image", "num_tasks", "reference_task_id", "reference_reward", "reference_components", "duration_s", "checks")

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.core.errors import (
+    ArchiveTooLargeError,
     InvalidRequestError,
     SandboxFileError,
     SandboxFileNotFoundError,
@@ -201,14 +202,24 @@ class EnvdTransport(Transport):
         return int(r.files)
 
     async def download(self, path: str) -> bytes:
+        return await self.download_at_most(path, 0)
+
+    async def download_at_most(self, path: str, max_bytes: int) -> bytes:
+        """The archive, counted as it streams: past `max_bytes` (0: no cap) the call is cancelled, so envd stops
+        producing it and no more than the cap plus one chunk is ever held here."""
         parts: list[bytes] = []
+        total = 0
+        call = self._fs.Download(pb.DownloadRequest(path=path), metadata=self._md, timeout=CALL_DEADLINE_S)
         try:
-            async for chunk in self._fs.Download(
-                pb.DownloadRequest(path=path), metadata=self._md, timeout=CALL_DEADLINE_S
-            ):
+            async for chunk in call:
+                total += len(chunk.data)
+                if max_bytes and total > max_bytes:
+                    raise ArchiveTooLargeError(f"the archive of {path!r} is over the cap of {max_bytes} bytes")
                 parts.append(chunk.data)
         except grpc.aio.AioRpcError as e:
             _raise(e)
+        finally:
+            call.cancel()
         return b"".join(parts)
 
     async def close(self) -> None:

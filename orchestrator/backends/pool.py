@@ -1,9 +1,11 @@
 """Warm pools and recycling in front of a sandbox backend.
 
-Sandboxes are kept ready per pool key (image, limits, hardening, env). Each pool's target size follows demand:
-the observed acquire rate, less the rate at which recycled sandboxes come back, times the cold-start latency
-(Little's law) plus headroom, between a minimum and a maximum. A pool whose sandboxes are recycled as fast as they
-are taken needs no cold creates (each one would only be destroyed again at release, for want of room), so while a
+Sandboxes are kept ready per pool key (image, limits, hardening, env, and the tenant when the spec names one: a
+recycled sandbox is reset in place, and a reset that missed a corner must not hand one tenant's leftovers to
+another, so sessions, whose sandboxes a tenant drives directly, are pooled per tenant). Each pool's target size
+follows demand: the observed acquire rate, less the rate at which recycled sandboxes come back, times the cold-start
+latency (Little's law) plus headroom, between a minimum and a maximum. A pool whose sandboxes are recycled as fast as
+they are taken needs no cold creates (each one would only be destroyed again at release, for want of room), so while a
 pool's releases are recycled its busy sandboxes count as idle ones on their way back.
 Idle capacity is shared: when a pool needs room, the oldest idle sandbox of any pool is evicted, so a pool never
 starves another image. Idle sandboxes expire after a TTL and are drained on close. A released sandbox whose
@@ -46,9 +48,18 @@ class PoolConfig(BaseModel):
     refill_concurrency: int = Field(4, ge=1, le=256, description="cold creates the refiller runs at once")
 
 
+TENANT_LABEL = "envfleet.tenant"
+
+
+def _key_labels(spec: SandboxSpec) -> dict[str, str]:
+    """The labels that are part of the pool key: the tenant's, if any."""
+    tenant = spec.labels.get(TENANT_LABEL)
+    return {TENANT_LABEL: tenant} if tenant is not None else {}
+
+
 def pool_key(spec: SandboxSpec) -> str:
-    """What makes two sandboxes interchangeable: everything but the labels."""
-    raw = spec.model_dump_json(exclude={"labels"})
+    """What makes two sandboxes interchangeable: everything but the labels, save the tenant's."""
+    raw = spec.model_dump_json(exclude={"labels"}) + "\0" + _key_labels(spec).get(TENANT_LABEL, "")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -131,7 +142,7 @@ class SandboxPool:
         key = pool_key(spec)
         p = self._pools.get(key)
         if p is None:
-            p = self._pools[key] = _Pool(key, spec.model_copy(update={"labels": {}}))
+            p = self._pools[key] = _Pool(key, spec.model_copy(update={"labels": _key_labels(spec)}))
         return p
 
     def _target(self, p: _Pool, now: float) -> int:

@@ -138,6 +138,10 @@ class CapacityError(QuotaExceededError):
     """The request can never fit this host's capacity (RESOURCE_EXHAUSTED)."""
 
 
+class ArchiveTooLargeError(QuotaExceededError):
+    """An archive (a download, a snapshot) grew past the cap it was read under; reading it stopped there."""
+
+
 class EnvironmentNotFoundError(NotFoundError):
     """No environment of that name (or version); the message suggests the closest names."""
 

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from orchestrator.core.errors import ArchiveTooLargeError
+
 
 class Limits(BaseModel):
     """Resource limits of one sandbox. Each is applied or the create fails; none is silently dropped."""
@@ -143,6 +145,12 @@ class SandboxState:
 Command = str | Sequence[str]
 
 
+def _at_most(data: bytes, max_bytes: int, path: str) -> bytes:
+    if len(data) > max_bytes:
+        raise ArchiveTooLargeError(f"the archive of {path!r} is {len(data)} bytes, over the cap of {max_bytes}")
+    return data
+
+
 class Transport(abc.ABC):
     """How a Sandbox reaches inside its container: envd over a unix socket, or `docker exec`."""
 
@@ -210,6 +218,11 @@ class Transport(abc.ABC):
     async def download(self, path: str) -> bytes:
         """A tar archive of a file or directory (links stored as links)."""
 
+    async def download_at_most(self, path: str, max_bytes: int) -> bytes:
+        """Like download, but ArchiveTooLargeError once the archive passes `max_bytes`. This default reads it whole
+        first; a transport that streams overrides it to stop reading at the cap."""
+        return _at_most(await self.download(path), max_bytes, path)
+
     @abc.abstractmethod
     async def health(self, timeout: float) -> bool:
         """Whether the inside answers."""
@@ -275,6 +288,14 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def download(self, path: str) -> bytes:
         """A tar archive of a file or directory."""
+
+    async def download_at_most(self, path: str, max_bytes: int) -> bytes:
+        """Like download, but ArchiveTooLargeError once the archive passes `max_bytes`, read no further than that
+        through a transport that streams (envd); other sandboxes (the fake's, in memory) read it whole first."""
+        transport = getattr(self, "transport", None)
+        if isinstance(transport, Transport):
+            return await transport.download_at_most(path, max_bytes)
+        return _at_most(await self.download(path), max_bytes, path)
 
     @abc.abstractmethod
     async def state(self) -> SandboxState:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TypeVar
 
-from orchestrator.backends.pool import SandboxPool
+from orchestrator.backends.pool import TENANT_LABEL, SandboxPool
 from orchestrator.core.environment import Environment, ImageSource, Task
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError
 from orchestrator.core.models import (
@@ -41,6 +41,7 @@ class WorkItem:
     task: Task
     sample_index: int
     enqueued_at: float
+    tenant: str = ""  # the job's owner: its sandboxes come from a warm pool of that tenant's own ("": shared)
 
     @property
     def id(self) -> str:
@@ -128,8 +129,9 @@ class RolloutRunner:
                 prov.image, prov.image_id = image, image_id
                 # the seed travels with the task (setup), not in the sandbox's environment, so sandboxes stay
                 # interchangeable in the warm pool
+                labels = {TENANT_LABEL: item.tenant} if item.tenant else {}
                 sandbox, source = await self.sandboxes.acquire(
-                    SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))
+                    SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV), labels=labels)
                 )
                 warm = source == "warm"
                 self.active[item.id] = sandbox

@@ -31,6 +31,7 @@ from orchestrator.server.security import (
 from orchestrator.server.services import EnvironmentService, RolloutService
 from orchestrator.server.trainer_services import SandboxService, SessionService
 from orchestrator.server.worker_plane import WorkerPlane
+from orchestrator.service.caps import CapsConfig
 from orchestrator.service.executor import Executor, LocalExecutor
 from orchestrator.service.fleet import start_fleet
 from orchestrator.service.jobs import JobManager
@@ -72,6 +73,12 @@ class OrchestratorConfig(BaseModel):
     security: SecurityConfig = SecurityConfig()
     sessions: SessionConfig = SessionConfig()
     sandboxes: SandboxServiceConfig = SandboxServiceConfig()
+    caps: CapsConfig = Field(CapsConfig(), description="per request and per tenant caps (RESOURCE_EXHAUSTED)")
+    # gRPC receives and parses a whole request message (~1.5x its size in memory) before any handler or cap sees it:
+    # the one bound on what an in-flight request costs before it can be refused
+    max_message_bytes: int = Field(
+        MAX_MESSAGE_BYTES, ge=4 << 20, le=MAX_MESSAGE_BYTES, description="largest request (and response) message"
+    )
     workers: int = Field(
         0, ge=0, le=1024, description="rollout worker processes on this host; 0: rollouts run in this process"
     )
@@ -85,6 +92,15 @@ class OrchestratorConfig(BaseModel):
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to serve beside the entry points"
     )
+
+    @model_validator(mode="after")
+    def _answers_fit_messages(self) -> OrchestratorConfig:
+        if self.sandboxes.max_output + (1 << 20) > self.max_message_bytes:
+            raise ValueError(
+                f"sandboxes.max_output ({self.sandboxes.max_output}) must leave 1 MiB under max_message_bytes "
+                f"({self.max_message_bytes}): a file read or a download must fit in one answer"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ray_needs_tcp(self) -> OrchestratorConfig:
@@ -183,7 +199,13 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     registry = registry or Registry.from_entry_points()
     for reference in config.environments:
         registry.load(reference)
-    registrar = Registrar(registry, backend, fleet.build_spec_image, SpecStore(config.data_dir / "environments"))
+    registrar = Registrar(
+        registry,
+        backend,
+        fleet.build_spec_image,
+        SpecStore(config.data_dir / "environments"),
+        caps=config.caps.sandbox,
+    )
     await registrar.load()
     metrics = Metrics()
     pool = SandboxPool(backend, config.pool, metrics)
@@ -196,7 +218,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     else:
         executor = LocalExecutor(RolloutRunner(pool, images))
     jobs = await JobManager.start(
-        store, registry, executor, config.max_in_flight, metrics=metrics, capacity=config.capacity
+        store, registry, executor, config.max_in_flight, metrics=metrics, capacity=config.capacity, caps=config.caps
     )
     # read when scraped
     metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
@@ -204,12 +226,17 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(auth), ErrorInterceptor()],
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
         ],
     )
-    sessions = SessionManager.start(config.sessions, registry, pool, images)
-    sandboxes = SandboxManager.start(config.sandboxes, registry, backend, images, fleet.image_present)
+    # sessions and raw sandboxes share the host's capacity with rollouts: they reserve it through the scheduler
+    sessions = SessionManager.start(
+        config.sessions, registry, pool, images, caps=config.caps.sandbox, admission=jobs.scheduler
+    )
+    sandboxes = SandboxManager.start(
+        config.sandboxes, registry, backend, images, fleet.image_present, caps=config.caps, admission=jobs.scheduler
+    )
     orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(
         EnvironmentService(registry, registrar, auth), server
     )

@@ -88,8 +88,9 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
     async def List(
         self, request: pb.ListEnvironmentsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnvironmentsResponse:
+        visible = self._registry.all(self._auth.tenant(context))  # another tenant's private ones are left out
         return pb.ListEnvironmentsResponse(
-            environments=[environment_pb(r.env, r.source, self._image(r.env)) for r in self._registry.all()]
+            environments=[environment_pb(r.env, r.source, self._image(r.env)) for r in visible]
         )
 
     async def Describe(
@@ -98,7 +99,7 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
         if not request.name:
             raise InvalidRequestError("name is empty: give an environment name or name@version")
         capped(request.name, "name", MAX_ENV_REF)
-        r = self._registry.lookup(request.name)
+        r = self._registry.lookup(request.name, self._auth.tenant(context))
         return environment_pb(r.env, r.source, self._image(r.env))
 
     def _registrar_or_fail(self) -> Registrar:

@@ -55,6 +55,26 @@ def _path(value: str, what: str = "path") -> str:
     return value
 
 
+def _stdin_size(request: pb.ExecRequest) -> int:
+    """The length of the request's stdin from message sizes alone: reading the field would copy it."""
+    rest = pb.ExecRequest(
+        sandbox_id=request.sandbox_id,
+        cwd=request.cwd,
+        env=request.env,
+        timeout_s=request.timeout_s,
+        max_output_bytes=request.max_output_bytes,
+    )
+    if request.HasField("argv"):
+        rest.argv.CopyFrom(request.argv)
+    elif request.HasField("shell"):
+        rest.shell = request.shell
+    framed = request.ByteSize() - rest.ByteSize() - 1  # the stdin's length varint and bytes, less its tag
+    for varint in range(1, 11):
+        if framed - varint < 1 << (7 * varint):  # the length whose varint takes `varint` bytes
+            return max(0, framed - varint)
+    return max(0, framed)
+
+
 class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
     """Reset, Step, CloseSession (and Close, its deprecated alias)."""
 
@@ -135,7 +155,9 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
             command_from_pb(request),
             cwd=request.cwd,
             env=dict(request.env),
-            stdin=request.stdin,
+            # a request refused by a stdin cap is never copied out of its message
+            stdin=lambda: request.stdin,
+            stdin_size=_stdin_size(request),
             timeout_s=request.timeout_s,
             max_output=request.max_output_bytes,
         )

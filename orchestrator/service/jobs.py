@@ -1,24 +1,36 @@
 """Jobs: submit, run through the scheduler, log every scored rollout, stream with acks and backpressure, resume
-after a restart."""
+after a restart.
+
+Caps (RESOURCE_EXHAUSTED, naming the cap): unfinished jobs per tenant, rollouts per job, the sandbox limits of the
+job's environment, open streams per tenant. A tenant may submit jobs only on environments it can see (public ones
+and its own private ones)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
-from orchestrator.core.errors import EnvfleetError, InvalidRequestError, JobFinishedError, JobNotFoundError
+from orchestrator.core.errors import (
+    EnvfleetError,
+    InvalidRequestError,
+    JobFinishedError,
+    JobNotFoundError,
+    QuotaExceededError,
+)
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState
 from orchestrator.rollout.runner import WorkItem
 from orchestrator.service.advantages import group_advantages
+from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
 from orchestrator.service.executor import Executor
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity, Need, Scheduler
@@ -114,7 +126,10 @@ class JobManager:
         max_in_flight: int,
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
+        caps: CapsConfig | None = None,
     ) -> None:
+        self.caps = caps or CapsConfig()
+        self._streams = TenantCounter(self.caps.streams_per_tenant, "caps.streams_per_tenant", "streams")
         self.metrics = metrics or Metrics()
         self.store = store
         self.registry = registry
@@ -131,9 +146,10 @@ class JobManager:
         max_in_flight: int = 64,
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
+        caps: CapsConfig | None = None,
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store."""
-        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity)
+        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps)
         mgr.scheduler.start()
         await mgr._resume()
         return mgr
@@ -166,7 +182,7 @@ class JobManager:
             if stored.spec.deliver_groups:
                 await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
             done_ids = await self.store.done_ids(job.job_id)
-            items = [i for i in self._items(job.job_id, env, stored.spec) if i.id not in done_ids]
+            items = [i for i in self._items(job.job_id, env, stored.spec, owner=stored.owner) if i.id not in done_ids]
             log.info("resuming job %s: %d of %d rollouts left", job.job_id, len(items), job.total)
             if not items:
                 await self._finish(job, JobState.COMPLETED)
@@ -174,15 +190,28 @@ class JobManager:
             self._queue(job.job_id, env, stored.spec, items, stored.owner)
 
     def _items(
-        self, job_id: str, env: Environment, spec: JobSpec, tasks: Sequence[Task] | None = None
+        self,
+        job_id: str,
+        env: Environment,
+        spec: JobSpec,
+        tasks: Sequence[Task] | None = None,
+        *,
+        owner: str = LOCAL_TENANT,
     ) -> list[WorkItem]:
         now = time.monotonic()
         chosen = select_tasks(env, spec) if tasks is None else tasks
-        return [WorkItem(job_id, task, k, now) for task in chosen for k in range(spec.group_size)]
+        return [WorkItem(job_id, task, k, now, owner) for task in chosen for k in range(spec.group_size)]
 
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
-        env = self.registry.get(spec.env)
+        env = self.registry.get(spec.env, owner)
+        check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits")
+        unfinished = sum(j.owner == owner and not j.finished for j in self._jobs.values())
+        if unfinished >= self.caps.jobs_per_tenant:
+            raise QuotaExceededError(
+                f"{unfinished} jobs are unfinished; caps.jobs_per_tenant is {self.caps.jobs_per_tenant}; "
+                "cancel some or wait for them to finish"
+            )
         spec = spec.model_copy(update={"env": env.ref()})
         job_id = uuid.uuid4().hex[:16]
         tasks = select_tasks(env, spec)
@@ -194,7 +223,12 @@ class JobManager:
                 f"tasks x group_size = {len(tasks)} x {spec.group_size} = {total} rollouts; "
                 f"the limit per job is {MAX_ROLLOUTS_PER_JOB}"
             )
-        items = self._items(job_id, env, spec, tasks)
+        if total > self.caps.rollouts_per_job:
+            raise QuotaExceededError(
+                f"tasks x group_size = {len(tasks)} x {spec.group_size} = {total} rollouts; "
+                f"caps.rollouts_per_job is {self.caps.rollouts_per_job}"
+            )
+        items = self._items(job_id, env, spec, tasks, owner=owner)
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
         await self.store.create_job(job_id, spec, len(items), owner)
         self._jobs[job_id] = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
@@ -269,6 +303,13 @@ class JobManager:
         once (a group is never split, so it may exceed that by group_size - 1); ends once the job is finished and
         everything logged has been sent."""
         job = self._job(job_id, owner)
+        with self._streams.hold(job.owner):
+            async with contextlib.aclosing(self._stream(job, resume_after, max_in_flight, max_batch)) as batches:
+                async for batch in batches:
+                    yield batch
+
+    async def _stream(self, job: _Job, resume_after: int, max_in_flight: int, max_batch: int) -> AsyncGenerator[Batch]:
+        job_id = job.job_id
         n = job.spec.group_size if job.spec.deliver_groups else 1
         cursor = resume_after
         me = _Listener()

@@ -30,6 +30,7 @@ from orchestrator.core.errors import (
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
 from orchestrator.images.resolver import ImageResolver
 from orchestrator.rollout.step import env_call, replay_reference
+from orchestrator.service.caps import SandboxCaps, check_limits
 from orchestrator.service.declarative import (
     DeclarativeEnvironment,
     EnvironmentSpec,
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 SPEC_SOURCE = "spec"
 VALIDATION_SANDBOX_TTL_S = 3600.0
 VALIDATION_SLACK_S = 60.0
+
+
+def _owner(spec: EnvironmentSpec, tenant: str) -> str | None:
+    """Who may use a registered spec: its tenant alone, or (None) everyone when it was registered public."""
+    return None if spec.visibility == "public" else tenant
 
 
 class EnvImageResolver(ImageResolver):
@@ -132,8 +138,10 @@ class Registrar:
         store: SpecStore,
         max_concurrent_checks: int = 2,
         max_checks_per_tenant: int = 1,
+        caps: SandboxCaps | None = None,
     ) -> None:
         self._registry = registry
+        self._caps = caps or SandboxCaps()
         self._backend = backend
         self._build_image = build_image  # blocking (run in a thread): the backend's way to get a spec's image
         self._store = store
@@ -147,7 +155,9 @@ class Registrar:
         count = 0
         for record in await asyncio.to_thread(self._store.load_all):
             try:
-                self._registry.register(make_environment(record.spec), source=SPEC_SOURCE)
+                self._registry.register(
+                    make_environment(record.spec), source=SPEC_SOURCE, owner=_owner(record.spec, record.owner)
+                )
             except Exception:
                 log.exception("could not reload environment %s", record.spec.ref())
                 continue
@@ -181,6 +191,7 @@ class Registrar:
         SpecCheckError (FAILED_PRECONDITION) lists what failed; SandboxError means the fleet itself failed.
         """
         started = time.monotonic()
+        check_limits(spec.limits, self._caps)  # before anything is built
         env = make_environment(spec)
         result = ValidationResult(env=spec.ref(), image="", num_tasks=len(env.tasks()))
         result.checks.append(f"spec: {result.num_tasks} task(s), tools {', '.join(spec.tools)}")
@@ -257,7 +268,7 @@ class Registrar:
             record = StoredSpec(owner=tenant, registered_at=time.time(), spec=spec)
             await asyncio.to_thread(self._store.save, record)
             try:
-                self._registry.register(make_environment(spec), source=SPEC_SOURCE)
+                self._registry.register(make_environment(spec), source=SPEC_SOURCE, owner=_owner(spec, tenant))
             except BaseException:
                 await asyncio.to_thread(self._store.delete, spec.ref())
                 raise

@@ -1,6 +1,10 @@
 """The environment registry: `name@version` -> Environment, filled from the `envfleet.environments` entry points.
 
 A registration is validated before use: a well-formed name and version, known tools, unique task ids.
+
+An environment is public (built-in entry points, the operator's references, specs registered as public) or private to
+the tenant that registered it: a lookup on behalf of another tenant reports a private environment exactly like a
+missing one, and a listing leaves it out.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ class Registered:
 
     env: Environment
     source: str
+    owner: str | None = None  # the tenant a private environment belongs to; None: public
+
+    def visible_to(self, tenant: str | None) -> bool:
+        """Whether `tenant` may see and use it (None: the operator, who sees everything)."""
+        return self.owner is None or tenant is None or self.owner == tenant
 
 
 def _version_key(v: str) -> tuple[int | str, ...]:
@@ -71,8 +80,8 @@ class Registry:
         self.register(env, source=f"reference:{reference}")
         return env
 
-    def register(self, env: Environment, source: str = "python") -> None:
-        """Validate and add an environment instance."""
+    def register(self, env: Environment, source: str = "python", owner: str | None = None) -> None:
+        """Validate and add an environment instance; with `owner`, private to that tenant."""
         name, version = getattr(env, "name", ""), getattr(env, "version", "")
         if not isinstance(name, str) or not _NAME.match(name):
             raise InvalidEnvironmentError(f"environment name {echo(name)} must match {_NAME.pattern}")
@@ -87,19 +96,29 @@ class Registry:
         ids = [t.id for t in env.tasks()]
         if len(set(ids)) != len(ids):
             raise InvalidEnvironmentError(f"{name}@{version}: task ids are not unique")
-        self._by_name.setdefault(name, {})[version] = Registered(env, source)
+        self._by_name.setdefault(name, {})[version] = Registered(env, source, owner)
 
-    def get(self, ref: str) -> Environment:
-        """The environment for `name` (latest version) or `name@version`."""
-        return self.lookup(ref).env
+    def get(self, ref: str, tenant: str | None = None) -> Environment:
+        """The environment for `name` (latest version) or `name@version`, as `tenant` sees it (None: every one)."""
+        return self.lookup(ref, tenant).env
 
-    def lookup(self, ref: str) -> Registered:
+    def _visible(self, tenant: str | None) -> dict[str, dict[str, Registered]]:
+        if tenant is None:
+            return self._by_name
+        seen = {
+            name: {v: r for v, r in versions.items() if r.visible_to(tenant)}
+            for name, versions in self._by_name.items()
+        }
+        return {name: versions for name, versions in seen.items() if versions}
+
+    def lookup(self, ref: str, tenant: str | None = None) -> Registered:
         """Like get, with where it came from."""
         name, _, version = ref.partition("@")
-        versions = self._by_name.get(name)
+        versions = {v: r for v, r in self._by_name.get(name, {}).items() if r.visible_to(tenant)}
         if not versions:
-            close = difflib.get_close_matches(name, list(self._by_name), n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(self._by_name))}"
+            by_name = self._visible(tenant)
+            close = difflib.get_close_matches(name, list(by_name), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(by_name))}"
             raise EnvironmentNotFoundError(f"no environment named {echo(name)}{hint}")
         if not version:
             return versions[max(versions, key=_version_key)]
@@ -109,8 +128,9 @@ class Registry:
             )
         return versions[version]
 
-    def all(self) -> Iterable[Registered]:
-        """Every registered environment, by name then version."""
-        for name in sorted(self._by_name):
-            for version in sorted(self._by_name[name], key=_version_key):
-                yield self._by_name[name][version]
+    def all(self, tenant: str | None = None) -> Iterable[Registered]:
+        """Every registered environment `tenant` may see (None: every one), by name then version."""
+        by_name = self._visible(tenant)
+        for name in sorted(by_name):
+            for version in sorted(by_name[name], key=_version_key):
+                yield by_name[name][version]

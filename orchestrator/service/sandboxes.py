@@ -3,7 +3,16 @@
 Hardening and limits are the backend's, validated by SandboxSpec exactly as for rollouts; only envfleet images (they
 carry envd) or an environment's image may be used. A sandbox whose TTL ends is destroyed; its owner then sees it
 as EXPIRED in List and a NOT_FOUND that says so from every other call. Another tenant's sandbox is reported exactly
-like a missing one.
+like a missing one, and another tenant's private environment exactly like a missing environment.
+
+Caps (`caps:` in the server configuration, RESOURCE_EXHAUSTED naming the cap): a sandbox's limits, live sandboxes
+per tenant, open Execs per tenant, Exec stdin per request and in flight per tenant, and the size of a file read or an
+archive downloaded, which is counted while it streams out of envd and refused at the cap, never read whole first. A
+raw sandbox counts against the host's capacity (the scheduler's admission) until it ends.
+
+Exec stdin is one field of one message on the trainer API and again on envd's Start, so the server holds a few
+copies of it while the call is handed on (measured: about 3.5x the stdin bytes); capping what a tenant may have in
+flight bounds that to a known figure. Larger inputs belong in Upload or WriteFile.
 """
 
 from __future__ import annotations
@@ -24,9 +33,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.core.echo import echo
 from orchestrator.core.environment import ImageSource
-from orchestrator.core.errors import InvalidRequestError, NotFoundError, QuotaExceededError, SandboxError
+from orchestrator.core.errors import (
+    ArchiveTooLargeError,
+    InvalidRequestError,
+    NotFoundError,
+    QuotaExceededError,
+    SandboxError,
+)
 from orchestrator.core.sandbox import Command, ExecEvent, Limits, Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
 from orchestrator.service.registry import Registry
+from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +54,7 @@ TOMBSTONE_KEEP_S = 3600.0
 MAX_TOMBSTONES_PER_TENANT = 1000
 LEASE_GRACE_S = 60.0
 MAX_LEASE_S = 7 * 24 * 3600.0  # SandboxSpec's limit
+_STDIN_BOUND_SLACK = 16  # a stdin length bound from message sizes is at most this much over the length
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -75,6 +93,7 @@ class _Live:
     record: SandboxRecord
     tenant: str
     sandbox: Sandbox
+    reservation: Reservation | None = None
 
 
 def _limits(base: Limits, overrides: Mapping[str, Any]) -> Limits:
@@ -108,12 +127,19 @@ class SandboxManager:
         backend: SandboxBackend,
         images: ImageSource,
         image_present: Callable[[str], bool],
+        *,
+        caps: CapsConfig | None = None,
+        admission: Scheduler | None = None,
     ) -> None:
         self.config = config
         self._registry = registry
         self._backend = backend
         self._images = images
         self._image_present = image_present  # blocking (run in a thread); False for an invalid reference too
+        self.caps = caps or CapsConfig()
+        self._admission = admission  # None: raw sandboxes are not counted against the host's capacity
+        self._execs = TenantCounter(self.caps.streams_per_tenant, "caps.streams_per_tenant", "Execs")
+        self._stdin = TenantCounter(self.caps.stdin_bytes_per_tenant, "caps.stdin_bytes_per_tenant", "stdin bytes")
         self._live: dict[str, _Live] = {}
         self._reserved: dict[str, int] = {}
         self._ended: dict[str, OrderedDict[str, SandboxRecord]] = {}
@@ -127,17 +153,22 @@ class SandboxManager:
         backend: SandboxBackend,
         images: ImageSource,
         image_present: Callable[[str], bool],
+        *,
+        caps: CapsConfig | None = None,
+        admission: Scheduler | None = None,
     ) -> SandboxManager:
         """A manager that destroys sandboxes whose TTL ended, in the background."""
-        mgr = cls(config, registry, backend, images, image_present)
+        mgr = cls(config, registry, backend, images, image_present, caps=caps, admission=admission)
         mgr._reaper = asyncio.create_task(mgr._reap_forever(), name="sandbox reaper")
         return mgr
 
-    async def _image_and_limits(self, image: str, env_ref: str, overrides: Mapping[str, Any]) -> tuple[str, Limits]:
+    async def _image_and_limits(
+        self, tenant: str, image: str, env_ref: str, overrides: Mapping[str, Any]
+    ) -> tuple[str, Limits]:
         if bool(image) == bool(env_ref):
             raise InvalidRequestError("give exactly one of image and env")
         if env_ref:
-            env = self._registry.get(env_ref)
+            env = self._registry.get(env_ref, tenant)
             tag, _ = await self._images.resolve(env)
             return tag, _limits(env.limits, overrides)
         if not image.startswith(ENVFLEET_IMAGE_PREFIX) or len(image) > 256:
@@ -163,12 +194,16 @@ class SandboxManager:
         if not 0 < ttl <= self.config.max_ttl_s:
             raise InvalidRequestError(f"ttl_s must be between 0 and {self.config.max_ttl_s:g}, got {ttl_s!r}")
         variables = _check_env_vars(env_vars or {}, "env_vars")
-        tag, lim = await self._image_and_limits(image, env, limits or {})
+        tag, lim = await self._image_and_limits(tenant, image, env, limits or {})
+        check_limits(lim, self.caps.sandbox)
         live_now = sum(x.tenant == tenant for x in self._live.values()) + self._reserved.get(tenant, 0)
         if live_now >= self.config.max_per_tenant:
             raise QuotaExceededError(
-                f"{live_now} sandboxes are running, the limit per tenant is {self.config.max_per_tenant}; delete some"
+                f"{live_now} sandboxes are running; sandboxes.max_per_tenant is {self.config.max_per_tenant}; "
+                "delete some"
             )
+        need = Need(cpus=lim.cpus, memory_mb=lim.memory_mb)
+        reservation = self._admission.reserve(need, "a sandbox") if self._admission is not None else None
         sid = "sb-" + secrets.token_hex(10)
         self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
         try:
@@ -181,11 +216,15 @@ class SandboxManager:
                     ttl_s=min(ttl + LEASE_GRACE_S, MAX_LEASE_S),
                 )
             )
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
         finally:
             self._reserved[tenant] -= 1
         now = time.time()
         record = SandboxRecord(sid, tag, env, "RUNNING", lim, now, now + ttl)
-        self._live[sid] = _Live(record, tenant, sandbox)
+        self._live[sid] = _Live(record, tenant, sandbox, reservation)
         return record
 
     def _tombstone(self, tenant: str, sandbox_id: str) -> SandboxRecord | None:
@@ -211,6 +250,8 @@ class SandboxManager:
         ended[sid] = dataclasses.replace(live.record, state=state, ended_at=time.time(), end_reason=reason)
         while len(ended) > MAX_TOMBSTONES_PER_TENANT:
             ended.popitem(last=False)
+        if live.reservation is not None:
+            live.reservation.release()
         try:
             await asyncio.shield(live.sandbox.close())
         except SandboxError:
@@ -254,11 +295,14 @@ class SandboxManager:
         *,
         cwd: str = "",
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: bytes | Callable[[], bytes] = b"",
+        stdin_size: int | None = None,
         timeout_s: float = 0.0,
         max_output: int = 0,
     ) -> AsyncIterator[ExecEvent]:
-        """Run a command, streaming started, stdout/stderr chunks and ended."""
+        """Run a command, streaming started, stdout/stderr chunks and ended. `stdin` may be a function that gives the
+        bytes, with `stdin_size` an upper bound of their length: the wire edge passes one, so a request refused by a
+        stdin cap is never copied out of its message."""
         if isinstance(cmd, str):
             if not cmd.strip() or "\0" in cmd:
                 raise InvalidRequestError("shell: the command is empty or holds NUL")
@@ -268,20 +312,39 @@ class SandboxManager:
             raise InvalidRequestError("cwd holds NUL")
         timeout, cap = self._exec_limits(timeout_s, max_output)
         variables = _check_env_vars(env or {}, "env")
+        size = self._stdin_size(stdin, stdin_size)
+        if size > self.caps.exec_stdin_bytes and not isinstance(stdin, bytes):
+            stdin = stdin()  # a bound within a few bytes of the cap: the exact length decides
+            size = self._stdin_size(stdin, None)
         live = await self._get(tenant, sandbox_id)
-        stream = live.sandbox.exec_stream(
-            cmd, cwd=cwd or None, env=variables, stdin=stdin, timeout=timeout, max_output=cap
-        )
-        try:
-            while True:
-                try:
-                    event = await self._use(live, anext(stream))
-                except StopAsyncIteration:
-                    return
-                yield event
-        finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()  # type: ignore[attr-defined]
+        with self._execs.hold(tenant), self._stdin.hold(tenant, size):
+            data = stdin if isinstance(stdin, bytes) else stdin()
+            stream = live.sandbox.exec_stream(
+                cmd, cwd=cwd or None, env=variables, stdin=data, timeout=timeout, max_output=cap
+            )
+            del data, stdin  # the sandbox's call holds what it needs
+            try:
+                while True:
+                    try:
+                        event = await self._use(live, anext(stream))
+                    except StopAsyncIteration:
+                        return
+                    yield event
+            finally:
+                with contextlib.suppress(Exception):
+                    await stream.aclose()  # type: ignore[attr-defined]
+
+    def _stdin_size(self, stdin: bytes | Callable[[], bytes], bound: int | None) -> int:
+        """The stdin's length (or its bound); QuotaExceededError when it is surely over the cap."""
+        exact = isinstance(stdin, bytes) or bound is None
+        size = len(stdin) if isinstance(stdin, bytes) else bound if bound is not None else len(stdin())
+        cap = self.caps.exec_stdin_bytes
+        if size > cap + (0 if exact else _STDIN_BOUND_SLACK):
+            raise QuotaExceededError(
+                f"stdin is {size} bytes; caps.exec_stdin_bytes is {cap} per Exec (use Upload or WriteFile for "
+                "larger inputs)"
+            )
+        return size
 
     async def read_file(self, tenant: str, sandbox_id: str, path: str, max_bytes: int = 0) -> bytes:
         """A file's content (at most max_bytes, 0: the configured cap)."""
@@ -303,14 +366,15 @@ class SandboxManager:
         return await self._use(live, live.sandbox.upload(tar, dest_dir or "."))
 
     async def download(self, tenant: str, sandbox_id: str, path: str) -> bytes:
-        """A tar archive of a file or folder (links stored as links)."""
+        """A tar archive of a file or folder (links stored as links); refused once it streams past the cap."""
         live = await self._get(tenant, sandbox_id)
-        data = await self._use(live, live.sandbox.download(path))
-        if len(data) > self.config.max_output:
+        cap = self.config.max_output
+        try:
+            return await self._use(live, live.sandbox.download_at_most(path, cap))
+        except ArchiveTooLargeError:
             raise QuotaExceededError(
-                f"the archive of {path!r} is {len(data)} bytes, over the limit of {self.config.max_output}"
-            )
-        return data
+                f"the archive of {echo(path)} is over sandboxes.max_output = {cap} bytes; download less at a time"
+            ) from None
 
     async def delete(self, tenant: str, sandbox_id: str) -> None:
         """Destroy a sandbox now."""
@@ -344,4 +408,7 @@ class SandboxManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         live, self._live = list(self._live.values()), {}
+        for x in live:
+            if x.reservation is not None:
+                x.reservation.release()
         await asyncio.gather(*(x.sandbox.close() for x in live), return_exceptions=True)

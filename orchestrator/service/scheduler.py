@@ -8,6 +8,10 @@ running rollouts goes next (so one tenant's many priority-100 jobs cannot starve
 tenant's jobs with work and room, the one with the fewest running rollouts per unit of priority (weighted fair
 share). Priority weighs a tenant's jobs against each other, never against another tenant's.
 
+Sessions and raw sandboxes count against the same capacity: `reserve(need)` takes a sandbox's share now (or refuses
+with RESOURCE_EXHAUSTED when the host is full, since a trainer waiting on Reset is better told than queued), and the
+returned `Reservation` gives it back when the sandbox ends.
+
 Placement is image-aware: a job whose sandbox image is still being built is held back (`ready=False`), so its
 rollouts do not sit on slots waiting for a build while jobs whose images exist could run; `set_ready` releases it.
 """
@@ -24,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.core.errors import CapacityError
+from orchestrator.core.errors import CapacityError, QuotaExceededError
 from orchestrator.rollout.runner import WorkItem
 
 
@@ -71,6 +75,21 @@ class JobQueue:
         return self.ready and bool(self.pending) and len(self.running) < self.max_concurrency
 
 
+class Reservation:
+    """Host capacity held by a session or a raw sandbox; `release()` (idempotent) gives it back."""
+
+    def __init__(self, scheduler: Scheduler, need: Need) -> None:
+        self._scheduler = scheduler
+        self.need = need
+        self._released = False
+
+    def release(self) -> None:
+        """Give the capacity back (once)."""
+        if not self._released:
+            self._released = True
+            self._scheduler._unreserve(self.need)
+
+
 class Scheduler:
     """Starts `run(item)` for queued items within the caps; call `kick()` after enqueueing."""
 
@@ -85,6 +104,7 @@ class Scheduler:
         self._run = run
         self._cpus_used = 0.0
         self._memory_used = 0
+        self._held = 0  # sandboxes of sessions and the raw sandbox API, reserved outside the queues
         self._running = 0  # kept as a count: summing over the queues made each decision O(jobs), a burst O(jobs^2)
         self._queues: dict[str, JobQueue] = {}
         self._kick = asyncio.Event()
@@ -163,12 +183,43 @@ class Scheduler:
         self._kick.set()
 
     def _fits(self, need: Need) -> bool:
+        return self.in_flight < self.max_in_flight and self._room(need)
+
+    def _room(self, need: Need) -> bool:
         cap = self.capacity
         return (
-            self.in_flight < min(self.max_in_flight, cap.max_sandboxes)
+            self._running + self._held < cap.max_sandboxes
             and self._cpus_used + need.cpus <= cap.cpus
             and self._memory_used + need.memory_mb <= cap.memory_mb
         )
+
+    @property
+    def reserved(self) -> int:
+        """Sandboxes held through `reserve` now."""
+        return self._held
+
+    def reserve(self, need: Need, what: str) -> Reservation:
+        """Take one sandbox's share of the host now for `what` (a session, a raw sandbox); QuotaExceededError (with
+        the numbers) when the host is full. Release the returned Reservation when the sandbox ends."""
+        self.check_fits(need)
+        if not self._room(need):
+            cap = self.capacity
+            raise QuotaExceededError(
+                f"this host is at capacity, {what} cannot start now: {self._running + self._held} of "
+                f"capacity.max_sandboxes = {cap.max_sandboxes} sandboxes, {self._cpus_used:g} + {need.cpus:g} of "
+                f"capacity.cpus = {cap.cpus:g} CPUs, {self._memory_used} + {need.memory_mb} of "
+                f"capacity.memory_mb = {cap.memory_mb} MB; try again later"
+            )
+        self._held += 1
+        self._cpus_used += need.cpus
+        self._memory_used += need.memory_mb
+        return Reservation(self, need)
+
+    def _unreserve(self, need: Need) -> None:
+        self._held = max(0, self._held - 1)
+        self._cpus_used = max(0.0, self._cpus_used - need.cpus)
+        self._memory_used = max(0, self._memory_used - need.memory_mb)
+        self.kick()  # queued rollouts may fit now
 
     def _next(self) -> JobQueue | None:
         ready = [q for q in self._queues.values() if q.has_room() and self._fits(q.need)]

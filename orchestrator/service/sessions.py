@@ -3,7 +3,10 @@
 reset -> one sandbox, the task set up, the first observation; step(action) -> the tool's output, or, at the end of
 the episode, the environment's score with the same status taxonomy as rollouts (an infrastructure failure is never a
 reward); close -> the sandbox is destroyed. A session idle longer than its TTL expires; its id then answers NOT_FOUND
-saying so. Another tenant's session is reported exactly like a missing one.
+saying so. Another tenant's session is reported exactly like a missing one, and another tenant's private environment
+exactly like a missing environment. A session's sandbox counts against the host's capacity (the scheduler's
+admission) from reset until it is released, is capped like any sandbox (`caps.sandbox`), and comes from a warm pool of
+the tenant's own.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.backends.pool import SandboxPool
+from orchestrator.backends.pool import TENANT_LABEL, SandboxPool
 from orchestrator.core.echo import echo
 from orchestrator.core.environment import Environment, Finish, ImageSource, Task
 from orchestrator.core.errors import (
@@ -44,7 +47,9 @@ from orchestrator.rollout.step import (
     record_assistant,
     run_tool_call,
 )
+from orchestrator.service.caps import SandboxCaps, check_limits
 from orchestrator.service.registry import Registry
+from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,7 @@ class _Session:
     sandbox: Sandbox
     image: str
     state: EpisodeState
+    reservation: Reservation | None = None
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     turn: int = 0
@@ -155,20 +161,40 @@ def seed_for_task(task_id: str) -> int:
 class SessionManager:
     """Open sessions of every tenant. Start with `SessionManager.start(...)`; `close()` destroys them all."""
 
-    def __init__(self, config: SessionConfig, registry: Registry, pool: SandboxPool, images: ImageSource) -> None:
+    def __init__(
+        self,
+        config: SessionConfig,
+        registry: Registry,
+        pool: SandboxPool,
+        images: ImageSource,
+        *,
+        caps: SandboxCaps | None = None,
+        admission: Scheduler | None = None,
+    ) -> None:
         self.config = config
         self._registry = registry
         self._pool = pool
         self._images = images
+        self._caps = caps or SandboxCaps()
+        self._admission = admission  # None: sessions are not counted against the host's capacity
         self._sessions: dict[str, _Session] = {}
         self._reserved: dict[str, int] = {}
         self._ended: OrderedDict[str, _Tombstone] = OrderedDict()
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
-    def start(cls, config: SessionConfig, registry: Registry, pool: SandboxPool, images: ImageSource) -> SessionManager:
+    def start(
+        cls,
+        config: SessionConfig,
+        registry: Registry,
+        pool: SandboxPool,
+        images: ImageSource,
+        *,
+        caps: SandboxCaps | None = None,
+        admission: Scheduler | None = None,
+    ) -> SessionManager:
         """A manager whose idle sessions expire in the background."""
-        mgr = cls(config, registry, pool, images)
+        mgr = cls(config, registry, pool, images, caps=caps, admission=admission)
         mgr._reaper = asyncio.create_task(mgr._reap_forever(), name="session reaper")
         return mgr
 
@@ -188,7 +214,8 @@ class SessionManager:
         self, tenant: str, env_ref: str, task_id: str = "", seed: int | None = None, max_turns: int = 0
     ) -> tuple[SessionView, Observation]:
         """Open a session: a sandbox with the task set up. The task is `task_id`, or drawn with `seed`."""
-        env = self._registry.get(env_ref)
+        env = self._registry.get(env_ref, tenant)
+        check_limits(env.limits, self._caps, f"{env.ref()}: limits")
         task, seed = self._pick_task(env, task_id, seed)
         if not 0 <= max_turns <= 1000:
             raise InvalidRequestError(f"max_turns must be between 1 and 1000 (0: the default), got {max_turns}")
@@ -196,13 +223,20 @@ class SessionManager:
         open_now += self._reserved.get(tenant, 0)
         if open_now >= self.config.max_per_tenant:
             raise QuotaExceededError(
-                f"{open_now} sessions are open, the limit per tenant is {self.config.max_per_tenant}; close some"
+                f"{open_now} sessions are open; sessions.max_per_tenant is {self.config.max_per_tenant}; close some"
             )
+        need = Need(cpus=env.limits.cpus, memory_mb=env.limits.memory_mb)
+        reservation = self._admission.reserve(need, "a session") if self._admission is not None else None
         self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
         try:
             session = await self._open(tenant, env, task, seed, max_turns or env.max_turns)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
         finally:
             self._reserved[tenant] -= 1
+        session.reservation = reservation
         self._sessions[session.id] = session
         return self._view(session), self._observation(env, task)
 
@@ -215,6 +249,7 @@ class SessionManager:
                 image=image,
                 limits=env.limits,
                 env=dict(DETERMINISTIC_ENV),
+                labels={TENANT_LABEL: tenant},  # a warm pool of the tenant's own
                 ttl_s=min(self.config.max_lifetime_s + LEASE_GRACE_S, MAX_LEASE_S),
             )
         )
@@ -267,6 +302,8 @@ class SessionManager:
 
     async def _release(self, s: _Session, recycle: bool) -> None:
         """Hand the sandbox back: recycled when the environment allows it and nothing failed, else destroyed."""
+        if s.reservation is not None:
+            s.reservation.release()
         try:
             await asyncio.shield(
                 self._pool.release(s.sandbox, recycle=recycle and s.env.reusable, workspace_seed=s.env.workspace_seed)
@@ -378,6 +415,9 @@ class SessionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         sessions, self._sessions = list(self._sessions.values()), {}
+        for s in sessions:
+            if s.reservation is not None:
+                s.reservation.release()
         await asyncio.gather(
             *(self._pool.release(s.sandbox, recycle=False) for s in sessions if s.ended is None), return_exceptions=True
         )

@@ -18,7 +18,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -196,6 +196,9 @@ class EnvironmentSpec(_Strict):
     max_turns: int = Field(16, ge=1, le=1000)
     tool_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)
     setup_command: str | None = Field(None, min_length=1, max_length=MAX_TEXT)
+    # private: only the registering tenant may list, describe, run jobs, sessions and sandboxes on it (its tasks'
+    # data and its scorer's reward components are that tenant's); public: every tenant may
+    visibility: Literal["private", "public"] = "private"
 
     @field_validator("tools")
     @classmethod

@@ -1,0 +1,85 @@
+"""Server-side caps per request and per tenant: what one sandbox may ask for, how many jobs and streams a tenant may
+hold at once, how many rollouts one job may have, how much exec stdin may be in flight.
+
+Every refusal is RESOURCE_EXHAUSTED (QuotaExceededError) and names the cap by its configuration path (`caps.<field>`),
+so an operator knows which setting to raise and a tenant knows what it ran into.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.core.errors import QuotaExceededError
+from orchestrator.core.sandbox import Limits
+
+
+class SandboxCaps(BaseModel):
+    """The most one sandbox may ask for (raw sandboxes, declarative specs, sessions and rollouts alike)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_mb: int = Field(16 << 10, ge=16, le=1 << 20)
+    cpus: float = Field(16.0, gt=0, le=1024)
+    pids: int = Field(4096, ge=8, le=1 << 22)
+    tmp_mb: int = Field(4 << 10, ge=1, le=1 << 20)
+    workspace_mb: int = Field(16 << 10, ge=1, le=1 << 20)
+
+
+class CapsConfig(BaseModel):
+    """Caps per request and per tenant (`caps:` in the server configuration)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sandbox: SandboxCaps = SandboxCaps()
+    jobs_per_tenant: int = Field(64, ge=1, le=100_000, description="unfinished jobs per tenant")
+    streams_per_tenant: int = Field(
+        64, ge=1, le=100_000, description="open StreamRollouts streams per tenant, and apart from them open Execs"
+    )
+    rollouts_per_job: int = Field(1_000_000, ge=1, le=1_000_000, description="tasks x group_size of one job")
+    exec_stdin_bytes: int = Field(16 << 20, ge=0, le=64 << 20, description="stdin of one Exec")
+    stdin_bytes_per_tenant: int = Field(64 << 20, ge=0, le=1 << 32, description="Exec stdin in flight per tenant")
+
+
+def check_limits(limits: Limits, caps: SandboxCaps, what: str = "limits") -> None:
+    """Refuse limits over the caps, naming each one that is."""
+    over = [
+        f"{what}.{name} = {getattr(limits, name):g} is over caps.sandbox.{name} = {getattr(caps, name):g}"
+        for name in SandboxCaps.model_fields
+        if getattr(limits, name) > getattr(caps, name)
+    ]
+    if over:
+        raise QuotaExceededError("; ".join(over))
+
+
+class TenantCounter:
+    """How many of one kind of thing (streams, stdin bytes) each tenant holds now, refused past a cap."""
+
+    def __init__(self, cap: int, cap_name: str, unit: str) -> None:
+        self.cap = cap
+        self.cap_name = cap_name
+        self.unit = unit
+        self._held: collections.Counter[str] = collections.Counter()
+
+    def held(self, tenant: str) -> int:
+        """What `tenant` holds now."""
+        return self._held[tenant]
+
+    @contextlib.contextmanager
+    def hold(self, tenant: str, amount: int = 1) -> Iterator[None]:
+        """Hold `amount` for the duration; QuotaExceededError when it would take the tenant over the cap."""
+        if self._held[tenant] + amount > self.cap:
+            raise QuotaExceededError(
+                f"{self._held[tenant]} {self.unit} held and {amount} more asked for; "
+                f"{self.cap_name} is {self.cap} per tenant"
+            )
+        self._held[tenant] += amount
+        try:
+            yield
+        finally:
+            self._held[tenant] -= amount
+            if not self._held[tenant]:
+                del self._held[tenant]  # the map stays as small as the tenants at work

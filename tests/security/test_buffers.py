@@ -1,0 +1,221 @@
+"""No unbounded buffering in the orchestrator: Download is counted as it streams and refused at the cap (a 1 GiB
+sparse file no longer passes through the server's memory), Exec stdin is capped per request and in flight per
+tenant, open Execs per tenant are capped, and group snapshots are bounded per snapshot and per job."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from orchestrator.backends.config import ExecRule, FakeBackendConfig
+from orchestrator.backends.fake import FakeBackend
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.sandbox import SandboxSpec
+from orchestrator.rollout.snapshots import SnapshotBudget, SnapshotCache
+from protos import orchestrator_pb2 as pb
+from tests.conftest import REPO, TEST_OWNER
+from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve
+
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+MiB = 1 << 20
+
+
+def _rss() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@contextlib.asynccontextmanager
+async def peak_rss_growth() -> AsyncIterator[list[int]]:
+    """Samples this process's RSS every 5 ms while the block runs; yields [growth] filled in at the end."""
+    base, peak, out = _rss(), [0], [0]
+
+    async def sample() -> None:
+        while True:
+            peak[0] = max(peak[0], _rss())
+            await asyncio.sleep(0.005)
+
+    task = asyncio.create_task(sample())
+    try:
+        yield out
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        out[0] = max(peak[0], _rss()) - base
+
+
+async def test_download_of_a_huge_sparse_file_is_refused_without_reading_it(tmp_path: Path, base_image: str) -> None:
+    """Real envd: a 1 GiB sparse file tars to 1 GiB; the orchestrator stops reading at the 32 MiB cap."""
+    async with serve(tmp_path) as orch, EnvfleetClient(orch.address) as c:
+        ss = c.sandbox_stub
+        # room for envd to spool the archive inside the sandbox: the orchestrator is what must not hold it
+        limits = pb.SandboxLimits(memory_mb=3072, tmp_mb=2048)
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=base_image, limits=limits))).sandbox_id
+        made = [ev async for ev in ss.Exec(pb.ExecRequest(sandbox_id=sid, shell="truncate -s 1G big"))]
+        assert made[-1].ended.exit_code == 0, made
+        async with peak_rss_growth() as growth:
+            await expect_error(
+                ss.Download(pb.SandboxDownloadRequest(sandbox_id=sid, path="big")),
+                EXHAUSTED,
+                f"over sandboxes.max_output = {32 * MiB} bytes",
+            )
+        # before: the server grew by 2 GiB; now by the cap and a chunk or two, plus noise
+        assert growth[0] < 200 * MiB, f"the server grew by {growth[0] / MiB:.0f} MiB"
+        await ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="small", content=b"x" * 1000))
+        assert (await ss.Download(pb.SandboxDownloadRequest(sandbox_id=sid, path="small"))).tar
+        await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
+
+
+async def test_download_cap_names_the_setting(tmp_path: Path) -> None:
+    async with (
+        serve(tmp_path, backend=FAKE, sandboxes={"max_output": MiB}) as orch,
+        EnvfleetClient(orch.address) as c,
+    ):
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))).sandbox_id
+        await ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="big", content=b"x" * (2 * MiB)))
+        await expect_error(
+            ss.Download(pb.SandboxDownloadRequest(sandbox_id=sid, path="big")),
+            EXHAUSTED,
+            f"the archive of 'big' is over sandboxes.max_output = {MiB} bytes",
+        )
+        await ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="small", content=b"x" * 1000))
+        assert (await ss.Download(pb.SandboxDownloadRequest(sandbox_id=sid, path="small"))).tar
+
+
+async def test_exec_stdin_and_open_execs_are_capped(tmp_path: Path) -> None:
+    backend = FakeBackendConfig(owner=TEST_OWNER, rules=(ExecRule(match="^sleepy", latency_s=30),))
+    caps = {"exec_stdin_bytes": 2 * MiB, "stdin_bytes_per_tenant": 3 * MiB, "streams_per_tenant": 2}
+    async with serve(tmp_path, backend=backend, caps=caps) as orch, EnvfleetClient(orch.address) as c:
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))).sandbox_id
+
+        def run(stdin: bytes, shell: str = "sleepy") -> grpc.aio.UnaryStreamCall:
+            return ss.Exec(pb.ExecRequest(sandbox_id=sid, shell=shell, stdin=stdin))
+
+        await expect_error(run(b"x" * (2 * MiB + 1)), EXHAUSTED, "caps.exec_stdin_bytes is 2097152 per Exec")
+        first = run(b"x" * (2 * MiB))
+        assert (await first.read()).WhichOneof("event") == "started"  # it holds 2 MiB of the tenant's 3
+        await expect_error(run(b"y" * (2 * MiB)), EXHAUSTED, "caps.stdin_bytes_per_tenant is 3145728 per tenant")
+        second = run(b"z" * MiB)
+        assert (await second.read()).WhichOneof("event") == "started"
+        await expect_error(run(b""), EXHAUSTED, "caps.streams_per_tenant is 2 per tenant")
+        first.cancel()
+        second.cancel()
+        await asyncio.sleep(0.2)
+        events = [ev.WhichOneof("event") async for ev in run(b"q" * (2 * MiB), shell="cat")]
+        assert events[0] == "started" and events[-1] == "ended"  # the budget came back
+
+
+async def test_snapshots_are_bounded_per_snapshot_and_per_job() -> None:
+    backend = FakeBackend(FakeBackendConfig())
+    cache = SnapshotCache(SnapshotBudget(max_bytes=3 * MiB, per_job_count=8, per_job_bytes=4 * MiB))
+    setups: list[str] = []
+
+    async def prepared(job: str, task: str, size: int) -> str:
+        # a workspace under /tmp: the fake refuses to restore a snapshot into "/" (envd allows it)
+        async with await backend.create(SandboxSpec(image=FAKE_BASE_IMAGE, workspace="/tmp/ws")) as box:
+
+            async def setup() -> None:
+                setups.append(task)
+                await box.write_file("data", b"d" * size)
+
+            return await cache.prepare((job, task), box, box.spec.workspace, setup)
+
+    try:
+        # over the per-snapshot cap: not held; every sample runs its own setup
+        assert [await prepared("j1", "huge", 5 * MiB) for _ in range(3)] == ["fallback"] * 3
+        assert setups.count("huge") == 3 and cache.held_bytes("j1") == 0
+        # within it: held once, restored for the others
+        assert [await prepared("j1", "a", 2 * MiB) for _ in range(2)] == ["built", "restored"]
+        assert 2 * MiB < cache.held_bytes("j1") < 3 * MiB
+        # a second one would take the job past its 4 MiB budget
+        assert [await prepared("j1", "b", 2 * MiB) for _ in range(2)] == ["fallback", "fallback"]
+        assert cache.held_bytes("j1") < 3 * MiB
+        assert await prepared("j2", "b", 2 * MiB) == "built"  # the budget is per job
+        cache.forget_job("j1")
+        assert cache.held_bytes("j1") == 0
+    finally:
+        await backend.close()
+
+
+# The trainer runs in its own process, so that only the server's memory is measured here.
+_TRAINER = """
+import asyncio, json, sys
+import grpc
+from orchestrator.client.sdk import EnvfleetClient
+from protos import orchestrator_pb2 as pb
+
+async def main(address: str, sid: str, n: int, size: int) -> None:
+    async with EnvfleetClient(address) as c:
+        async def one() -> str:
+            req = pb.ExecRequest(sandbox_id=sid, shell="sleep 1; wc -c", stdin=b"s" * size)
+            try:
+                async for _ in c.sandbox_stub.Exec(req):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return f"{e.code().name}: {e.details()}"
+            return "ran"
+        print(json.dumps(await asyncio.gather(*(one() for _ in range(n)))))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+"""
+
+
+async def test_concurrent_large_stdin_is_bounded_per_tenant(tmp_path: Path, base_image: str) -> None:
+    """Real envd: 8 Execs at once with 16 MiB of stdin each (the per-request cap) against a tenant budget of 32 MiB.
+    Before, all 8 ran and the server grew by 717 MiB (5.6x the stdin); now 2 run and the rest are refused before
+    their stdin is copied out of the request."""
+    caps = {"stdin_bytes_per_tenant": 32 * MiB}
+    async with serve(tmp_path, caps=caps) as orch, EnvfleetClient(orch.address) as c:
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=base_image))).sandbox_id
+        async with peak_rss_growth() as growth:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                _TRAINER,
+                orch.address,
+                sid,
+                "8",
+                str(16 * MiB),
+                cwd=REPO,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            out, _ = await proc.communicate()
+        outcomes = json.loads(out)
+        ran = outcomes.count("ran")
+        refused = [o for o in outcomes if o != "ran"]
+        assert 1 <= ran <= 2 and refused, outcomes
+        assert all(o.startswith("RESOURCE_EXHAUSTED") and "caps.stdin_bytes_per_tenant" in o for o in refused)
+        # the 8 request messages (gRPC receives and parses each whole before any handler runs, ~1.6x) and the copies
+        # of the <= 32 MiB handed on to envd (~3.5x): measured 380 to 400 MiB, against 717 MiB before
+        assert growth[0] < 480 * MiB, f"the server grew by {growth[0] / MiB:.0f} MiB"
+        await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
+
+
+async def test_a_lower_message_cap_refuses_large_requests_before_they_are_read(tmp_path: Path) -> None:
+    """gRPC reads a message whole before any handler; `max_message_bytes` refuses one from its length prefix."""
+    config: dict[str, Any] = {"max_message_bytes": 8 * MiB, "sandboxes": {"max_output": 4 * MiB}}
+    async with serve(tmp_path, backend=FAKE, **config) as orch, EnvfleetClient(orch.address) as c:
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))).sandbox_id
+        await expect_error(
+            ss.Exec(pb.ExecRequest(sandbox_id=sid, shell="cat", stdin=b"x" * (10 * MiB))),
+            EXHAUSTED,
+            "Received message larger than max",
+        )
+        events = [ev.WhichOneof("event") async for ev in ss.Exec(pb.ExecRequest(sandbox_id=sid, shell="true"))]
+        assert events[-1] == "ended"

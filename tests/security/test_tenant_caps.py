@@ -1,0 +1,171 @@
+"""Server-side caps per request and per tenant (`caps:` and `capacity:` in the server configuration): each refusal is
+RESOURCE_EXHAUSTED and names the cap, and raw sandboxes and sessions take their share of the host's capacity like
+rollouts do, giving it back when they end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from orchestrator.client.sdk import EnvfleetClient
+from protos import orchestrator_pb2 as pb
+from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve
+
+TOKEN_A, TOKEN_B = (secrets.token_urlsafe(24) for _ in range(2))
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(f"tokens:\n  {TOKEN_A}: team-a\n  {TOKEN_B}: team-b\n")
+    return path
+
+
+@contextlib.asynccontextmanager
+async def silent_policy() -> AsyncIterator[str]:
+    """A policy URL that accepts connections and never answers: the job's rollouts stay running."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+
+
+def _job(url: str, group_size: int = 1) -> pb.JobSpec:
+    return pb.JobSpec(
+        env="python-tool",
+        tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["py-000"]),
+        group_size=group_size,
+        policy=pb.PolicyEndpoint(base_url=url, model="m"),
+    )
+
+
+async def test_sandbox_limits_are_capped_for_raw_sandboxes_and_declarative_specs(tmp_path: Path) -> None:
+    caps = {"sandbox": {"memory_mb": 2048, "cpus": 2}}
+    async with serve(tmp_path, backend=FAKE, caps=caps) as orch, EnvfleetClient(orch.address) as c:
+        ss = c.sandbox_stub
+        # what a raw sandbox could ask for before: a terabyte of memory, 1024 CPUs
+        for limits, cap in (
+            (pb.SandboxLimits(memory_mb=1 << 20), "caps.sandbox.memory_mb = 2048"),
+            (pb.SandboxLimits(cpus=1024), "caps.sandbox.cpus = 2"),
+        ):
+            await expect_error(ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE, limits=limits)), EXHAUSTED, cap)
+        ok = await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE, limits=pb.SandboxLimits(memory_mb=2048)))
+        await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=ok.sandbox_id))
+
+        spec = pb.EnvironmentSpec(
+            name="greedy",
+            version="1",
+            tools=["submit"],
+            tasks=[pb.TaskSpec(id="t", prompt="hi", reference=[pb.ToolCall(name="submit", arguments="{}")])],
+            scoring=pb.ScoringSpec(command="echo '{\"reward\": 1}'"),
+            limits=pb.SandboxLimits(memory_mb=1 << 20, cpus=1024),
+        )
+        for call in (c.env_stub.Validate(spec), c.env_stub.Register(spec)):
+            await expect_error(call, EXHAUSTED, "limits.memory_mb = 1.04858e+06 is over caps.sandbox.memory_mb")
+
+
+async def test_jobs_streams_and_rollouts_per_job_are_capped_per_tenant(tmp_path: Path, token_file: Path) -> None:
+    caps = {"jobs_per_tenant": 1, "streams_per_tenant": 1, "rollouts_per_job": 10}
+    async with (
+        silent_policy() as url,
+        serve(tmp_path, backend=FAKE, caps=caps, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        await expect_error(a.rollout_stub.SubmitJob(_job(url, group_size=11)), EXHAUSTED, "caps.rollouts_per_job is 10")
+        job_id = (await a.rollout_stub.SubmitJob(_job(url))).job_id
+        await expect_error(a.rollout_stub.SubmitJob(_job(url)), EXHAUSTED, "caps.jobs_per_tenant is 1")
+        other = (await b.rollout_stub.SubmitJob(_job(url))).job_id  # the cap is per tenant
+
+        first = a.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))
+        await asyncio.sleep(0.3)  # the first stream is open and waiting for rollouts
+        second = a.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))
+        await expect_error(second, EXHAUSTED, "caps.streams_per_tenant is 1")
+        b_stream = b.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=other))
+        await asyncio.sleep(0.3)
+        assert b_stream.done() is False  # B's own stream is not counted against A
+        first.cancel()
+        await asyncio.sleep(0.3)
+        again = a.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))  # the slot came back
+        await asyncio.sleep(0.3)
+        assert again.done() is False
+        for call in (again, b_stream):
+            call.cancel()
+
+        await a.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id))
+        await a.rollout_stub.SubmitJob(_job(url))  # a finished job no longer counts
+
+
+async def test_sessions_and_raw_sandboxes_share_the_hosts_capacity_with_rollouts(tmp_path: Path) -> None:
+    config: dict[str, Any] = {"capacity": {"max_sandboxes": 2}, "pool": {"enabled": False}}
+    async with (
+        silent_policy() as url,
+        serve(tmp_path, backend=FAKE, **config) as orch,
+        EnvfleetClient(orch.address) as c,
+    ):
+        box = await c.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
+        session = await c.session_stub.Reset(pb.ResetRequest(env="python-tool", task_id="py-000"))
+        await expect_error(
+            c.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE)),
+            EXHAUSTED,
+            "this host is at capacity",
+            "capacity.max_sandboxes = 2",
+        )
+        await expect_error(
+            c.session_stub.Reset(pb.ResetRequest(env="python-tool", task_id="py-000")),
+            EXHAUSTED,
+            "capacity.max_sandboxes = 2",
+        )
+        # a rollout waits for the capacity they hold
+        job_id = (await c.rollout_stub.SubmitJob(_job(url))).job_id
+        await asyncio.sleep(0.3)
+        assert (orch.jobs.scheduler.in_flight, orch.jobs.scheduler.reserved) == (0, 2)
+
+        await c.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=box.sandbox_id))
+        await asyncio.sleep(0.3)
+        assert orch.jobs.scheduler.in_flight == 1  # the freed share went to the queued rollout
+        await c.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id))
+        await asyncio.sleep(0.3)
+        step = await c.session_stub.Step(
+            pb.StepRequest(session_id=session.session_id, action=pb.Action(final_answer="x"))
+        )
+        assert step.status != pb.ROLLOUT_STATUS_UNSPECIFIED  # the episode ended: its sandbox is released
+        assert orch.jobs.scheduler.reserved == 0
+        again = await c.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
+        await c.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=again.sandbox_id))
+
+
+async def test_per_tenant_counts_name_their_caps(tmp_path: Path) -> None:
+    config: dict[str, Any] = {"sessions": {"max_per_tenant": 1}, "sandboxes": {"max_per_tenant": 1}}
+    async with serve(tmp_path, backend=FAKE, **config) as orch, EnvfleetClient(orch.address) as c:
+        r = await c.session_stub.Reset(pb.ResetRequest(env="python-tool", task_id="py-000"))
+        await expect_error(
+            c.session_stub.Reset(pb.ResetRequest(env="python-tool", task_id="py-000")),
+            EXHAUSTED,
+            "sessions.max_per_tenant is 1",
+        )
+        box = await c.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
+        await expect_error(
+            c.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE)),
+            EXHAUSTED,
+            "sandboxes.max_per_tenant is 1",
+        )
+        await c.session_stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id))
+        await c.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=box.sandbox_id))
