@@ -44,7 +44,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., result: _Optional[_Union[RolloutResult, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json")
+    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json", "tenant")
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class Assignment(_message.Message):
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     ENV_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     assignment_id: str
     job_spec_json: bytes
     job_id: str
@@ -59,7 +60,8 @@ class Assignment(_message.Message):
     sample_index: int
     queued_s: float
     env_spec_json: bytes
-    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("assignment_id",)

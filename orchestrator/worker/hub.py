@@ -166,6 +166,7 @@ class WorkerHub:
                     task_id=item.task.id,
                     sample_index=item.sample_index,
                     queued_s=queued_s,
+                    tenant=item.tenant,
                     env_spec_json=env.spec.model_dump_json().encode()
                     if isinstance(env, DeclarativeEnvironment)
                     else b"",

@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
+from orchestrator.backends.pool import TENANT_LABEL
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
@@ -68,6 +69,11 @@ async def test_a_job_spreads_over_two_workers(
     assert len(served) == 2 and all(n > 0 for n in served), f"each worker should have served rollouts: {served}"
     # the control plane ran none itself: its own process holds no rollout sandbox
     assert sum(served) == 64
+    # the workers keep their recycled sandboxes warm in pools of the job's tenant (here the local one)
+    warm = docker.from_env().containers.list(
+        filters={"label": [f"{TENANT_LABEL}=local", f"{LABEL_OWNER}={TEST_OWNER}"]}
+    )
+    assert warm, "rollouts on workers must take sandboxes from their tenant's pool"
 
 
 async def _lose_a_worker_midway(plane: Orchestrator, client: EnvfleetClient, job_id: str, how: signal.Signals) -> int:
