@@ -30,7 +30,7 @@ from orchestrator.images import build_image
 from orchestrator.images.build import BuildLimits
 
 SEED = "/opt/harbor/seed"
-RUNTIME = "/tmp/harbor"  # noqa: S108 - inside the sandbox: its own /tmp tmpfs
+RUNTIME = "/tmp/harbor"  # inside the sandbox: its own /tmp tmpfs
 VERIFIER_DIR = f"{RUNTIME}/logs/verifier"  # /logs/verifier; envd's file calls do not follow links
 MAX_OUTPUT = 1 << 20
 TAIL_CHARS = 600
@@ -144,7 +144,7 @@ class HarborEnvironment(Environment):
             await sandbox.write_file(f"{dest}/{rel}", data, mode=0o755 if rel.endswith(".sh") else 0o644)
 
     async def run_solution(self, sandbox: Sandbox, task_id: str, *, empty: bool = False) -> ExecResult | None:
-        """Upload solution/ and run `bash /solution/solve.sh` from the workdir (Harbor's oracle); `empty`: do nothing."""
+        """Upload solution/ and run `bash /solution/solve.sh` from the workdir (the oracle); `empty`: nothing."""
         t = self.harbor_tasks[task_id]
         if empty:
             return None
