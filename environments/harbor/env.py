@@ -22,7 +22,14 @@ from typing import Any, ClassVar
 
 import docker
 
-from environments.harbor.task import HarborRewardError, HarborTask, HarborTaskError, load_task, parse_reward
+from environments.harbor.task import (
+    HarborRewardError,
+    HarborRunError,
+    HarborTask,
+    HarborTaskError,
+    load_task,
+    parse_reward,
+)
 from orchestrator.core.environment import Environment, Episode, Rubric, Score, Task
 from orchestrator.core.errors import SandboxFileNotFoundError
 from orchestrator.core.sandbox import ExecResult, Limits, Sandbox
@@ -125,13 +132,15 @@ class HarborEnvironment(Environment):
     async def _sh(self, sandbox: Sandbox, cmd: str, timeout: float, what: str) -> ExecResult:
         r = await sandbox.exec(["/bin/sh", "-c", cmd], timeout=timeout, max_output=MAX_OUTPUT)
         if not r.ok:
-            raise HarborRewardError(f"{what} failed (exit {r.exit_code}): {_tail(r)}")
+            raise HarborRunError(f"{what} failed (exit {r.exit_code}): {_tail(r)}")
         return r
 
     async def setup(self, sandbox: Sandbox, task: Task, seed: int) -> None:
         """Make Harbor's writable paths and copy the image's workdir content into the workspace."""
         await self._sh(
             sandbox,
+            f"if [ ! -d {SEED} ]; then echo 'not the image built from the Harbor Dockerfile (no {SEED}): "
+            "serve the environment from an orchestrator' >&2; exit 1; fi; "
             f"mkdir -p {RUNTIME}/tests {RUNTIME}/solution {RUNTIME}/logs/verifier {RUNTIME}/logs/agent "
             f"&& cp -a {SEED}/. /workspace/",
             self.tool_timeout_s,

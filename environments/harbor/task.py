@@ -30,7 +30,11 @@ class HarborTaskError(InvalidRequestError):
     """A task directory that cannot be imported (the message names the task and the problem)."""
 
 
-class HarborRewardError(EnvfleetError):
+class HarborRunError(EnvfleetError):
+    """A step of the environment failed in the sandbox (setup, upload): ENV_ERROR."""
+
+
+class HarborRewardError(HarborRunError):
     """test.sh left no usable reward (missing, empty, NaN, not a number): the environment is broken, never a 0."""
 
 
