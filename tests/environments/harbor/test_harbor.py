@@ -129,6 +129,17 @@ def test_network_and_foreign_images_are_refused(tmp_path: Path) -> None:
         load_task(d)
 
 
+def test_a_prebuilt_envfleet_image_is_the_base(tmp_path: Path) -> None:
+    d = make_task(tmp_path, "prebuilt", toml_extra='docker_image = "envfleet/base:latest"\nworkdir = "/srv/task"\n')
+    (d / "environment" / "Dockerfile").unlink()
+    env = make_harbor_environment("prebuilt", [d])
+    assert (
+        env.dockerfile().startswith("FROM envfleet/base:latest\n")
+        and "ln -sfn /workspace /srv/task" in env.dockerfile()
+    )
+    assert "/srv/task is /workspace" in env.system_prompt
+
+
 def test_tasks_with_different_environments_are_refused(tmp_path: Path) -> None:
     a = make_task(tmp_path, "a")
     b = make_task(tmp_path, "b", dockerfile=DOCKERFILE + "RUN echo other > /app/x\n")

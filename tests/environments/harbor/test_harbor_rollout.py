@@ -38,7 +38,12 @@ async def test_rollouts_of_an_imported_environment(
     assert import_harbor(args, Console(file=io.StringIO())) == 0
     monkeypatch.setenv("ENVFLEET_HARBOR_HOME", str(home))
     solve = "tr a-z A-Z < greeting.txt > out.txt && mkdir -p src && echo x > /app/src/marker"
-    script = Script(tasks={"upper": [bash(solve), SUBMIT], "forgets-reward": [bash(solve), SUBMIT]})
+    script = Script(
+        tasks={
+            "upper": [bash(solve), SUBMIT],
+            "forgets-reward": [bash(solve + " && echo 1 > /logs/verifier/reward.txt"), SUBMIT],
+        }
+    )
     server = await start_scripted_server(script)
     orch = await create_server(
         OrchestratorConfig(
@@ -64,4 +69,5 @@ async def test_rollouts_of_an_imported_environment(
     broken = rollouts["forgets-reward"]
     assert broken.status == RolloutStatus.ENV_ERROR, (broken.status, broken.reward)
     assert broken.reward is None  # never a 0
+    # the reward the agent planted in /logs/verifier was cleared before test.sh ran
     assert broken.error is not None and "neither /logs/verifier/reward.txt" in broken.error.message
