@@ -57,8 +57,10 @@ class EnvImageResolver(ImageResolver):
     """The runner's image resolution, which also builds declarative environments' images from their specs."""
 
     def _build(self, env: Environment) -> tuple[str, str]:
-        if isinstance(env, DeclarativeEnvironment):
-            tag = env.build_image(self._client)
+        # declarative environments, and any environment that builds its own image (Harbor tasks' Dockerfiles)
+        build = getattr(env, "build_image", None)
+        if callable(build):
+            tag = str(build(self._client))
             return tag, str(self._client.images.get(tag).id)
         return super()._build(env)
 

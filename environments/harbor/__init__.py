@@ -1,0 +1,8 @@
+"""Harbor / Terminal-Bench task directories as envfleet environments.
+
+task.py       load_task (task.toml via tomllib, instruction.md, environment/, solution/, tests/), parse_reward
+env.py        HarborEnvironment: image = the task's Dockerfile + a writable-paths tail; score runs tests/test.sh
+validate.py   oracle must pass, an empty solution must fail
+installed.py  `environments.harbor.installed:NAME`: an imported environment as a config reference
+cli.py        `envfleet envs import-harbor DIR... --name NAME`
+"""

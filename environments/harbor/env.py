@@ -1,0 +1,261 @@
+"""HarborEnvironment: Harbor task directories as one envfleet environment.
+
+The image is the tasks' environment/Dockerfile (their build context: environment/), built offline under the tenant
+build limits, plus a tail that makes Harbor's writable paths work on a read-only root:
+
+- the task's workdir (default /app) becomes a symlink to /workspace (the sandbox's writable tmpfs); what the image
+  had there is moved to /opt/harbor/seed, which setup copies into /workspace (also the reset seed);
+- /tests, /solution and /logs become symlinks into /tmp/harbor/ (the writable /tmp tmpfs), made by setup.
+
+The agent's tools run in /workspace (= the workdir); after the episode tests/ is uploaded to /tests and
+`bash /tests/test.sh` runs from the workdir with [verifier] env and timeout; the reward is read by Harbor's rules.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import docker
+
+from environments.harbor.task import (
+    HarborRewardError,
+    HarborRunError,
+    HarborTask,
+    HarborTaskError,
+    load_task,
+    parse_reward,
+)
+from orchestrator.core.environment import Environment, Episode, Rubric, Score, Task
+from orchestrator.core.errors import SandboxFileNotFoundError
+from orchestrator.core.sandbox import ExecResult, Limits, Sandbox
+from orchestrator.images import build_image
+from orchestrator.images.build import BuildLimits
+
+SEED = "/opt/harbor/seed"
+RUNTIME = "/tmp/harbor"  # inside the sandbox: its own /tmp tmpfs
+VERIFIER_DIR = f"{RUNTIME}/logs/verifier"  # /logs/verifier; envd's file calls do not follow links
+MAX_OUTPUT = 1 << 20
+TAIL_CHARS = 600
+ENVD_CMD = '["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py"]'
+SYSTEM_PROMPT = (
+    "You are an agent working in a Linux sandbox without network access. Use the tools to complete the task; "
+    "call submit when done."
+)
+DEFAULT_LIMITS = Limits(memory_mb=1024, cpus=1.0, pids=256)
+
+
+def _tail(r: ExecResult) -> str:
+    text = (r.stdout + b"\n" + r.stderr).decode(errors="replace").strip()
+    return text if len(text) <= TAIL_CHARS else "..." + text[-TAIL_CHARS:]
+
+
+def _in(workdir: str, cmd: str) -> list[str]:
+    """Run `cmd` from the task's workdir as Harbor does (a cd, so `pwd` shows the workdir, not /workspace)."""
+    return ["bash", "-c", f"cd {shlex.quote(workdir)} && exec {cmd}"]
+
+
+def image_tail(task: HarborTask) -> str:
+    """The lines appended to a task's Dockerfile: writable workdir, Harbor's paths, environment, envd."""
+    w = shlex.quote(task.workdir)
+    steps = ["set -e", f"mkdir -p {SEED}"]
+    if task.workdir == "/workspace":
+        steps.append(f"if [ -d /workspace ]; then cp -a /workspace/. {SEED}/; fi")
+    else:
+        steps += [
+            f"if [ -d {w} ] && [ ! -L {w} ]; then cp -a {w}/. {SEED}/ && rm -rf {w}; fi",
+            f'mkdir -p "$(dirname {w})"',
+            f"ln -sfn /workspace {w}",
+        ]
+    steps += [
+        "rm -rf /tests /solution /logs",
+        f"ln -s {RUNTIME}/tests /tests",
+        f"ln -s {RUNTIME}/solution /solution",
+        f"ln -s {RUNTIME}/logs /logs",
+    ]
+    lines = ["", "# envfleet: Harbor paths on a read-only root", "USER root", "RUN " + " && ".join(steps)]
+    lines += [f'ENV {k}="{v}"' for k, v in sorted(task.env.items())]
+    lines += ["WORKDIR /workspace", f"CMD {ENVD_CMD}", ""]
+    return "\n".join(lines)
+
+
+def image_name(env_name: str) -> str:
+    """The image repository of an imported environment."""
+    return "harbor-" + "-".join(p for p in env_name.replace("_", "-").replace(".", "-").split("-") if p)
+
+
+class HarborEnvironment(Environment):
+    """Base of the classes `make_harbor_environment` creates (an Environment's identity is class-level)."""
+
+    task_dirs: ClassVar[tuple[Path, ...]] = ()
+    tools = ("bash", "read_file", "write_file", "str_replace", "submit")
+    system_prompt = SYSTEM_PROMPT
+    rubric = Rubric([])  # unused: score() runs the task's test.sh
+    workspace_seed = SEED
+    max_turns = 64
+
+    @cached_property
+    def harbor_tasks(self) -> dict[str, HarborTask]:
+        """The parsed task directories by id."""
+        return load_tasks(self.task_dirs)
+
+    def tasks(self) -> Sequence[Task]:
+        """One Task per directory; the prompt is instruction.md."""
+        return [Task(id=t.id, prompt=t.instruction) for t in self.harbor_tasks.values()]
+
+    def image_description(self) -> str:
+        """How Describe shows the image."""
+        return "built from the Harbor tasks' environment/Dockerfile"
+
+    def _first(self) -> HarborTask:
+        return next(iter(self.harbor_tasks.values()))
+
+    def dockerfile(self) -> str:
+        """The Dockerfile built: the tasks' own (or FROM their docker_image) plus the Harbor tail."""
+        t = self._first()
+        head = t.dockerfile if t.dockerfile is not None else f"FROM {t.docker_image}\n"
+        return head.rstrip("\n") + "\n" + image_tail(t)
+
+    def build_image(self, client: docker.DockerClient) -> str:
+        """Build (or find cached) the image offline under tenant limits; returns its tag. Blocking: use a thread."""
+        t = self._first()
+        context: Mapping[str, bytes] = {k: v for k, v in t.context.items() if k != "Dockerfile"}
+        limits = BuildLimits(timeout_s=max(x.build_timeout_s for x in self.harbor_tasks.values()))
+        return build_image(
+            client, name=image_name(self.name), dockerfile=self.dockerfile(), context_files=context, limits=limits
+        )
+
+    async def _sh(self, sandbox: Sandbox, cmd: str, timeout: float, what: str) -> ExecResult:
+        r = await sandbox.exec(["/bin/sh", "-c", cmd], timeout=timeout, max_output=MAX_OUTPUT)
+        if not r.ok:
+            raise HarborRunError(f"{what} failed (exit {r.exit_code}): {_tail(r)}")
+        return r
+
+    async def setup(self, sandbox: Sandbox, task: Task, seed: int) -> None:
+        """Make Harbor's writable paths and copy the image's workdir content into the workspace."""
+        await self._sh(
+            sandbox,
+            f"if [ ! -d {SEED} ]; then echo 'not the image built from the Harbor Dockerfile (no {SEED}): "
+            "serve the environment from an orchestrator' >&2; exit 1; fi; "
+            f"mkdir -p {RUNTIME}/tests {RUNTIME}/solution {RUNTIME}/logs/verifier {RUNTIME}/logs/agent "
+            f"&& cp -a {SEED}/. /workspace/",
+            self.tool_timeout_s,
+            "preparing the workdir",
+        )
+
+    async def _upload(self, sandbox: Sandbox, files: Mapping[str, bytes], dest: str) -> None:
+        await self._sh(sandbox, f"rm -rf {dest} && mkdir -p {dest}", self.tool_timeout_s, f"clearing {dest}")
+        for rel, data in files.items():
+            await sandbox.write_file(f"{dest}/{rel}", data, mode=0o755 if rel.endswith(".sh") else 0o644)
+
+    async def run_solution(self, sandbox: Sandbox, task_id: str, *, empty: bool = False) -> ExecResult | None:
+        """Upload solution/ and run `bash /solution/solve.sh` from the workdir (the oracle); `empty`: nothing."""
+        t = self.harbor_tasks[task_id]
+        if empty:
+            return None
+        await self._upload(sandbox, t.solution, f"{RUNTIME}/solution")
+        return await sandbox.exec(
+            _in(t.workdir, "bash /solution/solve.sh"), timeout=t.agent_timeout_s, max_output=MAX_OUTPUT
+        )
+
+    async def _read(self, sandbox: Sandbox, path: str) -> bytes | None:
+        try:
+            return await sandbox.read_file(path, max_bytes=MAX_OUTPUT)
+        except SandboxFileNotFoundError:
+            return None
+
+    async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
+        """Upload tests/, run test.sh as Harbor does and read its reward (a failure is ENV_ERROR, never 0)."""
+        t = self.harbor_tasks[task.id]
+        await self._upload(sandbox, t.tests, f"{RUNTIME}/tests")
+        # whatever the agent left in /logs/verifier is not a reward
+        verifier = VERIFIER_DIR
+        await self._sh(sandbox, f"rm -rf {verifier} && mkdir -p {verifier}", self.tool_timeout_s, "clearing logs")
+        r = await sandbox.exec(
+            _in(t.workdir, "bash /tests/test.sh"),
+            env=t.verifier_env,
+            timeout=t.verifier_timeout_s,
+            max_output=MAX_OUTPUT,
+        )
+        if r.timed_out:
+            raise HarborRewardError(f"tests/test.sh timed out after {t.verifier_timeout_s:g}s ([verifier] timeout_sec)")
+        txt = await self._read(sandbox, f"{VERIFIER_DIR}/reward.txt")
+        js = await self._read(sandbox, f"{VERIFIER_DIR}/reward.json")
+        try:
+            reward, components = parse_reward(txt, js)
+        except HarborRewardError as e:
+            raise HarborRewardError(f"{e} (test.sh exit {r.exit_code}; output: {_tail(r) or '(none)'})") from None
+        return Score(reward, components, {"test_exit_code": float(r.exit_code)})
+
+
+def load_tasks(dirs: Sequence[Path]) -> dict[str, HarborTask]:
+    """Parse every directory; they must have distinct ids and one shared environment (one image)."""
+    if not dirs:
+        raise HarborTaskError("no task directories")
+    tasks: dict[str, HarborTask] = {}
+    for d in dirs:
+        t = load_task(d)
+        if t.id in tasks:
+            raise HarborTaskError(f"two task directories are named {t.id!r}: {tasks[t.id].path} and {t.path}")
+        tasks[t.id] = t
+    first = next(iter(tasks.values()))
+    others = [t.id for t in tasks.values() if t.environment_key() != first.environment_key()]
+    if others:
+        raise HarborTaskError(
+            f"tasks {', '.join(others[:5])} have a different environment/ (or docker_image, workdir, env) than "
+            f"{first.id}; an environment has one image: import them as separate environments"
+        )
+    return tasks
+
+
+def _limits(tasks: Sequence[HarborTask]) -> Limits:
+    """[environment] cpus, memory_mb and storage_mb (the workspace's cap): the largest over the tasks."""
+    d = DEFAULT_LIMITS
+    mem = max((t.memory_mb for t in tasks if t.memory_mb), default=d.memory_mb)
+    cpus = max((t.cpus for t in tasks if t.cpus), default=d.cpus)
+    storage = max((t.storage_mb for t in tasks if t.storage_mb), default=d.workspace_mb)
+    return Limits(memory_mb=mem, cpus=cpus, pids=d.pids, workspace_mb=storage)
+
+
+def _workdir_note(workdir: str) -> str:
+    if workdir == "/workspace":
+        return ""
+    return (
+        f" The working directory {workdir} is /workspace: give the file tools paths under /workspace "
+        f"(or relative ones); bash can use {workdir}."
+    )
+
+
+def make_harbor_environment(name: str, dirs: Sequence[Path], version: str = "1") -> HarborEnvironment:
+    """The environment of these task directories (parsed and checked now: a HarborTaskError names the problem)."""
+    tasks = load_tasks([Path(d) for d in dirs])
+    attrs: dict[str, Any] = {
+        "task_dirs": tuple(t.path for t in tasks.values()),
+        "name": name,
+        "version": version,
+        "description": f"{len(tasks)} Harbor task(s)",
+        "limits": _limits(list(tasks.values())),
+        "system_prompt": SYSTEM_PROMPT + _workdir_note(next(iter(tasks.values())).workdir),
+        "tool_timeout_s": max(60.0, min(t.agent_timeout_s for t in tasks.values())),
+        "__doc__": f"The Harbor environment {name}@{version}.",
+    }
+    cls: type[HarborEnvironment] = type(f"Harbor({name}@{version})", (HarborEnvironment,), attrs)
+    env = cls()
+    env.__dict__["harbor_tasks"] = tasks  # already parsed
+    return env
+
+
+def manifest(env: HarborEnvironment) -> dict[str, Any]:
+    """The registrable form written by import-harbor: name, version and the task directories."""
+    return {"name": env.name, "version": env.version, "tasks": [str(p) for p in env.task_dirs]}
+
+
+def from_manifest(path: Path) -> HarborEnvironment:
+    """The environment a manifest (JSON) describes; relative task paths are relative to the manifest."""
+    doc = json.loads(path.read_text())
+    dirs = [(path.parent / d) for d in doc["tasks"]]
+    return make_harbor_environment(str(doc["name"]), dirs, str(doc.get("version", "1")))

@@ -1,0 +1,232 @@
+"""Harbor (Terminal-Bench) task directories: `task.toml`, `instruction.md`, `environment/`, `solution/`, `tests/`.
+
+`load_task` reads one directory with tomllib and refuses what a sandbox cannot honour (a network, a non-envfleet
+prebuilt image, a Dockerfile that reaches outside its build) with a message naming the task and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.core.errors import EnvfleetError, InvalidRequestError
+from orchestrator.service.declarative import dockerfile as dockerfile_check
+
+TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]*$")
+DEFAULT_AGENT_TIMEOUT_S = 600.0
+DEFAULT_VERIFIER_TIMEOUT_S = 600.0
+DEFAULT_BUILD_TIMEOUT_S = 600.0
+MAX_FILE_BYTES = 16 << 20
+
+
+class HarborTaskError(InvalidRequestError):
+    """A task directory that cannot be imported (the message names the task and the problem)."""
+
+
+class HarborRunError(EnvfleetError):
+    """A step of the environment failed in the sandbox (setup, upload): ENV_ERROR."""
+
+
+class HarborRewardError(HarborRunError):
+    """test.sh left no usable reward (missing, empty, NaN, not a number): the environment is broken, never a 0."""
+
+
+@dataclass(frozen=True)
+class HarborTask:
+    """One parsed task directory."""
+
+    id: str
+    path: Path
+    instruction: str
+    dockerfile: str | None  # environment/Dockerfile; None when [environment] docker_image names the image
+    docker_image: str | None
+    workdir: str
+    env: dict[str, str]
+    cpus: float | None
+    memory_mb: int | None
+    storage_mb: int | None
+    build_timeout_s: float
+    agent_timeout_s: float
+    verifier_timeout_s: float
+    verifier_env: dict[str, str]
+    tests: dict[str, bytes] = field(repr=False)  # relative path -> bytes (tests/, uploaded after the episode)
+    solution: dict[str, bytes] = field(repr=False)  # solution/
+    context: dict[str, bytes] = field(repr=False)  # environment/ (the build context)
+
+    def environment_key(self) -> str:
+        """A hash of everything that makes the image: tasks of one environment must share it."""
+        h = hashlib.sha256()
+        for k, v in sorted(self.context.items()):
+            h.update(k.encode() + b"\0" + hashlib.sha256(v).digest())
+        h.update(repr((self.docker_image, self.workdir, sorted(self.env.items()))).encode())
+        return h.hexdigest()
+
+
+def _files(root: Path, task: str, what: str) -> dict[str, bytes]:
+    if not root.is_dir():
+        return {}
+    out: dict[str, bytes] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            raise HarborTaskError(f"task {task}: {what}/{p.relative_to(root)} is a symlink; copy the file instead")
+        if p.is_file():
+            if p.stat().st_size > MAX_FILE_BYTES:
+                raise HarborTaskError(f"task {task}: {what}/{p.relative_to(root)} is over {MAX_FILE_BYTES >> 20} MiB")
+            out[p.relative_to(root).as_posix()] = p.read_bytes()
+    return out
+
+
+def _table(doc: dict[str, Any], name: str, task: str) -> dict[str, Any]:
+    t = doc.get(name, {})
+    if not isinstance(t, dict):
+        raise HarborTaskError(f"task {task}: [{name}] in task.toml must be a table")
+    return t
+
+
+def _number(t: dict[str, Any], key: str, section: str, task: str, default: float | None) -> float | None:
+    v = t.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+        raise HarborTaskError(f"task {task}: [{section}] {key} must be a positive number, not {v!r}")
+    return float(v)
+
+
+def _env(t: dict[str, Any], section: str, task: str) -> dict[str, str]:
+    env = t.get("env", {})
+    if not isinstance(env, dict):
+        raise HarborTaskError(f"task {task}: [{section}] env must be a table of strings")
+    out: dict[str, str] = {}
+    for k, v in env.items():
+        if not _ENV_NAME.match(k) or not isinstance(v, str | int | float) or isinstance(v, bool):
+            raise HarborTaskError(f"task {task}: [{section}] env {k!r} must be NAME = string")
+        s = str(v)
+        # the image's environment is written as Dockerfile ENV lines: keep values that need no escaping there
+        if any(c in s for c in '\n\r\0"\\$'):
+            raise HarborTaskError(
+                f"task {task}: [{section}] env {k}: a newline, quote, backslash or $ is not supported"
+            )
+        out[k] = s
+    return out
+
+
+def load_task(path: Path) -> HarborTask:
+    """Parse and check one Harbor task directory (the task id is its folder name)."""
+    path = path.resolve()
+    task = path.name
+    if not path.is_dir():
+        raise HarborTaskError(f"{path} is not a task directory")
+    if not TASK_ID.match(task):
+        raise HarborTaskError(f"task folder name {task!r} is not a valid task id ({TASK_ID.pattern})")
+    try:
+        doc = tomllib.loads((path / "task.toml").read_text())
+    except FileNotFoundError:
+        raise HarborTaskError(f"task {task}: no task.toml in {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise HarborTaskError(f"task {task}: task.toml: {e}") from None
+    try:
+        instruction = (path / "instruction.md").read_text()
+    except FileNotFoundError:
+        raise HarborTaskError(f"task {task}: no instruction.md (the prompt)") from None
+    if not instruction.strip():
+        raise HarborTaskError(f"task {task}: instruction.md is empty")
+    agent, envt, verifier = (_table(doc, n, task) for n in ("agent", "environment", "verifier"))
+    network = envt.get("network_mode", "no-network")
+    if network != "no-network":
+        raise HarborTaskError(
+            f"task {task}: [environment] network_mode = {network!r}: envfleet sandboxes have no network; "
+            "only 'no-network' tasks can be imported"
+        )
+    workdir = envt.get("workdir", "/app")
+    if not isinstance(workdir, str) or not _WORKDIR.match(workdir) or ".." in workdir.split("/") or workdir == "/":
+        raise HarborTaskError(f"task {task}: [environment] workdir {workdir!r} must be an absolute directory path")
+    context = _files(path / "environment", task, "environment")
+    image = envt.get("docker_image")
+    dockerfile: str | None = None
+    if image is not None:
+        if not isinstance(image, str) or not image.startswith(dockerfile_check.ENVFLEET_IMAGE_PREFIX):
+            raise HarborTaskError(
+                f"task {task}: [environment] docker_image {image!r} is not an envfleet image; builds are offline and "
+                "sandboxes need envd: give an environment/Dockerfile FROM envfleet/base"
+            )
+    else:
+        if "Dockerfile" not in context:
+            raise HarborTaskError(f"task {task}: no environment/Dockerfile and no [environment] docker_image")
+        dockerfile = context["Dockerfile"].decode(errors="replace")
+        try:
+            dockerfile_check.check(dockerfile)
+        except InvalidRequestError as e:
+            raise HarborTaskError(f"task {task}: environment/Dockerfile: {e}") from None
+    tests = _files(path / "tests", task, "tests")
+    if "test.sh" not in tests:
+        raise HarborTaskError(f"task {task}: no tests/test.sh")
+    memory = _number(envt, "memory_mb", "environment", task, None)
+    storage = _number(envt, "storage_mb", "environment", task, None)
+    return HarborTask(
+        id=task,
+        path=path,
+        instruction=instruction,
+        dockerfile=dockerfile,
+        docker_image=image,
+        workdir=workdir.rstrip("/"),
+        env=_env(envt, "environment", task),
+        cpus=_number(envt, "cpus", "environment", task, None),
+        memory_mb=int(memory) if memory else None,
+        storage_mb=int(storage) if storage else None,
+        build_timeout_s=_number(envt, "build_timeout_sec", "environment", task, DEFAULT_BUILD_TIMEOUT_S) or 0.0,
+        agent_timeout_s=_number(agent, "timeout_sec", "agent", task, DEFAULT_AGENT_TIMEOUT_S) or 0.0,
+        verifier_timeout_s=_number(verifier, "timeout_sec", "verifier", task, DEFAULT_VERIFIER_TIMEOUT_S) or 0.0,
+        verifier_env=_env(verifier, "verifier", task),
+        tests=tests,
+        solution=_files(path / "solution", task, "solution"),
+        context=context,
+    )
+
+
+def _finite(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def parse_reward(txt: bytes | None, js: bytes | None) -> tuple[float, dict[str, float]]:
+    """Harbor's rule: reward.txt (one float) wins over reward.json (an object of finite numbers). The scalar is
+    its "reward" key, else the mean of its values; anything missing, empty or non-numeric is a HarborRewardError."""
+    if txt is not None:
+        text = txt.decode(errors="replace").strip()
+        if not text:
+            raise HarborRewardError("test.sh wrote an empty /logs/verifier/reward.txt")
+        try:
+            value = _finite(float(text))
+        except ValueError:
+            value = None
+        if value is None:
+            raise HarborRewardError(f"/logs/verifier/reward.txt is not a finite number: {text[:200]!r}")
+        return value, {}
+    if js is None:
+        raise HarborRewardError("test.sh wrote neither /logs/verifier/reward.txt nor /logs/verifier/reward.json")
+    if not js.strip():
+        raise HarborRewardError("test.sh wrote an empty /logs/verifier/reward.json")
+    import json
+
+    try:
+        doc = json.loads(js)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HarborRewardError(f"/logs/verifier/reward.json is not JSON: {e}") from None
+    if not isinstance(doc, dict) or not doc:
+        raise HarborRewardError("/logs/verifier/reward.json must be a non-empty object of numbers")
+    values: dict[str, float] = {}
+    for k, v in doc.items():
+        f = _finite(v)
+        if f is None:
+            raise HarborRewardError(f"/logs/verifier/reward.json: {k!r} is {v!r}, not a finite number")
+        values[str(k)] = f
+    reward = values["reward"] if "reward" in values else sum(values.values()) / len(values)
+    return reward, values

@@ -1,0 +1,255 @@
+"""Harbor task directories on real sandboxes: the image built offline from environment/Dockerfile, the oracle and
+the empty solution, every reward form of test.sh, and the failures that are ENV_ERROR (never a 0)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import docker
+import pytest
+from rich.console import Console
+
+from environments.harbor.cli import import_harbor, register
+from environments.harbor.env import HarborEnvironment, make_harbor_environment
+from environments.harbor.task import HarborRewardError, HarborTaskError, load_task, parse_reward
+from environments.harbor.validate import check_task
+from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.core.errors import ImageBuildError
+
+DOCKERFILE = """FROM envfleet/base:latest
+WORKDIR /app
+RUN printf 'hello\\n' > /app/greeting.txt && mkdir -p /app/src
+"""
+TOML = """version = "1.0"
+[metadata]
+difficulty = "easy"
+[agent]
+timeout_sec = 60
+[verifier]
+timeout_sec = {verifier_timeout}
+env = {{ EXPECT = "HELLO" }}
+[environment]
+build_timeout_sec = 300
+cpus = 1
+memory_mb = 768
+storage_mb = 64
+"""
+# uppercase greeting.txt into out.txt, and a second file: a multi-file solution
+SOLVE = """#!/bin/bash
+set -e
+tr a-z A-Z < greeting.txt > out.txt
+bash /solution/helper.sh
+"""
+HELPER = "echo done > /app/src/marker\n"
+TEST_TXT = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(cat /app/out.txt 2>/dev/null)" = "$EXPECT" ] && [ -f src/marker ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+TEST_JSON = """#!/bin/bash
+mkdir -p /logs/verifier
+ok=0; [ "$(cat out.txt 2>/dev/null)" = "$EXPECT" ] && ok=1
+m=0; [ -f /app/src/marker ] && m=1
+printf '{"correct": %s, "marker": %s, "style": 0.5}' $ok $m > /logs/verifier/reward.json
+"""
+
+
+def make_task(
+    root: Path,
+    name: str,
+    *,
+    test: str = TEST_TXT,
+    solve: str = SOLVE,
+    extra_solution: Mapping[str, str] | None = None,
+    dockerfile: str = DOCKERFILE,
+    verifier_timeout: int = 60,
+    toml_extra: str = "",
+) -> Path:
+    d = root / name
+    files = {
+        "task.toml": TOML.format(verifier_timeout=verifier_timeout) + toml_extra,
+        "instruction.md": "Write greeting.txt in upper case to out.txt.\n",
+        "environment/Dockerfile": dockerfile,
+        "solution/solve.sh": solve,
+        "tests/test.sh": test,
+        **({"solution/helper.sh": HELPER} if extra_solution is None else dict(extra_solution)),
+    }
+    for rel, text in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tasks_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("harbor")
+    make_task(root, "upper-txt")
+    make_task(root, "upper-json", test=TEST_JSON)
+    make_task(
+        root, "slow-tests", test="#!/bin/bash\nsleep 30\necho 1 > /logs/verifier/reward.txt\n", verifier_timeout=2
+    )
+    make_task(root, "wrong-oracle", solve="#!/bin/bash\necho nope > out.txt\n")
+    make_task(root, "no-reward", test="#!/bin/bash\necho 'tests ran, reward forgotten'\n")
+    make_task(root, "nan-reward", test="#!/bin/bash\necho nan > /logs/verifier/reward.txt\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def env(tasks_root: Path) -> HarborEnvironment:
+    dirs = sorted(p for p in tasks_root.iterdir() if p.is_dir())
+    return make_harbor_environment("harbor-test", dirs)
+
+
+@pytest.fixture(scope="module")
+def image(env: HarborEnvironment, base_image: str, docker_client: docker.DockerClient) -> str:
+    return env.build_image(docker_client)
+
+
+def test_task_toml_maps_to_limits_prompt_and_timeouts(env: HarborEnvironment) -> None:
+    t = env.harbor_tasks["upper-txt"]
+    assert t.verifier_env == {"EXPECT": "HELLO"} and t.verifier_timeout_s == 60 and t.workdir == "/app"
+    assert env.limits.memory_mb == 768 and env.limits.workspace_mb == 64 and env.limits.cpus == 1
+    assert {x.id: x.prompt for x in env.tasks()}["upper-txt"].startswith("Write greeting.txt")
+    assert "bash" in env.tools and "write_file" in env.tools
+    assert "ln -sfn /workspace /app" in env.dockerfile()
+
+
+def test_network_and_foreign_images_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(HarborTaskError, match="sandboxes have no network"):
+        load_task(make_task(tmp_path, "net", toml_extra='network_mode = "bridge"\n'))
+    with pytest.raises(HarborTaskError, match="not an envfleet image"):
+        load_task(make_task(tmp_path, "ubuntu", dockerfile="FROM ubuntu:24.04\nRUN true\n"))
+    with pytest.raises(HarborTaskError, match=r"no tests/test\.sh"):
+        d = make_task(tmp_path, "notest")
+        (d / "tests" / "test.sh").unlink()
+        load_task(d)
+
+
+def test_a_prebuilt_envfleet_image_is_the_base(tmp_path: Path) -> None:
+    d = make_task(tmp_path, "prebuilt", toml_extra='docker_image = "envfleet/base:latest"\nworkdir = "/srv/task"\n')
+    (d / "environment" / "Dockerfile").unlink()
+    env = make_harbor_environment("prebuilt", [d])
+    assert (
+        env.dockerfile().startswith("FROM envfleet/base:latest\n")
+        and "ln -sfn /workspace /srv/task" in env.dockerfile()
+    )
+    assert "/srv/task is /workspace" in env.system_prompt
+
+
+def test_tasks_with_different_environments_are_refused(tmp_path: Path) -> None:
+    a = make_task(tmp_path, "a")
+    b = make_task(tmp_path, "b", dockerfile=DOCKERFILE + "RUN echo other > /app/x\n")
+    with pytest.raises(HarborTaskError, match="different environment"):
+        make_harbor_environment("mixed", [a, b])
+
+
+def test_reward_rules() -> None:
+    assert parse_reward(b"0.25\n", b'{"reward": 1}') == (0.25, {})  # reward.txt wins, as in Harbor
+    assert parse_reward(None, b'{"a": 1, "b": 0}') == (0.5, {"a": 1.0, "b": 0.0})
+    assert parse_reward(None, b'{"reward": 0.75, "a": 0}')[0] == 0.75
+    for txt, js, msg in [
+        (None, None, "neither"),
+        (b"  \n", None, "empty"),
+        (b"nan", None, "not a finite number"),
+        (b"yes", None, "not a finite number"),
+        (None, b'{"a": "high"}', "not a finite number"),
+        (None, b"[1]", "non-empty object"),
+    ]:
+        with pytest.raises(HarborRewardError, match=msg):
+            parse_reward(txt, js)
+
+
+async def test_oracle_passes_with_a_multi_file_solution(
+    env: HarborEnvironment, image: str, backend: DockerBackend
+) -> None:
+    c = await check_task(env, backend, image, "upper-txt")
+    assert (c.oracle, c.empty, c.problems) == (1.0, 0.0, [])
+
+
+async def test_reward_json_with_several_keys(env: HarborEnvironment, image: str, backend: DockerBackend) -> None:
+    c = await check_task(env, backend, image, "upper-json")
+    # the mean of correct, marker and style: 1, 1, 0.5 for the oracle; 0, 0, 0.5 for the empty solution
+    assert c.oracle == pytest.approx(2.5 / 3) and c.empty == pytest.approx(0.5 / 3) and c.problems == []
+
+
+async def test_a_failing_oracle_fails_validation(env: HarborEnvironment, image: str, backend: DockerBackend) -> None:
+    c = await check_task(env, backend, image, "wrong-oracle")
+    assert c.oracle == 0.0 and any("does not pass" in p for p in c.problems)
+
+
+@pytest.mark.parametrize(
+    ("task_id", "message"),
+    [
+        ("slow-tests", "test.sh timed out after 2s"),
+        ("no-reward", "neither /logs/verifier/reward.txt nor /logs/verifier/reward.json"),
+        ("nan-reward", "not a finite number"),
+    ],
+)
+async def test_unusable_rewards_are_env_errors(
+    env: HarborEnvironment, image: str, backend: DockerBackend, task_id: str, message: str
+) -> None:
+    c = await check_task(env, backend, image, task_id)
+    assert c.oracle is None and c.empty is None, c.problems
+    assert all(p.startswith(("oracle (solution/solve.sh): ENV_ERROR", "empty solution: ENV_ERROR")) for p in c.problems)
+    assert message in c.problems[0]
+
+
+def test_a_build_that_needs_the_network_fails_with_the_log_tail(
+    tmp_path: Path, base_image: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = make_task(tmp_path, "needs-net", dockerfile="FROM envfleet/base:latest\nRUN pip download six -d /tmp/x\n")
+    args = _parse(["envs", "import-harbor", str(d), "--name", "net", "--home", str(tmp_path / "home")])
+    with pytest.raises(ImageBuildError) as e:
+        import_harbor(args, Console(file=io.StringIO()))
+    assert "Builds are offline (no network)" in str(e.value) and "pip download six" in str(e.value)
+    assert "last log lines" in str(e.value)
+    assert not (tmp_path / "home" / "net").exists()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from orchestrator.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if "import-harbor" not in sub.choices["envs"]._actions[-1].choices:  # type: ignore[union-attr]
+        register(sub)
+    return parser.parse_args([*argv, "--owner", "envfleet-test-harbor"])
+
+
+def test_import_validates_and_saves_a_loadable_environment(
+    tasks_root: Path, tmp_path: Path, image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    out = io.StringIO()
+    args = _parse(
+        [
+            "envs",
+            "import-harbor",
+            str(tasks_root / "upper-txt"),
+            str(tasks_root / "upper-json"),
+            "--name",
+            "upper",
+            "--home",
+            str(home),
+        ]
+    )
+    assert import_harbor(args, Console(file=out, width=200)) == 0, out.getvalue()
+    assert "upper-txt: ok" in out.getvalue() and "environments.harbor.installed:upper" in out.getvalue()
+    doc = json.loads((home / "upper" / "harbor.json").read_text())
+    assert doc["tasks"] == ["tasks/upper-txt", "tasks/upper-json"]
+    monkeypatch.setenv("ENVFLEET_HARBOR_HOME", str(home))
+    from orchestrator.service.registry import Registry
+
+    loaded = Registry().load("environments.harbor.installed:upper")
+    assert loaded.ref() == "upper@1" and [t.id for t in loaded.tasks()] == ["upper-txt", "upper-json"]
+
+
+def test_import_refuses_a_failing_oracle(tasks_root: Path, tmp_path: Path, image: str) -> None:
+    out = io.StringIO()
+    args = _parse(["envs", "import-harbor", str(tasks_root / "wrong-oracle"), "--name", "bad", "--home", str(tmp_path)])
+    assert import_harbor(args, Console(file=out, width=200)) == 1
+    assert "does not pass" in out.getvalue() and not (tmp_path / "bad").exists()
