@@ -35,6 +35,7 @@ from orchestrator.core.errors import SandboxFileNotFoundError
 from orchestrator.core.sandbox import ExecResult, Limits, Sandbox
 from orchestrator.images import build_image
 from orchestrator.images.build import BuildLimits
+from orchestrator.images.resolver import BuildsOwnImage
 
 SEED = "/opt/harbor/seed"
 RUNTIME = "/tmp/harbor"  # inside the sandbox: its own /tmp tmpfs
@@ -88,7 +89,7 @@ def image_name(env_name: str) -> str:
     return "harbor-" + "-".join(p for p in env_name.replace("_", "-").replace(".", "-").split("-") if p)
 
 
-class HarborEnvironment(Environment):
+class HarborEnvironment(Environment, BuildsOwnImage):
     """Base of the classes `make_harbor_environment` creates (an Environment's identity is class-level)."""
 
     task_dirs: ClassVar[tuple[Path, ...]] = ()

@@ -129,7 +129,9 @@ def build_image(
     _refuse_control_labels(dockerfile, labs)
     entries = _collect(context_files)
     args = dict(buildargs or {})
-    key = _key(dockerfile, entries, args, labs)[:12]
+    # the images it builds FROM are inputs too: FROM envfleet/base:latest names whatever base this engine has now
+    # (a new envd), so a cache keyed by the Dockerfile's text alone would hand out an image on the old one
+    key = _key(dockerfile, entries, {**args, **_base_ids(client, dockerfile)}, labs)[:12]
     tag = f"{REPO_PREFIX}/{name}:{key}"
     if image_exists(client, tag):
         log.debug("cache hit: %s", tag)
@@ -210,6 +212,20 @@ def _collect(context_files: Mapping[str, ContextFile]) -> list[_Entry]:
 
 def _mode(path: Path) -> int:
     return 0o755 if path.stat().st_mode & 0o111 else 0o644
+
+
+_FROM = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)", re.IGNORECASE | re.MULTILINE)
+
+
+def _base_ids(client: docker.DockerClient, dockerfile: str) -> dict[str, str]:
+    """The engine's image id of every image the Dockerfile builds FROM (stages of the file itself are skipped)."""
+    ids = {}
+    for ref in _FROM.findall(dockerfile):
+        try:
+            ids[f"from:{ref}"] = str(client.images.get(ref).id)
+        except (docker.errors.ImageNotFound, docker.errors.APIError):
+            continue  # a stage name, or an image the build will refuse with its own message
+    return ids
 
 
 def _key(dockerfile: str, entries: list[_Entry], buildargs: Mapping[str, str], labels: Mapping[str, str]) -> str:

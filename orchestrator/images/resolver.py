@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 
@@ -13,6 +14,15 @@ from orchestrator.images.base import ensure_base_image
 from orchestrator.images.spec import build_from_spec
 
 log = logging.getLogger(__name__)
+
+
+class BuildsOwnImage(abc.ABC):
+    """An environment that builds its image itself (a declarative spec's, a Harbor task's Dockerfile) instead of
+    through an ImageSpec: mix it into the Environment class; the resolver calls `build_image` in a thread."""
+
+    @abc.abstractmethod
+    def build_image(self, client: docker.DockerClient) -> str:
+        """Build (or reuse, by the hash of its inputs) the image; return its tag."""
 
 
 class ImageResolver:
@@ -57,6 +67,9 @@ class ImageResolver:
             log.warning("prebuilding the image of %s failed (its rollouts will report it): %s", env.ref(), e)
 
     def _build(self, env: Environment) -> tuple[str, str]:
+        if isinstance(env, BuildsOwnImage):
+            tag = env.build_image(self._client)
+            return tag, str(self._client.images.get(tag).id)
         spec = env.image_spec()
         if spec is None:
             tag = ensure_base_image(self._client)

@@ -64,7 +64,7 @@ async def _docker_fleet(config: DockerBackendConfig) -> Fleet:
 
     from orchestrator.backends.docker.backend import DockerBackend
     from orchestrator.images.cache import image_exists
-    from orchestrator.service.registration import EnvImageResolver
+    from orchestrator.images.resolver import ImageResolver
 
     backend = await DockerBackend.start(config)
     client = backend.client
@@ -82,7 +82,7 @@ async def _docker_fleet(config: DockerBackendConfig) -> Fleet:
 
     return Fleet(
         backend,
-        EnvImageResolver(client),
+        ImageResolver(client),
         lambda env: env.build_image(client),
         image_present,
         watch_health=backend.on_engine_health,

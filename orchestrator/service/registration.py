@@ -19,7 +19,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from orchestrator.core.environment import Environment
 from orchestrator.core.errors import (
     AlreadyExistsError,
     EnvironmentBroken,
@@ -28,7 +27,6 @@ from orchestrator.core.errors import (
     SandboxCreateError,
 )
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
-from orchestrator.images.resolver import ImageResolver
 from orchestrator.rollout.step import env_call, replay_reference
 from orchestrator.service.caps import SandboxCaps, check_limits
 from orchestrator.service.declarative import (
@@ -51,18 +49,6 @@ VALIDATION_SLACK_S = 60.0
 def _owner(spec: EnvironmentSpec, tenant: str) -> str | None:
     """Who may use a registered spec: its tenant alone, or (None) everyone when it was registered public."""
     return None if spec.visibility == "public" else tenant
-
-
-class EnvImageResolver(ImageResolver):
-    """The runner's image resolution, which also builds declarative environments' images from their specs."""
-
-    def _build(self, env: Environment) -> tuple[str, str]:
-        # declarative environments, and any environment that builds its own image (Harbor tasks' Dockerfiles)
-        build = getattr(env, "build_image", None)
-        if callable(build):
-            tag = str(build(self._client))
-            return tag, str(self._client.images.get(tag).id)
-        return super()._build(env)
 
 
 class StoredSpec(BaseModel):

@@ -164,3 +164,27 @@ def test_failing_run_raises_naming_the_step(docker_client: docker.DockerClient, 
     # (the low-level list: other tests' sandboxes of the same image may vanish between a list and an inspect)
     left = docker_client.api.containers(all=True, filters={"ancestor": base_image})
     assert not [c for c in left if "exit 3" in (c.get("Command") or "")]
+
+
+def test_an_image_built_from_a_moving_tag_is_rebuilt_when_the_tag_moves(
+    docker_client: docker.DockerClient, base_image: str
+) -> None:
+    # `FROM envfleet/base:latest` names whatever base the engine has now: a cache keyed by the Dockerfile's text
+    # alone handed out images on an old envd after the base changed
+    moving = f"envfleet/test-moving-{uuid.uuid4().hex[:8]}"
+    made: list[str] = []
+    try:
+        docker_client.images.get(base_image).tag(moving, "latest")
+        dockerfile = f"FROM {moving}:latest\n"
+        made.append(build_image(docker_client, name="test-moving-child", dockerfile=dockerfile, context_files={}))
+        other = build_image(
+            docker_client, name="test-moving-other", dockerfile=f"FROM {base_image}\nLABEL moved=1\n", context_files={}
+        )
+        made.append(other)
+        docker_client.images.get(other).tag(moving, "latest")
+        made.append(build_image(docker_client, name="test-moving-child", dockerfile=dockerfile, context_files={}))
+        assert made[2] != made[0], "the child of a moved tag must be a new image"
+    finally:
+        for tag in [*made, f"{moving}:latest"]:
+            with contextlib.suppress(docker.errors.DockerException):
+                docker_client.images.remove(tag, noprune=True)

@@ -26,6 +26,7 @@ from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.sandbox import ExecResult, Sandbox
 from orchestrator.images import build_from_spec, build_image, ensure_base_image
 from orchestrator.images.build import BuildLimits
+from orchestrator.images.resolver import BuildsOwnImage
 from orchestrator.service.declarative.errors import ScoringError
 from orchestrator.service.declarative.spec import EnvironmentSpec
 
@@ -79,7 +80,7 @@ def parse_score(result: ExecResult, timeout_s: float) -> Score:
     return Score(float(reward), components)
 
 
-class DeclarativeEnvironment(Environment):
+class DeclarativeEnvironment(Environment, BuildsOwnImage):
     """Base of the classes `make_environment` creates, one per spec (an Environment's identity is class-level)."""
 
     spec: ClassVar[EnvironmentSpec]
