@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.core.errors import EnvfleetError, InvalidRequestError
+from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.service.declarative import dockerfile as dockerfile_check
 
 TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -30,7 +30,7 @@ class HarborTaskError(InvalidRequestError):
     """A task directory that cannot be imported (the message names the task and the problem)."""
 
 
-class HarborRunError(EnvfleetError):
+class HarborRunError(FailedPreconditionError):
     """A step of the environment failed in the sandbox (setup, upload): ENV_ERROR."""
 
 

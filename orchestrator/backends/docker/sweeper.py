@@ -49,19 +49,27 @@ def process_host() -> str:
     return f"{socket.gethostname()}{namespace}"
 
 
-def _proc_start_time(pid: int) -> str:
-    """The kernel's start time of a process (clock ticks since boot), which tells a reused pid apart."""
+def _proc_stat(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name (state first), or none for a process that is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
-        return ""
-    return raw[raw.rfind(b")") + 2 :].split()[19].decode()
+        return []
+    return raw[raw.rfind(b")") + 2 :].split()
+
+
+def _proc_start_time(pid: int) -> str:
+    """The kernel's start time of a process (clock ticks since boot), which tells a reused pid apart."""
+    fields = _proc_stat(pid)
+    return fields[19].decode() if fields else ""
 
 
 def owner_alive(pid: int, start: str) -> bool:
-    """Whether the process that created a sandbox still runs (same pid and same start time)."""
-    return bool(start) and _proc_start_time(pid) == start
+    """Whether the process that created a sandbox still runs (same pid and same start time). A zombie is dead: a
+    killed owner whose parent died too may wait long for a reaper (a container's init may never reap it)."""
+    fields = _proc_stat(pid)
+    return bool(start) and bool(fields) and fields[19].decode() == start and fields[0] not in (b"Z", b"X")
 
 
 @dataclass(frozen=True)
