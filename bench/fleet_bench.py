@@ -29,6 +29,7 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.service.caps import CapsConfig
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity
 
@@ -67,6 +68,7 @@ async def _plane(data: Path, workers: int, in_flight: int, **fake: Any) -> Orche
             backend=FakeBackendConfig(owner=OWNER, **fake),
             workers=workers,
             metrics_port=None,
+            caps=CapsConfig(jobs_per_tenant=10_000),  # 200 one-task jobs at once are the submit benchmark
         )
     )
     assert orch.workers is not None
