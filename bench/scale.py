@@ -31,7 +31,7 @@ from typing import Any
 import docker
 
 from orchestrator.backends.docker.backend import DockerBackendConfig
-from orchestrator.backends.pool import PoolConfig
+from orchestrator.backends.pool import TENANT_LABEL, PoolConfig
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from orchestrator.core.models import JobSpec, TaskSelection
@@ -41,6 +41,7 @@ from orchestrator.images import ensure_base_image
 from orchestrator.server.app import OrchestratorConfig, create_server
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity
+from orchestrator.service.tenancy import LOCAL_TENANT
 from orchestrator.testing.scripts import reference_script
 
 OWNER = "envfleet-scale"
@@ -144,7 +145,10 @@ async def run(
         pool = orch.pool
         try:
             # 1. warm the sandboxes, watching memory
-            spec = SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))  # what the runner asks
+            # what the runner asks: pools are kept per tenant, and this server's jobs belong to the local tenant
+            spec = SandboxSpec(
+                image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV), labels={TENANT_LABEL: LOCAL_TENANT}
+            )
             pool.warm(spec)
             held: list[Sandbox] = []
             limit_mb = 0.9 * total_memory_mb()
