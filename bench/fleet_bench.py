@@ -5,7 +5,7 @@
 - `submit_latency`: p50 and p99 of SubmitJob under 200 concurrent one-task submits, from a client process of its
   own against `envfleet serve` (fake backend, 2 workers).
 - `control_plane`: with the fake backend and the replay policy on 8 worker processes, the rollouts/s one control
-  plane delivers and its own CPU per rollout (read from /proc), so its capacity per core follows.
+  plane delivers and its own CPU per rollout (this process's CPU time), so its capacity per core follows.
 - `fleet_sim`: the fake backend in worker processes holding 10,000 concurrent sandboxes and running 50,000 rollouts
   through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the round
   trip from the control plane sending a rollout to a worker to taking its result, less the rollout's own run time).
@@ -35,16 +35,6 @@ from orchestrator.service.scheduler import Capacity
 
 ENV = "python-tool"
 OWNER = "envfleet-bench-fleet"
-
-
-def _ticks() -> int:
-    return os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _ticks()
 
 
 def _job(ids: list[str], n: int = 1, concurrency: int = 4096) -> JobSpec:
@@ -162,9 +152,9 @@ async def control_plane(total: int = 8000, workers: int = 8) -> dict[str, Any]:
         try:
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 await _drain(client, await client.submit(_job(ids[:16])))
-                cpu0, t0 = process_cpu_s(os.getpid()), time.perf_counter()
+                cpu0, t0 = time.process_time(), time.perf_counter()
                 counts = await _drain(client, await client.submit(_job(ids, n=n)))
-                elapsed, cpu = time.perf_counter() - t0, process_cpu_s(os.getpid()) - cpu0
+                elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         finally:
             await orch.stop(grace=1)
     done = sum(counts.values())

@@ -8,7 +8,6 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TypeVar
 
 from orchestrator.backends.pool import TENANT_LABEL, SandboxPool
 from orchestrator.core.environment import Environment, ImageSource, Task
@@ -30,7 +29,7 @@ from orchestrator.rollout.snapshots import SnapshotCache
 from orchestrator.rollout.step import classify_failure, env_call, finished_status
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+RETRY_BACKOFF_CAP_S = 8.0  # the longest pause between infrastructure retries of one rollout
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class RolloutRunner:
             rollout.started_at, rollout.finished_at = started_at, time.time()
             if rollout.status != RolloutStatus.INFRA_ERROR or attempt > spec.max_infra_retries:
                 return rollout
-            await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))  # back off while the engine recovers
+            await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), RETRY_BACKOFF_CAP_S))  # the engine recovers
             log.warning(
                 "rollout %s: infrastructure error (attempt %d), retrying on a fresh sandbox: %s",
                 item.id,

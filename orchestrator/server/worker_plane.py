@@ -69,15 +69,13 @@ class WorkerPlane:
             port = server.add_insecure_port(config.worker_listen)
             plane.tcp_address = f"{host}:{port}"
         await server.start()
+        worker_config = WorkerConfig(backend=config.backend, pool=config.pool, environments=config.environments)
         if config.workers:
             slots = -(-config.max_in_flight // config.workers)
-            worker_config = WorkerConfig(
-                backend=config.backend, pool=config.pool, slots=slots, environments=config.environments
-            )
-            plane.local = LocalWorkers(config.workers, plane.unix_target, token, worker_config)
+            local_config = worker_config.model_copy(update={"slots": slots})
+            plane.local = LocalWorkers(config.workers, plane.unix_target, token, local_config)
             plane.local.start()
         if config.ray is not None and plane.tcp_address is not None:
-            worker_config = WorkerConfig(backend=config.backend, pool=config.pool, environments=config.environments)
             plane.ray = RayWorkers(config.ray, plane.tcp_address, token, worker_config)
             try:
                 await plane.ray.start()

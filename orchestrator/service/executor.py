@@ -8,7 +8,6 @@ from typing import Protocol
 from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.models import JobSpec, Rollout
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
-from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.replay import ReplayPolicy
 from orchestrator.rollout.runner import RolloutRunner, WorkItem
@@ -53,12 +52,14 @@ class LocalExecutor:
 
     async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
         """Run the rollout here."""
-        policy: Policy
-        if spec.policy.base_url == REPLAY_URL:
-            policy = self._replays.get(env.ref()) or self._replays.setdefault(env.ref(), ReplayPolicy(env))
-        else:
-            policy = self.policy(spec.policy)
+        policy = self._replay(env) if spec.policy.base_url == REPLAY_URL else self.policy(spec.policy)
         return await self.runner.run(item, env, spec, policy, spec.policy.version)
+
+    def _replay(self, env: Environment) -> ReplayPolicy:
+        policy = self._replays.get(env.ref())
+        if policy is None:
+            policy = self._replays[env.ref()] = ReplayPolicy(env)
+        return policy
 
     def job_ended(self, job_id: str) -> None:
         """Forget the job's group snapshots."""

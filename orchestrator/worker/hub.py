@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.models import JobSpec, Rollout, RolloutError, RolloutStatus
-from orchestrator.rollout.runner import WorkItem
+from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem
 from orchestrator.service.declarative.env import DeclarativeEnvironment
 from protos import worker_pb2 as wpb
 
@@ -173,16 +173,17 @@ class WorkerHub:
                 )
             )
         )
-        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + 8.0) + RESULT_SLACK_S
+        # the runner's own budget (every attempt and the pauses between them), and slack for the wire
+        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + RESULT_SLACK_S
         try:
             async with asyncio.timeout(budget):
                 rollout = await future
         except TimeoutError:
+            self._cancel(worker, assignment_id)  # a stuck rollout holds a sandbox there: stop it
             raise WorkerLostError(f"worker {worker.id} gave no result within {budget:g}s") from None
         except asyncio.CancelledError:
             # CancelJob or shutdown: the worker stops the rollout and destroys its sandbox
-            if worker.running.pop(assignment_id, None) is not None:
-                worker.outbox.put_nowait(wpb.ControlMessage(cancel=wpb.Cancel(assignment_id=assignment_id)))
+            self._cancel(worker, assignment_id)
             raise
         finally:
             worker.running.pop(assignment_id, None)
@@ -190,6 +191,11 @@ class WorkerHub:
         self.dispatch_delays.append(max(0.0, time.monotonic() - sent - rollout.timing.total))
         self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
         return rollout
+
+    @staticmethod
+    def _cancel(worker: _Worker, assignment_id: str) -> None:
+        if worker.running.pop(assignment_id, None) is not None:
+            worker.outbox.put_nowait(wpb.ControlMessage(cancel=wpb.Cancel(assignment_id=assignment_id)))
 
     # -- the worker's stream -----------------------------------------------------------------------------------
 

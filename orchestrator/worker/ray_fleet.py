@@ -50,7 +50,6 @@ class _Worker:
         """Serve the control plane until stopped."""
         from orchestrator.worker.process import run_worker
 
-        self._stop = asyncio.Event()
         await run_worker(self._target, self._token, self._config, self._name, self._stop)
 
     async def stop(self) -> None:
