@@ -12,7 +12,7 @@ from orchestrator.core.models import ToolCallRecord, Turn
 from orchestrator.core.policy import Sampling
 from orchestrator.core.sandbox import Sandbox
 from orchestrator.rollout.policy.base import Policy
-from orchestrator.rollout.step import EpisodeState, record_assistant, run_tool_call
+from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 
 
@@ -41,7 +41,7 @@ async def run_episode(
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     messages: list[dict[str, Any]] = env.messages(task)
-    turns.extend(Turn(role=m["role"], text=str(m.get("content") or "")) for m in messages)
+    turns.extend(opening_turns(messages))
     tracker = TokenTracker()
     generation_s = tools_s = 0.0
     finish: Finish = "max_turns"

@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from orchestrator.core.environment import Environment, Episode, Finish, Task
 from orchestrator.core.errors import EnvironmentBroken, PolicyError, SandboxError
@@ -43,6 +43,11 @@ class EpisodeState:
     def episode(self, finish: Finish) -> Episode:
         """The episode as the scorer sees it."""
         return Episode(list(self.turns), self.answer, finish, self.tool_calls)
+
+
+def opening_turns(messages: Sequence[dict[str, Any]]) -> list[Turn]:
+    """The opening chat messages of an episode (Environment.messages) as the turns a rollout records."""
+    return [Turn(role=m["role"], text=str(m.get("content") or "")) for m in messages]
 
 
 def record_assistant(state: EpisodeState, text: str, calls: Sequence[ToolCallRecord]) -> None:

@@ -44,6 +44,7 @@ from orchestrator.rollout.step import (
     classify_failure,
     env_call,
     finished_status,
+    opening_turns,
     record_assistant,
     run_tool_call,
 )
@@ -265,7 +266,7 @@ class SessionManager:
 
     @staticmethod
     def _observation(env: Environment, task: Task) -> Observation:
-        messages = [Turn(role=m["role"], text=str(m.get("content") or "")) for m in env.messages(task)]
+        messages = opening_turns(env.messages(task))
         return Observation(task.prompt, messages, get_tools(env.tools))
 
     def _view(self, s: _Session) -> SessionView:
