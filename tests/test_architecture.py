@@ -15,7 +15,13 @@ from tests.conftest import REPO
 # orchestrator's layers, lowest first. A module may import its own layer and the layers below it; `client` sits
 # beside the server stack and may import only `core`.
 LAYERS = ["core", "backends", "rollout", "service", "server", "testing", "cli"]
-RANK = {name: i for i, name in enumerate(LAYERS)} | {"images": 1, "client": 1, "worker": 4, "viewer": 4}
+RANK = {name: i for i, name in enumerate(LAYERS)} | {
+    "images": 1,
+    "client": 1,
+    "worker": 4,
+    "viewer": 4,
+    "integrations": 4,
+}
 ONLY = {"client": {"core", "client"}, "core": {"core"}}
 
 
