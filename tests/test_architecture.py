@@ -118,3 +118,11 @@ def test_core_imports_no_docker_httpx_or_sqlite() -> None:
     for path, module in _modules("orchestrator/core"):
         for line, target in _imports(path, module):
             assert target.split(".")[0] not in ("docker", "httpx", "sqlite3", "requests"), f"{path}:{line}"
+
+
+def test_the_server_and_the_cli_load_openenv_only_when_asked() -> None:
+    # the openenv extra (OpenEnv, FastAPI, Gradio: seconds to import) is loaded by create_server only with openenv set
+    heavy = ("openenv", "fastapi", "gradio", "orchestrator.integrations.openenv.serving")
+    for module in ("orchestrator.server.app", "orchestrator.cli.main"):
+        assert _forbidden(_loaded_after_import(module), heavy) == [], module
+    assert "orchestrator.integrations.openenv.config" in _loaded_after_import("orchestrator.server.app")  # it can fail
