@@ -11,6 +11,8 @@ from typing import Any
 from openenv.core.generic_client import GenericEnvClient
 from websockets.asyncio.client import ClientConnection, connect
 
+from orchestrator.server.app import Orchestrator
+
 ENV = "python-tool"
 TIMEOUT_S = 120.0
 
@@ -59,3 +61,15 @@ async def until(check: Callable[[], bool], what: str, limit_s: float = 60.0) -> 
     while not check():
         assert loop.time() < deadline, f"still not {what} after {limit_s:g}s"
         await asyncio.sleep(0.05)
+
+
+def facade_url(orch: Orchestrator) -> str:
+    """The base URL of an orchestrator's in-process facade."""
+    assert orch.openenv is not None, "serve(..., openenv={...})"
+    return orch.openenv.url
+
+
+def open_sessions(orch: Orchestrator, tenant: str | None = None) -> int:
+    """Sessions holding a sandbox now."""
+    assert orch.sessions is not None
+    return orch.sessions.open_sessions(tenant)

@@ -16,10 +16,9 @@ from websockets.asyncio.client import ClientConnection
 
 from orchestrator.integrations.openenv.config import OpenEnvConfig
 from orchestrator.integrations.openenv.serving import start_facade
-from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
 from tests.conftest import REPO, TEST_OWNER
-from tests.integrations.facade import ENV, env_client, exchange, http_get, until, ws_connect
+from tests.integrations.facade import ENV, env_client, exchange, facade_url, http_get, open_sessions, until, ws_connect
 from tests.orchestrator.servers import FAKE, serve
 
 OPENENV = {"port": 0}
@@ -32,7 +31,7 @@ def _python(code: str) -> dict[str, object]:
 async def test_an_episode_scores_1_and_a_wrong_answer_0(tmp_path: Path, base_image: str) -> None:
     task, other = Registry.from_entry_points().get(ENV).tasks()[:2]
     code, answer = task.reference[0].arguments["code"], str(task.data["answer"])
-    async with serve(tmp_path, openenv=OPENENV) as orch, env_client(orch.openenv.url) as env:
+    async with serve(tmp_path, openenv=OPENENV) as orch, env_client(facade_url(orch)) as env:
         r = await env.reset(task_id=task.id)
         assert r.observation["text"] == task.prompt and r.reward is None and not r.done
         meta = r.metadata
@@ -40,7 +39,7 @@ async def test_an_episode_scores_1_and_a_wrong_answer_0(tmp_path: Path, base_ima
         assert meta["tools"][0]["function"]["parameters"]["required"] == ["code"]
         assert [m["role"] for m in meta["messages"]] == ["system", "user"]
         assert (meta["env"], meta["task_id"], meta["turn"]) == ("python-tool@1", task.id, 0)
-        assert orch.sessions.open_sessions() == 1
+        assert open_sessions(orch) == 1
 
         r = await env.step(_python(code))
         assert r.observation["text"].strip() == answer and r.reward == 0.0 and not r.done
@@ -56,23 +55,23 @@ async def test_an_episode_scores_1_and_a_wrong_answer_0(tmp_path: Path, base_ima
         r = await env.reset(task_id=other.id)  # the same connection, a new episode
         r = await env.step({"answer": "certainly not the answer"})
         assert r.done and r.reward == 0.0 and r.metadata["status"] == "OK"  # a wrong answer is a scored 0
-    await until(lambda: orch.sessions.open_sessions() == 0, "closed")
+    await until(lambda: open_sessions(orch) == 0, "closed")
 
 
 async def test_a_disconnect_mid_episode_closes_the_session(
     tmp_path: Path, base_image: str, docker_client: docker.DockerClient
 ) -> None:
     async with serve(tmp_path, openenv=OPENENV) as orch:
-        env = env_client(orch.openenv.url)
+        env = env_client(facade_url(orch))
         await env.reset(task_id="py-001")
         r = await env.step(_python("import socket; print(socket.gethostname())"))
         container = r.observation["text"].strip()  # docker's default hostname: the container id's first 12 characters
         assert docker_client.containers.get(container).status == "running"
-        assert orch.sessions.open_sessions() == 1
+        assert open_sessions(orch) == 1
         ws = env._ws
         assert ws is not None
         ws.transport.abort()  # a trainer that dies: no close frame, no "close" message
-        await until(lambda: orch.sessions.open_sessions() == 0, "closed")
+        await until(lambda: open_sessions(orch) == 0, "closed")
 
         def gone() -> bool:
             try:
@@ -93,7 +92,7 @@ async def _expect_error(ws: ClientConnection, frame: str | bytes, code: str, *fr
 
 async def test_bad_actions_get_error_frames_and_the_connection_goes_on(tmp_path: Path) -> None:
     async with serve(tmp_path, backend=FAKE, openenv=OPENENV) as orch:
-        url = orch.openenv.url
+        url = facade_url(orch)
         async with env_client(url) as env:
             with pytest.raises(RuntimeError, match="no episode is running: send a reset first"):
                 await env.step({"answer": "x"})
@@ -127,8 +126,8 @@ async def test_bad_actions_get_error_frames_and_the_connection_goes_on(tmp_path:
             await _expect_error(ws, json.dumps({"type": "step", "data": {"answer": 7}}), "VALIDATION_ERROR", "answer")
             answer = await exchange(ws, json.dumps({"type": "reset", "data": {"task_id": "py-000"}}))
             assert answer["type"] == "observation" and answer["data"]["observation"]["text"]
-            assert orch.sessions.open_sessions() == 1
-        await until(lambda: orch.sessions.open_sessions() == 0, "closed")
+            assert open_sessions(orch) == 1
+        await until(lambda: open_sessions(orch) == 0, "closed")
 
 
 async def test_the_standalone_facade_in_front_of_a_running_orchestrator(tmp_path: Path) -> None:
@@ -148,10 +147,10 @@ async def test_the_standalone_facade_in_front_of_a_running_orchestrator(tmp_path
             assert status == 200 and "answer" in body["action"]["properties"]
             async with env_client(facade.url, "python-tool@1") as env:
                 r = await env.reset(task_id="py-000")
-                assert r.metadata["env"] == "python-tool@1" and orch.sessions.open_sessions() == 1
+                assert r.metadata["env"] == "python-tool@1" and open_sessions(orch) == 1
         finally:
             await facade.close()
-        await until(lambda: orch.sessions.open_sessions() == 0, "closed")
+        await until(lambda: open_sessions(orch) == 0, "closed")
 
 
 async def _line(proc: subprocess.Popen[str], prefix: str) -> str:

@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from orchestrator.core.errors import ConfigError
 from orchestrator.integrations.openenv.config import OpenEnvConfig, check_facade_host
 from orchestrator.integrations.openenv.serving import start_facade
-from tests.integrations.facade import env_client, http_get, until, ws_connect
+from tests.integrations.facade import env_client, facade_url, http_get, open_sessions, until, ws_connect
 from tests.orchestrator.servers import FAKE, serve
 
 TOKEN_A, TOKEN_B = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
@@ -37,7 +37,7 @@ async def _refused(status: int, *args: object, **kw: object) -> str:
 async def test_callers_need_a_token_the_orchestrator_accepts(tmp_path: Path) -> None:
     security = {"token_file": _tokens(tmp_path)}
     async with serve(tmp_path / "data", backend=FAKE, security=security, openenv={"port": 0}) as orch:
-        url = orch.openenv.url
+        url = facade_url(orch)
         assert "missing bearer token" in await _refused(401, url)
         assert "invalid bearer token" in await _refused(401, url, token="x" * 32)
         with pytest.raises(ConnectionError, match="HTTP 401"):
@@ -47,20 +47,20 @@ async def test_callers_need_a_token_the_orchestrator_accepts(tmp_path: Path) -> 
         status, _ = await http_get(url, "/envs", Authorization="Bearer nonsense-nonsense-nonsense")
         assert status == 401
         assert (await http_get(url, "/health"))[0] == 200  # a probe needs no token
-        assert orch.sessions.open_sessions() == 0
+        assert open_sessions(orch) == 0
 
         async with env_client(url, token=TOKEN_A) as env:
             r = await env.reset(task_id="py-000")
             assert r.metadata["task_id"] == "py-000"
-            assert orch.sessions.open_sessions("team-a") == 1  # the session is the caller's tenant's
-        await until(lambda: orch.sessions.open_sessions() == 0, "closed")
+            assert open_sessions(orch, "team-a") == 1  # the session is the caller's tenant's
+        await until(lambda: open_sessions(orch) == 0, "closed")
 
 
 async def test_open_websockets_are_capped_per_caller(tmp_path: Path) -> None:
     security = {"token_file": _tokens(tmp_path)}
     openenv = {"port": 0, "max_connections_per_caller": 1}
     async with serve(tmp_path / "data", backend=FAKE, security=security, openenv=openenv) as orch:
-        url = orch.openenv.url
+        url = facade_url(orch)
         async with ws_connect(url, token=TOKEN_A):
             assert "1 websockets are open with this token" in await _refused(429, url, token=TOKEN_A)
             async with ws_connect(url, token=TOKEN_B):  # another caller is not held up
@@ -71,7 +71,7 @@ async def test_open_websockets_are_capped_per_caller(tmp_path: Path) -> None:
 
 async def test_without_tokens_only_loopback_names_and_no_foreign_page(tmp_path: Path) -> None:
     async with serve(tmp_path, backend=FAKE, openenv={"port": 0}) as orch:
-        url = orch.openenv.url
+        url = facade_url(orch)
         status, body = await http_get(url, "/envs", Host="evil.example:80")  # a rebound DNS name
         assert status == 403 and "loopback host names only" in body["detail"]
         assert "may not use this facade" in await _refused(403, url, origin="http://evil.example")
@@ -81,7 +81,7 @@ async def test_without_tokens_only_loopback_names_and_no_foreign_page(tmp_path: 
 
 
 async def test_the_facade_stays_on_loopback_unless_told(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="refusing to serve on '0.0.0.0'"):
+    with pytest.raises(ConfigError, match=r"refusing to serve on '0\.0\.0\.0'"):
         async with serve(tmp_path, backend=FAKE, openenv={"port": 0, "host": "0.0.0.0"}):
             pass
     with pytest.raises(ConfigError, match="plain HTTP, so bearer tokens would cross the network in clear"):
@@ -95,20 +95,20 @@ async def test_the_facade_stays_on_loopback_unless_told(tmp_path: Path) -> None:
 
 async def test_an_oversized_frame_closes_the_socket_and_its_session(tmp_path: Path) -> None:
     async with serve(tmp_path, backend=FAKE, openenv={"port": 0, "max_message_bytes": 4096}) as orch:
-        async with ws_connect(orch.openenv.url) as ws:
+        async with ws_connect(facade_url(orch)) as ws:
             await ws.send('{"type": "reset", "data": {"task_id": "py-000"}}')
             assert '"observation"' in await ws.recv()
-            assert orch.sessions.open_sessions() == 1
+            assert open_sessions(orch) == 1
             await ws.send('{"type": "step", "data": {"answer": "' + "x" * 8192 + '"}}')
             with pytest.raises(ConnectionClosed) as e:
                 await ws.recv()
             assert e.value.rcvd is not None and e.value.rcvd.code == 1009  # message too big
-        await until(lambda: orch.sessions.open_sessions() == 0, "closed")
+        await until(lambda: open_sessions(orch) == 0, "closed")
 
 
 async def test_no_route_opens_a_sandbox_outside_a_websocket(tmp_path: Path) -> None:
     async with serve(tmp_path, backend=FAKE, openenv={"port": 0}) as orch:
-        url = orch.openenv.url
+        url = facade_url(orch)
         # OpenEnv's stateless reset/step, its MCP and task routes: each would open sessions nothing closes
         for method, path, status in [
             ("POST", "/envs/python-tool/reset", 404),
@@ -121,4 +121,4 @@ async def test_no_route_opens_a_sandbox_outside_a_websocket(tmp_path: Path) -> N
         ]:
             assert (await http_get(url, path, method))[0] == status, (method, path)
         await _refused(404, url, env="python-tool/mcp")
-        assert orch.sessions.open_sessions() == 0
+        assert open_sessions(orch) == 0
