@@ -15,7 +15,13 @@ from tests.conftest import REPO
 # orchestrator's layers, lowest first. A module may import its own layer and the layers below it; `client` sits
 # beside the server stack and may import only `core`.
 LAYERS = ["core", "backends", "rollout", "service", "server", "testing", "cli"]
-RANK = {name: i for i, name in enumerate(LAYERS)} | {"images": 1, "client": 1, "worker": 4, "viewer": 4}
+RANK = {name: i for i, name in enumerate(LAYERS)} | {
+    "images": 1,
+    "client": 1,
+    "worker": 4,
+    "viewer": 4,
+    "integrations": 4,
+}
 ONLY = {"client": {"core", "client"}, "core": {"core"}}
 
 
@@ -112,3 +118,11 @@ def test_core_imports_no_docker_httpx_or_sqlite() -> None:
     for path, module in _modules("orchestrator/core"):
         for line, target in _imports(path, module):
             assert target.split(".")[0] not in ("docker", "httpx", "sqlite3", "requests"), f"{path}:{line}"
+
+
+def test_the_server_and_the_cli_load_openenv_only_when_asked() -> None:
+    # the openenv extra (OpenEnv, FastAPI, Gradio: seconds to import) is loaded by create_server only with openenv set
+    heavy = ("openenv", "fastapi", "gradio", "orchestrator.integrations.openenv.serving")
+    for module in ("orchestrator.server.app", "orchestrator.cli.main"):
+        assert _forbidden(_loaded_after_import(module), heavy) == [], module
+    assert "orchestrator.integrations.openenv.config" in _loaded_after_import("orchestrator.server.app")  # it can fail

@@ -108,6 +108,7 @@ def _backend_config(args: argparse.Namespace) -> object:
 
 
 def _server_config(args: argparse.Namespace) -> object:
+    from orchestrator.cli.openenv import openenv_settings
     from orchestrator.cli.remote import security_config
     from orchestrator.cli.view import ui_settings
     from orchestrator.server.app import OrchestratorConfig
@@ -131,6 +132,7 @@ def _server_config(args: argparse.Namespace) -> object:
         else None,
         metrics_host=args.metrics_host,
         **ui_settings(args),
+        **openenv_settings(args),
     )
 
 
@@ -154,6 +156,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"metrics http://{config.metrics_host}:{orch.metrics_port}/metrics", flush=True)
         if orch.ui is not None:
             print(f"ui {orch.ui.url}/", flush=True)
+        if orch.openenv is not None:
+            print(f"openenv {orch.openenv.url}/envs/", flush=True)
         try:
             await stop.wait()
         finally:
@@ -256,6 +260,7 @@ def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from orchestrator.cli.openenv import add_openenv_arguments, add_openenv_command
     from orchestrator.cli.view import add_ui_arguments, add_view_command
 
     p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
@@ -271,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
     add_ui_arguments(serve)
+    add_openenv_arguments(serve)
     serve.add_argument(
         "--workers",
         type=int,
@@ -303,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_envs_commands(sub, console)
     add_view_command(sub)
+    add_openenv_command(sub)
 
     rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
     rollout.add_argument("--env", required=True)

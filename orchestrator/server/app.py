@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,6 +20,7 @@ from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.sandbox import SandboxBackend
+from orchestrator.integrations.openenv.config import OpenEnvConfig
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
@@ -44,6 +47,9 @@ from orchestrator.service.store import ResultStore
 from orchestrator.viewer.http import ViewerServer, start_live_viewer
 from orchestrator.worker.ray_fleet import RayConfig
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
+
+if TYPE_CHECKING:
+    from orchestrator.integrations.openenv.serving import OpenEnvFacade
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ class OrchestratorConfig(BaseModel):
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to serve beside the entry points"
     )
+    openenv: OpenEnvConfig | None = Field(None, description="serve sessions over OpenEnv too (the openenv extra)")
 
     @model_validator(mode="after")
     def _answers_fit_messages(self) -> OrchestratorConfig:
@@ -138,6 +145,8 @@ class Orchestrator:
         self.registrar: Registrar | None = None
         self.workers: WorkerPlane | None = None
         self.ui: ViewerServer | None = None
+        self.openenv: OpenEnvFacade | None = None
+        self._private_dir: Path | None = None  # the gRPC socket of the in-process OpenEnv facade
 
     @property
     def address(self) -> str:
@@ -151,6 +160,8 @@ class Orchestrator:
 
         Every stage is bounded: one that overruns is logged and left behind, and the backend's close, which always
         runs, removes every container this instance still owns."""
+        if self.openenv is not None:  # first: its websockets close their sessions through the gRPC server
+            await _bounded("the OpenEnv facade", self.openenv.close(), STOP_STAGE_S)
         await self._health.enter_graceful_shutdown()
         await _bounded("the gRPC server", self.server.stop(grace), grace + STOP_STAGE_S)
         if self.ui is not None:
@@ -170,6 +181,8 @@ class Orchestrator:
             self._metrics_server.shutdown()
         await self.backend.close()
         await self.store.close()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
 
 async def _swept(backend: SandboxBackend) -> None:
@@ -190,6 +203,8 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     check_transport(config.host, config.security)
     if config.ui_port is not None:  # the viewer speaks plain HTTP: its host is checked as a server without TLS
         check_transport(config.ui_host, config.security.model_copy(update={"tls": None}))
+    if config.openenv is not None:  # plain HTTP too
+        check_transport(config.openenv.host, config.security.model_copy(update={"tls": None}))
     auth = Authenticator.from_config(config.security)
     tls = config.security.tls
     credentials = server_credentials(tls) if tls else None
@@ -252,6 +267,12 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    private_dir = None
+    if config.openenv is not None:
+        # the facade calls this server as a client, with its callers' tokens (the interceptor checks them), over a
+        # unix socket in a private folder: no TLS to set up for a call that never leaves the process's host
+        private_dir = Path(tempfile.mkdtemp(prefix="envfleet-"))
+        server.add_insecure_port(f"unix:{private_dir / 'grpc.sock'}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -263,6 +284,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         config.data_dir,
     )
     orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer)
+    orch._private_dir = private_dir
 
     pending: set[asyncio.Task[None]] = set()
 
@@ -295,4 +317,12 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
             log.warning("viewer port %d unavailable (%s); using a free port", config.ui_port, e)
             orch.ui = start_live_viewer(jobs, store.path, config.ui_host, 0, header_tenant, auth.enabled)
         log.info("trajectory viewer on %s", orch.ui.url)
+    if config.openenv is not None and private_dir is not None:
+        from orchestrator.integrations.openenv.serving import start_facade  # the optional extra, loaded only here
+
+        try:
+            orch.openenv = await start_facade(config.openenv, f"unix:{private_dir / 'grpc.sock'}")
+        except BaseException:
+            await orch.stop(grace=0)
+            raise
     return orch
