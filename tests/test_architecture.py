@@ -20,7 +20,7 @@ RANK = {name: i for i, name in enumerate(LAYERS)} | {
     "client": 1,
     "worker": 4,
     "viewer": 4,
-    "integrations": 4,
+    "openenv": 4,
 }
 ONLY = {"client": {"core", "client"}, "core": {"core"}}
 
@@ -122,7 +122,7 @@ def test_core_imports_no_docker_httpx_or_sqlite() -> None:
 
 def test_the_server_and_the_cli_load_openenv_only_when_asked() -> None:
     # the openenv extra (OpenEnv, FastAPI, Gradio: seconds to import) is loaded by create_server only with openenv set
-    heavy = ("openenv", "fastapi", "gradio", "orchestrator.integrations.openenv.serving")
+    heavy = ("openenv", "fastapi", "gradio", "orchestrator.openenv.serving")
     for module in ("orchestrator.server.app", "orchestrator.cli.main"):
         assert _forbidden(_loaded_after_import(module), heavy) == [], module
-    assert "orchestrator.integrations.openenv.config" in _loaded_after_import("orchestrator.server.app")  # it can fail
+    assert "orchestrator.openenv.config" in _loaded_after_import("orchestrator.server.app")  # it can fail

@@ -13,7 +13,7 @@ from orchestrator.cli.errors import CommandLineError
 from orchestrator.cli.remote import add_client_arguments
 from orchestrator.client.auth import ClientTLS
 from orchestrator.core.errors import ConfigError
-from orchestrator.integrations.openenv.config import OpenEnvConfig, check_facade_host
+from orchestrator.openenv.config import OpenEnvConfig, check_facade_host
 
 EXTRA_HINT = "the OpenEnv facade needs the openenv extra: pip install 'envfleet[openenv]'"
 
@@ -55,7 +55,7 @@ def _read(flag: str, path: str | None) -> bytes | None:
 
 def _cmd_openenv(args: argparse.Namespace) -> int:
     _check_extra()
-    from orchestrator.integrations.openenv.serving import start_facade
+    from orchestrator.openenv.serving import start_facade
 
     try:
         config = OpenEnvConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)

@@ -20,7 +20,7 @@ from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.sandbox import SandboxBackend
-from orchestrator.integrations.openenv.config import OpenEnvConfig
+from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
@@ -49,7 +49,7 @@ from orchestrator.worker.ray_fleet import RayConfig
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
 
 if TYPE_CHECKING:
-    from orchestrator.integrations.openenv.serving import OpenEnvFacade
+    from orchestrator.openenv.serving import OpenEnvFacade
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
             orch.ui = start_live_viewer(jobs, store.path, config.ui_host, 0, header_tenant, auth.enabled)
         log.info("trajectory viewer on %s", orch.ui.url)
     if config.openenv is not None and private_dir is not None:
-        from orchestrator.integrations.openenv.serving import start_facade  # the optional extra, loaded only here
+        from orchestrator.openenv.serving import start_facade  # the optional extra, loaded only here
 
         try:
             orch.openenv = await start_facade(config.openenv, f"unix:{private_dir / 'grpc.sock'}")

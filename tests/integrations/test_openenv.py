@@ -14,8 +14,8 @@ import docker
 import pytest
 from websockets.asyncio.client import ClientConnection
 
-from orchestrator.integrations.openenv.config import OpenEnvConfig
-from orchestrator.integrations.openenv.serving import start_facade
+from orchestrator.openenv.config import OpenEnvConfig
+from orchestrator.openenv.serving import start_facade
 from orchestrator.service.registry import Registry
 from tests.conftest import REPO, TEST_OWNER
 from tests.integrations.facade import ENV, env_client, exchange, facade_url, http_get, open_sessions, until, ws_connect

@@ -12,8 +12,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orchestrator.core.errors import ConfigError
-from orchestrator.integrations.openenv.config import OpenEnvConfig, check_facade_host
-from orchestrator.integrations.openenv.serving import start_facade
+from orchestrator.openenv.config import OpenEnvConfig, check_facade_host
+from orchestrator.openenv.serving import start_facade
 from tests.integrations.facade import env_client, facade_url, http_get, open_sessions, until, ws_connect
 from tests.orchestrator.servers import FAKE, serve
 

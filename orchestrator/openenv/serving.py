@@ -16,9 +16,9 @@ import uvicorn
 from orchestrator.client.auth import ClientTLS, aio_channel, bearer_metadata, check_client_transport
 from orchestrator.core.errors import ConfigError
 from orchestrator.core.net import is_loopback
-from orchestrator.integrations.openenv.app import FacadeApp
-from orchestrator.integrations.openenv.config import OpenEnvConfig
-from orchestrator.integrations.openenv.environment import Backend
+from orchestrator.openenv.app import FacadeApp
+from orchestrator.openenv.config import OpenEnvConfig
+from orchestrator.openenv.environment import Backend
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 

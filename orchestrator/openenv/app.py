@@ -29,9 +29,9 @@ from openenv.core.env_server.http_server import create_fastapi_app
 from openenv.core.env_server.types import WSErrorCode, WSErrorResponse
 
 from orchestrator.core.echo import echo
-from orchestrator.integrations.openenv.config import OpenEnvConfig
-from orchestrator.integrations.openenv.environment import CALLER, Backend, EnvfleetEnvironment, EnvInfo, Metadata
-from orchestrator.integrations.openenv.models import EnvfleetAction, EnvfleetObservation, EnvfleetState
+from orchestrator.openenv.config import OpenEnvConfig
+from orchestrator.openenv.environment import CALLER, Backend, EnvfleetEnvironment, EnvInfo, Metadata
+from orchestrator.openenv.models import EnvfleetAction, EnvfleetObservation, EnvfleetState
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 

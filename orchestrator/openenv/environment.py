@@ -29,7 +29,7 @@ from orchestrator.core.errors import (
     QuotaExceededError,
     UnauthenticatedError,
 )
-from orchestrator.integrations.openenv.models import EnvfleetAction, EnvfleetObservation, EnvfleetState, ResetOptions
+from orchestrator.openenv.models import EnvfleetAction, EnvfleetObservation, EnvfleetState, ResetOptions
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 

@@ -1,1 +1,0 @@
-"""Optional adapters to other ecosystems' contracts (each behind its own extra, imported only when asked for)."""
