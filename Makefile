@@ -11,7 +11,7 @@ TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
 	.venv/bin/pip install -q --disable-pip-version-check --upgrade pip
-	.venv/bin/pip install -q --disable-pip-version-check -e '.[dev,ray,tito]'
+	.venv/bin/pip install -q --disable-pip-version-check -e '.[dev,ray,tito,otel]'
 	@rm -f .venv/.installed-*
 	@touch $@
 
