@@ -4,19 +4,21 @@ processes keep their own."""
 
 from __future__ import annotations
 
+import re
 import time
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from opentelemetry.trace import Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from orchestrator.core.tracing import MAX_ATTRIBUTE_CHARS, Attributes, AttributeValue, Span, capped
 
-_PROPAGATOR = TraceContextTextMapPropagator()
+# W3C trace context, version 00 (what the SDK's propagator reads, without building a carrier and a context per call)
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 MAX_SPAN_ATTRIBUTES = 32
 MAX_QUEUED_SPANS = 8192  # spans waiting for export; beyond, new ones are dropped (counted by the SDK) not buffered
 
@@ -30,23 +32,24 @@ def _clean(attributes: Attributes | None) -> dict[str, AttributeValue]:
 class OTelSpan:
     """A span of the SDK, on monotonic times."""
 
-    __slots__ = ("_span", "_tracer")
+    __slots__ = ("_context", "_span", "_tracer")
 
     def __init__(self, tracer: OTelTracer, span: trace.Span) -> None:
         self._tracer = tracer
         self._span = span
+        self._context: Context | None = None  # as a parent: made once, on its first child
 
     @property
     def traceparent(self) -> str:
-        """The W3C traceparent of this span."""
-        carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self._span))
-        return carrier.get("traceparent", "")
+        """The W3C traceparent of this span ("" for an invalid one)."""
+        c = self._span.get_span_context()
+        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}" if c.is_valid else ""
 
     def open(self, name: str, start: float, attributes: Attributes | None = None) -> Span:
         """A child of this span."""
-        context = trace.set_span_in_context(self._span)
-        return self._tracer._open(name, start, attributes, context)
+        if self._context is None:
+            self._context = trace.set_span_in_context(self._span)
+        return self._tracer._open(name, start, attributes, self._context)
 
     def set(self, attributes: Attributes) -> None:
         """Add attributes (string values capped)."""
@@ -112,14 +115,17 @@ class OTelTracer:
 
     def remote(self, traceparent: str) -> Span:
         """The span a traceparent names, as a parent (an invalid one parents nothing: its children start traces)."""
-        if not traceparent:
+        m = _TRACEPARENT.fullmatch(traceparent)
+        if m is None:
             return OTelSpan(self, trace.INVALID_SPAN)
-        return OTelSpan(self, trace.get_current_span(_PROPAGATOR.extract({"traceparent": traceparent})))
+        trace_id, span_id, flags = int(m[1], 16), int(m[2], 16), int(m[3], 16)
+        context = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+        return OTelSpan(self, NonRecordingSpan(context) if context.is_valid else trace.INVALID_SPAN)
 
-    def _open(self, name: str, start: float, attributes: Attributes | None, context: object) -> Span:
+    def _open(self, name: str, start: float, attributes: Attributes | None, context: Context | None) -> Span:
         span = self._tracer.start_span(
             name,
-            context=context,  # type: ignore[arg-type]
+            context=context,
             attributes=_clean(attributes),
             start_time=self.wall_ns(start),
             record_exception=False,

@@ -19,6 +19,7 @@ from opentelemetry.trace import StatusCode
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.core import tracing as tr
+from orchestrator.core.errors import ConfigError
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.core.otel import OTelTracer
 from orchestrator.core.policy import REPLAY_URL
@@ -222,3 +223,27 @@ def test_with_tracing_off_the_server_never_imports_opentelemetry(tmp_path: Path,
     assert result["statuses"] == ["OK", "OK"], out.stderr
     assert result["off"] == [], "a server without --otlp-endpoint imported OpenTelemetry"
     assert result["on"], "the check must see the import when tracing is on"
+
+
+def test_serve_takes_the_endpoint_from_its_flag_variable_or_file(tmp_path: Path) -> None:
+    from orchestrator.cli.config import parse_args
+    from orchestrator.cli.main import _server_config, build_parser
+    from orchestrator.server.app import OrchestratorConfig
+
+    env = {"ENVFLEET_OTLP_ENDPOINT": "http://collector:4318", "ENVFLEET_OTLP_PROTOCOL": "http"}
+    config = _server_config(parse_args(build_parser(), ["serve"], environ=env))
+    assert isinstance(config, OrchestratorConfig)
+    assert config.tracing == TracingConfig(otlp_endpoint="http://collector:4318", otlp_protocol="http")
+    conf = tmp_path / "envfleet.toml"
+    conf.write_text('otlp-endpoint = "collector:4317"\n')
+    config = _server_config(parse_args(build_parser(), ["serve", "--config", str(conf)], environ={}))
+    assert isinstance(config, OrchestratorConfig)
+    assert config.tracing == TracingConfig(otlp_endpoint="collector:4317", otlp_protocol="grpc")
+    config = _server_config(parse_args(build_parser(), ["serve"], environ={}))
+    assert isinstance(config, OrchestratorConfig) and config.tracing.otlp_endpoint is None
+
+
+def test_an_endpoint_without_opentelemetry_installed_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "orchestrator.core.otel", None)  # as if the otel extra were missing
+    with pytest.raises(ConfigError, match=r"pip install 'envfleet\[otel\]'"):
+        make_tracer(TracingConfig(otlp_endpoint="127.0.0.1:4317"), "envfleet")
