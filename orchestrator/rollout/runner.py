@@ -38,6 +38,7 @@ from orchestrator.core.tracing import (
     STATUS,
     TASK_ID,
     Attributes,
+    AttributeValue,
     Phase,
     Span,
     Tracer,
@@ -99,7 +100,7 @@ async def traced_rollout(
     except BaseException as e:
         root.end(time.monotonic(), e)
         raise
-    outcome: dict[str, str | int | float | bool] = {STATUS: rollout.status.value, ATTEMPTS: rollout.attempts}
+    outcome: dict[str, AttributeValue] = {STATUS: rollout.status.value, ATTEMPTS: rollout.attempts}
     if rollout.reward is not None:
         outcome[REWARD] = rollout.reward
     root.set(outcome)

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,11 +25,13 @@ from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.core.otel import OTelTracer
 from orchestrator.core.policy import REPLAY_URL
 from orchestrator.core.tracing import NOOP_TRACER, TracingConfig, make_tracer
+from orchestrator.rollout.policy.replay import ReplayPolicy
+from orchestrator.rollout.runner import WorkItem
 from orchestrator.server.app import Orchestrator
 from orchestrator.testing.otlp_collector import OTLPCollector, ReceivedSpan
 from tests.conftest import REPO, TEST_OWNER
-from tests.orchestrator.conftest import job
-from tests.orchestrator.servers import serve
+from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import local_runner, serve
 
 # commands take 20 ms on the fake backend, so a rollout's phases, not the interpreter between them, make its time
 FAKE = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=0.02)
@@ -159,6 +162,17 @@ async def test_a_rollout_on_a_worker_process_is_still_one_trace(
         assert by_name["rollout"][0].service == "envfleet"
         workers = {s.service for name, group in by_name.items() if name != "rollout" for s in group}
         assert workers == {"envfleet-worker"}, "the worker's spans come from the worker process"
+
+
+async def test_a_runner_without_a_traced_caller_starts_the_trace_itself(tmp_path: Path, task_ids: list[str]) -> None:
+    exporter = InMemorySpanExporter()
+    async with serve(tmp_path / "data", backend=FAKE, tracer=OTelTracer(exporter, batch=False)) as orch:
+        runner = local_runner(orch)
+        env = orch.jobs.registry.get(ENV)
+        item = WorkItem("direct", next(t for t in env.tasks() if t.id == task_ids[0]), 0, time.monotonic())
+        rollout = await runner.run(item, env, job(REPLAY_URL, task_ids[:1]), ReplayPolicy(env), "v1")
+    assert rollout.status == RolloutStatus.OK, rollout.error
+    check_trace(rollout, [_received(s) for s in exporter.get_finished_spans()])
 
 
 async def test_an_unparsable_traceparent_starts_a_new_trace() -> None:
