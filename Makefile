@@ -1,6 +1,8 @@
 # envfleet: every target sets up what it needs on a fresh machine (venv, dockerd, base image).
 SHELL := /bin/bash
 PY := .venv/bin/python
+# the extras `make test` needs; the heavy trainer adapters (torch, trl, verl) are `make test-integrations`
+EXTRAS := dev,ray,tito,openenv,otel
 VENV_STAMP := .venv/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
@@ -11,7 +13,7 @@ TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
 	.venv/bin/pip install -q --disable-pip-version-check --upgrade pip
-	.venv/bin/pip install -q --disable-pip-version-check -e '.[dev,ray,tito,openenv]'
+	.venv/bin/pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	@rm -f .venv/.installed-*
 	@touch $@
 

@@ -111,6 +111,7 @@ def _server_config(args: argparse.Namespace) -> object:
     from orchestrator.cli.openenv import openenv_settings
     from orchestrator.cli.remote import security_config
     from orchestrator.cli.view import ui_settings
+    from orchestrator.core.tracing import TracingConfig
     from orchestrator.server.app import OrchestratorConfig
     from orchestrator.service.sessions import SessionConfig
     from orchestrator.worker.ray_fleet import RayConfig
@@ -131,6 +132,7 @@ def _server_config(args: argparse.Namespace) -> object:
         if args.ray_address
         else None,
         metrics_host=args.metrics_host,
+        tracing=TracingConfig(otlp_endpoint=args.otlp_endpoint or None, otlp_protocol=args.otlp_protocol),
         **ui_settings(args),
         **openenv_settings(args),
     )
@@ -303,6 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="where the metrics endpoint listens; it has no authentication, so loopback by default",
     )
+    serve.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="export an OpenTelemetry trace of every rollout here (grpc: HOST:PORT; http: http://HOST:PORT); "
+        "default off, and OpenTelemetry is not even imported",
+    )
+    serve.add_argument("--otlp-protocol", choices=["grpc", "http"], default="grpc", help="OTLP over gRPC or HTTP")
     add_serve_security_arguments(serve)
     add_config_argument(serve)
     serve.set_defaults(fn=_cmd_serve)

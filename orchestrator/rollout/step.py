@@ -19,7 +19,7 @@ from orchestrator.core.environment import Environment, Episode, Finish, Task
 from orchestrator.core.errors import EnvironmentBroken, PolicyError, SandboxError
 from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
 from orchestrator.core.sandbox import Sandbox
-from orchestrator.core.tools import Tool, call_tool, get_tools
+from orchestrator.core.tools import Tool, ToolResult, call_tool, get_tools
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,22 +55,21 @@ def record_assistant(state: EpisodeState, text: str, calls: Sequence[ToolCallRec
     state.turns.append(Turn(role="assistant", text=text, tool_calls=list(calls)))
 
 
-async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState, call: ToolCallRecord) -> str:
-    """Run one tool call in the sandbox and record its observation; returns the observation text.
+async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState, call: ToolCallRecord) -> ToolResult:
+    """Run one tool call in the sandbox and record its observation; returns the result (`output` is the observation).
 
     A `submit` sets the state's answer. SandboxError propagates: the sandbox failed, not the policy.
     """
     state.tool_calls += 1
     tool = state.tools.get(call.name)
     if tool is None:
-        output = f"error: unknown tool {call.name!r}; available: {', '.join(state.tools)}"
+        result = ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(state.tools)}")
     else:
         result = await call_tool(tool, sandbox, call.arguments, env.tool_timeout_s)
-        output = result.output
         if result.submitted:
             state.submitted, state.answer = True, result.answer
-    state.turns.append(Turn(role="tool", text=output, tool_call_id=call.id, name=call.name))
-    return output
+    state.turns.append(Turn(role="tool", text=result.output, tool_call_id=call.id, name=call.name))
+    return result
 
 
 async def replay_reference(env: Environment, sandbox: Sandbox, task: Task) -> Episode:

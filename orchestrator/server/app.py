@@ -20,6 +20,7 @@ from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.sandbox import SandboxBackend
+from orchestrator.core.tracing import Tracer, TracingConfig, make_tracer
 from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.server.errors import ErrorInterceptor
@@ -99,6 +100,9 @@ class OrchestratorConfig(BaseModel):
         default_factory=list, description="module:ClassName environments to serve beside the entry points"
     )
     openenv: OpenEnvConfig | None = Field(None, description="serve sessions over OpenEnv too (the openenv extra)")
+    tracing: TracingConfig = Field(
+        TracingConfig(), description="OpenTelemetry traces of every rollout, from here and every worker; off by default"
+    )
 
     @model_validator(mode="after")
     def _answers_fit_messages(self) -> OrchestratorConfig:
@@ -128,6 +132,7 @@ class Orchestrator:
         backend: SandboxBackend,
         store: ResultStore,
         health_servicer: health.aio.HealthServicer,
+        tracer: Tracer,
     ) -> None:
         self.config = config
         self.server = server
@@ -136,6 +141,7 @@ class Orchestrator:
         self.backend = backend
         self.store = store
         self._health = health_servicer
+        self.tracer = tracer
         self.pool: SandboxPool | None = None
         self.metrics: Metrics | None = None
         self.metrics_port: int | None = None
@@ -183,6 +189,7 @@ class Orchestrator:
         await self.store.close()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
+        await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
 
 
 async def _swept(backend: SandboxBackend) -> None:
@@ -197,8 +204,11 @@ async def _bounded(what: str, stage: Awaitable[None], limit_s: float) -> None:
         log.error("shutdown: %s did not stop within %gs; going on (the backend removes what is left)", what, limit_s)
 
 
-async def create_server(config: OrchestratorConfig, registry: Registry | None = None) -> Orchestrator:
-    """Open the store, sweep and start the backend, resume unfinished jobs, and serve."""
+async def create_server(
+    config: OrchestratorConfig, registry: Registry | None = None, *, tracer: Tracer | None = None
+) -> Orchestrator:
+    """Open the store, sweep and start the backend, resume unfinished jobs, and serve. `tracer` replaces the one
+    `config.tracing` makes, for this process only (tests pass an in-memory exporter)."""
     # configuration problems are refused before anything is opened
     check_transport(config.host, config.security)
     if config.ui_port is not None:  # the viewer speaks plain HTTP: its host is checked as a server without TLS
@@ -206,6 +216,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
     if config.openenv is not None:  # plain HTTP too
         check_transport(config.openenv.host, config.security.model_copy(update={"tls": None}))
     auth = Authenticator.from_config(config.security)
+    tracer = tracer or make_tracer(config.tracing, "envfleet")
     tls = config.security.tls
     credentials = server_credentials(tls) if tls else None
     store = await ResultStore.open(config.data_dir / "results.sqlite3")
@@ -231,9 +242,16 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         workers = await WorkerPlane.start(config, images)
         executor = workers.hub
     else:
-        executor = LocalExecutor(RolloutRunner(pool, images))
+        executor = LocalExecutor(RolloutRunner(pool, images, tracer))
     jobs = await JobManager.start(
-        store, registry, executor, config.max_in_flight, metrics=metrics, capacity=config.capacity, caps=config.caps
+        store,
+        registry,
+        executor,
+        config.max_in_flight,
+        metrics=metrics,
+        capacity=config.capacity,
+        caps=config.caps,
+        tracer=tracer,
     )
     # read when scraped
     metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
@@ -283,7 +301,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         "bearer tokens" if auth.enabled else "no auth (local tenant)",
         config.data_dir,
     )
-    orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer)
+    orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer, tracer)
     orch._private_dir = private_dir
 
     pending: set[asyncio.Task[None]] = set()

@@ -28,7 +28,8 @@ from orchestrator.core.errors import (
 )
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState
-from orchestrator.rollout.runner import WorkItem
+from orchestrator.core.tracing import NOOP_TRACER, Tracer
+from orchestrator.rollout.runner import WorkItem, traced_rollout
 from orchestrator.service.advantages import group_advantages
 from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
 from orchestrator.service.executor import Executor
@@ -127,8 +128,10 @@ class JobManager:
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
         caps: CapsConfig | None = None,
+        tracer: Tracer = NOOP_TRACER,
     ) -> None:
         self.caps = caps or CapsConfig()
+        self.tracer = tracer  # each rollout's trace starts here, at its enqueueing
         self._streams = TenantCounter(self.caps.streams_per_tenant, "caps.streams_per_tenant", "streams")
         self.metrics = metrics or Metrics()
         self.store = store
@@ -147,9 +150,10 @@ class JobManager:
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
         caps: CapsConfig | None = None,
+        tracer: Tracer = NOOP_TRACER,
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store."""
-        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps)
+        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps, tracer)
         mgr.scheduler.start()
         await mgr._resume()
         return mgr
@@ -254,7 +258,9 @@ class JobManager:
         self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
         self._gauge()
         try:
-            rollout = await self.executor.run(item, job.env, job.spec)
+            rollout = await traced_rollout(
+                self.tracer, item, job.env.ref(), lambda traced: self.executor.run(traced, job.env, job.spec)
+            )
         finally:
             self._gauge(-1)
         self.metrics.rollouts.labels(rollout.status.value).inc()

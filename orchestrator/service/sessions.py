@@ -336,7 +336,7 @@ class SessionManager:
                         id=action.call_id or f"call-{s.turn}", name=action.name, arguments=action.arguments
                     )
                     record_assistant(s.state, "", [call])
-                    observation = await run_tool_call(s.env, s.sandbox, s.state, call)
+                    observation = (await run_tool_call(s.env, s.sandbox, s.state, call)).output
                     finish = "submit" if s.state.submitted else None
                 else:
                     record_assistant(s.state, action.text, [])

@@ -167,6 +167,7 @@ class WorkerHub:
                     sample_index=item.sample_index,
                     queued_s=queued_s,
                     tenant=item.tenant,
+                    traceparent=item.traceparent,
                     env_spec_json=env.spec.model_dump_json().encode()
                     if isinstance(env, DeclarativeEnvironment)
                     else b"",
