@@ -132,7 +132,11 @@ def _server_config(args: argparse.Namespace) -> object:
         if args.ray_address
         else None,
         metrics_host=args.metrics_host,
-        tracing=TracingConfig(otlp_endpoint=args.otlp_endpoint or None, otlp_protocol=args.otlp_protocol),
+        tracing=TracingConfig(
+            otlp_endpoint=args.otlp_endpoint or None,
+            otlp_protocol=args.otlp_protocol,
+            otlp_sample_ratio=args.otlp_sample_ratio,
+        ),
         **ui_settings(args),
         **openenv_settings(args),
     )
@@ -313,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default off, and OpenTelemetry is not even imported",
     )
     serve.add_argument("--otlp-protocol", choices=["grpc", "http"], default="grpc", help="OTLP over gRPC or HTTP")
+    serve.add_argument(
+        "--otlp-sample-ratio",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="trace this share of rollouts (0..1, by trace id; workers follow the control plane's choice)",
+    )
     add_serve_security_arguments(serve)
     add_config_argument(serve)
     serve.set_defaults(fn=_cmd_serve)

@@ -13,6 +13,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from orchestrator.core.tracing import MAX_ATTRIBUTE_CHARS, Attributes, AttributeValue, Span, capped
@@ -68,9 +69,13 @@ class OTelTracer:
 
     enabled = True
 
-    def __init__(self, exporter: SpanExporter, service: str = "envfleet", *, batch: bool = True) -> None:
+    def __init__(
+        self, exporter: SpanExporter, service: str = "envfleet", *, batch: bool = True, sample_ratio: float = 1.0
+    ) -> None:
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": service}),
+            # parent-based: a worker's spans follow the choice made for the rollout's root on the control plane
+            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
             span_limits=SpanLimits(
                 max_span_attributes=MAX_SPAN_ATTRIBUTES,
                 max_span_attribute_length=MAX_ATTRIBUTE_CHARS + 32,  # a second bound behind `capped`
@@ -87,7 +92,7 @@ class OTelTracer:
         self._mono0 = time.monotonic()
 
     @classmethod
-    def otlp(cls, endpoint: str, protocol: str, service: str) -> OTelTracer:
+    def otlp(cls, endpoint: str, protocol: str, service: str, sample_ratio: float = 1.0) -> OTelTracer:
         """Batched OTLP export over gRPC or HTTP/protobuf."""
         exporter: SpanExporter
         if protocol == "http":
@@ -103,7 +108,7 @@ class OTelTracer:
             secure = endpoint.startswith("https://")
             target = endpoint.split("://", 1)[1] if "://" in endpoint else endpoint
             exporter = GRPCExporter(endpoint=target, insecure=not secure)
-        return cls(exporter, service)
+        return cls(exporter, service, sample_ratio=sample_ratio)
 
     def wall_ns(self, monotonic_s: float) -> int:
         """A monotonic reading as Unix-epoch nanoseconds."""

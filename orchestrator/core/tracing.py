@@ -68,6 +68,13 @@ class TracingConfig(BaseModel):
         None, description="OTLP collector: grpc host:port or http(s)://host:port; http: a base URL or its /v1/traces"
     )
     otlp_protocol: Literal["grpc", "http"] = "grpc"
+    otlp_sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="share of rollouts traced, chosen by trace id (a worker follows its rollout's choice); "
+        "a traced light rollout costs ~3x its CPU (bench: tracing), so a large fleet samples",
+    )
 
 
 class Span(Protocol):
@@ -179,4 +186,4 @@ def make_tracer(config: TracingConfig | None, service: str) -> Tracer:
         raise ConfigError(
             f"otlp_endpoint is set but OpenTelemetry is not installed ({e.name}): pip install 'envfleet[otel]'"
         ) from None
-    return OTelTracer.otlp(config.otlp_endpoint, config.otlp_protocol, service)
+    return OTelTracer.otlp(config.otlp_endpoint, config.otlp_protocol, service, config.otlp_sample_ratio)

@@ -188,6 +188,18 @@ async def test_an_unparsable_traceparent_starts_a_new_trace() -> None:
     assert attempt.seconds == pytest.approx(0.25, abs=EXACT)
 
 
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_the_sample_ratio_decides_per_trace_and_a_remote_child_follows_it(ratio: float) -> None:
+    exporter = InMemorySpanExporter()
+    control, worker = OTelTracer(exporter, batch=False, sample_ratio=ratio), OTelTracer(exporter, batch=False)
+    for i in range(20):
+        root = control.start("rollout", float(i))
+        worker.remote(root.traceparent).open("attempt", i + 0.25).end(i + 0.5)  # the worker traces everything
+        root.end(i + 1.0)
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names.count("rollout") == names.count("attempt") == (20 if ratio else 0)
+
+
 def test_without_an_endpoint_the_tracer_is_a_no_op() -> None:
     assert make_tracer(None, "envfleet") is NOOP_TRACER
     assert make_tracer(TracingConfig(), "envfleet") is NOOP_TRACER
