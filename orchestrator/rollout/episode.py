@@ -11,7 +11,7 @@ from orchestrator.core.environment import Environment, Episode, Finish, Task
 from orchestrator.core.models import ToolCallRecord, Turn
 from orchestrator.core.policy import Sampling
 from orchestrator.core.sandbox import Sandbox
-from orchestrator.rollout.policy.base import Policy
+from orchestrator.rollout.policy.base import ContextFull, Policy
 from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 
@@ -36,8 +36,12 @@ async def run_episode(
     max_turns: int,
     user: str,
     turns: list[Turn],
+    max_model_len: int | None = None,
 ) -> EpisodeResult:
-    """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode."""
+    """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode.
+
+    The policy decides how tokens are made (chat completions, or token-in, token-out with `max_model_len` bounding
+    the episode's context); the loop and the TokenTracker are the same for both."""
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     messages: list[dict[str, Any]] = env.messages(task)
@@ -46,10 +50,16 @@ async def run_episode(
     generation_s = tools_s = 0.0
     finish: Finish = "max_turns"
     model = ""
+    episode_policy = policy.for_episode(max_model_len=max_model_len)
     for _ in range(max_turns):
         t0 = time.monotonic()
-        c = await policy.complete(messages, schemas, sampling, user=user)
-        generation_s += time.monotonic() - t0
+        try:
+            c = await episode_policy.complete(messages, schemas, sampling, user=user)
+        except ContextFull:
+            finish = "length"  # the context is full: TRUNCATED, the tokens as far as they went
+            break
+        finally:
+            generation_s += time.monotonic() - t0
         model = c.model
         tracker.add(c)
         messages.append(c.raw_message)

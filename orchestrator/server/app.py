@@ -19,6 +19,7 @@ from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.sandbox import SandboxBackend
 from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.rollout.tito.tokenizer import TokenizerCache, TokenizerDirs
 from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
     Authenticator,
@@ -92,6 +93,17 @@ class OrchestratorConfig(BaseModel):
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to serve beside the entry points"
     )
+    tokenizer_dirs: list[Path] = Field(
+        default_factory=list,
+        description="directories whose folders are the tokenizers a job may name (policy.tokenizer) for tito mode",
+    )
+
+    @model_validator(mode="after")
+    def _tokenizer_dirs_exist(self) -> OrchestratorConfig:
+        missing = [str(d) for d in self.tokenizer_dirs if not d.is_dir()]
+        if missing:
+            raise ValueError(f"tokenizer_dirs: not a directory: {', '.join(missing)}")
+        return self
 
     @model_validator(mode="after")
     def _answers_fit_messages(self) -> OrchestratorConfig:
@@ -216,7 +228,7 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         workers = await WorkerPlane.start(config, images)
         executor = workers.hub
     else:
-        executor = LocalExecutor(RolloutRunner(pool, images))
+        executor = LocalExecutor(RolloutRunner(pool, images), TokenizerCache(config.tokenizer_dirs))
     jobs = await JobManager.start(
         store, registry, executor, config.max_in_flight, metrics=metrics, capacity=config.capacity, caps=config.caps
     )
@@ -241,7 +253,8 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         EnvironmentService(registry, registrar, auth), server
     )
     orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
-        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls)), server
+        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls), TokenizerDirs(config.tokenizer_dirs)),
+        server,
     )
     orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
     orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)

@@ -7,6 +7,7 @@ import asyncio
 
 from orchestrator.backends.pool import SandboxPool
 from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.rollout.tito.tokenizer import TokenizerCache
 from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.fleet import start_fleet
 from orchestrator.service.registry import Registry
@@ -20,7 +21,7 @@ async def run_worker(target: str, token: str, config: WorkerConfig, name: str, s
     backend = fleet.backend
     pool = SandboxPool(backend, config.pool)
     pool.start()
-    executor = LocalExecutor(RolloutRunner(pool, fleet.images))
+    executor = LocalExecutor(RolloutRunner(pool, fleet.images), TokenizerCache(config.tokenizer_dirs))
     registry = Registry.from_entry_points()
     for reference in config.environments:
         registry.load(reference)

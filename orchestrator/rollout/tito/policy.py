@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.core.errors import PolicyError, PolicyResponseError
+from orchestrator.core.errors import ConfigError, InvalidRequestError, PolicyError, PolicyResponseError
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.base import Completion, ContextFull, Policy
 from orchestrator.rollout.policy.client import OpenAIPolicy
@@ -44,7 +44,7 @@ class TitoPolicy(Policy):
 
     def __init__(self, endpoint: PolicyEndpoint, tokenizers: TokenizerCache, *, http: OpenAIPolicy | None = None):
         self.endpoint = endpoint
-        self.parser: ToolParser = get_parser(endpoint.tool_parser)
+        self._parser: ToolParser | None = None
         self._tokenizers = tokenizers
         self._http = http or OpenAIPolicy(endpoint)
         self._url = f"{endpoint.base_url}/completions"
@@ -66,6 +66,17 @@ class TitoPolicy(Policy):
     async def tokens(self) -> ChatTemplateTokens:
         """The endpoint's tokenizer, loaded once per process (the first episode waits for it)."""
         return await self._tokenizers.get(self.endpoint.tokenizer)
+
+    @property
+    def parser(self) -> ToolParser:
+        """The endpoint's tool-call parser; ConfigError when this process has no parser of that name (the control
+        plane checked the name at submit, so this host lacks a plug-in the fleet promised)."""
+        if self._parser is None:
+            try:
+                self._parser = get_parser(self.endpoint.tool_parser)
+            except InvalidRequestError as e:
+                raise ConfigError(f"this process cannot parse tool calls: {e}") from None
+        return self._parser
 
     def request_body(self, prompt_ids: list[int], sampling: Sampling, max_tokens: int, user: str) -> dict[str, Any]:
         """The JSON body of one completions request with a token id prompt."""
@@ -110,7 +121,7 @@ class TitoEpisode(Policy):
     ) -> Completion:
         """Sample the next assistant turn after the observations that followed the last one. ContextFull when
         max_model_len leaves no room for a token."""
-        tokens = await self._policy.tokens()
+        tokens, parser = await self._policy.tokens(), self._policy.parser
         prompt = self._prompt(tokens, messages, tools)
         room = sampling.max_tokens if self._limit is None else self._limit - len(prompt)
         if room <= 0:
@@ -124,7 +135,7 @@ class TitoEpisode(Policy):
         if s.finish_reason == "length":
             content, calls = text, []  # cut off: whatever call it was writing was never finished
         else:
-            content, calls = self._policy.parser.parse(text, tools)
+            content, calls = parser.parse(text, tools)
         calls = [dataclasses.replace(c, id=f"call_{turn}_{i}") for i, c in enumerate(calls)]
         raw: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
