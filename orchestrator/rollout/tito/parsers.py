@@ -114,7 +114,8 @@ class Llama3JsonParser:
         if tagged:
             body = body[len(self.TAG) :].strip()
         if not body.startswith("{"):
-            return text.strip(), []
+            # after the tag, Llama writes a call; one that is no JSON (a code-interpreter call) names no tool here
+            return ("", [ToolCall("call_0", "", body)]) if tagged else (text.strip(), [])
         decoder = json.JSONDecoder()
         objects: list[Any] = []
         pos = 0
