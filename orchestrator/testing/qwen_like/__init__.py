@@ -35,6 +35,13 @@ _SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# What the policy double thinks aloud in its <think> block (in the corpus too, so it tokenizes in words).
+REASONING = (
+    "Let me think about this step by step.",
+    "I should use the python tool to compute the answer, then call submit with the exact result.",
+    "The tool returned the result. Now I can submit the answer.",
+    "I will read the repository, run the tests and fix the failing code.",
+)
 
 
 def build(out_dir: Path, corpus: str | None = None) -> None:

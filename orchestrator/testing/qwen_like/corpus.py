@@ -9,14 +9,8 @@ from typing import Any
 
 from orchestrator.core.tools import get_tools
 from orchestrator.service.registry import Registry
+from orchestrator.testing.qwen_like import REASONING
 
-# What the policy double writes besides the scripted content (its reasoning), so that text is in the vocabulary too.
-REASONING = (
-    "Let me think about this step by step.",
-    "I should use the python tool to compute the answer, then call submit with the exact result.",
-    "The tool returned the result. Now I can submit the answer.",
-    "I will read the repository, run the tests and fix the failing code.",
-)
 MAX_CHARS_PER_ENV = 120_000
 
 
