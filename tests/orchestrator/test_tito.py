@@ -69,9 +69,16 @@ def samples_of(server: ScriptedServer, rollout: Rollout) -> list[Sample]:
     return sorted((s for s in server.samples if s.user == rollout.id), key=lambda s: s.turn)
 
 
-def assert_exact(rollout: Rollout, samples: list[Sample]) -> None:
+def observation_text(result: str) -> str:
+    """What the Qwen-like template writes after an assistant turn's <|im_end|> for one tool result, up to the next
+    generation prompt (as Qwen3's does)."""
+    return f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def assert_exact(rollout: Rollout, samples: list[Sample], server: ScriptedServer) -> None:
     """The rollout's tokens are the double's samples, id for id and logprob for logprob, with the observation
-    tokens between them (mask 0, logprob 0) exactly the context the double saw at each next turn."""
+    tokens between them (mask 0, logprob 0) the template's own rendering of each tool result, and exactly the
+    context the double saw at each next turn."""
     t = rollout.tokens
     assert t.status == "complete", (rollout.id, t.status)
     assert len(t.completion_ids) == len(t.completion_mask) == len(t.completion_logprobs)
@@ -93,6 +100,11 @@ def assert_exact(rollout: Rollout, samples: list[Sample]) -> None:
     assert np.array_equal(np.array([t.completion_logprobs[i] for i in ones], dtype=np.float32), sent)
     assert all(t.completion_logprobs[i] == 0.0 for i, m in enumerate(t.completion_mask) if m == 0)
     assert set(t.completion_mask) <= {0, 1}
+    # each observation span (between two samples) is the template's rendering of that turn's tool result
+    results = [turn.text for turn in rollout.turns if turn.role == "tool"]
+    for s, following, result in zip(samples, samples[1:], results, strict=False):
+        span = following.prompt_ids[len(s.prompt_ids) + len(s.ids) :]
+        assert span == server.app.model.encode(observation_text(result)), f"turn {s.turn}: observation tokens"
 
 
 @pytest.fixture
@@ -135,7 +147,7 @@ async def test_tito_tokens_are_the_servers_samples_for_every_builtin(name: str, 
         samples = samples_of(server, r)
         assert [s.turn for s in samples] == list(range(TURNS))
         assert sum(1 for turn in r.turns if turn.role == "assistant") == TURNS
-        assert_exact(r, samples)
+        assert_exact(r, samples, server)
         # the double's reasoning and its oddly spaced tool-call JSON are in the ids, as sampled
         text = server.app.model.decode(r.tokens.completion_ids)
         assert "<think>" in text and '{"name":"' in text
@@ -183,7 +195,7 @@ async def test_max_model_len_truncates_with_consistent_arrays(room: int, client:
     assert samples and all(
         len(s.prompt_ids) + len(s.ids) <= limit for s in samples
     ), "a request asked for more than the context holds"
-    assert_exact(r, samples)
+    assert_exact(r, samples, server)
 
 
 async def test_tito_through_worker_processes(tmp_path: Path, base_image: str) -> None:
@@ -214,4 +226,36 @@ async def test_tito_through_worker_processes(tmp_path: Path, base_image: str) ->
     assert not left
     for r in rollouts:
         assert r.status == RolloutStatus.OK, r.error
-        assert_exact(r, samples_of(server, r))
+        assert_exact(r, samples_of(server, r), server)
+
+
+async def test_a_garbled_tool_call_is_a_tool_error_observation_not_a_crash(client: EnvfleetClient) -> None:
+    env = Registry.from_entry_points().get("python-tool")
+    task = env.tasks()[0]
+    garbled = [
+        Step(content='<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}\n</tool_call>'),  # a brace short
+        Step(content="<tool_call>\nrun the code please\n</tool_call>"),  # no JSON, no name
+        *six_turn_steps(env, task)[-2:],
+    ]
+    server = await start_scripted_server(Script(template="qwen3", tasks={task.id: garbled}))
+    try:
+        (r,) = await _run(client, spec("python-tool", [task], server.url))
+    finally:
+        await server.close()
+    assert r.status == RolloutStatus.OK and r.reward == 1.0, r.error
+    tool_turns = [t.text for t in r.turns if t.role == "tool"]
+    assert tool_turns[0].startswith("error: arguments are not valid JSON")
+    assert tool_turns[1].startswith("error: the tool call names no tool")
+    assert_exact(r, samples_of(server, r), server)
+
+
+async def test_a_server_that_returns_no_token_ids_is_a_policy_error(client: EnvfleetClient) -> None:
+    env = Registry.from_entry_points().get("python-tool")
+    tasks = env.tasks()[:1]
+    server = await start_scripted_server(qwen_script(env, tasks), tokens=False)
+    try:
+        (r,) = await _run(client, spec("python-tool", tasks, server.url))
+    finally:
+        await server.close()
+    assert r.status == RolloutStatus.POLICY_ERROR and r.reward is None
+    assert r.error is not None and "no sampled token ids" in r.error.message and "token_mode chat" in r.error.message
