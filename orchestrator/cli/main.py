@@ -234,13 +234,12 @@ def _add_tokenizer_dir_argument(p: argparse.ArgumentParser, where: str = "") -> 
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    from orchestrator.core.models import JobSpec, TaskSelection
-    from orchestrator.core.policy import PolicyEndpoint
-    from orchestrator.testing.demo import collect_rollouts
-
     from pydantic import ValidationError
 
+    from orchestrator.core.models import JobSpec, TaskSelection
+    from orchestrator.core.policy import PolicyEndpoint
     from orchestrator.server.convert import validation_message
+    from orchestrator.testing.demo import collect_rollouts
 
     try:
         spec = JobSpec(
@@ -354,11 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer", default="", help="the model's tokenizer: a folder name in the server's --tokenizer-dir"
     )
     rollout.add_argument(
-        "--tool-parser", default="hermes", help="tito's tool-call format: hermes, qwen3_coder, llama3_json, or a plug-in"
+        "--tool-parser",
+        default="hermes",
+        help="tito's tool-call format: hermes, qwen3_coder, llama3_json, or a plug-in",
     )
-    rollout.add_argument(
-        "--max-model-len", type=int, default=None, help="tito: the whole episode's context in tokens"
-    )
+    rollout.add_argument("--max-model-len", type=int, default=None, help="tito: the whole episode's context in tokens")
     _add_tokenizer_dir_argument(rollout, " (of the in-process orchestrator, without --server)")
     add_client_arguments(rollout, None, "an orchestrator address (default: run one in this process)")
     rollout.set_defaults(fn=_cmd_rollout)

@@ -11,10 +11,10 @@ import grpc
 
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
-from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
-from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
 from orchestrator.rollout.tito.parsers import get_parser
 from orchestrator.rollout.tito.tokenizer import TokenizerDirs
+from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
+from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
 from orchestrator.server.security import Authenticator, PolicyURLs
 from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar

@@ -23,33 +23,20 @@ from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.service.registry import Registry
 from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
-from orchestrator.testing.scripted_policy import Sample, Script, ScriptedServer, ScriptedToolCall, Step
-from orchestrator.testing.scripted_policy import start_scripted_server
+from orchestrator.testing.scripted_policy import Sample, Script, ScriptedServer, Step, start_scripted_server
+from orchestrator.testing.scripts import filler_steps, long_script
 from tests.conftest import TEST_OWNER
 
 TOKENIZER = QWEN_LIKE_DIR.name  # resolved in QWEN_LIKE_DIR.parent, the server's tokenizer directory
 TURNS = 6
-FILLER = {"python": {"code": "print(sum(range({i})))"}, "bash": {"command": "echo turn {i} && ls"}}
 
 
 def six_turn_steps(env: Environment, task: Task) -> list[Step]:
-    """Harmless tool calls, then the task's reference solution (ending in submit): TURNS assistant turns."""
-    tool = "python" if "python" in env.tools else "bash"
-    filler = [
-        Step(
-            content=f"Step {i}.",
-            tool_calls=[ScriptedToolCall(name=tool, arguments={k: v.format(i=i) for k, v in FILLER[tool].items()})],
-        )
-        for i in range(TURNS - len(task.reference))
-    ]
-    ref = [Step(tool_calls=[ScriptedToolCall(name=inv.name, arguments=dict(inv.arguments))]) for inv in task.reference]
-    return filler + ref
+    return filler_steps(env, task, TURNS)
 
 
 def qwen_script(env: Environment, tasks: Sequence[Task], max_model_len: int | None = None) -> Script:
-    return Script(
-        template="qwen3", tasks={t.id: six_turn_steps(env, t) for t in tasks}, max_model_len=max_model_len
-    )
+    return long_script(env, tasks, turns=TURNS, max_model_len=max_model_len)
 
 
 def spec(env: str, tasks: Sequence[Task], url: str, **kw: object) -> JobSpec:
@@ -192,9 +179,9 @@ async def test_max_model_len_truncates_with_consistent_arrays(room: int, client:
     assert len(t.completion_ids) == len(t.completion_mask) == len(t.completion_logprobs)
     assert len(t.prompt_ids) + len(t.completion_ids) <= limit
     samples = samples_of(server, r)
-    assert samples and all(
-        len(s.prompt_ids) + len(s.ids) <= limit for s in samples
-    ), "a request asked for more than the context holds"
+    assert samples and all(len(s.prompt_ids) + len(s.ids) <= limit for s in samples), (
+        "a request asked for more than the context holds"
+    )
     assert_exact(r, samples, server)
 
 
@@ -233,7 +220,9 @@ async def test_a_garbled_tool_call_is_a_tool_error_observation_not_a_crash(clien
     env = Registry.from_entry_points().get("python-tool")
     task = env.tasks()[0]
     garbled = [
-        Step(content='<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}\n</tool_call>'),  # a brace short
+        Step(
+            content='<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}\n</tool_call>'
+        ),  # a brace short
         Step(content="<tool_call>\nrun the code please\n</tool_call>"),  # no JSON, no name
         *six_turn_steps(env, task)[-2:],
     ]

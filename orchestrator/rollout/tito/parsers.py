@@ -54,7 +54,7 @@ def _json_call(i: int, body: str, arg_keys: tuple[str, ...]) -> ToolCall:
     except ValueError:
         obj = None
     if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-        args = next((obj[k] for k in arg_keys if k in obj), {})
+        args: Any = next((obj[k] for k in arg_keys if k in obj), {})
         return ToolCall(f"call_{i}", obj["name"], _arguments(args))
     m = _NAME_IN_JSON.search(body)
     return ToolCall(f"call_{i}", m.group(1) if m else "", body)
@@ -68,7 +68,10 @@ class HermesParser:
 
     def parse(self, text: str, tools: Tools = None) -> tuple[str, list[ToolCall]]:
         """Content outside the blocks, and one call per block."""
-        calls = [_json_call(i, m.group(1).strip(), ("arguments", "parameters")) for i, m in enumerate(self._BLOCK.finditer(text))]
+        calls = [
+            _json_call(i, m.group(1).strip(), ("arguments", "parameters"))
+            for i, m in enumerate(self._BLOCK.finditer(text))
+        ]
         return self._BLOCK.sub("", text).strip(), calls
 
 
@@ -130,9 +133,8 @@ class Llama3JsonParser:
             if not tagged and not _NAME_IN_JSON.search(body):
                 return text.strip(), []  # JSON-ish prose, not a call
             return "", [_json_call(0, body, ("parameters", "arguments"))]
-        if not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objects):
-            if not tagged:
-                return text.strip(), []  # a JSON answer, not a call
+        if not tagged and not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objects):
+            return text.strip(), []  # a JSON answer, not a call
         calls = [_json_call(i, json.dumps(o), ("parameters", "arguments")) for i, o in enumerate(objects)]
         return "", calls
 
@@ -177,9 +179,7 @@ def _typed(value: str, schema: Any) -> Any:
     return value  # the model wrote something else: the tool sees it as it was
 
 
-BUILTIN_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Qwen3CoderParser, Llama3JsonParser)
-}
+BUILTIN_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Qwen3CoderParser, Llama3JsonParser)}
 
 
 def parser_names() -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from orchestrator.core.errors import ConfigError, InvalidRequestError, PolicyError, PolicyResponseError
 from orchestrator.core.policy import PolicyEndpoint, Sampling
-from orchestrator.rollout.policy.base import Completion, ContextFull, Policy
+from orchestrator.rollout.policy.base import Completion, ContextFull, Policy, ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.parsing import TOKEN_ID_PREFIX
 from orchestrator.rollout.tito.parsers import ToolParser, get_parser
@@ -132,6 +132,7 @@ class TitoEpisode(Policy):
         turn, self._turn = self._turn, self._turn + 1
         end = {tokens.turn_end_id, getattr(tokens.tokenizer, "eos_token_id", None)}
         text = tokens.decode(s.ids[:-1] if s.ids and s.ids[-1] in end else s.ids)
+        calls: list[ToolCall]
         if s.finish_reason == "length":
             content, calls = text, []  # cut off: whatever call it was writing was never finished
         else:
@@ -195,7 +196,8 @@ def parse_completion(data: Any, prompt_ids: list[int], max_tokens: int, *, model
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise PolicyResponseError("the completions response has no choices[0] object")
     choice = choices[0]
-    lp = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
+    raw_lp = choice.get("logprobs")
+    lp: dict[str, Any] = raw_lp if isinstance(raw_lp, dict) else {}
     ids = _int_list(choice.get("token_ids"))
     if ids is None:
         ids = _ids_from_tokens(lp.get("tokens"))
@@ -206,8 +208,9 @@ def parse_completion(data: Any, prompt_ids: list[int], max_tokens: int, *, model
         )
     if len(ids) > max_tokens:
         raise PolicyResponseError(f"the server sampled {len(ids)} tokens, more than the max_tokens of {max_tokens}")
-    echoed = _int_list(choice.get("prompt_token_ids"))
-    if echoed is not None and echoed != prompt_ids:
+    echoed = choice.get("prompt_token_ids")
+    # compared whole, not checked id by id: a list equal to the ids sent is ints, and it is thousands long
+    if isinstance(echoed, list) and echoed != prompt_ids:
         raise PolicyResponseError(
             f"the server echoed a prompt of {len(echoed)} token ids that is not the {len(prompt_ids)} sent"
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 Message = Mapping[str, Any]
@@ -26,11 +27,29 @@ BASE_CONVERSATION: tuple[Message, ...] = (
 )
 
 
+PROBES: tuple[tuple[Message, ...], ...] = (
+    ({"role": "tool", "tool_call_id": "probe", "content": "a tool result"},),
+    ({"role": "user", "content": "a user message"},),
+)
+
+
+@dataclass(frozen=True)
+class _Base:
+    """The base conversation under one tool list: its turn ends, and whether deltas depend on the tools at all."""
+
+    ends: int
+    tools_matter: bool
+
+
 class ChatTemplateTokens:
     """A Hugging Face tokenizer's chat template as token ids: the first prompt, then observation deltas.
 
     `tokenizer` is anything with `apply_chat_template`, `encode` and `decode` (a transformers tokenizer); it needs a
     chat template and an end-of-turn token (its eos, or the last special token of a rendered turn).
+
+    Two savings keep a delta cheap (it runs every turn): only the text after the base's last turn end is tokenized
+    (the end token is special, so the tokenizer splits there anyway and the ids are the same), and when probing shows
+    that a tool list changes no delta (it lives in the system prompt, as in Qwen's templates) it is not rendered.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -39,7 +58,10 @@ class ChatTemplateTokens:
         self.tokenizer = tokenizer
         base = self.encode(self._render(BASE_CONVERSATION, None, gen=False))
         self.turn_end_id = self._turn_end(base)
-        self._ends: dict[str, int] = {"": base.count(self.turn_end_id)}  # tools -> turn ends in the base
+        text = self.decode([self.turn_end_id])
+        # the text cut is exact only if the end token's text always tokenizes as that one token
+        self._turn_end_text = text if self.encode(text) == [self.turn_end_id] else None
+        self._bases: dict[str, _Base] = {"": _Base(base.count(self.turn_end_id), tools_matter=False)}
 
     def _render(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, gen: bool) -> str:
         text = self.tokenizer.apply_chat_template(
@@ -70,19 +92,23 @@ class ChatTemplateTokens:
                 return int(i)
         raise ValueError("the chat template ends an assistant turn with no special token; tito cannot find turns")
 
-    def _base_ends(self, tools: Sequence[Mapping[str, Any]] | None) -> int:
+    def _base(self, tools: Sequence[Mapping[str, Any]] | None) -> tuple[_Base, Sequence[Mapping[str, Any]] | None]:
+        """The base under `tools`, and the tools to render deltas with (None when they change no delta)."""
         key = json.dumps(tools, sort_keys=True, default=str) if tools else ""
-        ends = self._ends.get(key)
-        if ends is None:
-            if len(self._ends) >= MAX_CACHED_TOOLSETS:
-                self._ends = {"": self._ends[""]}
-            ids = self.encode(self._render(BASE_CONVERSATION, tools, gen=False))
-            ends = self._ends[key] = ids.count(self.turn_end_id)
-        return ends
+        base = self._bases.get(key)
+        if base is None:
+            if len(self._bases) >= MAX_CACHED_TOOLSETS:
+                self._bases = {"": self._bases[""]}
+            ends = self.encode(self._render(BASE_CONVERSATION, tools, gen=False)).count(self.turn_end_id)
+            plain = self._bases[""].ends
+            matter = any(
+                self._delta(probe, tools, ends, by_text=False) != self._delta(probe, None, plain, by_text=False)
+                for probe in PROBES
+            )
+            base = self._bases[key] = _Base(ends, matter)
+        return base, (tools if base.tools_matter else None)
 
-    def prompt_ids(
-        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
-    ) -> list[int]:
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The first prompt: the conversation with the tools, and the generation prompt."""
         return self.encode(self._render(messages, tools, gen=True))
 
@@ -93,14 +119,33 @@ class ChatTemplateTokens:
         template's glue, the messages, and the next generation prompt."""
         if not new_messages:
             raise ValueError("observation_ids needs at least one new message")
-        ends = self._base_ends(tools)
-        full = self.encode(self._render([*BASE_CONVERSATION, *new_messages], tools, gen=True))
-        seen = 0
-        for i, t in enumerate(full):
-            if t == self.turn_end_id:
-                seen += 1
-                if seen == ends:
-                    return full[i + 1 :]
+        base, render_tools = self._base(tools)
+        ends = base.ends if render_tools else self._bases[""].ends
+        return self._delta(new_messages, render_tools, ends, by_text=self._turn_end_text is not None)
+
+    def _delta(
+        self, new: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, ends: int, *, by_text: bool
+    ) -> list[int]:
+        full = self._render([*BASE_CONVERSATION, *new], tools, gen=True)
+        end_text = self._turn_end_text
+        if ends < 1:
+            pass
+        elif by_text and end_text is not None:
+            at = -1
+            for _ in range(ends):
+                at = full.find(end_text, at + 1)
+                if at < 0:
+                    break
+            else:
+                return self.encode(full[at + len(end_text) :])
+        else:
+            ids = self.encode(full)
+            seen = 0
+            for i, t in enumerate(ids):
+                if t == self.turn_end_id:
+                    seen += 1
+                    if seen == ends:
+                        return ids[i + 1 :]
         raise ValueError(
             f"the chat template rendered the base conversation's {ends} turn end(s) differently once messages "
             "followed; its observation delta cannot be found"

@@ -89,7 +89,9 @@ def test_hermes_unclosed_call_at_the_end_is_a_garbled_call() -> None:
 
 
 def test_hermes_arguments_that_are_a_string_stay_that_string() -> None:
-    _, calls = get_parser("hermes").parse('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}</tool_call>')
+    _, calls = get_parser("hermes").parse(
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}</tool_call>'
+    )
     assert calls[0].arguments == '{"code": "1"}'
 
 
@@ -109,7 +111,9 @@ def test_qwen3_coder_reads_xml_calls_typed_by_the_schema() -> None:
 
 
 def test_qwen3_coder_without_a_schema_keeps_strings() -> None:
-    _, calls = get_parser("qwen3_coder").parse("<tool_call><function=search><parameter=limit>5</parameter></function></tool_call>")
+    _, calls = get_parser("qwen3_coder").parse(
+        "<tool_call><function=search><parameter=limit>5</parameter></function></tool_call>"
+    )
     assert _args(calls[0]) == {"limit": "5"}
 
 

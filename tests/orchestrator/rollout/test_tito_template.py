@@ -85,3 +85,18 @@ def test_the_package_is_tokenizer_only() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
+
+
+def test_a_template_whose_deltas_carry_the_tools_renders_them() -> None:
+    # tools written into the last user message (as some templates do): the probe sees they matter, and a user delta
+    # carries them; a template that keeps them in the system prompt (Qwen's) is rendered without them, same ids
+    tokenizer = load_tokenizer(QWEN_LIKE_DIR)
+    tokenizer.chat_template = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{%- if m.role == 'user' and tools and loop.last %}[TOOLS]{{ tools | tojson }}[/TOOLS]{% endif %}"
+        "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tokens = ChatTemplateTokens(tokenizer)
+    delta = tokens.decode(tokens.observation_ids([{"role": "user", "content": "next"}], TOOLS))
+    assert delta == f"\n<|im_start|>user[TOOLS]{json.dumps(TOOLS)}[/TOOLS]next<|im_end|>\n<|im_start|>assistant\n"
+    assert "[TOOLS]" not in tokens.decode(tokens.observation_ids([{"role": "tool", "content": "4"}], TOOLS))
