@@ -159,7 +159,8 @@ def test_tokenizer_directories_from_flags_and_the_config_file(tmp_path: Path) ->
     from orchestrator.server.app import OrchestratorConfig
 
     a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir(), b.mkdir()
+    a.mkdir()
+    b.mkdir()
     (tmp_path / "serve.yaml").write_text(f"tokenizer_dir: [{a}, {b}]\n")
     args = parse_args(build_parser(), ["serve", "--config", str(tmp_path / "serve.yaml"), "--workers", "0"], {})
     config = _server_config(args)
