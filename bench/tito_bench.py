@@ -7,7 +7,7 @@ job's CPU is this process's `time.process_time` across it, over the assistant tu
 before measuring (once per process in production too). Chat's rollouts arrive `inconsistent` with this template
 (their arrays dropped); tito's carry complete arrays, whose storing and streaming are part of what tito costs.
 
-    python -m bench.tito_bench [--tasks 16] [--rounds 5]
+    python -m bench.tito_bench [--tasks 16] [--rounds 7] [--out bench/results.json]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ async def _measured(client: EnvfleetClient, job: JobSpec) -> tuple[float, int, l
     return cpu, sum(1 for r in rollouts for t in r.turns if t.role == "assistant"), rollouts
 
 
-async def tito_overhead(tasks: int = 16, rounds: int = 5, concurrency: int = 8) -> dict[str, Any]:
+async def tito_overhead(tasks: int = 16, rounds: int = 7, concurrency: int = 8) -> dict[str, Any]:
     """CPU per turn, tito over chat, p50 over `rounds` alternating pairs of jobs of `tasks` 6-turn episodes."""
     env = Registry.from_entry_points().get(ENV)
     chosen = list(env.tasks())[:tasks]
@@ -123,9 +123,15 @@ def main() -> None:
     """Run the measurement alone and print it."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tasks", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", type=Path, default=None, help="also set `tito_overhead` in this results.json")
     args = p.parse_args()
-    print(json.dumps(asyncio.run(tito_overhead(args.tasks, args.rounds)), indent=2))
+    result = asyncio.run(tito_overhead(args.tasks, args.rounds))
+    if args.out is not None:
+        results = json.loads(args.out.read_text()) if args.out.exists() else {}
+        results["tito_overhead"] = result
+        args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
