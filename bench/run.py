@@ -24,6 +24,7 @@ from bench.fleet_bench import run_all as fleet_run_all
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
 from bench.swe_bench import swe_eval_throughput
+from bench.tito_bench import tito_overhead
 from bench.tracing_bench import run as tracing_run
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
 from orchestrator.core.sandbox import Sandbox, SandboxSpec
@@ -164,6 +165,7 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
     results["swe_eval_throughput"] = await swe_eval_throughput()
     results["fleet"] = await fleet_run_all()
     results["tracing"] = await tracing_run()
+    results["tito_overhead"] = await tito_overhead(tasks=16, rounds=7)
     results["meta"] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),

@@ -137,6 +137,7 @@ def _server_config(args: argparse.Namespace) -> object:
             otlp_protocol=args.otlp_protocol,
             otlp_sample_ratio=args.otlp_sample_ratio,
         ),
+        tokenizer_dirs=args.tokenizer_dir or [],
         **ui_settings(args),
         **openenv_settings(args),
     )
@@ -231,19 +232,44 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tokenizer_dir_argument(p: argparse.ArgumentParser, where: str = "") -> None:
+    p.add_argument(
+        "--tokenizer-dir",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"a directory of tokenizers, one folder each, that tito jobs name (repeatable){where}",
+    )
+
+
 def _cmd_rollout(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from orchestrator.core.models import JobSpec, TaskSelection
     from orchestrator.core.policy import PolicyEndpoint
+    from orchestrator.server.convert import validation_message
     from orchestrator.testing.demo import collect_rollouts
 
-    spec = JobSpec(
-        env=args.env,
-        tasks=TaskSelection(kind="sample", count=args.tasks, seed=args.seed) if args.tasks else TaskSelection(),
-        group_size=args.n,
-        policy=PolicyEndpoint(base_url=args.policy, model=args.model, api_key=args.api_key),
-        max_concurrency=args.concurrency,
-        max_turns=args.max_turns,
-    )
+    try:
+        spec = JobSpec(
+            env=args.env,
+            tasks=TaskSelection(kind="sample", count=args.tasks, seed=args.seed) if args.tasks else TaskSelection(),
+            group_size=args.n,
+            policy=PolicyEndpoint(
+                base_url=args.policy,
+                model=args.model,
+                api_key=args.api_key,
+                tokenizer=args.tokenizer,
+                tool_parser=args.tool_parser,
+            ),
+            max_concurrency=args.concurrency,
+            max_turns=args.max_turns,
+            token_mode=args.token_mode,
+            max_model_len=args.max_model_len,
+        )
+    except ValidationError as e:
+        raise CommandLineError(f"envfleet rollout: {validation_message(e)}") from None
 
     async def go() -> int:
         async with orchestrator_client(args) as client:
@@ -324,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         help="trace this share of rollouts (0..1, by trace id; workers follow the control plane's choice)",
     )
+    _add_tokenizer_dir_argument(serve)
     add_serve_security_arguments(serve)
     add_config_argument(serve)
     serve.set_defaults(fn=_cmd_serve)
@@ -343,6 +370,23 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--concurrency", type=int, default=8)
     rollout.add_argument("--max-turns", type=int, default=16)
     rollout.add_argument("--out", default="rollouts.jsonl")
+    rollout.add_argument(
+        "--token-mode",
+        choices=["chat", "tito"],
+        default=None,
+        help="tito: token ids to /v1/completions, sampled ids kept exactly; chat: /v1/chat/completions "
+        "(default: tito when --tokenizer is given)",
+    )
+    rollout.add_argument(
+        "--tokenizer", default="", help="the model's tokenizer: a folder name in the server's --tokenizer-dir"
+    )
+    rollout.add_argument(
+        "--tool-parser",
+        default="hermes",
+        help="tito's tool-call format: hermes, qwen3_coder, llama3_json, or a plug-in",
+    )
+    rollout.add_argument("--max-model-len", type=int, default=None, help="tito: the whole episode's context in tokens")
+    _add_tokenizer_dir_argument(rollout, " (of the in-process orchestrator, without --server)")
     add_client_arguments(rollout, None, "an orchestrator address (default: run one in this process)")
     rollout.set_defaults(fn=_cmd_rollout)
 

@@ -27,7 +27,7 @@ from orchestrator.core.tracing import (
     Phase,
     Span,
 )
-from orchestrator.rollout.policy.base import Completion, Policy
+from orchestrator.rollout.policy.base import Completion, ContextFull, Policy
 from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 
@@ -52,11 +52,15 @@ async def run_episode(
     max_turns: int,
     user: str,
     turns: list[Turn],
+    max_model_len: int | None = None,
     *,
     span: Span = NOOP_SPAN,
 ) -> EpisodeResult:
     """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode.
-    Each policy call and each tool call is a child span of `span`; their seconds sum to generation_s and tools_s."""
+
+    The policy decides how tokens are made (chat completions, or token-in, token-out with `max_model_len` bounding
+    the episode's context); the loop and the TokenTracker are the same for both. Each policy call and each tool
+    call is a child span of `span`; their seconds sum to generation_s and tools_s."""
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     messages: list[dict[str, Any]] = env.messages(task)
@@ -65,11 +69,18 @@ async def run_episode(
     generation_s = tools_s = 0.0
     finish: Finish = "max_turns"
     model = ""
+    episode_policy = policy.for_episode(max_model_len=max_model_len)
     for turn in range(max_turns):
-        with Phase(span, "policy", {TURN: turn}) as phase:
-            c = await policy.complete(messages, schemas, sampling, user=user)
-            phase.span.set(_policy_attributes(c))
-        generation_s += phase.seconds
+        phase = Phase(span, "policy", {TURN: turn})
+        try:
+            with phase:
+                c = await episode_policy.complete(messages, schemas, sampling, user=user)
+                phase.span.set(_policy_attributes(c))
+        except ContextFull:
+            finish = "length"  # the context is full: TRUNCATED, the tokens as far as they went
+            break
+        finally:
+            generation_s += phase.seconds
         model = c.model
         tracker.add(c)
         messages.append(c.raw_message)

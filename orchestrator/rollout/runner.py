@@ -229,6 +229,7 @@ class RolloutRunner:
                             min(spec.max_turns, env.max_turns) if spec.max_turns else env.max_turns,
                             item.id,
                             turns,
+                            spec.max_model_len if spec.token_mode == "tito" else None,
                             span=phase.span,
                         )
                     tokens = result.tokens.result()

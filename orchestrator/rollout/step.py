@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from orchestrator.core.environment import Environment, Episode, Finish, Task
-from orchestrator.core.errors import EnvironmentBroken, PolicyError, SandboxError
+from orchestrator.core.errors import ConfigError, EnvironmentBroken, PolicyError, SandboxError
 from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
 from orchestrator.core.sandbox import Sandbox
 from orchestrator.core.tools import Tool, ToolResult, call_tool, get_tools
@@ -62,7 +62,11 @@ async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState,
     """
     state.tool_calls += 1
     tool = state.tools.get(call.name)
-    if tool is None:
+    if not call.name:
+        result = ToolResult(
+            f"error: the tool call names no tool (it could not be read); available: {', '.join(state.tools)}"
+        )
+    elif tool is None:
         result = ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(state.tools)}")
     else:
         result = await call_tool(tool, sandbox, call.arguments, env.tool_timeout_s)
@@ -111,7 +115,7 @@ def classify_failure(
     status: RolloutStatus
     if isinstance(e, PolicyError):
         status = RolloutStatus.POLICY_ERROR
-    elif isinstance(e, SandboxError):
+    elif isinstance(e, SandboxError | ConfigError):  # ConfigError: this host lacks what the fleet promised
         status = RolloutStatus.INFRA_ERROR
     elif isinstance(e, EnvironmentBroken):
         status = RolloutStatus.ENV_ERROR

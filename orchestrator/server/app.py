@@ -23,6 +23,7 @@ from orchestrator.core.sandbox import SandboxBackend
 from orchestrator.core.tracing import Tracer, TracingConfig, make_tracer
 from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.rollout.tito.tokenizer import TokenizerCache, TokenizerDirs
 from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
     Authenticator,
@@ -103,6 +104,17 @@ class OrchestratorConfig(BaseModel):
     tracing: TracingConfig = Field(
         TracingConfig(), description="OpenTelemetry traces of every rollout, from here and every worker; off by default"
     )
+    tokenizer_dirs: list[Path] = Field(
+        default_factory=list,
+        description="directories whose folders are the tokenizers a job may name (policy.tokenizer) for tito mode",
+    )
+
+    @model_validator(mode="after")
+    def _tokenizer_dirs_exist(self) -> OrchestratorConfig:
+        missing = [str(d) for d in self.tokenizer_dirs if not d.is_dir()]
+        if missing:
+            raise ValueError(f"tokenizer_dirs: not a directory: {', '.join(missing)}")
+        return self
 
     @model_validator(mode="after")
     def _answers_fit_messages(self) -> OrchestratorConfig:
@@ -242,7 +254,7 @@ async def create_server(
         workers = await WorkerPlane.start(config, images)
         executor = workers.hub
     else:
-        executor = LocalExecutor(RolloutRunner(pool, images, tracer))
+        executor = LocalExecutor(RolloutRunner(pool, images, tracer), TokenizerCache(config.tokenizer_dirs))
     jobs = await JobManager.start(
         store,
         registry,
@@ -274,7 +286,8 @@ async def create_server(
         EnvironmentService(registry, registrar, auth), server
     )
     orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
-        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls)), server
+        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls), TokenizerDirs(config.tokenizer_dirs)),
+        server,
     )
     orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
     orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)

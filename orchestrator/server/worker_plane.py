@@ -70,7 +70,11 @@ class WorkerPlane:
             plane.tcp_address = f"{host}:{port}"
         await server.start()
         worker_config = WorkerConfig(
-            backend=config.backend, pool=config.pool, environments=config.environments, tracing=config.tracing
+            backend=config.backend,
+            pool=config.pool,
+            environments=config.environments,
+            tracing=config.tracing,
+            tokenizer_dirs=config.tokenizer_dirs,
         )
         if config.workers:
             slots = -(-config.max_in_flight // config.workers)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.backends.config import BackendConfig, DockerBackendConfig
@@ -21,4 +23,7 @@ class WorkerConfig(BaseModel):
     tracing: TracingConfig = Field(TracingConfig(), description="where this worker exports its spans; off by default")
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to load beside the entry points"
+    )
+    tokenizer_dirs: list[Path] = Field(
+        default_factory=list, description="where tito jobs' tokenizers are, by folder name (the control plane's own)"
     )

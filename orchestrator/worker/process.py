@@ -8,6 +8,7 @@ import asyncio
 from orchestrator.backends.pool import SandboxPool
 from orchestrator.core.tracing import make_tracer
 from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.rollout.tito.tokenizer import TokenizerCache
 from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.fleet import start_fleet
 from orchestrator.service.registry import Registry
@@ -22,7 +23,7 @@ async def run_worker(target: str, token: str, config: WorkerConfig, name: str, s
     backend = fleet.backend
     pool = SandboxPool(backend, config.pool)
     pool.start()
-    executor = LocalExecutor(RolloutRunner(pool, fleet.images, tracer))
+    executor = LocalExecutor(RolloutRunner(pool, fleet.images, tracer), TokenizerCache(config.tokenizer_dirs))
     registry = Registry.from_entry_points()
     for reference in config.environments:
         registry.load(reference)
