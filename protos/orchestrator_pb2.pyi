@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TokenMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_MODE_UNSPECIFIED: _ClassVar[TokenMode]
+    TOKEN_MODE_CHAT: _ClassVar[TokenMode]
+    TOKEN_MODE_TITO: _ClassVar[TokenMode]
+
 class Advantage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ADVANTAGE_UNSPECIFIED: _ClassVar[Advantage]
@@ -46,6 +52,9 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_RUNNING: _ClassVar[SandboxState]
     SANDBOX_STATE_EXPIRED: _ClassVar[SandboxState]
     SANDBOX_STATE_DELETED: _ClassVar[SandboxState]
+TOKEN_MODE_UNSPECIFIED: TokenMode
+TOKEN_MODE_CHAT: TokenMode
+TOKEN_MODE_TITO: TokenMode
 ADVANTAGE_UNSPECIFIED: Advantage
 ADVANTAGE_GRPO: Advantage
 ADVANTAGE_DR_GRPO: Advantage
@@ -155,23 +164,27 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PolicyEndpoint(_message.Message):
-    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries")
+    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries", "tokenizer", "tool_parser")
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
     base_url: str
     model: str
     api_key: str
     version: str
     request_timeout_s: float
     max_retries: int
-    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    tool_parser: str
+    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tool_parser: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups", "advantage")
+    __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups", "advantage", "token_mode", "max_model_len")
     ENV_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +197,8 @@ class JobSpec(_message.Message):
     MAX_INFRA_RETRIES_FIELD_NUMBER: _ClassVar[int]
     DELIVER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     env: str
     tasks: TaskSelection
     group_size: int
@@ -196,7 +211,9 @@ class JobSpec(_message.Message):
     max_infra_retries: int
     deliver_groups: bool
     advantage: Advantage
-    def __init__(self, env: _Optional[str] = ..., tasks: _Optional[_Union[TaskSelection, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyEndpoint, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., priority: _Optional[int] = ..., max_turns: _Optional[int] = ..., rollout_timeout_s: _Optional[float] = ..., max_infra_retries: _Optional[int] = ..., deliver_groups: _Optional[bool] = ..., advantage: _Optional[_Union[Advantage, str]] = ...) -> None: ...
+    token_mode: TokenMode
+    max_model_len: int
+    def __init__(self, env: _Optional[str] = ..., tasks: _Optional[_Union[TaskSelection, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyEndpoint, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., priority: _Optional[int] = ..., max_turns: _Optional[int] = ..., rollout_timeout_s: _Optional[float] = ..., max_infra_retries: _Optional[int] = ..., deliver_groups: _Optional[bool] = ..., advantage: _Optional[_Union[Advantage, str]] = ..., token_mode: _Optional[_Union[TokenMode, str]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job_id", "num_rollouts")
