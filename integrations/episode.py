@@ -20,10 +20,11 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+
+from integrations.session import AsyncSessions, Message, Opening, StepResult
 from orchestrator.core.errors import EpisodeFailedError
 from orchestrator.core.models import RolloutStatus
 from orchestrator.rollout.tito import ChatTemplateTokens, ToolCall, ToolParser
-from integrations.session import AsyncSessions, Message, Opening, StepResult
 
 log = logging.getLogger(__name__)
 

@@ -88,7 +88,9 @@ class EnvfleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
 
         async def generate(prompt_ids: list[int], max_tokens: int) -> Generated:
             out = await self.server_manager.generate(
-                request_id=request_id, prompt_ids=prompt_ids, sampling_params={**sampling_params, "max_tokens": max_tokens}
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                sampling_params={**sampling_params, "max_tokens": max_tokens},
             )
             return Generated(list(out.token_ids), list(out.log_probs) if out.log_probs is not None else None)
 

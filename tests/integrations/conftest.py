@@ -29,7 +29,10 @@ def require(module: str, extra: str) -> ModuleType:
     """Import a trainer's module, or skip (fail under make test-integrations) naming the extra to install."""
     if os.environ.get("ENVFLEET_REQUIRE_INTEGRATIONS") == "1":
         return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"needs the `{extra}` extra: make test-integrations installs it")
+    found: ModuleType = pytest.importorskip(
+        module, reason=f"needs the `{extra}` extra: make test-integrations installs it"
+    )
+    return found
 
 
 @pytest.fixture

@@ -12,8 +12,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-PYTHON_TURN = '<think>\nLet me think about this step by step.\n</think>\n\n<tool_call>\n{"name":"python",  "arguments": {"code": %s}}\n</tool_call><|im_end|>'
-SUBMIT_TURN = '<think>\nThe tool returned the result.\n</think>\n\n<tool_call>\n{"name": "submit","arguments":{"answer": %s}}\n</tool_call><|im_end|>'
+PYTHON_TURN = (
+    "<think>\nLet me think about this step by step.\n</think>\n\n"
+    '<tool_call>\n{"name":"python",  "arguments": {"code": %s}}\n</tool_call><|im_end|>'
+)
+SUBMIT_TURN = (
+    "<think>\nThe tool returned the result.\n</think>\n\n"
+    '<tool_call>\n{"name": "submit","arguments":{"answer": %s}}\n</tool_call><|im_end|>'
+)
 
 
 @dataclass

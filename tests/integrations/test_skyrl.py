@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
@@ -12,8 +13,10 @@ from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
 from tests.integrations.conftest import ENV, require
 
+Message = dict[str, Any]
 
-def _episode(address: str, answer: str, task_id: str = "py-004") -> tuple[list[dict[str, str]], list[dict], dict]:
+
+def _episode(address: str, answer: str, task_id: str = "py-004") -> tuple[list[Message], list[Message], Message]:
     skyrl_gym = require("skyrl_gym", "skyrl")
     import integrations.skyrl  # noqa: F401  (registers "envfleet")
 
@@ -21,7 +24,9 @@ def _episode(address: str, answer: str, task_id: str = "py-004") -> tuple[list[d
     try:
         messages, info = env.init([{"role": "user", "content": "ignored: the environment brings its prompt"}])
         assert info["task_id"] == task_id and {t["function"]["name"] for t in info["tools"]} == {"python", "submit"}
-        first = env.step('<think>hmm</think>\n<tool_call>\n{"name":"python", "arguments": {"code": "print(1)"}}\n</tool_call>')
+        first = env.step(
+            '<think>hmm</think>\n<tool_call>\n{"name":"python", "arguments": {"code": "print(1)"}}\n</tool_call>'
+        )
         assert not first["done"] and first["reward"] == 0.0
         call = json.dumps({"name": "submit", "arguments": {"answer": answer}})
         last = env.step(f"<tool_call>{call}</tool_call>")

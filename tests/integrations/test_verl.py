@@ -19,7 +19,9 @@ class FakeServerManager:
         self.engine = engine
         self.sampling: list[dict[str, Any]] = []
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any) -> Any:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
+    ) -> Any:
         from verl.workers.rollout.replica import TokenOutput
 
         self.sampling.append(dict(sampling_params))
