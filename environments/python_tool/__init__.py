@@ -153,7 +153,8 @@ class PythonToolEnv(Environment):
 
 # Shaped rewards. A reward that depends on the episode's length or on the answer's format is one more rubric
 # component with a weight: the reward is the weighted sum, and each component is reported on its own. The built-in
-# environment keeps the plain exact match; ShapedPythonToolEnv shows the pattern (tests/environments/test_shaped_reward.py).
+# environment keeps the plain exact match; ShapedPythonToolEnv shows the pattern
+# (tests/environments/test_shaped_reward.py).
 
 
 def brevity(max_turns: int) -> Callable[[ScoringContext], float]:
