@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from orchestrator.core.errors import ConfigError
 from orchestrator.openenv.config import OpenEnvConfig, check_facade_host
 from orchestrator.openenv.serving import start_facade
-from tests.integrations.facade import env_client, facade_url, http_get, open_sessions, until, ws_connect
+from tests.openenv.facade import env_client, facade_url, http_get, open_sessions, until, ws_connect
 from tests.orchestrator.servers import FAKE, serve
 
 TOKEN_A, TOKEN_B = secrets.token_urlsafe(24), secrets.token_urlsafe(24)

@@ -18,7 +18,7 @@ from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.openenv.serving import start_facade
 from orchestrator.service.registry import Registry
 from tests.conftest import REPO, TEST_OWNER
-from tests.integrations.facade import ENV, env_client, exchange, facade_url, http_get, open_sessions, until, ws_connect
+from tests.openenv.facade import ENV, env_client, exchange, facade_url, http_get, open_sessions, until, ws_connect
 from tests.orchestrator.servers import FAKE, serve
 
 OPENENV = {"port": 0}
