@@ -23,6 +23,7 @@ import docker
 from bench.fleet_bench import run_all as fleet_run_all
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
+from bench.stdin_bench import streamed_stdin
 from bench.swe_bench import swe_eval_throughput
 from bench.tito_bench import tito_overhead
 from bench.tracing_bench import run as tracing_run
@@ -157,6 +158,7 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
         results["host_spawn_p50_ms"] = host_spawn_p50(50)
     finally:
         await backend.close()
+    results["exec_stdin_streamed"] = await streamed_stdin(image)
     results["orchestrator_overhead"] = await orchestrator_overhead(image, total=48, concurrency=8)
     results["stream_throughput"] = await stream_throughput(20_000)
     results.update(await warm_and_recycle(image, runs))

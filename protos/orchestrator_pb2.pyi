@@ -558,7 +558,7 @@ class ScoringSpec(_message.Message):
     def __init__(self, command: _Optional[str] = ..., timeout_s: _Optional[float] = ..., min_reference_reward: _Optional[float] = ...) -> None: ...
 
 class EnvironmentSpec(_message.Message):
-    __slots__ = ("name", "version", "description", "image", "tasks", "tasks_jsonl", "tools", "scoring", "limits", "system_prompt", "max_turns", "tool_timeout_s", "setup_command", "visibility")
+    __slots__ = ("name", "version", "description", "image", "tasks", "tasks_jsonl", "tools", "scoring", "limits", "system_prompt", "max_turns", "tool_timeout_s", "setup_command", "visibility", "runtime")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
@@ -573,6 +573,7 @@ class EnvironmentSpec(_message.Message):
     TOOL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SETUP_COMMAND_FIELD_NUMBER: _ClassVar[int]
     VISIBILITY_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     description: str
@@ -587,7 +588,8 @@ class EnvironmentSpec(_message.Message):
     tool_timeout_s: float
     setup_command: str
     visibility: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[_Union[ImageSource, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., tasks_jsonl: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., scoring: _Optional[_Union[ScoringSpec, _Mapping]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., system_prompt: _Optional[str] = ..., max_turns: _Optional[int] = ..., tool_timeout_s: _Optional[float] = ..., setup_command: _Optional[str] = ..., visibility: _Optional[str] = ...) -> None: ...
+    runtime: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[_Union[ImageSource, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., tasks_jsonl: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., scoring: _Optional[_Union[ScoringSpec, _Mapping]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., system_prompt: _Optional[str] = ..., max_turns: _Optional[int] = ..., tool_timeout_s: _Optional[float] = ..., setup_command: _Optional[str] = ..., visibility: _Optional[str] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class ValidationReport(_message.Message):
     __slots__ = ("env", "image", "num_tasks", "reference_task_id", "reference_reward", "reference_components", "duration_s", "checks")
@@ -731,7 +733,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
-    __slots__ = ("image", "env", "limits", "ttl_s", "env_vars")
+    __slots__ = ("image", "env", "limits", "ttl_s", "env_vars", "runtime")
     class EnvVarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -744,15 +746,17 @@ class CreateSandboxRequest(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     ENV_VARS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     image: str
     env: str
     limits: SandboxLimits
     ttl_s: float
     env_vars: _containers.ScalarMap[str, str]
-    def __init__(self, image: _Optional[str] = ..., env: _Optional[str] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., ttl_s: _Optional[float] = ..., env_vars: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    runtime: str
+    def __init__(self, image: _Optional[str] = ..., env: _Optional[str] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., ttl_s: _Optional[float] = ..., env_vars: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class SandboxInfo(_message.Message):
-    __slots__ = ("sandbox_id", "image", "env", "state_name", "state", "limits", "created_at", "expires_at", "ended_at", "end_reason")
+    __slots__ = ("sandbox_id", "image", "env", "state_name", "state", "limits", "created_at", "expires_at", "ended_at", "end_reason", "runtime")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
@@ -763,6 +767,7 @@ class SandboxInfo(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     END_REASON_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     image: str
     env: str
@@ -773,7 +778,8 @@ class SandboxInfo(_message.Message):
     expires_at: float
     ended_at: float
     end_reason: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., image: _Optional[str] = ..., env: _Optional[str] = ..., state_name: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., end_reason: _Optional[str] = ...) -> None: ...
+    runtime: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., image: _Optional[str] = ..., env: _Optional[str] = ..., state_name: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., end_reason: _Optional[str] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class GetSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)
@@ -823,6 +829,14 @@ class ExecRequest(_message.Message):
     timeout_s: float
     max_output_bytes: int
     def __init__(self, sandbox_id: _Optional[str] = ..., shell: _Optional[str] = ..., argv: _Optional[_Union[Argv, _Mapping]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
+
+class ExecInput(_message.Message):
+    __slots__ = ("request", "stdin")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    request: ExecRequest
+    stdin: bytes
+    def __init__(self, request: _Optional[_Union[ExecRequest, _Mapping]] = ..., stdin: _Optional[bytes] = ...) -> None: ...
 
 class ExecStarted(_message.Message):
     __slots__ = ("pid",)

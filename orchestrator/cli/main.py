@@ -102,6 +102,10 @@ def _backend_config(args: argparse.Namespace) -> object:
     settings = {"owner": args.owner, **raw}
     if args.socket_root:
         settings["socket_root"] = args.socket_root
+    if args.runtime:
+        if args.backend != "docker":
+            raise ConfigError("--runtime is an OCI runtime of the docker backend; the fake backend has none")
+        settings["runtime"] = args.runtime
     if settings.setdefault("type", args.backend) != args.backend:
         raise ConfigError(f"backend config says type {settings['type']!r} but --backend is {args.backend!r}")
     return parse_backend_config(settings)
@@ -326,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend-config", help="a YAML or JSON file of the backend's settings")
     serve.add_argument(
         "--socket-root", type=Path, default=None, help="envd's socket folders (in a container: the host's same path)"
+    )
+    serve.add_argument(
+        "--runtime",
+        default="",
+        help="OCI runtime of sandboxes that name none (runsc: gVisor; the engine must have it registered)",
     )
     serve.add_argument(
         "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus endpoint port; -1: off"

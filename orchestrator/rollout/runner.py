@@ -200,7 +200,13 @@ class RolloutRunner:
                         # stay interchangeable in the warm pool
                         labels = {TENANT_LABEL: item.tenant} if item.tenant else {}
                         sandbox, source = await self.sandboxes.acquire(
-                            SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV), labels=labels)
+                            SandboxSpec(
+                                image=image,
+                                limits=env.limits,
+                                runtime=env.runtime,
+                                env=dict(DETERMINISTIC_ENV),
+                                labels=labels,
+                            )
                         )
                         warm = source == "warm"
                         self.active[item.id] = sandbox

@@ -209,7 +209,7 @@ class JobManager:
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
         env = self.registry.get(spec.env, owner)
-        check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits")
+        check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits", env.runtime)
         unfinished = sum(j.owner == owner and not j.finished for j in self._jobs.values())
         if unfinished >= self.caps.jobs_per_tenant:
             raise QuotaExceededError(
