@@ -46,8 +46,8 @@ __all__ = [
     "ScriptedToolCall",
     "Step",
     "main",
-    "start_scripted_server",
     "sample_of",
+    "start_scripted_server",
     "task_of",
 ]
 

@@ -42,7 +42,9 @@ async def engine(qwen_server: ScriptedServer) -> AsyncIterator[DoubleEngine]:
         yield DoubleEngine(qwen_server, http)
 
 
-async def _run(orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine, **kw: Any) -> EpisodeTokens:
+async def _run(
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine, **kw: Any
+) -> EpisodeTokens:
     async def generate(prompt_ids: list[int], max_tokens: int) -> Generated:
         return await engine.generate(REQUEST, prompt_ids, max_tokens)
 

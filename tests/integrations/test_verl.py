@@ -95,9 +95,7 @@ async def test_the_envfleet_agent_loop_runs_an_episode(
     samples = samples_of(manager.engine.server, request_id)
     assert [s.turn for s in samples] == [0, 1]
     # exactly what the double sampled (ids, logprobs), the mask 1 on those ids only; the observation the template's
-    (observation,) = assert_sampled(
-        out.prompt_ids, out.response_ids, out.response_mask, out.response_logprobs, samples
-    )
+    (observation,) = assert_sampled(out.prompt_ids, out.response_ids, out.response_mask, out.response_logprobs, samples)
     task = next(t for t in registry.get(ENV).tasks() if t.id == "py-005")
     assert observation == loop.tokens.encode(observation_text(str(task.reference[0].arguments["code"])))
     # the budget handed to the engine shrinks with the episode
