@@ -49,7 +49,7 @@ class Step(BaseModel):
             raise ValueError("fault_samples needs a fault (error_status or hang)")
         return self
 
-    def faults(self, user: str) -> bool:
+    def fault_applies(self, user: str) -> bool:
         """Whether this step's fault (if it has one) applies to the rollout `user`; fail_times is counted apart."""
         if self.error_status is None and not self.hang:
             return False
