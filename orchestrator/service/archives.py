@@ -148,7 +148,8 @@ class ArchiveStore:
 
     def held_bytes(self, tenant: str) -> int:
         """The bytes of the archives `tenant` keeps registered."""
-        return sum(r.size for r in self.load_all() if r.owner == tenant)
+        folder = self._folder(tenant)
+        return sum(p.stat().st_size for p in folder.glob("*.tar")) if folder.is_dir() else 0
 
     def save(self, record: StoredArchive, data: bytes) -> None:
         """The archive first, then its record (a record always has its archive)."""

@@ -333,7 +333,7 @@ class Registrar:
                 f"the archive is {len(upload.data)} bytes, over caps.archive.bytes = {caps.bytes}"
             )
 
-    async def _load_archive(self, upload: ArchiveUpload, tenant: str, dest: Path, staging: Path) -> Environment:
+    async def _load_archive(self, upload: ArchiveUpload, dest: Path, staging: Path) -> Environment:
         """Unpack and load an upload into `dest` (the upload's bytes are written under `staging` first)."""
         kind = self._kind(upload.kind)
         archive = staging / "upload"
@@ -380,7 +380,7 @@ class Registrar:
         async with self._checks.slot(tenant):
             staging = await asyncio.to_thread(self._archives.staging, tenant)
             try:
-                env = await self._load_archive(upload, tenant, staging / "tree", staging)
+                env = await self._load_archive(upload, staging / "tree", staging)
                 result = await self._check_archive(env, upload)
             finally:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
@@ -403,13 +403,6 @@ class Registrar:
             existing = self._claim(upload.name, upload.version, tenant, self._same_archive(upload))
             if existing is not None:
                 return existing
-            held = await asyncio.to_thread(self._archives.held_bytes, tenant)
-            cap = self._archive_caps.bytes_per_tenant
-            if held + len(upload.data) > cap:
-                raise ArchiveTooLargeError(
-                    f"tenant {tenant} keeps {held} bytes of registered archives; {len(upload.data)} more would be "
-                    f"over caps.archive.bytes_per_tenant = {cap}"
-                )
             record = StoredArchive(
                 owner=tenant,
                 registered_at=time.time(),
@@ -420,11 +413,18 @@ class Registrar:
                 digest=upload.digest,
                 size=len(upload.data),
             )
-            async with self._checks.slot(tenant):
+            async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its store
+                held = await asyncio.to_thread(self._archives.held_bytes, tenant)
+                cap = self._archive_caps.bytes_per_tenant
+                if held + len(upload.data) > cap:
+                    raise ArchiveTooLargeError(
+                        f"tenant {tenant} keeps {held} bytes of registered archives; {len(upload.data)} more would be "
+                        f"over caps.archive.bytes_per_tenant = {cap}"
+                    )
                 staging = await asyncio.to_thread(self._archives.staging, tenant)
                 dest = await asyncio.to_thread(self._archives.tree, tenant, upload.ref())
                 try:
-                    env = await self._load_archive(upload, tenant, dest, staging)
+                    env = await self._load_archive(upload, dest, staging)
                     await self._check_archive(env, upload)
                     await asyncio.to_thread(self._archives.save, record, upload.data)
                     self._add_archive(env, record, self._archives.archive_path(record))
