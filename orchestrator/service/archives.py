@@ -146,6 +146,13 @@ class ArchiveStore:
         folder.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(dir=folder, prefix=".staging-"))
 
+    def sweep_staging(self) -> int:
+        """Remove the staging folders a stopped process left; returns how many."""
+        left = list(self.root.glob("*/.staging-*")) if self.root.is_dir() else []
+        for path in left:
+            shutil.rmtree(path, ignore_errors=True)
+        return len(left)
+
     def held_bytes(self, tenant: str) -> int:
         """The bytes of the archives `tenant` keeps registered."""
         folder = self._folder(tenant)

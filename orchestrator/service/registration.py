@@ -179,6 +179,7 @@ class Registrar:
                 continue
             self._owners.setdefault(record.spec.name, record.owner)
             count += 1
+        await asyncio.to_thread(self._archives.sweep_staging)
         for stored in await asyncio.to_thread(self._archives.load_all):
             try:
                 await self._reload_archive(stored)

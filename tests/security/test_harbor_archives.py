@@ -85,7 +85,7 @@ async def _refused(
     return details
 
 
-ESCAPES = {
+ESCAPES: dict[str, tuple[list[tuple[str, str, bytes | str]], str]] = {
     "dot-dot member": ([("file", "t/../../" + CANARY, b"pwned")], "unsafe member path"),
     "absolute member": ([("file", f"/tmp/{CANARY}", b"pwned")], "unsafe member path"),
     "link out of the tree": (
@@ -137,7 +137,7 @@ async def test_an_archive_over_a_cap_is_resource_exhausted_naming_it(
     await _refused(tmp_path, token_file, upload, grpc.StatusCode.RESOURCE_EXHAUSTED, cap, caps={"archive": caps})
 
 
-BAD_TASKS = {
+BAD_TASKS: dict[str, tuple[dict[str, Any], str]] = {
     "FROM a foreign image": ({"dockerfile": "FROM ubuntu:24.04\nRUN true\n"}, "not an envfleet image"),
     "ADD of a URL": (
         {"dockerfile": "FROM envfleet/base:latest\nADD https://example.com/x.tgz /opt/\n"},
