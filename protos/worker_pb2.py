@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12\x65nvfleet.worker.v1\"J\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"\x1c\n\tHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\x05\"K\n\rRolloutResult\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x14\n\x0crollout_json\x18\x02 \x01(\x0c\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xb2\x01\n\rWorkerMessage\x12\x30\n\x05hello\x18\x01 \x01(\x0b\x32\x1f.envfleet.worker.v1.WorkerHelloH\x00\x12\x32\n\theartbeat\x18\x02 \x01(\x0b\x32\x1d.envfleet.worker.v1.HeartbeatH\x00\x12\x33\n\x06result\x18\x03 \x01(\x0b\x32!.envfleet.worker.v1.RolloutResultH\x00\x42\x06\n\x04kind\"\xbf\x01\n\nAssignment\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x15\n\rjob_spec_json\x18\x02 \x01(\x0c\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\x05\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x15\n\renv_spec_json\x18\x07 \x01(\x0c\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\x1f\n\x06\x43\x61ncel\x12\x15\n\rassignment_id\x18\x01 \x01(\t\"\x1a\n\x08JobEnded\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xab\x01\n\x0e\x43ontrolMessage\x12\x30\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x1e.envfleet.worker.v1.AssignmentH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.envfleet.worker.v1.CancelH\x00\x12\x31\n\tjob_ended\x18\x03 \x01(\x0b\x32\x1c.envfleet.worker.v1.JobEndedH\x00\x42\x06\n\x04kind2e\n\rWorkerService\x12T\n\x07\x43onnect\x12!.envfleet.worker.v1.WorkerMessage\x1a\".envfleet.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12\x65nvfleet.worker.v1\"J\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"\x1c\n\tHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\x05\"K\n\rRolloutResult\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x14\n\x0crollout_json\x18\x02 \x01(\x0c\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xb2\x01\n\rWorkerMessage\x12\x30\n\x05hello\x18\x01 \x01(\x0b\x32\x1f.envfleet.worker.v1.WorkerHelloH\x00\x12\x32\n\theartbeat\x18\x02 \x01(\x0b\x32\x1d.envfleet.worker.v1.HeartbeatH\x00\x12\x33\n\x06result\x18\x03 \x01(\x0b\x32!.envfleet.worker.v1.RolloutResultH\x00\x42\x06\n\x04kind\"\xfc\x01\n\nAssignment\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x15\n\rjob_spec_json\x18\x02 \x01(\x0c\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\x05\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x15\n\renv_spec_json\x18\x07 \x01(\x0c\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12;\n\x0b\x65nv_archive\x18\n \x01(\x0b\x32&.envfleet.worker.v1.ArchiveEnvironment\"b\n\x12\x41rchiveEnvironment\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0f\n\x07\x61rchive\x18\x05 \x01(\x0c\"\x1f\n\x06\x43\x61ncel\x12\x15\n\rassignment_id\x18\x01 \x01(\t\"\x1a\n\x08JobEnded\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xab\x01\n\x0e\x43ontrolMessage\x12\x30\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x1e.envfleet.worker.v1.AssignmentH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.envfleet.worker.v1.CancelH\x00\x12\x31\n\tjob_ended\x18\x03 \x01(\x0b\x32\x1c.envfleet.worker.v1.JobEndedH\x00\x42\x06\n\x04kind2e\n\rWorkerService\x12T\n\x07\x43onnect\x12!.envfleet.worker.v1.WorkerMessage\x1a\".envfleet.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,13 +40,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERMESSAGE']._serialized_start=227
   _globals['_WORKERMESSAGE']._serialized_end=405
   _globals['_ASSIGNMENT']._serialized_start=408
-  _globals['_ASSIGNMENT']._serialized_end=599
-  _globals['_CANCEL']._serialized_start=601
-  _globals['_CANCEL']._serialized_end=632
-  _globals['_JOBENDED']._serialized_start=634
-  _globals['_JOBENDED']._serialized_end=660
-  _globals['_CONTROLMESSAGE']._serialized_start=663
-  _globals['_CONTROLMESSAGE']._serialized_end=834
-  _globals['_WORKERSERVICE']._serialized_start=836
-  _globals['_WORKERSERVICE']._serialized_end=937
+  _globals['_ASSIGNMENT']._serialized_end=660
+  _globals['_ARCHIVEENVIRONMENT']._serialized_start=662
+  _globals['_ARCHIVEENVIRONMENT']._serialized_end=760
+  _globals['_CANCEL']._serialized_start=762
+  _globals['_CANCEL']._serialized_end=793
+  _globals['_JOBENDED']._serialized_start=795
+  _globals['_JOBENDED']._serialized_end=821
+  _globals['_CONTROLMESSAGE']._serialized_start=824
+  _globals['_CONTROLMESSAGE']._serialized_end=995
+  _globals['_WORKERSERVICE']._serialized_start=997
+  _globals['_WORKERSERVICE']._serialized_end=1098
 # @@protoc_insertion_point(module_scope)

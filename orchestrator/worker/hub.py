@@ -24,6 +24,7 @@ from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.models import JobSpec, Rollout, RolloutError, RolloutStatus
 from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem
+from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
 from protos import worker_pb2 as wpb
 
@@ -48,6 +49,7 @@ class _Worker:
     running: dict[str, asyncio.Future[Rollout]] = field(default_factory=dict)
     connected_at: float = field(default_factory=time.monotonic)
     served: int = 0
+    archives: set[str] = field(default_factory=set)  # digests of the archives this stream has carried
 
     @property
     def load(self) -> float:
@@ -69,8 +71,11 @@ class WorkerInfo:
 class WorkerHub:
     """Rollout workers connected to this control plane, and the rollouts they run."""
 
-    def __init__(self, images: ImageSource, *, heartbeat_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, images: ImageSource, *, heartbeat_timeout_s: float = 10.0, archives: ArchiveCatalog | None = None
+    ) -> None:
         self._images = images
+        self._archives = archives or ArchiveCatalog()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._workers: dict[str, _Worker] = {}
         self._joined = asyncio.Condition()
@@ -156,6 +161,7 @@ class WorkerHub:
         sent = time.monotonic()
         queued_s = sent - item.enqueued_at
         future: asyncio.Future[Rollout] = asyncio.get_running_loop().create_future()
+        archive = await self._archive_for(worker, env)
         worker.running[assignment_id] = future
         worker.outbox.put_nowait(
             wpb.ControlMessage(
@@ -171,6 +177,7 @@ class WorkerHub:
                     env_spec_json=env.spec.model_dump_json().encode()
                     if isinstance(env, DeclarativeEnvironment)
                     else b"",
+                    env_archive=archive,
                 )
             )
         )
@@ -192,6 +199,20 @@ class WorkerHub:
         self.dispatch_delays.append(max(0.0, time.monotonic() - sent - rollout.timing.total))
         self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
         return rollout
+
+    async def _archive_for(self, worker: _Worker, env: Environment) -> wpb.ArchiveEnvironment | None:
+        """Which archive an uploaded environment is, with its bytes the first time this stream carries it."""
+        shipped = self._archives.shipment(env)
+        if shipped is None:
+            return None
+        m = wpb.ArchiveEnvironment(kind=shipped.kind, name=shipped.name, version=shipped.version, sha256=shipped.digest)
+        if shipped.digest not in worker.archives:
+            data = await asyncio.to_thread(shipped.path.read_bytes)
+            # checked again after the read: the first assignment queued carries the bytes, so it is the first read
+            if shipped.digest not in worker.archives:
+                worker.archives.add(shipped.digest)
+                m.archive = data
+        return m
 
     @staticmethod
     def _cancel(worker: _Worker, assignment_id: str) -> None:
