@@ -154,6 +154,12 @@ class EnvironmentBroken(EnvfleetError):
     """The environment's own code failed (setup, scoring, image): ENV_ERROR, not retried."""
 
 
+class ContextFull(EnvfleetError):
+    """A policy's episode context (JobSpec.max_model_len) has no room for another sampled token.
+
+    Not a failure: the agent loop ends the episode there, TRUNCATED, with its tokens as far as they went."""
+
+
 class EpisodeFailedError(EnvfleetError, RuntimeError):
     """An episode a trainer drove (a session) ended without a reward to learn from: INFRA_ERROR, ENV_ERROR, TIMEOUT
     or POLICY_ERROR. The sample must be masked, never scored 0."""

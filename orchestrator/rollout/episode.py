@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.core.environment import Environment, Episode, Finish, Task
+from orchestrator.core.errors import ContextFull
 from orchestrator.core.models import ToolCallRecord, Turn
 from orchestrator.core.policy import Sampling
 from orchestrator.core.sandbox import Sandbox
@@ -27,7 +28,7 @@ from orchestrator.core.tracing import (
     Phase,
     Span,
 )
-from orchestrator.rollout.policy.base import Completion, ContextFull, Policy
+from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.errors import InvalidRequestError
 from orchestrator.testing.policy_script import ScriptedToolCall, Step
 from orchestrator.testing.qwen_like import IM_END, IM_START, MARKER_TOKENS, QWEN_LIKE_DIR, REASONING, SPECIAL_TOKENS
 
@@ -36,7 +37,7 @@ _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(?!.*</tool_ca
 _ASSISTANT_TURN = f"{IM_START}assistant"
 
 
-class RequestError(ValueError):
+class RequestError(InvalidRequestError):
     """A request the model server refuses with HTTP 400; the message says what to fix."""
 
 

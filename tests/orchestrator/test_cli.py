@@ -33,7 +33,6 @@ LOCAL_ONLY = {
     "image build-orchestrator": "builds an image on this host's Docker",
     "sweep": "removes this host's leftover containers",
     "view": "browses a local file of rollouts; a live server shows its own with serve --ui-port",
-    "envs import-harbor": "builds and validates on this host's Docker and saves the tasks for this host's servers",
     "swe-eval": "runs on this host's Docker; the API has no evaluation call",
     "swe-validate": "runs on this host's Docker; the API has no evaluation call",
     "swe-build": "runs on this host's Docker; the API has no evaluation call",

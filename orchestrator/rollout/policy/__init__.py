@@ -6,6 +6,7 @@ configuration live in `orchestrator.core.policy`, the errors in `orchestrator.co
 only the seam, so that the tokenizer-only tito modules (which a trainer adapter imports alone) pull in no httpx.
 """
 
-from orchestrator.rollout.policy.base import Completion, ContextFull, Policy, ToolCall
+from orchestrator.core.errors import ContextFull
+from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 
 __all__ = ["Completion", "ContextFull", "Policy", "ToolCall"]

@@ -32,12 +32,6 @@ class Completion:
     raw_message: dict[str, Any]
 
 
-class ContextFull(Exception):
-    """Raised by a policy when the episode's context (JobSpec.max_model_len) has no room for another sampled token.
-
-    Not a failure: the agent loop ends the episode there, TRUNCATED, with its tokens as far as they went."""
-
-
 class Policy(abc.ABC):
     """The model being trained, as the rollout runner sees it.
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.core.errors import ConfigError, InvalidRequestError, PolicyError, PolicyResponseError
+from orchestrator.core.errors import ConfigError, ContextFull, InvalidRequestError, PolicyError, PolicyResponseError
 from orchestrator.core.policy import PolicyEndpoint, Sampling
-from orchestrator.rollout.policy.base import Completion, ContextFull, Policy, ToolCall
+from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.parsing import TOKEN_ID_PREFIX
 from orchestrator.rollout.tito.parsers import ToolParser, get_parser

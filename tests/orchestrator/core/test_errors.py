@@ -11,14 +11,14 @@ import pytest
 
 import environments
 import orchestrator
-from orchestrator.core.errors import EnvfleetError, EnvironmentBroken, PolicyError
+from orchestrator.core.errors import ContextFull, EnvfleetError, EnvironmentBroken, PolicyError
 from orchestrator.server.errors import status_for
 
 # control flow inside one module, never raised past it; and the stdlib-only snapshot script, which also runs inside
 # images where envfleet is not installed (the dataset builder wraps its errors)
-PRIVATE = {"_Retryable", "_HTTPError", "_Hang", "SnapshotError", "_Refused"}  # control flow inside one module
+PRIVATE = {"_Retryable", "_HTTPError", "_Hang", "SnapshotError", "ArchiveLimitError", "_Refused"}  # inside one module
 # errors that classify a rollout (POLICY_ERROR, ENV_ERROR) instead of answering a call
-CLASSIFYING = (PolicyError, EnvironmentBroken)
+CLASSIFYING = (PolicyError, EnvironmentBroken, ContextFull)
 
 
 def _all_exception_classes() -> list[type[BaseException]]:
@@ -58,6 +58,10 @@ def test_every_answerable_error_has_a_status_of_its_base(cls: type[EnvfleetError
     error = cls.__new__(cls)
     code = status_for(error)
     assert code is not None
-    generic = {"EvaluationError", "ScoringError", "SessionFailedError", "BuildError"}
+    # client-side: a trainer adapter's failed episode, the OpenEnv facade's failed call to the orchestrator
+    generic = {
+        *("EvaluationError", "ScoringError", "SessionFailedError", "BuildError"),
+        *("EpisodeFailedError", "OrchestratorCallError"),
+    }
     if cls.__name__ not in generic:
         assert code != grpc.StatusCode.INTERNAL, f"{cls.__qualname__} maps to INTERNAL"
