@@ -1,5 +1,8 @@
 """`make demo`: an orchestrator process on local Docker, the scripted policy, and a job of scored rollouts streamed
-to a client, printed as a table and written as JSONL."""
+to a client, printed as a table and written as JSONL.
+
+The policy is the double of a Qwen3 model on vLLM (its template drops old thinking and re-serializes tool calls), and
+the job runs token-in, token-out, so the table's `complete` token arrays are exact, as they would be with Qwen3."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, Rollout, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.service.registry import Registry
+from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
 from orchestrator.testing.scripted_policy import Script, start_scripted_server
 from orchestrator.testing.scripts import reference_script
 
@@ -76,7 +80,7 @@ def _print_table(console: Console, rollouts: list[Rollout]) -> None:
     console.print(table)
 
 
-async def start_orchestrator_process(data_dir: Path, owner: str) -> tuple[asyncio.subprocess.Process, str]:
+async def start_orchestrator_process(data_dir: Path, owner: str, *extra: str) -> tuple[asyncio.subprocess.Process, str]:
     """`envfleet serve` in its own process on a free port; returns it and its address once it listens."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -89,6 +93,7 @@ async def start_orchestrator_process(data_dir: Path, owner: str) -> tuple[asynci
         str(data_dir),
         "--owner",
         owner,
+        *extra,
         stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdout is not None
@@ -107,18 +112,22 @@ async def run_job_demo(console: Console, out: Path, num_tasks: int, n: int) -> i
     # the scripted policy solves every other task and answers the rest wrongly, so rewards differ
     solve = reference_script(env, tasks[0::2])
     wrong = reference_script(env, tasks[1::2], mode="wrong")
-    script = Script(tasks={**solve.tasks, **wrong.tasks}, latency_s=0.05)
+    script = Script(tasks={**solve.tasks, **wrong.tasks}, latency_s=0.05, template="qwen3")
     policy = await start_scripted_server(script)
     with tempfile.TemporaryDirectory(prefix="envfleet-demo-") as data:
-        console.print(f"scripted policy at {policy.url}; starting the orchestrator ...")
-        proc, address = await start_orchestrator_process(Path(data), "envfleet-demo")
+        console.print(f"scripted policy (a Qwen3-like model server) at {policy.url}; starting the orchestrator ...")
+        tokenizers = ("--tokenizer-dir", str(QWEN_LIKE_DIR.parent))
+        proc, address = await start_orchestrator_process(Path(data), "envfleet-demo", *tokenizers)
         try:
             console.print(f"orchestrator at {address}; submitting {num_tasks} tasks x {n} samples on {DEMO_ENV}")
             spec = JobSpec(
                 env=DEMO_ENV,
                 tasks=TaskSelection(kind="ids", ids=[t.id for t in tasks[:num_tasks]]),
                 group_size=n,
-                policy=PolicyEndpoint(base_url=policy.url, model="scripted", version="demo-1"),
+                # token_mode is tito because a tokenizer is named: ids in, ids out, never re-tokenized
+                policy=PolicyEndpoint(
+                    base_url=policy.url, model="scripted", version="demo-1", tokenizer=QWEN_LIKE_DIR.name
+                ),
                 max_concurrency=8,
             )
             return await collect_rollouts(EnvfleetClient(address), spec, out, console)
