@@ -5,10 +5,7 @@ orchestrator at `target` (its own process's socket for `envfleet serve --openenv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
-from collections.abc import Iterator
 
 import grpc
 import uvicorn
@@ -19,48 +16,15 @@ from orchestrator.core.net import is_loopback
 from orchestrator.openenv.app import FacadeApp
 from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.openenv.environment import Backend
+from orchestrator.server.asgi import LISTEN_BACKLOG, EmbeddedUvicorn, bind_listener
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-LISTEN_BACKLOG = 1024
 START_TIMEOUT_S = 30.0
 GRACEFUL_S = 10  # open websockets get this long to close (and close their sessions) on shutdown
 PROBE_TIMEOUT_S = 30.0
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn embedded in a running loop: library code installs no signal handlers; an event once listening."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.listening = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """Capture nothing: the CLI handles SIGTERM and SIGINT."""
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's startup, then say so."""
-        await super().startup(sockets=sockets)
-        self.listening.set()
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    # bound here, not by uvicorn: a bind error raises OSError instead of uvicorn's sys.exit, and port 0 is known
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(LISTEN_BACKLOG)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 async def _auth_enabled(envs: pb_grpc.EnvironmentServiceStub, target: str, token: str | None) -> bool:
@@ -84,7 +48,7 @@ class OpenEnvFacade:
     def __init__(
         self,
         app: FacadeApp,
-        server: _Uvicorn,
+        server: EmbeddedUvicorn,
         task: asyncio.Task[None],
         channel: grpc.aio.Channel,
         host: str,
@@ -137,10 +101,10 @@ async def start_facade(
         backend = Backend(pb_grpc.SessionServiceStub(channel), config.call_timeout_s)
         app = FacadeApp(config, backend, envs, auth_enabled, token)
         try:
-            sock = _bind(config.host, config.port)
+            sock = bind_listener(config.host, config.port)
         except OSError as e:
             raise ConfigError(f"OpenEnv: cannot listen on {config.host}:{config.port}: {e.strerror}") from None
-        server = _Uvicorn(
+        server = EmbeddedUvicorn(
             uvicorn.Config(
                 app,
                 ws="auto",

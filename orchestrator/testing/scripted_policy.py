@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator
 from typing import get_args
 
 import uvicorn
 from pydantic import ValidationError
 
+from orchestrator.server.asgi import LISTEN_BACKLOG, EmbeddedUvicorn, bind_listener
 from orchestrator.testing.policy_app import MAX_BODY, ScriptedPolicyApp
 from orchestrator.testing.policy_script import Script, ScriptedToolCall, Step, Template, sample_of, task_of
 from orchestrator.testing.qwen_policy import Sample
@@ -53,7 +52,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LISTEN_BACKLOG = 1024
 CLOSE_GRACE_S = 2.0
 # Idle keep-alive connections are closed after this long. vLLM's uvicorn uses 5 s; a test double waits longer, so a
 # slow test never races the server's close of a pooled connection.
@@ -61,7 +59,7 @@ KEEP_ALIVE_S = 300
 START_TIMEOUT_S = 10.0
 
 
-class _Uvicorn(uvicorn.Server):
+class _Uvicorn(EmbeddedUvicorn):
     """uvicorn.Server embedded in a running loop: no signal handlers, an event once listening, and a prompt stop.
 
     Library code installs no signal handlers (the CLI's _serve handles SIGTERM and SIGINT). uvicorn's own main loop
@@ -71,18 +69,7 @@ class _Uvicorn(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
-        self.listening = asyncio.Event()
         self.stop = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """Capture nothing."""
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's startup, then say so."""
-        await super().startup(sockets=sockets)
-        self.listening.set()
 
     async def main_loop(self) -> None:
         """Serve until stop is set (no per-tick work: the date and server headers are off)."""
@@ -103,24 +90,6 @@ class _Uvicorn(uvicorn.Server):
                 task.cancel()
         for server in self.servers:
             await server.wait_closed()
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    # Bound here, not by uvicorn: the port is known before serving starts, and a bind error raises OSError instead
-    # of uvicorn's sys.exit.
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(LISTEN_BACKLOG)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class ScriptedServer:
@@ -160,7 +129,7 @@ class ScriptedServer:
 
     async def _start(self, host: str, port: int) -> None:
         await asyncio.to_thread(self.app.load_model)  # the qwen3 tokenizer loads off the loop, before serving
-        sock = _bind(host, port)
+        sock = bind_listener(host, port)
         self._host, self._port = host, int(sock.getsockname()[1])
         config = uvicorn.Config(
             self.app,
