@@ -5,7 +5,8 @@
 - `submit_latency`: p50 and p99 of SubmitJob under 200 concurrent one-task submits, from a client process of its
   own against `envfleet serve` (fake backend, 2 workers).
 - `control_plane`: with the fake backend and the replay policy on 8 worker processes, the rollouts/s one control
-  plane delivers and its own CPU per rollout (this process's CPU time), so its capacity per core follows.
+  plane delivers and its own CPU per rollout (this process's CPU time; the trainer that drains the stream is a
+  process of its own), so its capacity per core follows.
 - `fleet_sim`: the fake backend in worker processes holding 10,000 concurrent sandboxes and running 50,000 rollouts
   through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the round
   trip from the control plane sending a rollout to a worker to taking its result, less the rollout's own run time).
@@ -70,6 +71,57 @@ async def _drain(client: EnvfleetClient, job_id: str) -> Counter[str]:
     return Counter([r.status.value async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024)])
 
 
+# The trainer of the timed jobs: a process of its own, as a trainer is, so that the control plane's CPU time is its
+# own. It connects, says "ready", and on "go" submits the job and drains its stream.
+_CONSUMER = """
+import asyncio, collections, json, sys
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec
+
+async def main(address, spec_json):
+    spec = JobSpec.model_validate_json(spec_json)
+    async with EnvfleetClient(address, timeout_s=600) as client:
+        await client.list_jobs()  # the channel is up before the clock starts
+        print("ready", flush=True)
+        sys.stdin.readline()
+        job_id = await client.submit(spec)
+        counts = collections.Counter(
+            [r.status.value async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024)]
+        )
+        print(json.dumps(counts), flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def timed_job(address: str, spec: JobSpec) -> tuple[Counter[str], float, float]:
+    """Run one job from a trainer process of its own: its rollouts by status, the seconds from submit to its last
+    rollout, and this process's CPU seconds meanwhile."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CONSUMER,
+        address,
+        spec.model_dump_json(),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        if (await proc.stdout.readline()).strip() != b"ready":
+            raise RuntimeError("the bench's trainer process did not start")
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+        counts: Counter[str] = Counter(json.loads(await proc.stdout.readline()))
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+    return counts, elapsed, cpu
+
+
 async def rollouts_per_s(workers: int, total: int) -> dict[str, Any]:
     """One job of `total` light rollouts on `workers` worker processes: rollouts/s from submit to the last one."""
     ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
@@ -79,9 +131,7 @@ async def rollouts_per_s(workers: int, total: int) -> dict[str, Any]:
         try:
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 await _drain(client, await client.submit(_job(ids[:4])))  # warm the workers' pools and code
-                t0 = time.perf_counter()
-                counts = await _drain(client, await client.submit(_job(ids, n=n)))
-                elapsed = time.perf_counter() - t0
+            counts, elapsed, _ = await timed_job(orch.address, _job(ids, n=n))
         finally:
             await orch.stop(grace=1)
     return {"rollouts_per_s": round(sum(counts.values()) / elapsed, 1), "ok": counts["OK"], "n": sum(counts.values())}
@@ -152,16 +202,14 @@ async def control_plane(total: int = 8000, workers: int = 8) -> dict[str, Any]:
         try:
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 await _drain(client, await client.submit(_job(ids[:16])))
-                cpu0, t0 = time.process_time(), time.perf_counter()
-                counts = await _drain(client, await client.submit(_job(ids, n=n)))
-                elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            counts, elapsed, cpu = await timed_job(orch.address, _job(ids, n=n))
         finally:
             await orch.stop(grace=1)
     done = sum(counts.values())
     us = cpu / done * 1e6
     return {
         "rollouts_per_s": round(done / elapsed, 1),
-        # this process is the control plane and the client that consumes the stream: an upper bound on the plane's
+        # this process is the control plane alone (the trainer is a process of its own): gRPC, jobs, the result log
         "cpu_us_per_rollout": round(us),
         "rollouts_per_s_per_core_capacity": round(1e6 / us),
         "workers": workers,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from orchestrator.core.models import JobSpec, JobState, Rollout
+from orchestrator.core.models import EncodedRollout, JobSpec, JobState, Rollout
 
 T = TypeVar("T")
 
@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     status TEXT NOT NULL,
     payload TEXT NOT NULL,
     acked INTEGER NOT NULL DEFAULT 0,
-    visible INTEGER NOT NULL DEFAULT 1
+    visible INTEGER NOT NULL DEFAULT 1,
+    wire BLOB
 );
 CREATE INDEX IF NOT EXISTS rollouts_job_seq ON rollouts (job_id, visible, acked, seq);
 CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (job_id, group_id);
@@ -67,6 +68,7 @@ class LogEntry:
     seq: int
     group_id: str
     payload: str  # the Rollout as JSON (without its seq)
+    wire: bytes | None = None  # its trainer wire form as the worker that ran it encoded it; None: convert `payload`
 
     def rollout(self) -> Rollout:
         """Decode the payload, with its seq."""
@@ -100,6 +102,8 @@ class ResultStore:
         db.executescript(SCHEMA)
         if "owner" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:  # a log from before tenants
             db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT 'local'")
+        if "wire" not in {row[1] for row in db.execute("PRAGMA table_info(rollouts)")}:  # before workers' bytes
+            db.execute("ALTER TABLE rollouts ADD COLUMN wire BLOB")
         self._db = db
 
     async def _run(self, fn: Callable[[], T]) -> T:
@@ -205,18 +209,22 @@ class ResultStore:
 
     # -- rollouts
 
-    async def append(self, rollout: Rollout, *, visible: bool = True) -> int | None:
+    async def append(self, rollout: Rollout | EncodedRollout, *, visible: bool = True) -> int | None:
         """Append a scored rollout; returns its seq, or None when that rollout id is already in the log.
 
-        An invisible rollout is durable but not streamed yet: group delivery publishes a group once it is whole.
+        An encoded rollout (from a worker) is stored as it came: its JSON, and its wire form for the stream. An
+        invisible rollout is durable but not streamed yet: group delivery publishes a group once it is whole.
         """
-        payload = rollout.model_dump_json(exclude={"seq"})
+        if isinstance(rollout, EncodedRollout):
+            payload, wire = rollout.json, rollout.wire or None
+        else:
+            payload, wire = rollout.model_dump_json(exclude={"seq"}), None
 
         def q() -> int | None:
             cur = self.db.execute(
-                "INSERT OR IGNORE INTO rollouts (job_id, rollout_id, group_id, status, payload, visible) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (rollout.job_id, rollout.id, rollout.group_id, rollout.status.value, payload, int(visible)),
+                "INSERT OR IGNORE INTO rollouts (job_id, rollout_id, group_id, status, payload, visible, wire) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (rollout.job_id, rollout.id, rollout.group_id, rollout.status.value, payload, int(visible), wire),
             )
             return cur.lastrowid if cur.rowcount else None
 
@@ -239,14 +247,15 @@ class ResultStore:
             groups = [g for (g,) in db.execute(sql + " GROUP BY group_id HAVING COUNT(*) >= ?", (*args, group_size))]
             for g in groups:
                 rows = db.execute(
-                    "SELECT rollout_id, status, payload FROM rollouts WHERE job_id = ? AND group_id = ? ORDER BY seq",
+                    "SELECT rollout_id, status, payload, wire FROM rollouts WHERE job_id = ? AND group_id = ? "
+                    "ORDER BY seq",
                     (job_id, g),
                 ).fetchall()
                 db.execute("DELETE FROM rollouts WHERE job_id = ? AND group_id = ?", (job_id, g))
                 db.executemany(
-                    "INSERT INTO rollouts (job_id, rollout_id, group_id, status, payload, visible) "
-                    "VALUES (?, ?, ?, ?, ?, 1)",
-                    [(job_id, rid, g, status, payload) for rid, status, payload in rows],
+                    "INSERT INTO rollouts (job_id, rollout_id, group_id, status, payload, visible, wire) "
+                    "VALUES (?, ?, ?, ?, ?, 1, ?)",
+                    [(job_id, rid, g, status, payload, wire) for rid, status, payload, wire in rows],
                 )
             return len(groups)
 
@@ -264,7 +273,7 @@ class ResultStore:
             lambda: [
                 LogEntry(*r)
                 for r in self.db.execute(
-                    "SELECT seq, group_id, payload FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 "
+                    "SELECT seq, group_id, payload, wire FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 "
                     "AND seq > ? ORDER BY seq LIMIT ?",
                     (job_id, after, limit),
                 )
