@@ -3,7 +3,7 @@
 - `workers_speedup`: rollouts/s with 2 worker processes over 1, the same light workload (python-tool on the fake
   backend, the replay policy: no model latency), the control plane the same.
 - `submit_latency`: p50 and p99 of SubmitJob under 200 concurrent one-task submits, from a client process of its
-  own against `envfleet serve` (fake backend, 2 workers).
+  own against `envfleet serve` (fake backend, 2 workers), beside the same burst of calls to a bare grpc.aio server.
 - `control_plane`: with the fake backend and the replay policy on 8 worker processes, the rollouts/s one control
   plane delivers and its own CPU per rollout (this process's CPU time; the trainer that drains the stream is a
   process of its own), so its capacity per core follows.
@@ -22,8 +22,13 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
@@ -166,30 +171,70 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
 
 
-async def submit_latency(concurrent: int = 200) -> dict[str, Any]:
-    """p50/p99 of SubmitJob under `concurrent` one-task submits from another process."""
+# The floor under it: the same burst of unary calls to a bare grpc.aio server (the health check, no handler work),
+# from a process of the same kind. grpc.aio accepts one call per trip through its completion queue and the event
+# loop, so a burst queues there before any handler runs.
+_BARE = """
+import asyncio, json, sys, time
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+async def main(address, n):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        await stub.Check(health_pb2.HealthCheckRequest())
+        async def one():
+            t0 = time.perf_counter()
+            await stub.Check(health_pb2.HealthCheckRequest())
+            return time.perf_counter() - t0
+        print(json.dumps(await asyncio.gather(*(one() for _ in range(n)))))
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+async def _burst(script: str, *args: str) -> list[float]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, *args, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return sorted(json.loads(out))
+
+
+def _ms(lat: list[float], q: float) -> float:
+    return round(lat[int(q * (len(lat) - 1))] * 1000, 1)
+
+
+async def submit_latency(concurrent: int = 200, rounds: int = 3) -> dict[str, Any]:
+    """p50/p99 of SubmitJob under `concurrent` one-task submits from another process, and of the same burst of
+    health checks on a bare grpc.aio server (the floor), interleaved; the medians over `rounds`."""
     task = Registry.from_entry_points().get(ENV).tasks()[0].id
     spec = _job([task])
+    bare = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), bare)
+    bare_address = f"127.0.0.1:{bare.add_insecure_port('127.0.0.1:0')}"
+    await bare.start()
+    ours: list[list[float]] = []
+    floor: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
         orch = await _plane(Path(data), 2, in_flight=256)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-c",
-                _SUBMITTER,
-                orch.address,
-                spec.model_dump_json(),
-                str(concurrent),
-                stdout=asyncio.subprocess.PIPE,
-            )
-            out, _ = await proc.communicate()
-            lat = sorted(json.loads(out))
+            for _ in range(rounds):
+                floor.append(await _burst(_BARE, bare_address, str(concurrent)))
+                ours.append(await _burst(_SUBMITTER, orch.address, spec.model_dump_json(), str(concurrent)))
         finally:
             await orch.stop(grace=1)
+            await bare.stop(0)
+    p50 = statistics.median(_ms(lat, 0.5) for lat in ours)
+    p99 = statistics.median(_ms(lat, 0.99) for lat in ours)
+    base50 = statistics.median(_ms(lat, 0.5) for lat in floor)
+    base99 = statistics.median(_ms(lat, 0.99) for lat in floor)
     return {
-        "p50_ms": round(statistics.median(lat) * 1000, 1),
-        "p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1000, 1),
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "bare_grpc_p50_ms": base50,
+        "bare_grpc_p99_ms": base99,
+        "p99_ratio_to_bare_grpc": round(p99 / base99, 2),
         "concurrent": concurrent,
+        "rounds": rounds,
     }
 
 
@@ -287,5 +332,11 @@ async def run_all() -> dict[str, Any]:
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    fn = {"speedup": workers_speedup, "submit": submit_latency, "control": control_plane, "sim": fleet_sim}.get(which)
+    benches: dict[str, Callable[[], Coroutine[Any, Any, dict[str, Any]]]] = {
+        "speedup": workers_speedup,
+        "submit": submit_latency,
+        "control": control_plane,
+        "sim": fleet_sim,
+    }
+    fn = benches.get(which)
     print(json.dumps(asyncio.run(fn() if fn else run_all()), indent=2))

@@ -32,6 +32,7 @@ from protos import worker_pb2 as wpb
 log = logging.getLogger(__name__)
 
 RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its worker counts as stuck
+OVERDUE_SWEEP_S = 1.0  # how often a worker's rollouts are checked against their budgets (one timer each would cost)
 MAX_TRACKED_GROUPS = 100_000
 DISPATCH_SAMPLES = 100_000
 MAX_ASSIGN_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB); an environment's spec can be large
@@ -45,6 +46,8 @@ class WorkerLostError(SandboxError):
 class _Running:
     item: WorkItem
     result: asyncio.Future[tuple[EncodedRollout, float]]  # the rollout, and its run time on the worker
+    budget_s: float
+    deadline: float  # monotonic: past it, the worker counts as stuck on this rollout
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _Worker:
     outbox: Outbox[wpb.Assignment | wpb.ControlMessage] = field(default_factory=Outbox)
     running: dict[str, _Running] = field(default_factory=dict)
     connected_at: float = field(default_factory=time.monotonic)
+    next_sweep: float = field(default_factory=time.monotonic)
     served: int = 0
 
     @property
@@ -84,7 +88,9 @@ class WorkerHub:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._workers: dict[str, _Worker] = {}
         self._joined = asyncio.Condition()
-        self._group_home: dict[str, str] = {}  # group id -> worker id
+        # job id -> group id -> the worker that ran the group's first sample (by job: a job's end drops its own)
+        self._group_home: dict[str, dict[str, str]] = {}
+        self._tracked_groups = 0
         self._hosts_with: dict[str, set[str]] = {}  # env ref -> hosts that ran it
         self._ids = itertools.count(1)
         # a job's spec (and declarative environment) as JSON, encoded once per spec rather than per assignment
@@ -128,8 +134,7 @@ class WorkerHub:
 
     def job_ended(self, job_id: str) -> None:
         """Tell every worker to drop the job's snapshots; forget where its groups ran."""
-        for group in [g for g in self._group_home if g.startswith(job_id + ":")]:
-            del self._group_home[group]
+        self._tracked_groups -= len(self._group_home.pop(job_id, {}))
         self._encoded.pop(job_id, None)
         for w in self._workers.values():
             w.outbox.put(wpb.ControlMessage(job_ended=wpb.JobEnded(job_id=job_id)))
@@ -145,23 +150,35 @@ class WorkerHub:
     # -- placement ---------------------------------------------------------------------------------------------
 
     async def _pick(self, item: WorkItem, env: Environment, spec: JobSpec) -> _Worker:
-        try:
-            async with asyncio.timeout(spec.rollout_timeout_s), self._joined:
-                await self._joined.wait_for(lambda: bool(self._workers) or self._closed)
-        except TimeoutError:
-            raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
+        if not self._workers:
+            try:
+                async with asyncio.timeout(spec.rollout_timeout_s), self._joined:
+                    await self._joined.wait_for(lambda: bool(self._workers) or self._closed)
+            except TimeoutError:
+                raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
         if self._closed:
             raise WorkerLostError("the control plane is stopping")
-        home = self._workers.get(self._group_home.get(item.group_id, ""))
+        home = self._workers.get(self._group_home.get(item.job_id, {}).get(item.group_id, ""))
         if home is not None and home.load < 2.0:
             return home
         hosts = self._hosts_with.get(env.ref(), set())
         # least loaded first; among equals, a host that already has the image
         worker = min(self._workers.values(), key=lambda w: (round(w.load, 3), w.host not in hosts, w.served))
-        if len(self._group_home) >= MAX_TRACKED_GROUPS:
-            self._group_home.pop(next(iter(self._group_home)))
-        self._group_home.setdefault(item.group_id, worker.id)
+        self._remember_home(item, worker)
         return worker
+
+    def _remember_home(self, item: WorkItem, worker: _Worker) -> None:
+        if item.group_id in self._group_home.get(item.job_id, {}):
+            return
+        if self._tracked_groups >= MAX_TRACKED_GROUPS:  # forget the oldest job's oldest group
+            oldest_job = next(iter(self._group_home))
+            oldest = self._group_home[oldest_job]
+            del oldest[next(iter(oldest))]
+            if not oldest:
+                del self._group_home[oldest_job]
+            self._tracked_groups -= 1
+        self._group_home.setdefault(item.job_id, {})[item.group_id] = worker.id
+        self._tracked_groups += 1
 
     def _encode(self, job_id: str, env: Environment, spec: JobSpec) -> tuple[bytes, bytes]:
         """The job's spec and declarative environment as JSON, made again only when the spec changed (UpdatePolicy
@@ -177,7 +194,10 @@ class WorkerHub:
         sent = time.monotonic()
         queued_s = sent - item.enqueued_at
         future: asyncio.Future[tuple[EncodedRollout, float]] = asyncio.get_running_loop().create_future()
-        worker.running[assignment_id] = _Running(item, future)
+        # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
+        # worker's reader enforces it (_expire)
+        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + RESULT_SLACK_S
+        worker.running[assignment_id] = _Running(item, future, budget, sent + budget)
         spec_json, env_json = self._encode(item.job_id, env, spec)
         worker.outbox.put(
             wpb.Assignment(
@@ -191,14 +211,8 @@ class WorkerHub:
                 env_spec_json=env_json,
             )
         )
-        # the runner's own budget (every attempt and the pauses between them), and slack for the wire
-        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + RESULT_SLACK_S
         try:
-            async with asyncio.timeout(budget):
-                rollout, run_s = await future
-        except TimeoutError:
-            self._cancel(worker, assignment_id)  # a stuck rollout holds a sandbox there: stop it
-            raise WorkerLostError(f"worker {worker.id} gave no result within {budget:g}s") from None
+            rollout, run_s = await future
         except asyncio.CancelledError:
             # CancelJob or shutdown: the worker stops the rollout and destroys its sandbox
             self._cancel(worker, assignment_id)
@@ -257,6 +271,10 @@ class WorkerHub:
                 if message.HasField("results"):
                     for result in message.results.results:
                         self._deliver(worker, result)
+                now = time.monotonic()
+                if now >= worker.next_sweep:  # heartbeats come every second or so: the sweep runs as often
+                    worker.next_sweep = now + OVERDUE_SWEEP_S
+                    self._expire(worker, now)
         except TimeoutError:
             why = f"no heartbeat for {self.heartbeat_timeout_s:g}s"
         except Exception as e:  # the connection broke
@@ -275,6 +293,16 @@ class WorkerHub:
         except InvalidResultError as e:
             log.warning("worker %s sent an invalid rollout for %s: %s", worker.id, running.item.id, e)
             running.result.set_exception(WorkerLostError(f"worker {worker.id} sent an invalid rollout: {e}"))
+
+    def _expire(self, worker: _Worker, now: float) -> None:
+        """Give up on the worker's rollouts past their budget: each fails over, and is stopped on the worker (a
+        stuck rollout holds a sandbox there)."""
+        for assignment_id, running in list(worker.running.items()):
+            if now > running.deadline and not running.result.done():
+                running.result.set_exception(
+                    WorkerLostError(f"worker {worker.id} gave no result within {running.budget_s:g}s")
+                )
+                self._cancel(worker, assignment_id)
 
     def _drop(self, worker: _Worker, why: str) -> None:
         """Forget a worker: its rollouts fail over, its stream ends."""
