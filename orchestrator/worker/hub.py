@@ -78,14 +78,18 @@ class WorkerInfo:
     pid: int
     running: int
     served: int
+    trusted: bool  # a process of this host (unix socket); a remote one's rollouts are validated whole
 
 
 class WorkerHub:
     """Rollout workers connected to this control plane, and the rollouts they run."""
 
-    def __init__(self, images: ImageSource, *, heartbeat_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, images: ImageSource, *, heartbeat_timeout_s: float = 10.0, result_slack_s: float = RESULT_SLACK_S
+    ) -> None:
         self._images = images
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.result_slack_s = result_slack_s
         self._workers: dict[str, _Worker] = {}
         self._joined = asyncio.Condition()
         # job id -> group id -> the worker that ran the group's first sample (by job: a job's end drops its own)
@@ -108,7 +112,9 @@ class WorkerHub:
 
     def workers(self) -> list[WorkerInfo]:
         """The connected workers."""
-        return [WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served) for w in self._workers.values()]
+        return [
+            WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served, w.trusted) for w in self._workers.values()
+        ]
 
     async def wait_for_workers(self, n: int, timeout_s: float = 60.0) -> None:
         """Return once `n` workers are connected."""
@@ -196,7 +202,7 @@ class WorkerHub:
         future: asyncio.Future[tuple[EncodedRollout, float]] = asyncio.get_running_loop().create_future()
         # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
         # worker's reader enforces it (_expire)
-        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + RESULT_SLACK_S
+        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + self.result_slack_s
         worker.running[assignment_id] = _Running(item, future, budget, sent + budget)
         spec_json, env_json = self._encode(item.job_id, env, spec)
         worker.outbox.put(
