@@ -1,17 +1,19 @@
 # envfleet: every target sets up what it needs on a fresh machine (venv, dockerd, base image).
 SHELL := /bin/bash
 PY := .venv/bin/python
+# the extras `make test` needs; the heavy trainer adapters (torch, trl, verl) are `make test-integrations`
+EXTRAS := dev,ray,tito,openenv,otel
 VENV_STAMP := .venv/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 
-.PHONY: venv buf docker base-image chromium test test-fast demo bench bench-scale proto proto-check lint image clean-containers
+.PHONY: venv buf docker base-image chromium test test-fast test-integrations demo bench bench-scale proto proto-check lint image clean-containers
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
 	.venv/bin/pip install -q --disable-pip-version-check --upgrade pip
-	.venv/bin/pip install -q --disable-pip-version-check -e '.[dev,ray,tito]'
+	.venv/bin/pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	@rm -f .venv/.installed-*
 	@touch $@
 
@@ -45,6 +47,19 @@ test: venv buf docker base-image chromium
 # host, parsers and validators. Starts no dockerd and builds no image.
 test-fast: venv chromium
 	$(PY) -m pytest -q -p no:cacheprovider -m "not docker"
+
+# The trainer adapters' heavy tests (integrations/: TRL's GRPOTrainer on CPU torch, verl's agent loop, SkyRL's env),
+# which `make test` skips when their extras are absent. torch is the CPU wheel (a plain `torch` is a CUDA build);
+# verl goes in without its dependencies (ray[default], wandb, vllm... and a transformers pin older than ours): the
+# agent loop needs only the few below, and imports without a GPU.
+VERL_DEPS := hydra-core codetiming dill pylatexenc pillow cachetools fastapi cloudpickle orjson importlib_metadata
+test-integrations: venv
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -c <(echo torch==2.13.0) -e '.[$(EXTRAS),trl,skyrl]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0
+	$(PY) -m pip install -q --disable-pip-version-check -c <(echo torch==2.13.0) $(VERL_DEPS)
+	ENVFLEET_REQUIRE_INTEGRATIONS=1 TRL_EXPERIMENTAL_SILENCE=1 $(PY) -m pytest -q -p no:cacheprovider \
+		tests/integrations tests/environments/test_shaped_reward.py
 
 demo: venv docker base-image
 	@$(PY) -m orchestrator.cli demo

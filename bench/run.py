@@ -23,7 +23,10 @@ import docker
 from bench.fleet_bench import run_all as fleet_run_all
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
+from bench.stdin_bench import streamed_stdin
 from bench.swe_bench import swe_eval_throughput
+from bench.tito_bench import tito_overhead
+from bench.tracing_bench import run as tracing_run
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
 from orchestrator.core.sandbox import Sandbox, SandboxSpec
 from orchestrator.images import ensure_base_image
@@ -155,6 +158,7 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
         results["host_spawn_p50_ms"] = host_spawn_p50(50)
     finally:
         await backend.close()
+    results["exec_stdin_streamed"] = await streamed_stdin(image)
     results["orchestrator_overhead"] = await orchestrator_overhead(image, total=48, concurrency=8)
     results["stream_throughput"] = await stream_throughput(20_000)
     results.update(await warm_and_recycle(image, runs))
@@ -162,6 +166,8 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
     results["group_snapshot"] = await group_snapshot(8)
     results["swe_eval_throughput"] = await swe_eval_throughput()
     results["fleet"] = await fleet_run_all()
+    results["tracing"] = await tracing_run()
+    results["tito_overhead"] = await tito_overhead(tasks=16, rounds=7)
     results["meta"] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),

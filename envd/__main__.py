@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         sys.exit(f"envd: {token_file} is empty; refusing to serve without a token")
     make_non_dumpable()
-    become_subreaper()
-    defaults = EnvdConfig(socket_path=opts["socket"], token=token, workspace=opts["workspace"])
+    subreaper = become_subreaper()
+    defaults = EnvdConfig(socket_path=opts["socket"], token=token, workspace=opts["workspace"], subreaper=subreaper)
     # the container's environment (image ENV and the sandbox spec's env) is the base of every process's environment;
     # a variable named like the old token carrier is dropped, so nothing can pass for it
     env = {k: v for k, v in os.environ.items() if k != TOKEN_VAR}

@@ -6,6 +6,7 @@ ctypes is loaded once, at start; these calls have no wrapper in the os module.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 PR_SET_DUMPABLE = 4
@@ -23,9 +24,19 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
 
 
-def become_subreaper() -> None:
-    """Orphans of envd's commands are re-parented to envd, not to init: an escaped process stays findable."""
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+def become_subreaper() -> bool:
+    """Orphans of envd's commands are re-parented to envd, not to init: an escaped process stays findable.
+
+    False where the kernel has no sub-reapers (gVisor's runsc answers EINVAL): orphans then go to init (PID 1), and
+    envd looks for what its commands left under init as well (envd/reaper.py).
+    """
+    try:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return False
+    return True
 
 
 def make_non_dumpable() -> None:

@@ -13,11 +13,11 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from envd.errors import InvalidRequestError, NotFoundError
-from envd.reaper import kill_subtree, proc_table, reap_adopted, subtree
+from envd.reaper import kill_subtree, proc_table, reap_adopted, under
 
 EXEC_ID_VAR = "ENVD_EXEC_ID"
 READ_CHUNK = 64 << 10
@@ -34,6 +34,8 @@ class Command:
     timeout_s: float
     max_output_bytes: int
     keep_background: bool = False
+    # more stdin after `stdin`, read as the process takes it (StartStream); None: stdin ends after `stdin`
+    stdin_stream: AsyncIterator[bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,9 @@ class ProcessRunner:
     """Spawns commands for envd and remembers the running ones (for Signal) and the kept background processes."""
 
     base_env: Mapping[str, str]
+    # where orphans of its commands go: envd alone when it is their sub-reaper, envd and init (PID 1) where the kernel
+    # has no sub-reapers (gVisor); empty: envd
+    adopters: tuple[int, ...] = ()
     running: dict[int, str] = field(default_factory=dict)
     # background processes a keep_background command left: pid -> start time (a reused pid is not kept)
     kept: dict[int, int] = field(default_factory=dict)
@@ -133,12 +138,12 @@ class ProcessRunner:
         if not roots and not self.kept:
             return roots  # the common case: one command at a time, nothing kept, no scan needed
         table = proc_table()
-        me = os.getpid()
+        adopters = set(self.adopters or (os.getpid(),))
         self.kept = {p: t for p, t in self.kept.items() if p in table and table[p].start == t}
         roots |= set(self.kept)
         markers = [f"{EXEC_ID_VAR}={x}".encode() for p, x in self.running.items() if p != pid]
         for p, info in table.items():
-            if info.ppid != me or p in roots or p == pid:
+            if info.ppid not in adopters or p in roots or p == pid or p == os.getpid():
                 continue
             if info.pgid in roots or any(_carries_marker(p, m) for m in markers):
                 roots.add(p)  # an orphan of another running command, still in its group or carrying its marker
@@ -148,12 +153,12 @@ class ProcessRunner:
         """Kill what the command `pid` started (and `pid`): envd's subtree but for what others own."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
-        return kill_subtree(self._others(pid), set(self.running))
+        return kill_subtree(self._others(pid), set(self.running), self.adopters)
 
     def keep_started(self, pid: int) -> None:
         """Remember what the command `pid` left running, so later commands' ends leave it alone."""
         table = proc_table()
-        for p in subtree(table, os.getpid(), self._others(pid)):
+        for p in under(table, self.adopters or (os.getpid(),), self._others(pid)):
             self.kept[p] = table[p].start
 
     async def run(self, cmd: Command) -> AsyncGenerator[Event, None]:
@@ -170,7 +175,7 @@ class ProcessRunner:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd.argv,
-                stdin=asyncio.subprocess.PIPE if cmd.stdin else asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE if cmd.stdin or cmd.stdin_stream else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 cwd=cmd.cwd,
@@ -197,8 +202,8 @@ class ProcessRunner:
                 asyncio.create_task(_pump(proc.stdout, 1, budget, queue)),
                 asyncio.create_task(_pump(proc.stderr, 2, budget, queue)),
             ]
-            if cmd.stdin and proc.stdin is not None:
-                tasks.append(asyncio.create_task(_feed(proc.stdin, cmd.stdin)))
+            if (cmd.stdin or cmd.stdin_stream) and proc.stdin is not None:
+                tasks.append(asyncio.create_task(_feed(proc.stdin, cmd.stdin, cmd.stdin_stream)))
             deadline = t0 + cmd.timeout_s
             streams = _Streams(queue)
             # 1. forward output until the command exits or its time is up
@@ -334,8 +339,14 @@ async def _exited(proc: asyncio.subprocess.Process) -> None:
         os.close(fd)
 
 
-async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:
+async def _feed(pipe: asyncio.StreamWriter, data: bytes, more: AsyncIterator[bytes] | None = None) -> None:
+    # one chunk at a time, each drained before the next is read: a process that reads slowly holds the sender back
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        pipe.write(data)
-        await pipe.drain()
+        if data:
+            pipe.write(data)
+            await pipe.drain()
+        if more is not None:
+            async for chunk in more:
+                pipe.write(chunk)
+                await pipe.drain()
     pipe.close()

@@ -4,6 +4,9 @@ envd is its processes' sub-reaper (envd/kernel.py): a process that escapes its c
 a double fork or a cleared environment is re-parented to envd, never to init, so "everything envd started" is the
 subtree under envd in /proc. Killing it stops the subtree first (SIGSTOP, repeated until no new process shows up),
 so a fork bomb cannot outrun the kill, then SIGKILLs it and reaps what envd itself inherited.
+
+Where the kernel has no sub-reapers (gVisor), orphans go to init: the "adopters" are then envd and PID 1, and
+what is under either (envd itself apart) counts as started by envd, since nothing else runs in a sandbox.
 """
 
 from __future__ import annotations
@@ -60,6 +63,16 @@ def subtree(table: dict[int, Proc], root: int, skip: Collection[int] = ()) -> se
     return {p for p in found if table[p].state != "Z"}
 
 
+def under(table: dict[int, Proc], adopters: Collection[int], skip: Collection[int] = ()) -> set[int]:
+    """The live descendants of every adopter (envd, and init where orphans go there), envd itself and the subtrees
+    rooted at `skip` apart."""
+    me = os.getpid()
+    found: set[int] = set()
+    for root in adopters:
+        found |= subtree(table, root, skip if root == me else {*skip, me})
+    return found
+
+
 def reap_adopted(managed: Collection[int], table: dict[int, Proc] | None = None) -> None:
     """Reap envd's zombie children that asyncio does not wait for (orphans envd adopted as sub-reaper)."""
     me = os.getpid()
@@ -75,16 +88,17 @@ def _signal_all(pids: Collection[int], signum: int) -> None:
             os.kill(p, signum)
 
 
-def kill_subtree(skip: Collection[int], managed: Collection[int]) -> list[int]:
-    """Kill every process under envd except the subtrees rooted at `skip`; returns the survivors (none, normally).
+def kill_subtree(skip: Collection[int], managed: Collection[int], adopters: Collection[int] = ()) -> list[int]:
+    """Kill every process under envd (and the other `adopters`) except the subtrees rooted at `skip`; returns the
+    survivors (none, normally).
 
     `managed` are the children asyncio waits for: they are killed like the rest but reaped by asyncio.
     """
-    me = os.getpid()
+    roots = adopters or (os.getpid(),)
     table = proc_table()
     stopped: set[int] = set()
     for _ in range(STOP_ROUNDS):  # stop first: a stopped process forks no more
-        doomed = subtree(table, me, skip) - stopped
+        doomed = under(table, roots, skip) - stopped
         if not doomed:
             break
         _signal_all(doomed, signal.SIGSTOP)
@@ -95,11 +109,11 @@ def kill_subtree(skip: Collection[int], managed: Collection[int]) -> list[int]:
         return []
     left: set[int] = set()
     for _ in range(KILL_ROUNDS):
-        left = subtree(proc_table(), me, skip)
+        left = under(proc_table(), roots, skip)
         if not left:
             break
         _signal_all(left, signal.SIGKILL)
         reap_adopted(managed)
         time.sleep(0.001)
     reap_adopted(managed)
-    return sorted(subtree(proc_table(), me, skip))
+    return sorted(under(proc_table(), roots, skip))

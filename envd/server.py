@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -42,6 +43,8 @@ class EnvdConfig:
     default_max_output_bytes: int = 1 << 20
     max_output_bytes_limit: int = 256 << 20
     default_read_bytes: int = 16 << 20
+    # False where the kernel refused to make envd a sub-reaper (gVisor): orphans are then looked for under init too
+    subreaper: bool = True
     base_env: dict[str, str] = field(
         default_factory=lambda: {
             "PATH": DEFAULT_PATH,
@@ -158,6 +161,13 @@ def _command(req: pb.ProcessRequest, cfg: EnvdConfig) -> Command:
     )
 
 
+async def _stdin_chunks(messages: AsyncIterator[pb.ProcessInput]) -> AsyncIterator[bytes]:
+    """The stdin chunks of StartStream's later messages (another request among them is ignored)."""
+    async for m in messages:
+        if m.WhichOneof("input") == "stdin" and m.stdin:
+            yield m.stdin
+
+
 def _ended_pb(e: Ended) -> pb.Ended:
     return pb.Ended(
         exit_code=e.exit_code,
@@ -174,11 +184,15 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
 
     def __init__(self, cfg: EnvdConfig) -> None:
         self._cfg = cfg
-        self._runner = ProcessRunner(base_env=cfg.base_env)
+        adopters = () if cfg.subreaper else (os.getpid(), 1)
+        self._runner = ProcessRunner(base_env=cfg.base_env, adopters=adopters)
 
     @maps_errors
     async def Start(self, request: pb.ProcessRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        cmd = _command(request, self._cfg)
+        async for ev in self._events(_command(request, self._cfg)):
+            yield ev
+
+    async def _events(self, cmd: Command) -> AsyncIterator[pb.ProcessEvent]:
         async with contextlib.aclosing(self._runner.run(cmd)) as events:
             async for ev in events:
                 if isinstance(ev, Output):
@@ -187,6 +201,18 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
                     yield pb.ProcessEvent(started=pb.Started(pid=ev.pid))
                 else:
                     yield pb.ProcessEvent(ended=_ended_pb(ev))
+
+    @maps_errors
+    async def StartStream(
+        self, request_iterator: AsyncIterator[pb.ProcessInput], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("input") != "request":
+            raise InvalidRequestError("the first message of StartStream must be the request")
+        cmd = dataclasses.replace(_command(first.request, self._cfg), stdin_stream=_stdin_chunks(request_iterator))
+        del first
+        async for ev in self._events(cmd):
+            yield ev
 
     @maps_errors
     async def Run(self, request: pb.ProcessRequest, context: grpc.aio.ServicerContext) -> pb.RunResult:
@@ -317,6 +343,10 @@ def _use_pidfd_child_watcher() -> None:
     # Python 3.11 waits for each child in a thread of its own; a pidfd watcher waits on the event loop instead,
     # which takes a thread start off every exec. 3.12+ picks pidfd by itself.
     if sys.version_info < (3, 12) and hasattr(os, "pidfd_open"):
+        try:  # the kernel may lack it even where Python has it (gVisor: ENOSYS)
+            os.close(os.pidfd_open(os.getpid()))
+        except OSError:
+            return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             watcher = asyncio.PidfdChildWatcher()

@@ -53,6 +53,14 @@ class ProcessRequest(_message.Message):
     keep_background: bool
     def __init__(self, argv: _Optional[_Union[Argv, _Mapping]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., max_output_bytes: _Optional[int] = ..., keep_background: _Optional[bool] = ...) -> None: ...
 
+class ProcessInput(_message.Message):
+    __slots__ = ("request", "stdin")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    request: ProcessRequest
+    stdin: bytes
+    def __init__(self, request: _Optional[_Union[ProcessRequest, _Mapping]] = ..., stdin: _Optional[bytes] = ...) -> None: ...
+
 class Started(_message.Message):
     __slots__ = ("pid",)
     PID_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class ProcessStub:
                 request_serializer=protos_dot_envd__pb2.ProcessRequest.SerializeToString,
                 response_deserializer=protos_dot_envd__pb2.ProcessEvent.FromString,
                 _registered_method=True)
+        self.StartStream = channel.stream_stream(
+                '/envfleet.envd.v1.Process/StartStream',
+                request_serializer=protos_dot_envd__pb2.ProcessInput.SerializeToString,
+                response_deserializer=protos_dot_envd__pb2.ProcessEvent.FromString,
+                _registered_method=True)
         self.Run = channel.unary_unary(
                 '/envfleet.envd.v1.Process/Run',
                 request_serializer=protos_dot_envd__pb2.ProcessRequest.SerializeToString,
@@ -64,6 +69,16 @@ class ProcessServicer:
     def Start(self, request, context):
         """Start runs a process and streams its events: started, then stdout/stderr chunks in arrival order, then ended.
         Cancelling the call kills the process and everything it started.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartStream(self, request_iterator, context):
+        """StartStream is Start with stdin streamed: the first message is the request (its stdin, if any, is written
+        first), each later one a chunk of stdin, written in order as the process reads it (the call's flow control
+        holds the sender back, so no side buffers more than a chunk or two); closing the sending side closes stdin.
+        Old envds answer UNIMPLEMENTED before they read any stdin, so a caller can fall back to Start.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +114,11 @@ def add_ProcessServicer_to_server(servicer, server):
             'Start': grpc.unary_stream_rpc_method_handler(
                     servicer.Start,
                     request_deserializer=protos_dot_envd__pb2.ProcessRequest.FromString,
+                    response_serializer=protos_dot_envd__pb2.ProcessEvent.SerializeToString,
+            ),
+            'StartStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StartStream,
+                    request_deserializer=protos_dot_envd__pb2.ProcessInput.FromString,
                     response_serializer=protos_dot_envd__pb2.ProcessEvent.SerializeToString,
             ),
             'Run': grpc.unary_unary_rpc_method_handler(
@@ -144,6 +164,33 @@ class Process:
             target,
             '/envfleet.envd.v1.Process/Start',
             protos_dot_envd__pb2.ProcessRequest.SerializeToString,
+            protos_dot_envd__pb2.ProcessEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/envfleet.envd.v1.Process/StartStream',
+            protos_dot_envd__pb2.ProcessInput.SerializeToString,
             protos_dot_envd__pb2.ProcessEvent.FromString,
             options,
             channel_credentials,

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TokenMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_MODE_UNSPECIFIED: _ClassVar[TokenMode]
+    TOKEN_MODE_CHAT: _ClassVar[TokenMode]
+    TOKEN_MODE_TITO: _ClassVar[TokenMode]
+
 class Advantage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ADVANTAGE_UNSPECIFIED: _ClassVar[Advantage]
@@ -46,6 +52,9 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_RUNNING: _ClassVar[SandboxState]
     SANDBOX_STATE_EXPIRED: _ClassVar[SandboxState]
     SANDBOX_STATE_DELETED: _ClassVar[SandboxState]
+TOKEN_MODE_UNSPECIFIED: TokenMode
+TOKEN_MODE_CHAT: TokenMode
+TOKEN_MODE_TITO: TokenMode
 ADVANTAGE_UNSPECIFIED: Advantage
 ADVANTAGE_GRPO: Advantage
 ADVANTAGE_DR_GRPO: Advantage
@@ -155,23 +164,27 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PolicyEndpoint(_message.Message):
-    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries")
+    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries", "tokenizer", "tool_parser")
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
     base_url: str
     model: str
     api_key: str
     version: str
     request_timeout_s: float
     max_retries: int
-    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    tool_parser: str
+    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tool_parser: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups", "advantage")
+    __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups", "advantage", "token_mode", "max_model_len")
     ENV_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +197,8 @@ class JobSpec(_message.Message):
     MAX_INFRA_RETRIES_FIELD_NUMBER: _ClassVar[int]
     DELIVER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     env: str
     tasks: TaskSelection
     group_size: int
@@ -196,7 +211,9 @@ class JobSpec(_message.Message):
     max_infra_retries: int
     deliver_groups: bool
     advantage: Advantage
-    def __init__(self, env: _Optional[str] = ..., tasks: _Optional[_Union[TaskSelection, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyEndpoint, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., priority: _Optional[int] = ..., max_turns: _Optional[int] = ..., rollout_timeout_s: _Optional[float] = ..., max_infra_retries: _Optional[int] = ..., deliver_groups: _Optional[bool] = ..., advantage: _Optional[_Union[Advantage, str]] = ...) -> None: ...
+    token_mode: TokenMode
+    max_model_len: int
+    def __init__(self, env: _Optional[str] = ..., tasks: _Optional[_Union[TaskSelection, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyEndpoint, _Mapping]] = ..., max_concurrency: _Optional[int] = ..., priority: _Optional[int] = ..., max_turns: _Optional[int] = ..., rollout_timeout_s: _Optional[float] = ..., max_infra_retries: _Optional[int] = ..., deliver_groups: _Optional[bool] = ..., advantage: _Optional[_Union[Advantage, str]] = ..., token_mode: _Optional[_Union[TokenMode, str]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job_id", "num_rollouts")
@@ -541,7 +558,7 @@ class ScoringSpec(_message.Message):
     def __init__(self, command: _Optional[str] = ..., timeout_s: _Optional[float] = ..., min_reference_reward: _Optional[float] = ...) -> None: ...
 
 class EnvironmentSpec(_message.Message):
-    __slots__ = ("name", "version", "description", "image", "tasks", "tasks_jsonl", "tools", "scoring", "limits", "system_prompt", "max_turns", "tool_timeout_s", "setup_command", "visibility")
+    __slots__ = ("name", "version", "description", "image", "tasks", "tasks_jsonl", "tools", "scoring", "limits", "system_prompt", "max_turns", "tool_timeout_s", "setup_command", "visibility", "runtime")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
@@ -556,6 +573,7 @@ class EnvironmentSpec(_message.Message):
     TOOL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SETUP_COMMAND_FIELD_NUMBER: _ClassVar[int]
     VISIBILITY_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     description: str
@@ -570,7 +588,8 @@ class EnvironmentSpec(_message.Message):
     tool_timeout_s: float
     setup_command: str
     visibility: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[_Union[ImageSource, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., tasks_jsonl: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., scoring: _Optional[_Union[ScoringSpec, _Mapping]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., system_prompt: _Optional[str] = ..., max_turns: _Optional[int] = ..., tool_timeout_s: _Optional[float] = ..., setup_command: _Optional[str] = ..., visibility: _Optional[str] = ...) -> None: ...
+    runtime: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[_Union[ImageSource, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., tasks_jsonl: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., scoring: _Optional[_Union[ScoringSpec, _Mapping]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., system_prompt: _Optional[str] = ..., max_turns: _Optional[int] = ..., tool_timeout_s: _Optional[float] = ..., setup_command: _Optional[str] = ..., visibility: _Optional[str] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class ValidationReport(_message.Message):
     __slots__ = ("env", "image", "num_tasks", "reference_task_id", "reference_reward", "reference_components", "duration_s", "checks")
@@ -714,7 +733,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
-    __slots__ = ("image", "env", "limits", "ttl_s", "env_vars")
+    __slots__ = ("image", "env", "limits", "ttl_s", "env_vars", "runtime")
     class EnvVarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -727,15 +746,17 @@ class CreateSandboxRequest(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     ENV_VARS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     image: str
     env: str
     limits: SandboxLimits
     ttl_s: float
     env_vars: _containers.ScalarMap[str, str]
-    def __init__(self, image: _Optional[str] = ..., env: _Optional[str] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., ttl_s: _Optional[float] = ..., env_vars: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    runtime: str
+    def __init__(self, image: _Optional[str] = ..., env: _Optional[str] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., ttl_s: _Optional[float] = ..., env_vars: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class SandboxInfo(_message.Message):
-    __slots__ = ("sandbox_id", "image", "env", "state_name", "state", "limits", "created_at", "expires_at", "ended_at", "end_reason")
+    __slots__ = ("sandbox_id", "image", "env", "state_name", "state", "limits", "created_at", "expires_at", "ended_at", "end_reason", "runtime")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
@@ -746,6 +767,7 @@ class SandboxInfo(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     END_REASON_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     image: str
     env: str
@@ -756,7 +778,8 @@ class SandboxInfo(_message.Message):
     expires_at: float
     ended_at: float
     end_reason: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., image: _Optional[str] = ..., env: _Optional[str] = ..., state_name: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., end_reason: _Optional[str] = ...) -> None: ...
+    runtime: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., image: _Optional[str] = ..., env: _Optional[str] = ..., state_name: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., end_reason: _Optional[str] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class GetSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)
@@ -806,6 +829,14 @@ class ExecRequest(_message.Message):
     timeout_s: float
     max_output_bytes: int
     def __init__(self, sandbox_id: _Optional[str] = ..., shell: _Optional[str] = ..., argv: _Optional[_Union[Argv, _Mapping]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
+
+class ExecInput(_message.Message):
+    __slots__ = ("request", "stdin")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    request: ExecRequest
+    stdin: bytes
+    def __init__(self, request: _Optional[_Union[ExecRequest, _Mapping]] = ..., stdin: _Optional[bytes] = ...) -> None: ...
 
 class ExecStarted(_message.Message):
     __slots__ = ("pid",)

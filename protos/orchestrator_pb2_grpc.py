@@ -873,6 +873,11 @@ class SandboxServiceStub:
                 request_serializer=protos_dot_orchestrator__pb2.ExecRequest.SerializeToString,
                 response_deserializer=protos_dot_orchestrator__pb2.ExecEvent.FromString,
                 _registered_method=True)
+        self.ExecStream = channel.stream_stream(
+                '/envfleet.v1.SandboxService/ExecStream',
+                request_serializer=protos_dot_orchestrator__pb2.ExecInput.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.ExecEvent.FromString,
+                _registered_method=True)
         self.ReadFile = channel.unary_unary(
                 '/envfleet.v1.SandboxService/ReadFile',
                 request_serializer=protos_dot_orchestrator__pb2.SandboxReadFileRequest.SerializeToString,
@@ -927,7 +932,17 @@ class SandboxServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Exec(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Exec takes its stdin in the request: at most caps.exec_stdin_bytes, held whole by the server while it runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExecStream(self, request_iterator, context):
+        """ExecStream is Exec with stdin streamed: the first message is the request, every later one a chunk of stdin,
+        passed on to the process as it reads it (flow control holds the sender back; the server holds a chunk or two
+        per call, whatever the total); closing the sending side closes the process's stdin.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -983,6 +998,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
             'Exec': grpc.unary_stream_rpc_method_handler(
                     servicer.Exec,
                     request_deserializer=protos_dot_orchestrator__pb2.ExecRequest.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.ExecEvent.SerializeToString,
+            ),
+            'ExecStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExecStream,
+                    request_deserializer=protos_dot_orchestrator__pb2.ExecInput.FromString,
                     response_serializer=protos_dot_orchestrator__pb2.ExecEvent.SerializeToString,
             ),
             'ReadFile': grpc.unary_unary_rpc_method_handler(
@@ -1120,6 +1140,33 @@ class SandboxService:
             target,
             '/envfleet.v1.SandboxService/Exec',
             protos_dot_orchestrator__pb2.ExecRequest.SerializeToString,
+            protos_dot_orchestrator__pb2.ExecEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/envfleet.v1.SandboxService/ExecStream',
+            protos_dot_orchestrator__pb2.ExecInput.SerializeToString,
             protos_dot_orchestrator__pb2.ExecEvent.FromString,
             options,
             channel_credentials,

@@ -63,7 +63,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., results: _Optional[_Union[ResultBatch, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json", "tenant")
+    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json", "tenant", "traceparent")
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class Assignment(_message.Message):
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     ENV_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     assignment_id: str
     job_spec_json: bytes
     job_id: str
@@ -80,7 +81,8 @@ class Assignment(_message.Message):
     queued_s: float
     env_spec_json: bytes
     tenant: str
-    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ..., tenant: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("assignment_id",)

@@ -14,6 +14,43 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
+# gVisor (runsc) as an optional OCI runtime, where Debian ships it (ENVFLEET_NO_RUNSC=1 skips it). Registered in
+# daemon.json with --network=none (sandboxes have no network; runsc's check for the root network namespace misfires
+# on new kernels) and --host-uds=create (envd's socket in the bind-mounted directory must be reachable from the
+# host). A running dockerd reloads its runtimes on SIGHUP: it is never restarted for this.
+register_runsc() {
+  [ "${ENVFLEET_NO_RUNSC:-0}" = 1 ] && return 0
+  if ! command -v runsc >/dev/null 2>&1; then
+    if apt-cache policy runsc 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+      echo "ensure-docker: installing runsc (gVisor)"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runsc >/dev/null || return 0
+    else
+      return 0
+    fi
+  fi
+  local rc=0
+  python3 - "$(command -v runsc)" <<'PY' || rc=$?
+import json, os, sys
+path = "/etc/docker/daemon.json"
+conf = json.load(open(path)) if os.path.exists(path) else {}
+want = {"path": sys.argv[1], "runtimeArgs": ["--network=none", "--host-uds=create"]}
+if conf.get("runtimes", {}).get("runsc") == want:
+    sys.exit(3)  # already registered: no reload
+conf.setdefault("runtimes", {})["runsc"] = want
+os.makedirs(os.path.dirname(path), exist_ok=True)
+tmp = path + ".envfleet-tmp"
+with open(tmp, "w") as f:
+    json.dump(conf, f, indent=2)
+os.replace(tmp, path)
+print("ensure-docker: registered runsc in", path)
+PY
+  [ "$rc" = 0 ] || return 0
+  local pid
+  pid=$(pgrep -x dockerd || true)
+  if [ -n "$pid" ]; then kill -HUP "$pid"; fi
+}
+register_runsc
+
 if timeout 10 docker info >/dev/null 2>&1; then
   exit 0
 fi

@@ -15,7 +15,13 @@ from tests.conftest import REPO
 # orchestrator's layers, lowest first. A module may import its own layer and the layers below it; `client` sits
 # beside the server stack and may import only `core`.
 LAYERS = ["core", "backends", "rollout", "service", "server", "testing", "cli"]
-RANK = {name: i for i, name in enumerate(LAYERS)} | {"images": 1, "client": 1, "worker": 4, "viewer": 4}
+RANK = {name: i for i, name in enumerate(LAYERS)} | {
+    "images": 1,
+    "client": 1,
+    "worker": 4,
+    "viewer": 4,
+    "openenv": 4,
+}
 ONLY = {"client": {"core", "client"}, "core": {"core"}}
 
 
@@ -69,8 +75,53 @@ def layer_violations() -> list[str]:
     return bad
 
 
+# integrations/ (trainer adapters) sit on top of the trainer SDK: the client, the core types and the tokenizer-only
+# tito modules (and the policy seam's ToolCall they return), never the server stack; nothing imports them back.
+INTEGRATIONS_MAY_IMPORT = ("orchestrator.client", "orchestrator.core", "orchestrator.rollout.tito")
+INTEGRATIONS_ALSO = ("orchestrator.rollout.policy.base", "orchestrator.rollout.tito.parsers")
+
+
+def integration_violations() -> list[str]:
+    """Every import from integrations/ outside the SDK layers, and every import of integrations from below."""
+    bad = []
+    for path, module in _modules("integrations"):
+        for line, target in _imports(path, module):
+            where = f"{path.relative_to(REPO)}:{line} imports {target}"
+            if target.split(".")[0] == "environments":
+                bad.append(f"{where} (integrations reach environments through the server only)")
+            elif target.startswith("orchestrator") and not (
+                target.startswith(tuple(p + "." for p in INTEGRATIONS_MAY_IMPORT))
+                or target in INTEGRATIONS_MAY_IMPORT
+                or target in INTEGRATIONS_ALSO
+            ):
+                bad.append(f"{where} (integrations may import only {', '.join(INTEGRATIONS_MAY_IMPORT)})")
+    for package in ("orchestrator", "environments", "envd"):
+        for path, module in _modules(package):
+            for line, target in _imports(path, module):
+                if target.split(".")[0] == "integrations":
+                    bad.append(f"{path.relative_to(REPO)}:{line} imports {target} (integrations are the top layer)")
+    return bad
+
+
 def test_imports_point_down_only() -> None:
     assert layer_violations() == []
+    assert integration_violations() == []
+
+
+def test_the_integration_check_catches_a_server_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "integrations").mkdir()
+    (tmp_path / "integrations" / "bad.py").write_text(
+        "from orchestrator.service.jobs import JobManager\nfrom orchestrator.client import EnvfleetClient\n"
+    )
+    (tmp_path / "orchestrator" / "core").mkdir(parents=True)
+    (tmp_path / "orchestrator" / "core" / "up.py").write_text("import integrations.trl\n")
+    for package in ("environments", "envd"):
+        (tmp_path / package).mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    found = integration_violations()
+    assert len(found) == 2, found
+    assert "integrations may import only" in found[0] and "orchestrator.service.jobs" in found[0]
+    assert "integrations are the top layer" in found[1]
 
 
 def test_the_layer_check_catches_an_upward_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,3 +163,18 @@ def test_core_imports_no_docker_httpx_or_sqlite() -> None:
     for path, module in _modules("orchestrator/core"):
         for line, target in _imports(path, module):
             assert target.split(".")[0] not in ("docker", "httpx", "sqlite3", "requests"), f"{path}:{line}"
+
+
+def test_the_server_and_the_cli_load_openenv_only_when_asked() -> None:
+    # the openenv extra (OpenEnv, FastAPI, Gradio: seconds to import) is loaded by create_server only with openenv set
+    heavy = ("openenv", "fastapi", "gradio", "orchestrator.openenv.serving")
+    for module in ("orchestrator.server.app", "orchestrator.cli.main"):
+        assert _forbidden(_loaded_after_import(module), heavy) == [], module
+    assert "orchestrator.openenv.config" in _loaded_after_import("orchestrator.server.app")  # it can fail
+
+
+def test_the_integrations_load_no_server_code() -> None:
+    """The adapters' shared modules pull in no Docker, SQLite or server layer (their trainers are extras)."""
+    loaded = _loaded_after_import("integrations.trl") | _loaded_after_import("integrations.episode")
+    forbidden = ("docker", "sqlite3", "orchestrator.service", "orchestrator.backends", "orchestrator.server")
+    assert _forbidden(loaded, (*forbidden, "orchestrator.testing", "environments", "trl", "torch")) == []

@@ -149,3 +149,42 @@ class PythonToolEnv(Environment):
 
     def tasks(self) -> Sequence[Task]:
         return generate_tasks()
+
+
+# Shaped rewards. A reward that depends on the episode's length or on the answer's format is one more rubric
+# component with a weight: the reward is the weighted sum, and each component is reported on its own. The built-in
+# environment keeps the plain exact match; ShapedPythonToolEnv shows the pattern
+# (tests/environments/test_shaped_reward.py).
+
+
+def brevity(max_turns: int) -> Callable[[ScoringContext], float]:
+    """1 for an answer in the first assistant turn, falling linearly to 0 at `max_turns` turns."""
+
+    def fn(ctx: ScoringContext) -> float:
+        turns = num_turns(ctx)
+        return max(0.0, 1.0 - (turns - 1) / max(1, max_turns - 1))
+
+    return fn
+
+
+def submitted_plainly(ctx: ScoringContext) -> float:
+    """The format: 1 when the answer came through submit as one line with nothing around it."""
+    answer = ctx.episode.answer
+    ok = ctx.episode.finish == "submit" and answer is not None and answer == answer.strip() and "\n" not in answer
+    return float(ok and answer != "")
+
+
+class ShapedPythonToolEnv(PythonToolEnv):
+    """python-tool with length and format shaping: exact match (1.0) + 0.1 brevity + 0.1 plain submit. An example,
+    not registered: register it under your own name (an entry point, or Registry.register)."""
+
+    name = "python-tool-shaped"
+    description = "python-tool; reward: exact match + 0.1 * brevity + 0.1 * plain submitted answer."
+    rubric = Rubric(
+        [
+            ("exact_match", exact_match, 1.0),
+            ("brevity", brevity(PythonToolEnv.max_turns), 0.1),
+            ("format", submitted_plainly, 0.1),
+            ("turns", num_turns, 0.0),
+        ]
+    )

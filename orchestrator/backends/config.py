@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from orchestrator.core.errors import ConfigError
+from orchestrator.core.sandbox import RUNTIME_PATTERN
 
 if TYPE_CHECKING:
     from orchestrator.core.sandbox import SandboxBackend
@@ -31,6 +32,11 @@ class DockerBackendConfig(BaseModel):
     )
     socket_tmpfs: bool = Field(
         True, description="each socket directory is a 64 KiB tmpfs (needs CAP_SYS_ADMIN), so no sandbox fills the disk"
+    )
+    runtime: str = Field(
+        "",
+        pattern=RUNTIME_PATTERN,
+        description="OCI runtime of sandboxes whose spec names none (`--runtime runsc`: gVisor); empty: the engine's",
     )
     nofile: int = Field(4096, ge=64, le=1 << 20, description="open files per sandbox process (the nofile ulimit)")
     api_workers: int = Field(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
-from typing import Literal, NoReturn
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import Any, Literal, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,7 +27,9 @@ from orchestrator.core.sandbox import (
     ExecStarted,
     FileEntry,
     ResetOutcome,
+    Stdin,
     Transport,
+    read_stdin,
 )
 from protos import envd_pb2 as pb
 from protos import envd_pb2_grpc as pb_grpc
@@ -35,6 +38,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 UPLOAD_CHUNK = 1 << 20
 # Calls other than exec get this deadline; exec gets its own timeout plus this slack.
 CALL_DEADLINE_S = 60.0
+# An envd built before StartStream (a base image from an older tree) takes stdin in one message: streamed stdin is
+# gathered for it up to this much
+OLD_ENVD_STDIN_BYTES = 16 << 20
 _KINDS: dict[int, Literal["file", "dir", "symlink", "other"]] = {1: "file", 2: "dir", 3: "symlink", 4: "other"}
 
 
@@ -88,6 +94,7 @@ class EnvdTransport(Transport):
         timeout: float | None,
         max_output: int | None,
     ) -> pb.ProcessRequest:
+        """The request message (stdin inline: bytes only)."""
         req = pb.ProcessRequest(
             cwd=cwd or "", env=dict(env or {}), stdin=stdin, timeout_s=timeout or 0, max_output_bytes=max_output or 0
         )
@@ -103,12 +110,50 @@ class EnvdTransport(Transport):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> AsyncIterator[ExecEvent]:
-        req = self._request(cmd, cwd, env, stdin, timeout, max_output)
-        call = self._proc.Start(req, metadata=self._md, timeout=(timeout or 600.0) + CALL_DEADLINE_S)
+        deadline = (timeout or 600.0) + CALL_DEADLINE_S
+        call: Any
+        if isinstance(stdin, bytes):
+            call = self._proc.Start(
+                self._request(cmd, cwd, env, stdin, timeout, max_output), metadata=self._md, timeout=deadline
+            )
+        else:
+            call = await self._start_stream(self._request(cmd, cwd, env, b"", timeout, max_output), stdin, deadline)
+        async for ev in self._events(call):
+            yield ev
+
+    async def _start_stream(self, req: pb.ProcessRequest, stdin: AsyncIterable[bytes], deadline: float) -> Any:
+        """A StartStream call that sends `stdin` as the process reads it, once envd has answered the request (an old
+        envd answers UNIMPLEMENTED, and has then taken no stdin: the call falls back to Start, stdin gathered)."""
+        answered = asyncio.Event()
+
+        async def messages() -> AsyncIterator[pb.ProcessInput]:
+            yield pb.ProcessInput(request=req)
+            await answered.wait()
+            async for chunk in stdin:
+                if chunk:
+                    yield pb.ProcessInput(stdin=chunk)
+
+        call = self._proc.StartStream(messages(), metadata=self._md, timeout=deadline)
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                _raise(e)
+            data = await read_stdin(stdin, OLD_ENVD_STDIN_BYTES, "this sandbox's envd (built before StartStream)")
+            req.stdin = data
+            return self._proc.Start(req, metadata=self._md, timeout=deadline)
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            answered.set()
+        return _Prepended(first, call)
+
+    async def _events(self, call: Any) -> AsyncIterator[ExecEvent]:
         try:
             async for ev in call:
                 which = ev.WhichOneof("event")
@@ -132,11 +177,13 @@ class EnvdTransport(Transport):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> ExecResult:
         """One unary round trip: cheaper than the stream when nobody watches the output live."""
+        if not isinstance(stdin, bytes):
+            return await super().exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
         req = self._request(cmd, cwd, env, stdin, timeout, max_output)
         try:
             r = await self._proc.Run(req, metadata=self._md, timeout=(timeout or 600.0) + CALL_DEADLINE_S)
@@ -225,3 +272,20 @@ class EnvdTransport(Transport):
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self._channel.close()
+
+
+class _Prepended:
+    """A call's events with the first one, already read, in front; cancelling cancels the call."""
+
+    def __init__(self, first: Any, call: Any) -> None:
+        self._first = first
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        ev = self._first
+        while ev is not grpc.aio.EOF:  # read(), not iteration: a call may not mix the two
+            yield ev
+            ev = await self._call.read()
+
+    def cancel(self) -> bool:
+        return bool(self._call.cancel())

@@ -102,14 +102,20 @@ def _backend_config(args: argparse.Namespace) -> object:
     settings = {"owner": args.owner, **raw}
     if args.socket_root:
         settings["socket_root"] = args.socket_root
+    if args.runtime:
+        if args.backend != "docker":
+            raise ConfigError("--runtime is an OCI runtime of the docker backend; the fake backend has none")
+        settings["runtime"] = args.runtime
     if settings.setdefault("type", args.backend) != args.backend:
         raise ConfigError(f"backend config says type {settings['type']!r} but --backend is {args.backend!r}")
     return parse_backend_config(settings)
 
 
 def _server_config(args: argparse.Namespace) -> object:
+    from orchestrator.cli.openenv import openenv_settings
     from orchestrator.cli.remote import security_config
     from orchestrator.cli.view import ui_settings
+    from orchestrator.core.tracing import TracingConfig
     from orchestrator.server.app import OrchestratorConfig
     from orchestrator.service.sessions import SessionConfig
     from orchestrator.worker.ray_fleet import RayConfig
@@ -130,7 +136,14 @@ def _server_config(args: argparse.Namespace) -> object:
         if args.ray_address
         else None,
         metrics_host=args.metrics_host,
+        tracing=TracingConfig(
+            otlp_endpoint=args.otlp_endpoint or None,
+            otlp_protocol=args.otlp_protocol,
+            otlp_sample_ratio=args.otlp_sample_ratio,
+        ),
+        tokenizer_dirs=args.tokenizer_dir or [],
         **ui_settings(args),
+        **openenv_settings(args),
     )
 
 
@@ -154,6 +167,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"metrics http://{config.metrics_host}:{orch.metrics_port}/metrics", flush=True)
         if orch.ui is not None:
             print(f"ui {orch.ui.url}/", flush=True)
+        if orch.openenv is not None:
+            print(f"openenv {orch.openenv.url}/envs/", flush=True)
         try:
             await stop.wait()
         finally:
@@ -221,19 +236,44 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tokenizer_dir_argument(p: argparse.ArgumentParser, where: str = "") -> None:
+    p.add_argument(
+        "--tokenizer-dir",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"a directory of tokenizers, one folder each, that tito jobs name (repeatable){where}",
+    )
+
+
 def _cmd_rollout(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from orchestrator.core.models import JobSpec, TaskSelection
     from orchestrator.core.policy import PolicyEndpoint
+    from orchestrator.server.convert import validation_message
     from orchestrator.testing.demo import collect_rollouts
 
-    spec = JobSpec(
-        env=args.env,
-        tasks=TaskSelection(kind="sample", count=args.tasks, seed=args.seed) if args.tasks else TaskSelection(),
-        group_size=args.n,
-        policy=PolicyEndpoint(base_url=args.policy, model=args.model, api_key=args.api_key),
-        max_concurrency=args.concurrency,
-        max_turns=args.max_turns,
-    )
+    try:
+        spec = JobSpec(
+            env=args.env,
+            tasks=TaskSelection(kind="sample", count=args.tasks, seed=args.seed) if args.tasks else TaskSelection(),
+            group_size=args.n,
+            policy=PolicyEndpoint(
+                base_url=args.policy,
+                model=args.model,
+                api_key=args.api_key,
+                tokenizer=args.tokenizer,
+                tool_parser=args.tool_parser,
+            ),
+            max_concurrency=args.concurrency,
+            max_turns=args.max_turns,
+            token_mode=args.token_mode,
+            max_model_len=args.max_model_len,
+        )
+    except ValidationError as e:
+        raise CommandLineError(f"envfleet rollout: {validation_message(e)}") from None
 
     async def go() -> int:
         async with orchestrator_client(args) as client:
@@ -256,6 +296,7 @@ def add_plugin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from orchestrator.cli.openenv import add_openenv_arguments, add_openenv_command
     from orchestrator.cli.view import add_ui_arguments, add_view_command
 
     p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
@@ -271,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
     add_ui_arguments(serve)
+    add_openenv_arguments(serve)
     serve.add_argument(
         "--workers",
         type=int,
@@ -290,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--socket-root", type=Path, default=None, help="envd's socket folders (in a container: the host's same path)"
     )
     serve.add_argument(
+        "--runtime",
+        default="",
+        help="OCI runtime of sandboxes that name none (runsc: gVisor; the engine must have it registered)",
+    )
+    serve.add_argument(
         "--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="Prometheus endpoint port; -1: off"
     )
     serve.add_argument(
@@ -297,12 +344,29 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="where the metrics endpoint listens; it has no authentication, so loopback by default",
     )
+    serve.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="export an OpenTelemetry trace of every rollout here (grpc: HOST:PORT; http: http://HOST:PORT); "
+        "default off, and OpenTelemetry is not even imported",
+    )
+    serve.add_argument("--otlp-protocol", choices=["grpc", "http"], default="grpc", help="OTLP over gRPC or HTTP")
+    serve.add_argument(
+        "--otlp-sample-ratio",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="trace this share of rollouts (0..1, by trace id; workers follow the control plane's choice)",
+    )
+    _add_tokenizer_dir_argument(serve)
     add_serve_security_arguments(serve)
     add_config_argument(serve)
     serve.set_defaults(fn=_cmd_serve)
 
     add_envs_commands(sub, console)
     add_view_command(sub)
+    add_openenv_command(sub)
 
     rollout = sub.add_parser("rollout", help="run rollouts and write them as JSONL")
     rollout.add_argument("--env", required=True)
@@ -315,6 +379,23 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--concurrency", type=int, default=8)
     rollout.add_argument("--max-turns", type=int, default=16)
     rollout.add_argument("--out", default="rollouts.jsonl")
+    rollout.add_argument(
+        "--token-mode",
+        choices=["chat", "tito"],
+        default=None,
+        help="tito: token ids to /v1/completions, sampled ids kept exactly; chat: /v1/chat/completions "
+        "(default: tito when --tokenizer is given)",
+    )
+    rollout.add_argument(
+        "--tokenizer", default="", help="the model's tokenizer: a folder name in the server's --tokenizer-dir"
+    )
+    rollout.add_argument(
+        "--tool-parser",
+        default="hermes",
+        help="tito's tool-call format: hermes, qwen3_coder, llama3_json, or a plug-in",
+    )
+    rollout.add_argument("--max-model-len", type=int, default=None, help="tito: the whole episode's context in tokens")
+    _add_tokenizer_dir_argument(rollout, " (of the in-process orchestrator, without --server)")
     add_client_arguments(rollout, None, "an orchestrator address (default: run one in this process)")
     rollout.set_defaults(fn=_cmd_rollout)
 

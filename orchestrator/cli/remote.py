@@ -119,7 +119,10 @@ async def orchestrator_client(args: argparse.Namespace) -> AsyncIterator[Envflee
     from orchestrator.server.app import OrchestratorConfig, create_server
 
     with tempfile.TemporaryDirectory(prefix="envfleet-") as data:
-        orch = await create_server(OrchestratorConfig(port=0, data_dir=Path(data)))
+        config = OrchestratorConfig(
+            port=0, data_dir=Path(data), tokenizer_dirs=getattr(args, "tokenizer_dir", None) or []
+        )
+        orch = await create_server(config)
         try:
             async with EnvfleetClient(orch.address) as client:
                 yield client

@@ -45,6 +45,13 @@ ADVANTAGE_TO_PB = {
     "none": pb.ADVANTAGE_NONE,
 }
 
+TOKEN_MODE_FROM_PB = {
+    pb.TOKEN_MODE_UNSPECIFIED: None,
+    pb.TOKEN_MODE_CHAT: "chat",
+    pb.TOKEN_MODE_TITO: "tito",
+}
+TOKEN_MODE_TO_PB = {None: pb.TOKEN_MODE_UNSPECIFIED, "chat": pb.TOKEN_MODE_CHAT, "tito": pb.TOKEN_MODE_TITO}
+
 # the models keep the short names (RolloutStatus.OK); the wire's enum values carry buf's prefix
 ROLLOUT_STATUS_PB: dict[str, pb.RolloutStatus] = {
     "OK": pb.ROLLOUT_STATUS_OK,
@@ -178,6 +185,8 @@ def job_spec_to_pb(s: JobSpec) -> pb.JobSpec:
             version=s.policy.version,
             request_timeout_s=s.policy.request_timeout_s,
             max_retries=s.policy.max_retries,
+            tokenizer=s.policy.tokenizer,
+            tool_parser=s.policy.tool_parser,
         ),
         max_concurrency=s.max_concurrency,
         priority=s.priority,
@@ -186,6 +195,8 @@ def job_spec_to_pb(s: JobSpec) -> pb.JobSpec:
         max_infra_retries=s.max_infra_retries,
         deliver_groups=s.deliver_groups,
         advantage=ADVANTAGE_TO_PB[s.advantage],
+        token_mode=TOKEN_MODE_TO_PB[s.token_mode],
+        max_model_len=s.max_model_len or 0,
     )
     if s.sampling.seed is not None:
         m.sampling.seed = s.sampling.seed

@@ -260,6 +260,18 @@ class SyncEnvfleetClient:
         finally:
             self._call(agen.aclose())  # type: ignore[attr-defined]
 
+    def groups(self, job_id: str, **kwargs: Any) -> Iterator[GroupResult]:
+        """A blocking iterator over the job's whole groups (see EnvfleetClient.groups)."""
+        agen = self._client.groups(job_id, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._call(_anext(agen))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(agen.aclose())  # type: ignore[attr-defined]
+
     def close(self) -> None:
         self._call(self._client.close())
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -110,6 +110,7 @@ class Environment(abc.ABC):
     tools: ClassVar[tuple[str, ...]] = ("bash", "submit")
     system_prompt: ClassVar[str] = "You are an agent working in a sandbox. Use the tools; call submit when done."
     limits: ClassVar[Limits] = Limits(memory_mb=512, cpus=1.0, pids=128)
+    runtime: ClassVar[str] = ""  # the OCI runtime of its sandboxes (SandboxSpec.runtime); empty: the server's default
     max_turns: ClassVar[int] = 16
     tool_timeout_s: ClassVar[float] = 60.0
     rubric: ClassVar[Rubric]

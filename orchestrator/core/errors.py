@@ -152,3 +152,13 @@ class InvalidEnvironmentError(InvalidRequestError):
 
 class EnvironmentBroken(EnvfleetError):
     """The environment's own code failed (setup, scoring, image): ENV_ERROR, not retried."""
+
+
+class EpisodeFailedError(EnvfleetError, RuntimeError):
+    """An episode a trainer drove (a session) ended without a reward to learn from: INFRA_ERROR, ENV_ERROR, TIMEOUT
+    or POLICY_ERROR. The sample must be masked, never scored 0."""
+
+    def __init__(self, status: str, kind: str, message: str) -> None:
+        super().__init__(f"episode ended with {status}: {kind}: {message}")
+        self.status = status
+        self.kind = kind

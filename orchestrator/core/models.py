@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint, Sampling
 
 
 class RolloutStatus(StrEnum):
@@ -65,6 +65,10 @@ class TaskSelection(_Model):
 
 # How a delivered group's advantages are computed from its rewards (orchestrator/service/advantages.py).
 AdvantageMode = Literal["grpo", "dr_grpo", "rloo", "none"]
+# How a rollout gets its tokens: chat (/v1/chat/completions per turn, the server renders the template; ids kept only
+# while each prompt extends the last) or tito (token-in, token-out: /v1/completions with token ids, the sampled ids
+# appended exactly; orchestrator/rollout/tito/).
+TokenMode = Literal["chat", "tito"]
 
 
 class JobSpec(_Model):
@@ -86,6 +90,27 @@ class JobSpec(_Model):
         description="advantages of delivered groups: grpo (r - mean) / (std + eps), dr_grpo r - mean, "
         "rloo r - mean of the others, none (raw reward)",
     )
+    token_mode: TokenMode | None = Field(
+        None, description="chat or tito; None: tito when policy.tokenizer is set, else chat (resolved on validation)"
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        le=10_000_000,
+        description="tito: the whole episode's context in tokens (prompt, samples, observations); each call's "
+        "max_tokens is min(sampling.max_tokens, room left) and a full context ends the rollout TRUNCATED",
+    )
+
+    @model_validator(mode="after")
+    def _token_mode(self) -> JobSpec:
+        if self.token_mode is None:
+            self.token_mode = "tito" if self.policy.tokenizer else "chat"
+        if self.token_mode == "tito":
+            if not self.policy.tokenizer:
+                raise ValueError("token_mode tito needs policy.tokenizer (a tokenizer name the server knows)")
+            if self.policy.base_url == REPLAY_URL:
+                raise ValueError(f"token_mode tito needs a policy server; {REPLAY_URL} samples no tokens")
+        return self
 
 
 class ToolCallRecord(_Model):
@@ -198,6 +223,8 @@ class EncodedRollout:
     job_id: str
     group_id: str
     status: RolloutStatus
+    reward: float | None
+    attempts: int
     json: str  # the Rollout as JSON, without its seq (the result log's form)
     wire: bytes  # the trainer wire form (orchestrator.v1.Rollout), seq unset; opaque here
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
@@ -18,6 +20,20 @@ class Sampling(BaseModel):
 
 
 REPLAY_URL = "replay://reference"
+# A tokenizer or tool parser is named, never given as a path: a name is one folder under the server's tokenizer
+# directories (orchestrator/rollout/tito/tokenizer.py resolves it), or one entry point of `envfleet.tool_parsers`.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+DEFAULT_TOOL_PARSER = "hermes"
+
+
+def check_name(value: str, what: str) -> str:
+    """`value` if it is a plain name (letters, digits, '.', '_', '-'; no path separator, no '..'), else ValueError."""
+    if NAME_PATTERN.fullmatch(value) and ".." not in value:
+        return value
+    raise ValueError(
+        f"{what} must be a plain name of at most 128 letters, digits, '.', '_' or '-' (no path separator, no '..', "
+        f"not starting with '.'): the server resolves it in its own configured directories, never as a path"
+    )
 
 
 class PolicyEndpoint(BaseModel):
@@ -35,6 +51,18 @@ class PolicyEndpoint(BaseModel):
     version: str = "0"
     request_timeout_s: float = Field(120.0, gt=0, le=3600)
     max_retries: int = Field(3, ge=0, le=20)
+    tokenizer: str = Field(
+        "",
+        max_length=128,
+        description="the model's tokenizer, by name: a folder in the server's tokenizer directories "
+        "(`--tokenizer-dir`); it turns on token-in, token-out rollouts (JobSpec.token_mode)",
+    )
+    tool_parser: str = Field(
+        DEFAULT_TOOL_PARSER,
+        max_length=128,
+        description="how tool calls are read from sampled text in tito mode: hermes, qwen3_coder, llama3_json, or "
+        "an entry point of `envfleet.tool_parsers`",
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -44,3 +72,13 @@ class PolicyEndpoint(BaseModel):
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https:// (or be {REPLAY_URL}), got {v!r}")
         return v.rstrip("/")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_name(cls, v: str) -> str:
+        return check_name(v, "tokenizer") if v else v
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _tool_parser_name(cls, v: str) -> str:
+        return check_name(v, "tool_parser")

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from orchestrator.core.errors import ArchiveTooLargeError
+from orchestrator.core.errors import ArchiveTooLargeError, QuotaExceededError
+
+RUNTIME_PATTERN = r"^([a-z][a-z0-9._-]{0,63})?$"
 
 
 class Limits(BaseModel):
@@ -60,6 +62,13 @@ class SandboxSpec(BaseModel):
     ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600, description="lease: the sweep removes it after this")
     startup_timeout_s: float = Field(30.0, gt=0, le=600)
     transport: Literal["envd", "docker-exec"] = "envd"
+    # chosen by a tenant on the wire: the service layer checks it against `caps.sandbox.runtimes`, the backend
+    # fails the create when its engine lacks it
+    runtime: str = Field(
+        "",
+        pattern=RUNTIME_PATTERN,
+        description="OCI runtime of the container (runc, runsc for gVisor); empty: the backend's default",
+    )
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,27 @@ class SandboxState:
 
 
 Command = str | Sequence[str]
+# A command's stdin: bytes, or chunks that are streamed into it as it reads them (never gathered in memory by envd's
+# transport; other transports gather them up to a cap, see read_stdin)
+Stdin = bytes | AsyncIterable[bytes]
+
+
+async def read_stdin(stdin: Stdin, max_bytes: int, why: str) -> bytes:
+    """Streamed stdin gathered whole, for a path that cannot stream it; QuotaExceededError past `max_bytes`."""
+    if isinstance(stdin, bytes):
+        data = stdin
+    else:
+        parts: list[bytes] = []
+        total = 0
+        async for chunk in stdin:
+            total += len(chunk)
+            if total > max_bytes:
+                raise QuotaExceededError(f"stdin is over {max_bytes} bytes, the most {why} takes")
+            parts.append(chunk)
+        data = b"".join(parts)
+    if len(data) > max_bytes:
+        raise QuotaExceededError(f"stdin is {len(data)} bytes, over {max_bytes}, the most {why} takes")
+    return data
 
 
 def _at_most(data: bytes, max_bytes: int, path: str) -> bytes:
@@ -161,7 +191,7 @@ class Transport(abc.ABC):
         *,
         cwd: str | None,
         env: Mapping[str, str] | None,
-        stdin: bytes,
+        stdin: Stdin,
         timeout: float | None,
         max_output: int | None,
     ) -> AsyncIterator[ExecEvent]:
@@ -173,7 +203,7 @@ class Transport(abc.ABC):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> ExecResult:
@@ -250,7 +280,7 @@ class Sandbox(abc.ABC):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> ExecResult:
@@ -263,7 +293,7 @@ class Sandbox(abc.ABC):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> AsyncIterator[ExecEvent]:

@@ -25,11 +25,13 @@ class ToolArgumentError(InvalidRequestError):
 
 @dataclass(frozen=True)
 class ToolResult:
-    """The observation, and for `submit` the submitted answer."""
+    """The observation, and for `submit` the submitted answer; for a command, its exit code and timeout."""
 
     output: str
     submitted: bool = False
     answer: str | None = None
+    exit_code: int | None = None
+    timed_out: bool = False
 
 
 ToolFn = Callable[[Sandbox, Mapping[str, Any], float], Awaitable[ToolResult]]
@@ -88,13 +90,13 @@ def format_exec(r: ExecResult) -> str:
 
 async def _bash(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> ToolResult:
     r = await sandbox.exec(["bash", "-c", _str_arg(args, "command")], timeout=timeout, max_output=MAX_OBSERVATION * 2)
-    return ToolResult(format_exec(r))
+    return ToolResult(format_exec(r), exit_code=r.exit_code, timed_out=r.timed_out)
 
 
 async def _python(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> ToolResult:
     code = _str_arg(args, "code")
     r = await sandbox.exec(["python3", "-"], stdin=code.encode(), timeout=timeout, max_output=MAX_OBSERVATION * 2)
-    return ToolResult(format_exec(r))
+    return ToolResult(format_exec(r), exit_code=r.exit_code, timed_out=r.timed_out)
 
 
 async def _read_file(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> ToolResult:

@@ -3,7 +3,6 @@ orchestrator/rollout/step.py) -> observation, until submit, a stop, or a limit."
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +10,24 @@ from orchestrator.core.environment import Environment, Episode, Finish, Task
 from orchestrator.core.models import ToolCallRecord, Turn
 from orchestrator.core.policy import Sampling
 from orchestrator.core.sandbox import Sandbox
-from orchestrator.rollout.policy.base import Policy
+from orchestrator.core.tools import ToolResult
+from orchestrator.core.tracing import (
+    FINISH_REASON,
+    INPUT_TOKENS,
+    MODEL,
+    NOOP_SPAN,
+    OUTPUT_TOKENS,
+    TOOL_ARGUMENTS,
+    TOOL_ARGUMENTS_BYTES,
+    TOOL_EXIT_CODE,
+    TOOL_NAME,
+    TOOL_TIMED_OUT,
+    TURN,
+    AttributeValue,
+    Phase,
+    Span,
+)
+from orchestrator.rollout.policy.base import Completion, ContextFull, Policy
 from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 
@@ -36,8 +52,15 @@ async def run_episode(
     max_turns: int,
     user: str,
     turns: list[Turn],
+    max_model_len: int | None = None,
+    *,
+    span: Span = NOOP_SPAN,
 ) -> EpisodeResult:
-    """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode."""
+    """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode.
+
+    The policy decides how tokens are made (chat completions, or token-in, token-out with `max_model_len` bounding
+    the episode's context); the loop and the TokenTracker are the same for both. Each policy call and each tool
+    call is a child span of `span`; their seconds sum to generation_s and tools_s."""
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     messages: list[dict[str, Any]] = env.messages(task)
@@ -46,10 +69,18 @@ async def run_episode(
     generation_s = tools_s = 0.0
     finish: Finish = "max_turns"
     model = ""
-    for _ in range(max_turns):
-        t0 = time.monotonic()
-        c = await policy.complete(messages, schemas, sampling, user=user)
-        generation_s += time.monotonic() - t0
+    episode_policy = policy.for_episode(max_model_len=max_model_len)
+    for turn in range(max_turns):
+        phase = Phase(span, "policy", {TURN: turn})
+        try:
+            with phase:
+                c = await episode_policy.complete(messages, schemas, sampling, user=user)
+                phase.span.set(_policy_attributes(c))
+        except ContextFull:
+            finish = "length"  # the context is full: TRUNCATED, the tokens as far as they went
+            break
+        finally:
+            generation_s += phase.seconds
         model = c.model
         tracker.add(c)
         messages.append(c.raw_message)
@@ -59,14 +90,41 @@ async def run_episode(
             state.answer = c.text
             finish = "length" if c.finish_reason == "length" else "stop"
             break
-        t0 = time.monotonic()
         for call in calls:
-            output = await run_tool_call(env, sandbox, state, call)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+            with Phase(span, "tool", _call_attributes(call, turn)) as phase:
+                result = await run_tool_call(env, sandbox, state, call)
+                phase.span.set(_result_attributes(result))
+            tools_s += phase.seconds
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result.output})
             if state.submitted:
                 break
-        tools_s += time.monotonic() - t0
         if state.submitted:
             finish = "submit"
             break
     return EpisodeResult(state.episode(finish), tracker, generation_s, tools_s, model)
+
+
+def _policy_attributes(c: Completion) -> dict[str, AttributeValue]:
+    out: dict[str, AttributeValue] = {MODEL: c.model, FINISH_REASON: c.finish_reason}
+    if c.prompt_ids is not None:
+        out[INPUT_TOKENS] = len(c.prompt_ids)
+    if c.completion_ids is not None:
+        out[OUTPUT_TOKENS] = len(c.completion_ids)
+    return out
+
+
+def _call_attributes(call: ToolCallRecord, turn: int) -> dict[str, AttributeValue]:
+    # the policy chose the name and the arguments: the tracer caps both (MAX_ATTRIBUTE_CHARS)
+    return {
+        TOOL_NAME: call.name,
+        TOOL_ARGUMENTS: call.arguments,
+        TOOL_ARGUMENTS_BYTES: len(call.arguments.encode(errors="replace")),
+        TURN: turn,
+    }
+
+
+def _result_attributes(result: ToolResult) -> dict[str, AttributeValue]:
+    out: dict[str, AttributeValue] = {TOOL_TIMED_OUT: result.timed_out}
+    if result.exit_code is not None:
+        out[TOOL_EXIT_CODE] = result.exit_code
+    return out

@@ -4,15 +4,19 @@ release. Infrastructure failures are retried on a fresh sandbox; no failure is e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from orchestrator.backends.pool import TENANT_LABEL, SandboxPool
 from orchestrator.core.environment import Environment, ImageSource, Task
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError
 from orchestrator.core.models import (
+    EncodedRollout,
     JobSpec,
     Provenance,
     Rollout,
@@ -23,12 +27,31 @@ from orchestrator.core.models import (
     rollout_id,
 )
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
+from orchestrator.core.tracing import (
+    ATTEMPT,
+    ATTEMPTS,
+    ENV,
+    JOB_ID,
+    NOOP_TRACER,
+    REWARD,
+    ROLLOUT_ID,
+    SAMPLE_INDEX,
+    SANDBOX_WARM,
+    STATUS,
+    TASK_ID,
+    Attributes,
+    AttributeValue,
+    Phase,
+    Span,
+    Tracer,
+)
 from orchestrator.rollout.episode import run_episode
 from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.snapshots import SnapshotCache
 from orchestrator.rollout.step import classify_failure, env_call, finished_status
 
 log = logging.getLogger(__name__)
+R = TypeVar("R", Rollout, EncodedRollout, Rollout | EncodedRollout)  # a model, or a worker's encoded rollout
 RETRY_BACKOFF_CAP_S = 8.0  # the longest pause between infrastructure retries of one rollout
 
 
@@ -41,6 +64,7 @@ class WorkItem:
     sample_index: int
     enqueued_at: float
     tenant: str = ""  # the job's owner: its sandboxes come from a warm pool of that tenant's own ("": shared)
+    traceparent: str = ""  # the rollout's span upstream (W3C), when it is traced
 
     @property
     def id(self) -> str:
@@ -55,12 +79,43 @@ class WorkItem:
         return int.from_bytes(hashlib.sha256(self.id.encode()).digest()[:4], "big")
 
 
-class RolloutRunner:
-    """Runs work items on a sandbox backend."""
+def rollout_attributes(item: WorkItem, env_ref: str) -> Attributes:
+    """What identifies a rollout on its trace's root span."""
+    return {
+        ROLLOUT_ID: item.id,
+        JOB_ID: item.job_id,
+        ENV: env_ref,
+        TASK_ID: item.task.id,
+        SAMPLE_INDEX: item.sample_index,
+    }
 
-    def __init__(self, sandboxes: SandboxPool, images: ImageSource) -> None:
+
+async def traced_rollout(tracer: Tracer, item: WorkItem, env_ref: str, run: Callable[[WorkItem], Awaitable[R]]) -> R:
+    """`run(item)` under the rollout's root span, from the item's enqueueing to its end; the item `run` gets carries
+    the span's traceparent, so the runner's spans (here or in a worker process) are its children."""
+    if not tracer.enabled:
+        return await run(item)
+    root = tracer.start("rollout", item.enqueued_at, rollout_attributes(item, env_ref))
+    try:
+        rollout = await run(dataclasses.replace(item, traceparent=root.traceparent))
+    except BaseException as e:
+        root.end(time.monotonic(), e)
+        raise
+    outcome: dict[str, AttributeValue] = {STATUS: rollout.status.value, ATTEMPTS: rollout.attempts}
+    if rollout.reward is not None:
+        outcome[REWARD] = rollout.reward
+    root.set(outcome)
+    root.end(time.monotonic())
+    return rollout
+
+
+class RolloutRunner:
+    """Runs work items on a sandbox backend, tracing each (no-op unless a tracer is given)."""
+
+    def __init__(self, sandboxes: SandboxPool, images: ImageSource, tracer: Tracer = NOOP_TRACER) -> None:
         self.sandboxes = sandboxes
         self.images = images
+        self.tracer = tracer
         self.active: dict[str, Sandbox] = {}  # rollout id -> its sandbox, while it runs
         self.snapshots = SnapshotCache()
 
@@ -68,12 +123,24 @@ class RolloutRunner:
         self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str
     ) -> Rollout:
         """A scored (or failed) rollout; INFRA_ERROR attempts are retried up to the job's budget."""
+        if self.tracer.enabled and not item.traceparent:  # nobody upstream traces it: its trace starts here
+            return await traced_rollout(
+                self.tracer, item, env.ref(), lambda i: self._run(i, env, spec, policy, policy_version)
+            )
+        return await self._run(item, env, spec, policy, policy_version)
+
+    async def _run(
+        self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str
+    ) -> Rollout:
         started = time.monotonic()
         started_at = time.time()
+        parent = self.tracer.remote(item.traceparent)
+        # the same two readings are the timing's queue (each attempt's Timing) and the queue span
+        parent.open("queue", item.enqueued_at).end(started)
         attempt = 0
         while True:
             attempt += 1
-            rollout = await self._attempt(item, env, spec, policy, policy_version, started)
+            rollout = await self._attempt(item, env, spec, policy, policy_version, started, parent, attempt)
             rollout.attempts = attempt
             # wall-clock bounds for the trainer: from the first attempt's start to the last attempt's end
             rollout.started_at, rollout.finished_at = started_at, time.time()
@@ -88,7 +155,15 @@ class RolloutRunner:
             )
 
     async def _attempt(
-        self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str, started: float
+        self,
+        item: WorkItem,
+        env: Environment,
+        spec: JobSpec,
+        policy: Policy,
+        policy_version: str,
+        started: float,
+        parent: Span,
+        attempt: int,
     ) -> Rollout:
         timing = Timing(queue=started - item.enqueued_at)
         turns: list[Turn] = []
@@ -105,102 +180,125 @@ class RolloutRunner:
             "sample_index": item.sample_index,
             "policy_version": policy_version,
         }
-
-        def failed(e: BaseException) -> Rollout:
-            timing.total = time.monotonic() - t_start
-            status, error = classify_failure(e, timeout_message=f"rollout exceeded {spec.rollout_timeout_s:g}s")
-            return Rollout(
-                **base, status=status, turns=turns, tokens=tokens, timing=timing, provenance=prov, error=error
-            )
-
         t_start = time.monotonic()
+        span = parent.open("attempt", t_start, {ROLLOUT_ID: item.id, JOB_ID: item.job_id, ATTEMPT: attempt})
         sandbox = None
         warm = False
+        failure: Exception | None = None
         infra_failed = False
         setup_kind = "own"
         try:
-            async with asyncio.timeout(spec.rollout_timeout_s):
-                t0 = time.monotonic()
-                try:
-                    image, image_id = await self.images.resolve(env)
-                except ImageBuildError as e:
-                    raise EnvironmentBroken(f"image for {env.ref()} could not be built: {e}") from e
-                prov.image, prov.image_id = image, image_id
-                # the seed travels with the task (setup), not in the sandbox's environment, so sandboxes stay
-                # interchangeable in the warm pool
-                labels = {TENANT_LABEL: item.tenant} if item.tenant else {}
-                sandbox, source = await self.sandboxes.acquire(
-                    SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV), labels=labels)
-                )
-                warm = source == "warm"
-                self.active[item.id] = sandbox
-                timing.sandbox_acquire = time.monotonic() - t0
-                t0 = time.monotonic()
-                box = sandbox
-                if env.snapshot_setup and spec.group_size > 1:
-                    setup_kind = await self.snapshots.prepare(
-                        (item.job_id, item.task.id),
-                        box,
-                        box.spec.workspace,
-                        lambda: env_call(env.setup(box, item.task, item.seed)),
-                    )
-                else:
-                    await env_call(env.setup(box, item.task, item.seed))
-                    setup_kind = "own"
-                timing.setup = time.monotonic() - t0
-                result = await run_episode(
-                    env,
-                    item.task,
-                    sandbox,
-                    policy,
-                    spec.sampling,
-                    min(spec.max_turns, env.max_turns) if spec.max_turns else env.max_turns,
-                    item.id,
-                    turns,
-                )
-                tokens = result.tokens.result()
-                timing.generation, timing.tools = result.generation_s, result.tools_s
-                prov.policy_model = result.policy_model or spec.policy.model
-                t0 = time.monotonic()
-                score = await env_call(env.score(sandbox, item.task, result.episode))
-                timing.scoring = time.monotonic() - t0
-        except Exception as e:
-            rollout = failed(e)
-            # a sandbox that failed us (or any failure nobody classified) is never reused
-            infra_failed = rollout.status == RolloutStatus.INFRA_ERROR
-            return rollout
-        finally:
-            self.active.pop(item.id, None)
-            if sandbox is not None:
-                # a finished rollout hands the sandbox to background destruction; a cancelled one (CancelJob)
-                # waits until it is gone, so cancelling stops the job's sandboxes before it returns
-                task = asyncio.current_task()
-                cancelled = task is not None and task.cancelling() > 0
-                try:
-                    if cancelled:
-                        await asyncio.shield(sandbox.close())
-                    else:
-                        # a sandbox that failed us is never reused; a reusable one is reset in place when it can be
-                        recycle = env.reusable and not infra_failed
-                        await asyncio.shield(
-                            self.sandboxes.release(sandbox, recycle=recycle, workspace_seed=env.workspace_seed)
+            try:
+                async with asyncio.timeout(spec.rollout_timeout_s):
+                    # each phase is measured once: its seconds go into the timing, its readings make its span
+                    with Phase(span, "acquire") as phase:
+                        try:
+                            image, image_id = await self.images.resolve(env)
+                        except ImageBuildError as e:
+                            raise EnvironmentBroken(f"image for {env.ref()} could not be built: {e}") from e
+                        prov.image, prov.image_id = image, image_id
+                        # the seed travels with the task (setup), not in the sandbox's environment, so sandboxes
+                        # stay interchangeable in the warm pool
+                        labels = {TENANT_LABEL: item.tenant} if item.tenant else {}
+                        sandbox, source = await self.sandboxes.acquire(
+                            SandboxSpec(
+                                image=image,
+                                limits=env.limits,
+                                runtime=env.runtime,
+                                env=dict(DETERMINISTIC_ENV),
+                                labels=labels,
+                            )
                         )
-                except Exception:
-                    log.exception("could not destroy sandbox of %s", item.id)
-        timing.total = time.monotonic() - t_start
-        return Rollout(
-            **base,
-            status=finished_status(result.episode.finish),
-            reward=score.reward,
-            reward_components=score.components,
-            metrics={
-                **score.metrics,
-                "tool_calls": float(result.episode.tool_calls),
-                "sandbox_warm": float(warm),
-                "setup_from_snapshot": float(setup_kind == "restored"),
-            },
-            turns=turns,
-            tokens=tokens,
-            timing=timing,
-            provenance=prov,
-        )
+                        warm = source == "warm"
+                        self.active[item.id] = sandbox
+                        phase.span.set({SANDBOX_WARM: warm})
+                    timing.sandbox_acquire = phase.seconds
+                    with Phase(span, "setup") as phase:
+                        box = sandbox
+                        if env.snapshot_setup and spec.group_size > 1:
+                            setup_kind = await self.snapshots.prepare(
+                                (item.job_id, item.task.id),
+                                box,
+                                box.spec.workspace,
+                                lambda: env_call(env.setup(box, item.task, item.seed)),
+                            )
+                        else:
+                            await env_call(env.setup(box, item.task, item.seed))
+                            setup_kind = "own"
+                    timing.setup = phase.seconds
+                    with Phase(span, "episode") as phase:
+                        result = await run_episode(
+                            env,
+                            item.task,
+                            sandbox,
+                            policy,
+                            spec.sampling,
+                            min(spec.max_turns, env.max_turns) if spec.max_turns else env.max_turns,
+                            item.id,
+                            turns,
+                            spec.max_model_len if spec.token_mode == "tito" else None,
+                            span=phase.span,
+                        )
+                    tokens = result.tokens.result()
+                    timing.generation, timing.tools = result.generation_s, result.tools_s
+                    prov.policy_model = result.policy_model or spec.policy.model
+                    with Phase(span, "scoring") as phase:
+                        score = await env_call(env.score(sandbox, item.task, result.episode))
+                        if score.reward is not None:
+                            phase.span.set({REWARD: score.reward})
+                    timing.scoring = phase.seconds
+            except Exception as e:
+                failure = e
+                # a sandbox that failed us (or any failure nobody classified) is never reused
+                status, error = classify_failure(e, timeout_message=f"rollout exceeded {spec.rollout_timeout_s:g}s")
+                infra_failed = status == RolloutStatus.INFRA_ERROR
+            finally:
+                self.active.pop(item.id, None)
+                if sandbox is not None:
+                    with Phase(span, "release"):
+                        await self._release(sandbox, env, recycle=env.reusable and not infra_failed, item=item)
+        except BaseException as e:  # cancelled (CancelJob, shutdown)
+            span.end(time.monotonic(), e)
+            raise
+        t_end = time.monotonic()
+        timing.total = t_end - t_start
+        if failure is not None:
+            rollout = Rollout(
+                **base, status=status, turns=turns, tokens=tokens, timing=timing, provenance=prov, error=error
+            )
+        else:
+            rollout = Rollout(
+                **base,
+                status=finished_status(result.episode.finish),
+                reward=score.reward,
+                reward_components=score.components,
+                metrics={
+                    **score.metrics,
+                    "tool_calls": float(result.episode.tool_calls),
+                    "sandbox_warm": float(warm),
+                    "setup_from_snapshot": float(setup_kind == "restored"),
+                },
+                turns=turns,
+                tokens=tokens,
+                timing=timing,
+                provenance=prov,
+            )
+        span.set({STATUS: rollout.status.value})
+        span.end(t_end, failure)
+        return rollout
+
+    async def _release(self, sandbox: Sandbox, env: Environment, *, recycle: bool, item: WorkItem) -> None:
+        """A finished rollout hands the sandbox to background destruction (or recycles it); a cancelled one
+        (CancelJob) waits until it is gone, so cancelling stops the job's sandboxes before it returns."""
+        task = asyncio.current_task()
+        cancelled = task is not None and task.cancelling() > 0
+        try:
+            if cancelled:
+                await asyncio.shield(sandbox.close())
+            else:
+                # a sandbox that failed us is never reused; a reusable one is reset in place when it can be
+                await asyncio.shield(
+                    self.sandboxes.release(sandbox, recycle=recycle, workspace_seed=env.workspace_seed)
+                )
+        except Exception:
+            log.exception("could not destroy sandbox of %s", item.id)

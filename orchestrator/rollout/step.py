@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from orchestrator.core.environment import Environment, Episode, Finish, Task
-from orchestrator.core.errors import EnvironmentBroken, PolicyError, SandboxError
+from orchestrator.core.errors import ConfigError, EnvironmentBroken, PolicyError, SandboxError
 from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
 from orchestrator.core.sandbox import Sandbox
-from orchestrator.core.tools import Tool, call_tool, get_tools
+from orchestrator.core.tools import Tool, ToolResult, call_tool, get_tools
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,22 +55,25 @@ def record_assistant(state: EpisodeState, text: str, calls: Sequence[ToolCallRec
     state.turns.append(Turn(role="assistant", text=text, tool_calls=list(calls)))
 
 
-async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState, call: ToolCallRecord) -> str:
-    """Run one tool call in the sandbox and record its observation; returns the observation text.
+async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState, call: ToolCallRecord) -> ToolResult:
+    """Run one tool call in the sandbox and record its observation; returns the result (`output` is the observation).
 
     A `submit` sets the state's answer. SandboxError propagates: the sandbox failed, not the policy.
     """
     state.tool_calls += 1
     tool = state.tools.get(call.name)
-    if tool is None:
-        output = f"error: unknown tool {call.name!r}; available: {', '.join(state.tools)}"
+    if not call.name:
+        result = ToolResult(
+            f"error: the tool call names no tool (it could not be read); available: {', '.join(state.tools)}"
+        )
+    elif tool is None:
+        result = ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(state.tools)}")
     else:
         result = await call_tool(tool, sandbox, call.arguments, env.tool_timeout_s)
-        output = result.output
         if result.submitted:
             state.submitted, state.answer = True, result.answer
-    state.turns.append(Turn(role="tool", text=output, tool_call_id=call.id, name=call.name))
-    return output
+    state.turns.append(Turn(role="tool", text=result.output, tool_call_id=call.id, name=call.name))
+    return result
 
 
 async def replay_reference(env: Environment, sandbox: Sandbox, task: Task) -> Episode:
@@ -112,7 +115,7 @@ def classify_failure(
     status: RolloutStatus
     if isinstance(e, PolicyError):
         status = RolloutStatus.POLICY_ERROR
-    elif isinstance(e, SandboxError):
+    elif isinstance(e, SandboxError | ConfigError):  # ConfigError: this host lacks what the fleet promised
         status = RolloutStatus.INFRA_ERROR
     elif isinstance(e, EnvironmentBroken):
         status = RolloutStatus.ENV_ERROR

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,7 +20,10 @@ from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.sandbox import SandboxBackend
+from orchestrator.core.tracing import Tracer, TracingConfig, make_tracer
+from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.rollout.tito.tokenizer import TokenizerCache, TokenizerDirs
 from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
     Authenticator,
@@ -44,6 +49,9 @@ from orchestrator.service.store import ResultStore
 from orchestrator.viewer.http import ViewerServer, start_live_viewer
 from orchestrator.worker.ray_fleet import RayConfig
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
+
+if TYPE_CHECKING:
+    from orchestrator.openenv.serving import OpenEnvFacade
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +100,21 @@ class OrchestratorConfig(BaseModel):
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to serve beside the entry points"
     )
+    openenv: OpenEnvConfig | None = Field(None, description="serve sessions over OpenEnv too (the openenv extra)")
+    tracing: TracingConfig = Field(
+        TracingConfig(), description="OpenTelemetry traces of every rollout, from here and every worker; off by default"
+    )
+    tokenizer_dirs: list[Path] = Field(
+        default_factory=list,
+        description="directories whose folders are the tokenizers a job may name (policy.tokenizer) for tito mode",
+    )
+
+    @model_validator(mode="after")
+    def _tokenizer_dirs_exist(self) -> OrchestratorConfig:
+        missing = [str(d) for d in self.tokenizer_dirs if not d.is_dir()]
+        if missing:
+            raise ValueError(f"tokenizer_dirs: not a directory: {', '.join(missing)}")
+        return self
 
     @model_validator(mode="after")
     def _answers_fit_messages(self) -> OrchestratorConfig:
@@ -121,6 +144,7 @@ class Orchestrator:
         backend: SandboxBackend,
         store: ResultStore,
         health_servicer: health.aio.HealthServicer,
+        tracer: Tracer,
     ) -> None:
         self.config = config
         self.server = server
@@ -129,6 +153,7 @@ class Orchestrator:
         self.backend = backend
         self.store = store
         self._health = health_servicer
+        self.tracer = tracer
         self.pool: SandboxPool | None = None
         self.metrics: Metrics | None = None
         self.metrics_port: int | None = None
@@ -138,6 +163,8 @@ class Orchestrator:
         self.registrar: Registrar | None = None
         self.workers: WorkerPlane | None = None
         self.ui: ViewerServer | None = None
+        self.openenv: OpenEnvFacade | None = None
+        self._private_dir: Path | None = None  # the gRPC socket of the in-process OpenEnv facade
 
     @property
     def address(self) -> str:
@@ -151,6 +178,8 @@ class Orchestrator:
 
         Every stage is bounded: one that overruns is logged and left behind, and the backend's close, which always
         runs, removes every container this instance still owns."""
+        if self.openenv is not None:  # first: its websockets close their sessions through the gRPC server
+            await _bounded("the OpenEnv facade", self.openenv.close(), STOP_STAGE_S)
         await self._health.enter_graceful_shutdown()
         await _bounded("the gRPC server", self.server.stop(grace), grace + STOP_STAGE_S)
         if self.ui is not None:
@@ -170,6 +199,9 @@ class Orchestrator:
             self._metrics_server.shutdown()
         await self.backend.close()
         await self.store.close()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+        await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
 
 
 async def _swept(backend: SandboxBackend) -> None:
@@ -184,13 +216,19 @@ async def _bounded(what: str, stage: Awaitable[None], limit_s: float) -> None:
         log.error("shutdown: %s did not stop within %gs; going on (the backend removes what is left)", what, limit_s)
 
 
-async def create_server(config: OrchestratorConfig, registry: Registry | None = None) -> Orchestrator:
-    """Open the store, sweep and start the backend, resume unfinished jobs, and serve."""
+async def create_server(
+    config: OrchestratorConfig, registry: Registry | None = None, *, tracer: Tracer | None = None
+) -> Orchestrator:
+    """Open the store, sweep and start the backend, resume unfinished jobs, and serve. `tracer` replaces the one
+    `config.tracing` makes, for this process only (tests pass an in-memory exporter)."""
     # configuration problems are refused before anything is opened
     check_transport(config.host, config.security)
     if config.ui_port is not None:  # the viewer speaks plain HTTP: its host is checked as a server without TLS
         check_transport(config.ui_host, config.security.model_copy(update={"tls": None}))
+    if config.openenv is not None:  # plain HTTP too
+        check_transport(config.openenv.host, config.security.model_copy(update={"tls": None}))
     auth = Authenticator.from_config(config.security)
+    tracer = tracer or make_tracer(config.tracing, "envfleet")
     tls = config.security.tls
     credentials = server_credentials(tls) if tls else None
     store = await ResultStore.open(config.data_dir / "results.sqlite3")
@@ -216,9 +254,16 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         workers = await WorkerPlane.start(config, images)
         executor = workers.hub
     else:
-        executor = LocalExecutor(RolloutRunner(pool, images))
+        executor = LocalExecutor(RolloutRunner(pool, images, tracer), TokenizerCache(config.tokenizer_dirs))
     jobs = await JobManager.start(
-        store, registry, executor, config.max_in_flight, metrics=metrics, capacity=config.capacity, caps=config.caps
+        store,
+        registry,
+        executor,
+        config.max_in_flight,
+        metrics=metrics,
+        capacity=config.capacity,
+        caps=config.caps,
+        tracer=tracer,
     )
     # read when scraped
     metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
@@ -241,7 +286,8 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         EnvironmentService(registry, registrar, auth), server
     )
     orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
-        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls)), server
+        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls), TokenizerDirs(config.tokenizer_dirs)),
+        server,
     )
     orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
     orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)
@@ -252,6 +298,12 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    private_dir = None
+    if config.openenv is not None:
+        # the facade calls this server as a client, with its callers' tokens (the interceptor checks them), over a
+        # unix socket in a private folder: no TLS to set up for a call that never leaves the process's host
+        private_dir = Path(tempfile.mkdtemp(prefix="envfleet-"))
+        server.add_insecure_port(f"unix:{private_dir / 'grpc.sock'}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -262,7 +314,8 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
         "bearer tokens" if auth.enabled else "no auth (local tenant)",
         config.data_dir,
     )
-    orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer)
+    orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer, tracer)
+    orch._private_dir = private_dir
 
     pending: set[asyncio.Task[None]] = set()
 
@@ -295,4 +348,12 @@ async def create_server(config: OrchestratorConfig, registry: Registry | None = 
             log.warning("viewer port %d unavailable (%s); using a free port", config.ui_port, e)
             orch.ui = start_live_viewer(jobs, store.path, config.ui_host, 0, header_tenant, auth.enabled)
         log.info("trajectory viewer on %s", orch.ui.url)
+    if config.openenv is not None and private_dir is not None:
+        from orchestrator.openenv.serving import start_facade  # the optional extra, loaded only here
+
+        try:
+            orch.openenv = await start_facade(config.openenv, f"unix:{private_dir / 'grpc.sock'}")
+        except BaseException:
+            await orch.stop(grace=0)
+            raise
     return orch

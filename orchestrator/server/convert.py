@@ -14,6 +14,7 @@ from orchestrator.client.convert import (
     JOB_STATE_PB,
     KIND_FROM_PB,
     ROLLOUT_STATUS_PB,
+    TOKEN_MODE_FROM_PB,
     TOKEN_STATUS_PB,
 )
 from orchestrator.core.echo import echo
@@ -49,7 +50,9 @@ _WIRE_DEFAULTS: dict[str, int | float] = {
     "max_turns": 16,
     "rollout_timeout_s": 600.0,
 }
-_JOB_SPEC_NOTES = {k: f"0 means the default, {v:g}" for k, v in _WIRE_DEFAULTS.items()}
+_JOB_SPEC_NOTES = {k: f"0 means the default, {v:g}" for k, v in _WIRE_DEFAULTS.items()} | {
+    "max_model_len": "0 means no limit but the server's",
+}
 
 
 def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
@@ -63,7 +66,10 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         "model": m.policy.model or "policy",
         "api_key": m.policy.api_key,
         "version": m.policy.version or "0",
+        "tokenizer": m.policy.tokenizer,
     }
+    if m.policy.tool_parser:
+        policy["tool_parser"] = m.policy.tool_parser
     for f in ("request_timeout_s", "max_retries"):
         if m.policy.HasField(f):
             policy[f] = getattr(m.policy, f)
@@ -79,6 +85,8 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         "policy": policy,
         "deliver_groups": m.deliver_groups,
         "advantage": ADVANTAGE_FROM_PB.get(m.advantage, "?"),
+        "token_mode": TOKEN_MODE_FROM_PB.get(m.token_mode, "?"),
+        "max_model_len": m.max_model_len or None,
     }
     raw |= {k: getattr(m, k) or default for k, default in _WIRE_DEFAULTS.items()}
     if m.HasField("max_infra_retries"):

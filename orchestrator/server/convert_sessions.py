@@ -128,6 +128,7 @@ def sandbox_info_pb(r: SandboxRecord) -> pb.SandboxInfo:
         expires_at=r.expires_at,
         ended_at=r.ended_at,
         end_reason=r.end_reason,
+        runtime=r.runtime,
     )
 
 

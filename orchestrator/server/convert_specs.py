@@ -74,7 +74,7 @@ def spec_from_pb(m: pb.EnvironmentSpec) -> EnvironmentSpec:
                 raw["scoring"][f] = getattr(m.scoring, f)
     if m.HasField("limits"):
         raw["limits"] = limits_overrides(m.limits)
-    for f in ("system_prompt", "setup_command", "visibility"):
+    for f in ("system_prompt", "setup_command", "visibility", "runtime"):
         if getattr(m, f):
             raw[f] = getattr(m, f)
     for f in ("max_turns", "tool_timeout_s"):
@@ -126,6 +126,7 @@ def spec_to_pb(spec: EnvironmentSpec) -> pb.EnvironmentSpec:
         tool_timeout_s=spec.tool_timeout_s,
         setup_command=spec.setup_command or "",
         visibility=spec.visibility,
+        runtime=spec.runtime,
     )
 
 

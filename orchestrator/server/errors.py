@@ -22,6 +22,7 @@ from orchestrator.core.errors import (
     EnvfleetError,
     FailedPreconditionError,
     InvalidRequestError,
+    LimitNotAppliedError,
     NotFoundError,
     PermissionDeniedError,
     QuotaExceededError,
@@ -48,6 +49,8 @@ STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (QuotaExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # a limit or runtime this engine cannot apply: retrying will not help until the host is set up for it
+    (LimitNotAppliedError, grpc.StatusCode.FAILED_PRECONDITION),
     (SandboxError, grpc.StatusCode.UNAVAILABLE),
     (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
     (EnvfleetError, grpc.StatusCode.INTERNAL),
@@ -97,8 +100,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return grpc.unary_unary_rpc_method_handler(
                 uu, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
             )
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
+        if handler.unary_stream or handler.stream_stream:
+            inner_us = handler.unary_stream or handler.stream_stream
 
             async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
@@ -109,7 +112,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 except Exception as e:
                     await _abort(context, e, method)
 
-            return grpc.unary_stream_rpc_method_handler(
+            make = (
+                grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+            )
+            return make(
                 us, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
             )
         return handler

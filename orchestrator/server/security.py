@@ -229,7 +229,7 @@ def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 
 def _watched(handler: grpc.RpcMethodHandler, auth: Authenticator, metadata: Any) -> grpc.RpcMethodHandler:
     """A server-streaming handler that ends its stream (UNAUTHENTICATED) once the caller's token stops being valid."""
-    inner = handler.unary_stream
+    inner = handler.unary_stream or handler.stream_stream
 
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         items = inner(request, context)
@@ -255,7 +255,8 @@ def _watched(handler: grpc.RpcMethodHandler, auth: Authenticator, metadata: Any)
                     await step
             await items.aclose()
 
-    return grpc.unary_stream_rpc_method_handler(
+    make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+    return make(
         stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
     )
 
@@ -280,6 +281,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             self._auth.tenant_of_metadata(metadata)
         except UnauthenticatedError as e:
             return _denying(handler, str(e))
-        if handler.unary_stream:
+        if handler.unary_stream or handler.stream_stream:
             return _watched(handler, self._auth, metadata)
         return handler

@@ -11,6 +11,8 @@ import grpc
 
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
+from orchestrator.rollout.tito.parsers import get_parser
+from orchestrator.rollout.tito.tokenizer import TokenizerDirs
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
 from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
 from orchestrator.server.security import Authenticator, PolicyURLs
@@ -57,6 +59,8 @@ def check_job_spec(m: pb.JobSpec) -> None:
     capped(p.model, "policy.model", MAX_NAME)
     capped(p.version, "policy.version", MAX_NAME)
     capped(p.api_key, "policy.api_key", MAX_SECRET)
+    capped(p.tokenizer, "policy.tokenizer", MAX_NAME)
+    capped(p.tool_parser, "policy.tool_parser", MAX_NAME)
     if len(m.sampling.stop) > MAX_STOP:
         raise InvalidRequestError(f"sampling.stop has {len(m.sampling.stop)} strings, the limit is {MAX_STOP}")
     for i, s in enumerate(m.sampling.stop):
@@ -121,16 +125,26 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
     """Jobs and the rollout stream."""
 
     def __init__(
-        self, jobs: JobManager, auth: Authenticator | None = None, policy_urls: PolicyURLs | None = None
+        self,
+        jobs: JobManager,
+        auth: Authenticator | None = None,
+        policy_urls: PolicyURLs | None = None,
+        tokenizers: TokenizerDirs | None = None,
     ) -> None:
         self._jobs = jobs
         self._auth = auth or Authenticator()
         self._policy_urls = policy_urls or PolicyURLs(None)
+        self._tokenizers = tokenizers or TokenizerDirs()
 
     async def SubmitJob(self, request: pb.JobSpec, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         check_job_spec(request)
         self._policy_urls.check(request.policy.base_url)
-        job_id, total = await self._jobs.submit(job_spec_from_pb(request), self._auth.tenant(context))
+        spec = job_spec_from_pb(request)
+        if spec.token_mode == "tito":
+            # refused now, not rollout by rollout: a name this server has no folder for, a parser it lacks
+            self._tokenizers.resolve(spec.policy.tokenizer)
+            get_parser(spec.policy.tool_parser)
+        job_id, total = await self._jobs.submit(spec, self._auth.tenant(context))
         return pb.SubmitJobResponse(job_id=job_id, num_rollouts=total)
 
     async def StreamRollouts(

@@ -75,6 +75,16 @@ def _stdin_size(request: pb.ExecRequest) -> int:
     return max(0, framed)
 
 
+async def _stdin_chunks(first: pb.ExecInput, rest: AsyncIterator[pb.ExecInput]) -> AsyncIterator[bytes]:
+    """ExecStream's stdin: the request's own, then each later message's, read only as the process takes them."""
+    if first.request.stdin:
+        yield first.request.stdin
+    del first
+    async for m in rest:
+        if m.WhichOneof("input") == "stdin" and m.stdin:
+            yield m.stdin
+
+
 class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
     """Reset, Step, CloseSession (and Close, its deprecated alias)."""
 
@@ -132,6 +142,7 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
             limits=limits_overrides(request.limits),
             ttl_s=request.ttl_s,
             env_vars=dict(request.env_vars),
+            runtime=_capped(request.runtime, "runtime", 64),
         )
         return sandbox_info_pb(record)
 
@@ -161,6 +172,30 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
             timeout_s=request.timeout_s,
             max_output=request.max_output_bytes,
         )
+        async for ev in events:
+            yield exec_event_pb(ev)
+
+    async def ExecStream(
+        self, request_iterator: AsyncIterator[pb.ExecInput], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ExecEvent]:
+        tenant = self._auth.tenant(context)
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("input") != "request":
+            raise InvalidRequestError("the first message of ExecStream must be the request (ExecInput.request)")
+        request = first.request
+        if len(request.cwd) > MAX_PATH:
+            raise InvalidRequestError(f"cwd is over {MAX_PATH} characters")
+        events = self._sandboxes.exec_stream(
+            tenant,
+            check_id(request.sandbox_id, "sandbox_id"),
+            command_from_pb(request),
+            cwd=request.cwd,
+            env=dict(request.env),
+            stdin=_stdin_chunks(first, request_iterator),
+            timeout_s=request.timeout_s,
+            max_output=request.max_output_bytes,
+        )
+        del first, request
         async for ev in events:
             yield exec_event_pb(ev)
 

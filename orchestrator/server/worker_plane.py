@@ -69,7 +69,13 @@ class WorkerPlane:
             port = server.add_insecure_port(config.worker_listen)
             plane.tcp_address = f"{host}:{port}"
         await server.start()
-        worker_config = WorkerConfig(backend=config.backend, pool=config.pool, environments=config.environments)
+        worker_config = WorkerConfig(
+            backend=config.backend,
+            pool=config.pool,
+            environments=config.environments,
+            tracing=config.tracing,
+            tokenizer_dirs=config.tokenizer_dirs,
+        )
         if config.workers:
             slots = -(-config.max_in_flight // config.workers)
             local_config = worker_config.model_copy(update={"slots": slots})

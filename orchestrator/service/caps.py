@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.core.errors import QuotaExceededError
+from orchestrator.core.echo import echo
+from orchestrator.core.errors import InvalidRequestError, QuotaExceededError
 from orchestrator.core.sandbox import Limits
 
 
@@ -27,6 +28,9 @@ class SandboxCaps(BaseModel):
     pids: int = Field(4096, ge=8, le=1 << 22)
     tmp_mb: int = Field(4 << 10, ge=1, le=1 << 20)
     workspace_mb: int = Field(16 << 10, ge=1, le=1 << 20)
+    # A tenant that names a runtime picks its isolation: only these, never a weaker one than the server's default
+    # (`envfleet serve --runtime`), which an empty runtime always gets. An unlisted one is INVALID_ARGUMENT.
+    runtimes: tuple[str, ...] = Field(("runsc",), description="OCI runtimes a sandbox may name")
 
 
 class CapsConfig(BaseModel):
@@ -44,11 +48,17 @@ class CapsConfig(BaseModel):
     stdin_bytes_per_tenant: int = Field(64 << 20, ge=0, le=1 << 32, description="Exec stdin in flight per tenant")
 
 
-def check_limits(limits: Limits, caps: SandboxCaps, what: str = "limits") -> None:
-    """Refuse limits over the caps, naming each one that is."""
+def check_limits(limits: Limits, caps: SandboxCaps, what: str = "limits", runtime: str = "") -> None:
+    """Refuse limits over the caps, naming each one that is, and a runtime the caps do not list."""
+    if runtime and runtime not in caps.runtimes:
+        allowed = ", ".join(caps.runtimes) or "none"
+        raise InvalidRequestError(
+            f"runtime {echo(runtime)} is not allowed; caps.sandbox.runtimes allows: {allowed} (leave runtime empty "
+            "for the server's default)"
+        )
     over = [
         f"{what}.{name} = {getattr(limits, name):g} is over caps.sandbox.{name} = {getattr(caps, name):g}"
-        for name in SandboxCaps.model_fields
+        for name in Limits.model_fields
         if getattr(limits, name) > getattr(caps, name)
     ]
     if over:

@@ -75,7 +75,9 @@ async def _check_tools(env: Environment, sandbox: Sandbox) -> list[str]:
 
 
 async def _check_task(env: Environment, backend: SandboxBackend, image: str, task: Task, seed: int) -> list[str]:
-    spec = SandboxSpec(image=image, limits=env.limits, env={**DETERMINISTIC_ENV, "ENVFLEET_SEED": str(seed)})
+    spec = SandboxSpec(
+        image=image, limits=env.limits, runtime=env.runtime, env={**DETERMINISTIC_ENV, "ENVFLEET_SEED": str(seed)}
+    )
     problems = []
     async with await backend.create(spec) as sandbox:
         await env_call(env.setup(sandbox, task, seed))
@@ -103,7 +105,7 @@ async def check_environment(
         report.problems.append(f"image: {e}")
         report.seconds = time.monotonic() - t0
         return report
-    async with await backend.create(SandboxSpec(image=image, limits=env.limits)) as sandbox:
+    async with await backend.create(SandboxSpec(image=image, limits=env.limits, runtime=env.runtime)) as sandbox:
         report.problems += await _check_tools(env, sandbox)
     tasks = [t for t in env.tasks() if t.reference][:limit]
     gate = asyncio.Semaphore(concurrency)

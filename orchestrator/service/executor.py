@@ -8,9 +8,12 @@ from typing import Protocol
 from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.replay import ReplayPolicy
 from orchestrator.rollout.runner import RolloutRunner, WorkItem
+from orchestrator.rollout.tito.policy import TitoPolicy
+from orchestrator.rollout.tito.tokenizer import TokenizerCache
 
 
 class Executor(Protocol):
@@ -32,11 +35,14 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """Rollouts on this process's event loop, through one RolloutRunner (one small policy client per endpoint)."""
+    """Rollouts on this process's event loop, through one RolloutRunner (one small policy client per endpoint and
+    token mode; tokenizers loaded once per process, from the directories `tokenizers` resolves names in)."""
 
-    def __init__(self, runner: RolloutRunner) -> None:
+    def __init__(self, runner: RolloutRunner, tokenizers: TokenizerCache | None = None) -> None:
         self.runner = runner
+        self.tokenizers = tokenizers or TokenizerCache()
         self._policies: dict[PolicyEndpoint, OpenAIPolicy] = {}
+        self._tito: dict[PolicyEndpoint, TitoPolicy] = {}
         self._replays: dict[str, ReplayPolicy] = {}
 
     @property
@@ -51,9 +57,22 @@ class LocalExecutor:
             policy = self._policies[endpoint] = OpenAIPolicy(endpoint)
         return policy
 
+    def tito_policy(self, endpoint: PolicyEndpoint) -> TitoPolicy:
+        """The token-in, token-out client of one endpoint, made once (its tokenizer loads on first use)."""
+        policy = self._tito.get(endpoint)
+        if policy is None:
+            policy = self._tito[endpoint] = TitoPolicy(endpoint, self.tokenizers, http=self.policy(endpoint))
+        return policy
+
     async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
         """Run the rollout here."""
-        policy = self._replay(env) if spec.policy.base_url == REPLAY_URL else self.policy(spec.policy)
+        policy: Policy
+        if spec.policy.base_url == REPLAY_URL:
+            policy = self._replay(env)
+        elif spec.token_mode == "tito":
+            policy = self.tito_policy(spec.policy)
+        else:
+            policy = self.policy(spec.policy)
         return await self.runner.run(item, env, spec, policy, spec.policy.version)
 
     def _replay(self, env: Environment) -> ReplayPolicy:
@@ -68,6 +87,7 @@ class LocalExecutor:
 
     async def close(self) -> None:
         """Close every policy client."""
+        self._tito = {}  # their transports are the chat clients, closed below
         policies, self._policies = list(self._policies.values()), {}
         for policy in policies:
             await policy.aclose()

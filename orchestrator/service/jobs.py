@@ -28,7 +28,8 @@ from orchestrator.core.errors import (
 )
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState
-from orchestrator.rollout.runner import WorkItem
+from orchestrator.core.tracing import NOOP_TRACER, Tracer
+from orchestrator.rollout.runner import WorkItem, traced_rollout
 from orchestrator.service.advantages import group_advantages
 from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
 from orchestrator.service.executor import Executor
@@ -127,8 +128,10 @@ class JobManager:
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
         caps: CapsConfig | None = None,
+        tracer: Tracer = NOOP_TRACER,
     ) -> None:
         self.caps = caps or CapsConfig()
+        self.tracer = tracer  # each rollout's trace starts here, at its enqueueing
         self._streams = TenantCounter(self.caps.streams_per_tenant, "caps.streams_per_tenant", "streams")
         self.metrics = metrics or Metrics()
         self.store = store
@@ -151,9 +154,10 @@ class JobManager:
         metrics: Metrics | None = None,
         capacity: Capacity | None = None,
         caps: CapsConfig | None = None,
+        tracer: Tracer = NOOP_TRACER,
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store."""
-        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps)
+        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps, tracer)
         mgr.scheduler.start()
         await mgr._resume()
         return mgr
@@ -209,7 +213,7 @@ class JobManager:
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
         env = self.registry.get(spec.env, owner)
-        check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits")
+        check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits", env.runtime)
         unfinished = self._unfinished[owner]
         if unfinished >= self.caps.jobs_per_tenant:
             raise QuotaExceededError(
@@ -256,7 +260,9 @@ class JobManager:
             job.state = JobState.RUNNING
             await self.store.set_job_state(job.job_id, JobState.RUNNING)
         self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
-        rollout = await self.executor.run(item, job.env, job.spec)
+        rollout = await traced_rollout(
+            self.tracer, item, job.env.ref(), lambda traced: self.executor.run(traced, job.env, job.spec)
+        )
         self.metrics.rollouts.labels(rollout.status.value).inc()
         if job.state == JobState.CANCELLED:
             return

@@ -179,7 +179,7 @@ class Registrar:
         SpecCheckError (FAILED_PRECONDITION) lists what failed; SandboxError means the fleet itself failed.
         """
         started = time.monotonic()
-        check_limits(spec.limits, self._caps)  # before anything is built
+        check_limits(spec.limits, self._caps, runtime=spec.runtime)  # before anything is built
         env = make_environment(spec)
         result = ValidationResult(env=spec.ref(), image="", num_tasks=len(env.tasks()))
         result.checks.append(f"spec: {result.num_tasks} task(s), tools {', '.join(spec.tools)}")
@@ -205,6 +205,7 @@ class Registrar:
                 SandboxSpec(
                     image=result.image,
                     limits=spec.limits,
+                    runtime=spec.runtime,
                     env=dict(DETERMINISTIC_ENV),
                     labels={"envfleet.validate": spec.ref()},
                     ttl_s=VALIDATION_SANDBOX_TTL_S,

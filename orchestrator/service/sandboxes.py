@@ -25,7 +25,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -86,6 +86,7 @@ class SandboxRecord:
     expires_at: float
     ended_at: float = 0.0
     end_reason: str = ""
+    runtime: str = ""
 
 
 @dataclass
@@ -115,6 +116,13 @@ def _check_env_vars(env: Mapping[str, str], what: str) -> dict[str, str]:
         if "\0" in value or len(value) > 128 << 10:
             raise InvalidRequestError(f"{what}: the value of {name} holds NUL or is over 128 KiB")
     return dict(env)
+
+
+class _Deferred:
+    """Stdin still in its request message: copied out only once the caps have let it through."""
+
+    def __init__(self, read: Callable[[], bytes]) -> None:
+        self.get = read
 
 
 class SandboxManager:
@@ -164,20 +172,21 @@ class SandboxManager:
 
     async def _image_and_limits(
         self, tenant: str, image: str, env_ref: str, overrides: Mapping[str, Any]
-    ) -> tuple[str, Limits]:
+    ) -> tuple[str, Limits, str]:
+        """The image tag, limits and runtime (the environment's, if any) of a new sandbox."""
         if bool(image) == bool(env_ref):
             raise InvalidRequestError("give exactly one of image and env")
         if env_ref:
             env = self._registry.get(env_ref, tenant)
             tag, _ = await self._images.resolve(env)
-            return tag, _limits(env.limits, overrides)
+            return tag, _limits(env.limits, overrides), env.runtime
         if not image.startswith(ENVFLEET_IMAGE_PREFIX) or len(image) > 256:
             raise InvalidRequestError(
                 f"image {echo(image)}: only envfleet images (envfleet/...) may be used; they carry envd"
             )
         if not await asyncio.to_thread(self._image_present, image):
             raise NotFoundError(f"image {echo(image)} is not on this host; build it first (envfleet image build-base)")
-        return image, _limits(Limits(), overrides)
+        return image, _limits(Limits(), overrides), ""
 
     async def create(
         self,
@@ -188,14 +197,17 @@ class SandboxManager:
         limits: Mapping[str, Any] | None = None,
         ttl_s: float = 0.0,
         env_vars: Mapping[str, str] | None = None,
+        runtime: str = "",
     ) -> SandboxRecord:
-        """A running sandbox owned by `tenant`, destroyed after `ttl_s` (0: the default)."""
+        """A running sandbox owned by `tenant`, destroyed after `ttl_s` (0: the default), under OCI `runtime` (empty:
+        the environment's, then the backend's default)."""
         ttl = ttl_s or self.config.default_ttl_s
         if not 0 < ttl <= self.config.max_ttl_s:
             raise InvalidRequestError(f"ttl_s must be between 0 and {self.config.max_ttl_s:g}, got {ttl_s!r}")
         variables = _check_env_vars(env_vars or {}, "env_vars")
-        tag, lim = await self._image_and_limits(tenant, image, env, limits or {})
-        check_limits(lim, self.caps.sandbox)
+        tag, lim, env_runtime = await self._image_and_limits(tenant, image, env, limits or {})
+        runtime = runtime or env_runtime
+        check_limits(lim, self.caps.sandbox, runtime=runtime)
         live_now = sum(x.tenant == tenant for x in self._live.values()) + self._reserved.get(tenant, 0)
         if live_now >= self.config.max_per_tenant:
             raise QuotaExceededError(
@@ -211,6 +223,7 @@ class SandboxManager:
                 SandboxSpec(
                     image=tag,
                     limits=lim,
+                    runtime=runtime,
                     env=variables,
                     labels={"envfleet.sandbox": sid, "envfleet.tenant": tenant},
                     ttl_s=min(ttl + LEASE_GRACE_S, MAX_LEASE_S),
@@ -223,7 +236,7 @@ class SandboxManager:
         finally:
             self._reserved[tenant] -= 1
         now = time.time()
-        record = SandboxRecord(sid, tag, env, "RUNNING", lim, now, now + ttl)
+        record = SandboxRecord(sid, tag, env, "RUNNING", lim, now, now + ttl, runtime=runtime)
         self._live[sid] = _Live(record, tenant, sandbox, reservation)
         return record
 
@@ -295,14 +308,15 @@ class SandboxManager:
         *,
         cwd: str = "",
         env: Mapping[str, str] | None = None,
-        stdin: bytes | Callable[[], bytes] = b"",
+        stdin: bytes | Callable[[], bytes] | AsyncIterable[bytes] = b"",
         stdin_size: int | None = None,
         timeout_s: float = 0.0,
         max_output: int = 0,
     ) -> AsyncIterator[ExecEvent]:
         """Run a command, streaming started, stdout/stderr chunks and ended. `stdin` may be a function that gives the
         bytes, with `stdin_size` an upper bound of their length: the wire edge passes one, so a request refused by a
-        stdin cap is never copied out of its message."""
+        stdin cap is never copied out of its message. Chunks (an async iterable, ExecStream) are streamed into the
+        process as it reads them: no per-request cap applies, since no more than a chunk or two is ever held."""
         if isinstance(cmd, str):
             if not cmd.strip() or "\0" in cmd:
                 raise InvalidRequestError("shell: the command is empty or holds NUL")
@@ -312,13 +326,38 @@ class SandboxManager:
             raise InvalidRequestError("cwd holds NUL")
         timeout, cap = self._exec_limits(timeout_s, max_output)
         variables = _check_env_vars(env or {}, "env")
-        size = self._stdin_size(stdin, stdin_size)
-        if size > self.caps.exec_stdin_bytes and not isinstance(stdin, bytes):
-            stdin = stdin()  # a bound within a few bytes of the cap: the exact length decides
-            size = self._stdin_size(stdin, None)
+        data: bytes | _Deferred | AsyncIterable[bytes]
+        if isinstance(stdin, AsyncIterable):
+            data, size = stdin, 0
+        else:
+            size = self._stdin_size(stdin, stdin_size)
+            if size > self.caps.exec_stdin_bytes and not isinstance(stdin, bytes):
+                stdin = stdin()  # a bound within a few bytes of the cap: the exact length decides
+                size = self._stdin_size(stdin, None)
+            data = stdin if isinstance(stdin, bytes) else _Deferred(stdin)
+        del stdin
+        run = self._exec(tenant, sandbox_id, cmd, cwd, variables, data, size, timeout, cap)
+        del data
+        async with contextlib.aclosing(run) as events:
+            async for ev in events:
+                yield ev
+
+    async def _exec(
+        self,
+        tenant: str,
+        sandbox_id: str,
+        cmd: Command,
+        cwd: str,
+        variables: Mapping[str, str],
+        stdin: bytes | _Deferred | AsyncIterable[bytes],
+        size: int,
+        timeout: float,
+        cap: int,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """Run a checked command, holding one of the tenant's Execs and `size` bytes of its stdin budget."""
         live = await self._get(tenant, sandbox_id)
         with self._execs.hold(tenant), self._stdin.hold(tenant, size):
-            data = stdin if isinstance(stdin, bytes) else stdin()
+            data = stdin.get() if isinstance(stdin, _Deferred) else stdin
             stream = live.sandbox.exec_stream(
                 cmd, cwd=cwd or None, env=variables, stdin=data, timeout=timeout, max_output=cap
             )

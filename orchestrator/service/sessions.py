@@ -216,7 +216,7 @@ class SessionManager:
     ) -> tuple[SessionView, Observation]:
         """Open a session: a sandbox with the task set up. The task is `task_id`, or drawn with `seed`."""
         env = self._registry.get(env_ref, tenant)
-        check_limits(env.limits, self._caps, f"{env.ref()}: limits")
+        check_limits(env.limits, self._caps, f"{env.ref()}: limits", env.runtime)
         task, seed = self._pick_task(env, task_id, seed)
         if not 0 <= max_turns <= 1000:
             raise InvalidRequestError(f"max_turns must be between 1 and 1000 (0: the default), got {max_turns}")
@@ -249,6 +249,7 @@ class SessionManager:
             SandboxSpec(
                 image=image,
                 limits=env.limits,
+                runtime=env.runtime,
                 env=dict(DETERMINISTIC_ENV),
                 labels={TENANT_LABEL: tenant},  # a warm pool of the tenant's own
                 ttl_s=min(self.config.max_lifetime_s + LEASE_GRACE_S, MAX_LEASE_S),
@@ -336,7 +337,7 @@ class SessionManager:
                         id=action.call_id or f"call-{s.turn}", name=action.name, arguments=action.arguments
                     )
                     record_assistant(s.state, "", [call])
-                    observation = await run_tool_call(s.env, s.sandbox, s.state, call)
+                    observation = (await run_tool_call(s.env, s.sandbox, s.state, call)).output
                     finish = "submit" if s.state.submitted else None
                 else:
                     record_assistant(s.state, action.text, [])

@@ -13,14 +13,19 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from orchestrator.testing import qwen_policy as qwen
 from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.testing.policy_script import Script, Step, render_prompt, task_of
+from orchestrator.testing.qwen_policy import QwenLikeModel, Sample
 
 log = logging.getLogger(__name__)
 
 NO_SCRIPT_ANSWER = "I cannot solve this."
 END_OF_SCRIPT_ANSWER = "done"
 MAX_BODY = 64 << 20
+
+# What a request turns into once parsed: its turn, and how to answer the Step scripted for it.
+_Request = tuple[int, Callable[[Step], dict[str, Any]]]
 
 # ASGI's three callables and its message type; uvicorn's own aliases are not public.
 Message = MutableMapping[str, Any]
@@ -77,16 +82,33 @@ _HANG = _Hang()
 
 
 class ScriptedPolicyApp:
-    """The ASGI app: routes, script replay, faults, token fields; counts chat completion requests and faults."""
+    """The ASGI app: routes, script replay, faults, token fields; counts completion requests and faults.
+
+    With the qwen3 template it also serves /v1/completions and logs every sample it answers (`samples`)."""
 
     def __init__(self, script: Script, *, tokens: bool = True) -> None:
         self.script = script
         self.tokens = tokens
         self.requests = 0
         self.faults = 0
+        self.samples: list[Sample] = []
+        self._model: QwenLikeModel | None = None
         self._failures: dict[tuple[str, int], int] = {}
         self._ids = itertools.count(1)
         self._closing = asyncio.Event()
+
+    @property
+    def model(self) -> QwenLikeModel:
+        """The Qwen-like model of the qwen3 template, loaded on first use (blocking: call load_model off the loop)."""
+        if self._model is None:
+            self.load_model()
+        assert self._model is not None
+        return self._model
+
+    def load_model(self) -> None:
+        """Load the Qwen-like tokenizer when the template is qwen3 (imports transformers); a no-op otherwise."""
+        if self.script.template == "qwen3" and self._model is None:
+            self._model = QwenLikeModel()
 
     def close(self) -> None:
         """Answer every waiting request (latency, hang) at once with 503, so a server can shut down promptly."""
@@ -111,7 +133,7 @@ class ScriptedPolicyApp:
 
     async def _route(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any]] | None:
         path, method = scope["path"], scope["method"]
-        if path == "/v1/chat/completions":
+        if path in ("/v1/chat/completions", "/v1/completions"):
             allowed = "POST"
         elif path in ("/v1/models", "/health"):
             allowed = "GET"
@@ -122,11 +144,15 @@ class ScriptedPolicyApp:
         if path == "/health":
             return 200, {"status": "ok"}
         if path == "/v1/models":
-            card = {"id": self.script.model, "object": "model", "created": 0, "owned_by": "envfleet"}
+            card: dict[str, Any] = {"id": self.script.model, "object": "model", "created": 0, "owned_by": "envfleet"}
+            if self.script.max_model_len is not None:
+                card["max_model_len"] = self.script.max_model_len
             return 200, {"object": "list", "data": [card]}
-        return await self._chat(scope, receive)
+        if path == "/v1/completions" and self.script.template != "qwen3":
+            raise _HTTPError(404, "no route /v1/completions: only the qwen3 template serves token-id prompts")
+        return await self._generate(scope, receive, path)
 
-    async def _chat(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any]] | None:
+    async def _generate(self, scope: Scope, receive: Receive, path: str) -> tuple[int, dict[str, Any]] | None:
         # the simulated latency is the whole answer time, this server's own work included, as a model server's is
         loop = asyncio.get_running_loop()
         answer_at = loop.time() + self.script.latency_s
@@ -140,18 +166,19 @@ class ScriptedPolicyApp:
             raise _HTTPError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise _HTTPError(400, "request body must be a JSON object")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise _HTTPError(400, "'messages' must be a non-empty list of objects")
         user = body["user"] if isinstance(body.get("user"), str) else ""
         try:
-            prompt = render_prompt(messages, self.script.template)
+            if path == "/v1/completions":
+                turn, answer = self._qwen_completions(body, user)
+            elif self.script.template == "qwen3":
+                turn, answer = self._qwen_chat(body, user)
+            else:
+                turn, answer = self._toy_chat(body)
         except ValueError as e:
             raise _HTTPError(400, str(e)) from None
 
-        turn = sum(1 for m in messages if m.get("role") == "assistant")
         step = self._step(user, turn)
-        reply = self._fault(user, turn, step) or (200, self._completion(body, step, turn, prompt))
+        reply = self._fault(user, turn, step) or (200, answer(step))
         if isinstance(reply, _Hang):
             return await self._hang(receive)
         delay = answer_at - loop.time()
@@ -210,6 +237,55 @@ class ScriptedPolicyApp:
             return Step(content=NO_SCRIPT_ANSWER)
         return steps[turn] if turn < len(steps) else Step(content=END_OF_SCRIPT_ANSWER)
 
+    def _toy_chat(self, body: dict[str, Any]) -> _Request:
+        messages = _messages(body)
+        prompt = render_prompt(messages, self.script.template)
+        turn = sum(1 for m in messages if m.get("role") == "assistant")
+        return turn, lambda step: self._completion(body, step, turn, prompt)
+
+    def _qwen_chat(self, body: dict[str, Any], user: str) -> _Request:
+        qwen.check_request(body, completions=False)
+        messages = _messages(body)
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError("'tools' must be a list of objects")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ValueError("'chat_template_kwargs' must be an object")
+        prompt = self.model.chat_prompt(messages, tools, kwargs)
+        turn = sum(1 for m in messages if m.get("role") == "assistant")
+        max_tokens = qwen.check_max_tokens(body, len(prompt), self.script.max_model_len, None)
+
+        def answer(step: Step) -> dict[str, Any]:
+            sample = self._sample(user, turn, prompt, step, max_tokens)
+            return qwen.chat_response(self.model, body, sample, **self._meta(body))
+
+        return turn, answer
+
+    def _qwen_completions(self, body: dict[str, Any], user: str) -> _Request:
+        qwen.check_request(body, completions=True)
+        prompt = self.model.check_prompt_ids(body.get("prompt"))
+        turn = self.model.turn_of(prompt)
+        default = qwen.COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = qwen.check_max_tokens(body, len(prompt), self.script.max_model_len, default)
+
+        def answer(step: Step) -> dict[str, Any]:
+            sample = self._sample(user, turn, prompt, step, max_tokens)
+            return qwen.completion_response(self.model, body, sample, **self._meta(body))
+
+        return turn, answer
+
+    def _sample(self, user: str, turn: int, prompt: list[int], step: Step, max_tokens: int | None) -> Sample:
+        ids, logprobs, cut = self.model.sample(user, turn, step, max_tokens)
+        finish = "length" if cut else (step.finish_reason or "stop")
+        sample = Sample(user, turn, prompt, ids, logprobs, finish)
+        self.samples.append(sample)
+        return sample
+
+    def _meta(self, body: dict[str, Any]) -> dict[str, Any]:
+        served = body.get("model") if isinstance(body.get("model"), str) else self.script.model
+        return {"tokens": self.tokens, "served": served, "response_id": str(next(self._ids))}
+
     def _completion(self, body: dict[str, Any], step: Step, turn: int, prompt: list[int]) -> dict[str, Any]:
         tool_calls = [
             {
@@ -261,6 +337,13 @@ class ScriptedPolicyApp:
                 ]
             }
         return response
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("'messages' must be a non-empty list of objects")
+    return messages
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.testing import toy_tokenizer as toy
 
-Template = Literal["prefix", "drop_history"]
+Template = Literal["prefix", "drop_history", "qwen3"]
 
 
 class ScriptedToolCall(BaseModel):
@@ -56,7 +56,12 @@ class Script(BaseModel):
         "prefix",
         description="how the prompt is rendered. prefix: every turn's prompt extends the previous prompt and "
         "completion. drop_history: earlier assistant turns render empty, as reasoning models' chat templates drop "
-        "earlier thinking, so a later prompt does NOT extend the earlier one (token arrays become inconsistent)",
+        "earlier thinking, so a later prompt does NOT extend the earlier one (token arrays become inconsistent). "
+        "qwen3: a model server double with the offline Qwen-like tokenizer and chat template (qwen_policy.py): "
+        "/v1/completions with token ids too, answers sampled with <think> and hermes tool calls (the `tito` extra)",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="qwen3 only: the context length; a longer request is refused as vLLM refuses it"
     )
 
 
@@ -69,7 +74,10 @@ def task_of(user: str) -> str | None:
 
 
 def render_prompt(messages: list[dict[str, Any]], template: Template) -> list[int]:
-    """The prompt token ids of a conversation under a template (ValueError for a message the toy cannot render)."""
+    """The prompt token ids of a conversation under a toy template (ValueError for a message the toy cannot render);
+    the qwen3 template renders in qwen_policy.py."""
+    if template == "qwen3":
+        raise ValueError("the qwen3 template is rendered by the Qwen-like model, not the toy tokenizer")
     if template == "drop_history":
         messages = [{"role": "assistant", "content": ""} if m.get("role") == "assistant" else m for m in messages]
     return toy.prompt_ids(messages)

@@ -9,7 +9,12 @@ The app is a plain ASGI callable (policy_app.ScriptedPolicyApp) served by uvicor
 parsing, keep-alive and flow control are uvicorn's. It replaced a hand-written asyncio HTTP/1.1 server after
 measuring both side by side (bench/policy_server.py has the figures): with httptools it spends less CPU per request.
 
+With the qwen3 template (Script.template, or --template qwen3) it is a model server double instead: the offline
+Qwen-like tokenizer and chat template, /v1/completions with token-id prompts, answers sampled as ids with <think> and
+hermes tool calls, every sample logged (qwen_policy.py; needs the `tito` extra).
+
     python -m orchestrator.testing.scripted_policy --script script.json [--port 0] [--host 127.0.0.1] [--no-tokens]
+        [--template prefix|drop_history|qwen3]
 """
 
 from __future__ import annotations
@@ -22,16 +27,19 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from typing import get_args
 
 import uvicorn
 from pydantic import ValidationError
 
 from orchestrator.testing.policy_app import MAX_BODY, ScriptedPolicyApp
-from orchestrator.testing.policy_script import Script, ScriptedToolCall, Step, task_of
+from orchestrator.testing.policy_script import Script, ScriptedToolCall, Step, Template, task_of
+from orchestrator.testing.qwen_policy import Sample
 
 # What tests, demos and benches import from here (the script model lives in policy_script, the app in policy_app).
 __all__ = [
     "MAX_BODY",
+    "Sample",
     "Script",
     "ScriptedPolicyApp",
     "ScriptedServer",
@@ -136,8 +144,13 @@ class ScriptedServer:
 
     @property
     def requests(self) -> int:
-        """Chat completion requests received (faults included)."""
+        """Completion requests received, chat and (qwen3) plain, faults included."""
         return self.app.requests
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every completion the qwen3 template sampled, in answer order (the toy templates log none)."""
+        return self.app.samples
 
     @property
     def faults(self) -> int:
@@ -145,6 +158,7 @@ class ScriptedServer:
         return self.app.faults
 
     async def _start(self, host: str, port: int) -> None:
+        await asyncio.to_thread(self.app.load_model)  # the qwen3 tokenizer loads off the loop, before serving
         sock = _bind(host, port)
         self._host, self._port = host, int(sock.getsockname()[1])
         config = uvicorn.Config(
@@ -237,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     p.add_argument("--no-tokens", action="store_true", help="never return token ids or logprobs")
+    p.add_argument(
+        "--template", choices=get_args(Template), help="override the script's template (qwen3: the model server double)"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -246,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(args.script, encoding="utf-8") as f:
             script = Script.model_validate_json(f.read())
+        if args.template:
+            script = Script.model_validate({**script.model_dump(), "template": args.template})
     except (OSError, ValidationError) as e:
         print(f"error: cannot load script {args.script}: {e}", file=sys.stderr)
         return 2

@@ -30,3 +30,32 @@ def reference_script(
             calls.append(Step(tool_calls=[ScriptedToolCall(name=inv.name, arguments=args)]))
         steps[task.id] = calls
     return Script(tasks=steps, latency_s=latency_s)
+
+
+FILLER_ARGUMENTS = {"python": {"code": "print(sum(range({i})))"}, "bash": {"command": "echo turn {i} && ls"}}
+
+
+def filler_steps(env: Environment, task: Task, turns: int) -> list[Step]:
+    """`turns` assistant turns: harmless tool calls (python, else bash), then the task's reference solution."""
+    tool = "python" if "python" in env.tools else "bash"
+    filler = [
+        Step(
+            content=f"Step {i}.",
+            tool_calls=[
+                ScriptedToolCall(name=tool, arguments={k: v.format(i=i) for k, v in FILLER_ARGUMENTS[tool].items()})
+            ],
+        )
+        for i in range(max(0, turns - len(task.reference)))
+    ]
+    ref = [Step(tool_calls=[ScriptedToolCall(name=inv.name, arguments=dict(inv.arguments))]) for inv in task.reference]
+    return filler + ref
+
+
+def long_script(
+    env: Environment, tasks: Sequence[Task], *, turns: int = 6, template: str = "qwen3", **script: object
+) -> Script:
+    """Each task in `turns` turns (filler_steps), for the qwen3 model double by default: multi-turn episodes whose
+    tokens a chat template breaks (tito tests and the tito_overhead bench)."""
+    return Script.model_validate(
+        {"template": template, "tasks": {t.id: filler_steps(env, t, turns) for t in tasks}, **script}
+    )

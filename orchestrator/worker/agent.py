@@ -148,7 +148,7 @@ class WorkerAgent:
             error = f"worker {self.worker_id} cannot run it: {type(e).__name__}: {e}"[:2000]
             outbox.put(wpb.RolloutResult(assignment_id=a.assignment_id, error=error))
             return
-        item = WorkItem(a.job_id, task, a.sample_index, time.monotonic() - a.queued_s, a.tenant)
+        item = WorkItem(a.job_id, task, a.sample_index, time.monotonic() - a.queued_s, a.tenant, a.traceparent)
         rollout = await self._executor.run(item, env, spec)
         outbox.put(encode(a.assignment_id, rollout))
 

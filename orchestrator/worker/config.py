@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig
+from orchestrator.core.tracing import TracingConfig
 
 
 class WorkerConfig(BaseModel):
@@ -17,6 +20,10 @@ class WorkerConfig(BaseModel):
     pool: PoolConfig = PoolConfig()
     slots: int = Field(64, ge=1, le=100_000, description="rollouts this worker expects to run at once")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
+    tracing: TracingConfig = Field(TracingConfig(), description="where this worker exports its spans; off by default")
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to load beside the entry points"
+    )
+    tokenizer_dirs: list[Path] = Field(
+        default_factory=list, description="where tito jobs' tokenizers are, by folder name (the control plane's own)"
     )

@@ -113,7 +113,8 @@ class WorkerHub:
     def workers(self) -> list[WorkerInfo]:
         """The connected workers."""
         return [
-            WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served, w.trusted) for w in self._workers.values()
+            WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served, w.trusted)
+            for w in self._workers.values()
         ]
 
     async def wait_for_workers(self, n: int, timeout_s: float = 60.0) -> None:
@@ -214,6 +215,7 @@ class WorkerHub:
                 sample_index=item.sample_index,
                 queued_s=queued_s,
                 tenant=item.tenant,
+                traceparent=item.traceparent,
                 env_spec_json=env_json,
             )
         )

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.backends.pool import SandboxPool
+from orchestrator.core.tracing import make_tracer
 from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.rollout.tito.tokenizer import TokenizerCache
 from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.fleet import start_fleet
 from orchestrator.service.registry import Registry
@@ -16,11 +18,12 @@ from orchestrator.worker.config import WorkerConfig
 
 async def run_worker(target: str, token: str, config: WorkerConfig, name: str, stop: asyncio.Event) -> None:
     """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out."""
+    tracer = make_tracer(config.tracing, "envfleet-worker")  # each worker process exports its own spans
     fleet = await start_fleet(config.backend)
     backend = fleet.backend
     pool = SandboxPool(backend, config.pool)
     pool.start()
-    executor = LocalExecutor(RolloutRunner(pool, fleet.images))
+    executor = LocalExecutor(RolloutRunner(pool, fleet.images, tracer), TokenizerCache(config.tokenizer_dirs))
     registry = Registry.from_entry_points()
     for reference in config.environments:
         registry.load(reference)
@@ -39,3 +42,4 @@ async def run_worker(target: str, token: str, config: WorkerConfig, name: str, s
         await executor.close()
         await pool.close()
         await backend.close()
+        await asyncio.to_thread(tracer.shutdown)  # the last spans are exported before the process ends

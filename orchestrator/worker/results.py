@@ -66,7 +66,7 @@ def decode(result: wpb.RolloutResult, item: WorkItem, *, trusted: bool) -> tuple
         raise InvalidResultError(str(e)) from None
     try:
         if trusted:  # both forms come from one model in a process of this host's own (encode above)
-            return EncodedRollout(*ids, status, js.decode(), wire_bytes), wire.timing.total
+            return EncodedRollout(*ids, status, reward, wire.attempts, js.decode(), wire_bytes), wire.timing.total
         model = Rollout.model_validate_json(js)
     except ValueError as e:  # pydantic's ValidationError and UnicodeDecodeError are ValueErrors
         raise InvalidResultError(f"the rollout's JSON form is invalid: {e}") from None
@@ -76,7 +76,8 @@ def decode(result: wpb.RolloutResult, item: WorkItem, *, trusted: bool) -> tuple
         reward,
     ):
         raise InvalidResultError("the rollout's JSON and protobuf forms disagree on its ids, status or reward")
-    return EncodedRollout(*ids, status, model.model_dump_json(exclude={"seq"}), wire_bytes), wire.timing.total
+    json = model.model_dump_json(exclude={"seq"})
+    return EncodedRollout(*ids, status, reward, wire.attempts, json, wire_bytes), wire.timing.total
 
 
 def add_attempts(rollout: EncodedRollout, extra: int) -> EncodedRollout:
@@ -90,6 +91,8 @@ def add_attempts(rollout: EncodedRollout, extra: int) -> EncodedRollout:
         rollout.job_id,
         rollout.group_id,
         rollout.status,
+        rollout.reward,
+        model.attempts,
         model.model_dump_json(exclude={"seq"}),
         wire.SerializeToString(),
     )

@@ -70,10 +70,7 @@ def test_every_serve_flag_has_a_config_key(tmp_path: Path, suffix: str) -> None:
     if suffix == ".toml":
         # flag spelling for the keys, native TOML values (a string where the sample is a path)
         path.write_text(
-            "\n".join(
-                f"{d.replace('_', '-')} = {json.dumps(str(p) if isinstance(p, Path) else p)}"
-                for d, (_, p) in values.items()
-            )
+            "\n".join(f"{d.replace('_', '-')} = {json.dumps(p, default=str)}" for d, (_, p) in values.items())
         )
     else:
         path.write_text("\n".join(f"{d}: {json.dumps(raw)}" for d, (raw, _) in values.items()))
@@ -155,3 +152,20 @@ def test_probe_address_follows_the_server_variables() -> None:
     assert default_address({}) == "127.0.0.1:50051"
     assert default_address({"ENVFLEET_HOST": "0.0.0.0", "ENVFLEET_PORT": "6000"}) == "127.0.0.1:6000"
     assert default_address({"ENVFLEET_HOST": "::1"}) == "[::1]:50051"
+
+
+def test_tokenizer_directories_from_flags_and_the_config_file(tmp_path: Path) -> None:
+    from orchestrator.cli.main import _server_config
+    from orchestrator.server.app import OrchestratorConfig
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (tmp_path / "serve.yaml").write_text(f"tokenizer_dir: [{a}, {b}]\n")
+    args = parse_args(build_parser(), ["serve", "--config", str(tmp_path / "serve.yaml"), "--workers", "0"], {})
+    config = _server_config(args)
+    assert isinstance(config, OrchestratorConfig) and config.tokenizer_dirs == [a, b]
+    args = parse_args(build_parser(), ["serve", "--tokenizer-dir", str(b), "--workers", "0"], {})
+    assert _server_config(args).tokenizer_dirs == [b]  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="tokenizer_dirs: not a directory"):
+        _server_config(parse_args(build_parser(), ["serve", "--tokenizer-dir", str(tmp_path / "none")], {}))

@@ -13,6 +13,7 @@ import pytest
 
 from orchestrator.backends.config import DockerBackendConfig, FakeBackendConfig
 from orchestrator.core.models import Rollout, RolloutStatus
+from orchestrator.core.tracing import Tracer
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.service.executor import LocalExecutor
@@ -25,10 +26,12 @@ FAKE_BASE_IMAGE = FAKE.base_image
 
 
 @contextlib.asynccontextmanager
-async def serve(data_dir: Path, registry: Registry | None = None, **config: Any) -> AsyncIterator[Orchestrator]:
+async def serve(
+    data_dir: Path, registry: Registry | None = None, *, tracer: Tracer | None = None, **config: Any
+) -> AsyncIterator[Orchestrator]:
     """An orchestrator on a free loopback port, owned by the test suite; stopped (sandboxes destroyed) afterwards."""
     settings: dict[str, Any] = {"port": 0, "data_dir": data_dir, "backend": DockerBackendConfig(owner=TEST_OWNER)}
-    orch = await create_server(OrchestratorConfig.model_validate({**settings, **config}), registry)
+    orch = await create_server(OrchestratorConfig.model_validate({**settings, **config}), registry, tracer=tracer)
     try:
         yield orch
     finally:

@@ -19,7 +19,8 @@ from orchestrator.testing.synthetic_rollouts import long_rollout
 
 def _encoded(r: Rollout) -> EncodedRollout:
     js = r.model_dump_json(exclude={"seq"})
-    return EncodedRollout(r.id, r.job_id, r.group_id, r.status, js, rollout_pb(js).SerializeToString())
+    wire = rollout_pb(js).SerializeToString()
+    return EncodedRollout(r.id, r.job_id, r.group_id, r.status, r.reward, r.attempts, js, wire)
 
 
 def _sample(i: int, job: str = "job-a") -> Rollout:

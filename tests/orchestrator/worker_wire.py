@@ -88,7 +88,7 @@ class ScriptedWorker:
     target: str
     answer: Answer
     worker_id: str = "scripted"
-    protocol: int = wpb.PROTOCOL_BATCHED
+    protocol: wpb.Protocol = wpb.PROTOCOL_BATCHED
     heartbeat_s: float = 0.5
     assignments: list[wpb.Assignment] = field(default_factory=list)
     assign_messages: int = 0  # control messages that carried assignments

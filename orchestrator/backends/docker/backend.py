@@ -23,7 +23,13 @@ from orchestrator.backends.docker.engine import Engine
 from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.startup import create_until_ready
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, Owner, sweep
-from orchestrator.core.errors import SandboxDiedError, SandboxError, SandboxUnavailableError
+from orchestrator.core.errors import (
+    ConfigError,
+    LimitNotAppliedError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxUnavailableError,
+)
 from orchestrator.core.sandbox import (
     Command,
     ExecEvent,
@@ -35,6 +41,7 @@ from orchestrator.core.sandbox import (
     SandboxInfo,
     SandboxSpec,
     SandboxState,
+    Stdin,
     Transport,
 )
 
@@ -42,6 +49,13 @@ __all__ = ["DockerBackend", "DockerBackendConfig", "DockerSandbox"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def _no_runtime(runtime: str, have: frozenset[str]) -> str:
+    return (
+        f"the docker engine has no OCI runtime {runtime!r} (it has: {', '.join(sorted(have)) or 'none'}); register it "
+        f'in /etc/docker/daemon.json under "runtimes" and reload dockerd (SIGHUP), or choose another runtime'
+    )
 
 
 class DockerSandbox(Sandbox):
@@ -84,7 +98,7 @@ class DockerSandbox(Sandbox):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> ExecResult:
@@ -99,7 +113,7 @@ class DockerSandbox(Sandbox):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> AsyncIterator[ExecEvent]:
@@ -173,6 +187,7 @@ class DockerBackend(SandboxBackend):
         self._removals: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self.swap_limit: bool | None = None
+        self.runtimes: frozenset[str] = frozenset()  # the engine's OCI runtimes, from its info
         self._creating: set[str] = set()
         self.engine_healthy = True
         self._health_listeners: list[Callable[[bool], None]] = []
@@ -184,6 +199,10 @@ class DockerBackend(SandboxBackend):
         backend = cls(config)
         info = await backend.engine.call(backend.api.info)
         backend.swap_limit = bool(info.get("SwapLimit"))
+        backend.runtimes = frozenset(info.get("Runtimes") or ())
+        if backend.config.runtime and backend.config.runtime not in backend.runtimes:
+            backend.engine.close()
+            raise ConfigError(_no_runtime(backend.config.runtime, backend.runtimes))
         if sweep:
             await backend.sweep()
             backend._sweeper = asyncio.create_task(backend._sweep_forever())
@@ -214,6 +233,18 @@ class DockerBackend(SandboxBackend):
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Blocking work that is more than one engine call: on the pool, outside the limiter (Engine.run_blocking)."""
         return await self.engine.run_blocking(fn, *args, **kwargs)
+
+    async def runtime_for(self, spec: SandboxSpec) -> str:
+        """The OCI runtime a sandbox of `spec` runs under (empty: the engine's default); LimitNotAppliedError when the
+        engine has no such runtime, so a sandbox never silently runs under a weaker one."""
+        runtime = spec.runtime or self.config.runtime
+        if runtime and runtime not in self.runtimes:
+            # registered since start? runtimes reload with the engine's configuration, without a restart
+            info = await self.engine.call(self.api.info)
+            self.runtimes = frozenset(info.get("Runtimes") or ())
+            if runtime not in self.runtimes:
+                raise LimitNotAppliedError(_no_runtime(runtime, self.runtimes))
+        return runtime
 
     async def create(self, spec: SandboxSpec) -> DockerSandbox:
         name = f"envfleet-{uuid.uuid4().hex[:12]}"

@@ -1,33 +1,42 @@
 """The fallback path into a sandbox whose image has no envd: `docker exec` through the engine.
 
-Slower (every call is a round trip through dockerd) but behind the same Transport interface. Timeouts use
-coreutils `timeout`, which signals its whole process group; output is capped on the host side; files move as tar
-streams through `tar` inside the sandbox, which also refuses members that escape the destination.
+Slower (every call is a round trip through dockerd) but behind the same Transport interface and, where the engine
+allows, with envd's exec guarantees, enforced from the host: a wall-clock timeout after which everything the
+command started is killed (every process in the sandbox but init and the keeper, stopped first so a fork bomb
+cannot outrun it), and the same kill when the command exits and no other exec is running, so no process outlives
+its exec; output capped with a truncation flag; stdin streamed; exit status and timed_out measured here, not
+guessed from an exit code. What it cannot give: an OOM flag per exec, and concurrent execs in one sandbox are told
+apart only by their end (the kill waits for the last; a timeout kills them all). Files move as tar streams through
+`tar` inside the sandbox, which also refuses members that escape the destination.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import shlex
 import socket
+import struct
 import tarfile
-import time
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from docker.utils.socket import frames_iter
-
-from orchestrator.core.errors import SandboxFileError, SandboxFileNotFoundError, SandboxUnavailableError
+from orchestrator.core.errors import (
+    SandboxCreateError,
+    SandboxFileError,
+    SandboxFileNotFoundError,
+    SandboxUnavailableError,
+)
 from orchestrator.core.sandbox import (
     Command,
     ExecEnded,
     ExecEvent,
     ExecOutput,
-    ExecResult,
     ExecStarted,
     FileEntry,
     SandboxSpec,
+    Stdin,
     Transport,
 )
 
@@ -36,7 +45,29 @@ if TYPE_CHECKING:
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_OUTPUT = 1 << 20
+# after the command exits (or is killed), how long its pipes are read before the call ends anyway
+DRAIN_S = 2.0
+# how often the engine is asked whether the command has exited while its output stream is still open
+POLL_S = 0.25
+READ_CHUNK = 64 << 10
 _KIND = {"f": "file", "d": "dir", "l": "symlink"}
+
+# Kill every process but init (1), the keeper ($1) and this shell: SIGSTOP in rounds until no new one shows up (a
+# fork bomb cannot outrun it), then SIGKILL in rounds. Only shell builtins, so the sweep forks nothing itself.
+SWEEP = r"""
+keep=$1; me=$$
+sweep() {
+  any=
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    case $p in 1|"$keep"|"$me") continue ;; esac
+    kill "-$1" "$p" 2>/dev/null && any=1
+  done
+  [ -n "$any" ]
+}
+i=0; while [ $i -lt 200 ] && sweep STOP; do i=$((i + 1)); done
+i=0; while [ $i -lt 100 ] && sweep KILL; do i=$((i + 1)); done
+"""
 
 
 class DockerExecTransport(Transport):
@@ -46,63 +77,50 @@ class DockerExecTransport(Transport):
         self._backend = backend
         self._cid = cid
         self._spec = spec
+        self._keeper = ""  # the container's main process under init: never killed (see start)
+        self._running = 0
 
-    def _run_blocking(
-        self, argv: list[str], cwd: str, env: Mapping[str, str], stdin: bytes, max_output: int
-    ) -> tuple[int, bytes, bytes, bool]:
+    async def start(self) -> None:
+        """Learn the keeper's pid before any command runs (init's only child then); without it no kill is safe, so
+        the create fails."""
+        code, out = await self._quiet(["cat", "/proc/1/task/1/children"])
+        pids = out.split()
+        if code != 0 or len(pids) > 1:
+            raise SandboxCreateError(f"docker-exec sandbox: cannot tell init's children apart ({out[:200]!r})")
+        self._keeper = pids[0].decode() if pids else "1"
+
+    async def _quiet(self, argv: list[str]) -> tuple[int, bytes]:
+        """A short command of the transport's own (no timeout handling, no sweep): exit code and stdout."""
+        out: list[bytes] = []
+        code = -1
+        async for ev in self._run(argv, "/", {}, b"", 30.0, 1 << 20, sweep=False):
+            if isinstance(ev, ExecOutput) and ev.stream == "stdout":
+                out.append(ev.data)
+            elif isinstance(ev, ExecEnded):
+                code = ev.exit_code
+        return code, b"".join(out)
+
+    async def kill_leftovers(self) -> None:
+        """Kill every process in the sandbox but init and the keeper."""
+        argv = ["/bin/sh", "-c", SWEEP, "sweep", self._keeper or "1"]
+        with contextlib.suppress(SandboxUnavailableError):
+            await self._engine_exec(argv, "/", {}, wait=True)
+
+    async def _engine_exec(self, argv: list[str], cwd: str, env: Mapping[str, str], *, wait: bool = False) -> Any:
         api = self._backend.api
-        exec_id = api.exec_create(
-            self._cid, argv, stdin=True, workdir=cwd, environment=dict(env), user=self._spec.hardening.user
-        )["Id"]
-        sock: Any = api.exec_start(exec_id, socket=True)
-        raw: socket.socket = sock._sock
-        try:
-            if stdin:
-                raw.sendall(stdin)
-            raw.shutdown(socket.SHUT_WR)
-            out: list[bytes] = []
-            err: list[bytes] = []
-            left, truncated = max_output, False
-            for stream, data in frames_iter(sock, tty=False):
-                keep = data[:left]
-                truncated |= len(keep) < len(data)
-                left -= len(keep)
-                if keep:
-                    (out if stream == 1 else err).append(keep)
-        finally:
-            sock.close()
-        code = api.exec_inspect(exec_id).get("ExitCode")
-        return (code if code is not None else -1), b"".join(out), b"".join(err), truncated
-
-    async def exec(
-        self,
-        cmd: Command,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
-        timeout: float | None = None,
-        max_output: int | None = None,
-    ) -> ExecResult:
-        limit = timeout or DEFAULT_TIMEOUT_S
-        inner = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        argv = ["timeout", "-k", "1", f"{limit:g}", *inner]
-        t0 = time.monotonic()
-        try:
-            code, out, err, truncated = await self._backend.run_blocking(
-                self._run_blocking,
-                argv,
-                cwd or self._spec.workspace,
-                env or {},
-                stdin,
-                max_output or DEFAULT_MAX_OUTPUT,
-            )
-        except Exception as e:
-            raise SandboxUnavailableError(f"docker exec failed: {e}") from e
-        elapsed = time.monotonic() - t0
-        timed_out = code in (124, 137) and elapsed >= limit
-        sig = code - 128 if code > 128 else 0
-        return ExecResult(code, out, err, sig, timed_out, truncated, False, elapsed)
+        created = await self._backend.engine.call(
+            api.exec_create,
+            self._cid,
+            argv,
+            stdin=not wait,
+            workdir=cwd,
+            environment=dict(env),
+            user=self._spec.hardening.user,
+        )
+        if wait:
+            return await self._backend.engine.call(api.exec_start, created["Id"])
+        sock = await self._backend.engine.call(api.exec_start, created["Id"], socket=True)
+        return created["Id"], sock
 
     async def exec_stream(
         self,
@@ -110,27 +128,113 @@ class DockerExecTransport(Transport):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> AsyncIterator[ExecEvent]:
-        # The fallback does not stream: it yields the collected result as events.
-        r = await self.exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
-        yield ExecStarted(0)
-        if r.stdout:
-            yield ExecOutput("stdout", r.stdout)
-        if r.stderr:
-            yield ExecOutput("stderr", r.stderr)
-        yield ExecEnded(r.exit_code, r.signal, r.timed_out, r.truncated, r.oom_killed, r.duration_s)
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        limit = timeout or DEFAULT_TIMEOUT_S
+        cap = max_output or DEFAULT_MAX_OUTPUT
+        async for ev in self._run(argv, cwd or self._spec.workspace, env or {}, stdin, limit, cap, sweep=True):
+            yield ev
+
+    async def _run(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: Mapping[str, str],
+        stdin: Stdin,
+        limit: float,
+        cap: int,
+        *,
+        sweep: bool,
+    ) -> AsyncIterator[ExecEvent]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            exec_id, sock = await self._engine_exec(argv, cwd, env)
+        except Exception as e:
+            raise SandboxUnavailableError(f"docker exec failed: {e}") from e
+        raw: socket.socket = sock._sock
+        raw.setblocking(False)
+        self._running += 1
+        feeder = asyncio.create_task(_feed(loop, raw, stdin))
+        exited = asyncio.create_task(self._exited(exec_id))
+        frames = _Frames(loop, raw)
+        left, truncated, timed_out, finished = cap, False, False, False
+        try:
+            yield ExecStarted(0)
+            # 1. output until the stream closes, the command exits or its time is up
+            async for stream, data in frames.until(exited, t0 + limit):
+                keep = data[:left]
+                truncated |= len(keep) < len(data)
+                left -= len(keep)
+                if keep:
+                    yield ExecOutput("stdout" if stream == 1 else "stderr", keep)
+            timed_out = not exited.done() and loop.time() >= t0 + limit
+            # 2. kill what it started (what is left once the last exec ends), then read what is left, briefly
+            # the pipes are read while the kill runs: the engine does not finish a killed exec whose output is unread
+            killing = None
+            if timed_out or (sweep and self._running == 1):
+                killing = asyncio.ensure_future(self.kill_leftovers())
+            async for stream, data in frames.until(None, loop.time() + DRAIN_S):
+                keep = data[:left]
+                truncated |= len(keep) < len(data)
+                left -= len(keep)
+                if keep:
+                    yield ExecOutput("stdout" if stream == 1 else "stderr", keep)
+            frames.close()
+            sock.close()  # a holder of the pipes that survived gets EPIPE, and the engine lets the exec end
+            if killing is not None:
+                await killing
+            finished = True
+        finally:
+            self._running -= 1
+            feeder.cancel()
+            exited.cancel()
+            frames.close()
+            sock.close()
+            if not finished:  # cancelled or failed: what it started goes
+                await asyncio.shield(self.kill_leftovers())
+        code = await self._exit_code(exec_id)
+        sig = code - 128 if code > 128 else 0
+        yield ExecEnded(code, sig, timed_out, truncated, False, loop.time() - t0)
+
+    async def _exit_code(self, exec_id: str) -> int:
+        """The command's exit status from the engine (128 + signal when killed; 137 if it never shows as ended)."""
+        for _ in range(int(DRAIN_S / POLL_S)):
+            info = await self._backend.engine.call(self._backend.api.exec_inspect, exec_id)
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return int(info["ExitCode"])
+            await asyncio.sleep(POLL_S)
+        return 137
+
+    async def _exited(self, exec_id: str) -> None:
+        """Return once the engine says the command's own process has exited (its output may still be held open)."""
+        api = self._backend.api
+        while True:
+            await asyncio.sleep(POLL_S)
+            info = await self._backend.engine.call(api.exec_inspect, exec_id)
+            if not info.get("Running"):
+                return
 
     async def _checked(self, argv: list[str], stdin: bytes = b"", max_output: int = 256 << 20) -> bytes:
-        r = await self.exec(argv, stdin=stdin, max_output=max_output, timeout=120)
-        if r.exit_code != 0:
-            msg = r.stderr.decode(errors="replace").strip()
+        """A file command of the transport's own (tar, cat, find): its stdout, or the file error it reported."""
+        out: list[bytes] = []
+        err: list[bytes] = []
+        end: ExecEnded | None = None
+        async for ev in self._run(argv, self._spec.workspace, {}, stdin, 120.0, max_output, sweep=False):
+            if isinstance(ev, ExecOutput):
+                (out if ev.stream == "stdout" else err).append(ev.data)
+            elif isinstance(ev, ExecEnded):
+                end = ev
+        assert end is not None
+        if end.exit_code != 0 or end.timed_out:
+            msg = b"".join(err).decode(errors="replace").strip()
             if "No such file" in msg or "Cannot stat" in msg:
                 raise SandboxFileNotFoundError(msg)
-            raise SandboxFileError(msg or f"{argv[0]} exited {r.exit_code}")
-        return r.stdout
+            raise SandboxFileError(msg or f"{argv[0]} exited {end.exit_code}")
+        return b"".join(out)
 
     async def download(self, path: str) -> bytes:
         parent, _, base = path.rstrip("/").rpartition("/")
@@ -175,10 +279,67 @@ class DockerExecTransport(Transport):
     async def health(self, timeout: float) -> bool:
         try:
             async with asyncio.timeout(timeout):  # not wait_for, which can swallow a cancel on Python 3.11
-                r = await self.exec(["true"])
+                code, _ = await self._quiet(["true"])
         except (TimeoutError, SandboxUnavailableError):
             return False
-        return r.exit_code == 0
+        return code == 0
 
     async def close(self) -> None:
         return None
+
+
+async def _feed(loop: asyncio.AbstractEventLoop, raw: socket.socket, stdin: Stdin) -> None:
+    """Write stdin as the command reads it (the socket's buffer holds the sender back), then close its stdin."""
+    with contextlib.suppress(OSError):
+        if isinstance(stdin, bytes):
+            if stdin:
+                await loop.sock_sendall(raw, stdin)
+        else:
+            async for chunk in stdin:
+                await loop.sock_sendall(raw, chunk)
+        raw.shutdown(socket.SHUT_WR)
+
+
+class _Frames:
+    """The engine's multiplexed exec stream (8-byte headers: stream, 0, 0, 0, length), read without blocking."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, raw: socket.socket) -> None:
+        self._loop = loop
+        self._raw = raw
+        self._buf = b""
+        self._reading: asyncio.Future[bytes] | None = None
+        self.closed = False
+
+    async def until(self, stop: asyncio.Future[None] | None, deadline: float) -> AsyncIterator[tuple[int, bytes]]:
+        """Frames until the stream closes, `stop` is done or the loop's clock passes `deadline`."""
+        while not self.closed:
+            while len(self._buf) >= 8:
+                stream, size = self._buf[0], struct.unpack(">I", self._buf[4:8])[0]
+                if len(self._buf) < 8 + size:
+                    break
+                data, self._buf = self._buf[8 : 8 + size], self._buf[8 + size :]
+                yield stream, data
+            if (stop is not None and stop.done()) or self._loop.time() >= deadline:
+                return  # a stream that never pauses must not hold the call past its deadline
+            if self._reading is None:
+                self._reading = asyncio.ensure_future(self._loop.sock_recv(self._raw, READ_CHUNK))
+            waits: set[asyncio.Future[Any]] = {self._reading}
+            if stop is not None:
+                waits.add(stop)
+            timeout = max(0.0, deadline - self._loop.time())
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if self._reading in done:
+                reading, self._reading = self._reading, None
+                try:
+                    chunk = reading.result()
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    self.closed = True
+                self._buf += chunk
+                continue
+            return  # stopped or out of time; a read in progress carries over to the next call
+
+    def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()

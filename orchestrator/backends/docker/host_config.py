@@ -37,8 +37,11 @@ def tmpfs_sizes(lim: Limits) -> tuple[int, int]:
     return tmp, ws
 
 
-def host_config(api: Any, spec: SandboxSpec, socket_dir: Path | None, *, swap_limit: bool, nofile: int) -> Any:
-    """The engine's HostConfig for a sandbox of `spec`, with envd's socket directory bound at ENVD_MOUNT."""
+def host_config(
+    api: Any, spec: SandboxSpec, socket_dir: Path | None, *, swap_limit: bool, nofile: int, runtime: str = ""
+) -> Any:
+    """The engine's HostConfig for a sandbox of `spec`, with envd's socket directory bound at ENVD_MOUNT and the
+    OCI `runtime` (already checked to be one the engine has; empty: the engine's default)."""
     lim, hard = spec.limits, spec.hardening
     uid, gid = hard.user.split(":")
     tmp_mb, workspace_mb = tmpfs_sizes(lim)
@@ -60,6 +63,8 @@ def host_config(api: Any, spec: SandboxSpec, socket_dir: Path | None, *, swap_li
     }
     if swap_limit:
         kwargs["memswap_limit"] = f"{lim.memory_mb}m"  # no swap beyond the memory limit
+    if runtime:
+        kwargs["runtime"] = runtime
     if socket_dir is not None:
         kwargs["binds"] = {str(socket_dir): {"bind": ENVD_MOUNT, "mode": "rw"}}
     return api.create_host_config(**kwargs)

@@ -36,6 +36,7 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
     engine = backend.engine
     uid, gid = (int(x) for x in spec.hardening.user.split(":"))
     use_envd = spec.transport == "envd"
+    runtime = await backend.runtime_for(spec)  # before anything is made: a missing runtime fails closed
     token = secrets.token_urlsafe(24)
     socket_dir = backend.sockets.make(name, uid, gid)
     cid: str | None = None
@@ -58,6 +59,7 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
                 socket_dir if use_envd else None,
                 swap_limit=bool(backend.swap_limit),
                 nofile=backend.config.nofile,
+                runtime=runtime,
             ),
             network_disabled=True,
         )
@@ -73,7 +75,9 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
         else:
             from orchestrator.backends.docker.exec_fallback import DockerExecTransport
 
-            transport = DockerExecTransport(backend, cid, spec)
+            fallback = DockerExecTransport(backend, cid, spec)
+            await fallback.start()
+            transport = fallback
     except BaseException as e:
         await backend.discard(cid or name, name)
         if isinstance(e, docker.errors.ImageNotFound):

@@ -29,6 +29,7 @@ from orchestrator.core.sandbox import (
     SandboxInfo,
     SandboxSpec,
     SandboxState,
+    Stdin,
 )
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class FakeSandbox(Sandbox):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> ExecResult:
@@ -134,7 +135,7 @@ class FakeSandbox(Sandbox):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> AsyncIterator[ExecEvent]:

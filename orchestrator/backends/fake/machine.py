@@ -34,7 +34,9 @@ from orchestrator.core.sandbox import (
     ExecStarted,
     FileEntry,
     ResetOutcome,
+    Stdin,
     Transport,
+    read_stdin,
 )
 
 # envd's defaults and bounds (envd/server.py EnvdConfig)
@@ -42,6 +44,7 @@ DEFAULT_TIMEOUT_S = 600.0
 MAX_TIMEOUT_S = 24 * 3600.0
 DEFAULT_MAX_OUTPUT = 1 << 20
 MAX_OUTPUT_LIMIT = 256 << 20
+FAKE_STDIN_BYTES = 256 << 20
 SIGKILL = 9
 
 
@@ -148,17 +151,19 @@ class FakeMachine(Transport):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
-        stdin: bytes = b"",
+        stdin: Stdin = b"",
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> AsyncIterator[ExecEvent]:
         self._check()
+        # an in-memory machine: streamed stdin is gathered, up to what one fake command takes
+        data = await read_stdin(stdin, FAKE_STDIN_BYTES, "the fake backend")
         argv = _argv(cmd)
         limit_s, budget = _bounds(env, timeout, max_output)
         where = self.fs.resolve(cwd or self.fs.workspace)
         if not self.fs.is_dir(where):
             raise SandboxFileNotFoundError(f"cwd {where} does not exist or is not a directory")
-        request = FakeExec(argv, where, dict(env or {}), stdin, limit_s, self.fs, self.name)
+        request = FakeExec(argv, where, dict(env or {}), data, limit_s, self.fs, self.name)
         self._pids += 1
         yield ExecStarted(self._pids)
         t0 = time.monotonic()

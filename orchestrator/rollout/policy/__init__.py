@@ -1,11 +1,11 @@
 """The policy client: chat messages and tools in, a Completion with token ids and logprobs out.
 
-`base` is the seam (Policy, Completion), `client` the OpenAI-compatible HTTP client, `parsing` the response parser.
-The endpoint and sampling configuration live in `orchestrator.core.policy`, the errors in `orchestrator.core.errors`.
+`base` is the seam (Policy, Completion, ToolCall), `client` the OpenAI-compatible HTTP client (chat mode), `parsing`
+its response parser; token-in, token-out lives in orchestrator/rollout/tito/. The endpoint and sampling
+configuration live in `orchestrator.core.policy`, the errors in `orchestrator.core.errors`. This package imports
+only the seam, so that the tokenizer-only tito modules (which a trainer adapter imports alone) pull in no httpx.
 """
 
-from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
-from orchestrator.rollout.policy.client import OpenAIPolicy
-from orchestrator.rollout.policy.parsing import parse_chat_completion
+from orchestrator.rollout.policy.base import Completion, ContextFull, Policy, ToolCall
 
-__all__ = ["Completion", "OpenAIPolicy", "Policy", "ToolCall", "parse_chat_completion"]
+__all__ = ["Completion", "ContextFull", "Policy", "ToolCall"]

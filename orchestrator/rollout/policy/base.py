@@ -32,8 +32,22 @@ class Completion:
     raw_message: dict[str, Any]
 
 
+class ContextFull(Exception):
+    """Raised by a policy when the episode's context (JobSpec.max_model_len) has no room for another sampled token.
+
+    Not a failure: the agent loop ends the episode there, TRUNCATED, with its tokens as far as they went."""
+
+
 class Policy(abc.ABC):
-    """The model being trained, as the rollout runner sees it."""
+    """The model being trained, as the rollout runner sees it.
+
+    The agent loop calls `for_episode` once per episode and `complete` on what it returns: a stateless policy (chat
+    completions) returns itself; a token-in, token-out one returns an object holding that episode's token context.
+    """
+
+    def for_episode(self, *, max_model_len: int | None = None) -> Policy:
+        """The policy for one episode; `max_model_len` bounds its whole context where the policy counts tokens."""
+        return self
 
     @abc.abstractmethod
     async def complete(

@@ -135,12 +135,17 @@ class OpenAIPolicy(Policy):
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, *, user: str = ""
     ) -> Completion:
         """POST one chat completion, retrying 429, 5xx, timeouts and connection errors with backoff."""
-        body = self.request_body(messages, tools, sampling, user)
+        data = await self.post_json(self._url, self.request_body(messages, tools, sampling, user))
+        return parse_chat_completion(data, model=self.endpoint.model)
+
+    async def post_json(self, url: str, body: dict[str, Any]) -> Any:
+        """POST a JSON body to `url` (an endpoint of this server) and return the decoded JSON answer, retrying 429,
+        5xx, timeouts and connection errors with backoff; the shared transport of chat and tito requests."""
         headers = {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
         attempts = self.endpoint.max_retries + 1
         for attempt in range(attempts):
             try:
-                data = await self._attempt(body, headers)
+                return await self._attempt(url, body, headers)
             except _Retryable as r:
                 if attempt + 1 >= attempts:
                     r.error.args = (f"{r.error} (attempt {attempt + 1} of {attempts})",)
@@ -150,8 +155,6 @@ class OpenAIPolicy(Policy):
                     "policy request failed (attempt %d/%d), retrying in %.2fs: %s", attempt + 1, attempts, delay, r
                 )
                 await asyncio.sleep(delay)
-                continue
-            return parse_chat_completion(data, model=self.endpoint.model)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _backoff(self, attempt: int, retry_after_s: float | None) -> float:
@@ -160,22 +163,22 @@ class OpenAIPolicy(Policy):
             delay = max(delay, retry_after_s)
         return min(self._backoff_cap_s, delay)
 
-    async def _attempt(self, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    async def _attempt(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         timeout_s = self.endpoint.request_timeout_s
         i = self._pick_client()
         self._inflight[i] += 1
         try:
             # httpx's timeouts bound each phase; this bounds the whole attempt, a slow trickle included
             async with asyncio.timeout(timeout_s):
-                resp, content = await self._post(self._clients[i], body, headers)
+                resp, content = await self._post(self._clients[i], url, body, headers)
         except (TimeoutError, httpx.TimeoutException) as e:
-            msg = f"policy server {self._url} did not answer within {timeout_s:g}s"
+            msg = f"policy server {url} did not answer within {timeout_s:g}s"
             raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
         except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
-            msg = f"policy server {self._url} unreachable: {type(e).__name__}: {e}"
+            msg = f"policy server {url} unreachable: {type(e).__name__}: {e}"
             raise _Retryable(PolicyConnectionError(msg), cause=e) from e
         except httpx.HTTPError as e:
-            raise PolicyError(f"request to policy server {self._url} failed: {type(e).__name__}: {e}") from e
+            raise PolicyError(f"request to policy server {url} failed: {type(e).__name__}: {e}") from e
         finally:
             if i < len(self._inflight):  # aclose may have emptied the list meanwhile
                 self._inflight[i] -= 1
@@ -185,12 +188,12 @@ class OpenAIPolicy(Policy):
                 return json.loads(content)
             except ValueError as e:
                 raise PolicyResponseError(
-                    f"policy server {self._url} answered {resp.status_code} with a body that is not JSON "
+                    f"policy server {url} answered {resp.status_code} with a body that is not JSON "
                     f"({_described(resp, content)})"
                 ) from e
-        log.debug("policy server %s answered HTTP %d: %r", self._url, resp.status_code, content[:200])
+        log.debug("policy server %s answered HTTP %d: %r", url, resp.status_code, content[:200])
         http_err = PolicyHTTPError(
-            f"policy server {self._url} answered HTTP {resp.status_code} ({_described(resp, content)})",
+            f"policy server {url} answered HTTP {resp.status_code} ({_described(resp, content)})",
             resp.status_code,
         )
         if resp.status_code == 429 or resp.status_code >= 500:
@@ -198,26 +201,26 @@ class OpenAIPolicy(Policy):
         raise http_err
 
     async def _post(
-        self, client: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str]
+        self, client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[httpx.Response, bytes]:
         """POST and read the body, stopping at max_response_bytes (PolicyResponseError) instead of buffering it."""
         cap = self.max_response_bytes
-        async with client.stream("POST", self._url, json=body, headers=headers) as resp:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
             declared = resp.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > cap:
-                raise PolicyResponseError(self._too_big(resp, f"declares {int(declared)} bytes"))
+                raise PolicyResponseError(self._too_big(url, resp, f"declares {int(declared)} bytes"))
             chunks: list[bytes] = []
             size = 0
             async for chunk in resp.aiter_bytes():
                 size += len(chunk)
                 if size > cap:
-                    raise PolicyResponseError(self._too_big(resp, f"sent more than {cap} bytes"))
+                    raise PolicyResponseError(self._too_big(url, resp, f"sent more than {cap} bytes"))
                 chunks.append(chunk)
         return resp, b"".join(chunks)
 
-    def _too_big(self, resp: httpx.Response, what: str) -> str:
+    def _too_big(self, url: str, resp: httpx.Response, what: str) -> str:
         return (
-            f"policy server {self._url} answered HTTP {resp.status_code} but its response {what}; "
+            f"policy server {url} answered HTTP {resp.status_code} but its response {what}; "
             f"the limit is {self.max_response_bytes} bytes"
         )
 

@@ -189,6 +189,7 @@ def make_environment(spec: EnvironmentSpec) -> DeclarativeEnvironment:
         "tools": tuple(spec.tools),
         "system_prompt": spec.system_prompt,
         "limits": spec.limits,
+        "runtime": spec.runtime,
         "max_turns": spec.max_turns,
         "tool_timeout_s": spec.tool_timeout_s,
         "__doc__": f"The declarative environment {spec.ref()}.",

@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.core.echo import echo
-from orchestrator.core.sandbox import Limits
+from orchestrator.core.sandbox import RUNTIME_PATTERN, Limits
 from orchestrator.core.tools import BUILTIN_TOOLS
 from orchestrator.service.declarative import dockerfile
 from orchestrator.service.declarative.errors import Problem, SpecError
@@ -192,6 +192,7 @@ class EnvironmentSpec(_Strict):
     tools: list[str] = Field(min_length=1, max_length=len(BUILTIN_TOOLS))
     scoring: ScoringDef
     limits: Limits = DEFAULT_LIMITS
+    runtime: str = Field("", pattern=RUNTIME_PATTERN, description="OCI runtime (runsc: gVisor); empty: the default")
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, min_length=1, max_length=MAX_TEXT)
     max_turns: int = Field(16, ge=1, le=1000)
     tool_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)

@@ -1,0 +1,191 @@
+"""SessionService for trainer adapters: typed openings and step results, one tool call or answer per step.
+
+The verl agent loop (async) and the SkyRL environment (sync) drive episodes through these; both see the same types:
+
+    sessions = AsyncSessions(client)                       # an EnvfleetClient
+    opening = await sessions.reset("python-tool", task_id="py-000")
+    result = await sessions.step(opening.session_id, ToolCall("call_0", "python", '{"code": "print(1)"}'))
+    await sessions.close(opening.session_id)
+
+A step's `reward` is None until the episode ends, and stays None when it failed for a reason that is not the
+policy's (`scored` is False): an adapter masks that sample, it never trains on a 0.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import EpisodeFailedError
+from orchestrator.core.models import RolloutStatus
+from orchestrator.rollout.policy.base import ToolCall
+from protos import orchestrator_pb2 as pb
+from protos import orchestrator_pb2_grpc as pb_grpc
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Opening:
+    """A session's start: its id, the opening chat messages and the tools (OpenAI schemas) the policy may call."""
+
+    session_id: str
+    env: str
+    task_id: str
+    max_turns: int
+    messages: list[Message]
+    tools: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one action did. `status` and `reward` are set on the last step only; reward None = nothing to learn."""
+
+    observation: str
+    reward: float | None
+    terminated: bool
+    truncated: bool
+    status: RolloutStatus | None
+    reward_components: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    error_kind: str = ""
+    error_message: str = ""
+
+    @property
+    def done(self) -> bool:
+        """The episode is over (answered, out of turns, or failed)."""
+        return self.terminated or self.truncated
+
+    @property
+    def scored(self) -> bool:
+        """The episode ended with a reward to learn from (OK or TRUNCATED)."""
+        return self.status is not None and self.status.scored
+
+    def failure(self) -> EpisodeFailedError:
+        """The error for an episode that ended unscored."""
+        status = self.status.value if self.status is not None else "UNSPECIFIED"
+        return EpisodeFailedError(status, self.error_kind, self.error_message)
+
+
+def reset_request(env: str, task_id: str = "", seed: int | None = None, max_turns: int = 0) -> pb.ResetRequest:
+    """A Reset on a task id, else on a task drawn with the seed."""
+    req = pb.ResetRequest(env=env, task_id=task_id, max_turns=max_turns)
+    if not task_id and seed is not None:
+        req.seed = seed
+    return req
+
+
+def opening_from_pb(r: pb.ResetResponse) -> Opening:
+    """The wire's ResetResponse as an Opening."""
+    return Opening(
+        session_id=r.session_id,
+        env=r.info.env,
+        task_id=r.info.task_id,
+        max_turns=r.info.max_turns,
+        messages=[{"role": m.role, "content": m.text} for m in r.observation.messages],
+        tools=[
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": json.loads(t.parameters_json)},
+            }
+            for t in r.observation.tools
+        ],
+    )
+
+
+def action_pb(action: ToolCall | str) -> pb.Action:
+    """A tool call, or (a str) the final answer."""
+    if isinstance(action, str):
+        return pb.Action(final_answer=action)
+    return pb.Action(tool_call=pb.ToolCall(id=action.id, name=action.name, arguments=action.arguments))
+
+
+def step_from_pb(r: pb.StepResponse) -> StepResult:
+    """The wire's StepResponse as a StepResult (status by its short name, reward None when absent)."""
+    status = RolloutStatus(pb.RolloutStatus.Name(r.status).removeprefix("ROLLOUT_STATUS_")) if r.status else None
+    return StepResult(
+        observation=r.observation,
+        reward=r.reward if r.HasField("reward") else None,
+        terminated=r.terminated,
+        truncated=r.truncated,
+        status=status,
+        reward_components=dict(r.reward_components),
+        metrics=dict(r.metrics),
+        error_kind=r.error.kind,
+        error_message=r.error.message,
+    )
+
+
+class AsyncSessions:
+    """SessionService over an EnvfleetClient's channel (its token and TLS), for asyncio code."""
+
+    def __init__(self, client: EnvfleetClient, *, timeout_s: float = 300.0) -> None:
+        self.client = client
+        self.timeout_s = timeout_s
+
+    async def reset(self, env: str, task_id: str = "", *, seed: int | None = None, max_turns: int = 0) -> Opening:
+        """Acquire a sandbox and set the task up."""
+        stub = self.client.session_stub
+        return opening_from_pb(await stub.Reset(reset_request(env, task_id, seed, max_turns), timeout=self.timeout_s))
+
+    async def step(self, session_id: str, action: ToolCall | str) -> StepResult:
+        """Run one tool call, or give the final answer."""
+        req = pb.StepRequest(session_id=session_id, action=action_pb(action))
+        return step_from_pb(await self.client.session_stub.Step(req, timeout=self.timeout_s))
+
+    async def close(self, session_id: str) -> None:
+        """Release the sandbox; a session that already expired has nothing to release."""
+        try:
+            await self.client.session_stub.CloseSession(
+                pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+
+
+class SyncSessions:
+    """SessionService on a blocking channel of its own, for code without asyncio (SkyRL runs env.step in threads)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        insecure: bool = False,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._metadata = bearer_metadata(token)
+        self._channel = sync_channel(target, token=token, tls=tls, insecure=insecure)
+        self._stub = pb_grpc.SessionServiceStub(self._channel)
+
+    def reset(self, env: str, task_id: str = "", *, seed: int | None = None, max_turns: int = 0) -> Opening:
+        """Acquire a sandbox and set the task up."""
+        req = reset_request(env, task_id, seed, max_turns)
+        return opening_from_pb(self._stub.Reset(req, timeout=self.timeout_s, metadata=self._metadata))
+
+    def step(self, session_id: str, action: ToolCall | str) -> StepResult:
+        """Run one tool call, or give the final answer."""
+        req = pb.StepRequest(session_id=session_id, action=action_pb(action))
+        return step_from_pb(self._stub.Step(req, timeout=self.timeout_s, metadata=self._metadata))
+
+    def close(self, session_id: str) -> None:
+        """Release the sandbox; a session that already expired has nothing to release."""
+        try:
+            self._stub.CloseSession(
+                pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+
+    def shutdown(self) -> None:
+        """Close the channel."""
+        self._channel.close()

@@ -1,0 +1,175 @@
+"""TRL: a `rollout_func` for GRPOTrainer backed by an envfleet job, and the reward function that reads its rewards.
+
+    from integrations.trl import EnvfleetRollout, envfleet_reward, task_dataset
+
+    rollout = EnvfleetRollout("127.0.0.1:50051", "python-tool", PolicyEndpoint(base_url=VLLM_URL, tokenizer="qwen3"))
+    trainer = GRPOTrainer(model, reward_funcs=envfleet_reward, train_dataset=task_dataset(["py-000", "py-001"]),
+                          args=GRPOConfig(num_generations=8, ...), rollout_func=rollout)
+
+Each dataset prompt is a task id. TRL hands the rollout function its prompts already repeated `num_generations`
+times in a row; each run becomes one group of one job (`group_size = num_generations`, groups delivered whole), and
+the groups are returned in the prompts' order whatever order they finished in. The token arrays are the rollouts'
+own (`prompt_ids`, `completion_ids`, `logprobs`, `env_mask` = envfleet's completion_mask: 1 on sampled tokens, 0 on
+observations), so the job must produce exact tokens: token-in, token-out (a policy tokenizer) or a chat server whose
+prompts extend each other.
+
+A failed rollout (status not OK or TRUNCATED) is masked two ways: its reward is None, which TRL turns into NaN and
+leaves out of the group's mean and std (its advantage becomes 0; a 0 reward would move the baseline), and its
+env_mask is all 0, so none of its tokens enter the loss or the KL term.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from orchestrator.client.sdk import GroupResult, SyncEnvfleetClient
+from orchestrator.core.models import JobSpec, Rollout, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint, Sampling
+
+REWARD_KEY = "envfleet_reward"
+STATUS_KEY = "envfleet_status"
+ID_KEY = "envfleet_rollout_id"
+
+
+def task_dataset(task_ids: Sequence[str]) -> Any:
+    """A TRL prompt dataset of task ids (a `datasets.Dataset` with one `prompt` column)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": list(task_ids)})
+
+
+def envfleet_reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
+    """GRPOTrainer reward function: each rollout's own reward, None (masked) for a failed one."""
+    rewards = kwargs.get(REWARD_KEY)
+    if rewards is None or len(rewards) != len(completions):
+        raise ValueError(f"envfleet_reward needs the {REWARD_KEY!r} column that EnvfleetRollout returns")
+    return [None if r is None else float(r) for r in rewards]
+
+
+def runs(task_ids: Sequence[str], group_size: int) -> list[str]:
+    """The task of each run of `group_size` equal prompts (TRL's RepeatSampler order); ValueError otherwise."""
+    if group_size < 1 or len(task_ids) % group_size:
+        raise ValueError(f"{len(task_ids)} prompts are not whole groups of num_generations={group_size}")
+    heads = list(task_ids[::group_size])
+    for i, head in enumerate(heads):
+        run = task_ids[i * group_size : (i + 1) * group_size]
+        if any(t != head for t in run):
+            raise ValueError(f"prompts {i * group_size}..{(i + 1) * group_size - 1} are not one task repeated: {run}")
+    return heads
+
+
+def rounds(heads: Sequence[str]) -> list[list[str]]:
+    """Split the groups' tasks into jobs with distinct task ids (a rollout id is job:task:sample, so a task twice in
+    one batch needs a second job): the k-th occurrence of a task goes to round k."""
+    out: list[list[str]] = []
+    seen: dict[str, int] = defaultdict(int)
+    for head in heads:
+        k = seen[head]
+        seen[head] += 1
+        if k == len(out):
+            out.append([])
+        out[k].append(head)
+    return out
+
+
+def _prompt_ids(group: GroupResult) -> list[int] | None:
+    # every sample of a group starts from the same rendered prompt; a failed sample may have no tokens at all
+    return next((r.tokens.prompt_ids for r in group.rollouts if r.tokens.prompt_ids), None)
+
+
+def group_columns(group: GroupResult) -> dict[str, list[Any]]:
+    """One group's columns, samples in sample order; a failed sample masked (env_mask 0, reward None)."""
+    rollouts = sorted(group.rollouts, key=lambda r: r.sample_index)
+    shared_prompt = _prompt_ids(group)
+    if shared_prompt is None:
+        raise RuntimeError(
+            f"every sample of group {group.group_id} failed without tokens ({[r.status.value for r in rollouts]}); "
+            "there is nothing to train on"
+        )
+    cols: dict[str, list[Any]] = defaultdict(list)
+    for r in rollouts:
+        _check_tokens(r)
+        scored = r.status.scored
+        t = r.tokens
+        completion = t.completion_ids if scored or t.status == "complete" else []
+        cols["prompt_ids"].append(t.prompt_ids or shared_prompt)
+        cols["completion_ids"].append(list(completion))
+        cols["logprobs"].append(list(t.completion_logprobs) if completion else [])
+        cols["env_mask"].append(list(t.completion_mask) if scored else [0] * len(completion))
+        cols[REWARD_KEY].append(r.reward if scored else None)
+        cols[STATUS_KEY].append(r.status.value)
+        cols[ID_KEY].append(r.id)
+    return cols
+
+
+def _check_tokens(r: Rollout) -> None:
+    if r.status.scored and r.tokens.status != "complete":
+        raise RuntimeError(
+            f"rollout {r.id} has {r.tokens.status} tokens: GRPOTrainer needs exact ids. Give the policy a tokenizer "
+            "(token-in, token-out) or use a server that returns token ids"
+        )
+
+
+class EnvfleetRollout:
+    """GRPOTrainer's rollout_func: one envfleet job per call, its groups returned in the prompts' order."""
+
+    def __init__(
+        self,
+        server: str,
+        env: str,
+        policy: PolicyEndpoint,
+        *,
+        sampling: Sampling | None = None,
+        max_turns: int = 16,
+        max_concurrency: int = 64,
+        token: str | None = None,
+        **client_kwargs: Any,
+    ) -> None:
+        self.env = env
+        self.policy = policy
+        self.sampling = sampling or Sampling()
+        self.max_turns = max_turns
+        self.max_concurrency = max_concurrency
+        self.client = SyncEnvfleetClient(server, token=token, **client_kwargs)
+        self.job_ids: list[str] = []
+
+    def spec(self, task_ids: list[str], group_size: int, version: str) -> JobSpec:
+        """The job for one round of groups."""
+        return JobSpec(
+            env=self.env,
+            tasks=TaskSelection(kind="ids", ids=task_ids),
+            group_size=group_size,
+            sampling=self.sampling,
+            policy=self.policy.model_copy(update={"version": version}),
+            max_turns=self.max_turns,
+            max_concurrency=self.max_concurrency,
+            deliver_groups=True,
+        )
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        """Run the prompts' groups; returns prompt_ids, completion_ids, logprobs, env_mask and the reward column."""
+        training = bool(getattr(getattr(trainer, "model", None), "training", True))
+        group_size = int(trainer.num_generations if training else trainer.num_generations_eval)
+        if not all(isinstance(p, str) for p in prompts):
+            raise TypeError("EnvfleetRollout's prompts are task ids (str): build the dataset with task_dataset()")
+        heads = runs(prompts, group_size)
+        version = str(getattr(getattr(trainer, "state", None), "global_step", 0))
+        by_task: dict[str, list[GroupResult]] = defaultdict(list)
+        for task_ids in rounds(heads):
+            job_id = self.client.submit(self.spec(task_ids, group_size, version))
+            self.job_ids.append(job_id)
+            for group in self.client.groups(job_id):
+                by_task[group.task_id].append(group)
+        out: dict[str, list[Any]] = defaultdict(list)
+        for head in heads:
+            if not by_task[head]:
+                raise RuntimeError(f"job {self.job_ids[-1]} ended without a whole group for task {head!r}")
+            for key, values in group_columns(by_task[head].pop(0)).items():
+                out[key] += values
+        return dict(out)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.client.close()

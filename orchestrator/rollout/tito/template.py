@@ -1,0 +1,152 @@
+"""Token ids of a conversation under the model's own chat template, for token-in, token-out rollouts.
+
+The first prompt is the template rendered with the tools and the generation prompt, then tokenized as vLLM does
+(`add_special_tokens=False`: the template writes its own BOS). After that no history is ever re-rendered: the
+sampled ids are kept as they are, and each observation (tool results, a user message) is tokenized as a delta. The
+delta comes from a fixed base conversation rendered with and without the new messages (the method verl and SkyRL
+use): what follows the end of the base's assistant turn is exactly the template's glue, the new messages and the
+next generation prompt. The end of that turn is found by counting turn-end tokens, not by comparing prefixes, so a
+template that renders its last assistant turn differently (Qwen3 adds an empty think block there) still works.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Message = Mapping[str, Any]
+MAX_CACHED_TOOLSETS = 64  # base renderings kept, one per distinct tool list
+
+# Never changed, so its rendering is cached: only its shape matters (system, user, assistant).
+BASE_CONVERSATION: tuple[Message, ...] = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "I am a user."},
+    {"role": "assistant", "content": "I am an assistant."},
+)
+
+
+PROBES: tuple[tuple[Message, ...], ...] = (
+    ({"role": "tool", "tool_call_id": "probe", "content": "a tool result"},),
+    ({"role": "user", "content": "a user message"},),
+)
+
+
+@dataclass(frozen=True)
+class _Base:
+    """The base conversation under one tool list: its turn ends, and whether deltas depend on the tools at all."""
+
+    ends: int
+    tools_matter: bool
+
+
+class ChatTemplateTokens:
+    """A Hugging Face tokenizer's chat template as token ids: the first prompt, then observation deltas.
+
+    `tokenizer` is anything with `apply_chat_template`, `encode` and `decode` (a transformers tokenizer); it needs a
+    chat template and an end-of-turn token (its eos, or the last special token of a rendered turn).
+
+    Two savings keep a delta cheap (it runs every turn): only the text after the base's last turn end is tokenized
+    (the end token is special, so the tokenizer splits there anyway and the ids are the same), and when probing shows
+    that a tool list changes no delta (it lives in the system prompt, as in Qwen's templates) it is not rendered.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
+        self.tokenizer = tokenizer
+        base = self.encode(self._render(BASE_CONVERSATION, None, gen=False))
+        self.turn_end_id = self._turn_end(base)
+        text = self.decode([self.turn_end_id])
+        # the text cut is exact only if the end token's text always tokenizes as that one token
+        self._turn_end_text = text if self.encode(text) == [self.turn_end_id] else None
+        self._bases: dict[str, _Base] = {"": _Base(base.count(self.turn_end_id), tools_matter=False)}
+
+    def _render(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, gen: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=[dict(t) for t in tools] if tools else None,
+            add_generation_prompt=gen,
+            tokenize=False,
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned a {type(text).__name__}, expected text")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text, without the tokenizer's own special tokens (the template wrote them)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Sampled ids as text, special tokens included (tool call markers may be special tokens)."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def _turn_end(self, base_ids: list[int]) -> int:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int) and eos in base_ids:
+            return eos
+        special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
+        for i in reversed(base_ids):
+            if i in special:
+                return int(i)
+        raise ValueError("the chat template ends an assistant turn with no special token; tito cannot find turns")
+
+    def _base(self, tools: Sequence[Mapping[str, Any]] | None) -> tuple[_Base, Sequence[Mapping[str, Any]] | None]:
+        """The base under `tools`, and the tools to render deltas with (None when they change no delta)."""
+        key = json.dumps(tools, sort_keys=True, default=str) if tools else ""
+        base = self._bases.get(key)
+        if base is None:
+            if len(self._bases) >= MAX_CACHED_TOOLSETS:
+                self._bases = {"": self._bases[""]}
+            ends = self.encode(self._render(BASE_CONVERSATION, tools, gen=False)).count(self.turn_end_id)
+            plain = self._bases[""].ends
+            matter = any(
+                self._delta(probe, tools, ends, by_text=False) != self._delta(probe, None, plain, by_text=False)
+                for probe in PROBES
+            )
+            base = self._bases[key] = _Base(ends, matter)
+        return base, (tools if base.tools_matter else None)
+
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The first prompt: the conversation with the tools, and the generation prompt."""
+        return self.encode(self._render(messages, tools, gen=True))
+
+    def observation_ids(
+        self, new_messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """The ids that follow an assistant turn's end token for `new_messages` (tool results, user messages): the
+        template's glue, the messages, and the next generation prompt."""
+        if not new_messages:
+            raise ValueError("observation_ids needs at least one new message")
+        base, render_tools = self._base(tools)
+        ends = base.ends if render_tools else self._bases[""].ends
+        return self._delta(new_messages, render_tools, ends, by_text=self._turn_end_text is not None)
+
+    def _delta(
+        self, new: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, ends: int, *, by_text: bool
+    ) -> list[int]:
+        full = self._render([*BASE_CONVERSATION, *new], tools, gen=True)
+        end_text = self._turn_end_text
+        if ends < 1:
+            pass
+        elif by_text and end_text is not None:
+            at = -1
+            for _ in range(ends):
+                at = full.find(end_text, at + 1)
+                if at < 0:
+                    break
+            else:
+                return self.encode(full[at + len(end_text) :])
+        else:
+            ids = self.encode(full)
+            seen = 0
+            for i, t in enumerate(ids):
+                if t == self.turn_end_id:
+                    seen += 1
+                    if seen == ends:
+                        return ids[i + 1 :]
+        raise ValueError(
+            f"the chat template rendered the base conversation's {ends} turn end(s) differently once messages "
+            "followed; its observation delta cannot be found"
+        )

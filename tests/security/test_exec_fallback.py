@@ -1,0 +1,43 @@
+"""The docker-exec fallback transport (images without envd) keeps envd's exec guarantees, enforced from the host: a
+wall-clock timeout that kills what the command started, escaped processes killed when the command ends, a process
+holding stdout cannot hold the call, capped output with a truncation flag, exit status and timed_out measured."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from orchestrator.backends.docker import DockerBackend
+from orchestrator.core.sandbox import SandboxSpec
+
+COUNT_SLEEPS = (
+    "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1037 $' || true"
+)
+
+
+async def test_no_process_outlives_a_docker_exec(backend: DockerBackend, base_image: str) -> None:
+    async with await backend.create(SandboxSpec(image=base_image, transport="docker-exec")) as box:
+        r = await box.exec("sleep 1037 & sleep 1037 & " + COUNT_SLEEPS)
+        assert r.stdout.strip() == b"2", r  # the count sees them
+        # escaped from its group and environment, holding stdout: before, the call waited the full timeout (and the
+        # sleeps stayed); now it ends when the shell does and the sleeps are gone
+        t0 = time.monotonic()
+        r = await box.exec("(env -i setsid sh -c 'sleep 1037' &); echo done", timeout=60)
+        assert r.ok and r.stdout == b"done\n" and not r.timed_out, r
+        assert time.monotonic() - t0 < 30
+        assert (await box.exec(COUNT_SLEEPS)).stdout.strip() == b"0"
+        # a timeout kills the command and what it started, and says so
+        r = await box.exec("(setsid sh -c 'sleep 1037' &); sleep 1037", timeout=1)
+        assert r.timed_out and r.exit_code == 137, r
+        assert (await box.exec(COUNT_SLEEPS)).stdout.strip() == b"0"
+        # output past the cap is dropped and flagged, and a flood cannot hold the call past its timeout
+        r = await box.exec(["yes"], max_output=1000, timeout=1)
+        assert r.truncated and r.timed_out and len(r.stdout) == 1000
+        r = await box.exec("exit 3")
+        assert (r.exit_code, r.timed_out, r.truncated) == (3, False, False)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(4):
+                yield b"q" * (1 << 20)
+
+        assert (await box.exec("wc -c", stdin=chunks())).stdout.strip() == str(4 << 20).encode()

@@ -1,0 +1,124 @@
+"""The OpenEnv facade's threat model: it authenticates like the API (the orchestrator checks each caller's own
+token, at the handshake and on every call), without tokens it answers loopback names and no foreign page, it never
+listens off loopback unless told, it caps frames and open websockets, and it serves no route that opens a sandbox
+outside a websocket's lifetime."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from orchestrator.core.errors import ConfigError
+from orchestrator.openenv.config import OpenEnvConfig, check_facade_host
+from orchestrator.openenv.serving import start_facade
+from tests.openenv.facade import env_client, facade_url, http_get, open_sessions, until, ws_connect
+from tests.orchestrator.servers import FAKE, serve
+
+TOKEN_A, TOKEN_B = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+
+
+def _tokens(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(f"tokens:\n  {TOKEN_A}: team-a\n  {TOKEN_B}: team-b\n")
+    return path
+
+
+async def _refused(status: int, *args: object, **kw: object) -> str:
+    with pytest.raises(InvalidStatus) as e:
+        async with ws_connect(*args, **kw):  # type: ignore[arg-type]
+            pass
+    assert e.value.response.status_code == status, e.value.response
+    return e.value.response.body.decode() if e.value.response.body else ""
+
+
+async def test_callers_need_a_token_the_orchestrator_accepts(tmp_path: Path) -> None:
+    security = {"token_file": _tokens(tmp_path)}
+    async with serve(tmp_path / "data", backend=FAKE, security=security, openenv={"port": 0}) as orch:
+        url = facade_url(orch)
+        assert "missing bearer token" in await _refused(401, url)
+        assert "invalid bearer token" in await _refused(401, url, token="x" * 32)
+        with pytest.raises(ConnectionError, match="HTTP 401"):
+            await env_client(url).connect()  # OpenEnv's own client, without headers
+        status, body = await http_get(url, "/envs/python-tool/schema")
+        assert status == 401 and "missing bearer token" in body["detail"]
+        status, _ = await http_get(url, "/envs", Authorization="Bearer nonsense-nonsense-nonsense")
+        assert status == 401
+        assert (await http_get(url, "/health"))[0] == 200  # a probe needs no token
+        assert open_sessions(orch) == 0
+
+        async with env_client(url, token=TOKEN_A) as env:
+            r = await env.reset(task_id="py-000")
+            assert r.metadata["task_id"] == "py-000"
+            assert open_sessions(orch, "team-a") == 1  # the session is the caller's tenant's
+        await until(lambda: open_sessions(orch) == 0, "closed")
+
+
+async def test_open_websockets_are_capped_per_caller(tmp_path: Path) -> None:
+    security = {"token_file": _tokens(tmp_path)}
+    openenv = {"port": 0, "max_connections_per_caller": 1}
+    async with serve(tmp_path / "data", backend=FAKE, security=security, openenv=openenv) as orch:
+        url = facade_url(orch)
+        async with ws_connect(url, token=TOKEN_A):
+            assert "1 websockets are open with this token" in await _refused(429, url, token=TOKEN_A)
+            async with ws_connect(url, token=TOKEN_B):  # another caller is not held up
+                pass
+        async with ws_connect(url, token=TOKEN_A):  # the slot is free again once the first one closed
+            pass
+
+
+async def test_without_tokens_only_loopback_names_and_no_foreign_page(tmp_path: Path) -> None:
+    async with serve(tmp_path, backend=FAKE, openenv={"port": 0}) as orch:
+        url = facade_url(orch)
+        status, body = await http_get(url, "/envs", Host="evil.example:80")  # a rebound DNS name
+        assert status == 403 and "loopback host names only" in body["detail"]
+        assert "may not use this facade" in await _refused(403, url, origin="http://evil.example")
+        async with ws_connect(url, origin="http://localhost:3000"):  # a local page is this machine's user
+            pass
+        assert (await http_get(url, "/envs"))[0] == 200
+
+
+async def test_the_facade_stays_on_loopback_unless_told(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"refusing to serve on '0\.0\.0\.0'"):
+        async with serve(tmp_path, backend=FAKE, openenv={"port": 0, "host": "0.0.0.0"}):
+            pass
+    with pytest.raises(ConfigError, match="plain HTTP, so bearer tokens would cross the network in clear"):
+        check_facade_host("0.0.0.0", insecure=False)
+    check_facade_host("127.0.0.1", insecure=False)
+    async with serve(tmp_path / "data", backend=FAKE) as orch:
+        # a facade that lends its own token to callers without one: never reachable from another machine
+        with pytest.raises(ConfigError, match="would act as that token's tenant"):
+            await start_facade(OpenEnvConfig(host="0.0.0.0", port=0), orch.address, token=TOKEN_A, insecure=True)
+
+
+async def test_an_oversized_frame_closes_the_socket_and_its_session(tmp_path: Path) -> None:
+    async with serve(tmp_path, backend=FAKE, openenv={"port": 0, "max_message_bytes": 4096}) as orch:
+        async with ws_connect(facade_url(orch)) as ws:
+            await ws.send('{"type": "reset", "data": {"task_id": "py-000"}}')
+            assert '"observation"' in await ws.recv()
+            assert open_sessions(orch) == 1
+            await ws.send('{"type": "step", "data": {"answer": "' + "x" * 8192 + '"}}')
+            with pytest.raises(ConnectionClosed) as e:
+                await ws.recv()
+            assert e.value.rcvd is not None and e.value.rcvd.code == 1009  # message too big
+        await until(lambda: open_sessions(orch) == 0, "closed")
+
+
+async def test_no_route_opens_a_sandbox_outside_a_websocket(tmp_path: Path) -> None:
+    async with serve(tmp_path, backend=FAKE, openenv={"port": 0}) as orch:
+        url = facade_url(orch)
+        # OpenEnv's stateless reset/step, its MCP and task routes: each would open sessions nothing closes
+        for method, path, status in [
+            ("POST", "/envs/python-tool/reset", 404),
+            ("POST", "/envs/python-tool/step", 404),
+            ("POST", "/envs/python-tool/mcp", 404),
+            ("GET", "/envs/python-tool/state", 404),
+            ("POST", "/envs/python-tool/schema", 405),
+            ("GET", "/list_environments", 404),
+            ("GET", "/envs/python-tool/docs", 404),
+        ]:
+            assert (await http_get(url, path, method))[0] == status, (method, path)
+        await _refused(404, url, env="python-tool/mcp")
+        assert open_sessions(orch) == 0
