@@ -78,7 +78,7 @@ lint: venv buf
 	@if [ -x $(BUF) ]; then $(BUF) lint; fi
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy envd orchestrator environments bench tests
+	$(PY) -m mypy envd orchestrator environments integrations bench tests
 
 # The orchestrator's own image, built offline on top of the base image; EXTRA_WHEELS=DIR adds plug-in wheels.
 image: venv docker base-image

@@ -2,7 +2,8 @@
 
     from integrations.trl import EnvfleetRollout, envfleet_reward, task_dataset
 
-    rollout = EnvfleetRollout("127.0.0.1:50051", "python-tool", PolicyEndpoint(base_url=VLLM_URL, tokenizer="qwen3"))
+    policy = PolicyEndpoint(base_url=VLLM_URL, model="Qwen/Qwen3-8B", tokenizer="qwen3")
+    rollout = EnvfleetRollout("127.0.0.1:50051", "python-tool", policy, token_mode="tito")
     trainer = GRPOTrainer(model, reward_funcs=envfleet_reward, train_dataset=task_dataset(["py-000", "py-001"]),
                           args=GRPOConfig(num_generations=8, ...), rollout_func=rollout)
 
@@ -10,12 +11,14 @@ Each dataset prompt is a task id. TRL hands the rollout function its prompts alr
 times in a row; each run becomes one group of one job (`group_size = num_generations`, groups delivered whole), and
 the groups are returned in the prompts' order whatever order they finished in. The token arrays are the rollouts'
 own (`prompt_ids`, `completion_ids`, `logprobs`, `env_mask` = envfleet's completion_mask: 1 on sampled tokens, 0 on
-observations), so the job must produce exact tokens: token-in, token-out (a policy tokenizer) or a chat server whose
-prompts extend each other.
+observations), so the job must produce exact tokens: token-in, token-out (`token_mode="tito"`, a policy tokenizer
+the orchestrator knows; the default when the endpoint names one) or a chat server whose prompts extend each other.
 
 A failed rollout (status not OK or TRUNCATED) is masked two ways: its reward is None, which TRL turns into NaN and
 leaves out of the group's mean and std (its advantage becomes 0; a 0 reward would move the baseline), and its
-env_mask is all 0, so none of its tokens enter the loss or the KL term.
+env_mask is all 0, so none of its tokens enter the loss or the KL term. One that failed before sampling anything
+gets a single pad token (env_mask 0, logprob 0.0) as its completion: TRL needs a non-empty completion per prompt,
+and it pads every completion with that token anyway.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.client.sdk import GroupResult, SyncEnvfleetClient
-from orchestrator.core.models import JobSpec, Rollout, TaskSelection
+from orchestrator.core.models import JobSpec, Rollout, TaskSelection, TokenMode
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 
 REWARD_KEY = "envfleet_reward"
 STATUS_KEY = "envfleet_status"
 ID_KEY = "envfleet_rollout_id"
+TOKEN_STATUS_KEY = "envfleet_token_status"
 
 
 def task_dataset(task_ids: Sequence[str]) -> Any:
@@ -79,8 +83,9 @@ def _prompt_ids(group: GroupResult) -> list[int] | None:
     return next((r.tokens.prompt_ids for r in group.rollouts if r.tokens.prompt_ids), None)
 
 
-def group_columns(group: GroupResult) -> dict[str, list[Any]]:
-    """One group's columns, samples in sample order; a failed sample masked (env_mask 0, reward None)."""
+def group_columns(group: GroupResult, pad_id: int | None = None) -> dict[str, list[Any]]:
+    """One group's columns, samples in sample order; a failed sample masked (env_mask 0, reward None), and given
+    `pad_id` as its one masked token when it has none (ValueError if it has none and no pad_id was given)."""
     rollouts = sorted(group.rollouts, key=lambda r: r.sample_index)
     shared_prompt = _prompt_ids(group)
     if shared_prompt is None:
@@ -93,15 +98,32 @@ def group_columns(group: GroupResult) -> dict[str, list[Any]]:
         _check_tokens(r)
         scored = r.status.scored
         t = r.tokens
-        completion = t.completion_ids if scored or t.status == "complete" else []
+        completion = list(t.completion_ids) if scored or t.status == "complete" else []
+        logprobs = list(t.completion_logprobs) if completion else []
+        if not completion:
+            if pad_id is None:
+                raise ValueError(f"rollout {r.id} failed without tokens: group_columns needs a pad_id to mask it")
+            completion, logprobs = [pad_id], [0.0]
         cols["prompt_ids"].append(t.prompt_ids or shared_prompt)
-        cols["completion_ids"].append(list(completion))
-        cols["logprobs"].append(list(t.completion_logprobs) if completion else [])
+        cols["completion_ids"].append(completion)
+        cols["logprobs"].append(logprobs)
         cols["env_mask"].append(list(t.completion_mask) if scored else [0] * len(completion))
         cols[REWARD_KEY].append(r.reward if scored else None)
         cols[STATUS_KEY].append(r.status.value)
+        cols[TOKEN_STATUS_KEY].append(t.status)
         cols[ID_KEY].append(r.id)
     return cols
+
+
+def pad_token_id(trainer: Any) -> int | None:
+    """The pad token of a trainer's processing class (a processor's tokenizer), else its eos token, else None."""
+    tok = getattr(trainer, "processing_class", None)
+    tok = getattr(tok, "tokenizer", tok)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tok, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _check_tokens(r: Rollout) -> None:
@@ -113,7 +135,9 @@ def _check_tokens(r: Rollout) -> None:
 
 
 class EnvfleetRollout:
-    """GRPOTrainer's rollout_func: one envfleet job per call, its groups returned in the prompts' order."""
+    """GRPOTrainer's rollout_func: one envfleet job per call, its groups returned in the prompts' order.
+
+    token_mode is the jobs' (None: tito when `policy.tokenizer` is set, else chat); GRPOTrainer needs exact ids."""
 
     def __init__(
         self,
@@ -124,6 +148,7 @@ class EnvfleetRollout:
         sampling: Sampling | None = None,
         max_turns: int = 16,
         max_concurrency: int = 64,
+        token_mode: TokenMode | None = None,
         token: str | None = None,
         **client_kwargs: Any,
     ) -> None:
@@ -132,6 +157,7 @@ class EnvfleetRollout:
         self.sampling = sampling or Sampling()
         self.max_turns = max_turns
         self.max_concurrency = max_concurrency
+        self.token_mode = token_mode
         self.client = SyncEnvfleetClient(server, token=token, **client_kwargs)
         self.job_ids: list[str] = []
 
@@ -146,6 +172,7 @@ class EnvfleetRollout:
             max_turns=self.max_turns,
             max_concurrency=self.max_concurrency,
             deliver_groups=True,
+            token_mode=self.token_mode,
         )
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
@@ -163,10 +190,11 @@ class EnvfleetRollout:
             for group in self.client.groups(job_id):
                 by_task[group.task_id].append(group)
         out: dict[str, list[Any]] = defaultdict(list)
+        pad_id = pad_token_id(trainer)
         for head in heads:
             if not by_task[head]:
                 raise RuntimeError(f"job {self.job_ids[-1]} ended without a whole group for task {head!r}")
-            for key, values in group_columns(by_task[head].pop(0)).items():
+            for key, values in group_columns(by_task[head].pop(0), pad_id).items():
                 out[key] += values
         return dict(out)
 

@@ -81,6 +81,20 @@ SANDBOX_STATE_RUNNING: SandboxState
 SANDBOX_STATE_EXPIRED: SandboxState
 SANDBOX_STATE_DELETED: SandboxState
 
+class EnvironmentArchive(_message.Message):
+    __slots__ = ("kind", "name", "version", "archive", "visibility")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    VISIBILITY_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    version: str
+    archive: bytes
+    visibility: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., archive: _Optional[bytes] = ..., visibility: _Optional[str] = ...) -> None: ...
+
 class ListEnvironmentsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -592,7 +606,7 @@ class EnvironmentSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[_Union[ImageSource, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., tasks_jsonl: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., scoring: _Optional[_Union[ScoringSpec, _Mapping]] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., system_prompt: _Optional[str] = ..., max_turns: _Optional[int] = ..., tool_timeout_s: _Optional[float] = ..., setup_command: _Optional[str] = ..., visibility: _Optional[str] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class ValidationReport(_message.Message):
-    __slots__ = ("env", "image", "num_tasks", "reference_task_id", "reference_reward", "reference_components", "duration_s", "checks")
+    __slots__ = ("env", "image", "num_tasks", "reference_task_id", "reference_reward", "reference_components", "duration_s", "checks", "tasks")
     class ReferenceComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -608,6 +622,7 @@ class ValidationReport(_message.Message):
     REFERENCE_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     env: str
     image: str
     num_tasks: int
@@ -616,7 +631,18 @@ class ValidationReport(_message.Message):
     reference_components: _containers.ScalarMap[str, float]
     duration_s: float
     checks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, env: _Optional[str] = ..., image: _Optional[str] = ..., num_tasks: _Optional[int] = ..., reference_task_id: _Optional[str] = ..., reference_reward: _Optional[float] = ..., reference_components: _Optional[_Mapping[str, float]] = ..., duration_s: _Optional[float] = ..., checks: _Optional[_Iterable[str]] = ...) -> None: ...
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskValidation]
+    def __init__(self, env: _Optional[str] = ..., image: _Optional[str] = ..., num_tasks: _Optional[int] = ..., reference_task_id: _Optional[str] = ..., reference_reward: _Optional[float] = ..., reference_components: _Optional[_Mapping[str, float]] = ..., duration_s: _Optional[float] = ..., checks: _Optional[_Iterable[str]] = ..., tasks: _Optional[_Iterable[_Union[TaskValidation, _Mapping]]] = ...) -> None: ...
+
+class TaskValidation(_message.Message):
+    __slots__ = ("task_id", "reference_reward", "empty_reward")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_REWARD_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_REWARD_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    reference_reward: float
+    empty_reward: float
+    def __init__(self, task_id: _Optional[str] = ..., reference_reward: _Optional[float] = ..., empty_reward: _Optional[float] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("env", "task_id", "seed", "max_turns")

@@ -56,6 +56,16 @@ class EnvironmentServiceStub:
                 request_serializer=protos_dot_orchestrator__pb2.EnvironmentSpec.SerializeToString,
                 response_deserializer=protos_dot_orchestrator__pb2.ValidationReport.FromString,
                 _registered_method=True)
+        self.RegisterArchive = channel.unary_unary(
+                '/envfleet.v1.EnvironmentService/RegisterArchive',
+                request_serializer=protos_dot_orchestrator__pb2.EnvironmentArchive.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.EnvironmentInfo.FromString,
+                _registered_method=True)
+        self.ValidateArchive = channel.unary_unary(
+                '/envfleet.v1.EnvironmentService/ValidateArchive',
+                request_serializer=protos_dot_orchestrator__pb2.EnvironmentArchive.SerializeToString,
+                response_deserializer=protos_dot_orchestrator__pb2.ValidationReport.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -94,6 +104,28 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterArchive(self, request, context):
+        """Registration of an environment a server plug-in reads from an archive (`kind`; "harbor": Harbor / Terminal-Bench
+        task directories, one folder per task at the top level of a tar, tar.gz or zip). The archive is unpacked with
+        every path and link resolved inside its tree, the tasks are parsed and their Dockerfile checked as a spec's, the
+        image is built offline, and each task's reference solution must pass and an empty solution fail; then the archive
+        is persisted for the registering tenant (private unless visibility is "public") and runs on workers too.
+        INVALID_ARGUMENT for an unknown kind, an unsafe archive (a member or link out of its tree) or a bad task (the
+        message names it and the field); RESOURCE_EXHAUSTED naming the cap (`caps.archive.*`) for an archive over one;
+        FAILED_PRECONDITION when the image does not build or a task fails its check; ALREADY_EXISTS and
+        PERMISSION_DENIED as Register. Registering the same archive again is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ValidateArchive(self, request, context):
+        """Everything RegisterArchive checks; registers nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +147,16 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
             'Validate': grpc.unary_unary_rpc_method_handler(
                     servicer.Validate,
                     request_deserializer=protos_dot_orchestrator__pb2.EnvironmentSpec.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.ValidationReport.SerializeToString,
+            ),
+            'RegisterArchive': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterArchive,
+                    request_deserializer=protos_dot_orchestrator__pb2.EnvironmentArchive.FromString,
+                    response_serializer=protos_dot_orchestrator__pb2.EnvironmentInfo.SerializeToString,
+            ),
+            'ValidateArchive': grpc.unary_unary_rpc_method_handler(
+                    servicer.ValidateArchive,
+                    request_deserializer=protos_dot_orchestrator__pb2.EnvironmentArchive.FromString,
                     response_serializer=protos_dot_orchestrator__pb2.ValidationReport.SerializeToString,
             ),
     }
@@ -227,6 +269,60 @@ class EnvironmentService:
             target,
             '/envfleet.v1.EnvironmentService/Validate',
             protos_dot_orchestrator__pb2.EnvironmentSpec.SerializeToString,
+            protos_dot_orchestrator__pb2.ValidationReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterArchive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.EnvironmentService/RegisterArchive',
+            protos_dot_orchestrator__pb2.EnvironmentArchive.SerializeToString,
+            protos_dot_orchestrator__pb2.EnvironmentInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ValidateArchive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/envfleet.v1.EnvironmentService/ValidateArchive',
+            protos_dot_orchestrator__pb2.EnvironmentArchive.SerializeToString,
             protos_dot_orchestrator__pb2.ValidationReport.FromString,
             options,
             channel_credentials,

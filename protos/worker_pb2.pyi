@@ -63,7 +63,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., results: _Optional[_Union[ResultBatch, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json", "tenant", "traceparent")
+    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json", "tenant", "traceparent", "env_archive")
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class Assignment(_message.Message):
     ENV_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    ENV_ARCHIVE_FIELD_NUMBER: _ClassVar[int]
     assignment_id: str
     job_spec_json: bytes
     job_id: str
@@ -82,7 +83,22 @@ class Assignment(_message.Message):
     env_spec_json: bytes
     tenant: str
     traceparent: str
-    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ..., tenant: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    env_archive: ArchiveEnvironment
+    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ..., tenant: _Optional[str] = ..., traceparent: _Optional[str] = ..., env_archive: _Optional[_Union[ArchiveEnvironment, _Mapping]] = ...) -> None: ...
+
+class ArchiveEnvironment(_message.Message):
+    __slots__ = ("kind", "name", "version", "sha256", "archive")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    version: str
+    sha256: str
+    archive: bytes
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., archive: _Optional[bytes] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("assignment_id",)

@@ -1,6 +1,9 @@
 """`envfleet envs import-harbor DIR... --name NAME`: check Harbor task directories, build their image offline,
 run each oracle (must pass) and an empty solution (must fail), then save the environment under
-$ENVFLEET_HARBOR_HOME/NAME (copies of the tasks and a manifest) for `environments.harbor.installed:NAME`."""
+$ENVFLEET_HARBOR_HOME/NAME (copies of the tasks and a manifest) for `environments.harbor.installed:NAME`.
+
+With `--server HOST:PORT` the same checks run on that server instead: the task directories go there as one archive
+(EnvironmentService.RegisterArchive, kind "harbor"), and the environment is registered for the caller's tenant."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from orchestrator.cli.remote import add_client_arguments
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -28,6 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--home", type=Path, default=None, help="where to save it (default: $ENVFLEET_HARBOR_HOME)")
     p.add_argument("--no-validate", action="store_true", help="skip the oracle and empty-solution runs")
     p.add_argument("--owner", default="envfleet-harbor-import", help="owner label of the validation sandboxes")
+    p.add_argument(
+        "--visibility",
+        choices=("private", "public"),
+        default="private",
+        help="with --server: who may use it (private: your tenant only)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="with --server: validate there, register nothing")
+    p.add_argument("--timeout", type=float, default=1800.0, help="with --server: seconds to wait for the server")
+    add_client_arguments(p, None, "register on this orchestrator (default: save locally, for the server config)")
 
 
 async def build_and_validate(env: HarborEnvironment, owner: str) -> tuple[str, list[TaskCheck]]:
@@ -51,6 +65,40 @@ async def build_and_validate(env: HarborEnvironment, owner: str) -> tuple[str, l
         return image, await validate(env, backend, image)
     finally:
         await backend.close()
+
+
+def import_remote(args: argparse.Namespace, console: Console) -> int:
+    """Pack the task directories (checked here first) and register, or with --dry-run validate, them on --server."""
+    from environments.harbor.archive import KIND, pack
+    from orchestrator.cli.errors import CommandLineError
+    from orchestrator.cli.remote import connect
+    from protos import orchestrator_pb2 as pb
+
+    if args.no_validate:
+        raise CommandLineError("--no-validate does not apply with --server: a server validates every registration")
+    data = pack(args.dirs)
+    message = pb.EnvironmentArchive(
+        kind=KIND, name=args.name, version=args.version, archive=data, visibility=args.visibility
+    )
+    console.print(f"{args.name}@{args.version}: {len(args.dirs)} task(s), {len(data)} bytes to {args.server}")
+
+    async def go() -> int:
+        async with connect(args) as client:
+            if args.dry_run:
+                report = await client.env_stub.ValidateArchive(message, timeout=args.timeout)
+                console.print(f"{report.env} is valid ({report.duration_s:.1f}s)", highlight=False)
+                for check in report.checks:
+                    console.print(f"  {check}", markup=False, highlight=False)
+                return 0
+            info = await client.env_stub.RegisterArchive(message, timeout=args.timeout)
+        console.print(
+            f"registered {info.name}@{info.version} on {args.server}: {info.num_tasks} task(s) validated "
+            f"(each oracle passes, an empty solution fails), image {info.image}",
+            highlight=False,
+        )
+        return 0
+
+    return asyncio.run(go())
 
 
 def save(env: HarborEnvironment, home: Path) -> Path:
@@ -78,6 +126,8 @@ def import_harbor(args: argparse.Namespace, console: Console) -> int:
 
     if not re.match(NAME_PATTERN, args.name):
         raise CommandLineError(f"--name {args.name!r} must match {NAME_PATTERN}")
+    if args.server:
+        return import_remote(args, console)
     env = make_harbor_environment(args.name, args.dirs, args.version)
     console.print(f"{env.ref()}: {len(env.harbor_tasks)} task(s), limits {env.limits.model_dump()}")
     if not args.no_validate:

@@ -85,8 +85,9 @@ def image_tail(task: HarborTask) -> str:
 
 
 def image_name(env_name: str) -> str:
-    """The image repository of an imported environment."""
-    return "harbor-" + "-".join(p for p in env_name.replace("_", "-").replace(".", "-").split("-") if p)
+    """The image repository of an imported environment: under envfleet/env-, like every registered environment's,
+    so no tenant's Dockerfile may build FROM it (orchestrator/service/declarative/dockerfile.py)."""
+    return "env-harbor-" + "-".join(p for p in env_name.replace("_", "-").replace(".", "-").split("-") if p)
 
 
 class HarborEnvironment(Environment, BuildsOwnImage):

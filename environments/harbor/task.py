@@ -20,6 +20,7 @@ from orchestrator.service.declarative import dockerfile as dockerfile_check
 TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]*$")
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,255}$")
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0
 DEFAULT_BUILD_TIMEOUT_S = 600.0
@@ -151,11 +152,19 @@ def load_task(path: Path) -> HarborTask:
     image = envt.get("docker_image")
     dockerfile: str | None = None
     if image is not None:
-        if not isinstance(image, str) or not image.startswith(dockerfile_check.ENVFLEET_IMAGE_PREFIX):
+        if (
+            not isinstance(image, str)
+            or not _IMAGE.match(image)
+            or not image.startswith(dockerfile_check.ENVFLEET_IMAGE_PREFIX)
+        ):
             raise HarborTaskError(
                 f"task {task}: [environment] docker_image {image!r} is not an envfleet image; builds are offline and "
                 "sandboxes need envd: give an environment/Dockerfile FROM envfleet/base"
             )
+        try:  # the image becomes a FROM line: the same rules (not another environment's image, no variable)
+            dockerfile_check.check(f"FROM {image}\n")
+        except InvalidRequestError as e:
+            raise HarborTaskError(f"task {task}: [environment] docker_image: {e}") from None
     else:
         if "Dockerfile" not in context:
             raise HarborTaskError(f"task {task}: no environment/Dockerfile and no [environment] docker_image")

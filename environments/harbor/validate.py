@@ -7,11 +7,15 @@ import asyncio
 from dataclasses import dataclass, field
 
 from environments.harbor.env import HarborEnvironment
+from environments.harbor.task import HarborRunError
 from orchestrator.core.environment import Episode, Score
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
 from orchestrator.rollout.step import classify_failure, env_call
+
+SANDBOX_TTL_S = 3 * 3600.0  # a validation sandbox a crashed process left is swept after this
+SLACK_S = 60.0
 
 
 @dataclass
@@ -26,14 +30,20 @@ class TaskCheck:
 
 async def _run(env: HarborEnvironment, backend: SandboxBackend, image: str, task_id: str, *, empty: bool) -> Score:
     task = next(t for t in env.tasks() if t.id == task_id)
-    spec = SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))
-    async with await backend.create(spec) as sandbox:
-        await env_call(env.setup(sandbox, task, 0))
-        r = await env.run_solution(sandbox, task_id, empty=empty)
-        if r is not None and r.timed_out:
-            raise EnvfleetError(f"solution/solve.sh timed out after {env.harbor_tasks[task_id].agent_timeout_s:g}s")
-        episode = Episode([Turn(role="user", text=task.prompt)], "", "submit")
-        return await env_call(env.score(sandbox, task, episode))
+    t = env.harbor_tasks[task_id]
+    spec = SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV), ttl_s=SANDBOX_TTL_S)
+    # every step has its own timeout; this bounds the uploads and file calls between them too
+    budget = t.agent_timeout_s + t.verifier_timeout_s + 4 * env.tool_timeout_s + SLACK_S
+    try:
+        async with asyncio.timeout(budget), await backend.create(spec) as sandbox:
+            await env_call(env.setup(sandbox, task, 0))
+            r = await env.run_solution(sandbox, task_id, empty=empty)
+            if r is not None and r.timed_out:
+                raise EnvfleetError(f"solution/solve.sh timed out after {t.agent_timeout_s:g}s")
+            episode = Episode([Turn(role="user", text=task.prompt)], "", "submit")
+            return await env_call(env.score(sandbox, task, episode))
+    except TimeoutError:
+        raise HarborRunError(f"the run did not finish within {budget:g}s") from None
 
 
 async def check_task(env: HarborEnvironment, backend: SandboxBackend, image: str, task_id: str) -> TaskCheck:

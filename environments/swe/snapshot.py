@@ -19,6 +19,7 @@ import sys
 import tarfile
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
@@ -48,6 +49,23 @@ _COPY_CHUNK = 1 << 20
 
 class SnapshotError(Exception):
     """The archive is unsafe, or git disagrees with the computed hashes."""
+
+
+class ArchiveLimitError(SnapshotError):
+    """The archive is over one of its limits; `limit` names it (members, total_bytes, member_bytes, ratio)."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    """Limits of one archive, for a caller stricter than the defaults (a tenant's upload); None: the module's."""
+
+    members: int | None = None
+    total_bytes: int | None = None
+    member_bytes: int | None = None  # one regular file, unpacked
 
 
 def _safe_parts(name: str, strip: int) -> tuple[str, ...] | None:
@@ -143,31 +161,43 @@ class _Tree:
 class _Budget:
     """Counts members and unpacked bytes against the archive's limits."""
 
-    def __init__(self, archive: Path) -> None:
+    def __init__(self, archive: Path, limits: ArchiveLimits | None = None) -> None:
+        limits = limits or ArchiveLimits()
         self.archive_bytes = max(archive.stat().st_size, 1)
         self.members = 0
         self.total = 0
+        self.max_members = MAX_MEMBERS if limits.members is None else limits.members
+        self.max_total = MAX_TOTAL_BYTES if limits.total_bytes is None else limits.total_bytes
+        self.max_member = limits.member_bytes
 
     def add(self, size: int, name: str) -> None:
         self.members += 1
         self.total += max(size, 0)
-        if self.members > MAX_MEMBERS:
-            raise SnapshotError(f"the archive has more than {MAX_MEMBERS} members")
-        if self.total > MAX_TOTAL_BYTES:
-            raise SnapshotError(f"the archive unpacks to more than {MAX_TOTAL_BYTES} bytes (at {_shown(name)})")
+        if self.members > self.max_members:
+            raise ArchiveLimitError(f"the archive has more than {self.max_members} members", "members")
+        if self.max_member is not None and size > self.max_member:
+            raise ArchiveLimitError(
+                f"member {_shown(name)} unpacks to {size} bytes, over {self.max_member}", "member_bytes"
+            )
+        if self.total > self.max_total:
+            raise ArchiveLimitError(
+                f"the archive unpacks to more than {self.max_total} bytes (at {_shown(name)})", "total_bytes"
+            )
         if self.total > RATIO_FLOOR and self.total > MAX_RATIO * self.archive_bytes:
-            raise SnapshotError(
+            raise ArchiveLimitError(
                 f"the archive unpacks to over {MAX_RATIO} times its size ({self.total} bytes from "
-                f"{self.archive_bytes}): refused as a decompression bomb"
+                f"{self.archive_bytes}): refused as a decompression bomb",
+                "ratio",
             )
 
 
-def extract_archive(archive: Path, dest: Path, strip: int = 1) -> None:
+def extract_archive(archive: Path, dest: Path, strip: int = 1, limits: ArchiveLimits | None = None) -> None:
     """Unpack a .tar(.gz/.bz2/.xz) or .zip into dest, dropping `strip` leading folders. Modes are normalized to
     0644 / 0755 (executable when any x bit is set); links that stay inside the tree are kept, anything else is
-    refused. Every write is resolved against the tree being built; members, size and ratio are limited."""
+    refused. Every write is resolved against the tree being built; members, size and ratio are limited (by
+    `limits` where given; ArchiveLimitError says which)."""
     tree = _Tree(dest)
-    budget = _Budget(archive)
+    budget = _Budget(archive, limits)
     if zipfile.is_zipfile(archive):
         with zipfile.ZipFile(archive) as zf:
             for info in zf.infolist():

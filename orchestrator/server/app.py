@@ -36,6 +36,7 @@ from orchestrator.server.security import (
 from orchestrator.server.services import EnvironmentService, RolloutService
 from orchestrator.server.trainer_services import SandboxService, SessionService
 from orchestrator.server.worker_plane import WorkerPlane
+from orchestrator.service.archives import ArchiveStore, load_kinds
 from orchestrator.service.caps import CapsConfig
 from orchestrator.service.executor import Executor, LocalExecutor
 from orchestrator.service.fleet import start_fleet
@@ -243,6 +244,9 @@ async def create_server(
         fleet.build_spec_image,
         SpecStore(config.data_dir / "environments"),
         caps=config.caps.sandbox,
+        archives=ArchiveStore(config.data_dir / "environments" / "archives"),
+        archive_caps=config.caps.archive,
+        kinds=load_kinds(),
     )
     await registrar.load()
     metrics = Metrics()
@@ -251,7 +255,7 @@ async def create_server(
     workers: WorkerPlane | None = None
     executor: Executor
     if config.workers or config.worker_listen or config.ray:
-        workers = await WorkerPlane.start(config, images)
+        workers = await WorkerPlane.start(config, images, registrar.catalog)
         executor = workers.hub
     else:
         executor = LocalExecutor(RolloutRunner(pool, images, tracer), TokenizerCache(config.tokenizer_dirs))

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from orchestrator.core.sandbox import Limits
+from orchestrator.service.archives import ArchiveUpload, parse_upload
 from orchestrator.service.declarative import EnvironmentSpec, Problem, SpecError, parse_spec
 from orchestrator.service.registration import ValidationResult
 from protos import orchestrator_pb2 as pb
@@ -130,8 +131,13 @@ def spec_to_pb(spec: EnvironmentSpec) -> pb.EnvironmentSpec:
     )
 
 
+def archive_from_pb(m: pb.EnvironmentArchive) -> ArchiveUpload:
+    """A checked upload (INVALID_ARGUMENT names each bad field); the size caps are the registrar's."""
+    return parse_upload(m.kind, m.name, m.version, m.visibility, m.archive)
+
+
 def validation_report_pb(r: ValidationResult) -> pb.ValidationReport:
-    """Validate's answer."""
+    """Validate's (and ValidateArchive's) answer."""
     m = pb.ValidationReport(
         env=r.env,
         image=r.image,
@@ -143,4 +149,10 @@ def validation_report_pb(r: ValidationResult) -> pb.ValidationReport:
     )
     if r.reference_reward is not None:
         m.reference_reward = r.reference_reward
+    for t in r.tasks:
+        task = m.tasks.add(task_id=t.task_id)
+        if t.reference_reward is not None:
+            task.reference_reward = t.reference_reward
+        if t.empty_reward is not None:
+            task.empty_reward = t.empty_reward
     return m

@@ -14,7 +14,7 @@ from orchestrator.core.errors import FailedPreconditionError, InvalidRequestErro
 from orchestrator.rollout.tito.parsers import get_parser
 from orchestrator.rollout.tito.tokenizer import TokenizerDirs
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
-from orchestrator.server.convert_specs import spec_from_pb, validation_report_pb
+from orchestrator.server.convert_specs import archive_from_pb, spec_from_pb, validation_report_pb
 from orchestrator.server.security import Authenticator, PolicyURLs
 from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar
@@ -76,7 +76,7 @@ def check_job_spec(m: pb.JobSpec) -> None:
 
 
 class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[misc]
-    """List and Describe registered environments; Register and Validate declarative ones."""
+    """List and Describe registered environments; Register and Validate declarative specs and uploaded archives."""
 
     def __init__(
         self, registry: Registry, registrar: Registrar | None = None, auth: Authenticator | None = None
@@ -119,6 +119,19 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
     async def Validate(self, request: pb.EnvironmentSpec, context: grpc.aio.ServicerContext) -> pb.ValidationReport:
         tenant = self._auth.tenant(context)
         return validation_report_pb(await self._registrar_or_fail().validate(spec_from_pb(request), tenant))
+
+    async def RegisterArchive(
+        self, request: pb.EnvironmentArchive, context: grpc.aio.ServicerContext
+    ) -> pb.EnvironmentInfo:
+        tenant = self._auth.tenant(context)
+        r = await self._registrar_or_fail().register_archive(archive_from_pb(request), tenant)
+        return environment_pb(r.env, r.source, self._image(r.env))
+
+    async def ValidateArchive(
+        self, request: pb.EnvironmentArchive, context: grpc.aio.ServicerContext
+    ) -> pb.ValidationReport:
+        tenant = self._auth.tenant(context)
+        return validation_report_pb(await self._registrar_or_fail().validate_archive(archive_from_pb(request), tenant))
 
 
 class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]

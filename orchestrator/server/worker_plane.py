@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from orchestrator.core.environment import ImageSource
+from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.worker.config import WorkerConfig
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.ray_fleet import RayWorkers
@@ -54,9 +55,12 @@ class WorkerPlane:
         return f"unix:{self._socket_dir / 'workers.sock'}"
 
     @classmethod
-    async def start(cls, config: OrchestratorConfig, images: ImageSource) -> WorkerPlane:
-        """Serve the worker wire and start `config.workers` local worker processes."""
-        hub = WorkerHub(images, heartbeat_timeout_s=config.worker_heartbeat_timeout_s)
+    async def start(
+        cls, config: OrchestratorConfig, images: ImageSource, archives: ArchiveCatalog | None = None
+    ) -> WorkerPlane:
+        """Serve the worker wire and start `config.workers` local worker processes; `archives` says which
+        environments the workers get as uploaded archives."""
+        hub = WorkerHub(images, heartbeat_timeout_s=config.worker_heartbeat_timeout_s, archives=archives)
         token = secrets.token_urlsafe(32)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         wpb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(hub, token), server)

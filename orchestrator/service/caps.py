@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.core.archives import ArchiveLimits
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import InvalidRequestError, QuotaExceededError
 from orchestrator.core.sandbox import Limits
@@ -33,12 +34,33 @@ class SandboxCaps(BaseModel):
     runtimes: tuple[str, ...] = Field(("runsc",), description="OCI runtimes a sandbox may name")
 
 
+# A worker unpacks what its control plane already checked: under the widest caps an operator may set.
+WIDEST_ARCHIVE_LIMITS = ArchiveLimits(members=1_000_000, unpacked_bytes=16 << 30, member_bytes=1 << 30)
+
+
+class ArchiveCaps(BaseModel):
+    """The most one uploaded environment archive (EnvironmentService.RegisterArchive) may hold, and a tenant store."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bytes: int = Field(32 << 20, ge=1 << 10, le=63 << 20, description="the archive as sent (it fits one message)")
+    unpacked_bytes: int = Field(256 << 20, ge=1 << 10, le=WIDEST_ARCHIVE_LIMITS.unpacked_bytes, description="all")
+    member_bytes: int = Field(16 << 20, ge=1 << 10, le=WIDEST_ARCHIVE_LIMITS.member_bytes, description="one file")
+    members: int = Field(10_000, ge=1, le=WIDEST_ARCHIVE_LIMITS.members, description="files, folders and links")
+    bytes_per_tenant: int = Field(1 << 30, ge=1 << 10, le=1 << 40, description="archives a tenant keeps registered")
+
+    def limits(self) -> ArchiveLimits:
+        """What unpacking one archive may produce."""
+        return ArchiveLimits(members=self.members, unpacked_bytes=self.unpacked_bytes, member_bytes=self.member_bytes)
+
+
 class CapsConfig(BaseModel):
     """Caps per request and per tenant (`caps:` in the server configuration)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     sandbox: SandboxCaps = SandboxCaps()
+    archive: ArchiveCaps = ArchiveCaps()
     jobs_per_tenant: int = Field(64, ge=1, le=100_000, description="unfinished jobs per tenant")
     streams_per_tenant: int = Field(
         64, ge=1, le=100_000, description="open StreamRollouts streams per tenant, and apart from them open Execs"

@@ -1,5 +1,5 @@
 """The fleet a server runs on, chosen by configuration: the sandbox backend and what depends on it (where images
-come from, how a declarative spec's image is made, which raw images exist, engine health and metrics).
+come from, how a registered environment's own image is made, which raw images exist, engine health and metrics).
 
 Each backend's modules are imported in its branch only, so `serve --backend fake` never loads the docker backend.
 """
@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.backends.config import DockerBackendConfig, FakeBackendConfig
-from orchestrator.core.environment import ImageSource
+from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.sandbox import SandboxBackend
+from orchestrator.images.resolver import BuildsOwnImage
 from orchestrator.service.declarative import DeclarativeEnvironment
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ class Fleet:
 
     backend: SandboxBackend
     images: ImageSource
-    build_spec_image: Callable[[DeclarativeEnvironment], str]  # blocking: run it in a thread
+    # a declarative spec's or an uploaded archive's image; blocking: run it in a thread
+    build_spec_image: Callable[[BuildsOwnImage], str]
     image_present: Callable[[str], bool]  # blocking: run it in a thread
     watch_health: Callable[[HealthListener], None]  # the listener hears when the backend stops or starts answering
     export_metrics: Callable[[Metrics], None]  # gauges read when scraped
@@ -46,8 +48,13 @@ def _fake_fleet(config: FakeBackendConfig) -> Fleet:
     images = backend.images
     log.warning("fake backend: no command runs and sandboxes live in memory; rewards mean nothing about a policy")
 
-    def build_spec_image(env: DeclarativeEnvironment) -> str:
-        return images.tag_for(env.name, env.spec.image.model_dump_json())
+    def build_spec_image(env: BuildsOwnImage) -> str:
+        # a tag per build input, as a real build's: a spec's image, or an archive environment's name@version
+        if isinstance(env, DeclarativeEnvironment):
+            return images.tag_for(env.name, env.spec.image.model_dump_json())
+        if not isinstance(env, Environment):
+            raise TypeError(f"{env!r} is not an environment")
+        return images.tag_for(env.name, env.ref())
 
     return Fleet(
         backend,

@@ -1,5 +1,6 @@
-"""Declarative registration: validate an EnvironmentSpec for real (build, load, run the reference through scoring),
-then persist it and add it to the registry, all or nothing. Registered specs are reloaded at every start.
+"""Registration: validate an EnvironmentSpec for real (build, load, run the reference through scoring), or an
+uploaded archive of a plug-in's kind (unpack safely, load, build, run each task's reference and an empty solution),
+then persist it and add it to the registry, all or nothing. Registered specs and archives are reloaded at every start.
 
 Names belong to the tenant that first registered them; built-in (entry-point) names belong to the operator.
 A name@version is immutable: registering it again with the same spec is a no-op, with another spec ALREADY_EXISTS.
@@ -11,24 +12,38 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from orchestrator.core.archives import ArchiveKind, TaskValidation
+from orchestrator.core.environment import Environment
 from orchestrator.core.errors import (
     AlreadyExistsError,
+    ArchiveTooLargeError,
     EnvironmentBroken,
     ImageBuildError,
+    InvalidEnvironmentError,
+    InvalidRequestError,
     PermissionDeniedError,
     SandboxCreateError,
 )
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
+from orchestrator.images.resolver import BuildsOwnImage
 from orchestrator.rollout.step import env_call, replay_reference
-from orchestrator.service.caps import SandboxCaps, check_limits
+from orchestrator.service.archives import (
+    ArchiveCatalog,
+    ArchiveStore,
+    ArchiveUpload,
+    Shipment,
+    StoredArchive,
+)
+from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS, ArchiveCaps, SandboxCaps, check_limits
 from orchestrator.service.declarative import (
     DeclarativeEnvironment,
     EnvironmentSpec,
@@ -42,6 +57,7 @@ from orchestrator.service.tenancy import LOCAL_TENANT, TenantGate
 log = logging.getLogger(__name__)
 
 SPEC_SOURCE = "spec"
+ARCHIVE_SOURCE = "archive:"  # + the kind
 VALIDATION_SANDBOX_TTL_S = 3600.0
 VALIDATION_SLACK_S = 60.0
 
@@ -49,6 +65,10 @@ VALIDATION_SLACK_S = 60.0
 def _owner(spec: EnvironmentSpec, tenant: str) -> str | None:
     """Who may use a registered spec: its tenant alone, or (None) everyone when it was registered public."""
     return None if spec.visibility == "public" else tenant
+
+
+def _reward(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
 
 
 class StoredSpec(BaseModel):
@@ -113,26 +133,34 @@ class ValidationResult:
     reference_components: dict[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
     checks: list[str] = field(default_factory=list)
+    tasks: list[TaskValidation] = field(default_factory=list)  # an archive's tasks, each checked
 
 
 class Registrar:
-    """Validates, registers and reloads declarative environments."""
+    """Validates, registers and reloads declarative environments and uploaded archives."""
 
     def __init__(
         self,
         registry: Registry,
         backend: SandboxBackend,
-        build_image: Callable[[DeclarativeEnvironment], str],
+        build_image: Callable[[BuildsOwnImage], str],
         store: SpecStore,
         max_concurrent_checks: int = 2,
         max_checks_per_tenant: int = 1,
         caps: SandboxCaps | None = None,
+        archives: ArchiveStore | None = None,
+        archive_caps: ArchiveCaps | None = None,
+        kinds: Mapping[str, ArchiveKind] | None = None,
     ) -> None:
         self._registry = registry
         self._caps = caps or SandboxCaps()
         self._backend = backend
         self._build_image = build_image  # blocking (run in a thread): the backend's way to get a spec's image
         self._store = store
+        self._archives = archives or ArchiveStore(store.root / "archives")
+        self._archive_caps = archive_caps or ArchiveCaps()
+        self._kinds = dict(kinds or {})
+        self.catalog = ArchiveCatalog()  # which registered environments the worker hub ships as archives
         # builds and reference runs are tenant content: counted per tenant, so one cannot hold every slot
         self._checks = TenantGate(max_concurrent_checks, min(max_checks_per_tenant, max_concurrent_checks))
         self._owners: dict[str, str] = {}
@@ -151,27 +179,53 @@ class Registrar:
                 continue
             self._owners.setdefault(record.spec.name, record.owner)
             count += 1
+        await asyncio.to_thread(self._archives.sweep_staging)
+        for stored in await asyncio.to_thread(self._archives.load_all):
+            try:
+                await self._reload_archive(stored)
+            except Exception:
+                log.exception("could not reload environment archive %s of %s", stored.ref(), stored.owner)
+                continue
+            count += 1
         if count:
-            log.info("reloaded %d registered environment spec(s)", count)
+            log.info("reloaded %d registered environment(s)", count)
         return count
+
+    async def _reload_archive(self, stored: StoredArchive) -> None:
+        kind = self._kind(stored.kind)
+        dest = await asyncio.to_thread(self._archives.tree, stored.owner, stored.ref())
+        path = self._archives.archive_path(stored)
+        # checked when it was registered: the caps in force now may be lower, and it stays registered
+        env = await asyncio.to_thread(kind.load, path, dest, stored.name, stored.version, WIDEST_ARCHIVE_LIMITS)
+        self._add_archive(env, stored, path)
+
+    def _claim(self, name: str, version: str, tenant: str, same: Callable[[Registered], bool]) -> Registered | None:
+        """The registration of name@version that `same` says this one repeats, if any; raises when the name is not
+        the tenant's to use or the version is taken by something else."""
+        owner = self._owners.get(name)
+        known = {r.env.name for r in self._registry.all()}
+        if owner is None and name in known:
+            raise PermissionDeniedError(f"{name!r} is a built-in environment of this server; choose another name")
+        if owner is not None and owner != tenant:
+            raise PermissionDeniedError(f"environment {name!r} belongs to another tenant; choose another name")
+        for r in self._registry.all():
+            if r.env.name == name and r.env.version == version:
+                if same(r):
+                    return r
+                raise AlreadyExistsError(
+                    f"{name}@{version} is already registered with different content; registered versions are "
+                    "immutable, so bump the version"
+                )
+        return None
 
     def _existing(self, spec: EnvironmentSpec, tenant: str) -> Registered | None:
         """The registration this spec repeats, if any; raises when the name or version is not the tenant's to use."""
-        owner = self._owners.get(spec.name)
-        known = {r.env.name for r in self._registry.all()}
-        if owner is None and spec.name in known:
-            raise PermissionDeniedError(f"{spec.name!r} is a built-in environment of this server; choose another name")
-        if owner is not None and owner != tenant:
-            raise PermissionDeniedError(f"environment {spec.name!r} belongs to another tenant; choose another name")
-        for r in self._registry.all():
-            if r.env.name == spec.name and r.env.version == spec.version:
-                if isinstance(r.env, DeclarativeEnvironment) and r.env.spec == spec:
-                    return r
-                raise AlreadyExistsError(
-                    f"{spec.ref()} is already registered with a different spec; registered versions are immutable, "
-                    "so bump the version"
-                )
-        return None
+        return self._claim(
+            spec.name,
+            spec.version,
+            tenant,
+            lambda r: isinstance(r.env, DeclarativeEnvironment) and r.env.spec == spec,
+        )
 
     async def validate(self, spec: EnvironmentSpec, tenant: str = LOCAL_TENANT) -> ValidationResult:
         """Build the image, load the tasks and run a reference solution (or an empty episode) through scoring.
@@ -264,3 +318,128 @@ class Registrar:
             self._owners.setdefault(spec.name, tenant)
             log.info("tenant %s registered %s", tenant, spec.ref())
             return self._registry.lookup(spec.ref())
+
+    # -- uploaded archives ---------------------------------------------------------------------------------------
+
+    def _kind(self, name: str) -> ArchiveKind:
+        kind = self._kinds.get(name)
+        if kind is None:
+            known = ", ".join(sorted(self._kinds)) or "none"
+            raise InvalidRequestError(f"this server reads no archives of kind {name!r}; it reads: {known}")
+        return kind
+
+    def _check_size(self, upload: ArchiveUpload) -> None:
+        caps = self._archive_caps
+        if len(upload.data) > caps.bytes:
+            raise ArchiveTooLargeError(
+                f"the archive is {len(upload.data)} bytes, over caps.archive.bytes = {caps.bytes}"
+            )
+
+    async def _load_archive(self, upload: ArchiveUpload, dest: Path, staging: Path) -> Environment:
+        """Unpack and load an upload into `dest` (the upload's bytes are written under `staging` first)."""
+        kind = self._kind(upload.kind)
+        archive = staging / "upload"
+        await asyncio.to_thread(archive.write_bytes, upload.data)
+        limits = self._archive_caps.limits()
+        env = await asyncio.to_thread(kind.load, archive, dest, upload.name, upload.version, limits)
+        if not isinstance(env, BuildsOwnImage) or env.ref() != upload.ref():
+            raise InvalidEnvironmentError(f"the {upload.kind} kind made no environment {upload.ref()} that builds")
+        check_limits(env.limits, self._caps, "the tasks' limits")
+        return env
+
+    async def _check_archive(self, env: Environment, upload: ArchiveUpload) -> ValidationResult:
+        """Build the image and run every task's check; SpecCheckError lists each task's problems."""
+        assert isinstance(env, BuildsOwnImage)
+        kind = self._kind(upload.kind)
+        result = ValidationResult(env=upload.ref(), image="", num_tasks=len(env.tasks()))
+        result.checks.append(
+            f"archive: kind {upload.kind}, {len(upload.data)} bytes (sha256 {upload.digest[:12]}), "
+            f"{result.num_tasks} task(s), tools {', '.join(env.tools)}"
+        )
+        try:
+            result.image = await asyncio.to_thread(self._build_image, env)
+        except ImageBuildError as e:
+            raise SpecCheckError([Problem("image", f"the image does not build: {e}")]) from None
+        result.checks.append(f"image: {result.image}")
+        result.tasks = list(await kind.validate(env, self._backend, result.image))
+        problems = [Problem(f"task {t.task_id}", p) for t in result.tasks for p in t.problems]
+        if problems:
+            raise SpecCheckError(problems)
+        for t in result.tasks:
+            result.checks.append(
+                f"task {t.task_id}: reference {_reward(t.reference_reward)}, empty {_reward(t.empty_reward)}"
+            )
+        first = result.tasks[0] if result.tasks else None
+        if first is not None:
+            result.reference_task_id, result.reference_reward = first.task_id, first.reference_reward
+        return result
+
+    async def validate_archive(self, upload: ArchiveUpload, tenant: str = LOCAL_TENANT) -> ValidationResult:
+        """Unpack, load, build and check an uploaded archive; registers nothing."""
+        started = time.monotonic()
+        self._kind(upload.kind)
+        self._check_size(upload)
+        async with self._checks.slot(tenant):
+            staging = await asyncio.to_thread(self._archives.staging, tenant)
+            try:
+                env = await self._load_archive(upload, staging / "tree", staging)
+                result = await self._check_archive(env, upload)
+            finally:
+                await asyncio.to_thread(shutil.rmtree, staging, True)
+        result.duration_s = time.monotonic() - started
+        return result
+
+    def _same_archive(self, upload: ArchiveUpload) -> Callable[[Registered], bool]:
+        def same(r: Registered) -> bool:
+            shipped = self.catalog.shipment(r.env)
+            public = upload.visibility == "public"
+            return shipped is not None and shipped.digest == upload.digest and (r.owner is None) == public
+
+        return same
+
+    async def register_archive(self, upload: ArchiveUpload, tenant: str) -> Registered:
+        """Validate, persist (archive and record under the tenant's folder), add to the registry; all or nothing."""
+        self._kind(upload.kind)
+        self._check_size(upload)
+        async with self._locks.setdefault(upload.name, asyncio.Lock()):
+            existing = self._claim(upload.name, upload.version, tenant, self._same_archive(upload))
+            if existing is not None:
+                return existing
+            record = StoredArchive(
+                owner=tenant,
+                registered_at=time.time(),
+                kind=upload.kind,
+                name=upload.name,
+                version=upload.version,
+                visibility=upload.visibility,
+                digest=upload.digest,
+                size=len(upload.data),
+            )
+            async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its store
+                held = await asyncio.to_thread(self._archives.held_bytes, tenant)
+                cap = self._archive_caps.bytes_per_tenant
+                if held + len(upload.data) > cap:
+                    raise ArchiveTooLargeError(
+                        f"tenant {tenant} keeps {held} bytes of registered archives; {len(upload.data)} more would be "
+                        f"over caps.archive.bytes_per_tenant = {cap}"
+                    )
+                staging = await asyncio.to_thread(self._archives.staging, tenant)
+                dest = await asyncio.to_thread(self._archives.tree, tenant, upload.ref())
+                try:
+                    env = await self._load_archive(upload, dest, staging)
+                    await self._check_archive(env, upload)
+                    await asyncio.to_thread(self._archives.save, record, upload.data)
+                    self._add_archive(env, record, self._archives.archive_path(record))
+                except BaseException:
+                    await asyncio.to_thread(self._archives.delete, record)
+                    raise
+                finally:
+                    await asyncio.to_thread(shutil.rmtree, staging, True)
+            log.info("tenant %s registered %s from a %s archive", tenant, upload.ref(), upload.kind)
+            return self._registry.lookup(upload.ref())
+
+    def _add_archive(self, env: Environment, record: StoredArchive, path: Path) -> None:
+        owner = None if record.visibility == "public" else record.owner
+        self._registry.register(env, source=ARCHIVE_SOURCE + record.kind, owner=owner)
+        self.catalog.add(env, Shipment(record.kind, record.name, record.version, record.digest, path))
+        self._owners.setdefault(record.name, record.owner)

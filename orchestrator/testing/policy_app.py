@@ -213,7 +213,7 @@ class ScriptedPolicyApp:
 
     def _fault(self, user: str, turn: int, step: Step) -> tuple[int, dict[str, Any]] | _Hang | None:
         """The scripted failure of this turn, if it still has one to give."""
-        if step.error_status is None and not step.hang:
+        if not step.fault_applies(user):
             return None
         key = (user, turn)
         failed = self._failures.get(key, 0)

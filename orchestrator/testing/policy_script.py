@@ -33,6 +33,11 @@ class Step(BaseModel):
     fail_times: int | None = Field(
         None, ge=1, description="the fault hits only this many attempts, then the turn answers normally; None: always"
     )
+    fault_samples: frozenset[int] | None = Field(
+        None,
+        description="the fault hits only the rollouts with these sample indices (the last part of the rollout id, "
+        "see sample_of), the others answer the step normally: one failed sample in a group; None: every rollout",
+    )
 
     @model_validator(mode="after")
     def _one_fault(self) -> Step:
@@ -40,7 +45,15 @@ class Step(BaseModel):
             raise ValueError("a step is either an error_status or a hang, not both")
         if self.fail_times is not None and self.error_status is None and not self.hang:
             raise ValueError("fail_times needs a fault (error_status or hang)")
+        if self.fault_samples is not None and self.error_status is None and not self.hang:
+            raise ValueError("fault_samples needs a fault (error_status or hang)")
         return self
+
+    def fault_applies(self, user: str) -> bool:
+        """Whether this step's fault (if it has one) applies to the rollout `user`; fail_times is counted apart."""
+        if self.error_status is None and not self.hang:
+            return False
+        return self.fault_samples is None or sample_of(user) in self.fault_samples
 
 
 class Script(BaseModel):
@@ -71,6 +84,14 @@ def task_of(user: str) -> str | None:
     if first < 0 or last == first:
         return None
     return user[first + 1 : last]
+
+
+def sample_of(user: str) -> int | None:
+    """The sample index in a rollout id "<job_id>:<task_id>:<sample_index>", else None."""
+    if task_of(user) is None:
+        return None
+    tail = user.rsplit(":", 1)[1]
+    return int(tail) if tail.isdigit() else None
 
 
 def render_prompt(messages: list[dict[str, Any]], template: Template) -> list[int]:

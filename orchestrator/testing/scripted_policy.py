@@ -33,7 +33,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from orchestrator.testing.policy_app import MAX_BODY, ScriptedPolicyApp
-from orchestrator.testing.policy_script import Script, ScriptedToolCall, Step, Template, task_of
+from orchestrator.testing.policy_script import Script, ScriptedToolCall, Step, Template, sample_of, task_of
 from orchestrator.testing.qwen_policy import Sample
 
 # What tests, demos and benches import from here (the script model lives in policy_script, the app in policy_app).
@@ -46,6 +46,7 @@ __all__ = [
     "ScriptedToolCall",
     "Step",
     "main",
+    "sample_of",
     "start_scripted_server",
     "task_of",
 ]

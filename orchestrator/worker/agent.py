@@ -7,17 +7,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 
 import grpc
 
+from orchestrator.core.archives import ArchiveKind
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.models import JobSpec
 from orchestrator.rollout.runner import WorkItem
+from orchestrator.service.archives import load_kinds
+from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS
 from orchestrator.service.declarative.env import make_environment
 from orchestrator.service.declarative.spec import EnvironmentSpec
 from orchestrator.service.executor import LocalExecutor
@@ -54,6 +61,7 @@ class WorkerAgent:
         name: str = "worker",
         slots: int = 64,
         heartbeat_s: float = 1.0,
+        kinds: Mapping[str, ArchiveKind] | None = None,
     ) -> None:
         self.target = target
         self.worker_id = f"{name}-{socket.gethostname()}-{os.getpid()}"
@@ -63,6 +71,10 @@ class WorkerAgent:
         self._slots = slots
         self._heartbeat_s = heartbeat_s
         self._declarative: dict[str, Environment] = {}
+        self._kinds = dict(load_kinds() if kinds is None else kinds)
+        # uploaded environments by archive digest, loaded once (a failed load stays failed: its error is the answer)
+        self._archives: dict[str, asyncio.Task[Environment]] = {}
+        self._archive_dir: Path | None = None
         self._tasks: dict[str, dict[str, Task]] = {}
         self._specs: dict[str, tuple[bytes, JobSpec]] = {}  # job id -> its spec as last sent, and parsed
         self.sessions = 0  # streams opened so far
@@ -70,18 +82,25 @@ class WorkerAgent:
     async def run_forever(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, reconnecting (with backoff) whenever the stream ends or cannot open."""
         delay = RECONNECT_MIN_S
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                await self._session(stop)
-            except grpc.aio.AioRpcError as e:
-                log.info("worker %s: stream to %s ended: %s", self.worker_id, self.target, e.code().name)
-            if time.monotonic() - started > 10:
-                delay = RECONNECT_MIN_S
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await stop.wait()
-            delay = min(delay * 2, RECONNECT_MAX_S)
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    await self._session(stop)
+                except grpc.aio.AioRpcError as e:
+                    log.info("worker %s: stream to %s ended: %s", self.worker_id, self.target, e.code().name)
+                if time.monotonic() - started > 10:
+                    delay = RECONNECT_MIN_S
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await stop.wait()
+                delay = min(delay * 2, RECONNECT_MAX_S)
+        finally:
+            for loading in self._archives.values():
+                loading.cancel()
+            await asyncio.gather(*self._archives.values(), return_exceptions=True)
+            if self._archive_dir is not None:
+                await asyncio.to_thread(shutil.rmtree, self._archive_dir, True)
 
     async def _session(self, stop: asyncio.Event) -> None:
         outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult] = Outbox()
@@ -116,7 +135,9 @@ class WorkerAgent:
             try:
                 async for message in call:
                     if message.HasField("assign"):
-                        for a in message.assign.assignments:
+                        for a in message.assign.assignments:  # in order: an archive's bytes come first
+                            if a.HasField("env_archive") and a.env_archive.archive:
+                                self._start_loading(a.env_archive)  # before any later assignment of it runs
                             task = asyncio.create_task(self._run(a, outbox), name=f"assignment {a.assignment_id}")
                             running[a.assignment_id] = task
                             task.add_done_callback(functools.partial(_forget, running, a.assignment_id))
@@ -141,7 +162,10 @@ class WorkerAgent:
     async def _run(self, a: wpb.Assignment, outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult]) -> None:
         try:
             spec = self._spec(a.job_id, a.job_spec_json)
-            env = self._environment(spec.env, a.env_spec_json)
+            if a.HasField("env_archive"):
+                env = await self._archived(a.env_archive)
+            else:
+                env = self._environment(spec.env, a.env_spec_json)
             task = self._task(env, a.task_id)
         except Exception as e:
             log.exception("worker %s cannot run assignment %s", self.worker_id, a.assignment_id)
@@ -166,6 +190,34 @@ class WorkerAgent:
         if env is None:
             env = self._declarative[ref] = make_environment(EnvironmentSpec.model_validate_json(spec_json))
         return env
+
+    def _start_loading(self, m: wpb.ArchiveEnvironment) -> None:
+        if m.sha256 not in self._archives:
+            self._archives[m.sha256] = asyncio.create_task(self._load_archive(m), name=f"loading {m.name}@{m.version}")
+
+    async def _load_archive(self, m: wpb.ArchiveEnvironment) -> Environment:
+        """Unpack and load an uploaded environment the control plane sent (it checked the archive already)."""
+        kind = self._kinds.get(m.kind)
+        if kind is None:
+            raise LookupError(f"this worker has no plug-in for archives of kind {m.kind!r}")
+        digest = hashlib.sha256(m.archive).hexdigest()
+        if digest != m.sha256:
+            raise ValueError(f"the archive of {m.name}@{m.version} arrived damaged (sha256 {digest}, not {m.sha256})")
+        if self._archive_dir is None:
+            self._archive_dir = Path(tempfile.mkdtemp(prefix="envfleet-worker-archives-"))
+        folder = self._archive_dir / digest
+        folder.mkdir()
+        archive = folder / "archive"
+        await asyncio.to_thread(archive.write_bytes, m.archive)
+        tree = folder / "tree"
+        tree.mkdir()
+        return await asyncio.to_thread(kind.load, archive, tree, m.name, m.version, WIDEST_ARCHIVE_LIMITS)
+
+    async def _archived(self, m: wpb.ArchiveEnvironment) -> Environment:
+        loading = self._archives.get(m.sha256)
+        if loading is None:
+            raise LookupError(f"the control plane sent no archive of {m.name}@{m.version} on this stream")
+        return await asyncio.shield(loading)  # a cancelled rollout does not cancel the load others wait for
 
     def _task(self, env: Environment, task_id: str) -> Task:
         by_id = self._tasks.get(env.ref())

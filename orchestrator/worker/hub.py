@@ -24,6 +24,7 @@ from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError, RolloutStatus
 from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem
+from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
 from orchestrator.worker.outbox import Outbox, as_messages
 from orchestrator.worker.results import InvalidResultError, add_attempts, decode
@@ -56,12 +57,13 @@ class _Worker:
     host: str
     slots: int
     pid: int
-    trusted: bool  # this host's own process (unix socket), or remote (TCP): its rollouts are checked whole
+    trusted: bool = False  # this host's own process (unix socket), else remote (TCP): its rollouts checked whole
     outbox: Outbox[wpb.Assignment | wpb.ControlMessage] = field(default_factory=Outbox)
     running: dict[str, _Running] = field(default_factory=dict)
     connected_at: float = field(default_factory=time.monotonic)
     next_sweep: float = field(default_factory=time.monotonic)
     served: int = 0
+    archives: set[str] = field(default_factory=set)  # digests of the archives this stream has carried
 
     @property
     def load(self) -> float:
@@ -85,9 +87,15 @@ class WorkerHub:
     """Rollout workers connected to this control plane, and the rollouts they run."""
 
     def __init__(
-        self, images: ImageSource, *, heartbeat_timeout_s: float = 10.0, result_slack_s: float = RESULT_SLACK_S
+        self,
+        images: ImageSource,
+        *,
+        heartbeat_timeout_s: float = 10.0,
+        archives: ArchiveCatalog | None = None,
+        result_slack_s: float = RESULT_SLACK_S,
     ) -> None:
         self._images = images
+        self._archives = archives or ArchiveCatalog()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.result_slack_s = result_slack_s
         self._workers: dict[str, _Worker] = {}
@@ -201,6 +209,7 @@ class WorkerHub:
         sent = time.monotonic()
         queued_s = sent - item.enqueued_at
         future: asyncio.Future[tuple[EncodedRollout, float]] = asyncio.get_running_loop().create_future()
+        archive = await self._archive_for(worker, env)
         # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
         # worker's reader enforces it (_expire)
         budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + self.result_slack_s
@@ -217,6 +226,7 @@ class WorkerHub:
                 tenant=item.tenant,
                 traceparent=item.traceparent,
                 env_spec_json=env_json,
+                env_archive=archive,
             )
         )
         try:
@@ -231,6 +241,20 @@ class WorkerHub:
         self.dispatch_delays.append(max(0.0, time.monotonic() - sent - run_s))
         self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
         return rollout
+
+    async def _archive_for(self, worker: _Worker, env: Environment) -> wpb.ArchiveEnvironment | None:
+        """Which archive an uploaded environment is, with its bytes the first time this stream carries it."""
+        shipped = self._archives.shipment(env)
+        if shipped is None:
+            return None
+        m = wpb.ArchiveEnvironment(kind=shipped.kind, name=shipped.name, version=shipped.version, sha256=shipped.digest)
+        if shipped.digest not in worker.archives:
+            data = await asyncio.to_thread(shipped.path.read_bytes)
+            # checked again after the read: the first assignment queued carries the bytes, so it is the first read
+            if shipped.digest not in worker.archives:
+                worker.archives.add(shipped.digest)
+                m.archive = data
+        return m
 
     @staticmethod
     def _cancel(worker: _Worker, assignment_id: str) -> None:
@@ -330,7 +354,8 @@ class WorkerHub:
 
 
 def _assignment_size(a: wpb.Assignment) -> int:
-    return len(a.job_spec_json) + len(a.env_spec_json) + 256  # and its short fields
+    archive = len(a.env_archive.archive) if a.HasField("env_archive") else 0  # an archive's first trip carries it
+    return len(a.job_spec_json) + len(a.env_spec_json) + archive + 256  # and its short fields
 
 
 def _control_messages(batch: list[wpb.Assignment | wpb.ControlMessage]) -> list[wpb.ControlMessage]:

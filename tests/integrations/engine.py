@@ -1,53 +1,47 @@
-"""A fake inference engine for the session-driven adapters: token ids in, scripted token ids out, every sample logged.
+"""A trainer's inference engine played by the model server double: token ids in, the double's sampled ids out.
 
-Each episode (request id) answers a python call in its first turn, written with spacing unlike json.dumps and a
-think block, as Qwen3 samples it, and submits the task's answer in its second. The ids are the Qwen-like tokenizer's
-encoding of that text, so decoding and re-encoding would not be guaranteed to give them back: the adapter must keep
-them as sampled.
+verl's `server_manager.generate(prompt_ids=...)` and `integrations.episode`'s `generate` are an engine that samples
+from token ids. Here each call is a real `/v1/completions` request with a token-id prompt to the double in qwen3
+mode (ScriptedServer), so the ids are the double's own samples (a `<think>` block, tool-call JSON spaced unlike
+json.dumps, pieces split unlike the canonical tokenization) and the prompts the adapter builds are checked by the
+double itself (its turn is read from the prompt, its answer follows the Qwen-like template's markers). What it
+sampled is in `ScriptedServer.samples`, the log the tests compare the adapters' arrays with.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-PYTHON_TURN = (
-    "<think>\nLet me think about this step by step.\n</think>\n\n"
-    '<tool_call>\n{"name":"python",  "arguments": {"code": %s}}\n</tool_call><|im_end|>'
-)
-SUBMIT_TURN = (
-    "<think>\nThe tool returned the result.\n</think>\n\n"
-    '<tool_call>\n{"name": "submit","arguments":{"answer": %s}}\n</tool_call><|im_end|>'
-)
+import httpx
+
+from integrations.episode import Generated
+from orchestrator.testing.scripted_policy import ScriptedServer
 
 
 @dataclass
-class Sample:
-    """One generate call: what it was given and what it sampled."""
+class DoubleEngine:
+    """Generate by POSTing token ids to the double; every request body is kept (`requests`)."""
 
-    request_id: str
-    prompt_ids: list[int]
-    ids: list[int]
-    logprobs: list[float]
+    server: ScriptedServer
+    http: httpx.AsyncClient
+    requests: list[dict[str, Any]] = field(default_factory=list)
 
-
-@dataclass
-class ScriptedEngine:
-    """Answers by request id: turn 0 runs `code`, turn 1 submits `answers[task]` (the task is the id's middle)."""
-
-    tokenizer: Any
-    answers: dict[str, str]
-    code: str = "print(6 * 7)"
-    samples: list[Sample] = field(default_factory=list)
-
-    def sample(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> Sample:
-        """The next turn of this request's episode, cut at max_tokens."""
-        turn = sum(s.request_id == request_id for s in self.samples)
-        task = request_id.split(":")[1]
-        text = PYTHON_TURN % json.dumps(self.code) if turn == 0 else SUBMIT_TURN % json.dumps(self.answers[task])
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))[:max_tokens]
-        logprobs = [-0.01 * (1 + (i + turn) % 7) for i in range(len(ids))]
-        s = Sample(request_id, list(prompt_ids), ids, logprobs)
-        self.samples.append(s)
-        return s
+    async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> Generated:
+        """One sample for `prompt_ids`; `request_id` is the double's `user` (a rollout-id shaped "x:task:0")."""
+        body = {
+            "model": self.server.script.model,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "user": request_id,
+        }
+        self.requests.append(body)
+        r = await self.http.post(f"{self.server.url}/completions", json=body)
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        if choice["prompt_token_ids"] != list(prompt_ids):
+            raise AssertionError("the double echoed another prompt than the one sent")
+        return Generated(list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]))

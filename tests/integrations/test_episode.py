@@ -1,10 +1,13 @@
-"""The tito episode driver behind the verl adapter, over real sessions: exact sampled ids and logprobs (mask 1),
-observation deltas from the chat template (mask 0), the episode's reward, and the budget."""
+"""The tito episode driver behind the verl adapter, over real sessions, with the model server double as the engine:
+exact sampled ids and logprobs (mask 1, the double's log), observation deltas from the chat template (mask 0, the
+template's own rendering), the episode's reward, and the budget."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
 from integrations.episode import EpisodeTokens, Generated, answer_text, run_episode
@@ -15,8 +18,13 @@ from orchestrator.core.models import RolloutStatus
 from orchestrator.rollout.tito import ChatTemplateTokens, get_parser
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.integrations.conftest import ENV
-from tests.integrations.engine import ScriptedEngine
+from tests.integrations.engine import DoubleEngine
+from tests.integrations.exact import assert_sampled, observation_text, samples_of
+
+TASK = "py-003"
+REQUEST = f"e1:{TASK}:0"  # the double's `user`: the task in the middle picks its script
 
 
 @pytest.fixture
@@ -29,77 +37,66 @@ def tokens() -> ChatTemplateTokens:
 
 
 @pytest.fixture
-def engine(tokens: ChatTemplateTokens, registry: Registry) -> ScriptedEngine:
-    return ScriptedEngine(tokens.tokenizer, {t.id: str(t.data["answer"]) for t in registry.get(ENV).tasks()})
+async def engine(qwen_server: ScriptedServer) -> AsyncIterator[DoubleEngine]:
+    async with httpx.AsyncClient() as http:
+        yield DoubleEngine(qwen_server, http)
 
 
 async def _run(
-    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: ScriptedEngine, **kw: Any
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine, **kw: Any
 ) -> EpisodeTokens:
     async def generate(prompt_ids: list[int], max_tokens: int) -> Generated:
-        s = engine.sample("e1:py-003:0", prompt_ids, max_tokens)
-        return Generated(s.ids, s.logprobs)
+        return await engine.generate(REQUEST, prompt_ids, max_tokens)
 
     async with EnvfleetClient(orchestrator.address) as client:
         return await run_episode(
-            AsyncSessions(client), tokens, get_parser("hermes"), generate, env=ENV, task_id="py-003", **kw
+            AsyncSessions(client), tokens, get_parser("hermes"), generate, env=ENV, task_id=TASK, **kw
         )
 
 
-def _spans(mask: list[int]) -> list[tuple[int, int, int]]:
-    """(value, start, end) runs of the mask."""
-    out: list[tuple[int, int, int]] = []
-    for i, m in enumerate(mask):
-        if out and out[-1][0] == m:
-            out[-1] = (m, out[-1][1], i + 1)
-        else:
-            out.append((m, i, i + 1))
-    return out
-
-
 async def test_an_episode_keeps_the_sampled_ids_exactly(
-    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: ScriptedEngine, registry: Registry
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine, registry: Registry
 ) -> None:
     episode = await _run(orchestrator, tokens, engine)
     assert episode.status == RolloutStatus.OK and episode.reward == 1.0
     assert episode.reward_components == {"exact_match": 1.0}
     assert (episode.assistant_turns, episode.tool_turns) == (2, 1)
-    first, second = engine.samples
-    env = registry.get(ENV)
-    task = next(t for t in env.tasks() if t.id == "py-003")
+    samples = samples_of(engine.server, REQUEST)
+    assert [s.turn for s in samples] == [0, 1]  # the double read each turn off the prompt the driver built
+    task = next(t for t in registry.get(ENV).tasks() if t.id == TASK)
     # the first prompt is the chat template over the opening messages and the tools
-    assert episode.prompt_ids == first.prompt_ids
     prompt = tokens.decode(episode.prompt_ids)
     assert '"name": "submit"' in prompt and task.prompt in prompt
-    # sampled, observation, sampled: the sampled spans are the engine's ids and logprobs, untouched
-    spans = _spans(episode.response_mask)
-    assert [s[0] for s in spans] == [1, 0, 1]
-    (_, a, b), (_, c, d), (_, e, f) = spans
-    assert episode.response_ids[a:b] == first.ids and episode.response_ids[e:f] == second.ids
-    assert episode.response_logprobs is not None
-    assert episode.response_logprobs[a:b] == first.logprobs and episode.response_logprobs[e:f] == second.logprobs
-    assert episode.response_logprobs[c:d] == [0.0] * (d - c)
-    # the observation is the template's delta for the tool result; the second prompt is everything so far
-    observation = tokens.decode(episode.response_ids[c:d])
-    assert "<tool_response>" in observation and observation.rstrip().endswith("<|im_start|>assistant")
-    assert second.prompt_ids == episode.prompt_ids + episode.response_ids[:d]
-    # re-rendering the history would not give these ids back: the template drops the first turn's thinking
-    assert "Let me think" in tokens.decode(episode.response_ids)
+    # sampled, observation, sampled: the double's ids and logprobs untouched, the mask 1 exactly on them
+    (observation,) = assert_sampled(
+        episode.prompt_ids, episode.response_ids, episode.response_mask, episode.response_logprobs, samples
+    )
+    # the observation is the template's delta for the tool result (the fake backend echoes the code)
+    assert observation == tokens.encode(observation_text(str(task.reference[0].arguments["code"])))
+    # the double's sample is not the tokenizer's: decoding and re-encoding would change the ids
+    assert tokens.encode(tokens.decode(samples[0].ids)) != samples[0].ids
+    # re-rendering the history would not give these ids back either: the template drops the first turn's thinking
+    assert "<think>" in tokens.decode(samples[0].ids) and '{"name":"python",  "arguments"' in tokens.decode(
+        episode.response_ids
+    )
 
 
 async def test_out_of_budget_ends_the_episode_as_the_policys_own_outcome(
-    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: ScriptedEngine
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine
 ) -> None:
     # room for the first turn only: no observation is appended and the episode ends with an empty answer
-    budget = len(engine.sample("probe:py-003:0", [], 10_000).ids) + 5
-    engine.samples.clear()
+    first_step = engine.server.script.tasks[TASK][0]
+    first, _, _ = engine.server.app.model.sample(REQUEST, 0, first_step, None)
+    budget = len(first) + 5
     episode = await _run(orchestrator, tokens, engine, response_length=budget)
     assert episode.out_of_budget and episode.reward == 0.0 and episode.status == RolloutStatus.OK
-    assert set(episode.response_mask) == {1} and len(episode.response_ids) <= budget
+    (sample,) = samples_of(engine.server, REQUEST)
+    assert sample.ids == first and engine.requests[0]["max_tokens"] == budget
+    assert_sampled(episode.prompt_ids, episode.response_ids, episode.response_mask, episode.response_logprobs, [sample])
 
 
 async def test_bad_engine_output_and_bad_arguments_are_refused(
-    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: ScriptedEngine
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens
 ) -> None:
     async def garbage(prompt_ids: list[int], max_tokens: int) -> Generated:
         return Generated([1, 2, 3], [-0.1])

@@ -1,5 +1,6 @@
 """The TRL adapter: prompts to groups and back in order, failed samples masked, and one real GRPOTrainer step on a
-2-layer Qwen2 from a config, against a real orchestrator and the scripted policy."""
+2-layer Qwen2 from a config, against a real orchestrator running a tito job on the model server double: the arrays
+TRL trains on are, id for id, what the double sampled, and a sample that failed inside a real group arrives masked."""
 
 from __future__ import annotations
 
@@ -10,13 +11,27 @@ from typing import Any
 
 import pytest
 
-from integrations.trl import REWARD_KEY, STATUS_KEY, EnvfleetRollout, envfleet_reward, group_columns, rounds, runs
+from integrations.trl import (
+    ID_KEY,
+    REWARD_KEY,
+    STATUS_KEY,
+    TOKEN_STATUS_KEY,
+    EnvfleetRollout,
+    envfleet_reward,
+    group_columns,
+    pad_token_id,
+    rounds,
+    runs,
+)
 from orchestrator.client.sdk import GroupResult
 from orchestrator.core.models import Rollout, RolloutStatus, Tokens
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.server.app import Orchestrator
-from orchestrator.testing.scripted_policy import ScriptedServer
-from tests.integrations.conftest import ENV, require
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import Script, ScriptedServer, Step, start_scripted_server
+from orchestrator.testing.scripts import reference_script
+from tests.integrations.conftest import ENV, TOKENIZER, require
+from tests.integrations.exact import assert_sampled, observation_text, samples_of
 
 
 def _rollout(i: int, status: RolloutStatus, tokens: Tokens | None = None) -> Rollout:
@@ -55,18 +70,30 @@ def test_a_failed_sample_is_masked_never_scored_zero() -> None:
     group = GroupResult(
         "j:t", "t", [_rollout(1, RolloutStatus.INFRA_ERROR), _rollout(0, RolloutStatus.OK, ok)], [0.0, None], 1
     )
-    cols = group_columns(group)
+    cols = group_columns(group, pad_id=0)
     assert cols["prompt_ids"] == [[1, 2], [1, 2]]  # the group's prompt: the failed sample has no tokens of its own
-    assert cols["completion_ids"] == [[3, 4, 5], []]
-    assert cols["env_mask"] == [[1, 0, 1], []]
-    assert cols["logprobs"] == [[-0.5, 0.0, -0.25], []]
+    # TRL needs a completion per prompt: the failed one gets one pad token, masked
+    assert cols["completion_ids"] == [[3, 4, 5], [0]]
+    assert cols["env_mask"] == [[1, 0, 1], [0]]
+    assert cols["logprobs"] == [[-0.5, 0.0, -0.25], [0.0]]
     assert cols[REWARD_KEY] == [1.0, None]
     assert cols[STATUS_KEY] == ["OK", "INFRA_ERROR"]
+    assert cols[TOKEN_STATUS_KEY] == ["complete", "missing"]
+    with pytest.raises(ValueError, match="failed without tokens: group_columns needs a pad_id"):
+        group_columns(group)
     assert envfleet_reward(["x", "y"], **{REWARD_KEY: cols[REWARD_KEY]}) == [1.0, None]
     # a failed sample that kept complete tokens trains on none of them
     failed = _rollout(1, RolloutStatus.TIMEOUT, ok)
     cols = group_columns(GroupResult("j:t", "t", [_rollout(0, RolloutStatus.OK, ok), failed], [0.0, None], 1))
     assert cols["env_mask"][1] == [0, 0, 0] and cols[REWARD_KEY][1] is None
+
+
+def test_the_pad_token_comes_from_the_trainers_tokenizer() -> None:
+    tokenizer = type("Tok", (), {"pad_token_id": None, "eos_token_id": 2})()
+    processor = type("Proc", (), {"tokenizer": type("Tok", (), {"pad_token_id": 7})()})()
+    assert pad_token_id(type("T", (), {"processing_class": tokenizer})()) == 2
+    assert pad_token_id(type("T", (), {"processing_class": processor})()) == 7
+    assert pad_token_id(object()) is None
 
 
 def test_a_group_without_tokens_or_with_inexact_tokens_is_refused() -> None:
@@ -111,9 +138,18 @@ async def test_rollout_func_returns_the_groups_in_prompt_order(
     assert out[REWARD_KEY] == [1.0] * 8  # the reference solutions
 
 
-async def test_one_grpo_step_on_a_tiny_qwen2(
-    orchestrator: Orchestrator, policy_server: ScriptedServer, tmp_path: Path
-) -> None:
+def _faulty_script(registry: Registry, tasks: list[str]) -> Script:
+    """The reference solutions on the qwen3 double, with one failed sample in two of the groups: py-001's sample 1
+    is refused (HTTP 400) at its second turn, after a tool call; py-002's sample 0 at its first, before any token."""
+    script = reference_script(registry.get(ENV), [t for t in registry.get(ENV).tasks() if t.id in tasks])
+    steps = {k: list(v) for k, v in script.tasks.items()}
+    for task, sample, turn in (("py-001", 1, 1), ("py-002", 0, 0)):
+        fault = {"error_status": 400, "fault_samples": [sample]}
+        steps[task][turn] = Step.model_validate({**steps[task][turn].model_dump(), **fault})
+    return Script(template="qwen3", tasks=steps)
+
+
+async def test_one_grpo_step_on_a_tiny_qwen2(orchestrator: Orchestrator, registry: Registry, tmp_path: Path) -> None:
     torch = require("torch", "trl")
     trl = require("trl", "trl")
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -121,7 +157,11 @@ async def test_one_grpo_step_on_a_tiny_qwen2(
     from integrations.trl import task_dataset
     from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
 
+    tasks = ["py-000", "py-001", "py-002", "py-003"]
+    server = await start_scripted_server(_faulty_script(registry, tasks))
     tokenizer = AutoTokenizer.from_pretrained(QWEN_LIKE_DIR)
+    # the model reads the ids the double samples: one vocabulary, the double's tokenizer's
+    assert len(tokenizer) == server.app.model.vocab_size
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -135,8 +175,8 @@ async def test_one_grpo_step_on_a_tiny_qwen2(
         eos_token_id=tokenizer.eos_token_id,
     )
     model = Qwen2ForCausalLM(config)
-    policy = PolicyEndpoint(base_url=policy_server.url, model="scripted")
-    rollout = EnvfleetRollout(orchestrator.address, ENV, policy, sampling=Sampling(max_tokens=64))
+    policy = PolicyEndpoint(base_url=server.url, model="qwen-like", tokenizer=TOKENIZER)
+    rollout = EnvfleetRollout(orchestrator.address, ENV, policy, sampling=Sampling(max_tokens=256), token_mode="tito")
     seen: list[dict[str, Any]] = []
 
     def recorded(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
@@ -146,7 +186,7 @@ async def test_one_grpo_step_on_a_tiny_qwen2(
 
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=8,  # the four tasks, two samples each, in the one step
         num_generations=2,
         max_steps=1,
         max_completion_length=512,
@@ -163,17 +203,46 @@ async def test_one_grpo_step_on_a_tiny_qwen2(
         processing_class=tokenizer,
         reward_funcs=envfleet_reward,
         args=args,
-        train_dataset=task_dataset(["py-000", "py-001", "py-002", "py-003"]),
+        train_dataset=task_dataset(tasks),
         rollout_func=recorded,
     )
     try:
         result = await asyncio.to_thread(trainer.train)
     finally:
         rollout.close()
+        await server.close()
     assert math.isfinite(result.training_loss)
     assert len(seen) == 1
     batch = seen[0]
-    assert len(batch["prompts"]) == 4 and batch["prompts"][0] == batch["prompts"][1] != batch["prompts"][2]
-    assert [i.split(":")[1] for i in batch["envfleet_rollout_id"]] == batch["prompts"]
+    assert sorted(batch["prompts"]) == sorted(tasks * 2) and batch["prompts"][0] == batch["prompts"][1]
+    assert [i.split(":")[1] for i in batch[ID_KEY]] == batch["prompts"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(x) for x in losses)
+
+    code = {t.id: str(t.reference[0].arguments["code"]) for t in registry.get(ENV).tasks()}
+    failed = {("py-001", "1"), ("py-002", "0")}
+    for i, rollout_id in enumerate(batch[ID_KEY]):
+        _, task, sample = rollout_id.split(":")
+        prompt, completion = batch["prompt_ids"][i], batch["completion_ids"][i]
+        mask, logprobs = batch["env_mask"][i], batch["logprobs"][i]
+        assert max(prompt + completion) < config.vocab_size
+        assert len(completion) == len(mask) == len(logprobs) > 0
+        samples = samples_of(server, rollout_id)
+        if (task, sample) in failed:
+            # masked, never scored 0: no reward and no token in the loss. A failed rollout carries no tokens (py-001's
+            # sample 1 had sampled its first turn), so TRL gets the group's prompt and one pad token
+            assert batch[STATUS_KEY][i] == "POLICY_ERROR" and batch[REWARD_KEY][i] is None
+            assert batch[TOKEN_STATUS_KEY][i] == "missing" and prompt == batch["prompt_ids"][i ^ 1]
+            assert completion == [tokenizer.pad_token_id] and mask == [0] and logprobs == [0.0]
+            assert [s.turn for s in samples] == ([0] if task == "py-001" else [])
+            continue
+        assert batch[STATUS_KEY][i] == "OK" and batch[REWARD_KEY][i] == 1.0
+        assert batch[TOKEN_STATUS_KEY][i] == "complete"
+        assert [s.turn for s in samples] == [0, 1]
+        # exactly the double's ids and logprobs (float32 on the wire), env_mask 1 on them only
+        (observation,) = assert_sampled(prompt, completion, mask, logprobs, samples, float32=True)
+        assert observation == tokenizer.encode(observation_text(code[task]), add_special_tokens=False)
+    assert sum(r is None for r in batch[REWARD_KEY]) == 2
+    # TRL left the failed samples out of the reward: a 0 would have made the mean 6/8
+    logged = next(h for h in trainer.state.log_history if "reward" in h)
+    assert logged["reward"] == 1.0 and logged["rewards/envfleet_reward/mean"] == 1.0

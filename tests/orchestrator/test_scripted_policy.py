@@ -24,6 +24,7 @@ from orchestrator.testing.scripted_policy import (
     Script,
     ScriptedServer,
     Step,
+    sample_of,
     start_scripted_server,
     task_of,
 )
@@ -128,6 +129,7 @@ def test_task_of_a_rollout_id() -> None:
     assert task_of("no-colons") is None
     assert task_of("job:0") is None
     assert task_of("") is None
+    assert sample_of("job1:repo:issue:12:3") == 3 and sample_of("job1:t:x") is None and sample_of("t") is None
 
 
 def test_script_validation() -> None:
@@ -139,6 +141,26 @@ def test_script_validation() -> None:
         Step(content="x", fail_times=1)
     with pytest.raises(ValidationError):
         Step(error_status=200)
+    with pytest.raises(ValidationError, match="fault_samples needs a fault"):
+        Step(content="x", fault_samples=[1])
+
+
+async def test_a_fault_can_hit_some_samples_of_a_group_only() -> None:
+    # one failed sample inside a group: the step's fault for sample 1, its normal answer for the others
+    steps = [{"content": "ok", "error_status": 400, "fault_samples": [1], "fail_times": 1}]
+    server = await start_scripted_server(Script.model_validate({"tasks": {"t": steps}}))
+    try:
+        async with httpx.AsyncClient() as http:
+
+            async def status(user: str) -> int:
+                body = {"messages": [{"role": "user", "content": "q"}], "user": user}
+                r = await http.post(f"{server.url}/chat/completions", json=body)
+                return r.status_code
+
+            assert [await status(u) for u in ("j:t:0", "j:t:1", "j:t:2", "j:t:1")] == [200, 400, 200, 200]
+        assert server.faults == 1  # fail_times counts the faulted sample's attempts only
+    finally:
+        await server.close()
 
 
 # --- the server over raw HTTP ----------------------------------------------------------------------------------------

@@ -143,3 +143,28 @@ async def test_a_slow_worker_is_waited_for_not_cut_off(
     assert plane.workers.hub.lost == 0, "a worker slower than usual, but under the cut-off, is not lost"
     assert all(r.attempts == 1 for r in rollouts), "nothing was retried elsewhere"
     assert victim in plane.workers.local.pids and plane.workers.local.restarts == 0
+
+
+async def test_an_archive_goes_once_per_worker_stream(tmp_path: Path) -> None:
+    """An uploaded environment's bytes ride on the first assignment of it to a stream; later ones name its digest."""
+    import hashlib
+
+    from environments.python_tool import PythonToolEnv
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.service.archives import ArchiveCatalog, Shipment
+    from orchestrator.worker.hub import WorkerHub, _Worker
+    from tests.orchestrator.servers import FAKE
+
+    path = tmp_path / "env.tar"
+    path.write_bytes(b"the archive")
+    digest = hashlib.sha256(b"the archive").hexdigest()
+    env = PythonToolEnv()
+    catalog = ArchiveCatalog()
+    catalog.add(env, Shipment("harbor", env.name, env.version, digest, path))
+    hub = WorkerHub(FakeBackend(FAKE).images, archives=catalog)
+    one, two = _Worker("w1", "h", 1, 1), _Worker("w2", "h", 1, 2)
+    first, again, other = [await hub._archive_for(w, env) for w in (one, one, two)]
+    assert first is not None and first.archive == b"the archive" and first.sha256 == digest
+    assert again is not None and again.archive == b"" and again.sha256 == digest
+    assert other is not None and other.archive == b"the archive"  # another stream: sent again
+    assert await hub._archive_for(one, PythonToolEnv()) is None  # not the instance registered from the archive

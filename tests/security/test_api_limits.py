@@ -77,6 +77,8 @@ async def test_every_identifier_is_capped_at_the_edge(channel: grpc.aio.Channel)
         rs.UpdatePolicy(pb.UpdatePolicyRequest(job_id="j", version=big), timeout=30),
         rs.GetJob(pb.GetJobRequest(job_id=big), timeout=30),
         es.Describe(pb.DescribeEnvironmentRequest(name=big), timeout=30),
+        es.RegisterArchive(pb.EnvironmentArchive(kind="harbor", name=big, archive=b"x"), timeout=30),
+        es.ValidateArchive(pb.EnvironmentArchive(kind=big, name="n", version=big, archive=b"x"), timeout=30),
         ss.Reset(pb.ResetRequest(env=ENV, task_id=big), timeout=30),
         ss.Step(pb.StepRequest(session_id=big, action=pb.Action(final_answer="1")), timeout=30),
         bs.Get(pb.GetSandboxRequest(sandbox_id=big), timeout=30),

@@ -1,0 +1,216 @@
+"""Uploaded environment archives on the control plane: the kinds plug-ins provide, the per-tenant store under the
+data dir, and the catalog that tells the worker hub which registered environments come from an archive.
+
+    <data_dir>/environments/archives/<tenant>/<name>@<version>.json   StoredArchive (owner, kind, digest, ...)
+    <data_dir>/environments/archives/<tenant>/<name>@<version>.tar    the archive, as the tenant sent it
+    <data_dir>/environments/archives/<tenant>/<name>@<version>/       its unpacked tree (remade at every start)
+
+A tenant name matches TENANT_PATTERN and a name@version the registry's patterns, so no path is tenant-made beyond
+those checked names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orchestrator.core.archives import ENTRY_POINT_GROUP, ArchiveKind
+from orchestrator.core.echo import echo
+from orchestrator.core.environment import Environment
+from orchestrator.core.errors import InvalidRequestError
+from orchestrator.service.declarative.spec import NAME_PATTERN, VERSION_PATTERN
+from orchestrator.service.tenancy import TENANT_PATTERN
+
+log = logging.getLogger(__name__)
+
+_KIND = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+def load_kinds(group: str = ENTRY_POINT_GROUP) -> dict[str, ArchiveKind]:
+    """The archive kinds installed plug-ins declare, by name; a broken one is logged and left out."""
+    kinds: dict[str, ArchiveKind] = {}
+    for ep in importlib.metadata.entry_points(group=group):
+        try:
+            kind = ep.load()()
+        except Exception:
+            log.exception("archive kind %s (%s) failed to load", ep.name, ep.value)
+            continue
+        if not isinstance(kind, ArchiveKind):
+            log.error("archive kind %s (%s) is not an ArchiveKind; left out", ep.name, ep.value)
+            continue
+        kinds[ep.name] = kind
+    return kinds
+
+
+class ArchiveUpload(BaseModel):
+    """An archive as a tenant sent it (EnvironmentArchive, converted at the edge)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str = Field(pattern=_KIND.pattern)
+    name: str = Field(pattern=NAME_PATTERN)
+    version: str = Field("1", pattern=VERSION_PATTERN)
+    visibility: Literal["private", "public"] = "private"
+    data: bytes = Field(repr=False)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the archive's bytes."""
+        return hashlib.sha256(self.data).hexdigest()
+
+    def ref(self) -> str:
+        """`name@version`."""
+        return f"{self.name}@{self.version}"
+
+
+def parse_upload(kind: str, name: str, version: str, visibility: str, data: bytes) -> ArchiveUpload:
+    """A checked upload; InvalidRequestError names every bad field."""
+    try:
+        return ArchiveUpload(
+            kind=kind, name=name, version=version or "1", visibility=visibility or "private", data=data
+        )
+    except ValidationError as e:
+        problems = [f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {echo(err['input'])})" for err in e.errors()]
+        raise InvalidRequestError("invalid environment archive: " + "; ".join(problems)) from None
+
+
+class StoredArchive(BaseModel):
+    """A registered archive's record."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    owner: str = Field(pattern=TENANT_PATTERN)
+    registered_at: float
+    kind: str
+    name: str = Field(pattern=NAME_PATTERN)
+    version: str = Field(pattern=VERSION_PATTERN)
+    visibility: Literal["private", "public"] = "private"
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+    def ref(self) -> str:
+        """`name@version`."""
+        return f"{self.name}@{self.version}"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class ArchiveStore:
+    """Archives per tenant under one folder (blocking: call it in a thread)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _folder(self, tenant: str) -> Path:
+        if not re.match(TENANT_PATTERN, tenant):  # a tenant name is checked where tokens are read; never trusted here
+            raise InvalidRequestError(f"tenant {echo(tenant)} cannot own archives")
+        return self.root / tenant
+
+    def archive_path(self, record: StoredArchive) -> Path:
+        """Where a record's archive is."""
+        return self._folder(record.owner) / f"{record.ref()}.tar"
+
+    def tree(self, tenant: str, ref: str) -> Path:
+        """An empty folder for the unpacked tree of `ref` (what was there is removed)."""
+        path = self._folder(tenant) / ref
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def staging(self, tenant: str) -> Path:
+        """A fresh private folder for an upload being checked; the caller removes it."""
+        folder = self._folder(tenant)
+        folder.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=folder, prefix=".staging-"))
+
+    def sweep_staging(self) -> int:
+        """Remove the staging folders a stopped process left; returns how many."""
+        left = list(self.root.glob("*/.staging-*")) if self.root.is_dir() else []
+        for path in left:
+            shutil.rmtree(path, ignore_errors=True)
+        return len(left)
+
+    def held_bytes(self, tenant: str) -> int:
+        """The bytes of the archives `tenant` keeps registered."""
+        folder = self._folder(tenant)
+        return sum(p.stat().st_size for p in folder.glob("*.tar")) if folder.is_dir() else 0
+
+    def save(self, record: StoredArchive, data: bytes) -> None:
+        """The archive first, then its record (a record always has its archive)."""
+        folder = self._folder(record.owner)
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomically(self.archive_path(record), data)
+        _write_atomically(folder / f"{record.ref()}.json", record.model_dump_json(indent=1).encode())
+
+    def delete(self, record: StoredArchive) -> None:
+        """Forget a record, its archive and its tree."""
+        folder = self._folder(record.owner)
+        for path in (folder / f"{record.ref()}.json", self.archive_path(record)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        shutil.rmtree(folder / record.ref(), ignore_errors=True)
+
+    def load_all(self) -> list[StoredArchive]:
+        """Every readable record (with its archive), oldest first; unreadable ones are logged and skipped."""
+        records = []
+        for path in sorted(self.root.glob("*/*.json")) if self.root.is_dir() else []:
+            try:
+                record = StoredArchive.model_validate_json(path.read_bytes())
+            except (OSError, ValidationError) as e:
+                log.error("skipping unreadable environment archive record %s: %s", path, e)
+                continue
+            if path.parent.name != record.owner or not self.archive_path(record).is_file():
+                log.error("skipping environment archive record %s: its archive or owner does not match", path)
+                continue
+            records.append(record)
+        return sorted(records, key=lambda r: r.registered_at)
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """What a worker needs to load an archive environment: its kind, identity and where its bytes are."""
+
+    kind: str
+    name: str
+    version: str
+    digest: str
+    path: Path
+
+
+class ArchiveCatalog:
+    """The registered environments that come from an archive (the worker hub ships them to workers)."""
+
+    def __init__(self) -> None:
+        self._by_ref: dict[str, tuple[Environment, Shipment]] = {}
+
+    def add(self, env: Environment, shipment: Shipment) -> None:
+        """Record where `env` came from."""
+        self._by_ref[env.ref()] = (env, shipment)
+
+    def shipment(self, env: Environment) -> Shipment | None:
+        """The archive `env` (this very instance) was loaded from; None for any other environment."""
+        entry = self._by_ref.get(env.ref())
+        return entry[1] if entry is not None and entry[0] is env else None

@@ -1,0 +1,242 @@
+"""Uploaded Harbor archives (EnvironmentService.RegisterArchive) are tenant input: unpacked on the control plane with
+every member and link resolved inside the tree, under size caps that answer RESOURCE_EXHAUSTED naming the cap, with
+the tasks' Dockerfiles held to the rules of any tenant build, and the environment private to its tenant."""
+
+from __future__ import annotations
+
+import io
+import secrets
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from environments.harbor.archive import pack
+from orchestrator.client.sdk import EnvfleetClient
+from protos import orchestrator_pb2 as pb
+from tests.environments.harbor.test_harbor import make_task
+from tests.orchestrator.servers import FAKE, expect_error, serve
+
+TOKEN_A, TOKEN_B = (secrets.token_urlsafe(24) for _ in range(2))
+CANARY = "envfleet-harbor-escape-canary"
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(f"tokens:\n  {TOKEN_A}: team-a\n  {TOKEN_B}: team-b\n")
+    return path
+
+
+def _members(task: Path) -> Iterator[tuple[str, str, bytes | str]]:
+    for p in sorted(task.rglob("*")):
+        if p.is_file():
+            yield "file", f"{task.name}/{p.relative_to(task).as_posix()}", p.read_bytes()
+
+
+def _tar(members: list[tuple[str, str, bytes | str]]) -> bytes:
+    """A tar of (kind, name, data or link target) members, kind file or sym, in the order given."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for kind, name, data in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                assert isinstance(data, bytes)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+            else:
+                info.type, info.linkname = tarfile.SYMTYPE, str(data)
+                tf.addfile(info)
+    return buf.getvalue()
+
+
+def _upload(data: bytes, name: str = "evil", kind: str = "harbor") -> pb.EnvironmentArchive:
+    return pb.EnvironmentArchive(kind=kind, name=name, archive=data)
+
+
+def _nothing_left(data_dir: Path, tenant: str = "team-a") -> None:
+    """A refused upload leaves no staging folder, tree, archive or record behind."""
+    folder = data_dir / "environments" / "archives" / tenant
+    left = list(folder.iterdir()) if folder.exists() else []
+    assert left == [], left
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Path:
+    return make_task(tmp_path / "src", "t")
+
+
+async def _refused(
+    tmp_path: Path, token_file: Path, upload: pb.EnvironmentArchive, code: grpc.StatusCode, *fragments: str, **cfg: Any
+) -> str:
+    data = tmp_path / "data"
+    async with (
+        serve(data, backend=FAKE, security={"token_file": token_file}, **cfg) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+    ):
+        details = await expect_error(a.env_stub.RegisterArchive(upload), code, *fragments)
+        await expect_error(a.env_stub.ValidateArchive(upload), code, *fragments)
+        names = {e.name for e in (await a.env_stub.List(pb.ListEnvironmentsRequest())).environments}
+        assert upload.name not in names
+    _nothing_left(data)
+    return details
+
+
+ESCAPES: dict[str, tuple[list[tuple[str, str, bytes | str]], str]] = {
+    "dot-dot member": ([("file", "t/../../" + CANARY, b"pwned")], "unsafe member path"),
+    "absolute member": ([("file", f"/tmp/{CANARY}", b"pwned")], "unsafe member path"),
+    "link out of the tree": (
+        [("sym", "t/tests/up", "../../../.."), ("file", f"t/tests/up/{CANARY}", b"pwned")],
+        "points outside the tree",
+    ),
+    "absolute link": ([("sym", "t/abs", "/tmp"), ("file", f"t/abs/{CANARY}", b"pwned")], "points outside the tree"),
+    "link chain": (
+        # `e` looks inward when made; `up`, made after it, turns it outward (through `up`, one level above the root)
+        [("sym", "t/d/e", "up/.."), ("sym", "t/d/up", "../.."), ("file", f"t/d/e/{CANARY}", b"pwned")],
+        "outside the tree",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ESCAPES), ids=list(ESCAPES))
+async def test_a_path_or_link_escape_is_refused(tmp_path: Path, token_file: Path, task: Path, case: str) -> None:
+    evil, message = ESCAPES[case]
+    upload = _upload(_tar([*_members(task), *evil]))
+    details = await _refused(tmp_path, token_file, upload, grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert details.startswith("the archive is refused"), details
+    assert not [p for p in tmp_path.rglob(CANARY)] and not Path("/tmp", CANARY).exists()
+
+
+async def test_a_link_inside_a_task_is_refused_as_a_task_file(tmp_path: Path, token_file: Path, task: Path) -> None:
+    # inside the tree, yet Harbor's loader copies files only: a link in tests/ would be read through on upload
+    upload = _upload(_tar([*_members(task), ("sym", "t/tests/link.sh", "test.sh")]))
+    await _refused(tmp_path, token_file, upload, grpc.StatusCode.INVALID_ARGUMENT, "tests/link.sh is a symlink")
+
+
+@pytest.mark.parametrize(
+    ("caps", "extra", "cap"),
+    [
+        ({"member_bytes": 64 << 10}, [("file", "t/tests/big.bin", b"x" * (100 << 10))], "caps.archive.member_bytes"),
+        ({"members": 10}, [("file", f"t/tests/f{i}", b"") for i in range(10)], "caps.archive.members"),
+        (
+            {"unpacked_bytes": 96 << 10},
+            [("file", f"t/tests/f{i}.bin", b"x" * (40 << 10)) for i in range(3)],
+            "caps.archive.unpacked_bytes",
+        ),
+        ({"bytes": 64 << 10}, [("file", "t/tests/noise.bin", secrets.token_bytes(80 << 10))], "caps.archive.bytes"),
+    ],
+    ids=["member", "members", "unpacked", "archive"],
+)
+async def test_an_archive_over_a_cap_is_resource_exhausted_naming_it(
+    tmp_path: Path, token_file: Path, task: Path, caps: dict[str, int], extra: list[Any], cap: str
+) -> None:
+    upload = _upload(_tar([*_members(task), *extra]))
+    await _refused(tmp_path, token_file, upload, grpc.StatusCode.RESOURCE_EXHAUSTED, cap, caps={"archive": caps})
+
+
+BAD_TASKS: dict[str, tuple[dict[str, Any], str]] = {
+    "FROM a foreign image": ({"dockerfile": "FROM ubuntu:24.04\nRUN true\n"}, "not an envfleet image"),
+    "ADD of a URL": (
+        {"dockerfile": "FROM envfleet/base:latest\nADD https://example.com/x.tgz /opt/\n"},
+        "the daemon would fetch it on the host network",
+    ),
+    "FROM another environment's image": (
+        {"dockerfile": "FROM envfleet/env-harbor-victim:0123456789ab\nRUN true\n"},
+        "another environment's image",
+    ),
+    "a syntax directive": ({"dockerfile": "# syntax=docker/dockerfile:1\nFROM envfleet/base:latest\n"}, "syntax"),
+    "COPY out of the context": (
+        {"dockerfile": "FROM envfleet/base:latest\nCOPY ../../secret /app/\n"},
+        "leaves the build context",
+    ),
+    "docker_image of another environment": (
+        {"toml_extra": 'docker_image = "envfleet/env-victim:0123456789ab"\n'},
+        "another environment's image",
+    ),
+    "a network": ({"toml_extra": 'network_mode = "bridge"\n'}, "sandboxes have no network"),
+    "a verifier timeout over the cap": ({"verifier_timeout": 99_999}, "over 3600"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TASKS), ids=list(BAD_TASKS))
+async def test_a_bad_task_is_refused_naming_it(tmp_path: Path, token_file: Path, case: str) -> None:
+    kwargs, message = BAD_TASKS[case]
+    bad = make_task(tmp_path / "src", "bad-task", **kwargs)
+    upload = _upload(_tar(list(_members(bad))))
+    details = await _refused(tmp_path, token_file, upload, grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert "task bad-task" in details, details
+
+
+async def test_malformed_uploads_are_refused(tmp_path: Path, token_file: Path, task: Path) -> None:
+    good = _tar(list(_members(task)))
+    cases = [
+        (_upload(good, kind="zipfile"), "no archives of kind 'zipfile'; it reads: harbor"),
+        (_upload(good, name="Bad Name"), "name"),
+        (_upload(b"not an archive at all"), "not a readable tar"),
+        (_upload(_tar([*_members(task), ("file", "README", b"hi")])), "only task folders"),
+    ]
+    for upload, message in cases:
+        await _refused(tmp_path, token_file, upload, grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+async def test_limits_over_the_sandbox_caps_are_refused(tmp_path: Path, token_file: Path, task: Path) -> None:
+    upload = _upload(_tar(list(_members(task))))  # the task asks for memory_mb = 768
+    await _refused(
+        tmp_path,
+        token_file,
+        upload,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "memory_mb = 768 is over caps.sandbox.memory_mb = 512",
+        caps={"sandbox": {"memory_mb": 512}},
+    )
+
+
+async def test_an_uploaded_environment_is_private_to_its_tenant(
+    tmp_path: Path, base_image: str, token_file: Path, task: Path
+) -> None:
+    archive = pack([task])
+    cap = len(archive) * 3 // 2  # room for this archive, not for a second one
+    async with (
+        serve(
+            tmp_path / "data", security={"token_file": token_file}, caps={"archive": {"bytes_per_tenant": cap}}
+        ) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        await a.env_stub.RegisterArchive(_upload(archive, name="a-harbor"))
+        names_a = {e.name for e in (await a.env_stub.List(pb.ListEnvironmentsRequest())).environments}
+        names_b = {e.name for e in (await b.env_stub.List(pb.ListEnvironmentsRequest())).environments}
+        assert "a-harbor" in names_a and "a-harbor" not in names_b
+        missing = "no environment named 'a-harbor'"
+        for call in (
+            b.env_stub.Describe(pb.DescribeEnvironmentRequest(name="a-harbor@1")),
+            b.session_stub.Reset(pb.ResetRequest(env="a-harbor", task_id="t")),
+            b.sandbox_stub.Create(pb.CreateSandboxRequest(env="a-harbor@1")),
+            b.rollout_stub.SubmitJob(
+                pb.JobSpec(
+                    env="a-harbor",
+                    tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_ALL),
+                    policy=pb.PolicyEndpoint(base_url="http://127.0.0.1:9/v1", model="m"),
+                )
+            ),
+        ):
+            details = await expect_error(call, grpc.StatusCode.NOT_FOUND, missing)
+            assert "a-harbor" not in details.split(missing, 1)[1], details  # no "did you mean" either
+        # nor can B take the name, even with the very same archive
+        await expect_error(
+            b.env_stub.RegisterArchive(_upload(archive, name="a-harbor")),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "belongs to another tenant",
+        )
+        # A's own sessions work, and A's store is capped
+        session = await a.session_stub.Reset(pb.ResetRequest(env="a-harbor", task_id="t"))
+        await a.session_stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id))
+        (task / "instruction.md").write_text("Another task now.\n")
+        await expect_error(
+            a.env_stub.RegisterArchive(_upload(pack([task]), name="a-harbor-2")),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "caps.archive.bytes_per_tenant",
+        )
