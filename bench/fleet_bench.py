@@ -148,7 +148,7 @@ async def workers_speedup(total: int = 3000) -> dict[str, Any]:
     for _ in range(2):
         one.append((await rollouts_per_s(1, total))["rollouts_per_s"])
         two.append((await rollouts_per_s(2, total))["rollouts_per_s"])
-    a, b = statistics.median(one), statistics.median(two)
+    a, b = round(statistics.median(one), 1), round(statistics.median(two), 1)
     return {"one_worker_per_s": a, "two_workers_per_s": b, "ratio": round(b / a, 3), "cpus": os.cpu_count()}
 
 
