@@ -3,9 +3,10 @@
 - `workers_speedup`: rollouts/s with 2 worker processes over 1, the same light workload (python-tool on the fake
   backend, the replay policy: no model latency), the control plane the same.
 - `submit_latency`: p50 and p99 of SubmitJob under 200 concurrent one-task submits, from a client process of its
-  own against `envfleet serve` (fake backend, 2 workers).
+  own against `envfleet serve` (fake backend, 2 workers), beside the same burst of calls to a bare grpc.aio server.
 - `control_plane`: with the fake backend and the replay policy on 8 worker processes, the rollouts/s one control
-  plane delivers and its own CPU per rollout (this process's CPU time), so its capacity per core follows.
+  plane delivers and its own CPU per rollout (this process's CPU time; the trainer that drains the stream is a
+  process of its own), so its capacity per core follows.
 - `fleet_sim`: the fake backend in worker processes holding 10,000 concurrent sandboxes and running 50,000 rollouts
   through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the round
   trip from the control plane sending a rollout to a worker to taking its result, less the rollout's own run time).
@@ -21,8 +22,13 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
@@ -70,6 +76,57 @@ async def _drain(client: EnvfleetClient, job_id: str) -> Counter[str]:
     return Counter([r.status.value async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024)])
 
 
+# The trainer of the timed jobs: a process of its own, as a trainer is, so that the control plane's CPU time is its
+# own. It connects, says "ready", and on "go" submits the job and drains its stream.
+_CONSUMER = """
+import asyncio, collections, json, sys
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec
+
+async def main(address, spec_json):
+    spec = JobSpec.model_validate_json(spec_json)
+    async with EnvfleetClient(address, timeout_s=600) as client:
+        await client.list_jobs()  # the channel is up before the clock starts
+        print("ready", flush=True)
+        sys.stdin.readline()
+        job_id = await client.submit(spec)
+        counts = collections.Counter(
+            [r.status.value async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024)]
+        )
+        print(json.dumps(counts), flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def timed_job(address: str, spec: JobSpec) -> tuple[Counter[str], float, float]:
+    """Run one job from a trainer process of its own: its rollouts by status, the seconds from submit to its last
+    rollout, and this process's CPU seconds meanwhile."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CONSUMER,
+        address,
+        spec.model_dump_json(),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        if (await proc.stdout.readline()).strip() != b"ready":
+            raise RuntimeError("the bench's trainer process did not start")
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+        counts: Counter[str] = Counter(json.loads(await proc.stdout.readline()))
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+    return counts, elapsed, cpu
+
+
 async def rollouts_per_s(workers: int, total: int) -> dict[str, Any]:
     """One job of `total` light rollouts on `workers` worker processes: rollouts/s from submit to the last one."""
     ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
@@ -79,9 +136,7 @@ async def rollouts_per_s(workers: int, total: int) -> dict[str, Any]:
         try:
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 await _drain(client, await client.submit(_job(ids[:4])))  # warm the workers' pools and code
-                t0 = time.perf_counter()
-                counts = await _drain(client, await client.submit(_job(ids, n=n)))
-                elapsed = time.perf_counter() - t0
+            counts, elapsed, _ = await timed_job(orch.address, _job(ids, n=n))
         finally:
             await orch.stop(grace=1)
     return {"rollouts_per_s": round(sum(counts.values()) / elapsed, 1), "ok": counts["OK"], "n": sum(counts.values())}
@@ -93,7 +148,7 @@ async def workers_speedup(total: int = 3000) -> dict[str, Any]:
     for _ in range(2):
         one.append((await rollouts_per_s(1, total))["rollouts_per_s"])
         two.append((await rollouts_per_s(2, total))["rollouts_per_s"])
-    a, b = statistics.median(one), statistics.median(two)
+    a, b = round(statistics.median(one), 1), round(statistics.median(two), 1)
     return {"one_worker_per_s": a, "two_workers_per_s": b, "ratio": round(b / a, 3), "cpus": os.cpu_count()}
 
 
@@ -116,30 +171,70 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
 
 
-async def submit_latency(concurrent: int = 200) -> dict[str, Any]:
-    """p50/p99 of SubmitJob under `concurrent` one-task submits from another process."""
+# The floor under it: the same burst of unary calls to a bare grpc.aio server (the health check, no handler work),
+# from a process of the same kind. grpc.aio accepts one call per trip through its completion queue and the event
+# loop, so a burst queues there before any handler runs.
+_BARE = """
+import asyncio, json, sys, time
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+async def main(address, n):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        await stub.Check(health_pb2.HealthCheckRequest())
+        async def one():
+            t0 = time.perf_counter()
+            await stub.Check(health_pb2.HealthCheckRequest())
+            return time.perf_counter() - t0
+        print(json.dumps(await asyncio.gather(*(one() for _ in range(n)))))
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+async def _burst(script: str, *args: str) -> list[float]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, *args, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return sorted(json.loads(out))
+
+
+def _ms(lat: list[float], q: float) -> float:
+    return round(lat[int(q * (len(lat) - 1))] * 1000, 1)
+
+
+async def submit_latency(concurrent: int = 200, rounds: int = 3) -> dict[str, Any]:
+    """p50/p99 of SubmitJob under `concurrent` one-task submits from another process, and of the same burst of
+    health checks on a bare grpc.aio server (the floor), interleaved; the medians over `rounds`."""
     task = Registry.from_entry_points().get(ENV).tasks()[0].id
     spec = _job([task])
+    bare = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), bare)
+    bare_address = f"127.0.0.1:{bare.add_insecure_port('127.0.0.1:0')}"
+    await bare.start()
+    ours: list[list[float]] = []
+    floor: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
         orch = await _plane(Path(data), 2, in_flight=256)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-c",
-                _SUBMITTER,
-                orch.address,
-                spec.model_dump_json(),
-                str(concurrent),
-                stdout=asyncio.subprocess.PIPE,
-            )
-            out, _ = await proc.communicate()
-            lat = sorted(json.loads(out))
+            for _ in range(rounds):
+                floor.append(await _burst(_BARE, bare_address, str(concurrent)))
+                ours.append(await _burst(_SUBMITTER, orch.address, spec.model_dump_json(), str(concurrent)))
         finally:
             await orch.stop(grace=1)
+            await bare.stop(0)
+    p50 = statistics.median(_ms(lat, 0.5) for lat in ours)
+    p99 = statistics.median(_ms(lat, 0.99) for lat in ours)
+    base50 = statistics.median(_ms(lat, 0.5) for lat in floor)
+    base99 = statistics.median(_ms(lat, 0.99) for lat in floor)
     return {
-        "p50_ms": round(statistics.median(lat) * 1000, 1),
-        "p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1000, 1),
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "bare_grpc_p50_ms": base50,
+        "bare_grpc_p99_ms": base99,
+        "p99_ratio_to_bare_grpc": round(p99 / base99, 2),
         "concurrent": concurrent,
+        "rounds": rounds,
     }
 
 
@@ -152,16 +247,14 @@ async def control_plane(total: int = 8000, workers: int = 8) -> dict[str, Any]:
         try:
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 await _drain(client, await client.submit(_job(ids[:16])))
-                cpu0, t0 = time.process_time(), time.perf_counter()
-                counts = await _drain(client, await client.submit(_job(ids, n=n)))
-                elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            counts, elapsed, cpu = await timed_job(orch.address, _job(ids, n=n))
         finally:
             await orch.stop(grace=1)
     done = sum(counts.values())
     us = cpu / done * 1e6
     return {
         "rollouts_per_s": round(done / elapsed, 1),
-        # this process is the control plane and the client that consumes the stream: an upper bound on the plane's
+        # this process is the control plane alone (the trainer is a process of its own): gRPC, jobs, the result log
         "cpu_us_per_rollout": round(us),
         "rollouts_per_s_per_core_capacity": round(1e6 / us),
         "workers": workers,
@@ -239,5 +332,11 @@ async def run_all() -> dict[str, Any]:
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    fn = {"speedup": workers_speedup, "submit": submit_latency, "control": control_plane, "sim": fleet_sim}.get(which)
+    benches: dict[str, Callable[[], Coroutine[Any, Any, dict[str, Any]]]] = {
+        "speedup": workers_speedup,
+        "submit": submit_latency,
+        "control": control_plane,
+        "sim": fleet_sim,
+    }
+    fn = benches.get(which)
     print(json.dumps(asyncio.run(fn() if fn else run_all()), indent=2))

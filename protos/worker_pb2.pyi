@@ -1,21 +1,32 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Protocol(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_UNSPECIFIED: _ClassVar[Protocol]
+    PROTOCOL_BATCHED: _ClassVar[Protocol]
+PROTOCOL_UNSPECIFIED: Protocol
+PROTOCOL_BATCHED: Protocol
+
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "host", "slots", "pid")
+    __slots__ = ("worker_id", "host", "slots", "pid", "protocol")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     slots: int
     pid: int
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    protocol: Protocol
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running",)
@@ -24,24 +35,32 @@ class Heartbeat(_message.Message):
     def __init__(self, running: _Optional[int] = ...) -> None: ...
 
 class RolloutResult(_message.Message):
-    __slots__ = ("assignment_id", "rollout_json", "error")
+    __slots__ = ("assignment_id", "rollout_json", "rollout_pb", "error")
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_PB_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     assignment_id: str
     rollout_json: bytes
+    rollout_pb: bytes
     error: str
-    def __init__(self, assignment_id: _Optional[str] = ..., rollout_json: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, assignment_id: _Optional[str] = ..., rollout_json: _Optional[bytes] = ..., rollout_pb: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ResultBatch(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RolloutResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RolloutResult, _Mapping]]] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "result")
+    __slots__ = ("hello", "heartbeat", "results")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
-    RESULT_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     hello: WorkerHello
     heartbeat: Heartbeat
-    result: RolloutResult
-    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., result: _Optional[_Union[RolloutResult, _Mapping]] = ...) -> None: ...
+    results: ResultBatch
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., results: _Optional[_Union[ResultBatch, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json", "tenant", "traceparent", "env_archive")
@@ -93,12 +112,18 @@ class JobEnded(_message.Message):
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
+class AssignmentBatch(_message.Message):
+    __slots__ = ("assignments",)
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    def __init__(self, assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
+
 class ControlMessage(_message.Message):
     __slots__ = ("assign", "cancel", "job_ended")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     JOB_ENDED_FIELD_NUMBER: _ClassVar[int]
-    assign: Assignment
+    assign: AssignmentBatch
     cancel: Cancel
     job_ended: JobEnded
-    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., job_ended: _Optional[_Union[JobEnded, _Mapping]] = ...) -> None: ...
+    def __init__(self, assign: _Optional[_Union[AssignmentBatch, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., job_ended: _Optional[_Union[JobEnded, _Mapping]] = ...) -> None: ...

@@ -3,6 +3,7 @@ of these (orchestrator/server/convert.py); the store keeps them as JSON."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
@@ -201,11 +202,31 @@ class Rollout(_Model):
 
     @model_validator(mode="after")
     def _no_reward_without_score(self) -> Rollout:
-        if not self.status.scored and self.reward is not None:
-            raise ValueError(f"a {self.status.value} rollout must not carry a reward")
-        if self.status.scored and self.reward is None:
-            raise ValueError(f"a {self.status.value} rollout needs a reward")
+        check_reward(self.status, self.reward)
         return self
+
+
+def check_reward(status: RolloutStatus, reward: float | None) -> None:
+    """Only a scored rollout carries a reward, and every scored one does: a failure never passes as reward 0."""
+    if not status.scored and reward is not None:
+        raise ValueError(f"a {status.value} rollout must not carry a reward")
+    if status.scored and reward is None:
+        raise ValueError(f"a {status.value} rollout needs a reward")
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRollout:
+    """A rollout as the worker that ran it serialized it, with the fields the control plane checked: the result log
+    keeps `json` and the trainer stream sends `wire` as they came, neither decoded and encoded again."""
+
+    id: str
+    job_id: str
+    group_id: str
+    status: RolloutStatus
+    reward: float | None
+    attempts: int
+    json: str  # the Rollout as JSON, without its seq (the result log's form)
+    wire: bytes  # the trainer wire form (orchestrator.v1.Rollout), seq unset; opaque here
 
 
 def rollout_id(job_id: str, task_id: str, sample_index: int) -> str:

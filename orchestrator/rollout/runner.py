@@ -10,11 +10,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from orchestrator.backends.pool import TENANT_LABEL, SandboxPool
 from orchestrator.core.environment import Environment, ImageSource, Task
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError
 from orchestrator.core.models import (
+    EncodedRollout,
     JobSpec,
     Provenance,
     Rollout,
@@ -49,6 +51,7 @@ from orchestrator.rollout.snapshots import SnapshotCache
 from orchestrator.rollout.step import classify_failure, env_call, finished_status
 
 log = logging.getLogger(__name__)
+R = TypeVar("R", Rollout, EncodedRollout, Rollout | EncodedRollout)  # a model, or a worker's encoded rollout
 RETRY_BACKOFF_CAP_S = 8.0  # the longest pause between infrastructure retries of one rollout
 
 
@@ -87,9 +90,7 @@ def rollout_attributes(item: WorkItem, env_ref: str) -> Attributes:
     }
 
 
-async def traced_rollout(
-    tracer: Tracer, item: WorkItem, env_ref: str, run: Callable[[WorkItem], Awaitable[Rollout]]
-) -> Rollout:
+async def traced_rollout(tracer: Tracer, item: WorkItem, env_ref: str, run: Callable[[WorkItem], Awaitable[R]]) -> R:
     """`run(item)` under the rollout's root span, from the item's enqueueing to its end; the item `run` gets carries
     the span's traceparent, so the runner's spans (here or in a worker process) are its children."""
     if not tracer.enabled:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import from_json
 
 from orchestrator.client.convert import (
     ADVANTAGE_FROM_PB,
@@ -96,10 +97,12 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         raise InvalidRequestError(f"invalid job spec: {validation_message(e, _JOB_SPEC_NOTES)}") from None
 
 
-def entry_to_pb(entry: LogEntry, advantage: float | None = None) -> pb.Rollout:
-    """A stored rollout (its JSON) straight into a message: the model's field names are the message's, its
-    text enums become the wire's enums."""
-    d = json.loads(entry.payload)
+def rollout_pb(payload: str | bytes, seq: int = 0) -> pb.Rollout:
+    """A rollout's JSON (the result log's form) straight into its wire message: the model's field names are the
+    message's, its text enums become the wire's enums. Workers call it once per rollout, so that the control plane
+    streams their bytes as they came; the control plane calls it for rollouts that came without them."""
+    d = from_json(payload)  # pydantic's parser: about 3x the standard library's
+    d.pop("seq", None)
     if d.get("reward") is None:
         d.pop("reward", None)
     if d.get("error") is None:
@@ -109,26 +112,38 @@ def entry_to_pb(entry: LogEntry, advantage: float | None = None) -> pb.Rollout:
     if tokens is not None:
         name = tokens.pop("status", "missing")
         tokens["status"], tokens["status_name"] = TOKEN_STATUS_PB[name], name
-    m = pb.Rollout(**d, seq=entry.seq)
+    return pb.Rollout(**d, seq=seq)
+
+
+def _fill(target: pb.Rollout, entry: LogEntry, advantage: float | None = None) -> None:
+    """Write a stored rollout into a message of the batch in place (a message appended to a repeated field would be
+    copied): its wire bytes when a worker sent them, else its JSON converted."""
+    if entry.wire:
+        target.MergeFromString(entry.wire)
+    else:
+        target.CopyFrom(rollout_pb(entry.payload))
+    target.seq = entry.seq
     if advantage is not None:
-        m.advantage = advantage
+        target.advantage = advantage
+
+
+def entry_to_pb(entry: LogEntry, advantage: float | None = None) -> pb.Rollout:
+    """One stored rollout as its wire message."""
+    m = pb.Rollout()
+    _fill(m, entry, advantage)
     return m
 
 
 def batch_to_pb(b: Batch) -> pb.RolloutBatch:
     """One stream message."""
-    return pb.RolloutBatch(
-        rollouts=[entry_to_pb(e) for e in b.entries],
-        groups=[
-            pb.Group(
-                group_id=g.group_id,
-                task_id=g.task_id,
-                rollouts=[entry_to_pb(e, a) for e, a in zip(g.entries, g.advantages, strict=True)],
-                failed=g.failed,
-            )
-            for g in b.groups
-        ],
-    )
+    out = pb.RolloutBatch()
+    for e in b.entries:
+        _fill(out.rollouts.add(), e)
+    for g in b.groups:
+        group = out.groups.add(group_id=g.group_id, task_id=g.task_id, failed=g.failed)
+        for e, a in zip(g.entries, g.advantages, strict=True):
+            _fill(group.rollouts.add(), e, a)
+    return out
 
 
 def job_status_pb(info: JobInfo) -> pb.JobStatus:

@@ -1,12 +1,12 @@
 """Where a job's rollouts run: in this process (`LocalExecutor`), or on rollout workers (`WorkerHub`, in
-orchestrator/service/workers.py). The job manager sees only this seam."""
+orchestrator/worker/hub.py). The job manager sees only this seam."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 from orchestrator.core.environment import Environment, ImageSource
-from orchestrator.core.models import JobSpec, Rollout
+from orchestrator.core.models import EncodedRollout, JobSpec, Rollout
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.policy.client import OpenAIPolicy
@@ -23,8 +23,9 @@ class Executor(Protocol):
     def images(self) -> ImageSource:
         """The images the control plane builds ahead of a job (readiness gates its queue)."""
 
-    async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
-        """One rollout of `item`, with the policy endpoint and version `spec` holds now."""
+    async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout | EncodedRollout:
+        """One rollout of `item`, with the policy endpoint and version `spec` holds now: a model, or (from a
+        worker) the bytes it encoded, checked."""
 
     def job_ended(self, job_id: str) -> None:
         """Drop what was kept for a finished job (group snapshots)."""

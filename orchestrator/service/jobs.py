@@ -138,7 +138,11 @@ class JobManager:
         self.registry = registry
         self.executor = executor
         self.scheduler = Scheduler(max_in_flight, self._run_item, capacity)
+        # read when scraped, not set twice per rollout (at thousands of rollouts a second, that is CPU)
+        self.metrics.queue_depth.set_function(lambda: self.scheduler.queue_depth)
+        self.metrics.in_flight.set_function(lambda: self.scheduler.in_flight)
         self._jobs: dict[str, _Job] = {}
+        self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
 
     @classmethod
     async def start(
@@ -180,7 +184,7 @@ class JobManager:
             by_status, _ = await self.store.counts(stored.job_id)
             job.by_status.update(by_status)
             job.done = sum(by_status.values())
-            self._jobs[job.job_id] = job
+            self._add(job)
             if job.finished:
                 continue
             if stored.spec.deliver_groups:
@@ -210,7 +214,7 @@ class JobManager:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
         env = self.registry.get(spec.env, owner)
         check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits", env.runtime)
-        unfinished = sum(j.owner == owner and not j.finished for j in self._jobs.values())
+        unfinished = self._unfinished[owner]
         if unfinished >= self.caps.jobs_per_tenant:
             raise QuotaExceededError(
                 f"{unfinished} jobs are unfinished; caps.jobs_per_tenant is {self.caps.jobs_per_tenant}; "
@@ -235,7 +239,7 @@ class JobManager:
         items = self._items(job_id, env, spec, tasks, owner=owner)
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
         await self.store.create_job(job_id, spec, len(items), owner)
-        self._jobs[job_id] = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
+        self._add(_Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner))
         self._queue(job_id, env, spec, items, owner)
         return job_id, len(items)
 
@@ -256,13 +260,9 @@ class JobManager:
             job.state = JobState.RUNNING
             await self.store.set_job_state(job.job_id, JobState.RUNNING)
         self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
-        self._gauge()
-        try:
-            rollout = await traced_rollout(
-                self.tracer, item, job.env.ref(), lambda traced: self.executor.run(traced, job.env, job.spec)
-            )
-        finally:
-            self._gauge(-1)
+        rollout = await traced_rollout(
+            self.tracer, item, job.env.ref(), lambda traced: self.executor.run(traced, job.env, job.spec)
+        )
         self.metrics.rollouts.labels(rollout.status.value).inc()
         if job.state == JobState.CANCELLED:
             return
@@ -278,13 +278,19 @@ class JobManager:
             await self._finish(job, JobState.COMPLETED)
         job.notify()
 
-    def _gauge(self, leaving: int = 0) -> None:
-        self.metrics.queue_depth.set(self.scheduler.queue_depth)
-        self.metrics.in_flight.set(self.scheduler.in_flight + leaving)
+    def _add(self, job: _Job) -> None:
+        self._jobs[job.job_id] = job
+        self._unfinished[job.owner] += not job.finished
+
+    def _set_state(self, job: _Job, state: JobState) -> None:
+        was = job.finished
+        job.state = state
+        if job.finished != was:
+            self._unfinished[job.owner] += -1 if job.finished else 1
 
     async def _finish(self, job: _Job, state: JobState) -> None:
         self.executor.job_ended(job.job_id)
-        job.state = state
+        self._set_state(job, state)
         job.finished_at = time.time()
         await self.store.set_job_state(job.job_id, state)
         job.notify()
@@ -374,7 +380,7 @@ class JobManager:
         """Stop a job: pending work is dropped and running rollouts are cancelled (their sandboxes destroyed)."""
         job = self._job(job_id, owner)
         if not job.finished:
-            job.state = JobState.CANCELLED
+            self._set_state(job, JobState.CANCELLED)
             await self.scheduler.cancel_job(job_id)
             await self._finish(job, JobState.CANCELLED)
         return await self.info(job_id)

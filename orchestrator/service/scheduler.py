@@ -106,6 +106,7 @@ class Scheduler:
         self._memory_used = 0
         self._held = 0  # sandboxes of sessions and the raw sandbox API, reserved outside the queues
         self._running = 0  # kept as a count: summing over the queues made each decision O(jobs), a burst O(jobs^2)
+        self._running_by_tenant: collections.Counter[str] = collections.Counter()  # counted for the same reason
         self._queues: dict[str, JobQueue] = {}
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -222,22 +223,19 @@ class Scheduler:
         self.kick()  # queued rollouts may fit now
 
     def _next(self) -> JobQueue | None:
-        ready = [q for q in self._queues.values() if q.has_room() and self._fits(q.need)]
+        if self.in_flight >= self.max_in_flight:
+            return None
+        ready = [q for q in self._queues.values() if q.has_room() and self._room(q.need)]
         if not ready:
             return None
-        running: collections.Counter[str] = collections.Counter()
-        for q in self._queues.values():
-            running[q.tenant] += len(q.running)
+        running = self._running_by_tenant
         tenant = min({q.tenant for q in ready}, key=lambda t: (running[t], t))
         mine = [q for q in ready if q.tenant == tenant]
         return min(mine, key=lambda q: (len(q.running) / q.priority, -q.priority))
 
     def running_by_tenant(self) -> dict[str, int]:
         """Running rollouts per tenant."""
-        out: collections.Counter[str] = collections.Counter()
-        for q in self._queues.values():
-            out[q.tenant] += len(q.running)
-        return dict(out)
+        return {t: n for t, n in self._running_by_tenant.items() if n}
 
     async def _loop(self) -> None:
         while True:
@@ -250,11 +248,15 @@ class Scheduler:
                 task = asyncio.create_task(self._run(item), name=f"rollout {item.id}")
                 q.running[item.id] = task
                 self._running += 1
+                self._running_by_tenant[q.tenant] += 1
                 task.add_done_callback(functools.partial(self._done, q, item.id))
 
     def _done(self, q: JobQueue, rid: str, _task: asyncio.Task[None]) -> None:
         if q.running.pop(rid, None) is not None:
             self._running -= 1
+            self._running_by_tenant[q.tenant] -= 1
+            if not self._running_by_tenant[q.tenant]:
+                del self._running_by_tenant[q.tenant]
         self._cpus_used = max(0.0, self._cpus_used - q.need.cpus)
         self._memory_used = max(0, self._memory_used - q.need.memory_mb)
         if not q.pending and not q.running:

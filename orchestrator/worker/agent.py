@@ -29,6 +29,8 @@ from orchestrator.service.declarative.env import make_environment
 from orchestrator.service.declarative.spec import EnvironmentSpec
 from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.registry import Registry
+from orchestrator.worker.outbox import Outbox, as_messages
+from orchestrator.worker.results import encode
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 
@@ -43,6 +45,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+MAX_RESULT_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB): large rollouts travel in several
 
 
 class WorkerAgent:
@@ -73,6 +76,7 @@ class WorkerAgent:
         self._archives: dict[str, asyncio.Task[Environment]] = {}
         self._archive_dir: Path | None = None
         self._tasks: dict[str, dict[str, Task]] = {}
+        self._specs: dict[str, tuple[bytes, JobSpec]] = {}  # job id -> its spec as last sent, and parsed
         self.sessions = 0  # streams opened so far
 
     async def run_forever(self, stop: asyncio.Event) -> None:
@@ -99,18 +103,25 @@ class WorkerAgent:
                 await asyncio.to_thread(shutil.rmtree, self._archive_dir, True)
 
     async def _session(self, stop: asyncio.Event) -> None:
-        outbox: asyncio.Queue[wpb.WorkerMessage] = asyncio.Queue()
+        outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult] = Outbox()
         running: dict[str, asyncio.Task[None]] = {}
-        hello = wpb.WorkerHello(worker_id=self.worker_id, host=socket.gethostname(), slots=self._slots, pid=os.getpid())
-        outbox.put_nowait(wpb.WorkerMessage(hello=hello))
+        hello = wpb.WorkerHello(
+            worker_id=self.worker_id,
+            host=socket.gethostname(),
+            slots=self._slots,
+            pid=os.getpid(),
+            protocol=wpb.PROTOCOL_BATCHED,
+        )
+        outbox.put(wpb.WorkerMessage(hello=hello))
 
         async def outbound() -> AsyncIterator[wpb.WorkerMessage]:
             while True:
-                yield await outbox.get()
+                for message in _worker_messages(await outbox.get()):
+                    yield message
 
         async def heartbeats() -> None:
             while True:
-                outbox.put_nowait(wpb.WorkerMessage(heartbeat=wpb.Heartbeat(running=len(running))))
+                outbox.put(wpb.WorkerMessage(heartbeat=wpb.Heartbeat(running=len(running))))
                 await asyncio.sleep(self._heartbeat_s)
 
         async with grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS) as channel:
@@ -124,17 +135,18 @@ class WorkerAgent:
             try:
                 async for message in call:
                     if message.HasField("assign"):
-                        a = message.assign
-                        if a.HasField("env_archive") and a.env_archive.archive:
-                            self._start_loading(a.env_archive)  # before any later assignment of it runs
-                        task = asyncio.create_task(self._run(a, outbox), name=f"assignment {a.assignment_id}")
-                        running[a.assignment_id] = task
-                        task.add_done_callback(functools.partial(_forget, running, a.assignment_id))
+                        for a in message.assign.assignments:  # in order: an archive's bytes come first
+                            if a.HasField("env_archive") and a.env_archive.archive:
+                                self._start_loading(a.env_archive)  # before any later assignment of it runs
+                            task = asyncio.create_task(self._run(a, outbox), name=f"assignment {a.assignment_id}")
+                            running[a.assignment_id] = task
+                            task.add_done_callback(functools.partial(_forget, running, a.assignment_id))
                     elif message.HasField("cancel"):
                         doomed = running.get(message.cancel.assignment_id)
                         if doomed is not None:
                             doomed.cancel()
                     elif message.HasField("job_ended"):
+                        self._specs.pop(message.job_ended.job_id, None)
                         self._executor.job_ended(message.job_ended.job_id)
             except asyncio.CancelledError:
                 if not stop.is_set():
@@ -147,9 +159,9 @@ class WorkerAgent:
                     task.cancel()
                 await asyncio.gather(beat, *running.values(), return_exceptions=True)
 
-    async def _run(self, a: wpb.Assignment, outbox: asyncio.Queue[wpb.WorkerMessage]) -> None:
+    async def _run(self, a: wpb.Assignment, outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult]) -> None:
         try:
-            spec = JobSpec.model_validate_json(a.job_spec_json)
+            spec = self._spec(a.job_id, a.job_spec_json)
             if a.HasField("env_archive"):
                 env = await self._archived(a.env_archive)
             else:
@@ -158,12 +170,18 @@ class WorkerAgent:
         except Exception as e:
             log.exception("worker %s cannot run assignment %s", self.worker_id, a.assignment_id)
             error = f"worker {self.worker_id} cannot run it: {type(e).__name__}: {e}"[:2000]
-            outbox.put_nowait(wpb.WorkerMessage(result=wpb.RolloutResult(assignment_id=a.assignment_id, error=error)))
+            outbox.put(wpb.RolloutResult(assignment_id=a.assignment_id, error=error))
             return
         item = WorkItem(a.job_id, task, a.sample_index, time.monotonic() - a.queued_s, a.tenant, a.traceparent)
         rollout = await self._executor.run(item, env, spec)
-        result = wpb.RolloutResult(assignment_id=a.assignment_id, rollout_json=rollout.model_dump_json().encode())
-        outbox.put_nowait(wpb.WorkerMessage(result=result))
+        outbox.put(encode(a.assignment_id, rollout))
+
+    def _spec(self, job_id: str, spec_json: bytes) -> JobSpec:
+        """The assignment's job spec, parsed once per job and spec (a policy update sends a new one)."""
+        cached = self._specs.get(job_id)
+        if cached is None or cached[0] != spec_json:
+            cached = self._specs[job_id] = (spec_json, JobSpec.model_validate_json(spec_json))
+        return cached[1]
 
     def _environment(self, ref: str, spec_json: bytes) -> Environment:
         if not spec_json:
@@ -210,3 +228,18 @@ class WorkerAgent:
 
 def _forget(running: dict[str, asyncio.Task[None]], assignment_id: str, _: asyncio.Task[None]) -> None:
     running.pop(assignment_id, None)
+
+
+def _result_size(r: wpb.RolloutResult) -> int:
+    return len(r.rollout_json) + len(r.rollout_pb) + len(r.error) + 64  # and its id
+
+
+def _worker_messages(batch: list[wpb.WorkerMessage | wpb.RolloutResult]) -> list[wpb.WorkerMessage]:
+    """Results next to each other travel in one message."""
+    return as_messages(
+        batch,
+        wpb.RolloutResult,
+        lambda run: wpb.WorkerMessage(results=wpb.ResultBatch(results=run)),
+        _result_size,
+        MAX_RESULT_BYTES,
+    )

@@ -22,21 +22,33 @@ from dataclasses import dataclass, field
 
 from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.errors import SandboxError
-from orchestrator.core.models import JobSpec, Rollout, RolloutError, RolloutStatus
+from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError, RolloutStatus
 from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
+from orchestrator.worker.outbox import Outbox, as_messages
+from orchestrator.worker.results import InvalidResultError, add_attempts, decode
 from protos import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 
 RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its worker counts as stuck
+OVERDUE_SWEEP_S = 1.0  # how often a worker's rollouts are checked against their budgets (one timer each would cost)
 MAX_TRACKED_GROUPS = 100_000
 DISPATCH_SAMPLES = 100_000
+MAX_ASSIGN_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB); an environment's spec can be large
 
 
 class WorkerLostError(SandboxError):
     """The worker running a rollout went away (crashed, killed, stopped answering)."""
+
+
+@dataclass
+class _Running:
+    item: WorkItem
+    result: asyncio.Future[tuple[EncodedRollout, float]]  # the rollout, and its run time on the worker
+    budget_s: float
+    deadline: float  # monotonic: past it, the worker counts as stuck on this rollout
 
 
 @dataclass
@@ -45,9 +57,11 @@ class _Worker:
     host: str
     slots: int
     pid: int
-    outbox: asyncio.Queue[wpb.ControlMessage | None] = field(default_factory=asyncio.Queue)
-    running: dict[str, asyncio.Future[Rollout]] = field(default_factory=dict)
+    trusted: bool = False  # this host's own process (unix socket), else remote (TCP): its rollouts checked whole
+    outbox: Outbox[wpb.Assignment | wpb.ControlMessage] = field(default_factory=Outbox)
+    running: dict[str, _Running] = field(default_factory=dict)
     connected_at: float = field(default_factory=time.monotonic)
+    next_sweep: float = field(default_factory=time.monotonic)
     served: int = 0
     archives: set[str] = field(default_factory=set)  # digests of the archives this stream has carried
 
@@ -66,22 +80,33 @@ class WorkerInfo:
     pid: int
     running: int
     served: int
+    trusted: bool  # a process of this host (unix socket); a remote one's rollouts are validated whole
 
 
 class WorkerHub:
     """Rollout workers connected to this control plane, and the rollouts they run."""
 
     def __init__(
-        self, images: ImageSource, *, heartbeat_timeout_s: float = 10.0, archives: ArchiveCatalog | None = None
+        self,
+        images: ImageSource,
+        *,
+        heartbeat_timeout_s: float = 10.0,
+        archives: ArchiveCatalog | None = None,
+        result_slack_s: float = RESULT_SLACK_S,
     ) -> None:
         self._images = images
         self._archives = archives or ArchiveCatalog()
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.result_slack_s = result_slack_s
         self._workers: dict[str, _Worker] = {}
         self._joined = asyncio.Condition()
-        self._group_home: dict[str, str] = {}  # group id -> worker id
+        # job id -> group id -> the worker that ran the group's first sample (by job: a job's end drops its own)
+        self._group_home: dict[str, dict[str, str]] = {}
+        self._tracked_groups = 0
         self._hosts_with: dict[str, set[str]] = {}  # env ref -> hosts that ran it
         self._ids = itertools.count(1)
+        # a job's spec (and declarative environment) as JSON, encoded once per spec rather than per assignment
+        self._encoded: dict[str, tuple[JobSpec, bytes, bytes]] = {}
         self._closed = False
         self.lost = 0  # workers lost so far
         # what placing a rollout on a worker costs it: the round trip from sending the assignment to taking the result,
@@ -95,7 +120,10 @@ class WorkerHub:
 
     def workers(self) -> list[WorkerInfo]:
         """The connected workers."""
-        return [WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served) for w in self._workers.values()]
+        return [
+            WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served, w.trusted)
+            for w in self._workers.values()
+        ]
 
     async def wait_for_workers(self, n: int, timeout_s: float = 60.0) -> None:
         """Return once `n` workers are connected."""
@@ -104,7 +132,7 @@ class WorkerHub:
 
     # -- the executor seam -------------------------------------------------------------------------------------
 
-    async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
+    async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> EncodedRollout | Rollout:
         """Run the rollout on a worker; a lost worker's rollout is retried on another, within the job's budget."""
         lost: list[str] = []
         while True:
@@ -117,15 +145,14 @@ class WorkerHub:
                     return _lost_rollout(item, env, spec, lost)
                 log.warning("rollout %s: %s; retrying on another worker", item.id, e)
                 continue
-            rollout.attempts += len(lost)
-            return rollout
+            return add_attempts(rollout, len(lost)) if lost else rollout
 
     def job_ended(self, job_id: str) -> None:
         """Tell every worker to drop the job's snapshots; forget where its groups ran."""
-        for group in [g for g in self._group_home if g.startswith(job_id + ":")]:
-            del self._group_home[group]
+        self._tracked_groups -= len(self._group_home.pop(job_id, {}))
+        self._encoded.pop(job_id, None)
         for w in self._workers.values():
-            w.outbox.put_nowait(wpb.ControlMessage(job_ended=wpb.JobEnded(job_id=job_id)))
+            w.outbox.put(wpb.ControlMessage(job_ended=wpb.JobEnded(job_id=job_id)))
 
     async def close(self) -> None:
         """End every worker's stream (workers reconnect to the next control plane) and fail what is running."""
@@ -138,57 +165,72 @@ class WorkerHub:
     # -- placement ---------------------------------------------------------------------------------------------
 
     async def _pick(self, item: WorkItem, env: Environment, spec: JobSpec) -> _Worker:
-        try:
-            async with asyncio.timeout(spec.rollout_timeout_s), self._joined:
-                await self._joined.wait_for(lambda: bool(self._workers) or self._closed)
-        except TimeoutError:
-            raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
+        if not self._workers:
+            try:
+                async with asyncio.timeout(spec.rollout_timeout_s), self._joined:
+                    await self._joined.wait_for(lambda: bool(self._workers) or self._closed)
+            except TimeoutError:
+                raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
         if self._closed:
             raise WorkerLostError("the control plane is stopping")
-        home = self._workers.get(self._group_home.get(item.group_id, ""))
+        home = self._workers.get(self._group_home.get(item.job_id, {}).get(item.group_id, ""))
         if home is not None and home.load < 2.0:
             return home
         hosts = self._hosts_with.get(env.ref(), set())
         # least loaded first; among equals, a host that already has the image
         worker = min(self._workers.values(), key=lambda w: (round(w.load, 3), w.host not in hosts, w.served))
-        if len(self._group_home) >= MAX_TRACKED_GROUPS:
-            self._group_home.pop(next(iter(self._group_home)))
-        self._group_home.setdefault(item.group_id, worker.id)
+        self._remember_home(item, worker)
         return worker
 
-    async def _run_on(self, worker: _Worker, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:
+    def _remember_home(self, item: WorkItem, worker: _Worker) -> None:
+        if item.group_id in self._group_home.get(item.job_id, {}):
+            return
+        if self._tracked_groups >= MAX_TRACKED_GROUPS:  # forget the oldest job's oldest group
+            oldest_job = next(iter(self._group_home))
+            oldest = self._group_home[oldest_job]
+            del oldest[next(iter(oldest))]
+            if not oldest:
+                del self._group_home[oldest_job]
+            self._tracked_groups -= 1
+        self._group_home.setdefault(item.job_id, {})[item.group_id] = worker.id
+        self._tracked_groups += 1
+
+    def _encode(self, job_id: str, env: Environment, spec: JobSpec) -> tuple[bytes, bytes]:
+        """The job's spec and declarative environment as JSON, made again only when the spec changed (UpdatePolicy
+        replaces it)."""
+        cached = self._encoded.get(job_id)
+        if cached is None or cached[0] is not spec:
+            env_json = env.spec.model_dump_json().encode() if isinstance(env, DeclarativeEnvironment) else b""
+            cached = self._encoded[job_id] = (spec, spec.model_dump_json().encode(), env_json)
+        return cached[1], cached[2]
+
+    async def _run_on(self, worker: _Worker, item: WorkItem, env: Environment, spec: JobSpec) -> EncodedRollout:
         assignment_id = f"a{next(self._ids)}"
         sent = time.monotonic()
         queued_s = sent - item.enqueued_at
-        future: asyncio.Future[Rollout] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[EncodedRollout, float]] = asyncio.get_running_loop().create_future()
         archive = await self._archive_for(worker, env)
-        worker.running[assignment_id] = future
-        worker.outbox.put_nowait(
-            wpb.ControlMessage(
-                assign=wpb.Assignment(
-                    assignment_id=assignment_id,
-                    job_spec_json=spec.model_dump_json().encode(),
-                    job_id=item.job_id,
-                    task_id=item.task.id,
-                    sample_index=item.sample_index,
-                    queued_s=queued_s,
-                    tenant=item.tenant,
-                    traceparent=item.traceparent,
-                    env_spec_json=env.spec.model_dump_json().encode()
-                    if isinstance(env, DeclarativeEnvironment)
-                    else b"",
-                    env_archive=archive,
-                )
+        # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
+        # worker's reader enforces it (_expire)
+        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + self.result_slack_s
+        worker.running[assignment_id] = _Running(item, future, budget, sent + budget)
+        spec_json, env_json = self._encode(item.job_id, env, spec)
+        worker.outbox.put(
+            wpb.Assignment(
+                assignment_id=assignment_id,
+                job_spec_json=spec_json,
+                job_id=item.job_id,
+                task_id=item.task.id,
+                sample_index=item.sample_index,
+                queued_s=queued_s,
+                tenant=item.tenant,
+                traceparent=item.traceparent,
+                env_spec_json=env_json,
+                env_archive=archive,
             )
         )
-        # the runner's own budget (every attempt and the pauses between them), and slack for the wire
-        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + RESULT_SLACK_S
         try:
-            async with asyncio.timeout(budget):
-                rollout = await future
-        except TimeoutError:
-            self._cancel(worker, assignment_id)  # a stuck rollout holds a sandbox there: stop it
-            raise WorkerLostError(f"worker {worker.id} gave no result within {budget:g}s") from None
+            rollout, run_s = await future
         except asyncio.CancelledError:
             # CancelJob or shutdown: the worker stops the rollout and destroys its sandbox
             self._cancel(worker, assignment_id)
@@ -196,7 +238,7 @@ class WorkerHub:
         finally:
             worker.running.pop(assignment_id, None)
         worker.served += 1
-        self.dispatch_delays.append(max(0.0, time.monotonic() - sent - rollout.timing.total))
+        self.dispatch_delays.append(max(0.0, time.monotonic() - sent - run_s))
         self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
         return rollout
 
@@ -217,17 +259,18 @@ class WorkerHub:
     @staticmethod
     def _cancel(worker: _Worker, assignment_id: str) -> None:
         if worker.running.pop(assignment_id, None) is not None:
-            worker.outbox.put_nowait(wpb.ControlMessage(cancel=wpb.Cancel(assignment_id=assignment_id)))
+            worker.outbox.put(wpb.ControlMessage(cancel=wpb.Cancel(assignment_id=assignment_id)))
 
     # -- the worker's stream -----------------------------------------------------------------------------------
 
     async def attach(
-        self, hello: wpb.WorkerHello, inbound: AsyncIterator[wpb.WorkerMessage]
+        self, hello: wpb.WorkerHello, inbound: AsyncIterator[wpb.WorkerMessage], *, trusted: bool
     ) -> AsyncIterator[wpb.ControlMessage]:
-        """Serve one worker's stream: yields what to send it; returns (ending the stream) when it is lost."""
+        """Serve one worker's stream: yields what to send it; returns (ending the stream) when it is lost. A
+        `trusted` worker is a process of this host; its rollouts are checked less (orchestrator/worker/results.py)."""
         if self._closed:
             return
-        worker = _Worker(hello.worker_id, hello.host, max(hello.slots, 1), hello.pid)
+        worker = _Worker(hello.worker_id, hello.host, max(hello.slots, 1), hello.pid, trusted)
         previous = self._workers.get(worker.id)
         if previous is not None:
             self._drop(previous, "it connected again")
@@ -238,10 +281,11 @@ class WorkerHub:
         reader = asyncio.create_task(self._read(worker, inbound), name=f"worker {worker.id} reader")
         try:
             while True:
-                message = await worker.outbox.get()
-                if message is None:
+                batch = await worker.outbox.get()
+                if not batch:
                     return
-                yield message
+                for message in _control_messages(batch):
+                    yield message
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -256,8 +300,13 @@ class WorkerHub:
                     message = await anext(inbound, None)
                 if message is None:
                     break
-                if message.HasField("result"):
-                    self._deliver(worker, message.result)
+                if message.HasField("results"):
+                    for result in message.results.results:
+                        self._deliver(worker, result)
+                now = time.monotonic()
+                if now >= worker.next_sweep:  # heartbeats come every second or so: the sweep runs as often
+                    worker.next_sweep = now + OVERDUE_SWEEP_S
+                    self._expire(worker, now)
         except TimeoutError:
             why = f"no heartbeat for {self.heartbeat_timeout_s:g}s"
         except Exception as e:  # the connection broke
@@ -265,16 +314,27 @@ class WorkerHub:
         self._drop(worker, why)
 
     def _deliver(self, worker: _Worker, result: wpb.RolloutResult) -> None:
-        future = worker.running.pop(result.assignment_id, None)
-        if future is None or future.done():
+        running = worker.running.pop(result.assignment_id, None)
+        if running is None or running.result.done():
             return  # cancelled, or given up on: the answer is late
         if result.error:
-            future.set_exception(WorkerLostError(result.error))
+            running.result.set_exception(WorkerLostError(result.error))
             return
         try:
-            future.set_result(Rollout.model_validate_json(result.rollout_json))
-        except ValueError as e:
-            future.set_exception(WorkerLostError(f"worker {worker.id} sent an invalid rollout: {e}"))
+            running.result.set_result(decode(result, running.item, trusted=worker.trusted))
+        except InvalidResultError as e:
+            log.warning("worker %s sent an invalid rollout for %s: %s", worker.id, running.item.id, e)
+            running.result.set_exception(WorkerLostError(f"worker {worker.id} sent an invalid rollout: {e}"))
+
+    def _expire(self, worker: _Worker, now: float) -> None:
+        """Give up on the worker's rollouts past their budget: each fails over, and is stopped on the worker (a
+        stuck rollout holds a sandbox there)."""
+        for assignment_id, running in list(worker.running.items()):
+            if now > running.deadline and not running.result.done():
+                running.result.set_exception(
+                    WorkerLostError(f"worker {worker.id} gave no result within {running.budget_s:g}s")
+                )
+                self._cancel(worker, assignment_id)
 
     def _drop(self, worker: _Worker, why: str) -> None:
         """Forget a worker: its rollouts fail over, its stream ends."""
@@ -286,11 +346,27 @@ class WorkerHub:
             log.warning(
                 "worker %s (pid %d) lost: %s; %d rollout(s) to retry", worker.id, worker.pid, why, len(worker.running)
             )
-        for future in worker.running.values():
-            if not future.done():
-                future.set_exception(WorkerLostError(f"worker {worker.id} was lost: {why}"))
+        for running in worker.running.values():
+            if not running.result.done():
+                running.result.set_exception(WorkerLostError(f"worker {worker.id} was lost: {why}"))
         worker.running.clear()
-        worker.outbox.put_nowait(None)
+        worker.outbox.close()
+
+
+def _assignment_size(a: wpb.Assignment) -> int:
+    archive = len(a.env_archive.archive) if a.HasField("env_archive") else 0  # an archive's first trip carries it
+    return len(a.job_spec_json) + len(a.env_spec_json) + archive + 256  # and its short fields
+
+
+def _control_messages(batch: list[wpb.Assignment | wpb.ControlMessage]) -> list[wpb.ControlMessage]:
+    """Assignments next to each other travel in one message."""
+    return as_messages(
+        batch,
+        wpb.Assignment,
+        lambda run: wpb.ControlMessage(assign=wpb.AssignmentBatch(assignments=run)),
+        _assignment_size,
+        MAX_ASSIGN_BYTES,
+    )
 
 
 def _lost_rollout(item: WorkItem, env: Environment, spec: JobSpec, lost: list[str]) -> Rollout:

@@ -32,5 +32,15 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
         if first is None or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a worker's first message must be its hello")
         assert first is not None
-        async for message in self._hub.attach(first.hello, inbound):
+        if first.hello.protocol != wpb.PROTOCOL_BATCHED:
+            theirs = first.hello.protocol
+            name = wpb.Protocol.Name(theirs) if theirs in wpb.Protocol.values() else str(theirs)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the worker speaks protocol {name}, this control plane PROTOCOL_BATCHED: "
+                "run the same envfleet release on both",
+            )
+        # a worker over the unix socket is a process of this host, in the control plane's own 0700 directory
+        trusted = context.peer().startswith("unix:")
+        async for message in self._hub.attach(first.hello, inbound, trusted=trusted):
             yield message

@@ -122,6 +122,29 @@ async def test_a_stopped_worker_is_cut_off_and_its_work_done_elsewhere(
     await plane.workers.hub.wait_for_workers(2, timeout_s=60)
 
 
+async def test_a_slow_worker_is_waited_for_not_cut_off(
+    plane: Orchestrator, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    # stopped for a second, under the 3 s cut-off: its rollouts stall, then finish where they were, once each
+    assert plane.workers is not None and plane.workers.local is not None
+    async with EnvfleetClient(plane.address) as client:
+        job_id = await client.submit(job(slow_policy.url, task_ids[:24], max_concurrency=12))
+        victim = await _lose_a_worker_midway(plane, client, job_id, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.0)
+            stalled = [w.running for w in plane.workers.hub.workers() if w.pid == victim]
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert stalled and stalled[0] > 0, f"the stopped worker should hold rollouts: {stalled}"
+        rollouts = await _collect(client, job_id)
+        info = await client.get_job(job_id)
+    check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:24]})
+    assert info.by_status.get(RolloutStatus.OK, 0) == 24, info.by_status
+    assert plane.workers.hub.lost == 0, "a worker slower than usual, but under the cut-off, is not lost"
+    assert all(r.attempts == 1 for r in rollouts), "nothing was retried elsewhere"
+    assert victim in plane.workers.local.pids and plane.workers.local.restarts == 0
+
+
 async def test_an_archive_goes_once_per_worker_stream(tmp_path: Path) -> None:
     """An uploaded environment's bytes ride on the first assignment of it to a stream; later ones name its digest."""
     import hashlib

@@ -1,0 +1,127 @@
+"""The result log on disk: a worker's rollout kept in both forms as it came and streamed from its wire bytes; a log
+written before that column opens and streams as before; calls batched into one transaction still fail alone."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutStatus, TaskSelection
+from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.server.convert import batch_to_pb, entry_to_pb, rollout_pb
+from orchestrator.service.jobs import Batch
+from orchestrator.service.store import ResultStore
+from orchestrator.testing.synthetic_rollouts import long_rollout
+
+
+def _encoded(r: Rollout) -> EncodedRollout:
+    js = r.model_dump_json(exclude={"seq"})
+    wire = rollout_pb(js).SerializeToString()
+    return EncodedRollout(r.id, r.job_id, r.group_id, r.status, r.reward, r.attempts, js, wire)
+
+
+def _sample(i: int, job: str = "job-a") -> Rollout:
+    return long_rollout(turns=6, job_id=job).model_copy(
+        update={"id": f"{job}:task-{i}:0", "task_id": f"task-{i}", "group_id": f"{job}:task-{i}"}
+    )
+
+
+async def test_a_workers_rollout_is_streamed_from_its_wire_bytes(tmp_path: Path) -> None:
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    try:
+        r = _sample(0)
+        enc = _encoded(r)
+        seq = await store.append(enc)
+        assert seq is not None
+        assert await store.append(enc) is None  # idempotent by id, as a model's append
+        (entry,) = await store.read("job-a", 0, 10)
+        assert entry.wire == enc.wire and entry.payload == enc.json
+        m = entry_to_pb(entry)
+        assert m.seq == seq and m.id == r.id and list(m.tokens.completion_ids) == r.tokens.completion_ids
+        assert entry.rollout() == r.model_copy(update={"seq": seq})  # the log's JSON is the truth, exact
+        (streamed,) = batch_to_pb(Batch(entries=[entry])).rollouts
+        assert streamed == m
+    finally:
+        await store.close()
+
+
+async def test_whole_groups_keep_their_wire_bytes_when_published(tmp_path: Path) -> None:
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    try:
+        members = [_sample(0).model_copy(update={"id": f"job-a:task-0:{k}", "sample_index": k}) for k in range(2)]
+        for m in members:
+            await store.append(_encoded(m), visible=False)
+        assert await store.publish_complete_groups("job-a", 2) == 1
+        entries = await store.read("job-a", 0, 10)
+        assert [e.wire for e in entries] == [_encoded(m).wire for m in members]
+    finally:
+        await store.close()
+
+
+OLD_SCHEMA = """
+CREATE TABLE jobs (job_id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL, created_at REAL NOT NULL,
+    finished_at REAL, total INTEGER NOT NULL, owner TEXT NOT NULL DEFAULT 'local');
+CREATE TABLE rollouts (seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, rollout_id TEXT NOT NULL UNIQUE,
+    group_id TEXT NOT NULL, status TEXT NOT NULL, payload TEXT NOT NULL, acked INTEGER NOT NULL DEFAULT 0,
+    visible INTEGER NOT NULL DEFAULT 1);
+"""
+
+
+async def test_a_log_from_before_wire_bytes_opens_and_streams(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    r = _sample(1)
+    db = sqlite3.connect(path)
+    db.executescript(OLD_SCHEMA)
+    db.execute(
+        "INSERT INTO rollouts (job_id, rollout_id, group_id, status, payload) VALUES (?, ?, ?, ?, ?)",
+        (r.job_id, r.id, r.group_id, r.status.value, r.model_dump_json(exclude={"seq"})),
+    )
+    db.commit()
+    db.close()
+    store = await ResultStore.open(path)
+    try:
+        (entry,) = await store.read(r.job_id, 0, 10)
+        assert entry.wire is None
+        assert entry_to_pb(entry) == rollout_pb(entry.payload, entry.seq)  # converted from its JSON, as before
+        seq = await store.append(_encoded(_sample(2)))  # and new rows carry their bytes
+        assert seq is not None and (await store.read(r.job_id, entry.seq, 10))[0].wire
+    finally:
+        await store.close()
+
+
+async def test_a_call_that_fails_in_a_batch_fails_alone(tmp_path: Path) -> None:
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    spec = JobSpec(
+        env="python-tool", tasks=TaskSelection(kind="ids", ids=["py-001"]), policy=PolicyEndpoint(base_url=REPLAY_URL)
+    )
+    try:
+        await store.create_job("job-1", spec, 1)
+        # issued in one turn of the loop: one transaction; the duplicate job id fails inside it
+        first, dup, last = await asyncio.gather(
+            store.append(_encoded(_sample(0, "job-1"))),
+            store.create_job("job-1", spec, 1),
+            store.append(_sample(1, "job-1")),
+            return_exceptions=True,
+        )
+        assert isinstance(dup, sqlite3.IntegrityError), dup
+        assert isinstance(first, int) and isinstance(last, int)
+        assert [e.rollout().id for e in await store.read("job-1", 0, 10)] == ["job-1:task-0:0", "job-1:task-1:0"]
+        assert len(await store.jobs()) == 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("status", [RolloutStatus.INFRA_ERROR, RolloutStatus.TIMEOUT])
+async def test_a_failed_rollout_is_stored_without_a_reward(tmp_path: Path, status: RolloutStatus) -> None:
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    try:
+        r = _sample(3).model_copy(update={"status": status, "reward": None})
+        await store.append(_encoded(r))
+        (entry,) = await store.read(r.job_id, 0, 10)
+        m = entry_to_pb(entry)
+        assert not m.HasField("reward") and entry.rollout().reward is None
+    finally:
+        await store.close()

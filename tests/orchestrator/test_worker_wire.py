@@ -1,0 +1,124 @@
+"""The worker wire's own behaviour, with a scripted worker on a real socket: assignments placed together travel
+together, a slow worker is waited for (not cut off) and its rollouts come back once, a rollout past its budget is
+given up and stopped on the worker, and the outbox that batches both directions."""
+
+from __future__ import annotations
+
+import asyncio
+
+from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
+from orchestrator.server.convert import rollout_pb
+from orchestrator.service.registry import Registry
+from orchestrator.worker.outbox import Outbox, as_messages, by_size
+from orchestrator.worker.results import encode
+from protos import orchestrator_pb2 as pb
+from protos import worker_pb2 as wpb
+from tests.orchestrator.worker_wire import ENV, ScriptedWorker, items, rollout_for, serve_hub, spec
+
+
+async def _answer(a: wpb.Assignment) -> wpb.RolloutResult:
+    return encode(a.assignment_id, rollout_for(a))
+
+
+async def test_assignments_placed_together_travel_in_one_message() -> None:
+    async with serve_hub() as w, ScriptedWorker(w.tcp, _answer) as worker:
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        batch = items("job-batch", 40)
+        env = Registry.from_entry_points().get(ENV)
+        job = spec([i.task.id for i in batch])
+        got = await asyncio.wait_for(asyncio.gather(*(w.hub.run(i, env, job) for i in batch)), 60)
+    assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
+    assert sorted(r.id for r in got) == sorted(i.id for i in batch)
+    assert len(worker.assignments) == 40
+    # placed in one turn of the loop, they left in one message (at most a few, never one each)
+    assert worker.assign_messages < 5, worker.assign_messages
+
+
+async def test_a_slow_worker_is_waited_for_and_each_rollout_comes_back_once() -> None:
+    async def slow(a: wpb.Assignment) -> wpb.RolloutResult:
+        await asyncio.sleep(2.0)  # slower than the cut-off; it keeps sending heartbeats meanwhile
+        return encode(a.assignment_id, rollout_for(a))
+
+    async with serve_hub(heartbeat_timeout_s=1.0) as w, ScriptedWorker(w.tcp, slow, heartbeat_s=0.2) as worker:
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        batch = items("job-slow", 8)
+        env = Registry.from_entry_points().get(ENV)
+        job = spec([i.task.id for i in batch])
+        got = await asyncio.wait_for(asyncio.gather(*(w.hub.run(i, env, job) for i in batch)), 60)
+        lost = w.hub.lost
+    assert lost == 0, "a slow worker that still checks in is not cut off"
+    assert [r.id for r in got] == [i.id for i in batch]
+    assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
+    assert len(worker.assignments) == 8 and not worker.cancelled
+
+
+async def test_a_rollout_past_its_budget_is_given_up_and_stopped_on_the_worker() -> None:
+    async def never(a: wpb.Assignment) -> None:
+        return None  # it checks in, but this rollout never ends
+
+    # the budget: the rollout's timeout and the longest retry pause (8 s), and the slack
+    async with serve_hub(result_slack_s=0.5) as w, ScriptedWorker(w.tcp, never) as worker:
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        (item,) = items("job-stuck", 1)
+        env = Registry.from_entry_points().get(ENV)
+        got = await asyncio.wait_for(w.hub.run(item, env, spec([item.task.id], rollout_timeout_s=0.5)), 60)
+        for _ in range(100):  # the cancel is on its way to the worker
+            if worker.cancelled:
+                break
+            await asyncio.sleep(0.05)
+    assert isinstance(got, Rollout) and got.status == RolloutStatus.INFRA_ERROR and got.reward is None
+    assert got.error is not None and "gave no result within 9s" in got.error.message, got.error
+    assert worker.cancelled == [worker.assignments[0].assignment_id]
+
+
+async def test_the_outbox_hands_out_what_is_queued_in_order_and_in_batches() -> None:
+    box: Outbox[int] = Outbox(max_batch=3, linger_s=0.0)
+    for i in range(7):
+        box.put(i)
+    assert [await box.get(), await box.get(), await box.get()] == [[0, 1, 2], [3, 4, 5], [6]]
+    box.put(7)
+    box.close()
+    assert await box.get() == [7]
+    assert await box.get() == []  # closed and drained: the sender ends
+
+
+async def test_an_idle_outbox_sends_at_once() -> None:
+    box: Outbox[str] = Outbox(linger_s=60.0)
+    box.put("first")
+    async with asyncio.timeout(5):  # it would wait a minute if it lingered
+        assert await box.get() == ["first"]
+
+
+async def test_a_busy_outbox_lingers_for_more() -> None:
+    box: Outbox[str] = Outbox(linger_s=30.0, max_batch=2)
+    box.put("a")
+    assert await box.get() == ["a"]
+    box.put("b")  # right after a batch: busy, so it waits (up to the linger) for the batch to fill
+    asyncio.get_running_loop().call_later(0.05, box.put, "c")
+    async with asyncio.timeout(10):  # full at two: it goes without waiting out the linger
+        assert await box.get() == ["b", "c"]
+
+
+def test_runs_of_one_kind_become_one_message_each_under_a_byte_cap() -> None:
+    msgs = as_messages(
+        [1, 2, "x", 3, 40, 5],
+        int,
+        lambda run: tuple(run),
+        size=lambda n: n,
+        max_bytes=10,
+    )
+    assert msgs == [(1, 2), "x", (3,), (40,), (5,)]  # 40 is over the cap alone; order kept
+    assert list(by_size([], len, 10)) == []
+
+
+async def test_a_local_workers_rollout_is_kept_in_both_forms_as_it_came() -> None:
+    async with serve_hub() as w, ScriptedWorker(w.unix, _answer):
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        batch = items("job-forms", 20)
+        env = Registry.from_entry_points().get(ENV)
+        got = await asyncio.wait_for(
+            asyncio.gather(*(w.hub.run(i, env, spec([j.task.id for j in batch])) for i in batch)), 60
+        )
+    for r in got:
+        assert isinstance(r, EncodedRollout)
+        assert pb.Rollout.FromString(r.wire) == rollout_pb(r.json)

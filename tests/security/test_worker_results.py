@@ -1,0 +1,149 @@
+"""What a worker sends back is checked before it becomes a rollout in the result log: a worker cannot pass a
+failure off as a reward, answer for a rollout it was not given, or send what does not parse or is too large. The
+checks hold on both wires (this host's unix socket and remote TCP); a remote worker's JSON is validated whole, and
+a worker of another release is refused with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
+from orchestrator.service.registry import Registry
+from orchestrator.worker import results
+from orchestrator.worker.results import encode
+from protos import orchestrator_pb2 as pb
+from protos import worker_pb2 as wpb
+from tests.orchestrator.worker_wire import ENV, ScriptedWorker, items, rollout_for, serve_hub, spec
+
+
+def _forged(a: wpb.Assignment, **update: object) -> wpb.RolloutResult:
+    return encode(a.assignment_id, rollout_for(a, **update))
+
+
+def _patched_pb(a: wpb.Assignment, patch: Callable[[pb.Rollout], None]) -> wpb.RolloutResult:
+    r = _forged(a)
+    m = pb.Rollout.FromString(r.rollout_pb)
+    patch(m)
+    r.rollout_pb = m.SerializeToString()
+    return r
+
+
+def _oversize(a: wpb.Assignment) -> wpb.RolloutResult:
+    r = _forged(a)
+    r.rollout_json = b" " * (results.MAX_ROLLOUT_BYTES + 1)
+    return r
+
+
+BAD: dict[str, tuple[Callable[[wpb.Assignment], wpb.RolloutResult], str]] = {
+    "a failure with a reward": (
+        lambda a: _forged(a, status=RolloutStatus.INFRA_ERROR),
+        "must not carry a reward",
+    ),
+    "a scored rollout without one": (lambda a: _forged(a, reward=None), "needs a reward"),
+    "another rollout's id": (lambda a: _forged(a, id=a.job_id + ":other:0"), "the assignment was"),
+    "another job's rollout": (lambda a: _forged(a, job_id="someone-elses"), "the assignment was"),
+    "a seq of its own": (lambda a: _patched_pb(a, lambda m: setattr(m, "seq", 7)), "control plane's to set"),
+    "an unknown status": (lambda a: _patched_pb(a, lambda m: setattr(m, "status", 99)), "unknown rollout status"),
+    "bytes that do not parse": (
+        lambda a: wpb.RolloutResult(assignment_id=a.assignment_id, rollout_json=b"{}", rollout_pb=b"\xff\xff\xff\xff"),
+        "does not parse",
+    ),
+    "a missing form": (lambda a: wpb.RolloutResult(assignment_id=a.assignment_id, rollout_json=b"{}"), "missing"),
+    "an oversize rollout": (_oversize, "over"),
+}
+
+
+@pytest.mark.parametrize("wire", ["unix", "tcp"])
+@pytest.mark.parametrize("case", list(BAD))
+async def test_a_bad_result_never_becomes_a_rollout(wire: str, case: str) -> None:
+    forge, why = BAD[case]
+
+    async def answer(a: wpb.Assignment) -> wpb.RolloutResult:
+        return forge(a)
+
+    async with serve_hub() as w, ScriptedWorker(getattr(w, wire), answer):
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        (item,) = items("job-bad", 1)
+        env = Registry.from_entry_points().get(ENV)
+        got = await asyncio.wait_for(w.hub.run(item, env, spec([item.task.id])), 60)
+    # refused, and (no retries left) delivered as an infrastructure failure the trainer masks: never a reward
+    assert isinstance(got, Rollout), got
+    assert got.status == RolloutStatus.INFRA_ERROR and got.reward is None
+    assert got.id == item.id and got.job_id == item.job_id
+    assert got.error is not None and "sent an invalid rollout" in got.error.message
+    assert why in got.error.message, got.error.message
+
+
+async def _one(wire: str, answer: Callable[[wpb.Assignment], wpb.RolloutResult]) -> Rollout | EncodedRollout:
+    async def reply(a: wpb.Assignment) -> wpb.RolloutResult:
+        return answer(a)
+
+    async with serve_hub() as w, ScriptedWorker(getattr(w, wire), reply):
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        (item,) = items("job-json", 1)
+        return await asyncio.wait_for(w.hub.run(item, Registry.from_entry_points().get(ENV), spec([item.task.id])), 60)
+
+
+def _json_says(reward: float, extra: str = "") -> Callable[[wpb.Assignment], wpb.RolloutResult]:
+    def answer(a: wpb.Assignment) -> wpb.RolloutResult:
+        r = _forged(a)  # the protobuf form says reward 1.0
+        r.rollout_json = rollout_for(a, reward=reward).model_dump_json(exclude={"seq"}).encode()[:-1] + extra.encode()
+        r.rollout_json += b"}"
+        return r
+
+    return answer
+
+
+async def test_a_remote_workers_json_must_agree_with_what_the_trainer_reads() -> None:
+    got = await _one("tcp", _json_says(0.25))
+    assert isinstance(got, Rollout) and got.status == RolloutStatus.INFRA_ERROR, got
+    assert got.error is not None and "disagree" in got.error.message
+
+
+async def test_a_remote_workers_json_is_validated_whole() -> None:
+    got = await _one("tcp", _json_says(1.0, extra=', "planted": "field"'))
+    assert isinstance(got, Rollout) and got.status == RolloutStatus.INFRA_ERROR, got
+    assert got.error is not None and "JSON form is invalid" in got.error.message and "planted" in got.error.message
+
+
+async def test_a_remote_workers_rollout_is_logged_in_the_control_planes_own_serialization() -> None:
+    def spaced(a: wpb.Assignment) -> wpb.RolloutResult:
+        r = _forged(a)
+        r.rollout_json = b"  " + r.rollout_json.replace(b'":', b'" : ') + b"  "
+        return r
+
+    got = await _one("tcp", spaced)
+    assert isinstance(got, EncodedRollout), got
+    assert got.json == Rollout.model_validate_json(got.json).model_dump_json(exclude={"seq"})
+
+
+async def test_only_this_hosts_unix_socket_is_trusted() -> None:
+    async def never(a: wpb.Assignment) -> None:
+        return None
+
+    async with (
+        serve_hub() as w,
+        ScriptedWorker(w.unix, never, worker_id="local"),
+        ScriptedWorker(w.tcp, never, worker_id="remote"),
+    ):
+        await w.hub.wait_for_workers(2, timeout_s=30)
+        trusted = {info.worker_id: info.trusted for info in w.hub.workers()}
+    assert trusted == {"local": True, "remote": False}
+
+
+async def test_a_worker_of_another_release_is_refused_with_a_clear_error() -> None:
+    async def never(a: wpb.Assignment) -> None:
+        return None
+
+    async with serve_hub() as w:
+        old = ScriptedWorker(w.tcp, never, protocol=wpb.PROTOCOL_UNSPECIFIED)
+        async with old:
+            await asyncio.wait_for(old.ended(), 30)
+        assert old.error is not None and old.error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "PROTOCOL_UNSPECIFIED" in (old.error.details() or "")
+        assert "same envfleet release" in (old.error.details() or "")
+        assert w.hub.workers() == []
