@@ -15,6 +15,7 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 
 from orchestrator.client.convert import ROLLOUT_STATUS_FROM_PB
+from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.models import EncodedRollout, Rollout, check_reward
 from orchestrator.rollout.runner import WorkItem
 from orchestrator.server.convert import rollout_pb
@@ -24,7 +25,7 @@ from protos import worker_pb2 as wpb
 MAX_ROLLOUT_BYTES = 16 << 20  # each form; the worker wire's messages are capped at 64 MiB
 
 
-class InvalidResultError(ValueError):
+class InvalidResultError(InvalidRequestError):
     """A worker's rollout that the control plane refuses (wrong ids, a reward without a score, too large...)."""
 
 
