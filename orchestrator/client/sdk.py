@@ -250,19 +250,14 @@ class SyncEnvfleetClient:
 
     def rollouts(self, job_id: str, **kwargs: Any) -> Iterator[Rollout]:
         """A blocking iterator over the job's rollouts (see EnvfleetClient.rollouts)."""
-        agen = self._client.rollouts(job_id, **kwargs)
-        try:
-            while True:
-                try:
-                    yield self._call(_anext(agen))
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._call(agen.aclose())  # type: ignore[attr-defined]
+        return self._blocking(self._client.rollouts(job_id, **kwargs))
 
     def groups(self, job_id: str, **kwargs: Any) -> Iterator[GroupResult]:
         """A blocking iterator over the job's whole groups (see EnvfleetClient.groups)."""
-        agen = self._client.groups(job_id, **kwargs)
+        return self._blocking(self._client.groups(job_id, **kwargs))
+
+    def _blocking(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        # each item is awaited on the client's loop; closing the iterator closes the stream there too
         try:
             while True:
                 try:

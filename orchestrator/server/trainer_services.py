@@ -6,11 +6,12 @@ Every call acts as the calling tenant (from its bearer token); the managers keep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 
 import grpc
 
 from orchestrator.core.errors import InvalidRequestError
+from orchestrator.core.sandbox import ExecEvent
 from orchestrator.server.convert_sessions import (
     action_from_pb,
     check_id,
@@ -157,23 +158,32 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         return pb.ListSandboxesResponse(sandboxes=[sandbox_info_pb(r) for r in await self._sandboxes.list(tenant)])
 
     async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecEvent]:
-        tenant = self._auth.tenant(context)
+        # a request refused by a stdin cap is never copied out of its message
+        events = self._exec(self._auth.tenant(context), request, lambda: request.stdin, _stdin_size(request))
+        async for ev in events:
+            yield exec_event_pb(ev)
+
+    def _exec(
+        self,
+        tenant: str,
+        request: pb.ExecRequest,
+        stdin: Callable[[], bytes] | AsyncIterable[bytes],
+        stdin_size: int | None,
+    ) -> AsyncIterator[ExecEvent]:
+        """The events of one exec request, its fields checked (Exec and ExecStream differ only in their stdin)."""
         if len(request.cwd) > MAX_PATH:
             raise InvalidRequestError(f"cwd is over {MAX_PATH} characters")
-        events = self._sandboxes.exec_stream(
+        return self._sandboxes.exec_stream(
             tenant,
             check_id(request.sandbox_id, "sandbox_id"),
             command_from_pb(request),
             cwd=request.cwd,
             env=dict(request.env),
-            # a request refused by a stdin cap is never copied out of its message
-            stdin=lambda: request.stdin,
-            stdin_size=_stdin_size(request),
+            stdin=stdin,
+            stdin_size=stdin_size,
             timeout_s=request.timeout_s,
             max_output=request.max_output_bytes,
         )
-        async for ev in events:
-            yield exec_event_pb(ev)
 
     async def ExecStream(
         self, request_iterator: AsyncIterator[pb.ExecInput], context: grpc.aio.ServicerContext
@@ -182,20 +192,8 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("input") != "request":
             raise InvalidRequestError("the first message of ExecStream must be the request (ExecInput.request)")
-        request = first.request
-        if len(request.cwd) > MAX_PATH:
-            raise InvalidRequestError(f"cwd is over {MAX_PATH} characters")
-        events = self._sandboxes.exec_stream(
-            tenant,
-            check_id(request.sandbox_id, "sandbox_id"),
-            command_from_pb(request),
-            cwd=request.cwd,
-            env=dict(request.env),
-            stdin=_stdin_chunks(first, request_iterator),
-            timeout_s=request.timeout_s,
-            max_output=request.max_output_bytes,
-        )
-        del first, request
+        events = self._exec(tenant, first.request, _stdin_chunks(first, request_iterator), None)
+        del first
         async for ev in events:
             yield exec_event_pb(ev)
 
