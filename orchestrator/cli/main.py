@@ -132,6 +132,7 @@ def _server_config(args: argparse.Namespace) -> object:
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         workers=args.workers if args.workers is not None else (0 if args.ray_address else os.cpu_count() or 1),
         worker_listen=args.worker_listen,
+        worker_token_file=Path(args.worker_token_file) if args.worker_token_file else None,
         ray=RayConfig(address=args.ray_address, resource=args.ray_resource, per_node=args.ray_workers_per_node)
         if args.ray_address
         else None,
@@ -321,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
         "0 runs rollouts in the server process",
     )
     serve.add_argument("--worker-listen", default=None, help="also accept remote workers (Ray actors) at HOST:PORT")
+    serve.add_argument(
+        "--worker-token-file",
+        default=None,
+        help="the workers' token, a 0600 file (default: kept in the data dir when --worker-listen is set)",
+    )
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster (auto, or HOST:PORT of its head)")
     serve.add_argument("--ray-resource", default="envfleet_sandbox_host", help="the custom resource of sandbox hosts")
     serve.add_argument("--ray-workers-per-node", type=int, default=1, help="worker actors per sandbox host")

@@ -35,7 +35,7 @@ from orchestrator.server.security import (
 )
 from orchestrator.server.services import EnvironmentService, RolloutService
 from orchestrator.server.trainer_services import SandboxService, SessionService
-from orchestrator.server.worker_plane import WorkerPlane
+from orchestrator.server.worker_plane import WorkerPlane, worker_identity
 from orchestrator.service.archives import ArchiveStore, load_kinds
 from orchestrator.service.caps import CapsConfig
 from orchestrator.service.executor import Executor, LocalExecutor
@@ -95,6 +95,11 @@ class OrchestratorConfig(BaseModel):
         None, description="also accept workers over TCP here (HOST:PORT), e.g. Ray actors on other nodes"
     )
     worker_heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="a silent worker is lost after this")
+    worker_token_file: Path | None = Field(
+        None,
+        description="the workers' token (a 0600 file of this user's); None: kept in data_dir/worker_token when "
+        "worker_listen is set, so that remote workers rejoin a restarted control plane",
+    )
     ray: RayConfig | None = Field(None, description="place workers as actors on a Ray cluster's sandbox hosts")
     ui_port: int | None = Field(None, ge=0, le=65535, description="the trajectory viewer's HTTP port; None: off")
     ui_host: str = Field("127.0.0.1", description="where the viewer listens (plain HTTP: loopback unless insecure)")
@@ -232,6 +237,8 @@ async def create_server(
     tracer = tracer or make_tracer(config.tracing, "envfleet")
     tls = config.security.tls
     credentials = server_credentials(tls) if tls else None
+    with_workers = config.workers or config.worker_listen or config.ray
+    identity = await worker_identity(config) if with_workers else None
     store = await ResultStore.open(config.data_dir / "results.sqlite3")
     fleet = await start_fleet(config.backend)
     backend, images = fleet.backend, fleet.images
@@ -254,8 +261,8 @@ async def create_server(
     pool.start()
     workers: WorkerPlane | None = None
     executor: Executor
-    if config.workers or config.worker_listen or config.ray:
-        workers = await WorkerPlane.start(config, images, registrar.catalog)
+    if with_workers:
+        workers = await WorkerPlane.start(config, images, registrar.catalog, identity)
         executor = workers.hub
     else:
         executor = LocalExecutor(RolloutRunner(pool, images, tracer), TokenizerCache(config.tokenizer_dirs))

@@ -3,8 +3,8 @@ directory, and TCP when remote workers join), and this host's supervised worker 
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +16,7 @@ from orchestrator.core.environment import ImageSource
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.worker.config import WorkerConfig
 from orchestrator.worker.hub import WorkerHub
+from orchestrator.worker.identity import FleetIdentity, fresh_identity, load_identity
 from orchestrator.worker.ray_fleet import RayWorkers
 from orchestrator.worker.servicer import WorkerServicer
 from orchestrator.worker.spawn import LocalWorkers
@@ -33,6 +34,15 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+async def worker_identity(config: OrchestratorConfig) -> FleetIdentity:
+    """The fleet's id and worker token. Remote workers may outlive this process and redial the next one, so with
+    `worker_listen` (or an operator's token file) both are kept in the data dir; local workers die with this
+    process, so theirs is fresh. ConfigError names a token file that is unsafe."""
+    if config.worker_listen or config.worker_token_file:
+        return await asyncio.to_thread(load_identity, config.data_dir, config.worker_token_file)
+    return fresh_identity()
 
 
 class WorkerPlane:
@@ -56,12 +66,17 @@ class WorkerPlane:
 
     @classmethod
     async def start(
-        cls, config: OrchestratorConfig, images: ImageSource, archives: ArchiveCatalog | None = None
+        cls,
+        config: OrchestratorConfig,
+        images: ImageSource,
+        archives: ArchiveCatalog | None = None,
+        identity: FleetIdentity | None = None,
     ) -> WorkerPlane:
         """Serve the worker wire and start `config.workers` local worker processes; `archives` says which
-        environments the workers get as uploaded archives."""
+        environments the workers get as uploaded archives, `identity` the fleet's (worker_identity)."""
         hub = WorkerHub(images, heartbeat_timeout_s=config.worker_heartbeat_timeout_s, archives=archives)
-        token = secrets.token_urlsafe(32)
+        identity = identity or await worker_identity(config)
+        token = identity.token
         server = grpc.aio.server(options=SERVER_OPTIONS)
         wpb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(hub, token), server)
         # a fresh 0700 directory: no other host account can reach the socket, and no one can plant one
@@ -86,7 +101,7 @@ class WorkerPlane:
             plane.local = LocalWorkers(config.workers, plane.unix_target, token, local_config)
             plane.local.start()
         if config.ray is not None and plane.tcp_address is not None:
-            plane.ray = RayWorkers(config.ray, plane.tcp_address, token, worker_config)
+            plane.ray = RayWorkers(config.ray, plane.tcp_address, token, worker_config, identity.fleet_id)
             try:
                 await plane.ray.start()
             except BaseException:

@@ -4,6 +4,7 @@ stop. Used by `python -m orchestrator.worker` and by Ray actors."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from orchestrator.backends.pool import SandboxPool
 from orchestrator.core.tracing import make_tracer
@@ -16,8 +17,17 @@ from orchestrator.worker.agent import WorkerAgent
 from orchestrator.worker.config import WorkerConfig
 
 
-async def run_worker(target: str, token: str, config: WorkerConfig, name: str, stop: asyncio.Event) -> None:
-    """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out."""
+async def run_worker(
+    target: str,
+    token: str,
+    config: WorkerConfig,
+    name: str,
+    stop: asyncio.Event,
+    *,
+    on_agent: Callable[[WorkerAgent], None] | None = None,
+) -> None:
+    """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out.
+    `on_agent` is handed the agent once it exists (a Ray actor reports on it)."""
     tracer = make_tracer(config.tracing, "envfleet-worker")  # each worker process exports its own spans
     fleet = await start_fleet(config.backend)
     backend = fleet.backend
@@ -36,6 +46,8 @@ async def run_worker(target: str, token: str, config: WorkerConfig, name: str, s
         slots=config.slots,
         heartbeat_s=config.heartbeat_s,
     )
+    if on_agent is not None:
+        on_agent(agent)
     try:
         await agent.run_forever(stop)
     finally:

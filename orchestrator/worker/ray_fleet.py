@@ -6,6 +6,11 @@ A node that joins later gets workers at the next poll. A node that dies takes it
 end, and the hub retries their rollouts elsewhere as infrastructure retries. A worker whose run ended on a live node
 (a crash) is replaced at the next poll; its first act, starting the Docker backend, sweeps what the dead one left.
 
+The actors are detached and named after the fleet (the data dir's fleet id), the node and their index, so they
+outlive a control plane that crashes: they redial its fixed address with backoff, and the restarted control plane
+finds them by name instead of placing more. An actor started with another address, token or configuration is
+replaced. A normal stop kills every actor of the fleet.
+
 Ray is an optional extra (`pip install envfleet[ray]`): this module imports it only when a fleet starts.
 """
 
@@ -13,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +31,7 @@ from orchestrator.worker.config import WorkerConfig
 log = logging.getLogger(__name__)
 
 ACTOR_STOP_S = 60.0
+ACTOR_ANSWER_S = 30.0  # an actor found by name that does not answer in this time is replaced
 
 
 class RayConfig(BaseModel):
@@ -35,22 +43,50 @@ class RayConfig(BaseModel):
     resource: str = Field("envfleet_sandbox_host", description="custom resource that marks a node as a sandbox host")
     per_node: int = Field(1, ge=1, le=256, description="worker actors per sandbox host (one per core is typical)")
     poll_s: float = Field(2.0, gt=0, le=300, description="how often to look for nodes that joined or died")
-    namespace: str = "envfleet"
+    namespace: str = Field("envfleet", description="the Ray namespace of the worker actors")
+
+
+def actor_prefix(fleet_id: str) -> str:
+    """What the names of a fleet's worker actors start with."""
+    return f"envfleet-worker-{fleet_id}-"
+
+
+def actor_name(fleet_id: str, node_id: str, index: int) -> str:
+    """The name of a fleet's `index`th worker actor on a node: the same after a control-plane restart."""
+    return f"{actor_prefix(fleet_id)}{node_id}-{index}"
 
 
 class _Worker:
     """The actor's body: one worker process's life, inside a Ray actor (defined as an actor at fleet start)."""
 
-    def __init__(self, target: str, token: str, config_json: str, name: str) -> None:
-        self._target, self._token, self._name = target, token, name
+    def __init__(self, target: str, token: str, config_json: str, name: str, fingerprint: str) -> None:
+        self._target, self._token, self._name, self._fingerprint = target, token, name, fingerprint
         self._config = WorkerConfig.model_validate_json(config_json)
         self._stop = asyncio.Event()
+        self._running: asyncio.Task[None] | None = None
+        self._agent: Any = None
 
     async def run(self) -> None:
-        """Serve the control plane until stopped."""
+        """Serve the control plane until stopped. A later call (a restarted control plane watching this actor)
+        waits for the same run."""
         from orchestrator.worker.process import run_worker
 
-        await run_worker(self._target, self._token, self._config, self._name, self._stop)
+        if self._running is None:
+            self._running = asyncio.create_task(
+                run_worker(self._target, self._token, self._config, self._name, self._stop, on_agent=self._set_agent)
+            )
+        await asyncio.shield(self._running)  # a caller that goes away does not end the run
+
+    def _set_agent(self, agent: Any) -> None:
+        self._agent = agent
+
+    async def fingerprint(self) -> str:
+        """What this actor was started with (address, token, configuration), hashed."""
+        return self._fingerprint
+
+    async def info(self) -> dict[str, int]:
+        """Its process id and how many streams to a control plane it has opened so far."""
+        return {"pid": os.getpid(), "sessions": self._agent.sessions if self._agent is not None else 0}
 
     async def stop(self) -> None:
         """Ask `run` to return (its sandboxes are destroyed on the way out)."""
@@ -62,6 +98,7 @@ class _Placed:
     actor: Any
     run: Any  # the ObjectRef of its long-running `run` call
     node_id: str
+    name: str
 
 
 @dataclass
@@ -72,14 +109,17 @@ class RayWorkers:
     target: str
     token: str
     worker: WorkerConfig
-    placed: dict[str, list[_Placed]] = field(default_factory=dict)  # node id -> its actors
+    fleet_id: str
+    placed: dict[str, dict[int, _Placed]] = field(default_factory=dict)  # node id -> worker index -> its actor
     _watcher: asyncio.Task[None] | None = None
     _initialized_ray: bool = False
     _actor_class: Any = None
     replaced: int = 0  # actors started again after their run ended (a crash the actor did not survive)
+    adopted: int = 0  # actors of this fleet found running at start (they outlived the last control plane)
 
     async def start(self) -> None:
-        """Join the cluster, place workers on its sandbox hosts, and keep watching for nodes that come and go."""
+        """Join the cluster, find or place workers on its sandbox hosts, and keep watching for nodes that come and
+        go."""
         import ray
 
         if not ray.is_initialized():
@@ -88,11 +128,16 @@ class RayWorkers:
             )
             self._initialized_ray = True
         await self.reconcile()
+        await asyncio.to_thread(self._retire_strays)
         self._watcher = asyncio.create_task(self._watch(), name="ray node watcher")
 
     def nodes(self) -> list[str]:
         """The sandbox-host nodes that have workers now."""
-        return sorted(self.placed)
+        return sorted(node for node, placed in self.placed.items() if placed)
+
+    def _fingerprint(self, name: str) -> str:
+        parts = (self.target, self.token, self.worker.model_dump_json(), name)
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
     async def reconcile(self) -> None:
         """Place workers on sandbox hosts that have none, replace workers whose run ended, forget dead nodes."""
@@ -104,28 +149,76 @@ class RayWorkers:
             log.warning("ray node %s is gone; its workers' rollouts are retried elsewhere", gone[:12])
             del self.placed[gone]
         for node, placed in self.placed.items():
-            ended, _ = await asyncio.to_thread(ray.wait, [p.run for p in placed], num_returns=len(placed), timeout=0)
-            for i, p in enumerate(placed):
+            if not placed:
+                continue
+            runs = [p.run for p in placed.values()]
+            ended, _ = await asyncio.to_thread(ray.wait, runs, num_returns=len(runs), timeout=0)
+            for index, p in list(placed.items()):
                 if p.run in ended:
                     log.warning("a worker on ray node %s ended; starting another", node[:12])
                     with contextlib.suppress(Exception):
                         ray.kill(p.actor, no_restart=True)
-                    placed[i] = self._place(node, i)
+                    del placed[index]  # its name is free once it is dead: placed again at once or at the next poll
                     self.replaced += 1
-        for node in sorted(alive - set(self.placed)):
-            self.placed[node] = [self._place(node, i) for i in range(self.config.per_node)]
-            log.info("placed %d worker(s) on ray node %s", self.config.per_node, node[:12])
+        for node in sorted(alive):
+            placed = self.placed.setdefault(node, {})
+            missing = [i for i in range(self.config.per_node) if i not in placed]
+            for index in missing:
+                new = await asyncio.to_thread(self._place, node, index)
+                if new is not None:
+                    placed[index] = new
+            if missing:
+                log.info("%d of %d worker(s) on ray node %s", len(placed), self.config.per_node, node[:12])
 
-    def _place(self, node: str, index: int) -> _Placed:
+    def _place(self, node: str, index: int) -> _Placed | None:
+        """The node's `index`th worker: the live actor of that name if it was started as this control plane would
+        start it (it outlived the last one), else a new actor. None when the name is still held by an actor being
+        replaced (blocking: called in a thread)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        name = actor_name(self.fleet_id, node, index)
+        fingerprint = self._fingerprint(name)
+        existing = _find(name, self.config.namespace)
+        if existing is not None:
+            try:
+                theirs = ray.get(existing.fingerprint.remote(), timeout=ACTOR_ANSWER_S)
+            except Exception as e:  # dead, dying, or not answering
+                log.warning("worker actor %s does not answer (%s); replacing it", name, type(e).__name__)
+                theirs = None
+            if theirs == fingerprint:
+                log.info("worker actor %s outlived the last control plane; it reconnects", name)
+                self.adopted += 1
+                return _Placed(existing, existing.run.remote(), node, name)
+            log.warning("worker actor %s was started with another address, token or config; replacing it", name)
+            _retire(existing)
+            return None
         if self._actor_class is None:
             self._actor_class = ray.remote(max_restarts=0, num_cpus=0)(_Worker)
-        actor = self._actor_class.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-        ).remote(self.target, self.token, self.worker.model_dump_json(), f"ray-{node[:8]}-{index}")
-        return _Placed(actor, actor.run.remote(), node)
+        try:
+            actor = self._actor_class.options(
+                name=name,
+                namespace=self.config.namespace,
+                lifetime="detached",  # outlives a control plane that crashes; a normal stop kills it
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+            ).remote(self.target, self.token, self.worker.model_dump_json(), f"ray-{node[:8]}-{index}", fingerprint)
+        except ValueError as e:  # the name is taken: the actor that held it is still being killed
+            log.info("worker actor %s: %s; trying again at the next poll", name, e)
+            return None
+        return _Placed(actor, actor.run.remote(), node, name)
+
+    def _retire_strays(self, skip: frozenset[str] = frozenset()) -> None:
+        """Stop actors of this fleet that no node's plan has (fewer per node than before, a node no longer a
+        sandbox host), but those named in `skip` (blocking)."""
+        import ray
+
+        wanted = {p.name for placed in self.placed.values() for p in placed.values()} | skip
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name, namespace = entry["name"], entry["namespace"]
+            ours = namespace == self.config.namespace and name.startswith(actor_prefix(self.fleet_id))
+            if ours and name not in wanted and (actor := _find(name, namespace)) is not None:
+                log.info("stopping worker actor %s: no longer wanted", name)
+                _retire(actor)
 
     async def _watch(self) -> None:
         while True:
@@ -136,14 +229,15 @@ class RayWorkers:
                 log.exception("looking at the ray cluster failed; trying again")
 
     async def stop(self) -> None:
-        """Stop every worker actor (they destroy their sandboxes), then leave the cluster if we joined it."""
+        """Stop every worker actor of the fleet (they destroy their sandboxes), then leave the cluster if we joined
+        it."""
         import ray
 
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
-        placed = [p for ps in self.placed.values() for p in ps]
+        placed = [p for ps in self.placed.values() for p in ps.values()]
         with contextlib.suppress(Exception):
             await asyncio.to_thread(ray.get, [p.actor.stop.remote() for p in placed], timeout=10)
         with contextlib.suppress(Exception):
@@ -152,5 +246,28 @@ class RayWorkers:
             with contextlib.suppress(Exception):
                 ray.kill(p.actor, no_restart=True)
         self.placed.clear()
+        with contextlib.suppress(Exception):  # any other of the fleet's actors (one being placed as we stopped)
+            await asyncio.to_thread(self._retire_strays, frozenset(p.name for p in placed))
         if self._initialized_ray:
             await asyncio.to_thread(ray.shutdown)
+
+
+def _find(name: str, namespace: str) -> Any:
+    """The live actor of that name, or None."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def _retire(actor: Any) -> None:
+    """Stop an actor (it destroys its sandboxes), then kill it (blocking)."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.get(actor.stop.remote(), timeout=10)
+        ray.wait([actor.run.remote()], timeout=ACTOR_STOP_S)  # a stopped run returns at once
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)

@@ -1,12 +1,18 @@
 """Workers on a real Ray cluster (a head and two sandbox-host nodes on this machine, on loopback, sharing its
-Docker engine): both nodes serve rollouts; a node removed mid-job loses nothing and leaves no sandbox behind."""
+Docker engine): both nodes serve rollouts; a node removed mid-job loses nothing and leaves no sandbox behind; a
+control plane SIGKILLed mid-job is rejoined by its actors when it restarts, and a normal stop removes them."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import docker
 import pytest
@@ -16,9 +22,11 @@ from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.service.store import ResultStore
 from orchestrator.testing.scripted_policy import ScriptedServer
-from orchestrator.worker.ray_fleet import RayConfig
-from tests.conftest import TEST_OWNER
+from orchestrator.worker.identity import FLEET_ID_FILE
+from orchestrator.worker.ray_fleet import RayConfig, actor_prefix
+from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import job
 from tests.orchestrator.servers import check_delivery
 
@@ -26,15 +34,23 @@ ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 RESOURCE = "envfleet_sandbox_host"
 
 
-@pytest.fixture
-def cluster() -> Iterator[Any]:
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """One cluster for the module (its start is the slow part): a head, and sandbox hosts added by `cluster`."""
     c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
-        for _ in range(2):
-            c.add_node(num_cpus=1, resources={RESOURCE: 1})
         yield c
     finally:
         c.shutdown()
+
+
+@pytest.fixture
+def cluster(ray_cluster: Any) -> Any:
+    """The module's cluster with two sandbox-host nodes (a test that removed one gets it back)."""
+    while len(ray_cluster.worker_nodes) < 2:
+        ray_cluster.add_node(num_cpus=1, resources={RESOURCE: 1})
+    ray_cluster.wait_for_nodes()
+    return ray_cluster
 
 
 @pytest.fixture
@@ -91,3 +107,164 @@ async def test_a_job_across_two_ray_nodes_survives_losing_one(
             break
         await asyncio.sleep(0.1)
     assert len(fleet.nodes()) == 1
+
+
+# -- a control plane that restarts: a process of its own, so that it can be SIGKILLed ---------------------------------
+
+NAMESPACE = RayConfig().namespace
+Actors = dict[str, dict[str, int]]  # actor name -> its info (pid, sessions)
+
+
+@pytest.fixture
+def ray_probe(cluster: Any) -> Iterator[None]:
+    """This test process joins the cluster to look at the worker actors (the control plane is another process)."""
+    import ray
+
+    ray.init(address=cluster.address, namespace="envfleet-test-probe", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _serve(data: Path, owner: str, listen: str, cluster: Any) -> tuple[subprocess.Popen[str], str]:
+    """`envfleet serve` with Ray workers only, on a fixed worker address; returns it and its API address."""
+    argv = [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", "--data-dir", str(data)]
+    argv += ["--owner", owner, "--worker-listen", listen, "--ray-address", cluster.address, "--ray-resource", RESOURCE]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 240)
+    assert line.startswith("listening "), line
+    return proc, line.split()[1]
+
+
+def _actors(fleet_id: str) -> Actors:
+    """The fleet's live worker actors and what each says of itself (blocking)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    out: Actors = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] != NAMESPACE or not name.startswith(actor_prefix(fleet_id)):
+            continue
+        try:
+            info = cast("dict[str, int]", ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote(), timeout=30))
+        except (ValueError, RayActorError, GetTimeoutError):
+            continue  # being killed
+        out[name] = info
+    return out
+
+
+async def _wait_actors(fleet_id: str, until: Callable[[Actors], bool], timeout_s: float) -> Actors:
+    actors: Actors = {}
+    for _ in range(int(timeout_s / 0.5)):
+        actors = await asyncio.to_thread(_actors, fleet_id)
+        if until(actors):
+            return actors
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"the fleet's actors did not get there within {timeout_s:g}s: {actors}")
+
+
+def _connected(actors: Actors) -> bool:
+    return len(actors) == 2 and all(a["sessions"] >= 1 for a in actors.values())
+
+
+def _pids(actors: Actors) -> dict[str, int]:
+    return {name: a["pid"] for name, a in actors.items()}
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+async def _stop_normally(proc: subprocess.Popen[str], fleet_id: str, pids: dict[str, int], owner: str) -> None:
+    """SIGTERM the control plane: it exits cleanly, no actor of its fleet survives, no sandbox is left."""
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 180) == 0
+    await _wait_actors(fleet_id, lambda actors: not actors, 60)
+    for _ in range(120):
+        if not any(_running(pid) for pid in pids.values()):
+            break
+        await asyncio.sleep(0.5)
+    assert not [pid for pid in pids.values() if _running(pid)], "the actors' processes outlived a normal stop"
+    left = docker.from_env().containers.list(all=True, filters={"label": [f"{LABEL_OWNER}={owner}"]})
+    assert not left, f"sandboxes left behind: {[c.name for c in left]}"
+
+
+def _terminate(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            p.wait(180)
+
+
+@pytest.mark.timeout(900)
+async def test_a_control_plane_killed_mid_job_is_rejoined_by_its_actors(
+    tmp_path: Path, base_image: str, cluster: Any, ray_probe: None, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    data, owner, listen = tmp_path / "data", f"{TEST_OWNER}-restart", f"127.0.0.1:{_free_port()}"
+    ids = task_ids[:24]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        proc, address = await _serve(data, owner, listen, cluster)
+        procs.append(proc)
+        fleet_id = (data / FLEET_ID_FILE).read_text().strip()
+        before = _pids(await _wait_actors(fleet_id, _connected, 300))
+        async with EnvfleetClient(address) as client:
+            job_id = await client.submit(job(slow_policy.url, ids, max_concurrency=8))
+            for _ in range(3000):
+                if (await client.get_job(job_id)).done >= 4:
+                    break
+                await asyncio.sleep(0.1)
+            done_before = (await client.get_job(job_id)).done
+        assert 4 <= done_before < len(ids), done_before
+        os.kill(proc.pid, signal.SIGKILL)  # a crash: no stop, the actors are not told
+        await asyncio.to_thread(proc.wait)
+        assert _pids(await asyncio.to_thread(_actors, fleet_id)) == before, "the actors outlive a crashed control plane"
+
+        # restarted on the same data dir and worker address: it resumes the job and finds the same actors by name
+        proc, address = await _serve(data, owner, listen, cluster)
+        procs.append(proc)
+        async with EnvfleetClient(address) as client:
+            rollouts = [r async for r in client.rollouts(job_id)]
+            info = await client.get_job(job_id)
+        check_delivery(rollouts, {f"{job_id}:{t}:0" for t in ids})
+        assert info.state == "COMPLETED" and info.by_status.get(RolloutStatus.OK, 0) == len(ids), info.by_status
+        after = await asyncio.to_thread(_actors, fleet_id)
+        assert _pids(after) == before, "the same actor processes serve the restarted control plane, none placed again"
+        assert all(a["sessions"] >= 2 for a in after.values()), f"each actor redialled: {after}"
+        await _stop_normally(proc, fleet_id, before, owner)
+    finally:
+        _terminate(procs)
+    store = await ResultStore.open(data / "results.sqlite3")
+    try:
+        assert len(await store.done_ids(job_id)) == len(ids), "one row per rollout id"
+    finally:
+        await store.close()
+
+
+async def test_a_normal_stop_leaves_no_worker_actor(
+    tmp_path: Path, base_image: str, cluster: Any, ray_probe: None
+) -> None:
+    data, owner = tmp_path / "data", f"{TEST_OWNER}-stop"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        proc, _ = await _serve(data, owner, f"127.0.0.1:{_free_port()}", cluster)
+        procs.append(proc)
+        fleet_id = (data / FLEET_ID_FILE).read_text().strip()
+        actors = await _wait_actors(fleet_id, _connected, 300)
+        await _stop_normally(proc, fleet_id, _pids(actors), owner)
+    finally:
+        _terminate(procs)

@@ -90,6 +90,7 @@ class ScriptedWorker:
     worker_id: str = "scripted"
     protocol: wpb.Protocol = wpb.PROTOCOL_BATCHED
     heartbeat_s: float = 0.5
+    token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
     assign_messages: int = 0  # control messages that carried assignments
     cancelled: list[str] = field(default_factory=list)
@@ -133,7 +134,7 @@ class ScriptedWorker:
         replies: set[asyncio.Task[None]] = set()
         async with grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS) as channel:
             call = wpb_grpc.WorkerServiceStub(channel).Connect(
-                outbound(), metadata=(("authorization", f"Bearer {TOKEN}"),)
+                outbound(), metadata=(("authorization", f"Bearer {self.token}"),)
             )
             beat = asyncio.create_task(heartbeats())
             try:
