@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,9 @@ from orchestrator.core.errors import ConfigError
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.worker.identity import FLEET_ID_FILE, TOKEN_FILE
 from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
 from tests.conftest import TEST_OWNER
+from tests.orchestrator.servers import expect_error
 from tests.orchestrator.worker_wire import ScriptedWorker
 
 
@@ -45,12 +48,25 @@ async def _joins(orch: Orchestrator, token: str) -> None:
 
 
 async def _refused(orch: Orchestrator, token: str) -> None:
+    """A worker dialling with `token` is refused before its hello is read. The stream sends nothing: a write racing
+    the server's refusal would surface as the client's own INTERNAL error instead of the server's status."""
     assert orch.workers is not None and orch.workers.tcp_address is not None
-    async with ScriptedWorker(orch.workers.tcp_address, _never, worker_id="w-bad", token=token) as w:
-        await asyncio.wait_for(w.ended(), 30)
-    assert w.error is not None and w.error.code() == grpc.StatusCode.UNAUTHENTICATED, w.error
-    assert "worker token" in (w.error.details() or "")
-    assert all(i.worker_id != "w-bad" for i in orch.workers.hub.workers())
+    quiet = asyncio.Event()
+    joined = len(orch.workers.hub.workers())
+
+    async def nothing() -> AsyncIterator[wpb.WorkerMessage]:
+        await quiet.wait()
+        return
+        yield
+
+    async with grpc.aio.insecure_channel(orch.workers.tcp_address) as channel:
+        call = wpb_grpc.WorkerServiceStub(channel).Connect(nothing(), metadata=(("authorization", f"Bearer {token}"),))
+        try:
+            details = await expect_error(asyncio.wait_for(call.read(), 30), grpc.StatusCode.UNAUTHENTICATED)
+        finally:
+            quiet.set()
+    assert "worker token" in details
+    assert len(orch.workers.hub.workers()) == joined, "a refused worker never joins"
 
 
 def _token(data: Path) -> str:
