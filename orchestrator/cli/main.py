@@ -113,7 +113,7 @@ def _backend_config(args: argparse.Namespace) -> object:
 
 def _server_config(args: argparse.Namespace) -> object:
     from orchestrator.cli.openenv import openenv_settings
-    from orchestrator.cli.remote import security_config
+    from orchestrator.cli.remote import security_config, worker_tls_config
     from orchestrator.cli.view import ui_settings
     from orchestrator.core.tracing import TracingConfig
     from orchestrator.server.app import OrchestratorConfig
@@ -132,6 +132,7 @@ def _server_config(args: argparse.Namespace) -> object:
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         workers=args.workers if args.workers is not None else (0 if args.ray_address else os.cpu_count() or 1),
         worker_listen=args.worker_listen,
+        worker_tls=worker_tls_config(args),
         ray=RayConfig(address=args.ray_address, resource=args.ray_resource, per_node=args.ray_workers_per_node)
         if args.ray_address
         else None,
@@ -148,14 +149,19 @@ def _server_config(args: argparse.Namespace) -> object:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from orchestrator.core.errors import ConfigError
     from orchestrator.server.app import OrchestratorConfig, create_server
+    from orchestrator.server.convert import validation_message
 
     async def go() -> None:
         try:
             config = _server_config(args)
             assert isinstance(config, OrchestratorConfig)
             orch = await create_server(config)
+        except ValidationError as e:  # flags that do not fit together: one line, no traceback
+            raise SystemExit(f"envfleet serve: {validation_message(e)}") from None
         except ConfigError as e:
             raise SystemExit(f"envfleet serve: {e}") from None
         stop = asyncio.Event()
@@ -320,7 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout worker processes on this host (default: one per core, or none with --ray-address); "
         "0 runs rollouts in the server process",
     )
-    serve.add_argument("--worker-listen", default=None, help="also accept remote workers (Ray actors) at HOST:PORT")
+    serve.add_argument(
+        "--worker-listen",
+        default=None,
+        help="also accept remote workers (Ray actors) at HOST:PORT; TLS with --tls-cert (else loopback or --insecure)",
+    )
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster (auto, or HOST:PORT of its head)")
     serve.add_argument("--ray-resource", default="envfleet_sandbox_host", help="the custom resource of sandbox hosts")
     serve.add_argument("--ray-workers-per-node", type=int, default=1, help="worker actors per sandbox host")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.backends.pool import SandboxPool
+from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.tracing import make_tracer
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
@@ -16,8 +17,20 @@ from orchestrator.worker.agent import WorkerAgent
 from orchestrator.worker.config import WorkerConfig
 
 
-async def run_worker(target: str, token: str, config: WorkerConfig, name: str, stop: asyncio.Event) -> None:
-    """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out."""
+async def run_worker(
+    target: str,
+    token: str,
+    config: WorkerConfig,
+    name: str,
+    stop: asyncio.Event,
+    *,
+    tls: ClientTLS | None = None,
+    insecure: bool = False,
+) -> None:
+    """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out. Over TCP
+    `tls` says whom to trust (and what to present, for mTLS); the token is never sent in clear off loopback unless
+    `insecure`."""
+    check_client_transport(target, token, tls, insecure)  # before any sandbox exists
     tracer = make_tracer(config.tracing, "envfleet-worker")  # each worker process exports its own spans
     fleet = await start_fleet(config.backend)
     backend = fleet.backend
@@ -35,6 +48,8 @@ async def run_worker(target: str, token: str, config: WorkerConfig, name: str, s
         name=name,
         slots=config.slots,
         heartbeat_s=config.heartbeat_s,
+        tls=tls,
+        insecure=insecure,
     )
     try:
         await agent.run_forever(stop)

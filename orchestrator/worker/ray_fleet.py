@@ -6,6 +6,10 @@ A node that joins later gets workers at the next poll. A node that dies takes it
 end, and the hub retries their rollouts elsewhere as infrastructure retries. A worker whose run ended on a live node
 (a crash) is replaced at the next poll; its first act, starting the Docker backend, sweeps what the dead one left.
 
+With TLS on the worker wire, each actor gets the PEM material it needs (the CA it verifies the control plane by,
+and for mTLS its own certificate and key) as bytes in its constructor arguments, like the worker token: no file has
+to exist on the nodes, and Ray keeps these arguments as it keeps the token.
+
 Ray is an optional extra (`pip install envfleet[ray]`): this module imports it only when a fleet starts.
 """
 
@@ -19,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.client.auth import ClientTLS
 from orchestrator.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -41,8 +46,11 @@ class RayConfig(BaseModel):
 class _Worker:
     """The actor's body: one worker process's life, inside a Ray actor (defined as an actor at fleet start)."""
 
-    def __init__(self, target: str, token: str, config_json: str, name: str) -> None:
+    def __init__(
+        self, target: str, token: str, config_json: str, name: str, tls: ClientTLS | None = None, insecure: bool = False
+    ) -> None:
         self._target, self._token, self._name = target, token, name
+        self._tls, self._insecure = tls, insecure
         self._config = WorkerConfig.model_validate_json(config_json)
         self._stop = asyncio.Event()
 
@@ -50,7 +58,9 @@ class _Worker:
         """Serve the control plane until stopped."""
         from orchestrator.worker.process import run_worker
 
-        await run_worker(self._target, self._token, self._config, self._name, self._stop)
+        await run_worker(
+            self._target, self._token, self._config, self._name, self._stop, tls=self._tls, insecure=self._insecure
+        )
 
     async def stop(self) -> None:
         """Ask `run` to return (its sandboxes are destroyed on the way out)."""
@@ -72,6 +82,8 @@ class RayWorkers:
     target: str
     token: str
     worker: WorkerConfig
+    tls: ClientTLS | None = None  # handed to every actor (None: plaintext, loopback or the operator's insecure)
+    insecure: bool = False
     placed: dict[str, list[_Placed]] = field(default_factory=dict)  # node id -> its actors
     _watcher: asyncio.Task[None] | None = None
     _initialized_ray: bool = False
@@ -124,7 +136,9 @@ class RayWorkers:
             self._actor_class = ray.remote(max_restarts=0, num_cpus=0)(_Worker)
         actor = self._actor_class.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-        ).remote(self.target, self.token, self.worker.model_dump_json(), f"ray-{node[:8]}-{index}")
+        ).remote(
+            self.target, self.token, self.worker.model_dump_json(), f"ray-{node[:8]}-{index}", self.tls, self.insecure
+        )
         return _Placed(actor, actor.run.remote(), node)
 
     async def _watch(self) -> None:
