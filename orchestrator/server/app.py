@@ -147,6 +147,11 @@ class OrchestratorConfig(BaseModel):
                 "worker_tls: the worker listener serves the API server's certificate; give security.tls "
                 "(--tls-cert/--tls-key)"
             )
+        if self.ray is None and (wt.ca_file or wt.cert_file):
+            raise ValueError(
+                "worker_tls: ca_file, cert_file and key_file are what Ray workers are handed (--worker-tls-ca/-cert/"
+                "-key need --ray-address); the worker listener itself serves --tls-cert/--tls-key"
+            )
         if self.ray is not None and wt.client_ca_file and not wt.cert_file:
             raise ValueError(
                 "worker_tls: with mTLS of workers (client_ca_file) Ray workers need a certificate to present; give "

@@ -227,6 +227,8 @@ def test_worker_tls_settings_that_do_not_fit_are_refused(pki: dict[str, Path]) -
         ({"security": {"tls": tls}, "worker_tls": mtls}, "only workers over TCP"),
         ({**tcp, "worker_tls": mtls, "ray": {}}, "Ray workers need a certificate to present"),
         ({**tcp, "worker_tls": {"cert_file": pki["ca"]}}, "cert_file and key_file go together"),
+        # the listener's certificate is the server's: --worker-tls-cert is the one Ray workers present
+        ({**tcp, "worker_tls": {"cert_file": pki["ca"], "key_file": pki["ca"]}}, "need --ray-address"),
     ]
     for settings, message in bad:
         with pytest.raises(ValueError, match=message):
