@@ -23,6 +23,7 @@ from typing import Any
 
 import docker
 import pytest
+import trustme
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
@@ -33,6 +34,28 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # one owner label per test run, so concurrent runs never touch each other's sandboxes
 TEST_OWNER = f"envfleet-test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """PEM files made at run time: a CA (`ca`), a server certificate for 127.0.0.1 and localhost signed by it
+    (`server_cert`, `server_key`), a client certificate it signed (`client_cert`, `client_key`), and a CA that
+    signed none of them (`other_ca`)."""
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server, client = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("client@tests")
+    files = {
+        "ca": ca.cert_pem,
+        "server_cert": server.cert_chain_pems[0],
+        "server_key": server.private_key_pem,
+        "client_cert": client.cert_chain_pems[0],
+        "client_key": client.private_key_pem,
+        "other_ca": trustme.CA().cert_pem,
+    }
+    paths = {name: d / f"{name}.pem" for name in files}
+    for name, blob in files.items():
+        blob.write_to_path(str(paths[name]))
+    return paths
 
 
 # pytest-timeout fails a hung test after `timeout` seconds but shows only the threads; an async test hangs in its

@@ -113,7 +113,7 @@ def _backend_config(args: argparse.Namespace) -> object:
 
 def _server_config(args: argparse.Namespace) -> object:
     from orchestrator.cli.openenv import openenv_settings
-    from orchestrator.cli.remote import security_config
+    from orchestrator.cli.remote import security_config, worker_tls_config
     from orchestrator.cli.view import ui_settings
     from orchestrator.core.tracing import TracingConfig
     from orchestrator.server.app import OrchestratorConfig
@@ -133,6 +133,7 @@ def _server_config(args: argparse.Namespace) -> object:
         workers=args.workers if args.workers is not None else (0 if args.ray_address else os.cpu_count() or 1),
         worker_listen=args.worker_listen,
         worker_token_file=Path(args.worker_token_file) if args.worker_token_file else None,
+        worker_tls=worker_tls_config(args),
         ray=RayConfig(address=args.ray_address, resource=args.ray_resource, per_node=args.ray_workers_per_node)
         if args.ray_address
         else None,
@@ -149,14 +150,19 @@ def _server_config(args: argparse.Namespace) -> object:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from orchestrator.core.errors import ConfigError
     from orchestrator.server.app import OrchestratorConfig, create_server
+    from orchestrator.server.convert import validation_message
 
     async def go() -> None:
         try:
             config = _server_config(args)
             assert isinstance(config, OrchestratorConfig)
             orch = await create_server(config)
+        except ValidationError as e:  # flags that do not fit together: one line, no traceback
+            raise SystemExit(f"envfleet serve: {validation_message(e)}") from None
         except ConfigError as e:
             raise SystemExit(f"envfleet serve: {e}") from None
         stop = asyncio.Event()
@@ -321,7 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout worker processes on this host (default: one per core, or none with --ray-address); "
         "0 runs rollouts in the server process",
     )
-    serve.add_argument("--worker-listen", default=None, help="also accept remote workers (Ray actors) at HOST:PORT")
+    serve.add_argument(
+        "--worker-listen",
+        default=None,
+        help="also accept remote workers (Ray actors) at HOST:PORT; TLS with --tls-cert (else loopback or --insecure)",
+    )
     serve.add_argument(
         "--worker-token-file",
         default=None,

@@ -15,7 +15,7 @@ import grpc
 from orchestrator.cli.errors import CommandLineError
 from orchestrator.client.auth import ClientTLS
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.server.security import SecurityConfig, TLSConfig
+from orchestrator.server.security import SecurityConfig, TLSConfig, WorkerTLSConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_METRICS_PORT = 9464  # `envfleet serve --metrics-port`
@@ -38,6 +38,13 @@ def add_serve_security_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="gRPC server reflection (default: on without TLS, off with TLS)",
     )
+    # the worker wire's TCP listener (--worker-listen) serves TLS with --tls-cert/--tls-key whenever they are given
+    p.add_argument(
+        "--worker-tls-client-ca", help="require worker certificates signed by this CA on --worker-listen (mTLS)"
+    )
+    p.add_argument("--worker-tls-ca", help="the CA Ray workers verify this server by (PEM; default: system roots)")
+    p.add_argument("--worker-tls-cert", help="the certificate Ray workers present, with --worker-tls-client-ca (PEM)")
+    p.add_argument("--worker-tls-key", help="the private key of --worker-tls-cert (PEM)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session lives")
     p.add_argument(
         "--allow-policy-url",
@@ -69,6 +76,15 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
             insecure=args.insecure,
             policy_urls=getattr(args, "allow_policy_url", None),
         )
+    except ValueError as e:
+        raise SystemExit(f"envfleet serve: {e}") from None
+
+
+def worker_tls_config(args: argparse.Namespace) -> WorkerTLSConfig:
+    """The WorkerTLSConfig the serve flags ask for (Ray workers get the files' bytes at start)."""
+    files = (args.worker_tls_client_ca, args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+    try:
+        return WorkerTLSConfig(**dict(zip(("client_ca_file", "ca_file", "cert_file", "key_file"), files, strict=True)))
     except ValueError as e:
         raise SystemExit(f"envfleet serve: {e}") from None
 

@@ -30,7 +30,9 @@ from orchestrator.server.security import (
     AuthInterceptor,
     PolicyURLs,
     SecurityConfig,
+    WorkerTLSConfig,
     check_transport,
+    check_worker_transport,
     server_credentials,
 )
 from orchestrator.server.services import EnvironmentService, RolloutService
@@ -94,6 +96,9 @@ class OrchestratorConfig(BaseModel):
     worker_listen: str | None = Field(
         None, description="also accept workers over TCP here (HOST:PORT), e.g. Ray actors on other nodes"
     )
+    worker_tls: WorkerTLSConfig = Field(
+        WorkerTLSConfig(), description="TLS of worker_listen: the server's certificate, mTLS of workers, Ray's trust"
+    )
     worker_heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="a silent worker is lost after this")
     worker_token_file: Path | None = Field(
         None,
@@ -135,6 +140,28 @@ class OrchestratorConfig(BaseModel):
     def _ray_needs_tcp(self) -> OrchestratorConfig:
         if self.ray is not None and not self.worker_listen:
             raise ValueError("ray: Ray workers dial the control plane over TCP; set worker_listen (HOST:PORT)")
+        return self
+
+    @model_validator(mode="after")
+    def _worker_tls_fits(self) -> OrchestratorConfig:
+        wt = self.worker_tls
+        if wt.configured and not self.worker_listen:
+            raise ValueError("worker_tls: only workers over TCP speak TLS; set worker_listen (--worker-listen)")
+        if wt.configured and self.security.tls is None:
+            raise ValueError(
+                "worker_tls: the worker listener serves the API server's certificate; give security.tls "
+                "(--tls-cert/--tls-key)"
+            )
+        if self.ray is None and (wt.ca_file or wt.cert_file):
+            raise ValueError(
+                "worker_tls: ca_file, cert_file and key_file are what Ray workers are handed (--worker-tls-ca/-cert/"
+                "-key need --ray-address); the worker listener itself serves --tls-cert/--tls-key"
+            )
+        if self.ray is not None and wt.client_ca_file and not wt.cert_file:
+            raise ValueError(
+                "worker_tls: with mTLS of workers (client_ca_file) Ray workers need a certificate to present; give "
+                "cert_file and key_file (--worker-tls-cert/--worker-tls-key)"
+            )
         return self
 
 
@@ -233,6 +260,9 @@ async def create_server(
         check_transport(config.ui_host, config.security.model_copy(update={"tls": None}))
     if config.openenv is not None:  # plain HTTP too
         check_transport(config.openenv.host, config.security.model_copy(update={"tls": None}))
+    if config.worker_listen:
+        listener = config.worker_tls.listener(config.security.tls)
+        check_worker_transport(config.worker_listen, listener, config.security.insecure)
     auth = Authenticator.from_config(config.security)
     tracer = tracer or make_tracer(config.tracing, "envfleet")
     tls = config.security.tls

@@ -4,7 +4,8 @@
   A stream is re-checked while it runs: it ends (UNAUTHENTICATED) when its token expires or is revoked.
 - Without one, every caller is the single local tenant; that is only allowed on a loopback address, TLS or not.
 - A plaintext port, or a port without tokens, on a non-loopback address is refused at start unless the operator
-  passes `insecure` (then logged loudly).
+  passes `insecure` (then logged loudly). So is a plaintext worker listener (`worker_listen`): the worker token and
+  every rollout cross it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from orchestrator.client.auth import ClientTLS, target_host
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
 from orchestrator.core.net import is_loopback
@@ -43,6 +45,41 @@ class TLSConfig(BaseModel):
     cert_file: Path
     key_file: Path
     client_ca_file: Path | None = None
+
+
+class WorkerTLSConfig(BaseModel):
+    """TLS of the worker wire over TCP. The listener serves the API server's own certificate (`security.tls`, not
+    its client CA); with `client_ca_file` every worker must present a certificate that CA signed (mTLS).
+    `ca_file`, `cert_file` and `key_file` are what the control plane hands its Ray actors, as bytes in their
+    constructor: the CA they verify it by (None: the system's roots) and, for mTLS, the certificate they present."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    client_ca_file: Path | None = None
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _pairs(self) -> WorkerTLSConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("worker_tls: cert_file and key_file go together (--worker-tls-cert/--worker-tls-key)")
+        return self
+
+    @property
+    def configured(self) -> bool:
+        """Whether any setting is given."""
+        return any((self.client_ca_file, self.ca_file, self.cert_file, self.key_file))
+
+    def listener(self, server: TLSConfig | None) -> TLSConfig | None:
+        """The worker listener's TLS: the API server's certificate, this client CA; None without server TLS."""
+        if server is None:
+            return None
+        return TLSConfig(cert_file=server.cert_file, key_file=server.key_file, client_ca_file=self.client_ca_file)
+
+    def for_workers(self) -> ClientTLS:
+        """What remote workers are handed to verify the control plane (and, for mTLS, to present), read now."""
+        return ClientTLS(*(_read(p) if p else None for p in (self.ca_file, self.cert_file, self.key_file)))
 
 
 class SecurityConfig(BaseModel):
@@ -138,18 +175,36 @@ def check_transport(host: str, security: SecurityConfig) -> None:
     log.warning("!" * 78)
 
 
+def check_worker_transport(listen: str, tls: TLSConfig | None, insecure: bool) -> None:
+    """Refuse a plaintext worker listener off loopback (the worker token and every rollout would cross the network
+    in clear), unless the operator insisted."""
+    host = target_host(listen)
+    if tls is not None or is_loopback(host):
+        return
+    if not insecure:
+        raise ConfigError(
+            f"refusing to accept workers on {listen!r} in plaintext: the worker token and every rollout would cross "
+            "the network in clear. Give --tls-cert/--tls-key (the worker listener serves the same certificate; "
+            "--worker-tls-client-ca for mTLS of workers), listen on 127.0.0.1, or pass --insecure if you really "
+            "mean it"
+        )
+    log.warning("!" * 78)
+    log.warning("INSECURE: accepting workers in plaintext on %s; never do this outside a trusted network", listen)
+    log.warning("!" * 78)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+
+
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     """TLS credentials from the configured files; ConfigError names a file that cannot be read."""
-
-    def read(path: Path) -> bytes:
-        try:
-            return path.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-
-    ca = read(tls.client_ca_file) if tls.client_ca_file else None
+    ca = _read(tls.client_ca_file) if tls.client_ca_file else None
     return grpc.ssl_server_credentials(
-        [(read(tls.key_file), read(tls.cert_file))], root_certificates=ca, require_client_auth=ca is not None
+        [(_read(tls.key_file), _read(tls.cert_file))], root_certificates=ca, require_client_auth=ca is not None
     )
 
 

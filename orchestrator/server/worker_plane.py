@@ -1,5 +1,6 @@
 """The control plane's worker side, wired: the hub, the worker wire's gRPC server (a unix socket in a private
-directory, and TCP when remote workers join), and this host's supervised worker processes."""
+directory, and TCP when remote workers join: TLS whenever the server has a certificate, mTLS with
+`worker_tls.client_ca_file`), and this host's supervised worker processes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from orchestrator.client.auth import ClientTLS
 from orchestrator.core.environment import ImageSource
+from orchestrator.server.security import server_credentials
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.worker.config import WorkerConfig
 from orchestrator.worker.hub import WorkerHub
@@ -74,6 +77,13 @@ class WorkerPlane:
     ) -> WorkerPlane:
         """Serve the worker wire and start `config.workers` local worker processes; `archives` says which
         environments the workers get as uploaded archives, `identity` the fleet's (worker_identity)."""
+        tls = config.worker_tls.listener(config.security.tls) if config.worker_listen else None
+        credentials = server_credentials(tls) if tls else None  # files are read before anything starts
+        ray_tls: ClientTLS | None = None
+        if tls is not None and config.ray is not None:
+            ray_tls = config.worker_tls.for_workers()
+            if ray_tls.root_certificates is None:
+                log.warning("Ray workers verify this control plane by the system's roots; --worker-tls-ca names a CA")
         hub = WorkerHub(images, heartbeat_timeout_s=config.worker_heartbeat_timeout_s, archives=archives)
         identity = identity or await worker_identity(config)
         token = identity.token
@@ -85,7 +95,10 @@ class WorkerPlane:
         server.add_insecure_port(plane.unix_target)
         if config.worker_listen:
             host = config.worker_listen.rsplit(":", 1)[0]
-            port = server.add_insecure_port(config.worker_listen)
+            if credentials is not None:
+                port = server.add_secure_port(config.worker_listen, credentials)
+            else:  # loopback, or the operator passed insecure (create_server checked)
+                port = server.add_insecure_port(config.worker_listen)
             plane.tcp_address = f"{host}:{port}"
         await server.start()
         worker_config = WorkerConfig(
@@ -101,7 +114,15 @@ class WorkerPlane:
             plane.local = LocalWorkers(config.workers, plane.unix_target, token, local_config)
             plane.local.start()
         if config.ray is not None and plane.tcp_address is not None:
-            plane.ray = RayWorkers(config.ray, plane.tcp_address, token, worker_config, identity.fleet_id)
+            plane.ray = RayWorkers(
+                config.ray,
+                plane.tcp_address,
+                token,
+                worker_config,
+                identity.fleet_id,
+                tls=ray_tls,
+                insecure=config.security.insecure,
+            )
             try:
                 await plane.ray.start()
             except BaseException:
@@ -110,7 +131,9 @@ class WorkerPlane:
         log.info(
             "rollout workers connect at %s%s; %d local worker process(es)",
             plane.unix_target,
-            f" and {plane.tcp_address}" if plane.tcp_address else "",
+            f" and {plane.tcp_address} ({'mTLS' if tls and tls.client_ca_file else 'TLS' if tls else 'plaintext'})"
+            if plane.tcp_address
+            else "",
             config.workers,
         )
         return plane

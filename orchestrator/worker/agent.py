@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.archives import ArchiveKind
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.models import JobSpec
@@ -49,7 +50,8 @@ MAX_RESULT_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB): large r
 
 
 class WorkerAgent:
-    """Runs a control plane's assignments on this process's executor."""
+    """Runs a control plane's assignments on this process's executor. Over TCP, `tls` is whom it trusts (and, for
+    mTLS, what it presents); it refuses to send its token in clear off loopback unless `insecure`."""
 
     def __init__(
         self,
@@ -62,8 +64,12 @@ class WorkerAgent:
         slots: int = 64,
         heartbeat_s: float = 1.0,
         kinds: Mapping[str, ArchiveKind] | None = None,
+        tls: ClientTLS | None = None,
+        insecure: bool = False,
     ) -> None:
+        check_client_transport(target, token, tls, insecure)
         self.target = target
+        self._tls = tls
         self.worker_id = f"{name}-{socket.gethostname()}-{os.getpid()}"
         self._token = token
         self._executor = executor
@@ -87,8 +93,10 @@ class WorkerAgent:
                 started = time.monotonic()
                 try:
                     await self._session(stop)
-                except grpc.aio.AioRpcError as e:
-                    log.info("worker %s: stream to %s ended: %s", self.worker_id, self.target, e.code().name)
+                except grpc.aio.AioRpcError as e:  # a TLS handshake that fails lands here too, with its reason
+                    log.info(
+                        "worker %s: stream to %s ended: %s: %s", self.worker_id, self.target, e.code().name, e.details()
+                    )
                 if time.monotonic() - started > 10:
                     delay = RECONNECT_MIN_S
                 with contextlib.suppress(TimeoutError):
@@ -124,7 +132,7 @@ class WorkerAgent:
                 outbox.put(wpb.WorkerMessage(heartbeat=wpb.Heartbeat(running=len(running))))
                 await asyncio.sleep(self._heartbeat_s)
 
-        async with grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS) as channel:
+        async with self._channel() as channel:
             call = wpb_grpc.WorkerServiceStub(channel).Connect(
                 outbound(), metadata=(("authorization", f"Bearer {self._token}"),)
             )
@@ -158,6 +166,11 @@ class WorkerAgent:
                 for task in running.values():
                     task.cancel()
                 await asyncio.gather(beat, *running.values(), return_exceptions=True)
+
+    def _channel(self) -> grpc.aio.Channel:
+        if self._tls is None:  # a unix socket, loopback, or the operator's insecure
+            return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(self.target, self._tls.credentials(), options=CHANNEL_OPTIONS)
 
     async def _run(self, a: wpb.Assignment, outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult]) -> None:
         try:

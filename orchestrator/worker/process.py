@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Callable
 
 from orchestrator.backends.pool import SandboxPool
+from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.tracing import make_tracer
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
@@ -25,9 +26,13 @@ async def run_worker(
     stop: asyncio.Event,
     *,
     on_agent: Callable[[WorkerAgent], None] | None = None,
+    tls: ClientTLS | None = None,
+    insecure: bool = False,
 ) -> None:
-    """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out.
-    `on_agent` is handed the agent once it exists (a Ray actor reports on it)."""
+    """Serve the control plane at `target` until `stop` is set; every sandbox is destroyed on the way out. Over TCP
+    `tls` says whom to trust (and what to present, for mTLS); the token is never sent in clear off loopback unless
+    `insecure`. `on_agent` is handed the agent once it exists (a Ray actor reports on it)."""
+    check_client_transport(target, token, tls, insecure)  # before any sandbox exists
     tracer = make_tracer(config.tracing, "envfleet-worker")  # each worker process exports its own spans
     fleet = await start_fleet(config.backend)
     backend = fleet.backend
@@ -45,6 +50,8 @@ async def run_worker(
         name=name,
         slots=config.slots,
         heartbeat_s=config.heartbeat_s,
+        tls=tls,
+        insecure=insecure,
     )
     if on_agent is not None:
         on_agent(agent)

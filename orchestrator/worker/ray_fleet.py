@@ -11,6 +11,10 @@ outlive a control plane that crashes: they redial its fixed address with backoff
 finds them by name instead of placing more. An actor started with another address, token or configuration is
 replaced. A normal stop kills every actor of the fleet.
 
+With TLS on the worker wire, each actor gets the PEM material it needs (the CA it verifies the control plane by,
+and for mTLS its own certificate and key) as bytes in its constructor arguments, like the worker token: no file has
+to exist on the nodes, and Ray keeps these arguments as it keeps the token.
+
 Ray is an optional extra (`pip install envfleet[ray]`): this module imports it only when a fleet starts.
 """
 
@@ -26,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.client.auth import ClientTLS
 from orchestrator.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -59,8 +64,18 @@ def actor_name(fleet_id: str, node_id: str, index: int) -> str:
 class _Worker:
     """The actor's body: one worker process's life, inside a Ray actor (defined as an actor at fleet start)."""
 
-    def __init__(self, target: str, token: str, config_json: str, name: str, fingerprint: str) -> None:
+    def __init__(
+        self,
+        target: str,
+        token: str,
+        config_json: str,
+        name: str,
+        fingerprint: str,
+        tls: ClientTLS | None = None,
+        insecure: bool = False,
+    ) -> None:
         self._target, self._token, self._name, self._fingerprint = target, token, name, fingerprint
+        self._tls, self._insecure = tls, insecure
         self._config = WorkerConfig.model_validate_json(config_json)
         self._stop = asyncio.Event()
         self._running: asyncio.Task[None] | None = None
@@ -73,7 +88,16 @@ class _Worker:
 
         if self._running is None:
             self._running = asyncio.create_task(
-                run_worker(self._target, self._token, self._config, self._name, self._stop, on_agent=self._set_agent)
+                run_worker(
+                    self._target,
+                    self._token,
+                    self._config,
+                    self._name,
+                    self._stop,
+                    on_agent=self._set_agent,
+                    tls=self._tls,
+                    insecure=self._insecure,
+                )
             )
         await asyncio.shield(self._running)  # a caller that goes away does not end the run
 
@@ -111,6 +135,8 @@ class RayWorkers:
     worker: WorkerConfig
     fleet_id: str
     placed: dict[str, dict[int, _Placed]] = field(default_factory=dict)  # node id -> worker index -> its actor
+    tls: ClientTLS | None = None  # handed to every actor (None: plaintext, loopback or the operator's insecure)
+    insecure: bool = False
     _watcher: asyncio.Task[None] | None = None
     _initialized_ray: bool = False
     _actor_class: Any = None
@@ -136,8 +162,13 @@ class RayWorkers:
         return sorted(node for node, placed in self.placed.items() if placed)
 
     def _fingerprint(self, name: str) -> str:
-        parts = (self.target, self.token, self.worker.model_dump_json(), name)
-        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+        tls = self.tls or ClientTLS()
+        pems = (tls.root_certificates, tls.certificate_chain, tls.private_key)
+        parts = (self.target, self.token, self.worker.model_dump_json(), name, str(self.insecure))
+        h = hashlib.sha256("\0".join(parts).encode())
+        for pem in pems:  # new TLS material means a new actor too
+            h.update(b"\0" + hashlib.sha256(pem or b"").digest())
+        return h.hexdigest()
 
     async def reconcile(self) -> None:
         """Place workers on sandbox hosts that have none, replace workers whose run ended, forget dead nodes."""
@@ -201,7 +232,15 @@ class RayWorkers:
                 namespace=self.config.namespace,
                 lifetime="detached",  # outlives a control plane that crashes; a normal stop kills it
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-            ).remote(self.target, self.token, self.worker.model_dump_json(), f"ray-{node[:8]}-{index}", fingerprint)
+            ).remote(
+                self.target,
+                self.token,
+                self.worker.model_dump_json(),
+                f"ray-{node[:8]}-{index}",
+                fingerprint,
+                self.tls,
+                self.insecure,
+            )
         except ValueError as e:  # the name is taken: the actor that held it is still being killed
             log.info("worker actor %s: %s; trying again at the next poll", name, e)
             return None

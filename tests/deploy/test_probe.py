@@ -6,35 +6,14 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trustme
 
 from tests.conftest import REPO
 from tests.orchestrator.servers import serve
 
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, made at run time."""
-    d = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    server, client = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("probe@ops")
-    files = {
-        "ca": ca.cert_pem,
-        "server_cert": server.cert_chain_pems[0],
-        "server_key": server.private_key_pem,
-        "client_cert": client.cert_chain_pems[0],
-        "client_key": client.private_key_pem,
-    }
-    paths = {name: d / f"{name}.pem" for name in files}
-    for name, blob in files.items():
-        blob.write_to_path(str(paths[name]))
-    yield paths
 
 
 async def _probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:

@@ -10,12 +10,10 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -44,25 +42,6 @@ def token_file(tmp_path: Path) -> Path:
         f'  {TOKEN_OLD}: {{tenant: team-a, expires_at: "2020-01-01T00:00:00Z"}}\n'
     )
     return path
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """A CA made at run time, a server certificate for 127.0.0.1 and a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    server, client = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("trainer@team-a")
-    files = {
-        "ca": ca.cert_pem,
-        "server_cert": server.cert_chain_pems[0],
-        "server_key": server.private_key_pem,
-        "client_cert": client.cert_chain_pems[0],
-        "client_key": client.private_key_pem,
-    }
-    paths = {name: d / f"{name}.pem" for name in files}
-    for name, blob in files.items():
-        blob.write_to_path(str(paths[name]))
-    yield paths
 
 
 async def _list_jobs(channel: grpc.aio.Channel, token: str | None = None) -> pb.ListJobsResponse:
