@@ -23,16 +23,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import docker
 
+from bench.fleet_bench import timed_job
 from orchestrator.backends.docker.backend import DockerBackendConfig
 from orchestrator.backends.pool import TENANT_LABEL, PoolConfig
-from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from orchestrator.core.models import JobSpec, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
@@ -201,48 +200,39 @@ async def run(
                 # the workers hold their own sandboxes: these would only double the memory
                 await pool.close()
                 result["workers"] = workers
-            # 3. the rollouts, all sandboxes in flight
+            # 3. the rollouts, all sandboxes in flight; the trainer is a process of its own (as it is in a real
+            # fleet: its decoding of the stream is not the control plane's work), and like a trainer that hands
+            # rollouts on it keeps only their statuses
             ids = [t.id for t in env.tasks()]
-            async with EnvfleetClient(orch.address, timeout_s=600) as c:
-                job = JobSpec(
-                    env=env.name,
-                    policy=PolicyEndpoint(base_url=policy_url, request_timeout_s=600),
-                    max_concurrency=peak,
-                    rollout_timeout_s=900,
-                    tasks=TaskSelection(kind="ids", ids=ids[:rollouts]),
-                )
-                t0 = time.monotonic()
-                # statuses only: like a trainer that hands rollouts on, the client holds none of them
-                got3 = [
-                    r.status.value async for r in c.rollouts(await c.submit(job), max_in_flight=4096, max_batch=256)
-                ]
-                big_s = time.monotonic() - t0
-                by = Counter(got3)
-                result["rollouts_ok"] = by.pop("OK", 0)
-                result["rollouts_failed"] = dict(by)
-                result["rollouts_per_min_at_peak"] = round(len(got3) / big_s * 60, 1)
-                # 4. efficiency at eff_concurrency
-                job2 = job.model_copy(
-                    update={
-                        "max_concurrency": eff_concurrency,
-                        "tasks": TaskSelection(kind="ids", ids=ids[rollouts : rollouts + eff_rollouts]),
-                    }
-                )
-                t0 = time.monotonic()
-                got4 = [
-                    r.status.value async for r in c.rollouts(await c.submit(job2), max_in_flight=4096, max_batch=256)
-                ]
-                eff_s = time.monotonic() - t0
+            job = JobSpec(
+                env=env.name,
+                policy=PolicyEndpoint(base_url=policy_url, request_timeout_s=600),
+                max_concurrency=peak,
+                rollout_timeout_s=900,
+                tasks=TaskSelection(kind="ids", ids=ids[:rollouts]),
+            )
+            by, big_s, _ = await timed_job(orch.address, job)
+            result["rollouts_per_min_at_peak"] = round(sum(by.values()) / big_s * 60, 1)
+            result["rollouts_ok"] = by.pop("OK", 0)
+            result["rollouts_failed"] = dict(by)
+            # 4. efficiency at eff_concurrency
+            job2 = job.model_copy(
+                update={
+                    "max_concurrency": eff_concurrency,
+                    "tasks": TaskSelection(kind="ids", ids=ids[rollouts : rollouts + eff_rollouts]),
+                }
+            )
+            got4, eff_s, _ = await timed_job(orch.address, job2)
             episode_s = 3 * latency
             ideal_per_min = eff_concurrency / episode_s * 60
-            measured = len(got4) / eff_s * 60
+            measured = sum(got4.values()) / eff_s * 60
             result["efficiency"] = round(measured / ideal_per_min, 3)
             result["efficiency_concurrency"] = eff_concurrency
             result["efficiency_detail"] = {
                 "measured_per_min": round(measured, 1),
                 "ideal_per_min": round(ideal_per_min, 1),
-                "ok": got4.count("OK"),
-                "rollouts": len(got4),
+                "ok": got4["OK"],
+                "rollouts": sum(got4.values()),
             }
         finally:
             await orch.stop(grace=1)

@@ -43,6 +43,16 @@ class DockerBackendConfig(BaseModel):
         16, ge=1, le=256, description="threads (and HTTP connections) for engine calls; the most in flight at once"
     )
     api_timeout_s: float = Field(120.0, gt=0)
+    # A sandbox's start-up (engine create and start, then envd's Python start until its first health answer) is
+    # mostly CPU: 256 of them at once on 2 cores each get 1/128 of a core, so all miss their health deadline together
+    # and are retried, which only adds more. Bounded, each starts in a fraction of a second and the deadline counts
+    # from its own turn; the host's throughput of start-ups is the same.
+    startup_concurrency: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="sandboxes starting at once (create until envd answers); 0: four per CPU core, at least 8",
+    )
     sweep_interval_s: float = Field(30.0, gt=0)
     health_interval_s: float = Field(1.0, gt=0, description="how often the engine is pinged")
     health_timeout_s: float = Field(2.0, gt=0, description="a ping slower than this marks the engine unhealthy")

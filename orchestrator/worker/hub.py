@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its worker counts as stuck
 OVERDUE_SWEEP_S = 1.0  # how often a worker's rollouts are checked against their budgets (one timer each would cost)
+HEARD_TICK_S = 1.0  # how often a silent worker's silence is added up (see WorkerHub._next)
 MAX_TRACKED_GROUPS = 100_000
 DISPATCH_SAMPLES = 100_000
 MAX_ASSIGN_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB); an environment's spec can be large
@@ -292,12 +293,33 @@ class WorkerHub:
                 await reader
             self._drop(worker, "its stream ended")
 
+    async def _next(self, inbound: AsyncIterator[wpb.WorkerMessage]) -> wpb.WorkerMessage | None:
+        """The worker's next message; TimeoutError after `heartbeat_timeout_s` of silence, counted in time this
+        process was awake to hear it: a stall of the control plane's own loop (its host starved of CPU, a long
+        callback) counts at most HEARD_TICK_S x 1.5 a tick, so it never cuts off every worker at once."""
+        pending = asyncio.ensure_future(anext(inbound, None))
+        loop = asyncio.get_running_loop()
+        silent = 0.0
+        try:
+            while True:
+                t0 = loop.time()
+                done, _ = await asyncio.wait((pending,), timeout=HEARD_TICK_S)
+                if done:
+                    return pending.result()
+                silent += min(loop.time() - t0, 1.5 * HEARD_TICK_S)
+                if silent >= self.heartbeat_timeout_s:
+                    raise TimeoutError
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
+
     async def _read(self, worker: _Worker, inbound: AsyncIterator[wpb.WorkerMessage]) -> None:
         why = "its stream ended"
         try:
             while True:
-                async with asyncio.timeout(self.heartbeat_timeout_s):
-                    message = await anext(inbound, None)
+                message = await self._next(inbound)
                 if message is None:
                     break
                 if message.HasField("results"):

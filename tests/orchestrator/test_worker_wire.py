@@ -5,6 +5,7 @@ given up and stopped on the worker, and the outbox that batches both directions.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
 from orchestrator.server.convert import rollout_pb
@@ -50,6 +51,25 @@ async def test_a_slow_worker_is_waited_for_and_each_rollout_comes_back_once() ->
     assert [r.id for r in got] == [i.id for i in batch]
     assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
     assert len(worker.assignments) == 8 and not worker.cancelled
+
+
+async def test_a_stall_of_the_control_planes_own_loop_cuts_off_no_worker() -> None:
+    # the control plane's host starved of CPU: its loop does not run for twice the cut-off, and neither can it hear
+    # anyone meanwhile; silence it could not have heard is not a lost worker (the worker shares this loop here, so
+    # it is stalled too, as a worker on a starved host would be)
+    async def quick(a: wpb.Assignment) -> wpb.RolloutResult:
+        return encode(a.assignment_id, rollout_for(a))
+
+    async with serve_hub(heartbeat_timeout_s=2.0) as w, ScriptedWorker(w.tcp, quick, heartbeat_s=0.2):
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        await asyncio.sleep(0.5)
+        time.sleep(4.0)  # the stall under test
+        await asyncio.sleep(3.0)  # past the cut-off again, now awake: heartbeats are heard
+        batch = items("job-stall", 4)
+        env = Registry.from_entry_points().get(ENV)
+        got = await asyncio.wait_for(asyncio.gather(*(w.hub.run(i, env, spec([i.task.id])) for i in batch)), 60)
+        assert w.hub.lost == 0, "the control plane's own stall cut a worker off"
+    assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
 
 
 async def test_a_rollout_past_its_budget_is_given_up_and_stopped_on_the_worker() -> None:

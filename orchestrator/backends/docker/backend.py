@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -189,6 +190,7 @@ class DockerBackend(SandboxBackend):
         self.swap_limit: bool | None = None
         self.runtimes: frozenset[str] = frozenset()  # the engine's OCI runtimes, from its info
         self._creating: set[str] = set()
+        self.startups = asyncio.Semaphore(self.config.startup_concurrency or max(8, 4 * (os.cpu_count() or 1)))
         self.engine_healthy = True
         self._health_listeners: list[Callable[[bool], None]] = []
         self._health_task: asyncio.Task[None] | None = None
@@ -250,7 +252,8 @@ class DockerBackend(SandboxBackend):
         name = f"envfleet-{uuid.uuid4().hex[:12]}"
         self._creating.add(name)
         try:
-            cid, transport, socket_dir = await create_until_ready(self, spec, name)
+            async with self.startups:  # the health deadline counts from here: waiting for a turn is not starting
+                cid, transport, socket_dir = await create_until_ready(self, spec, name)
         finally:
             self._creating.discard(name)
         sandbox = DockerSandbox(self, cid, name, spec, transport, socket_dir)

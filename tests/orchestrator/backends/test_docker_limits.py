@@ -198,3 +198,35 @@ async def test_an_engine_that_does_not_answer_cuts_the_limit_and_backs_off(base_
             assert lim.waited_for_backoff == 1
         finally:
             await backend.close()
+
+
+async def test_start_ups_take_turns(
+    base_image: str, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a burst of creates on a starved host: each start-up (engine create and start, envd until healthy) waits for a
+    # turn, so none of them shares the CPU with all the others and misses its health deadline for it
+    import orchestrator.backends.docker.backend as backend_module
+
+    starting, peak = 0, 0
+    real = backend_module.create_until_ready  # type: ignore[attr-defined]
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        nonlocal starting, peak
+        starting += 1
+        peak = max(peak, starting)
+        try:
+            return await real(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            starting -= 1
+
+    monkeypatch.setattr(backend_module, "create_until_ready", counted)
+    spec = SandboxSpec(image=base_image)
+    for turns, want in ((1, 1), (0, 3)):  # one at a time; then the default, several at once
+        async with owned_backend(startup_concurrency=turns) as b:
+            boxes = await asyncio.gather(*(b.create(spec) for _ in range(3)))
+            assert [(await s.exec("echo up")).stdout for s in boxes] == [b"up\n"] * 3
+            for s in boxes:
+                await s.close()
+            assert containers_of(docker_client, b) == []
+        assert peak == want, (turns, peak)
+        peak = 0
