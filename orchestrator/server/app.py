@@ -20,6 +20,7 @@ from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.sandbox import SandboxBackend
+from orchestrator.core.stalls import StallWatch
 from orchestrator.core.tracing import Tracer, TracingConfig, make_tracer
 from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.rollout.runner import RolloutRunner
@@ -198,6 +199,7 @@ class Orchestrator:
         self.ui: ViewerServer | None = None
         self.openenv: OpenEnvFacade | None = None
         self._private_dir: Path | None = None  # the gRPC socket of the in-process OpenEnv facade
+        self.stalls = StallWatch("control plane")
 
     @property
     def address(self) -> str:
@@ -232,6 +234,7 @@ class Orchestrator:
             self._metrics_server.shutdown()
         await self.backend.close()
         await self.store.close()
+        await self.stalls.stop()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
@@ -357,6 +360,7 @@ async def create_server(
     )
     orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer, tracer)
     orch._private_dir = private_dir
+    orch.stalls.start()
 
     pending: set[asyncio.Task[None]] = set()
 

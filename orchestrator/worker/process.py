@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from orchestrator.backends.pool import SandboxPool
 from orchestrator.client.auth import ClientTLS, check_client_transport
+from orchestrator.core.stalls import StallWatch
 from orchestrator.core.tracing import make_tracer
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
@@ -55,9 +56,12 @@ async def run_worker(
     )
     if on_agent is not None:
         on_agent(agent)
+    stalls = StallWatch(f"worker {name}")
+    stalls.start()
     try:
         await agent.run_forever(stop)
     finally:
+        await stalls.stop()
         await executor.close()
         await pool.close()
         await backend.close()
