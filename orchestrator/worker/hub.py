@@ -3,8 +3,10 @@ lost. `WorkerHub` is an Executor: the job manager hands it rollouts as it would 
 
 Placement: the samples of a group go to the worker that ran the group's first sample (its snapshot and warm
 sandboxes are there); otherwise the least loaded worker, preferring a host that already ran the environment (its
-image is there). A worker is lost when its stream ends or its heartbeats stop (a crashed, killed, stopped or
-partitioned process). Its unfinished rollouts go to other workers as infrastructure retries, within the job's
+image is there). A rollout is placed only while the connected workers have a free slot between them (each says in
+its hello how many rollouts it runs at once); otherwise it waits in line here, so a lost worker's share waits for
+room instead of piling onto the others. A worker is lost when its stream ends or its heartbeats stop (a crashed,
+killed, stopped or partitioned process). Its unfinished rollouts go to other workers as infrastructure retries, within the job's
 `max_infra_retries`; past that budget the rollout is INFRA_ERROR, never a reward. A late answer from a lost
 worker is dropped: the result log keeps one rollout per id.
 """
@@ -110,6 +112,8 @@ class WorkerHub:
         self._encoded: dict[str, tuple[JobSpec, bytes, bytes]] = {}
         self._closed = False
         self.lost = 0  # workers lost so far
+        self._in_use = 0  # rollouts placed (or being placed) on workers; at most the connected workers' slots
+        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         # what placing a rollout on a worker costs it: the round trip from sending the assignment to taking the result,
         # less the rollout's own run time (the wire both ways and the waits in both processes; the recent ones)
         self.dispatch_delays: collections.deque[float] = collections.deque(maxlen=DISPATCH_SAMPLES)
@@ -139,7 +143,10 @@ class WorkerHub:
         while True:
             try:
                 worker = await self._pick(item, env, spec)
-                rollout = await self._run_on(worker, item, env, spec)
+                try:
+                    rollout = await self._run_on(worker, item, env, spec)
+                finally:
+                    self._free_slot()
             except WorkerLostError as e:
                 lost.append(str(e))
                 if len(lost) > spec.max_infra_retries:
@@ -160,20 +167,36 @@ class WorkerHub:
         self._closed = True
         for w in list(self._workers.values()):
             self._drop(w, "the control plane is stopping")
+        self._wake(len(self._slot_waiters))
         async with self._joined:
             self._joined.notify_all()
 
     # -- placement ---------------------------------------------------------------------------------------------
 
     async def _pick(self, item: WorkItem, env: Environment, spec: JobSpec) -> _Worker:
-        if not self._workers:
+        """A worker for the rollout, once one has room; the caller frees the slot (_free_slot) when it is done."""
+        while True:
+            if not self._workers:
+                try:
+                    async with asyncio.timeout(spec.rollout_timeout_s), self._joined:
+                        await self._joined.wait_for(lambda: bool(self._workers) or self._closed)
+                except TimeoutError:
+                    raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
+            if self._closed:
+                raise WorkerLostError("the control plane is stopping")
+            if self._in_use < sum(w.slots for w in self._workers.values()):
+                break
+            # every worker is full (one was lost, say): the rollout waits here, in line, rather than overload the
+            # others until their heartbeats starve and they are lost too
+            waiter = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(waiter)
             try:
-                async with asyncio.timeout(spec.rollout_timeout_s), self._joined:
-                    await self._joined.wait_for(lambda: bool(self._workers) or self._closed)
-            except TimeoutError:
-                raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
-        if self._closed:
-            raise WorkerLostError("the control plane is stopping")
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake(1)  # the slot it was woken for goes to the next in line
+                raise
+        self._in_use += 1
         home = self._workers.get(self._group_home.get(item.job_id, {}).get(item.group_id, ""))
         if home is not None and home.load < 2.0:
             return home
@@ -182,6 +205,18 @@ class WorkerHub:
         worker = min(self._workers.values(), key=lambda w: (round(w.load, 3), w.host not in hosts, w.served))
         self._remember_home(item, worker)
         return worker
+
+    def _free_slot(self) -> None:
+        self._in_use -= 1
+        self._wake(1)
+
+    def _wake(self, n: int) -> None:
+        """Let the first `n` rollouts waiting for a slot try again."""
+        while n > 0 and self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                n -= 1
 
     def _remember_home(self, item: WorkItem, worker: _Worker) -> None:
         if item.group_id in self._group_home.get(item.job_id, {}):
@@ -277,6 +312,7 @@ class WorkerHub:
             self._drop(previous, "it connected again")
         self._workers[worker.id] = worker
         log.info("worker %s joined (host %s, pid %d, %d slots)", worker.id, worker.host, worker.pid, worker.slots)
+        self._wake(worker.slots)
         async with self._joined:
             self._joined.notify_all()
         reader = asyncio.create_task(self._read(worker, inbound), name=f"worker {worker.id} reader")

@@ -72,6 +72,42 @@ async def test_a_stall_of_the_control_planes_own_loop_cuts_off_no_worker() -> No
     assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
 
 
+async def test_a_lost_workers_rollouts_wait_for_room_rather_than_overload_the_others() -> None:
+    running, peak = 0, 0
+
+    async def counted(a: wpb.Assignment) -> wpb.RolloutResult:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        try:
+            await asyncio.sleep(0.3)
+        finally:
+            running -= 1
+        return encode(a.assignment_id, rollout_for(a))
+
+    async def never(a: wpb.Assignment) -> None:
+        await asyncio.sleep(3600)
+
+    batch = items("job-room", 6)
+    env = Registry.from_entry_points().get(ENV)
+    job = spec([i.task.id for i in batch], max_infra_retries=1)
+    async with serve_hub() as w, ScriptedWorker(w.tcp, counted, worker_id="steady", slots=2) as steady:
+        doomed = ScriptedWorker(w.tcp, never, worker_id="doomed", slots=2)
+        await doomed.__aenter__()
+        await w.hub.wait_for_workers(2, timeout_s=30)
+        runs = asyncio.gather(*(w.hub.run(i, env, job) for i in batch))
+        for _ in range(200):
+            if len(doomed.assignments) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(doomed.assignments) == 2, "two slots each: the doomed worker holds two"
+        await doomed.__aexit__(None, None, None)  # its stream ends: lost, its two rollouts retried
+        got = await asyncio.wait_for(runs, 60)
+    assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
+    assert peak == 2, f"the surviving worker held {peak} rollouts at once with 2 slots"
+    assert len(steady.assignments) == 6
+
+
 async def test_a_rollout_past_its_budget_is_given_up_and_stopped_on_the_worker() -> None:
     async def never(a: wpb.Assignment) -> None:
         return None  # it checks in, but this rollout never ends

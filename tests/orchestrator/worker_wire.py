@@ -90,6 +90,7 @@ class ScriptedWorker:
     worker_id: str = "scripted"
     protocol: wpb.Protocol = wpb.PROTOCOL_BATCHED
     heartbeat_s: float = 0.5
+    slots: int = 64
     token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
     assign_messages: int = 0  # control messages that carried assignments
@@ -114,7 +115,9 @@ class ScriptedWorker:
 
     async def _run(self) -> None:
         outbox: asyncio.Queue[wpb.WorkerMessage] = asyncio.Queue()
-        hello = wpb.WorkerHello(worker_id=self.worker_id, host="scripted-host", slots=64, pid=1, protocol=self.protocol)
+        hello = wpb.WorkerHello(
+            worker_id=self.worker_id, host="scripted-host", slots=self.slots, pid=1, protocol=self.protocol
+        )
 
         async def outbound() -> AsyncIterator[wpb.WorkerMessage]:
             yield wpb.WorkerMessage(hello=hello)
