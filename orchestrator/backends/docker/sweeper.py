@@ -6,6 +6,7 @@ engine answers again after a stall) removes what a crashed owner left behind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -14,7 +15,7 @@ import time
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.core.sandbox import SandboxSpec
 
@@ -112,8 +113,10 @@ def doomed(
     older_than: float | None,
     owner: Owner,
     known: Collection[str],
+    alive: dict[tuple[str, str], bool] | None = None,
 ) -> str:
-    """Why sealed container `name` should be swept, or '' to keep it. `known`: names this instance holds or makes."""
+    """Why sealed container `name` should be swept, or '' to keep it. `known`: names this instance holds or makes;
+    `alive` remembers owners already looked up."""
     try:
         lease = float(labels.get(LABEL_LEASE, "0"))
     except ValueError:
@@ -128,10 +131,13 @@ def doomed(
         return "" if name in known else "orphan of this instance"
     if labels.get(LABEL_HOST) != owner.host:
         return ""  # another host's owner: we cannot see its processes
-    pid = labels.get(LABEL_PID, "")
-    if not pid.isdigit() or not owner_alive(int(pid), labels.get(LABEL_PID_START, "")):
+    pid, start = labels.get(LABEL_PID, ""), labels.get(LABEL_PID_START, "")
+    if not pid.isdigit():
         return "owner process is gone"
-    return ""
+    alive = {} if alive is None else alive
+    if (pid, start) not in alive:
+        alive[pid, start] = owner_alive(int(pid), start)
+    return "" if alive[pid, start] else "owner process is gone"
 
 
 async def sweep(backend: DockerBackend, older_than: float | None = None) -> int:
@@ -141,10 +147,34 @@ async def sweep(backend: DockerBackend, older_than: float | None = None) -> int:
     """
     engine = backend.engine
     containers = await engine.call(engine.api.containers, all=True, filters={"label": f"{LABEL_MANAGED}=1"})
-    now = time.time()
-    removed = 0
-    live_names = set()
     known = backend.known_names()
+    # the verdicts hash every name and read /proc for every owner: off the loop, since on a host of a thousand
+    # sandboxes under load that took seconds, and every rollout of the process waited meanwhile
+    verdicts, stale_dirs = await asyncio.to_thread(_judge, backend, containers, time.time(), older_than, known)
+    for cid, name, reason in verdicts:
+        log.info("sweeping %s (%s)", name, reason)
+        own = backend.owned(cid)
+        if own is not None:
+            await own.close()
+        else:
+            await backend.discard(cid, name)
+    for name in stale_dirs:  # socket directories whose container is gone (a crash between mkdir and create)
+        with contextlib.suppress(FileNotFoundError):
+            backend.sockets.remove(name)
+    return len(verdicts)
+
+
+def _judge(
+    backend: DockerBackend,
+    containers: list[dict[str, Any]],
+    now: float,
+    older_than: float | None,
+    known: Collection[str],
+) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """(id, name, reason) of each container to sweep, and the socket directories left without one (blocking)."""
+    verdicts: list[tuple[str, str, str]] = []
+    live_names = set()
+    alive: dict[tuple[str, str], bool] = {}  # owner (pid, start) -> alive: a thousand sandboxes have a few owners
     for c in containers:
         labels = c.get("Labels") or {}
         name = (c.get("Names") or ["/?"])[0].lstrip("/")
@@ -152,20 +182,13 @@ async def sweep(backend: DockerBackend, older_than: float | None = None) -> int:
         if not backend.sockets.verify(name, labels.get(LABEL_SEAL, "")):
             log.debug("not sweeping %s: its labels are not sealed by this socket root's key", name)
             continue
-        reason = doomed(labels, name, float(c.get("Created", now)), now, older_than, backend.owner, known)
-        if not reason:
-            continue
-        log.info("sweeping %s (%s)", name, reason)
-        live_names.discard(name)
-        own = backend.owned(c["Id"])
-        if own is not None:
-            await own.close()
-        else:
-            await backend.discard(c["Id"], name)
-        removed += 1
-    # socket directories whose container is gone (a crash between mkdir and create)
+        reason = doomed(labels, name, float(c.get("Created", now)), now, older_than, backend.owner, known, alive)
+        if reason:
+            live_names.discard(name)
+            verdicts.append((c["Id"], name, reason))
+    stale = []
     for name in backend.sockets.names():
         with contextlib.suppress(FileNotFoundError):
             if name not in live_names and name not in known and backend.sockets.age_s(name, now) > 60:
-                backend.sockets.remove(name)
-    return removed
+                stale.append(name)
+    return verdicts, stale
