@@ -196,7 +196,15 @@ class SandboxPool:
         p = self._pools.get(key)
         if p is not None:
             p.busy = max(0, p.busy - 1)
-        if recycle and self.config.enabled and self._room_for(key):
+        if recycle and self.config.enabled and not self._room_for(key):
+            # no room: the pool already holds more than its demand. The sandbox still came back, so it counts as
+            # recycled for the refill; counted as "not recycling", every acquire would read as unmet demand and
+            # the refiller would create a replacement for each release destroyed here, for as long as the job ran
+            if p is not None:
+                p.recycles.append(time.monotonic())
+            await sandbox.release()
+            return False
+        if recycle and self.config.enabled:
             t0 = time.monotonic()
             outcome = await sandbox.reset(workspace_seed)
             if outcome.ok:

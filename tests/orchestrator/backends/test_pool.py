@@ -147,3 +147,34 @@ async def test_a_recycling_pool_creates_nothing_while_its_sandboxes_come_back(
         for sb, _ in held:
             assert await pool.release(sb, recycle=True)
     assert _ids(docker_client, backend.owner.instance) == fleet  # nothing created (or destroyed) in between
+
+
+async def test_a_full_pool_does_not_churn_destroying_releases_and_creating_their_replacements() -> None:
+    # the pool's bookkeeping on the fake backend (no Docker needed). A ramp-up left more sandboxes than the pool
+    # keeps, so some releases found no room and were destroyed. Those releases still came back: counted as "not
+    # recycling", the pool had taken every acquire for unmet demand and created a replacement for each, to destroy
+    # one at the next release, a create and a destroy per rollout for as long as the job ran (on a 2-core host
+    # that churn was most of the CPU at steady state)
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake.backend import FakeBackend
+
+    backend = FakeBackend(FakeBackendConfig(owner="pool-churn", create_latency_s=2.0))
+    pool = SandboxPool(backend, PoolConfig(max_idle_total=4, max_idle_per_pool=4))
+    pool.start()
+    spec = SandboxSpec(image=backend.config.base_image)
+    try:
+        ramp = await asyncio.gather(*(pool.acquire(spec) for _ in range(8)))
+        recycled = [await pool.release(sb, recycle=True) for sb, _ in ramp]
+        assert recycled.count(True) == 4, "four fit, four found no room"
+        await asyncio.sleep(2.5)  # what the refiller began during the ramp is done
+        created = backend.created
+        for _ in range(8):  # the job at steady state: four rollouts at a time, each sandbox back after its rollout
+            held = await asyncio.gather(*(pool.acquire(spec) for _ in range(4)))
+            await asyncio.sleep(0.4)
+            for sb, _ in held:
+                await pool.release(sb, recycle=True)
+        await asyncio.sleep(1.2)  # the refiller wakes at least once a second
+        assert backend.created == created, f"{backend.created - created} sandbox(es) created that no acquire needed"
+    finally:
+        await pool.close()
+        await backend.close()
