@@ -3,7 +3,10 @@
 - `workers_speedup`: rollouts/s with 2 worker processes over 1, the same light workload (python-tool on the fake
   backend, the replay policy: no model latency), the control plane the same.
 - `submit_latency`: p50 and p99 of SubmitJob under 200 concurrent one-task submits, from a client process of its
-  own against `envfleet serve` (fake backend, 2 workers), beside the same burst of calls to a bare grpc.aio server.
+  own against `envfleet serve` (fake backend, 2 workers), beside the same burst of calls to a bare grpc.aio server
+  from the same kind of process; with the control plane's CPU per submit and the bare server's per call (process
+  time over the burst), the steadier figures on a shared host. Every submitted job runs (the replay policy): the
+  bench waits for all of them and reports how many completed.
 - `control_plane`: with the fake backend and the replay policy on 8 worker processes, the rollouts/s one control
   plane delivers and its own CPU per rollout (this process's CPU time; the trainer that drains the stream is a
   process of its own), so its capacity per core follows.
@@ -32,7 +35,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.models import JobSpec, TaskSelection
+from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.service.caps import CapsConfig
@@ -203,36 +206,64 @@ def _ms(lat: list[float], q: float) -> float:
     return round(lat[int(q * (len(lat) - 1))] * 1000, 1)
 
 
-async def submit_latency(concurrent: int = 200, rounds: int = 3) -> dict[str, Any]:
+async def _timed_burst(script: str, *args: str) -> tuple[list[float], float]:
+    """A burst's latencies, and this process's CPU seconds over it (the servers under test run in this process)."""
+    cpu0 = time.process_time()
+    lat = await _burst(script, *args)
+    return lat, time.process_time() - cpu0
+
+
+async def _all_finished(address: str, timeout_s: float = 300) -> tuple[int, int]:
+    """Wait until every job on the control plane is finished: (jobs completed, their OK rollouts)."""
+    async with EnvfleetClient(address, timeout_s=60) as client:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                jobs = await client.list_jobs()
+                if all(j.state.value in ("COMPLETED", "CANCELLED") for j in jobs):
+                    done = [j for j in jobs if j.state.value == "COMPLETED"]
+                    return len(done), sum(j.by_status.get(RolloutStatus.OK, 0) for j in done)
+                await asyncio.sleep(0.5)
+
+
+async def submit_latency(concurrent: int = 200, rounds: int = 5) -> dict[str, Any]:
     """p50/p99 of SubmitJob under `concurrent` one-task submits from another process, and of the same burst of
-    health checks on a bare grpc.aio server (the floor), interleaved; the medians over `rounds`."""
+    health checks on a bare grpc.aio server (the floor), interleaved; the medians over `rounds`. Then every job
+    submitted (the client's warm-up one each round too) must run to its end."""
     task = Registry.from_entry_points().get(ENV).tasks()[0].id
     spec = _job([task])
     bare = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), bare)
     bare_address = f"127.0.0.1:{bare.add_insecure_port('127.0.0.1:0')}"
     await bare.start()
-    ours: list[list[float]] = []
-    floor: list[list[float]] = []
+    ours: list[tuple[list[float], float]] = []
+    floor: list[tuple[list[float], float]] = []
     with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
         orch = await _plane(Path(data), 2, in_flight=256)
         try:
             for _ in range(rounds):
-                floor.append(await _burst(_BARE, bare_address, str(concurrent)))
-                ours.append(await _burst(_SUBMITTER, orch.address, spec.model_dump_json(), str(concurrent)))
+                floor.append(await _timed_burst(_BARE, bare_address, str(concurrent)))
+                ours.append(await _timed_burst(_SUBMITTER, orch.address, spec.model_dump_json(), str(concurrent)))
+                await asyncio.sleep(1.0)  # the round's rollouts run before the next burst
+            completed, ok = await _all_finished(orch.address)
         finally:
             await orch.stop(grace=1)
             await bare.stop(0)
-    p50 = statistics.median(_ms(lat, 0.5) for lat in ours)
-    p99 = statistics.median(_ms(lat, 0.99) for lat in ours)
-    base50 = statistics.median(_ms(lat, 0.5) for lat in floor)
-    base99 = statistics.median(_ms(lat, 0.99) for lat in floor)
+    p50 = statistics.median(_ms(lat, 0.5) for lat, _ in ours)
+    p99 = statistics.median(_ms(lat, 0.99) for lat, _ in ours)
+    base50 = statistics.median(_ms(lat, 0.5) for lat, _ in floor)
+    base99 = statistics.median(_ms(lat, 0.99) for lat, _ in floor)
     return {
         "p50_ms": p50,
         "p99_ms": p99,
         "bare_grpc_p50_ms": base50,
         "bare_grpc_p99_ms": base99,
         "p99_ratio_to_bare_grpc": round(p99 / base99, 2),
+        # the control plane's CPU (gRPC, handler, store, and the rollouts it dispatches meanwhile) per submit
+        "cpu_ms_per_submit": round(statistics.median(cpu for _, cpu in ours) * 1000 / concurrent, 2),
+        "bare_grpc_cpu_ms_per_call": round(statistics.median(cpu for _, cpu in floor) * 1000 / concurrent, 2),
+        "jobs_submitted": rounds * (concurrent + 1),
+        "jobs_completed": completed,
+        "ok_rollouts": ok,
         "concurrent": concurrent,
         "rounds": rounds,
     }

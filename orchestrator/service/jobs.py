@@ -1,6 +1,10 @@
 """Jobs: submit, run through the scheduler, log every scored rollout, stream with acks and backpressure, resume
 after a restart.
 
+A new job's rollouts start once no submit is in progress (or START_DEFER_S after it was accepted, whichever comes
+first): on one host the rollouts share the cores with the API, and a burst of submits is answered before the work it
+brings starts. A rollout waits at most a fraction of a second for it.
+
 Caps (RESOURCE_EXHAUSTED, naming the cap): unfinished jobs per tenant, rollouts per job, the sandbox limits of the
 job's environment, open streams per tenant. A tenant may submit jobs only on environments it can see (public ones
 and its own private ones)."""
@@ -41,6 +45,7 @@ from orchestrator.service.tenancy import LOCAL_TENANT
 log = logging.getLogger(__name__)
 
 MAX_ROLLOUTS_PER_JOB = 1_000_000
+START_DEFER_S = 0.25  # the longest a new job's rollouts wait for the submits in progress to be answered
 
 
 @dataclass
@@ -143,6 +148,9 @@ class JobManager:
         self.metrics.in_flight.set_function(lambda: self.scheduler.in_flight)
         self._jobs: dict[str, _Job] = {}
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
+        self._submitting = 0  # submits in progress
+        self._deferred: list[tuple[_Job, list[WorkItem]]] = []  # accepted jobs whose rollouts wait for them
+        self._defer_timer: asyncio.TimerHandle | None = None
 
     @classmethod
     async def start(
@@ -212,6 +220,15 @@ class JobManager:
 
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
+        self._submitting += 1
+        try:
+            return await self._submit(spec, owner)
+        finally:
+            self._submitting -= 1
+            if not self._submitting:
+                self._start_deferred()
+
+    async def _submit(self, spec: JobSpec, owner: str) -> tuple[str, int]:
         env = self.registry.get(spec.env, owner)
         check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits", env.runtime)
         unfinished = self._unfinished[owner]
@@ -239,9 +256,22 @@ class JobManager:
         items = self._items(job_id, env, spec, tasks, owner=owner)
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
         await self.store.create_job(job_id, spec, len(items), owner)
-        self._add(_Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner))
-        self._queue(job_id, env, spec, items, owner)
+        job = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
+        self._add(job)
+        self._deferred.append((job, items))  # started when this submit and those beside it are answered
+        if self._defer_timer is None:
+            self._defer_timer = asyncio.get_running_loop().call_later(START_DEFER_S, self._start_deferred)
         return job_id, len(items)
+
+    def _start_deferred(self) -> None:
+        """Queue the accepted jobs' rollouts (a job cancelled meanwhile has none to run)."""
+        if self._defer_timer is not None:
+            self._defer_timer.cancel()
+            self._defer_timer = None
+        deferred, self._deferred = self._deferred, []
+        for job, items in deferred:
+            if not job.finished:
+                self._queue(job.job_id, job.env, job.spec, items, job.owner)
 
     def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem], owner: str) -> None:
         """Hand a job's items to the scheduler; while its image is missing it is built in the background and the
@@ -414,6 +444,10 @@ class JobManager:
 
     async def close(self) -> None:
         """Stop running rollouts (their sandboxes are destroyed); unfinished jobs resume at the next start."""
+        if self._defer_timer is not None:
+            self._defer_timer.cancel()
+            self._defer_timer = None
+        self._deferred.clear()  # recorded, so resumed at the next start like any unfinished job
         await self.scheduler.close()
         for job in self._jobs.values():
             job.notify()

@@ -1,10 +1,16 @@
 """The durable result log: jobs and scored rollouts in SQLite (WAL), with acks, resume and idempotent appends.
 
 Every call runs on one dedicated thread that owns the connection, so the event loop never blocks on disk. Calls that
-arrive together are run together, in one transaction: a burst of 200 submits or of finishing
-rollouts costs one commit and one thread hop, not 200 (measured: 200 concurrent SubmitJob calls waited ~100 ms for
-their inserts one by one). Each call stays atomic, and fails alone: when one fails, the batch is run again with a
-savepoint for each call (a batch of calls that all succeed, the usual case, needs none).
+arrive together are run together, in one transaction: a burst of 200 submits or of finishing rollouts costs a few
+commits and thread hops, not 200. Each call stays atomic, and fails alone: when one fails, the batch is run again with
+a savepoint for each call (a batch of calls that all succeed, the usual case, needs none).
+
+Commits are paced: while calls keep coming from many callers, a transaction starts COMMIT_GAP_S after the previous
+one ended, so that calls arriving one by one (gRPC hands a burst of calls to the event loop one at a time, about a
+millisecond apart) share a commit and a thread hop. A call after a quiet spell starts at once, and so does the next
+call of a caller the last transaction served (one caller's calls in a row, as a job list or a resume makes them:
+waiting would batch nothing). Unpaced, 200 concurrent SubmitJob calls on 2 cores each had a transaction and a hop of
+their own, most of the handler's cost (README, "Why SubmitJob stays slow under a burst").
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from orchestrator.core.models import EncodedRollout, JobSpec, JobState, Rollout
 T = TypeVar("T")
 
 MAX_BATCH = 512  # calls per transaction
+COMMIT_GAP_S = 0.005  # while busy, the time from one transaction's end to the next one's start
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY,
@@ -85,8 +92,11 @@ class ResultStore:
         self.path = path
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store")
         self._db: sqlite3.Connection | None = None
-        self._queue: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        # each call with its future and the task that made it
+        self._queue: list[tuple[Callable[[], Any], asyncio.Future[Any], asyncio.Task[Any] | None]] = []
         self._drainer: asyncio.Task[None] | None = None
+        self._last_end = float("-inf")  # loop time when the last transaction ended
+        self._served: set[asyncio.Task[Any] | None] = set()  # the callers of the last transaction
 
     @classmethod
     async def open(cls, path: Path) -> ResultStore:
@@ -111,7 +121,7 @@ class ResultStore:
         """Run `fn` on the store's thread, in the next transaction."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._queue.append((fn, future))
+        self._queue.append((fn, future, asyncio.current_task()))
         if self._drainer is None or self._drainer.done():
             self._drainer = loop.create_task(self._drain(), name="result store")
         return await future
@@ -119,18 +129,30 @@ class ResultStore:
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         while self._queue:
+            if (wait := self._linger(loop.time())) > 0:
+                await asyncio.sleep(wait)  # the calls that arrive meanwhile join this transaction
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
             try:
-                results = await loop.run_in_executor(self._pool, self._transaction, [fn for fn, _ in batch])
+                results = await loop.run_in_executor(self._pool, self._transaction, [fn for fn, _, _ in batch])
             except BaseException as e:  # the transaction itself failed (disk full, the store closed)
                 results = [(False, e)] * len(batch)
-            for (_, future), (ok, value) in zip(batch, results, strict=True):
+            self._last_end = loop.time()
+            self._served = {caller for _, _, caller in batch}
+            for (_, future, _), (ok, value) in zip(batch, results, strict=True):
                 if future.done():
                     continue  # its caller was cancelled; the call ran all the same, as a thread's would
                 if ok:
                     future.set_result(value)
                 else:
                     future.set_exception(value)
+
+    def _linger(self, now: float) -> float:
+        """How long the next transaction waits for more calls: the rest of COMMIT_GAP_S, or 0 after a quiet spell or
+        when every queued call is the next step of a caller the last transaction served."""
+        wait = self._last_end + COMMIT_GAP_S - now
+        if wait <= 0 or all(caller in self._served for _, _, caller in self._queue):
+            return 0.0
+        return wait
 
     def _transaction(self, calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
         db = self.db

@@ -1,17 +1,22 @@
 """The result log on disk: a worker's rollout kept in both forms as it came and streamed from its wire bytes; a log
-written before that column opens and streams as before; calls batched into one transaction still fail alone."""
+written before that column opens and streams as before; calls batched into one transaction still fail alone; calls
+that many callers make one by one while the store is busy share a transaction, and one caller's calls in a row never
+wait for company."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.server.convert import batch_to_pb, entry_to_pb, rollout_pb
+from orchestrator.service import store as store_module
 from orchestrator.service.jobs import Batch
 from orchestrator.service.store import ResultStore
 from orchestrator.testing.synthetic_rollouts import long_rollout
@@ -110,6 +115,63 @@ async def test_a_call_that_fails_in_a_batch_fails_alone(tmp_path: Path) -> None:
         assert isinstance(first, int) and isinstance(last, int)
         assert [e.rollout().id for e in await store.read("job-1", 0, 10)] == ["job-1:task-0:0", "job-1:task-1:0"]
         assert len(await store.jobs()) == 1
+    finally:
+        await store.close()
+
+
+def _spec() -> JobSpec:
+    return JobSpec(
+        env="python-tool", tasks=TaskSelection(kind="ids", ids=["py-001"]), policy=PolicyEndpoint(base_url=REPLAY_URL)
+    )
+
+
+def _count_transactions(store: ResultStore) -> list[int]:
+    """The size of every transaction the store runs from now on."""
+    sizes: list[int] = []
+    run = store._transaction
+
+    def counted(calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
+        sizes.append(len(calls))
+        return run(calls)
+
+    store._transaction = counted  # type: ignore[method-assign]
+    return sizes
+
+
+async def test_calls_of_many_callers_arriving_one_by_one_share_a_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a gap far above any scheduling noise: what arrives within it after a transaction joins the next one
+    monkeypatch.setattr(store_module, "COMMIT_GAP_S", 0.5)
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    sizes = _count_transactions(store)
+    try:
+        await store.create_job("job-0", _spec(), 1)  # the first call after a quiet spell runs at once, alone
+
+        async def submit(i: int) -> None:
+            await asyncio.sleep(0.01 * i)  # one by one, as gRPC hands a burst of calls to the loop
+            await store.create_job(f"job-{i}", _spec(), 1)
+
+        await asyncio.gather(*(submit(i) for i in range(1, 6)))
+        assert sizes == [1, 5]
+        assert len(await store.jobs()) == 6
+    finally:
+        await store.close()
+
+
+async def test_one_callers_calls_in_a_row_do_not_wait_for_company(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # were the next call of the caller just served paced, these 20 calls would take 20 minutes
+    monkeypatch.setattr(store_module, "COMMIT_GAP_S", 60.0)
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    sizes = _count_transactions(store)
+    try:
+        async with asyncio.timeout(30):
+            for i in range(10):
+                await store.create_job(f"job-{i}", _spec(), 1)
+                assert (await store.counts(f"job-{i}")) == ({}, 0)
+        assert sizes == [1] * 20
     finally:
         await store.close()
 
