@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import random
-import re
 from typing import Any
 
 import httpx
@@ -47,7 +46,6 @@ MAX_SHARDS = 128
 SHARD_MAX_CONNECTIONS = 64
 # A chat completion with token ids and logprobs of a long episode is a few MB; anything past this is refused.
 MAX_RESPONSE_BYTES = 32 << 20
-_LONG_DIGITS = re.compile(rb"[0-9]{20}")
 
 
 class _Retryable(Exception):
@@ -268,15 +266,13 @@ def _dumps(body: dict[str, Any]) -> bytes:
 
 
 def _loads(content: bytes) -> Any:
-    """A JSON body decoded as json.loads decodes it: orjson, and the standard library for what orjson refuses (NaN,
-    UTF-16) or reads otherwise (an integer past 64 bits, which orjson makes a float: 20 digits in a row go to the
-    json module); ValueError when it is not JSON."""
-    if _LONG_DIGITS.search(content) is None:
-        try:
-            return orjson.loads(content)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(content)
+    """A JSON body decoded by orjson, or by the json module where orjson refuses it (NaN, UTF-16); ValueError when
+    it is not JSON. One difference remains: orjson reads an integer past 64 bits as a float, so token ids that large
+    (no vocabulary's, and past the wire's int32) are dropped as "no token ids" by the parser, never rounded."""
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return json.loads(content)
 
 
 def _described(resp: http.Response) -> str:

@@ -13,6 +13,7 @@ from orchestrator.core.errors import PolicyConnectionError, PolicyError
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.client import OpenAIPolicy, _dumps, _loads
+from orchestrator.rollout.policy.parsing import parse_chat_completion
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 OK_BODY = json.dumps({"model": "m", "choices": [{"message": {"content": "fine"}}]}).encode()
@@ -246,8 +247,11 @@ def test_what_goes_through_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_json_is_read_and_written_as_the_json_module_does() -> None:
     # what orjson refuses falls back to the json module, so every body reads as it did before
-    for raw in (b'{"a": NaN}', b'{"a": 123456789012345678901234567890}', b'{"a": "\\ud800"}'):
+    for raw in (b'{"a": NaN}', b'{"a": "\\ud800"}', '{"a": "é"}'.encode("utf-16")):
         assert repr(_loads(raw)) == repr(json.loads(raw))
+    # an integer past 64 bits: orjson reads a float, and such token ids are "none", never rounded ones
+    huge = {"choices": [{"message": {"content": "x"}, "token_ids": [123456789012345678901234567890]}]}
+    assert parse_chat_completion(_loads(json.dumps(huge).encode()), model="m").completion_ids is None
     assert _loads(json.dumps({"x": -0.123456789012345678}).encode()) == {"x": -0.123456789012345678}
     with pytest.raises(ValueError):
         _loads(b"<html>")
