@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 NO_SCRIPT_ANSWER = "I cannot solve this."
 END_OF_SCRIPT_ANSWER = "done"
 MAX_BODY = 64 << 20
-# the steps answered when the script has none for a task or turn: one object each, so their answers are cached too
+# the steps answered when the script has none for a task or turn
 NO_SCRIPT_STEP = Step(content=NO_SCRIPT_ANSWER)
 END_OF_SCRIPT_STEP = Step(content=END_OF_SCRIPT_ANSWER)
 MAX_CACHED_ANSWERS = 4096
@@ -93,7 +93,6 @@ class _Answer:
     """What a step answers at a turn, the same for every request that reaches it: the message, its completion token
     ids, and the per-token logprob entries (made on first use, with tokens as ids or as text)."""
 
-    step: Step  # held, so that the id(step) in the cache's key is never reused while the entry lives
     message: dict[str, Any]
     completion: list[int]
     finish_reason: str
@@ -133,7 +132,7 @@ class ScriptedPolicyApp:
         self._failures: dict[tuple[str, int], int] = {}
         self._ids = itertools.count(1)
         self._closing = asyncio.Event()
-        self._answers: dict[tuple[int, int], _Answer] = {}  # (turn, id(step)) -> its answer
+        self._answers: dict[tuple[Any, ...], _Answer] = {}  # (turn, content, finish, tool calls) -> the answer
 
     @property
     def model(self) -> QwenLikeModel:
@@ -325,16 +324,14 @@ class ScriptedPolicyApp:
         return {"tokens": self.tokens, "served": served, "response_id": str(next(self._ids))}
 
     def _answer(self, step: Step, turn: int) -> _Answer:
-        key = (turn, id(step))
+        # keyed by what the answer is made of: tasks of one script mostly share their steps' text and tool calls
+        calls = tuple((tc.name, json.dumps(tc.arguments)) for tc in step.tool_calls)
+        key = (turn, step.content, step.finish_reason, calls)
         answer = self._answers.get(key)
-        if answer is None or answer.step is not step:
+        if answer is None:
             tool_calls = [
-                {
-                    "id": f"call_{turn}_{i}",
-                    "type": "function",
-                    "function": {"name": tc.name, "arguments": json.dumps(tc.arguments)},
-                }
-                for i, tc in enumerate(step.tool_calls)
+                {"id": f"call_{turn}_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
+                for i, (name, arguments) in enumerate(calls)
             ]
             message: dict[str, Any] = {
                 "role": "assistant",
@@ -342,7 +339,7 @@ class ScriptedPolicyApp:
                 "tool_calls": tool_calls,
             }
             finish = step.finish_reason or ("tool_calls" if tool_calls else "stop")
-            answer = _Answer(step, message, toy.completion_ids(message), finish)
+            answer = _Answer(message, toy.completion_ids(message), finish)
             if len(self._answers) >= MAX_CACHED_ANSWERS:
                 self._answers.clear()
             self._answers[key] = answer
