@@ -118,6 +118,7 @@ class _Connection(asyncio.Protocol):
         self._status = 0
         self._headers: dict[str, str] = {}
         self._head_bytes = 0
+        self._head_bytes_in = 0  # bytes received before the headers were complete
         self._chunks: list[bytes] = []
         self._size = 0
         self._headers_done = False
@@ -137,6 +138,8 @@ class _Connection(asyncio.Protocol):
             self._close()  # bytes nobody asked for: the connection is not in a state to reuse
             return
         self._received = True
+        if not self._headers_done:
+            self._head_bytes_in += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -145,6 +148,10 @@ class _Connection(asyncio.Protocol):
             self._fail(cause if isinstance(cause, HTTPError) else RemoteProtocolError(f"malformed response: {e}"))
         except httptools.HttpParserUpgrade:
             self._fail(RemoteProtocolError("the server switched protocols"))
+        else:
+            # httptools holds a header line until it ends: one that never does is stopped here, one read past the cap
+            if not self._headers_done and self._head_bytes_in > MAX_HEAD_BYTES:
+                self._fail(RemoteProtocolError(f"the response's headers are over {MAX_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

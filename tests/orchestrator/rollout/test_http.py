@@ -192,6 +192,24 @@ async def test_a_broken_answer_is_a_connection_error(
         await _complete(s.url)
 
 
+async def test_a_header_that_never_ends_is_stopped_at_the_cap(serve: Callable[..., Awaitable[Server]]) -> None:
+    sent = 0
+
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        nonlocal sent
+        w.write(b"HTTP/1.1 200 OK\r\nX-Endless: ")
+        for _ in range(4096):  # up to 64 MiB of one header line, unless the client hangs up
+            w.write(b"a" * (16 << 10))
+            await w.drain()
+            sent += 16 << 10
+        return False
+
+    s = await serve(answer)
+    with pytest.raises(PolicyConnectionError, match="headers are over"):
+        await _complete(s.url)
+    assert sent < 16 << 20
+
+
 async def test_bytes_after_the_response_stop_the_connection_being_reused(
     serve: Callable[..., Awaitable[Server]],
 ) -> None:
