@@ -2,9 +2,8 @@
 
 OpenAIPolicy speaks OpenAI-compatible chat completions over HTTP and asks vLLM/SGLang-style servers for the token ids
 and logprobs a trainer needs (`return_token_ids`, `logprobs`). What the server does not return stays None: token ids
-and logprobs are never invented here. Requests go through the small keep-alive client of `http.py` (a tenth of
-httpx's CPU per request); through httpx when a proxy is configured, the host is not a plain name or address, or the
-caller passes its own httpx client.
+and logprobs are never invented here. Requests go through one aiohttp session per policy (`http.py`: keep-alive,
+proxies from the environment; a fraction of httpx's CPU per request).
 
 The URL is the tenant's choice, so the server at it is untrusted: its response is read with a size cap (streamed,
 stopped at `max_response_bytes`), redirects are not followed, and error messages give the status, the size and the
@@ -19,7 +18,6 @@ import logging
 import random
 from typing import Any
 
-import httpx
 import orjson
 
 from orchestrator.core.errors import (
@@ -38,12 +36,6 @@ log = logging.getLogger(__name__)
 
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
-# (httpx only) httpcore's pool does work quadratic in its size on every request (encode/httpcore#1035): 200 requests
-# at once take 3-10 s through one pool, under 1 s through pools of 8. So an owned client is a set of small pools,
-# another opened when every pool has SHARD_TARGET requests in flight. The scheduler, not the pools, bounds concurrency.
-SHARD_TARGET = 8
-MAX_SHARDS = 128
-SHARD_MAX_CONNECTIONS = 64
 # A chat completion with token ids and logprobs of a long episode is a few MB; anything past this is refused.
 MAX_RESPONSE_BYTES = 32 << 20
 
@@ -66,7 +58,6 @@ class OpenAIPolicy(Policy):
     def __init__(
         self,
         endpoint: PolicyEndpoint,
-        client: httpx.AsyncClient | None = None,
         *,
         backoff_base_s: float = BACKOFF_BASE_S,
         backoff_cap_s: float = BACKOFF_CAP_S,
@@ -74,50 +65,17 @@ class OpenAIPolicy(Policy):
     ) -> None:
         self.endpoint = endpoint
         self.max_response_bytes = max_response_bytes
-        self._own_client = client is None
-        # httpx's context, so that both clients verify alike (certifi, SSL_CERT_FILE); 60 ms to build: made once
-        self._ssl_context = httpx.create_ssl_context() if client is None else None
-        self._pool: http.ConnectionPool | None = None
-        self._clients: list[httpx.AsyncClient] = []
-        self._inflight: list[int] = []
-        if client is not None:
-            self._clients, self._inflight = [client], [0]
-        elif http.supports(endpoint.base_url):
-            self._pool = http.ConnectionPool(endpoint.base_url, self._ssl_context)
-        else:
-            self._clients, self._inflight = [self._new_client()], [0]
+        tls = endpoint.base_url.startswith("https:")
+        self._client = http.Client(endpoint.base_url, http.ssl_context() if tls else None)
         self._closed = False
         self._backoff_base_s = backoff_base_s
         self._backoff_cap_s = backoff_cap_s
         self._url = f"{endpoint.base_url}/chat/completions"
 
     async def aclose(self) -> None:
-        """Close the HTTP client if this policy made it."""
+        """Close the HTTP client and its connections."""
         self._closed = True
-        if self._pool is not None:
-            await self._pool.aclose()
-        if self._own_client:
-            clients, self._clients, self._inflight = self._clients, [], []
-            for c in clients:
-                await c.aclose()
-
-    def _new_client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            verify=self._ssl_context or True,
-            timeout=httpx.Timeout(self.endpoint.request_timeout_s),
-            follow_redirects=False,
-            limits=httpx.Limits(max_connections=SHARD_MAX_CONNECTIONS, max_keepalive_connections=SHARD_TARGET),
-        )
-
-    def _pick_client(self) -> int:
-        if self._closed or not self._clients:
-            raise PolicyError("the policy client is closed")
-        i = min(range(len(self._clients)), key=self._inflight.__getitem__)
-        if self._own_client and self._inflight[i] >= SHARD_TARGET and len(self._clients) < MAX_SHARDS:
-            self._clients.append(self._new_client())
-            self._inflight.append(0)
-            i = len(self._clients) - 1
-        return i
+        await self._client.aclose()
 
     def request_body(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, user: str = ""
@@ -182,19 +140,17 @@ class OpenAIPolicy(Policy):
     async def _attempt(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         timeout_s = self.endpoint.request_timeout_s
         try:
-            # httpx's timeouts bound each phase; this bounds the whole attempt, a slow trickle included
+            # the whole attempt: connect, send and read, a slow trickle included
             async with asyncio.timeout(timeout_s):
                 resp = await self._send(url, _dumps(body), headers)
-        except (TimeoutError, httpx.TimeoutException) as e:
+        except TimeoutError as e:
             msg = f"policy server {url} did not answer within {timeout_s:g}s"
             raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
-            raise _Retryable(self._unreachable(url, e), cause=e) from e
         except (http.ConnectError, http.ReadError, http.RemoteProtocolError) as e:
             raise _Retryable(self._unreachable(url, e), cause=e) from e
         except http.ResponseTooLarge as e:
             raise PolicyResponseError(self._too_big(url, e.status, e.what)) from None
-        except (httpx.HTTPError, http.HTTPError) as e:
+        except http.HTTPError as e:
             raise PolicyError(f"request to policy server {url} failed: {type(e).__name__}: {e}") from e
 
         if resp.is_success:
@@ -215,38 +171,10 @@ class OpenAIPolicy(Policy):
         return PolicyConnectionError(f"policy server {url} unreachable: {type(e).__name__}: {e}")
 
     async def _send(self, url: str, content: bytes, headers: dict[str, str]) -> http.Response:
-        """POST a JSON body through this policy's own connections, or through httpx."""
-        if self._pool is not None:
-            if self._closed:
-                raise PolicyError("the policy client is closed")
-            return await self._pool.post(url, content, headers, self.max_response_bytes)
-        i = self._pick_client()
-        self._inflight[i] += 1
-        try:
-            return await self._post(self._clients[i], url, content, headers)
-        finally:
-            if i < len(self._inflight):  # aclose may have emptied the list meanwhile
-                self._inflight[i] -= 1
-
-    async def _post(
-        self, client: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str]
-    ) -> http.Response:
-        """POST through httpx and read the body, stopping at max_response_bytes (ResponseTooLarge) instead of
-        buffering it."""
-        cap = self.max_response_bytes
-        headers = {**headers, "Content-Type": "application/json"}
-        async with client.stream("POST", url, content=content, headers=headers) as resp:
-            declared = resp.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > cap:
-                raise http.ResponseTooLarge(resp.status_code, f"declares {int(declared)} bytes", {})
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > cap:
-                    raise http.ResponseTooLarge(resp.status_code, f"sent more than {cap} bytes", {})
-                chunks.append(chunk)
-        return http.Response(resp.status_code, dict(resp.headers), b"".join(chunks))
+        """POST a JSON body through this policy's session."""
+        if self._closed:
+            raise PolicyError("the policy client is closed")
+        return await self._client.post(url, content, headers, self.max_response_bytes)
 
     def _too_big(self, url: str, status: int, what: str) -> str:
         return (

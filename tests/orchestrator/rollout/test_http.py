@@ -1,5 +1,5 @@
-"""The policy's own HTTP/1.1 client (orchestrator/rollout/policy/http.py) against raw servers on loopback sockets:
-keep-alive, the three ways a body ends, informational answers, servers that hang up, and what falls back to httpx."""
+"""The policy's HTTP client (orchestrator/rollout/policy/http.py, on aiohttp) against raw servers on loopback sockets:
+keep-alive, the three ways a body ends, informational answers, servers that hang up or break HTTP, proxies."""
 
 from __future__ import annotations
 
@@ -80,7 +80,6 @@ def _reply(body: bytes, *extra: str, status: str = "200 OK") -> bytes:
 async def _complete(url: str, **kw: object) -> str:
     policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=0, **kw))  # type: ignore[arg-type]
     try:
-        assert policy._pool is not None, "plain loopback URLs take the policy's own client"
         return (await policy.complete(MESSAGES, [], Sampling())).text
     finally:
         await policy.aclose()
@@ -174,7 +173,7 @@ async def test_a_reused_connection_that_dies_unanswered_is_retried_once_on_a_new
     [
         (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + OK_BODY[:10], "disconnected without a complete response"),
         (b"SMTP ready\r\n\r\n", "malformed response"),
-        (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (http.MAX_HEAD_BYTES + 10) + b"\r\n\r\n", "headers are over"),
+        (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n", "headers are over aiohttp's limits"),
         (b"", "disconnected without a complete response"),
     ],
     ids=["cut-short", "not-http", "huge-head", "silent"],
@@ -205,7 +204,7 @@ async def test_a_header_that_never_ends_is_stopped_at_the_cap(serve: Callable[..
         return False
 
     s = await serve(answer)
-    with pytest.raises(PolicyConnectionError, match="headers are over"):
+    with pytest.raises(PolicyConnectionError, match="headers are over aiohttp's limits"):
         await _complete(s.url)
     assert sent < 16 << 20
 
@@ -250,17 +249,27 @@ async def test_a_closed_policy_refuses_requests(serve: Callable[..., Awaitable[S
         await policy.complete(MESSAGES, [], Sampling())
 
 
-def test_what_goes_through_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in http.PROXY_VARIABLES:
+async def test_a_proxy_the_environment_names_is_used_and_no_proxy_is_honoured(
+    serve: Callable[..., Awaitable[Server]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(_reply(OK_BODY))
+        return True
+
+    proxy = await serve(answer)
+    for var in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
         monkeypatch.delenv(var, raising=False)
         monkeypatch.delenv(var.upper(), raising=False)
-    for ok in ("http://127.0.0.1:8000/v1", "https://vllm.internal/v1", "http://[::1]:8000/v1", "http://h/v1"):
-        assert http.supports(ok), ok
-    for other in ("http://bücher.example/v1", "http://u:p@h/v1", "http://h:0/v1", "http://h:99999/v1", "ftp://h/"):
-        assert not http.supports(other), other
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
-    assert not http.supports("http://127.0.0.1:8000/v1")
-    assert OpenAIPolicy(PolicyEndpoint(base_url="http://127.0.0.1:8000/v1"))._pool is None
+    proxy_url = proxy.url.removesuffix("/v1")
+    monkeypatch.setenv("HTTP_PROXY", proxy_url)
+    monkeypatch.setenv("NO_PROXY", "direct.example")
+    assert http.proxy_for("http://policy.example/v1") == proxy_url
+    assert http.proxy_for("http://direct.example:8000/v1") is None
+    assert http.proxy_for("https://policy.example/v1") is None  # no HTTPS_PROXY, no ALL_PROXY
+    assert await _complete("http://policy.example/v1") == "fine"
+    line, headers, _ = proxy.requests[0]
+    assert line == b"POST http://policy.example/v1/chat/completions HTTP/1.1\r\n"  # the proxy's absolute form
+    assert headers[b"host"] == b"policy.example"
 
 
 def test_json_is_read_and_written_as_the_json_module_does() -> None:
