@@ -11,7 +11,10 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from orchestrator.testing import qwen_policy as qwen
 from orchestrator.testing import toy_tokenizer as toy
@@ -23,6 +26,10 @@ log = logging.getLogger(__name__)
 NO_SCRIPT_ANSWER = "I cannot solve this."
 END_OF_SCRIPT_ANSWER = "done"
 MAX_BODY = 64 << 20
+# the steps answered when the script has none for a task or turn
+NO_SCRIPT_STEP = Step(content=NO_SCRIPT_ANSWER)
+END_OF_SCRIPT_STEP = Step(content=END_OF_SCRIPT_ANSWER)
+MAX_CACHED_ANSWERS = 4096
 
 # What a request turns into once parsed: its turn, and how to answer the Step scripted for it.
 _Request = tuple[int, Callable[[Step], dict[str, Any]]]
@@ -48,7 +55,10 @@ def _error_body(status: int, message: str, kind: str = "BadRequestError") -> dic
 
 
 async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload).encode()
+    try:
+        body = orjson.dumps(payload)  # a tenth of json.dumps's time on an answer's per-token logprobs
+    except TypeError:  # a lone surrogate (from a request's own JSON) orjson refuses: escaped as json.dumps does
+        body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -78,6 +88,32 @@ class _Hang:
     """The scripted turn never answers."""
 
 
+@dataclass
+class _Answer:
+    """What a step answers at a turn, the same for every request that reaches it: the message, its completion token
+    ids, and the per-token logprob entries (made on first use, with tokens as ids or as text)."""
+
+    message: dict[str, Any]
+    completion: list[int]
+    finish_reason: str
+    entries: dict[bool, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def logprob_entries(self, as_ids: bool) -> list[dict[str, Any]]:
+        """The logprobs content: each token's id or text, logprob and bytes."""
+        cached = self.entries.get(as_ids)
+        if cached is None:
+            cached = self.entries[as_ids] = [
+                {
+                    "token": f"token_id:{t}" if as_ids else toy.token_text(t),
+                    "logprob": toy.logprob(t, i),
+                    "bytes": toy.token_bytes(t),
+                    "top_logprobs": [],
+                }
+                for i, t in enumerate(self.completion)
+            ]
+        return cached
+
+
 _HANG = _Hang()
 
 
@@ -96,6 +132,7 @@ class ScriptedPolicyApp:
         self._failures: dict[tuple[str, int], int] = {}
         self._ids = itertools.count(1)
         self._closing = asyncio.Event()
+        self._answers: dict[tuple[Any, ...], _Answer] = {}  # (turn, content, finish, tool calls) -> the answer
 
     @property
     def model(self) -> QwenLikeModel:
@@ -234,8 +271,8 @@ class ScriptedPolicyApp:
         elif self.script.default:
             steps = self.script.default
         else:
-            return Step(content=NO_SCRIPT_ANSWER)
-        return steps[turn] if turn < len(steps) else Step(content=END_OF_SCRIPT_ANSWER)
+            return NO_SCRIPT_STEP
+        return steps[turn] if turn < len(steps) else END_OF_SCRIPT_STEP
 
     def _toy_chat(self, body: dict[str, Any]) -> _Request:
         messages = _messages(body)
@@ -286,26 +323,36 @@ class ScriptedPolicyApp:
         served = body.get("model") if isinstance(body.get("model"), str) else self.script.model
         return {"tokens": self.tokens, "served": served, "response_id": str(next(self._ids))}
 
-    def _completion(self, body: dict[str, Any], step: Step, turn: int, prompt: list[int]) -> dict[str, Any]:
-        tool_calls = [
-            {
-                "id": f"call_{turn}_{i}",
-                "type": "function",
-                "function": {"name": tc.name, "arguments": json.dumps(tc.arguments)},
+    def _answer(self, step: Step, turn: int) -> _Answer:
+        # keyed by what the answer is made of: tasks of one script mostly share their steps' text and tool calls
+        calls = tuple((tc.name, json.dumps(tc.arguments)) for tc in step.tool_calls)
+        key = (turn, step.content, step.finish_reason, calls)
+        answer = self._answers.get(key)
+        if answer is None:
+            tool_calls = [
+                {"id": f"call_{turn}_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
+                for i, (name, arguments) in enumerate(calls)
+            ]
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": step.content if step.content or not tool_calls else None,
+                "tool_calls": tool_calls,
             }
-            for i, tc in enumerate(step.tool_calls)
-        ]
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": step.content if step.content or not tool_calls else None,
-            "tool_calls": tool_calls,
-        }
-        completion = toy.completion_ids(message)
+            finish = step.finish_reason or ("tool_calls" if tool_calls else "stop")
+            answer = _Answer(message, toy.completion_ids(message), finish)
+            if len(self._answers) >= MAX_CACHED_ANSWERS:
+                self._answers.clear()
+            self._answers[key] = answer
+        return answer
+
+    def _completion(self, body: dict[str, Any], step: Step, turn: int, prompt: list[int]) -> dict[str, Any]:
+        answer = self._answer(step, turn)  # shared between responses: read, never changed
+        completion = answer.completion
         choice: dict[str, Any] = {
             "index": 0,
-            "message": message,
+            "message": answer.message,
             "logprobs": None,
-            "finish_reason": step.finish_reason or ("tool_calls" if tool_calls else "stop"),
+            "finish_reason": answer.finish_reason,
         }
         model = body.get("model") if isinstance(body.get("model"), str) else self.script.model
         response: dict[str, Any] = {
@@ -324,18 +371,7 @@ class ScriptedPolicyApp:
             response["prompt_token_ids"] = prompt
             choice["token_ids"] = completion
         if self.tokens and body.get("logprobs") is True:
-            as_ids = body.get("return_tokens_as_token_ids") is True
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        "token": f"token_id:{t}" if as_ids else toy.token_text(t),
-                        "logprob": toy.logprob(t, i),
-                        "bytes": toy.token_bytes(t),
-                        "top_logprobs": [],
-                    }
-                    for i, t in enumerate(completion)
-                ]
-            }
+            choice["logprobs"] = {"content": answer.logprob_entries(body.get("return_tokens_as_token_ids") is True)}
         return response
 
 

@@ -140,6 +140,7 @@ class ScriptedServer:
             access_log=False,
             server_header=False,
             date_header=False,
+            proxy_headers=False,  # nobody proxies a test double: no X-Forwarded-* rewrite on every request
             backlog=LISTEN_BACKLOG,
             timeout_keep_alive=KEEP_ALIVE_S,
         )

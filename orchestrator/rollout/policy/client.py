@@ -1,8 +1,9 @@
 """The policy seam: chat messages and tools in, a Completion with token ids and logprobs out.
 
-OpenAIPolicy speaks OpenAI-compatible chat completions over httpx and asks vLLM/SGLang-style servers for the token ids
+OpenAIPolicy speaks OpenAI-compatible chat completions over HTTP and asks vLLM/SGLang-style servers for the token ids
 and logprobs a trainer needs (`return_token_ids`, `logprobs`). What the server does not return stays None: token ids
-and logprobs are never invented here.
+and logprobs are never invented here. Requests go through one aiohttp session per policy (`http.py`: keep-alive,
+proxies from the environment; a fraction of httpx's CPU per request).
 
 The URL is the tenant's choice, so the server at it is untrusted: its response is read with a size cap (streamed,
 stopped at `max_response_bytes`), redirects are not followed, and error messages give the status, the size and the
@@ -17,7 +18,7 @@ import logging
 import random
 from typing import Any
 
-import httpx
+import orjson
 
 from orchestrator.core.errors import (
     PolicyConnectionError,
@@ -27,6 +28,7 @@ from orchestrator.core.errors import (
     PolicyTimeoutError,
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import parse_chat_completion
 
@@ -34,12 +36,6 @@ log = logging.getLogger(__name__)
 
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
-# httpcore's pool does work quadratic in its size on every request (encode/httpcore#1035): 200 requests at once
-# take 3-10 s through one pool, under 1 s through pools of 8. So an owned client is a set of small pools, another
-# opened when every pool has SHARD_TARGET requests in flight. The scheduler, not the pools, bounds concurrency.
-SHARD_TARGET = 8
-MAX_SHARDS = 128
-SHARD_MAX_CONNECTIONS = 64
 # A chat completion with token ids and logprobs of a long episode is a few MB; anything past this is refused.
 MAX_RESPONSE_BYTES = 32 << 20
 
@@ -62,7 +58,6 @@ class OpenAIPolicy(Policy):
     def __init__(
         self,
         endpoint: PolicyEndpoint,
-        client: httpx.AsyncClient | None = None,
         *,
         backoff_base_s: float = BACKOFF_BASE_S,
         backoff_cap_s: float = BACKOFF_CAP_S,
@@ -70,38 +65,17 @@ class OpenAIPolicy(Policy):
     ) -> None:
         self.endpoint = endpoint
         self.max_response_bytes = max_response_bytes
-        self._own_client = client is None
-        self._ssl_context = httpx.create_ssl_context() if client is None else None  # shared: 60 ms to build each
-        self._clients = [client or self._new_client()]
-        self._inflight = [0]
+        tls = endpoint.base_url.startswith("https:")
+        self._client = http.Client(endpoint.base_url, http.ssl_context() if tls else None)
+        self._closed = False
         self._backoff_base_s = backoff_base_s
         self._backoff_cap_s = backoff_cap_s
         self._url = f"{endpoint.base_url}/chat/completions"
 
     async def aclose(self) -> None:
-        """Close the HTTP client if this policy made it."""
-        if self._own_client:
-            clients, self._clients, self._inflight = self._clients, [], []
-            for c in clients:
-                await c.aclose()
-
-    def _new_client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            verify=self._ssl_context or True,
-            timeout=httpx.Timeout(self.endpoint.request_timeout_s),
-            follow_redirects=False,
-            limits=httpx.Limits(max_connections=SHARD_MAX_CONNECTIONS, max_keepalive_connections=SHARD_TARGET),
-        )
-
-    def _pick_client(self) -> int:
-        if not self._clients:
-            raise PolicyError("the policy client is closed")
-        i = min(range(len(self._clients)), key=self._inflight.__getitem__)
-        if self._own_client and self._inflight[i] >= SHARD_TARGET and len(self._clients) < MAX_SHARDS:
-            self._clients.append(self._new_client())
-            self._inflight.append(0)
-            i = len(self._clients) - 1
-        return i
+        """Close the HTTP client and its connections."""
+        self._closed = True
+        await self._client.aclose()
 
     def request_body(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, user: str = ""
@@ -165,72 +139,76 @@ class OpenAIPolicy(Policy):
 
     async def _attempt(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         timeout_s = self.endpoint.request_timeout_s
-        i = self._pick_client()
-        self._inflight[i] += 1
         try:
-            # httpx's timeouts bound each phase; this bounds the whole attempt, a slow trickle included
+            # the whole attempt: connect, send and read, a slow trickle included
             async with asyncio.timeout(timeout_s):
-                resp, content = await self._post(self._clients[i], url, body, headers)
-        except (TimeoutError, httpx.TimeoutException) as e:
+                resp = await self._send(url, _dumps(body), headers)
+        except TimeoutError as e:
             msg = f"policy server {url} did not answer within {timeout_s:g}s"
             raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
-            msg = f"policy server {url} unreachable: {type(e).__name__}: {e}"
-            raise _Retryable(PolicyConnectionError(msg), cause=e) from e
-        except httpx.HTTPError as e:
+        except (http.ConnectError, http.ReadError, http.RemoteProtocolError) as e:
+            raise _Retryable(self._unreachable(url, e), cause=e) from e
+        except http.ResponseTooLarge as e:
+            raise PolicyResponseError(self._too_big(url, e.status, e.what)) from None
+        except http.HTTPError as e:
             raise PolicyError(f"request to policy server {url} failed: {type(e).__name__}: {e}") from e
-        finally:
-            if i < len(self._inflight):  # aclose may have emptied the list meanwhile
-                self._inflight[i] -= 1
 
         if resp.is_success:
             try:
-                return json.loads(content)
+                return _loads(resp.content)
             except ValueError as e:
                 raise PolicyResponseError(
-                    f"policy server {url} answered {resp.status_code} with a body that is not JSON "
-                    f"({_described(resp, content)})"
+                    f"policy server {url} answered {resp.status} with a body that is not JSON ({_described(resp)})"
                 ) from e
-        log.debug("policy server %s answered HTTP %d: %r", url, resp.status_code, content[:200])
-        http_err = PolicyHTTPError(
-            f"policy server {url} answered HTTP {resp.status_code} ({_described(resp, content)})",
-            resp.status_code,
-        )
-        if resp.status_code == 429 or resp.status_code >= 500:
+        log.debug("policy server %s answered HTTP %d: %r", url, resp.status, resp.content[:200])
+        http_err = PolicyHTTPError(f"policy server {url} answered HTTP {resp.status} ({_described(resp)})", resp.status)
+        if resp.status == 429 or resp.status >= 500:
             raise _Retryable(http_err, _retry_after(resp))
         raise http_err
 
-    async def _post(
-        self, client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> tuple[httpx.Response, bytes]:
-        """POST and read the body, stopping at max_response_bytes (PolicyResponseError) instead of buffering it."""
-        cap = self.max_response_bytes
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            declared = resp.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > cap:
-                raise PolicyResponseError(self._too_big(url, resp, f"declares {int(declared)} bytes"))
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > cap:
-                    raise PolicyResponseError(self._too_big(url, resp, f"sent more than {cap} bytes"))
-                chunks.append(chunk)
-        return resp, b"".join(chunks)
+    @staticmethod
+    def _unreachable(url: str, e: Exception) -> PolicyConnectionError:
+        return PolicyConnectionError(f"policy server {url} unreachable: {type(e).__name__}: {e}")
 
-    def _too_big(self, url: str, resp: httpx.Response, what: str) -> str:
+    async def _send(self, url: str, content: bytes, headers: dict[str, str]) -> http.Response:
+        """POST a JSON body through this policy's session."""
+        if self._closed:
+            raise PolicyError("the policy client is closed")
+        return await self._client.post(url, content, headers, self.max_response_bytes)
+
+    def _too_big(self, url: str, status: int, what: str) -> str:
         return (
-            f"policy server {url} answered HTTP {resp.status_code} but its response {what}; "
+            f"policy server {url} answered HTTP {status} but its response {what}; "
             f"the limit is {self.max_response_bytes} bytes"
         )
 
 
-def _described(resp: httpx.Response, content: bytes) -> str:
+def _dumps(body: dict[str, Any]) -> bytes:
+    """The request body as compact UTF-8 JSON, as httpx's `json=` wrote it, by orjson; what orjson refuses (a lone
+    surrogate, which a policy's own answer may carry back) is escaped to ASCII by the json module, where httpx raised
+    UnicodeEncodeError."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _loads(content: bytes) -> Any:
+    """A JSON body decoded by orjson, or by the json module where orjson refuses it (NaN, UTF-16); ValueError when
+    it is not JSON. One difference remains: orjson reads an integer past 64 bits as a float, so token ids that large
+    (no vocabulary's, and past the wire's int32) are dropped as "no token ids" by the parser, never rounded."""
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return json.loads(content)
+
+
+def _described(resp: http.Response) -> str:
     kind = resp.headers.get("content-type", "no content type").split(";")[0].strip()[:60]
-    return f"{len(content)} bytes of {kind}; the body is not shown"
+    return f"{len(resp.content)} bytes of {kind}; the body is not shown"
 
 
-def _retry_after(resp: httpx.Response) -> float | None:
+def _retry_after(resp: http.Response) -> float | None:
     value = resp.headers.get("retry-after")
     try:
         return max(0.0, float(value)) if value is not None else None

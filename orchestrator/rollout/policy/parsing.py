@@ -16,8 +16,12 @@ log = logging.getLogger(__name__)
 TOKEN_ID_PREFIX = "token_id:"
 
 
+_INT = frozenset({int})
+
+
 def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    # every item an int, not a bool (nor a float): decoded JSON has no other int subclass; types compared in C
+    if isinstance(value, list) and set(map(type, value)) <= _INT:
         return list(value)
     return None
 

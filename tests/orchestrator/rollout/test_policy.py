@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -215,23 +215,50 @@ async def test_200_concurrent_completions(make_policy: PolicyFactory) -> None:
     assert s.requests == 200
 
 
+@contextlib.asynccontextmanager
+async def _raw_server(
+    content_type: str, body: bytes
+) -> AsyncIterator[tuple[str, list[tuple[bytes, dict[bytes, bytes], bytes]]]]:
+    """A loopback server answering every request with `body`; yields its URL and the requests it read."""
+    seen: list[tuple[bytes, dict[bytes, bytes], bytes]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                headers: dict[bytes, bytes] = {}
+                while (h := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = h.partition(b":")
+                    headers[name.strip().lower()] = value.strip()
+                seen.append((line, headers, await reader.readexactly(int(headers.get(b"content-length", b"0")))))
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+                writer.write(head.encode() + body)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/", seen
+    finally:
+        server.close()
+
+
 async def test_request_shape() -> None:
-    seen: list[httpx.Request] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(200, json={"model": "m", "choices": [{"message": {"content": "hi"}}]})
-
-    endpoint = PolicyEndpoint(base_url="http://policy.invalid/v1/", model="m", api_key="sk-test")
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        policy = OpenAIPolicy(endpoint, client)
-        await policy.complete(MESSAGES, TOOLS, Sampling(temperature=0.5, seed=3, stop=["X"]), user="j:t:0")
-        await policy.complete(MESSAGES, [], Sampling())
-        await policy.aclose()  # not its client: stays open
-        assert not client.is_closed
-    first, second = (json.loads(r.content) for r in seen)
-    assert str(seen[0].url) == "http://policy.invalid/v1/chat/completions"
-    assert seen[0].headers["authorization"] == "Bearer sk-test"
+    answer = json.dumps({"model": "m", "choices": [{"message": {"content": "hi"}}]}).encode()
+    async with _raw_server("application/json", answer) as (url, seen):
+        policy = OpenAIPolicy(PolicyEndpoint(base_url=url, model="m", api_key="sk-test"))
+        try:
+            await policy.complete(MESSAGES, TOOLS, Sampling(temperature=0.5, seed=3, stop=["X"]), user="j:t:0")
+            await policy.complete(MESSAGES, [], Sampling())
+        finally:
+            await policy.aclose()
+        endpoint = policy.endpoint
+    first, second = (json.loads(body) for _, _, body in seen)
+    assert seen[0][0] == b"POST /v1/chat/completions HTTP/1.1\r\n"
+    assert seen[0][1][b"authorization"] == b"Bearer sk-test"
+    assert seen[0][1][b"content-type"] == b"application/json"
+    assert b"accept-encoding" not in seen[0][1]  # nothing is decompressed, so nothing compressed is asked for
     assert first == {
         "model": "m",
         "messages": MESSAGES,
@@ -297,10 +324,13 @@ def test_parse_rejects_malformed_responses(body: Any, match: str) -> None:
 
 
 async def test_non_json_2xx_is_a_response_error() -> None:
-    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, text="<html>"))) as c:
-        policy = OpenAIPolicy(PolicyEndpoint(base_url="http://x.invalid/v1"), c)
-        with pytest.raises(PolicyResponseError, match=r"not JSON \(6 bytes of text/plain; the body is not shown\)"):
-            await policy.complete(MESSAGES, [], Sampling())
+    async with _raw_server("text/plain; charset=utf-8", b"<html>") as (url, _):
+        policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=0))
+        try:
+            with pytest.raises(PolicyResponseError, match=r"not JSON \(6 bytes of text/plain; the body is not shown\)"):
+                await policy.complete(MESSAGES, [], Sampling())
+        finally:
+            await policy.aclose()
 
 
 def test_config_validation() -> None:

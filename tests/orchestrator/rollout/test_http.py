@@ -1,0 +1,287 @@
+"""The policy's HTTP client (orchestrator/rollout/policy/http.py, on aiohttp) against raw servers on loopback sockets:
+keep-alive, the three ways a body ends, informational answers, servers that hang up or break HTTP, proxies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from orchestrator.core.errors import PolicyConnectionError, PolicyError
+from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.rollout.policy import http
+from orchestrator.rollout.policy.client import OpenAIPolicy, _dumps, _loads
+from orchestrator.rollout.policy.parsing import parse_chat_completion
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+OK_BODY = json.dumps({"model": "m", "choices": [{"message": {"content": "fine"}}]}).encode()
+
+
+class Server:
+    """A loopback HTTP server whose answers the test writes byte for byte; it records every request it read."""
+
+    def __init__(self, answer: Callable[[int, asyncio.StreamWriter], Awaitable[bool]]) -> None:
+        self.answer = answer  # (request number, writer) -> keep the connection open
+        self.connections = 0
+        self.requests: list[tuple[bytes, dict[bytes, bytes], bytes]] = []
+        self.server: asyncio.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                headers: dict[bytes, bytes] = {}
+                while (h := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = h.partition(b":")
+                    headers[name.strip().lower()] = value.strip()
+                body = await reader.readexactly(int(headers.get(b"content-length", b"0")))
+                self.requests.append((line, headers, body))
+                if not await self.answer(len(self.requests), writer):
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., Awaitable[Server]]]:
+    servers: list[Server] = []
+
+    async def start(answer: Callable[[int, asyncio.StreamWriter], Awaitable[bool]]) -> Server:
+        s = Server(answer)
+        s.server = await asyncio.start_server(s._handle, "127.0.0.1", 0)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        assert s.server is not None
+        s.server.close()
+
+
+def _reply(body: bytes, *extra: str, status: str = "200 OK") -> bytes:
+    head = [f"HTTP/1.1 {status}", "Content-Type: application/json", *extra]
+    if not any(e.lower().startswith(("transfer-encoding", "content-length")) for e in extra):
+        head.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def _complete(url: str, **kw: object) -> str:
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=0, **kw))  # type: ignore[arg-type]
+    try:
+        return (await policy.complete(MESSAGES, [], Sampling())).text
+    finally:
+        await policy.aclose()
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_the_request_as_httpx_did(
+    serve: Callable[..., Awaitable[Server]],
+) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(_reply(OK_BODY))
+        return True
+
+    s = await serve(answer)
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=s.url, api_key="sk-1", max_retries=0))
+    try:
+        for _ in range(3):
+            assert (await policy.complete(MESSAGES, [], Sampling(), user="j:t:0")).text == "fine"
+    finally:
+        await policy.aclose()
+    assert (s.connections, len(s.requests)) == (1, 3)
+    line, headers, body = s.requests[0]
+    assert line == b"POST /v1/chat/completions HTTP/1.1\r\n"
+    assert headers[b"host"] == s.url.split("/")[2].encode()
+    assert headers[b"authorization"] == b"Bearer sk-1"
+    assert headers[b"content-type"] == b"application/json"
+    assert json.loads(body)["user"] == "j:t:0"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # chunked, split across chunks mid-JSON
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"".join(b"%x\r\n%s\r\n" % (len(OK_BODY[i : i + 7]), OK_BODY[i : i + 7]) for i in range(0, len(OK_BODY), 7))
+        + b"0\r\n\r\n",
+        # HTTP/1.0 with neither length nor chunks: the body ends when the server closes
+        b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + OK_BODY,
+        # an informational answer first (103 Early Hints), then the real one
+        b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + _reply(OK_BODY),
+    ],
+    ids=["chunked", "until-close", "informational-first"],
+)
+async def test_every_way_a_body_ends(serve: Callable[..., Awaitable[Server]], raw: bytes) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        for i in range(0, len(raw), 5):  # dribbled, so that the parser sees partial heads and bodies
+            w.write(raw[i : i + 5])
+            await w.drain()
+        return b"HTTP/1.0" not in raw
+
+    s = await serve(answer)
+    assert await _complete(s.url) == "fine"
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced(serve: Callable[..., Awaitable[Server]]) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(_reply(OK_BODY))
+        return False  # and close, as a server's keep-alive timeout does
+
+    s = await serve(answer)
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=s.url, max_retries=0))
+    try:
+        for _ in range(3):
+            assert (await policy.complete(MESSAGES, [], Sampling())).text == "fine"
+            await asyncio.sleep(0.05)
+    finally:
+        await policy.aclose()
+    assert (s.connections, len(s.requests)) == (3, 3)
+
+
+async def test_a_reused_connection_that_dies_unanswered_is_retried_once_on_a_new_one(
+    serve: Callable[..., Awaitable[Server]],
+) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        if n == 2:
+            return False  # read the request, hang up without a word (the race with a keep-alive timeout)
+        w.write(_reply(OK_BODY))
+        return True
+
+    s = await serve(answer)
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=s.url, max_retries=0))
+    try:
+        assert (await policy.complete(MESSAGES, [], Sampling())).text == "fine"
+        assert (await policy.complete(MESSAGES, [], Sampling())).text == "fine"
+    finally:
+        await policy.aclose()
+    assert (s.connections, len(s.requests)) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + OK_BODY[:10], "disconnected without a complete response"),
+        (b"SMTP ready\r\n\r\n", "malformed response"),
+        (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n", "headers are over aiohttp's limits"),
+        (b"", "disconnected without a complete response"),
+    ],
+    ids=["cut-short", "not-http", "huge-head", "silent"],
+)
+async def test_a_broken_answer_is_a_connection_error(
+    serve: Callable[..., Awaitable[Server]], raw: bytes, match: str
+) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(raw)
+        await w.drain()
+        return False
+
+    s = await serve(answer)
+    with pytest.raises(PolicyConnectionError, match=match):
+        await _complete(s.url)
+
+
+async def test_a_header_that_never_ends_is_stopped_at_the_cap(serve: Callable[..., Awaitable[Server]]) -> None:
+    sent = 0
+
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        nonlocal sent
+        w.write(b"HTTP/1.1 200 OK\r\nX-Endless: ")
+        for _ in range(4096):  # up to 64 MiB of one header line, unless the client hangs up
+            w.write(b"a" * (16 << 10))
+            await w.drain()
+            sent += 16 << 10
+        return False
+
+    s = await serve(answer)
+    with pytest.raises(PolicyConnectionError, match="headers are over aiohttp's limits"):
+        await _complete(s.url)
+    assert sent < 16 << 20
+
+
+async def test_bytes_after_the_response_stop_the_connection_being_reused(
+    serve: Callable[..., Awaitable[Server]],
+) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(_reply(OK_BODY) + _reply(b'{"smuggled": true}'))
+        return True
+
+    s = await serve(answer)
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=s.url, max_retries=0))
+    try:
+        for _ in range(2):
+            assert (await policy.complete(MESSAGES, [], Sampling())).text == "fine"
+    finally:
+        await policy.aclose()
+    assert s.connections == 2
+
+
+async def test_header_values_cannot_end_the_request(serve: Callable[..., Awaitable[Server]]) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(_reply(OK_BODY))
+        return True
+
+    s = await serve(answer)
+    with pytest.raises(PolicyError, match="LocalProtocolError: the Authorization header has characters"):
+        await _complete(s.url, api_key="sk\r\nX-Injected: 1")
+    assert s.requests == []
+
+
+async def test_a_closed_policy_refuses_requests(serve: Callable[..., Awaitable[Server]]) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(_reply(OK_BODY))
+        return True
+
+    s = await serve(answer)
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=s.url, max_retries=0))
+    await policy.aclose()
+    with pytest.raises(PolicyError, match="closed"):
+        await policy.complete(MESSAGES, [], Sampling())
+
+
+async def test_a_proxy_the_environment_names_is_used_and_no_proxy_is_honoured(
+    serve: Callable[..., Awaitable[Server]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        w.write(_reply(OK_BODY))
+        return True
+
+    proxy = await serve(answer)
+    for var in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.upper(), raising=False)
+    proxy_url = proxy.url.removesuffix("/v1")
+    monkeypatch.setenv("HTTP_PROXY", proxy_url)
+    monkeypatch.setenv("NO_PROXY", "direct.example")
+    assert http.proxy_for("http://policy.example/v1") == proxy_url
+    assert http.proxy_for("http://direct.example:8000/v1") is None
+    assert http.proxy_for("https://policy.example/v1") is None  # no HTTPS_PROXY, no ALL_PROXY
+    assert await _complete("http://policy.example/v1") == "fine"
+    line, headers, _ = proxy.requests[0]
+    assert line == b"POST http://policy.example/v1/chat/completions HTTP/1.1\r\n"  # the proxy's absolute form
+    assert headers[b"host"] == b"policy.example"
+
+
+def test_json_is_read_and_written_as_the_json_module_does() -> None:
+    # what orjson refuses falls back to the json module, so every body reads as it did before
+    for raw in (b'{"a": NaN}', b'{"a": "\\ud800"}', '{"a": "é"}'.encode("utf-16")):
+        assert repr(_loads(raw)) == repr(json.loads(raw))
+    # an integer past 64 bits: orjson reads a float, and such token ids are "none", never rounded ones
+    huge = {"choices": [{"message": {"content": "x"}, "token_ids": [123456789012345678901234567890]}]}
+    assert parse_chat_completion(_loads(json.dumps(huge).encode()), model="m").completion_ids is None
+    assert _loads(json.dumps({"x": -0.123456789012345678}).encode()) == {"x": -0.123456789012345678}
+    with pytest.raises(ValueError):
+        _loads(b"<html>")
+    body = {"messages": [{"content": "\u00e9 \ud800"}], "t": 0.7, "n": 1}  # a lone surrogate: orjson refuses it
+    assert json.loads(_dumps(body)) == body
+    assert _dumps({"a": "\u00e9"}) == json.dumps({"a": "\u00e9"}, ensure_ascii=False, separators=(",", ":")).encode()
