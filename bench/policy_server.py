@@ -5,7 +5,8 @@ so this measures the server alone, in its subprocess mode, over loopback:
 
 1. throughput: C connections each sending chat completions back to back for D seconds (latency 0), through a raw
    keep-alive HTTP/1.1 client (cheap, so the server is the bottleneck) and through the rollout runner's own client
-   (OpenAIPolicy, httpx); requests/s, p50/p99 latency, and server CPU seconds per request (/proc/PID/stat).
+   (OpenAIPolicy: on aiohttp now, httpx in the table below); requests/s, p50/p99 latency, and server CPU seconds
+   per request (/proc/PID/stat).
 2. waves: W waves of C simultaneous requests with latency_s=1, as bench/scale sends them; how far past 1 s a wave ends.
 
     python -m bench.policy_server [--module orchestrator.testing.scripted_policy] [--clients 256] [--seconds 5]
