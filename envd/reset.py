@@ -111,8 +111,13 @@ def _copy_seed(seed: str, workspace: str) -> None:
 def reset_sandbox(
     workspace: str, socket_dir: str, socket_name: str, seed: str, managed: Collection[int] = ()
 ) -> ResetResult:
-    """Kill, wipe, restore, verify. `managed`: envd's children that asyncio reaps."""
+    """Kill, wipe, restore, verify. `managed`: envd's children that asyncio reaps.
+
+    Refused when envd runs as root: a sandbox's envd never does (it runs as the sandbox's user), and an envd
+    started as root on a host would empty the host's /tmp and /dev/shm and kill what it can see."""
     t0 = time.monotonic()
+    if os.geteuid() == 0:
+        return ResetResult(False, "envd runs as root, so this is no sandbox: reset refused", 0, 0.0)
     problems: list[str] = []
     killed, survivors = kill_all_others(managed)
     if survivors:
