@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import certifi
 
+from orchestrator.core.errors import PolicyError
+
 KEEPALIVE_EXPIRY_S = 5.0  # an idle connection older than this is closed, not reused (httpx's default)
 # as many connections as httpx allowed (128 pools of 64); the scheduler, not the pool, bounds what is in flight
 MAX_CONNECTIONS = 128 * 64
@@ -36,8 +38,9 @@ _HEADER_VALUE = re.compile(r"[\x20-\x7e\t]*")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
 
 
-class HTTPError(Exception):
-    """A request that got no complete answer; the subclass says why (its name is shown in error messages)."""
+class HTTPError(PolicyError):
+    """A request that got no complete answer; the subclass says why (its name is shown in error messages). Raised
+    inside the policy client only: it becomes a PolicyError (or a retry) there."""
 
 
 class ConnectError(HTTPError):
