@@ -3,6 +3,7 @@ runs on real Docker; `serve(..., backend=FAKE)` on the fake backend."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from orchestrator.backends.config import DockerBackendConfig, FakeBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.core.tracing import Tracer
 from orchestrator.rollout.runner import RolloutRunner
@@ -70,3 +72,14 @@ def check_delivery(rollouts: list[Rollout], expected_ids: set[str]) -> None:
             assert r.reward is not None
         else:
             assert r.reward is None and r.status == RolloutStatus.INFRA_ERROR, (r.status, r.error)
+
+
+async def until_done(client: EnvfleetClient, job_id: str, at_least: int, timeout_s: float, poll_s: float = 0.1) -> int:
+    """Poll a job until `at_least` of its rollouts are done or `timeout_s` has passed; how many are done then (the
+    caller asserts on it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    # a remote job has no event to wait on: polled
+    while (done := (await client.get_job(job_id)).done) < at_least and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(poll_s)
+    return done

@@ -31,7 +31,7 @@ from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
-from tests.orchestrator.servers import FAKE, serve
+from tests.orchestrator.servers import FAKE, serve, until_done
 
 SERVE = (sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0")
 NO_ENGINE = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"}  # any engine call would fail
@@ -80,11 +80,7 @@ async def test_serve_backend_fake_runs_jobs_end_to_end_and_survives_sigkill(
             assert info.state == "COMPLETED" and info.done == 8
             # a second job, killed mid-way with the server
             slow_job = await c.submit(job(slow_policy.url, [t.id for t in tasks], max_concurrency=2))
-            for _ in range(600):
-                if (await c.get_job(slow_job)).done >= 2:
-                    break
-                await asyncio.sleep(0.05)
-            done_before = (await c.get_job(slow_job)).done
+            done_before = await until_done(c, slow_job, 2, timeout_s=30, poll_s=0.05)
         assert 2 <= done_before < len(tasks)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -21,6 +21,7 @@ from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import until_done
 
 
 async def test_disconnect_and_resume_loses_nothing(
@@ -97,11 +98,7 @@ async def test_sigkill_mid_job_then_restart_completes_without_loss(
         procs.append(proc)
         async with EnvfleetClient(address) as c:
             job_id = await c.submit(job(server.url, ids, max_concurrency=3))
-            for _ in range(600):
-                if (await c.get_job(job_id)).done >= 3:
-                    break
-                await asyncio.sleep(0.1)
-            done_before = (await c.get_job(job_id)).done
+            done_before = await until_done(c, job_id, 3, timeout_s=60)
         assert 3 <= done_before < len(ids)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -23,7 +23,7 @@ from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
-from tests.orchestrator.servers import local_runner
+from tests.orchestrator.servers import local_runner, until_done
 
 
 async def test_job_streams_scored_groups_with_exact_tokens(
@@ -194,10 +194,7 @@ async def test_update_policy_and_cancel(
         job_id = await client.submit(job(server.url, task_ids[:12], max_concurrency=2))
         status = await client.update_policy(job_id, "v2")
         assert status.policy_version == "v2"
-        for _ in range(300):
-            if (await client.get_job(job_id)).done >= 4:
-                break
-            await asyncio.sleep(0.1)
+        await until_done(client, job_id, 4, timeout_s=30)
         running = {sb.id for rid, sb in local_runner(orchestrator).active.items() if rid.startswith(job_id)}
         assert running, "rollouts should be running when the job is cancelled"
         cancelled = await client.cancel_job(job_id)

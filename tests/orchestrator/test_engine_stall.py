@@ -21,6 +21,7 @@ from orchestrator.testing.scripted_policy import start_scripted_server
 from orchestrator.testing.scripts import reference_script
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import until_done
 
 
 def _dockerd_pid() -> int:
@@ -59,10 +60,7 @@ async def test_engine_stall_then_recovery(tmp_path: Path, base_image: str, task_
         assert await _health(orch.address) == health_pb2.HealthCheckResponse.SERVING
         async with EnvfleetClient(orch.address) as c:
             job_id = await c.submit(job(policy.url, task_ids[:6], max_concurrency=3, max_infra_retries=8))
-            for _ in range(200):
-                if (await c.get_job(job_id)).done >= 1:
-                    break
-                await asyncio.sleep(0.05)
+            await until_done(c, job_id, 1, timeout_s=10, poll_s=0.05)
             os.kill(pid, signal.SIGSTOP)
             stopped = True
             seen_not_serving = False

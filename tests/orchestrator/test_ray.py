@@ -28,7 +28,7 @@ from orchestrator.worker.identity import FLEET_ID_FILE
 from orchestrator.worker.ray_fleet import RayConfig, actor_prefix
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import job
-from tests.orchestrator.servers import check_delivery
+from tests.orchestrator.servers import check_delivery, until_done
 
 ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
 RESOURCE = "envfleet_sandbox_host"
@@ -224,11 +224,7 @@ async def test_a_control_plane_killed_mid_job_is_rejoined_by_its_actors(
         before = _pids(await _wait_actors(fleet_id, _connected, 300))
         async with EnvfleetClient(address) as client:
             job_id = await client.submit(job(slow_policy.url, ids, max_concurrency=8))
-            for _ in range(3000):
-                if (await client.get_job(job_id)).done >= 4:
-                    break
-                await asyncio.sleep(0.1)
-            done_before = (await client.get_job(job_id)).done
+            done_before = await until_done(client, job_id, 4, timeout_s=300)
         assert 4 <= done_before < len(ids), done_before
         os.kill(proc.pid, signal.SIGKILL)  # a crash: no stop, the actors are not told
         await asyncio.to_thread(proc.wait)

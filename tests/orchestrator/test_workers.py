@@ -22,7 +22,7 @@ from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_ser
 from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import job
-from tests.orchestrator.servers import check_delivery
+from tests.orchestrator.servers import check_delivery, until_done
 
 
 @pytest.fixture
@@ -78,10 +78,7 @@ async def test_a_job_spreads_over_two_workers(
 
 async def _lose_a_worker_midway(plane: Orchestrator, client: EnvfleetClient, job_id: str, how: signal.Signals) -> int:
     assert plane.workers is not None and plane.workers.local is not None
-    for _ in range(1500):
-        if (await client.get_job(job_id)).done >= 8:
-            break
-        await asyncio.sleep(0.2)
+    await until_done(client, job_id, 8, timeout_s=300, poll_s=0.2)
     victim = plane.workers.local.pids[0]
     os.kill(victim, how)
     return victim
