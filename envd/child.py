@@ -61,10 +61,11 @@ def _set_once(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def _pipe() -> tuple[int, int]:
-    r, w = os.pipe2(os.O_CLOEXEC)
-    os.set_blocking(r, False)
-    return r, w
+def _pipe(nonblocking_end: int) -> tuple[int, int]:
+    """A close-on-exec pipe whose end envd keeps (0: read, 1: write) is non-blocking; the child's end blocks."""
+    fds = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(fds[nonblocking_end], False)
+    return fds
 
 
 class Child:
@@ -92,9 +93,9 @@ class Child:
         self._pidfd = -1
         self._poll: asyncio.TimerHandle | None = None
         self.stdin_fd = -1
-        out_r, out_w = _pipe()
-        err_r, err_w = _pipe()
-        in_r, in_w = _pipe() if stdin else (-1, -1)
+        out_r, out_w = _pipe(0)
+        err_r, err_w = _pipe(0)
+        in_r, in_w = _pipe(1) if stdin else (-1, -1)
         try:
             proc = subprocess.Popen(
                 argv,
@@ -120,9 +121,7 @@ class Child:
         self._readers = {out_r: 1, err_r: 2}
         for fd in self._readers:
             self._loop.add_reader(fd, self._readable, fd)
-        if in_w >= 0:
-            os.set_blocking(in_w, False)
-            self.stdin_fd = in_w
+        self.stdin_fd = in_w
         if use_pidfd:
             # only envd reaps the child and it has not yet, so the pid is still this process
             with contextlib.suppress(OSError):  # the kernel may lack pidfds even where Python has them (gVisor)
