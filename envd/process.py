@@ -16,11 +16,13 @@ import signal
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
+from envd.child import Budget, Child, Output
 from envd.errors import InvalidRequestError, NotFoundError
 from envd.reaper import kill_subtree, proc_table, reap_adopted, under
 
+__all__ = ["Command", "Ended", "Event", "OomCounter", "Output", "ProcessRunner", "Started"]
+
 EXEC_ID_VAR = "ENVD_EXEC_ID"
-READ_CHUNK = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,6 @@ class Started:
 
 
 @dataclass(frozen=True)
-class Output:
-    """A chunk of the process's stdout (stream=1) or stderr (stream=2)."""
-
-    stream: int
-    data: bytes
-
-
-@dataclass(frozen=True)
 class Ended:
     """The process and everything it started are gone."""
 
@@ -68,18 +62,38 @@ class Ended:
 Event = Started | Output | Ended
 
 
-def read_oom_kills() -> int:
-    """How many times the OOM killer fired in this cgroup (v2 memory.events or v1 memory.oom_control); -1 if unknown."""
-    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+class OomCounter:
+    """How many times the OOM killer fired in this cgroup (v2 memory.events or v1 memory.oom_control).
+
+    The file that exists is found once and kept open (close-on-exec, read with pread): a read per exec is then
+    one syscall, not a path walk or two.
+    """
+
+    PATHS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._found = False
+
+    def read(self) -> int:
+        """The count; -1 if unknown."""
+        if not self._found:
+            self._found = True
+            for path in self.PATHS:
+                with contextlib.suppress(OSError):
+                    self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    break
+        if self._fd is None:
+            return -1
         try:
-            with open(path) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value)
+            text = os.pread(self._fd, 4096, 0)
         except OSError:
-            continue
-    return -1
+            return -1
+        for line in text.splitlines():
+            key, _, value = line.partition(b" ")
+            if key == b"oom_kill":
+                return int(value)
+        return -1
 
 
 def _carries_marker(pid: int, marker: bytes) -> bool:
@@ -88,20 +102,6 @@ def _carries_marker(pid: int, marker: bytes) -> bool:
             return marker in f.read().split(b"\0")
     except OSError:
         return False
-
-
-@dataclass
-class _Budget:
-    left: int
-    truncated: bool = False
-
-    def take(self, data: bytes) -> bytes:
-        if len(data) <= self.left:
-            self.left -= len(data)
-            return data
-        self.truncated = True
-        kept, self.left = data[: self.left], 0
-        return kept
 
 
 @dataclass
@@ -115,6 +115,9 @@ class ProcessRunner:
     running: dict[int, str] = field(default_factory=dict)
     # background processes a keep_background command left: pid -> start time (a reused pid is not kept)
     kept: dict[int, int] = field(default_factory=dict)
+    oom: OomCounter = field(default_factory=OomCounter)
+    # exits are watched through pidfds until the kernel refuses one (gVisor), then polled
+    pidfd: bool = True
 
     def signal(self, pid: int, signum: int) -> None:
         """Send `signum` to the process group of a running command."""
@@ -167,86 +170,63 @@ class ProcessRunner:
             raise NotFoundError(f"cwd {cmd.cwd} does not exist or is not a directory")
         exec_id = os.urandom(16).hex()
         env = {**self.base_env, **cmd.env, EXEC_ID_VAR: exec_id}
-        oom_before = read_oom_kills()
+        oom_before = self.oom.read()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if self.kept:  # what a kept process leaves when it dies is envd's to reap
             reap_adopted(self.running)
+        budget = Budget(cmd.max_output_bytes)
+        stdin = bool(cmd.stdin or cmd.stdin_stream)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd.argv,
-                stdin=asyncio.subprocess.PIPE if cmd.stdin or cmd.stdin_stream else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=cmd.cwd,
-                env=env,
-                start_new_session=True,
-            )
+            child = Child(cmd.argv, cmd.cwd, env, stdin=stdin, budget=budget, use_pidfd=self.pidfd)
         except (FileNotFoundError, PermissionError) as e:
             code = 127 if isinstance(e, FileNotFoundError) else 126
             yield Started(pid=0)
             yield Output(2, f"envd: cannot execute {cmd.argv[0]!r}: {e.strerror}\n".encode())
             yield Ended(code, 0, False, False, False, loop.time() - t0)
             return
-        self.running[proc.pid] = exec_id
-        budget = _Budget(cmd.max_output_bytes)
-        queue: asyncio.Queue[Output | None] = asyncio.Queue(maxsize=8)
+        self.pidfd = child.has_pidfd
+        pid = child.pid
+        self.running[pid] = exec_id
         timed_out = False
         finished = False
-        tasks: list[asyncio.Task[None]] = []
-        exited = asyncio.create_task(_exited(proc))
+        feeder: asyncio.Task[None] | None = None
         try:
-            yield Started(pid=proc.pid)
-            assert proc.stdout is not None and proc.stderr is not None
-            tasks = [
-                asyncio.create_task(_pump(proc.stdout, 1, budget, queue)),
-                asyncio.create_task(_pump(proc.stderr, 2, budget, queue)),
-            ]
-            if (cmd.stdin or cmd.stdin_stream) and proc.stdin is not None:
-                tasks.append(asyncio.create_task(_feed(proc.stdin, cmd.stdin, cmd.stdin_stream)))
+            yield Started(pid=pid)
+            if stdin:
+                feeder = asyncio.create_task(child.feed(cmd.stdin, cmd.stdin_stream))
             deadline = t0 + cmd.timeout_s
-            streams = _Streams(queue)
             # 1. forward output until the command exits or its time is up
-            async for item in streams.until(exited, deadline):
+            async for item in child.output(deadline, until_exit=True):
                 yield item
-            try:  # the pipes may close before the exit shows
-                async with asyncio.timeout_at(deadline):
-                    await asyncio.shield(exited)
-            except TimeoutError:
-                timed_out = True
+            timed_out = not child.exited
             # 2. kill what it started (or keep it), then read what is left in the pipes, briefly
             # on the loop, not in a thread: a fork bomb leaves no pid for a new thread, and this is what frees them
             if timed_out or not cmd.keep_background:
-                self.kill_started(proc.pid)
+                self.kill_started(pid)
             else:
-                self.keep_started(proc.pid)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(EXIT_WAIT_S):
-                    await asyncio.shield(exited)
+                self.keep_started(pid)
+            await child.wait_exit(loop.time() + EXIT_WAIT_S)
             grace = KEEP_DRAIN_S if cmd.keep_background and not timed_out else DRAIN_S
-            async for item in streams.until(None, loop.time() + grace):
+            async for item in child.output(loop.time() + grace, until_exit=False):
                 yield item
-            returncode = await _returncode(proc)
+            returncode = child.reap()
             finished = True
         finally:
-            for t in tasks:
-                t.cancel()
+            if feeder is not None:
+                feeder.cancel()
             if not finished:  # cancelled or failed: what it started goes, whatever it asked
-                self.kill_started(proc.pid)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(EXIT_WAIT_S):
-                        await asyncio.shield(exited)
-            exited.cancel()
-            transport = getattr(proc, "_transport", None)
-            if transport is not None:
-                transport.close()  # the pipes' read ends: a process still holding the write ends gets EPIPE
-            if proc.returncode is not None:
-                self.running.pop(proc.pid, None)
-            else:  # asyncio still has to reap it; the stray reaper must not
-                loop.call_later(EXIT_WAIT_S, self.running.pop, proc.pid, None)
+                self.kill_started(pid)
+                await child.wait_exit(loop.time() + EXIT_WAIT_S)
+                child.reap()
+            child.close()
+            # not reaped (killed, yet no exit within EXIT_WAIT_S): a zombie later, for the stray reaper
+            self.running.pop(pid, None)
+        if returncode is None:
+            returncode = -signal.SIGKILL  # it was killed and is not gone yet: report the kill
         sig = -returncode if returncode < 0 else 0
         exit_code = 128 + sig if sig else returncode
-        oom = sig == signal.SIGKILL and not timed_out and oom_before >= 0 and read_oom_kills() > oom_before
+        oom = sig == signal.SIGKILL and not timed_out and oom_before >= 0 and self.oom.read() > oom_before
         yield Ended(exit_code, sig, timed_out, budget.truncated, oom, loop.time() - t0)
 
 
@@ -254,99 +234,3 @@ class ProcessRunner:
 EXIT_WAIT_S = 5.0
 DRAIN_S = 2.0
 KEEP_DRAIN_S = 0.1
-
-
-class _Streams:
-    """The output queue of one command, read until both pipes close, an event, or a deadline."""
-
-    def __init__(self, queue: asyncio.Queue[Output | None]) -> None:
-        self._queue = queue
-        self.open = 2
-
-    async def until(self, stop: asyncio.Future[None] | None, deadline: float) -> AsyncGenerator[Output, None]:
-        """Yield output until both pipes closed, `stop` is done or the loop's clock passes `deadline`."""
-        loop = asyncio.get_running_loop()
-        while self.open:
-            if self._queue.empty() and stop is not None and stop.done():
-                return
-            get = asyncio.ensure_future(self._queue.get())
-            waits: set[asyncio.Future[object]] = {get}  # type: ignore[arg-type]
-            if stop is not None:
-                waits.add(stop)  # type: ignore[arg-type]
-            done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - loop.time()), return_when="FIRST_COMPLETED")
-            if get not in done:
-                get.cancel()
-                if stop is None or not stop.done():
-                    return  # the deadline passed
-                continue  # stopped: forward what was already queued, then return
-            item = get.result()
-            if item is None:
-                self.open -= 1
-            else:
-                yield item
-
-
-async def _returncode(proc: asyncio.subprocess.Process) -> int:
-    """The exit status, once the child watcher has reaped the process (never waiting for the pipes to close)."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + EXIT_WAIT_S
-    spins = 0
-    while loop.time() < until:
-        if proc.returncode is not None:
-            return proc.returncode
-        # the watcher's callback usually runs in this same loop turn or the next: yield before sleeping
-        spins += 1
-        await asyncio.sleep(0 if spins < 20 else 0.001)
-    return -signal.SIGKILL  # not reaped in time: it was killed and is a zombie; report the kill
-
-
-async def _pump(stream: asyncio.StreamReader, which: int, budget: _Budget, queue: asyncio.Queue[Output | None]) -> None:
-    # Output past the cap is read and dropped, so the process never blocks on a full pipe and memory stays flat.
-    while chunk := await stream.read(READ_CHUNK):
-        kept = budget.take(chunk)
-        if kept:
-            await queue.put(Output(which, kept))
-    await queue.put(None)
-
-
-async def _exited(proc: asyncio.subprocess.Process) -> None:
-    """Return once the process has exited, whether or not its pipes are still held open by others.
-
-    asyncio's proc.wait() also waits for the pipes to close, which a background child can hold forever.
-    """
-    loop = asyncio.get_running_loop()
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except ProcessLookupError:
-        return
-    except OSError:  # no pidfd support: poll the watcher's returncode
-        while proc.returncode is None:  # noqa: ASYNC110 - the watcher sets it without an event to wait on
-            await asyncio.sleep(0.02)
-        return
-    try:
-        done: asyncio.Future[None] = loop.create_future()
-
-        def readable() -> None:
-            if not done.done():
-                done.set_result(None)
-
-        loop.add_reader(fd, readable)
-        try:
-            await done
-        finally:
-            loop.remove_reader(fd)
-    finally:
-        os.close(fd)
-
-
-async def _feed(pipe: asyncio.StreamWriter, data: bytes, more: AsyncIterator[bytes] | None = None) -> None:
-    # one chunk at a time, each drained before the next is read: a process that reads slowly holds the sender back
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        if data:
-            pipe.write(data)
-            await pipe.drain()
-        if more is not None:
-            async for chunk in more:
-                pipe.write(chunk)
-                await pipe.drain()
-    pipe.close()

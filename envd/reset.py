@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from envd.kernel import SYSV_KINDS, remove_sysv, sysv_ids
-from envd.reaper import proc_table, reap_adopted
+from envd.reaper import Proc, proc_table, reap_adopted
 
 KILL_ROUNDS = 50
 MQUEUE_DIR = "/dev/mqueue"
@@ -30,10 +30,12 @@ class ResetResult:
     duration_s: float
 
 
-def _other_pids() -> list[int]:
+def _other_pids(table: dict[int, Proc] | None = None) -> list[int]:
     """Live processes but init and envd (a zombie is dead: it only waits for its parent to reap it)."""
     me = os.getpid()
-    return [p for p, info in proc_table().items() if p not in (1, me) and info.state != "Z"]
+    return [
+        p for p, info in (proc_table() if table is None else table).items() if p not in (1, me) and info.state != "Z"
+    ]
 
 
 def kill_all_others(managed: Collection[int] = ()) -> tuple[int, list[int]]:
@@ -43,9 +45,10 @@ def kill_all_others(managed: Collection[int] = ()) -> tuple[int, list[int]]:
     """
     killed = 0
     for _ in range(KILL_ROUNDS):
-        pids = _other_pids()
+        table = proc_table()
+        pids = _other_pids(table)
         if not pids:
-            reap_adopted(managed)
+            reap_adopted(managed, table)  # the same scan: one in all when nothing is left (the common case)
             return killed, []
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -142,6 +145,7 @@ def reset_sandbox(
     ipc = _ipc_left()
     if ipc:
         problems.append(f"IPC objects survived: {ipc[:5]}")
-    if _other_pids():
-        problems.append(f"processes appeared during the reset: {_other_pids()}")
+    appeared = _other_pids()
+    if appeared:
+        problems.append(f"processes appeared during the reset: {appeared}")
     return ResetResult(not problems, "; ".join(problems), killed, time.monotonic() - t0)

@@ -9,8 +9,6 @@ import functools
 import inspect
 import logging
 import os
-import sys
-import warnings
 from _operator import _compare_digest  # hmac.compare_digest without hmac, which loads OpenSSL through _hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -339,24 +337,8 @@ async def create_server(cfg: EnvdConfig) -> grpc.aio.Server:
     return server
 
 
-def _use_pidfd_child_watcher() -> None:
-    # Python 3.11 waits for each child in a thread of its own; a pidfd watcher waits on the event loop instead,
-    # which takes a thread start off every exec. 3.12+ picks pidfd by itself.
-    if sys.version_info < (3, 12) and hasattr(os, "pidfd_open"):
-        try:  # the kernel may lack it even where Python has it (gVisor: ENOSYS)
-            os.close(os.pidfd_open(os.getpid()))
-        except OSError:
-            return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            watcher = asyncio.PidfdChildWatcher()
-            watcher.attach_loop(asyncio.get_running_loop())
-            asyncio.set_child_watcher(watcher)
-
-
 async def serve(cfg: EnvdConfig) -> None:
     """Serve until cancelled."""
-    _use_pidfd_child_watcher()
     server = await create_server(cfg)
     log.info("envd serving on %s", cfg.socket_path)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -180,3 +181,20 @@ async def test_signal_reaches_a_running_process(host_envd: tuple[str, str, Path]
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Signal(pb.SignalRequest(pid=first.started.pid, signal=15), metadata=md)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_stdin_larger_than_a_pipe_reaches_a_reader_that_waits(envd_client: EnvdTransport) -> None:
+    # only envd's end of the stdin pipe is non-blocking: the command's read waits for the rest, never EAGAIN
+    r = await envd_client.exec("sleep 0.2; wc -c", stdin=b"x" * (1 << 20), timeout=30)
+    assert (r.exit_code, r.stdout, r.stderr) == (0, b"1048576\n", b"")
+
+
+async def test_streamed_stdin_that_arrives_slowly_is_waited_for(envd_client: EnvdTransport) -> None:
+    async def slowly() -> AsyncIterator[bytes]:
+        for _ in range(3):
+            await asyncio.sleep(0.1)
+            yield b"ab"
+
+    events = [ev async for ev in envd_client.exec_stream("cat; echo end", stdin=slowly(), timeout=30)]
+    assert b"".join(e.data for e in events if isinstance(e, ExecOutput)) == b"abababend\n"
+    assert isinstance(events[-1], ExecEnded) and events[-1].exit_code == 0
