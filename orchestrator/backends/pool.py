@@ -46,6 +46,13 @@ class PoolConfig(BaseModel):
     headroom: float = Field(1.5, ge=1.0, le=10.0, description="multiplier on rate x latency")
     rate_window_s: float = Field(10.0, gt=0, description="window of the acquire-rate estimate")
     refill_concurrency: int = Field(4, ge=1, le=256, description="cold creates the refiller runs at once")
+    probe_idle_after_s: float = Field(
+        5.0,
+        ge=0,
+        description="a warm sandbox idle longer than this gets a health check before it is handed out; one reset or"
+        " started more recently has just proven itself alive (should it die since, its first call fails as a"
+        " sandbox error, an infrastructure retry)",
+    )
 
 
 TENANT_LABEL = "envfleet.tenant"
@@ -160,7 +167,10 @@ class SandboxPool:
             entry = p.idle.popleft()
             p.busy += 1  # already, so the refiller never sees it neither idle nor busy while it is checked
             self._gauge()
-            if now - entry.since > self.config.idle_ttl_s or not await _alive(entry.sandbox):
+            idle_s = now - entry.since
+            if idle_s > self.config.idle_ttl_s or (
+                idle_s > self.config.probe_idle_after_s and not await _alive(entry.sandbox)
+            ):
                 p.busy -= 1
                 self._destroy_later(entry.sandbox)
                 continue

@@ -11,6 +11,7 @@ import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.backends.pool import PoolConfig, SandboxPool
+from orchestrator.core.errors import SandboxError
 from orchestrator.core.sandbox import Limits, SandboxSpec
 
 
@@ -178,3 +179,55 @@ async def test_a_full_pool_does_not_churn_destroying_releases_and_creating_their
     finally:
         await pool.close()
         await backend.close()
+
+
+async def test_a_sandbox_just_reset_is_handed_out_without_another_health_check(
+    pool_factory: Callable[..., SandboxPool], base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a reset has just proven envd alive: a second call to ask again would be one more envd call per rollout
+    pool: SandboxPool = pool_factory()
+    spec = SandboxSpec(image=base_image)
+    sb, _ = await pool.acquire(spec)
+    assert await pool.release(sb, recycle=True)
+    probes: list[object] = []
+    health = type(sb.transport).health  # type: ignore[attr-defined]
+
+    async def counted(self: object, *a: object, **kw: object) -> object:
+        probes.append(self)
+        return await health(self, *a, **kw)
+
+    monkeypatch.setattr(type(sb.transport), "health", counted)  # type: ignore[attr-defined]
+    again, source = await pool.acquire(spec)
+    assert (source, again.id, probes) == ("warm", sb.id, [])
+    await pool.release(again, recycle=False)
+
+
+async def test_a_sandbox_that_died_while_idle_is_never_handed_out_after_the_probe_window(
+    pool_factory: Callable[..., SandboxPool], base_image: str, docker_client: docker.DockerClient
+) -> None:
+    pool: SandboxPool = pool_factory(probe_idle_after_s=0)
+    spec = SandboxSpec(image=base_image)
+    sb, _ = await pool.acquire(spec)
+    assert await pool.release(sb, recycle=True)
+    docker_client.containers.get(sb.id).kill()
+    again, source = await pool.acquire(spec)
+    assert again.id != sb.id and source == "cold"
+    assert (await again.exec(["echo", "hi"])).stdout == b"hi\n"
+    await pool.release(again, recycle=False)
+
+
+async def test_a_sandbox_that_died_inside_the_probe_window_fails_as_the_sandbox_not_as_a_result(
+    pool_factory: Callable[..., SandboxPool], base_image: str, docker_client: docker.DockerClient
+) -> None:
+    # the price of skipping the probe: the rollout's first call finds the sandbox gone, as a SandboxError (an
+    # infrastructure retry), never as a command that ran
+    pool: SandboxPool = pool_factory(probe_idle_after_s=60)
+    spec = SandboxSpec(image=base_image)
+    sb, _ = await pool.acquire(spec)
+    assert await pool.release(sb, recycle=True)
+    docker_client.containers.get(sb.id).kill()
+    again, source = await pool.acquire(spec)
+    assert (again.id, source) == (sb.id, "warm")
+    with pytest.raises(SandboxError):
+        await again.exec(["echo", "hi"])
+    await pool.release(again, recycle=False)
