@@ -231,3 +231,29 @@ async def test_a_sandbox_that_died_inside_the_probe_window_fails_as_the_sandbox_
     with pytest.raises(SandboxError):
         await again.exec(["echo", "hi"])
     await pool.release(again, recycle=False)
+
+
+async def test_the_most_recently_returned_sandbox_is_handed_out_first() -> None:
+    # LIFO on the fake backend: the sandboxes a steady job needs stay hot, and the surplus stays idle until its
+    # TTL retires it (handed out in turn, every idle sandbox would look in use and none would ever expire)
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake.backend import FakeBackend
+
+    backend = FakeBackend(FakeBackendConfig(owner="pool-lifo"))
+    pool = SandboxPool(backend, PoolConfig(max_idle_total=8, max_idle_per_pool=8, idle_ttl_s=1.5))
+    pool.start()
+    spec = SandboxSpec(image=backend.config.base_image)
+    try:
+        held = [sb for sb, _ in await asyncio.gather(*(pool.acquire(spec) for _ in range(4)))]
+        for sb in held:
+            assert await pool.release(sb, recycle=True)
+        hot = held[-1]
+        for _ in range(6):  # one rollout at a time, for longer than the TTL
+            sb, source = await pool.acquire(spec)
+            assert (sb.id, source) == (hot.id, "warm")
+            await asyncio.sleep(0.4)
+            assert await pool.release(sb, recycle=True)
+        await _until(lambda: pool.idle_total == 1, timeout=5)  # the three it never needed have expired
+    finally:
+        await pool.close()
+        await backend.close()
