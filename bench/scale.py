@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from typing import Any
 
 import docker
 
+from bench import proc_cpu
 from bench.fleet_bench import timed_job
 from orchestrator.backends.docker.backend import DockerBackendConfig
 from orchestrator.backends.pool import TENANT_LABEL, PoolConfig
@@ -168,6 +170,13 @@ async def run(
                     log.warning("%d sandboxes up (%.1f MB each so far)", len(held), per)
             warm_s = time.monotonic() - t0
             await asyncio.sleep(2)
+            # what the sandboxes cost doing nothing: envd's and the shim's timers, per idle sandbox
+            idle_s = 10.0
+            cpu0 = proc_cpu.cpu_by_kind()
+            await asyncio.sleep(idle_s)
+            result["idle_cpu_ms_per_s_per_sandbox"] = proc_cpu.per(
+                cpu0, proc_cpu.cpu_by_kind(), idle_s * max(len(held), 1)
+            )
             peak = len(held)
             mem_peak = used_memory_mb()
             result["peak_concurrent_sandboxes"] = peak
@@ -222,7 +231,9 @@ async def run(
                     "tasks": TaskSelection(kind="ids", ids=ids[rollouts : rollouts + eff_rollouts]),
                 }
             )
+            cpu0 = proc_cpu.cpu_by_kind()
             got4, eff_s, _ = await timed_job(orch.address, job2)
+            cpu4 = proc_cpu.per(cpu0, proc_cpu.cpu_by_kind(), sum(got4.values()))
             episode_s = 3 * latency
             ideal_per_min = eff_concurrency / episode_s * 60
             measured = sum(got4.values()) / eff_s * 60
@@ -233,6 +244,11 @@ async def run(
                 "ideal_per_min": round(ideal_per_min, 1),
                 "ok": got4["OK"],
                 "rollouts": sum(got4.values()),
+                # where the CPU went: the ideal rate needs the host's cores / this total per rollout
+                "cpu_ms_per_rollout": cpu4,
+                "cpu_ms_per_rollout_total": round(sum(cpu4.values()), 1),
+                "host_cpus": os.cpu_count(),
+                "load_average_1m_at_end": round(os.getloadavg()[0], 1),
             }
         finally:
             await orch.stop(grace=1)
