@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.core.processes import owner_alive, proc_start_time, process_host
 from orchestrator.core.sandbox import SandboxSpec
 
 if TYPE_CHECKING:
@@ -40,39 +40,6 @@ CONTROL_LABELS = frozenset(
 )
 
 
-def process_host() -> str:
-    """Where this process's pids mean something: the host name and the pid namespace. An orchestrator in a container
-    (`--network host` gives it the host's name) and one on the host then never judge each other's owners gone."""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid").removeprefix("pid:")
-    except OSError:
-        namespace = ""
-    return f"{socket.gethostname()}{namespace}"
-
-
-def _proc_stat(pid: int) -> list[bytes]:
-    """The fields of /proc/PID/stat after the command name (state first), or none for a process that is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return []
-    return raw[raw.rfind(b")") + 2 :].split()
-
-
-def _proc_start_time(pid: int) -> str:
-    """The kernel's start time of a process (clock ticks since boot), which tells a reused pid apart."""
-    fields = _proc_stat(pid)
-    return fields[19].decode() if fields else ""
-
-
-def owner_alive(pid: int, start: str) -> bool:
-    """Whether the process that created a sandbox still runs (same pid and same start time). A zombie is dead: a
-    killed owner whose parent died too may wait long for a reaper (a container's init may never reap it)."""
-    fields = _proc_stat(pid)
-    return bool(start) and bool(fields) and fields[19].decode() == start and fields[0] not in (b"Z", b"X")
-
-
 @dataclass(frozen=True)
 class Owner:
     """The identity this backend instance writes into every container's labels."""
@@ -87,7 +54,7 @@ class Owner:
     def current(cls, name: str) -> Owner:
         """This process."""
         pid = os.getpid()
-        return cls(name, uuid.uuid4().hex, pid, _proc_start_time(pid), process_host())
+        return cls(name, uuid.uuid4().hex, pid, proc_start_time(pid), process_host())
 
 
 def labels_for(owner: Owner, spec: SandboxSpec, seal: str) -> dict[str, str]:
