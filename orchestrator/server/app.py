@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import tempfile
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
+from orchestrator.core.private_dirs import make_private_dir, sweep_private_dirs
 from orchestrator.core.sandbox import SandboxBackend
 from orchestrator.core.stalls import StallWatch
 from orchestrator.core.tracing import Tracer, TracingConfig, make_tracer
@@ -270,6 +270,8 @@ async def create_server(
     tracer = tracer or make_tracer(config.tracing, "envfleet")
     tls = config.security.tls
     credentials = server_credentials(tls) if tls else None
+    # what killed control planes and workers of this host left in the temp directory (their sockets, archives)
+    await asyncio.to_thread(sweep_private_dirs)
     with_workers = config.workers or config.worker_listen or config.ray
     identity = await worker_identity(config) if with_workers else None
     store = await ResultStore.open(config.data_dir / "results.sqlite3")
@@ -346,7 +348,7 @@ async def create_server(
     if config.openenv is not None:
         # the facade calls this server as a client, with its callers' tokens (the interceptor checks them), over a
         # unix socket in a private folder: no TLS to set up for a call that never leaves the process's host
-        private_dir = Path(tempfile.mkdtemp(prefix="envfleet-"))
+        private_dir = await asyncio.to_thread(make_private_dir, "openenv")
         server.add_insecure_port(f"unix:{private_dir / 'grpc.sock'}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ import grpc
 
 from orchestrator.client.auth import ClientTLS
 from orchestrator.core.environment import ImageSource
+from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.server.security import server_credentials
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.worker.config import WorkerConfig
@@ -89,18 +89,23 @@ class WorkerPlane:
         token = identity.token
         server = grpc.aio.server(options=SERVER_OPTIONS)
         wpb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(hub, token), server)
-        # a fresh 0700 directory: no other host account can reach the socket, and no one can plant one
-        socket_dir = Path(tempfile.mkdtemp(prefix="envfleet-workers-"))
+        # a fresh 0700 directory: no other host account can reach the socket, and no one can plant one; marked as
+        # ours, so that the next start removes it if this process is killed (create_server sweeps)
+        socket_dir = await asyncio.to_thread(make_private_dir, "workers")
         plane = cls(hub, server, socket_dir, token, None)
-        server.add_insecure_port(plane.unix_target)
-        if config.worker_listen:
-            host = config.worker_listen.rsplit(":", 1)[0]
-            if credentials is not None:
-                port = server.add_secure_port(config.worker_listen, credentials)
-            else:  # loopback, or the operator passed insecure (create_server checked)
-                port = server.add_insecure_port(config.worker_listen)
-            plane.tcp_address = f"{host}:{port}"
-        await server.start()
+        try:
+            server.add_insecure_port(plane.unix_target)
+            if config.worker_listen:
+                host = config.worker_listen.rsplit(":", 1)[0]
+                if credentials is not None:
+                    port = server.add_secure_port(config.worker_listen, credentials)
+                else:  # loopback, or the operator passed insecure (create_server checked)
+                    port = server.add_insecure_port(config.worker_listen)
+                plane.tcp_address = f"{host}:{port}"
+            await server.start()
+        except BaseException:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
         worker_config = WorkerConfig(
             backend=config.backend,
             pool=config.pool,
@@ -140,10 +145,13 @@ class WorkerPlane:
 
     async def stop(self) -> None:
         """Stop the workers (they destroy their sandboxes), then the worker wire."""
-        await self.hub.close()
-        if self.local is not None:
-            await self.local.stop()
-        if self.ray is not None:
-            await self.ray.stop()
-        await self._server.stop(1)
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        try:
+            await self.hub.close()
+            if self.local is not None:
+                await self.local.stop()
+            if self.ray is not None:
+                await self.ray.stop()
+            await self._server.stop(1)
+        finally:
+            # also when a stage overran and this was cancelled; a socket and a marker: no work for a thread
+            shutil.rmtree(self._socket_dir, ignore_errors=True)

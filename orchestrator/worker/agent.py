@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.archives import ArchiveKind
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.models import JobSpec
+from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.rollout.runner import WorkItem
 from orchestrator.service.archives import load_kinds
 from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS
@@ -217,7 +217,8 @@ class WorkerAgent:
         if digest != m.sha256:
             raise ValueError(f"the archive of {m.name}@{m.version} arrived damaged (sha256 {digest}, not {m.sha256})")
         if self._archive_dir is None:
-            self._archive_dir = Path(tempfile.mkdtemp(prefix="envfleet-worker-archives-"))
+            # marked as this process's: left by a killed worker, the next worker or control plane removes it
+            self._archive_dir = await asyncio.to_thread(make_private_dir, "worker-archives")
         folder = self._archive_dir / digest
         folder.mkdir()
         archive = folder / "archive"

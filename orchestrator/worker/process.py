@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from orchestrator.backends.pool import SandboxPool
 from orchestrator.client.auth import ClientTLS, check_client_transport
+from orchestrator.core.private_dirs import sweep_private_dirs
 from orchestrator.core.stalls import StallWatch
 from orchestrator.core.tracing import make_tracer
 from orchestrator.rollout.runner import RolloutRunner
@@ -34,6 +35,7 @@ async def run_worker(
     `tls` says whom to trust (and what to present, for mTLS); the token is never sent in clear off loopback unless
     `insecure`. `on_agent` is handed the agent once it exists (a Ray actor reports on it)."""
     check_client_transport(target, token, tls, insecure)  # before any sandbox exists
+    await asyncio.to_thread(sweep_private_dirs)  # what killed workers of this host left (a Ray node has no other)
     tracer = make_tracer(config.tracing, "envfleet-worker")  # each worker process exports its own spans
     fleet = await start_fleet(config.backend)
     backend = fleet.backend

@@ -9,6 +9,8 @@ import pwd
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +23,7 @@ from orchestrator.backends.docker.socket_dirs import SOCKET_NAME
 from orchestrator.core.errors import SandboxCreateError
 from orchestrator.core.sandbox import Hardening, SandboxSpec
 from orchestrator.images import build_image
+from tests.conftest import REPO
 
 
 async def test_a_big_write_into_the_socket_directory_fails_and_lands_nothing_on_the_host(
@@ -124,7 +127,13 @@ async def test_seccomp_apparmor_and_nofile_as_the_engine_reports_them(
 
 async def test_the_sweep_unmounts_and_removes_a_socket_directory_a_crashed_owner_left(backend: DockerBackend) -> None:
     name = f"envfleet-{uuid.uuid4().hex[:12]}"
-    path = backend.sockets.make(name, 100000, 100000)
+    # made by an owner that then died before its container existed (a live creator's directory is kept)
+    make = (
+        "import sys; from orchestrator.backends.docker.socket_dirs import SocketDirs as D;"
+        " D(sys.argv[1]).make(sys.argv[2], 100000, 100000)"
+    )
+    subprocess.run([sys.executable, "-c", make, str(backend.sockets.root), name], cwd=REPO, check=True)
+    path = backend.sockets.path(name)
     try:
         assert os.path.ismount(path)
         (path / "junk").write_bytes(b"x" * 1000)

@@ -8,6 +8,12 @@ only then is the socket checked (lstat: a socket, not a link) and connected to. 
 
 A per-root secret key seals each container's name (an HMAC in a label): the sweep acts only on containers whose seal
 it can verify, so a label copied from an image or set by anyone else is a claim it ignores.
+
+Every backend of the host that shares the root sweeps it, and a create may stall long between its mkdir and its
+container (a slow engine). So a create holds an exclusive flock on `NAME.creating` beside its directory (in the root,
+out of the sandbox's reach) from before the mkdir until its container exists: a sweep first claims each old directory
+by taking that lock without blocking, skips those it cannot (their creator is alive and still creating), and only then
+lists the containers, so a directory it removes had no creator alive at the claim and no container after it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -23,6 +30,8 @@ import re
 import secrets
 import shutil
 import stat
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.core.errors import ConfigError, LimitNotAppliedError
@@ -30,6 +39,9 @@ from orchestrator.core.errors import ConfigError, LimitNotAppliedError
 log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^envfleet-[0-9a-f]{12}$")
+CREATING = ".creating"  # NAME + this: the lock a create holds until its container exists
+_CREATING_NAME = re.compile(r"^(envfleet-[0-9a-f]{12})\.creating$")
+STALE_AFTER_S = 60.0  # a directory younger than this, or with no age to judge, is never taken for an orphan
 SOCKET_NAME = "envd.sock"
 TOKEN_NAME = "token"  # written by the host before the container starts; envd reads and removes it first thing
 KEY_FILE = ".seal-key"
@@ -60,12 +72,28 @@ def _unmount(path: Path) -> None:
             log.warning("could not unmount %s: %s", path, os.strerror(err))
 
 
+@dataclass
+class Claims:
+    """Old socket directories a sweep has claimed (SocketDirs.claim_stale): their create locks, held until
+    `release` (None: a directory without one)."""
+
+    held: dict[str, int | None] = field(default_factory=dict)
+
+    def release(self) -> None:
+        """Drop every lock held."""
+        for fd in self.held.values():
+            if fd is not None:
+                os.close(fd)
+        self.held.clear()
+
+
 class SocketDirs:
     """The socket root of one backend and the per-sandbox directories in it."""
 
     def __init__(self, root: Path, *, tmpfs: bool = True) -> None:
         self.root = Path(os.path.abspath(root))
         self.tmpfs = tmpfs
+        self._creating: dict[str, int] = {}  # name -> the fd of the lock its create holds
         self._ensure_root()
         self._key = self._load_key()
 
@@ -133,8 +161,32 @@ class SocketDirs:
         return bool(NAME.match(name)) and hmac.compare_digest(self.seal(name), seal)
 
     def make(self, name: str, uid: int, gid: int) -> Path:
-        """A fresh directory for sandbox `name`, writable by the sandbox user until `lock`."""
+        """A fresh directory for sandbox `name`, writable by the sandbox user until `lock`, marked as being created
+        by this process until `created` (or `remove`)."""
         path = self.path(name)
+        lock = self.root / f"{name}{CREATING}"
+        lfd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file just made: no one else holds it
+            self._creating[name] = lfd
+            return self._make_dir(path, uid, gid)
+        except BaseException:
+            self._creating.pop(name, None)
+            os.unlink(lock)
+            os.close(lfd)
+            raise
+
+    def created(self, name: str) -> None:
+        """The create of `name` is over (its container exists, or it failed and was cleaned up): drop its lock."""
+        lfd = self._creating.pop(name, None)
+        if lfd is None:
+            return
+        # unlinked before it is unlocked: a sweep that finds neither lock nor container lists the containers after
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / f"{name}{CREATING}")
+        os.close(lfd)
+
+    def _make_dir(self, path: Path, uid: int, gid: int) -> Path:
         os.mkdir(path, 0o700)
         if self.tmpfs:
             options = f"size={TMPFS_SIZE},nr_inodes={TMPFS_INODES},mode=0700,uid={uid},gid={gid}"
@@ -196,8 +248,18 @@ class SocketDirs:
             return False
 
     def remove(self, name: str) -> None:
-        """Unmount and delete a sandbox's directory; a link in its place is removed, never followed."""
+        """Unmount and delete a sandbox's directory (and its create's lock); a link in its place is removed, never
+        followed."""
         path = self.path(name)
+        try:
+            self._remove_dir(path)
+        finally:
+            self.created(name)
+            with contextlib.suppress(FileNotFoundError):  # a dead creator's, removed by the sweep that claimed it
+                os.unlink(self.root / f"{name}{CREATING}")
+
+    @staticmethod
+    def _remove_dir(path: Path) -> None:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -208,6 +270,73 @@ class SocketDirs:
         _unmount(path)
         # rmtree works from directory fds and never follows a link inside the tree
         shutil.rmtree(path, ignore_errors=True)
+
+    def claim_stale(self, now: float, keep: Collection[str]) -> Claims:
+        """Directories older than STALE_AFTER_S and not in `keep` whose create is not under way: each one's lock is
+        taken without blocking and held until the claims are released, so its creator cannot be alive meanwhile. A
+        lock left without its directory (a creator killed before its mkdir) is removed on the way. Blocking."""
+        claims = Claims()
+        try:
+            with os.scandir(self.root) as it:
+                entries = [e.name for e in it]
+            present = set(entries)
+            for entry in entries:
+                lock = _CREATING_NAME.match(entry)
+                if lock is not None:
+                    if lock.group(1) not in present:
+                        self._drop_orphan_lock(entry, now)
+                    continue
+                if not NAME.match(entry) or entry in keep:
+                    continue
+                try:
+                    if self.age_s(entry, now) <= STALE_AFTER_S:
+                        continue
+                except FileNotFoundError:
+                    continue
+                claimed, lfd = self._claim(entry)
+                if claimed:
+                    claims.held[entry] = lfd
+        except BaseException:
+            claims.release()
+            raise
+        return claims
+
+    def _claim(self, name: str) -> tuple[bool, int | None]:
+        """Whether `name` is claimed, and the fd of its create lock, now ours (None: it has none, made by an older
+        version or its create finished). Not claimed: its creator holds the lock."""
+        try:
+            lfd = os.open(self.root / f"{name}{CREATING}", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return True, None
+        except OSError as e:  # a link in our own 0700 root is no lock of ours: leave the directory alone
+            log.warning("not sweeping %s: its lock %s%s cannot be opened: %s", name, name, CREATING, e.strerror)
+            return False, None
+        try:
+            fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lfd)
+            log.debug("not sweeping %s: its create is under way in a live process", name)
+            return False, None
+        except BaseException:
+            os.close(lfd)
+            raise
+        return True, lfd
+
+    def _drop_orphan_lock(self, entry: str, now: float) -> None:
+        path = self.root / entry
+        try:
+            if now - os.lstat(path).st_mtime <= STALE_AFTER_S:
+                return  # a create between its lock and its mkdir, most likely
+            lfd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+        except OSError:
+            pass  # held by a live creator, or gone already
+        finally:
+            os.close(lfd)
 
     def names(self) -> list[str]:
         """The sandbox directories in the root (other entries, the key among them, are left alone)."""

@@ -64,6 +64,7 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
             network_disabled=True,
         )
         cid = created["Id"]
+        backend.sockets.created(name)  # the container exists: from here on the sweep sees it, no lock needed
         warnings = limit_warnings(created)
         if warnings:
             raise LimitNotAppliedError(f"the engine could not apply a limit: {'; '.join(warnings)}")

@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.core.processes import owner_alive, proc_start_time, process_host
 from orchestrator.core.sandbox import SandboxSpec
 
 if TYPE_CHECKING:
@@ -40,39 +40,6 @@ CONTROL_LABELS = frozenset(
 )
 
 
-def process_host() -> str:
-    """Where this process's pids mean something: the host name and the pid namespace. An orchestrator in a container
-    (`--network host` gives it the host's name) and one on the host then never judge each other's owners gone."""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid").removeprefix("pid:")
-    except OSError:
-        namespace = ""
-    return f"{socket.gethostname()}{namespace}"
-
-
-def _proc_stat(pid: int) -> list[bytes]:
-    """The fields of /proc/PID/stat after the command name (state first), or none for a process that is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return []
-    return raw[raw.rfind(b")") + 2 :].split()
-
-
-def _proc_start_time(pid: int) -> str:
-    """The kernel's start time of a process (clock ticks since boot), which tells a reused pid apart."""
-    fields = _proc_stat(pid)
-    return fields[19].decode() if fields else ""
-
-
-def owner_alive(pid: int, start: str) -> bool:
-    """Whether the process that created a sandbox still runs (same pid and same start time). A zombie is dead: a
-    killed owner whose parent died too may wait long for a reaper (a container's init may never reap it)."""
-    fields = _proc_stat(pid)
-    return bool(start) and bool(fields) and fields[19].decode() == start and fields[0] not in (b"Z", b"X")
-
-
 @dataclass(frozen=True)
 class Owner:
     """The identity this backend instance writes into every container's labels."""
@@ -87,7 +54,7 @@ class Owner:
     def current(cls, name: str) -> Owner:
         """This process."""
         pid = os.getpid()
-        return cls(name, uuid.uuid4().hex, pid, _proc_start_time(pid), process_host())
+        return cls(name, uuid.uuid4().hex, pid, proc_start_time(pid), process_host())
 
 
 def labels_for(owner: Owner, spec: SandboxSpec, seal: str) -> dict[str, str]:
@@ -143,25 +110,42 @@ def doomed(
 async def sweep(backend: DockerBackend, older_than: float | None = None) -> int:
     """Remove the sealed containers (and socket directories) whose owner is gone or whose lease expired.
 
-    A container whose name and seal this backend's key cannot verify is left alone, whatever its labels say.
+    A container whose name and seal this backend's key cannot verify is left alone, whatever its labels say. A
+    socket directory goes when it is old, has no container, and no live process is still creating it.
     """
     engine = backend.engine
-    containers = await engine.call(engine.api.containers, all=True, filters={"label": f"{LABEL_MANAGED}=1"})
     known = backend.known_names()
-    # the verdicts hash every name and read /proc for every owner: off the loop, since on a host of a thousand
-    # sandboxes under load that took seconds, and every rollout of the process waited meanwhile
-    verdicts, stale_dirs = await asyncio.to_thread(_judge, backend, containers, time.time(), older_than, known)
-    for cid, name, reason in verdicts:
-        log.info("sweeping %s (%s)", name, reason)
-        own = backend.owned(cid)
-        if own is not None:
-            await own.close()
-        else:
-            await backend.discard(cid, name)
-    for name in stale_dirs:  # socket directories whose container is gone (a crash between mkdir and create)
+    # the old socket directories are claimed (their create locks taken) before the containers are listed: a create
+    # still under way elsewhere keeps its lock and its directory, and one that ended before the claim has its
+    # container in the list
+    claims = await asyncio.to_thread(backend.sockets.claim_stale, time.time(), known)
+    try:
+        containers = await engine.call(engine.api.containers, all=True, filters={"label": f"{LABEL_MANAGED}=1"})
+        known |= backend.known_names()  # and what this instance began meanwhile
+        # the verdicts hash every name and read /proc for every owner: off the loop, since on a host of a thousand
+        # sandboxes under load that took seconds, and every rollout of the process waited meanwhile
+        verdicts, listed = await asyncio.to_thread(_judge, backend, containers, time.time(), older_than, known)
+        for cid, name, reason in verdicts:
+            log.info("sweeping %s (%s)", name, reason)
+            own = backend.owned(cid)
+            if own is not None:
+                await own.close()
+            else:
+                await backend.discard(cid, name)
+        # socket directories without a container or a live creator (one killed between its mkdir and its create)
+        stale = [name for name in claims.held if name not in listed]
+        if stale:
+            await asyncio.to_thread(_remove_dirs, backend, stale)
+    finally:
+        claims.release()
+    return len(verdicts)
+
+
+def _remove_dirs(backend: DockerBackend, names: list[str]) -> None:
+    for name in names:
+        log.info("removing socket directory %s (no container, no creator)", name)
         with contextlib.suppress(FileNotFoundError):
             backend.sockets.remove(name)
-    return len(verdicts)
 
 
 def _judge(
@@ -170,25 +154,19 @@ def _judge(
     now: float,
     older_than: float | None,
     known: Collection[str],
-) -> tuple[list[tuple[str, str, str]], list[str]]:
-    """(id, name, reason) of each container to sweep, and the socket directories left without one (blocking)."""
+) -> tuple[list[tuple[str, str, str]], set[str]]:
+    """(id, name, reason) of each container to sweep, and the names of all containers listed (blocking)."""
     verdicts: list[tuple[str, str, str]] = []
-    live_names = set()
+    listed = set()
     alive: dict[tuple[str, str], bool] = {}  # owner (pid, start) -> alive: a thousand sandboxes have a few owners
     for c in containers:
         labels = c.get("Labels") or {}
         name = (c.get("Names") or ["/?"])[0].lstrip("/")
-        live_names.add(name)
+        listed.add(name)
         if not backend.sockets.verify(name, labels.get(LABEL_SEAL, "")):
             log.debug("not sweeping %s: its labels are not sealed by this socket root's key", name)
             continue
         reason = doomed(labels, name, float(c.get("Created", now)), now, older_than, backend.owner, known, alive)
         if reason:
-            live_names.discard(name)
             verdicts.append((c["Id"], name, reason))
-    stale = []
-    for name in backend.sockets.names():
-        with contextlib.suppress(FileNotFoundError):
-            if name not in live_names and name not in known and backend.sockets.age_s(name, now) > 60:
-                stale.append(name)
-    return verdicts, stale
+    return verdicts, listed

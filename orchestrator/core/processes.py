@@ -1,0 +1,43 @@
+"""Who a process is, and whether it still runs: a pid with its kernel start time (a reused pid is someone else) and
+the host and pid namespace where that pid means something. The sweeps of sandboxes and of private directories judge
+an owner gone by this, and only then remove what it left."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def process_host() -> str:
+    """Where this process's pids mean something: the host name and the pid namespace. An orchestrator in a container
+    (`--network host` gives it the host's name) and one on the host then never judge each other's owners gone."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid").removeprefix("pid:")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}{namespace}"
+
+
+def proc_stat(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name (state first), or none for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return raw[raw.rfind(b")") + 2 :].split()
+
+
+def proc_start_time(pid: int) -> str:
+    """The kernel's start time of a process (clock ticks since boot), which tells a reused pid apart."""
+    fields = proc_stat(pid)
+    return fields[19].decode() if fields else ""
+
+
+def owner_alive(pid: int, start: str) -> bool:
+    """Whether process `pid` started at `start` still runs. A zombie is dead: a killed owner whose parent died too
+    may wait long for a reaper (a container's init may never reap it)."""
+    if pid <= 0:
+        return False
+    fields = proc_stat(pid)
+    return bool(start) and bool(fields) and fields[19].decode() == start and fields[0] not in (b"Z", b"X")
