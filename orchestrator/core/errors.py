@@ -126,6 +126,12 @@ class PolicyResponseError(PolicyError, ValueError):
     """The server answered 2xx with a body that is not a chat completion."""
 
 
+class PolicyTokenError(PolicyResponseError):
+    """The server's token ids or logprobs are not exact values a rollout can carry: an id that is no int in the
+    wire's int32 range, a logprob that is not a finite float <= 0 (within float32), lists of unequal length. The
+    message names the first bad value and its index; ids are never clamped or wrapped to fit."""
+
+
 class JobNotFoundError(NotFoundError):
     """No job with that id."""
 

@@ -20,6 +20,7 @@ from orchestrator.core.models import (
     JobSpec,
     Provenance,
     Rollout,
+    RolloutError,
     RolloutStatus,
     Timing,
     Tokens,
@@ -77,6 +78,23 @@ class WorkItem:
     @property
     def seed(self) -> int:
         return int.from_bytes(hashlib.sha256(self.id.encode()).digest()[:4], "big")
+
+
+def unrun_rollout(item: WorkItem, env_ref: str, policy_version: str, error: RolloutError, attempts: int = 1) -> Rollout:
+    """The INFRA_ERROR rollout of an item nothing could run to an end (its workers lost, its executor failed):
+    delivered so the trainer can mask it, never scored."""
+    return Rollout(
+        id=item.id,
+        job_id=item.job_id,
+        env=env_ref,
+        task_id=item.task.id,
+        group_id=item.group_id,
+        sample_index=item.sample_index,
+        policy_version=policy_version,
+        status=RolloutStatus.INFRA_ERROR,
+        error=error,
+        attempts=attempts,
+    )
 
 
 def rollout_attributes(item: WorkItem, env_ref: str) -> Attributes:

@@ -2,7 +2,8 @@
 
 Turn k's prompt must extend turn k-1's prompt plus its completion; the extension is the observation (tool results
 and chat template glue) and gets mask 0. When a server returns no ids, or a later prompt does not extend the earlier
-one, the arrays are dropped and the status says why: tokens are never invented.
+one, the arrays are dropped and the status says why: tokens are never invented. Ids and logprobs that the wire
+cannot carry exactly end the episode (PolicyTokenError, POLICY_ERROR): they are never clamped to fit.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.core.models import Tokens, TokenStatus
+from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.base import Completion
 
 # The values of Tokens.status (a Literal there too; tests/orchestrator/rollout/test_tokens.py keeps the two equal).
@@ -27,18 +29,19 @@ class TokenTracker:
     _turns: int = 0
 
     def add(self, c: Completion) -> None:
-        """Fold in one completion (and the observation before it)."""
+        """Fold in one completion (and the observation before it). PolicyTokenError when what would be kept is not
+        exact values the wire can carry: the parsers check each answer already, this holds for any Policy."""
         self._turns += 1
         if self.status != "complete":
             return
         if c.prompt_ids is None or c.completion_ids is None or c.logprobs is None:
             self._drop("missing")
             return
-        if len(c.logprobs) != len(c.completion_ids):  # a Policy other than OpenAIPolicy may not have checked
-            self._drop("missing")
-            return
+        completion = checks.token_ids(c.completion_ids, "completion ids") or []
+        logprobs = checks.logprobs(c.logprobs, "logprobs[{i}]")
+        checks.same_length(completion, logprobs, "completion ids", "logprobs")
         if self._turns == 1:
-            self.prompt_ids = list(c.prompt_ids)
+            self.prompt_ids = checks.token_ids(c.prompt_ids, "prompt ids") or []
         else:
             seen = len(self.prompt_ids) + len(self.completion_ids)
             if c.prompt_ids[: len(self.prompt_ids)] != self.prompt_ids or (
@@ -46,13 +49,14 @@ class TokenTracker:
             ):
                 self._drop("inconsistent")
                 return
-            observation = c.prompt_ids[seen:]
+            # only the observation is new: what it extends was checked when it came
+            observation = checks.token_ids(c.prompt_ids[seen:], "prompt ids", offset=seen) or []
             self.completion_ids += observation
             self.mask += [0] * len(observation)
             self.logprobs += [0.0] * len(observation)
-        self.completion_ids += c.completion_ids
-        self.mask += [1] * len(c.completion_ids)
-        self.logprobs += c.logprobs
+        self.completion_ids += completion
+        self.mask += [1] * len(completion)
+        self.logprobs += logprobs
 
     def _drop(self, status: TokenStatus) -> None:
         self.status = status

@@ -31,9 +31,9 @@ from orchestrator.core.errors import (
     QuotaExceededError,
 )
 from orchestrator.core.metrics import Metrics
-from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState
+from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState, RolloutError
 from orchestrator.core.tracing import NOOP_TRACER, Tracer
-from orchestrator.rollout.runner import WorkItem, traced_rollout
+from orchestrator.rollout.runner import WorkItem, traced_rollout, unrun_rollout
 from orchestrator.service.advantages import group_advantages
 from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
 from orchestrator.service.executor import Executor
@@ -290,9 +290,14 @@ class JobManager:
             job.state = JobState.RUNNING
             await self.store.set_job_state(job.job_id, JobState.RUNNING)
         self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
-        rollout = await traced_rollout(
-            self.tracer, item, job.env.ref(), lambda traced: self.executor.run(traced, job.env, job.spec)
-        )
+        try:
+            rollout = await traced_rollout(
+                self.tracer, item, job.env.ref(), lambda traced: self.executor.run(traced, job.env, job.spec)
+            )
+        except Exception as e:  # an executor's bug: the rollout is masked, never lost (the job would never end)
+            log.error("rollout %s: the executor failed", item.id, exc_info=e)
+            error = RolloutError(kind=type(e).__name__, message=f"the rollout could not be run: {e}"[:2000])
+            rollout = unrun_rollout(item, job.env.ref(), job.spec.policy.version, error)
         self.metrics.rollouts.labels(rollout.status.value).inc()
         if job.state == JobState.CANCELLED:
             return

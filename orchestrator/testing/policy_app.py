@@ -54,11 +54,14 @@ def _error_body(status: int, message: str, kind: str = "BadRequestError") -> dic
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
-    try:
-        body = orjson.dumps(payload)  # a tenth of json.dumps's time on an answer's per-token logprobs
-    except TypeError:  # a lone surrogate (from a request's own JSON) orjson refuses: escaped as json.dumps does
-        body = json.dumps(payload).encode()
+async def _send_json(send: Send, status: int, payload: dict[str, Any] | bytes) -> None:
+    if isinstance(payload, bytes):
+        body = payload
+    else:
+        try:
+            body = orjson.dumps(payload)  # a tenth of json.dumps's time on an answer's per-token logprobs
+        except TypeError:  # a lone surrogate (from a request's own JSON) orjson refuses: escaped as json.dumps does
+            body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -168,7 +171,7 @@ class ScriptedPolicyApp:
         if reply is not None:
             await _send_json(send, *reply)
 
-    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any]] | None:
+    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any] | bytes] | None:
         path, method = scope["path"], scope["method"]
         if path in ("/v1/chat/completions", "/v1/completions"):
             allowed = "POST"
@@ -189,7 +192,7 @@ class ScriptedPolicyApp:
             raise _HTTPError(404, "no route /v1/completions: only the qwen3 template serves token-id prompts")
         return await self._generate(scope, receive, path)
 
-    async def _generate(self, scope: Scope, receive: Receive, path: str) -> tuple[int, dict[str, Any]] | None:
+    async def _generate(self, scope: Scope, receive: Receive, path: str) -> tuple[int, dict[str, Any] | bytes] | None:
         # the simulated latency is the whole answer time, this server's own work included, as a model server's is
         loop = asyncio.get_running_loop()
         answer_at = loop.time() + self.script.latency_s
@@ -215,7 +218,7 @@ class ScriptedPolicyApp:
             raise _HTTPError(400, str(e)) from None
 
         step = self._step(user, turn)
-        reply = self._fault(user, turn, step) or (200, answer(step))
+        reply = self._fault(user, turn, step) or (200, _with_choice_fields(answer(step), step.choice_fields))
         if isinstance(reply, _Hang):
             return await self._hang(receive)
         delay = answer_at - loop.time()
@@ -373,6 +376,15 @@ class ScriptedPolicyApp:
         if self.tokens and body.get("logprobs") is True:
             choice["logprobs"] = {"content": answer.logprob_entries(body.get("return_tokens_as_token_ids") is True)}
         return response
+
+
+def _with_choice_fields(response: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any] | bytes:
+    """The answer with a hostile step's fields in choices[0], encoded by the json module: orjson would write a NaN
+    as null and refuse an int past 64 bits, which a hostile server sends as they are."""
+    if not fields:
+        return response
+    choices = [{**response["choices"][0], **fields}, *response["choices"][1:]]  # the cached answer stays as it was
+    return json.dumps({**response, "choices": choices}).encode()
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -33,6 +33,11 @@ class Step(BaseModel):
     fail_times: int | None = Field(
         None, ge=1, description="the fault hits only this many attempts, then the turn answers normally; None: always"
     )
+    choice_fields: dict[str, Any] = Field(
+        default_factory=dict,
+        description="a hostile server: these keys replace choices[0]'s own in the answer (token_ids, logprobs, "
+        "prompt_token_ids...), sent as Python's json writes them (NaN and Infinity as its literals)",
+    )
     fault_samples: frozenset[int] | None = Field(
         None,
         description="the fault hits only the rollouts with these sample indices (the last part of the rollout id, "

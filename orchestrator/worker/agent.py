@@ -181,13 +181,22 @@ class WorkerAgent:
                 env = self._environment(spec.env, a.env_spec_json)
             task = self._task(env, a.task_id)
         except Exception as e:
-            log.exception("worker %s cannot run assignment %s", self.worker_id, a.assignment_id)
-            error = f"worker {self.worker_id} cannot run it: {type(e).__name__}: {e}"[:2000]
-            outbox.put(wpb.RolloutResult(assignment_id=a.assignment_id, error=error))
+            outbox.put(self._failed(a, "cannot run it", e))
             return
         item = WorkItem(a.job_id, task, a.sample_index, time.monotonic() - a.queued_s, a.tenant, a.traceparent)
-        rollout = await self._executor.run(item, env, spec)
-        outbox.put(encode(a.assignment_id, rollout))
+        try:
+            rollout = await self._executor.run(item, env, spec)
+            result = encode(a.assignment_id, rollout)
+        except Exception as e:  # never no answer: the control plane would wait out the rollout's whole budget
+            outbox.put(self._failed(a, "failed to run or encode it", e))
+            return
+        outbox.put(result)
+
+    def _failed(self, a: wpb.Assignment, what: str, e: Exception) -> wpb.RolloutResult:
+        """The error result of an assignment: the control plane counts it an infrastructure failure and retries."""
+        log.error("worker %s %s (assignment %s)", self.worker_id, what, a.assignment_id, exc_info=e)
+        error = f"worker {self.worker_id} {what}: {type(e).__name__}: {e}"[:2000]
+        return wpb.RolloutResult(assignment_id=a.assignment_id, error=error)
 
     def _spec(self, job_id: str, spec_json: bytes) -> JobSpec:
         """The assignment's job spec, parsed once per job and spec (a policy update sends a new one)."""

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.errors import SandboxError
-from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError, RolloutStatus
-from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem
+from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError
+from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, unrun_rollout
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
 from orchestrator.worker.outbox import Outbox, as_messages
@@ -429,15 +429,5 @@ def _control_messages(batch: list[wpb.Assignment | wpb.ControlMessage]) -> list[
 
 def _lost_rollout(item: WorkItem, env: Environment, spec: JobSpec, lost: list[str]) -> Rollout:
     """The rollout of an item whose workers were all lost: INFRA_ERROR, delivered so the trainer can mask it."""
-    return Rollout(
-        id=item.id,
-        job_id=item.job_id,
-        env=env.ref(),
-        task_id=item.task.id,
-        group_id=item.group_id,
-        sample_index=item.sample_index,
-        policy_version=spec.policy.version,
-        status=RolloutStatus.INFRA_ERROR,
-        error=RolloutError(kind=WorkerLostError.__name__, message="; ".join(lost)[-2000:]),
-        attempts=len(lost),
-    )
+    error = RolloutError(kind=WorkerLostError.__name__, message="; ".join(lost)[-2000:])
+    return unrun_rollout(item, env.ref(), spec.policy.version, error, attempts=len(lost))

@@ -195,8 +195,8 @@ def _dumps(body: dict[str, Any]) -> bytes:
 
 def _loads(content: bytes) -> Any:
     """A JSON body decoded by orjson, or by the json module where orjson refuses it (NaN, UTF-16); ValueError when
-    it is not JSON. One difference remains: orjson reads an integer past 64 bits as a float, so token ids that large
-    (no vocabulary's, and past the wire's int32) are dropped as "no token ids" by the parser, never rounded."""
+    it is not JSON. One difference remains: orjson reads an integer past 64 bits as a float, so a token id that
+    large (past the wire's int32 anyway) is refused by the parser as a float, never rounded."""
     try:
         return orjson.loads(content)
     except orjson.JSONDecodeError:

@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from orchestrator.core.errors import PolicyResponseError
+from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.base import Completion, ToolCall
-
-log = logging.getLogger(__name__)
 
 # A policy URL may point anywhere a tenant chose: error messages describe a response (its type, its keys, its size)
 # but never quote it, so an error cannot be used to read another host's answers.
-TOKEN_ID_PREFIX = "token_id:"
 
-
-_INT = frozenset({int})
-
-
-def _int_list(value: Any) -> list[int] | None:
-    # every item an int, not a bool (nor a float): decoded JSON has no other int subclass; types compared in C
-    if isinstance(value, list) and set(map(type, value)) <= _INT:
-        return list(value)
-    return None
+_CONTENT = "choices[0].logprobs.content"
 
 
 def _logprob_entries(choice: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -32,30 +21,6 @@ def _logprob_entries(choice: dict[str, Any]) -> list[dict[str, Any]] | None:
     if isinstance(content, list) and all(isinstance(e, dict) for e in content):
         return content
     return None
-
-
-def _logprobs(entries: list[dict[str, Any]]) -> list[float] | None:
-    out: list[float] = []
-    for e in entries:
-        v = e.get("logprob")
-        if not isinstance(v, int | float) or isinstance(v, bool):
-            return None
-        out.append(float(v))
-    return out
-
-
-def _ids_from_logprob_tokens(entries: list[dict[str, Any]]) -> list[int] | None:
-    # With return_tokens_as_token_ids, vLLM writes each sampled token as "token_id:N".
-    out: list[int] = []
-    for e in entries:
-        tok = e.get("token")
-        if not isinstance(tok, str) or not tok.startswith(TOKEN_ID_PREFIX):
-            return None
-        try:
-            out.append(int(tok[len(TOKEN_ID_PREFIX) :]))
-        except ValueError:
-            return None
-    return out
 
 
 def _text(content: Any) -> str:
@@ -91,7 +56,9 @@ def _tool_calls(raw: Any) -> tuple[list[ToolCall], list[dict[str, Any]]]:
 
 
 def parse_chat_completion(data: Any, *, model: str) -> Completion:
-    """A Completion from a chat completions response body; raises PolicyResponseError when it is not one."""
+    """A Completion from a chat completions response body; raises PolicyResponseError when it is not one, and
+    PolicyTokenError when its token ids or logprobs are not exact values a rollout can carry (token_checks.py).
+    Token fields the server left out stay None: the rollout's tokens are then "missing", never invented."""
     if not isinstance(data, dict):
         raise PolicyResponseError(f"response is a {type(data).__name__}, expected a JSON object")
     choices = data.get("choices")
@@ -105,21 +72,20 @@ def parse_chat_completion(data: Any, *, model: str) -> Completion:
     text = _text(content)
     tool_calls, wire_calls = _tool_calls(message.get("tool_calls"))
 
-    prompt_ids = _int_list(data.get("prompt_token_ids"))
+    prompt_ids = checks.token_ids(data.get("prompt_token_ids"), "prompt_token_ids")
     if prompt_ids is None:
-        prompt_ids = _int_list(choice.get("prompt_token_ids"))
+        prompt_ids = checks.token_ids(choice.get("prompt_token_ids"), "choices[0].prompt_token_ids")
     entries = _logprob_entries(choice)
-    completion_ids = _int_list(choice.get("token_ids"))
+    ids_at = "choices[0].token_ids"
+    completion_ids = checks.token_ids(choice.get("token_ids"), ids_at)
     if completion_ids is None and entries is not None:
-        completion_ids = _ids_from_logprob_tokens(entries)
-    logprobs = _logprobs(entries) if entries is not None else None
-    if completion_ids is not None and logprobs is not None and len(completion_ids) != len(logprobs):
-        log.warning(
-            "policy returned %d completion ids but %d logprobs; dropping the logprobs",
-            len(completion_ids),
-            len(logprobs),
-        )
-        logprobs = None
+        ids_at = _CONTENT + "[].token"
+        completion_ids = checks.ids_from_labels([e.get("token") for e in entries], _CONTENT + "[{i}].token")
+    logprobs = None
+    if entries is not None:
+        logprobs = checks.logprobs([e.get("logprob") for e in entries], _CONTENT + "[{i}].logprob")
+    if completion_ids is not None and logprobs is not None:
+        checks.same_length(completion_ids, logprobs, ids_at, _CONTENT)
 
     raw_message: dict[str, Any] = {"role": "assistant", "content": content if isinstance(content, str) else text}
     if content is None:

@@ -11,21 +11,25 @@ context. The transport (pools, retries, the response cap, redirects refused) is 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.core.errors import ConfigError, ContextFull, InvalidRequestError, PolicyError, PolicyResponseError
+from orchestrator.core.errors import (
+    ConfigError,
+    ContextFull,
+    InvalidRequestError,
+    PolicyError,
+    PolicyResponseError,
+    PolicyTokenError,
+)
 from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
-from orchestrator.rollout.policy.parsing import TOKEN_ID_PREFIX
 from orchestrator.rollout.tito.parsers import ToolParser, get_parser
 from orchestrator.rollout.tito.template import ChatTemplateTokens
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -169,38 +173,20 @@ class TitoEpisode(Policy):
         """The connections are the shared TitoPolicy's."""
 
 
-def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return list(value)
-    return None
-
-
-def _ids_from_tokens(tokens: Any) -> list[int] | None:
-    if not isinstance(tokens, list):
-        return None
-    out = []
-    for t in tokens:
-        if not isinstance(t, str) or not t.startswith(TOKEN_ID_PREFIX):
-            return None
-        try:
-            out.append(int(t[len(TOKEN_ID_PREFIX) :]))
-        except ValueError:
-            return None
-    return out
-
-
 def parse_completion(data: Any, prompt_ids: list[int], max_tokens: int, *, model: str) -> Sample:
     """A Sample from a `/v1/completions` answer; PolicyResponseError when it carries no sampled ids, more than
-    max_tokens of them, or echoes a prompt other than the one sent (the response is described, never quoted)."""
+    max_tokens of them, or echoes a prompt other than the one sent (the response is described, never quoted);
+    PolicyTokenError when an id or a logprob is not an exact value a rollout can carry (token_checks.py)."""
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise PolicyResponseError("the completions response has no choices[0] object")
     choice = choices[0]
     raw_lp = choice.get("logprobs")
     lp: dict[str, Any] = raw_lp if isinstance(raw_lp, dict) else {}
-    ids = _int_list(choice.get("token_ids"))
-    if ids is None:
-        ids = _ids_from_tokens(lp.get("tokens"))
+    ids = checks.token_ids(choice.get("token_ids"), "choices[0].token_ids")
+    labels = lp.get("tokens")
+    if ids is None and isinstance(labels, list):
+        ids = checks.ids_from_labels(labels, "choices[0].logprobs.tokens[{i}]")
     if ids is None:
         raise PolicyResponseError(
             "the completions response has no sampled token ids (choices[0].token_ids); tito needs a server that "
@@ -216,11 +202,11 @@ def parse_completion(data: Any, prompt_ids: list[int], max_tokens: int, *, model
         )
     logprobs: list[float] | None = None
     raw = lp.get("token_logprobs")
-    if isinstance(raw, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
-        logprobs = [float(v) for v in raw]
-        if len(logprobs) != len(ids):
-            log.warning("policy returned %d token ids but %d logprobs; dropping the logprobs", len(ids), len(logprobs))
-            logprobs = None
+    if raw is not None:  # absent: the tokens are "missing" for training, never invented
+        if not isinstance(raw, list):
+            raise PolicyTokenError("the policy server's choices[0].logprobs.token_logprobs is not a list")
+        logprobs = checks.logprobs(raw, "choices[0].logprobs.token_logprobs[{i}]")
+        checks.same_length(ids, logprobs, "choices[0].token_ids", "choices[0].logprobs.token_logprobs")
     finish = choice.get("finish_reason")
     served = data.get("model")
     return Sample(

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from orchestrator.core.errors import PolicyConnectionError, PolicyError
+from orchestrator.core.errors import PolicyConnectionError, PolicyError, PolicyTokenError
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.client import OpenAIPolicy, _dumps, _loads
@@ -276,9 +276,10 @@ def test_json_is_read_and_written_as_the_json_module_does() -> None:
     # what orjson refuses falls back to the json module, so every body reads as it did before
     for raw in (b'{"a": NaN}', b'{"a": "\\ud800"}', '{"a": "é"}'.encode("utf-16")):
         assert repr(_loads(raw)) == repr(json.loads(raw))
-    # an integer past 64 bits: orjson reads a float, and such token ids are "none", never rounded ones
+    # an integer past 64 bits: orjson reads a float, and such a token id is refused, never rounded
     huge = {"choices": [{"message": {"content": "x"}, "token_ids": [123456789012345678901234567890]}]}
-    assert parse_chat_completion(_loads(json.dumps(huge).encode()), model="m").completion_ids is None
+    with pytest.raises(PolicyTokenError, match=r"token_ids\[0\] is 1.2345678901234568e\+29 \(a float\)"):
+        parse_chat_completion(_loads(json.dumps(huge).encode()), model="m")
     assert _loads(json.dumps({"x": -0.123456789012345678}).encode()) == {"x": -0.123456789012345678}
     with pytest.raises(ValueError):
         _loads(b"<html>")

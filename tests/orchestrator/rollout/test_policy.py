@@ -19,6 +19,7 @@ from orchestrator.core.errors import (
     PolicyHTTPError,
     PolicyResponseError,
     PolicyTimeoutError,
+    PolicyTokenError,
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.base import ToolCall
@@ -297,10 +298,10 @@ def test_parse_vllm_fallbacks() -> None:
     assert (c.prompt_ids, c.completion_ids, c.logprobs) == ([1, 2, 3], [7, 8, 9], [-0.5, -1.0, -1.5])
     assert (c.finish_reason, c.model, c.raw_message) == ("length", "qwen", {"role": "assistant", "content": "abc"})
 
-    # token_ids disagree in length with the logprobs: the logprobs are dropped, not aligned by guesswork
+    # token_ids disagree in length with the logprobs: a policy error, never aligned by guesswork (nor dropped)
     data["choices"][0]["token_ids"] = [7, 8]
-    c = parse_chat_completion(data, model="fallback")
-    assert (c.completion_ids, c.logprobs) == ([7, 8], None)
+    with pytest.raises(PolicyTokenError, match=r"2 token ids \(choices\[0\].token_ids\) but 3 logprobs"):
+        parse_chat_completion(data, model="fallback")
 
     # tokens as text (no return_tokens_as_token_ids) and no token_ids: no ids, logprobs kept
     plain = {"choices": [{"message": {"content": "ab"}, "logprobs": {"content": [{"token": "a", "logprob": -1}]}}]}

@@ -9,6 +9,7 @@ from typing import Any, get_args
 import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import PolicyTokenError
 from orchestrator.core.models import RolloutStatus, Tokens, TokenStatus
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.base import Completion
@@ -90,7 +91,6 @@ CASES = [
         "logprobs on turn 1, None on turn 2: nothing partial is kept", [_c(P1, C1), _no_logprobs(P1 + C1, C2)], MISSING
     ),
     Case("ids on turn 1, none on turn 2", [_c(P1, C1), _c(None, None, None)], MISSING),
-    Case("logprobs not one per completion token", [_c(P1, C1, [-0.5])], MISSING),
     Case(
         "the earlier completion dropped from the next prompt (a template that strips history)",
         [_c(P1, C1), _c(P1 + OBS, C2)],
@@ -123,6 +123,25 @@ def test_token_tracker(case: Case) -> None:
     assert tracker.result() == case.expected
     t = tracker.result()
     assert len(t.completion_ids) == len(t.completion_mask) == len(t.completion_logprobs)
+
+
+@pytest.mark.parametrize(
+    ("completions", "match"),
+    [
+        ([_c(P1, C1, [-0.5])], r"2 token ids \(completion ids\) but 1 logprobs"),
+        ([_c(P1, [2**31])], r"completion ids\[0\] is 2147483648: a token id is an int in 0\.\.2147483647"),
+        ([_c([1, -1], C1)], r"prompt ids\[1\] is -1"),
+        ([_c(P1, C1), _c([*P1, *C1, 5, 2**40], C2)], r"prompt ids\[6\] is 1099511627776"),
+        ([_c(P1, C1, [-0.5, float("nan")])], r"logprobs\[1\] is nan \(a float\)"),
+    ],
+    ids=["lengths", "completion id", "prompt id", "observation id", "logprob"],
+)
+def test_the_tracker_refuses_what_the_wire_cannot_carry(completions: list[Completion], match: str) -> None:
+    """Any Policy's tokens pass the one check the parsers make: a value the wire cannot carry is a policy error."""
+    tracker = TokenTracker()
+    with pytest.raises(PolicyTokenError, match=match):
+        for c in completions:
+            tracker.add(c)
 
 
 def test_token_status_values_match_the_model() -> None:
