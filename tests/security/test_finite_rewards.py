@@ -20,13 +20,14 @@ from orchestrator.core.errors import EnvironmentBroken
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.rollout.step import env_call
-from tests.orchestrator.servers import TEST_OWNER, serve
+from tests.conftest import TEST_OWNER
+from tests.orchestrator.servers import serve
 
 ANSWERS = {"nan": "nan", "inf": "inf", "minus-inf": "-inf", "fine": "1"}
 
 
 def _as_reward(ctx: ScoringContext) -> float:
-    return float(ctx.episode.answer)  # the task's "verifier": whatever it says, as a float
+    return float(ctx.episode.answer or "0")  # the task's "verifier": whatever it says, as a float
 
 
 class ScorerSaysEnv(Environment):
@@ -73,12 +74,12 @@ async def test_a_rubric_that_returns_nan_is_the_environment_broken() -> None:
 
 @pytest.mark.parametrize("workers", [0, 1])
 async def test_a_non_finite_reward_is_env_error_never_a_scored_rollout(tmp_path: Path, workers: int) -> None:
-    config = {
-        "backend": FakeBackendConfig(owner=TEST_OWNER),
-        "workers": workers,
-        "environments": [f"{__name__}:ScorerSaysEnv"],
-    }
-    async with serve(tmp_path, **config) as orch, EnvfleetClient(orch.address) as client:
+    backend = FakeBackendConfig(owner=TEST_OWNER)
+    environments = [f"{__name__}:ScorerSaysEnv"]
+    async with (
+        serve(tmp_path, backend=backend, workers=workers, environments=environments) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
         job_id = await client.submit(
             JobSpec(
                 env=ScorerSaysEnv.name,
