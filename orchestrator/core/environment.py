@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
@@ -69,11 +70,25 @@ RewardFn = Callable[[ScoringContext], float | Awaitable[float]]
 
 @dataclass(frozen=True)
 class Score:
-    """The reward, its named components (weight != 0) and metrics (weight 0)."""
+    """The reward, its named components (weight != 0) and metrics (weight 0). Each a finite number: a NaN would
+    reach the trainer as no reward at all (JSON null) on a rollout marked scored, an infinity as a gradient's ruin;
+    made inside the environment's scoring, the ValueError makes the rollout ENV_ERROR."""
 
     reward: float
     components: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _finite("the reward", self.reward)
+        for kind, values in (("component", self.components), ("metric", self.metrics)):
+            for name, value in values.items():
+                _finite(f"{kind} {name!r}", value)
+
+
+def _finite(what: str, value: object) -> None:
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        shown = repr(value) if isinstance(value, int | float) else f"a {type(value).__name__}"
+        raise ValueError(f"{what} is {shown[:40]}, not a finite number")
 
 
 @dataclass(frozen=True)

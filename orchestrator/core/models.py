@@ -3,6 +3,7 @@ of these (orchestrator/server/convert.py); the store keeps them as JSON."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
@@ -212,6 +213,8 @@ def check_reward(status: RolloutStatus, reward: float | None) -> None:
         raise ValueError(f"a {status.value} rollout must not carry a reward")
     if status.scored and reward is None:
         raise ValueError(f"a {status.value} rollout needs a reward")
+    if reward is not None and not math.isfinite(reward):
+        raise ValueError(f"a rollout's reward must be a finite number, not {reward}")
 
 
 @dataclass(frozen=True, slots=True)

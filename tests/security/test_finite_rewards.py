@@ -1,0 +1,97 @@
+"""A reward is a finite number or no reward at all. A scorer's NaN (from a task's own verifier, say: Harbor reads the
+reward from a file the task writes) reached the trainer as JSON null on a rollout marked OK, and an infinity as
+itself; now the rollout is ENV_ERROR, with a message that says what the scorer returned, on both paths (the server's
+own runner and a worker process). Real gRPC, store, scheduler and worker processes on the fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from orchestrator.backends.config import FakeBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Environment, Rubric, Score, ScoringContext, Task, ToolInvocation
+from orchestrator.core.errors import EnvironmentBroken
+from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
+from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.rollout.step import env_call
+from tests.conftest import TEST_OWNER
+from tests.orchestrator.servers import serve
+
+ANSWERS = {"nan": "nan", "inf": "inf", "minus-inf": "-inf", "fine": "1"}
+
+
+def _as_reward(ctx: ScoringContext) -> float:
+    return float(ctx.episode.answer or "0")  # the task's "verifier": whatever it says, as a float
+
+
+class ScorerSaysEnv(Environment):
+    """Each task's reward is the answer the reference submits: NaN, an infinity, or 1."""
+
+    name = "scorer-says"
+    tools = ("bash", "submit")
+    max_turns = 2
+    rubric = Rubric([("verifier", _as_reward, 1.0)])
+
+    def tasks(self) -> Sequence[Task]:
+        return [
+            Task(id=tid, prompt="submit", reference=(ToolInvocation("submit", {"answer": answer}),))
+            for tid, answer in ANSWERS.items()
+        ]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_score_is_finite(value: float) -> None:
+    with pytest.raises(ValueError, match="not a finite number"):
+        Score(value)
+    with pytest.raises(ValueError, match="component 'x' is"):
+        Score(1.0, {"x": value})
+    with pytest.raises(ValueError, match="metric 'm' is"):
+        Score(1.0, {}, {"m": value})
+    with pytest.raises(ValidationError, match="finite number"):
+        Rollout(
+            id="r",
+            job_id="j",
+            env="e",
+            task_id="t",
+            group_id="g",
+            sample_index=0,
+            status=RolloutStatus.OK,
+            reward=value,
+        )
+
+
+async def test_a_rubric_that_returns_nan_is_the_environment_broken() -> None:
+    rubric = Rubric([("a", lambda ctx: 1.0, 1.0), ("b", lambda ctx: math.nan, 0.5)])
+    with pytest.raises(EnvironmentBroken, match="not a finite number"):
+        await env_call(rubric.score(None))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+async def test_a_non_finite_reward_is_env_error_never_a_scored_rollout(tmp_path: Path, workers: int) -> None:
+    backend = FakeBackendConfig(owner=TEST_OWNER)
+    environments = [f"{__name__}:ScorerSaysEnv"]
+    async with (
+        serve(tmp_path, backend=backend, workers=workers, environments=environments) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        job_id = await client.submit(
+            JobSpec(
+                env=ScorerSaysEnv.name,
+                policy=PolicyEndpoint(base_url=REPLAY_URL),
+                tasks=TaskSelection(kind="ids", ids=list(ANSWERS)),
+            )
+        )
+        async with asyncio.timeout(60):
+            got = {r.task_id: r async for r in client.rollouts(job_id)}
+    assert set(got) == set(ANSWERS)
+    assert (got["fine"].status, got["fine"].reward) == (RolloutStatus.OK, 1.0)
+    for tid in ("nan", "inf", "minus-inf"):
+        r = got[tid]
+        assert (r.status, r.reward) == (RolloutStatus.ENV_ERROR, None), (tid, r.status, r.reward)
+        assert r.error is not None and "not a finite number" in r.error.message, r.error
