@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping
 
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -19,6 +18,8 @@ def kind(cmdline: bytes, own_pid: int, pid: int) -> str:
     """The kind of one process, by its command line."""
     if pid == own_pid:
         return "control_plane"
+    if not cmdline:
+        return "kernel"  # its threads: memory reclaim (kswapd, kdamond) under pressure, block I/O, softirqs
     if b"envd/launch.py" in cmdline:
         return "envd" if b"python" in cmdline.split(b"\0", 1)[0] else "sandbox_init"
     if b"orchestrator.worker" in cmdline:
@@ -32,10 +33,13 @@ def kind(cmdline: bytes, own_pid: int, pid: int) -> str:
     return "other"
 
 
-def cpu_by_kind() -> dict[str, float]:
-    """Seconds of CPU so far, summed by kind of process."""
+Reading = dict[tuple[int, int], tuple[str, float]]  # (pid, start time) -> (kind, seconds of CPU so far)
+
+
+def read() -> Reading:
+    """Every process's CPU so far, with its kind."""
     own = os.getpid()
-    total: defaultdict[str, float] = defaultdict(float)
+    out: Reading = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -49,11 +53,24 @@ def cpu_by_kind() -> dict[str, float]:
         pid = int(entry.name)
         # this process's reaped children are the bench's short-lived helpers (its trainer process): not counted
         ticks = fields[11:13] if pid == own else fields[11:15]
-        total[kind(cmdline, own, pid)] += sum(int(x) for x in ticks) / HZ
-    return dict(total)
+        out[(pid, int(fields[19]))] = (kind(cmdline, own, pid), sum(int(x) for x in ticks) / HZ)
+    return out
 
 
-def per(before: Mapping[str, float], after: Mapping[str, float], n: float, scale: float = 1000.0) -> dict[str, float]:
-    """(after - before) / n * scale by kind, largest first, kinds that used nothing left out."""
-    delta = {k: (after[k] - before.get(k, 0.0)) / n * scale for k in after}
-    return {k: round(v, 2) for k, v in sorted(delta.items(), key=lambda kv: -kv[1]) if v > 0}
+def per(before: Reading, after: Reading, n: float, scale: float = 1000.0) -> dict[str, float]:
+    """CPU between two readings by kind, / n * scale, largest first: of the processes alive at both, what they used
+    between; of those started between, all they used. What a process that exited between used is not known (see
+    `exited`)."""
+    delta: defaultdict[str, float] = defaultdict(float)
+    for key, (k, seconds) in after.items():
+        delta[k] += seconds - before.get(key, (k, 0.0))[1]
+    return {k: round(v / n * scale, 2) for k, v in sorted(delta.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def exited(before: Reading, after: Reading) -> dict[str, int]:
+    """How many processes of each kind exited between two readings (their CPU since the first is not in `per`)."""
+    gone: defaultdict[str, int] = defaultdict(int)
+    for key, (k, _) in before.items():
+        if key not in after:
+            gone[k] += 1
+    return dict(gone)

@@ -172,11 +172,9 @@ async def run(
             await asyncio.sleep(2)
             # what the sandboxes cost doing nothing: envd's and the shim's timers, per idle sandbox
             idle_s = 10.0
-            cpu0 = proc_cpu.cpu_by_kind()
+            cpu0 = proc_cpu.read()
             await asyncio.sleep(idle_s)
-            result["idle_cpu_ms_per_s_per_sandbox"] = proc_cpu.per(
-                cpu0, proc_cpu.cpu_by_kind(), idle_s * max(len(held), 1)
-            )
+            result["idle_cpu_ms_per_s_per_sandbox"] = proc_cpu.per(cpu0, proc_cpu.read(), idle_s * max(len(held), 1))
             peak = len(held)
             mem_peak = used_memory_mb()
             result["peak_concurrent_sandboxes"] = peak
@@ -231,9 +229,10 @@ async def run(
                     "tasks": TaskSelection(kind="ids", ids=ids[rollouts : rollouts + eff_rollouts]),
                 }
             )
-            cpu0 = proc_cpu.cpu_by_kind()
+            cpu0 = proc_cpu.read()
             got4, eff_s, _ = await timed_job(orch.address, job2)
-            cpu4 = proc_cpu.per(cpu0, proc_cpu.cpu_by_kind(), sum(got4.values()))
+            cpu1 = proc_cpu.read()
+            cpu4 = proc_cpu.per(cpu0, cpu1, sum(got4.values()))
             episode_s = 3 * latency
             ideal_per_min = eff_concurrency / episode_s * 60
             measured = sum(got4.values()) / eff_s * 60
@@ -247,6 +246,8 @@ async def run(
                 # where the CPU went: the ideal rate needs the host's cores / this total per rollout
                 "cpu_ms_per_rollout": cpu4,
                 "cpu_ms_per_rollout_total": round(sum(cpu4.values()), 1),
+                # sandboxes destroyed (or started) meanwhile: an exited process's CPU is not in the figures above
+                "processes_exited": proc_cpu.exited(cpu0, cpu1),
                 "host_cpus": os.cpu_count(),
                 "load_average_1m_at_end": round(os.getloadavg()[0], 1),
             }
