@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from orchestrator.core.processes import proc_stat
+
 HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -43,14 +45,15 @@ def read() -> Reading:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
+        pid = int(entry.name)
         try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        pid = int(entry.name)
+        fields = proc_stat(pid)
+        if not fields:
+            continue
         # this process's reaped children are the bench's short-lived helpers (its trainer process): not counted
         ticks = fields[11:13] if pid == own else fields[11:15]
         out[(pid, int(fields[19]))] = (kind(cmdline, own, pid), sum(int(x) for x in ticks) / HZ)
