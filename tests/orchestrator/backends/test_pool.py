@@ -202,16 +202,22 @@ async def test_a_sandbox_just_reset_is_handed_out_without_another_health_check(
     await pool.release(again, recycle=False)
 
 
+async def _killed_while_idle(pool: SandboxPool, spec: SandboxSpec, docker_client: docker.DockerClient) -> str:
+    """A sandbox recycled into the pool, then its container killed behind the pool's back; its id."""
+    sb, _ = await pool.acquire(spec)
+    assert await pool.release(sb, recycle=True)
+    docker_client.containers.get(sb.id).kill()
+    return sb.id
+
+
 async def test_a_sandbox_that_died_while_idle_is_never_handed_out_after_the_probe_window(
     pool_factory: Callable[..., SandboxPool], base_image: str, docker_client: docker.DockerClient
 ) -> None:
     pool: SandboxPool = pool_factory(probe_idle_after_s=0)
     spec = SandboxSpec(image=base_image)
-    sb, _ = await pool.acquire(spec)
-    assert await pool.release(sb, recycle=True)
-    docker_client.containers.get(sb.id).kill()
+    killed = await _killed_while_idle(pool, spec, docker_client)
     again, source = await pool.acquire(spec)
-    assert again.id != sb.id and source == "cold"
+    assert again.id != killed and source == "cold"
     assert (await again.exec(["echo", "hi"])).stdout == b"hi\n"
     await pool.release(again, recycle=False)
 
@@ -223,11 +229,9 @@ async def test_a_sandbox_that_died_inside_the_probe_window_fails_as_the_sandbox_
     # infrastructure retry), never as a command that ran
     pool: SandboxPool = pool_factory(probe_idle_after_s=60)
     spec = SandboxSpec(image=base_image)
-    sb, _ = await pool.acquire(spec)
-    assert await pool.release(sb, recycle=True)
-    docker_client.containers.get(sb.id).kill()
+    killed = await _killed_while_idle(pool, spec, docker_client)
     again, source = await pool.acquire(spec)
-    assert (again.id, source) == (sb.id, "warm")
+    assert (again.id, source) == (killed, "warm")
     with pytest.raises(SandboxError):
         await again.exec(["echo", "hi"])
     await pool.release(again, recycle=False)
