@@ -6,8 +6,9 @@ wait for company."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,11 @@ def _spec() -> JobSpec:
     )
 
 
-def _count_transactions(store: ResultStore) -> list[int]:
-    """The size of every transaction the store runs from now on."""
+@contextlib.asynccontextmanager
+async def _paced_store(path: Path) -> AsyncIterator[tuple[ResultStore, list[int]]]:
+    """A store on `path`, with the size of every transaction it runs (COMMIT_GAP_S as the caller set it); closed
+    afterwards."""
+    store = await ResultStore.open(path)
     sizes: list[int] = []
     run = store._transaction
 
@@ -135,7 +139,10 @@ def _count_transactions(store: ResultStore) -> list[int]:
         return run(calls)
 
     store._transaction = counted  # type: ignore[method-assign]
-    return sizes
+    try:
+        yield store, sizes
+    finally:
+        await store.close()
 
 
 async def test_calls_of_many_callers_arriving_one_by_one_share_a_transaction(
@@ -143,9 +150,7 @@ async def test_calls_of_many_callers_arriving_one_by_one_share_a_transaction(
 ) -> None:
     # a gap far above any scheduling noise: what arrives within it after a transaction joins the next one
     monkeypatch.setattr(store_module, "COMMIT_GAP_S", 0.5)
-    store = await ResultStore.open(tmp_path / "log.sqlite3")
-    sizes = _count_transactions(store)
-    try:
+    async with _paced_store(tmp_path / "log.sqlite3") as (store, sizes):
         await store.create_job("job-0", _spec(), 1)  # the first call after a quiet spell runs at once, alone
 
         async def submit(i: int) -> None:
@@ -155,8 +160,6 @@ async def test_calls_of_many_callers_arriving_one_by_one_share_a_transaction(
         await asyncio.gather(*(submit(i) for i in range(1, 6)))
         assert sizes == [1, 5]
         assert len(await store.jobs()) == 6
-    finally:
-        await store.close()
 
 
 async def test_one_callers_calls_in_a_row_do_not_wait_for_company(
@@ -164,16 +167,12 @@ async def test_one_callers_calls_in_a_row_do_not_wait_for_company(
 ) -> None:
     # were the next call of the caller just served paced, these 20 calls would take 20 minutes
     monkeypatch.setattr(store_module, "COMMIT_GAP_S", 60.0)
-    store = await ResultStore.open(tmp_path / "log.sqlite3")
-    sizes = _count_transactions(store)
-    try:
+    async with _paced_store(tmp_path / "log.sqlite3") as (store, sizes):
         async with asyncio.timeout(30):
             for i in range(10):
                 await store.create_job(f"job-{i}", _spec(), 1)
                 assert (await store.counts(f"job-{i}")) == ({}, 0)
         assert sizes == [1] * 20
-    finally:
-        await store.close()
 
 
 @pytest.mark.parametrize("status", [RolloutStatus.INFRA_ERROR, RolloutStatus.TIMEOUT])
