@@ -3,6 +3,10 @@ shares the enum tables."""
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
 from orchestrator.core.models import (
     JobSpec,
     JobState,
@@ -98,45 +102,72 @@ def _token_status(t: pb.Tokens) -> TokenStatus:
 def rollout_from_pb(m: pb.Rollout) -> Rollout:
     """The model of a wire rollout (the client's edge). The server validated it when it was stored."""
     t = m.tokens
-    return Rollout.model_construct(
-        id=m.id,
-        job_id=m.job_id,
-        env=m.env,
-        task_id=m.task_id,
-        group_id=m.group_id,
-        sample_index=m.sample_index,
-        policy_version=m.policy_version,
-        status=ROLLOUT_STATUS_FROM_PB[m.status],
-        reward=m.reward if m.HasField("reward") else None,
-        reward_components=dict(m.reward_components),
-        metrics=dict(m.metrics),
-        turns=[
-            Turn.model_construct(
-                role=x.role,  # type: ignore[arg-type]  # validated when stored
-                text=x.text,
-                tool_calls=[
-                    ToolCallRecord.model_construct(id=c.id, name=c.name, arguments=c.arguments) for c in x.tool_calls
-                ],
-                tool_call_id=x.tool_call_id,
-                name=x.name,
-            )
-            for x in m.turns
-        ],
-        tokens=Tokens.model_construct(
-            status=_token_status(t),
-            prompt_ids=list(t.prompt_ids),
-            completion_ids=list(t.completion_ids),
-            completion_mask=list(t.completion_mask),
-            completion_logprobs=list(t.completion_logprobs),
-        ),
-        timing=Timing.model_construct(**{f: getattr(m.timing, f) for f in _TIMING_FIELDS}),
-        provenance=Provenance.model_construct(**{f: getattr(m.provenance, f) for f in _PROVENANCE_FIELDS}),
-        error=RolloutError.model_construct(kind=m.error.kind, message=m.error.message) if m.HasField("error") else None,
-        attempts=m.attempts,
-        seq=m.seq,
-        started_at=m.started_at,
-        finished_at=m.finished_at,
+    return _built(
+        Rollout,
+        {
+            "id": m.id,
+            "job_id": m.job_id,
+            "env": m.env,
+            "task_id": m.task_id,
+            "group_id": m.group_id,
+            "sample_index": m.sample_index,
+            "policy_version": m.policy_version,
+            "status": ROLLOUT_STATUS_FROM_PB[m.status],
+            "reward": m.reward if m.HasField("reward") else None,
+            "reward_components": dict(m.reward_components),
+            "metrics": dict(m.metrics),
+            "turns": [
+                _built(
+                    Turn,
+                    {
+                        "role": x.role,  # validated when stored
+                        "text": x.text,
+                        "tool_calls": [
+                            _built(ToolCallRecord, {"id": c.id, "name": c.name, "arguments": c.arguments})
+                            for c in x.tool_calls
+                        ],
+                        "tool_call_id": x.tool_call_id,
+                        "name": x.name,
+                    },
+                )
+                for x in m.turns
+            ],
+            "tokens": _built(
+                Tokens,
+                {
+                    "status": _token_status(t),
+                    "prompt_ids": list(t.prompt_ids),
+                    "completion_ids": list(t.completion_ids),
+                    "completion_mask": list(t.completion_mask),
+                    "completion_logprobs": list(t.completion_logprobs),
+                },
+            ),
+            "timing": _built(Timing, {f: getattr(m.timing, f) for f in _TIMING_FIELDS}),
+            "provenance": _built(Provenance, {f: getattr(m.provenance, f) for f in _PROVENANCE_FIELDS}),
+            "error": _built(RolloutError, {"kind": m.error.kind, "message": m.error.message})
+            if m.HasField("error")
+            else None,
+            "attempts": m.attempts,
+            "seq": m.seq,
+            "started_at": m.started_at,
+            "finished_at": m.finished_at,
+        },
     )
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _built(cls: type[M], values: dict[str, Any]) -> M:
+    """What `cls.model_construct(**values)` makes, for values that name every field of `cls` (the tests check
+    both), for less CPU: model_construct walks the model's fields in Python, and a rollout of six turns is a dozen
+    models, decoded in 100 us this way against 167 us. A trainer decodes every rollout it trains on."""
+    m = cls.__new__(cls)
+    object.__setattr__(m, "__dict__", values)
+    object.__setattr__(m, "__pydantic_fields_set__", set(values))
+    object.__setattr__(m, "__pydantic_extra__", None)
+    object.__setattr__(m, "__pydantic_private__", None)
+    return m
 
 
 _TIMING_FIELDS = tuple(Timing.model_fields)

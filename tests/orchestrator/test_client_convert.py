@@ -1,0 +1,91 @@
+"""The client's decoding of a wire rollout: the model it builds is the one the server stored, field for field."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from orchestrator.client.convert import _built, rollout_from_pb
+from orchestrator.core.models import (
+    Provenance,
+    Rollout,
+    RolloutError,
+    RolloutStatus,
+    Timing,
+    Tokens,
+    ToolCallRecord,
+    Turn,
+)
+from orchestrator.server.convert import rollout_pb
+
+
+def _every_field_set(status: RolloutStatus) -> Rollout:
+    """A rollout in which no field keeps its default, so a field the decoder forgets shows."""
+    return Rollout(
+        id="j:t:3",
+        job_id="j",
+        env="python-tool",
+        task_id="t",
+        group_id="j:t",
+        sample_index=3,
+        policy_version="v7",
+        status=status,
+        reward=0.25 if status.scored else None,
+        reward_components={"tests": 0.5},
+        metrics={"turns": 2.0},
+        turns=[
+            Turn(role="system", text="be brief"),
+            Turn(role="assistant", tool_calls=[ToolCallRecord(id="c1", name="bash", arguments='{"command": "ls"}')]),
+            Turn(role="tool", text="a\n", tool_call_id="c1", name="bash"),
+        ],
+        tokens=Tokens(
+            status="complete",
+            prompt_ids=[1, 2],
+            completion_ids=[3, 4, 5],
+            completion_mask=[1, 0, 1],
+            completion_logprobs=[-0.5, 0.0, -1.25],
+        ),
+        timing=Timing(queue=0.1, sandbox_acquire=0.2, setup=0.3, generation=0.4, tools=0.5, scoring=0.6, total=2.1),
+        provenance=Provenance(
+            image="img", image_id="sha256:ab", env_version="1", seed=9, policy_model="m", policy_version="v7"
+        ),
+        error=None if status.scored else RolloutError(kind="SandboxError", message="envd went away"),
+        attempts=2,
+        seq=11,
+        started_at=1.5,
+        finished_at=3.5,
+    )
+
+
+@pytest.mark.parametrize("status", [RolloutStatus.OK, RolloutStatus.INFRA_ERROR])
+def test_a_decoded_rollout_is_the_stored_one(status: RolloutStatus) -> None:
+    stored = _every_field_set(status)
+    got = rollout_from_pb(rollout_pb(stored.model_dump_json(), seq=stored.seq))
+    assert got == stored
+    assert got.model_dump_json() == stored.model_dump_json()
+    assert got.model_fields_set == set(Rollout.model_fields)
+    assert got.turns[1].tool_calls[0].model_fields_set == set(ToolCallRecord.model_fields)
+    got.turns[0].text = "changed"  # a model like any other: its fields assign, its copies are its own
+    assert got.model_copy(deep=True).turns[0].text == "changed" and stored.turns[0].text == "be brief"
+
+
+@pytest.mark.parametrize("model", [Rollout, Turn, ToolCallRecord, Tokens, Timing, Provenance, RolloutError])
+def test_built_makes_what_model_construct_makes(model: type[BaseModel]) -> None:
+    source = _every_field_set(RolloutStatus.INFRA_ERROR)
+    instance = {
+        Rollout: source,
+        Turn: source.turns[2],
+        ToolCallRecord: source.turns[1].tool_calls[0],
+        Tokens: source.tokens,
+        Timing: source.timing,
+        Provenance: source.provenance,
+        RolloutError: source.error,
+    }[model]
+    assert instance is not None
+    values = {name: getattr(instance, name) for name in model.model_fields}
+    built, constructed = _built(model, dict(values)), model.model_construct(**values)
+    assert built == constructed
+    assert built.model_fields_set == constructed.model_fields_set
+    assert built.__pydantic_extra__ == constructed.__pydantic_extra__
+    assert built.__pydantic_private__ == constructed.__pydantic_private__
+    assert built.model_dump() == constructed.model_dump()
