@@ -108,6 +108,7 @@ class FakeBackendConfig(BaseModel):
     create_latency_s: float = Field(0.0, ge=0, le=600, description="how long a create takes")
     exec_latency_s: float = Field(0.0, ge=0, le=600, description="how long every command runs")
     destroy_latency_s: float = Field(0.0, ge=0, le=600, description="how long a destroy takes")
+    reset_latency_s: float = Field(0.0, ge=0, le=600, description="how long a reset in place takes")
     image_build_latency_s: float = Field(
         0.0, ge=0, le=3600, description="how long an environment's own image (one with an image spec) takes to build"
     )

@@ -3,10 +3,11 @@
 Sandboxes are kept ready per pool key (image, limits, hardening, env, and the tenant when the spec names one: a
 recycled sandbox is reset in place, and a reset that missed a corner must not hand one tenant's leftovers to
 another, so sessions, whose sandboxes a tenant drives directly, are pooled per tenant). Each pool's target size
-follows demand: the observed acquire rate, less the rate at which recycled sandboxes come back, times the cold-start
-latency (Little's law) plus headroom, between a minimum and a maximum. A pool whose sandboxes are recycled as fast as
-they are taken needs no cold creates (each one would only be destroyed again at release, for want of room), so while a
-pool's releases are recycled its busy sandboxes count as idle ones on their way back.
+follows the demand its own sandboxes do not cover (the rate of acquires that found none idle, or of releases destroyed
+rather than recycled, whichever is larger) times the cold-start latency (Little's law) plus headroom, between a
+minimum and a maximum. A pool whose sandboxes are recycled as fast as they are taken needs no cold creates (each one
+would only be destroyed again at release, for want of room), so while a pool's releases are recycled its busy
+sandboxes, and those being reset, count as idle ones on their way back.
 Idle capacity is shared: when a pool needs room, the oldest idle sandbox of any pool is evicted, so a pool never
 starves another image. Idle sandboxes expire after a TTL and are drained on close. A released sandbox whose
 environment is reusable is reset in place (envd kills every process, wipes every writable place and restores the
@@ -82,9 +83,12 @@ class _Pool:
     spec: SandboxSpec
     idle: collections.deque[_Idle] = field(default_factory=collections.deque)
     acquires: collections.deque[float] = field(default_factory=collections.deque)
-    recycles: collections.deque[float] = field(default_factory=collections.deque)
+    colds: collections.deque[float] = field(default_factory=collections.deque)  # acquires that found no idle one
+    losses: collections.deque[float] = field(default_factory=collections.deque)  # releases destroyed, not recycled
     creating: int = 0
+    queued: int = 0  # refills waiting for a turn at the refiller's gate
     busy: int = 0
+    resetting: int = 0  # released, being reset in place: on their way back to idle
     recycling: bool = False  # whether its last release was recycled
     start_latency_s: float = 0.5  # EWMA of cold creates
 
@@ -93,8 +97,11 @@ class _Pool:
         return _per_second(self.acquires, now, window)
 
     def unmet_rate(self, now: float, window: float) -> float:
-        """Acquires per second that recycled sandboxes do not cover."""
-        return max(0.0, self.rate(now, window) - _per_second(self.recycles, now, window))
+        """Acquires per second that the pool's own sandboxes do not cover: the larger of those that found none idle
+        and the releases that were destroyed (the sandboxes that left). Acquires less recycles read the start of
+        every job as unmet demand, because recycles lag acquires by a rollout's length, and made the refiller
+        create a sandbox for every other rollout of a job with a warm pool."""
+        return max(_per_second(self.colds, now, window), _per_second(self.losses, now, window))
 
 
 def _per_second(times: collections.deque[float], now: float, window: float) -> float:
@@ -180,6 +187,7 @@ class SandboxPool:
             self.busy += 1
             self.metrics.acquire_seconds.labels("warm").observe(time.monotonic() - now)
             return entry.sandbox, "warm"
+        p.colds.append(now)
         sandbox = await self._create(p)
         self.busy += 1
         p.busy += 1
@@ -210,33 +218,37 @@ class SandboxPool:
         if p is not None:
             p.busy = max(0, p.busy - 1)
         if recycle and self.config.enabled and not self._room_for(key):
-            # no room: the pool already holds more than its demand. The sandbox still came back, so it counts as
-            # recycled for the refill; counted as "not recycling", every acquire would read as unmet demand and
-            # the refiller would create a replacement for each release destroyed here, for as long as the job ran
-            if p is not None:
-                p.recycles.append(time.monotonic())
+            # no room: the pool already holds more than its demand. The sandbox still came back, so it is no loss
+            # for the refill; counted as one, the refiller would create a replacement for each release destroyed
+            # here, for as long as the job ran
             await sandbox.release()
             return False
         if recycle and self.config.enabled:
             t0 = time.monotonic()
-            outcome = await sandbox.reset(workspace_seed)
+            # neither busy nor idle while it is reset: counted, so that the refiller does not replace it meanwhile
+            # (a loaded host takes a second or more per reset, and a pool of hundreds has dozens in reset at once)
+            p = self._pool(sandbox.spec)
+            p.resetting += 1
+            try:
+                outcome = await sandbox.reset(workspace_seed)
+            finally:
+                p.resetting -= 1
             if outcome.ok:
                 now = time.monotonic()
                 self.metrics.reset_seconds.observe(now - t0)
-                p = self._pool(sandbox.spec)
                 p.idle.append(_Idle(sandbox, now))
-                p.recycles.append(now)
                 p.recycling = True
                 self._gauge()
                 return True
             log.info("sandbox %s not recycled: %s", getattr(sandbox, "name", "?"), outcome.detail)
         if p is not None:
             p.recycling = False
+            p.losses.append(time.monotonic())
         await sandbox.release()
         return False
 
     def _creating_total(self) -> int:
-        return sum(p.creating for p in self._pools.values())
+        return sum(p.creating + p.queued for p in self._pools.values())
 
     def _room_for(self, key: str) -> bool:
         p = self._pools.get(key)
@@ -280,24 +292,32 @@ class SandboxPool:
                     self._destroy_later(p.idle.popleft().sandbox)
                 target = self._target(p, now)
                 self.metrics.pool_target.labels(p.key).set(target)
-                returning = p.busy if p.recycling else 0
-                missing = target - len(p.idle) - p.creating - returning
+                returning = p.busy + p.resetting if p.recycling else p.resetting
+                # the refills already queued count: the refiller wakes at every acquire, and each would else queue
+                # the same shortfall again behind the gate, to be created long after anything needed it
+                missing = target - len(p.idle) - p.creating - p.queued - returning
                 for _ in range(max(0, missing)):
                     if self.idle_total + self._creating_total() >= self.config.max_idle_total:
                         break  # speculative refills never evict another pool's sandboxes
+                    p.queued += 1
                     task = asyncio.create_task(self._refill_one(p))
                     self._inflight.add(task)
                     task.add_done_callback(self._inflight.discard)
             self._gauge()
 
     async def _refill_one(self, p: _Pool) -> None:
-        async with self._gate:
-            try:
-                sandbox = await self._create(p)
-            except SandboxError as e:
-                log.warning("warm pool refill failed: %s", e)
-                await asyncio.sleep(1.0)  # back off when the engine struggles
-                return
+        try:
+            await self._gate.acquire()
+        finally:
+            p.queued -= 1  # creating from here on (_create counts it before its first await)
+        try:
+            sandbox = await self._create(p)
+        except SandboxError as e:
+            log.warning("warm pool refill failed: %s", e)
+            await asyncio.sleep(1.0)  # back off when the engine struggles
+            return
+        finally:
+            self._gate.release()
         p.idle.append(_Idle(sandbox, time.monotonic()))
         self._gauge()
 

@@ -166,6 +166,8 @@ class FakeSandbox(Sandbox):
     async def reset(self, workspace_seed: str = "") -> ResetOutcome:
         if self._closed:
             return ResetOutcome(False, "closed")
+        if self._backend.config.reset_latency_s:
+            await asyncio.sleep(self._backend.config.reset_latency_s)
         return await self.transport.reset(workspace_seed)
 
     async def close(self) -> None:

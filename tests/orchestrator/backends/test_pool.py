@@ -261,3 +261,66 @@ async def test_the_most_recently_returned_sandbox_is_handed_out_first() -> None:
     finally:
         await pool.close()
         await backend.close()
+
+
+async def test_a_job_on_a_warm_pool_creates_nothing() -> None:
+    # the job starts on a warm pool: every acquire finds a sandbox idle, every release is recycled, and a loaded
+    # host takes a while per reset. The refiller took acquires less recycles for unmet demand, but recycles lag
+    # acquires by a rollout's length, so the start of every job read as demand; and a sandbox being reset was
+    # neither busy nor idle, so it read as missing. At 128 concurrent rollouts on 2 cores that was 0.52 cold
+    # creates per rollout, each a container, a shim and an envd started: a third of the host's CPU per rollout
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake.backend import FakeBackend
+
+    backend = FakeBackend(FakeBackendConfig(owner="pool-warm-job", create_latency_s=1.0, reset_latency_s=0.6))
+    pool = SandboxPool(backend, PoolConfig(max_idle_total=64, max_idle_per_pool=64, rate_window_s=2.0))
+    pool.start()
+    spec = SandboxSpec(image=backend.config.base_image)
+    try:
+        for sb in await asyncio.gather(*(backend.create(pool._pool(spec).spec) for _ in range(8))):
+            assert await pool.release(sb, recycle=True)  # a warm fleet of 8, as the last job left it
+        pool._pool(spec).start_latency_s = 5.0  # what cold starts take on a loaded host (the pool's own estimate)
+        created = backend.created
+        stop = time.monotonic() + 4
+        sources: list[str] = []
+
+        async def rollouts() -> None:  # take a sandbox, use it, recycle it, again
+            while time.monotonic() < stop:
+                sb, source = await pool.acquire(spec)
+                sources.append(source)
+                await asyncio.sleep(0.3)
+                assert await pool.release(sb, recycle=True)
+
+        await asyncio.gather(*(rollouts() for _ in range(8)))  # the whole fleet: in use, in reset, or idle
+        assert set(sources) == {"warm"}
+        await asyncio.sleep(1.2)  # the refiller wakes at least once a second
+        assert backend.created == created, f"{backend.created - created} sandbox(es) created that no acquire needed"
+    finally:
+        await pool.close()
+        await backend.close()
+
+
+async def test_the_refiller_never_queues_the_same_shortfall_twice() -> None:
+    # the refiller wakes at every acquire and creates a few at a time (refill_concurrency). Refills waiting for
+    # their turn were not counted, so each wake queued the whole shortfall again: thousands of creates queued for
+    # a shortfall of a few, made long after anything needed them
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake.backend import FakeBackend
+
+    backend = FakeBackend(FakeBackendConfig(owner="pool-queued", create_latency_s=0.3))
+    pool = SandboxPool(
+        backend, PoolConfig(max_idle_total=64, max_idle_per_pool=64, min_idle_per_pool=6, refill_concurrency=1)
+    )
+    spec = SandboxSpec(image=backend.config.base_image)
+    pool.warm(spec)
+    pool.start()
+    try:
+        for _ in range(20):  # wakes meanwhile, as acquires do
+            pool.warm(spec)
+            await asyncio.sleep(0.05)
+        await _until(lambda: pool.idle_total >= 6, timeout=10)
+        await asyncio.sleep(1.5)
+        assert backend.created == 6, f"{backend.created} created for a minimum of 6 idle"
+    finally:
+        await pool.close()
+        await backend.close()
