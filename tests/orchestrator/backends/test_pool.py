@@ -268,7 +268,7 @@ async def test_a_job_on_a_warm_pool_creates_nothing() -> None:
     # host takes a while per reset. The refiller took acquires less recycles for unmet demand, but recycles lag
     # acquires by a rollout's length, so the start of every job read as demand; and a sandbox being reset was
     # neither busy nor idle, so it read as missing. At 128 concurrent rollouts on 2 cores that was 0.52 cold
-    # creates per rollout, each a container, a shim and an envd started: a third of the host's CPU per rollout
+    # creates per rollout, each a container, a shim and an envd started: about half of the CPU each rollout cost
     from orchestrator.backends.config import FakeBackendConfig
     from orchestrator.backends.fake.backend import FakeBackend
 
