@@ -178,11 +178,14 @@ class SandboxPool:
             p.busy += 1  # already, so the refiller never sees it neither idle nor busy while it is checked
             self._gauge()
             idle_s = now - entry.since
-            if idle_s > self.config.idle_ttl_s or (
-                idle_s > self.config.probe_idle_after_s and not await _alive(entry.sandbox)
-            ):
+            discard = ""
+            if idle_s > self.config.idle_ttl_s:
+                discard = "expired"
+            elif idle_s > self.config.probe_idle_after_s and not await _alive(entry.sandbox):
+                discard = "probe"
+            if discard:
                 p.busy -= 1
-                self._destroy_later(entry.sandbox)
+                self._destroy_later(entry.sandbox, discard)
                 continue
             self.busy += 1
             self.metrics.acquire_seconds.labels("warm").observe(time.monotonic() - now)
@@ -221,6 +224,7 @@ class SandboxPool:
             # no room: the pool already holds more than its demand. The sandbox still came back, so it is no loss
             # for the refill; counted as one, the refiller would create a replacement for each release destroyed
             # here, for as long as the job ran
+            self.metrics.pool_discards.labels("no_room").inc()
             await sandbox.release()
             return False
         if recycle and self.config.enabled:
@@ -241,6 +245,7 @@ class SandboxPool:
                 self._gauge()
                 return True
             log.info("sandbox %s not recycled: %s", getattr(sandbox, "name", "?"), outcome.detail)
+            self.metrics.pool_discards.labels("reset_failed").inc()
         if p is not None:
             p.recycling = False
             p.losses.append(time.monotonic())
@@ -264,11 +269,12 @@ class SandboxPool:
         if not candidates:
             return False
         _, victim = min(candidates, key=lambda c: c[0])
-        self._destroy_later(victim.idle.popleft().sandbox)
+        self._destroy_later(victim.idle.popleft().sandbox, "evicted")
         self._gauge()
         return True
 
-    def _destroy_later(self, sandbox: Sandbox) -> None:
+    def _destroy_later(self, sandbox: Sandbox, reason: str) -> None:
+        self.metrics.pool_discards.labels(reason).inc()
         task = asyncio.create_task(sandbox.release())
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
@@ -289,7 +295,7 @@ class SandboxPool:
             for p in list(self._pools.values()):
                 # expire idle sandboxes past their TTL
                 while p.idle and now - p.idle[0].since > self.config.idle_ttl_s:
-                    self._destroy_later(p.idle.popleft().sandbox)
+                    self._destroy_later(p.idle.popleft().sandbox, "expired")
                 target = self._target(p, now)
                 self.metrics.pool_target.labels(p.key).set(target)
                 returning = p.busy + p.resetting if p.recycling else p.resetting

@@ -41,6 +41,13 @@ class Metrics:
         self.in_flight = Gauge("envfleet_rollouts_in_flight", "Rollouts running now", registry=r)
         self.pool_idle = Gauge("envfleet_pool_idle", "Idle warm sandboxes by pool", ["pool"], registry=r)
         self.pool_target = Gauge("envfleet_pool_target", "Target warm size by pool", ["pool"], registry=r)
+        self.pool_discards = Counter(
+            "envfleet_pool_discards_total",
+            "Sandboxes the warm pool destroyed rather than keep or hand out, by reason (expired, probe: no answer to"
+            " the health check before a hand-out, reset_failed, no_room, evicted: room for another pool)",
+            ["reason"],
+            registry=r,
+        )
         self.docker_errors = Counter("envfleet_docker_api_errors_total", "Failed engine calls", ["call"], registry=r)
         self.queue_waiting_for_images = Gauge(
             "envfleet_queue_waiting_for_images", "Queued work items held back until their image is built", registry=r

@@ -37,6 +37,11 @@ async def pool_factory(backend: DockerBackend) -> AsyncIterator[Callable[..., Sa
         await p.close()
 
 
+def _discards(pool: SandboxPool, reason: str) -> float:
+    """How many sandboxes the pool destroyed for `reason` (its metric, as Prometheus reads it)."""
+    return pool.metrics.registry.get_sample_value("envfleet_pool_discards_total", {"reason": reason}) or 0.0
+
+
 def _ids(client: docker.DockerClient, owner_instance: str) -> set[str]:
     return {c["Id"] for c in client.api.containers(all=True, filters={"label": f"envfleet.instance={owner_instance}"})}
 
@@ -68,6 +73,7 @@ async def test_idle_sandboxes_expire(pool_factory: Callable[..., SandboxPool], b
     assert await pool.release(sb, recycle=True)
     assert pool.idle_total == 1
     await _until(lambda: pool.idle_total == 0, timeout=10)
+    assert _discards(pool, "expired") == 1
 
 
 async def test_capacity_is_shared_between_pools(pool_factory: Callable[..., SandboxPool], base_image: str) -> None:
@@ -78,7 +84,7 @@ async def test_capacity_is_shared_between_pools(pool_factory: Callable[..., Sand
     sb, _ = await pool.acquire(b)
     assert await pool.release(sa, recycle=True)
     assert await pool.release(sb, recycle=True)  # evicts a's idle sandbox rather than starving b
-    assert pool.idle_total == 1
+    assert pool.idle_total == 1 and _discards(pool, "evicted") == 1
     got, source = await pool.acquire(b)
     assert source == "warm" and got.id == sb.id
     await pool.release(got, recycle=False)
@@ -167,6 +173,7 @@ async def test_a_full_pool_does_not_churn_destroying_releases_and_creating_their
         ramp = await asyncio.gather(*(pool.acquire(spec) for _ in range(8)))
         recycled = [await pool.release(sb, recycle=True) for sb, _ in ramp]
         assert recycled.count(True) == 4, "four fit, four found no room"
+        assert _discards(pool, "no_room") == 4
         await asyncio.sleep(2.5)  # what the refiller began during the ramp is done
         created = backend.created
         for _ in range(8):  # the job at steady state: four rollouts at a time, each sandbox back after its rollout
@@ -218,6 +225,7 @@ async def test_a_sandbox_that_died_while_idle_is_never_handed_out_after_the_prob
     killed = await _killed_while_idle(pool, spec, docker_client)
     again, source = await pool.acquire(spec)
     assert again.id != killed and source == "cold"
+    assert _discards(pool, "probe") == 1  # the one reason a sandbox left the pool, and it says so
     assert (await again.exec(["echo", "hi"])).stdout == b"hi\n"
     await pool.release(again, recycle=False)
 
@@ -257,7 +265,8 @@ async def test_the_most_recently_returned_sandbox_is_handed_out_first() -> None:
             assert (sb.id, source) == (hot.id, "warm")
             await asyncio.sleep(0.4)
             assert await pool.release(sb, recycle=True)
-        await _until(lambda: pool.idle_total == 1, timeout=5)  # the three it never needed have expired
+        await _until(lambda: pool.idle_total == 1, timeout=5)  # the ones it never needed have expired
+        assert _discards(pool, "expired") == backend.created - 1  # every one but the hot one, the metric says
     finally:
         await pool.close()
         await backend.close()
