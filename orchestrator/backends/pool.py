@@ -231,7 +231,8 @@ class SandboxPool:
             t0 = time.monotonic()
             # neither busy nor idle while it is reset: counted, so that the refiller does not replace it meanwhile
             # (a loaded host takes a second or more per reset, and a pool of hundreds has dozens in reset at once)
-            p = self._pool(sandbox.spec)
+            if p is None:  # a sandbox this pool never handed out
+                p = self._pool(sandbox.spec)
             p.resetting += 1
             try:
                 outcome = await sandbox.reset(workspace_seed)
