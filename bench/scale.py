@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import docker
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import proc_cpu
 from bench.fleet_bench import timed_job
@@ -39,11 +41,12 @@ from orchestrator.core.models import JobSpec, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Limits, Sandbox, SandboxSpec
 from orchestrator.images import ensure_base_image
-from orchestrator.server.app import OrchestratorConfig, create_server
+from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity
 from orchestrator.service.tenancy import LOCAL_TENANT
 from orchestrator.testing.scripts import reference_script
+from orchestrator.worker.config import WorkerConfig
 
 OWNER = "envfleet-scale"
 log = logging.getLogger("scale")
@@ -105,6 +108,25 @@ async def _start_policy(script_path: Path, latency: float) -> tuple[asyncio.subp
     assert proc.stdout is not None
     line = (await proc.stdout.readline()).decode().split()
     return proc, line[1]
+
+
+def pool_counts(orch: Orchestrator) -> dict[str, float]:
+    """The warm pools' acquires by source and discards by reason, summed over the control plane and its workers
+    (the workers' as their last heartbeat carried them)."""
+    texts = [generate_latest(orch.metrics.registry)] if orch.metrics is not None else []
+    if orch.workers is not None:
+        texts += [text for _, _, text in orch.workers.hub.metric_snapshots()]
+    counts: dict[str, float] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            for s in family.samples:
+                key = {
+                    "envfleet_sandbox_acquire_seconds_count": f"acquires_{s.labels.get('source')}",
+                    "envfleet_pool_discards_total": f"discards_{s.labels.get('reason')}",
+                }.get(s.name)
+                if key is not None:
+                    counts[key] = counts.get(key, 0.0) + s.value
+    return counts
 
 
 async def run(
@@ -229,10 +251,14 @@ async def run(
                     "tasks": TaskSelection(kind="ids", ids=ids[rollouts : rollouts + eff_rollouts]),
                 }
             )
+            pool0 = pool_counts(orch)
             cpu0 = proc_cpu.read()
             got4, eff_s, _ = await timed_job(orch.address, job2)
             cpu1 = proc_cpu.read()
             cpu4 = proc_cpu.per(cpu0, cpu1, sum(got4.values()))
+            if orch.workers is not None:  # the workers' figures come with their heartbeats
+                await asyncio.sleep(WorkerConfig().metrics_s + 1)
+            pool4 = {k: v - pool0.get(k, 0) for k, v in pool_counts(orch).items() if v - pool0.get(k, 0)}
             episode_s = 3 * latency
             ideal_per_min = eff_concurrency / episode_s * 60
             measured = sum(got4.values()) / eff_s * 60
@@ -248,6 +274,8 @@ async def run(
                 "cpu_ms_per_rollout_total": round(sum(cpu4.values()), 1),
                 # sandboxes destroyed (or started) meanwhile: an exited process's CPU is not in the figures above
                 "processes_exited": proc_cpu.exited(cpu0, cpu1),
+                # the warm pools meanwhile (all processes): acquires by source, sandboxes discarded by reason
+                "pool": pool4,
                 "host_cpus": os.cpu_count(),
                 "load_average_1m_at_end": round(os.getloadavg()[0], 1),
             }

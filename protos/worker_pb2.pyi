@@ -29,10 +29,12 @@ class WorkerHello(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("running",)
+    __slots__ = ("running", "metrics")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     running: int
-    def __init__(self, running: _Optional[int] = ...) -> None: ...
+    metrics: bytes
+    def __init__(self, running: _Optional[int] = ..., metrics: _Optional[bytes] = ...) -> None: ...
 
 class RolloutResult(_message.Message):
     __slots__ = ("assignment_id", "rollout_json", "rollout_pb", "error")

@@ -62,8 +62,9 @@ def render_status(samples: Samples) -> Table:
     t = Table(title="envfleet status", show_header=True)
     t.add_column("what")
     t.add_column("value", justify="right")
-    for lab, v in sorted(samples.get("envfleet_sandboxes", []), key=lambda x: x[0].get("state", "")):
-        t.add_row(f"sandboxes {lab.get('state')}", f"{v:g}")
+    # with rollout workers, each process (the control plane and every worker) has its own series: summed here
+    for state in sorted({lab.get("state", "") for lab, _ in samples.get("envfleet_sandboxes", [])}):
+        t.add_row(f"sandboxes {state}", f"{_value(samples, 'envfleet_sandboxes', state=state):g}")
     t.add_row("rollouts in flight", f"{_value(samples, 'envfleet_rollouts_in_flight'):g}")
     t.add_row("queue depth", f"{_value(samples, 'envfleet_queue_depth'):g}")
     t.add_row("  of which waiting for an image", f"{_value(samples, 'envfleet_queue_waiting_for_images'):g}")
@@ -71,9 +72,11 @@ def render_status(samples: Samples) -> Table:
     t.add_row("queue wait p50", "-" if wait is None else f"<= {wait:g} s")
     for lab, v in sorted(samples.get("envfleet_rollouts_total", []), key=lambda x: x[0].get("status", "")):
         t.add_row(f"rollouts {lab.get('status')}", f"{v:g}")
-    for lab, v in samples.get("envfleet_pool_idle", []):
-        target = _value(samples, "envfleet_pool_target", pool=lab.get("pool", ""))
-        t.add_row(f"pool {lab.get('pool')} idle / target", f"{v:g} / {target:g}")
+    for pool in sorted({lab.get("pool", "") for lab, _ in samples.get("envfleet_pool_idle", [])}):
+        idle, target = (_value(samples, name, pool=pool) for name in ("envfleet_pool_idle", "envfleet_pool_target"))
+        t.add_row(f"pool {pool} idle / target", f"{idle:g} / {target:g}")
+    for reason in sorted({lab.get("reason", "") for lab, _ in samples.get("envfleet_pool_discards_total", [])}):
+        t.add_row(f"pool discards ({reason})", f"{_value(samples, 'envfleet_pool_discards_total', reason=reason):g}")
     for source in ("warm", "cold"):
         p = histogram_quantile(samples, "envfleet_sandbox_acquire_seconds", 0.5, {"source": source})
         if p is not None:

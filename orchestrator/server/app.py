@@ -51,6 +51,7 @@ from orchestrator.service.scheduler import Capacity
 from orchestrator.service.sessions import SessionConfig, SessionManager
 from orchestrator.service.store import ResultStore
 from orchestrator.viewer.http import ViewerServer, start_live_viewer
+from orchestrator.worker.metrics import fleet_registry
 from orchestrator.worker.ray_fleet import RayConfig
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -378,13 +379,13 @@ async def create_server(
     orch.sessions, orch.sandboxes, orch.registrar = sessions, sandboxes, registrar
     orch.workers = workers
     if config.metrics_port is not None:
+        # with rollout workers, theirs too (sandboxes, pools, engine calls), from their heartbeats
+        served = metrics.registry if workers is None else fleet_registry(metrics.registry, workers.hub.metric_snapshots)
         try:
-            orch._metrics_server, _ = start_http_server(
-                config.metrics_port, addr=config.metrics_host, registry=metrics.registry
-            )
+            orch._metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=served)
         except OSError as e:  # the port is taken (another orchestrator on this host): serve metrics elsewhere
             log.warning("metrics port %d unavailable (%s); using a free port", config.metrics_port, e)
-            orch._metrics_server, _ = start_http_server(0, addr=config.metrics_host, registry=metrics.registry)
+            orch._metrics_server, _ = start_http_server(0, addr=config.metrics_host, registry=served)
         orch.metrics_port = orch._metrics_server.server_port
         log.info("metrics on http://%s:%d/metrics (unauthenticated)", config.metrics_host, orch.metrics_port)
     if config.ui_port is not None:

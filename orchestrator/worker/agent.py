@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry, generate_latest
 
 from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.archives import ArchiveKind
@@ -63,6 +64,8 @@ class WorkerAgent:
         name: str = "worker",
         slots: int = 64,
         heartbeat_s: float = 1.0,
+        metrics: CollectorRegistry | None = None,
+        metrics_s: float = 5.0,
         kinds: Mapping[str, ArchiveKind] | None = None,
         tls: ClientTLS | None = None,
         insecure: bool = False,
@@ -76,6 +79,8 @@ class WorkerAgent:
         self._registry = registry
         self._slots = slots
         self._heartbeat_s = heartbeat_s
+        self._metrics = metrics  # sent to the control plane every `metrics_s`, in a heartbeat
+        self._metrics_s = metrics_s
         self._declarative: dict[str, Environment] = {}
         self._kinds = dict(load_kinds() if kinds is None else kinds)
         # uploaded environments by archive digest, loaded once (a failed load stays failed: its error is the answer)
@@ -128,8 +133,13 @@ class WorkerAgent:
                     yield message
 
         async def heartbeats() -> None:
+            sent = float("-inf")
             while True:
-                outbox.put(wpb.WorkerMessage(heartbeat=wpb.Heartbeat(running=len(running))))
+                beat = wpb.Heartbeat(running=len(running))
+                if self._metrics is not None and time.monotonic() - sent >= self._metrics_s:
+                    sent = time.monotonic()
+                    beat.metrics = generate_latest(self._metrics)  # about 2 ms
+                outbox.put(wpb.WorkerMessage(heartbeat=beat))
                 await asyncio.sleep(self._heartbeat_s)
 
         async with self._channel() as channel:

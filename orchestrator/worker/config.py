@@ -20,6 +20,7 @@ class WorkerConfig(BaseModel):
     pool: PoolConfig = PoolConfig()
     slots: int = Field(64, ge=1, le=100_000, description="rollouts this worker expects to run at once")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
+    metrics_s: float = Field(5.0, gt=0, le=300, description="how often a heartbeat carries the worker's metrics")
     tracing: TracingConfig = Field(TracingConfig(), description="where this worker exports its spans; off by default")
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to load beside the entry points"

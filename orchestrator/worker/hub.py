@@ -28,6 +28,7 @@ from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutEr
 from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, unrun_rollout
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
+from orchestrator.worker.metrics import MAX_SNAPSHOT_BYTES
 from orchestrator.worker.outbox import Outbox, as_messages
 from orchestrator.worker.results import InvalidResultError, add_attempts, decode
 from protos import worker_pb2 as wpb
@@ -67,6 +68,7 @@ class _Worker:
     next_sweep: float = field(default_factory=time.monotonic)
     served: int = 0
     archives: set[str] = field(default_factory=set)  # digests of the archives this stream has carried
+    metrics: bytes | None = b""  # its Prometheus metrics as its heartbeats last carried them; None: too large
 
     @property
     def load(self) -> float:
@@ -361,6 +363,8 @@ class WorkerHub:
                 if message.HasField("results"):
                     for result in message.results.results:
                         self._deliver(worker, result)
+                elif message.heartbeat.metrics:
+                    self._take_metrics(worker, message.heartbeat.metrics)
                 now = time.monotonic()
                 if now >= worker.next_sweep:  # heartbeats come every second or so: the sweep runs as often
                     worker.next_sweep = now + OVERDUE_SWEEP_S
@@ -370,6 +374,21 @@ class WorkerHub:
         except Exception as e:  # the connection broke
             why = f"its stream failed: {type(e).__name__}"
         self._drop(worker, why)
+
+    @staticmethod
+    def _take_metrics(worker: _Worker, text: bytes) -> None:
+        if len(text) <= MAX_SNAPSHOT_BYTES:
+            worker.metrics = text
+        elif worker.metrics is not None:  # said once per worker, not at every snapshot
+            log.warning(
+                "worker %s sent %d bytes of metrics, over %d; dropped", worker.id, len(text), MAX_SNAPSHOT_BYTES
+            )
+            worker.metrics = None
+
+    def metric_snapshots(self) -> list[tuple[str, str, bytes]]:
+        """The connected workers' metrics as they last sent them: (worker id, host, Prometheus text). Safe to call
+        from another thread (a metrics scrape)."""
+        return [(w.id, w.host, w.metrics) for w in list(self._workers.values()) if w.metrics]
 
     def _deliver(self, worker: _Worker, result: wpb.RolloutResult) -> None:
         running = worker.running.pop(result.assignment_id, None)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from orchestrator.backends.pool import SandboxPool
 from orchestrator.client.auth import ClientTLS, check_client_transport
+from orchestrator.core.metrics import Metrics
 from orchestrator.core.private_dirs import sweep_private_dirs
 from orchestrator.core.stalls import StallWatch
 from orchestrator.core.tracing import make_tracer
@@ -39,7 +40,9 @@ async def run_worker(
     tracer = make_tracer(config.tracing, "envfleet-worker")  # each worker process exports its own spans
     fleet = await start_fleet(config.backend)
     backend = fleet.backend
-    pool = SandboxPool(backend, config.pool)
+    metrics = Metrics()  # its own: the control plane serves them, labelled with this worker, from the heartbeats
+    fleet.export_metrics(metrics)
+    pool = SandboxPool(backend, config.pool, metrics)
     pool.start()
     executor = LocalExecutor(RolloutRunner(pool, fleet.images, tracer), TokenizerCache(config.tokenizer_dirs))
     registry = Registry.from_entry_points()
@@ -53,6 +56,8 @@ async def run_worker(
         name=name,
         slots=config.slots,
         heartbeat_s=config.heartbeat_s,
+        metrics=metrics.registry,
+        metrics_s=config.metrics_s,
         tls=tls,
         insecure=insecure,
     )

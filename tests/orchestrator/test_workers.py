@@ -11,11 +11,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import docker
+import httpx
 import pytest
+from rich.console import Console
 
+from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
 from orchestrator.backends.pool import TENANT_LABEL
+from orchestrator.cli.status import fetch_status, render_status
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
@@ -165,3 +169,49 @@ async def test_an_archive_goes_once_per_worker_stream(tmp_path: Path) -> None:
     assert again is not None and again.archive == b"" and again.sha256 == digest
     assert other is not None and other.archive == b"the archive"  # another stream: sent again
     assert await hub._archive_for(one, PythonToolEnv()) is None  # not the instance registered from the archive
+
+
+async def test_the_metrics_endpoint_serves_every_workers_metrics_labelled(
+    tmp_path: Path, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # the sandboxes, pools and engine calls are the workers': without their heartbeats' snapshots the control
+    # plane's endpoint would show no acquire at all (the control plane ran none)
+    orch = await create_server(
+        OrchestratorConfig(
+            port=0,
+            data_dir=tmp_path / "data",
+            backend=FakeBackendConfig(owner=TEST_OWNER),
+            workers=2,
+            metrics_port=0,
+        )
+    )
+    try:
+        assert orch.workers is not None
+        await orch.workers.hub.wait_for_workers(2, timeout_s=120)
+        ids = {w.worker_id for w in orch.workers.hub.workers()}
+        async with EnvfleetClient(orch.address) as client:
+            job_id = await client.submit(job(policy_server.url, task_ids[:8], n=2, max_concurrency=16))
+            assert len([r async for r in client.rollouts(job_id)]) == 16
+        url = f"http://127.0.0.1:{orch.metrics_port}/metrics"
+        async with httpx.AsyncClient() as h, asyncio.timeout(30):
+            while True:  # a worker's heartbeat carries its metrics every 5 s
+                text = (await h.get(url)).text
+                samples = fetch_status(url)
+                acquires: dict[str | None, float] = {}
+                for lab, v in samples.get("envfleet_sandbox_acquire_seconds_count", []):  # warm and cold
+                    acquires[lab.get("worker")] = acquires.get(lab.get("worker"), 0) + v
+                if sum(acquires.values()) == 16:
+                    break
+                await asyncio.sleep(0.5)
+        # one acquire per rollout, each counted once, under the worker that made it; both served some
+        assert set(acquires) <= ids and sum(1 for v in acquires.values() if v) == 2, acquires
+        assert all(lab.get("host") for lab, _ in samples["envfleet_sandbox_acquire_seconds_count"])
+        # the control plane's own series stay as they were, and every family is declared once
+        assert 'envfleet_rollouts_total{status="OK"} 16.0' in text
+        types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(types) == len(set(types)), [t for t in types if types.count(t) > 1]
+        table = Console(width=200, record=True)
+        table.print(render_status(samples))
+        assert "sandboxes idle" in table.export_text()
+    finally:
+        await orch.stop(grace=1)
