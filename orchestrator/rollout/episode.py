@@ -3,6 +3,7 @@ orchestrator/rollout/step.py) -> observation, until submit, a stop, or a limit."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +57,14 @@ async def run_episode(
     max_model_len: int | None = None,
     *,
     span: Span = NOOP_SPAN,
+    tool_seconds: Callable[[float], None] | None = None,
 ) -> EpisodeResult:
     """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode.
 
     The policy decides how tokens are made (chat completions, or token-in, token-out with `max_model_len` bounding
     the episode's context); the loop and the TokenTracker are the same for both. Each policy call and each tool
-    call is a child span of `span`; their seconds sum to generation_s and tools_s."""
+    call is a child span of `span`; their seconds sum to generation_s and tools_s. `tool_seconds` is told each tool
+    call's seconds (the tool-exec histogram)."""
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     messages: list[dict[str, Any]] = env.messages(task)
@@ -96,6 +99,8 @@ async def run_episode(
                 result = await run_tool_call(env, sandbox, state, call)
                 phase.span.set(_result_attributes(result))
             tools_s += phase.seconds
+            if tool_seconds is not None:
+                tool_seconds(phase.seconds)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result.output})
             if state.submitted:
                 break

@@ -256,6 +256,7 @@ class RolloutRunner:
                             turns,
                             spec.max_model_len if spec.token_mode == "tito" else None,
                             span=phase.span,
+                            tool_seconds=self.sandboxes.metrics.exec_seconds.observe,
                         )
                     tokens = result.tokens.result()
                     timing.generation, timing.tools = result.generation_s, result.tools_s

@@ -33,6 +33,9 @@ async def test_metrics_endpoint_and_status(
         assert 'envfleet_rollouts_total{status="OK"} 3.0' in text
         assert 'envfleet_sandbox_acquire_seconds_count{source="cold"}' in text
         assert "envfleet_sandbox_create_seconds_bucket" in text
+        count = "envfleet_tool_exec_seconds_count "
+        tool_calls = [float(x.removeprefix(count)) for x in text.splitlines() if x.startswith(count)]
+        assert tool_calls and tool_calls[0] >= 3, tool_calls  # each rollout called a tool, submit at least
         assert "envfleet_queue_depth 0.0" in text and "envfleet_queue_waiting_for_images 0.0" in text
         assert "envfleet_docker_api_limit 16.0" in text  # api_workers: a healthy engine never had it cut
         assert "envfleet_docker_api_waiting 0.0" in text
