@@ -26,6 +26,7 @@ from orchestrator.core.sandbox import (
     ExecResult,
     ExecStarted,
     FileEntry,
+    Liveness,
     ResetOutcome,
     Stdin,
     Transport,
@@ -84,6 +85,15 @@ class EnvdTransport(Transport):
         except grpc.aio.AioRpcError:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def probe(self, timeout: float) -> Liveness:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            # a gone envd refuses the connection at once; one that has not answered in time is there but starved
+            # of CPU, as every envd of a loaded host is (a load of 100 on 2 cores missed 2 s for a hundred of them)
+            return "slow" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "gone"
+        return "alive" if reply.status == health_pb2.HealthCheckResponse.SERVING else "gone"
 
     @staticmethod
     def _request(

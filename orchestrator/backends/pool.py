@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.metrics import Metrics
-from orchestrator.core.sandbox import Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.core.sandbox import Liveness, Sandbox, SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,13 @@ class PoolConfig(BaseModel):
         description="a warm sandbox idle longer than this gets a health check before it is handed out; one reset or"
         " started more recently has just proven itself alive (should it die since, its first call fails as a"
         " sandbox error, an infrastructure retry)",
+    )
+    probe_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        le=60,
+        description="how long that health check waits; a sandbox with no answer by then is starved, not gone, and is"
+        " handed out (one that refuses is destroyed)",
     )
 
 
@@ -181,7 +188,7 @@ class SandboxPool:
             discard = ""
             if idle_s > self.config.idle_ttl_s:
                 discard = "expired"
-            elif idle_s > self.config.probe_idle_after_s and not await _alive(entry.sandbox):
+            elif idle_s > self.config.probe_idle_after_s and await self._probe(entry.sandbox) == "gone":
                 discard = "probe"
             if discard:
                 p.busy -= 1
@@ -196,6 +203,12 @@ class SandboxPool:
         p.busy += 1
         self.metrics.acquire_seconds.labels("cold").observe(time.monotonic() - now)
         return sandbox, "cold"
+
+    async def _probe(self, sandbox: Sandbox) -> Liveness:
+        transport = getattr(sandbox, "transport", None)
+        outcome: Liveness = "alive" if transport is None else await transport.probe(self.config.probe_timeout_s)
+        self.metrics.pool_probes.labels(outcome).inc()
+        return outcome
 
     async def _create(self, p: _Pool) -> Sandbox:
         t0 = time.monotonic()
@@ -342,10 +355,3 @@ class SandboxPool:
             p.idle.clear()
         await asyncio.gather(*(s.close() for s in idle), return_exceptions=True)
         self._gauge()
-
-
-async def _alive(sandbox: Sandbox) -> bool:
-    transport = getattr(sandbox, "transport", None)
-    if transport is None:
-        return True
-    return bool(await transport.health(timeout=2.0))

@@ -48,6 +48,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.pool_probes = Counter(
+            "envfleet_pool_probes_total",
+            "Health checks of warm sandboxes idle past probe_idle_after_s, before a hand-out, by outcome (alive;"
+            " slow: no answer in probe_timeout_s, handed out all the same; gone: destroyed)",
+            ["outcome"],
+            registry=r,
+        )
         self.docker_errors = Counter("envfleet_docker_api_errors_total", "Failed engine calls", ["call"], registry=r)
         self.queue_waiting_for_images = Gauge(
             "envfleet_queue_waiting_for_images", "Queued work items held back until their image is built", registry=r

@@ -181,6 +181,9 @@ def _at_most(data: bytes, max_bytes: int, path: str) -> bytes:
     return data
 
 
+Liveness = Literal["alive", "slow", "gone"]
+
+
 class Transport(abc.ABC):
     """How a Sandbox reaches inside its container: envd over a unix socket, or `docker exec`."""
 
@@ -256,6 +259,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def health(self, timeout: float) -> bool:
         """Whether the inside answers."""
+
+    async def probe(self, timeout: float) -> Liveness:
+        """Whether a sandbox thought alive still is: "alive" (it answered), "gone" (refused, or answered that it is
+        not serving) or "slow" (no answer within `timeout`: there, but starved of CPU). This transport cannot tell
+        slow from gone: no answer in time counts as gone."""
+        return "alive" if await self.health(timeout) else "gone"
 
     async def reset(self, workspace_seed: str) -> ResetOutcome:
         """Return the sandbox to a pristine state in place; a transport that cannot says so (ok=False)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -40,6 +42,10 @@ async def pool_factory(backend: DockerBackend) -> AsyncIterator[Callable[..., Sa
 def _discards(pool: SandboxPool, reason: str) -> float:
     """How many sandboxes the pool destroyed for `reason` (its metric, as Prometheus reads it)."""
     return pool.metrics.registry.get_sample_value("envfleet_pool_discards_total", {"reason": reason}) or 0.0
+
+
+def _probes(pool: SandboxPool, outcome: str) -> float:
+    return pool.metrics.registry.get_sample_value("envfleet_pool_probes_total", {"outcome": outcome}) or 0.0
 
 
 def _ids(client: docker.DockerClient, owner_instance: str) -> set[str]:
@@ -226,6 +232,35 @@ async def test_a_sandbox_that_died_while_idle_is_never_handed_out_after_the_prob
     again, source = await pool.acquire(spec)
     assert again.id != killed and source == "cold"
     assert _discards(pool, "probe") == 1  # the one reason a sandbox left the pool, and it says so
+    assert _probes(pool, "gone") == 1
+    assert (await again.exec(["echo", "hi"])).stdout == b"hi\n"
+    await pool.release(again, recycle=False)
+
+
+def _envd_pid(client: docker.DockerClient, container_id: str) -> int:
+    """The host pid of a sandbox's envd: the only child of its init (docker-init)."""
+    init = client.api.inspect_container(container_id)["State"]["Pid"]
+    with open(f"/proc/{init}/task/{init}/children") as f:
+        return int(f.read().split()[0])
+
+
+async def test_a_sandbox_too_slow_to_answer_the_probe_is_handed_out_not_destroyed(
+    pool_factory: Callable[..., SandboxPool], base_image: str, docker_client: docker.DockerClient
+) -> None:
+    # on a loaded host an idle envd can take longer than the probe's timeout to answer: destroying it, and starting
+    # another, is what a loaded host can least afford. One that refuses is gone (the test above)
+    pool: SandboxPool = pool_factory(probe_idle_after_s=0, probe_timeout_s=0.5)
+    spec = SandboxSpec(image=base_image)
+    sb, _ = await pool.acquire(spec)
+    assert await pool.release(sb, recycle=True)
+    envd = _envd_pid(docker_client, sb.id)
+    os.kill(envd, signal.SIGSTOP)  # there, and not answering
+    try:
+        again, source = await pool.acquire(spec)
+    finally:
+        os.kill(envd, signal.SIGCONT)
+    assert (again.id, source) == (sb.id, "warm")
+    assert (_probes(pool, "slow"), _discards(pool, "probe")) == (1, 0)
     assert (await again.exec(["echo", "hi"])).stdout == b"hi\n"
     await pool.release(again, recycle=False)
 
