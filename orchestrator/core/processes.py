@@ -41,3 +41,12 @@ def owner_alive(pid: int, start: str) -> bool:
         return False
     fields = proc_stat(pid)
     return bool(start) and bool(fields) and fields[19].decode() == start and fields[0] not in (b"Z", b"X")
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """The user and system CPU a process has used (clock ticks), or None for one that cannot be making progress:
+    gone, a zombie, or stopped (SIGSTOP, a debugger)."""
+    fields = proc_stat(pid)
+    if not fields or fields[0] in (b"Z", b"X", b"T", b"t"):
+        return None
+    return int(fields[11]) + int(fields[12])

@@ -116,8 +116,9 @@ class WorkerPlane:
         if config.workers:
             slots = -(-config.max_in_flight // config.workers)
             local_config = worker_config.model_copy(update={"slots": slots})
-            plane.local = LocalWorkers(config.workers, plane.unix_target, token, local_config)
-            plane.local.start()
+            local = plane.local = LocalWorkers(config.workers, plane.unix_target, token, local_config)
+            hub.local_pids = lambda: local.pids
+            local.start()
         if config.ray is not None and plane.tcp_address is not None:
             plane.ray = RayWorkers(
                 config.ray,

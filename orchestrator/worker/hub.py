@@ -6,7 +6,7 @@ sandboxes are there); otherwise the least loaded worker, preferring a host that 
 image is there). A rollout is placed only while the connected workers have a free slot between them (each says in
 its hello how many rollouts it runs at once); otherwise it waits in line here, so a lost worker's share waits for
 room instead of piling onto the others. A worker is lost when its stream ends or its heartbeats stop (a crashed,
-killed, stopped or partitioned process). Its unfinished rollouts go to other workers as infrastructure retries,
+killed, stopped or partitioned process); a silent process of this host that still uses CPU is starved, not lost. Its unfinished rollouts go to other workers as infrastructure retries,
 within the job's `max_infra_retries`; past that budget the rollout is INFRA_ERROR, never a reward. A late answer
 from a lost worker is dropped: the result log keeps one rollout per id.
 """
@@ -19,12 +19,13 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
 from orchestrator.core.environment import Environment, ImageSource
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError
+from orchestrator.core.processes import cpu_ticks
 from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, unrun_rollout
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
@@ -119,6 +120,9 @@ class WorkerHub:
         # what placing a rollout on a worker costs it: the round trip from sending the assignment to taking the result,
         # less the rollout's own run time (the wire both ways and the waits in both processes; the recent ones)
         self.dispatch_delays: collections.deque[float] = collections.deque(maxlen=DISPATCH_SAMPLES)
+        # the pids of this host's own worker processes (the control plane started them): a silent one that still
+        # uses CPU is starved, not lost (see _next)
+        self.local_pids: Callable[[], Collection[int]] = tuple
 
     @property
     def images(self) -> ImageSource:
@@ -331,22 +335,46 @@ class WorkerHub:
                 await reader
             self._drop(worker, "its stream ended")
 
-    async def _next(self, inbound: AsyncIterator[wpb.WorkerMessage]) -> wpb.WorkerMessage | None:
+    async def _next(self, worker: _Worker, inbound: AsyncIterator[wpb.WorkerMessage]) -> wpb.WorkerMessage | None:
         """The worker's next message; TimeoutError after `heartbeat_timeout_s` of silence, counted in time this
         process was awake to hear it: a stall of the control plane's own loop (its host starved of CPU, a long
-        callback) counts at most HEARD_TICK_S x 1.5 a tick, so it never cuts off every worker at once."""
+        callback) counts at most HEARD_TICK_S x 1.5 a tick, so it never cuts off every worker at once.
+
+        A silent worker that is a process of this host, running and using CPU over its silence, is starved rather
+        than lost (on a host at a load of 100, heartbeats arrive late from workers that still work). Dropping it
+        would retry its rollouts and destroy their sandboxes, which is how a loaded host collapses; it is given
+        another `heartbeat_timeout_s` instead, and its rollouts stay bound by their budgets. A stopped (SIGSTOP),
+        hung (no CPU) or gone one is lost, as is a silent remote one."""
         pending = asyncio.ensure_future(anext(inbound, None))
         loop = asyncio.get_running_loop()
         silent = 0.0
+        cpu: int | None = None  # the worker process's CPU when its silence began (a process of this host only)
         try:
             while True:
                 t0 = loop.time()
                 done, _ = await asyncio.wait((pending,), timeout=HEARD_TICK_S)
                 if done:
                     return pending.result()
+                fresh = cpu is None  # taken now: its progress is judged from the next tick on
+                if fresh:
+                    cpu = self._local_cpu(worker)
                 silent += min(loop.time() - t0, 1.5 * HEARD_TICK_S)
                 if silent >= self.heartbeat_timeout_s:
-                    raise TimeoutError
+                    now = self._local_cpu(worker)
+                    if cpu is None or now is None:
+                        raise TimeoutError
+                    if fresh:
+                        continue
+                    if now <= cpu:
+                        raise TimeoutError
+                    log.warning(
+                        "worker %s (pid %d) silent for %gs, but its process runs and uses CPU: starved, kept",
+                        worker.id,
+                        worker.pid,
+                        silent,
+                    )
+                    self._expire(worker, time.monotonic())
+                    silent, cpu = 0.0, now
         finally:
             if not pending.done():
                 pending.cancel()
@@ -357,7 +385,7 @@ class WorkerHub:
         why = "its stream ended"
         try:
             while True:
-                message = await self._next(inbound)
+                message = await self._next(worker, inbound)
                 if message is None:
                     break
                 if message.HasField("results"):
@@ -374,6 +402,11 @@ class WorkerHub:
         except Exception as e:  # the connection broke
             why = f"its stream failed: {type(e).__name__}"
         self._drop(worker, why)
+
+    def _local_cpu(self, worker: _Worker) -> int | None:
+        if not worker.trusted or worker.pid not in self.local_pids():
+            return None
+        return cpu_ticks(worker.pid)
 
     @staticmethod
     def _take_metrics(worker: _Worker, text: bytes) -> None:

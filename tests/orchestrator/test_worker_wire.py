@@ -5,6 +5,10 @@ given up and stopped on the worker, and the outbox that batches both directions.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 
 from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
@@ -70,6 +74,41 @@ async def test_a_stall_of_the_control_planes_own_loop_cuts_off_no_worker() -> No
         got = await asyncio.wait_for(asyncio.gather(*(w.hub.run(i, env, spec([i.task.id])) for i in batch)), 60)
         assert w.hub.lost == 0, "the control plane's own stall cut a worker off"
     assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
+
+
+async def test_a_silent_local_worker_that_still_uses_cpu_is_starved_not_lost() -> None:
+    # on a host at a load of 100 a worker's heartbeats miss the cut-off while it still works; dropping it would
+    # retry its rollouts and destroy their sandboxes, which is how a loaded host collapses. Here the worker's
+    # process is a real one that spins; stopped (SIGSTOP, as a partition is simulated), it is lost
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        async with serve_hub(heartbeat_timeout_s=1.0) as w:
+            w.hub.local_pids = lambda: (spinner.pid,)
+            async with ScriptedWorker(w.unix, _answer, heartbeat_s=None, pid=spinner.pid) as worker:
+                await w.hub.wait_for_workers(1, timeout_s=30)
+                await asyncio.sleep(4.0)  # silent for four cut-offs
+                assert (w.hub.lost, len(w.hub.workers())) == (0, 1)
+                os.kill(spinner.pid, signal.SIGSTOP)
+                await asyncio.wait_for(worker.ended(), 10)
+                assert (w.hub.lost, w.hub.workers()) == (1, [])
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+async def test_a_silent_remote_worker_is_lost_whatever_runs_under_its_pid() -> None:
+    # a worker over TCP may be another host's process: its pid means nothing here
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        async with serve_hub(heartbeat_timeout_s=1.0) as w:
+            w.hub.local_pids = lambda: (spinner.pid,)
+            async with ScriptedWorker(w.tcp, _answer, heartbeat_s=None, pid=spinner.pid) as worker:
+                await w.hub.wait_for_workers(1, timeout_s=30)
+                await asyncio.wait_for(worker.ended(), 10)
+                assert w.hub.lost == 1
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 async def test_a_lost_workers_rollouts_wait_for_room_rather_than_overload_the_others() -> None:

@@ -94,6 +94,7 @@ class ScriptedWorker:
     # (grpc/grpc#36066), so a heartbeat sent while the refusal is on its way hides the refusal's code and message.
     heartbeat_s: float | None = 0.5
     slots: int = 64
+    pid: int = 1
     token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
     assign_messages: int = 0  # control messages that carried assignments
@@ -119,7 +120,7 @@ class ScriptedWorker:
     async def _run(self) -> None:
         outbox: asyncio.Queue[wpb.WorkerMessage] = asyncio.Queue()
         hello = wpb.WorkerHello(
-            worker_id=self.worker_id, host="scripted-host", slots=self.slots, pid=1, protocol=self.protocol
+            worker_id=self.worker_id, host="scripted-host", slots=self.slots, pid=self.pid, protocol=self.protocol
         )
 
         async def outbound() -> AsyncIterator[wpb.WorkerMessage]:
