@@ -120,10 +120,19 @@ def _per_second(times: collections.deque[float], now: float, window: float) -> f
 class SandboxPool:
     """acquire() a ready sandbox, release() it (recycled or destroyed). Start with `start()`, end with `close()`."""
 
-    def __init__(self, backend: SandboxBackend, config: PoolConfig | None = None, metrics: Metrics | None = None):
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        config: PoolConfig | None = None,
+        metrics: Metrics | None = None,
+        *,
+        max_sandboxes: int | None = None,
+    ):
+        """`max_sandboxes`: the most its owner uses at once (a worker's slots); a pool never refills past it."""
         self.backend = backend
         self.config = config or PoolConfig()
         self.metrics = metrics or Metrics()
+        self.max_sandboxes = max_sandboxes
         self._pools: dict[str, _Pool] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -310,13 +319,8 @@ class SandboxPool:
                 # expire idle sandboxes past their TTL
                 while p.idle and now - p.idle[0].since > self.config.idle_ttl_s:
                     self._destroy_later(p.idle.popleft().sandbox, "expired")
-                target = self._target(p, now)
-                self.metrics.pool_target.labels(p.key).set(target)
-                returning = p.busy + p.resetting if p.recycling else p.resetting
-                # the refills already queued count: the refiller wakes at every acquire, and each would else queue
-                # the same shortfall again behind the gate, to be created long after anything needed it
-                missing = target - len(p.idle) - p.creating - p.queued - returning
-                for _ in range(max(0, missing)):
+                self.metrics.pool_target.labels(p.key).set(self._target(p, now))
+                for _ in range(max(0, self._missing(p, now))):
                     if self.idle_total + self._creating_total() >= self.config.max_idle_total:
                         break  # speculative refills never evict another pool's sandboxes
                     p.queued += 1
@@ -325,11 +329,27 @@ class SandboxPool:
                     task.add_done_callback(self._inflight.discard)
             self._gauge()
 
+    def _missing(self, p: _Pool, now: float) -> int:
+        """How many sandboxes the pool is short of its target. The ones on their way count: being created, queued
+        for the refiller's gate (the refiller wakes at every acquire, and would else queue the same shortfall
+        again), and, while the pool recycles, busy or being reset. Never past `max_sandboxes` in all: a job that
+        ramps up to its concurrency reads as demand until its rollouts come back, and a refill beyond what the
+        owner can use at once only holds memory (a worker of 500 slots reached 550 sandboxes on a host at 90%)."""
+        returning = p.busy + p.resetting if p.recycling else p.resetting
+        missing = self._target(p, now) - len(p.idle) - p.creating - p.queued - returning
+        if self.max_sandboxes is not None:
+            held = p.busy + p.resetting + len(p.idle) + p.creating + p.queued
+            missing = min(missing, self.max_sandboxes - held)
+        return missing
+
     async def _refill_one(self, p: _Pool) -> None:
         try:
             await self._gate.acquire()
         finally:
             p.queued -= 1  # creating from here on (_create counts it before its first await)
+        if self._missing(p, time.monotonic()) <= 0:  # judged again at its turn: queued, it may have waited long
+            self._gate.release()
+            return
         try:
             sandbox = await self._create(p)
         except SandboxError as e:

@@ -6,9 +6,10 @@ sandboxes are there); otherwise the least loaded worker, preferring a host that 
 image is there). A rollout is placed only while the connected workers have a free slot between them (each says in
 its hello how many rollouts it runs at once); otherwise it waits in line here, so a lost worker's share waits for
 room instead of piling onto the others. A worker is lost when its stream ends or its heartbeats stop (a crashed,
-killed, stopped or partitioned process); a silent process of this host that still uses CPU is starved, not lost. Its unfinished rollouts go to other workers as infrastructure retries,
-within the job's `max_infra_retries`; past that budget the rollout is INFRA_ERROR, never a reward. A late answer
-from a lost worker is dropped: the result log keeps one rollout per id.
+killed, stopped or partitioned process; a silent process of this host that still uses CPU is starved, not lost).
+Its unfinished rollouts go to other workers as infrastructure retries, within the job's `max_infra_retries`; past
+that budget the rollout is INFRA_ERROR, never a reward. A late answer from a lost worker is dropped: the result log
+keeps one rollout per id.
 """
 
 from __future__ import annotations

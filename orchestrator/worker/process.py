@@ -42,7 +42,7 @@ async def run_worker(
     backend = fleet.backend
     metrics = Metrics()  # its own: the control plane serves them, labelled with this worker, from the heartbeats
     fleet.export_metrics(metrics)
-    pool = SandboxPool(backend, config.pool, metrics)
+    pool = SandboxPool(backend, config.pool, metrics, max_sandboxes=config.slots)
     pool.start()
     executor = LocalExecutor(RolloutRunner(pool, fleet.images, tracer), TokenizerCache(config.tokenizer_dirs))
     registry = Registry.from_entry_points()

@@ -307,6 +307,46 @@ async def test_the_most_recently_returned_sandbox_is_handed_out_first() -> None:
         await backend.close()
 
 
+async def test_a_job_ramping_up_cold_never_has_more_sandboxes_than_its_worker_can_use() -> None:
+    # a job starts on an empty pool at the worker's full concurrency: every acquire is cold, which reads as demand
+    # until the rollouts come back, and on a loaded host a create takes seconds. The refiller then queued dozens
+    # of creates on top of the rollouts' own; in the full scale bench a worker of 500 slots reached 550 sandboxes
+    # with the host's memory at 90%. A pool never holds more than its owner can use at once
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake.backend import FakeBackend
+
+    backend = FakeBackend(FakeBackendConfig(owner="pool-ramp", create_latency_s=1.0, reset_latency_s=0.3))
+    pool = SandboxPool(backend, PoolConfig(max_idle_total=64, max_idle_per_pool=64, rate_window_s=2.0), max_sandboxes=8)
+    pool.start()
+    spec = SandboxSpec(image=backend.config.base_image)
+    pool._pool(spec).start_latency_s = 5.0  # what cold starts take on a loaded host (the pool's own estimate)
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, len(await backend.list_owned()))
+            await asyncio.sleep(0.02)
+
+    stop = time.monotonic() + 4
+
+    async def rollouts() -> None:  # take a sandbox, use it, recycle it, again
+        while time.monotonic() < stop:
+            sb, _ = await pool.acquire(spec)
+            await asyncio.sleep(0.3)
+            assert await pool.release(sb, recycle=True)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(*(rollouts() for _ in range(8)))  # the worker's 8 slots, all at once
+        await asyncio.sleep(1.2)  # the refiller wakes at least once a second
+        assert (peak, backend.created) == (8, 8)
+    finally:
+        watcher.cancel()
+        await pool.close()
+        await backend.close()
+
+
 async def test_a_job_on_a_warm_pool_creates_nothing() -> None:
     # the job starts on a warm pool: every acquire finds a sandbox idle, every release is recycled, and a loaded
     # host takes a while per reset. The refiller took acquires less recycles for unmet demand, but recycles lag
