@@ -5,11 +5,13 @@ given up and stopped on the worker, and the outbox that batches both directions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
 from orchestrator.server.convert import rollout_pb
@@ -76,12 +78,22 @@ async def test_a_stall_of_the_control_planes_own_loop_cuts_off_no_worker() -> No
     assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
 
 
+@contextlib.contextmanager
+def _spinning() -> Iterator[subprocess.Popen[bytes]]:
+    """A real process of this host that keeps using CPU, as a worker's does."""
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
 async def test_a_silent_local_worker_that_still_uses_cpu_is_starved_not_lost() -> None:
     # on a host at a load of 100 a worker's heartbeats miss the cut-off while it still works; dropping it would
     # retry its rollouts and destroy their sandboxes, which is how a loaded host collapses. Here the worker's
     # process is a real one that spins; stopped (SIGSTOP, as a partition is simulated), it is lost
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with _spinning() as spinner:
         async with serve_hub(heartbeat_timeout_s=1.0) as w:
             w.hub.local_pids = lambda: (spinner.pid,)
             async with ScriptedWorker(w.unix, _answer, heartbeat_s=None, pid=spinner.pid) as worker:
@@ -91,24 +103,17 @@ async def test_a_silent_local_worker_that_still_uses_cpu_is_starved_not_lost() -
                 os.kill(spinner.pid, signal.SIGSTOP)
                 await asyncio.wait_for(worker.ended(), 10)
                 assert (w.hub.lost, w.hub.workers()) == (1, [])
-    finally:
-        spinner.kill()
-        spinner.wait()
 
 
 async def test_a_silent_remote_worker_is_lost_whatever_runs_under_its_pid() -> None:
     # a worker over TCP may be another host's process: its pid means nothing here
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with _spinning() as spinner:
         async with serve_hub(heartbeat_timeout_s=1.0) as w:
             w.hub.local_pids = lambda: (spinner.pid,)
             async with ScriptedWorker(w.tcp, _answer, heartbeat_s=None, pid=spinner.pid) as worker:
                 await w.hub.wait_for_workers(1, timeout_s=30)
                 await asyncio.wait_for(worker.ended(), 10)
                 assert w.hub.lost == 1
-    finally:
-        spinner.kill()
-        spinner.wait()
 
 
 async def test_a_lost_workers_rollouts_wait_for_room_rather_than_overload_the_others() -> None:
