@@ -91,7 +91,7 @@ class EnvdTransport(Transport):
             reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             # a gone envd refuses the connection at once; one that has not answered in time is there but starved
-            # of CPU, as every envd of a loaded host is (a load of 100 on 2 cores missed 2 s for a hundred of them)
+            # of CPU, as the envds of a host at a load of 100 or more are
             return "slow" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "gone"
         return "alive" if reply.status == health_pb2.HealthCheckResponse.SERVING else "gone"
 
