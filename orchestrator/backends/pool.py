@@ -347,10 +347,9 @@ class SandboxPool:
             await self._gate.acquire()
         finally:
             p.queued -= 1  # creating from here on (_create counts it before its first await)
-        if self._missing(p, time.monotonic()) <= 0:  # judged again at its turn: queued, it may have waited long
-            self._gate.release()
-            return
         try:
+            if self._missing(p, time.monotonic()) <= 0:  # judged again at its turn: queued, it may have waited long
+                return
             sandbox = await self._create(p)
         except SandboxError as e:
             log.warning("warm pool refill failed: %s", e)
