@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import docker
 import pytest
 
+from bench.envd_bench import envd_pid
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.errors import SandboxError
@@ -237,13 +238,6 @@ async def test_a_sandbox_that_died_while_idle_is_never_handed_out_after_the_prob
     await pool.release(again, recycle=False)
 
 
-def _envd_pid(client: docker.DockerClient, container_id: str) -> int:
-    """The host pid of a sandbox's envd: the only child of its init (docker-init)."""
-    init = client.api.inspect_container(container_id)["State"]["Pid"]
-    with open(f"/proc/{init}/task/{init}/children") as f:
-        return int(f.read().split()[0])
-
-
 async def test_a_sandbox_too_slow_to_answer_the_probe_is_handed_out_not_destroyed(
     pool_factory: Callable[..., SandboxPool], base_image: str, docker_client: docker.DockerClient
 ) -> None:
@@ -253,7 +247,7 @@ async def test_a_sandbox_too_slow_to_answer_the_probe_is_handed_out_not_destroye
     spec = SandboxSpec(image=base_image)
     sb, _ = await pool.acquire(spec)
     assert await pool.release(sb, recycle=True)
-    envd = _envd_pid(docker_client, sb.id)
+    envd = envd_pid(docker_client.api, sb.id)
     os.kill(envd, signal.SIGSTOP)  # there, and not answering
     try:
         again, source = await pool.acquire(spec)
