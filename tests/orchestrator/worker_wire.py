@@ -95,6 +95,7 @@ class ScriptedWorker:
     heartbeat_s: float | None = 0.5
     slots: int = 64
     pid: int = 1
+    metrics: bytes = b""  # what its heartbeats carry as its Prometheus metrics
     token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
     assign_messages: int = 0  # control messages that carried assignments
@@ -131,7 +132,7 @@ class ScriptedWorker:
         async def heartbeats() -> None:
             assert self.heartbeat_s is not None
             while True:
-                outbox.put_nowait(wpb.WorkerMessage(heartbeat=wpb.Heartbeat(running=0)))
+                outbox.put_nowait(wpb.WorkerMessage(heartbeat=wpb.Heartbeat(running=0, metrics=self.metrics)))
                 await asyncio.sleep(self.heartbeat_s)
 
         async def reply(a: wpb.Assignment) -> None:
