@@ -337,7 +337,9 @@ class SessionManager:
                         id=action.call_id or f"call-{s.turn}", name=action.name, arguments=action.arguments
                     )
                     record_assistant(s.state, "", [call])
+                    t0 = time.monotonic()
                     observation = (await run_tool_call(s.env, s.sandbox, s.state, call)).output
+                    self._pool.metrics.exec_seconds.observe(time.monotonic() - t0)  # as a job's tool calls are
                     finish = "submit" if s.state.submitted else None
                 else:
                     record_assistant(s.state, action.text, [])

@@ -17,6 +17,7 @@ from orchestrator.backends.fake import FakeBackend, FakeExec
 from orchestrator.client.gym import SessionEnv
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.sandbox import ExecResult
+from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
 from tests.conftest import TEST_OWNER
@@ -64,7 +65,9 @@ async def test_episode_to_terminal_with_reward_and_status(client: EnvfleetClient
     )
 
 
-async def test_final_answer_turn_limit_and_bad_requests(fake_client: EnvfleetClient, registry: Registry) -> None:
+async def test_final_answer_turn_limit_and_bad_requests(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, registry: Registry
+) -> None:
     stub = fake_client.session_stub  # the session's bookkeeping: no command output is looked at
     r = await stub.Reset(pb.ResetRequest(env=ENV, seed=7))
     again = await stub.Reset(pb.ResetRequest(env=ENV, seed=7))
@@ -75,6 +78,8 @@ async def test_final_answer_turn_limit_and_bad_requests(fake_client: EnvfleetCli
     t = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-001", max_turns=1))
     s = await stub.Step(pb.StepRequest(session_id=t.session_id, action=tool("python", code="print(1)")))
     assert s.truncated and not s.terminated and s.status == pb.ROLLOUT_STATUS_TRUNCATED and s.reward == 0.0
+    assert fake_orchestrator.pool is not None  # a session's tool call is in the same histogram as a job's
+    assert fake_orchestrator.pool.metrics.registry.get_sample_value("envfleet_tool_exec_seconds_count") == 1
     assert (await stub.Close(pb.CloseSessionRequest(session_id=again.session_id))).was_running
 
     await expect_error(stub.Reset(pb.ResetRequest(env="pyhton-tool")), grpc.StatusCode.NOT_FOUND, "did you mean")
