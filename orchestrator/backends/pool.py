@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class PoolConfig(BaseModel):
-    """How many sandboxes to keep warm."""
+    """How many sandboxes to keep warm, on one host: the worker processes of a host split its idle budgets."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,6 +61,14 @@ class PoolConfig(BaseModel):
         description="how long that health check waits; a sandbox with no answer by then is starved, not gone, and is"
         " handed out (one that refuses is destroyed)",
     )
+
+    def shared_by(self, workers: int) -> PoolConfig:
+        """The pool of one of `workers` processes on a host, each with a pool of its own: the idle budgets split
+        between them (rounded up), so that a host keeps what it was configured to, not that times its workers."""
+        if workers <= 1:
+            return self
+        split = ("max_idle_total", "max_idle_per_pool", "min_idle_per_pool")
+        return self.model_copy(update={k: -(-getattr(self, k) // workers) for k in split})
 
 
 TENANT_LABEL = "envfleet.tenant"

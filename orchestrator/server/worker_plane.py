@@ -115,7 +115,9 @@ class WorkerPlane:
         )
         if config.workers:
             slots = -(-config.max_in_flight // config.workers)
-            local_config = worker_config.model_copy(update={"slots": slots})
+            local_config = worker_config.model_copy(
+                update={"slots": slots, "pool": config.pool.shared_by(config.workers)}
+            )
             local = plane.local = LocalWorkers(config.workers, plane.unix_target, token, local_config)
             hub.local_pids = lambda: local.pids
             local.start()
@@ -124,7 +126,7 @@ class WorkerPlane:
                 config.ray,
                 plane.tcp_address,
                 token,
-                worker_config,
+                worker_config.model_copy(update={"pool": config.pool.shared_by(config.ray.per_node)}),
                 identity.fleet_id,
                 tls=ray_tls,
                 insecure=config.security.insecure,

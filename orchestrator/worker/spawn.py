@@ -26,7 +26,7 @@ class LocalWorkers:
         self.n = n
         self._target = target
         self._token = token
-        self._config = config
+        self.config = config
         self._verbose = verbose
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._supervisors: list[asyncio.Task[None]] = []
@@ -46,7 +46,7 @@ class LocalWorkers:
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         argv = [sys.executable, "-m", "orchestrator.worker", "--connect", self._target, "--name", f"w{index}"]
         argv += ["--parent-pid", str(os.getpid())]
-        argv += ["--config", self._config.model_dump_json()] + ["-v"] * self._verbose
+        argv += ["--config", self.config.model_dump_json()] + ["-v"] * self._verbose
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
         assert proc.stdin is not None
         proc.stdin.write(self._token.encode() + b"\n")

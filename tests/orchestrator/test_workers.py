@@ -18,7 +18,7 @@ from rich.console import Console
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
-from orchestrator.backends.pool import TENANT_LABEL
+from orchestrator.backends.pool import TENANT_LABEL, PoolConfig
 from orchestrator.cli.status import fetch_status, render_status
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
@@ -213,5 +213,33 @@ async def test_the_metrics_endpoint_serves_every_workers_metrics_labelled(
         table = Console(width=200, record=True)
         table.print(render_status(samples))
         assert "sandboxes idle" in table.export_text()
+    finally:
+        await orch.stop(grace=1)
+
+
+async def test_a_hosts_workers_split_its_idle_budget(
+    tmp_path: Path, base_image: str, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # max_idle_total is what the host keeps warm: two workers with a pool each keep that between them, not twice it
+    orch = await create_server(
+        OrchestratorConfig(
+            port=0,
+            data_dir=tmp_path / "data",
+            backend=DockerBackendConfig(owner=TEST_OWNER),
+            pool=PoolConfig(max_idle_total=2, max_idle_per_pool=2),
+            workers=2,
+            max_in_flight=16,
+        )
+    )
+    try:
+        assert orch.workers is not None
+        await orch.workers.hub.wait_for_workers(2, timeout_s=120)
+        async with EnvfleetClient(orch.address) as client:
+            job_id = await client.submit(job(policy_server.url, task_ids[:16], max_concurrency=16))
+            assert len([r async for r in client.rollouts(job_id)]) == 16
+        assert all(w.served for w in orch.workers.hub.workers())  # 8 slots each: both held sandboxes
+        await asyncio.sleep(1.5)  # the last releases' resets and the refiller's next turn
+        warm = docker.from_env().containers.list(filters={"label": [f"{LABEL_OWNER}={TEST_OWNER}"]})
+        assert len(warm) <= 2, [c.name for c in warm]
     finally:
         await orch.stop(grace=1)
