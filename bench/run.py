@@ -21,6 +21,7 @@ from typing import Any
 import docker
 
 from bench.fleet_bench import run_all as fleet_run_all
+from bench.freeze_bench import idle_frozen
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
 from bench.stdin_bench import streamed_stdin
@@ -159,6 +160,7 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
     finally:
         await backend.close()
     results["exec_stdin_streamed"] = await streamed_stdin(image)
+    results["idle_frozen"] = await idle_frozen()
     results["orchestrator_overhead"] = await orchestrator_overhead(image, total=48, concurrency=8)
     results["stream_throughput"] = await stream_throughput(20_000)
     results.update(await warm_and_recycle(image, runs))

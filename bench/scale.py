@@ -3,7 +3,8 @@
 Phases (all in one run, results under `scale` in bench/results.json):
 1. warm N sandboxes (each with its envd) through the pool; the host's used memory at peak minus before, per sandbox.
    Growth stops early, and says so, if the projection would pass 90% of the host's memory;
-2. acquire latency with 64 concurrent acquires from the warm pool (p50, p99);
+2. acquire latency with 64 concurrent acquires from the warm pool (p50, p99); then the host's CPU while the same
+   sandboxes sit idle in the pool past freeze_idle_after_s (frozen), beside their CPU idle and not frozen;
 3. R rollouts (3 turns, the scripted policy answering after a simulated 1 s, one short exec per turn) with all the
    sandboxes in flight, recycled between rollouts;
 4. efficiency at 256 concurrent rollouts: measured rollouts per minute over the ideal (concurrency / episode time);
@@ -225,6 +226,15 @@ async def run(
             result["acquire_p50_ms"] = round(p50 * 1000, 2)
             result["acquire_p99_ms"] = round(p99 * 1000, 2)
             result["acquire_p99_over_p50"] = round(p99 / p50, 2)
+            # the same sandboxes idle in the pool past freeze_idle_after_s: frozen, beside the idle figure above
+            await asyncio.sleep(pool.config.freeze_idle_after_s + 2)
+            frozen = pool.metrics.registry.get_sample_value("envfleet_pool_frozen") or 0
+            cpu0 = proc_cpu.read()
+            await asyncio.sleep(idle_s)
+            result["idle_frozen"] = {
+                "frozen": int(frozen),
+                "cpu_ms_per_s_per_sandbox": proc_cpu.per(cpu0, proc_cpu.read(), idle_s * max(len(held), 1)),
+            }
             if workers:
                 # the workers hold their own sandboxes: these would only double the memory
                 await pool.close()

@@ -65,6 +65,7 @@ def render_status(samples: Samples) -> Table:
     # with rollout workers, each process (the control plane and every worker) has its own series: summed here
     for state in sorted({lab.get("state", "") for lab, _ in samples.get("envfleet_sandboxes", [])}):
         t.add_row(f"sandboxes {state}", f"{_value(samples, 'envfleet_sandboxes', state=state):g}")
+    t.add_row("  of the idle, frozen", f"{_value(samples, 'envfleet_pool_frozen'):g}")
     t.add_row("rollouts in flight", f"{_value(samples, 'envfleet_rollouts_in_flight'):g}")
     t.add_row("queue depth", f"{_value(samples, 'envfleet_queue_depth'):g}")
     t.add_row("  of which waiting for an image", f"{_value(samples, 'envfleet_queue_waiting_for_images'):g}")

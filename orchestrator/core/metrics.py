@@ -41,6 +41,11 @@ class Metrics:
         self.in_flight = Gauge("envfleet_rollouts_in_flight", "Rollouts running now", registry=r)
         self.pool_idle = Gauge("envfleet_pool_idle", "Idle warm sandboxes by pool", ["pool"], registry=r)
         self.pool_target = Gauge("envfleet_pool_target", "Target warm size by pool", ["pool"], registry=r)
+        self.pool_frozen = Gauge(
+            "envfleet_pool_frozen",
+            "Idle warm sandboxes frozen (idle past freeze_idle_after_s; of envfleet_sandboxes{state=idle})",
+            registry=r,
+        )
         self.pool_discards = Counter(
             "envfleet_pool_discards_total",
             "Sandboxes the warm pool destroyed rather than keep or hand out, by reason (expired, probe: no answer to"

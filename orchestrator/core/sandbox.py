@@ -333,6 +333,7 @@ class Sandbox(abc.ABC):
         through a transport that streams (envd); other sandboxes (the fake's, in memory) read it whole first."""
         transport = getattr(self, "transport", None)
         if isinstance(transport, Transport):
+            self.thaw()
             return await transport.download_at_most(path, max_bytes)
         return _at_most(await self.download(path), max_bytes, path)
 
@@ -352,6 +353,14 @@ class Sandbox(abc.ABC):
         """Give the sandbox up: it is unusable at once and destroyed in the background (the backend's close()
         waits for that). The rollout path uses this, so a finished rollout does not wait on the engine."""
         await self.close()
+
+    def freeze(self) -> bool:
+        """Stop every process of this idle sandbox, so that it costs no CPU until it is used again (any call thaws
+        it first); False where the backend cannot, and nothing changed."""
+        return False
+
+    def thaw(self) -> None:  # noqa: B027 - a backend that cannot freeze has nothing to thaw
+        """Let a frozen sandbox's processes run again; nothing if it is not frozen."""
 
     async def __aenter__(self) -> Sandbox:
         return self

@@ -21,6 +21,7 @@ import docker.errors
 
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.backends.docker.engine import Engine
+from orchestrator.backends.docker.freezer import Freezer
 from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.startup import create_until_ready
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, Owner, sweep
@@ -73,6 +74,14 @@ class DockerSandbox(Sandbox):
         self.lease_expiry = time.time() + spec.ttl_s
         self._backend = backend
         self._closed = False
+        self._freezer = Freezer.of(cid)
+
+    def freeze(self) -> bool:
+        return not self._closed and self._freezer is not None and self._freezer.freeze()
+
+    def thaw(self) -> None:
+        if self._freezer is not None and self._freezer.frozen and not self._freezer.thaw():
+            log.warning("sandbox %s could not be thawed", self.name)
 
     async def _diagnose(self, e: SandboxUnavailableError) -> SandboxError:
         """Tell a dead container (killed from outside, OOM) from a merely unresponsive envd."""
@@ -87,7 +96,9 @@ class DockerSandbox(Sandbox):
 
     async def _guard(self, coro: Any) -> Any:
         if self._closed:
+            coro.close()
             raise SandboxDiedError(f"sandbox {self.name} was closed")
+        self.thaw()  # a call into a frozen envd would wait out its deadline
         try:
             return await coro
         except SandboxUnavailableError as e:
@@ -120,6 +131,7 @@ class DockerSandbox(Sandbox):
     ) -> AsyncIterator[ExecEvent]:
         if self._closed:
             raise SandboxDiedError(f"sandbox {self.name} was closed")
+        self.thaw()
         stream = self.transport.exec_stream(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
         try:
             async for ev in stream:
@@ -156,12 +168,14 @@ class DockerSandbox(Sandbox):
             return ResetOutcome(False, "closed")
         if time.time() > self.lease_expiry - 60:
             return ResetOutcome(False, "its lease is about to expire")
+        self.thaw()
         return await self.transport.reset(workspace_seed)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self.thaw()  # the kill would thaw it too (runc, cgroup v2); this way no removal depends on that
         await self.transport.close()
         await self._backend.destroy(self.id, self.name)
 
@@ -169,6 +183,7 @@ class DockerSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
+        self.thaw()
         await self.transport.close()
         self._backend.destroy_later(self.id, self.name)
 
