@@ -27,7 +27,7 @@ from orchestrator.images import ensure_base_image
 
 
 def cpu_s(pid: int) -> float:
-    """Every thread of `pid`: its time on a CPU, in seconds."""
+    """Every thread of `pid`: its time on a CPU, in seconds (schedstat: exact, not sampled at clock ticks)."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
