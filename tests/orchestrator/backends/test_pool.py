@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -399,6 +400,42 @@ async def test_the_refiller_never_queues_the_same_shortfall_twice() -> None:
         await _until(lambda: pool.idle_total >= 6, timeout=10)
         await asyncio.sleep(1.5)
         assert backend.created == 6, f"{backend.created} created for a minimum of 6 idle"
+    finally:
+        await pool.close()
+        await backend.close()
+
+
+async def test_idle_sandboxes_are_frozen_a_batch_a_second_not_all_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each freeze is a write on the pool's loop: a thousand at once would stall the worker, heartbeats included
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake import FakeBackend, FakeSandbox
+    from orchestrator.backends.pool import FREEZES_PER_TICK
+
+    frozen: list[float] = []
+
+    def freeze(self: FakeSandbox) -> bool:
+        frozen.append(time.monotonic())
+        return True
+
+    monkeypatch.setattr(FakeSandbox, "freeze", freeze)
+    n = FREEZES_PER_TICK * 2 + 8
+    backend = FakeBackend(FakeBackendConfig(owner="pool-freeze"))
+    # room for the refiller's own creates too (the cold acquires read as demand): every release is kept
+    pool = SandboxPool(backend, PoolConfig(max_idle_total=2 * n, max_idle_per_pool=2 * n, freeze_idle_after_s=0.1))
+    pool.start()
+    spec = SandboxSpec(image=backend.config.base_image)
+    try:
+        held = [sb for sb, _ in await asyncio.gather(*(pool.acquire(spec) for _ in range(n)))]
+        for sb in held:
+            assert await pool.release(sb, recycle=True)
+        await _until(lambda: len(frozen) >= n and len(frozen) == pool.idle_total, timeout=10)
+        assert pool.metrics.registry.get_sample_value("envfleet_pool_frozen") == len(frozen)
+        bursts = [1]  # freezes one refill tick made: the next tick is a second or more later
+        for a, b in itertools.pairwise(frozen):
+            if b - a > 0.5:
+                bursts.append(0)
+            bursts[-1] += 1
+        assert len(bursts) >= 3 and max(bursts) == FREEZES_PER_TICK, bursts
     finally:
         await pool.close()
         await backend.close()
