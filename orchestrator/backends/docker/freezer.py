@@ -9,7 +9,7 @@ the engine, containerd and a runc process about 50 ms of CPU together.
 The freezer file is found from the container id the engine gave and fixed cgroup roots, never from anything the
 container says. Docker does not see this freeze (the container shows as running): SIGKILL still ends a frozen
 container (runc thaws a frozen cgroup v1 after the kill; cgroup v2 kills frozen tasks), so a removal or a sweep after
-a crash needs nothing from here, and the sandbox thaws before its own removal anyway.
+a crash needs nothing from here (tested on cgroup v1), and the sandbox thaws before its own removal anyway.
 """
 
 from __future__ import annotations
