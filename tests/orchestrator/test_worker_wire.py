@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
 from orchestrator.server.convert import rollout_pb
@@ -20,7 +20,7 @@ from orchestrator.worker.outbox import Outbox, as_messages, by_size
 from orchestrator.worker.results import encode
 from protos import orchestrator_pb2 as pb
 from protos import worker_pb2 as wpb
-from tests.orchestrator.worker_wire import ENV, ScriptedWorker, items, rollout_for, serve_hub, spec
+from tests.orchestrator.worker_wire import ENV, ScriptedWorker, Wire, items, rollout_for, serve_hub, spec
 
 
 async def _answer(a: wpb.Assignment) -> wpb.RolloutResult:
@@ -89,31 +89,35 @@ def _spinning() -> Iterator[subprocess.Popen[bytes]]:
         process.wait()
 
 
+@contextlib.asynccontextmanager
+async def _silent_worker(over: str) -> AsyncIterator[tuple[Wire, ScriptedWorker, int]]:
+    """A hub (1 s cut-off) and a worker that never sends a heartbeat, connected `over` "unix" or "tcp", whose
+    hello names a spinning process of this host as its pid, one the hub counts as its own: (hub, worker, pid)."""
+    with _spinning() as spinner:
+        async with serve_hub(heartbeat_timeout_s=1.0) as w:
+            w.hub.local_pids = lambda: (spinner.pid,)
+            async with ScriptedWorker(getattr(w, over), _answer, heartbeat_s=None, pid=spinner.pid) as worker:
+                await w.hub.wait_for_workers(1, timeout_s=30)
+                yield w, worker, spinner.pid
+
+
 async def test_a_silent_local_worker_that_still_uses_cpu_is_starved_not_lost() -> None:
     # on a host at a load of 100 a worker's heartbeats miss the cut-off while it still works; dropping it would
     # retry its rollouts and destroy their sandboxes, which is how a loaded host collapses. Here the worker's
     # process is a real one that spins; stopped (SIGSTOP, as a partition is simulated), it is lost
-    with _spinning() as spinner:
-        async with serve_hub(heartbeat_timeout_s=1.0) as w:
-            w.hub.local_pids = lambda: (spinner.pid,)
-            async with ScriptedWorker(w.unix, _answer, heartbeat_s=None, pid=spinner.pid) as worker:
-                await w.hub.wait_for_workers(1, timeout_s=30)
-                await asyncio.sleep(4.0)  # silent for four cut-offs
-                assert (w.hub.lost, len(w.hub.workers())) == (0, 1)
-                os.kill(spinner.pid, signal.SIGSTOP)
-                await asyncio.wait_for(worker.ended(), 10)
-                assert (w.hub.lost, w.hub.workers()) == (1, [])
+    async with _silent_worker("unix") as (w, worker, pid):
+        await asyncio.sleep(4.0)  # silent for four cut-offs
+        assert (w.hub.lost, len(w.hub.workers())) == (0, 1)
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.wait_for(worker.ended(), 10)
+        assert (w.hub.lost, w.hub.workers()) == (1, [])
 
 
 async def test_a_silent_remote_worker_is_lost_whatever_runs_under_its_pid() -> None:
     # a worker over TCP may be another host's process: its pid means nothing here
-    with _spinning() as spinner:
-        async with serve_hub(heartbeat_timeout_s=1.0) as w:
-            w.hub.local_pids = lambda: (spinner.pid,)
-            async with ScriptedWorker(w.tcp, _answer, heartbeat_s=None, pid=spinner.pid) as worker:
-                await w.hub.wait_for_workers(1, timeout_s=30)
-                await asyncio.wait_for(worker.ended(), 10)
-                assert w.hub.lost == 1
+    async with _silent_worker("tcp") as (w, worker, _):
+        await asyncio.wait_for(worker.ended(), 10)
+        assert w.hub.lost == 1
 
 
 async def test_a_lost_workers_rollouts_wait_for_room_rather_than_overload_the_others() -> None:
