@@ -26,7 +26,7 @@ from orchestrator.core.sandbox import DETERMINISTIC_ENV, Limits, SandboxSpec
 from orchestrator.images import ensure_base_image
 
 
-def cpu_s(pid: int) -> float:
+def threads_cpu_s(pid: int) -> float:
     """Every thread of `pid`: its time on a CPU, in seconds (schedstat: exact, not sampled at clock ticks)."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -42,9 +42,9 @@ def _parent(pid: int) -> int:
 
 async def _idle(pids: list[int], seconds: float) -> float:
     """ms of CPU per second per process over `seconds` of idling."""
-    before, t0 = sum(cpu_s(p) for p in pids), time.monotonic()
+    before, t0 = sum(threads_cpu_s(p) for p in pids), time.monotonic()
     await asyncio.sleep(seconds)
-    return (sum(cpu_s(p) for p in pids) - before) / (time.monotonic() - t0) / len(pids) * 1000
+    return (sum(threads_cpu_s(p) for p in pids) - before) / (time.monotonic() - t0) / len(pids) * 1000
 
 
 async def _first_exec_ms(sb: DockerSandbox, thaw: bool) -> float:

@@ -10,7 +10,7 @@ import docker
 import pytest
 
 from bench.envd_bench import envd_pid
-from bench.freeze_bench import cpu_s
+from bench.freeze_bench import threads_cpu_s
 from orchestrator.backends.docker.backend import DockerBackend, DockerSandbox
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.sandbox import SandboxSpec
@@ -33,14 +33,14 @@ async def test_a_frozen_sandbox_uses_no_cpu_and_any_call_thaws_it(
 ) -> None:
     envd = envd_pid(docker_client.api, sandbox.id)
     # an idle envd's gRPC threads wake about once a second: 2.5 s of it running always costs some CPU
-    before = cpu_s(envd)
+    before = threads_cpu_s(envd)
     await asyncio.sleep(2.5)
-    assert cpu_s(envd) > before
+    assert threads_cpu_s(envd) > before
     assert sandbox.freeze()
     await asyncio.sleep(0.2)
-    before = cpu_s(envd)
+    before = threads_cpu_s(envd)
     await asyncio.sleep(2.5)
-    assert cpu_s(envd) == before
+    assert threads_cpu_s(envd) == before
     # not thawed, the call would wait out its deadline
     result = await asyncio.wait_for(sandbox.exec(["echo", "hi"]), timeout=10)
     assert result.stdout == b"hi\n"
@@ -73,9 +73,9 @@ async def test_the_pool_freezes_idle_sandboxes_and_thaws_the_one_it_hands_out(
         assert await pool.release(sb, recycle=True)
         await until(lambda: frozen_count(pool) == 1, timeout_s=10)
         envd = envd_pid(docker_client.api, sb.id)
-        before = cpu_s(envd)
+        before = threads_cpu_s(envd)
         await asyncio.sleep(2.5)
-        assert cpu_s(envd) == before
+        assert threads_cpu_s(envd) == before
         again, source = await pool.acquire(spec)
         assert (again.id, source, frozen_count(pool)) == (sb.id, "warm", 0)
         # it was handed out thawed: the probe before the hand-out (idle past probe_idle_after_s) answered
