@@ -304,10 +304,12 @@ class SandboxPool:
         return sum(p.creating + p.queued for p in self._pools.values())
 
     def _room_for(self, key: str) -> bool:
+        """Whether a released sandbox may be kept. Those in reset count as idle already: each release checks before
+        its reset and joins the idle after it, so releases that overlap would each see the room for one."""
         p = self._pools.get(key)
-        if p is None or len(p.idle) >= self.config.max_idle_per_pool:
+        if p is None or len(p.idle) + p.resetting >= self.config.max_idle_per_pool:
             return False
-        if self.idle_total >= self.config.max_idle_total:
+        if self.idle_total + sum(q.resetting for q in self._pools.values()) >= self.config.max_idle_total:
             return self._evict_one(exclude=key)
         return True
 

@@ -164,6 +164,25 @@ async def test_a_recycling_pool_creates_nothing_while_its_sandboxes_come_back(
     assert _ids(docker_client, backend.owner.instance) == fleet  # nothing created (or destroyed) in between
 
 
+async def test_releases_that_overlap_keep_no_more_than_the_pool_holds() -> None:
+    # each release checks for room before its reset and joins the idle after it: releases overlapping during their
+    # resets each saw the room for one and all were kept (two workers' pools of one kept three between them)
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake.backend import FakeBackend
+
+    backend = FakeBackend(FakeBackendConfig(owner="pool-overlap", reset_latency_s=0.2))
+    pool = SandboxPool(backend, PoolConfig(max_idle_total=2, max_idle_per_pool=1))  # not started: no refill
+    spec = SandboxSpec(image=backend.config.base_image)
+    other = SandboxSpec(image=backend.config.base_image, env={"POOL": "other"})
+    try:
+        held = await asyncio.gather(*(pool.acquire(s) for s in [spec] * 4 + [other] * 4))
+        recycled = await asyncio.gather(*(pool.release(sb, recycle=True) for sb, _ in held))
+        assert recycled.count(True) == 2 and pool.idle_total == 2, recycled  # one a pool, two in all
+        assert _discards(pool, "no_room") == 6
+    finally:
+        await pool.close()
+
+
 async def test_a_full_pool_does_not_churn_destroying_releases_and_creating_their_replacements() -> None:
     # the pool's bookkeeping on the fake backend (no Docker needed). A ramp-up left more sandboxes than the pool
     # keeps, so some releases found no room and were destroyed. Those releases still came back: counted as "not
