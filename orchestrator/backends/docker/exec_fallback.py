@@ -78,7 +78,8 @@ class DockerExecTransport(Transport):
         self._cid = cid
         self._spec = spec
         self._keeper = ""  # the container's main process under init: never killed (see start)
-        self._running = 0
+        self._running = 0  # commands started or starting: the last to end kills what they left
+        self._killing: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
         """Learn the keeper's pid before any command runs (init's only child then); without it no kill is safe, so
@@ -99,6 +100,11 @@ class DockerExecTransport(Transport):
             elif isinstance(ev, ExecEnded):
                 code = ev.exit_code
         return code, b"".join(out)
+
+    def _kill(self) -> asyncio.Future[None]:
+        """Start killing what the commands left; a command that starts meanwhile waits, or it would be killed too."""
+        self._killing = asyncio.ensure_future(self.kill_leftovers())
+        return self._killing
 
     async def kill_leftovers(self) -> None:
         """Kill every process in the sandbox but init and the keeper."""
@@ -150,14 +156,22 @@ class DockerExecTransport(Transport):
         sweep: bool,
     ) -> AsyncIterator[ExecEvent]:
         loop = asyncio.get_running_loop()
+        while self._killing is not None and not self._killing.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._killing)
         t0 = loop.time()
+        # counted before the engine starts it: a command ending meanwhile must not take this one for a leftover
+        self._running += 1
         try:
             exec_id, sock = await self._engine_exec(argv, cwd, env)
         except Exception as e:
+            self._running -= 1
             raise SandboxUnavailableError(f"docker exec failed: {e}") from e
+        except BaseException:
+            self._running -= 1
+            raise
         raw: socket.socket = sock._sock
         raw.setblocking(False)
-        self._running += 1
         feeder = asyncio.create_task(_feed(loop, raw, stdin))
         exited = asyncio.create_task(self._exited(exec_id))
         frames = _Frames(loop, raw)
@@ -176,7 +190,7 @@ class DockerExecTransport(Transport):
             # the pipes are read while the kill runs: the engine does not finish a killed exec whose output is unread
             killing = None
             if timed_out or (sweep and self._running == 1):
-                killing = asyncio.ensure_future(self.kill_leftovers())
+                killing = self._kill()
             async for stream, data in frames.until(None, loop.time() + DRAIN_S):
                 keep = data[:left]
                 truncated |= len(keep) < len(data)
@@ -195,7 +209,7 @@ class DockerExecTransport(Transport):
             frames.close()
             sock.close()
             if not finished:  # cancelled or failed: what it started goes
-                await asyncio.shield(self.kill_leftovers())
+                await asyncio.shield(self._kill())
         code = await self._exit_code(exec_id)
         sig = code - 128 if code > 128 else 0
         yield ExecEnded(code, sig, timed_out, truncated, False, loop.time() - t0)

@@ -306,3 +306,24 @@ async def test_docker_exec_transport_behind_the_same_interface(backend: DockerBa
         await s.write_file("/workspace/f.txt", b"data")
         assert await s.read_file("/workspace/f.txt") == b"data"
         assert [e.name for e in await s.list_dir("/workspace")] == ["f.txt"]
+
+
+async def test_a_docker_exec_command_started_while_the_last_ones_leftovers_are_killed_is_spared(
+    backend: DockerBackend, base_image: str
+) -> None:
+    # the engine cannot tell one command's processes from another's: when the last command running ends, every
+    # process but init and the keeper is killed. A command started while that kill ran was killed with them
+    async with await backend.create(SandboxSpec(image=base_image, transport="docker-exec")) as s:
+        transport = s.transport  # type: ignore[attr-defined]
+        kill = transport.kill_leftovers
+
+        async def slow_kill() -> None:
+            await asyncio.sleep(1)  # two engine round trips, on a loaded host
+            await kill()
+
+        transport.kill_leftovers = slow_kill
+        first = asyncio.create_task(s.exec("true"))
+        await asyncio.sleep(0.5)  # ended, its kill under way
+        second = await s.exec("sleep 1.5; echo spared", timeout=10)
+        assert (await first).exit_code == 0
+        assert (second.exit_code, second.stdout) == (0, b"spared\n")
