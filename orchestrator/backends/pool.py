@@ -82,6 +82,8 @@ class PoolConfig(BaseModel):
 
 TENANT_LABEL = "envfleet.tenant"
 FREEZES_PER_TICK = 64  # per pool and refill tick (a second)
+# a sandbox whose lease ends within this is neither recycled nor handed out: the sweep would remove it in use
+LEASE_MARGIN_S = 60.0
 
 
 def _key_labels(spec: SandboxSpec) -> dict[str, str]:
@@ -158,7 +160,9 @@ class SandboxPool:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._gate = asyncio.Semaphore(self.config.refill_concurrency)
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._refills: set[asyncio.Task[None]] = set()
+        self._destroys: set[asyncio.Task[None]] = set()  # close() waits for these, it never cancels them
+        self._closed = False
         self.busy = 0
         self._frozen = 0  # idle sandboxes frozen, all pools
 
@@ -202,8 +206,9 @@ class SandboxPool:
         want = math.ceil(p.unmet_rate(now, c.rate_window_s) * p.start_latency_s * c.headroom)
         return max(c.min_idle_per_pool, min(c.max_idle_per_pool, want))
 
-    async def acquire(self, spec: SandboxSpec) -> tuple[Sandbox, str]:
-        """A ready sandbox and where it came from ("warm" or "cold")."""
+    async def acquire(self, spec: SandboxSpec, *, need_s: float = 0.0) -> tuple[Sandbox, str]:
+        """A ready sandbox and where it came from ("warm" or "cold"). `need_s`: how long the caller may hold it; a
+        warm one whose lease ends sooner is not handed out (the sweep would remove it in the caller's hands)."""
         p = self._pool(spec)
         now = time.monotonic()
         p.acquires.append(now)
@@ -220,10 +225,18 @@ class SandboxPool:
                 self._frozen -= 1
                 entry.sandbox.thaw()
             discard = ""
-            if idle_s > self.config.idle_ttl_s:
+            if idle_s > self.config.idle_ttl_s or entry.sandbox.lease_left_s() < need_s + LEASE_MARGIN_S:
                 discard = "expired"
-            elif idle_s > self.config.probe_idle_after_s and await self._probe(entry.sandbox) == "gone":
-                discard = "probe"
+            elif idle_s > self.config.probe_idle_after_s:
+                try:
+                    if await self._probe(entry.sandbox) == "gone":
+                        discard = "probe"
+                except BaseException:
+                    # the caller went away mid-probe (its rollout's timeout, a cancelled job): the sandbox is
+                    # still the pool's, and goes back as the oldest, to be probed at its next hand-out
+                    p.busy -= 1
+                    self._keep(p, entry, oldest=True)
+                    raise
             if discard:
                 p.busy -= 1
                 self._destroy_later(entry.sandbox, discard)
@@ -240,9 +253,26 @@ class SandboxPool:
 
     async def _probe(self, sandbox: Sandbox) -> Liveness:
         transport = getattr(sandbox, "transport", None)
-        outcome: Liveness = "alive" if transport is None else await transport.probe(self.config.probe_timeout_s)
+        try:
+            outcome: Liveness = "alive" if transport is None else await transport.probe(self.config.probe_timeout_s)
+        except Exception as e:  # e.g. its channel closed under it (the sweep removed it while idle)
+            log.info("probe of %s failed: %s", getattr(sandbox, "name", "?"), e)
+            outcome = "gone"
         self.metrics.pool_probes.labels(outcome).inc()
         return outcome
+
+    def _keep(self, p: _Pool, entry: _Idle, *, oldest: bool = False) -> None:
+        """Put an idle sandbox into its pool: the newest (it leads the hand-outs) or the oldest (it leads expiry and
+        freezing). After close(), destroyed instead."""
+        if self._closed:
+            self._destroy_later(entry.sandbox, "closed")
+            return
+        if oldest:
+            entry.frozen = entry.freeze_tried = False  # thawed when it was taken
+            p.idle.appendleft(entry)
+        else:
+            p.idle.append(entry)
+        self._gauge()
 
     async def _create(self, p: _Pool) -> Sandbox:
         t0 = time.monotonic()
@@ -259,14 +289,27 @@ class SandboxPool:
         self.metrics.create_seconds.observe(took)
         return sandbox
 
-    async def release(self, sandbox: Sandbox, *, recycle: bool, workspace_seed: str = "") -> bool:
-        """Hand a sandbox back. Recycled (reset in place and kept warm) when asked and isolation holds; returns
-        whether it was recycled. Otherwise destroyed in the background."""
+    def _returned(self, sandbox: Sandbox) -> tuple[str, _Pool | None]:
+        """A handed-out sandbox is no longer busy: its pool key and pool."""
         self.busy = max(0, self.busy - 1)
         key = pool_key(sandbox.spec)
         p = self._pools.get(key)
         if p is not None:
             p.busy = max(0, p.busy - 1)
+        return key, p
+
+    async def close_now(self, sandbox: Sandbox) -> None:
+        """Hand a sandbox back destroyed, and wait until it is (a cancelled rollout's: its job's cancel returns once
+        its sandboxes are gone)."""
+        self._returned(sandbox)
+        await sandbox.close()
+
+    async def release(self, sandbox: Sandbox, *, recycle: bool, workspace_seed: str = "") -> bool:
+        """Hand a sandbox back. Recycled (reset in place and kept warm) when asked and isolation holds; returns
+        whether it was recycled. Otherwise destroyed in the background."""
+        key, p = self._returned(sandbox)
+        if recycle and (self._closed or sandbox.lease_left_s() < LEASE_MARGIN_S):
+            recycle = False  # nothing to keep it for, or the sweep takes it soon
         if recycle and self.config.enabled and not self._room_for(key):
             # no room: the pool already holds more than its demand. The sandbox still came back, so it is no loss
             # for the refill; counted as one, the refiller would create a replacement for each release destroyed
@@ -285,12 +328,11 @@ class SandboxPool:
                 outcome = await sandbox.reset(workspace_seed)
             finally:
                 p.resetting -= 1
-            if outcome.ok:
+            if outcome.ok and not self._closed:
                 now = time.monotonic()
                 self.metrics.reset_seconds.observe(now - t0)
-                p.idle.append(_Idle(sandbox, now))
+                self._keep(p, _Idle(sandbox, now))
                 p.recycling = True
-                self._gauge()
                 return True
             log.info("sandbox %s not recycled: %s", getattr(sandbox, "name", "?"), outcome.detail)
             self.metrics.pool_discards.labels("reset_failed").inc()
@@ -304,14 +346,18 @@ class SandboxPool:
         return sum(p.creating + p.queued for p in self._pools.values())
 
     def _room_for(self, key: str) -> bool:
-        """Whether a released sandbox may be kept. Those in reset count as idle already: each release checks before
-        its reset and joins the idle after it, so releases that overlap would each see the room for one."""
+        """Whether a released sandbox may be kept, evicting another pool's oldest if that makes room."""
         p = self._pools.get(key)
         if p is None or len(p.idle) + p.resetting >= self.config.max_idle_per_pool:
             return False
-        if self.idle_total + sum(q.resetting for q in self._pools.values()) >= self.config.max_idle_total:
+        if self._kept_total() >= self.config.max_idle_total:
             return self._evict_one(exclude=key)
         return True
+
+    def _kept_total(self) -> int:
+        """What the idle budgets bound: the idle sandboxes and those in reset. A release checks for room before its
+        reset and joins the idle after it, so releases that overlap, each counting only the idle, would all fit."""
+        return sum(len(p.idle) + p.resetting for p in self._pools.values())
 
     def _evict_one(self, exclude: str) -> bool:
         """Destroy the oldest idle sandbox of another pool, to share capacity between images."""
@@ -349,8 +395,8 @@ class SandboxPool:
     def _destroy_later(self, sandbox: Sandbox, reason: str) -> None:
         self.metrics.pool_discards.labels(reason).inc()
         task = asyncio.create_task(sandbox.release())
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        self._destroys.add(task)
+        task.add_done_callback(self._destroys.discard)
 
     def _gauge(self) -> None:
         self.metrics.sandboxes.labels("idle").set(self.idle_total)
@@ -373,12 +419,12 @@ class SandboxPool:
                 self._freeze_idle(p, now)
                 self.metrics.pool_target.labels(p.key).set(self._target(p, now))
                 for _ in range(max(0, self._missing(p, now))):
-                    if self.idle_total + self._creating_total() >= self.config.max_idle_total:
+                    if self._kept_total() + self._creating_total() >= self.config.max_idle_total:
                         break  # speculative refills never evict another pool's sandboxes
                     p.queued += 1
                     task = asyncio.create_task(self._refill_one(p))
-                    self._inflight.add(task)
-                    task.add_done_callback(self._inflight.discard)
+                    self._refills.add(task)
+                    task.add_done_callback(self._refills.discard)
             self._gauge()
 
     def _missing(self, p: _Pool, now: float) -> int:
@@ -409,18 +455,25 @@ class SandboxPool:
             return
         finally:
             self._gate.release()
-        p.idle.append(_Idle(sandbox, time.monotonic()))
-        self._gauge()
+        c = self.config
+        if len(p.idle) + p.resetting >= c.max_idle_per_pool or self._kept_total() >= c.max_idle_total:
+            # releases kept while it was created filled what it was for
+            self._destroy_later(sandbox, "no_room")
+            return
+        self._keep(p, _Idle(sandbox, time.monotonic()))
 
     async def close(self) -> None:
-        """Stop refilling and destroy every idle sandbox."""
+        """Stop refilling and destroy every idle sandbox, and those released afterwards."""
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for t in list(self._inflight):
+        for t in list(self._refills):
             t.cancel()
-        await asyncio.gather(*self._inflight, return_exceptions=True)
+        await asyncio.gather(*self._refills, return_exceptions=True)
+        # the destroys are waited for, never cancelled: one cancelled midway leaves its container to the lease
+        await asyncio.gather(*self._destroys, return_exceptions=True)
         idle = [e.sandbox for p in self._pools.values() for e in p.idle]
         for p in self._pools.values():
             p.idle.clear()

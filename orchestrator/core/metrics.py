@@ -48,8 +48,9 @@ class Metrics:
         )
         self.pool_discards = Counter(
             "envfleet_pool_discards_total",
-            "Sandboxes the warm pool destroyed rather than keep or hand out, by reason (expired, probe: no answer to"
-            " the health check before a hand-out, reset_failed, no_room, evicted: room for another pool)",
+            "Sandboxes the warm pool destroyed rather than keep or hand out, by reason (expired: idle past its TTL or"
+            " its lease about to end, probe: no answer to the health check before a hand-out, reset_failed, no_room,"
+            " evicted: room for another pool, closed: came back after the pool closed)",
             ["reason"],
             registry=r,
         )

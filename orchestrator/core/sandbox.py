@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from orchestrator.core.errors import ArchiveTooLargeError, QuotaExceededError
 
 RUNTIME_PATTERN = r"^([a-z][a-z0-9._-]{0,63})?$"
+DEFAULT_LEASE_S = 3600.0  # a sandbox's lease unless its spec says otherwise
 
 
 class Limits(BaseModel):
@@ -59,7 +61,7 @@ class SandboxSpec(BaseModel):
     workspace: str = Field("/workspace", pattern=r"^/[^\x00]*$")
     env: dict[str, str] = Field(default_factory=dict, description="environment of envd's processes")
     labels: dict[str, str] = Field(default_factory=dict)
-    ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600, description="lease: the sweep removes it after this")
+    ttl_s: float = Field(DEFAULT_LEASE_S, gt=0, le=7 * 24 * 3600, description="lease: the sweep removes it after this")
     startup_timeout_s: float = Field(30.0, gt=0, le=600)
     transport: Literal["envd", "docker-exec"] = "envd"
     # chosen by a tenant on the wire: the service layer checks it against `caps.sandbox.runtimes`, the backend
@@ -361,6 +363,10 @@ class Sandbox(abc.ABC):
 
     def thaw(self) -> None:  # noqa: B027 - a backend that cannot freeze has nothing to thaw
         """Let a frozen sandbox's processes run again; nothing if it is not frozen."""
+
+    def lease_left_s(self) -> float:
+        """Seconds until its lease ends and the backend's sweep may remove it, in use or not; inf: no lease."""
+        return math.inf
 
     async def __aenter__(self) -> Sandbox:
         return self

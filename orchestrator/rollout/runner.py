@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from orchestrator.backends.pool import TENANT_LABEL, SandboxPool
+from orchestrator.backends.pool import LEASE_MARGIN_S, TENANT_LABEL, SandboxPool
 from orchestrator.core.environment import Environment, ImageSource, Task
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError
 from orchestrator.core.models import (
@@ -27,7 +27,7 @@ from orchestrator.core.models import (
     Turn,
     rollout_id,
 )
-from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
+from orchestrator.core.sandbox import DEFAULT_LEASE_S, DETERMINISTIC_ENV, Sandbox, SandboxSpec
 from orchestrator.core.tracing import (
     ATTEMPT,
     ATTEMPTS,
@@ -218,6 +218,8 @@ class RolloutRunner:
                         # the seed travels with the task (setup), not in the sandbox's environment, so sandboxes
                         # stay interchangeable in the warm pool
                         labels = {TENANT_LABEL: item.tenant} if item.tenant else {}
+                        # the sandbox's lease must outlast the attempt: the sweep removes it at the end, in use or
+                        # not (a warm one's lease runs from its creation, so the pool checks what is left)
                         sandbox, source = await self.sandboxes.acquire(
                             SandboxSpec(
                                 image=image,
@@ -225,7 +227,9 @@ class RolloutRunner:
                                 runtime=env.runtime,
                                 env=dict(DETERMINISTIC_ENV),
                                 labels=labels,
-                            )
+                                ttl_s=max(DEFAULT_LEASE_S, spec.rollout_timeout_s + LEASE_MARGIN_S),
+                            ),
+                            need_s=spec.rollout_timeout_s,
                         )
                         warm = source == "warm"
                         self.active[item.id] = sandbox
@@ -313,7 +317,7 @@ class RolloutRunner:
         cancelled = task is not None and task.cancelling() > 0
         try:
             if cancelled:
-                await asyncio.shield(sandbox.close())
+                await asyncio.shield(self.sandboxes.close_now(sandbox))
             else:
                 # a sandbox that failed us is never reused; a reusable one is reset in place when it can be
                 await asyncio.shield(

@@ -171,21 +171,28 @@ class DockerSandbox(Sandbox):
         self.thaw()
         return await self.transport.reset(workspace_seed)
 
+    def lease_left_s(self) -> float:
+        return self.lease_expiry - time.time()
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.thaw()  # the kill would thaw it too (runc, cgroup v2); this way no removal depends on that
-        await self.transport.close()
-        await self._backend.destroy(self.id, self.name)
+        try:
+            await self.transport.close()
+        finally:  # cancelled meanwhile, it is removed all the same: closed, no later close() would remove it
+            await asyncio.shield(self._backend.destroy(self.id, self.name))
 
     async def release(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.thaw()
-        await self.transport.close()
-        self._backend.destroy_later(self.id, self.name)
+        try:
+            await self.transport.close()
+        finally:
+            self._backend.destroy_later(self.id, self.name)
 
 
 class DockerBackend(SandboxBackend):

@@ -278,6 +278,32 @@ async def test_sweep_keeps_live_owners_and_removes_expired_leases(
         await short.close()
 
 
+@pytest.mark.parametrize("how", ["close", "release"])
+async def test_a_sandbox_whose_removal_is_cancelled_midway_is_removed_all_the_same(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient, how: str
+) -> None:
+    # marked closed, then cancelled while its connection closed (a pool closing, a rollout's cancel): no later
+    # close() would remove it, and this backend's sweep keeps what it holds, so it stayed until its lease ended
+    sb = await backend.create(SandboxSpec(image=base_image))
+    closing = sb.transport.close
+
+    async def slow_close() -> None:
+        await asyncio.sleep(1)
+        await closing()
+
+    sb.transport.close = slow_close  # type: ignore[method-assign]
+    task = asyncio.create_task(getattr(sb, how)())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    for _ in range(100):
+        if not docker_client.api.containers(all=True, filters={"id": sb.id}):
+            break
+        await asyncio.sleep(0.1)
+    assert not docker_client.api.containers(all=True, filters={"id": sb.id})
+    assert backend.owned(sb.id) is None
+
+
 async def test_fifty_concurrent_sandboxes_leave_nothing_behind(
     backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
 ) -> None:

@@ -13,10 +13,12 @@ import docker
 import pytest
 
 from bench.envd_bench import envd_pid
+from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.backends.fake import FakeBackend, FakeSandbox
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.errors import SandboxError
-from orchestrator.core.sandbox import Limits, SandboxSpec
+from orchestrator.core.sandbox import Limits, Sandbox, SandboxSpec
 
 
 async def _until(pred: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -181,6 +183,167 @@ async def test_releases_that_overlap_keep_no_more_than_the_pool_holds() -> None:
         assert _discards(pool, "no_room") == 6
     finally:
         await pool.close()
+
+
+def _fake(**kw: float) -> tuple[FakeBackend, SandboxSpec]:
+    backend = FakeBackend(FakeBackendConfig(owner="pool-races", **kw))  # type: ignore[arg-type]
+    return backend, SandboxSpec(image=backend.config.base_image)
+
+
+async def test_refills_that_land_after_releases_were_kept_keep_no_more_than_the_pool_holds() -> None:
+    # two cold acquires read as demand: the refiller creates two; meanwhile both sandboxes come back and are kept.
+    # The refills, landing on a full pool, are destroyed rather than kept past max_idle_per_pool
+    backend, spec = _fake(create_latency_s=0.3)
+    pool = SandboxPool(backend, PoolConfig(max_idle_per_pool=2, min_idle_per_pool=2, freeze_idle_after_s=0))
+    pool.start()
+    try:
+        held = await asyncio.gather(*(pool.acquire(spec) for _ in range(2)))
+        await _until(lambda: sum(p.creating for p in pool._pools.values()) > 0)
+        assert all(await asyncio.gather(*(pool.release(sb, recycle=True) for sb, _ in held)))
+        await _until(lambda: not any(p.creating or p.queued for p in pool._pools.values()))
+        await asyncio.sleep(0.1)
+        assert pool.idle_total == 2 and _discards(pool, "no_room") >= 1
+    finally:
+        await pool.close()
+        await backend.close()
+
+
+async def test_an_acquire_cancelled_during_its_health_check_gives_the_sandbox_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a rollout's timeout or a cancelled job can end an acquire while it probes an idle sandbox: the sandbox was
+    # neither idle nor handed out, and nobody would ever release it (nor the pool's busy count)
+    from orchestrator.backends.fake.machine import FakeMachine
+
+    async def slow(self: FakeMachine, timeout: float) -> bool:
+        await asyncio.sleep(5)
+        return True
+
+    backend, spec = _fake()
+    pool = SandboxPool(backend, PoolConfig(probe_idle_after_s=0))
+    try:
+        sb, _ = await pool.acquire(spec)
+        assert await pool.release(sb, recycle=True)
+        monkeypatch.setattr(FakeMachine, "health", slow)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await pool.acquire(spec)
+        assert (pool.idle_total, pool.busy, sum(p.busy for p in pool._pools.values())) == (1, 0, 0)
+        monkeypatch.undo()
+        again, source = await pool.acquire(spec)
+        assert (again.id, source) == (sb.id, "warm")
+    finally:
+        await pool.close()
+        await backend.close()
+
+
+async def test_a_pool_closing_destroys_what_it_was_destroying_and_what_comes_back_after() -> None:
+    # close() cancelled its own destroys midway (a removal cancelled after the sandbox marked itself closed was
+    # never made), and a release whose reset outlived close() was put back into the closed pool
+    backend, spec = _fake(destroy_latency_s=0.3, reset_latency_s=0.5)
+    pool = SandboxPool(backend, PoolConfig())
+    try:
+        (a, _), (b, _) = await asyncio.gather(pool.acquire(spec), pool.acquire(spec))
+        assert await pool.release(a, recycle=True)
+        pool._destroy_later(pool._pop_oldest(next(iter(pool._pools.values()))), "expired")  # a: being destroyed
+        resetting = asyncio.create_task(pool.release(b, recycle=True))
+        await asyncio.sleep(0.1)  # b: in its reset
+        await pool.close()
+        assert not await resetting and pool.idle_total == 0
+        c, _ = await pool.acquire(spec)
+        assert not await pool.release(c, recycle=True)  # after close: destroyed
+        assert await backend.list_owned() == []
+    finally:
+        await backend.close()
+
+
+async def test_a_sandbox_whose_lease_ends_soon_is_neither_recycled_nor_handed_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the backend's sweep removes a sandbox at the end of its lease, in use or not: a recycled sandbox's lease runs
+    # from its creation, so a rollout handed one about to end would lose it midway (an infrastructure retry)
+    backend, spec = _fake()
+    pool = SandboxPool(backend, PoolConfig())
+    lease = {"left": 3600.0}
+    monkeypatch.setattr(FakeSandbox, "lease_left_s", lambda self: lease["left"])
+    try:
+        sb, _ = await pool.acquire(spec)
+        assert await pool.release(sb, recycle=True)
+        lease["left"] = 500.0
+        again, source = await pool.acquire(spec, need_s=600)  # a rollout of up to 600 s: not this one
+        assert source == "cold" and again.id != sb.id and _discards(pool, "expired") == 1
+        lease["left"] = 30.0
+        assert not await pool.release(again, recycle=True)
+    finally:
+        await pool.close()
+        await backend.close()
+
+
+async def test_a_cancelled_rollouts_sandbox_leaves_the_pools_busy_count() -> None:
+    # a cancelled rollout (CancelJob, a worker's stream ending) destroys its sandbox at once: closed behind the
+    # pool's back, it stayed busy in the count for good, and a worker's pool stopped refilling once its slots'
+    # worth had been cancelled (the refill never goes past max_sandboxes held)
+    from environments.python_tool import PythonToolEnv
+    from orchestrator.core.models import JobSpec, TaskSelection
+    from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+    from orchestrator.rollout.runner import RolloutRunner, WorkItem
+    from orchestrator.service.executor import LocalExecutor
+
+    backend, _ = _fake(exec_latency_s=1.0)
+    pool = SandboxPool(backend, PoolConfig(), max_sandboxes=2)
+    executor = LocalExecutor(RolloutRunner(pool, backend.images))
+    env = PythonToolEnv()
+    spec = JobSpec(env=env.ref(), tasks=TaskSelection(kind="all"), policy=PolicyEndpoint(base_url=REPLAY_URL))
+    try:
+        runs = [
+            asyncio.create_task(executor.run(WorkItem("j", t, 0, time.monotonic()), env, spec)) for t in env.tasks()[:2]
+        ]
+        await _until(lambda: pool.busy == 2)
+        await asyncio.sleep(0.2)  # in their first exec
+        for run in runs:
+            run.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        assert (pool.busy, sum(p.busy for p in pool._pools.values())) == (0, 0)
+        assert await backend.list_owned() == []  # and destroyed by then
+    finally:
+        await pool.close()
+        await backend.close()
+
+
+@pytest.mark.parametrize("timeout_s", [600.0, 7200.0])
+async def test_a_rollouts_sandbox_has_a_lease_that_outlasts_its_attempt(timeout_s: float) -> None:
+    # the runner asks the pool for a sandbox it may hold for the attempt's whole timeout, and a cold one's lease
+    # covers it: with the default lease of an hour, a two-hour rollout was swept midway
+    from environments.python_tool import PythonToolEnv
+    from orchestrator.core.models import JobSpec, TaskSelection
+    from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+    from orchestrator.rollout.runner import RolloutRunner, WorkItem
+    from orchestrator.service.executor import LocalExecutor
+
+    backend, _ = _fake()
+    pool = SandboxPool(backend, PoolConfig())
+    asked: list[tuple[float, float]] = []
+    acquire = pool.acquire
+
+    async def recorded(spec: SandboxSpec, *, need_s: float = 0.0) -> tuple[Sandbox, str]:
+        asked.append((spec.ttl_s, need_s))
+        return await acquire(spec, need_s=need_s)
+
+    pool.acquire = recorded  # type: ignore[method-assign]
+    env = PythonToolEnv()
+    spec = JobSpec(
+        env=env.ref(),
+        tasks=TaskSelection(kind="all"),
+        policy=PolicyEndpoint(base_url=REPLAY_URL),
+        rollout_timeout_s=timeout_s,
+    )
+    try:
+        await LocalExecutor(RolloutRunner(pool, backend.images)).run(WorkItem("j", env.tasks()[0], 0, 0.0), env, spec)
+        [(ttl, need)] = asked
+        assert need == timeout_s and ttl >= max(3600.0, timeout_s + 60)
+    finally:
+        await pool.close()
+        await backend.close()
 
 
 async def test_a_full_pool_does_not_churn_destroying_releases_and_creating_their_replacements() -> None:
