@@ -253,6 +253,8 @@ class WorkerHub:
         queued_s = sent - item.enqueued_at
         future: asyncio.Future[tuple[EncodedRollout, float]] = asyncio.get_running_loop().create_future()
         archive = await self._archive_for(worker, env)
+        if self._workers.get(worker.id) is not worker:  # dropped during the read: nobody would answer or expire it
+            raise WorkerLostError(f"worker {worker.id} was lost")
         # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
         # worker's reader enforces it (_expire)
         budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + self.result_slack_s

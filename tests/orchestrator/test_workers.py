@@ -9,7 +9,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import docker
 import httpx
@@ -170,6 +170,66 @@ async def test_an_archive_goes_once_per_worker_stream(tmp_path: Path) -> None:
     assert again is not None and again.archive == b"" and again.sha256 == digest
     assert other is not None and other.archive == b"the archive"  # another stream: sent again
     assert await hub._archive_for(one, PythonToolEnv()) is None  # not the instance registered from the archive
+
+
+async def test_a_worker_lost_while_its_assignment_is_made_loses_no_rollout(tmp_path: Path) -> None:
+    # the assignment waits for the environment's archive to be read (a thread) before it is queued: a worker
+    # dropped meanwhile had the rollout queued to its closed stream, and it waited for an answer forever, its slot
+    # with it
+    import hashlib
+
+    from environments.python_tool import PythonToolEnv
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.core.models import JobSpec, TaskSelection
+    from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+    from orchestrator.rollout.runner import WorkItem
+    from orchestrator.service.archives import ArchiveCatalog, Shipment
+    from orchestrator.worker.hub import WorkerHub
+    from protos import worker_pb2 as wpb
+    from tests.orchestrator.servers import FAKE
+
+    class SlowArchive(PosixPath):
+        def read_bytes(self) -> bytes:
+            time.sleep(0.5)  # a large archive
+            return b"the archive"
+
+    env = PythonToolEnv()
+    catalog = ArchiveCatalog()
+    catalog.add(env, Shipment("harbor", env.name, env.version, hashlib.sha256(b"x").hexdigest(), SlowArchive(tmp_path)))
+    hub = WorkerHub(FakeBackend(FAKE).images, archives=catalog)
+    ends = {"w1": asyncio.Event(), "w2": asyncio.Event()}
+
+    async def stream(worker_id: str) -> list[wpb.ControlMessage]:
+        async def inbound() -> AsyncIterator[wpb.WorkerMessage]:
+            yield wpb.WorkerMessage(heartbeat=wpb.Heartbeat())
+            await ends[worker_id].wait()
+
+        hello = wpb.WorkerHello(worker_id=worker_id, host="h", slots=1, pid=1)
+        return [m async for m in hub.attach(hello, inbound(), trusted=False)]
+
+    spec = JobSpec(
+        env=env.ref(), tasks=TaskSelection(kind="all"), policy=PolicyEndpoint(base_url=REPLAY_URL), rollout_timeout_s=30
+    )
+    one = asyncio.create_task(stream("w1"))
+    await hub.wait_for_workers(1)
+    rollout = asyncio.create_task(hub.run(WorkItem("j", env.tasks()[0], 0, time.monotonic()), env, spec))
+    await asyncio.sleep(0.1)  # reading the archive
+    ends["w1"].set()  # w1's stream ends: it is dropped
+    await one
+    two = asyncio.create_task(stream("w2"))
+    await hub.wait_for_workers(1)
+    for _ in range(200):  # retried on w2, which holds it
+        if hub._workers["w2"].running:
+            break
+        await asyncio.sleep(0.05)
+    assert hub._workers["w2"].running
+    assert not rollout.done()
+    rollout.cancel()
+    await asyncio.gather(rollout, return_exceptions=True)
+    assert hub._in_use == 0  # its slot came back
+    await hub.close()
+    ends["w2"].set()
+    await two
 
 
 async def test_the_metrics_endpoint_serves_every_workers_metrics_labelled(
