@@ -15,11 +15,13 @@ import asyncio
 import contextlib
 import logging
 import random
+import sqlite3
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 
 MAX_ROLLOUTS_PER_JOB = 1_000_000
 START_DEFER_S = 0.25  # the longest a new job's rollouts wait for the submits in progress to be answered
+LOG_RETRY_FIRST_S, LOG_RETRY_MAX_S = 0.1, 5.0  # a result log write that failed is tried again, backing off
+T = TypeVar("T")
 
 
 @dataclass
@@ -284,11 +288,24 @@ class JobManager:
         if not ready:
             images.prebuild(env).add_done_callback(lambda _: self.scheduler.set_ready(job_id))
 
+    async def _logged(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """A write to the result log, tried until it is made: a full disk or a file locked by hand fails it for a
+        while, and the rollout it carries waits in memory meanwhile, neither lost nor its job left hanging (a
+        CancelJob or the shutdown cancels the wait)."""
+        delay = LOG_RETRY_FIRST_S
+        while True:
+            try:
+                return await call()
+            except (sqlite3.Error, OSError) as e:
+                log.error("the result log refused %s (%s); trying again in %.1fs", what, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, LOG_RETRY_MAX_S)
+
     async def _run_item(self, item: WorkItem) -> None:
         job = self._jobs[item.job_id]
         if job.state == JobState.QUEUED:
             job.state = JobState.RUNNING
-            await self.store.set_job_state(job.job_id, JobState.RUNNING)
+            await self._logged("a job's start", lambda: self.store.set_job_state(job.job_id, JobState.RUNNING))
         self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
         try:
             rollout = await traced_rollout(
@@ -302,11 +319,14 @@ class JobManager:
         if job.state == JobState.CANCELLED:
             return
         grouped = job.spec.deliver_groups
-        seq = await self.store.append(rollout, visible=not grouped)
+        seq = await self._logged(f"rollout {item.id}", lambda: self.store.append(rollout, visible=not grouped))
         if seq is None:
             return  # already in the log (a resumed duplicate)
         if grouped:
-            await self.store.publish_complete_groups(job.job_id, job.spec.group_size, item.group_id)
+            await self._logged(
+                f"group {item.group_id}",
+                lambda: self.store.publish_complete_groups(job.job_id, job.spec.group_size, item.group_id),
+            )
         job.done += 1
         job.by_status[rollout.status.value] += 1
         if job.done >= job.total:
@@ -327,8 +347,10 @@ class JobManager:
         self.executor.job_ended(job.job_id)
         self._set_state(job, state)
         job.finished_at = time.time()
-        await self.store.set_job_state(job.job_id, state)
-        job.notify()
+        try:
+            await self._logged(f"job {job.job_id}'s end", lambda: self.store.set_job_state(job.job_id, state))
+        finally:
+            job.notify()
 
     def _job(self, job_id: str, owner: str | None = None) -> _Job:
         """The job; for a caller `owner`, another tenant's job is reported exactly like a missing one."""

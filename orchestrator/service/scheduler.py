@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 import os
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.core.errors import CapacityError, QuotaExceededError
 from orchestrator.rollout.runner import WorkItem
+
+log = logging.getLogger(__name__)
 
 
 class Capacity(BaseModel):
@@ -251,7 +254,9 @@ class Scheduler:
                 self._running_by_tenant[q.tenant] += 1
                 task.add_done_callback(functools.partial(self._done, q, item.id))
 
-    def _done(self, q: JobQueue, rid: str, _task: asyncio.Task[None]) -> None:
+    def _done(self, q: JobQueue, rid: str, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (e := task.exception()) is not None:  # a bug: said here, not at collection
+            log.error("rollout %s failed outside its attempts", rid, exc_info=e)
         if q.running.pop(rid, None) is not None:
             self._running -= 1
             self._running_by_tenant[q.tenant] -= 1

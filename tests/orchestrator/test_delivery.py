@@ -12,6 +12,7 @@ from pathlib import Path
 
 import docker
 import grpc
+import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.service.registry import Registry
@@ -139,3 +140,37 @@ async def test_stream_of_unknown_job_is_not_found(fake_client: EnvfleetClient) -
         raise AssertionError("expected NOT_FOUND")
     except grpc.aio.AioRpcError as e:
         assert e.code() == grpc.StatusCode.NOT_FOUND and "no job 'nope'" in (e.details() or "")
+
+
+async def test_a_result_log_that_refuses_writes_for_a_while_loses_no_rollout(
+    tmp_path: Path, policy_server: ScriptedServer, task_ids: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # another process holds the log's write lock past SQLite's busy timeout (5 s): the writes of the job's start
+    # and of its rollouts fail. A failed write killed the rollout's task, and the rollout was lost, its job left
+    # RUNNING for good; now each write is tried again until the log takes it
+    import sqlite3
+
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.server.app import OrchestratorConfig, create_server
+
+    data = tmp_path / "data"
+    orch = await create_server(OrchestratorConfig(port=0, data_dir=data, backend=FakeBackendConfig(owner=TEST_OWNER)))
+    try:
+        async with EnvfleetClient(orch.address) as client:
+            job_id = await client.submit(job(policy_server.url, task_ids[:4]))  # recorded; its rollouts start soon
+            lock = sqlite3.connect(data / "results.sqlite3", isolation_level=None)
+            lock.execute("BEGIN EXCLUSIVE")
+            for _ in range(200):  # until writes have failed
+                if "database is locked" in caplog.text:
+                    break
+                await asyncio.sleep(0.1)
+            lock.execute("ROLLBACK")
+            lock.close()
+            assert "database is locked" in caplog.text
+            async with asyncio.timeout(60):  # a rollout lost: the job never ends, nor its stream
+                got = [r async for r in client.rollouts(job_id)]
+            assert sorted(r.task_id for r in got) == sorted(task_ids[:4])
+            assert {r.status for r in got} == {"OK"}
+            assert (await client.get_job(job_id)).state == "COMPLETED"
+    finally:
+        await orch.stop(grace=1)
