@@ -144,6 +144,7 @@ class _Session:
     last_used: float = field(default_factory=time.monotonic)
     turn: int = 0
     ended: RolloutStatus | None = None
+    released: bool = False  # its sandbox went back to the pool (once: a close and a step's end may both try)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -245,6 +246,8 @@ class SessionManager:
         sid = secrets.token_hex(12)
         image, _ = await self._images.resolve(env)
         # as in the runner, the seed travels with the task (setup), so warm sandboxes stay interchangeable
+        # a session may live max_lifetime_s, and the sweep removes a sandbox when its lease ends: a warm one must
+        # have that much left, and a lease of twice that leaves a sandbox its first lifetime's worth of recycling
         sandbox, _ = await self._pool.acquire(
             SandboxSpec(
                 image=image,
@@ -252,8 +255,9 @@ class SessionManager:
                 runtime=env.runtime,
                 env=dict(DETERMINISTIC_ENV),
                 labels={TENANT_LABEL: tenant},  # a warm pool of the tenant's own
-                ttl_s=min(self.config.max_lifetime_s + LEASE_GRACE_S, MAX_LEASE_S),
-            )
+                ttl_s=min(2 * self.config.max_lifetime_s + LEASE_GRACE_S, MAX_LEASE_S),
+            ),
+            need_s=self.config.max_lifetime_s,
         )
         try:
             await env_call(env.setup(sandbox, task, seed))
@@ -304,6 +308,9 @@ class SessionManager:
 
     async def _release(self, s: _Session, recycle: bool) -> None:
         """Hand the sandbox back: recycled when the environment allows it and nothing failed, else destroyed."""
+        if s.released:
+            return
+        s.released = True
         if s.reservation is not None:
             s.reservation.release()
         try:
@@ -317,15 +324,23 @@ class SessionManager:
         """Apply one action; the step that ends the episode scores it and releases the sandbox."""
         s = await self._get(tenant, session_id)
         async with s.lock:
+            self._check_open(s)  # closed or expired while this step waited for the one before it
             if s.ended is not None:
                 raise FailedPreconditionError(
                     f"session {session_id} has ended ({s.ended.value}); call Reset for a new episode"
                 )
             s.last_used = time.monotonic()
             try:
-                return await self._step(s, action)
+                result = await self._step(s, action)
             finally:
                 s.last_used = time.monotonic()
+            self._check_open(s)  # closed during the step: its sandbox went midway, so neither a reward nor a failure
+            return result
+
+    def _check_open(self, s: _Session) -> None:
+        if self._sessions.get(s.id) is not s:
+            tomb = self._ended.get(s.id)
+            raise NotFoundError(f"session {s.id} {tomb.why if tomb is not None else 'was closed'}")
 
     async def _step(self, s: _Session, action: Action) -> StepResult:
         observation = ""

@@ -157,6 +157,53 @@ async def test_a_sandbox_killed_mid_session_is_never_a_reward_on_the_fake_backen
     assert s.truncated and not s.terminated and s.error.kind == "SandboxDiedError", s.error
 
 
+async def test_a_session_closed_during_a_step_answers_its_steps_not_found_and_goes_back_once(tmp_path: Path) -> None:
+    # a close while a step ran destroyed the sandbox under it: the step answered INFRA_ERROR (or a reward, had it
+    # been scoring), the one queued behind it ran on the closed session, and both returned the sandbox to the pool
+    # again, so the pool's busy count fell one too low each time
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=0.5)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.session_stub
+        a = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-001"))  # another, still open
+        running, queued = (
+            stub.Step(pb.StepRequest(session_id=a.session_id, action=tool("python", code="print(1)"))) for _ in "ab"
+        )
+        await asyncio.sleep(0.2)
+        assert (await stub.Close(pb.CloseSessionRequest(session_id=a.session_id))).was_running
+        await expect_error(running, grpc.StatusCode.NOT_FOUND, "was closed")
+        await expect_error(queued, grpc.StatusCode.NOT_FOUND, "was closed")
+        assert orch.sessions is not None and orch.pool is not None
+        assert orch.sessions.open_sessions() == 1 and orch.pool.busy == 1
+
+
+async def test_a_session_gets_no_warm_sandbox_whose_lease_ends_before_its_lifetime_could(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the sweep removes a sandbox when its lease ends, in use or not; a recycled one's lease runs from its creation
+    from orchestrator.backends.fake import FakeSandbox
+
+    async with (
+        serve(tmp_path, backend=FAKE, sessions={"max_lifetime_s": 1000.0}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        assert orch.sessions is not None
+        stub = client.session_stub
+
+        async def episode() -> str:
+            r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+            assert orch.sessions is not None
+            sandbox = orch.sessions._sessions[r.session_id].sandbox
+            assert sandbox.spec.ttl_s >= 2000  # recyclable for a lifetime's worth
+            await stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="1")))  # recycled
+            return sandbox.name
+
+        first = await episode()
+        assert await episode() == first  # warm, and the same one
+        monkeypatch.setattr(FakeSandbox, "lease_left_s", lambda self: 900.0)  # less than the 1000 s a session may live
+        assert await episode() != first
+
+
 def _gym_episode(address: str, task_id: str, code: str, answer: str) -> None:
     env = SessionEnv(address, ENV)
     try:
