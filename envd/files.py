@@ -10,6 +10,7 @@ private memory in each sandbox.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -141,6 +142,23 @@ def _make_dirs(full: str, shown: str) -> None:
             raise PathError(f"{shown}: {prefix} is not a directory")
 
 
+def _open_to_write(full: str, shown: str, mode: int) -> int:
+    """A regular file opened to be overwritten, created if missing. O_NONBLOCK: a FIFO planted at the path would
+    block the open until a reader came, holding one of envd's few file threads for good (a handful of such calls and
+    no file call or Reset of the sandbox would be served again); anything but a regular file is refused."""
+    try:
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as e:
+        why = "not a regular file" if e.errno == errno.ENXIO else e.strerror  # ENXIO: a FIFO with no reader
+        raise PathError(f"{shown}: {why}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PathError(f"{shown}: not a regular file")
+    os.ftruncate(fd, 0)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def write_file(path: str, workspace: str, content: bytes, mode: int, make_parents: bool) -> None:
     """Create or replace a regular file with `content` and permission bits `mode`."""
     full = resolve(path, workspace)
@@ -149,10 +167,7 @@ def write_file(path: str, workspace: str, content: bytes, mode: int, make_parent
         _make_dirs(parent, path)
     elif not os.path.isdir(parent):
         raise NotFoundError(f"{path}: parent directory {parent} does not exist (set make_parents)")
-    try:
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode & 0o777)
-    except OSError as e:
-        raise PathError(f"{path}: {e.strerror}") from None
+    fd = _open_to_write(full, path, mode & 0o777)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(fd, mode & 0o777)
         f.write(content)
@@ -199,9 +214,9 @@ def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
                 try:
                     if os.path.islink(target):
                         os.unlink(target)
-                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
                 except OSError as e:
                     raise PathError(f"{m.name}: {e.strerror}") from None
+                fd = _open_to_write(target, m.name, 0o600)
                 with os.fdopen(fd, "wb") as out:
                     while chunk := src.read(CHUNK_BYTES):
                         out.write(chunk)

@@ -10,7 +10,7 @@ import shutil
 import signal
 import stat
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from envd.kernel import SYSV_KINDS, remove_sysv, sysv_ids
@@ -102,6 +102,37 @@ def _empty_dir(path: str, keep: Iterable[str] = ()) -> list[str]:
     return failed
 
 
+def _restore_inodes(modes: Mapping[str, int]) -> list[str]:
+    """Put the wiped places' own inodes (and envd's socket) back as envd found them at its start: their permission
+    bits, no user xattrs, and the reset's time as theirs. Emptied, a place still carried what a rollout set on the
+    place itself (a chmod, `touch -d`, a `user.` xattr: 60-odd bits a rollout can read in the next). envd runs as the
+    sandbox's user, so what a rollout could change, envd can put back; what envd may not touch, neither could it."""
+    problems = []
+    for path, mode in modes.items():
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            problems.append(f"{path} was replaced by a link")
+            continue
+        with contextlib.suppress(PermissionError):
+            if stat.S_IMODE(st.st_mode) != mode:
+                os.chmod(path, mode)
+            os.utime(path)
+        with contextlib.suppress(OSError):  # ENOTSUP: a filesystem without xattrs has none to clear
+            for name in os.listxattr(path, follow_symlinks=False):
+                if name.startswith("user."):
+                    with contextlib.suppress(PermissionError):
+                        os.removexattr(path, name, follow_symlinks=False)
+        if stat.S_IMODE(os.lstat(path).st_mode) != mode:
+            problems.append(f"{path}: mode {stat.S_IMODE(os.lstat(path).st_mode):o}, not {mode:o}")
+        with contextlib.suppress(OSError):
+            if any(n.startswith("user.") for n in os.listxattr(path, follow_symlinks=False)):
+                problems.append(f"{path} keeps user xattrs")
+    return problems
+
+
 def _copy_seed(seed: str, workspace: str) -> None:
     for name in os.listdir(seed):
         src, dst = os.path.join(seed, name), os.path.join(workspace, name)
@@ -112,9 +143,15 @@ def _copy_seed(seed: str, workspace: str) -> None:
 
 
 def reset_sandbox(
-    workspace: str, socket_dir: str, socket_name: str, seed: str, managed: Collection[int] = ()
+    workspace: str,
+    socket_dir: str,
+    socket_name: str,
+    seed: str,
+    managed: Collection[int] = (),
+    modes: Mapping[str, int] | None = None,
 ) -> ResetResult:
-    """Kill, wipe, restore, verify. `managed`: envd's children that asyncio reaps.
+    """Kill, wipe, restore, verify. `managed`: envd's children that asyncio reaps; `modes`: the permission bits of
+    the places and the socket when envd started, put back with their times and xattrs.
 
     Refused when envd runs as root: a sandbox's envd never does (it runs as the sandbox's user), and an envd
     started as root on a host would empty the host's /tmp and /dev/shm and kill what it can see."""
@@ -126,6 +163,7 @@ def reset_sandbox(
     if survivors:
         problems.append(f"processes survived SIGKILL: {survivors}")
     places = {"/tmp": (), "/dev/shm": (), workspace: (), socket_dir: (socket_name,)}
+    problems += _restore_inodes(modes or {})  # first: a place a rollout made unreadable is readable again
     for place, keep in places.items():
         problems += _empty_dir(place, keep)
     problems += clear_ipc()

@@ -9,6 +9,7 @@ import functools
 import inspect
 import logging
 import os
+import stat
 from _operator import _compare_digest  # hmac.compare_digest without hmac, which loads OpenSSL through _hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,10 @@ from protos import envd_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
+# Run answers in one message: its output (stdout and stderr together) stops short of the message limit, the rest
+# of the room for the reply's framing and fields. Past it, a command's output was a RESOURCE_EXHAUSTED failure (an
+# infrastructure retry) instead of a truncated result
+RUN_MAX_OUTPUT_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -184,6 +189,15 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
         self._cfg = cfg
         adopters = () if cfg.subreaper else (os.getpid(), 1)
         self._runner = ProcessRunner(base_env=cfg.base_env, adopters=adopters)
+        self._modes: dict[str, int] = {}  # what Reset puts back (remember_inodes)
+
+    def remember_inodes(self) -> None:
+        """Note the permission bits of the workspace and the socket, before any command runs: what Reset puts back.
+        The other places a rollout can write are root's (/tmp, /dev/shm; the socket's directory, which the host
+        takes once envd listens), so it cannot change them."""
+        for path in (self._cfg.workspace, self._cfg.socket_path):
+            with contextlib.suppress(OSError):
+                self._modes[path] = stat.S_IMODE(os.lstat(path).st_mode)
 
     @maps_errors
     async def Start(self, request: pb.ProcessRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -215,6 +229,7 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
     @maps_errors
     async def Run(self, request: pb.ProcessRequest, context: grpc.aio.ServicerContext) -> pb.RunResult:
         cmd = _command(request, self._cfg)
+        cmd = dataclasses.replace(cmd, max_output_bytes=min(cmd.max_output_bytes, RUN_MAX_OUTPUT_BYTES))
         out: list[bytes] = []
         err: list[bytes] = []
         result = pb.RunResult()
@@ -244,7 +259,9 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
 
         socket_dir, socket_name = os.path.split(self._cfg.socket_path)
         managed = set(self._runner.running)
-        r = await asyncio.to_thread(reset_sandbox, self._cfg.workspace, socket_dir, socket_name, seed, managed)
+        r = await asyncio.to_thread(
+            reset_sandbox, self._cfg.workspace, socket_dir, socket_name, seed, managed, self._modes
+        )
         self._runner.forget_all()
         return pb.ResetResponse(ok=r.ok, detail=r.detail, killed=r.killed, duration_s=r.duration_s)
 
@@ -325,7 +342,8 @@ async def create_server(cfg: EnvdConfig) -> grpc.aio.Server:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    pb_grpc.add_ProcessServicer_to_server(ProcessService(cfg), server)
+    process = ProcessService(cfg)
+    pb_grpc.add_ProcessServicer_to_server(process, server)
     pb_grpc.add_FilesystemServicer_to_server(FilesystemService(cfg), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -333,6 +351,7 @@ async def create_server(cfg: EnvdConfig) -> grpc.aio.Server:
         os.unlink(cfg.socket_path)
     server.add_insecure_port(f"unix://{cfg.socket_path}")
     await server.start()
+    process.remember_inodes()  # the socket is there now, and no command has run
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server
 

@@ -1,0 +1,81 @@
+"""What a sandbox's processes can set up against envd and the next rollout, on real sandboxes: a FIFO where a file
+is to be written (envd's file threads), an output sized to Run's message limit (the reply), and the metadata of the
+places Reset wipes (a channel to the next rollout on a recycled sandbox)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+
+import pytest
+
+from orchestrator.backends.docker import DockerBackend
+from orchestrator.core.errors import SandboxFileError
+from orchestrator.core.sandbox import Limits, SandboxSpec
+
+
+def _tar(name: str, data: bytes) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+async def test_a_fifo_where_a_file_is_written_is_refused_at_once_and_holds_no_thread(
+    backend: DockerBackend, base_image: str
+) -> None:
+    # an open for writing blocks on a FIFO until a reader comes: each such call held one of envd's few file threads
+    # for good, Reset included, and a handful left the sandbox answering no file call (the grader's too), so a
+    # policy heading for a reward of 0 could turn it into an infrastructure retry
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        assert (await s.exec("mkfifo /workspace/answer.txt /workspace/up")).exit_code == 0
+        t0 = time.monotonic()
+        for _ in range(40):  # more than envd's thread pool holds
+            with pytest.raises(SandboxFileError, match="not a regular file"):
+                await s.write_file("/workspace/answer.txt", b"x")
+        with pytest.raises(SandboxFileError, match="not a regular file"):
+            await s.upload(_tar("up", b"x"), "/workspace")
+        assert time.monotonic() - t0 < 30
+        await s.write_file("/workspace/ok.txt", b"fine")
+        assert await s.read_file("/workspace/ok.txt") == b"fine"
+        assert (await s.reset()).ok
+
+
+async def test_output_at_runs_message_limit_comes_back_truncated_not_as_a_failure(
+    backend: DockerBackend, base_image: str
+) -> None:
+    # Run answers in one message of at most 64 MiB; an output of 64 MiB (a workspace diff the policy sized) made
+    # the reply too big to send, RESOURCE_EXHAUSTED, an infrastructure retry instead of a truncated result
+    async with await backend.create(SandboxSpec(image=base_image, limits=Limits(memory_mb=1024))) as s:
+        r = await s.exec("head -c 70000000 /dev/zero", max_output=64 << 20, timeout=120)
+        assert r.exit_code == 0 and r.truncated
+        assert (64 << 20) - (64 << 10) <= len(r.stdout) < 64 << 20
+
+
+async def test_reset_puts_back_the_workspaces_own_mode_times_and_xattrs(
+    backend: DockerBackend, base_image: str
+) -> None:
+    # emptied, the workspace itself still carried what the last rollout set on it: its mode, a time set with
+    # `touch -d`, a user xattr, each readable by the next rollout on the recycled sandbox
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        mark = (
+            "import os; os.chmod('/workspace', 0o2757); os.utime('/workspace', (1900000000, 1900000000))\n"
+            "try:\n os.setxattr('/workspace', 'user.answer', b'42'); print('xattr')\n"
+            "except OSError: pass\n"  # tmpfs has user xattrs from Linux 6.6
+        )
+        r = await s.exec(["python3", "-c", mark])
+        assert r.exit_code == 0, r.stderr
+        tagged = r.stdout == b"xattr\n"
+        assert (await s.reset()).ok
+        read = (
+            "import os; st = os.stat('/workspace');"
+            " print(oct(st.st_mode & 0o7777), int(st.st_atime), int(st.st_mtime), os.listxattr('/workspace'))"
+        )
+        out = (await s.exec(["python3", "-c", read])).stdout
+        mode, atime, mtime, xattrs = out.split(maxsplit=3)
+        assert mode == b"0o755"
+        assert max(int(atime), int(mtime)) < time.time() + 60  # the reset's time, not the one set
+        assert xattrs.strip() == b"[]", (tagged, xattrs)
