@@ -334,8 +334,9 @@ class SandboxPool:
                 self._keep(p, _Idle(sandbox, now))
                 p.recycling = True
                 return True
-            log.info("sandbox %s not recycled: %s", getattr(sandbox, "name", "?"), outcome.detail)
-            self.metrics.pool_discards.labels("reset_failed").inc()
+            if not outcome.ok:  # else the pool closed during the reset
+                log.info("sandbox %s not recycled: %s", getattr(sandbox, "name", "?"), outcome.detail)
+                self.metrics.pool_discards.labels("reset_failed").inc()
         if p is not None:
             p.recycling = False
             p.losses.append(time.monotonic())

@@ -250,6 +250,7 @@ async def test_a_pool_closing_destroys_what_it_was_destroying_and_what_comes_bac
         await asyncio.sleep(0.1)  # b: in its reset
         await pool.close()
         assert not await resetting and pool.idle_total == 0
+        assert _discards(pool, "reset_failed") == 0  # its reset did not fail
         c, _ = await pool.acquire(spec)
         assert not await pool.release(c, recycle=True)  # after close: destroyed
         assert await backend.list_owned() == []
