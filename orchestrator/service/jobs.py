@@ -409,13 +409,14 @@ class JobManager:
 
     async def ack(self, job_id: str, up_to: int, ids: Sequence[str], *, owner: str | None = None) -> int:
         """Ack rollouts; returns how many were newly acked. An up_to beyond every seq delivered is refused: it
-        would ack rollouts the trainer never saw."""
+        would ack rollouts the trainer never saw; ids not delivered yet are not acked, and in a job delivered in
+        groups an id acks its whole group."""
         job = self._job(job_id, owner)
         if up_to < 0:
             raise InvalidRequestError(f"up_to must be >= 0, got {up_to}")
         if up_to > job.delivered:
             raise InvalidRequestError(f"up_to={up_to}: nothing delivered after seq {job.delivered}")
-        seqs = await self.store.ack(job_id, up_to, ids)
+        seqs = await self.store.ack(job_id, up_to, ids, delivered=job.delivered, whole_groups=job.spec.deliver_groups)
         job.notify(seqs)
         return len(seqs)
 

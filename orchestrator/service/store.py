@@ -313,9 +313,19 @@ class ResultStore:
             ]
         )
 
-    async def ack(self, job_id: str, up_to: int, ids: Iterable[str]) -> list[int]:
-        """Ack every seq <= up_to and the given rollout ids; returns the seqs newly acked."""
+    async def ack(
+        self, job_id: str, up_to: int, ids: Iterable[str], *, delivered: int, whole_groups: bool = False
+    ) -> list[int]:
+        """Ack every seq <= up_to and the given rollout ids among those delivered (seq <= `delivered`: an id is
+        easily guessed, and one acked before it was sent would never be); with `whole_groups`, an id acks its
+        group's every member (a group is delivered whole, so one acked alone would leave the rest to go out as a
+        part group). Returns the seqs newly acked."""
         id_list = list(ids)
+        by = (
+            "group_id IN (SELECT group_id FROM rollouts WHERE job_id = ? AND rollout_id IN ({marks}))"
+            if whole_groups
+            else "rollout_id IN ({marks})"
+        )
 
         def q() -> list[int]:
             db = self.db
@@ -333,9 +343,9 @@ class ResultStore:
                 seqs += [
                     r[0]
                     for r in db.execute(
-                        f"SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 "
-                        f"AND rollout_id IN ({marks})",
-                        (job_id, *chunk),
+                        "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq <= ? AND "
+                        + by.format(marks=marks),
+                        (job_id, delivered, *([job_id] if whole_groups else []), *chunk),
                     )
                 ]
             seqs = sorted(set(seqs))

@@ -59,6 +59,31 @@ async def test_ack_beyond_what_was_delivered_is_refused(
     assert sorted([first.id, *(r.id for r in rest)]) == sorted(f"{job_id}:{t}:0" for t in task_ids[:3])
 
 
+async def test_ack_by_id_acks_only_what_was_delivered_and_a_group_whole(
+    client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # ids are easily guessed (job:task:sample): acked before they were sent, rollouts were never sent at all; and
+    # in group delivery one member acked alone left the rest of its group to go out as a group of two
+    job_id = await client.submit(job(policy_server.url, task_ids[:3]))
+    await _until_completed(client, job_id)
+    guessed = [f"{job_id}:{t}:0" for t in task_ids[:2]]
+    assert (await client.rollout_stub.Ack(pb.AckRequest(job_id=job_id, ids=guessed))).acked == 0
+    sent = [b async for b in client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))]
+    assert sorted(r.id for b in sent for r in b.rollouts) == sorted(f"{job_id}:{t}:0" for t in task_ids[:3])
+    assert (await client.rollout_stub.Ack(pb.AckRequest(job_id=job_id, ids=guessed))).acked == 2  # sent by now
+
+    grouped = await client.submit(job(policy_server.url, task_ids[:2], n=3, deliver_groups=True))
+    await _until_completed(client, grouped)
+    call = client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=grouped, max_in_flight=1))
+    group = (await call.read()).groups[0]
+    call.cancel()
+    acked = await client.rollout_stub.Ack(pb.AckRequest(job_id=grouped, ids=[group.rollouts[0].id]))
+    assert acked.acked == 3  # the group, whole
+    again = [b async for b in client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=grouped))]
+    sizes = [len(g.rollouts) for b in again for g in b.groups]
+    assert sizes == [3] and again[0].groups[0].group_id != group.group_id, sizes
+
+
 async def test_ack_after_a_restart_accepts_what_was_logged_before(
     tmp_path: Path, base_image: str, policy_server: ScriptedServer, task_ids: list[str]
 ) -> None:
