@@ -32,7 +32,7 @@ from orchestrator.service.declarative.spec import EnvironmentSpec
 from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.registry import Registry
 from orchestrator.worker.outbox import Outbox, as_messages
-from orchestrator.worker.results import encode
+from orchestrator.worker.results import MAX_ROLLOUT_BYTES, InvalidResultError, encode
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 
@@ -128,8 +128,8 @@ class WorkerAgent:
         outbox.put(wpb.WorkerMessage(hello=hello))
 
         async def outbound() -> AsyncIterator[wpb.WorkerMessage]:
-            while True:
-                for message in _worker_messages(await outbox.get()):
+            while batch := await outbox.get():  # empty once closed: the stream's end ends gRPC's sender too
+                for message in _worker_messages(batch):
                     yield message
 
         async def heartbeats() -> None:
@@ -176,6 +176,12 @@ class WorkerAgent:
                 for task in running.values():
                     task.cancel()
                 await asyncio.gather(beat, *running.values(), return_exceptions=True)
+                outbox.close()
+                # a job that ends while this worker is away is never said to end here: its spec and snapshots go
+                # now (both come back with the job's next assignment, the snapshots as a cache miss)
+                for job_id in list(self._specs):
+                    self._specs.pop(job_id)
+                    self._executor.job_ended(job_id)
 
     def _channel(self) -> grpc.aio.Channel:
         if self._tls is None:  # a unix socket, loopback, or the operator's insecure
@@ -197,6 +203,9 @@ class WorkerAgent:
         try:
             rollout = await self._executor.run(item, env, spec)
             result = encode(a.assignment_id, rollout)
+            too_big = max(len(result.rollout_json), len(result.rollout_pb))
+            if too_big > MAX_ROLLOUT_BYTES:  # the control plane refuses it, and past the wire's cap it ends the stream
+                raise InvalidResultError(f"the encoded rollout is {too_big} bytes, over {MAX_ROLLOUT_BYTES}")
         except Exception as e:  # never no answer: the control plane would wait out the rollout's whole budget
             outbox.put(self._failed(a, "failed to run or encode it", e))
             return

@@ -1,0 +1,137 @@
+"""The worker process's side of the wire against a control plane of the test's own (a real gRPC server on a unix
+socket, scripted): what a worker leaves behind when streams end, and a result too large to send."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from orchestrator.core.models import Rollout, Turn
+from orchestrator.rollout.runner import WorkItem
+from orchestrator.service.registry import Registry
+from orchestrator.worker.agent import WorkerAgent
+from orchestrator.worker.outbox import Outbox
+from orchestrator.worker.results import MAX_ROLLOUT_BYTES
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
+from tests.orchestrator.worker_wire import ENV, TOKEN, rollout_for, spec
+
+
+class _Executor:
+    """Runs nothing: sample 0 answers at once (`big`: with a rollout past the wire's cap), sample 1 runs until
+    cancelled."""
+
+    def __init__(self, big: bool = False) -> None:
+        self.big = big
+        self.cancelled: list[int] = []
+        self.ended: list[str] = []
+
+    async def run(self, item: WorkItem, env: Any, job: Any) -> Rollout:
+        if item.sample_index == 1:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.append(item.sample_index)
+                raise
+        a = wpb.Assignment(job_id=item.job_id, task_id=item.task.id, sample_index=item.sample_index)
+        turns = [Turn(role="tool", text="x" * (MAX_ROLLOUT_BYTES + 1))] if self.big else []
+        return rollout_for(a, turns=turns)
+
+    def job_ended(self, job_id: str) -> None:
+        self.ended.append(job_id)
+
+
+class _ControlPlane(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
+    """Assigns `samples` of one job on the first stream (and ends it at its first results when `end_after_results`),
+    then ends every later stream at once."""
+
+    def __init__(self, task_id: str, samples: tuple[int, ...], *, end_after_results: bool) -> None:
+        self.task_id, self.samples, self.end_after_results = task_id, samples, end_after_results
+        self.streams = 0
+        self.results: list[wpb.RolloutResult] = []
+
+    async def Connect(self, inbound: AsyncIterator[wpb.WorkerMessage], context: Any) -> AsyncIterator[Any]:
+        self.streams += 1
+        await anext(aiter(inbound))  # the hello
+        if self.streams > 1:
+            return
+        job = spec([self.task_id]).model_dump_json().encode()
+        yield wpb.ControlMessage(
+            assign=wpb.AssignmentBatch(
+                assignments=[
+                    wpb.Assignment(
+                        assignment_id=f"a{i}", job_spec_json=job, job_id="j", task_id=self.task_id, sample_index=i
+                    )
+                    for i in self.samples
+                ]
+            )
+        )
+        async for m in inbound:
+            if m.HasField("results"):
+                self.results += m.results.results
+                if self.end_after_results:
+                    return
+
+
+async def _agent_against(
+    plane: _ControlPlane, executor: _Executor, tmp_path: Path, *, streams: int, results: int
+) -> WorkerAgent:
+    """A worker against `plane` until it has opened `streams` streams and `plane` has `results` results."""
+    target = f"unix:{tmp_path}/w.sock"
+    server = grpc.aio.server()
+    wpb_grpc.add_WorkerServiceServicer_to_server(plane, server)
+    server.add_insecure_port(target)
+    await server.start()
+    agent = WorkerAgent(target, TOKEN, executor, Registry.from_entry_points(), heartbeat_s=0.2)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    run = asyncio.create_task(agent.run_forever(stop))
+    try:
+        for _ in range(600):
+            if plane.streams >= streams and len(plane.results) >= results:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # and a little longer: what it does next
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, 10)
+        await server.stop(0)
+    return agent
+
+
+def _senders() -> int:
+    return sum("_consume_request_iterator" in repr(t.get_coro()) for t in asyncio.all_tasks())
+
+
+async def test_streams_that_end_leave_no_sender_and_no_job_behind(tmp_path: Path) -> None:
+    # gRPC's sender of a stream the server ended waited on the worker's outbox for good (one task, its outbox and
+    # call a reconnect); and a job that ended while the worker was away was never said to end to it, so its spec
+    # and snapshots stayed for the life of the process
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    executor = _Executor()
+    plane = _ControlPlane(task_id, (0,), end_after_results=True)
+    agent = await _agent_against(plane, executor, tmp_path, streams=3, results=1)
+    assert plane.streams >= 3 and agent.sessions >= 3  # it reconnected, each stream ended by the server
+    assert [r.assignment_id for r in plane.results] == ["a0"]
+    await asyncio.sleep(0.1)
+    gc.collect()
+    assert _senders() == 0
+    assert sum(isinstance(o, Outbox) for o in gc.get_objects()) == 0
+    assert executor.ended == ["j"] and not agent._specs
+
+
+async def test_a_result_too_large_to_send_fails_alone_and_the_stream_goes_on(tmp_path: Path) -> None:
+    # past the wire's message cap the send failed the whole stream: every other rollout on the worker was cancelled,
+    # its sandbox destroyed, and the rollout, retried elsewhere, did the same to the next worker
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    executor = _Executor(big=True)
+    plane = _ControlPlane(task_id, (0, 1), end_after_results=False)
+    await _agent_against(plane, executor, tmp_path, streams=1, results=1)
+    assert plane.streams == 1, "the stream ended"
+    [result] = plane.results
+    assert result.assignment_id == "a0" and "over" in result.error and not result.rollout_pb
+    assert executor.cancelled == [1]  # only by the worker's own stop, at the end
