@@ -85,7 +85,7 @@ class ProcessServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Run(self, request, context):
-        """Run is Start with the output collected into one reply.
+        """Run is Start with the output collected into one reply, so its output stops at 64 MiB less 64 KiB (truncated).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
