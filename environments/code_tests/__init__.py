@@ -21,32 +21,69 @@ TEST_TIMEOUT_S = 30.0
 # (GRADER_ENV, GRADER_CWD): a usercustomize.py or a module named like one the runner imports cannot speak for it.
 GRADER_READS = (SOLUTION,)
 
-# Runs in the sandbox after the episode: imports the solution, checks each case in isolation, prints JSON counts.
-# Runs in the sandbox after the episode: loads the cases and deletes them before the solution's code runs, checks
-# each case, prints JSON counts, and leaves with os._exit so no exit hook of the solution can print over the result.
-# (Solution code runs in the grader's process, so it is not hardened against code that inspects the grader.)
-RUNNER = """
+# The solution runs in a child process that gets the cases' arguments and never their expected values: it answers
+# each call's return value as JSON on a pipe, and the runner (made non-dumpable first, so the child, of the same
+# uid, can read neither its memory nor its descriptors through /proc) compares them. The solution's code ran in the
+# grader's own process before: it printed the counts itself, returned an object equal to anything, or read the
+# expected values from the runner's variables.
+CHILD = """
 import importlib.util, json, os, sys
+out = os.fdopen(int(sys.argv[3]), "w")
+calls = json.load(sys.stdin)
+answers = []
+try:
+    spec = importlib.util.spec_from_file_location("solution", sys.argv[1])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fn = getattr(mod, sys.argv[2])
+except BaseException:
+    fn = None
+for args in calls:
+    try:
+        answers.append(json.dumps(fn(*args)))
+    except BaseException:
+        answers.append(None)
+out.write(json.dumps(answers))
+out.flush()
+os._exit(0)
+"""
+# Runs in the sandbox after the episode: loads the cases and deletes them before the solution's child starts,
+# compares its answers, prints JSON counts.
+RUNNER = """
+import ctypes, json, os, subprocess, sys
+if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+    sys.exit("cannot make the grader non-dumpable")
 with open(sys.argv[1]) as f:
     cases = json.load(f)
 os.unlink(sys.argv[1])
-passed = 0
+read, write = os.pipe()
+child = subprocess.Popen(
+    [sys.executable, "-I", "-c", sys.argv[4], sys.argv[2], sys.argv[3], str(write)],
+    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write,),
+)
+os.close(write)
 try:
-    spec = importlib.util.spec_from_file_location("solution", sys.argv[2])
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    fn = getattr(mod, sys.argv[3])
-except BaseException as e:
-    print(json.dumps({"passed": 0, "total": len(cases), "error": f"{type(e).__name__}: {e}"}), flush=True)
-    os._exit(0)
-for args, expected in cases:
+    child.stdin.write(json.dumps([args for args, _ in cases]).encode())
+    child.stdin.close()
+except OSError:
+    pass
+with os.fdopen(read, "rb") as f:
+    data = f.read(16 << 20)
+child.kill()
+child.wait()
+try:
+    answers = json.loads(data)
+except ValueError:
+    answers = []
+if not isinstance(answers, list):
+    answers = []
+passed = 0
+for (args, expected), answer in zip(cases, answers):
     try:
-        if fn(*args) == expected:
-            passed += 1
-    except BaseException:
+        passed += isinstance(answer, str) and json.loads(answer) == expected
+    except ValueError:
         pass
 print(json.dumps({"passed": passed, "total": len(cases)}), flush=True)
-os._exit(0)
 """
 
 
@@ -86,7 +123,7 @@ async def hidden_tests_passed(ctx: ScoringContext) -> float:
     await sb.write_file(f"{HIDDEN_DIR}/run.py", RUNNER.encode())
     solution = f"{sb.spec.workspace}/{SOLUTION}"
     r = await sb.exec(
-        ["python3", "-I", f"{HIDDEN_DIR}/run.py", f"{HIDDEN_DIR}/cases.json", solution, task.data["function"]],
+        ["python3", "-I", f"{HIDDEN_DIR}/run.py", f"{HIDDEN_DIR}/cases.json", solution, task.data["function"], CHILD],
         cwd=GRADER_CWD,
         env=GRADER_ENV,
         timeout=TEST_TIMEOUT_S,
@@ -96,9 +133,12 @@ async def hidden_tests_passed(ctx: ScoringContext) -> float:
         return 0.0
     try:
         result = json.loads(r.stdout.decode().strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return 0.0  # the solution printed garbage over the runner's line or crashed the interpreter
-    return float(result["passed"]) / float(result["total"])
+        passed, total = int(result["passed"]), int(result["total"])
+    except (ValueError, IndexError, KeyError, TypeError):
+        return 0.0  # the grader was killed or stopped by the solution: it said nothing, or nothing it could say
+    if total != len(task.data["cases"]) or not 0 <= passed <= total:
+        return 0.0
+    return passed / total
 
 
 def wrote_solution(ctx: ScoringContext) -> float:

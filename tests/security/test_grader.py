@@ -58,3 +58,25 @@ async def test_a_declarative_scoring_command_does_not_run_a_planted_usercustomiz
         await _plant(s, perfect)
         score = await env.score(s, Task(id="t1", prompt="p"), EPISODE)
         assert score.reward == 0.25
+
+
+async def test_a_solution_cannot_score_itself(backend: DockerBackend, base_image: str) -> None:
+    # the solution's code ran in the grader's own process: it could print the counts and leave, return an object
+    # equal to anything, or read the expected values from the runner's variables. It now runs in a child that
+    # never holds them, and the counts are checked against the task's cases
+    task = CodeTestsEnv().tasks()[0]
+    fn = task.data["function"]
+    cheats = {
+        "prints the counts": 'import os\nprint(\'{"passed": 100, "total": 1}\', flush=True)\nos._exit(0)\n',
+        "equal to anything": f"class Any:\n    __eq__ = lambda self, other: True\ndef {fn}(*args):\n    return Any()\n",
+        "reads the expected": (
+            f"import sys\ndef {fn}(*args):\n"
+            "    return next(e for a, e in sys.modules['__main__'].cases if a == list(args))\n"
+        ),
+    }
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        for how, code in cheats.items():
+            await s.write_file(SOLUTION, code.encode())
+            assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 0.0, how
+        await s.write_file(SOLUTION, task.reference[0].arguments["content"].encode())
+        assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 1.0
