@@ -58,6 +58,15 @@ _APPLIED = re.compile(rf"^{re.escape(APPLY_PATCH_PASS)} \(([^)]*)\)\s*$", re.M)
 
 StatusMap = dict[str, TestStatus]
 TestsStatus = dict[str, dict[str, list[str]]]
+# a test reported twice keeps its worst status: the code under test runs in the test process and can print a
+# passing line after the real failing one (an atexit hook), never take a failure back
+_RANK = {TestStatus.PASSED: 0, TestStatus.XFAIL: 0, TestStatus.SKIPPED: 1, TestStatus.FAILED: 2, TestStatus.ERROR: 2}
+
+
+def _report(statuses: StatusMap, name: str, status: TestStatus) -> None:
+    old = statuses.get(name)
+    if old is None or _RANK[status] > _RANK[old]:
+        statuses[name] = status
 
 
 # ---- parsers: test output -> {test name: status} ----
@@ -74,7 +83,7 @@ def parse_pytest(output: str) -> StatusMap:
         name = rest.split(" - ", 1)[0].strip()
         if not name or (word == "SKIPPED" and re.fullmatch(r"\[\d+\]", name.split()[0])):
             continue  # `SKIPPED [1] file:line: reason` names no test
-        statuses[name] = TestStatus(word)
+        _report(statuses, name, TestStatus(word))
     return statuses
 
 
@@ -100,11 +109,12 @@ def parse_unittest(output: str) -> StatusMap:
         m = _UNITTEST_LINE.match(line)
         if m:
             result = m["result"]
-            statuses[m["name"]] = TestStatus.SKIPPED if result.startswith("skipped") else _UNITTEST_RESULT[result]
+            status = TestStatus.SKIPPED if result.startswith("skipped") else _UNITTEST_RESULT[result]
+            _report(statuses, m["name"], status)
             continue
         s = _UNITTEST_SUMMARY.match(line)
         if s:
-            statuses[s["name"]] = TestStatus.FAILED if s["kind"] == "FAIL" else TestStatus.ERROR
+            _report(statuses, s["name"], TestStatus.FAILED if s["kind"] == "FAIL" else TestStatus.ERROR)
     return statuses
 
 

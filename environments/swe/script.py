@@ -29,6 +29,10 @@ from environments.swe.grading import (
 from environments.swe.instance import SweInstance
 
 SCRATCH = "/tmp/swe"
+# files that are the test harness's, not the code's (an extended regular expression over repository paths)
+_HARNESS_NAMES = r"(^|/)(conftest|sitecustomize|usercustomize)\.py$|\.pth$"
+_HARNESS_CONFIG = r"^(pytest\.ini|\.pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml)$"
+HARNESS_FILES = f"{_HARNESS_NAMES}|{_HARNESS_CONFIG}"
 MAX_TEST_OUTPUT = 8 << 20
 # Deterministic and closed: fixed time zone, hash seed and locale; no user site, no git config from $HOME.
 EVAL_ENV: dict[str, str] = {
@@ -136,6 +140,14 @@ fi
 for f in {files}; do
   case $'\n'"$tracked"$'\n' in *$'\n'"$f"$'\n'*) ;; *) rm -f -- "$f" ;; esac
 done
+# so do the harness's own files, and those the patch added go: a conftest.py, pytest's configuration, a
+# sitecustomize.py or a .pth file is code or options that pytest and python take for the grader's (a conftest.py
+# hook could report every test passed)
+harness=$(git ls-tree -r --name-only "$BASE" | grep -E {q(HARNESS_FILES)})
+if [ -n "$harness" ]; then
+  printf '%s\n' "$harness" | git checkout -q "$BASE" --pathspec-from-file=- || fail_reset "harness files"
+fi
+git ls-files --others | grep -E {q(HARNESS_FILES)} | while IFS= read -r f; do rm -f -- "$f"; done
 if [ -s "$S/test.patch" ]; then
   git apply --verbose "$S/test.patch" || {{ echo "{TEST_PATCH_FAIL}"; exit 0; }}
 fi

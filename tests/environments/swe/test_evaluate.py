@@ -42,6 +42,8 @@ async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docke
         pred(py, "fuzzy", file_diff("calc.py", moved, moved.replace("if x > lo:", "if x < lo:"))),
         pred(py, "prose", "Change the comparison in clamp.\n"),
         pred(py, "cheat", file_diff("tests/test_calc.py", _t(), _t(True))),
+        pred(py, "hook", _new_file("conftest.py", HOOK)),
+        pred(py, "forged", file_diff("calc.py", tiny.bad, tiny.bad + _forger(tiny.pytest.FAIL_TO_PASS))),
     ]
     seen: list[tuple[str, str]] = []
     summary = await run_evaluation(
@@ -86,11 +88,39 @@ async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docke
 
     # editing the tests it is graded by gets a patch nowhere: the test files are put back first
     assert not report(run, "cheat", py)["resolved"]
+    # nor does a conftest.py of its own (the harness's files go back too), or code that prints a passing line for
+    # each failing test at exit (a test keeps its worst status)
+    assert not report(run, "hook", py)["resolved"]
+    forged = report(run, "forged", py)
+    assert not forged["resolved"] and forged["tests_status"]["FAIL_TO_PASS"]["failure"], forged
 
     for f in ("patch.diff", "eval.sh", "test_output.txt", "run_instance.log", "report.json"):
         assert (run / "gold" / py / f).is_file()
     assert summary["resolved_ids"] == sorted([py, ut, py])
     assert json.loads((run / "summary.json").read_text())["resolved_instances"] == 3
+
+
+HOOK = """import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+"""
+
+
+def _new_file(path: str, text: str) -> str:
+    lines = text.splitlines()
+    head = (
+        f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{len(lines)} @@\n"
+    )
+    return head + "".join(f"+{line}\n" for line in lines)
+
+
+def _forger(tests: list[str]) -> str:
+    lines = "".join(f"PASSED {t}\\n" for t in tests) + "FAILED zz.py::x\\n"
+    return f"\n\nimport atexit, sys\natexit.register(lambda: (sys.stdout.write('{lines}'), sys.stdout.flush()))\n"
 
 
 def _t(fixed: bool = False) -> str:

@@ -151,3 +151,13 @@ def test_report_shape() -> None:
     # the same log with an empty patch: graded, never resolved
     empty = grade_log("i", log, framework="pytest", fail_to_pass=F2P, pass_to_pass=P2P, model_patch="", nonce="n1")
     assert empty.resolution == ResolvedStatus.FULL and not empty.resolved and not empty.report()["i"]["patch_exists"]
+
+
+def test_a_test_reported_twice_keeps_its_worst_status() -> None:
+    # the code under test runs in the test process: it can print a passing line after the real failing one
+    forged = "\nPASSED tests/test_a.py::test_two\nPASSED tests/test_a.py::TestK::test_e\n"
+    statuses = parse_pytest(PYTEST_OUT + forged)
+    assert statuses["tests/test_a.py::test_two"] == TestStatus.FAILED
+    assert statuses["tests/test_a.py::TestK::test_e"] == TestStatus.ERROR
+    again = parse_unittest(UNITTEST_OUT + "\ntest_b (tests.test_m.ATests.test_b) ... ok\n")
+    assert again["test_b (tests.test_m.ATests.test_b)"] == TestStatus.FAILED
