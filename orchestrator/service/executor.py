@@ -34,6 +34,10 @@ class Executor(Protocol):
         """Release connections; running rollouts were cancelled by the scheduler before."""
 
 
+def _client_key(endpoint: PolicyEndpoint) -> PolicyEndpoint:
+    return endpoint if endpoint.version == "" else endpoint.model_copy(update={"version": ""})
+
+
 class LocalExecutor:
     """Rollouts on this process's event loop, through one RolloutRunner (one small policy client per endpoint and
     token mode; tokenizers loaded once per process, from the directories `tokenizers` resolves names in)."""
@@ -51,17 +55,21 @@ class LocalExecutor:
         return self.runner.images
 
     def policy(self, endpoint: PolicyEndpoint) -> OpenAIPolicy:
-        """The client of one endpoint, made once: each manages its own small HTTP pools."""
-        policy = self._policies.get(endpoint)
+        """The client of one endpoint, made once: each manages its own small HTTP pools. Made per endpoint less its
+        version, which no call sends (a rollout records it): a trainer that calls UpdatePolicy at every step made a
+        client, its pools and their sockets, at every step, and none was ever closed."""
+        key = _client_key(endpoint)
+        policy = self._policies.get(key)
         if policy is None:
-            policy = self._policies[endpoint] = OpenAIPolicy(endpoint)
+            policy = self._policies[key] = OpenAIPolicy(key)
         return policy
 
     def tito_policy(self, endpoint: PolicyEndpoint) -> TitoPolicy:
         """The token-in, token-out client of one endpoint, made once (its tokenizer loads on first use)."""
-        policy = self._tito.get(endpoint)
+        key = _client_key(endpoint)
+        policy = self._tito.get(key)
         if policy is None:
-            policy = self._tito[endpoint] = TitoPolicy(endpoint, self.tokenizers, http=self.policy(endpoint))
+            policy = self._tito[key] = TitoPolicy(key, self.tokenizers, http=self.policy(key))
         return policy
 
     async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> Rollout:

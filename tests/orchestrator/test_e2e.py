@@ -228,3 +228,23 @@ async def test_environment_service(fake_client: EnvfleetClient) -> None:
 async def test_owner_label_is_the_test_suites(orchestrator: Orchestrator) -> None:
     assert isinstance(orchestrator.backend, DockerBackend) and orchestrator.backend.config.owner == TEST_OWNER
     assert pb.RolloutStatus.Name(pb.ROLLOUT_STATUS_OK) == "ROLLOUT_STATUS_OK"
+
+
+async def test_a_policy_version_update_keeps_the_endpoints_client() -> None:
+    # a trainer calls UpdatePolicy at every step: a client (its HTTP pools and sockets) per version, never closed,
+    # ran a long job's server out of file descriptors
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.backends.pool import SandboxPool
+    from orchestrator.core.policy import PolicyEndpoint
+    from orchestrator.rollout.runner import RolloutRunner
+    from orchestrator.service.executor import LocalExecutor
+    from tests.orchestrator.servers import FAKE
+
+    backend = FakeBackend(FAKE)
+    executor = LocalExecutor(RolloutRunner(SandboxPool(backend), backend.images))
+    endpoint = PolicyEndpoint(base_url="http://127.0.0.1:9/v1", version="v1")
+    first = executor.policy(endpoint)
+    assert all(executor.policy(endpoint.model_copy(update={"version": f"v{i}"})) is first for i in range(2, 50))
+    assert executor.policy(endpoint.model_copy(update={"model": "other"})) is not first  # another endpoint
+    await executor.close()
+    await backend.close()
