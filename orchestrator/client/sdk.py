@@ -173,6 +173,8 @@ class EnvfleetClient:
         """Whole groups, for jobs submitted with deliver_groups=True."""
 
         def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, GroupResult]]:
+            if batch.rollouts:  # else nothing would be acked, and the stream would stop at max_in_flight for good
+                raise ValueError(f"job {job_id} was not submitted with deliver_groups=True: read it with rollouts()")
             out = []
             for g in batch.groups:
                 rs = [rollout_from_pb(m) for m in g.rollouts]

@@ -174,3 +174,14 @@ async def test_a_result_log_that_refuses_writes_for_a_while_loses_no_rollout(
             assert (await client.get_job(job_id)).state == "COMPLETED"
     finally:
         await orch.stop(grace=1)
+
+
+async def test_groups_of_a_job_not_delivered_in_groups_is_a_clear_error(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # it read only the batches' groups: nothing was acked, and the stream stopped at max_in_flight for good
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4]))
+    with pytest.raises(ValueError, match="deliver_groups=True"):
+        async with asyncio.timeout(60):
+            async for _ in fake_client.groups(job_id, max_in_flight=2):
+                pass
