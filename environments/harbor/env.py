@@ -173,6 +173,11 @@ class HarborEnvironment(Environment, BuildsOwnImage):
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
         """Upload tests/, run test.sh as Harbor does and read its reward (a failure is ENV_ERROR, never 0)."""
         t = self.harbor_tasks[task.id]
+        # the agent owns /tmp/harbor: a link it left on the way to /tests or /logs/verifier (taken through the
+        # links of /tests and /logs) made the grader's upload or read fail, an ENV_ERROR instead of its 0
+        path = " ".join(f"{RUNTIME}{p}" for p in ("", "/tests", "/logs", "/logs/verifier"))
+        reclaim = f'for d in {path}; do if [ -L "$d" ] || [ -e "$d" -a ! -d "$d" ]; then rm -f -- "$d"; fi; done'
+        await self._sh(sandbox, reclaim, self.tool_timeout_s, "reclaiming the grader's paths")
         await self._upload(sandbox, t.tests, f"{RUNTIME}/tests")
         # whatever the agent left in /logs/verifier is not a reward
         verifier = VERIFIER_DIR

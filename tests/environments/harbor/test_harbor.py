@@ -253,3 +253,15 @@ def test_import_refuses_a_failing_oracle(tasks_root: Path, tmp_path: Path, image
     args = _parse(["envs", "import-harbor", str(tasks_root / "wrong-oracle"), "--name", "bad", "--home", str(tmp_path)])
     assert import_harbor(args, Console(file=out, width=200)) == 1
     assert "does not pass" in out.getvalue() and not (tmp_path / "bad").exists()
+
+
+async def test_links_the_agent_leaves_on_the_graders_paths_do_not_make_its_attempt_an_env_error(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # the agent owns /tmp/harbor, where /tests and /logs point: a link left there made the grader's read refuse
+    # the path, an ENV_ERROR (masked, never scored) instead of the attempt's reward
+    trick = "rm -rf /tmp/harbor/logs; mkdir -p /workspace/l; ln -s /workspace/l /tmp/harbor/logs\n"
+    make_task(tmp_path, "linked-logs", solve=SOLVE + trick)
+    env = make_harbor_environment("harbor-links", [tmp_path / "linked-logs"])
+    c = await check_task(env, backend, env.build_image(docker_client), "linked-logs")
+    assert (c.oracle, c.empty, c.problems) == (1.0, 0.0, [])
