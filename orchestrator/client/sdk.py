@@ -118,6 +118,21 @@ class EnvfleetClient:
         )
         return int(r.acked)
 
+    async def _ack_through_outages(self, job_id: str, up_to: int) -> None:
+        """An auto-ack, tried again for up to reconnect_s while the server cannot be reached, as the stream is (a
+        server restarting made the iterator raise after its caller had consumed the batch)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.reconnect_s
+        while True:
+            try:
+                await self.ack(job_id, up_to=up_to)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE or loop.time() > give_up:
+                    raise
+                log.warning("ack of job %s failed (%s); trying again", job_id, e.code().name)
+                await asyncio.sleep(0.5)
+
     async def _batches(
         self, job_id: str, resume_after: int, max_in_flight: int, max_batch: int
     ) -> AsyncGenerator[pb.RolloutBatch, int | None]:
@@ -216,7 +231,7 @@ class EnvfleetClient:
                         yield item
                 last = max((seq for _, seq, _ in entries), default=0)
                 if auto_ack and last:
-                    await self.ack(job_id, up_to=last)
+                    await self._ack_through_outages(job_id, last)
                     acked = last
         finally:
             await batches.aclose()

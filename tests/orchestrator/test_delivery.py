@@ -185,3 +185,38 @@ async def test_groups_of_a_job_not_delivered_in_groups_is_a_clear_error(
         async with asyncio.timeout(60):
             async for _ in fake_client.groups(job_id, max_in_flight=2):
                 pass
+
+
+async def test_an_auto_ack_waits_out_a_server_restart(
+    tmp_path: Path, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # the stream reconnects through a restart; the auto-ack of the batch just consumed did not, and the iterator
+    # raised UNAVAILABLE, leaving its caller to start again from 0 and take every rollout twice
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.server.app import OrchestratorConfig, create_server
+
+    config = OrchestratorConfig(port=0, data_dir=tmp_path / "data", backend=FakeBackendConfig(owner=TEST_OWNER))
+    orch = await create_server(config)
+    config = config.model_copy(update={"port": orch.port})
+    async with EnvfleetClient(orch.address, reconnect_s=60) as client:
+        job_id = await client.submit(job(policy_server.url, task_ids[:4]))
+        for _ in range(600):
+            if (await client.get_job(job_id)).state == "COMPLETED":
+                break
+            await asyncio.sleep(0.1)
+        rollouts = client.rollouts(job_id, max_batch=1)
+        first = await anext(rollouts)
+        await orch.stop(grace=0)
+
+        async def restart() -> None:
+            nonlocal orch
+            await asyncio.sleep(1.5)
+            orch = await create_server(config)
+
+        again = asyncio.create_task(restart())
+        try:
+            rest = [r async for r in rollouts]  # the first's ack is made once the server is back
+        finally:
+            await again
+            await orch.stop(grace=1)
+    assert sorted([first.id, *(r.id for r in rest)]) == sorted(f"{job_id}:{t}:0" for t in task_ids[:4])
