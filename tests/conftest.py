@@ -210,7 +210,7 @@ def no_leaked_containers(request: pytest.FixtureRequest) -> Iterator[None]:
     try:
         client = docker.from_env()
         left = client.containers.list(
-            all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
+            ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
         )
     except docker.errors.DockerException:
         return

@@ -50,7 +50,7 @@ def test_image_installs_the_distribution(orchestrator_image: str) -> None:
 
 
 def _owned_containers(client: docker.DockerClient) -> list[str]:
-    found = client.containers.list(all=True, filters={"label": [f"envfleet.owner={TEST_OWNER}"]})
+    found = client.containers.list(ignore_removed=True, all=True, filters={"label": [f"envfleet.owner={TEST_OWNER}"]})
     return [c.name for c in found]
 
 

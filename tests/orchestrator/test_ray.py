@@ -72,7 +72,7 @@ async def ray_plane(tmp_path: Path, base_image: str, cluster: Any) -> AsyncItera
     finally:
         await orch.stop(grace=1)
     left = docker.from_env().containers.list(
-        all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
+        ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
     )
     assert not left, f"sandboxes left behind: {[c.name for c in left]}"
 
@@ -199,7 +199,9 @@ async def _stop_normally(proc: subprocess.Popen[str], fleet_id: str, pids: dict[
             break
         await asyncio.sleep(0.5)
     assert not [pid for pid in pids.values() if _running(pid)], "the actors' processes outlived a normal stop"
-    left = docker.from_env().containers.list(all=True, filters={"label": [f"{LABEL_OWNER}={owner}"]})
+    left = docker.from_env().containers.list(
+        ignore_removed=True, all=True, filters={"label": [f"{LABEL_OWNER}={owner}"]}
+    )
     assert not left, f"sandboxes left behind: {[c.name for c in left]}"
 
 

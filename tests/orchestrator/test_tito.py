@@ -208,7 +208,7 @@ async def test_tito_through_worker_processes(tmp_path: Path, base_image: str) ->
         await server.close()
         await orch.stop(grace=1)
     left = docker.from_env().containers.list(
-        all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
+        ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
     )
     assert not left
     for r in rollouts:

@@ -49,7 +49,7 @@ async def plane(tmp_path: Path, base_image: str) -> AsyncIterator[Orchestrator]:
     finally:
         await orch.stop(grace=1)
     left = docker.from_env().containers.list(
-        all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
+        ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
     )
     assert not left, f"sandboxes left behind after stop: {[c.name for c in left]}"
 
@@ -76,7 +76,7 @@ async def test_a_job_spreads_over_two_workers(
     assert sum(served) == 64
     # the workers keep their recycled sandboxes warm in pools of the job's tenant (here the local one)
     warm = docker.from_env().containers.list(
-        filters={"label": [f"{TENANT_LABEL}=local", f"{LABEL_OWNER}={TEST_OWNER}"]}
+        ignore_removed=True, filters={"label": [f"{TENANT_LABEL}=local", f"{LABEL_OWNER}={TEST_OWNER}"]}
     )
     assert warm, "rollouts on workers must take sandboxes from their tenant's pool"
 
