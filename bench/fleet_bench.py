@@ -37,6 +37,7 @@ from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.core.runtime import tune_gc
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.service.caps import CapsConfig
 from orchestrator.service.registry import Registry
@@ -370,4 +371,5 @@ if __name__ == "__main__":
         "sim": fleet_sim,
     }
     fn = benches.get(which)
+    tune_gc()  # the control plane runs in this process: tuned as `envfleet serve` tunes it
     print(json.dumps(asyncio.run(fn() if fn else run_all()), indent=2))

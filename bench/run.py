@@ -29,6 +29,7 @@ from bench.swe_bench import swe_eval_throughput
 from bench.tito_bench import tito_overhead
 from bench.tracing_bench import run as tracing_run
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
+from orchestrator.core.runtime import tune_gc
 from orchestrator.core.sandbox import Sandbox, SandboxSpec
 from orchestrator.images import ensure_base_image
 
@@ -147,6 +148,7 @@ def host_spawn_p50(runs: int) -> float:
 
 
 async def main_async(out: Path, runs: int) -> dict[str, Any]:
+    tune_gc()  # the benches' control planes run in this process: tuned as `envfleet serve` tunes it
     client = docker.from_env()
     image = ensure_base_image(client)
     backend = await DockerBackend.start(DockerBackendConfig(owner="envfleet-bench"))

@@ -40,6 +40,7 @@ from orchestrator.backends.pool import TENANT_LABEL, PoolConfig
 from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from orchestrator.core.models import JobSpec, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.core.runtime import tune_gc
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Limits, Sandbox, SandboxSpec
 from orchestrator.images import ensure_base_image
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
@@ -165,6 +166,7 @@ async def run(
             ),
             registry=registry,
         )
+        tune_gc()  # as `envfleet serve` does
         assert orch.pool is not None
         pool = orch.pool
         try:

@@ -153,6 +153,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from orchestrator.core.errors import ConfigError
+    from orchestrator.core.runtime import tune_gc
     from orchestrator.server.app import OrchestratorConfig, create_server
     from orchestrator.server.convert import validation_message
 
@@ -165,6 +166,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"envfleet serve: {validation_message(e)}") from None
         except ConfigError as e:
             raise SystemExit(f"envfleet serve: {e}") from None
+        tune_gc()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,6 +10,7 @@ from orchestrator.backends.pool import SandboxPool
 from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.private_dirs import sweep_private_dirs
+from orchestrator.core.runtime import tune_gc
 from orchestrator.core.stalls import StallWatch
 from orchestrator.core.tracing import make_tracer
 from orchestrator.rollout.runner import RolloutRunner
@@ -65,6 +66,7 @@ async def run_worker(
         on_agent(agent)
     stalls = StallWatch(f"worker {name}")
     stalls.start()
+    tune_gc()
     try:
         await agent.run_forever(stop)
     finally:
