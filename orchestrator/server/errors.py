@@ -74,7 +74,11 @@ async def _abort(context: grpc.aio.ServicerContext, e: Exception, method: str) -
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Wraps every handler so that an exception becomes a status with a message a user can act on."""
+    """Wraps every handler so that an exception becomes a status with a message a user can act on. A method's
+    wrapper is made once, not per call (the servicers' handlers are the same objects call after call)."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -83,39 +87,44 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None:
-            return None
-        method = details.method
-        if handler.unary_unary:
-            inner_uu = handler.unary_unary
+            return None  # an unknown method: nothing is kept for it
+        cached = self._wrapped.get(details.method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[details.method] = (handler, _wrap(handler, details.method))
+        return cached[1]
 
-            @functools.wraps(inner_uu)
-            async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    return await inner_uu(request, context)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as e:
-                    await _abort(context, e, method)
 
-            return grpc.unary_unary_rpc_method_handler(
-                uu, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-            )
-        if handler.unary_stream or handler.stream_stream:
-            inner_us = handler.unary_stream or handler.stream_stream
+def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` with its exceptions turned into statuses."""
+    if handler.unary_unary:
+        inner_uu = handler.unary_unary
 
-            async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                try:
-                    async for item in inner_us(request, context):
-                        yield item
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as e:
-                    await _abort(context, e, method)
+        @functools.wraps(inner_uu)
+        async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await inner_uu(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                await _abort(context, e, method)
 
-            make = (
-                grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-            )
-            return make(
-                us, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-            )
-        return handler
+        return grpc.unary_unary_rpc_method_handler(
+            uu, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+    if handler.unary_stream or handler.stream_stream:
+        inner_us = handler.unary_stream or handler.stream_stream
+
+        async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in inner_us(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                await _abort(context, e, method)
+
+        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+        return make(
+            us, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+    return handler
