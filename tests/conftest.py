@@ -201,6 +201,13 @@ async def backend(base_image: str) -> AsyncIterator[DockerBackend]:
         yield b
 
 
+def owned_containers(owner: str = TEST_OWNER) -> list[Any]:
+    """The sandbox containers `owner` has on this host, stopped ones too (one removed while listed is skipped)."""
+    return docker.from_env().containers.list(  # type: ignore[no-any-return]
+        ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={owner}"]}
+    )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_containers(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail the run if any container labelled by the test suite outlives it (asked only if a docker test ran)."""
@@ -208,10 +215,7 @@ def no_leaked_containers(request: pytest.FixtureRequest) -> Iterator[None]:
     if not request.config.stash.get(DOCKER_TESTS_RAN, False):
         return
     try:
-        client = docker.from_env()
-        left = client.containers.list(
-            ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
-        )
+        left = owned_containers()
     except docker.errors.DockerException:
         return
     for c in left:

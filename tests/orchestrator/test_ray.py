@@ -18,7 +18,7 @@ import docker
 import pytest
 
 from orchestrator.backends.docker.config import DockerBackendConfig
-from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
+from orchestrator.backends.docker.sweeper import LABEL_OWNER
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
@@ -26,7 +26,7 @@ from orchestrator.service.store import ResultStore
 from orchestrator.testing.scripted_policy import ScriptedServer
 from orchestrator.worker.identity import FLEET_ID_FILE
 from orchestrator.worker.ray_fleet import RayConfig, actor_prefix
-from tests.conftest import REPO, TEST_OWNER
+from tests.conftest import REPO, TEST_OWNER, owned_containers
 from tests.orchestrator.conftest import job
 from tests.orchestrator.servers import check_delivery, until_done
 
@@ -71,9 +71,7 @@ async def ray_plane(tmp_path: Path, base_image: str, cluster: Any) -> AsyncItera
         yield orch
     finally:
         await orch.stop(grace=1)
-    left = docker.from_env().containers.list(
-        ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
-    )
+    left = owned_containers()
     assert not left, f"sandboxes left behind: {[c.name for c in left]}"
 
 

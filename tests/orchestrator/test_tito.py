@@ -8,14 +8,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-import docker
 import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 
 from orchestrator.backends.docker.config import DockerBackendConfig
-from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
@@ -25,7 +23,7 @@ from orchestrator.service.registry import Registry
 from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
 from orchestrator.testing.scripted_policy import Sample, Script, ScriptedServer, Step, start_scripted_server
 from orchestrator.testing.scripts import filler_steps, long_script
-from tests.conftest import TEST_OWNER
+from tests.conftest import TEST_OWNER, owned_containers
 
 TOKENIZER = QWEN_LIKE_DIR.name  # resolved in QWEN_LIKE_DIR.parent, the server's tokenizer directory
 TURNS = 6
@@ -207,9 +205,7 @@ async def test_tito_through_worker_processes(tmp_path: Path, base_image: str) ->
     finally:
         await server.close()
         await orch.stop(grace=1)
-    left = docker.from_env().containers.list(
-        ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
-    )
+    left = owned_containers()
     assert not left
     for r in rollouts:
         assert r.status == RolloutStatus.OK, r.error

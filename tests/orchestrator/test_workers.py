@@ -18,14 +18,14 @@ from rich.console import Console
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.docker.config import DockerBackendConfig
-from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
+from orchestrator.backends.docker.sweeper import LABEL_OWNER
 from orchestrator.backends.pool import TENANT_LABEL, PoolConfig
 from orchestrator.cli.status import fetch_status, render_status
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.testing.scripted_policy import ScriptedServer
-from tests.conftest import TEST_OWNER
+from tests.conftest import TEST_OWNER, owned_containers
 from tests.orchestrator.conftest import job
 from tests.orchestrator.servers import check_delivery, until_done
 
@@ -48,9 +48,7 @@ async def plane(tmp_path: Path, base_image: str) -> AsyncIterator[Orchestrator]:
         yield orch
     finally:
         await orch.stop(grace=1)
-    left = docker.from_env().containers.list(
-        ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={TEST_OWNER}"]}
-    )
+    left = owned_containers()
     assert not left, f"sandboxes left behind after stop: {[c.name for c in left]}"
 
 

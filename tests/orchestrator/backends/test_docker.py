@@ -27,7 +27,7 @@ from orchestrator.core.errors import (
     SandboxStartTimeoutError,
 )
 from orchestrator.core.sandbox import ExecOutput, Hardening, Limits, SandboxSpec
-from tests.conftest import REPO, TEST_OWNER
+from tests.conftest import REPO, TEST_OWNER, owned_containers
 
 
 @pytest.fixture
@@ -243,7 +243,7 @@ async def test_sandboxes_of_a_killed_owner_are_swept(base_image: str, docker_cli
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     flt = {"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={owner}"]}
-    left = docker_client.containers.list(ignore_removed=True, all=True, filters=flt)
+    left = owned_containers(owner)
     assert len(left) == 3, "the killed owner's sandboxes should still exist before the sweep"
     sweeper = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER))  # sweeps at start
     try:
