@@ -28,12 +28,15 @@ import trustme
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
 from orchestrator.backends.envd_transport import EnvdTransport
+from orchestrator.core.runtime import limit_malloc_arenas
 
 REPO = Path(__file__).resolve().parent.parent
 # Ray clusters of the tests stay on loopback: without this, Ray advertises the host's own network address
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # one owner label per test run, so concurrent runs never touch each other's sandboxes
 TEST_OWNER = f"envfleet-test-{uuid.uuid4().hex[:8]}"
+# the suite runs its servers in this process: its malloc is set as `envfleet serve` sets its own
+limit_malloc_arenas()
 
 
 @pytest.fixture(scope="module")

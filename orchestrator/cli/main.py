@@ -153,9 +153,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from orchestrator.core.errors import ConfigError
-    from orchestrator.core.runtime import tune_gc
+    from orchestrator.core.runtime import limit_malloc_arenas, tune_gc
     from orchestrator.server.app import OrchestratorConfig, create_server
     from orchestrator.server.convert import validation_message
+
+    limit_malloc_arenas()  # before gRPC starts its threads
 
     async def go() -> None:
         try:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.client.auth import ClientTLS, check_client_transport
+from orchestrator.core.runtime import limit_malloc_arenas
 from orchestrator.worker.config import WorkerConfig
 from orchestrator.worker.process import run_worker
 
@@ -55,6 +56,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of a worker process."""
+    limit_malloc_arenas()  # before gRPC starts its threads
     p = argparse.ArgumentParser(prog="python -m orchestrator.worker")
     p.add_argument("--connect", required=True, help="the control plane's worker address (unix:PATH or HOST:PORT)")
     p.add_argument("--config", default="{}", help="WorkerConfig as JSON")
