@@ -29,7 +29,7 @@ from orchestrator.cli.remote import (
     rpc_error_message,
 )
 from orchestrator.core.errors import EnvfleetError
-from orchestrator.core.models import JobStatus
+from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobStatus
 
 
 def terminal_console() -> Console:
@@ -125,6 +125,7 @@ def _server_config(args: argparse.Namespace) -> object:
         port=args.port,
         data_dir=Path(args.data_dir),
         max_in_flight=args.max_in_flight,
+        job_retention_s=None if args.job_retention_s < 0 else args.job_retention_s,
         backend=_backend_config(args),
         security=security_config(args),
         reflection=args.reflection,
@@ -322,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=".envfleet", help="where the result log lives")
     serve.add_argument("--max-in-flight", type=int, default=64, help="rollouts in flight on this host")
     serve.add_argument("--owner", default="envfleet-orchestrator", help="owner label of its sandboxes")
+    serve.add_argument(
+        "--job-retention-s",
+        type=float,
+        default=DEFAULT_JOB_RETENTION_S,
+        help="a finished job and its rollouts are removed from the result log this long after its end; -1: kept",
+    )
     add_ui_arguments(serve)
     add_openenv_arguments(serve)
     serve.add_argument(

@@ -29,6 +29,10 @@ class RolloutStatus(StrEnum):
         return self in (RolloutStatus.OK, RolloutStatus.TRUNCATED)
 
 
+# how long a control plane keeps a finished job and its rollouts (`envfleet serve --job-retention-s`)
+DEFAULT_JOB_RETENTION_S = 86_400.0
+
+
 class JobState(StrEnum):
     """A job's lifecycle."""
 

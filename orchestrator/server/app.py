@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
+from orchestrator.core.models import DEFAULT_JOB_RETENTION_S
 from orchestrator.core.private_dirs import make_private_dir, sweep_private_dirs
 from orchestrator.core.sandbox import SandboxBackend
 from orchestrator.core.stalls import StallWatch
@@ -74,6 +75,12 @@ class OrchestratorConfig(BaseModel):
     port: int = Field(50051, ge=0, le=65535, description="0 picks a free port")
     data_dir: Path = Path(".envfleet")
     max_in_flight: int = Field(64, ge=1, le=100_000, description="rollouts in flight on this host")
+    job_retention_s: float | None = Field(
+        DEFAULT_JOB_RETENTION_S,
+        ge=0,
+        description="a finished job and its rollouts are removed from memory and the result log this long after its "
+        "end (kept while a stream of it is open); None: kept for good, and the log grows without end",
+    )
     backend: BackendConfig = Field(
         DockerBackendConfig(owner="envfleet-orchestrator"), description="where sandboxes run: docker, or fake"
     )
@@ -311,6 +318,7 @@ async def create_server(
         capacity=config.capacity,
         caps=config.caps,
         tracer=tracer,
+        retention_s=config.job_retention_s,
     )
     # read when scraped
     metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)

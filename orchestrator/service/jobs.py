@@ -7,12 +7,18 @@ brings starts. A rollout waits at most a fraction of a second for it.
 
 Caps (RESOURCE_EXHAUSTED, naming the cap): unfinished jobs per tenant, rollouts per job, the sandbox limits of the
 job's environment, open streams per tenant. A tenant may submit jobs only on environments it can see (public ones
-and its own private ones)."""
+and its own private ones).
+
+Retention: a finished job is kept `retention_s` after its end (and while a stream of it is open), then removed from
+memory and from the result log, so that a control plane that runs for weeks holds, lists and resumes only its recent
+jobs and its log stops growing once it holds that window. A job's counts live in memory: GetJob and ListJobs read
+no log."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import sqlite3
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROLLOUTS_PER_JOB = 1_000_000
 START_DEFER_S = 0.25  # the longest a new job's rollouts wait for the submits in progress to be answered
+EXPIRY_EVERY_MAX_S = 60.0  # how often finished jobs are checked against the retention, at most
 LOG_RETRY_FIRST_S, LOG_RETRY_MAX_S = 0.1, 5.0  # a result log write that failed is tried again, backing off
 T = TypeVar("T")
 
@@ -95,6 +102,7 @@ class _Job:
     owner: str = LOCAL_TENANT  # the tenant that submitted it; other tenants see no such job
     delivered: int = 0  # the highest seq sent on any stream: Ack refuses an up_to beyond it
     finished_at: float | None = None
+    acked: int = 0  # rollouts acked so far (with done and by_status, what GetJob reports without reading the log)
 
     def notify(self, acked: Sequence[int] = ()) -> None:
         for lst in self.listeners:
@@ -138,8 +146,10 @@ class JobManager:
         capacity: Capacity | None = None,
         caps: CapsConfig | None = None,
         tracer: Tracer = NOOP_TRACER,
+        retention_s: float | None = None,
     ) -> None:
         self.caps = caps or CapsConfig()
+        self.retention_s = retention_s  # a finished job is removed this long after its end; None: kept for good
         self.tracer = tracer  # each rollout's trace starts here, at its enqueueing
         self._streams = TenantCounter(self.caps.streams_per_tenant, "caps.streams_per_tenant", "streams")
         self.metrics = metrics or Metrics()
@@ -155,6 +165,7 @@ class JobManager:
         self._submitting = 0  # submits in progress
         self._deferred: list[tuple[_Job, list[WorkItem]]] = []  # accepted jobs whose rollouts wait for them
         self._defer_timer: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(
@@ -167,15 +178,23 @@ class JobManager:
         capacity: Capacity | None = None,
         caps: CapsConfig | None = None,
         tracer: Tracer = NOOP_TRACER,
+        retention_s: float | None = None,
     ) -> JobManager:
-        """A manager that has resumed every unfinished job in the store."""
-        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps, tracer)
+        """A manager that has resumed every unfinished job in the store (and removed those whose retention ran out
+        while it was down)."""
+        mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps, tracer, retention_s)
         mgr.scheduler.start()
         await mgr._resume()
+        if retention_s is not None:
+            mgr._expiry = asyncio.create_task(mgr._expire_forever(), name="job expiry")
         return mgr
 
     async def _resume(self) -> None:
+        now = time.time()
         for stored in await self.store.jobs():
+            if self._expired(stored.finished_at, now):
+                await self._remove(stored.job_id)
+                continue
             try:
                 env = self.registry.get(stored.spec.env)
             except EnvfleetError as e:
@@ -193,7 +212,7 @@ class JobManager:
                 delivered=await self.store.last_seq(stored.job_id),
                 finished_at=stored.finished_at,
             )
-            by_status, _ = await self.store.counts(stored.job_id)
+            by_status, job.acked = await self.store.counts(stored.job_id)
             job.by_status.update(by_status)
             job.done = sum(by_status.values())
             self._add(job)
@@ -356,7 +375,8 @@ class JobManager:
         """The job; for a caller `owner`, another tenant's job is reported exactly like a missing one."""
         job = self._jobs.get(job_id)
         if job is None or (owner is not None and job.owner != owner):
-            raise JobNotFoundError(f"no job {echo(job_id)}")
+            kept = "" if self.retention_s is None else f" (a finished job is kept {self.retention_s:g}s after its end)"
+            raise JobNotFoundError(f"no job {echo(job_id)}{kept}")
         return job
 
     async def stream(
@@ -417,6 +437,7 @@ class JobManager:
         if up_to > job.delivered:
             raise InvalidRequestError(f"up_to={up_to}: nothing delivered after seq {job.delivered}")
         seqs = await self.store.ack(job_id, up_to, ids, delivered=job.delivered, whole_groups=job.spec.deliver_groups)
+        job.acked += len(seqs)
         job.notify(seqs)
         return len(seqs)
 
@@ -445,9 +466,11 @@ class JobManager:
 
     async def info(self, job_id: str, *, owner: str | None = None) -> JobInfo:
         """Status, counts by rollout status, throughput."""
-        job = self._job(job_id, owner)
-        by_status, acked = await self.store.counts(job_id)
-        done = sum(by_status.values())
+        return self._info(self._job(job_id, owner))
+
+    def _info(self, job: _Job) -> JobInfo:
+        # the counts kept as rollouts were logged and acked: a list of thousands of jobs reads no log
+        done = job.done
         # the average since submit, frozen once the job is finished (documented on JobStatus.rollouts_per_s)
         elapsed = max((job.finished_at or time.time()) - job.created_at, 1e-9)
         return JobInfo(
@@ -459,19 +482,49 @@ class JobManager:
             counts=JobCounts(
                 total=job.total,
                 done=done,
-                by_status=by_status,
-                acked=acked,
-                in_flight=self.scheduler.running_of(job_id),
+                by_status=dict(job.by_status),
+                acked=job.acked,
+                in_flight=self.scheduler.running_of(job.job_id),
                 rollouts_per_s=done / elapsed,
             ),
         )
 
     async def list(self, *, owner: str | None = None) -> list[JobInfo]:
         """Every job this orchestrator knows (of tenant `owner` only, when given)."""
-        return [await self.info(j) for j, job in list(self._jobs.items()) if owner is None or job.owner == owner]
+        return [self._info(job) for job in self._jobs.values() if owner is None or job.owner == owner]
+
+    def _expired(self, finished_at: float | None, now: float) -> bool:
+        return self.retention_s is not None and finished_at is not None and now - finished_at >= self.retention_s
+
+    async def _expire_forever(self) -> None:
+        assert self.retention_s is not None
+        every = min(max(self.retention_s / 4, 0.05), EXPIRY_EVERY_MAX_S)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.expire()
+            except Exception as e:  # a bug here must not end the expiry for good; the next round tries again
+                log.error("removing expired jobs failed", exc_info=e)
+
+    async def expire(self) -> int:
+        """Remove the finished jobs whose retention ran out and that no stream reads now; returns how many."""
+        now = time.time()
+        gone = [j for j in self._jobs.values() if self._expired(j.finished_at, now) and not j.listeners]
+        for job in gone:
+            del self._jobs[job.job_id]  # GetJob, streams and acks see no such job from here on
+        for job in gone:
+            await self._remove(job.job_id)
+        return len(gone)
+
+    async def _remove(self, job_id: str) -> None:
+        log.info("job %s removed: its retention of %gs after its end ran out", job_id, self.retention_s)
+        await self._logged(f"job {job_id}'s removal", functools.partial(self.store.remove_job, job_id))
 
     async def close(self) -> None:
         """Stop running rollouts (their sandboxes are destroyed); unfinished jobs resume at the next start."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            await asyncio.gather(self._expiry, return_exceptions=True)
         if self._defer_timer is not None:
             self._defer_timer.cancel()
             self._defer_timer = None

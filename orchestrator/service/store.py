@@ -29,6 +29,7 @@ from orchestrator.core.models import EncodedRollout, JobSpec, JobState, Rollout
 T = TypeVar("T")
 
 MAX_BATCH = 512  # calls per transaction
+REMOVE_CHUNK = 2000  # rollouts deleted per call when a job is removed: a huge job does not hold the log's thread
 COMMIT_GAP_S = 0.005  # while busy, the time from one transaction's end to the next one's start
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -207,6 +208,20 @@ class ResultStore:
                 (job_id, spec.model_dump_json(), JobState.QUEUED.value, time.time(), total, owner),
             )
         )
+
+    async def remove_job(self, job_id: str) -> None:
+        """Delete a job and its rollouts, a chunk of rows per call so that the calls of running jobs go between;
+        the job's row goes last, so a removal cut short by a crash is found and finished at the next start."""
+        while await self._run(
+            lambda: (
+                self.db.execute(
+                    "DELETE FROM rollouts WHERE seq IN (SELECT seq FROM rollouts WHERE job_id = ? LIMIT ?)",
+                    (job_id, REMOVE_CHUNK),
+                ).rowcount
+            )
+        ):
+            pass
+        await self._run(lambda: self.db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,)))
 
     async def set_job_state(self, job_id: str, state: JobState) -> None:
         """Move a job to `state` (finished states stamp the time)."""
