@@ -297,6 +297,7 @@ async def create_server(
         archives=ArchiveStore(config.data_dir / "environments" / "archives"),
         archive_caps=config.caps.archive,
         kinds=load_kinds(),
+        spec_bytes_per_tenant=config.caps.spec_bytes_per_tenant,
     )
     await registrar.load()
     metrics = Metrics()

@@ -66,6 +66,9 @@ class CapsConfig(BaseModel):
         64, ge=1, le=100_000, description="open StreamRollouts streams per tenant, and apart from them open Execs"
     )
     rollouts_per_job: int = Field(1_000_000, ge=1, le=1_000_000, description="tasks x group_size of one job")
+    spec_bytes_per_tenant: int = Field(
+        512 << 20, ge=1 << 10, le=1 << 40, description="declarative specs a tenant keeps registered (their JSON)"
+    )
     exec_stdin_bytes: int = Field(16 << 20, ge=0, le=64 << 20, description="stdin of one Exec")
     stdin_bytes_per_tenant: int = Field(64 << 20, ge=0, le=1 << 32, description="Exec stdin in flight per tenant")
 

@@ -9,6 +9,7 @@ A name@version is immutable: registering it again with the same spec is a no-op,
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -31,6 +32,7 @@ from orchestrator.core.errors import (
     InvalidEnvironmentError,
     InvalidRequestError,
     PermissionDeniedError,
+    QuotaExceededError,
     SandboxCreateError,
 )
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
@@ -43,7 +45,7 @@ from orchestrator.service.archives import (
     Shipment,
     StoredArchive,
 )
-from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS, ArchiveCaps, SandboxCaps, check_limits
+from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS, ArchiveCaps, CapsConfig, SandboxCaps, check_limits
 from orchestrator.service.declarative import (
     DeclarativeEnvironment,
     EnvironmentSpec,
@@ -65,6 +67,11 @@ VALIDATION_SLACK_S = 60.0
 def _owner(spec: EnvironmentSpec, tenant: str) -> str | None:
     """Who may use a registered spec: its tenant alone, or (None) everyone when it was registered public."""
     return None if spec.visibility == "public" else tenant
+
+
+def _spec_bytes(spec: EnvironmentSpec) -> int:
+    """What a spec counts against caps.spec_bytes_per_tenant: its JSON."""
+    return len(spec.model_dump_json())
 
 
 def _reward(value: float | None) -> str:
@@ -151,6 +158,7 @@ class Registrar:
         archives: ArchiveStore | None = None,
         archive_caps: ArchiveCaps | None = None,
         kinds: Mapping[str, ArchiveKind] | None = None,
+        spec_bytes_per_tenant: int = CapsConfig().spec_bytes_per_tenant,
     ) -> None:
         self._registry = registry
         self._caps = caps or SandboxCaps()
@@ -165,6 +173,9 @@ class Registrar:
         self._checks = TenantGate(max_concurrent_checks, min(max_checks_per_tenant, max_concurrent_checks))
         self._owners: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
+        self._spec_bytes: collections.Counter[str] = collections.Counter()
+        self._spec_bytes_cap = spec_bytes_per_tenant
 
     async def load(self) -> int:
         """Register every persisted spec; returns how many. A spec the registry refuses is logged, not fatal."""
@@ -178,6 +189,7 @@ class Registrar:
                 log.exception("could not reload environment %s", record.spec.ref())
                 continue
             self._owners.setdefault(record.spec.name, record.owner)
+            self._spec_bytes[record.owner] += _spec_bytes(record.spec)
             count += 1
         await asyncio.to_thread(self._archives.sweep_staging)
         for stored in await asyncio.to_thread(self._archives.load_all):
@@ -232,19 +244,23 @@ class Registrar:
 
         SpecCheckError (FAILED_PRECONDITION) lists what failed; SandboxError means the fleet itself failed.
         """
+        async with self._checks.slot(tenant):
+            return await self._validated(spec)
+
+    async def _validated(self, spec: EnvironmentSpec) -> ValidationResult:
+        """Validate's checks, in a check slot of the tenant's that the caller holds."""
         started = time.monotonic()
         check_limits(spec.limits, self._caps, runtime=spec.runtime)  # before anything is built
         env = make_environment(spec)
         result = ValidationResult(env=spec.ref(), image="", num_tasks=len(env.tasks()))
         result.checks.append(f"spec: {result.num_tasks} task(s), tools {', '.join(spec.tools)}")
-        async with self._checks.slot(tenant):
-            try:
-                result.image = await asyncio.to_thread(self._build_image, env)
-            except ImageBuildError as e:
-                where = "image.dockerfile" if spec.image.dockerfile is not None else "image"
-                raise SpecCheckError([Problem(where, f"the image does not build: {e}")]) from None
-            result.checks.append(f"image: {result.image}")
-            await self._run_reference(env, spec, result)
+        try:
+            result.image = await asyncio.to_thread(self._build_image, env)
+        except ImageBuildError as e:
+            where = "image.dockerfile" if spec.image.dockerfile is not None else "image"
+            raise SpecCheckError([Problem(where, f"the image does not build: {e}")]) from None
+        result.checks.append(f"image: {result.image}")
+        await self._run_reference(env, spec, result)
         result.duration_s = time.monotonic() - started
         return result
 
@@ -307,14 +323,23 @@ class Registrar:
             existing = self._existing(spec, tenant)
             if existing is not None:
                 return existing
-            await self.validate(spec, tenant)
-            record = StoredSpec(owner=tenant, registered_at=time.time(), spec=spec)
-            await asyncio.to_thread(self._store.save, record)
-            try:
-                self._registry.register(make_environment(spec), source=SPEC_SOURCE, owner=_owner(spec, tenant))
-            except BaseException:
-                await asyncio.to_thread(self._store.delete, spec.ref())
-                raise
+            size = _spec_bytes(spec)
+            async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its tally
+                held, cap = self._spec_bytes[tenant], self._spec_bytes_cap
+                if held + size > cap:
+                    raise QuotaExceededError(
+                        f"tenant {tenant} keeps {held} bytes of registered specs; {size} more would be over "
+                        f"caps.spec_bytes_per_tenant = {cap}"
+                    )
+                await self._validated(spec)
+                record = StoredSpec(owner=tenant, registered_at=time.time(), spec=spec)
+                await asyncio.to_thread(self._store.save, record)
+                try:
+                    self._registry.register(make_environment(spec), source=SPEC_SOURCE, owner=_owner(spec, tenant))
+                except BaseException:
+                    await asyncio.to_thread(self._store.delete, spec.ref())
+                    raise
+                self._spec_bytes[tenant] += size
             self._owners.setdefault(spec.name, tenant)
             log.info("tenant %s registered %s", tenant, spec.ref())
             return self._registry.lookup(spec.ref())

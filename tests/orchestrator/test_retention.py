@@ -82,7 +82,9 @@ async def test_a_job_with_an_open_stream_is_kept_until_the_stream_ends(tmp_path:
         first = await call.read()
         assert len(first.rollouts) == 1
         async with asyncio.timeout(30):
-            while (await client.get_job(job_id)).state != JobState.COMPLETED:
+            while True:
+                if (await client.get_job(job_id)).state == JobState.COMPLETED:
+                    break
                 await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # three retentions
         assert await orch.jobs.expire() == 0

@@ -169,3 +169,44 @@ async def test_per_tenant_counts_name_their_caps(tmp_path: Path) -> None:
         )
         await c.session_stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id))
         await c.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=box.sandbox_id))
+
+
+def _spec(name: str, version: str, padding: int = 4096) -> pb.EnvironmentSpec:
+    return pb.EnvironmentSpec(
+        name=name,
+        version=version,
+        tools=["submit"],
+        tasks=[pb.TaskSpec(id="t", prompt="p" * padding, reference=[pb.ToolCall(name="submit", arguments="{}")])],
+        scoring=pb.ScoringSpec(command="echo '{\"reward\": 1}'"),
+    )
+
+
+async def test_the_specs_a_tenant_keeps_registered_are_capped_across_restarts(tmp_path: Path, token_file: Path) -> None:
+    from orchestrator.server.convert_specs import spec_from_pb
+
+    # every spec of the test has the same size; two fit under the cap, a third does not
+    size = len(spec_from_pb(_spec("a-env", "1")).model_dump_json())
+    caps, security = {"spec_bytes_per_tenant": 2 * size + size // 2}, {"token_file": token_file}
+    async with (
+        serve(tmp_path, backend=FAKE, caps=caps, security=security) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        await a.env_stub.Register(_spec("a-env", "1"))
+        await a.env_stub.Register(_spec("a-env", "2"))
+        await expect_error(
+            a.env_stub.Register(_spec("a-env", "3")),
+            EXHAUSTED,
+            f"tenant team-a keeps {2 * size} bytes of registered specs; {size} more would be over "
+            "caps.spec_bytes_per_tenant",
+        )
+        await a.env_stub.Register(_spec("a-env", "1"))  # the same spec again is a no-op, not more bytes
+        await b.env_stub.Register(_spec("b-env", "1"))  # the cap is per tenant
+        await a.env_stub.Validate(_spec("a-env", "3"))  # validating keeps nothing
+    # a restart counts what each tenant registered before
+    async with (
+        serve(tmp_path, backend=FAKE, caps=caps, security=security) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+    ):
+        assert {"a-env"} <= {e.name for e in await a.list_envs()}
+        await expect_error(a.env_stub.Register(_spec("a-env", "3")), EXHAUSTED, "caps.spec_bytes_per_tenant")
