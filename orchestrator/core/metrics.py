@@ -61,6 +61,20 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.jobs = Gauge(
+            "envfleet_jobs",
+            "Jobs the control plane keeps, by state (a finished one until job_retention_s after its end)",
+            ["state"],
+            registry=r,
+        )
+        self.jobs_removed = Counter(
+            "envfleet_jobs_removed_total",
+            "Finished jobs removed from memory and from the result log once job_retention_s after their end passed",
+            registry=r,
+        )
+        self.result_log_bytes = Gauge(
+            "envfleet_result_log_bytes", "The result log on disk: the database and its write-ahead log", registry=r
+        )
         self.docker_errors = Counter("envfleet_docker_api_errors_total", "Failed engine calls", ["call"], registry=r)
         self.queue_waiting_for_images = Gauge(
             "envfleet_queue_waiting_for_images", "Queued work items held back until their image is built", registry=r

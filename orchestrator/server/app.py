@@ -323,6 +323,7 @@ async def create_server(
     )
     # read when scraped
     metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
+    metrics.result_log_bytes.set_function(store.size_bytes)
     fleet.export_metrics(metrics)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(auth), ErrorInterceptor()],

@@ -160,6 +160,8 @@ class JobManager:
         # read when scraped, not set twice per rollout (at thousands of rollouts a second, that is CPU)
         self.metrics.queue_depth.set_function(lambda: self.scheduler.queue_depth)
         self.metrics.in_flight.set_function(lambda: self.scheduler.in_flight)
+        for state in JobState:
+            self.metrics.jobs.labels(state.value).set_function(functools.partial(self._count_in, state))
         self._jobs: dict[str, _Job] = {}
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
         self._submitting = 0  # submits in progress
@@ -518,7 +520,11 @@ class JobManager:
 
     async def _remove(self, job_id: str) -> None:
         log.info("job %s removed: its retention of %gs after its end ran out", job_id, self.retention_s)
+        self.metrics.jobs_removed.inc()
         await self._logged(f"job {job_id}'s removal", functools.partial(self.store.remove_job, job_id))
+
+    def _count_in(self, state: JobState) -> int:
+        return sum(job.state == state for job in self._jobs.values())
 
     async def close(self) -> None:
         """Stop running rollouts (their sandboxes are destroyed); unfinished jobs resume at the next start."""

@@ -16,6 +16,7 @@ their own, most of the handler's cost (README, "Why SubmitJob stays slow under a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
 from collections.abc import Callable, Iterable
@@ -183,6 +184,14 @@ class ResultStore:
             return False, e
         finally:
             db.execute("RELEASE call")
+
+    def size_bytes(self) -> int:
+        """The log's files on disk: the database and its write-ahead log."""
+        total = 0
+        for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+            with contextlib.suppress(FileNotFoundError):
+                total += path.stat().st_size
+        return total
 
     @property
     def db(self) -> sqlite3.Connection:

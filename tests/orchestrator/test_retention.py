@@ -42,15 +42,21 @@ async def _run(client: EnvfleetClient, ids: list[str]) -> str:
     return job_id
 
 
-async def _gone(client: EnvfleetClient, job_id: str, timeout_s: float = 30) -> str:
-    """Wait until GetJob says NOT_FOUND; its message."""
+async def _gone(client: EnvfleetClient, data: Path, job_id: str, timeout_s: float = 30) -> str:
+    """Wait until GetJob says NOT_FOUND (the job left memory first), then until the log holds none of its rows;
+    GetJob's message."""
     async with asyncio.timeout(timeout_s):
         while True:
             try:
                 await client.get_job(job_id)
             except grpc.aio.AioRpcError as e:
                 assert e.code() == grpc.StatusCode.NOT_FOUND, e
-                return e.details() or ""
+                message = e.details() or ""
+                break
+            await asyncio.sleep(0.05)
+        while True:  # the log's rows go right after
+            if _rows(data, job_id) == (0, 0):
+                return message
             await asyncio.sleep(0.05)
 
 
@@ -59,12 +65,15 @@ async def test_a_finished_job_is_removed_from_memory_and_the_log_after_its_reten
 ) -> None:
     data = tmp_path / "data"
     async with serve(data, backend=FAKE, job_retention_s=0.5) as orch, EnvfleetClient(orch.address) as client:
+        sample = orch.jobs.metrics.registry.get_sample_value
         job_id = await _run(client, task_ids[:3])
         assert (await client.get_job(job_id)).state == JobState.COMPLETED
         assert _rows(data, job_id) == (1, 3)
-        message = await _gone(client, job_id)
+        assert sample("envfleet_jobs", {"state": "COMPLETED"}) == 1 and sample("envfleet_jobs_removed_total") == 0
+        assert (sample("envfleet_result_log_bytes") or 0) > 0
+        message = await _gone(client, data, job_id)
         assert f"no job '{job_id}'" in message and "kept 0.5s after its end" in message
-        assert _rows(data, job_id) == (0, 0)
+        assert sample("envfleet_jobs", {"state": "COMPLETED"}) == 0 and sample("envfleet_jobs_removed_total") == 1
         assert job_id not in {j.job_id for j in await client.list_jobs()}
         await expect_error(
             client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id)), grpc.StatusCode.NOT_FOUND
@@ -90,8 +99,7 @@ async def test_a_job_with_an_open_stream_is_kept_until_the_stream_ends(tmp_path:
         assert await orch.jobs.expire() == 0
         assert (await client.get_job(job_id)).done == 3 and _rows(data, job_id) == (1, 3)
         call.cancel()
-        await _gone(client, job_id)
-        assert _rows(data, job_id) == (0, 0)
+        await _gone(client, data, job_id)
 
 
 async def test_a_restart_removes_the_jobs_whose_retention_ran_out_while_it_was_down(
@@ -132,8 +140,7 @@ async def test_a_removal_of_more_rollouts_than_a_chunk_deletes_them_all(
     data = tmp_path / "data"
     async with serve(data, backend=FAKE, job_retention_s=0.2) as orch, EnvfleetClient(orch.address) as client:
         job_id = await _run(client, task_ids[:5])
-        await _gone(client, job_id)
-        assert _rows(data, job_id) == (0, 0)
+        await _gone(client, data, job_id)
 
 
 async def test_counts_are_kept_in_memory_equal_to_the_log(
