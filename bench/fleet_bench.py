@@ -13,6 +13,8 @@
 - `fleet_sim`: the fake backend in worker processes holding 10,000 concurrent sandboxes and running 50,000 rollouts
   through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the round
   trip from the control plane sending a rollout to a worker to taking its result, less the rollout's own run time).
+- `job_table`: what 4,000 finished jobs cost a control plane that keeps them (ListJobs, GetJob, a restart, the
+  result log's bytes per job), and a restart past their retention: how long the removal takes and what is left.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -35,7 +38,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
+from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.core.runtime import tune_gc
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
@@ -58,12 +61,15 @@ def _job(ids: list[str], n: int = 1, concurrency: int = 4096) -> JobSpec:
     )
 
 
-async def _plane(data: Path, workers: int, in_flight: int, **fake: Any) -> Orchestrator:
+async def _plane(
+    data: Path, workers: int, in_flight: int, retention_s: float | None = DEFAULT_JOB_RETENTION_S, **fake: Any
+) -> Orchestrator:
     orch = await create_server(
         OrchestratorConfig(
             port=0,
             data_dir=data,
             max_in_flight=in_flight,
+            job_retention_s=retention_s,
             capacity=Capacity(max_sandboxes=in_flight, cpus=in_flight * 8.0, memory_mb=in_flight * 8192),
             backend=FakeBackendConfig(owner=OWNER, **fake),
             workers=workers,
@@ -354,6 +360,58 @@ async def fleet_sim(concurrent: int = 10_000, total: int = 50_000, workers: int 
     }
 
 
+async def job_table(jobs: int = 4000, wave: int = 50) -> dict[str, Any]:
+    """What finished jobs cost a control plane: ListJobs (and GetJob) with `jobs` finished one-task jobs kept, a
+    restart that reads them back, the result log's bytes per job; then a restart whose retention has run out for all
+    of them, and what it leaves (run in waves of `wave` jobs, under the default streams-per-tenant cap)."""
+    task = Registry.from_entry_points().get(ENV).tasks()[0].id
+    with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as folder:
+        data = Path(folder)
+        orch = await _plane(data, 1, in_flight=256)
+        try:
+            async with EnvfleetClient(orch.address, timeout_s=600) as client:
+                ids: list[str] = []
+                for _ in range(0, jobs, wave):
+                    batch = await asyncio.gather(*(client.submit(_job([task])) for _ in range(wave)))
+                    await asyncio.gather(*(_drain(client, j) for j in batch))
+                    ids += batch
+                list_s, get_s = [], []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    listed = await client.list_jobs()
+                    list_s.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    await client.get_job(ids[0])
+                    get_s.append(time.perf_counter() - t0)
+        finally:
+            await orch.stop(grace=1)
+        log_bytes = orch.store.size_bytes()
+        t0 = time.perf_counter()
+        orch = await _plane(data, 1, in_flight=256)
+        restart_s = time.perf_counter() - t0
+        await orch.stop(grace=1)
+        t0 = time.perf_counter()
+        orch = await _plane(data, 1, in_flight=256, retention_s=0.0)  # every job's retention has run out
+        removal_restart_s = time.perf_counter() - t0
+        try:
+            async with EnvfleetClient(orch.address, timeout_s=600) as client:
+                left = len(await client.list_jobs())
+        finally:
+            await orch.stop(grace=1)
+        with sqlite3.connect(data / "results.sqlite3") as db:
+            (rows,) = db.execute("SELECT COUNT(*) FROM rollouts").fetchone()
+    return {
+        "jobs": len(listed),
+        "list_jobs_ms": round(statistics.median(list_s) * 1000, 1),
+        "get_job_ms": round(statistics.median(get_s) * 1000, 2),
+        "restart_s": round(restart_s, 2),
+        "log_bytes_per_job": round(log_bytes / len(ids)),  # its one rollout (JSON and wire form) and its row
+        "restart_removing_all_s": round(removal_restart_s, 2),
+        "jobs_left": left,
+        "rollout_rows_left": rows,
+    }
+
+
 async def run_all() -> dict[str, Any]:
     """Every fleet figure, one after another."""
     return {
@@ -361,6 +419,7 @@ async def run_all() -> dict[str, Any]:
         "submit_latency": await submit_latency(),
         "control_plane": await control_plane(),
         "fleet_sim": await fleet_sim(),
+        "job_table": await job_table(),
     }
 
 
@@ -371,6 +430,7 @@ if __name__ == "__main__":
         "submit": submit_latency,
         "control": control_plane,
         "sim": fleet_sim,
+        "jobs": job_table,
     }
     fn = benches.get(which)
     tune_gc()  # the control plane runs in this process: tuned as `envfleet serve` tunes it
