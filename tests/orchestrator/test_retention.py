@@ -179,3 +179,27 @@ def test_serve_keeps_finished_jobs_a_day_and_minus_one_keeps_them_for_good() -> 
     assert isinstance(config, OrchestratorConfig) and config.job_retention_s is None
     config = _server_config(parse(["serve", "--job-retention-s", "3600"]))
     assert isinstance(config, OrchestratorConfig) and config.job_retention_s == 3600
+
+
+async def test_a_restart_reads_every_jobs_counts_back_from_the_log(tmp_path: Path, task_ids: list[str]) -> None:
+    data = tmp_path / "data"
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        done = await _run(client, task_ids[:2])  # every rollout acked
+        job_id = await client.submit(_job(task_ids[:4]))
+        call = client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))
+        got: list[pb.Rollout] = []
+        async for batch in call:
+            got.extend(batch.rollouts)
+            if len(got) == 4:
+                break
+        call.cancel()
+        await client.ack(job_id, ids=[got[0].id])
+        before = {j: await client.get_job(j) for j in (done, job_id)}
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        for j, info in before.items():
+            after = await client.get_job(j)
+            assert (after.done, after.acked, after.by_status) == (info.done, info.acked, info.by_status)
+        assert (before[done].acked, before[job_id].acked) == (2, 1)
+        # everything logged before the restart counts as delivered: an ack up to the last seq is taken
+        assert await client.ack(job_id, up_to=max(r.seq for r in got)) == 3
+        assert (await client.get_job(job_id)).acked == 4
