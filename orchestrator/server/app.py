@@ -330,6 +330,11 @@ async def create_server(
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            # no bandwidth probing: it grows a stream's receive window toward tens of MiB on loopback, and a
+            # client-streaming call (ExecStream stdin, Upload) then holds that much here before a handler reads it.
+            # 8 ExecStreams of 100 MiB grew the server by 93-771 MiB with it (two clean-clone runs failed the 400 MiB
+            # bound of tests/security/test_buffers.py), 56-77 MiB without; stdin throughput 10-20% lower (README)
+            ("grpc.http2.bdp_probe", 0),
         ],
     )
     # sessions and raw sandboxes share the host's capacity with rollouts: they reserve it through the scheduler
