@@ -103,14 +103,22 @@ class TenantCounter:
         """What `tenant` holds now."""
         return self._held[tenant]
 
-    @contextlib.contextmanager
-    def hold(self, tenant: str, amount: int = 1) -> Iterator[None]:
-        """Hold `amount` for the duration; QuotaExceededError when it would take the tenant over the cap."""
+    def check(self, tenant: str, amount: int = 1) -> None:
+        """QuotaExceededError when `amount` more would take the tenant over the cap."""
         if self._held[tenant] + amount > self.cap:
             raise QuotaExceededError(
                 f"{self._held[tenant]} {self.unit} held and {amount} more asked for; "
                 f"{self.cap_name} is {self.cap} per tenant"
             )
+
+    def add(self, tenant: str, amount: int) -> None:
+        """Count `amount` more for good: what the tenant keeps, not what it holds for a while (see `hold`)."""
+        self._held[tenant] += amount
+
+    @contextlib.contextmanager
+    def hold(self, tenant: str, amount: int = 1) -> Iterator[None]:
+        """Hold `amount` for the duration; QuotaExceededError when it would take the tenant over the cap."""
+        self.check(tenant, amount)
         self._held[tenant] += amount
         try:
             yield

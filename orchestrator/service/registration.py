@@ -9,7 +9,6 @@ A name@version is immutable: registering it again with the same spec is a no-op,
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -32,7 +31,6 @@ from orchestrator.core.errors import (
     InvalidEnvironmentError,
     InvalidRequestError,
     PermissionDeniedError,
-    QuotaExceededError,
     SandboxCreateError,
 )
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
@@ -45,7 +43,14 @@ from orchestrator.service.archives import (
     Shipment,
     StoredArchive,
 )
-from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS, ArchiveCaps, CapsConfig, SandboxCaps, check_limits
+from orchestrator.service.caps import (
+    WIDEST_ARCHIVE_LIMITS,
+    ArchiveCaps,
+    CapsConfig,
+    SandboxCaps,
+    TenantCounter,
+    check_limits,
+)
 from orchestrator.service.declarative import (
     DeclarativeEnvironment,
     EnvironmentSpec,
@@ -174,8 +179,9 @@ class Registrar:
         self._owners: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
-        self._spec_bytes: collections.Counter[str] = collections.Counter()
-        self._spec_bytes_cap = spec_bytes_per_tenant
+        self._spec_bytes = TenantCounter(
+            spec_bytes_per_tenant, "caps.spec_bytes_per_tenant", "bytes of registered specs"
+        )
 
     async def load(self) -> int:
         """Register every persisted spec; returns how many. A spec the registry refuses is logged, not fatal."""
@@ -189,7 +195,7 @@ class Registrar:
                 log.exception("could not reload environment %s", record.spec.ref())
                 continue
             self._owners.setdefault(record.spec.name, record.owner)
-            self._spec_bytes[record.owner] += _spec_bytes(record.spec)
+            self._spec_bytes.add(record.owner, _spec_bytes(record.spec))
             count += 1
         await asyncio.to_thread(self._archives.sweep_staging)
         for stored in await asyncio.to_thread(self._archives.load_all):
@@ -325,12 +331,7 @@ class Registrar:
                 return existing
             size = _spec_bytes(spec)
             async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its tally
-                held, cap = self._spec_bytes[tenant], self._spec_bytes_cap
-                if held + size > cap:
-                    raise QuotaExceededError(
-                        f"tenant {tenant} keeps {held} bytes of registered specs; {size} more would be over "
-                        f"caps.spec_bytes_per_tenant = {cap}"
-                    )
+                self._spec_bytes.check(tenant, size)
                 await self._validated(spec)
                 record = StoredSpec(owner=tenant, registered_at=time.time(), spec=spec)
                 await asyncio.to_thread(self._store.save, record)
@@ -339,7 +340,7 @@ class Registrar:
                 except BaseException:
                     await asyncio.to_thread(self._store.delete, spec.ref())
                     raise
-                self._spec_bytes[tenant] += size
+                self._spec_bytes.add(tenant, size)
             self._owners.setdefault(spec.name, tenant)
             log.info("tenant %s registered %s", tenant, spec.ref())
             return self._registry.lookup(spec.ref())

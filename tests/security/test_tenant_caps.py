@@ -197,8 +197,8 @@ async def test_the_specs_a_tenant_keeps_registered_are_capped_across_restarts(tm
         await expect_error(
             a.env_stub.Register(_spec("a-env", "3")),
             EXHAUSTED,
-            f"tenant team-a keeps {2 * size} bytes of registered specs; {size} more would be over "
-            "caps.spec_bytes_per_tenant",
+            f"{2 * size} bytes of registered specs held and {size} more asked for; caps.spec_bytes_per_tenant is "
+            f"{2 * size + size // 2} per tenant",
         )
         await a.env_stub.Register(_spec("a-env", "1"))  # the same spec again is a no-op, not more bytes
         await b.env_stub.Register(_spec("b-env", "1"))  # the cap is per tenant
