@@ -8,7 +8,7 @@ BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 
-.PHONY: venv buf docker base-image chromium test test-fast test-integrations demo bench bench-scale proto proto-check lint image clean-containers
+.PHONY: venv buf docker go base-image chromium test test-fast test-integrations demo bench bench-scale proto proto-check lint image clean-containers
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -30,7 +30,11 @@ buf: $(BUF)
 docker:
 	@scripts/ensure-docker.sh
 
-base-image: venv docker
+# The compiled envd in every sandbox image is built on the host with Debian's Go and Go gRPC packages
+go:
+	@scripts/ensure-go.sh
+
+base-image: venv docker go
 	@$(PY) -m orchestrator.cli image build-base
 
 # The trajectory viewer's tests drive a real headless Chromium (Debian's package; no browser download)

@@ -4,6 +4,7 @@ FROM ${ROOTFS}
 COPY site /opt/envfleet/site
 COPY protos /opt/envfleet/protos
 COPY envd /opt/envfleet/envd
+COPY envd-bin /opt/envfleet/bin/envd
 # Precompile, also for envd's -OO (the sandbox's root filesystem is read-only); add the sandbox user (uid 1000)
 # without useradd if need be.
 RUN python3 -m compileall -q /opt/envfleet && python3 -OO -m compileall -q /usr/lib/python3.11 /opt/envfleet \

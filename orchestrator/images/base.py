@@ -16,6 +16,7 @@ import docker
 from orchestrator.core.errors import ImageBuildError
 from orchestrator.images.build import REPO_PREFIX, build_image
 from orchestrator.images.cache import default_cache_dir, log_dir_for
+from orchestrator.images.envd_go import build_envd_binary, inputs_key
 from orchestrator.images.rootfs import ensure_rootfs_image
 from orchestrator.images.wheels import envd_requirements, fetch_site
 
@@ -48,7 +49,9 @@ def ensure_base_image(client: docker.DockerClient, *, cache_dir: Path | None = N
         dockerfile=base_dockerfile(),
         context_files=context,
         buildargs={"ROOTFS": rootfs},
-        labels={"envfleet.rootfs": rootfs},
+        # the compiled envd is made only when the image is built; its sources' hash is in the key as a label
+        labels={"envfleet.rootfs": rootfs, "envfleet.envd-go": inputs_key()},
+        made_files=lambda: {"envd-bin": build_envd_binary(cache)},
         log_dir=logs,
         cache_dir=cache,
     )

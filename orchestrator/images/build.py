@@ -18,7 +18,7 @@ import re
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
@@ -114,11 +114,14 @@ def build_image(
     log_dir: Path | None = None,
     cache_dir: Path | None = None,
     limits: BuildLimits | None = None,
+    made_files: Callable[[], Mapping[str, ContextFile]] | None = None,
 ) -> str:
     """Build `envfleet/<name>:<hash of the inputs, 12 hex>` unless the engine has it already; return the tag.
 
     `context_files` maps a relative path in the build context to its bytes, or to a host file or folder (all files
-    under a folder, recursively). The build has no network; with `limits`, it runs under them (untrusted content).
+    under a folder, recursively). `made_files` gives more context files that are made from inputs (a compiled
+    binary): called only when the image must be built, and not hashed, so the caller puts what they are made from
+    in the key (a label). The build has no network; with `limits`, it runs under them (untrusted content).
     Raises ImageBuildError naming the failing step.
     """
     if not _NAME.match(name):
@@ -145,6 +148,8 @@ def build_image(
             return tag
         log_path = logs / f"{safe_name(name)}-{key}.log"
         started = time.monotonic()
+        if made_files is not None:
+            entries = entries + _collect(made_files())
         log.info("building %s (%d context files), log %s", tag, len(entries), log_path)
         with tempfile.SpooledTemporaryFile(max_size=_SPOOL_MAX_BYTES) as context:
             _write_context(context, dockerfile, entries)

@@ -1,0 +1,200 @@
+package main
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"strings"
+	"syscall"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+const (
+	maxMessageBytes = 64 << 20
+	// Run answers in one message: its output stops short of the message limit, the rest is room for the framing
+	runMaxOutputBytes = maxMessageBytes - (64 << 10)
+)
+
+// Config is how one envd serves: where, for whom, and its default limits (envd/server.py's EnvdConfig).
+type Config struct {
+	SocketPath            string
+	Token                 string
+	Workspace             string
+	DefaultTimeoutS       float64
+	MaxTimeoutS           float64
+	DefaultMaxOutputBytes int64
+	MaxOutputBytesLimit   int64
+	DefaultReadBytes      int64
+	// false where the kernel refused to make envd a sub-reaper (gVisor): orphans are then looked for under init too
+	Subreaper bool
+	// the base environment of every command, in order of first setting
+	baseKeys []string
+	baseEnv  map[string]string
+}
+
+func defaultConfig(socket, token, workspace string) *Config {
+	c := &Config{
+		SocketPath:            socket,
+		Token:                 token,
+		Workspace:             workspace,
+		DefaultTimeoutS:       600,
+		MaxTimeoutS:           24 * 3600,
+		DefaultMaxOutputBytes: 1 << 20,
+		MaxOutputBytesLimit:   256 << 20,
+		DefaultReadBytes:      16 << 20,
+		Subreaper:             true,
+		baseEnv:               map[string]string{},
+	}
+	for _, kv := range [][2]string{{"PATH", defaultPath}, {"HOME", "/tmp"}, {"LANG", "C.UTF-8"}, {"TZ", "UTC"}, {"TMPDIR", "/tmp"}} {
+		c.setBaseEnv(kv[0], kv[1])
+	}
+	return c
+}
+
+func (c *Config) setBaseEnv(k, v string) {
+	if _, ok := c.baseEnv[k]; !ok {
+		c.baseKeys = append(c.baseKeys, k)
+	}
+	c.baseEnv[k] = v
+}
+
+// --- errors: what envd/errors.py raises, and the gRPC status each becomes ---
+
+type envdError struct {
+	code codes.Code
+	msg  string
+}
+
+func (e *envdError) Error() string { return e.msg }
+
+// invalidf: the request is malformed (INVALID_ARGUMENT).
+func invalidf(format string, args ...any) error {
+	return &envdError{codes.InvalidArgument, fmt.Sprintf(format, args...)}
+}
+
+// notFoundf: the path or process does not exist (NOT_FOUND).
+func notFoundf(format string, args ...any) error {
+	return &envdError{codes.NotFound, fmt.Sprintf(format, args...)}
+}
+
+// symlinkf: the path goes through a symbolic link, which envd never follows (PERMISSION_DENIED).
+func symlinkf(format string, args ...any) error {
+	return &envdError{codes.PermissionDenied, fmt.Sprintf(format, args...)}
+}
+
+// pathf: the path exists but is the wrong kind for the call (FAILED_PRECONDITION).
+func pathf(format string, args ...any) error {
+	return &envdError{codes.FailedPrecondition, fmt.Sprintf(format, args...)}
+}
+
+// internalf: envd itself failed (INTERNAL).
+func internalf(format string, args ...any) error {
+	return &envdError{codes.Internal, fmt.Sprintf(format, args...)}
+}
+
+// strerror is C's text for an errno ("No such file or directory"), as Python's OSError.strerror gives it.
+func strerror(err error) string {
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		s := errno.Error()
+		if s != "" {
+			return strings.ToUpper(s[:1]) + s[1:]
+		}
+	}
+	return err.Error()
+}
+
+// toStatus turns envd's errors and OS errors into gRPC statuses with their message; nil stays nil.
+func toStatus(err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	var e *envdError
+	if errors.As(err, &e) {
+		return status.Error(e.code, e.msg)
+	}
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		return status.Error(codes.FailedPrecondition, fmt.Sprintf("%s: %s", pe.Path, strerror(pe.Err)))
+	}
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		return status.Error(codes.FailedPrecondition, ": "+strerror(errno))
+	}
+	return status.Error(codes.Internal, err.Error())
+}
+
+// resolve is `path` made absolute against the workspace as Python's os.path.join does it: joined, not cleaned, so
+// `link/..` is left for the kernel to walk.
+func resolve(path, workspace string) string {
+	if strings.HasPrefix(path, "/") {
+		return path
+	}
+	if workspace == "" || strings.HasSuffix(workspace, "/") {
+		return workspace + path
+	}
+	return workspace + "/" + path
+}
+
+// --- the token: every call but grpc.health.v1 carries `authorization: Bearer <token>` ---
+
+const healthPrefix = "/grpc.health.v1."
+
+func authorized(ctx context.Context, expected []byte) bool {
+	md, _ := metadata.FromIncomingContext(ctx)
+	for _, v := range md.Get("authorization") {
+		if subtle.ConstantTimeCompare([]byte(v), expected) == 1 {
+			return true
+		}
+	}
+	return false
+}
+
+var errDenied = status.Error(codes.Unauthenticated, "missing or wrong sandbox token")
+
+func tokenUnary(token string) grpc.UnaryServerInterceptor {
+	expected := []byte("Bearer " + token)
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		if !strings.HasPrefix(info.FullMethod, healthPrefix) && !authorized(ctx, expected) {
+			return nil, errDenied
+		}
+		resp, err := handler(ctx, req)
+		return resp, toStatus(err)
+	}
+}
+
+func tokenStream(token string) grpc.StreamServerInterceptor {
+	expected := []byte("Bearer " + token)
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		if !strings.HasPrefix(info.FullMethod, healthPrefix) && !authorized(ss.Context(), expected) {
+			return errDenied
+		}
+		return toStatus(handler(srv, ss))
+	}
+}
+
+// unixMode is the permission bits of a file as stat's st_mode & 07777 gives them.
+func unixMode(fi os.FileInfo) uint32 {
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Mode & 0o7777
+	}
+	return uint32(fi.Mode().Perm())
+}
+
+// pyRepr quotes a string as Python's repr does for the common case, so messages read as the Python envd's.
+func pyRepr(s string) string {
+	if strings.Contains(s, "'") && !strings.Contains(s, `"`) {
+		return `"` + s + `"`
+	}
+	return "'" + strings.ReplaceAll(s, "'", `\'`) + "'"
+}
