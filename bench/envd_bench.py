@@ -3,9 +3,10 @@
 The CPU is read from the host in /proc/<envd pid>/stat: utime + stime + cutime + cstime, so envd's threads and the
 children it reaped (the commands) count; envd is the child of the container's docker-init (State.Pid). Several
 images (e.g. a baseline built from main and the current tree's) are measured in the same run, their rounds
-interleaved in alternating order, because this host is shared and noisy: compare within one run only.
+interleaved in alternating order, because this host is shared and noisy: compare within one run only. Each image is
+measured with each envd asked for (`--envd`; by default the compiled one and the Python one, both in every image).
 
-    python -m bench.envd_bench                                   # the current tree's base image
+    python -m bench.envd_bench                                   # the current tree's base image, both envds
     python -m bench.envd_bench --image envfleet/base:<old> --image envfleet/base:<new> --concurrency 1 64
 """
 
@@ -55,9 +56,9 @@ def envd_pid(api: Any, container_id: str) -> int:
 
 @dataclass
 class Group:
-    """The sandboxes of one image and their envd pids."""
+    """The sandboxes of one image with one envd, and their envd pids."""
 
-    image: str
+    image: str  # the image and which envd: "envfleet/base:<hash> go"
     sandboxes: list[DockerSandbox]
     pids: list[int]
 
@@ -78,17 +79,22 @@ async def _measure(group: Group, op: str, calls: int) -> tuple[float, float]:
     return (sum(cpu_s(p) for p in group.pids) - c0) / n * 1000, n / wall
 
 
-async def bench(images: list[str], concurrency: int, rounds: int, ops: list[str], scale: float) -> dict[str, Any]:
-    """Median envd CPU per call (ms) per image and op, over `rounds` interleaved rounds."""
-    backend = await DockerBackend.start(DockerBackendConfig(owner=f"envfleet-envd-bench-{uuid.uuid4().hex[:8]}"))
+async def bench(
+    images: list[str], envds: list[str], concurrency: int, rounds: int, ops: list[str], scale: float
+) -> dict[str, Any]:
+    """Median envd CPU per call (ms) per image, envd and op, over `rounds` interleaved rounds."""
+    owner = f"envfleet-envd-bench-{uuid.uuid4().hex[:8]}"
+    backends = {e: await DockerBackend.start(DockerBackendConfig(owner=owner, envd=e)) for e in envds}  # type: ignore[arg-type]
     api = docker.from_env().api
     limits = Limits(memory_mb=128, cpus=0.5, pids=64, tmp_mb=16, workspace_mb=16)
     groups: list[Group] = []
     try:
         for image in images:
             spec = SandboxSpec(image=image, limits=limits, env=dict(DETERMINISTIC_ENV))
-            sbs = list(await asyncio.gather(*(backend.create(spec) for _ in range(concurrency))))
-            groups.append(Group(image, sbs, [envd_pid(api, sb.id) for sb in sbs]))  # type: ignore[misc]
+            for envd, backend in backends.items():
+                sbs = list(await asyncio.gather(*(backend.create(spec) for _ in range(concurrency))))
+                pids = [envd_pid(api, sb.id) for sb in sbs]  # type: ignore[attr-defined]
+                groups.append(Group(f"{image} {envd}", sbs, pids))  # type: ignore[arg-type]
         await asyncio.sleep(1)
         per_call = max(2, round(scale * 1 / concurrency**0.5))
         samples: dict[tuple[str, str], list[float]] = {(g.image, op): [] for g in groups for op in ops}
@@ -120,13 +126,15 @@ async def bench(images: list[str], concurrency: int, rounds: int, ops: list[str]
     finally:
         for g in groups:
             await asyncio.gather(*(sb.close() for sb in g.sandboxes), return_exceptions=True)
-        await backend.close()
+        for backend in backends.values():
+            await backend.close()
 
 
 def main() -> None:
     """Parse arguments, run each concurrency, print a table and (with --out) write JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--image", action="append", help="image to measure (repeat to compare); default: this tree's")
+    ap.add_argument("--envd", action="append", choices=["go", "python"], help="envd to measure; default: both")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="sandboxes calling at once, per image")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
@@ -134,14 +142,15 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     images = args.image or [ensure_base_image(docker.from_env())]
-    out = [asyncio.run(bench(images, c, args.rounds, args.ops, args.scale)) for c in args.concurrency]
+    envds = args.envd or ["go", "python"]
+    out = [asyncio.run(bench(images, envds, c, args.rounds, args.ops, args.scale)) for c in args.concurrency]
     for run in out:
         print(f"concurrency {run['concurrency']} per image, median of {run['rounds']} rounds")
-        print(f"  {'image':32} {'op':7} {'envd ms/call':>12} {'(min-max)':>15} {'calls/s':>8}")
+        print(f"  {'image and envd':40} {'op':7} {'envd ms/call':>12} {'(min-max)':>15} {'calls/s':>8}")
         for row in run["results"]:
             spread = f"({row['min']:.2f}-{row['max']:.2f})"
             print(
-                f"  {row['image']:32} {row['op']:7} {row['envd_cpu_ms_per_call']:12.3f} {spread:>15}"
+                f"  {row['image']:40} {row['op']:7} {row['envd_cpu_ms_per_call']:12.3f} {spread:>15}"
                 f" {row['calls_per_s']:8.1f}"
             )
     if args.out:

@@ -22,8 +22,9 @@ def kind(cmdline: bytes, own_pid: int, pid: int) -> str:
         return "control_plane"
     if not cmdline:
         return "kernel"  # its threads: memory reclaim (kswapd, kdamond) under pressure, block I/O, softirqs
-    if b"envd/launch.py" in cmdline:
-        return "envd" if b"python" in cmdline.split(b"\0", 1)[0] else "sandbox_init"
+    if b"envd/launch.py" in cmdline or b"/opt/envfleet/bin/envd" in cmdline:
+        first = cmdline.split(b"\0", 1)[0]
+        return "envd" if b"python" in first or first.endswith(b"/bin/envd") else "sandbox_init"
     if b"orchestrator.worker" in cmdline:
         return "workers"
     if b"scripted_policy" in cmdline:

@@ -33,6 +33,9 @@ from orchestrator.core.runtime import tune_gc
 from orchestrator.core.sandbox import Sandbox, SandboxSpec
 from orchestrator.images import ensure_base_image
 
+# how envd's command line starts in a sandbox: the compiled envd, or the Python one
+ENVD_STARTS = ("/opt/envfleet/bin/envd", "python3 -S -OO /opt/envfleet/envd/launch.py")
+
 log = logging.getLogger("bench")
 
 
@@ -128,7 +131,7 @@ async def bench_envd_memory(backend: DockerBackend, client: docker.DockerClient,
         uss, rss = [], []
         for s in sandboxes:
             top = client.api.top(s.id, ps_args="-eo pid,args")
-            pid = next(int(p[0]) for p in top["Processes"] if p[1].startswith("python3") and "launch.py" in p[1])
+            pid = next(int(p[0]) for p in top["Processes"] if p[1].startswith(ENVD_STARTS))
             f = _smaps_rollup(pid)
             uss.append((f["Private_Clean"] + f["Private_Dirty"]) / 1024)
             rss.append(f["Rss"] / 1024)

@@ -122,18 +122,32 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         item.config.stash[DOCKER_TESTS_RAN] = True
 
 
-@pytest.fixture
-def host_envd(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
-    """envd as a real subprocess on the host: (socket path, token, workspace)."""
+# A Dockerfile line for test images whose envd is a stand-in script at /opt/envfleet/envd/launch.py: the compiled
+# envd's path runs that script too, so the stand-in is what starts whichever envd the backend asks for
+ENVD_IS_LAUNCH_PY = (
+    r"""RUN printf '#!/bin/sh\nexec python3 -S /opt/envfleet/envd/launch.py "$@"\n' > /opt/envfleet/bin/envd"""
+    " && chmod 755 /opt/envfleet/bin/envd\n"
+)
+
+
+def envd_command(impl: str) -> list[str]:
+    """How to start envd on the host: the Python daemon, or the compiled one (built once, cached by its inputs)."""
+    if impl == "python":
+        return [sys.executable, "-m", "envd"]
+    from orchestrator.images.envd_go import build_envd_binary
+
+    return [str(build_envd_binary())]
+
+
+@pytest.fixture(params=["python", "go"])
+def host_envd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
+    """envd as a real subprocess on the host, each implementation in turn: (socket path, token, workspace)."""
     ws = tmp_path / "ws"
     ws.mkdir()
     sock = tmp_path / "envd.sock"
     token = "test-token"
     (tmp_path / "token").write_text(token)  # envd reads and removes it (the token is never in an environment)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "envd", "--socket", str(sock), "--workspace", str(ws)],
-        cwd=REPO,
-    )
+    proc = subprocess.Popen([*envd_command(request.param), "--socket", str(sock), "--workspace", str(ws)], cwd=REPO)
     deadline = time.monotonic() + 20
     while not sock.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

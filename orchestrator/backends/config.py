@@ -3,6 +3,7 @@ backend only when it starts one: the fake path never imports docker (the SWE-ReX
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -37,6 +38,12 @@ class DockerBackendConfig(BaseModel):
         "",
         pattern=RUNTIME_PATTERN,
         description="OCI runtime of sandboxes whose spec names none (`--runtime runsc`: gVisor); empty: the engine's",
+    )
+    envd: Literal["go", "python"] = Field(
+        os.environ.get("ENVFLEET_ENVD", "go"),  # type: ignore[arg-type]  # checked when the config is made
+        validate_default=True,
+        description="which envd the sandboxes run: the compiled one (/opt/envfleet/bin/envd) or the Python one; "
+        "both are in every image made from envfleet/base ($ENVFLEET_ENVD sets the default)",
     )
     nofile: int = Field(4096, ge=64, le=1 << 20, description="open files per sandbox process (the nofile ulimit)")
     api_workers: int = Field(

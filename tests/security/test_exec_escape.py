@@ -21,7 +21,7 @@ from orchestrator.backends.docker import DockerBackend
 from orchestrator.backends.docker.host_config import tmpfs_sizes
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.environment import Episode, Task
-from orchestrator.core.errors import LimitNotAppliedError, SandboxFileError
+from orchestrator.core.errors import LimitNotAppliedError, SandboxDiedError, SandboxFileError, SandboxUnavailableError
 from orchestrator.core.sandbox import Limits, SandboxSpec
 from orchestrator.service.declarative import make_environment, parse_spec
 from protos import envd_pb2 as pb
@@ -113,6 +113,39 @@ async def test_a_setsid_fork_bomb_ends_at_its_timeout(backend: DockerBackend, ba
         assert took < 15, f"a 5 s timeout took {took:.1f} s"
         ps = await s.exec(["python3", "-c", "import os; print(sum(p.isdigit() for p in os.listdir('/proc')))"])
         assert ps.stdout == b"3\n", "init, envd and this python: the bomb is gone"
+
+
+# forks sleepers until the kernel refuses one, then holds them all (a shell would exit at its first failed fork)
+PID_HOG = """
+import os, time
+while True:
+    try:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    except OSError:
+        break
+time.sleep(60)
+"""
+
+
+async def test_envd_serves_on_while_a_command_holds_every_pid_of_the_sandbox(
+    backend: DockerBackend, base_image: str
+) -> None:
+    # threads count against the pids limit: an envd that needs a new thread while a command holds every pid must
+    # answer with what failed (the compiled envd made its threads at start: Go's runtime exits when it cannot)
+    async with await backend.create(SandboxSpec(image=base_image, limits=Limits(pids=64))) as s:
+        hog = asyncio.create_task(s.exec(["python3", "-c", PID_HOG], timeout=8))
+        await asyncio.sleep(2)
+        calls = await asyncio.gather(
+            *(s.exec(["true"], timeout=5) for _ in range(8)),
+            *(s.read_file("/etc/hostname") for _ in range(8)),
+            *(s.list_dir("/tmp") for _ in range(8)),
+            return_exceptions=True,
+        )
+        assert not [c for c in calls if isinstance(c, SandboxDiedError | SandboxUnavailableError)], calls
+        assert (await hog).timed_out
+        assert (await s.exec(["echo", "alive"])).stdout == b"alive\n"
 
 
 async def test_a_declarative_scoring_command_that_double_forks_ends_on_time(

@@ -23,7 +23,7 @@ from orchestrator.backends.docker.socket_dirs import SOCKET_NAME
 from orchestrator.core.errors import SandboxCreateError
 from orchestrator.core.sandbox import Hardening, SandboxSpec
 from orchestrator.images import build_image
-from tests.conftest import REPO
+from tests.conftest import ENVD_IS_LAUNCH_PY, REPO
 
 
 async def test_a_big_write_into_the_socket_directory_fails_and_lands_nothing_on_the_host(
@@ -84,7 +84,7 @@ async def test_a_link_planted_at_envd_sock_is_never_followed(
         build_image,
         docker_client,
         name="test-linking-envd",
-        dockerfile=f"FROM {base_image}\nCOPY launch.py /opt/envfleet/envd/launch.py\n",
+        dockerfile=f"FROM {base_image}\nCOPY launch.py /opt/envfleet/envd/launch.py\n{ENVD_IS_LAUNCH_PY}",
         context_files={"launch.py": LINKING_ENVD},
     )
     canary_path = str(tmp_path / "canary.sock")

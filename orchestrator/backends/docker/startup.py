@@ -26,9 +26,13 @@ from orchestrator.core.sandbox import SandboxSpec, Transport
 if TYPE_CHECKING:
     from orchestrator.backends.docker.backend import DockerBackend
 
-# -OO: no docstrings or asserts in envd and its libraries, about 0.9 MB less per sandbox (the base image holds the
-# matching .opt-2.pyc files, since the root filesystem is read-only)
-ENVD_COMMAND = ["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py", "--socket", f"{ENVD_MOUNT}/{SOCKET_NAME}"]
+# the compiled envd (envd/go), or the Python one (-OO: no docstrings or asserts in envd and its libraries, about
+# 0.9 MB less per sandbox; the base image holds the matching .opt-2.pyc files, since the root filesystem is
+# read-only)
+ENVD_COMMANDS = {
+    "go": ["/opt/envfleet/bin/envd", "--socket", f"{ENVD_MOUNT}/{SOCKET_NAME}"],
+    "python": ["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py", "--socket", f"{ENVD_MOUNT}/{SOCKET_NAME}"],
+}
 
 
 async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: str) -> tuple[str, Transport, Path]:
@@ -46,7 +50,7 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
         created = await engine.call_to_completion(
             engine.api.create_container,
             spec.image,
-            command=ENVD_COMMAND if use_envd else ["sleep", "infinity"],
+            command=ENVD_COMMANDS[backend.config.envd] if use_envd else ["sleep", "infinity"],
             name=name,
             user=spec.hardening.user,
             working_dir=spec.workspace,

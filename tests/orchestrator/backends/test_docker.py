@@ -27,7 +27,7 @@ from orchestrator.core.errors import (
     SandboxStartTimeoutError,
 )
 from orchestrator.core.sandbox import ExecOutput, Hardening, Limits, SandboxSpec
-from tests.conftest import REPO, TEST_OWNER, owned_containers
+from tests.conftest import ENVD_IS_LAUNCH_PY, REPO, TEST_OWNER, owned_containers
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ async def test_container_killed_from_outside_is_reported(
 
 
 def _image_with_launcher(client: docker.DockerClient, base: str, name: str, launcher: str) -> str:
-    dockerfile = f"FROM {base}\nRUN printf '%s\\n' '{launcher}' > /opt/envfleet/envd/launch.py\n"
+    dockerfile = f"FROM {base}\nRUN printf '%s\\n' '{launcher}' > /opt/envfleet/envd/launch.py\n{ENVD_IS_LAUNCH_PY}"
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         info = tarfile.TarInfo("Dockerfile")
