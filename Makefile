@@ -49,7 +49,7 @@ test: venv buf docker base-image chromium
 
 # The tests that need no Docker engine (pytest -m "not docker"): the control plane on the fake backend, envd on the
 # host, parsers and validators. Starts no dockerd and builds no image.
-test-fast: venv chromium
+test-fast: venv go chromium
 	$(PY) -m pytest -q -p no:cacheprovider -m "not docker"
 
 # The trainer adapters' heavy tests (integrations/: TRL's GRPOTrainer on CPU torch, verl's agent loop, SkyRL's env),

@@ -26,6 +26,9 @@ type output struct {
 	data   []byte
 }
 
+// readBuffers holds the pipes' read buffers between commands.
+var readBuffers = sync.Pool{New: func() any { b := make([]byte, readChunk); return &b }}
+
 // budget is the bytes of output still to be kept; the rest is read and dropped.
 type budget struct {
 	mu        sync.Mutex
@@ -164,14 +167,16 @@ func spawn(argv []string, cwd string, env []string, pathVar string, withStdin bo
 // pump forwards one pipe's output until EOF or close(); past the budget it reads and drops.
 func (c *child) pump(f *os.File, stream int, b *budget, wg *sync.WaitGroup) {
 	defer wg.Done()
-	buf := make([]byte, readChunk)
+	buf := readBuffers.Get().(*[]byte)
+	defer readBuffers.Put(buf)
 	for {
-		n, err := f.Read(buf)
+		n, err := f.Read(*buf)
 		if n > 0 {
-			if kept := b.take(buf[:n]); len(kept) > 0 {
+			if kept := b.take((*buf)[:n]); len(kept) > 0 {
+				// a copy of what was read, the consumer's: a command's output is mostly a few bytes, and a 64 KiB
+				// buffer per chunk was most of envd's garbage (and so of its CPU, in the collector)
 				select {
-				case c.out <- output{stream, kept}:
-					buf = make([]byte, readChunk) // the chunk sent is the consumer's now
+				case c.out <- output{stream, append([]byte(nil), kept...)}:
 				case <-c.quit:
 					return
 				}

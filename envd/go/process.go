@@ -584,15 +584,33 @@ func (p *processServer) StartStream(stream pb.Process_StartStreamServer) error {
 	if err != nil {
 		return err
 	}
-	cmd.more = func() ([]byte, bool) { // the stdin chunks of the later messages (another request is ignored)
+	// the stdin chunks of the later messages (another request is ignored), received one ahead of the writes; the
+	// feeder stops waiting for them when the call ends, whatever the client does
+	done := make(chan struct{})
+	defer close(done)
+	chunks := make(chan []byte)
+	go func() {
+		defer close(chunks)
 		for {
 			m, err := stream.Recv()
 			if err != nil {
-				return nil, false
+				return
 			}
 			if data := m.GetStdin(); len(data) > 0 {
-				return data, true
+				select {
+				case chunks <- data:
+				case <-done:
+					return
+				}
 			}
+		}
+	}()
+	cmd.more = func() ([]byte, bool) {
+		select {
+		case data, ok := <-chunks:
+			return data, ok
+		case <-done:
+			return nil, false
 		}
 	}
 	return p.runner.run(stream.Context(), cmd, stream.Send)
