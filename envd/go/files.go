@@ -566,21 +566,15 @@ func fsStat(path, workspace string) (*pb.FileInfo, error) {
 
 // fsReadDirNames is the names in an open directory ("." and ".." left out), in the order the kernel gives them.
 func fsReadDirNames(fd int) ([]string, error) {
-	var names []string
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := unix.Getdents(fd, buf)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		if n <= 0 {
-			return names, nil
-		}
-		_, _, names = unix.ParseDirent(buf[:n], -1, names)
+	entries, err := shGetdents(fd)
+	if err != nil {
+		return nil, err
 	}
+	names := make([]string, len(entries))
+	for i, e := range entries {
+		names[i] = e.name
+	}
+	return names, nil
 }
 
 // fsListDir is files.py's list_dir: the entries of a directory, sorted by name.

@@ -96,7 +96,7 @@ func resetSandbox(workspace, socketDir, socketName, seed string, managed map[int
 			return raised(e)
 		}
 		if len(left) > 0 {
-			problems = append(problems, fmt.Sprintf("%s still holds %s", pl.path, reprStrList(atMost(left, 5))))
+			problems = append(problems, fmt.Sprintf("%s still holds %s", pl.path, pyReprList(atMost(left, 5))))
 		}
 	}
 	ipc, e := ipcLeft()
@@ -104,7 +104,7 @@ func resetSandbox(workspace, socketDir, socketName, seed string, managed map[int
 		return raised(e)
 	}
 	if len(ipc) > 0 {
-		problems = append(problems, "IPC objects survived: "+reprStrList(atMost(ipc, 5)))
+		problems = append(problems, "IPC objects survived: "+pyReprList(atMost(ipc, 5)))
 	}
 	if appeared := otherPids(nil); len(appeared) > 0 {
 		problems = append(problems, "processes appeared during the reset: "+reprIntList(appeared))
@@ -550,7 +550,7 @@ type copyErrors []copyFailure
 func (c copyErrors) Error() string {
 	parts := make([]string, len(c))
 	for i, f := range c {
-		parts[i] = "(" + reprStr(f.src) + ", " + reprStr(f.dst) + ", " + reprStr(f.why) + ")"
+		parts[i] = "(" + pyRepr(f.src) + ", " + pyRepr(f.dst) + ", " + pyRepr(f.why) + ")"
 	}
 	return "[" + strings.Join(parts, ", ") + "]"
 }
@@ -618,7 +618,7 @@ func shCopyfile(src, dst string, followSymlinks bool) error {
 	var s, d unix.Stat_t
 	srcErr, dstErr := unix.Stat(src, &s), unix.Stat(dst, &d)
 	if srcErr == nil && dstErr == nil && sameInode(&s, &d) {
-		return &pyOSError{msg: fmt.Sprintf("%s and %s are the same file", reprStr(src), reprStr(dst))}
+		return &pyOSError{msg: fmt.Sprintf("%s and %s are the same file", pyRepr(src), pyRepr(dst))}
 	}
 	if srcErr == nil && s.Mode&unix.S_IFMT == unix.S_IFIFO {
 		return &pyOSError{msg: fmt.Sprintf("`%s` is a named pipe", src)}
@@ -1034,9 +1034,9 @@ func (e *pyOSError) Error() string {
 	s := fmt.Sprintf("[Errno %d] %s", int(e.errno), strerror(e.errno))
 	switch len(e.files) {
 	case 1:
-		s += ": " + reprStr(e.files[0])
+		s += ": " + pyRepr(e.files[0])
 	case 2:
-		s += ": " + reprStr(e.files[0]) + " -> " + reprStr(e.files[1])
+		s += ": " + pyRepr(e.files[0]) + " -> " + pyRepr(e.files[1])
 	}
 	return s
 }
@@ -1098,9 +1098,9 @@ func sortByCodePoint(names []string) {
 	})
 }
 
-// reprStr is repr(str): quoted as Python chooses, escaped as Python escapes (control characters, what is not
+// pyRepr is repr(str): quoted as Python chooses, escaped as Python escapes (control characters, what is not
 // printable, a surrogate-escaped byte as \udcXX).
-func reprStr(s string) string {
+func pyRepr(s string) string {
 	quote := byte('\'')
 	if strings.IndexByte(s, '\'') >= 0 && strings.IndexByte(s, '"') < 0 {
 		quote = '"'
@@ -1136,11 +1136,11 @@ func reprStr(s string) string {
 	return b.String()
 }
 
-// reprStrList is repr(list of str).
-func reprStrList(list []string) string {
+// pyReprList is repr(list of str).
+func pyReprList(list []string) string {
 	parts := make([]string, len(list))
 	for i, s := range list {
-		parts[i] = reprStr(s)
+		parts[i] = pyRepr(s)
 	}
 	return "[" + strings.Join(parts, ", ") + "]"
 }

@@ -190,11 +190,3 @@ func unixMode(fi os.FileInfo) uint32 {
 	}
 	return uint32(fi.Mode().Perm())
 }
-
-// pyRepr quotes a string as Python's repr does for the common case, so messages read as the Python envd's.
-func pyRepr(s string) string {
-	if strings.Contains(s, "'") && !strings.Contains(s, `"`) {
-		return `"` + s + `"`
-	}
-	return "'" + strings.ReplaceAll(s, "'", `\'`) + "'"
-}

@@ -10,7 +10,6 @@ import (
 	"compress/bzip2"
 	"compress/gzip"
 	"errors"
-	"fmt"
 	"io"
 	"io/fs"
 	"os"
@@ -19,8 +18,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode"
-	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
@@ -373,7 +370,7 @@ func fsMemberName(hdr *tar.Header) string {
 func fsMemberTarget(dest, name string) (string, error) {
 	norm := fsNormpath(name)
 	if strings.HasPrefix(name, "/") || norm == ".." || strings.HasPrefix(norm, "../") {
-		return "", invalidf("tar member %s escapes the destination directory", fsRepr(name))
+		return "", invalidf("tar member %s escapes the destination directory", pyRepr(name))
 	}
 	return fsJoin(dest, norm), nil
 }
@@ -482,7 +479,7 @@ func (x *fsExtractor) member(hdr *tar.Header) error {
 	case tar.TypeSymlink:
 		linkDest := fsNormpath(fsJoin(parent, hdr.Linkname))
 		if strings.HasPrefix(hdr.Linkname, "/") || !(linkDest == x.dest || strings.HasPrefix(linkDest, x.dest+"/")) {
-			return invalidf("tar member %s is a link out of the destination (%s)", fsRepr(name), hdr.Linkname)
+			return invalidf("tar member %s is a link out of the destination (%s)", pyRepr(name), hdr.Linkname)
 		}
 		if fsLstatAt(dirfd, base, &st) == nil {
 			if err := unix.Unlinkat(dirfd, base, 0); err != nil {
@@ -517,7 +514,7 @@ func (x *fsExtractor) member(hdr *tar.Header) error {
 		}
 		x.count++
 	default:
-		return invalidf("tar member %s: devices and fifos are not allowed", fsRepr(name))
+		return invalidf("tar member %s: devices and fifos are not allowed", pyRepr(name))
 	}
 	return nil
 }
@@ -538,44 +535,6 @@ func fsChmodDir(dirfd int, name, full string, mode uint32) error {
 		return &fs.PathError{Op: "chmod", Path: full, Err: err}
 	}
 	return nil
-}
-
-// fsRepr is Python's repr of a str: quoted with ' (or " when only ' occurs), backslashes, quotes and
-// non-printable characters escaped; bytes that are not UTF-8 show as the surrogates Python decodes them to.
-func fsRepr(s string) string {
-	quote := byte('\'')
-	if strings.IndexByte(s, '\'') >= 0 && strings.IndexByte(s, '"') < 0 {
-		quote = '"'
-	}
-	var b strings.Builder
-	b.WriteByte(quote)
-	for i := 0; i < len(s); {
-		r, size := utf8.DecodeRuneInString(s[i:])
-		switch {
-		case r == utf8.RuneError && size == 1:
-			fmt.Fprintf(&b, `\udc%02x`, s[i])
-		case r == '\\' || r == rune(quote):
-			b.WriteByte('\\')
-			b.WriteRune(r)
-		case r == '\t':
-			b.WriteString(`\t`)
-		case r == '\n':
-			b.WriteString(`\n`)
-		case r == '\r':
-			b.WriteString(`\r`)
-		case unicode.IsPrint(r):
-			b.WriteRune(r)
-		case r < 0x100:
-			fmt.Fprintf(&b, `\x%02x`, r)
-		case r < 0x10000:
-			fmt.Fprintf(&b, `\u%04x`, r)
-		default:
-			fmt.Fprintf(&b, `\U%08x`, r)
-		}
-		i += size
-	}
-	b.WriteByte(quote)
-	return b.String()
 }
 
 // --- writing a tar as Python's tarfile.add(path, recursive=True) writes it (PAX format) ---

@@ -119,6 +119,28 @@ def test_base_image_cache_hit_is_fast_and_does_not_rebuild(docker_client: docker
 
 
 @pytest.mark.docker
+def test_an_existing_base_image_is_found_without_go_and_carries_the_compiled_envd(
+    docker_client: docker.DockerClient, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the orchestrator's own image has no Go: the base image is keyed by envd's Go sources (a label), and the
+    # binary is made only when the image is built
+    from orchestrator.images import base, envd_go
+
+    def no_go(*args: object) -> str:
+        raise AssertionError("the compiled envd was built for an image that exists")
+
+    monkeypatch.setattr(envd_go, "_toolchain", no_go)
+    monkeypatch.setattr(base, "build_envd_binary", no_go)
+    assert ensure_base_image(docker_client) == base_image
+    labels = docker_client.images.get(base_image).labels
+    assert labels["envfleet.envd-go"] == envd_go.inputs_key()
+    out = docker_client.containers.run(
+        base_image, ["/opt/envfleet/bin/envd", "--help"], remove=True, network_disabled=True
+    )
+    assert b"usage: envd" in out
+
+
+@pytest.mark.docker
 def test_build_spec_from_base_adds_files_env_and_runs_commands(
     docker_client: docker.DockerClient, base_image: str, created_images: list[str]
 ) -> None:
