@@ -86,14 +86,7 @@ func takeToken(path string) (string, error) {
 	if err := unix.Unlink(path); err != nil {
 		return "", err
 	}
-	return strings.TrimSpace(string(buf[:max(n, 0)])), nil
-}
-
-func max(a, b int) int {
-	if a > b {
-		return a
-	}
-	return b
+	return strings.TrimSpace(string(buf[:n])), nil
 }
 
 // becomeSubreaper makes orphans of envd's commands envd's, not init's; false where the kernel has no sub-reapers

@@ -187,7 +187,7 @@ func parseCommand(req *pb.ProcessRequest, cfg *Config) (*command, error) {
 	if strings.Contains(cwd, "\x00") {
 		return nil, invalidf("cwd contains a NUL byte")
 	}
-	cwd = resolve(cwd, cfg.Workspace)
+	cwd = fsJoin(cfg.Workspace, cwd) // joined as os.path.join does, not cleaned: `link/..` is the kernel's to walk
 	if t == 0 {
 		t = cfg.DefaultTimeoutS
 	}

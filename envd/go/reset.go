@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"sort"
 	"strings"
 	"syscall"
@@ -67,7 +68,7 @@ func resetSandbox(workspace, socketDir, socketName, seed string, managed map[int
 	}
 	places := wipedPlaces(workspace, socketDir, socketName)
 	// first: a place a rollout made unreadable is readable again
-	restored, e := restoreInodes(modes, workspace, shJoin(socketDir, socketName))
+	restored, e := restoreInodes(modes, workspace, fsJoin(socketDir, socketName))
 	problems = append(problems, restored...)
 	if e != nil {
 		return raised(e)
@@ -273,7 +274,7 @@ func emptyDir(path string, keep []string) ([]string, *pyOSError) {
 		if hasName(keep, name) {
 			continue
 		}
-		full := shJoin(path, name)
+		full := fsJoin(path, name)
 		var st unix.Stat_t
 		var err *pyOSError
 		if lerr := unix.Lstat(full, &st); lerr != nil {
@@ -366,9 +367,9 @@ func ipcLeft() ([]string, *pyOSError) {
 // the kernel has no /proc/sysvipc.
 func sysvIDs(kind string) ([]int, *pyOSError) {
 	path := "/proc/sysvipc/" + kind
-	data, err := readProcFile(path)
+	data, err := os.ReadFile(path)
 	if err != nil {
-		if err == unix.ENOENT {
+		if errors.Is(err, unix.ENOENT) {
 			return nil, nil
 		}
 		return nil, newPyOSError(err, path)
@@ -400,30 +401,6 @@ func removeSysv(kind string, id int) syscall.Errno {
 		_, _, errno = unix.Syscall(unix.SYS_MSGCTL, uintptr(id), unix.IPC_RMID, 0)
 	}
 	return errno
-}
-
-// readProcFile reads a (small, /proc) file whole.
-func readProcFile(path string) ([]byte, error) {
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, err
-	}
-	defer unix.Close(fd)
-	var out []byte
-	buf := make([]byte, 16<<10)
-	for {
-		n, err := unix.Read(fd, buf)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		if n <= 0 {
-			return out, nil
-		}
-		out = append(out, buf[:n]...)
-	}
 }
 
 // --- shutil.rmtree (Python 3.11's fd-based walk) ---
@@ -469,7 +446,7 @@ func shRmtreeFd(topfd int, path string) *pyOSError {
 		return newPyOSError(err, path)
 	}
 	for _, ent := range entries {
-		fullname := shJoin(path, ent.name)
+		fullname := fsJoin(path, ent.name)
 		var orig unix.Stat_t
 		isDir := ent.typ == unix.DT_DIR
 		if ent.typ == unix.DT_UNKNOWN { // DirEntry.is_dir(follow_symlinks=False) asks lstat, an error reads false
@@ -525,7 +502,7 @@ func copySeed(seed, workspace string) error {
 		return e
 	}
 	for _, name := range names {
-		src, dst := shJoin(seed, name), shJoin(workspace, name)
+		src, dst := fsJoin(seed, name), fsJoin(workspace, name)
 		var st unix.Stat_t
 		var err error
 		if unix.Stat(src, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFDIR && !shIsLink(src) {
@@ -567,7 +544,7 @@ func shCopytree(src, dst string) error {
 	}
 	var failures copyErrors
 	for _, ent := range entries {
-		srcname, dstname := shJoin(src, ent.name), shJoin(dst, ent.name)
+		srcname, dstname := fsJoin(src, ent.name), fsJoin(dst, ent.name)
 		var err error
 		if ent.isLink() {
 			// (a nil *pyOSError must not become a non-nil error)
@@ -603,7 +580,7 @@ func shCopytree(src, dst string) error {
 // metadata; dst an existing directory (or link to one) means dst/<src's name>.
 func shCopy2(src, dst string, followSymlinks bool) error {
 	if shIsDir(dst) {
-		dst = shJoin(dst, src[strings.LastIndexByte(src, '/')+1:])
+		dst = fsJoin(dst, src[strings.LastIndexByte(src, '/')+1:])
 	}
 	if err := shCopyfile(src, dst, followSymlinks); err != nil {
 		return err
@@ -786,9 +763,9 @@ func shCopyxattr(src, dst string, follow bool) error {
 
 // shMakedirs is os.makedirs(name) (exist_ok false): the missing parents too, name itself must not exist.
 func shMakedirs(name string) *pyOSError {
-	head, tail := shSplit(name)
+	head, tail := fsDirname(name), fsBasename(name)
 	if tail == "" {
-		head, tail = shSplit(head)
+		head, tail = fsDirname(head), fsBasename(head)
 	}
 	if head != "" && tail != "" && !shExists(head) {
 		if e := shMakedirs(head); e != nil && e.errno != unix.EEXIST {
@@ -853,7 +830,7 @@ func shScandir(path string) ([]shDirEntry, *pyOSError) {
 		return nil, newPyOSError(err, path)
 	}
 	for i := range entries {
-		entries[i].path = shJoin(path, entries[i].name)
+		entries[i].path = fsJoin(path, entries[i].name)
 	}
 	return entries, nil
 }
@@ -991,24 +968,6 @@ func atMost(list []string, n int) []string {
 }
 
 // --- Python's paths, errors and reprs, so the texts read as the Python envd's ---
-
-// shJoin is os.path.join(dir, name) for a name from a listing.
-func shJoin(dir, name string) string {
-	if dir == "" || strings.HasSuffix(dir, "/") {
-		return dir + name
-	}
-	return dir + "/" + name
-}
-
-// shSplit is os.path.split.
-func shSplit(p string) (string, string) {
-	i := strings.LastIndexByte(p, '/') + 1
-	head, tail := p[:i], p[i:]
-	if head != "" && strings.Trim(head, "/") != "" {
-		head = strings.TrimRight(head, "/")
-	}
-	return head, tail
-}
 
 // pyOSError is a Python OSError: an errno and the file name(s) it is about, or (errno 0) only a message, as
 // shutil's "Cannot call rmtree on a symbolic link" or "`x` is a named pipe".

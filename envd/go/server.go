@@ -134,18 +134,6 @@ func toStatus(err error) error {
 	return status.Error(codes.Internal, err.Error())
 }
 
-// resolve is `path` made absolute against the workspace as Python's os.path.join does it: joined, not cleaned, so
-// `link/..` is left for the kernel to walk.
-func resolve(path, workspace string) string {
-	if strings.HasPrefix(path, "/") {
-		return path
-	}
-	if workspace == "" || strings.HasSuffix(workspace, "/") {
-		return workspace + path
-	}
-	return workspace + "/" + path
-}
-
 // --- the token: every call but grpc.health.v1 carries `authorization: Bearer <token>` ---
 
 const healthPrefix = "/grpc.health.v1."
