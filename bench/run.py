@@ -29,12 +29,13 @@ from bench.swe_bench import swe_eval_throughput
 from bench.tito_bench import tito_overhead
 from bench.tracing_bench import run as tracing_run
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
+from orchestrator.backends.docker.startup import ENVD_COMMANDS
 from orchestrator.core.runtime import tune_gc
 from orchestrator.core.sandbox import Sandbox, SandboxSpec
 from orchestrator.images import ensure_base_image
 
-# how envd's command line starts in a sandbox: the compiled envd, or the Python one
-ENVD_STARTS = ("/opt/envfleet/bin/envd", "python3 -S -OO /opt/envfleet/envd/launch.py")
+# how envd's command line starts in a sandbox (what `ps` shows before its socket): the compiled envd, or the Python one
+ENVD_STARTS = tuple(" ".join(cmd[: cmd.index("--socket")]) for cmd in ENVD_COMMANDS.values())
 
 log = logging.getLogger("bench")
 
