@@ -87,9 +87,10 @@ async def _drain(client: EnvfleetClient, job_id: str) -> Counter[str]:
 
 
 # The trainer of the timed jobs: a process of its own, as a trainer is, so that the control plane's CPU time is its
-# own. It connects, says "ready", and on "go" submits the job and drains its stream.
+# own. It connects, says "ready", and on "go" submits the job and drains its stream; then it prints the rollouts'
+# statuses and when each arrived (seconds after the submit, by the host's monotonic clock).
 _CONSUMER = """
-import asyncio, collections, json, sys
+import asyncio, collections, json, sys, time
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec
 
@@ -99,19 +100,25 @@ async def main(address, spec_json):
         await client.list_jobs()  # the channel is up before the clock starts
         print("ready", flush=True)
         sys.stdin.readline()
+        t0 = time.monotonic()
         job_id = await client.submit(spec)
-        counts = collections.Counter(
-            [r.status.value async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024)]
-        )
-        print(json.dumps(counts), flush=True)
+        statuses, arrivals = [], []
+        async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024):
+            statuses.append(r.status.value)
+            arrivals.append(time.monotonic() - t0)
+        print(json.dumps(collections.Counter(statuses)), flush=True)
+        print(json.dumps([round(t, 4) for t in arrivals]), flush=True)
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
-async def timed_job(address: str, spec: JobSpec) -> tuple[Counter[str], float, float]:
+async def timed_job(
+    address: str, spec: JobSpec, arrivals: list[float] | None = None
+) -> tuple[Counter[str], float, float]:
     """Run one job from a trainer process of its own: its rollouts by status, the seconds from submit to its last
-    rollout, and this process's CPU seconds meanwhile."""
+    rollout, and this process's CPU seconds meanwhile; `arrivals`, when given, gets each rollout's arrival (seconds
+    after the submit, in the order they came)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -120,6 +127,7 @@ async def timed_job(address: str, spec: JobSpec) -> tuple[Counter[str], float, f
         spec.model_dump_json(),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
+        limit=64 << 20,  # a line of every rollout's arrival time
     )
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -130,6 +138,9 @@ async def timed_job(address: str, spec: JobSpec) -> tuple[Counter[str], float, f
         await proc.stdin.drain()
         counts: Counter[str] = Counter(json.loads(await proc.stdout.readline()))
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        times = json.loads(await proc.stdout.readline())
+        if arrivals is not None:
+            arrivals.extend(times)
     finally:
         if proc.returncode is None:
             proc.kill()

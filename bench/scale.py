@@ -7,7 +7,10 @@ Phases (all in one run, results under `scale` in bench/results.json):
    sandboxes sit idle in the pool past freeze_idle_after_s (frozen), beside their CPU idle and not frozen;
 3. R rollouts (3 turns, the scripted policy answering after a simulated 1 s, one short exec per turn) with all the
    sandboxes in flight, recycled between rollouts;
-4. efficiency at 256 concurrent rollouts: measured rollouts per minute over the ideal (concurrency / episode time);
+4. efficiency at 256 concurrent rollouts: measured rollouts per minute over the ideal (concurrency / episode time),
+   every policy answer after exactly the latency, so that a wave's rollouts stay in step (`efficiency`); then the
+   same with each answer's latency spread uniformly over latency x (1 +- SPREAD), the mean and so the ideal the same
+   (`efficiency_spread`), as a model server's answers spread with their lengths;
 5. leaked containers after shutdown.
 
 With `--workers N` (the default, 2) phases 3 and 4 run on N rollout worker processes: the control plane's own
@@ -47,10 +50,12 @@ from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_ser
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity
 from orchestrator.service.tenancy import LOCAL_TENANT
+from orchestrator.testing.policy_script import Script
 from orchestrator.testing.scripts import reference_script
 from orchestrator.worker.config import WorkerConfig
 
 OWNER = "envfleet-scale"
+SPREAD = 0.5  # phase 4b: policy answers after latency x (1 +- SPREAD), uniformly
 log = logging.getLogger("scale")
 
 
@@ -98,13 +103,18 @@ def total_memory_mb() -> float:
     return int(Path("/proc/meminfo").read_text().split()[1]) / 1024
 
 
-async def _start_policy(script_path: Path, latency: float) -> tuple[asyncio.subprocess.Process, str]:
+async def _start_policy(
+    script_path: Path, latency: float, jitter: float = 0.0
+) -> tuple[asyncio.subprocess.Process, str]:
+    script = Script.model_validate_json(script_path.read_text())
+    path = script_path.with_name(f"script-{latency:g}-{jitter:g}.json")
+    path.write_text(script.model_copy(update={"latency_s": latency, "latency_jitter_s": jitter}).model_dump_json())
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "orchestrator.testing.scripted_policy",
         "--script",
-        str(script_path),
+        str(path),
         stdout=asyncio.subprocess.PIPE,
     )
     assert proc.stdout is not None
@@ -131,13 +141,75 @@ def pool_counts(orch: Orchestrator) -> dict[str, float]:
     return counts
 
 
+def _steady_per_min(arrivals: list[float], concurrency: int) -> float:
+    """Rollouts per minute from the `concurrency`-th arrival to the one `concurrency` before the last: the job's
+    first rollouts (sandboxes and connections warming, every slot starting at once) and its last ones (slots
+    emptying as the tasks run out) are not the fleet's rate at that concurrency, and with a few rollouts per slot
+    they weigh on the whole job's figure; the ideal is a rate with every slot busy. 0 when the job is too short to
+    have such a window."""
+    times = sorted(arrivals)
+    first, last = concurrency - 1, len(times) - concurrency - 1  # with waves in step: one wave's end to the next's
+    if last <= first or times[last] <= times[first]:
+        return 0.0
+    return (last - first) / (times[last] - times[first]) * 60
+
+
+async def _efficiency(
+    orch: Orchestrator, job: JobSpec, ids: list[str], concurrency: int, latency: float
+) -> dict[str, Any]:
+    """Measured rollouts per minute over the ideal (concurrency / episode time) for `ids` at `concurrency`, with
+    where the CPU went."""
+    spec = job.model_copy(update={"max_concurrency": concurrency, "tasks": TaskSelection(kind="ids", ids=ids)})
+    pool0 = pool_counts(orch)
+    cpu0 = proc_cpu.read()
+    arrivals: list[float] = []
+    got, elapsed, _ = await timed_job(orch.address, spec, arrivals)
+    cpu1 = proc_cpu.read()
+    cpu = proc_cpu.per(cpu0, cpu1, sum(got.values()))
+    if orch.workers is not None:  # the workers' figures come with their heartbeats
+        await asyncio.sleep(WorkerConfig().metrics_s + 1)
+    pool = {k: v - pool0.get(k, 0) for k, v in pool_counts(orch).items() if v - pool0.get(k, 0)}
+    episode_s = 3 * latency
+    ideal_per_min = concurrency / episode_s * 60
+    measured = sum(got.values()) / elapsed * 60
+    steady = _steady_per_min(arrivals, concurrency)
+    return {
+        "efficiency": round(measured / ideal_per_min, 3),
+        "efficiency_concurrency": concurrency,
+        "efficiency_detail": {
+            "measured_per_min": round(measured, 1),
+            "ideal_per_min": round(ideal_per_min, 1),
+            # the rate while every slot was busy: the job's start and its last rollouts left out (below)
+            "steady_per_min": round(steady, 1),
+            "steady_efficiency": round(steady / ideal_per_min, 3),
+            "ok": got["OK"],
+            "rollouts": sum(got.values()),
+            # where the CPU went: the ideal rate needs the host's cores / this total per rollout
+            "cpu_ms_per_rollout": cpu,
+            "cpu_ms_per_rollout_total": round(sum(cpu.values()), 1),
+            # sandboxes destroyed (or started) meanwhile: an exited process's CPU is not in the figures above
+            "processes_exited": proc_cpu.exited(cpu0, cpu1),
+            # the warm pools meanwhile (all processes): acquires by source, sandboxes discarded by reason
+            "pool": pool,
+            "host_cpus": os.cpu_count(),
+            "load_average_1m_at_end": round(os.getloadavg()[0], 1),
+        },
+    }
+
+
 async def run(
-    sandboxes: int, rollouts: int, latency: float, eff_concurrency: int, eff_rollouts: int, workers: int
+    sandboxes: int,
+    rollouts: int,
+    latency: float,
+    eff_concurrency: int,
+    eff_rollouts: int,
+    workers: int,
+    spread_rollouts: int = 2048,
 ) -> dict[str, Any]:
     client = docker.from_env()
     image = ensure_base_image(client)
     env = LightEnv()
-    assert rollouts + eff_rollouts <= len(env.tasks())
+    assert rollouts + eff_rollouts + spread_rollouts <= len(env.tasks())
     registry = Registry()
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="envfleet-scale-") as data:
@@ -256,41 +328,22 @@ async def run(
             result["rollouts_per_min_at_peak"] = round(sum(by.values()) / big_s * 60, 1)
             result["rollouts_ok"] = by.pop("OK", 0)
             result["rollouts_failed"] = dict(by)
-            # 4. efficiency at eff_concurrency
-            job2 = job.model_copy(
-                update={
-                    "max_concurrency": eff_concurrency,
-                    "tasks": TaskSelection(kind="ids", ids=ids[rollouts : rollouts + eff_rollouts]),
-                }
-            )
-            pool0 = pool_counts(orch)
-            cpu0 = proc_cpu.read()
-            got4, eff_s, _ = await timed_job(orch.address, job2)
-            cpu1 = proc_cpu.read()
-            cpu4 = proc_cpu.per(cpu0, cpu1, sum(got4.values()))
-            if orch.workers is not None:  # the workers' figures come with their heartbeats
-                await asyncio.sleep(WorkerConfig().metrics_s + 1)
-            pool4 = {k: v - pool0.get(k, 0) for k, v in pool_counts(orch).items() if v - pool0.get(k, 0)}
-            episode_s = 3 * latency
-            ideal_per_min = eff_concurrency / episode_s * 60
-            measured = sum(got4.values()) / eff_s * 60
-            result["efficiency"] = round(measured / ideal_per_min, 3)
-            result["efficiency_concurrency"] = eff_concurrency
-            result["efficiency_detail"] = {
-                "measured_per_min": round(measured, 1),
-                "ideal_per_min": round(ideal_per_min, 1),
-                "ok": got4["OK"],
-                "rollouts": sum(got4.values()),
-                # where the CPU went: the ideal rate needs the host's cores / this total per rollout
-                "cpu_ms_per_rollout": cpu4,
-                "cpu_ms_per_rollout_total": round(sum(cpu4.values()), 1),
-                # sandboxes destroyed (or started) meanwhile: an exited process's CPU is not in the figures above
-                "processes_exited": proc_cpu.exited(cpu0, cpu1),
-                # the warm pools meanwhile (all processes): acquires by source, sandboxes discarded by reason
-                "pool": pool4,
-                "host_cpus": os.cpu_count(),
-                "load_average_1m_at_end": round(os.getloadavg()[0], 1),
-            }
+            # 4. efficiency at eff_concurrency, every policy answer after exactly `latency`: the rollouts of a wave
+            # stay in step, and their execs land on the host together
+            ids4 = ids[rollouts : rollouts + eff_rollouts]
+            result.update(await _efficiency(orch, job, ids4, eff_concurrency, latency))
+            # 4b. the same with answers spread over latency +- SPREAD (the mean unchanged, so the ideal is too), as a
+            # model server's answers are: waves drift apart and the host's CPU is asked for evenly
+            spread_proc, spread_url = await _start_policy(Path(data) / "script.json", latency, jitter=SPREAD * latency)
+            try:
+                spread_job = job.model_copy(update={"policy": job.policy.model_copy(update={"base_url": spread_url})})
+                ids5 = ids[rollouts + eff_rollouts : rollouts + eff_rollouts + spread_rollouts]
+                spread = await _efficiency(orch, spread_job, ids5, eff_concurrency, latency)
+            finally:
+                spread_proc.terminate()
+                await spread_proc.wait()
+            result["efficiency_spread"] = spread["efficiency"]
+            result["efficiency_spread_detail"] = {"latency_spread_s": SPREAD * latency, **spread["efficiency_detail"]}
         finally:
             await orch.stop(grace=1)
             policy_proc.terminate()
@@ -307,6 +360,9 @@ def main() -> None:
     p.add_argument("--latency", type=float, default=1.0)
     p.add_argument("--efficiency-concurrency", type=int, default=256)
     p.add_argument("--efficiency-rollouts", type=int, default=768)
+    p.add_argument(
+        "--spread-rollouts", type=int, default=2048, help="phase 4b's rollouts (8 a slot: the steady rate has a window)"
+    )
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (0: rollouts in the server)")
     p.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = p.parse_args()
@@ -319,6 +375,7 @@ def main() -> None:
             args.efficiency_concurrency,
             args.efficiency_rollouts,
             args.workers,
+            args.spread_rollouts,
         )
     )
     results = json.loads(args.out.read_text()) if args.out.exists() else {}

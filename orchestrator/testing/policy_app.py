@@ -6,6 +6,7 @@ Any ASGI server can serve it; ScriptedServer (scripted_policy.py) serves it with
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import logging
@@ -195,7 +196,7 @@ class ScriptedPolicyApp:
     async def _generate(self, scope: Scope, receive: Receive, path: str) -> tuple[int, dict[str, Any] | bytes] | None:
         # the simulated latency is the whole answer time, this server's own work included, as a model server's is
         loop = asyncio.get_running_loop()
-        answer_at = loop.time() + self.script.latency_s
+        start = loop.time()
         raw = await _read_body(scope, receive)
         if raw is None:
             return None
@@ -221,12 +222,21 @@ class ScriptedPolicyApp:
         reply = self._fault(user, turn, step) or (200, _with_choice_fields(answer(step), step.choice_fields))
         if isinstance(reply, _Hang):
             return await self._hang(receive)
-        delay = answer_at - loop.time()
+        delay = start + self._latency(user, turn) - loop.time()
         if delay > 0 and not await self._wait_closing(delay):
             return reply
         if self._closing.is_set():
             return 503, _error_body(503, "the scripted server is shutting down", "ServiceUnavailable")
         return reply
+
+    def _latency(self, user: str, turn: int) -> float:
+        """This answer's simulated latency: latency_s, moved by up to latency_jitter_s by a hash of the rollout and
+        turn (not Python's hash(), which differs between processes)."""
+        jitter = self.script.latency_jitter_s
+        if not jitter:
+            return self.script.latency_s
+        u = int.from_bytes(hashlib.blake2b(f"{user}#{turn}".encode(), digest_size=8).digest()) / 2.0**64
+        return max(0.0, self.script.latency_s + (2 * u - 1) * jitter)
 
     async def _wait_closing(self, timeout_s: float) -> bool:
         """Sleep timeout_s or until close(); True when it was close()."""

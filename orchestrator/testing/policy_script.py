@@ -69,6 +69,14 @@ class Script(BaseModel):
     tasks: dict[str, list[Step]] = Field(default_factory=dict)
     default: list[Step] = Field(default_factory=list, description="for tasks not in `tasks`")
     latency_s: float = Field(0.0, ge=0, le=3600, description="simulated latency of every completion")
+    latency_jitter_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description="each completion's latency is drawn uniformly from latency_s +- this (never below 0), the same "
+        "for the same rollout and turn in every run: a model server's answers take longer or shorter with their "
+        "length, so a batch of rollouts that started together drifts apart",
+    )
     model: str = Field("policy", min_length=1, description="the model id /v1/models lists")
     template: Template = Field(
         "prefix",

@@ -22,6 +22,7 @@ from orchestrator.testing import toy_tokenizer as toy
 from orchestrator.testing.scripted_policy import (
     MAX_BODY,
     Script,
+    ScriptedPolicyApp,
     ScriptedServer,
     Step,
     sample_of,
@@ -334,6 +335,33 @@ async def test_latency_is_simulated() -> None:
     finally:
         await s.close()
     assert r.json()["choices"][0]["message"]["content"] == "I cannot solve this."
+
+
+async def test_latency_jitter_spreads_answers_the_same_way_in_every_run() -> None:
+    """latency_s +- latency_jitter_s, drawn from the rollout and turn: the answers of a batch that started together
+    drift apart, the same way in every run (a new app, as another process would be), and each is held that long."""
+    script = Script(latency_s=1.0, latency_jitter_s=0.5)
+    drawn = [ScriptedPolicyApp(script)._latency(f"job:t{i}:0", turn) for i in range(200) for turn in range(3)]
+    assert drawn == [ScriptedPolicyApp(script)._latency(f"job:t{i}:0", turn) for i in range(200) for turn in range(3)]
+    assert all(0.5 <= t <= 1.5 for t in drawn)
+    assert min(drawn) < 0.6 and max(drawn) > 1.4 and abs(sum(drawn) / len(drawn) - 1.0) < 0.05
+    assert ScriptedPolicyApp(Script(latency_s=0.2, latency_jitter_s=5))._latency("job:t0:0", 0) >= 0
+    assert ScriptedPolicyApp(Script(latency_s=0.2))._latency("job:t0:0", 0) == 0.2
+    with pytest.raises(ValidationError):
+        Script(latency_jitter_s=-1)
+
+    quick = Script(latency_s=0.3, latency_jitter_s=0.2)
+    user = min((f"job:t{i}:0" for i in range(50)), key=lambda u: -ScriptedPolicyApp(quick)._latency(u, 0))
+    s = await start_scripted_server(quick)
+    try:
+        async with httpx.AsyncClient() as c:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            body = {"messages": [{"role": "user", "content": "?"}], "user": user}
+            (await c.post(f"{s.url}/chat/completions", json=body)).raise_for_status()
+            assert loop.time() - t0 >= ScriptedPolicyApp(quick)._latency(user, 0) > 0.45
+    finally:
+        await s.close()
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------------------
