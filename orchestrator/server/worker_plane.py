@@ -8,10 +8,11 @@ import asyncio
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from orchestrator.backends.config import DockerBackendConfig
 from orchestrator.client.auth import ClientTLS
 from orchestrator.core.environment import ImageSource
 from orchestrator.core.private_dirs import make_private_dir
@@ -46,6 +47,15 @@ async def worker_identity(config: OrchestratorConfig) -> FleetIdentity:
     if config.worker_listen or config.worker_token_file:
         return await asyncio.to_thread(load_identity, config.data_dir, config.worker_token_file)
     return fresh_identity()
+
+
+def _host_share(config: OrchestratorConfig, workers: int) -> dict[str, Any]:
+    """What each of `workers` processes on one host gets of the host's budgets: its warm pool's idle sandboxes and,
+    on Docker, its execs at once."""
+    share: dict[str, Any] = {"pool": config.pool.shared_by(workers)}
+    if isinstance(config.backend, DockerBackendConfig):
+        share["backend"] = config.backend.shared_by(workers)
+    return share
 
 
 class WorkerPlane:
@@ -115,9 +125,7 @@ class WorkerPlane:
         )
         if config.workers:
             slots = -(-config.max_in_flight // config.workers)
-            local_config = worker_config.model_copy(
-                update={"slots": slots, "pool": config.pool.shared_by(config.workers)}
-            )
+            local_config = worker_config.model_copy(update={"slots": slots, **_host_share(config, config.workers)})
             local = plane.local = LocalWorkers(config.workers, plane.unix_target, token, local_config)
             hub.local_pids = lambda: local.pids
             local.start()
@@ -126,7 +134,7 @@ class WorkerPlane:
                 config.ray,
                 plane.tcp_address,
                 token,
-                worker_config.model_copy(update={"pool": config.pool.shared_by(config.ray.per_node)}),
+                worker_config.model_copy(update=_host_share(config, config.ray.per_node)),
                 identity.fleet_id,
                 tls=ray_tls,
                 insecure=config.security.insecure,

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import docker.errors
 
+from orchestrator.backends.admission import ExecAdmission
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.backends.docker.engine import Engine
 from orchestrator.backends.docker.freezer import Freezer
@@ -114,9 +115,11 @@ class DockerSandbox(Sandbox):
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> ExecResult:
-        result: ExecResult = await self._guard(
+        call = self._guard(
             self.transport.exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
         )
+        admission = self._backend.admission
+        result: ExecResult = await (call if admission is None else admission.run(call))
         return result
 
     async def exec_stream(
@@ -212,6 +215,8 @@ class DockerBackend(SandboxBackend):
         self.swap_limit: bool | None = None
         self.runtimes: frozenset[str] = frozenset()  # the engine's OCI runtimes, from its info
         self._creating: set[str] = set()
+        slots = self.config.exec_slots()
+        self.admission = ExecAdmission(slots, self.config.exec_admission_hold_s) if slots else None
         self.startups = asyncio.Semaphore(self.config.startup_concurrency or max(8, 4 * (os.cpu_count() or 1)))
         self.engine_healthy = True
         self._health_listeners: list[Callable[[bool], None]] = []

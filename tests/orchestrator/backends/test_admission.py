@@ -1,0 +1,120 @@
+"""Execs a few at a time (orchestrator/backends/admission.py): the cap holds, a long command holds its place only
+briefly, a cancelled caller leaves nothing running or waiting; on Docker, a burst of execs and a long one beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from orchestrator.backends.admission import HOLD_MIN_S, ExecAdmission
+from orchestrator.backends.config import EXECS_PER_CORE, DockerBackendConfig
+from orchestrator.core.sandbox import SandboxSpec
+from tests.conftest import owned_backend
+
+
+async def test_at_most_slots_start_at_once_first_come_first_served() -> None:
+    admission = ExecAdmission(2, max_hold_s=5.0)
+    running, most, order = 0, 0, []
+
+    async def call(i: int) -> int:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        order.append(i)
+        await asyncio.sleep(0.002)  # well within the hold (at least HOLD_MIN_S)
+        running -= 1
+        return i
+
+    assert await asyncio.gather(*(admission.run(call(i)) for i in range(10))) == list(range(10))
+    assert most == 2
+    assert order == list(range(10))
+
+
+async def test_a_long_call_holds_its_place_only_hold_s() -> None:
+    admission = ExecAdmission(1, max_hold_s=0.1)
+    long = asyncio.ensure_future(admission.run(asyncio.sleep(3, "long")))
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    assert await admission.run(asyncio.sleep(0, "short")) == "short"
+    assert time.monotonic() - t0 < 1.0  # the long one let go of its place after 0.1 s, not 3 s
+    assert not long.done()
+    long.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await long
+
+
+async def test_the_hold_follows_how_long_execs_take() -> None:
+    """On a host where execs take 50 ms, the hold grows past them (a fixed one would cap the starts a second); one
+    long command moves it little; it never passes max_hold_s."""
+    admission = ExecAdmission(4, max_hold_s=0.5)
+    assert admission.hold_s == HOLD_MIN_S
+    for _ in range(3):
+        await asyncio.gather(*(admission.run(asyncio.sleep(0.05)) for _ in range(16)))
+    assert 0.1 < admission.hold_s <= 0.5
+    before = admission.hold_s
+    await admission.run(asyncio.sleep(1.2))
+    assert admission.hold_s < 2 * before
+    await asyncio.gather(*(admission.run(asyncio.sleep(0.6)) for _ in range(40)))
+    assert admission.hold_s == 0.5
+
+
+async def test_errors_pass_through_and_the_place_is_given_back() -> None:
+    admission = ExecAdmission(1, max_hold_s=5.0)
+
+    async def boom() -> None:
+        raise RuntimeError("the exec failed")
+
+    with pytest.raises(RuntimeError, match="the exec failed"):
+        await admission.run(boom())
+    assert await asyncio.wait_for(admission.run(asyncio.sleep(0, "next")), 1) == "next"
+
+
+async def test_a_cancelled_caller_leaves_nothing_behind() -> None:
+    admission = ExecAdmission(1, max_hold_s=5.0)
+    admission.typical_s = 10.0  # execs here take long: the first holds its place the whole test
+    started: list[str] = []
+
+    async def call(name: str) -> None:
+        started.append(name)
+        await asyncio.sleep(10)
+
+    first = asyncio.ensure_future(admission.run(call("first")))
+    waiting = asyncio.ensure_future(admission.run(call("waiting")))
+    await asyncio.sleep(0.05)
+    waiting.cancel()  # cancelled while it waits its turn: its call never starts (and is closed, not left pending)
+    first.cancel()  # cancelled while admitted: its call is cancelled
+    await asyncio.gather(first, waiting, return_exceptions=True)
+    assert started == ["first"]
+    assert await asyncio.wait_for(admission.run(asyncio.sleep(0, "after")), 1) == "after"
+
+
+def test_the_host_budget_is_shared_by_its_workers() -> None:
+    config = DockerBackendConfig(exec_admission=10)
+    assert config.shared_by(1) is config
+    assert config.shared_by(3).exec_admission == 4  # rounded up
+    assert config.shared_by(20).exec_admission == 2  # at least 2 each
+    assert DockerBackendConfig().exec_slots() == EXECS_PER_CORE * (os.cpu_count() or 1)
+    off = DockerBackendConfig(exec_admission_hold_s=0)
+    assert off.exec_slots() == 0 and off.shared_by(4) is off
+    with pytest.raises(ValueError):
+        DockerBackendConfig(exec_admission=-1)
+
+
+async def test_on_docker_a_burst_is_admitted_while_a_long_command_runs(base_image: str) -> None:
+    """One place: a command of 4 s holds it 0.2 s; eight short execs after it all end long before it does."""
+    async with owned_backend(exec_admission=1, exec_admission_hold_s=0.2) as backend:
+        boxes = await asyncio.gather(*(backend.create(SandboxSpec(image=base_image)) for _ in range(3)))
+        try:
+            long = asyncio.ensure_future(boxes[0].exec(["sleep", "4"]))
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            shorts = await asyncio.gather(*(boxes[1 + i % 2].exec(["echo", str(i)]) for i in range(8)))
+            assert time.monotonic() - t0 < 3.0
+            assert [r.stdout for r in shorts] == [f"{i}\n".encode() for i in range(8)]
+            assert not long.done()
+            assert (await long).exit_code == 0
+        finally:
+            await asyncio.gather(*(b.close() for b in boxes))
