@@ -205,13 +205,14 @@ async def run(
     eff_rollouts: int,
     workers: int,
     spread_rollouts: int = 2048,
+    admission: bool = True,
 ) -> dict[str, Any]:
     client = docker.from_env()
     image = ensure_base_image(client)
     env = LightEnv()
     assert rollouts + eff_rollouts + spread_rollouts <= len(env.tasks())
     registry = Registry()
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"exec_admission": admission}
     with tempfile.TemporaryDirectory(prefix="envfleet-scale-") as data:
         script = reference_script(env, latency_s=latency)
         (Path(data) / "script.json").write_text(script.model_dump_json())
@@ -229,7 +230,12 @@ async def run(
                     cpus=sandboxes * env.limits.cpus,
                     memory_mb=sandboxes * env.limits.memory_mb,
                 ),
-                backend=DockerBackendConfig(owner=OWNER, api_workers=32, api_timeout_s=600),
+                backend=DockerBackendConfig(
+                    owner=OWNER,
+                    api_workers=32,
+                    api_timeout_s=600,
+                    **({} if admission else {"exec_admission_hold_s": 0}),
+                ),
                 pool=PoolConfig(
                     max_idle_total=sandboxes, max_idle_per_pool=sandboxes, refill_concurrency=16, idle_ttl_s=3600
                 ),
@@ -364,6 +370,7 @@ def main() -> None:
         "--spread-rollouts", type=int, default=2048, help="phase 4b's rollouts (8 a slot: the steady rate has a window)"
     )
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (0: rollouts in the server)")
+    p.add_argument("--no-exec-admission", action="store_true", help="every exec at once (as before exec_admission)")
     p.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
@@ -376,6 +383,7 @@ def main() -> None:
             args.efficiency_rollouts,
             args.workers,
             args.spread_rollouts,
+            not args.no_exec_admission,
         )
     )
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
