@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -41,15 +41,14 @@ class ExecAdmission:
         """How long the next exec may hold its place."""
         return min(self.max_hold_s, max(HOLD_MIN_S, HOLD_FACTOR * self.typical_s))
 
-    async def run(self, call: Awaitable[T]) -> T:
-        """Await `call` once admitted (closed unawaited if the caller is cancelled while it waits its turn)."""
+    async def run(self, start: Callable[[], Awaitable[T]]) -> T:
+        """Await what `start()` makes once admitted (a caller cancelled while it waits its turn made nothing)."""
+        await self._free.acquire()
         try:
-            await self._free.acquire()
+            task = asyncio.ensure_future(start())
         except BaseException:
-            if asyncio.iscoroutine(call):
-                call.close()
+            self._free.release()
             raise
-        task = asyncio.ensure_future(call)
         hold, t0 = self.hold_s, time.monotonic()
         try:
             await asyncio.wait((task,), timeout=hold)

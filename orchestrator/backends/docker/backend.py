@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -115,12 +115,13 @@ class DockerSandbox(Sandbox):
         timeout: float | None = None,
         max_output: int | None = None,
     ) -> ExecResult:
-        call = self._guard(
-            self.transport.exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
-        )
+        def call() -> Awaitable[ExecResult]:
+            return self._guard(
+                self.transport.exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
+            )
+
         admission = self._backend.admission
-        result: ExecResult = await (call if admission is None else admission.run(call))
-        return result
+        return await (call() if admission is None else admission.run(call))
 
     async def exec_stream(
         self,

@@ -4,6 +4,7 @@ briefly, a cancelled caller leaves nothing running or waiting; on Docker, a burs
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 
@@ -28,17 +29,17 @@ async def test_at_most_slots_start_at_once_first_come_first_served() -> None:
         running -= 1
         return i
 
-    assert await asyncio.gather(*(admission.run(call(i)) for i in range(10))) == list(range(10))
+    assert await asyncio.gather(*(admission.run(functools.partial(call, i)) for i in range(10))) == list(range(10))
     assert most == 2
     assert order == list(range(10))
 
 
 async def test_a_long_call_holds_its_place_only_hold_s() -> None:
     admission = ExecAdmission(1, max_hold_s=0.1)
-    long = asyncio.ensure_future(admission.run(asyncio.sleep(3, "long")))
+    long = asyncio.ensure_future(admission.run(lambda: asyncio.sleep(3, "long")))
     await asyncio.sleep(0.01)
     t0 = time.monotonic()
-    assert await admission.run(asyncio.sleep(0, "short")) == "short"
+    assert await admission.run(lambda: asyncio.sleep(0, "short")) == "short"
     assert time.monotonic() - t0 < 1.0  # the long one let go of its place after 0.1 s, not 3 s
     assert not long.done()
     long.cancel()
@@ -52,12 +53,12 @@ async def test_the_hold_follows_how_long_execs_take() -> None:
     admission = ExecAdmission(4, max_hold_s=0.5)
     assert admission.hold_s == HOLD_MIN_S
     for _ in range(3):
-        await asyncio.gather(*(admission.run(asyncio.sleep(0.05)) for _ in range(16)))
+        await asyncio.gather(*(admission.run(lambda: asyncio.sleep(0.05)) for _ in range(16)))
     assert 0.1 < admission.hold_s <= 0.5
     before = admission.hold_s
-    await admission.run(asyncio.sleep(1.2))
+    await admission.run(lambda: asyncio.sleep(1.2))
     assert admission.hold_s < 2 * before
-    await asyncio.gather(*(admission.run(asyncio.sleep(0.6)) for _ in range(40)))
+    await asyncio.gather(*(admission.run(lambda: asyncio.sleep(0.6)) for _ in range(40)))
     assert admission.hold_s == 0.5
 
 
@@ -68,8 +69,8 @@ async def test_errors_pass_through_and_the_place_is_given_back() -> None:
         raise RuntimeError("the exec failed")
 
     with pytest.raises(RuntimeError, match="the exec failed"):
-        await admission.run(boom())
-    assert await asyncio.wait_for(admission.run(asyncio.sleep(0, "next")), 1) == "next"
+        await admission.run(lambda: boom())
+    assert await asyncio.wait_for(admission.run(lambda: asyncio.sleep(0, "next")), 1) == "next"
 
 
 async def test_a_cancelled_caller_leaves_nothing_behind() -> None:
@@ -81,14 +82,14 @@ async def test_a_cancelled_caller_leaves_nothing_behind() -> None:
         started.append(name)
         await asyncio.sleep(10)
 
-    first = asyncio.ensure_future(admission.run(call("first")))
-    waiting = asyncio.ensure_future(admission.run(call("waiting")))
+    first = asyncio.ensure_future(admission.run(lambda: call("first")))
+    waiting = asyncio.ensure_future(admission.run(lambda: call("waiting")))
     await asyncio.sleep(0.05)
-    waiting.cancel()  # cancelled while it waits its turn: its call never starts (and is closed, not left pending)
+    waiting.cancel()  # cancelled while it waits its turn: its call is never made
     first.cancel()  # cancelled while admitted: its call is cancelled
     await asyncio.gather(first, waiting, return_exceptions=True)
     assert started == ["first"]
-    assert await asyncio.wait_for(admission.run(asyncio.sleep(0, "after")), 1) == "after"
+    assert await asyncio.wait_for(admission.run(lambda: asyncio.sleep(0, "after")), 1) == "after"
 
 
 def test_the_host_budget_is_shared_by_its_workers() -> None:
