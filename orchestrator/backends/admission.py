@@ -24,14 +24,13 @@ T = TypeVar("T")
 
 HOLD_MIN_S = 0.02
 HOLD_FACTOR = 4.0
-AVERAGE_WEIGHT = 0.1  # of each exec that ended in its place, in the moving average
+AVERAGE_WEIGHT = 0.1  # of each exec's time in the moving average
 
 
 class ExecAdmission:
     """At most `slots` execs starting at once; each holds its place at most `max_hold_s`."""
 
     def __init__(self, slots: int, max_hold_s: float) -> None:
-        self.slots = slots
         self.max_hold_s = max_hold_s
         self.typical_s = HOLD_MIN_S / HOLD_FACTOR
         self._free = asyncio.Semaphore(slots)

@@ -60,11 +60,7 @@ class DockerBackendConfig(BaseModel):
         le=1024,
         description="sandboxes starting at once (create until envd answers); 0: four per CPU core, at least 8",
     )
-    # A turn of a batch of rollouts that started together asks for hundreds of execs at once. Run all at once, each
-    # process start (fork, exec, the dynamic loader, the shell's start: 2-5 ms of CPU here) shares the cores with
-    # every other and each ends when nearly all have: every rollout waits the whole burst out. A few at a time, first
-    # come first served, the burst takes the same CPU and a rollout waits on average half of it; the rollouts' own
-    # policy calls get the cores in between (README, "Execs a few at a time").
+    # why execs are admitted a few at a time, and how long one holds its place: orchestrator/backends/admission.py
     exec_admission: int = Field(
         0,
         ge=0,
