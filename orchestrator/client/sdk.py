@@ -13,6 +13,7 @@ with `tls=ClientTLS(...)` the channel uses TLS (and a client certificate, for mT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
@@ -32,6 +33,7 @@ T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 << 20
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+ACK_GAP_S = 0.1  # while rollouts come quicker than this, one auto-ack per gap acks all consumed meanwhile
 
 
 @dataclass(frozen=True)
@@ -168,10 +170,13 @@ class EnvfleetClient:
         max_in_flight: int = 256,
         max_batch: int = 64,
         auto_ack: bool = True,
-    ) -> AsyncIterator[Rollout]:
+    ) -> AsyncGenerator[Rollout]:
         """Every rollout of the job, once (duplicates after a reconnect are dropped by id).
 
-        With auto_ack, a rollout is acked when you ask for the next one, i.e. after you have consumed it.
+        With auto_ack, a batch of rollouts is acked once you ask for the one after its last, i.e. after you have
+        consumed it; the acks go behind you (at most one per ACK_GAP_S while rollouts come quicker), and the
+        iterator ends, or closes when you stop reading, once they are through. If the stream fails, or your task is
+        cancelled, what was not acked yet is delivered again to the next reader (the at-least-once rule).
         """
 
         def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, Rollout]]:
@@ -179,12 +184,14 @@ class EnvfleetClient:
             return [(r.id, r.seq, r) for r in map(rollout_from_pb, members)]
 
         batches = self._batches(job_id, resume_after, max_in_flight, max_batch)
-        async for r in self._consume(job_id, batches, auto_ack, unpack):
-            yield r
+        # closed with this generator, not left to the collector: closing it sends the acks of what was consumed
+        async with contextlib.aclosing(self._consume(job_id, batches, auto_ack, unpack, max_in_flight)) as items:
+            async for r in items:
+                yield r
 
     async def groups(
         self, job_id: str, *, resume_after: int = 0, max_in_flight: int = 256, auto_ack: bool = True
-    ) -> AsyncIterator[GroupResult]:
+    ) -> AsyncGenerator[GroupResult]:
         """Whole groups, for jobs submitted with deliver_groups=True."""
 
         def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, GroupResult]]:
@@ -203,8 +210,10 @@ class EnvfleetClient:
                 )
             return out
 
-        async for g in self._consume(job_id, self._batches(job_id, resume_after, max_in_flight, 64), auto_ack, unpack):
-            yield g
+        batches = self._batches(job_id, resume_after, max_in_flight, 64)
+        async with contextlib.aclosing(self._consume(job_id, batches, auto_ack, unpack, max_in_flight)) as items:
+            async for g in items:
+                yield g
 
     async def _consume(
         self,
@@ -212,29 +221,94 @@ class EnvfleetClient:
         batches: AsyncGenerator[pb.RolloutBatch, int | None],
         auto_ack: bool,
         unpack: Callable[[pb.RolloutBatch], list[tuple[str, int, T]]],
-    ) -> AsyncIterator[T]:
-        """Yield each batch's items (key, seq, item) whose key is new; with auto_ack, a batch is acked when the next
-        is asked for, i.e. once its items were consumed."""
+        max_in_flight: int,
+    ) -> AsyncGenerator[T]:
+        """Yield each batch's items (key, seq, item) whose key is new; with auto_ack, a batch is acked once its items
+        were consumed (the next is asked for), behind the consumer (see _Acker); the iterator ends, or is closed,
+        only once every such ack is through."""
         seen: set[str] = set()
-        acked: int | None = None
+        consumed: int | None = None
+        acker = _Acker(self, job_id, max_in_flight) if auto_ack else None
         try:
             while True:
                 try:
-                    batch = await batches.asend(acked)
+                    batch = await batches.asend(consumed)
                 except StopAsyncIteration:
-                    return
-                acked = None
+                    break
+                consumed = None
                 entries = unpack(batch)
                 for key, _, item in entries:
                     if key not in seen:
                         seen.add(key)
                         yield item
                 last = max((seq for _, seq, _ in entries), default=0)
-                if auto_ack and last:
-                    await self._ack_through_outages(job_id, last)
-                    acked = last
+                if acker is not None and last:
+                    acker.consumed(last, len(batch.rollouts) + sum(len(g.rollouts) for g in batch.groups))
+                    consumed = last  # a reconnect resumes after it: its ack is on its way
+            if acker is not None:
+                await acker.flush()
+        except GeneratorExit:  # the caller stopped reading: what it consumed is acked before the stream closes
+            if acker is not None:
+                await acker.flush()
+            raise
+        except BaseException:  # the stream failed, or the caller was cancelled: what is unacked will come again
+            if acker is not None:
+                acker.cancel()
+            raise
         finally:
             await batches.aclose()
+
+
+class _Acker:
+    """A stream's auto-acks, sent behind the consumer rather than between its batches: one Ack in flight at a time,
+    and while rollouts come quicker than one an ACK_GAP_S, one Ack per gap (up_to is cumulative: it acks everything
+    consumed meanwhile). At 50 rollouts a second each batch is one rollout, and each Ack its own call and log write
+    on the control plane. A window half full of consumed rollouts is acked at once, so a small max_in_flight is not
+    held back by the gap. A failed ack (after reconnect_s of outage) is raised at the next batch."""
+
+    def __init__(self, client: EnvfleetClient, job_id: str, max_in_flight: int) -> None:
+        self._client = client
+        self._job_id = job_id
+        self._window = max_in_flight
+        self._wanted = 0  # the highest seq consumed
+        self._unacked = 0  # rollouts consumed since the last ack was sent
+        self._sent_at = float("-inf")
+        self._task: asyncio.Task[None] | None = None
+        self._due = asyncio.Event()  # set when the window is half full: the gap is skipped
+
+    def consumed(self, seq: int, count: int) -> None:
+        if self._task is not None and self._task.done():
+            self._task.result()  # a failed ack surfaces here
+        self._wanted = max(self._wanted, seq)
+        self._unacked += count
+        if 2 * self._unacked >= self._window:
+            self._due.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._send(), name=f"acks of job {self._job_id}")
+
+    async def _send(self) -> None:
+        loop = asyncio.get_running_loop()
+        sent = 0
+        while sent < self._wanted:
+            if (gap := self._sent_at + ACK_GAP_S - loop.time()) > 0 and not self._due.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(gap):
+                        await self._due.wait()
+            up_to, self._unacked = self._wanted, 0
+            self._due.clear()
+            self._sent_at = loop.time()
+            await self._client._ack_through_outages(self._job_id, up_to)
+            sent = up_to
+
+    async def flush(self) -> None:
+        """Send what is left now, and wait until every ack is through (raising a failed one)."""
+        if self._task is not None:
+            self._due.set()
+            await self._task
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 class SyncEnvfleetClient:

@@ -56,6 +56,8 @@ MAX_ROLLOUTS_PER_JOB = 1_000_000
 START_DEFER_S = 0.25  # the longest a new job's rollouts wait for the submits in progress to be answered
 EXPIRY_EVERY_MAX_S = 60.0  # how often finished jobs are checked against the retention, at most
 LOG_RETRY_FIRST_S, LOG_RETRY_MAX_S = 0.1, 5.0  # a result log write that failed is tried again, backing off
+# while results come quicker than this, a stream sends at most one batch per gap, carrying all that landed meanwhile
+STREAM_GAP_S = 0.05
 T = TypeVar("T")
 
 
@@ -86,6 +88,7 @@ class Batch:
 class _Listener:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     outstanding: set[int] = field(default_factory=set)
+    full: bool = False  # waiting for acks (its window is full), not for results
 
 
 @dataclass
@@ -104,10 +107,18 @@ class _Job:
     finished_at: float | None = None
     acked: int = 0  # rollouts acked so far (with done and by_status, what GetJob reports without reading the log)
 
-    def notify(self, acked: Sequence[int] = ()) -> None:
+    def notify(self) -> None:
+        """New results, or a new state: every stream looks."""
+        for lst in self.listeners:
+            lst.wake.set()
+
+    def notify_acked(self, acked: Sequence[int]) -> None:
+        """Acks free room in the streams' windows; only a stream waiting for room has to look (an ack woke every
+        stream into a read of the log, one per ack, for nothing)."""
         for lst in self.listeners:
             lst.outstanding.difference_update(acked)
-            lst.wake.set()
+            if lst.full:
+                lst.wake.set()
 
     @property
     def finished(self) -> bool:
@@ -405,27 +416,38 @@ class JobManager:
         cursor = resume_after
         me = _Listener()
         job.listeners.append(me)
+        loop = asyncio.get_running_loop()
+        sent_at = float("-inf")
         try:
             while True:
                 me.wake.clear()
                 finished = job.finished
                 room = max_in_flight - len(me.outstanding)
                 entries: list[LogEntry] = []
+                backlog = False
                 if room > 0:
                     limit = max(min(room, max_batch), n)
                     entries = await self.store.read(job_id, cursor, limit)
-                    if n > 1 and len(entries) == limit:
+                    backlog = len(entries) == limit
+                    if n > 1 and backlog:
                         entries = _whole_groups(entries)
                 if entries:
                     cursor = entries[-1].seq
                     job.delivered = max(job.delivered, cursor)
                     me.outstanding.update(e.seq for e in entries)
                     yield _batch(entries, grouped=n > 1, advantage=job.spec.advantage)
-                    continue
+                    sent_at = loop.time()
+                    if backlog or finished:
+                        continue  # more is logged already (or the end is near): read on at once
                 # a full window must not keep a finished stream open: end when nothing is left to send
-                if finished and (room > 0 or not await self.store.read(job_id, cursor, 1)):
+                elif finished and (room > 0 or not await self.store.read(job_id, cursor, 1)):
                     return
+                me.full = len(me.outstanding) >= max_in_flight
                 await me.wake.wait()
+                if not me.full and not job.finished and (gap := sent_at + STREAM_GAP_S - loop.time()) > 0:
+                    # results coming quicker than one a gap: the ones landing meanwhile go out together (at 50 a
+                    # second each alone cost a log read, a message, and the trainer's ack)
+                    await asyncio.sleep(gap)
         finally:
             job.listeners.remove(me)
 
@@ -440,7 +462,7 @@ class JobManager:
             raise InvalidRequestError(f"up_to={up_to}: nothing delivered after seq {job.delivered}")
         seqs = await self.store.ack(job_id, up_to, ids, delivered=job.delivered, whole_groups=job.spec.deliver_groups)
         job.acked += len(seqs)
-        job.notify(seqs)
+        job.notify_acked(seqs)
         return len(seqs)
 
     async def update_policy(self, job_id: str, version: str, base_url: str, *, owner: str | None = None) -> JobInfo:

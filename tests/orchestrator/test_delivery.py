@@ -4,6 +4,7 @@ SIGKILLed mid-job and restarted on real Docker (its sandboxes swept; a fake-back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -220,3 +221,76 @@ async def test_an_auto_ack_waits_out_a_server_restart(
             await again
             await orch.stop(grace=1)
     assert sorted([first.id, *(r.id for r in rest)]) == sorted(f"{job_id}:{t}:0" for t in task_ids[:4])
+
+
+async def test_results_that_land_within_the_gap_go_out_in_one_batch(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one at a time, six results land a few ms apart: each alone made a log read, a message and an ack
+    from orchestrator.service import jobs
+
+    monkeypatch.setattr(jobs, "STREAM_GAP_S", 2.0)
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:6], max_concurrency=1))
+    call = fake_client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_batch=64))
+    sizes = [len(batch.rollouts) async for batch in call]
+    assert sum(sizes) == 6
+    # the first goes out at once; the rest landed within the gap after it, so they go together
+    assert sizes == [1, 5], sizes
+
+
+async def test_a_full_window_is_not_held_back_by_the_gap(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # with max_in_flight 2 each ack frees the room the next batch needs: neither the stream's gap nor the SDK's may
+    # stand between them (8 rollouts would take 4 gaps of 30 s)
+    from orchestrator.client import sdk
+    from orchestrator.service import jobs
+
+    monkeypatch.setattr(jobs, "STREAM_GAP_S", 30.0)
+    monkeypatch.setattr(sdk, "ACK_GAP_S", 30.0)
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:8], max_concurrency=8))
+    assert await until_done(fake_client, job_id, 8, timeout_s=60) == 8
+    call = fake_client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_in_flight=2))
+    first = await call.read()
+    assert len(first.rollouts) == 2
+    await fake_client.ack(job_id, up_to=first.rollouts[1].seq)
+    async with asyncio.timeout(10):  # the ack woke a stream waiting for room: it sends at once
+        assert len((await call.read()).rollouts) == 2
+    call.cancel()
+    async with asyncio.timeout(20):
+        got = [r.id async for r in fake_client.rollouts(job_id, max_in_flight=2, max_batch=1)]
+    assert len(set(got)) == 6  # the two sent but not acked come again
+    assert (await fake_client.get_job(job_id)).acked == 8
+
+
+async def test_auto_acks_go_behind_the_reader_and_are_through_when_it_stops(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.client import sdk
+
+    monkeypatch.setattr(sdk, "ACK_GAP_S", 30.0)
+    sent: list[int] = []
+    ack = fake_client.ack
+
+    async def counted(job_id: str, up_to: int = 0, ids: object = ()) -> int:
+        sent.append(up_to)
+        return await ack(job_id, up_to=up_to)
+
+    monkeypatch.setattr(fake_client, "ack", counted)
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:8], max_concurrency=8))
+    assert await until_done(fake_client, job_id, 8, timeout_s=60) == 8
+    # the reader stops after its fifth rollout: the four batches before it were consumed, the fifth was not
+    async with asyncio.timeout(20), contextlib.aclosing(fake_client.rollouts(job_id, max_batch=1)) as rollouts:
+        seen = 0
+        async for _ in rollouts:
+            seen += 1
+            if seen == 5:
+                break
+    # the first ack went at once, the next three waited for the gap together and were sent when the reader stopped
+    assert len(sent) == 2 and sent[0] < sent[1], sent
+    assert (await fake_client.get_job(job_id)).acked == 4
+    # read to the end: the rest is acked by the time the iterator ends, in one more ack
+    async with asyncio.timeout(20):
+        rest = [r.id async for r in fake_client.rollouts(job_id, max_batch=1)]
+    assert len(rest) == 4 and len(sent) == 4, sent  # a new reader's first ack goes at once, the others together
+    assert (await fake_client.get_job(job_id)).acked == 8
