@@ -10,6 +10,8 @@
 - `control_plane`: with the fake backend and the replay policy on 8 worker processes, the rollouts/s one control
   plane delivers and its own CPU per rollout (this process's CPU time; the trainer that drains the stream is a
   process of its own), so its capacity per core follows.
+- `paced`: the control plane's and the trainer's CPU per rollout when results come one by one (about 60 a second,
+  as on real Docker here), where each stream message, log read and Ack carries one rollout unless they are paced.
 - `fleet_sim`: the fake backend in worker processes holding 10,000 concurrent sandboxes and running 50,000 rollouts
   through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the round
   trip from the control plane sending a rollout to a worker to taking its result, less the rollout's own run time).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import sqlite3
 import statistics
 import sys
@@ -314,6 +317,33 @@ async def control_plane(total: int = 8000, workers: int = 8) -> dict[str, Any]:
     }
 
 
+async def paced(total: int = 1200, in_flight: int = 64, exec_s: float = 1.0) -> dict[str, Any]:
+    """The control plane's and the trainer's CPU per rollout when results come one by one, as on real Docker (about
+    60 a second here: each fake command takes `exec_s`), rather than in the thousands a second of `control_plane`,
+    where every message carries many: what a batch, a log read and an Ack cost each rollout when each carries one."""
+    ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
+    n = -(-total // len(ids))
+    with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
+        orch = await _plane(Path(data), 2, in_flight=in_flight, exec_latency_s=exec_s)
+        try:
+            async with EnvfleetClient(orch.address, timeout_s=600) as client:
+                await _drain(client, await client.submit(_job(ids[:4])))
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers live on: only the trainer is reaped
+            counts, elapsed, cpu = await timed_job(orch.address, _job(ids, n=n))
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        finally:
+            await orch.stop(grace=1)
+    done = sum(counts.values())
+    trainer = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {
+        "rollouts_per_s": round(done / elapsed, 1),
+        "control_plane_cpu_us_per_rollout": round(cpu / done * 1e6),
+        "trainer_cpu_us_per_rollout": round(trainer / done * 1e6),
+        "ok": counts["OK"],
+        "n": done,
+    }
+
+
 async def fleet_sim(concurrent: int = 10_000, total: int = 50_000, workers: int = 2) -> dict[str, Any]:
     """`concurrent` fake sandboxes held at once by worker processes, `total` rollouts through the real control plane
     (in as many jobs as a job's concurrency cap of 4096 needs, so fair share between jobs is in play too)."""
@@ -429,6 +459,7 @@ async def run_all() -> dict[str, Any]:
         "workers_speedup": await workers_speedup(),
         "submit_latency": await submit_latency(),
         "control_plane": await control_plane(),
+        "paced": await paced(),
         "fleet_sim": await fleet_sim(),
         "job_table": await job_table(),
     }
@@ -440,6 +471,7 @@ if __name__ == "__main__":
         "speedup": workers_speedup,
         "submit": submit_latency,
         "control": control_plane,
+        "paced": paced,
         "sim": fleet_sim,
         "jobs": job_table,
     }

@@ -174,9 +174,9 @@ class EnvfleetClient:
         """Every rollout of the job, once (duplicates after a reconnect are dropped by id).
 
         With auto_ack, a batch of rollouts is acked once you ask for the one after its last, i.e. after you have
-        consumed it; the acks go behind you (at most one per ACK_GAP_S while rollouts come quicker), and the
-        iterator ends, or closes when you stop reading, once they are through. If the stream fails, or your task is
-        cancelled, what was not acked yet is delivered again to the next reader (the at-least-once rule).
+        consumed it; the acks go behind you (at most one per ACK_GAP_S while rollouts come quicker), and when the
+        iterator ends, or is closed (aclose), they are through. If the stream fails, or your task is cancelled,
+        what was not acked yet is delivered again to the next reader (the at-least-once rule).
         """
 
         def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, Rollout]]:
