@@ -422,6 +422,11 @@ class RolloutServiceServicer:
         whole group, so unacked rollouts can exceed max_in_flight by up to group_size - 1 (the same holds for
         max_batch). A rollout sent but not acked is not sent again on the same stream; a new stream sends it again.
 
+        Pacing: while rollouts land quicker than one per 50 ms, the stream sends at most one message per 50 ms, with
+        all that landed meanwhile (a rollout waits at most that long); an Ack that frees room in a full window is
+        answered by the next message at once. Ack's up_to is cumulative, so one Ack per 100 ms or so for everything
+        consumed meanwhile does what one per message does, at a fraction of the calls (the Python SDK acks so).
+
         The stream ends (status OK) once the job is finished (COMPLETED or CANCELLED) and every logged rollout after
         resume_after that is not acked has been sent on it. It waits, open, while the job runs; keep no deadline on
         it, or resume after DEADLINE_EXCEEDED. NOT_FOUND for an unknown job; INVALID_ARGUMENT for a field out of range.
