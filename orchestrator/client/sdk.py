@@ -33,6 +33,7 @@ T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 << 20
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+RETRY_S = 0.5  # between tries while the server cannot be reached
 ACK_GAP_S = 0.1  # while rollouts come quicker than this, one auto-ack per gap acks all consumed meanwhile
 
 
@@ -123,44 +124,33 @@ class EnvfleetClient:
     async def _ack_through_outages(self, job_id: str, up_to: int) -> None:
         """An auto-ack, tried again for up to reconnect_s while the server cannot be reached, as the stream is (a
         server restarting made the iterator raise after its caller had consumed the batch)."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.reconnect_s
+        outage = _Outage(self.reconnect_s)
         while True:
             try:
                 await self.ack(job_id, up_to=up_to)
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRYABLE or loop.time() > give_up:
-                    raise
-                log.warning("ack of job %s failed (%s); trying again", job_id, e.code().name)
-                await asyncio.sleep(0.5)
+                await outage.wait_out(e, f"ack of job {job_id}")
 
     async def _batches(
         self, job_id: str, resume_after: int, max_in_flight: int, max_batch: int
     ) -> AsyncGenerator[pb.RolloutBatch, int | None]:
-        """Stream batches; after a dropped connection, reconnect and resume after the last acked seq."""
+        """Stream batches; after a dropped connection, reconnect and resume after the last seq consumed (sent in)."""
         cursor = resume_after
-        loop = asyncio.get_running_loop()
-        give_up = None
+        outage = _Outage(self.reconnect_s)
         while True:
             req = pb.StreamRolloutsRequest(
                 job_id=job_id, resume_after=cursor, max_in_flight=max_in_flight, max_batch=max_batch
             )
             try:
                 async for batch in self.rollout_stub.StreamRollouts(req):
-                    give_up = None
-                    acked = yield batch
-                    if acked is not None:
-                        cursor = max(cursor, acked)
+                    outage.over()
+                    consumed = yield batch
+                    if consumed is not None:
+                        cursor = max(cursor, consumed)
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRYABLE:
-                    raise
-                give_up = give_up or loop.time() + self.reconnect_s
-                if loop.time() > give_up:
-                    raise
-                log.warning("stream of job %s broke (%s); resuming after seq %d", job_id, e.code().name, cursor)
-                await asyncio.sleep(0.5)
+                await outage.wait_out(e, f"stream of job {job_id} (resuming after seq {cursor})")
 
     async def rollouts(
         self,
@@ -257,6 +247,28 @@ class EnvfleetClient:
             raise
         finally:
             await batches.aclose()
+
+
+class _Outage:
+    """A server that cannot be reached: a call is tried again every RETRY_S until reconnect_s have passed since the
+    first failure of the spell (the stream's spell ends with its next message)."""
+
+    def __init__(self, reconnect_s: float) -> None:
+        self._reconnect_s = reconnect_s
+        self._give_up: float | None = None
+
+    async def wait_out(self, e: grpc.aio.AioRpcError, what: str) -> None:
+        """Raise `e` unless its status is one to try again and the spell is young; else wait before the next try."""
+        now = asyncio.get_running_loop().time()
+        if self._give_up is None:
+            self._give_up = now + self._reconnect_s
+        if e.code() not in RETRYABLE or now > self._give_up:
+            raise e
+        log.warning("%s failed (%s); trying again", what, e.code().name)
+        await asyncio.sleep(RETRY_S)
+
+    def over(self) -> None:
+        self._give_up = None
 
 
 class _Acker:
