@@ -444,7 +444,9 @@ class JobManager:
                     return
                 me.full = len(me.outstanding) >= max_in_flight
                 await me.wake.wait()
-                if not me.full and not job.finished and (gap := sent_at + STREAM_GAP_S - loop.time()) > 0:
+                # while it reads and sends, an ack changes nothing it is about to look at: it wakes no read
+                waited_for_room, me.full = me.full, False
+                if not waited_for_room and not job.finished and (gap := sent_at + STREAM_GAP_S - loop.time()) > 0:
                     # results coming quicker than one a gap: the ones landing meanwhile go out together (at 50 a
                     # second each alone cost a log read, a message, and the trainer's ack)
                     await asyncio.sleep(gap)
