@@ -1,9 +1,11 @@
 """Jobs: submit, run through the scheduler, log every scored rollout, stream with acks and backpressure, resume
 after a restart.
 
-A new job's rollouts start once no submit is in progress (or START_DEFER_S after it was accepted, whichever comes
-first): on one host the rollouts share the cores with the API, and a burst of submits is answered before the work it
-brings starts. A rollout waits at most a fraction of a second for it.
+A new job's rollouts start once no submit has been in progress for START_QUIET_S (or START_DEFER_S after it was
+accepted, whichever comes first): on one host the rollouts share the cores with the API, and a burst of submits is
+answered before the work it brings starts. The quiet spell matters: in a burst from one client the server often
+answers every call it has before the next arrives, and starting the jobs at each such moment put a fifth of a burst's
+rollouts between its submits. A rollout waits at most a fraction of a second for it.
 
 Caps (RESOURCE_EXHAUSTED, naming the cap): unfinished jobs per tenant, rollouts per job, the sandbox limits of the
 job's environment, open streams per tenant. A tenant may submit jobs only on environments it can see (public ones
@@ -54,6 +56,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROLLOUTS_PER_JOB = 1_000_000
 START_DEFER_S = 0.25  # the longest a new job's rollouts wait for the submits in progress to be answered
+START_QUIET_S = 0.01  # how long no submit must be in progress before the new jobs' rollouts start
 EXPIRY_EVERY_MAX_S = 60.0  # how often finished jobs are checked against the retention, at most
 LOG_RETRY_FIRST_S, LOG_RETRY_MAX_S = 0.1, 5.0  # a result log write that failed is tried again, backing off
 # while results come quicker than this, a stream sends at most one batch per gap, carrying all that landed meanwhile
@@ -177,7 +180,8 @@ class JobManager:
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
         self._submitting = 0  # submits in progress
         self._deferred: list[tuple[_Job, list[WorkItem]]] = []  # accepted jobs whose rollouts wait for them
-        self._defer_timer: asyncio.TimerHandle | None = None
+        self._defer_timer: asyncio.TimerHandle | None = None  # START_DEFER_S after the first deferred job
+        self._quiet_timer: asyncio.TimerHandle | None = None  # START_QUIET_S after the last submit was answered
         self._expiry: asyncio.Task[None] | None = None
 
     @classmethod
@@ -257,12 +261,15 @@ class JobManager:
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
         self._submitting += 1
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()  # the quiet spell is broken: it starts again when this submit is answered
+            self._quiet_timer = None
         try:
             return await self._submit(spec, owner)
         finally:
             self._submitting -= 1
-            if not self._submitting:
-                self._start_deferred()
+            if not self._submitting and self._deferred:
+                self._quiet_timer = asyncio.get_running_loop().call_later(START_QUIET_S, self._start_deferred)
 
     async def _submit(self, spec: JobSpec, owner: str) -> tuple[str, int]:
         env = self.registry.get(spec.env, owner)
@@ -301,13 +308,17 @@ class JobManager:
 
     def _start_deferred(self) -> None:
         """Queue the accepted jobs' rollouts (a job cancelled meanwhile has none to run)."""
-        if self._defer_timer is not None:
-            self._defer_timer.cancel()
-            self._defer_timer = None
+        self._cancel_start_timers()
         deferred, self._deferred = self._deferred, []
         for job, items in deferred:
             if not job.finished:
                 self._queue(job.job_id, job.env, job.spec, items, job.owner)
+
+    def _cancel_start_timers(self) -> None:
+        for timer in (self._defer_timer, self._quiet_timer):
+            if timer is not None:
+                timer.cancel()
+        self._defer_timer = self._quiet_timer = None
 
     def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem], owner: str) -> None:
         """Hand a job's items to the scheduler; while its image is missing it is built in the background and the
@@ -555,9 +566,7 @@ class JobManager:
         if self._expiry is not None:
             self._expiry.cancel()
             await asyncio.gather(self._expiry, return_exceptions=True)
-        if self._defer_timer is not None:
-            self._defer_timer.cancel()
-            self._defer_timer = None
+        self._cancel_start_timers()
         self._deferred.clear()  # recorded, so resumed at the next start like any unfinished job
         await self.scheduler.close()
         for job in self._jobs.values():

@@ -1,6 +1,6 @@
-"""When a new job's rollouts start: once no submit is in progress, so that a burst of submits is answered before the
-work it brings; at the latest START_DEFER_S after the job was accepted; never for a job cancelled meanwhile. Real
-gRPC, jobs, store and scheduler on the fake backend."""
+"""When a new job's rollouts start: once no submit has been in progress for START_QUIET_S, so that a burst of submits
+is answered before the work it brings; at the latest START_DEFER_S after the job was accepted; never for a job
+cancelled meanwhile. Real gRPC, jobs, store and scheduler on the fake backend."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ from tests.orchestrator.conftest import ENV
 
 def _job(task_id: str) -> JobSpec:
     return JobSpec(env=ENV, tasks=TaskSelection(kind="ids", ids=[task_id]), policy=PolicyEndpoint(base_url=REPLAY_URL))
+
+
+def _started(orch: Orchestrator, job_id: str) -> bool:
+    return bool(orch.jobs.scheduler.pending_of(job_id) or orch.jobs.scheduler.running_of(job_id))
 
 
 def _hold_the_job_insert(orch: Orchestrator, task_id: str) -> tuple[asyncio.Event, asyncio.Event]:
@@ -54,7 +58,7 @@ async def test_rollouts_start_once_the_submits_beside_them_are_answered(
     cancelled = await fake_client.submit(_job(task_ids[2]))
     # answered, recorded, and not started: the scheduler has none of their rollouts yet
     for job_id in (first, cancelled):
-        assert orch.jobs.scheduler.pending_of(job_id) == 0 and orch.jobs.scheduler.running_of(job_id) == 0
+        assert not _started(orch, job_id)
         assert (await fake_client.get_job(job_id)).state == JobState.QUEUED
     assert (await fake_client.cancel_job(cancelled)).state == JobState.CANCELLED
     release.set()
@@ -83,3 +87,21 @@ async def test_rollouts_start_after_the_deferral_even_while_submits_keep_coming(
     finally:
         release.set()
         await slow
+
+
+async def test_a_submit_in_the_quiet_spell_after_another_holds_both_jobs_back(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Submits one after another, each answered before the next arrives (as in a burst from one client when the
+    server keeps up): no job starts until the last submit has been answered for START_QUIET_S (the code before
+    started each job as soon as its own submit was answered)."""
+    monkeypatch.setattr(jobs_module, "START_DEFER_S", 600.0)
+    monkeypatch.setattr(jobs_module, "START_QUIET_S", 2.0)
+    orch = fake_orchestrator
+    submitted = []
+    for task_id in task_ids[:4]:
+        submitted.append(await fake_client.submit(_job(task_id)))
+        await asyncio.sleep(0.05)
+        for job_id in submitted:
+            assert not _started(orch, job_id) and (await fake_client.get_job(job_id)).state == JobState.QUEUED
+    assert [await _statuses(fake_client, job_id) for job_id in submitted] == [["OK"]] * 4
