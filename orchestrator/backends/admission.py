@@ -1,4 +1,4 @@
-"""Execs a few at a time: a burst of process starts runs first come first served instead of all at once.
+"""Execs a few at a time: a burst of process starts runs in turn instead of all at once.
 
 Hundreds of rollouts that started together ask for their execs together. Started at once, the processes share the
 cores and each ends when nearly all have, so every rollout waits the whole burst out; admitted a few at a time, the
@@ -11,12 +11,18 @@ holds the others back longer than that; and on a slower host, where every exec t
 them, so the places do not cap the host's rate of process starts below what its cores make (a fixed 50 ms did: 8
 places allow 160 starts a second, fewer than a loaded 2-core host makes). The price: where most execs are long
 commands, the hold grows to `max_hold_s`, and a burst of them starts `slots` per `max_hold_s`.
+
+Turns go round the tenants waiting (first come first served within each): a place that frees goes to the next tenant
+in the round, not to the oldest exec. A tenant whose rollouts queue hundreds of long commands (each holding its place
+`max_hold_s`) would otherwise put a neighbour's `echo` behind all of them, seconds of wait a rollout; in turn, the
+neighbour waits at most one exec of each other tenant waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -33,20 +39,23 @@ class ExecAdmission:
     def __init__(self, slots: int, max_hold_s: float) -> None:
         self.max_hold_s = max_hold_s
         self.typical_s = HOLD_MIN_S / HOLD_FACTOR
-        self._free = asyncio.Semaphore(slots)
+        self._free = slots
+        # per tenant, its execs waiting in order; the dict's order is the round (a tenant served goes to its end)
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
 
     @property
     def hold_s(self) -> float:
         """How long the next exec may hold its place."""
         return min(self.max_hold_s, max(HOLD_MIN_S, HOLD_FACTOR * self.typical_s))
 
-    async def run(self, start: Callable[[], Awaitable[T]]) -> T:
-        """Await what `start()` makes once admitted (a caller cancelled while it waits its turn made nothing)."""
-        await self._free.acquire()
+    async def run(self, start: Callable[[], Awaitable[T]], tenant: str = "") -> T:
+        """Await what `start()` makes once admitted, in `tenant`'s turn (a caller cancelled while it waits made
+        nothing)."""
+        await self._acquire(tenant)
         try:
             task = asyncio.ensure_future(start())
         except BaseException:
-            self._free.release()
+            self._release()
             raise
         hold, t0 = self.hold_s, time.monotonic()
         try:
@@ -55,7 +64,7 @@ class ExecAdmission:
             task.cancel()
             raise
         finally:
-            self._free.release()
+            self._release()
         try:
             return await task
         finally:
@@ -63,3 +72,35 @@ class ExecAdmission:
             # within a few dozen execs, and one long command moves it little
             took = min(time.monotonic() - t0, 2 * hold)
             self.typical_s += AVERAGE_WEIGHT * (took - self.typical_s)
+
+    async def _acquire(self, tenant: str) -> None:
+        if self._free and not self._waiting:
+            self._free -= 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(tenant, deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._release()  # the place came with the cancellation: hand it on
+            else:
+                queue = self._waiting.get(tenant)
+                if queue is not None and turn in queue:
+                    queue.remove(turn)
+                    if not queue:
+                        del self._waiting[tenant]
+            raise
+
+    def _release(self) -> None:
+        """Give the place to the next tenant in the round, or free it."""
+        while self._waiting:
+            tenant = next(iter(self._waiting))
+            queue = self._waiting.pop(tenant)
+            turn = queue.popleft()
+            if queue:
+                self._waiting[tenant] = queue  # to the end of the round
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1

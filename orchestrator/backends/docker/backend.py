@@ -26,6 +26,7 @@ from orchestrator.backends.docker.freezer import Freezer
 from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.startup import create_until_ready
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, Owner, sweep
+from orchestrator.backends.pool import TENANT_LABEL
 from orchestrator.core.errors import (
     ConfigError,
     LimitNotAppliedError,
@@ -121,7 +122,7 @@ class DockerSandbox(Sandbox):
             )
 
         admission = self._backend.admission
-        return await (call() if admission is None else admission.run(call))
+        return await (call() if admission is None else admission.run(call, self.spec.labels.get(TENANT_LABEL, "")))
 
     async def exec_stream(
         self,

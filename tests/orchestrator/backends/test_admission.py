@@ -1,5 +1,6 @@
-"""Execs a few at a time (orchestrator/backends/admission.py): the cap holds, a long command holds its place only
-briefly, a cancelled caller leaves nothing running or waiting; on Docker, a burst of execs and a long one beside it."""
+"""Execs a few at a time (orchestrator/backends/admission.py): the cap holds, turns go round the tenants, a long
+command holds its place only briefly, a cancelled caller leaves nothing running or waiting; on Docker, a burst of
+execs and a long one beside it (a tenant's turns on Docker: tests/security/test_exec_turns.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,45 @@ async def test_at_most_slots_start_at_once_first_come_first_served() -> None:
     assert await asyncio.gather(*(admission.run(functools.partial(call, i)) for i in range(10))) == list(range(10))
     assert most == 2
     assert order == list(range(10))
+
+
+async def test_turns_go_round_the_tenants_waiting() -> None:
+    """One place, held: tenant a queues five execs, then b two and c one. As the place frees, it goes a, b, c, a, b,
+    a, a, a (first come first served would give b and c theirs after all of a's)."""
+    admission = ExecAdmission(1, max_hold_s=5.0)
+    gate = asyncio.Event()
+    order: list[str] = []
+
+    async def call(name: str) -> None:
+        order.append(name)
+
+    blocker = asyncio.ensure_future(admission.run(gate.wait, "a"))
+    await asyncio.sleep(0)
+    names = [f"a{i}" for i in range(5)] + ["b0", "b1", "c0"]
+    calls = []
+    for name in names:
+        calls.append(asyncio.ensure_future(admission.run(functools.partial(call, name), name[0])))
+        await asyncio.sleep(0)  # queued in this order
+    gate.set()
+    await asyncio.gather(blocker, *calls)
+    assert order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3", "a4"]
+
+
+async def test_a_cancelled_turn_is_skipped_and_the_place_not_lost() -> None:
+    admission = ExecAdmission(1, max_hold_s=5.0)
+    gate = asyncio.Event()
+    blocker = asyncio.ensure_future(admission.run(gate.wait, "a"))
+    await asyncio.sleep(0)
+    gone = asyncio.ensure_future(admission.run(lambda: asyncio.sleep(0, "gone"), "b"))
+    kept = asyncio.ensure_future(admission.run(lambda: asyncio.sleep(0, "kept"), "c"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    gate.set()
+    assert await asyncio.wait_for(kept, 1) == "kept"
+    await blocker
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert admission._free == 1 and not admission._waiting
 
 
 async def test_a_long_call_holds_its_place_only_hold_s() -> None:

@@ -1,0 +1,35 @@
+"""A tenant cannot queue its neighbours' execs behind its own: exec admission's places go round the tenants waiting
+(orchestrator/backends/admission.py). Real Docker, one place: tenant "greedy" queues eight long commands, each
+holding the place its full hold; tenant "modest"'s command, asked for after all eight, starts second, not ninth."""
+
+from __future__ import annotations
+
+import asyncio
+
+from orchestrator.backends.pool import TENANT_LABEL
+from orchestrator.core.sandbox import SandboxSpec
+from tests.conftest import owned_backend
+
+# each command prints when it started (the host's clock: containers share it), then the greedy ones run on
+STARTED = "date +%s.%N"
+
+
+async def test_a_neighbour_waits_one_turn_not_behind_a_greedy_tenant(base_image: str) -> None:
+    async with owned_backend(exec_admission=1, exec_admission_hold_s=0.3) as backend:
+        greedy, modest = await asyncio.gather(
+            backend.create(SandboxSpec(image=base_image, labels={TENANT_LABEL: "greedy"})),
+            backend.create(SandboxSpec(image=base_image, labels={TENANT_LABEL: "modest"})),
+        )
+        try:
+            assert backend.admission is not None
+            backend.admission.typical_s = 10.0  # execs here take long: each holds its place the whole 0.3 s
+            longs = [asyncio.ensure_future(greedy.exec(["sh", "-c", f"{STARTED}; sleep 2"])) for _ in range(8)]
+            await asyncio.sleep(0.2)  # each asks for its place at its first step: one admitted, seven waiting
+            mine = await modest.exec(["sh", "-c", STARTED])
+            results = await asyncio.gather(*longs)
+            assert mine.exit_code == 0 and all(r.exit_code == 0 for r in results)
+            starts = sorted(float(r.stdout) for r in results)
+            # first come first served would have started it after all eight
+            assert float(mine.stdout) < starts[2], (float(mine.stdout), starts)
+        finally:
+            await asyncio.gather(greedy.close(), modest.close())
