@@ -15,7 +15,7 @@ commands, the hold grows to `max_hold_s`, and a burst of them starts `slots` per
 Turns go round the tenants waiting (first come first served within each): a place that frees goes to the next tenant
 in the round, not to the oldest exec. A tenant whose rollouts queue hundreds of long commands (each holding its place
 `max_hold_s`) would otherwise put a neighbour's `echo` behind all of them, seconds of wait a rollout; in turn, the
-neighbour waits at most one exec of each other tenant waiting.
+neighbour waits, beside the execs holding the places, at most one exec of each other tenant waiting.
 """
 
 from __future__ import annotations

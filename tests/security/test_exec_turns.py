@@ -1,6 +1,7 @@
 """A tenant cannot queue its neighbours' execs behind its own: exec admission's places go round the tenants waiting
 (orchestrator/backends/admission.py). Real Docker, one place: tenant "greedy" queues eight long commands, each
-holding the place its full hold; tenant "modest"'s command, asked for after all eight, starts second, not ninth."""
+holding the place its full hold; tenant "modest"'s command, asked for after all eight, starts third (after the one
+holding the place and the greedy tenant's next turn, which came before it), not ninth."""
 
 from __future__ import annotations
 
