@@ -152,6 +152,13 @@ async def timed_job(
     return counts, elapsed, cpu
 
 
+def _reaped_cpu_s() -> float:
+    """CPU seconds of this process's children reaped so far: the workers live on, so between two readings around
+    `timed_job` it is the trainer's."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 async def rollouts_per_s(workers: int, total: int, in_flight: int = 1024) -> dict[str, Any]:
     """One job of `total` light rollouts on `workers` worker processes: rollouts/s from submit to the last one.
     `in_flight` is deep enough that the host's CPU is the bound, not the round trip: at 128 one worker used 74% of
@@ -163,15 +170,15 @@ async def rollouts_per_s(workers: int, total: int, in_flight: int = 1024) -> dic
         try:
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 await _drain(client, await client.submit(_job(ids[:4])))  # warm the workers' pools and code
-            before, reaped = proc_cpu.read(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            before, reaped = proc_cpu.read(), _reaped_cpu_s()
             counts, elapsed, _ = await timed_job(orch.address, _job(ids, n=n))
-            after, reaped2 = proc_cpu.read(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            after, trainer = proc_cpu.read(), _reaped_cpu_s() - reaped
         finally:
             await orch.stop(grace=1)
     done = sum(counts.values())
     # by process: the control plane (this one), its workers, and the trainer (the one child reaped meanwhile)
     cpu = {k: v for k, v in proc_cpu.per(before, after, done, 1e6).items() if k in ("control_plane", "workers")}
-    cpu["trainer"] = round((reaped2.ru_utime + reaped2.ru_stime - reaped.ru_utime - reaped.ru_stime) / done * 1e6, 1)
+    cpu["trainer"] = round(trainer / done * 1e6, 1)
     return {
         "rollouts_per_s": round(done / elapsed, 1),
         "cpu_us_per_rollout": cpu,
@@ -360,13 +367,12 @@ async def paced(total: int = 1200, in_flight: int = 64, exec_s: float = 1.0) -> 
         try:
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 await _drain(client, await client.submit(_job(ids[:4])))
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers live on: only the trainer is reaped
+            reaped = _reaped_cpu_s()
             counts, elapsed, cpu = await timed_job(orch.address, _job(ids, n=n))
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            trainer = _reaped_cpu_s() - reaped
         finally:
             await orch.stop(grace=1)
     done = sum(counts.values())
-    trainer = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return {
         "rollouts_per_s": round(done / elapsed, 1),
         "control_plane_cpu_us_per_rollout": round(cpu / done * 1e6),
