@@ -32,6 +32,10 @@ T = TypeVar("T")
 MAX_BATCH = 512  # calls per transaction
 REMOVE_CHUNK = 2000  # rollouts deleted per call when a job is removed: a huge job does not hold the log's thread
 COMMIT_GAP_S = 0.005  # while busy, the time from one transaction's end to the next one's start
+# A rollout's row is about 3 KB (its JSON and its wire form): on 4 KB pages nearly a page each, which its insert and
+# then its ack write out whole. On 16 KB pages a page holds five: the control plane's CPU per rollout at 3,000 a second
+# went down 6-10%, its system time a quarter (bench/results.json, fleet.store_page_size); paced, no difference.
+PAGE_SIZE = 16384
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY,
@@ -110,6 +114,7 @@ class ResultStore:
     def _connect(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a new log's; one made before keeps its own
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
         db.executescript(SCHEMA)

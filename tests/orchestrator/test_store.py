@@ -94,6 +94,23 @@ async def test_a_log_from_before_wire_bytes_opens_and_streams(tmp_path: Path) ->
         assert entry_to_pb(entry) == rollout_pb(entry.payload, entry.seq)  # converted from its JSON, as before
         seq = await store.append(_encoded(_sample(2)))  # and new rows carry their bytes
         assert seq is not None and (await store.read(r.job_id, entry.seq, 10))[0].wire
+        assert store.db.execute("PRAGMA page_size").fetchone()[0] == 4096  # it keeps the pages it was made with
+    finally:
+        await store.close()
+
+
+async def test_a_new_log_has_pages_of_several_rollouts(tmp_path: Path) -> None:
+    """A rollout's row (JSON and wire form) is about 3 KB: on the default 4 KB pages its insert and its ack each wrote
+    nearly a page of its own."""
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    try:
+        assert store.db.execute("PRAGMA page_size").fetchone()[0] == store_module.PAGE_SIZE == 16384
+        assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        enc = _encoded(_sample(0))
+        assert len(enc.json) + len(enc.wire) > 2500
+        for i in range(10):
+            await store.append(_encoded(_sample(i)))
+        assert [e.seq for e in await store.read("job-a", 0, 100)] == list(range(1, 11))
     finally:
         await store.close()
 
