@@ -16,14 +16,19 @@ Turns go round the tenants waiting (first come first served within each): a plac
 in the round, not to the oldest exec. A tenant whose rollouts queue hundreds of long commands (each holding its place
 `max_hold_s`) would otherwise put a neighbour's `echo` behind all of them, seconds of wait a rollout; in turn, the
 neighbour waits, beside the execs holding the places, at most one exec of each other tenant waiting.
+
+A streamed exec (a raw sandbox's ExecStream) takes its turn the same way, and holds its place until its stream ends or
+its hold is up; not admitted, streams would let a tenant start its processes all at once while everyone else's took
+turns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -51,27 +56,35 @@ class ExecAdmission:
     async def run(self, start: Callable[[], Awaitable[T]], tenant: str = "") -> T:
         """Await what `start()` makes once admitted, in `tenant`'s turn (a caller cancelled while it waits made
         nothing)."""
+        async with self.place(tenant) as hold:
+            t0 = time.monotonic()
+            try:
+                return await start()
+            finally:
+                # every exec counts, a long one as twice the hold it had: a host that slows down moves the average
+                # up within a few dozen execs, and one long command moves it little
+                took = min(time.monotonic() - t0, 2 * hold)
+                self.typical_s += AVERAGE_WEIGHT * (took - self.typical_s)
+
+    @contextlib.asynccontextmanager
+    async def place(self, tenant: str = "") -> AsyncIterator[float]:
+        """Hold a place, once admitted in `tenant`'s turn, while the body runs and at most the hold it gives (a
+        streamed exec holds one so, its length counting nowhere: a stream lasts as long as its reader wants)."""
         await self._acquire(tenant)
+        hold, held = self.hold_s, True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._release()
+
+        timer = asyncio.get_running_loop().call_later(hold, release)
         try:
-            task = asyncio.ensure_future(start())
-        except BaseException:
-            self._release()
-            raise
-        hold, t0 = self.hold_s, time.monotonic()
-        try:
-            await asyncio.wait((task,), timeout=hold)
-        except BaseException:
-            task.cancel()
-            raise
+            yield hold
         finally:
-            self._release()
-        try:
-            return await task
-        finally:
-            # every exec counts, a long one as twice the hold it had: a host that slows down moves the average up
-            # within a few dozen execs, and one long command moves it little
-            took = min(time.monotonic() - t0, 2 * hold)
-            self.typical_s += AVERAGE_WEIGHT * (took - self.typical_s)
+            timer.cancel()
+            release()
 
     async def _acquire(self, tenant: str) -> None:
         if self._free and not self._waiting:

@@ -77,6 +77,7 @@ class DockerSandbox(Sandbox):
         self._backend = backend
         self._closed = False
         self._freezer = Freezer.of(cid)
+        self._tenant = spec.labels.get(TENANT_LABEL, "")  # whose turn its execs take (admission)
 
     def freeze(self) -> bool:
         return not self._closed and self._freezer is not None and self._freezer.freeze()
@@ -122,7 +123,7 @@ class DockerSandbox(Sandbox):
             )
 
         admission = self._backend.admission
-        return await (call() if admission is None else admission.run(call, self.spec.labels.get(TENANT_LABEL, "")))
+        return await (call() if admission is None else admission.run(call, self._tenant))
 
     async def exec_stream(
         self,
@@ -136,15 +137,19 @@ class DockerSandbox(Sandbox):
     ) -> AsyncIterator[ExecEvent]:
         if self._closed:
             raise SandboxDiedError(f"sandbox {self.name} was closed")
-        self.thaw()
-        stream = self.transport.exec_stream(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
-        try:
-            async for ev in stream:
-                yield ev
-        except SandboxUnavailableError as e:
-            raise await self._diagnose(e) from e
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+        admission = self._backend.admission
+        async with contextlib.nullcontext() if admission is None else admission.place(self._tenant):
+            self.thaw()
+            stream = self.transport.exec_stream(
+                cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output
+            )
+            try:
+                async for ev in stream:
+                    yield ev
+            except SandboxUnavailableError as e:
+                raise await self._diagnose(e) from e
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
 
     async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
         data: bytes = await self._guard(self.transport.read_file(path, max_bytes))

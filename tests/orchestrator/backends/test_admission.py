@@ -87,6 +87,24 @@ async def test_a_long_call_holds_its_place_only_hold_s() -> None:
         await long
 
 
+async def test_a_place_held_by_a_body_frees_at_its_hold_or_its_end() -> None:
+    """A streamed exec's place: a body that runs on lets it go after the hold (and the average is not moved), one
+    that ends sooner lets it go at once."""
+    admission = ExecAdmission(1, max_hold_s=0.1)
+    admission.typical_s = 10.0
+    async with admission.place("a") as hold:
+        assert hold == 0.1
+        t0 = time.monotonic()
+        assert await admission.run(lambda: asyncio.sleep(0, "waited"), "b") == "waited"
+        assert 0.09 < time.monotonic() - t0 < 1.0
+        typical = admission.typical_s  # moved by b's exec
+        await asyncio.sleep(0.05)
+    assert admission.typical_s == typical
+    async with admission.place("a"):
+        pass
+    assert admission._free == 1 and not admission._waiting
+
+
 async def test_the_hold_follows_how_long_execs_take() -> None:
     """On a host where execs take 50 ms, the hold grows past them (a fixed one would cap the starts a second); one
     long command moves it little; it never passes max_hold_s."""
