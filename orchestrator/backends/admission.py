@@ -68,8 +68,9 @@ class ExecAdmission:
 
     @contextlib.asynccontextmanager
     async def place(self, tenant: str = "") -> AsyncIterator[float]:
-        """Hold a place, once admitted in `tenant`'s turn, while the body runs and at most the hold it gives (a
-        streamed exec holds one so, its length counting nowhere: a stream lasts as long as its reader wants)."""
+        """Hold a place, once admitted in `tenant`'s turn, while the body runs and at most the hold it yields. A
+        streamed exec holds its place so; its length does not move the average (a stream lasts as long as its
+        reader wants)."""
         await self._acquire(tenant)
         hold, held = self.hold_s, True
 
