@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from orchestrator.backends.pool import TENANT_LABEL
 from orchestrator.core.echo import echo
 from orchestrator.core.environment import ImageSource
 from orchestrator.core.errors import (
@@ -225,7 +226,7 @@ class SandboxManager:
                     limits=lim,
                     runtime=runtime,
                     env=variables,
-                    labels={"envfleet.sandbox": sid, "envfleet.tenant": tenant},
+                    labels={"envfleet.sandbox": sid, TENANT_LABEL: tenant},
                     ttl_s=min(ttl + LEASE_GRACE_S, MAX_LEASE_S),
                 )
             )

@@ -77,7 +77,11 @@ class DockerSandbox(Sandbox):
         self._backend = backend
         self._closed = False
         self._freezer = Freezer.of(cid)
-        self._tenant = spec.labels.get(TENANT_LABEL, "")  # whose turn its execs take (admission)
+
+    @property
+    def _tenant(self) -> str:
+        """Whose turn its execs take (admission)."""
+        return self.spec.labels.get(TENANT_LABEL, "")
 
     def freeze(self) -> bool:
         return not self._closed and self._freezer is not None and self._freezer.freeze()
