@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend
-from orchestrator.backends.pool import PoolConfig, SandboxPool
+from orchestrator.backends.pool import TENANT_LABEL, PoolConfig, SandboxPool
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.sandbox import SandboxSpec
 from protos import orchestrator_pb2 as pb
@@ -133,6 +133,24 @@ async def test_session_sandboxes_come_from_the_tenants_own_pool(tmp_path: Path, 
         assert live[rb.session_id].sandbox.spec.labels["envfleet.tenant"] == "team-b"
         for client, r in ((a, ra), (b, rb)):
             await client.session_stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id))
+
+
+async def test_raw_sandboxes_carry_the_callers_tenant(tmp_path: Path, token_file: Path) -> None:
+    """A raw sandbox's tenant label is the authenticated caller's (the request has no labels to set): the key its
+    streamed and plain execs take their turns by (tests/security/test_exec_turns.py)."""
+    async with (
+        serve(tmp_path / "data", backend=FAKE, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        assert orch.sandboxes is not None
+        ia = await a.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
+        ib = await b.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
+        live = orch.sandboxes._live  # the manager's own record of each raw sandbox
+        assert live[ia.sandbox_id].sandbox.spec.labels[TENANT_LABEL] == "team-a"
+        assert live[ib.sandbox_id].sandbox.spec.labels[TENANT_LABEL] == "team-b"
+        for client, info in ((a, ia), (b, ib)):
+            await client.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=info.sandbox_id))
 
 
 async def test_rollout_sandboxes_come_from_the_job_owners_pool(tmp_path: Path, token_file: Path) -> None:
