@@ -61,6 +61,10 @@ EXPIRY_EVERY_MAX_S = 60.0  # how often finished jobs are checked against the ret
 LOG_RETRY_FIRST_S, LOG_RETRY_MAX_S = 0.1, 5.0  # a result log write that failed is tried again, backing off
 # while results come quicker than this, a stream sends at most one batch per gap, carrying all that landed meanwhile
 STREAM_GAP_S = 0.05
+# the most bytes of rollouts one stream message carries (more than one rollout or group never goes past it): under
+# gRPC's default 4 MiB receive limit, which a trainer in most languages has unless it raises it, and under the
+# server's smallest max_message_bytes, with room for the fields the stream adds (seq, advantage, group headers)
+STREAM_BATCH_BYTES = 3 << 20
 T = TypeVar("T")
 
 
@@ -442,6 +446,8 @@ class JobManager:
                     backlog = len(entries) == limit
                     if n > 1 and backlog:
                         entries = _whole_groups(entries)
+                    if len(entries) > 1 and (head := _within_bytes(entries, STREAM_BATCH_BYTES, n > 1)) < len(entries):
+                        entries, backlog = entries[:head], True
                 if entries:
                     cursor = entries[-1].seq
                     job.delivered = max(job.delivered, cursor)
@@ -585,6 +591,28 @@ def _whole_groups(entries: list[LogEntry]) -> list[LogEntry]:
     while i > 0 and entries[i - 1].group_id == last:
         i -= 1
     return entries[:i] if i > 0 else entries
+
+
+def _within_bytes(entries: list[LogEntry], budget: int, grouped: bool) -> int:
+    """How many of `entries` (from the first) one message carries within `budget` bytes, `grouped`: ending on a
+    group's end (a group's entries are consecutive in the log). The first rollout, or group, goes even past the
+    budget, by itself."""
+    total, end = 0, len(entries)
+    for i, e in enumerate(entries):
+        # the wire form as stored, else the JSON's UTF-8, about as long as the message made from it or longer
+        total += len(e.wire) if e.wire is not None else len(e.payload.encode())
+        if total > budget:
+            end = i
+            break
+    if end == len(entries) or not grouped:
+        return max(end, 1)
+    while end > 0 and entries[end].group_id == entries[end - 1].group_id:
+        end -= 1  # back to the start of the group the budget ran out in
+    if end == 0:  # the first group alone is over the budget: it goes whole
+        end = 1
+        while end < len(entries) and entries[end].group_id == entries[0].group_id:
+            end += 1
+    return end
 
 
 def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "grpo") -> Batch:

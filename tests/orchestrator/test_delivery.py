@@ -16,11 +16,15 @@ import grpc
 import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.server.app import Orchestrator
+from orchestrator.service.jobs import _within_bytes
 from orchestrator.service.registry import Registry
-from orchestrator.service.store import ResultStore
+from orchestrator.service.store import LogEntry, ResultStore
+from orchestrator.testing.policy_script import Script, Step
 from orchestrator.testing.scripted_policy import ScriptedServer, start_scripted_server
 from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
+from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
 from tests.orchestrator.servers import until_done
@@ -294,3 +298,38 @@ async def test_auto_acks_go_behind_the_reader_and_are_through_when_it_stops(
         rest = [r.id async for r in fake_client.rollouts(job_id, max_batch=1)]
     assert len(rest) == 4 and len(sent) == 4, sent  # a new reader's first ack goes at once, the others together
     assert (await fake_client.get_job(job_id)).acked == 8
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["rollouts", "groups"])
+async def test_big_rollouts_come_in_messages_a_client_with_grpcs_default_limit_reads(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str], groups: bool
+) -> None:
+    # 16 rollouts of about 700 KB each: one message of all of them is past gRPC's default 4 MiB receive limit, the
+    # limit of a trainer in most languages that set none (and, past 64 MiB, of every client and of the server)
+    script = Script(default=[Step(content="x" * 700_000)])
+    server = await start_scripted_server(script, tokens=False)
+    try:
+        job_id = await fake_client.submit(job(server.url, task_ids[:8], n=2, deliver_groups=groups))
+        assert await until_done(fake_client, job_id, 16, timeout_s=60) == 16
+    finally:
+        await server.close()
+    got: list[str] = []
+    async with grpc.aio.insecure_channel(fake_orchestrator.address) as channel:  # gRPC's own defaults
+        stub = pb_grpc.RolloutServiceStub(channel)
+        async for batch in stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_batch=64)):
+            assert batch.ByteSize() <= 4 << 20
+            got += [r.id for r in batch.rollouts] + [r.id for g in batch.groups for r in g.rollouts]
+            if groups:
+                assert all(len(g.rollouts) == 2 for g in batch.groups), "a group is never split"
+    assert sorted(got) == sorted({f"{job_id}:{t}:{i}" for t in task_ids[:8] for i in range(2)})
+
+
+def test_a_message_ends_within_its_bytes_on_a_groups_end_and_a_big_first_one_goes_alone() -> None:
+    def entries(*groups: str) -> list[LogEntry]:
+        return [LogEntry(seq=i + 1, group_id=g, payload="{}", wire=b"x" * 10) for i, g in enumerate(groups)]
+
+    assert _within_bytes(entries("a", "b", "c"), 30, grouped=False) == 3
+    assert _within_bytes(entries("a", "b", "c"), 25, grouped=False) == 2
+    assert _within_bytes(entries("a", "b", "c"), 5, grouped=False) == 1  # the first goes, by itself
+    assert _within_bytes(entries("a", "a", "b", "b"), 35, grouped=True) == 2  # not half of b
+    assert _within_bytes(entries("a", "a", "a", "b"), 15, grouped=True) == 3  # all of a, alone
