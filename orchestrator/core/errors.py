@@ -49,6 +49,10 @@ class SandboxUnavailableError(SandboxError, ConnectionError):
     """envd did not answer, though the container may still be running."""
 
 
+class EngineError(SandboxError):
+    """The container engine failed a call (a 5xx answer, no answer): the fleet's fault, never the environment's."""
+
+
 class SandboxFileError(EnvfleetError, OSError):
     """A file operation inside the sandbox failed (missing path, symlink refused, not a directory...)."""
 

@@ -7,9 +7,10 @@ import asyncio
 import logging
 
 import docker
+import requests
 
 from orchestrator.core.environment import Environment
-from orchestrator.core.errors import ImageBuildError
+from orchestrator.core.errors import EngineError, ImageBuildError
 from orchestrator.images.base import ensure_base_image
 from orchestrator.images.spec import build_from_spec
 
@@ -40,14 +41,22 @@ class ImageResolver:
         return env.ref() in self._cache
 
     async def resolve(self, env: Environment) -> tuple[str, str]:
-        """The image's tag and id, built first if needed; an engine failure is an ImageBuildError."""
+        """The image's tag and id, built first if needed. The engine failing a call (a 5xx answer, no answer) is
+        an EngineError, which rollouts retry as infrastructure; its refusing one (a 4xx: a base image that does not
+        exist) is the environment's ImageBuildError, as a failed build step is."""
         key = env.ref()
         async with self._locks.setdefault(key, asyncio.Lock()):
             if key not in self._cache:
                 try:
                     self._cache[key] = await asyncio.to_thread(self._build, env)
+                except docker.errors.APIError as e:
+                    if e.is_server_error():
+                        raise EngineError(f"the engine failed resolving the image of {key}: {e}") from e
+                    raise ImageBuildError(f"the engine refused building the image of {key}: {e}") from e
                 except docker.errors.DockerException as e:
                     raise ImageBuildError(f"the engine failed building the image of {key}: {e}") from e
+                except requests.exceptions.RequestException as e:
+                    raise EngineError(f"the engine did not answer resolving the image of {key}: {e}") from e
             return self._cache[key]
 
     def prebuild(self, env: Environment) -> asyncio.Task[None]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
+import socketserver
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,10 +16,14 @@ import docker.errors
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.core.errors import ImageBuildError, InvalidRequestError
+from orchestrator.core.errors import EngineError, ImageBuildError, InvalidRequestError
 from orchestrator.core.image_spec import ImageSpec, render_dockerfile
+from orchestrator.core.models import RolloutStatus
 from orchestrator.images import build_image, ensure_base_image
 from orchestrator.images.build import image_key
+from orchestrator.images.resolver import ImageResolver
+from orchestrator.rollout.step import classify_failure
+from orchestrator.service.registry import Registry
 
 
 @pytest.fixture
@@ -210,3 +217,48 @@ def test_an_image_built_from_a_moving_tag_is_rebuilt_when_the_tag_moves(
         for tag in [*made, f"{moving}:latest"]:
             with contextlib.suppress(docker.errors.DockerException):
                 docker_client.images.remove(tag, noprune=True)
+
+
+class _EngineAnswering(http.server.BaseHTTPRequestHandler):
+    """An engine that answers every call with the server's `code` (a 5xx: the engine itself failing)."""
+
+    def _answer(self) -> None:
+        body = b'{"message": "write /var/lib/docker/tmp: no space left on device"}'
+        self.send_response(self.server.code)  # type: ignore[attr-defined]
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_HEAD = do_DELETE = _answer
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _engine(path: Path, code: int) -> Iterator[str]:
+    server = socketserver.ThreadingUnixStreamServer(str(path), _EngineAnswering)
+    server.code = code  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"unix://{path}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+async def test_the_engine_failing_a_call_is_infrastructure_not_the_environments_fault(tmp_path: Path) -> None:
+    # an ENV_ERROR is never retried and tells the trainer the environment is broken: an engine out of disk or gone
+    # is neither (the rollout is retried as INFRA_ERROR, within the job's budget)
+    env = Registry.from_entry_points().get("python-tool")
+    with _engine(tmp_path / "engine.sock", 500) as url:
+        resolver = ImageResolver(docker.DockerClient(base_url=url, version="1.41", timeout=10))
+        with pytest.raises(EngineError, match="no space left on device") as failed:
+            await resolver.resolve(env)
+    assert classify_failure(failed.value)[0] == RolloutStatus.INFRA_ERROR
+    gone = ImageResolver(docker.DockerClient(base_url=f"unix://{tmp_path / 'no-engine.sock'}", version="1.41"))
+    with pytest.raises(EngineError, match="did not answer"):
+        await gone.resolve(env)
