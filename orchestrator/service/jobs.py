@@ -35,6 +35,7 @@ from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.errors import (
     EnvfleetError,
+    EnvironmentNotFoundError,
     InvalidRequestError,
     JobFinishedError,
     JobNotFoundError,
@@ -102,7 +103,7 @@ class _Listener:
 class _Job:
     job_id: str
     spec: JobSpec
-    env: Environment
+    env: Environment | None  # None: resumed after its environment was unregistered (ended; nothing of it runs)
     total: int
     state: JobState
     created_at: float
@@ -130,6 +131,13 @@ class _Job:
     @property
     def finished(self) -> bool:
         return self.state in (JobState.COMPLETED, JobState.CANCELLED)
+
+    @property
+    def run_env(self) -> Environment:
+        """The environment its rollouts run in; only a job that runs has one."""
+        if self.env is None:
+            raise EnvironmentNotFoundError(f"job {self.job_id}'s environment {self.spec.env} is not registered")
+        return self.env
 
 
 def select_tasks(env: Environment, spec: JobSpec) -> list[Task]:
@@ -216,11 +224,9 @@ class JobManager:
             if self._expired(stored.finished_at, now):
                 await self._remove(stored.job_id)
                 continue
-            try:
+            env: Environment | None = None
+            with contextlib.suppress(EnvfleetError):  # a job whose environment is gone is ended below, saying so
                 env = self.registry.get(stored.spec.env)
-            except EnvfleetError as e:
-                log.error("cannot resume job %s: %s", stored.job_id, e)
-                continue
             job = _Job(
                 stored.job_id,
                 stored.spec,
@@ -242,12 +248,25 @@ class JobManager:
             if stored.spec.deliver_groups:
                 await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
             done_ids = await self.store.done_ids(job.job_id)
-            items = [i for i in self._items(job.job_id, env, stored.spec, owner=stored.owner) if i.id not in done_ids]
+            try:
+                items = [
+                    i
+                    for i in self._items(job.job_id, job.run_env, stored.spec, owner=stored.owner)
+                    if i.id not in done_ids
+                ]
+                if items:
+                    self.scheduler.check_fits(_need(job.run_env))
+            except EnvfleetError as e:
+                # what changed while it was down (an environment or a task gone, less capacity) ends the job: it stays,
+                # so that what it logged is streamed and acked and its retention applies, and the server starts
+                log.error("cannot resume job %s, so it is cancelled: %s", job.job_id, e)
+                await self._finish(job, JobState.CANCELLED)
+                continue
             log.info("resuming job %s: %d of %d rollouts left", job.job_id, len(items), job.total)
             if not items:
                 await self._finish(job, JobState.COMPLETED)
                 continue
-            self._queue(job.job_id, env, stored.spec, items, stored.owner)
+            self._queue(job.job_id, job.run_env, stored.spec, items, stored.owner)
 
     def _items(
         self,
@@ -316,7 +335,7 @@ class JobManager:
         deferred, self._deferred = self._deferred, []
         for job, items in deferred:
             if not job.finished:
-                self._queue(job.job_id, job.env, job.spec, items, job.owner)
+                self._queue(job.job_id, job.run_env, job.spec, items, job.owner)
 
     def _cancel_start_timers(self) -> None:
         for timer in (self._defer_timer, self._quiet_timer):
@@ -356,12 +375,12 @@ class JobManager:
         self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
         try:
             rollout = await traced_rollout(
-                self.tracer, item, job.env.ref(), lambda traced: self.executor.run(traced, job.env, job.spec)
+                self.tracer, item, job.run_env.ref(), lambda traced: self.executor.run(traced, job.run_env, job.spec)
             )
         except Exception as e:  # an executor's bug: the rollout is masked, never lost (the job would never end)
             log.error("rollout %s: the executor failed", item.id, exc_info=e)
             error = RolloutError(kind=type(e).__name__, message=f"the rollout could not be run: {e}"[:2000])
-            rollout = unrun_rollout(item, job.env.ref(), job.spec.policy.version, error)
+            rollout = unrun_rollout(item, job.run_env.ref(), job.spec.policy.version, error)
         self.metrics.rollouts.labels(rollout.status.value).inc()
         if job.state == JobState.CANCELLED:
             return

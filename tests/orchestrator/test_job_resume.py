@@ -1,0 +1,53 @@
+"""A restart resumes the unfinished jobs of the result log; one that can no longer run (its environment or a task of
+it gone while the server was down) is ended as CANCELLED, with what it logged still streamed and acked, and the
+server starts. Real gRPC, jobs, store and scheduler on the fake backend; the log is edited as an upgrade would leave
+it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, JobState, TaskSelection
+from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from tests.orchestrator.conftest import ENV
+from tests.orchestrator.servers import FAKE, serve, until_done
+
+
+@pytest.mark.parametrize("gone", ["environment", "task"])
+async def test_a_job_that_can_no_longer_run_is_cancelled_at_the_restart_and_keeps_what_it_logged(
+    tmp_path: Path, task_ids: list[str], gone: str
+) -> None:
+    data = tmp_path / "data"
+    spec = JobSpec(
+        env=ENV, tasks=TaskSelection(kind="ids", ids=task_ids[:3]), policy=PolicyEndpoint(base_url=REPLAY_URL)
+    )
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(spec)
+        assert await until_done(client, job_id, 3, timeout_s=60) == 3
+    # what a stop mid-job leaves (one rollout not logged yet), after an upgrade dropped the job's environment or a
+    # task it names
+    with sqlite3.connect(data / "results.sqlite3") as db:
+        (stored,) = db.execute("SELECT spec FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        changed = json.loads(stored)
+        if gone == "environment":
+            changed["env"] = "retired-env@1"
+        else:
+            changed["tasks"]["ids"] = [*task_ids[:2], "retired-task"]
+        db.execute(
+            "UPDATE jobs SET spec = ?, state = 'RUNNING', finished_at = NULL WHERE job_id = ?",
+            (json.dumps(changed), job_id),
+        )
+        db.execute("DELETE FROM rollouts WHERE seq = (SELECT MAX(seq) FROM rollouts WHERE job_id = ?)", (job_id,))
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        info = await client.get_job(job_id)
+        assert info.state == JobState.CANCELLED and info.done == 2
+        async with asyncio.timeout(30):
+            assert len([r async for r in client.rollouts(job_id)]) == 2  # streamed, acked, the stream ends
+        assert (await client.get_job(job_id)).acked == 2
+        assert len(await client.list_jobs()) == 1
