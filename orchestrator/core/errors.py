@@ -41,6 +41,11 @@ class SandboxStartTimeoutError(SandboxCreateError, TimeoutError):
     """envd did not answer its health check before the startup deadline."""
 
 
+class SandboxWaitTimeoutError(SandboxError, TimeoutError):
+    """A rollout's time ran out before it had its image and sandbox (a congested fleet, a slow engine): the
+    fleet's fault, retried, never the episode's TIMEOUT."""
+
+
 class SandboxDiedError(SandboxError):
     """The sandbox's container stopped underneath us (killed from outside, OOM, engine restart)."""
 

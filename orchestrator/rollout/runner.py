@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from orchestrator.backends.pool import LEASE_MARGIN_S, TENANT_LABEL, SandboxPool
 from orchestrator.core.environment import Environment, ImageSource, Task
-from orchestrator.core.errors import EnvironmentBroken, ImageBuildError
+from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, SandboxWaitTimeoutError
 from orchestrator.core.models import (
     EncodedRollout,
     JobSpec,
@@ -204,6 +204,7 @@ class RolloutRunner:
         warm = False
         failure: Exception | None = None
         infra_failed = False
+        acquired = False  # the image and the sandbox are in hand: what runs out of time after this is the episode's
         setup_kind = "own"
         try:
             try:
@@ -234,6 +235,7 @@ class RolloutRunner:
                         warm = source == "warm"
                         self.active[item.id] = sandbox
                         phase.span.set({SANDBOX_WARM: warm})
+                    acquired = True
                     timing.sandbox_acquire = phase.seconds
                     with Phase(span, "setup") as phase:
                         box = sandbox
@@ -271,6 +273,11 @@ class RolloutRunner:
                             phase.span.set({REWARD: score.reward})
                     timing.scoring = phase.seconds
             except Exception as e:
+                if type(e) is TimeoutError and not acquired:  # the attempt's own deadline, in the fleet's part of it
+                    e = SandboxWaitTimeoutError(
+                        f"no sandbox within the rollout's {spec.rollout_timeout_s:g}s (waiting for the image, a "
+                        "place to start one, or the engine)"
+                    )
                 failure = e
                 # a sandbox that failed us (or any failure nobody classified) is never reused
                 status, error = classify_failure(e, timeout_message=f"rollout exceeded {spec.rollout_timeout_s:g}s")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 import docker
 import grpc
 import pytest
 
+from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.backends.fake import FakeBackend
 from orchestrator.client.sdk import EnvfleetClient
@@ -23,7 +25,7 @@ from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
-from tests.orchestrator.servers import local_runner, until_done
+from tests.orchestrator.servers import local_runner, serve, until_done
 
 
 async def test_job_streams_scored_groups_with_exact_tokens(
@@ -248,3 +250,18 @@ async def test_a_policy_version_update_keeps_the_endpoints_client() -> None:
     assert executor.policy(endpoint.model_copy(update={"model": "other"})) is not first  # another endpoint
     await executor.close()
     await backend.close()
+
+
+async def test_a_rollout_out_of_time_before_it_had_a_sandbox_is_infrastructure_not_a_timeout(
+    tmp_path: Path, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # TIMEOUT is the episode's (a trainer may penalise a slow policy for it); a fleet too slow to hand out a sandbox
+    # within the rollout's time is the fleet's: INFRA_ERROR, retried within the job's budget
+    slow = FakeBackendConfig(owner=TEST_OWNER, create_latency_s=3.0)
+    async with serve(tmp_path / "data", backend=slow) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(job(policy_server.url, task_ids[:1], rollout_timeout_s=0.5, max_infra_retries=0))
+        async with asyncio.timeout(30):
+            (r,) = [r async for r in client.rollouts(job_id)]
+    assert (r.status, r.reward, r.attempts) == (RolloutStatus.INFRA_ERROR, None, 1)
+    assert r.error is not None and r.error.kind == "SandboxWaitTimeoutError", r.error
+    assert "no sandbox within the rollout's 0.5s" in r.error.message
