@@ -173,6 +173,11 @@ def write_file(path: str, workspace: str, content: bytes, mode: int, make_parent
         f.write(content)
 
 
+def _inside(path: str, root: str) -> bool:
+    """Whether the normalized absolute `path` is `root` or lies under it ("/" holds every path)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
 def _member_target(dest: str, name: str) -> str:
     norm = os.path.normpath(name)
     if os.path.isabs(name) or norm == ".." or norm.startswith("../"):
@@ -223,8 +228,11 @@ def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
                     os.fchmod(fd, m.mode & 0o777)
                 count += 1
             elif m.issym():
+                # where the link points, absolute or relative, is judged on its normalized path: inside the
+                # destination or refused (at "/" nothing is outside); a member is never written through a link
+                # in any case, by the resolve above
                 link_dest = os.path.normpath(os.path.join(os.path.dirname(target), m.linkname))
-                if os.path.isabs(m.linkname) or not (link_dest == dest or link_dest.startswith(dest + "/")):
+                if not _inside(link_dest, dest):
                     raise InvalidRequestError(f"tar member {m.name!r} is a link out of the destination ({m.linkname})")
                 if os.path.lexists(target):
                     os.unlink(target)

@@ -414,6 +414,11 @@ type fsExtractor struct {
 	buf   []byte // the copy buffer, made for the first file
 }
 
+// fsInside is _inside: whether the normalized absolute path is root or lies under it ("/" holds every path).
+func fsInside(path, root string) bool {
+	return path == root || strings.HasPrefix(path, strings.TrimRight(root, "/")+"/")
+}
+
 // member extracts one member, as one turn of extract_tar's loop.
 func (x *fsExtractor) member(hdr *tar.Header) error {
 	name := fsMemberName(hdr)
@@ -477,8 +482,9 @@ func (x *fsExtractor) member(hdr *tar.Header) error {
 		}
 		x.count++
 	case tar.TypeSymlink:
-		linkDest := fsNormpath(fsJoin(parent, hdr.Linkname))
-		if strings.HasPrefix(hdr.Linkname, "/") || !(linkDest == x.dest || strings.HasPrefix(linkDest, x.dest+"/")) {
+		// where the link points, absolute or relative, is judged on its normalized path: inside the destination
+		// or refused (at "/" nothing is outside); a member is never written through a link in any case
+		if !fsInside(fsNormpath(fsJoin(parent, hdr.Linkname)), x.dest) {
 			return invalidf("tar member %s is a link out of the destination (%s)", pyRepr(name), hdr.Linkname)
 		}
 		if fsLstatAt(dirfd, base, &st) == nil {

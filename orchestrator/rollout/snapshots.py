@@ -9,19 +9,27 @@ Snapshots are held in the orchestrator's memory, so they are bounded: one snapsh
 `max_bytes` (counted as it streams out of envd), and a job holds at most `per_job_count` snapshots and
 `per_job_bytes` in all. A group whose snapshot would pass a bound is not snapshotted: its samples each run the
 setup, as without snapshots (slower, never wrong).
+
+A snapshot is restored into the workspace itself, never into its parent, so envd's check that no member and no
+link lands outside the destination keeps its meaning (at "/" everything is inside). envd's Download names the
+members `workspace/...`; they are taken off that prefix once, when the snapshot is made. A snapshot that envd
+would refuse (a link out of the workspace, such as a venv's `bin/python -> /usr/bin/python3`, or a fifo) is not
+kept: the group's samples run the setup. One that a sandbox still refuses is dropped for the rest of the group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import io
 import logging
-import os
+import posixpath
+import tarfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from orchestrator.core.errors import ArchiveTooLargeError
+from orchestrator.core.errors import ArchiveTooLargeError, InvalidRequestError, SandboxError, SandboxFileError
 from orchestrator.core.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,66 @@ class SnapshotBudget:
     max_bytes: int = 256 << 20
     per_job_count: int = 256
     per_job_bytes: int = 1 << 30
+
+
+class _Unusable(Exception):
+    """A snapshot that cannot be restored into another sandbox."""
+
+
+def _rebase(tar: bytes, workspace: str) -> bytes:
+    """The workspace's archive from envd's Download, its members taken off their `workspace/` prefix so that it is
+    restored into the workspace itself. Raises _Unusable for a member no envd restores there: a link out of the
+    workspace (an absolute one too: older envds and the fake backend refuse every absolute link), a device or a
+    fifo."""
+    top = posixpath.basename(posixpath.normpath(workspace))
+    out = io.BytesIO()
+    try:
+        with (
+            tarfile.open(fileobj=io.BytesIO(tar), mode="r|") as src,
+            tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
+        ):
+            for m in src:
+                rel = _relative(m.name, top)
+                if rel is None:
+                    continue  # the workspace itself
+                info = tarfile.TarInfo(rel)
+                info.type, info.mode, info.mtime = m.type, m.mode, int(m.mtime)
+                if m.issym():
+                    if posixpath.isabs(m.linkname) or _escapes(posixpath.join(posixpath.dirname(rel), m.linkname)):
+                        raise _Unusable(f"{rel} is a link out of the workspace ({m.linkname})")
+                    info.linkname = m.linkname
+                    dst.addfile(info)
+                elif m.islnk():
+                    source = _relative(m.linkname, top)
+                    if source is None:
+                        raise _Unusable(f"{rel} is a hard link to the workspace itself")
+                    info.linkname = source
+                    dst.addfile(info)
+                elif m.isdir():
+                    dst.addfile(info)
+                elif m.isfile():
+                    info.type, info.size = tarfile.REGTYPE, m.size
+                    dst.addfile(info, src.extractfile(m))
+                else:
+                    raise _Unusable(f"{rel}: devices and fifos are not restored")
+    except tarfile.TarError as e:
+        raise _Unusable(f"the workspace's archive could not be read: {e}") from None
+    return out.getvalue()
+
+
+def _escapes(path: str) -> bool:
+    norm = posixpath.normpath(path)
+    return posixpath.isabs(norm) or norm == ".." or norm.startswith("../")
+
+
+def _relative(name: str, top: str) -> str | None:
+    """A member's name inside the workspace (None: the workspace itself), or _Unusable if it lies outside."""
+    norm = posixpath.normpath(name)
+    if norm == top:
+        return None
+    if not norm.startswith(top + "/") or _escapes(norm[len(top) + 1 :]):
+        raise _Unusable(f"member {name!r} is not in the workspace's archive")
+    return norm[len(top) + 1 :]
 
 
 class SnapshotCache:
@@ -67,7 +135,7 @@ class SnapshotCache:
             raise ArchiveTooLargeError(f"job {key[0]} has spent its snapshot budget")
         self._count[key[0]] += 1
         try:
-            tar = await sandbox.download_at_most(workspace, room)
+            tar = await asyncio.to_thread(_rebase, await sandbox.download_at_most(workspace, room), workspace)
         except BaseException:
             self._count[key[0]] -= 1
             raise
@@ -86,7 +154,7 @@ class SnapshotCache:
                 await setup()
                 try:
                     fut.set_result(await self._snapshot(key, sandbox, workspace))
-                except ArchiveTooLargeError as e:
+                except (ArchiveTooLargeError, _Unusable) as e:
                     # this sample is set up; the others run their own setup (the failed future stays: no retry)
                     log.info("no snapshot of %s: %s", key[1], e)
                     fut.set_exception(RuntimeError(f"snapshot of {key[1]} skipped: {e}"))
@@ -105,8 +173,26 @@ class SnapshotCache:
             log.info("%s; running the setup instead", e)
             await setup()
             return "fallback"
-        await sandbox.upload(tar, os.path.dirname(workspace.rstrip("/")) or "/")
+        try:
+            await sandbox.upload(tar, workspace)
+        except (InvalidRequestError, SandboxFileError) as e:
+            # refused by this sandbox's envd, so likely by every one: the group's other samples (and this one's
+            # retry, on a fresh sandbox: this workspace holds part of the snapshot) run the setup instead
+            self._drop(key, fut, len(tar), f"snapshot of {key[1]} could not be restored: {e}")
+            raise SandboxError(f"the snapshot of {key[1]} could not be restored: {e}") from e
         return "restored"
+
+    def _drop(self, key: tuple[str, str], fut: asyncio.Future[bytes], size: int, why: str) -> None:
+        """Replace a snapshot by a failure, so that whoever asks for it next runs the setup."""
+        if self._snapshots.get(key) is not fut:
+            return  # dropped already (or the job forgotten)
+        log.warning("%s; the group's samples run the setup", why)
+        failed = asyncio.get_running_loop().create_future()
+        failed.set_exception(RuntimeError(why))
+        failed.exception()
+        self._snapshots[key] = failed
+        self._count[key[0]] -= 1
+        self._bytes[key[0]] -= size
 
     def forget_job(self, job_id: str) -> None:
         """Drop the job's snapshots (its groups are done)."""

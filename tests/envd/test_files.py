@@ -127,3 +127,71 @@ async def test_tar_upload_never_writes_through_an_existing_link(
 async def test_upload_of_garbage_is_invalid(envd_client: EnvdTransport) -> None:
     with pytest.raises(InvalidRequestError, match="not a tar archive"):
         await envd_client.upload(b"this is not a tar file" * 100, "g")
+
+
+def _tar_of(entries: list[tuple[str, str | bytes]]) -> bytes:
+    """A tar of (name, content) in order: bytes is a regular file, str the target of a symbolic link."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, value in entries:
+            info = tarfile.TarInfo(name)
+            if isinstance(value, str):
+                info.type, info.linkname = tarfile.SYMTYPE, value
+                tar.addfile(info)
+            else:
+                info.size, info.mode = len(value), 0o640
+                tar.addfile(info, io.BytesIO(value))
+    return buf.getvalue()
+
+
+async def test_tar_upload_keeps_links_that_stay_inside_the_destination(
+    envd_client: EnvdTransport, host_envd: tuple[str, str, Path]
+) -> None:
+    _, _, ws = host_envd
+    up = ws / "up"
+    tar = _tar_of(
+        [
+            ("deps/prepared.txt", b"ready\n"),
+            ("deps/link", "prepared.txt"),
+            ("deps/up", ".."),  # the destination itself
+            ("abs", f"{up}/deps/prepared.txt"),  # absolute, and inside the destination
+        ]
+    )
+    for dest in ("up", "up/"):  # a trailing slash names the same destination
+        assert await envd_client.upload(tar, dest) == 4
+        assert os.readlink(up / "deps/link") == "prepared.txt"
+        assert os.readlink(up / "abs") == f"{up}/deps/prepared.txt"
+        assert (up / "abs").read_text() == "ready\n"
+    # still refused: a sibling that only shares the destination's name as a prefix, and a way out through ".."
+    for target in (f"{ws}/upx", f"{up}/../outside", "../../upx/f", "/etc"):
+        with pytest.raises(InvalidRequestError, match="link out of the destination"):
+            await envd_client.upload(_tar_of([("evil", target)]), "up")
+        assert not (up / "evil").is_symlink()
+
+
+async def test_tar_upload_to_the_root_keeps_every_link_and_never_writes_through_one(
+    envd_client: EnvdTransport, host_envd: tuple[str, str, Path]
+) -> None:
+    """Extracted at "/" (as a group snapshot was), every link lies inside the destination: none is refused, and a
+    member under a link extracted earlier is still never written through it."""
+    _, _, ws = host_envd
+    rel = str(ws).lstrip("/")  # member names relative to "/"
+    tar = _tar_of(
+        [
+            (f"{rel}/deps/prepared.txt", b"ready\n"),
+            (f"{rel}/deps/link", "prepared.txt"),
+            (f"{rel}/abs", f"{ws}/deps/prepared.txt"),
+            (f"{rel}/py", "/usr/bin/python3"),
+        ]
+    )
+    assert await envd_client.upload(tar, "/") == 4
+    assert (ws / "deps/link").read_text() == "ready\n"
+    assert os.readlink(ws / "abs") == f"{ws}/deps/prepared.txt"
+    assert os.readlink(ws / "py") == "/usr/bin/python3"
+    outside = ws.parent / "outside3"
+    outside.mkdir()
+    with pytest.raises(SandboxPermissionError, match="symbolic link"):
+        await envd_client.upload(_tar_of([(f"{rel}/d", str(outside)), (f"{rel}/d/planted", b"x")]), "/")
+    assert not (outside / "planted").exists()
+    with pytest.raises(InvalidRequestError, match="escapes the destination"):
+        await envd_client.upload(_tar_of([("../x", b"x")]), "/")

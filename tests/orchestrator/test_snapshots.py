@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from orchestrator.backends.docker.backend import DockerBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
@@ -18,22 +20,27 @@ from orchestrator.testing.scripts import reference_script
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.servers import local_runner
 
+# every link in the workspace with its target, one a line: the setup keeps what it left, the scorer compares
+LIST_LINKS = 'find . -type l | sort | while read -r l; do echo "$l $(readlink "$l")"; done'
+
 
 async def _prepared(ctx: ScoringContext) -> float:
     data = await ctx.sandbox.read_file("deps/prepared.txt")
-    return float(data == b"ready\n")
+    links = await ctx.sandbox.exec(LIST_LINKS)
+    return float(data == b"ready\n" and links.stdout == await ctx.sandbox.read_file("links.txt"))
 
 
 class SlowSetupEnv(Environment):
-    """A setup that costs a second of CPU and leaves files in the workspace."""
+    """A setup that costs a second of CPU and leaves files in the workspace (and whatever `extra` leaves)."""
 
     name = "slow-setup"
     tools = ("bash", "submit")
     snapshot_setup = True
     rubric = Rubric([("prepared", _prepared, 1.0)])
 
-    def __init__(self) -> None:
+    def __init__(self, extra: str = "true") -> None:
         self.setups = 0
+        self.extra = extra
 
     def tasks(self) -> Sequence[Task]:
         return [
@@ -44,12 +51,24 @@ class SlowSetupEnv(Environment):
         self.setups += 1
         r = await sandbox.exec(
             "python3 -c 'sum(i*i for i in range(3_000_000))' && mkdir -p deps && echo ready > deps/prepared.txt"
+            f" && {self.extra} && ({LIST_LINKS}) > links.txt"
         )
         assert r.exit_code == 0, r.stderr
 
 
-async def test_group_starts_from_one_snapshot(tmp_path: Path, base_image: str) -> None:
-    env = SlowSetupEnv()
+@pytest.mark.parametrize(
+    ("extra", "setups"),
+    [
+        ("true", 2),
+        # links that stay in the workspace are restored as they are (they used to fail every restore, at "/")
+        ("ln -s prepared.txt deps/link && ln -s deps top && ln -s ../deps deps/up", 2),
+        # a link out of the workspace (a venv's bin/python) is not restored: every sample runs the setup
+        ("ln -s /usr/bin/python3 py", 8),
+    ],
+    ids=["files", "links-inside", "link-outside"],
+)
+async def test_group_starts_from_one_snapshot(tmp_path: Path, base_image: str, extra: str, setups: int) -> None:
+    env = SlowSetupEnv(extra)
     registry = Registry()
     registry.register(env)
     policy = await start_scripted_server(reference_script(env))
@@ -62,8 +81,9 @@ async def test_group_starts_from_one_snapshot(tmp_path: Path, base_image: str) -
             rollouts = [r async for r in client.rollouts(await client.submit(spec))]
         assert len(rollouts) == 8
         assert all(r.status == RolloutStatus.OK and r.reward == 1.0 for r in rollouts), [r.error for r in rollouts]
-        assert env.setups == 2, "one setup per group"
-        assert sum(r.metrics["setup_from_snapshot"] for r in rollouts) == 6
+        assert env.setups == setups, "one setup per group, where the snapshot can be restored"
+        assert sum(r.metrics["setup_from_snapshot"] for r in rollouts) == 8 - setups
+        assert all(r.attempts == 1 for r in rollouts)
         assert len(local_runner(orch).snapshots) == 0, "snapshots are dropped when the job ends"
     finally:
         await orch.stop()
