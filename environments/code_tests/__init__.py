@@ -1,6 +1,6 @@
 """code-tests: write a function from its docstring. The reward is the fraction of hidden unit tests that pass, run in
-the sandbox with a timeout. The tests are written into the sandbox only after the episode, so the policy never sees
-them."""
+the sandbox with a timeout. The tests reach the sandbox only after the episode, on the grader's stdin, so the policy
+never sees them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from environments.sdk import Environment, Rubric, ScoringContext, Task, ToolInvo
 from orchestrator.core.environment import GRADER_CWD, GRADER_ENV
 
 SOLUTION = "solution.py"
-HIDDEN_DIR = "/tmp/.envfleet-hidden"
 TEST_TIMEOUT_S = 30.0
 # The grader reads this file of the workspace and nothing else the policy wrote. It runs with `python -I` (no user
 # site, no PYTHON* variables, no script or current directory on sys.path), an empty HOME and a fixed cwd
@@ -47,18 +46,20 @@ out.write(json.dumps(answers))
 out.flush()
 os._exit(0)
 """
-# Runs in the sandbox after the episode: loads the cases and deletes them before the solution's child starts,
-# compares its answers, prints JSON counts.
+# Runs in the sandbox after the episode (`python3 -I -c RUNNER solution function CHILD`): reads the cases from its
+# stdin, runs the solution's child, compares its answers, prints JSON counts. Nothing of the grader is written into
+# the sandbox: a fixed path in /tmp (the cases were written to /tmp/.envfleet-hidden) is the policy's to take first,
+# with a directory of mode 0, a file or a link there, or a /tmp it filled, and the failed write was ENV_ERROR, a
+# rollout masked from training instead of scored 0. The policy's processes run as the grader's own uid, so no place
+# in the sandbox is the grader's alone; stdin is.
 RUNNER = """
 import ctypes, json, os, subprocess, sys
 if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
     sys.exit("cannot make the grader non-dumpable")
-with open(sys.argv[1]) as f:
-    cases = json.load(f)
-os.unlink(sys.argv[1])
+cases = json.load(sys.stdin)
 read, write = os.pipe()
 child = subprocess.Popen(
-    [sys.executable, "-I", "-c", sys.argv[4], sys.argv[2], sys.argv[3], str(write)],
+    [sys.executable, "-I", "-c", sys.argv[3], sys.argv[1], sys.argv[2], str(write)],
     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write,),
 )
 os.close(write)
@@ -119,13 +120,12 @@ async def hidden_tests_passed(ctx: ScoringContext) -> float:
     """The fraction of hidden cases the solution passes, run in the sandbox with a timeout."""
     task = ctx.task
     sb = ctx.sandbox
-    await sb.write_file(f"{HIDDEN_DIR}/cases.json", json.dumps(task.data["cases"]).encode())
-    await sb.write_file(f"{HIDDEN_DIR}/run.py", RUNNER.encode())
     solution = f"{sb.spec.workspace}/{SOLUTION}"
     r = await sb.exec(
-        ["python3", "-I", f"{HIDDEN_DIR}/run.py", f"{HIDDEN_DIR}/cases.json", solution, task.data["function"], CHILD],
+        ["python3", "-I", "-c", RUNNER, solution, task.data["function"], CHILD],
         cwd=GRADER_CWD,
         env=GRADER_ENV,
+        stdin=json.dumps(task.data["cases"]).encode(),
         timeout=TEST_TIMEOUT_S,
         max_output=64 << 10,
     )

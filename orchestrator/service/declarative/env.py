@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -32,7 +32,17 @@ from orchestrator.service.declarative.spec import EnvironmentSpec
 
 MAX_SCORING_OUTPUT = 1 << 20
 TENANT_BUILD = BuildLimits()  # a spec's build is tenant content: memory, CPU and time limits
+# ENVFLEET_ANSWER holds at most this many bytes of UTF-8: the kernel refuses an environment string over 128 KiB
+# (MAX_ARG_STRLEN, in bytes) with E2BIG, for the scoring command and for every command it starts.
 MAX_ANSWER_ENV = 64 << 10
+# What no environment variable can hold (NUL ends a C string; an unpaired surrogate has no UTF-8): ENVFLEET_ANSWER has
+# U+FFFD in its place. The exact answer is always in the JSON on stdin.
+_NOT_IN_ENV = re.compile("[\x00\ud800-\udfff]")
+# A scoring payload over this is streamed into the command in chunks of STDIN_CHUNK: sent whole, it is one gRPC
+# message, and envd refuses one over 64 MiB. The policy decides its size: an answer (up to 32 MiB, a policy response's
+# cap) is in it twice, as the answer and in the turns, and JSON's escapes make each up to six times as long.
+STREAM_STDIN_OVER = 8 << 20
+STDIN_CHUNK = 1 << 20
 TAIL_CHARS = 600
 # The package check runs at build time, offline: a missing package fails the build with this message.
 _PACKAGE_CHECK = (
@@ -50,6 +60,18 @@ def image_name(env_name: str) -> str:
 def _tail(data: bytes) -> str:
     text = data.decode(errors="replace").strip()
     return text if len(text) <= TAIL_CHARS else "..." + text[-TAIL_CHARS:]
+
+
+def answer_env(answer: str | None) -> str:
+    """The answer as ENVFLEET_ANSWER carries it: NUL and unpaired surrogates as U+FFFD, cut to MAX_ANSWER_ENV bytes
+    of UTF-8 at a character's boundary. Whatever the policy submits fits, so it is graded, never an ENV_ERROR."""
+    data = _NOT_IN_ENV.sub("\ufffd", answer or "").encode()
+    return data[:MAX_ANSWER_ENV].decode(errors="ignore")  # "ignore" drops only a character the cut split
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), STDIN_CHUNK):
+        yield data[start : start + STDIN_CHUNK]
 
 
 def parse_score(result: ExecResult, timeout_s: float) -> Score:
@@ -164,14 +186,16 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
         # by `python3 -c`); the workspace is named in ENVFLEET_WORKSPACE for commands that read the policy's files
         env = {
             "ENVFLEET_TASK_ID": task.id,
-            "ENVFLEET_ANSWER": (episode.answer or "")[:MAX_ANSWER_ENV],
+            "ENVFLEET_ANSWER": answer_env(episode.answer),
             "ENVFLEET_WORKSPACE": sandbox.spec.workspace,
             **GRADER_ENV,
         }
+        # ASCII whatever the answer holds: json escapes NUL, unpaired surrogates and every other non-ASCII character
+        data = json.dumps(payload).encode()
         r = await sandbox.exec(
             ["/bin/sh", "-c", scoring.command],
             cwd=GRADER_CWD,
-            stdin=json.dumps(payload).encode(),
+            stdin=_chunks(data) if len(data) > STREAM_STDIN_OVER else data,
             env=env,
             timeout=scoring.timeout_s,
             max_output=MAX_SCORING_OUTPUT,

@@ -1,0 +1,156 @@
+"""A policy cannot turn a rollout heading for 0 into ENV_ERROR. Under RL a rollout that ends ENV_ERROR is masked
+from training instead of scored, so a losing policy gains by breaking its own grading; whatever the policy does is
+graded, and a wrong answer scores 0 (status OK).
+
+- A declarative scoring command got the answer in ENVFLEET_ANSWER as well as on stdin: a NUL in it made envd refuse
+  the command, 65,536 two-byte characters (the cut counted characters) made execve fail with E2BIG, and an unpaired
+  surrogate could not be encoded into envd's request at all.
+  And an answer of 6 million two-byte characters (a 12 MB response) made the episode's JSON for stdin 72 MB, over the
+  64 MiB of one gRPC message: INFRA_ERROR, retried and never scored.
+- code-tests wrote its hidden tests to the fixed path /tmp/.envfleet-hidden, in the /tmp the policy writes: a
+  directory of mode 0, a file or a link planted there, or a full /tmp, made the grader's write fail.
+
+Real Docker, the real server and its runner, the scripted policy double."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from environments.code_tests import SOLUTION, CodeTestsEnv
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.service.declarative.env import MAX_ANSWER_ENV, answer_env
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
+from tests.orchestrator.servers import serve
+from tests.orchestrator.test_registration import to_pb
+
+EXPECTED = "42"
+# The scoring command reports what reached it in ENVFLEET_ANSWER (its length in bytes, -1 when unset) beside the
+# reward, which it computes from the exact answer on stdin.
+GRADER = (
+    'python3 -I -c \'import json, os, sys; e = json.load(sys.stdin); a = os.environb.get(b"ENVFLEET_ANSWER"); '
+    'print(json.dumps({"reward": float(e["answer"] == e["data"]["expected"]), '
+    '"env_answer_bytes": -1 if a is None else len(a)}))\''
+)
+# What the policy submits, and how many bytes of it ENVFLEET_ANSWER carries: NUL and an unpaired surrogate, which no
+# environment variable can hold, become U+FFFD (3 bytes); a long answer is cut at 64 KiB, counted in bytes.
+ANSWERS: dict[str, tuple[str, int]] = {
+    "right": (EXPECTED, 2),
+    "nul": ("4\x002", 5),
+    "two-byte": ("\u00e9" * 65536, 64 << 10),
+    "surrogate": ("\ud800", 3),
+}
+# the final text of a policy that stops without submit is its answer: this one is 12 MB, and six times as long as
+# JSON's escapes on stdin, where it is twice (the answer, and the turn's text)
+HUGE = ("\u00e9" * 6_000_000, 64 << 10)
+
+
+def _declarative_spec() -> dict[str, Any]:
+    return {
+        "name": "forced-env-error",
+        "version": "1",
+        "tools": ["bash", "submit"],
+        "tasks": [
+            {
+                "id": tid,
+                "prompt": "Submit 42.",
+                "data": {"expected": EXPECTED},
+                "reference": [{"name": "submit", "arguments": {"answer": EXPECTED}}],
+            }
+            for tid in [*ANSWERS, "huge"]
+        ],
+        "scoring": {"command": GRADER, "timeout_s": 30},
+        "limits": {"memory_mb": 256, "pids": 64},
+        "max_turns": 2,
+        "tool_timeout_s": 20,
+    }
+
+
+async def _run(client: EnvfleetClient, env: str, script: Script) -> dict[str, Rollout]:
+    policy = await start_scripted_server(script, tokens=False)
+    try:
+        job_id = await client.submit(
+            JobSpec(
+                env=env,
+                tasks=TaskSelection(kind="ids", ids=list(script.tasks)),
+                policy=PolicyEndpoint(base_url=policy.url, model="scripted"),
+            )
+        )
+        async with asyncio.timeout(240):
+            return {r.task_id: r async for r in client.rollouts(job_id)}
+    finally:
+        await policy.close()
+
+
+async def test_any_answer_is_graded(tmp_path: Path, base_image: str) -> None:
+    script = Script(
+        tasks={
+            tid: [Step(tool_calls=[ScriptedToolCall(name="submit", arguments={"answer": answer})])]
+            for tid, (answer, _) in ANSWERS.items()
+        }
+        | {"huge": [Step(content=HUGE[0])]}
+    )
+    async with serve(tmp_path, Registry.from_entry_points()) as orch, EnvfleetClient(orch.address) as client:
+        await client.env_stub.Register(to_pb(_declarative_spec()))
+        got = await _run(client, "forced-env-error", script)
+    outcomes = {tid: (r.status, r.reward, r.error.message if r.error else "") for tid, r in got.items()}
+    expected = {**ANSWERS, "huge": HUGE}
+    assert outcomes == {tid: (RolloutStatus.OK, float(tid == "right"), "") for tid in expected}
+    assert {tid: r.reward_components for tid, r in got.items()} == {
+        tid: {"env_answer_bytes": env_bytes} for tid, (_, env_bytes) in expected.items()
+    }
+
+
+# What the policy leaves in its sandbox before it submits a wrong solution: each made the grader's write of the hidden
+# tests fail. A full /tmp is the policy's own doing (the sandbox's /tmp starts empty), and the grader needs none of it.
+PLANTS = {
+    "mode-0 directory": "mkdir -m 0 /tmp/.envfleet-hidden",
+    "file": "printf x > /tmp/.envfleet-hidden",
+    "link": "ln -s /nonexistent/dir /tmp/.envfleet-hidden",
+    "full /tmp": "cat /dev/zero > /tmp/fill; df -k /tmp | tail -n 1",
+}
+FILL_TMP = PLANTS["full /tmp"]
+
+
+def _plant_then(command: str, solution: str) -> list[Step]:
+    return [
+        Step(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": command})]),
+        Step(tool_calls=[ScriptedToolCall(name="write_file", arguments={"path": SOLUTION, "content": solution})]),
+        Step(tool_calls=[ScriptedToolCall(name="submit", arguments={"answer": ""})]),
+    ]
+
+
+async def test_what_the_policy_leaves_in_tmp_does_not_stop_the_hidden_tests(tmp_path: Path, base_image: str) -> None:
+    tasks = list(CodeTestsEnv().tasks())[: len(PLANTS) + 1]
+    wrong = {t.id: f"def {t.data['function']}(*args):\n    return None\n" for t in tasks}
+    plants = dict(zip((t.id for t in tasks), PLANTS.items(), strict=False))
+    # and the grader still grades: the right solution in a sandbox whose /tmp is full scores 1
+    control = tasks[len(PLANTS)]
+    steps = {tid: _plant_then(command, wrong[tid]) for tid, (_, command) in plants.items()}
+    steps[control.id] = _plant_then(FILL_TMP, str(control.reference[0].arguments["content"]))
+    async with serve(tmp_path, Registry.from_entry_points()) as orch, EnvfleetClient(orch.address) as client:
+        got = await _run(client, CodeTestsEnv.name, Script(tasks=steps))
+    outcomes = {
+        plants[tid][0] if tid in plants else "control": (r.status, r.reward, r.error.message if r.error else "")
+        for tid, r in got.items()
+    }
+    assert outcomes == {
+        **{how: (RolloutStatus.OK, 0.0, "") for how in PLANTS},
+        "control": (RolloutStatus.OK, 1.0, ""),
+    }
+    r = got[control.id]
+    # the plant took effect: the fill ran into the cap of /tmp
+    fill_output = json.dumps([t.model_dump() for t in r.turns])
+    assert "No space left on device" in fill_output, fill_output[:2000]
+
+
+def test_the_answer_variable_is_cut_in_bytes_at_a_character_boundary() -> None:
+    answer = "a" + "\U0001f600" * 20000  # four bytes each: the cut at 64 KiB falls inside one
+    cut = answer_env(answer)
+    assert len(cut.encode()) == 1 + 4 * ((MAX_ANSWER_ENV - 1) // 4) and answer.startswith(cut)
+    assert answer_env("ok\x00\udfff") == "ok\ufffd\ufffd" and answer_env(None) == ""
