@@ -43,6 +43,7 @@ from orchestrator.core.errors import (
 )
 from orchestrator.core.sandbox import Command, ExecEvent, Limits, Sandbox, SandboxBackend, SandboxSpec
 from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
+from orchestrator.service.declarative.dockerfile import TENANT_IMAGE_PREFIX
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
@@ -184,6 +185,12 @@ class SandboxManager:
         if not image.startswith(ENVFLEET_IMAGE_PREFIX) or len(image) > 256:
             raise InvalidRequestError(
                 f"image {echo(image)}: only envfleet images (envfleet/...) may be used; they carry envd"
+            )
+        if image.startswith(TENANT_IMAGE_PREFIX):
+            # by its tag, an environment's image passes no registry: it may be another tenant's private one, with
+            # what its owner built into it (hidden tests, data)
+            raise InvalidRequestError(
+                f"image {echo(image)} is a registered environment's image: create the sandbox with env=NAME instead"
             )
         if not await asyncio.to_thread(self._image_present, image):
             raise NotFoundError(f"image {echo(image)} is not on this host; build it first (envfleet image build-base)")

@@ -135,6 +135,24 @@ async def test_session_sandboxes_come_from_the_tenants_own_pool(tmp_path: Path, 
             await client.session_stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id))
 
 
+async def test_a_raw_sandbox_is_never_made_on_an_environments_image(tmp_path: Path, token_file: Path) -> None:
+    """By its tag, an environment's image would pass no registry: it may be another tenant's private one, with what
+    its owner built into it (hidden tests, data). A raw sandbox names an environment by env=, which checks."""
+    theirs = "envfleet/env-a-private:0123456789ab"  # on this host: A's environment was built here
+    backend = FakeBackendConfig(owner=FAKE.owner, images=(theirs,))
+    async with (
+        serve(tmp_path / "data", backend=backend, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        await expect_error(
+            b.sandbox_stub.Create(pb.CreateSandboxRequest(image=theirs)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "is a registered environment's image: create the sandbox with env=NAME instead",
+        )
+        ok = await b.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
+        await b.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=ok.sandbox_id))
+
+
 async def test_raw_sandboxes_carry_the_callers_tenant(tmp_path: Path, token_file: Path) -> None:
     """A raw sandbox's tenant label is the authenticated caller's (the request has no labels to set): the key its
     streamed and plain execs take their turns by (tests/security/test_exec_turns.py)."""
