@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import grpc
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -118,6 +119,10 @@ class _Prefix:
             port = parts.port or _DEFAULT_PORTS[parts.scheme]
         except ValueError:
             raise ValueError(f"policy URL prefix {echo(url)} has a bad port") from None
+        if _has_dot_segment(parts.path):
+            raise ValueError(
+                f"policy URL prefix {echo(url)} has a dot segment in its path; give the path without dot segments"
+            )
         return cls(parts.scheme, parts.hostname.lower(), port, parts.path.rstrip("/"))
 
     def matches(self, url: _Prefix) -> bool:
@@ -129,6 +134,23 @@ class _Prefix:
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+# what a path is split into segments at on its way to the server: '/', and the backslash some gateways read as one
+_SEGMENT_SEPARATORS = re.compile(r"[/\\]")
+_MAX_DECODINGS = 4
+
+
+def _has_dot_segment(path: str) -> bool:
+    """Whether a URL path has a '.' or '..' segment: raw, percent-encoded (once or more), between backslashes or
+    encoded slashes, or before a ';' parameter. The client (yarl) resolves the raw and %2e forms before sending, and
+    a gateway may resolve the rest, so a path with one reaches another path than the one the allowlist compared."""
+    for _ in range(_MAX_DECODINGS):
+        if any(seg.split(";", 1)[0] in (".", "..") for seg in _SEGMENT_SEPARATORS.split(path)):
+            return True
+        decoded = unquote(path)
+        if decoded == path:
+            return False
+        path = decoded
+    return True  # still percent-encoded after that many decodings: no honest policy URL is
 
 
 class PolicyURLs:
@@ -141,6 +163,17 @@ class PolicyURLs:
         """PermissionDeniedError unless `url` falls under an allowed prefix."""
         if self._prefixes is None or not url:
             return
+        try:
+            dotted = _has_dot_segment(urlsplit(url).path)
+        except ValueError:  # urlsplit refuses it (a bad IPv6 host): not a URL any prefix matches
+            dotted = False
+        if dotted:
+            # what is compared must be what is sent: refused, not resolved here the way one client happens to
+            raise PermissionDeniedError(
+                f"policy base_url {echo(url)} is not in this server's allowlist of policy URLs: its path has a dot "
+                "segment ('.' or '..', plain or percent-encoded), which would be resolved to another path before it "
+                "reaches the server; give the path without them"
+            )
         try:
             parsed = _Prefix.parse(url)
         except ValueError:

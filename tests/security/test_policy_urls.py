@@ -1,28 +1,38 @@
 """A job's policy URL is the tenant's choice, so the server behind it is untrusted: the operator may restrict policy
-URLs to an allowlist, a response is read under a size cap, and no error message quotes a response body."""
+URLs to an allowlist (compared on the path that is sent), a response is read under a size cap, no error message quotes
+a response body, a redirect is an answer (never followed), and no credentials from ~/.netrc are sent."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import netrc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.errors import PermissionDeniedError, PolicyHTTPError, PolicyResponseError
+from orchestrator.core.models import RolloutStatus
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.server.security import PolicyURLs, SecurityConfig
+from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
-from tests.orchestrator.conftest import ENV
-from tests.orchestrator.servers import expect_error, serve
+from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import FAKE, expect_error, serve
 
 SECRET = "aws-secret-0123456789-from-the-metadata-service"
 MESSAGES = [{"role": "user", "content": "hi"}]
+API_KEY = "sk-tenant-key-0123456789"
+# a complete chat completion: what a canary answers, so a followed redirect would come back as the policy's turn
+CHAT = json.dumps({"choices": [{"message": {"content": "canary"}, "finish_reason": "stop"}]}).encode()
 Respond = Callable[[asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -38,10 +48,25 @@ def test_allowlist_matching() -> None:
         "http://127.0.0.1:8000@evil.example/v1",  # user info: the host is evil.example
         "https://inference.internal.evil.example/v1",
         "https://evilinference.internal/v1",
+        # dot segments: the client resolves them before sending, so these go to /v2 (or /) on an allowed host
+        "http://127.0.0.1:8000/v1/../v2",
+        "http://127.0.0.1:8000/v1/%2e%2e/v2",
+        "http://127.0.0.1:8000/v1/%2E%2e/%2e./",
+        "http://127.0.0.1:8000/v1/./../v2",
+        "http://127.0.0.1:8000/v1/..",
+        "http://127.0.0.1:8000/v1/%252e%252e/v2",  # decoded twice by a gateway
+        "http://127.0.0.1:8000/v1/..%2fv2",  # %2f decoded by a gateway
+        "http://127.0.0.1:8000/v1\\..\\v2",  # backslashes read as slashes by a gateway
+        "http://127.0.0.1:8000/v1/..;x=1/v2",  # a path parameter (Tomcat, Spring) on a dot segment
     ):
         with pytest.raises(PermissionDeniedError, match="not in this server's allowlist"):
             allow.check(bad)
+    with pytest.raises(PermissionDeniedError, match=r"its path has a dot segment .*; give the path without them"):
+        allow.check("http://127.0.0.1:8000/v1/%2e%2e/v2")
+    allow.check("http://127.0.0.1:8000/v1/a..b/.well-known/%2e%2e.c")  # dots inside a segment are just names
     PolicyURLs(None).check("http://169.254.169.254/")  # the default: any URL (documented)
+    with pytest.raises(ValidationError, match="has a dot segment in its path"):
+        SecurityConfig(policy_urls=["http://127.0.0.1:8000/v1/../v2"])
     with pytest.raises(ValidationError, match="without user info"):
         SecurityConfig(policy_urls=["http://user@host/v1"])
 
@@ -74,18 +99,30 @@ async def test_submit_and_update_policy_obey_the_allowlist(tmp_path: Path, base_
         await stub.CancelJob(pb.CancelJobRequest(job_id=reply.job_id), timeout=30)
 
 
+@dataclass
+class Heard:
+    """The requests one loopback server received: request line, headers (names in lower case), body."""
+
+    requests: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
+
+
 @pytest.fixture
-async def http_server() -> AsyncIterator[Callable[[Respond], Awaitable[str]]]:
-    """Starts one-shot HTTP servers on loopback that answer every request with `respond`."""
+async def recording_server() -> AsyncIterator[Callable[[Respond], Awaitable[tuple[str, Heard]]]]:
+    """Starts HTTP servers on loopback that answer every request with `respond` (one per connection) and record
+    what they receive; each start gives the server's base URL (.../v1) and its record."""
     servers: list[asyncio.Server] = []
 
-    async def start(respond: Respond) -> str:
+    async def start(respond: Respond) -> tuple[str, Heard]:
+        heard = Heard()
+
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            length = 0
+            request_line = (await reader.readline()).decode(errors="replace").strip()
+            headers: dict[str, str] = {}
             while (line := await reader.readline()) not in (b"\r\n", b""):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            await reader.readexactly(length)
+                name, _, value = line.decode(errors="replace").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            heard.requests.append((request_line, headers, body))
             try:
                 await respond(writer)
             except ConnectionError:
@@ -95,7 +132,7 @@ async def http_server() -> AsyncIterator[Callable[[Respond], Awaitable[str]]]:
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", heard
 
     yield start
     for s in servers:
@@ -103,13 +140,76 @@ async def http_server() -> AsyncIterator[Callable[[Respond], Awaitable[str]]]:
         await s.wait_closed()
 
 
-def _answer(status: str, body: bytes, content_type: str = "application/json") -> Respond:
+@pytest.fixture
+def http_server(
+    recording_server: Callable[[Respond], Awaitable[tuple[str, Heard]]],
+) -> Callable[[Respond], Awaitable[str]]:
+    """Starts HTTP servers on loopback that answer every request with `respond`; each start gives the base URL."""
+
+    async def start(respond: Respond) -> str:
+        url, _ = await recording_server(respond)
+        return url
+
+    return start
+
+
+def _answer(status: str, body: bytes, content_type: str = "application/json", extra: str = "") -> Respond:
     async def respond(writer: asyncio.StreamWriter) -> None:
-        head = f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+        head = f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
         writer.write(head.encode() + body)
         await writer.drain()
 
     return respond
+
+
+@pytest.mark.parametrize("status", ["307 Temporary Redirect", "308 Permanent Redirect"])
+async def test_a_redirect_is_an_answer_and_never_followed(
+    tmp_path: Path, recording_server: Callable[[Respond], Awaitable[tuple[str, Heard]]], status: str
+) -> None:
+    """An allowlisted server that redirects the POST (say to the metadata service) gets a POLICY_ERROR back; the
+    place it names hears nothing: not the request, not the tenant's API key, and its answer is never a turn."""
+    canary_url, canary = await recording_server(_answer("200 OK", CHAT))
+    policy_url, policy = await recording_server(
+        _answer(status, b"", extra=f"Location: {canary_url}/chat/completions\r\n")
+    )
+    task = Registry.from_entry_points().get(ENV).tasks()[0].id
+    spec = job(policy_url, [task])
+    spec = spec.model_copy(update={"policy": spec.policy.model_copy(update={"api_key": API_KEY, "max_retries": 0})})
+    async with serve(tmp_path / "data", backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(spec)
+        async with asyncio.timeout(60):
+            (r,) = [r async for r in client.rollouts(job_id)]
+    assert [(line, h.get("authorization")) for line, h, _ in policy.requests] == [
+        ("POST /v1/chat/completions HTTP/1.1", f"Bearer {API_KEY}")
+    ]
+    assert canary.requests == []
+    assert r.status == RolloutStatus.POLICY_ERROR and r.reward is None, (r.status, r.reward, r.error)
+    assert r.error is not None and f"answered HTTP {status.split()[0]}" in r.error.message
+
+
+async def test_netrc_credentials_are_never_sent(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    recording_server: Callable[[Respond], Awaitable[tuple[str, Heard]]],
+) -> None:
+    """The environment gives the client proxies only: a ~/.netrc entry for the policy's host (the operator's
+    credentials for some other service there) is never sent to the tenant's server."""
+    url, heard = await recording_server(_answer("200 OK", CHAT))
+    rc = tmp_path / ".netrc"
+    rc.write_text(f"machine 127.0.0.1 login operator password {SECRET}\n")
+    rc.chmod(0o600)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NETRC", raising=False)
+    assert netrc.netrc(str(Path.home() / ".netrc")).authenticators("127.0.0.1") is not None  # a client would use it
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=0))
+    try:
+        completion = await policy.complete(MESSAGES, [], Sampling())
+    finally:
+        await policy.aclose()
+    assert completion.text == "canary"
+    ((_, headers, _),) = heard.requests
+    assert "authorization" not in headers, headers
+    assert SECRET not in repr(headers)
 
 
 @pytest.mark.parametrize(
