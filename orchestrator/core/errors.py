@@ -135,6 +135,11 @@ class PolicyResponseError(PolicyError, ValueError):
     """The server answered 2xx with a body that is not a chat completion."""
 
 
+class GenerationAborted(PolicyError):
+    """The server answered 2xx, but its finish_reason says it did not finish the generation ("abort", "error"):
+    what it sent is partial. The client asks again, as after a 5xx; when the retries run out it is POLICY_ERROR."""
+
+
 class PolicyTokenError(PolicyResponseError):
     """The server's token ids or logprobs are not exact values a rollout can carry: an id that is no int in the
     wire's int32 range, a logprob that is not a finite float <= 0 (within float32), lists of unequal length. The

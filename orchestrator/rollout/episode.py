@@ -30,6 +30,7 @@ from orchestrator.core.tracing import (
     Span,
 )
 from orchestrator.rollout.policy.base import Completion, Policy
+from orchestrator.rollout.policy.parsing import CUT_OFF
 from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 
@@ -92,7 +93,8 @@ async def run_episode(
         record_assistant(state, c.text, calls)
         if not calls:
             state.answer = c.text
-            finish = "length" if c.finish_reason == "length" else "stop"
+            # the parsers let through only a turn the server ended (an unfinished one is retried, then POLICY_ERROR)
+            finish = "length" if c.finish_reason in CUT_OFF else "stop"
             break
         for call in calls:
             with Phase(span, "tool", _call_attributes(call, turn)) as phase:

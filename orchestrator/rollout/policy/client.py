@@ -8,6 +8,9 @@ proxies from the environment; a fraction of httpx's CPU per request).
 The URL is the tenant's choice, so the server at it is untrusted: its response is read with a size cap (streamed,
 stopped at `max_response_bytes`), redirects are not followed, and error messages give the status, the size and the
 content type of a response, never its body.
+
+A 200 whose finish_reason says the server did not finish the generation ("abort": vLLM and SGLang abort what is
+running for a weight sync; "error") is retried as a 5xx is: the partial answer is never a turn (parsing.py).
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import asyncio
 import json
 import logging
 import random
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import orjson
 
 from orchestrator.core.errors import (
+    GenerationAborted,
     PolicyConnectionError,
     PolicyError,
     PolicyHTTPError,
@@ -33,6 +38,7 @@ from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import parse_chat_completion
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
@@ -108,18 +114,28 @@ class OpenAIPolicy(Policy):
     async def complete(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling, *, user: str = ""
     ) -> Completion:
-        """POST one chat completion, retrying 429, 5xx, timeouts and connection errors with backoff."""
-        data = await self.post_json(self._url, self.request_body(messages, tools, sampling, user))
-        return parse_chat_completion(data, model=self.endpoint.model)
+        """POST one chat completion, retrying 429, 5xx, timeouts, connection errors and unfinished generations with
+        backoff."""
+        return await self.post_json(
+            self._url,
+            self.request_body(messages, tools, sampling, user),
+            lambda data: parse_chat_completion(data, model=self.endpoint.model),
+        )
 
-    async def post_json(self, url: str, body: dict[str, Any]) -> Any:
-        """POST a JSON body to `url` (an endpoint of this server) and return the decoded JSON answer, retrying 429,
-        5xx, timeouts and connection errors with backoff; the shared transport of chat and tito requests."""
+    async def post_json(self, url: str, body: dict[str, Any], parse: Callable[[Any], T]) -> T:
+        """POST a JSON body to `url` (an endpoint of this server) and return `parse` of the decoded JSON answer,
+        retrying 429, 5xx, timeouts, connection errors and an answer `parse` finds unfinished (GenerationAborted: a
+        200 for a request the server aborted, as during a weight sync) with backoff; the shared transport of chat and
+        tito requests."""
         headers = {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
         attempts = self.endpoint.max_retries + 1
         for attempt in range(attempts):
             try:
-                return await self._attempt(url, body, headers)
+                data = await self._attempt(url, body, headers)
+                try:
+                    return parse(data)
+                except GenerationAborted as e:
+                    raise _Retryable(e) from None
             except _Retryable as r:
                 if attempt + 1 >= attempts:
                     r.error.args = (f"{r.error} (attempt {attempt + 1} of {attempts})",)

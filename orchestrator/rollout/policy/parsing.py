@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from orchestrator.core.errors import PolicyResponseError
+from orchestrator.core.errors import GenerationAborted, PolicyResponseError
 from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.base import Completion, ToolCall
 
@@ -13,6 +14,36 @@ from orchestrator.rollout.policy.base import Completion, ToolCall
 # but never quote it, so an error cannot be used to read another host's answers.
 
 _CONTENT = "choices[0].logprobs.content"
+
+# What a turn's finish_reason says, by value. A turn is only taken when the server says it ended it: at a stop
+# (OpenAI's names; TGI's eos_token and stop_sequence) or cut short (max_tokens, a content filter). A generation the
+# server gave up on (vLLM and SGLang answer a request aborted by a weight sync with HTTP 200, the partial output and
+# "abort"; "error" for one that failed) is never a turn, and neither is a value this client does not know: either may
+# be a cut answer, and scoring it would pass a server's failure off as the model's reward.
+FINISHED = frozenset({"stop", "tool_calls", "function_call", "eos_token", "stop_sequence"})
+CUT_OFF = frozenset({"length", "content_filter"})
+NOT_FINISHED = frozenset({"abort", "error"})
+NOT_SAID = "unknown"  # no finish_reason (null or absent): taken as finished, as servers that omit it always were
+_NAME = re.compile(r"[A-Za-z0-9_.-]{0,40}")
+
+
+def finish_reason(value: Any, where: str) -> str:
+    """A turn's finish_reason (`where` names the field): one of FINISHED or CUT_OFF, or NOT_SAID for null. A value of
+    NOT_FINISHED raises GenerationAborted; any other value, PolicyResponseError naming it (quoted only when it looks
+    like a name, so a server cannot make the error carry its data)."""
+    if value is None:
+        return NOT_SAID
+    if not isinstance(value, str):
+        raise PolicyResponseError(f"{where} is a {type(value).__name__}, expected a string")
+    if value in FINISHED or value in CUT_OFF:
+        return value
+    if value in NOT_FINISHED:
+        raise GenerationAborted(f"the policy server did not finish the generation (finish_reason {value!r})")
+    shown = repr(value) if _NAME.fullmatch(value) else f"a string of {len(value)} characters"
+    raise PolicyResponseError(
+        f"{where} is {shown}, which this client does not know: it takes a turn that ended with one of "
+        f"{', '.join(sorted(FINISHED | CUT_OFF))} (or none said), and this one may be incomplete"
+    )
 
 
 def _logprob_entries(choice: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -65,6 +96,7 @@ def parse_chat_completion(data: Any, *, model: str) -> Completion:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise PolicyResponseError(f"response has no choices (a JSON object of {len(data)} keys)")
     choice = choices[0]
+    finish = finish_reason(choice.get("finish_reason"), "choices[0].finish_reason")  # first: a partial answer is moot
     message = choice.get("message")
     if not isinstance(message, dict):
         raise PolicyResponseError("choices[0] has no message object")
@@ -92,12 +124,11 @@ def parse_chat_completion(data: Any, *, model: str) -> Completion:
         raw_message["content"] = None if wire_calls else ""
     if wire_calls:
         raw_message["tool_calls"] = wire_calls
-    finish_reason = choice.get("finish_reason")
     served_model = data.get("model")
     return Completion(
         text=text,
         tool_calls=tool_calls,
-        finish_reason=finish_reason if isinstance(finish_reason, str) else "unknown",
+        finish_reason=finish,
         prompt_ids=prompt_ids,
         completion_ids=completion_ids,
         logprobs=logprobs,

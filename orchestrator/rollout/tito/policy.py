@@ -27,6 +27,7 @@ from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
+from orchestrator.rollout.policy.parsing import CUT_OFF, finish_reason
 from orchestrator.rollout.tito.parsers import ToolParser, get_parser
 from orchestrator.rollout.tito.template import ChatTemplateTokens
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
@@ -106,8 +107,11 @@ class TitoPolicy(Policy):
 
     async def sample(self, prompt_ids: list[int], sampling: Sampling, max_tokens: int, user: str) -> Sample:
         """POST the prompt ids; the sampled ids, exactly, and their logprobs."""
-        data = await self._http.post_json(self._url, self.request_body(prompt_ids, sampling, max_tokens, user))
-        return parse_completion(data, prompt_ids, max_tokens, model=self.endpoint.model)
+        return await self._http.post_json(
+            self._url,
+            self.request_body(prompt_ids, sampling, max_tokens, user),
+            lambda data: parse_completion(data, prompt_ids, max_tokens, model=self.endpoint.model),
+        )
 
 
 class TitoEpisode(Policy):
@@ -137,7 +141,7 @@ class TitoEpisode(Policy):
         end = {tokens.turn_end_id, getattr(tokens.tokenizer, "eos_token_id", None)}
         text = tokens.decode(s.ids[:-1] if s.ids and s.ids[-1] in end else s.ids)
         calls: list[ToolCall]
-        if s.finish_reason == "length":
+        if s.finish_reason in CUT_OFF:
             content, calls = text, []  # cut off: whatever call it was writing was never finished
         else:
             content, calls = parser.parse(text, tools)
@@ -181,6 +185,7 @@ def parse_completion(data: Any, prompt_ids: list[int], max_tokens: int, *, model
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise PolicyResponseError("the completions response has no choices[0] object")
     choice = choices[0]
+    finish = finish_reason(choice.get("finish_reason"), "choices[0].finish_reason")  # first: a partial sample is moot
     raw_lp = choice.get("logprobs")
     lp: dict[str, Any] = raw_lp if isinstance(raw_lp, dict) else {}
     ids = checks.token_ids(choice.get("token_ids"), "choices[0].token_ids")
@@ -207,11 +212,10 @@ def parse_completion(data: Any, prompt_ids: list[int], max_tokens: int, *, model
             raise PolicyTokenError("the policy server's choices[0].logprobs.token_logprobs is not a list")
         logprobs = checks.logprobs(raw, "choices[0].logprobs.token_logprobs[{i}]")
         checks.same_length(ids, logprobs, "choices[0].token_ids", "choices[0].logprobs.token_logprobs")
-    finish = choice.get("finish_reason")
     served = data.get("model")
     return Sample(
         ids=ids,
         logprobs=logprobs,
-        finish_reason=finish if isinstance(finish, str) else "unknown",
+        finish_reason=finish,
         model=served if isinstance(served, str) and served else model,
     )
