@@ -17,6 +17,9 @@ from orchestrator.core.sandbox import ExecResult, Sandbox
 
 MAX_OBSERVATION = 16 << 10
 MAX_FILE_READ = 64 << 10
+# the largest file str_replace edits: it reads the file whole and writes it back, so a read cut at envd's limit
+# would write back a file cut short and say "edited"
+MAX_EDIT_BYTES = 8 << 20
 
 
 class ToolArgumentError(InvalidRequestError):
@@ -112,7 +115,10 @@ async def _write_file(sandbox: Sandbox, args: Mapping[str, Any], timeout: float)
 
 async def _str_replace(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> ToolResult:
     path, old, new = _str_arg(args, "path"), _str_arg(args, "old_str"), _str_arg(args, "new_str")
-    text = (await sandbox.read_file(path)).decode()
+    data = await sandbox.read_file(path, max_bytes=MAX_EDIT_BYTES + 1)
+    if len(data) > MAX_EDIT_BYTES:
+        return ToolResult(f"error: {path} is over {MAX_EDIT_BYTES >> 20} MiB; str_replace edits smaller (use bash)")
+    text = data.decode()
     count = text.count(old) if old else 0
     if count != 1:
         return ToolResult(f"error: old_str occurs {count} times in {path}; it must occur exactly once")
