@@ -3,9 +3,10 @@
     base (envd; orchestrator.images)  ->  environment (dependencies from host-downloaded wheels, fixed env vars)
                                       ->  instance (the repository at base_commit in /opt/repo, one root commit)
 
-Sources are fetched on the host (pip for a PyPI sdist, checked against its sha256) into the cache
-(`$ENVFLEET_CACHE/swe`, default ~/.cache/envfleet/swe) and the builds run with no network. Blocking calls: run them
-in a thread from async code.
+Sources are fetched on the host as files, never run there (sources.py: a PyPI sdist from the index's Simple API, a
+local archive that must be a regular file), checked against their sha256, into the cache (`$ENVFLEET_CACHE/swe`,
+default ~/.cache/envfleet/swe), and the builds run with no network. A prebuilt `image` source must be an envfleet SWE
+image (`envfleet/swe/...`). Blocking calls: run them in a thread from async code.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import io
 import logging
 import os
 import re
-import subprocess
-import sys
 import tarfile
 import tempfile
 import threading
@@ -29,10 +28,12 @@ import docker
 import docker.errors
 
 from environments.swe.instance import ArchiveSource, EnvironmentSpec, ImageSource, SdistSource, SweInstance
+from environments.swe.sources import MAX_SOURCE_BYTES, copy_archive, fetch_sdist, open_archive
+from orchestrator.core.echo import echo
 from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images import ensure_base_image
-from orchestrator.images.build import build_image
-from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, log_tail, safe_name
+from orchestrator.images.build import REPO_PREFIX, build_image
+from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, safe_name
 from orchestrator.images.wheels import fetch_site
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,9 @@ log = logging.getLogger(__name__)
 REPO_DIR = "/opt/repo"
 SITE_DIR = "/opt/swe/site"
 IMAGE_ENV = {"TZ": "UTC", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "LC_ALL": "C.UTF-8"}
-PIP_TIMEOUT_S = 600.0
+# the images this module builds (image_name); a dataset's `image` source must be one of them, never another
+# environment's (envfleet/env-*), the operator's, or a non-envfleet image
+SWE_IMAGE_PREFIX = f"{REPO_PREFIX}/swe/"
 _SNAPSHOT = Path(__file__).with_name("snapshot.py")
 
 
@@ -60,60 +63,35 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch_source(source: SdistSource | ArchiveSource, cache_dir: Path | None = None) -> Path:
-    """The source archive on the host, checked against its sha256; a PyPI sdist is downloaded once with pip."""
-    if isinstance(source, ArchiveSource):
-        if not source.path.is_file():
-            raise InvalidRequestError(f"source archive {source.path} does not exist")
-        got = sha256_file(source.path)
-        if got != source.sha256:
-            raise InvalidRequestError(f"source archive {source.path} has sha256 {got}, expected {source.sha256}")
-        return source.path
+def fetch_source(
+    source: SdistSource | ArchiveSource, cache_dir: Path | None = None, *, max_bytes: int = MAX_SOURCE_BYTES
+) -> Path:
+    """The source archive's copy in the cache (`<swe cache>/{sdists,archives}/<sha256[:16]>/`), fetched or copied
+    once and checked against its sha256. Nothing of it runs on the host (environments/swe/sources.py)."""
     cache = (cache_dir or default_cache_dir()).expanduser()
+    if isinstance(source, ArchiveSource):
+        # a dataset names the path: the cached copy gets a name safe to put in the Dockerfile and the build's shell
+        name = safe_name(source.path.name).lstrip(".") or "archive"
+        dest = swe_cache(cache) / "archives" / source.sha256[:16] / name
+        with open_archive(source, max_bytes) as (f, size):
+            if _cached(dest, source.sha256):
+                return dest
+            with file_lock(cache / "locks", f"archive-{source.sha256[:16]}"):
+                if not _cached(dest, source.sha256):
+                    copy_archive(source, f, size, dest)
+        return dest
     dest = swe_cache(cache) / "sdists" / source.sha256[:16] / source.filename
-    if dest.is_file() and sha256_file(dest) == source.sha256:
+    if _cached(dest, source.sha256):
         return dest
     with file_lock(cache / "locks", f"sdist-{source.sha256[:16]}"):
-        if dest.is_file() and sha256_file(dest) == source.sha256:
-            return dest
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-            _pip_download_sdist(source, Path(tmp), cache)
-            found = [p for p in Path(tmp).iterdir() if p.is_file() and sha256_file(p) == source.sha256]
-            if not found:
-                names = sorted(p.name for p in Path(tmp).iterdir())
-                raise ImageBuildError(
-                    f"pip downloaded {names} for {source.package}=={source.version}, none with sha256 {source.sha256}",
-                    step="fetch sdist",
-                )
-            os.replace(found[0], dest)
-    log.info("fetched %s (%s)", dest.name, source.sha256[:12])
+        if not _cached(dest, source.sha256):
+            fetch_sdist(source, dest, max_bytes=max_bytes)
+            log.info("fetched %s (%s)", dest.name, source.sha256[:12])
     return dest
 
 
-def _pip_download_sdist(source: SdistSource, into: Path, cache: Path) -> None:
-    log_path = log_dir_for(cache) / f"sdist-{safe_name(source.package)}-{source.version}.log"
-    reqs = into / "requirements.txt"
-    reqs.write_text(f"{source.package}=={source.version} --hash=sha256:{source.sha256}\n")
-    argv = [
-        sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-        "--no-deps", "--no-binary", ":all:", "--require-hashes", "-r", str(reqs), "-d", str(into),
-    ]  # fmt: skip
-    with log_path.open("wb") as logf:
-        try:
-            proc = subprocess.run(
-                argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, timeout=PIP_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired as e:
-            raise ImageBuildError(f"pip download of {source.package} timed out", step="fetch sdist") from e
-    reqs.unlink()
-    if proc.returncode != 0:
-        raise ImageBuildError(
-            f"pip download of {source.package}=={source.version} failed ({proc.returncode}); "
-            f"log {log_path}:\n{log_tail(log_path)}",
-            log_path=log_path,
-            step="fetch sdist",
-        )
+def _cached(path: Path, sha256: str) -> bool:
+    return path.is_file() and sha256_file(path) == sha256
 
 
 def environment_image(
@@ -158,6 +136,11 @@ def instance_image(
     against base_commit (the build fails when the snapshot's hash differs)."""
     source = instance.source
     if isinstance(source, ImageSource):
+        if not source.image.startswith(SWE_IMAGE_PREFIX):
+            raise InvalidRequestError(
+                f"{instance.instance_id}: image {echo(source.image)}: only envfleet SWE images ({SWE_IMAGE_PREFIX}...) "
+                "may be named by a dataset; tag a prebuilt instance image under that name"
+            )
         if not image_exists(client, source.image):
             raise ImageBuildError(f"{instance.instance_id}: prebuilt image {source.image} is missing", step="source")
         return source.image

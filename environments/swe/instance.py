@@ -35,7 +35,8 @@ class _Strict(BaseModel):
 
 
 class SdistSource(_Strict):
-    """A PyPI source distribution, fetched once with pip into the cache and checked against `sha256`."""
+    """A PyPI source distribution, downloaded once from the index as a file (PIP_INDEX_URL, else PyPI) into the cache
+    and checked against `sha256`; never prepared or run on the host (sources.py)."""
 
     kind: Literal["sdist"] = "sdist"
     package: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
