@@ -32,7 +32,7 @@ from environments.swe.sources import MAX_SOURCE_BYTES, copy_archive, fetch_sdist
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images import ensure_base_image
-from orchestrator.images.build import REPO_PREFIX, build_image
+from orchestrator.images.build import REPO_PREFIX, BuildLimits, build_image
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, safe_name
 from orchestrator.images.wheels import fetch_site
 
@@ -188,6 +188,7 @@ def repo_image(
         },
         labels=labels,
         cache_dir=cache_dir,
+        limits=BuildLimits(),  # it unpacks and patches the dataset's archive: task content, bounded like a tenant's
     )
 
 
