@@ -43,9 +43,53 @@ BASE = "FROM envfleet/base:latest\n"
         ("# syntax=docker/dockerfile:1\n" + BASE, "would pull a builder frontend image"),
         ("ARG B=alpine\nFROM $B\n", "uses a variable"),
         ("FROM envfleet/env-someone-else:0123456789ab\n", "another environment's image"),
-        ("# escape=`\nFROM alpine AS x `\n  \nFROM envfleet/base\n" + "RUN true\n", "FROM 'alpine'"),
+        # a blank line inside a continuation is skipped, as the builder does: the next FROM joins the first
+        ("# escape=`\nFROM alpine AS x `\n  \nFROM envfleet/base\n" + "RUN true\n", "line 2: FROM takes an image"),
         (BASE + "COPY ../../../etc/passwd /x\n", "leaves the build context"),
         ("RUN true\n", "no FROM line"),
+        # the builder splits the keyword from its arguments on any of [ \t\v\f\r], not only a space
+        (BASE + "ADD\thttp://127.0.0.1:1/x /x\n", "the daemon would fetch it on the host network"),
+        (BASE + "ADD\vhttp://127.0.0.1:1/x /x\n", "the daemon would fetch it on the host network"),
+        (BASE + "ADD\fhttp://127.0.0.1:1/x /x\n", "the daemon would fetch it on the host network"),
+        (BASE + "ADD \t http://127.0.0.1:1/x\t/x\n", "the daemon would fetch it on the host network"),
+        (BASE + "COPY\t--from=busybox:latest /bin/sh /x\n", "COPY --from 'busybox:latest'"),
+        (BASE + "ONBUILD\tRUN true\n", "ONBUILD is not allowed"),
+        (BASE + "FROM\talpine:3\n", "the final stage is FROM 'alpine:3'"),
+        (BASE + "add http://127.0.0.1:1/x /x\n", "the daemon would fetch it"),
+        (BASE + "\xa0 ADD http://127.0.0.1:1/x /x\n", "the daemon would fetch it"),
+        # a keyword glued to its argument by other characters is no instruction the checker can classify
+        (BASE + "ADD\xa0http://127.0.0.1:1/x /x\n", "is not a Dockerfile instruction"),
+        (BASE + "ADD\x1fhttp://127.0.0.1:1/x /x\n", "is not a Dockerfile instruction"),
+        # a continuation joins lines with nothing between them: the keyword can be split over two lines
+        (BASE + "AD\\\nD http://127.0.0.1:1/x /x\n", "the daemon would fetch it"),
+        # a line continues only when the escape is followed by spaces and tabs alone: NBSP, \v, \f, \x1f end it
+        (BASE + "RUN true \\\xa0\nADD http://127.0.0.1:1/x /x\n", "not a line continuation"),
+        (BASE + "RUN true \\\v\nADD http://127.0.0.1:1/x /x\n", "not a line continuation"),
+        (BASE + "RUN true \\\f\nADD http://127.0.0.1:1/x /x\n", "not a line continuation"),
+        (BASE + "RUN true \\\x1f\nADD http://127.0.0.1:1/x /x\n", "not a line continuation"),
+        # older scanners drop one \r before the \n, newer ones every \r at the end
+        (BASE + "RUN true \\\r\r\nADD http://127.0.0.1:1/x /x\n", "carriage return"),
+        # engines disagree on a doubled escape at the end of a line (older ones continue, newer ones do not)
+        (BASE + "RUN echo \\\\\nADD http://127.0.0.1:1/x /x\n", "ends with more than one escape"),
+        # a heredoc's body is not instructions to newer builders (and its terminator may end in the escape)
+        (BASE + "RUN <<'RUN \\'\nRUN \\\nADD http://127.0.0.1:1/x /x\n", "heredoc"),
+        # the builder expands quotes, escapes and variables in ADD sources and flags, and in FROM's image
+        (BASE + 'ADD "http://127.0.0.1:1/x" /x\n', "quotes, escapes or variables"),
+        (BASE + 'ADD ["\\"http://127.0.0.1:1/x\\"", "/x"]\n', "quotes, escapes or variables"),
+        ("ARG U=http://127.0.0.1:1/x\n" + BASE + "ADD $U /x\n", "quotes, escapes or variables"),
+        (BASE + "COPY --from=envfleet/env\\-victim:0123456789ab /x /x\n", "write flags as --name=value"),
+        (BASE + "COPY --from busybox:latest /bin/sh /x\n", "write flags as --name=value"),
+        ('FROM envfleet/en"v-victim":0123456789ab\n', "not a plain image or stage name"),
+        # the escape directive is honoured on the first line only; elsewhere engines disagree on it
+        ("# check=skip=all\n# escape=`\n" + BASE + "RUN true `\nADD http://127.0.0.1:1/x /x\n", "only as the first"),
+        (" # escape=`\n" + BASE, "the first line"),
+        ("# escape=\\\n# syntax=docker/dockerfile:1\n" + BASE, "would pull a builder frontend image"),
+        # text appended to the file (Harbor's image tail) would join the last instruction
+        (BASE + "ADD http://127.0.0.1:1/x \\\n", r"its last instruction \(line 2\) continues past the end"),
+        (BASE + "RUN true \\\n# a comment\n\n", "continues past the end of the file"),
+        # an engine volume is writable outside the read-only root and the tmpfs caps
+        (BASE + "VOLUME /data\n", "VOLUME is not allowed"),
+        (BASE + 'volume\t["/data"]\n', "VOLUME is not allowed"),
     ],
 )
 def test_dockerfile_ways_out_are_refused(dockerfile: str, message: str) -> None:
@@ -60,6 +104,9 @@ def test_dockerfile_ways_out_are_refused(dockerfile: str, message: str) -> None:
         "FROM envfleet/base:latest AS build\nRUN echo hi > /tmp/x\n" + BASE + "COPY --from=build /tmp/x /x\n",
         BASE + "COPY --from=0 /etc/hostname /x\n",
         "# escape=`\n" + BASE + "RUN echo a `\n  && echo b\n",
+        "\ufeff" + BASE + "RUN\techo a \\ \t\r\n\n  # comment\n  && echo b\r\n",
+        "from envfleet/base:latest as build\nrun echo hi\n  FROM\tbuild\ncopy --from=build --chown=0:0 /x /y\n",
+        BASE + 'RUN --mount=type=cache,target=/root/.cache echo "héllo \\"quoted\\"" \\\n && echo b\n',
     ],
 )
 def test_legitimate_dockerfiles_pass(dockerfile: str) -> None:
@@ -110,11 +157,26 @@ def _spec(dockerfile: str, name: str = "sec-build") -> pb.EnvironmentSpec:
     )
 
 
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("FROM {base}\nADD {url} /x\n", "the daemon would fetch it on the host network"),
+        # the builder splits the keyword on a tab too
+        ("FROM {base}\nADD\t{url} /x\n", "the daemon would fetch it on the host network"),
+        # NBSP after the escape: Python's rstrip() saw a continuation, the builder sees RUN, then ADD
+        ("FROM {base}\nRUN true \\\xa0\nADD {url} /x\n", "not a line continuation"),
+        # the builder unquotes ADD's sources
+        ('FROM {base}\nADD "{url}" /x\n', "has quotes, escapes or variables"),
+        # this engine honours no escape directive after an unknown one: RUN ends at its backtick, then ADD
+        ("# check=skip=all\n# escape=`\nFROM {base}\nRUN true #`\nADD {url} /x\n", "an escape directive"),
+    ],
+    ids=["space", "tab", "nbsp-continuation", "quoted", "late-escape-directive"],
+)
 async def test_add_url_is_refused_and_the_canary_hears_nothing(
-    tmp_path: Path, canary: Canary, docker_client: docker.DockerClient, base_image: str
+    tmp_path: Path, canary: Canary, docker_client: docker.DockerClient, base_image: str, template: str, message: str
 ) -> None:
     marker = uuid.uuid4().hex
-    dockerfile = f"FROM {base_image}\nADD {canary.url}/{marker} /x\n"
+    dockerfile = template.format(base=base_image, url=f"{canary.url}/{marker}")
     # the threat is real: unchecked, the engine fetches the URL on the host network despite --network none
     tag = await asyncio.to_thread(
         build_image, docker_client, name="sec-canary", dockerfile=dockerfile, context_files={}, cache_dir=tmp_path
@@ -128,7 +190,7 @@ async def test_add_url_is_refused_and_the_canary_hears_nothing(
                 call(_spec(dockerfile.replace(base_image, "envfleet/base:latest"))),
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "image.dockerfile",
-                "the daemon would fetch it on the host network",
+                message,
             )
     await asyncio.sleep(0.5)
     assert canary.requests == []
