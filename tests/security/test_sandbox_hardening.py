@@ -146,3 +146,29 @@ async def test_the_sweep_unmounts_and_removes_a_socket_directory_a_crashed_owner
         assert str(path) not in Path("/proc/self/mountinfo").read_text()
     finally:
         backend.sockets.remove(name)
+
+
+async def test_an_images_entrypoint_and_healthcheck_never_run(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    """A tenant's image may say what runs first and what the engine execs on a timer: an ENTRYPOINT that took envd's
+    command as its arguments (here it never starts envd), and a HEALTHCHECK run every 10 ms by the engine every
+    tenant shares. Neither runs: envd is the sandbox's first process and its health check."""
+    image = await asyncio.to_thread(
+        build_image,
+        docker_client,
+        name="test-entrypoint-healthcheck",
+        dockerfile=(
+            f"FROM {base_image}\n"
+            'ENTRYPOINT ["/bin/sleep", "infinity"]\n'
+            'HEALTHCHECK --interval=10ms --timeout=1s CMD ["/bin/sh", "-c", "echo beat >> /tmp/beats"]\n'
+        ),
+        context_files={},
+    )
+    async with await backend.create(SandboxSpec(image=image, startup_timeout_s=10)) as s:
+        await asyncio.sleep(0.5)
+        attrs = docker_client.api.inspect_container(s.id)
+        assert attrs["Config"]["Healthcheck"]["Test"] == ["NONE"]
+        assert "Health" not in attrs["State"]
+        r = await s.exec("cat /tmp/beats; cat /proc/1/cmdline | tr '\\0' ' '")
+        assert b"beat" not in r.stdout and b"envd" in r.stdout

@@ -51,6 +51,11 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
             engine.api.create_container,
             spec.image,
             command=ENVD_COMMANDS[backend.config.envd] if use_envd else ["sleep", "infinity"],
+            # what a tenant's image may say runs first or on a timer is not run: an ENTRYPOINT would take envd's
+            # command as its arguments, and a HEALTHCHECK is an engine exec on its interval (every sandbox's
+            # engine, shared by every tenant); envd is the sandbox's health check
+            entrypoint=[""],
+            healthcheck={"Test": ["NONE"]},
             name=name,
             user=spec.hardening.user,
             working_dir=spec.workspace,
