@@ -7,8 +7,12 @@ build limits, plus a tail that makes Harbor's writable paths work on a read-only
   had there is moved to /opt/harbor/seed, which setup copies into /workspace (also the reset seed);
 - /tests, /solution and /logs become symlinks into /tmp/harbor/ (the writable /tmp tmpfs), made by setup.
 
+The whole Dockerfile (the task's text and the tail) is checked as the tenant's Dockerfiles are, right before it is
+built; a task's last instruction may not continue into the tail.
+
 The agent's tools run in /workspace (= the workdir); after the episode tests/ is uploaded to /tests and
-`bash /tests/test.sh` runs from the workdir with [verifier] env and timeout; the reward is read by Harbor's rules.
+`bash /tests/test.sh` runs from the workdir with [verifier] env and timeout, under the clean grader's environment
+(GRADER_ENV: no user site, an empty HOME); the reward is read by Harbor's rules.
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ from environments.harbor.task import (
     load_task,
     parse_reward,
 )
-from orchestrator.core.environment import Environment, Episode, Rubric, Score, Task
+from orchestrator.core.environment import GRADER_ENV, Environment, Episode, Rubric, Score, Task
 from orchestrator.core.errors import SandboxFileNotFoundError
 from orchestrator.core.sandbox import ExecResult, Limits, Sandbox
 from orchestrator.images import build_image
 from orchestrator.images.build import BuildLimits
 from orchestrator.images.resolver import BuildsOwnImage
+from orchestrator.service.declarative import dockerfile as dockerfile_check
 
 SEED = "/opt/harbor/seed"
 RUNTIME = "/tmp/harbor"  # inside the sandbox: its own /tmp tmpfs
@@ -84,6 +89,31 @@ def image_tail(task: HarborTask) -> str:
     return "\n".join(lines)
 
 
+def built_dockerfile(task: HarborTask) -> str:
+    """The Dockerfile built for a task's environment, its own (or FROM its docker_image) plus the tail, checked
+    whole: the text checked is the text built. A HarborTaskError names the task and the problem."""
+    where = "environment/Dockerfile" if task.dockerfile is not None else "[environment] docker_image"
+    head = task.dockerfile if task.dockerfile is not None else f"FROM {task.docker_image}\n"
+    tail = image_tail(task)
+    text = head.rstrip("\n") + "\n" + tail
+    try:
+        # a last line that continues (ends in the escape character) runs on into the tail: blank lines and comments
+        # do not end it, so nothing appended can; the tail must come out as its own instructions
+        ours = [(i.keyword, i.args) for i in dockerfile_check.parse(tail)]
+        built = dockerfile_check.parse(text)
+        start = max(len(built) - len(ours), 0)
+        if [(i.keyword, i.args) for i in built[start:]] != ours:
+            raise HarborTaskError(
+                f"task {task.id}: {where}: the lines envfleet appends would join its last instruction (line "
+                f"{built[start].line}), which continues past the end of the file; remove the escape character at "
+                "its end"
+            )
+        dockerfile_check.check(text)
+    except dockerfile_check.DockerfileError as e:
+        raise HarborTaskError(f"task {task.id}: {where}: {e}") from None
+    return text
+
+
 def image_name(env_name: str) -> str:
     """The image repository of an imported environment: under envfleet/env-, like every registered environment's,
     so no tenant's Dockerfile may build FROM it (orchestrator/service/declarative/dockerfile.py)."""
@@ -117,10 +147,8 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         return next(iter(self.harbor_tasks.values()))
 
     def dockerfile(self) -> str:
-        """The Dockerfile built: the tasks' own (or FROM their docker_image) plus the Harbor tail."""
-        t = self._first()
-        head = t.dockerfile if t.dockerfile is not None else f"FROM {t.docker_image}\n"
-        return head.rstrip("\n") + "\n" + image_tail(t)
+        """The Dockerfile built: the tasks' own (or FROM their docker_image) plus the Harbor tail, checked whole."""
+        return built_dockerfile(self._first())
 
     def build_image(self, client: docker.DockerClient) -> str:
         """Build (or find cached) the image offline under tenant limits; returns its tag. Blocking: use a thread."""
@@ -182,9 +210,11 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         # whatever the agent left in /logs/verifier is not a reward
         verifier = VERIFIER_DIR
         await self._sh(sandbox, f"rm -rf {verifier} && mkdir -p {verifier}", self.tool_timeout_s, "clearing logs")
+        # the clean grader's environment over the task's (which may not name its variables, load_task): no user
+        # site and an empty HOME, so nothing the agent left there runs in the verifier's pythons or tools
         r = await sandbox.exec(
             _in(t.workdir, "bash /tests/test.sh"),
-            env=t.verifier_env,
+            env={**t.verifier_env, **GRADER_ENV},
             timeout=t.verifier_timeout_s,
             max_output=MAX_OUTPUT,
         )
@@ -216,6 +246,7 @@ def load_tasks(dirs: Sequence[Path]) -> dict[str, HarborTask]:
             f"tasks {', '.join(others[:5])} have a different environment/ (or docker_image, workdir, env) than "
             f"{first.id}; an environment has one image: import them as separate environments"
         )
+    built_dockerfile(first)  # the image's whole Dockerfile passes the checks before anything is built
     return tasks
 
 

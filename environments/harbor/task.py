@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.environment import GRADER_ENV
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.service.declarative import dockerfile as dockerfile_check
 
@@ -173,6 +174,15 @@ def load_task(path: Path) -> HarborTask:
             dockerfile_check.check(dockerfile)
         except InvalidRequestError as e:
             raise HarborTaskError(f"task {task}: environment/Dockerfile: {e}") from None
+    verifier_env = _env(verifier, "verifier", task)
+    # test.sh runs with the clean grader's environment over the task's: a HOME the agent could write to or a user
+    # site directory let a usercustomize.py it planted run in the verifier's pythons
+    clash = sorted(verifier_env.keys() & GRADER_ENV.keys())
+    if clash:
+        raise HarborTaskError(
+            f"task {task}: [verifier] env {clash[0]}: the verifier runs with envfleet's clean grader environment "
+            f"({', '.join(f'{k}={v}' for k, v in GRADER_ENV.items())}), which the task cannot change; remove it"
+        )
     tests = _files(path / "tests", task, "tests")
     if "test.sh" not in tests:
         raise HarborTaskError(f"task {task}: no tests/test.sh")
@@ -192,7 +202,7 @@ def load_task(path: Path) -> HarborTask:
         build_timeout_s=_number(envt, "build_timeout_sec", "environment", task, DEFAULT_BUILD_TIMEOUT_S) or 0.0,
         agent_timeout_s=_number(agent, "timeout_sec", "agent", task, DEFAULT_AGENT_TIMEOUT_S) or 0.0,
         verifier_timeout_s=_number(verifier, "timeout_sec", "verifier", task, DEFAULT_VERIFIER_TIMEOUT_S) or 0.0,
-        verifier_env=_env(verifier, "verifier", task),
+        verifier_env=verifier_env,
         tests=tests,
         solution=_files(path / "solution", task, "solution"),
         context=context,

@@ -46,24 +46,68 @@ EVAL_ENV: dict[str, str] = {
     "GIT_CONFIG_GLOBAL": "/dev/null",
 }
 
-UNITTEST_RUNNER = """\
+# The test runner is the image's, never a file of the repository. The runners start with `python3 -P` (no cwd or
+# script folder on sys.path) and without PYTHONPATH (its folders are in REPO_PATH_VAR), so a pytest.py, pluggy.py,
+# _pytest/ or unittest.py that a patch adds is not what runs. The repository joins the front of sys.path, where
+# `python -m` put the cwd, only when the tests are about to load: for unittest after its argument parser (argparse
+# imports shutil then), for pytest after its plugins (a .dist-info folder in the repository declared an entry-point
+# plugin) and before the conftest files, with pdb, which pytest imports later, imported first. Past that point the
+# image's pytest 7.2 and unittest import nothing a file of the repository could stand in for.
+# Accepted risk: the code under test runs in the process that reports the results. Imported by a test, it can
+# rewrite the test functions, pytest's hooks or the report, or print passing lines and exit 0, and no channel of
+# that process (an fd, a file, a nonce) is out of its reach; pytest's own exit path proves nothing either. Closing
+# that needs the tests to run in a process the code under test cannot speak for, which pytest does not offer.
+REPO_PATH_VAR = "ENVFLEET_SWE_PYTHONPATH"
+_REPO_PATHS = f"""\
+# the repository's folders: the cwd, then the instance's pythonpath (which the tests' subprocesses inherit)
+extra = [p for p in os.environ.pop("{REPO_PATH_VAR}", "").split(":") if p]
+if extra:
+    os.environ["PYTHONPATH"] = ":".join(extra)
+paths = [os.getcwd(), *extra]
+"""
+UNITTEST_RUNNER = f"""\
 import os, sys, unittest
 # one line per test: a docstring would otherwise push the result onto a second line
 unittest.TestCase.shortDescription = lambda self: None
-sys.path[0] = os.getcwd()
-unittest.main(module=None, argv=["python -m unittest", "-v", "-b", *sys.argv[1:]])
+{_REPO_PATHS}if not sys.flags.safe_path:  # started without -P (the dataset builder): sys.path[0] is this folder
+    del sys.path[0]
+
+
+class Program(unittest.TestProgram):
+    def createTests(self, *args, **kwargs):
+        sys.path[:0] = paths
+        super().createTests(*args, **kwargs)
+
+
+Program(module=None, argv=["python -m unittest", "-v", "-b", *sys.argv[1:]])
+"""
+PYTEST_RUNNER = f"""\
+import os, sys
+import pytest
+import pdb  # what pytest itself imports after the repository joins sys.path (its debugging plugin, at configure)
+{_REPO_PATHS}
+
+class Repository:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_load_initial_conftests(self):
+        sys.path[:0] = paths
+
+
+sys.exit(pytest.main(sys.argv[1:], plugins=[Repository()]))
 """
 
 BOOTSTRAP = f"rm -rf {SCRATCH} && mkdir -p {SCRATCH} && tar -x -C {SCRATCH} && exec bash {SCRATCH}/eval.sh"
 
 
 def test_command(instance: SweInstance) -> list[str]:
-    """The argv that runs the instance's named tests."""
+    """The argv that runs the instance's named tests (the runners take the repository's folders from
+    REPO_PATH_VAR)."""
     if instance.test_runner.framework == "pytest":
         return [
             "python3",
-            "-m",
-            "pytest",
+            "-P",
+            "-c",
+            PYTEST_RUNNER,
             "-rA",
             "--tb=short",
             "-p",
@@ -71,7 +115,7 @@ def test_command(instance: SweInstance) -> list[str]:
             "--confcutdir=.",
             *instance.tests,
         ]
-    return ["python3", f"{SCRATCH}/unittest_runner.py", *(unittest_id(t) for t in instance.tests)]
+    return ["python3", "-P", f"{SCRATCH}/unittest_runner.py", *(unittest_id(t) for t in instance.tests)]
 
 
 def test_files(instance: SweInstance) -> list[str]:
@@ -151,8 +195,8 @@ git ls-files --others | grep -E {q(HARNESS_FILES)} | while IFS= read -r f; do rm
 if [ -s "$S/test.patch" ]; then
   git apply --verbose "$S/test.patch" || {{ echo "{TEST_PATCH_FAIL}"; exit 0; }}
 fi
-export PYTHONPATH={q(pythonpath)}
-[ -n "$PYTHONPATH" ] || unset PYTHONPATH
+# the runner puts these on sys.path (and in PYTHONPATH for the tests' subprocesses) once it is imported itself
+export {REPO_PATH_VAR}={q(pythonpath)}
 timeout -k 5 {timeout_s:g} {shlex.join(test_command(instance))} > "$S/tests.log" 2>&1 < /dev/null
 rc=$?
 echo "{START_TEST_OUTPUT} {nonce}"

@@ -1,0 +1,107 @@
+"""A Harbor task's verifier runs clean, and the Dockerfile checked is the Dockerfile built.
+
+- tests/test.sh runs with the grader's environment (orchestrator.core.environment.GRADER_ENV): a usercustomize.py
+  the agent planted in its user site (under a writable HOME) does not run in the verifier's pythons, and a task's
+  [verifier] env cannot turn that back on.
+- The image is the task's Dockerfile with envfleet's lines appended; a last line that continues (ends in the escape
+  character) joined them to the task's instruction, so `ADD <url> \\` passed the check with the URL as its
+  destination and was built with it as a source, fetched by the daemon on the host network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import docker
+import grpc
+import pytest
+
+from environments.harbor.env import built_dockerfile, make_harbor_environment
+from environments.harbor.task import HarborTaskError
+from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.core.environment import Episode
+from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxSpec
+from tests.environments.harbor.test_harbor import DOCKERFILE, TOML, make_task
+from tests.security.test_builds import Canary, canary  # noqa: F401  (the fixture)
+from tests.security.test_harbor_archives import TOKEN_A, _members, _refused, _tar, _upload
+
+# the verifier's verdict is a python's exit status, as in most test.sh files (pytest's)
+TEST_SH = """#!/bin/bash
+if python3 -c 'import sys; sys.exit(1)'; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+# the agent's move: a usercustomize.py in its user site that makes every python exit 0 at start
+PLANT = """#!/bin/bash
+set -e
+site=$(python3 -c 'import site; print(site.getusersitepackages())')
+mkdir -p "$site"
+printf 'import os\\nos._exit(0)\\n' > "$site/usercustomize.py"
+"""
+
+
+async def test_the_verifier_does_not_run_a_planted_usercustomize(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # a writable HOME, as many tasks need (the sandbox's uid has no account, so Docker's HOME is the read-only /)
+    d = make_task(tmp_path, "planted", test=TEST_SH, solve=PLANT, toml_extra='env = { HOME = "/tmp" }\n')
+    env = make_harbor_environment("harbor-clean", [d])
+    image = await asyncio.to_thread(env.build_image, docker_client)
+    task = env.tasks()[0]
+    async with await backend.create(SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))) as s:
+        await env.setup(s, task, 0)
+        solved = await env.run_solution(s, task.id)
+        assert solved is not None and solved.ok, solved
+        # the plant works: any python the agent starts exits 0 at once
+        assert (await s.exec(["python3", "-c", "import sys; sys.exit(1)"])).exit_code == 0
+        score = await env.score(s, task, Episode([], "", "submit"))
+        assert score.reward == 0.0, score
+
+
+def test_a_verifier_env_cannot_undo_the_clean_grader(tmp_path: Path) -> None:
+    for name, value in (("HOME", "/tmp"), ("PYTHONNOUSERSITE", "")):
+        d = make_task(tmp_path, f"undo-{name.lower()}")
+        toml = TOML.format(verifier_timeout=60).replace('EXPECT = "HELLO"', f'EXPECT = "HELLO", {name} = "{value}"')
+        (d / "task.toml").write_text(toml)
+        with pytest.raises(HarborTaskError, match=rf"\[verifier\] env {name}: .*the verifier runs with"):
+            make_harbor_environment("undo", [d])
+
+
+async def test_a_dockerfile_whose_last_line_continues_is_refused(
+    tmp_path: Path,
+    base_image: str,
+    docker_client: docker.DockerClient,
+    canary: Canary,  # noqa: F811
+) -> None:
+    dockerfile = DOCKERFILE + f"ADD {canary.url}/harbor-tail \\\n"
+    d = make_task(tmp_path, "continued", dockerfile=dockerfile)
+    message = r"environment/Dockerfile: .*last instruction \(line 4\),? continues past the end of the file"
+    with pytest.raises(HarborTaskError, match=message):
+        # what it did: the check passed, and the build fetched the URL (the tail's first line its destination)
+        env = make_harbor_environment("continued", [d])
+        await asyncio.to_thread(env.build_image, docker_client)
+    assert canary.requests == []
+
+
+def test_the_dockerfile_built_is_the_dockerfile_checked(tmp_path: Path) -> None:
+    # load_task checks the task's own text; the text built (with the tail) is checked again, whole, right before
+    # the build: a task that got past the first check (as one did, with the old parser) stops here
+    task = make_harbor_environment("built", [make_task(tmp_path, "built")]).harbor_tasks["built"]
+    assert task.dockerfile is not None
+    for extra, message in (
+        ("ADD http://127.0.0.1:9/x \\\n", r"the lines envfleet appends would join its last instruction \(line 4\)"),
+        ("ADD http://127.0.0.1:9/x /x\n", r"line 4: ADD .*: the daemon would fetch it on the host network"),
+    ):
+        with pytest.raises(HarborTaskError, match=rf"task built: environment/Dockerfile: {message}"):
+            built_dockerfile(dataclasses.replace(task, dockerfile=task.dockerfile + extra))
+
+
+async def test_an_uploaded_dockerfile_whose_last_line_continues_is_refused(tmp_path: Path) -> None:
+    token_file = tmp_path / "tokens.yaml"
+    token_file.write_text(f"tokens:\n  {TOKEN_A}: team-a\n")
+    bad = make_task(tmp_path / "src", "bad-task", dockerfile=DOCKERFILE + "ADD http://127.0.0.1:9/x \\\n")
+    details = await _refused(
+        tmp_path, token_file, _upload(_tar(list(_members(bad)))), grpc.StatusCode.INVALID_ARGUMENT, "continues past"
+    )
+    assert "task bad-task: environment/Dockerfile" in details, details
