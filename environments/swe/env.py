@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 
 WORKSPACE = "/workspace"
 GRADE_DIR = "/tmp/swe-grade"
+# The grade's first step. /tmp is the agent's to fill and the grade's scratch; what the agent left there has no part
+# in the grade (the prediction is the workspace's diff, applied to a fresh copy), and no process of the episode
+# outlives its tool call (envd ends them), so it all goes: a full /tmp made the grade's upload fail (ENV_ERROR, a
+# rollout masked from training instead of scored 0), and a failed mkdir an INFRA_ERROR retry. Made writable first,
+# so a directory of mode 0 goes too; find never follows a link.
+CLEAR_TMP = "chmod -R u+rwX /tmp 2>/dev/null; find /tmp -mindepth 1 -delete"
 SYSTEM_PROMPT = (
     "You are a software engineer fixing a bug in a Python repository. The repository is checked out in /workspace "
     "(a git repository). Use the tools to explore it, run its tests and edit files. When the issue is fixed, call "
@@ -243,7 +249,7 @@ class SweEnv(Environment):
         # a fresh, unpredictable folder: nothing the agent left in /tmp can be in the way
         root = f"{GRADE_DIR}-{secrets.token_hex(6)}"
         base = f"{root}/base"
-        r = await sandbox.exec(["mkdir", "-p", base], timeout=60)
+        r = await sandbox.exec(["sh", "-c", f"{CLEAR_TMP}; mkdir -p {base}"], timeout=60)
         if r.exit_code != 0:
             raise SandboxError(f"could not create {base}: {r.stderr.decode(errors='replace')[-300:]}")
         await sandbox.upload(await self._repos.tar(inst, env_image), base)

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from environments.code_tests import SOLUTION, CodeTestsEnv
+from environments.swe.env import SweEnv
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.service.declarative.env import MAX_ANSWER_ENV, answer_env
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
+from orchestrator.testing.scripts import reference_script
 from tests.orchestrator.servers import serve
 from tests.orchestrator.test_registration import to_pb
 
@@ -154,3 +156,22 @@ def test_the_answer_variable_is_cut_in_bytes_at_a_character_boundary() -> None:
     cut = answer_env(answer)
     assert len(cut.encode()) == 1 + 4 * ((MAX_ANSWER_ENV - 1) // 4) and answer.startswith(cut)
     assert answer_env("ok\x00\udfff") == "ok\ufffd\ufffd" and answer_env(None) == ""
+
+
+async def test_a_full_tmp_does_not_stop_the_swe_grade(tmp_path: Path, base_image: str) -> None:
+    # the grade unpacks a fresh copy of the repository in /tmp: a policy that filled /tmp (and planted a directory it
+    # cannot enter) broke it, ENV_ERROR for a wrong patch, when it must score 0, and for a right one, which scores 1
+    env = SweEnv()
+    solved, idle = env.tasks()[0], env.tasks()[1]
+    plant = "mkdir -m 0 /tmp/swe-grade-x; " + FILL_TMP
+    fill = Step(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": plant})])
+    script = reference_script(env, [solved])
+    steps = {
+        solved.id: [fill, *script.tasks[solved.id]],
+        idle.id: [fill, Step(tool_calls=[ScriptedToolCall(name="submit")])],
+    }
+    async with serve(tmp_path, Registry.from_entry_points()) as orch, EnvfleetClient(orch.address) as client:
+        got = await _run(client, "swe", Script(tasks=steps))
+    outcomes = {tid: (r.status, r.reward, r.error.message if r.error else "") for tid, r in got.items()}
+    assert outcomes == {solved.id: (RolloutStatus.OK, 1.0, ""), idle.id: (RolloutStatus.OK, 0.0, "")}
+    assert "No space left on device" in json.dumps([t.model_dump() for t in got[idle.id].turns])
