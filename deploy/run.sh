@@ -44,7 +44,11 @@ mount --make-shared "$SOCKET_ROOT"
 
 # The server runs as root in the container (for the chown and the mounts above) with the engine's socket: either
 # alone is root on this host, so give the container to no one you would not give root.
-set -- --name "$NAME" --detach --init --stop-timeout 30 \
+# It runs in the host's pid namespace (and under the host's name): its sandboxes carry its pid, and a container
+# started after it was killed (SIGKILL, an OOM, a stop past its grace) must see that pid gone to sweep them; in a
+# namespace of its own each container was another host, whose sandboxes were kept until their lease (an hour at
+# least), unless the kernel happened to hand the new namespace the old one's number.
+set -- --name "$NAME" --detach --init --stop-timeout 30 --pid host \
     --user 0:0 --cap-add SYS_ADMIN \
     --volume "$DOCKER_SOCK:/var/run/docker.sock" \
     --volume "$SOCKET_ROOT:$SOCKET_ROOT:rshared" \
@@ -54,7 +58,7 @@ if [ "$NETWORK" = host ]; then
     set -- --network host "$@"
 else
     export ENVFLEET_HOST="${ENVFLEET_HOST:-0.0.0.0}"
-    set -- --network "$NETWORK" --publish "$ENVFLEET_PORT:$ENVFLEET_PORT" "$@"
+    set -- --network "$NETWORK" --publish "$ENVFLEET_PORT:$ENVFLEET_PORT" --hostname "$(hostname)" "$@"
 fi
 if [ -n "${ENVFLEET_TOKEN_FILE:-}" ]; then
     set -- --volume "$ENVFLEET_TOKEN_FILE:/etc/envfleet/tokens.yaml:ro" "$@"

@@ -106,6 +106,41 @@ async def test_container_runs_a_job_stops_on_sigterm_and_resumes(
     assert _owned_containers(docker_client) == []
 
 
+async def test_a_killed_containers_sandboxes_are_swept_by_the_next_one(
+    deployment: Deployment, docker_client: docker.DockerClient
+) -> None:
+    # killed (SIGKILL, an OOM, a stop past its grace) the server drains nothing: its sandboxes are the next
+    # container's to sweep, which must see that their owner is gone (in a pid namespace of its own, it saw another
+    # host's owner and kept them until their lease, an hour at least)
+    env = Registry.from_entry_points().get(ENV)
+    policy = await start_scripted_server(reference_script(env, latency_s=5.0))
+    try:
+        await asyncio.to_thread(deployment.start)
+        ids = [t.id for t in env.tasks()][:4]
+        async with EnvfleetClient(deployment.address) as c:
+            await c.submit(job(policy.url, ids, max_concurrency=4))
+            for _ in range(600):
+                if len(_owned_containers(docker_client)) >= 4:
+                    break
+                await asyncio.sleep(0.05)
+        left = set(_owned_containers(docker_client))
+        assert len(left) >= 4, "the job should hold sandboxes now"
+        killed = await asyncio.to_thread(docker_cli, "kill", deployment.name)
+        assert killed.returncode == 0, killed.stderr
+        await asyncio.to_thread(docker_cli, "rm", "--force", deployment.name)
+        assert left <= set(_owned_containers(docker_client)), "the kill itself should leave them"
+        await asyncio.to_thread(deployment.start)
+        for _ in range(600):
+            if not left & set(_owned_containers(docker_client)):
+                break
+            await asyncio.sleep(0.1)
+        assert not left & set(_owned_containers(docker_client)), "the next container kept the killed one's sandboxes"
+    finally:
+        deployment.remove()
+        await policy.close()
+    assert _owned_containers(docker_client) == []
+
+
 def _host_probe(address: str) -> str:
     """The image's health probe, run on the host against the container's port."""
     p = subprocess.run(
