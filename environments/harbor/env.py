@@ -18,6 +18,7 @@ The agent's tools run in /workspace (= the workdir); after the episode tests/ is
 from __future__ import annotations
 
 import json
+import secrets
 import shlex
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -192,6 +193,22 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             _in(t.workdir, "bash /solution/solve.sh"), timeout=t.agent_timeout_s, max_output=MAX_OUTPUT
         )
 
+    async def _verifier_home(self, sandbox: Sandbox, verifier_env: Mapping[str, str]) -> str:
+        """The verifier's HOME: the task's or the image's while the sandbox user cannot write there (on the
+        read-only root: its tools, a toolchain under ~/.rustup say, are as the image made them), else a fresh empty
+        one of the grader's, under a name the agent could not guess. A writable HOME is the agent's: what it left
+        there would run in the verifier, and /nonexistent broke every test.sh whose tools keep a cache in HOME
+        (uv, go, npm, cargo), a right solution scored 0."""
+        fresh = f"{RUNTIME}/home-{secrets.token_hex(8)}"
+        writable = 'h="${HOME:-/}"; [ -w "$h" ] || find "$h" -maxdepth 1 -name ".?*" -writable | grep -q .'
+        pick = f'if {writable}; then mkdir -m 0700 {fresh} && echo {fresh}; else echo "$h"; fi'
+        r = await sandbox.exec(
+            ["/bin/sh", "-c", pick], env=dict(verifier_env), timeout=self.tool_timeout_s, max_output=MAX_OUTPUT
+        )
+        if not r.ok:
+            raise HarborRunError(f"making the verifier's HOME failed (exit {r.exit_code}): {_tail(r)}")
+        return r.stdout.decode().strip()
+
     async def _read(self, sandbox: Sandbox, path: str) -> bytes | None:
         try:
             return await sandbox.read_file(path, max_bytes=MAX_OUTPUT)
@@ -210,11 +227,13 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         # whatever the agent left in /logs/verifier is not a reward
         verifier = VERIFIER_DIR
         await self._sh(sandbox, f"rm -rf {verifier} && mkdir -p {verifier}", self.tool_timeout_s, "clearing logs")
-        # the clean grader's environment over the task's (which may not name its variables, load_task): no user
-        # site and an empty HOME, so nothing the agent left there runs in the verifier's pythons or tools
+        home = await self._verifier_home(sandbox, t.verifier_env)
+        # the clean grader's environment over the task's (which may not name its Python variables, load_task): no
+        # user site, and a HOME the agent could not write to, so nothing it left there runs in the verifier's
+        # pythons or tools (git's config, pip's, npm's)
         r = await sandbox.exec(
             _in(t.workdir, "bash /tests/test.sh"),
-            env={**t.verifier_env, **GRADER_ENV},
+            env={**t.verifier_env, **GRADER_ENV, "HOME": home},
             timeout=t.verifier_timeout_s,
             max_output=MAX_OUTPUT,
         )

@@ -175,13 +175,14 @@ def load_task(path: Path) -> HarborTask:
         except InvalidRequestError as e:
             raise HarborTaskError(f"task {task}: environment/Dockerfile: {e}") from None
     verifier_env = _env(verifier, "verifier", task)
-    # test.sh runs with the clean grader's environment over the task's: a HOME the agent could write to or a user
-    # site directory let a usercustomize.py it planted run in the verifier's pythons
-    clash = sorted(verifier_env.keys() & GRADER_ENV.keys())
+    # test.sh runs with the clean grader's Python variables over the task's: a user site directory let a
+    # usercustomize.py the agent planted run in the verifier's pythons (its HOME: see HarborEnvironment.score)
+    python = {k: v for k, v in GRADER_ENV.items() if k.startswith("PYTHON")}
+    clash = sorted(verifier_env.keys() & python.keys())
     if clash:
         raise HarborTaskError(
             f"task {task}: [verifier] env {clash[0]}: the verifier runs with envfleet's clean grader environment "
-            f"({', '.join(f'{k}={v}' for k, v in GRADER_ENV.items())}), which the task cannot change; remove it"
+            f"({', '.join(f'{k}={v}' for k, v in python.items())}), which the task cannot change; remove it"
         )
     tests = _files(path / "tests", task, "tests")
     if "test.sh" not in tests:

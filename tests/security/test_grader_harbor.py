@@ -59,8 +59,36 @@ async def test_the_verifier_does_not_run_a_planted_usercustomize(
         assert score.reward == 0.0, score
 
 
+# a test.sh whose tools keep a cache in HOME (uv, go, npm, cargo do), and that must not see what the agent left there
+CACHING_TEST_SH = """#!/bin/bash
+if mkdir -p "$HOME/.cache/tool" && [ ! -e "$HOME/.gitconfig" ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+PLANT_GITCONFIG = """#!/bin/bash
+printf '[core]\\n\\tfsmonitor = /tmp/forge\\n' > "$HOME/.gitconfig"
+"""
+
+
+async def test_the_verifier_gets_a_writable_home_the_agent_never_had(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # HOME=/nonexistent made a right solution's test.sh fail at its first cache write (reward 0); the agent's own
+    # writable HOME held its ~/.gitconfig, which git in test.sh would have run
+    d = make_task(tmp_path, "home", test=CACHING_TEST_SH, solve=PLANT_GITCONFIG, toml_extra='env = { HOME = "/tmp" }\n')
+    env = make_harbor_environment("harbor-home", [d])
+    image = await asyncio.to_thread(env.build_image, docker_client)
+    task = env.tasks()[0]
+    async with await backend.create(SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))) as s:
+        await env.setup(s, task, 0)
+        solved = await env.run_solution(s, task.id)
+        assert solved is not None and solved.ok, solved
+        assert (await s.exec(["cat", "/tmp/.gitconfig"])).ok  # planted where the agent's HOME is
+        score = await env.score(s, task, Episode([], "", "submit"))
+        assert score.reward == 1.0, score
+
+
 def test_a_verifier_env_cannot_undo_the_clean_grader(tmp_path: Path) -> None:
-    for name, value in (("HOME", "/tmp"), ("PYTHONNOUSERSITE", "")):
+    for name, value in (("PYTHONNOUSERSITE", ""), ("PYTHONDONTWRITEBYTECODE", "")):
         d = make_task(tmp_path, f"undo-{name.lower()}")
         toml = TOML.format(verifier_timeout=60).replace('EXPECT = "HELLO"', f'EXPECT = "HELLO", {name} = "{value}"')
         (d / "task.toml").write_text(toml)
