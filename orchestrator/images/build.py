@@ -29,7 +29,7 @@ import requests
 import urllib3
 
 from orchestrator.backends.docker.sweeper import CONTROL_LABELS
-from orchestrator.core.errors import ImageBuildError, InvalidRequestError
+from orchestrator.core.errors import EngineError, ImageBuildError, InvalidRequestError
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, safe_name
 
 log = logging.getLogger(__name__)
@@ -311,11 +311,15 @@ def _run_build(
                     error = str(chunk["error"] or chunk.get("errorDetail"))
                     break
         except docker.errors.APIError as e:
+            if e.is_server_error():  # the engine failing (its disk full, a commit failing), not the Dockerfile
+                _log_error(logf, tail, str(e.explanation or e))
+                raise EngineError(f"building {tag}: the engine failed: {e.explanation or e}") from e
             error = str(e.explanation or e)
             _log_error(logf, tail, error)
-        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError):
-            if limits is None:
-                raise
+        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError) as e:
+            if limits is None or not _read_timed_out(e):
+                # the engine went away mid-build (restarted, the connection reset): the fleet's failure
+                raise EngineError(f"building {tag}: the engine did not answer: {e}") from e
             error = _timed_out(limits)  # the read timeout: a step printed nothing until the deadline
             _log_error(logf, tail, error)
         finally:
@@ -327,6 +331,18 @@ def _run_build(
             log_path=log_path,
             step=step,
         )
+
+
+def _read_timed_out(e: BaseException) -> bool:
+    """Whether a transport error is the stream's read timeout (requests wraps urllib3's in a ConnectionError)."""
+    seen: BaseException | None = e
+    for _ in range(8):  # a chain is a few deep; a cycle must not hold the build
+        if seen is None:
+            break
+        if isinstance(seen, requests.exceptions.ReadTimeout | urllib3.exceptions.ReadTimeoutError | TimeoutError):
+            return True
+        seen = next((a for a in seen.args if isinstance(a, BaseException)), None) or seen.__cause__ or seen.__context__
+    return False
 
 
 def _log_error(logf: IO[str], tail: collections.deque[str], error: str) -> None:

@@ -220,11 +220,15 @@ def test_an_image_built_from_a_moving_tag_is_rebuilt_when_the_tag_moves(
 
 
 class _EngineAnswering(http.server.BaseHTTPRequestHandler):
-    """An engine that answers every call with the server's `code` (a 5xx: the engine itself failing)."""
+    """An engine that answers every call with the server's `code` (a 5xx: the engine itself failing); "build":
+    no image exists, and the build itself fails."""
 
     def _answer(self) -> None:
         body = b'{"message": "write /var/lib/docker/tmp: no space left on device"}'
-        self.send_response(self.server.code)  # type: ignore[attr-defined]
+        code = self.server.code  # type: ignore[attr-defined]
+        if code == "build" and self.command == "GET":  # no such image yet: it is to be built
+            code, body = 404, b'{"message": "No such image"}'
+        self.send_response(500 if code == "build" else code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -237,7 +241,7 @@ class _EngineAnswering(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def _engine(path: Path, code: int) -> Iterator[str]:
+def _engine(path: Path, code: int | str) -> Iterator[str]:
     server = socketserver.ThreadingUnixStreamServer(str(path), _EngineAnswering)
     server.code = code  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -262,3 +266,10 @@ async def test_the_engine_failing_a_call_is_infrastructure_not_the_environments_
     gone = ImageResolver(docker.DockerClient(base_url=f"unix://{tmp_path / 'no-engine.sock'}", version="1.41"))
     with pytest.raises(EngineError, match="did not answer"):
         await gone.resolve(env)
+
+
+def test_the_engine_failing_a_build_is_infrastructure_too(tmp_path: Path) -> None:
+    with _engine(tmp_path / "engine.sock", "build") as url:
+        client = docker.DockerClient(base_url=url, version="1.41", timeout=10)
+        with pytest.raises(EngineError, match=r"the engine failed: .*no space left on device"):
+            build_image(client, name="engine-down", dockerfile="FROM scratch\n", context_files={}, cache_dir=tmp_path)
