@@ -90,6 +90,10 @@ BASE = "FROM envfleet/base:latest\n"
         # an engine volume is writable outside the read-only root and the tmpfs caps
         (BASE + "VOLUME /data\n", "VOLUME is not allowed"),
         (BASE + 'volume\t["/data"]\n', "VOLUME is not allowed"),
+        (BASE + 'ENTRYPOINT ["/start.sh"]\n', "ENTRYPOINT never runs in a sandbox"),
+        (BASE + "HEALTHCHECK CMD true\n", "HEALTHCHECK never runs in a sandbox"),
+        (BASE + "RUN cat <<EOF>/x\n", "heredoc"),
+        (BASE + "RUN cat 2<<-'END'\n", "heredoc"),
     ],
 )
 def test_dockerfile_ways_out_are_refused(dockerfile: str, message: str) -> None:
@@ -107,6 +111,10 @@ def test_dockerfile_ways_out_are_refused(dockerfile: str, message: str) -> None:
         "\ufeff" + BASE + "RUN\techo a \\ \t\r\n\n  # comment\n  && echo b\r\n",
         "from envfleet/base:latest as build\nrun echo hi\n  FROM\tbuild\ncopy --from=build --chown=0:0 /x /y\n",
         BASE + 'RUN --mount=type=cache,target=/root/.cache echo "héllo \\"quoted\\"" \\\n && echo b\n',
+        # shifts, here-strings and C++ streams are no heredocs
+        BASE + "RUN python3 -c 'print(1 << 4)' && read v <<< \"$x\" && printf 'std::cout << x;' > a.cpp\n",
+        # an earlier stage's entrypoint is never the sandbox's
+        'FROM envfleet/base:latest AS build\nENTRYPOINT ["/bin/true"]\n' + BASE,
     ],
 )
 def test_legitimate_dockerfiles_pass(dockerfile: str) -> None:

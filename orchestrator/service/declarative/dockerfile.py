@@ -18,7 +18,8 @@ directive anywhere but the first line, a heredoc (newer engines take its body as
 - flags are written `--name=value`, without quotes, backslashes or non-ASCII characters (the builder unquotes flags,
   and splits them on bytes);
 - ADD takes no URL (nor a git address) and no source the builder would expand; COPY and ADD no path with `..`;
-- ONBUILD, VOLUME, `# syntax=` and RUN flags other than `--mount` are refused;
+- ONBUILD, VOLUME, `# syntax=` and RUN flags other than `--mount` are refused, and so are the final stage's
+  ENTRYPOINT and HEALTHCHECK, which a sandbox never runs;
 - the final stage descends from an envfleet image (it must carry envd).
 """
 
@@ -52,6 +53,8 @@ _ESCAPE_DIRECTIVE = re.compile(r"^#[ \t]*escape[ \t]*=[ \t]*([\\`])[ \t]*$", re.
 _LOOSE_DIRECTIVE = re.compile(r"^#\s*(escape|syntax)\s*=", re.IGNORECASE)
 _FLAG = re.compile(r"^--([a-z][a-z0-9-]*)=([^\x00-\x20\x7f-\U0010ffff'\"\\]*)$")  # printable ASCII, unquoted
 _PLAIN_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
+# a word newer builders take as a heredoc's start (buildkit: `<<EOF`, `<<-EOF`, `2<<"EOF"`; not `<<<`, not `1 << 4`)
+_HEREDOC = re.compile(r"^\d*<<-?[\"']?[A-Za-z]")
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://|^git@", re.IGNORECASE)
 _EXPANDED = set("$'\"\\`")  # the builder's shell-word processing acts on these in ADD sources
 
@@ -268,7 +271,12 @@ def check(text: str) -> None:
                 f"line {line}: VOLUME is not allowed (every sandbox would get a writable engine volume outside its "
                 "read-only root and disk caps); write under /workspace or /tmp instead"
             )
-        elif kw in ("COPY", "ADD", "RUN") and "<<" in ins.args:
+        elif kw in ("ENTRYPOINT", "HEALTHCHECK") and len(stages) == len(froms):
+            raise DockerfileError(
+                f"line {line}: {kw} never runs in a sandbox (envd is its first process and its health check); "
+                "start what the task needs in its setup instead"
+            )
+        elif kw in ("COPY", "ADD", "RUN") and any(_HEREDOC.match(w) for w in _SEPARATOR.split(ins.args)):
             raise DockerfileError(
                 f"line {line}: {kw} with '<<': newer builders read a heredoc there and take the lines after it as "
                 "data; put the content in a file of the image spec, or write it with printf"
