@@ -4,8 +4,8 @@ dataset), so it is read as bytes, never executed.
 - A pinned sdist is looked up in the package index's Simple API (PEP 691 JSON, or PEP 503 HTML) and downloaded as a
   file with httpx. pip is never asked: `pip download` of an sdist prepares its metadata, which runs the sdist's
   setup.py or build backend on the host.
-- A local archive must be a regular file (checked with lstat before it is opened, so no device is opened and no FIFO
-  waited on), of bounded size.
+- A local archive must be a regular file, or a link to one (checked with lstat before it is opened, so no device is
+  opened and no FIFO waited on), of bounded size.
 
 Both are written next to their cache entry, hashed as they are written, and moved into place only when their sha256
 is the pinned one. The index is `PIP_INDEX_URL` when set (as pip would use), else PyPI; pip's config files are not
@@ -141,7 +141,11 @@ def _find(
                 raise ImageBuildError(f"the index page {_redacted(url)} is over {MAX_PAGE_BYTES} bytes", step=_STEP)
         json_page = r.headers.get("content-type", "").split(";")[0].strip() == _JSON
         files = _json_files(bytes(body), r.url) if json_page else _html_files(bytes(body), r.url)
-    found = [f for f in files if f.filename == source.filename]
+    # by the name, else by the pinned digest among this release's sdists, as pip's --require-hashes matched (an old
+    # dataset may spell the name otherwise than the index does: foo-1.0.tar.gz for Foo-1.0.tar.gz)
+    found = [f for f in files if f.filename == source.filename] or [
+        f for f in files if f.sha256 == source.sha256 and _release_sdist(f.filename, source)
+    ]
     if not found:
         raise ImageBuildError(_missing(source, files, root), step=_STEP)
     file = found[0]
@@ -155,6 +159,15 @@ def _find(
     if file.size is not None and file.size > max_bytes:
         raise _too_large(source.filename, max_bytes)
     return file
+
+
+def _release_sdist(filename: str, source: SdistSource) -> bool:
+    """Whether `filename` is an sdist of the source's project at its version."""
+    try:
+        name, version = parse_sdist_filename(filename)
+        return name == canonicalize_name(source.package) and version == Version(source.version)
+    except (InvalidSdistFilename, InvalidVersion):
+        return False
 
 
 def _json_files(body: bytes, page: httpx.URL) -> list[IndexFile]:
@@ -293,10 +306,11 @@ _KINDS = {
 
 @contextlib.contextmanager
 def open_archive(source: ArchiveSource, max_bytes: int = MAX_SOURCE_BYTES) -> Iterator[tuple[BinaryIO, int]]:
-    """The archive at `source.path`, opened for reading, and its size; InvalidRequestError unless it is a regular
-    file (not a link) of 1 to `max_bytes` bytes."""
-    path = source.path
-    where = f"source archive {path}"
+    """The archive at `source.path`, opened for reading, and its size; InvalidRequestError unless it is (or links
+    to) a regular file of 1 to `max_bytes` bytes. Links are resolved first (the Hugging Face hub's and DVC's caches
+    hand out links to their blobs), and what they lead to is checked as the path itself would be."""
+    path = os.path.realpath(source.path)
+    where = f"source archive {source.path}" + ("" if path == os.path.abspath(source.path) else f" (a link to {path})")
     # lstat before open: opening a device can act (a watchdog arms, a tape rewinds) and opening a FIFO waits
     try:
         before = os.lstat(path)
@@ -304,8 +318,6 @@ def open_archive(source: ArchiveSource, max_bytes: int = MAX_SOURCE_BYTES) -> It
         raise InvalidRequestError(f"{where} does not exist") from None
     except OSError as e:
         raise InvalidRequestError(f"{where} cannot be read: {e.strerror}") from None
-    if stat.S_ISLNK(before.st_mode):
-        raise InvalidRequestError(f"{where} is a symbolic link; name the archive file itself")
     if not stat.S_ISREG(before.st_mode):
         kind = _KINDS.get(stat.S_IFMT(before.st_mode), "not a file")
         raise InvalidRequestError(f"{where} is not a regular file ({kind}); name a .tar.gz, .tar or .zip file")

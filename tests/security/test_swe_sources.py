@@ -271,7 +271,7 @@ def _sparse(tmp: Path) -> Path:
     [
         (_fifo, r"archive\.tar\.gz is not a regular file \(a FIFO\)"),
         (lambda _: Path("/dev/zero"), r"/dev/zero is not a regular file \(a character device\)"),
-        (_link_to_fifo, r"link\.tar\.gz is a symbolic link"),
+        (_link_to_fifo, r"link\.tar\.gz \(a link to .*archive\.tar\.gz\) is not a regular file \(a FIFO\)"),
         (_sparse, r"huge\.tar\.gz is 1099511627776 bytes, over the cap of \d+"),
         (lambda tmp: tmp / "absent.tar.gz", r"absent\.tar\.gz does not exist"),
     ],
@@ -297,6 +297,10 @@ def test_an_archive_is_checked_and_copied_into_the_cache(tmp_path: Path) -> None
     got = fetch_source(ArchiveSource(path=path, sha256=_sha256(data)), tmp_path / "cache")
     # the build reads the host-owned copy, never the dataset's path again
     assert got.is_relative_to(tmp_path / "cache") and got.read_bytes() == data
+    # a link to the file, as the Hugging Face hub's and DVC's caches hand out, is followed to it
+    (tmp_path / "linked.tar.gz").symlink_to(path)
+    linked = fetch_source(ArchiveSource(path=tmp_path / "linked.tar.gz", sha256=_sha256(data)), tmp_path / "cache")
+    assert linked.read_bytes() == data
 
 
 def _instance(image: str) -> SweInstance:
