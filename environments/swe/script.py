@@ -84,7 +84,7 @@ Program(module=None, argv=["python -m unittest", "-v", "-b", *sys.argv[1:]])
 PYTEST_RUNNER = f"""\
 import os, sys
 import pytest
-import pdb  # what pytest itself imports after the repository joins sys.path (its debugging plugin, at configure)
+import getpass, pdb  # what pytest itself imports after the repository joins sys.path (tmp_path's user, debugging)
 {_REPO_PATHS}
 
 class Repository:

@@ -65,7 +65,9 @@ def _tail(data: bytes) -> str:
 def answer_env(answer: str | None) -> str:
     """The answer as ENVFLEET_ANSWER carries it: NUL and unpaired surrogates as U+FFFD, cut to MAX_ANSWER_ENV bytes
     of UTF-8 at a character's boundary. Whatever the policy submits fits, so it is graded, never an ENV_ERROR."""
-    data = _NOT_IN_ENV.sub("\ufffd", answer or "").encode()
+    # cut in characters first (never more than MAX_ANSWER_ENV bytes' worth), so that a policy's 32 MiB answer is not
+    # scanned and encoded whole on the event loop, then in bytes
+    data = _NOT_IN_ENV.sub("\ufffd", (answer or "")[:MAX_ANSWER_ENV]).encode()
     return data[:MAX_ANSWER_ENV].decode(errors="ignore")  # "ignore" drops only a character the cut split
 
 
