@@ -128,6 +128,7 @@ class WorkerPlane:
             local_config = worker_config.model_copy(update={"slots": slots, **_host_share(config, config.workers)})
             local = plane.local = LocalWorkers(config.workers, plane.unix_target, token, local_config)
             hub.local_pids = lambda: local.pids
+            hub.on_local_lost = local.lost
             local.start()
         if config.ray is not None and plane.tcp_address is not None:
             plane.ray = RayWorkers(

@@ -124,6 +124,8 @@ class WorkerHub:
         # the pids of this host's own worker processes (the control plane started them): a silent one that still
         # uses CPU is starved, not lost (see _next)
         self.local_pids: Callable[[], Collection[int]] = tuple
+        # told the pid of a local worker it cut off, with a way to ask whether that pid has joined again
+        self.on_local_lost: Callable[[int, Callable[[int], bool]], None] = lambda pid, rejoined: None
 
     @property
     def images(self) -> ImageSource:
@@ -464,6 +466,11 @@ class WorkerHub:
                 running.result.set_exception(WorkerLostError(f"worker {worker.id} was lost: {why}"))
         worker.running.clear()
         worker.outbox.close()
+        if not self._closed and worker.trusted and worker.pid in self.local_pids():
+            self.on_local_lost(worker.pid, self._connected_pid)
+
+    def _connected_pid(self, pid: int) -> bool:
+        return any(w.pid == pid for w in self._workers.values())
 
 
 def _assignment_size(a: wpb.Assignment) -> int:

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from orchestrator.worker.config import WorkerConfig
 
@@ -17,6 +18,10 @@ log = logging.getLogger(__name__)
 RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
 STOP_GRACE_S = 60.0
+# a worker the hub cut off for its silence (stopped, hung) that has not joined again this long after is killed: the
+# supervisor starts it again, and the new process sweeps the sandboxes the silent one held (they waited out their
+# lease, an hour at least, while it lived)
+LOST_KILL_S = 60.0
 
 
 class LocalWorkers:
@@ -31,12 +36,29 @@ class LocalWorkers:
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._supervisors: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._reapers: set[asyncio.Task[None]] = set()
         self.restarts = 0
+        self.lost_kill_s = LOST_KILL_S
 
     @property
     def pids(self) -> list[int]:
         """The pids of the worker processes running now."""
         return [p.pid for p in self._procs.values() if p.returncode is None]
+
+    def lost(self, pid: int, rejoined: Callable[[int], bool]) -> None:
+        """The hub cut worker `pid` off: kill it unless it has `rejoined` within `lost_kill_s` (a stopped worker,
+        resumed, finds its stream gone, drops its rollouts and sandboxes, and joins again)."""
+        if pid in self.pids and not self._stopping:
+            task = asyncio.create_task(self._reap(pid, rejoined), name=f"reap silent worker {pid}")
+            self._reapers.add(task)
+            task.add_done_callback(self._reapers.discard)
+
+    async def _reap(self, pid: int, rejoined: Callable[[int], bool]) -> None:
+        await asyncio.sleep(self.lost_kill_s)
+        if pid in self.pids and not rejoined(pid) and not self._stopping:
+            log.error("worker pid %d has been silent since it was cut off %gs ago; killing it", pid, self.lost_kill_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def start(self) -> None:
         """Start every worker, each under its own supervisor."""
@@ -82,6 +104,6 @@ class LocalWorkers:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
             await asyncio.gather(*(p.wait() for p in procs))
-        for task in self._supervisors:
+        for task in [*self._supervisors, *self._reapers]:
             task.cancel()
-        await asyncio.gather(*self._supervisors, return_exceptions=True)
+        await asyncio.gather(*self._supervisors, *self._reapers, return_exceptions=True)

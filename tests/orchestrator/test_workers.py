@@ -18,7 +18,7 @@ from rich.console import Console
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.docker.config import DockerBackendConfig
-from orchestrator.backends.docker.sweeper import LABEL_OWNER
+from orchestrator.backends.docker.sweeper import LABEL_OWNER, LABEL_PID
 from orchestrator.backends.pool import TENANT_LABEL, PoolConfig
 from orchestrator.cli.status import fetch_status, render_status
 from orchestrator.client.sdk import EnvfleetClient
@@ -120,6 +120,32 @@ async def test_a_stopped_worker_is_cut_off_and_its_work_done_elsewhere(
     assert plane.workers.hub.lost >= 1
     # resumed, the stopped worker finds its stream gone, drops its rollouts (and their sandboxes) and joins again
     await plane.workers.hub.wait_for_workers(2, timeout_s=60)
+
+
+async def test_a_worker_that_stays_silent_is_killed_and_its_sandboxes_swept(
+    plane: Orchestrator, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    # cut off and never resumed (hung, stopped for good), it held its sandboxes until their lease, an hour at least
+    assert plane.workers is not None and plane.workers.local is not None
+    plane.workers.local.lost_kill_s = 2.0
+    async with EnvfleetClient(plane.address) as client:
+        job_id = await client.submit(job(slow_policy.url, task_ids[:24], max_concurrency=12))
+        victim = await _lose_a_worker_midway(plane, client, job_id, signal.SIGSTOP)
+        held = [c.name for c in owned_containers() if c.labels.get(LABEL_PID) == str(victim)]
+        assert held, "the stopped worker should hold sandboxes"
+        rollouts = await _collect(client, job_id)
+    check_delivery(rollouts, {f"{job_id}:{t}:0" for t in task_ids[:24]})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (victim in plane.workers.local.pids or _any_left(held)):  # noqa: ASYNC110
+        await asyncio.sleep(0.2)
+    assert victim not in plane.workers.local.pids, "the silent worker should be killed"
+    assert not _any_left(held), "its sandboxes should be swept by the worker started in its place"
+    assert plane.workers.local.restarts >= 1
+    await plane.workers.hub.wait_for_workers(2, timeout_s=60)
+
+
+def _any_left(names: list[str]) -> bool:
+    return bool({c.name for c in owned_containers()} & set(names))
 
 
 async def test_a_slow_worker_is_waited_for_not_cut_off(
