@@ -73,7 +73,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 
     async def go() -> int:
-        backend = await DockerBackend.start(DockerBackendConfig(owner="envfleet-sweep"), sweep=False)
+        config = DockerBackendConfig(owner="envfleet-sweep")
+        if args.socket_root is not None:  # the sandboxes' seals are checked with that root's key
+            config = config.model_copy(update={"socket_root": args.socket_root})
+        backend = await DockerBackend.start(config, sweep=False)
         try:
             return await backend.sweep(older_than=args.older_than)
         finally:
@@ -467,6 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = sub.add_parser("sweep", help="remove sandboxes of dead owners and expired leases")
     sweep.add_argument("--older-than", type=float, default=None, help="also remove any sandbox older than N seconds")
+    sweep.add_argument(
+        "--socket-root",
+        type=Path,
+        default=None,
+        help="the socket folders of the server whose sandboxes to sweep (deploy/run.sh: /run/envfleet-orchestrator); "
+        "only that server's sandboxes carry seals its key verifies",
+    )
     sweep.set_defaults(fn=_cmd_sweep)
 
     add_plugin_commands(sub)

@@ -3,6 +3,7 @@ is swept, and no image built from tenant input carries the labels the sweep read
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import os
@@ -16,10 +17,11 @@ import docker
 import docker.errors
 import pytest
 
-from orchestrator.backends.docker import DockerBackend
+from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
 from orchestrator.backends.docker.sweeper import CONTROL_LABELS, LABEL_MANAGED, LABEL_OWNER, LABEL_SEAL, labels_for
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.image_spec import ImageSpec
+from orchestrator.core.sandbox import SandboxSpec
 from orchestrator.images import build_from_spec, build_image
 from tests.conftest import REPO, TEST_OWNER
 
@@ -40,10 +42,31 @@ def _forged_image(client: docker.DockerClient, base: str, socket_dir: str) -> st
     return tag
 
 
-def _run_cli_sweep() -> subprocess.CompletedProcess[str]:
+def _run_cli_sweep(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "sweep"], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "orchestrator.cli", "sweep", *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+
+
+async def test_the_cli_sweeps_another_socket_roots_sandboxes_only_when_named(base_image: str, tmp_path: Path) -> None:
+    # a server run with its own socket root (deploy/run.sh's) seals its sandboxes with that root's key: the sweep
+    # verifies them with it, and without it leaves them alone, whatever their labels say
+    config = DockerBackendConfig(owner=TEST_OWNER, socket_root=tmp_path / "sockets")
+    backend = await DockerBackend.start(config)
+    try:
+        sandbox = await backend.create(SandboxSpec(image=base_image, ttl_s=0.5))
+        await asyncio.sleep(1.0)  # its lease has run out
+        default = await asyncio.to_thread(_run_cli_sweep)
+        assert default.returncode == 0 and "removed 0 sandbox(es)" in default.stdout, default
+        named = await asyncio.to_thread(_run_cli_sweep, "--socket-root", str(tmp_path / "sockets"))
+        assert named.returncode == 0 and "removed 1 sandbox(es)" in named.stdout, named
+        await sandbox.close()
+    finally:
+        await backend.close()
 
 
 @pytest.mark.parametrize("through_link", [False, True], ids=["plain path", "path through a link"])
