@@ -41,22 +41,36 @@ printf 'import os\\nos._exit(0)\\n' > "$site/usercustomize.py"
 """
 
 
-async def test_the_verifier_does_not_run_a_planted_usercustomize(
-    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
-) -> None:
-    # a writable HOME, as many tasks need (the sandbox's uid has no account, so Docker's HOME is the read-only /)
-    d = make_task(tmp_path, "planted", test=TEST_SH, solve=PLANT, toml_extra='env = { HOME = "/tmp" }\n')
-    env = make_harbor_environment("harbor-clean", [d])
+async def _score_after_the_agent(
+    tmp_path: Path,
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,
+    name: str,
+    test: str,
+    solve: str,
+    planted: list[str],
+) -> float:
+    """The reward of a task whose agent (its solve.sh) ran first, under a writable HOME, as many tasks need (the
+    sandbox's uid has no account, so Docker's HOME is the read-only /); `planted`: a command that shows the agent's
+    move took effect in the sandbox."""
+    d = make_task(tmp_path, name, test=test, solve=solve, toml_extra='env = { HOME = "/tmp" }\n')
+    env = make_harbor_environment(f"harbor-{name}", [d])
     image = await asyncio.to_thread(env.build_image, docker_client)
     task = env.tasks()[0]
     async with await backend.create(SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))) as s:
         await env.setup(s, task, 0)
         solved = await env.run_solution(s, task.id)
         assert solved is not None and solved.ok, solved
-        # the plant works: any python the agent starts exits 0 at once
-        assert (await s.exec(["python3", "-c", "import sys; sys.exit(1)"])).exit_code == 0
-        score = await env.score(s, task, Episode([], "", "submit"))
-        assert score.reward == 0.0, score
+        assert (await s.exec(planted)).exit_code == 0, "the agent's move did not take effect"
+        return (await env.score(s, task, Episode([], "", "submit"))).reward or 0.0
+
+
+async def test_the_verifier_does_not_run_a_planted_usercustomize(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # the plant works: any python the agent starts exits 0 at once
+    works = ["python3", "-c", "import sys; sys.exit(1)"]
+    assert await _score_after_the_agent(tmp_path, backend, docker_client, "planted", TEST_SH, PLANT, works) == 0.0
 
 
 # a test.sh whose tools keep a cache in HOME (uv, go, npm, cargo do), and that must not see what the agent left there
@@ -74,17 +88,11 @@ async def test_the_verifier_gets_a_writable_home_the_agent_never_had(
 ) -> None:
     # HOME=/nonexistent made a right solution's test.sh fail at its first cache write (reward 0); the agent's own
     # writable HOME held its ~/.gitconfig, which git in test.sh would have run
-    d = make_task(tmp_path, "home", test=CACHING_TEST_SH, solve=PLANT_GITCONFIG, toml_extra='env = { HOME = "/tmp" }\n')
-    env = make_harbor_environment("harbor-home", [d])
-    image = await asyncio.to_thread(env.build_image, docker_client)
-    task = env.tasks()[0]
-    async with await backend.create(SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))) as s:
-        await env.setup(s, task, 0)
-        solved = await env.run_solution(s, task.id)
-        assert solved is not None and solved.ok, solved
-        assert (await s.exec(["cat", "/tmp/.gitconfig"])).ok  # planted where the agent's HOME is
-        score = await env.score(s, task, Episode([], "", "submit"))
-        assert score.reward == 1.0, score
+    planted = ["cat", "/tmp/.gitconfig"]
+    reward = await _score_after_the_agent(
+        tmp_path, backend, docker_client, "home", CACHING_TEST_SH, PLANT_GITCONFIG, planted
+    )
+    assert reward == 1.0
 
 
 def test_a_verifier_env_cannot_undo_the_clean_grader(tmp_path: Path) -> None:
