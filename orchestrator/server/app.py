@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 from collections.abc import Awaitable
@@ -282,92 +283,110 @@ async def create_server(
     await asyncio.to_thread(sweep_private_dirs)
     with_workers = config.workers or config.worker_listen or config.ray
     identity = await worker_identity(config) if with_workers else None
-    store = await ResultStore.open(config.data_dir / "results.sqlite3")
-    fleet = await start_fleet(config.backend)
-    backend, images = fleet.backend, fleet.images
-    registry = registry or Registry.from_entry_points()
-    for reference in config.environments:
-        registry.load(reference)
-    registrar = Registrar(
-        registry,
-        backend,
-        fleet.build_spec_image,
-        SpecStore(config.data_dir / "environments"),
-        caps=config.caps.sandbox,
-        archives=ArchiveStore(config.data_dir / "environments" / "archives"),
-        archive_caps=config.caps.archive,
-        kinds=load_kinds(),
-        spec_bytes_per_tenant=config.caps.spec_bytes_per_tenant,
-    )
-    await registrar.load()
-    metrics = Metrics()
-    pool = SandboxPool(backend, config.pool, metrics)
-    pool.start()
-    workers: WorkerPlane | None = None
-    executor: Executor
-    if with_workers:
-        workers = await WorkerPlane.start(config, images, registrar.catalog, identity)
-        executor = workers.hub
-    else:
-        executor = LocalExecutor(RolloutRunner(pool, images, tracer), TokenizerCache(config.tokenizer_dirs))
-    jobs = await JobManager.start(
-        store,
-        registry,
-        executor,
-        config.max_in_flight,
-        metrics=metrics,
-        capacity=config.capacity,
-        caps=config.caps,
-        tracer=tracer,
-        retention_s=config.job_retention_s,
-    )
-    # read when scraped
-    metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
-    metrics.result_log_bytes.set_function(store.size_bytes)
-    fleet.export_metrics(metrics)
-    server = grpc.aio.server(
-        interceptors=[AuthInterceptor(auth), ErrorInterceptor()],
-        options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            # no bandwidth probing: it grows a stream's receive window toward tens of MiB on loopback, and a
-            # client-streaming call (ExecStream stdin, Upload) then holds that much here before a handler reads it.
-            # 8 ExecStreams of 100 MiB grew the server by 93-771 MiB with it (two clean-clone runs failed the 400 MiB
-            # bound of tests/security/test_buffers.py), 56-77 MiB without; stdin throughput 10-20% lower (README)
-            ("grpc.http2.bdp_probe", 0),
-        ],
-    )
-    # sessions and raw sandboxes share the host's capacity with rollouts: they reserve it through the scheduler
-    sessions = SessionManager.start(
-        config.sessions, registry, pool, images, caps=config.caps.sandbox, admission=jobs.scheduler
-    )
-    sandboxes = SandboxManager.start(
-        config.sandboxes, registry, backend, images, fleet.image_present, caps=config.caps, admission=jobs.scheduler
-    )
-    orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(
-        EnvironmentService(registry, registrar, auth), server
-    )
-    orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
-        RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls), TokenizerDirs(config.tokenizer_dirs)),
-        server,
-    )
-    orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
-    orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if config.reflection if config.reflection is not None else tls is None:
-        names = [s.full_name for s in orchestrator_pb2.DESCRIPTOR.services_by_name.values()]
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{config.host}:{config.port}"
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    private_dir = None
-    if config.openenv is not None:
-        # the facade calls this server as a client, with its callers' tokens (the interceptor checks them), over a
-        # unix socket in a private folder: no TLS to set up for a call that never leaves the process's host
-        private_dir = await asyncio.to_thread(make_private_dir, "openenv")
-        server.add_insecure_port(f"unix:{private_dir / 'grpc.sock'}")
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    # what has started so far is stopped again if a later step fails (a port taken, a store that will not open):
+    # local workers and Ray actors outlived a failed start, and the backend's sweeper and pool ran on
+    undo = contextlib.AsyncExitStack()
+    try:
+        store = await ResultStore.open(config.data_dir / "results.sqlite3")
+        undo.push_async_callback(store.close)
+        fleet = await start_fleet(config.backend)
+        backend, images = fleet.backend, fleet.images
+        undo.push_async_callback(backend.close)
+        registry = registry or Registry.from_entry_points()
+        for reference in config.environments:
+            registry.load(reference)
+        registrar = Registrar(
+            registry,
+            backend,
+            fleet.build_spec_image,
+            SpecStore(config.data_dir / "environments"),
+            caps=config.caps.sandbox,
+            archives=ArchiveStore(config.data_dir / "environments" / "archives"),
+            archive_caps=config.caps.archive,
+            kinds=load_kinds(),
+            spec_bytes_per_tenant=config.caps.spec_bytes_per_tenant,
+        )
+        await registrar.load()
+        metrics = Metrics()
+        pool = SandboxPool(backend, config.pool, metrics)
+        pool.start()
+        undo.push_async_callback(pool.close)
+        workers: WorkerPlane | None = None
+        executor: Executor
+        if with_workers:
+            workers = await WorkerPlane.start(config, images, registrar.catalog, identity)
+            undo.push_async_callback(workers.stop)
+            executor = workers.hub
+        else:
+            executor = LocalExecutor(RolloutRunner(pool, images, tracer), TokenizerCache(config.tokenizer_dirs))
+        jobs = await JobManager.start(
+            store,
+            registry,
+            executor,
+            config.max_in_flight,
+            metrics=metrics,
+            capacity=config.capacity,
+            caps=config.caps,
+            tracer=tracer,
+            retention_s=config.job_retention_s,
+        )
+        undo.push_async_callback(jobs.close)
+        # read when scraped
+        metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
+        metrics.result_log_bytes.set_function(store.size_bytes)
+        fleet.export_metrics(metrics)
+        server = grpc.aio.server(
+            interceptors=[AuthInterceptor(auth), ErrorInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", config.max_message_bytes),
+                # no bandwidth probing: it grows a stream's receive window toward tens of MiB on loopback, and a
+                # client-streaming call (ExecStream stdin, Upload) then holds that much here before a handler reads
+                # it. 8 ExecStreams of 100 MiB grew the server by 93-771 MiB with it (two clean-clone runs failed the
+                # 400 MiB bound of tests/security/test_buffers.py), 56-77 MiB without; stdin throughput 10-20% lower
+                # (README)
+                ("grpc.http2.bdp_probe", 0),
+            ],
+        )
+        # sessions and raw sandboxes share the host's capacity with rollouts: they reserve it through the scheduler
+        sessions = SessionManager.start(
+            config.sessions, registry, pool, images, caps=config.caps.sandbox, admission=jobs.scheduler
+        )
+        undo.push_async_callback(sessions.close_all)
+        sandboxes = SandboxManager.start(
+            config.sandboxes, registry, backend, images, fleet.image_present, caps=config.caps, admission=jobs.scheduler
+        )
+        undo.push_async_callback(sandboxes.close_all)
+        orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(
+            EnvironmentService(registry, registrar, auth), server
+        )
+        orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
+            RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls), TokenizerDirs(config.tokenizer_dirs)),
+            server,
+        )
+        orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
+        orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        if config.reflection if config.reflection is not None else tls is None:
+            names = [s.full_name for s in orchestrator_pb2.DESCRIPTOR.services_by_name.values()]
+            reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        address = f"{config.host}:{config.port}"
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        private_dir = None
+        if config.openenv is not None:
+            # the facade calls this server as a client, with its callers' tokens (the interceptor checks them), over a
+            # unix socket in a private folder: no TLS to set up for a call that never leaves the process's host
+            private_dir = await asyncio.to_thread(make_private_dir, "openenv")
+            undo.callback(shutil.rmtree, private_dir, ignore_errors=True)
+            server.add_insecure_port(f"unix:{private_dir / 'grpc.sock'}")
+        await server.start()
+        undo.push_async_callback(server.stop, 0)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        await undo.aclose()
+        raise
+    undo.pop_all()
     log.info(
         "orchestrator serving on %s:%d (%s, %s; data in %s)",
         config.host,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path, PosixPath
@@ -335,3 +336,41 @@ async def test_a_hosts_workers_split_its_idle_budget(
         assert len(warm) <= 2, [c.name for c in warm]
     finally:
         await orch.stop(grace=1)
+
+
+async def test_a_failed_start_leaves_no_worker_running(tmp_path: Path) -> None:
+    # the port is taken: the start fails after the workers, the pool and the backend's sweeper began, and each is
+    # stopped again (the workers ran on, for as long as this process lived)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    config = OrchestratorConfig(
+        port=taken.getsockname()[1],
+        data_dir=tmp_path / "data",
+        backend=FakeBackendConfig(owner=TEST_OWNER),
+        workers=2,
+        metrics_port=None,
+    )
+    try:
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            await create_server(config)
+    finally:
+        taken.close()
+    deadline = time.monotonic() + 30
+    while _my_workers() and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    assert _my_workers() == []
+
+
+def _my_workers() -> list[int]:
+    """The worker processes this process started that still run."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = PosixPath(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = PosixPath(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"orchestrator.worker" in argv and str(os.getpid()).encode() in argv and state != "Z":
+            found.append(int(pid))
+    return found
