@@ -625,13 +625,11 @@ def _within_bytes(entries: list[LogEntry], budget: int, grouped: bool) -> int:
             break
     if end == len(entries) or not grouped:
         return max(end, 1)
-    while end > 0 and entries[end].group_id == entries[end - 1].group_id:
-        end -= 1  # back to the start of the group the budget ran out in
-    if end == 0:  # the first group alone is over the budget: it goes whole
-        end = 1
-        while end < len(entries) and entries[end].group_id == entries[0].group_id:
-            end += 1
-    return end
+    whole = len(_whole_groups(entries[: end + 1]))  # back to the start of the group the budget ran out in
+    if whole <= end:
+        return whole
+    first = entries[0].group_id  # the first group alone is over the budget: it goes whole
+    return next((i for i, e in enumerate(entries) if e.group_id != first), len(entries))
 
 
 def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "grpo") -> Batch:
