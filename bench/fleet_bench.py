@@ -1,7 +1,8 @@
 """Control plane and rollout workers, measured side by side in one run (keys under `fleet` in bench/results.json).
 
 - `workers_speedup`: rollouts/s with 2 worker processes over 1, the same light workload (python-tool on the fake
-  backend, the replay policy: no model latency), the control plane the same.
+  backend, the replay policy: no model latency), the control plane the same; with a trainer that reads models, and
+  again with one that reads the protobuf messages (`messages_reader`), a quarter of the trainer's CPU per rollout.
 - `submit_latency`: p50 and p99 of SubmitJob under 200 concurrent one-task submits, from a client process of its
   own against `envfleet serve` (fake backend, 2 workers), beside the same burst of calls to a bare grpc.aio server
   from the same kind of process; with the control plane's CPU per submit and the bare server's per call (process
@@ -92,13 +93,15 @@ async def _drain(client: EnvfleetClient, job_id: str) -> Counter[str]:
 
 # The trainer of the timed jobs: a process of its own, as a trainer is, so that the control plane's CPU time is its
 # own. It connects, says "ready", and on "go" submits the job and drains its stream; then it prints the rollouts'
-# statuses and when each arrived (seconds after the submit, by the host's monotonic clock).
+# statuses and when each arrived (seconds after the submit, by the host's monotonic clock). It reads the rollouts as
+# models (`rollouts`, "models") or as the wire's protobuf messages (`rollout_messages`, "messages").
 _CONSUMER = """
 import asyncio, collections, json, sys, time
+from orchestrator.client.convert import ROLLOUT_STATUS_FROM_PB
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec
 
-async def main(address, spec_json):
+async def main(address, spec_json, reader):
     spec = JobSpec.model_validate_json(spec_json)
     async with EnvfleetClient(address, timeout_s=600) as client:
         await client.list_jobs()  # the channel is up before the clock starts
@@ -107,28 +110,35 @@ async def main(address, spec_json):
         t0 = time.monotonic()
         job_id = await client.submit(spec)
         statuses, arrivals = [], []
-        async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024):
-            statuses.append(r.status.value)
-            arrivals.append(time.monotonic() - t0)
+        if reader == "messages":
+            async for m in client.rollout_messages(job_id, max_in_flight=100_000, max_batch=1024):
+                statuses.append(m.status)
+                arrivals.append(time.monotonic() - t0)
+            statuses = [ROLLOUT_STATUS_FROM_PB[s].value for s in statuses]
+        else:
+            async for r in client.rollouts(job_id, max_in_flight=100_000, max_batch=1024):
+                statuses.append(r.status.value)
+                arrivals.append(time.monotonic() - t0)
         print(json.dumps(collections.Counter(statuses)), flush=True)
         print(json.dumps([round(t, 4) for t in arrivals]), flush=True)
 
-asyncio.run(main(sys.argv[1], sys.argv[2]))
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
 """
 
 
 async def timed_job(
-    address: str, spec: JobSpec, arrivals: list[float] | None = None
+    address: str, spec: JobSpec, arrivals: list[float] | None = None, reader: str = "models"
 ) -> tuple[Counter[str], float, float]:
     """Run one job from a trainer process of its own: its rollouts by status, the seconds from submit to its last
     rollout, and this process's CPU seconds meanwhile; `arrivals`, when given, gets each rollout's arrival (seconds
-    after the submit, in the order they came)."""
+    after the submit, in the order they came). `reader`: the trainer reads "models" or protobuf "messages"."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
         _CONSUMER,
         address,
         spec.model_dump_json(),
+        reader,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         limit=64 << 20,  # a line of every rollout's arrival time
@@ -159,10 +169,11 @@ def _reaped_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def rollouts_per_s(workers: int, total: int, in_flight: int = 1024) -> dict[str, Any]:
-    """One job of `total` light rollouts on `workers` worker processes: rollouts/s from submit to the last one.
-    `in_flight` is deep enough that the host's CPU is the bound, not the round trip: at 128 one worker used 74% of
-    its core and two 85% of one between them (2026-12-02), so the ratio measured the pipeline's latency."""
+async def rollouts_per_s(workers: int, total: int, in_flight: int = 1024, reader: str = "models") -> dict[str, Any]:
+    """One job of `total` light rollouts on `workers` worker processes: rollouts/s from submit to the last one, the
+    trainer reading them as `reader` (timed_job). `in_flight` is deep enough that the host's CPU is the bound, not
+    the round trip: at 128 one worker used 74% of its core and two 85% of one between them (2026-12-02), so the
+    ratio measured the pipeline's latency."""
     ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
     n = -(-total // len(ids))
     with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
@@ -171,7 +182,7 @@ async def rollouts_per_s(workers: int, total: int, in_flight: int = 1024) -> dic
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 await _drain(client, await client.submit(_job(ids[:4])))  # warm the workers' pools and code
             before, reaped = proc_cpu.read(), _reaped_cpu_s()
-            counts, elapsed, _ = await timed_job(orch.address, _job(ids, n=n))
+            counts, elapsed, _ = await timed_job(orch.address, _job(ids, n=n), reader=reader)
             after, trainer = proc_cpu.read(), _reaped_cpu_s() - reaped
         finally:
             await orch.stop(grace=1)
@@ -188,11 +199,18 @@ async def rollouts_per_s(workers: int, total: int, in_flight: int = 1024) -> dic
 
 
 async def workers_speedup(total: int = 20_000) -> dict[str, Any]:
-    """2 workers over 1 on the same workload, interleaved twice so that the host's noise hits both."""
-    one, two = [], []
+    """2 workers over 1 on the same workload, interleaved twice so that the host's noise hits both; once with a
+    trainer that reads models (the top-level figures, as in earlier runs) and once with one that reads protobuf
+    messages (`messages_reader`)."""
+    runs: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {"models": ([], []), "messages": ([], [])}
     for _ in range(2):
-        one.append(await rollouts_per_s(1, total))
-        two.append(await rollouts_per_s(2, total))
+        for reader, (one, two) in runs.items():
+            one.append(await rollouts_per_s(1, total, reader=reader))
+            two.append(await rollouts_per_s(2, total, reader=reader))
+    return {**_speedup(*runs["models"]), "messages_reader": _speedup(*runs["messages"])}
+
+
+def _speedup(one: list[dict[str, Any]], two: list[dict[str, Any]]) -> dict[str, Any]:
     a = round(statistics.median(r["rollouts_per_s"] for r in one), 1)
     b = round(statistics.median(r["rollouts_per_s"] for r in two), 1)
     cores = os.cpu_count() or 1

@@ -89,6 +89,9 @@ async def test_sync_client(fake_orchestrator: Orchestrator, policy_server: Scrip
             job_id = c.submit(job(policy_server.url, task_ids[:3]))
             got = [r.task_id for r in c.rollouts(job_id)]
             assert c.get_job(job_id).acked == 3
+            again = c.submit(job(policy_server.url, task_ids[:3]))
+            assert sorted(m.task_id for m in c.rollout_messages(again)) == sorted(got)
+            assert c.get_job(again).acked == 3
             return got
 
     assert sorted(await asyncio.to_thread(run)) == sorted(task_ids[:3])

@@ -15,6 +15,7 @@ import docker
 import grpc
 import pytest
 
+from orchestrator.client.convert import rollout_from_pb
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.jobs import _within_bytes
@@ -333,3 +334,24 @@ def test_a_message_ends_within_its_bytes_on_a_groups_end_and_a_big_first_one_goe
     assert _within_bytes(entries("a", "b", "c"), 5, grouped=False) == 1  # the first goes, by itself
     assert _within_bytes(entries("a", "a", "b", "b"), 35, grouped=True) == 2  # not half of b
     assert _within_bytes(entries("a", "a", "a", "b"), 15, grouped=True) == 3  # all of a, alone
+
+
+async def test_rollout_messages_are_the_rollouts_models_as_they_came_and_acked_the_same(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:6], n=2, max_concurrency=4))
+    assert await until_done(fake_client, job_id, 12, timeout_s=60) == 12
+    models = {r.id: r async for r in fake_client.rollouts(job_id, auto_ack=False)}
+    # a reader that stops after 5 has acked what it consumed; the next one gets the rest, each once
+    head: list[pb.Rollout] = []
+    async for m in fake_client.rollout_messages(job_id, max_batch=5):
+        head.append(m)
+        if len(head) == 5:
+            break
+    tail = [m async for m in fake_client.rollout_messages(job_id, resume_after=head[-1].seq)]
+    messages = head + tail
+    assert sorted(m.id for m in messages) == sorted(models)
+    # the same rollout, token ids and logprobs included, as the models' reader gets it
+    assert all(rollout_from_pb(m) == models[m.id] for m in messages)
+    assert any(m.tokens.completion_ids for m in messages)
+    assert (await fake_client.get_job(job_id)).acked == 12
