@@ -15,11 +15,10 @@ import asyncio
 import hashlib
 import io
 import logging
-import os
 import re
 import tarfile
-import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +27,18 @@ import docker
 import docker.errors
 
 from environments.swe.instance import ArchiveSource, EnvironmentSpec, ImageSource, SdistSource, SweInstance
+from environments.swe.report import write_atomic
 from environments.swe.sources import MAX_SOURCE_BYTES, copy_archive, fetch_sdist, open_archive
+from orchestrator.backends.docker.sweeper import (
+    LABEL_HOST,
+    LABEL_LEASE,
+    LABEL_MANAGED,
+    LABEL_OWNER,
+    LABEL_PID,
+    LABEL_PID_START,
+    Owner,
+    doomed,
+)
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images import ensure_base_image
@@ -45,6 +55,12 @@ IMAGE_ENV = {"TZ": "UTC", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
 # environment's (envfleet/env-*), the operator's, or a non-envfleet image
 SWE_IMAGE_PREFIX = f"{REPO_PREFIX}/swe/"
 _SNAPSHOT = Path(__file__).with_name("snapshot.py")
+# the container a repository is exported from (RepoTars): created, read, removed; never started
+EXPORT_LABEL = "envfleet.swe.export"
+EXPORT_OWNER = "envfleet-swe-export"
+# an export reads one repository out of the image in seconds: a container older than this is left over, whoever
+# its owner (one of another pid namespace, whose liveness cannot be judged from here, included)
+EXPORT_LEASE_S = 900.0
 
 
 def swe_cache(cache_dir: Path | None = None) -> Path:
@@ -239,7 +255,9 @@ def _strip_first(tar_bytes: bytes) -> bytes:
 
 class RepoTars:
     """Instance repositories as tars rooted at the repository, exported from the instance images (built when
-    missing) and kept in memory and on disk (`<cache>/swe/repos/<image id>.tar`: an image id names its content)."""
+    missing) and kept in memory and on disk (`<cache>/swe/repos/<image id>.tar`: an image id names its content).
+    An export's container carries its owner process and a lease, and every load first removes those whose owner was
+    killed during its export (`sweep_exports`)."""
 
     def __init__(self, client: docker.DockerClient | None = None, *, cache_dir: Path | None = None) -> None:
         self._client = client
@@ -264,24 +282,71 @@ class RepoTars:
 
     def _load(self, instance: SweInstance, env_image: str) -> bytes:
         client = self.client()
+        # first what killed exports left (their `finally` never ran), whether or not this one needs to export
+        try:
+            sweep_exports(client)
+        except docker.errors.DockerException as e:
+            log.warning("could not sweep export containers: %s", e)
         tag = instance_image(client, instance, env_image=env_image, cache_dir=self._cache_dir)
         image_id = str(client.images.get(tag).id).removeprefix("sha256:")
         path = swe_cache(self._cache_dir) / "repos" / f"{image_id[:32]}.tar"
         if path.is_file():
             return path.read_bytes()
         data = self._export(client, tag)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".repo-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write_atomic(path, data)
         return data
 
     @staticmethod
     def _export(client: docker.DockerClient, tag: str) -> bytes:
-        container = client.containers.create(tag, command=["true"], labels={"envfleet.swe.export": "1"})
+        labels = export_labels(Owner.current(EXPORT_OWNER), time.time())
+        container = client.containers.create(tag, command=["true"], labels=labels)
         try:
             chunks, _ = container.get_archive(REPO_DIR)
             return _strip_first(b"".join(chunks))
         finally:
             container.remove(force=True)
+
+
+def export_labels(owner: Owner, now: float) -> dict[str, str]:
+    """The labels of an export container: the mark, and the owner and lease labels the sandbox sweep reads, so that
+    `sweep_exports` judges it as that sweep judges a sandbox. Never `envfleet.managed`: that sweep acts only on
+    containers sealed under its socket root's key, which this module does not hold."""
+    return {
+        EXPORT_LABEL: "1",
+        LABEL_OWNER: owner.name,
+        LABEL_PID: str(owner.pid),
+        LABEL_PID_START: owner.start,
+        LABEL_HOST: owner.host,
+        LABEL_LEASE: f"{now + EXPORT_LEASE_S:.0f}",
+    }
+
+
+def sweep_exports(client: docker.DockerClient) -> int:
+    """Remove the export containers whose owner process is gone (killed during its export) or whose lease expired,
+    by the sandbox sweep's own verdict (sweeper.doomed); returns how many were removed (blocking)."""
+    me = Owner.current(EXPORT_OWNER)
+    now = time.time()
+    alive: dict[tuple[str, str], bool] = {}
+    removed = 0
+    # an export container is created and never started; a sandbox (managed) is the sandbox sweep's alone
+    listed = client.api.containers(all=True, filters={"label": f"{EXPORT_LABEL}=1", "status": ["created", "dead"]})
+    for c in listed:
+        labels = c.get("Labels") or {}
+        if LABEL_MANAGED in labels:
+            continue
+        name = (c.get("Names") or ["/?"])[0].lstrip("/")
+        # older than its lease: also one written before exports carried an owner (no labels to judge it by)
+        reason = doomed(labels, name, float(c.get("Created", now)), now, EXPORT_LEASE_S, me, (), alive)
+        if not reason:
+            continue
+        log.info("removing export container %s (%s)", name, reason)
+        try:
+            client.api.remove_container(c["Id"], force=True, v=True)
+        except docker.errors.NotFound:
+            continue  # another sweep's
+        except docker.errors.APIError as e:
+            if "already in progress" not in str(e):
+                log.warning("could not remove export container %s: %s", name, e)
+            continue
+        removed += 1
+    return removed

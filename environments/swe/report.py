@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,12 +30,20 @@ def safe_component(text: str) -> str:
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write a file so a reader never sees half of it (a crash leaves the old file or none)."""
+    """Write a file so a reader never sees half of it (a failure or a crash leaves the old file or none; a failure
+    also removes its temporary copy)."""
+    raw = data.encode() if isinstance(data, str) else data
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        # a full disk or a directory in the way: the half-written copy goes too (a crash can still leave one)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 @dataclass(frozen=True)
