@@ -3,7 +3,8 @@ weight sync pauses or aborts what is running) with HTTP 200, the partial text an
 some servers say "error". Taken as the model's turn, that partial answer (or a tool call cut short, a submit
 included) was scored: an infrastructure failure passing as a reward. It is retried as a 5xx is, within the
 endpoint's max_retries, and then ends POLICY_ERROR without a reward. A finish_reason the client does not know is a
-POLICY_ERROR that names it; a turn a content filter cut is TRUNCATED, as one cut at max_tokens is.
+POLICY_ERROR that names it; a turn a content filter cut is TRUNCATED, as one cut at max_tokens is, and no tool call
+of a cut turn runs (a submit cut at max_tokens scored 1.0 in chat mode).
 
 Through real processes: the scripted policy server answers each case, a job runs on the fake backend behind the
 real gRPC server, the trainer reads the stream; the chat and the token-in, token-out (tito) paths."""
@@ -89,6 +90,7 @@ async def test_an_aborted_generation_is_retried_then_a_policy_error_never_a_rewa
     tmp_path: Path, task_ids: list[str]
 ) -> None:
     aborted, cut_submit, errored, unknown, filtered, solved = task_ids
+    length_cut = Registry.from_entry_points().get(ENV).tasks()[6].id
     script = Script(
         tasks={
             aborted: [Step(content="The answer is 22435", finish_reason="abort")],
@@ -97,9 +99,11 @@ async def test_an_aborted_generation_is_retried_then_a_policy_error_never_a_rewa
             unknown: [Step(content="x", finish_reason="eos_or_something")],
             filtered: [Step(content="partial", finish_reason="content_filter")],
             solved: [_submit_step(5)],
+            # cut at max_tokens while writing the call: the server parsed one, but its turn did not end
+            length_cut: [_submit_step(6, "length")],
         }
     )
-    by_task, requests = await _run(tmp_path, script, task_ids)
+    by_task, requests = await _run(tmp_path, script, [*task_ids, length_cut])
     failed_turn = "did not finish the generation"
     wrong = {
         task: why
@@ -118,9 +122,13 @@ async def test_an_aborted_generation_is_retried_then_a_policy_error_never_a_rewa
     assert error is not None and f"(attempt {RETRIES + 1} of {RETRIES + 1})" in error.message, error
     # a content filter cut the turn: the model's own answer, but not a finished one
     assert by_task[filtered].status == RolloutStatus.TRUNCATED, by_task[filtered].error
+    # a call in a turn cut at max_tokens never runs (the correct submit scored 1.0): TRUNCATED, as tito drops it
+    cut = by_task[length_cut]
+    assert (cut.status, cut.reward) == (RolloutStatus.TRUNCATED, 0.0), (cut.status, cut.reward, cut.error)
+    assert not [c.name for t in cut.turns for c in (t.tool_calls or [])]
     assert by_task[solved].status == RolloutStatus.OK and by_task[solved].reward == 1.0, by_task[solved].error
     # the three failed generations were each asked for again; an unknown finish_reason is not a server hiccup
-    assert requests == 3 * (RETRIES + 1) + 1 + 1 + 1
+    assert requests == 3 * (RETRIES + 1) + 1 + 1 + 1 + 1
 
 
 async def test_an_aborted_tito_generation_is_a_policy_error_never_a_reward(tmp_path: Path, task_ids: list[str]) -> None:

@@ -103,6 +103,10 @@ def parse_chat_completion(data: Any, *, model: str) -> Completion:
     content = message.get("content")
     text = _text(content)
     tool_calls, wire_calls = _tool_calls(message.get("tool_calls"))
+    if finish in CUT_OFF:
+        # cut off at max_tokens or by a filter: a call it was writing may be unfinished, its arguments cut short, so
+        # no call of the turn runs (the episode ends TRUNCATED), as the tito parser never reads one from a cut sample
+        tool_calls, wire_calls = [], []
 
     prompt_ids = checks.token_ids(data.get("prompt_token_ids"), "prompt_token_ids")
     if prompt_ids is None:
