@@ -9,9 +9,11 @@ observation delta (mask 0, logprob 0.0) by ChatTemplateTokens.
     tokens = ChatTemplateTokens(tokenizer)
     episode = await run_episode(sessions, tokens, get_parser("hermes"), generate, env="python-tool", task_id="py-000")
 
-`generate(prompt_ids, max_tokens)` returns the sampled ids and, when the engine has them, their logprobs. An
-episode that ends without a reward to learn from raises EpisodeFailedError, after `infra_retries` fresh tries when
-the failure was the fleet's (INFRA_ERROR).
+`generate(prompt_ids, max_tokens)` returns the sampled ids and, when the engine has them, their logprobs and what
+ended the sample. A sample the engine did not finish ("abort": a weight sync) is asked for again, and raises
+GenerationAborted after GENERATE_TRIES; no call of a sample cut at max_tokens runs. An episode that ends without a
+reward to learn from raises EpisodeFailedError, after `infra_retries` fresh tries when the failure was the fleet's
+(INFRA_ERROR).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from integrations.session import AsyncSessions, Message, Opening, StepResult
-from orchestrator.core.errors import EpisodeFailedError
+from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
 from orchestrator.rollout.tito import ChatTemplateTokens, ToolCall, ToolParser
 
@@ -31,12 +33,21 @@ log = logging.getLogger(__name__)
 _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
 
 
+# what an engine says ended a sample: it did not finish it (vLLM's and SGLang's "abort", verl's "aborted": a weight
+# sync cut it), or it cut it at max_tokens; any other value, or none, is a sample the engine ended
+NOT_FINISHED = frozenset({"abort", "aborted", "error"})
+CUT_OFF = frozenset({"length"})
+GENERATE_TRIES = 3  # for a turn whose sample the engine did not finish
+
+
 @dataclass(frozen=True)
 class Generated:
-    """One assistant turn as the engine sampled it: ids, and their logprobs when it returned them."""
+    """One assistant turn as the engine sampled it: ids, their logprobs when it returned them, and what ended the
+    sample when it says (`finish_reason`: see NOT_FINISHED and CUT_OFF)."""
 
     ids: list[int]
     logprobs: list[float] | None = None
+    finish_reason: str | None = None
 
 
 Generate = Callable[[list[int], int], Awaitable[Generated]]
@@ -108,15 +119,13 @@ async def _attempt(
     episode = EpisodeTokens(opening.task_id, tokens.prompt_ids(opening.messages, tools))
     while True:
         budget = response_length - len(episode.response_ids)
-        out = await generate(episode.prompt_ids + episode.response_ids, budget)
-        if len(out.ids) > budget:
-            raise ValueError(f"the engine sampled {len(out.ids)} tokens for a budget of {budget}")
-        if out.logprobs is not None and len(out.logprobs) != len(out.ids):
-            raise ValueError(f"the engine returned {len(out.logprobs)} logprobs for {len(out.ids)} tokens")
+        out = await _finished_sample(generate, episode.prompt_ids + episode.response_ids, budget)
         episode.append(out.ids, 1, out.logprobs)
         episode.assistant_turns += 1
         # decoded as the server would (special tokens dropped); tool markers are ordinary tokens, the parser sees them
         content, calls = parser.parse(tokens.tokenizer.decode(out.ids, skip_special_tokens=True), tools)
+        if out.finish_reason in CUT_OFF:
+            calls = []  # a call it was writing may be cut short: none runs, as in the fleet's own tito turns
         result, messages = await _turn(sessions, sid, content, calls)
         if not result.done:
             delta = tokens.observation_ids(messages, tools)
@@ -135,6 +144,23 @@ async def _attempt(
         episode.status, episode.reward = result.status, result.reward
         episode.reward_components = result.reward_components
         return episode
+
+
+async def _finished_sample(generate: Generate, prompt_ids: list[int], budget: int) -> Generated:
+    """The engine's sample for the turn, checked; one it did not finish (a weight sync aborted it) is asked for again,
+    and after GENERATE_TRIES is GenerationAborted: its partial ids are never taken as the policy's turn."""
+    for _ in range(GENERATE_TRIES):
+        out = await generate(prompt_ids, budget)
+        if len(out.ids) > budget:
+            raise ValueError(f"the engine sampled {len(out.ids)} tokens for a budget of {budget}")
+        if out.logprobs is not None and len(out.logprobs) != len(out.ids):
+            raise ValueError(f"the engine returned {len(out.logprobs)} logprobs for {len(out.ids)} tokens")
+        if out.finish_reason not in NOT_FINISHED:
+            return out
+        log.warning("the engine did not finish a sample (finish_reason %r); asking again", out.finish_reason)
+    raise GenerationAborted(
+        f"the engine did not finish the turn's sample in {GENERATE_TRIES} tries (finish_reason {out.finish_reason!r})"
+    )
 
 
 async def run_episode(

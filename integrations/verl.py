@@ -92,7 +92,10 @@ class EnvfleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
                 prompt_ids=prompt_ids,
                 sampling_params={**sampling_params, "max_tokens": max_tokens},
             )
-            return Generated(list(out.token_ids), list(out.log_probs) if out.log_probs is not None else None)
+            logprobs = list(out.log_probs) if out.log_probs is not None else None
+            # verl's TokenOutput says "aborted" for a request its weight sync cut (older versions say nothing)
+            stop = getattr(out, "stop_reason", None)
+            return Generated(list(out.token_ids), logprobs, stop if isinstance(stop, str) else None)
 
         async with EnvfleetClient(self.server, token=self.token) as client:
             episode = await run_episode(

@@ -13,7 +13,7 @@ import pytest
 from integrations.episode import EpisodeTokens, Generated, answer_text, run_episode
 from integrations.session import AsyncSessions
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.errors import EpisodeFailedError
+from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
 from orchestrator.rollout.tito import ChatTemplateTokens, get_parser
 from orchestrator.server.app import Orchestrator
@@ -113,3 +113,50 @@ async def test_bad_engine_output_and_bad_arguments_are_refused(
 def test_the_answer_drops_the_reasoning() -> None:
     assert answer_text("<think>\nhmm\n</think>\n\n 42 ") == "42"
     assert answer_text("<think>never closed") == ""
+
+
+async def test_a_sample_the_engine_did_not_finish_is_asked_for_again_never_taken(
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine
+) -> None:
+    # a weight sync aborts the first try at the first turn: its partial ids (the correct call's first half) are
+    # dropped, the turn is sampled again, and the episode is the one the engine finished
+    asked: list[int] = []
+
+    async def aborted_once(prompt_ids: list[int], max_tokens: int) -> Generated:
+        out = await engine.generate(REQUEST, prompt_ids, max_tokens)
+        asked.append(len(prompt_ids))
+        if len(asked) == 1:
+            return Generated(
+                out.ids[: len(out.ids) // 2], out.logprobs and out.logprobs[: len(out.ids) // 2], "aborted"
+            )
+        return Generated(out.ids, out.logprobs, "completed")
+
+    async with EnvfleetClient(orchestrator.address) as client:
+        sessions = AsyncSessions(client)
+        episode = await run_episode(sessions, tokens, get_parser("hermes"), aborted_once, env=ENV, task_id=TASK)
+        assert episode.status == RolloutStatus.OK and episode.reward == 1.0
+        assert asked[0] == asked[1], "the aborted turn was asked for again from the same prompt"
+        assert episode.assistant_turns == 2
+
+        async def always_aborted(prompt_ids: list[int], max_tokens: int) -> Generated:
+            return Generated([1, 2], [-0.5, -0.5], "abort")
+
+        with pytest.raises(
+            GenerationAborted, match=r"did not finish the turn's sample in 3 tries \(finish_reason 'abort'\)"
+        ):
+            await run_episode(sessions, tokens, get_parser("hermes"), always_aborted, env=ENV, task_id=TASK)
+
+
+async def test_no_call_of_a_sample_cut_at_max_tokens_runs(
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine
+) -> None:
+    # the engine says "length" on a turn whose text parses as a call: the call is not stepped, the turn's text is
+    # the answer, and the episode is scored on it
+    async def cut(prompt_ids: list[int], max_tokens: int) -> Generated:
+        out = await engine.generate(REQUEST, prompt_ids, max_tokens)
+        return Generated(out.ids, out.logprobs, "length")
+
+    async with EnvfleetClient(orchestrator.address) as client:
+        episode = await run_episode(AsyncSessions(client), tokens, get_parser("hermes"), cut, env=ENV, task_id=TASK)
+    assert (episode.assistant_turns, episode.tool_turns) == (1, 0)
+    assert episode.reward == 0.0
