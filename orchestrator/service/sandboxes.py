@@ -10,6 +10,12 @@ per tenant, open Execs per tenant, Exec stdin per request and in flight per tena
 archive downloaded, which is counted while it streams out of envd and refused at the cap, never read whole first. A
 raw sandbox counts against the host's capacity (the scheduler's admission) until it ends.
 
+A sandbox whose container died (killed from outside, the OOM killer, envd gone, a dockerd restart) ends as soon as
+a call finds it dead, or at its next health check (every `probe_interval_s`: a health call to its envd, and an
+engine call only when envd refuses): its capacity and the tenant's slot come back, the backend removes its container
+and socket folder, and every call on it is a NOT_FOUND saying it died, when, and how. The API has no state of its own
+for a death yet: List shows it EXPIRED, with the cause in `end_reason`.
+
 Exec stdin is one field of one message on the trainer API and again on envd's Start, so the server holds a few
 copies of it while the call is handed on (measured: about 3.5x the stdin bytes); capping what a tenant may have in
 flight bounds that to a known figure. Larger inputs belong in Upload or WriteFile.
@@ -39,12 +45,21 @@ from orchestrator.core.errors import (
     InvalidRequestError,
     NotFoundError,
     QuotaExceededError,
+    SandboxDiedError,
     SandboxError,
 )
-from orchestrator.core.sandbox import Command, ExecEvent, Limits, Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.core.sandbox import (
+    Command,
+    ExecEvent,
+    Limits,
+    Sandbox,
+    SandboxBackend,
+    SandboxSpec,
+)
 from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
 from orchestrator.service.declarative.dockerfile import TENANT_IMAGE_PREFIX
 from orchestrator.service.registry import Registry
+from orchestrator.service.sandbox_health import death, died
 from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
 log = logging.getLogger(__name__)
@@ -56,6 +71,7 @@ TOMBSTONE_KEEP_S = 3600.0
 MAX_TOMBSTONES_PER_TENANT = 1000
 LEASE_GRACE_S = 60.0
 MAX_LEASE_S = 7 * 24 * 3600.0  # SandboxSpec's limit
+PROBE_CONCURRENCY = 64
 _STDIN_BOUND_SLACK = 16  # a stdin length bound from message sizes is at most this much over the length
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -69,6 +85,14 @@ class SandboxServiceConfig(BaseModel):
     max_ttl_s: float = Field(24 * 3600.0, gt=0, le=7 * 24 * 3600)
     max_per_tenant: int = Field(32, ge=1, le=100_000, description="live sandboxes per tenant")
     reap_interval_s: float = Field(1.0, gt=0, le=3600)
+    probe_interval_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="how often each running sandbox's envd gets a health check; one that refuses, and whose container"
+        " the engine reports stopped, is ended (a dead container otherwise holds its capacity and the tenant's slot"
+        " until its ttl, when no call finds it dead first)",
+    )
     exec_default_timeout_s: float = Field(60.0, gt=0)
     exec_max_timeout_s: float = Field(3600.0, gt=0)
     default_max_output: int = Field(1 << 20, ge=1)
@@ -97,6 +121,13 @@ class _Live:
     tenant: str
     sandbox: Sandbox
     reservation: Reservation | None = None
+    probe_at: float = 0.0  # time.monotonic() of its next health check
+
+
+@dataclass(frozen=True)
+class _Ended:
+    record: SandboxRecord
+    how: str  # what the NOT_FOUND says it did: "expired", "deleted", "died"
 
 
 def _limits(base: Limits, overrides: Mapping[str, Any]) -> Limits:
@@ -152,7 +183,7 @@ class SandboxManager:
         self._stdin = TenantCounter(self.caps.stdin_bytes_per_tenant, "caps.stdin_bytes_per_tenant", "stdin bytes")
         self._live: dict[str, _Live] = {}
         self._reserved: dict[str, int] = {}
-        self._ended: dict[str, OrderedDict[str, SandboxRecord]] = {}
+        self._ended: dict[str, OrderedDict[str, _Ended]] = {}
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
@@ -245,10 +276,10 @@ class SandboxManager:
             self._reserved[tenant] -= 1
         now = time.time()
         record = SandboxRecord(sid, tag, env, "RUNNING", lim, now, now + ttl, runtime=runtime)
-        self._live[sid] = _Live(record, tenant, sandbox, reservation)
+        self._live[sid] = _Live(record, tenant, sandbox, reservation, time.monotonic() + self.config.probe_interval_s)
         return record
 
-    def _tombstone(self, tenant: str, sandbox_id: str) -> SandboxRecord | None:
+    def _tombstone(self, tenant: str, sandbox_id: str) -> _Ended | None:
         return self._ended.get(tenant, OrderedDict()).get(sandbox_id)
 
     async def _get(self, tenant: str, sandbox_id: str) -> _Live:
@@ -259,16 +290,19 @@ class SandboxManager:
             await self._end(live, "EXPIRED", "its ttl ended")
         tomb = self._tombstone(tenant, sandbox_id)
         if tomb is not None:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.ended_at))
-            raise NotFoundError(f"sandbox {sandbox_id} {tomb.state.lower()} at {when} ({tomb.end_reason})")
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.record.ended_at))
+            raise NotFoundError(f"sandbox {sandbox_id} {tomb.how} at {when} ({tomb.record.end_reason})")
         raise NotFoundError(f"no sandbox {echo(sandbox_id)}")
 
-    async def _end(self, live: _Live, state: State, reason: str) -> None:
+    async def _end(self, live: _Live, state: State, reason: str, how: str = "") -> None:
+        """Forget a sandbox (a tombstone tells its owner `how` it ended, and why), give its capacity back and destroy
+        it."""
         sid = live.record.sandbox_id
         if self._live.pop(sid, None) is None:
             return
         ended = self._ended.setdefault(live.tenant, OrderedDict())
-        ended[sid] = dataclasses.replace(live.record, state=state, ended_at=time.time(), end_reason=reason)
+        record = dataclasses.replace(live.record, state=state, ended_at=time.time(), end_reason=reason)
+        ended[sid] = _Ended(record, how or state.lower())
         while len(ended) > MAX_TOMBSTONES_PER_TENANT:
             ended.popitem(last=False)
         if live.reservation is not None:
@@ -278,10 +312,25 @@ class SandboxManager:
         except SandboxError:
             log.warning("could not destroy sandbox %s", sid, exc_info=True)
 
+    async def _died(self, live: _Live, reason: str) -> None:
+        log.warning("sandbox %s of %s died: %s; destroying it", live.record.sandbox_id, live.tenant, reason)
+        # the wire has no state for a death (yet): EXPIRED is the one that ended without its owner asking
+        await self._end(live, "EXPIRED", reason, how="died")
+
     async def _use(self, live: _Live, call: Awaitable[T]) -> T:
-        """Run a call on a sandbox; if it failed because the sandbox ended meanwhile, say so (NOT_FOUND)."""
+        """Run a call on a sandbox; if it failed because the sandbox ended meanwhile or died, say so (NOT_FOUND): a
+        retry cannot help, and a dead one is ended here, so its capacity and slot come back at once."""
         try:
             return await call
+        except SandboxDiedError:
+            if live.record.sandbox_id in self._live:
+                try:
+                    reason = death(await live.sandbox.state())
+                except SandboxError:
+                    reason = "its container stopped"  # dead on the backend's word; the engine said how, not now
+                await self._died(live, reason)
+            await self._get(live.tenant, live.record.sandbox_id)
+            raise
         except SandboxError:
             if live.record.sandbox_id not in self._live:
                 await self._get(live.tenant, live.record.sandbox_id)
@@ -295,7 +344,7 @@ class SandboxManager:
         """The tenant's running sandboxes, then those that ended in the last hour."""
         await self.reap()
         running = [x.record for x in self._live.values() if x.tenant == tenant]
-        ended = list(self._ended.get(tenant, OrderedDict()).values())
+        ended = [x.record for x in self._ended.get(tenant, OrderedDict()).values()]
         return sorted(running, key=lambda r: r.created_at) + ended
 
     def _exec_limits(self, timeout_s: float, max_output: int) -> tuple[float, int]:
@@ -436,15 +485,43 @@ class SandboxManager:
             log.info("sandbox %s of %s: ttl ended, destroying it", live.record.sandbox_id, live.tenant)
             await self._end(live, "EXPIRED", "its ttl ended")
         for ended in self._ended.values():
-            while ended and now - next(iter(ended.values())).ended_at > TOMBSTONE_KEEP_S:
+            while ended and now - next(iter(ended.values())).record.ended_at > TOMBSTONE_KEEP_S:
                 ended.popitem(last=False)
         return len(doomed)
+
+    async def end_dead(self) -> int:
+        """Health-check the sandboxes due one (each every probe_interval_s) and end those whose container died;
+        returns how many were ended."""
+        now = time.monotonic()
+        due = [x for x in self._live.values() if now >= x.probe_at]
+        for x in due:
+            x.probe_at = now + self.config.probe_interval_s
+        turns = asyncio.Semaphore(PROBE_CONCURRENCY)
+
+        async def check(live: _Live) -> bool:
+            async with turns:
+                return await self._end_if_dead(live)
+
+        outcomes = await asyncio.gather(*(check(x) for x in due), return_exceptions=True)
+        for x, outcome in zip(due, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                log.error("health check of sandbox %s failed", x.record.sandbox_id, exc_info=outcome)
+        return sum(outcome is True for outcome in outcomes)
+
+    async def _end_if_dead(self, live: _Live) -> bool:
+        """End the sandbox if its container died (health.died); no verdict keeps it."""
+        reason = await died(live.sandbox, live.record.sandbox_id)
+        if reason is None or live.record.sandbox_id not in self._live:
+            return False
+        await self._died(live, reason)
+        return True
 
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
             try:
                 await self.reap()
+                await self.end_dead()
             except Exception:
                 log.exception("sandbox reaper failed")
 

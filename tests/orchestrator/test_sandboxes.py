@@ -1,4 +1,5 @@
-"""SandboxService over real gRPC and real containers: lifecycle, streamed exec, files, limits, and the TTL."""
+"""SandboxService over real gRPC and real containers: lifecycle, streamed exec, files, limits, the TTL, and a
+container that died underneath."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 import docker
 import grpc
 
+from orchestrator.backends.config import DockerBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.server.app import Orchestrator
 from protos import orchestrator_pb2 as pb
 from tests.orchestrator.servers import expect_error, serve
 
@@ -125,3 +128,104 @@ async def test_ttl_destroys_and_owner_sees_it(
         await expect_error(
             stub.Exec(pb.ExecRequest(sandbox_id=sid, shell="true")), grpc.StatusCode.NOT_FOUND, "expired"
         )
+
+
+def _socket_dir(orch: Orchestrator, name: str) -> Path:
+    backend = orch.config.backend
+    assert isinstance(backend, DockerBackendConfig)
+    return backend.socket_root / name
+
+
+async def _kill_container(docker_client: docker.DockerClient, orch: Orchestrator, sid: str) -> str:
+    """`docker kill` a raw sandbox's container, as an operator, the OOM killer or a dockerd restart would; its name."""
+    (c,) = await asyncio.to_thread(docker_client.api.containers, filters={"label": [f"envfleet.sandbox={sid}"]})
+    name = str(c["Names"][0]).lstrip("/")
+    assert _socket_dir(orch, name).is_dir()  # what must go with it
+    await asyncio.to_thread(docker_client.api.kill, c["Id"])
+    return name
+
+
+async def _nothing_left(docker_client: docker.DockerClient, orch: Orchestrator, sid: str, name: str) -> None:
+    """No container of the sandbox, stopped or not, and no socket folder of it under the socket root, once the
+    removal that ending it started is through (List shows it ended as soon as that removal starts)."""
+    flt = {"label": [f"envfleet.sandbox={sid}"]}
+    left: tuple[list[object], bool] = ([], False)
+    for _ in range(50):
+        containers = await asyncio.to_thread(docker_client.api.containers, all=True, filters=flt)
+        left = (containers, _socket_dir(orch, name).exists())
+        if left == ([], False):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"left of sandbox {sid} after 5 s (containers, socket folder): {left}")
+
+
+async def test_a_call_that_finds_the_container_dead_ends_the_sandbox_and_gives_its_room_back(
+    tmp_path: Path, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    # one sandbox fills both the tenant's quota and the host's capacity: the next create tells whether both came back
+    async with (
+        serve(tmp_path, sandboxes={"max_per_tenant": 1}, capacity={"max_sandboxes": 1}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        stub = client.sandbox_stub
+        sid = (await stub.Create(pb.CreateSandboxRequest(image=base_image))).sandbox_id
+        await expect_error(
+            stub.Create(pb.CreateSandboxRequest(image=base_image)), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_per_tenant"
+        )
+        name = await _kill_container(docker_client, orch, sid)
+
+        # the call that finds it dead says so, and so does every later one: not UNAVAILABLE (retrying cannot help)
+        await expect_error(
+            stub.Exec(pb.ExecRequest(sandbox_id=sid, shell="true")), grpc.StatusCode.NOT_FOUND, f"sandbox {sid} died"
+        )
+        await expect_error(
+            stub.ReadFile(pb.SandboxReadFileRequest(sandbox_id=sid, path="a")), grpc.StatusCode.NOT_FOUND, "died at"
+        )
+        await expect_error(stub.Get(pb.GetSandboxRequest(sandbox_id=sid)), grpc.StatusCode.NOT_FOUND, "container")
+        (listed,) = (await stub.List(pb.ListSandboxesRequest())).sandboxes
+        assert (listed.sandbox_id, listed.state) == (sid, pb.SANDBOX_STATE_EXPIRED)
+        assert "its container" in listed.end_reason and "exit code 137" in listed.end_reason, listed.end_reason
+        assert listed.ended_at >= listed.created_at
+
+        assert orch.jobs.scheduler.reserved == 0
+        await _nothing_left(docker_client, orch, sid, name)
+        again = await stub.Create(pb.CreateSandboxRequest(image=base_image))
+        ended = [e.ended.exit_code for e in await _exec(client, again.sandbox_id, shell="true") if e.HasField("ended")]
+        assert ended == [0]
+        await stub.Delete(pb.DeleteSandboxRequest(sandbox_id=again.sandbox_id))
+
+
+async def test_the_reaper_ends_a_sandbox_whose_container_died_and_spares_the_live_one(
+    tmp_path: Path, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    config = {"reap_interval_s": 0.2, "probe_interval_s": 0.5}
+    async with serve(tmp_path, sandboxes=config) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.sandbox_stub
+        dead = (await stub.Create(pb.CreateSandboxRequest(image=base_image))).sandbox_id
+        live = (await stub.Create(pb.CreateSandboxRequest(image=base_image))).sandbox_id
+        assert orch.jobs.scheduler.reserved == 2
+        name = await _kill_container(docker_client, orch, dead)
+
+        # nobody calls it: only the reaper can notice
+        states: dict[str, tuple[int, str]] = {}
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            states = {
+                s.sandbox_id: (s.state, s.end_reason) for s in (await stub.List(pb.ListSandboxesRequest())).sandboxes
+            }
+            if states[dead][0] != pb.SANDBOX_STATE_RUNNING:
+                break
+        assert states[dead][0] == pb.SANDBOX_STATE_EXPIRED and "its container" in states[dead][1], states
+        assert states[live] == (pb.SANDBOX_STATE_RUNNING, "")
+        assert orch.jobs.scheduler.reserved == 1
+        await _nothing_left(docker_client, orch, dead, name)
+        await expect_error(
+            stub.Exec(pb.ExecRequest(sandbox_id=dead, shell="true")), grpc.StatusCode.NOT_FOUND, f"sandbox {dead} died"
+        )
+
+        # probed every 0.5 s meanwhile, the live one is still RUNNING and works
+        await asyncio.sleep(1.0)
+        assert (await stub.Get(pb.GetSandboxRequest(sandbox_id=live))).state == pb.SANDBOX_STATE_RUNNING
+        events = await _exec(client, live, shell="echo ok")
+        assert b"".join(e.stdout for e in events) == b"ok\n"
+        await stub.Delete(pb.DeleteSandboxRequest(sandbox_id=live))

@@ -1,0 +1,50 @@
+"""Whether a raw sandbox's container died: a health call to its envd, and the engine's word only when envd refuses
+(cheap while it lives: no engine call per sandbox per check)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from orchestrator.core.echo import echo
+from orchestrator.core.errors import SandboxError
+from orchestrator.core.sandbox import Liveness, Sandbox, SandboxState, Transport
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 2.0  # an envd with no answer by then is starved of CPU, not gone (EnvdTransport.probe)
+CHECK_TIMEOUT_S = 10.0  # a health check and the engine's word on the container: past this, no verdict this round
+
+
+async def died(sandbox: Sandbox, name: str) -> str | None:
+    """Why the sandbox's container is dead (its end reason), or None: alive, or no verdict (envd slow, the engine
+    silent or down, as during a dockerd restart)."""
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_S):
+            if await _probe(sandbox) != "gone":
+                return None
+            st = await sandbox.state()
+    except (TimeoutError, SandboxError) as e:
+        log.info("sandbox %s: no verdict on its health this round: %s", name, e)
+        return None
+    return None if st.running else death(st)
+
+
+def death(st: SandboxState) -> str:
+    """The end reason of a sandbox whose container is no longer running, from the engine's view of it."""
+    if st.exit_code is None:
+        return "its container no longer exists"
+    how = "was killed by the OOM killer" if st.oom_killed else "stopped"
+    return f"its container {how}, exit code {st.exit_code}" + (f": {echo(st.error)}" if st.error else "")
+
+
+async def _probe(sandbox: Sandbox) -> Liveness:
+    """The sandbox's envd health: "gone" when it refuses (or the call failed), "slow" with no answer in time."""
+    transport = getattr(sandbox, "transport", None)
+    if not isinstance(transport, Transport):
+        return "alive"  # nothing to ask without an engine call; a call into it still finds it dead
+    try:
+        return await transport.probe(PROBE_TIMEOUT_S)
+    except Exception as e:  # e.g. its channel closed under it: the engine decides
+        log.info("health check of %s failed: %s", getattr(sandbox, "name", "?"), e)
+        return "gone"
