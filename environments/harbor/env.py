@@ -18,6 +18,7 @@ The agent's tools run in /workspace (= the workdir); after the episode tests/ is
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import shlex
 from collections.abc import Mapping, Sequence
@@ -36,17 +37,24 @@ from environments.harbor.task import (
     parse_reward,
 )
 from orchestrator.core.environment import GRADER_ENV, Environment, Episode, Rubric, Score, Task
-from orchestrator.core.errors import SandboxFileNotFoundError
+from orchestrator.core.errors import SandboxError, SandboxFileError, SandboxFileNotFoundError
 from orchestrator.core.sandbox import ExecResult, Limits, Sandbox
 from orchestrator.images import build_image
 from orchestrator.images.build import BuildLimits
 from orchestrator.images.resolver import BuildsOwnImage
 from orchestrator.service.declarative import dockerfile as dockerfile_check
 
+log = logging.getLogger(__name__)
+
 SEED = "/opt/harbor/seed"
 RUNTIME = "/tmp/harbor"  # inside the sandbox: its own /tmp tmpfs
 VERIFIER_DIR = f"{RUNTIME}/logs/verifier"  # /logs/verifier; envd's file calls do not follow links
 MAX_OUTPUT = 1 << 20
+# what the grader writes on /tmp besides tests/ (logs, reward, a HOME's first caches): less room than this left by
+# the agent is a full /tmp, its own outcome
+GRADER_SLACK_KIB = 1024
+GRADER_SLACK_INODES = 64
+TMP_FULL_METRIC = "agent_filled_tmp"
 TAIL_CHARS = 600
 ENVD_CMD = '["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py"]'
 SYSTEM_PROMPT = (
@@ -216,8 +224,30 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             return None
 
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
-        """Upload tests/, run test.sh as Harbor does and read its reward (a failure is ENV_ERROR, never 0)."""
+        """Upload tests/, run test.sh as Harbor does and read its reward (a failure is ENV_ERROR, never 0), unless
+        the agent filled /tmp, where /tests and /logs live: then the grader could not do its part, and that is the
+        agent's own outcome, 0, as a test.sh that cannot write scores it (not a rollout masked from training)."""
         t = self.harbor_tasks[task.id]
+        try:
+            return await self._verify(sandbox, t)
+        except (HarborRunError, SandboxFileError) as e:  # a step of the grader's, or a file it wrote or read
+            if not await self._tmp_full(sandbox, t.tests):
+                raise
+            log.info("%s: the agent filled /tmp, so the verifier could not run (%s); scored 0", task.id, e)
+            return Score(0.0, {}, {TMP_FULL_METRIC: 1.0})
+
+    async def _tmp_full(self, sandbox: Sandbox, tests: Mapping[str, bytes]) -> bool:
+        """Whether /tmp has no room left for what the grader writes there (tests/, the reward, a HOME); an answer
+        that cannot be read is no."""
+        try:
+            r = await sandbox.exec(["/bin/sh", "-c", "df -Pk /tmp | tail -n 1; df -Pi /tmp | tail -n 1"], timeout=30)
+            kib, inodes = (int(line.split()[3]) for line in r.stdout.decode().splitlines()[-2:])
+        except (SandboxError, ValueError, IndexError):
+            return False
+        need_kib = sum(len(data) for data in tests.values()) // 1024 + GRADER_SLACK_KIB
+        return kib < need_kib or inodes < len(tests) + GRADER_SLACK_INODES
+
+    async def _verify(self, sandbox: Sandbox, t: HarborTask) -> Score:
         # the agent owns /tmp/harbor: a link it left on the way to /tests or /logs/verifier (taken through the
         # links of /tests and /logs) made the grader's upload or read fail, an ENV_ERROR instead of its 0
         path = " ".join(f"{RUNTIME}{p}" for p in ("", "/tests", "/logs", "/logs/verifier"))

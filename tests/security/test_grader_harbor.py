@@ -95,6 +95,33 @@ async def test_the_verifier_gets_a_writable_home_the_agent_never_had(
     assert reward == 1.0
 
 
+# the agent's move: fill /tmp, where /tests and /logs live, to its last block and inode
+FILL_TMP = """#!/bin/bash
+dd if=/dev/zero of=/tmp/fill bs=64k 2>/dev/null
+for i in $(seq 1 100000); do : > /tmp/f$i 2>/dev/null || break; done
+exit 0
+"""
+
+
+async def test_an_agent_that_fills_tmp_scores_0_never_a_masked_env_error(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # the tests' upload (or test.sh's reward file) failed on the full /tmp: ENV_ERROR, a rollout masked from
+    # training, so an agent about to fail could trade its 0 for no signal at all
+    full = ["/bin/sh", "-c", "! dd if=/dev/zero of=/tmp/probe bs=64k count=1 2>/dev/null"]
+    d = make_task(tmp_path, "filled", test=TEST_SH, solve=FILL_TMP)
+    env = make_harbor_environment("harbor-filled", [d])
+    image = await asyncio.to_thread(env.build_image, docker_client)
+    task = env.tasks()[0]
+    async with await backend.create(SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))) as s:
+        await env.setup(s, task, 0)
+        solved = await env.run_solution(s, task.id)
+        assert solved is not None and solved.ok, solved
+        assert (await s.exec(full)).exit_code == 0, "the agent's move did not take effect"
+        score = await env.score(s, task, Episode([], "", "submit"))
+    assert score.reward == 0.0 and score.metrics == {"agent_filled_tmp": 1.0}, score
+
+
 def test_a_verifier_env_cannot_undo_the_clean_grader(tmp_path: Path) -> None:
     for name, value in (("PYTHONNOUSERSITE", ""), ("PYTHONDONTWRITEBYTECODE", "")):
         d = make_task(tmp_path, f"undo-{name.lower()}")
