@@ -159,10 +159,9 @@ class WorkerPlane:
         """Stop the workers (they destroy their sandboxes), then the worker wire."""
         try:
             await self.hub.close()
-            if self.local is not None:
-                await self.local.stop()
-            if self.ray is not None:
-                await self.ray.stop()
+            # side by side: each may wait a minute for its workers to destroy their sandboxes, and the shutdown
+            # stage holds one such wait; one after the other, a slow local stop left the Ray actors running
+            await asyncio.gather(*(fleet.stop() for fleet in (self.local, self.ray) if fleet is not None))
             await self._server.stop(1)
         finally:
             # also when a stage overran and this was cancelled; a socket and a marker: no work for a thread

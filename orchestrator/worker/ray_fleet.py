@@ -277,14 +277,20 @@ class RayWorkers:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         placed = [p for ps in self.placed.values() for p in ps.values()]
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(ray.get, [p.actor.stop.remote() for p in placed], timeout=10)
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(ray.wait, [p.run for p in placed], num_returns=len(placed), timeout=ACTOR_STOP_S)
-        for p in placed:
+        try:
             with contextlib.suppress(Exception):
-                ray.kill(p.actor, no_restart=True)
-        self.placed.clear()
+                await asyncio.to_thread(ray.get, [p.actor.stop.remote() for p in placed], timeout=10)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(
+                    ray.wait, [p.run for p in placed], num_returns=len(placed), timeout=ACTOR_STOP_S
+                )
+        finally:
+            # also when the shutdown's budget ran out meanwhile (this was cancelled): a detached actor left alive
+            # would hold its sandboxes until a control plane of the fleet came back; a killed one's are swept
+            for p in placed:
+                with contextlib.suppress(Exception):
+                    ray.kill(p.actor, no_restart=True)
+            self.placed.clear()
         with contextlib.suppress(Exception):  # any other of the fleet's actors (one being placed as we stopped)
             await asyncio.to_thread(self._retire_strays, frozenset(p.name for p in placed))
         if self._initialized_ray:

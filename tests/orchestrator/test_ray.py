@@ -264,3 +264,51 @@ async def test_a_normal_stop_leaves_no_worker_actor(
         await _stop_normally(proc, fleet_id, _pids(actors), owner)
     finally:
         _terminate(procs)
+
+
+@pytest.mark.timeout(600)
+async def test_a_slow_local_stop_still_stops_the_ray_actors(
+    tmp_path: Path, base_image: str, cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the workers' shutdown stage holds one minute-long wait: the local workers' stop used to take it all, and the
+    # Ray actors, stopped after it, were never reached (detached, they stayed on every node holding their sandboxes)
+    import ray
+
+    from orchestrator.server import app
+    from orchestrator.worker.spawn import LocalWorkers
+
+    monkeypatch.setattr(app, "STOP_STAGE_S", 5.0)  # the workers' stage: 15 s
+    local_stop = LocalWorkers.stop
+
+    async def slow_stop(self: LocalWorkers) -> None:
+        await local_stop(self)
+        await asyncio.sleep(30)  # a host too slow to end its workers' sandboxes within the stage
+
+    monkeypatch.setattr(LocalWorkers, "stop", slow_stop)
+    orch = await create_server(
+        OrchestratorConfig(
+            port=0,
+            data_dir=tmp_path / "data",
+            backend=DockerBackendConfig(owner=TEST_OWNER),
+            workers=1,
+            worker_listen="127.0.0.1:0",
+            ray=RayConfig(address=cluster.address, resource=RESOURCE, poll_s=1.0),
+        )
+    )
+    assert orch.workers is not None and orch.workers.ray is not None
+    fleet_id = orch.workers.ray.fleet_id
+    try:
+        await orch.workers.hub.wait_for_workers(3, timeout_s=240)  # the local one and an actor on each node
+    finally:
+        await orch.stop(grace=1)
+    # (a stop cut short never left the cluster either: that connection is reused, and closed below)
+    ray.init(address=cluster.address, namespace="envfleet-test-probe", log_to_driver=False, ignore_reinit_error=True)
+    try:
+        left = await _wait_actors(fleet_id, lambda actors: not actors, 30)
+    except AssertionError:
+        left = await asyncio.to_thread(_actors, fleet_id)
+        for name in left:  # not to leave them to the module's other tests
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    finally:
+        ray.shutdown()
+    assert not left, f"worker actors outlived the stop: {sorted(left)}"
