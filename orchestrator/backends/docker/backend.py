@@ -55,6 +55,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+async def to_the_end(task: asyncio.Task[T]) -> T:
+    """Await `task` to its end even if the caller is cancelled meanwhile, once or again and again: a cleanup cut
+    short leaks what it was removing. The caller's cancel is raised once the task is done."""
+    cancel: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError as e:
+            cancel = e
+    if cancel is not None:
+        raise cancel
+    return task.result()
+
+
 def _no_runtime(runtime: str, have: frozenset[str]) -> str:
     return (
         f"the docker engine has no OCI runtime {runtime!r} (it has: {', '.join(sorted(have)) or 'none'}); register it "
@@ -76,6 +90,7 @@ class DockerSandbox(Sandbox):
         self.lease_expiry = time.time() + spec.ttl_s
         self._backend = backend
         self._closed = False
+        self._removal: asyncio.Task[None] | None = None
         self._freezer = Freezer.of(cid)
 
     @property
@@ -188,25 +203,21 @@ class DockerSandbox(Sandbox):
     def lease_left_s(self) -> float:
         return self.lease_expiry - time.time()
 
+    def _begin_removal(self) -> asyncio.Task[None]:
+        """This sandbox's removal, begun on the first call: unusable at once, then its transport closed and its
+        container and socket directory removed, in a task of the backend's (its close() waits for it)."""
+        if self._removal is None:
+            self._closed = True
+            self.thaw()  # the kill would thaw it too (runc, cgroup v2); this way no removal depends on that
+            self._removal = self._backend.remove_later(self.id, self.name, self.transport)
+        return self._removal
+
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.thaw()  # the kill would thaw it too (runc, cgroup v2); this way no removal depends on that
-        try:
-            await self.transport.close()
-        finally:  # cancelled meanwhile, it is removed all the same: closed, no later close() would remove it
-            await asyncio.shield(self._backend.destroy(self.id, self.name))
+        # cancelled meanwhile, once or more, it is removed all the same; the cancel is raised once it is gone
+        await to_the_end(self._begin_removal())
 
     async def release(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.thaw()
-        try:
-            await self.transport.close()
-        finally:
-            self._backend.destroy_later(self.id, self.name)
+        self._begin_removal()
 
 
 class DockerBackend(SandboxBackend):
@@ -314,31 +325,43 @@ class DockerBackend(SandboxBackend):
             error=st.get("Error") or "",
         )
 
-    def destroy_later(self, cid: str, name: str) -> None:
-        """Destroy in the background; close() waits for every such removal."""
-        task = asyncio.create_task(self.destroy(cid, name), name=f"destroy {cid[:12]}")
+    def remove_later(self, cid: str, name: str, transport: Transport | None = None) -> asyncio.Task[None]:
+        """Remove a sandbox in a task of its own, which no cancel reaches and close() waits for: close `transport`,
+        then remove container `cid` (force; an id or a name; gone already is fine) and socket directory `name`."""
+        task = asyncio.create_task(self._remove(cid, name, transport), name=f"remove {name}")
         self._removals.add(task)
-        task.add_done_callback(self._removals.discard)
+        task.add_done_callback(self._removed)
+        return task
 
-    async def destroy(self, cid: str, name: str) -> None:
-        """Remove a container (force) and its socket directory."""
-        self._owned.pop(cid, None)
-        await self.discard(cid, name)
+    def _removed(self, task: asyncio.Task[None]) -> None:
+        self._removals.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # read here, so no removal's failure goes unseen
+            log.warning("removal of %s failed: %s", task.get_name(), task.exception())
 
-    async def discard(self, cid: str | None, name: str) -> None:
-        """Remove a container this backend does not hold (force; gone already is fine) and its socket directory."""
-        if cid is not None:
+    async def _remove(self, cid: str, name: str, transport: Transport | None) -> None:
+        try:
+            if transport is not None:
+                await transport.close()
+        finally:
+            self._owned.pop(cid, None)
             try:
-                removal = asyncio.ensure_future(self.engine.call(self.api.remove_container, cid, force=True, v=True))
-                # if our caller is cancelled the removal still finishes; its outcome is then read here, not lost
-                removal.add_done_callback(lambda t: t.cancelled() or t.exception())
-                await asyncio.shield(removal)
-            except docker.errors.NotFound:
-                pass
-            except docker.errors.APIError as e:
-                if "already in progress" not in str(e):
-                    log.warning("could not remove container %s: %s", cid[:12], e)
-        self.sockets.remove(name)
+                await self._remove_container(cid)
+            finally:  # the engine refused or could not be asked: the directory and the create's lock are ours alone
+                self.sockets.remove(name)
+
+    async def _remove_container(self, cid: str) -> None:
+        try:
+            await self.engine.call(self.api.remove_container, cid, force=True, v=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:
+            if "already in progress" not in str(e):
+                log.warning("could not remove container %s: %s", cid[:12], e)
+
+    async def discard(self, cid: str, name: str, transport: Transport | None = None) -> None:
+        """Remove a sandbox this backend does not hold (see remove_later) and wait until it is gone; cancelled
+        meanwhile, the removal still runs to its end, and then the cancel is raised."""
+        await to_the_end(self.remove_later(cid, name, transport))
 
     async def list_owned(self) -> list[SandboxInfo]:
         return [
@@ -385,6 +408,7 @@ class DockerBackend(SandboxBackend):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await asyncio.gather(*(s.close() for s in list(self._owned.values())), return_exceptions=True)
-        await asyncio.gather(*list(self._removals), return_exceptions=True)
+        while self._removals:  # those begun before, and meanwhile; wait, not gather: a cancel of close() is not theirs
+            await asyncio.wait(list(self._removals))
         await self._sweep_quietly()  # removals the engine dropped while it stalled
         self.engine.close()

@@ -20,8 +20,11 @@ import socket
 import struct
 import tarfile
 from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import docker.errors
+
+from orchestrator.backends.docker.backend import DockerBackend, to_the_end
 from orchestrator.core.errors import (
     SandboxCreateError,
     SandboxFileError,
@@ -40,15 +43,14 @@ from orchestrator.core.sandbox import (
     Transport,
 )
 
-if TYPE_CHECKING:
-    from orchestrator.backends.docker.backend import DockerBackend
-
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_OUTPUT = 1 << 20
 # after the command exits (or is killed), how long its pipes are read before the call ends anyway
 DRAIN_S = 2.0
 # how often the engine is asked whether the command has exited while its output stream is still open
 POLL_S = 0.25
+# how often the engine is asked whether a command it was told to start runs yet (a kill waits for that)
+STARTED_POLL_S = 0.05
 READ_CHUNK = 64 << 10
 _KIND = {"f": "file", "d": "dir", "l": "symlink"}
 
@@ -79,7 +81,7 @@ class DockerExecTransport(Transport):
         self._spec = spec
         self._keeper = ""  # the container's main process under init: never killed (see start)
         self._running = 0  # commands started or starting: the last to end kills what they left
-        self._killing: asyncio.Future[None] | None = None
+        self._killing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Learn the keeper's pid before any command runs (init's only child then); without it no kill is safe, so
@@ -101,10 +103,31 @@ class DockerExecTransport(Transport):
                 code = ev.exit_code
         return code, b"".join(out)
 
-    def _kill(self) -> asyncio.Future[None]:
-        """Start killing what the commands left; a command that starts meanwhile waits, or it would be killed too."""
-        self._killing = asyncio.ensure_future(self.kill_leftovers())
+    def _kill(self, started: str = "") -> asyncio.Task[None]:
+        """Start killing what the commands left (once exec `started`, if named, has begun: see _has_begun); a
+        command that starts meanwhile waits, or it would be killed too."""
+        self._killing = asyncio.create_task(self._kill_once_begun(started))
         return self._killing
+
+    async def _kill_once_begun(self, started: str) -> None:
+        if not started or await self._has_begun(started):
+            await self.kill_leftovers()
+
+    async def _has_begun(self, exec_id: str) -> bool:
+        """Whether exec `exec_id` runs or ran, waiting DRAIN_S at most: the engine answers a start before the
+        command runs, and a kill that came first would miss it. False: it never began (its start was never sent,
+        the caller cancelled before the limiter let it through); an engine that refuses or does not answer counts
+        as begun."""
+        api = self._backend.api
+        for _ in range(int(DRAIN_S / STARTED_POLL_S)):
+            try:
+                info = await self._backend.engine.call(api.exec_inspect, exec_id)
+            except (SandboxUnavailableError, docker.errors.APIError):
+                return True  # the kill says what is wrong
+            if info.get("Running") or info.get("ExitCode") is not None:
+                return True
+            await asyncio.sleep(STARTED_POLL_S)
+        return False
 
     async def kill_leftovers(self) -> None:
         """Kill every process in the sandbox but init and the keeper."""
@@ -125,7 +148,13 @@ class DockerExecTransport(Transport):
         )
         if wait:
             return await self._backend.engine.call(api.exec_start, created["Id"])
-        sock = await self._backend.engine.call(api.exec_start, created["Id"], socket=True)
+        try:
+            # waited for even when cancelled: a thread cannot be stopped, and the command it starts must be known
+            sock = await self._backend.engine.call_to_completion(api.exec_start, created["Id"], socket=True)
+        except asyncio.CancelledError:
+            # the engine may have started it: it would run on, free of its timeout, until another command's end
+            await to_the_end(self._kill(started=created["Id"]))
+            raise
         return created["Id"], sock
 
     async def exec_stream(
@@ -209,7 +238,7 @@ class DockerExecTransport(Transport):
             frames.close()
             sock.close()
             if not finished:  # cancelled or failed: what it started goes
-                await asyncio.shield(self._kill())
+                await to_the_end(self._kill(started=exec_id))
         code = await self._exit_code(exec_id)
         sig = code - 128 if code > 128 else 0
         yield ExecEnded(code, sig, timed_out, truncated, False, loop.time() - t0)

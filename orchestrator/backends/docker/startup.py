@@ -44,6 +44,7 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
     token = secrets.token_urlsafe(24)
     socket_dir = backend.sockets.make(name, uid, gid)
     cid: str | None = None
+    transport: Transport | None = None
     try:
         if use_envd:
             backend.sockets.put_token(name, token, uid, gid)
@@ -78,7 +79,6 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
         if warnings:
             raise LimitNotAppliedError(f"the engine could not apply a limit: {'; '.join(warnings)}")
         await engine.call_to_completion(engine.api.start, cid)
-        transport: Transport
         if use_envd:
             transport = EnvdTransport(str(socket_dir / SOCKET_NAME), token)
             await wait_ready(backend, cid, name, transport, spec.startup_timeout_s)
@@ -89,7 +89,9 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
             await fallback.start()
             transport = fallback
     except BaseException as e:
-        await backend.discard(cid or name, name)
+        # not created (cancelled in the engine's create, which then finished): its name finds it, if it exists.
+        # Cancelled again while this runs, it runs to its end all the same, and only then is the cancel raised
+        await backend.discard(cid or name, name, transport)
         if isinstance(e, docker.errors.ImageNotFound):
             raise SandboxCreateError(f"image {spec.image!r} not found; build it first") from e
         if isinstance(e, docker.errors.APIError):

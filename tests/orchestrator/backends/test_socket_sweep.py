@@ -6,39 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from orchestrator.backends.docker.socket_dirs import CREATING, SocketDirs
+from orchestrator.backends.docker.socket_dirs import CREATING
 from orchestrator.core.sandbox import SandboxSpec
 from tests.conftest import REPO, owned_backend
 
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture
-def socket_root() -> Iterator[Path]:
-    """A socket root of this test's own (short: envd's socket path must fit a unix address)."""
-    top = Path(tempfile.mkdtemp(prefix="ef-sr-", dir="/tmp"))
-    root = top / "s"
-    try:
-        yield root
-    finally:
-        if root.exists():
-            dirs = SocketDirs(root)
-            for name in dirs.names():  # what a failed test left: unmounted, then removed
-                dirs.remove(name)
-        shutil.rmtree(top)
 
 
 def _age(path: Path, seconds: float) -> None:
