@@ -73,6 +73,11 @@ class DockerBackendConfig(BaseModel):
         0.25, ge=0, le=60, description="the longest an exec holds its place; 0: no limit on execs at once"
     )
     sweep_interval_s: float = Field(30.0, gt=0)
+    reaper: bool = Field(
+        True,
+        description="a detached watchdog per backend removes its sandboxes once its process is gone without closing "
+        "it (SIGKILL, the OOM killer, a Ray worker dying with its raylet), where no other sweep may ever run",
+    )
     health_interval_s: float = Field(1.0, gt=0, description="how often the engine is pinged")
     health_timeout_s: float = Field(2.0, gt=0, description="a ping slower than this marks the engine unhealthy")
     # Fifty sandboxes at once peak near 75 engine calls/s here (the engine manages 4-5 creates/s; each sandbox is a

@@ -110,8 +110,8 @@ async def test_sigkill_mid_job_then_restart_completes_without_loss(
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         # the low-level list: containers the dead owner was removing may vanish between a list and an inspect
+        # (its workers' reapers may be removing them already: the restart's sweep removes what they have not)
         left = docker_client.api.containers(all=True, filters={"label": [f"envfleet.owner={owner}"]})
-        assert left, "the killed orchestrator's in-flight sandboxes should still exist before the restart"
 
         proc, address = await _start(data, owner)
         procs.append(proc)
@@ -121,7 +121,7 @@ async def test_sigkill_mid_job_then_restart_completes_without_loss(
         assert info.state == "COMPLETED" and info.done == len(ids)
         assert sorted(r.task_id for r in rollouts) == sorted(ids)
         assert all(r.reward == 1.0 for r in rollouts)
-        # the dead orchestrator's sandboxes were swept at restart
+        # the dead orchestrator's sandboxes are gone, swept at restart or by their reapers
         survivors = {c["Id"] for c in docker_client.api.containers(all=True)} & {c["Id"] for c in left}
         assert not survivors, "containers of the killed orchestrator survived the restart"
     finally:

@@ -23,6 +23,7 @@ from orchestrator.backends.admission import ExecAdmission
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.backends.docker.engine import Engine
 from orchestrator.backends.docker.freezer import Freezer
+from orchestrator.backends.docker.reaper import Reaper, start_reaper
 from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.startup import create_until_ready
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, Owner, sweep
@@ -243,6 +244,7 @@ class DockerBackend(SandboxBackend):
         self.engine_healthy = True
         self._health_listeners: list[Callable[[bool], None]] = []
         self._health_task: asyncio.Task[None] | None = None
+        self._reaper: Reaper | None = None  # removes our sandboxes if this process dies without closing us
 
     @classmethod
     async def start(cls, config: DockerBackendConfig | None = None, *, sweep: bool = True) -> DockerBackend:
@@ -258,6 +260,8 @@ class DockerBackend(SandboxBackend):
             await backend.sweep()
             backend._sweeper = asyncio.create_task(backend._sweep_forever())
         backend._health_task = asyncio.create_task(backend._watch_engine())
+        if backend.config.reaper:
+            backend._reaper = await start_reaper(backend)
         return backend
 
     @property
@@ -412,3 +416,5 @@ class DockerBackend(SandboxBackend):
             await asyncio.wait(list(self._removals))
         await self._sweep_quietly()  # removals the engine dropped while it stalled
         self.engine.close()
+        if self._reaper is not None:  # everything of ours is removed: the reaper has nothing left to do
+            self._reaper.dismiss()

@@ -220,7 +220,8 @@ from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
 from orchestrator.core.sandbox import SandboxSpec
 
 async def main():
-    b = await DockerBackend.start(DockerBackendConfig(owner=sys.argv[2]), sweep=False)
+    # no reaper: this is the start-up sweep's test (test_reaper.py has the reaper's)
+    b = await DockerBackend.start(DockerBackendConfig(owner=sys.argv[2], reaper=False), sweep=False)
     for _ in range(3):
         await b.create(SandboxSpec(image=sys.argv[1]))
     print("ready", flush=True)
