@@ -30,6 +30,7 @@ from environments.swe.instance import ArchiveSource, EnvironmentSpec, ImageSourc
 from environments.swe.report import write_atomic
 from environments.swe.sources import MAX_SOURCE_BYTES, copy_archive, fetch_sdist, open_archive
 from orchestrator.backends.docker.sweeper import (
+    LABEL_EXPORT,
     LABEL_HOST,
     LABEL_LEASE,
     LABEL_MANAGED,
@@ -56,7 +57,7 @@ IMAGE_ENV = {"TZ": "UTC", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
 SWE_IMAGE_PREFIX = f"{REPO_PREFIX}/swe/"
 _SNAPSHOT = Path(__file__).with_name("snapshot.py")
 # the container a repository is exported from (RepoTars): created, read, removed; never started
-EXPORT_LABEL = "envfleet.swe.export"
+EXPORT_LABEL = LABEL_EXPORT  # reserved: no image built from tenant input may carry it (sweeper.CONTROL_LABELS)
 EXPORT_OWNER = "envfleet-swe-export"
 # an export reads one repository out of the image in seconds: a container older than this is left over, whoever
 # its owner (one of another pid namespace, whose liveness cannot be judged from here, included)

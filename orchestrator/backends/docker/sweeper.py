@@ -33,10 +33,11 @@ LABEL_HOST = "envfleet.host"
 LABEL_LEASE = "envfleet.lease_expiry"
 LABEL_SOCKET_DIR = "envfleet.socket_dir"  # written by older versions; never read: a label is no host path
 LABEL_SEAL = "envfleet.seal"
+LABEL_EXPORT = "envfleet.swe.export"  # a SWE repository's export container (environments/swe/images.py sweeps it)
 # the labels the sweep reads: no image built from tenant input may carry them (orchestrator/images/build.py)
 CONTROL_LABELS = frozenset(
     {LABEL_MANAGED, LABEL_OWNER, LABEL_INSTANCE, LABEL_PID, LABEL_PID_START, LABEL_HOST, LABEL_LEASE, LABEL_SOCKET_DIR}
-    | {LABEL_SEAL}
+    | {LABEL_SEAL, LABEL_EXPORT}
 )
 
 
