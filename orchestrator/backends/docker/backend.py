@@ -238,6 +238,8 @@ class DockerBackend(SandboxBackend):
         self.swap_limit: bool | None = None
         self.runtimes: frozenset[str] = frozenset()  # the engine's OCI runtimes, from its info
         self._creating: set[str] = set()
+        self._creates: set[asyncio.Task[DockerSandbox]] = set()  # creates under way (close() stops them)
+        self._closing = False
         slots = self.config.exec_slots()
         self.admission = ExecAdmission(slots, self.config.exec_admission_hold_s) if slots else None
         self.startups = asyncio.Semaphore(self.config.startup_concurrency or max(8, 4 * (os.cpu_count() or 1)))
@@ -302,6 +304,22 @@ class DockerBackend(SandboxBackend):
         return runtime
 
     async def create(self, spec: SandboxSpec) -> DockerSandbox:
+        """A new sandbox; SandboxUnavailableError once the backend is closing. The create runs in a task close()
+        stops and waits for: one it did not know of finished after it, on an engine client it had shut."""
+        if self._closing:
+            raise SandboxUnavailableError("the backend is closed: no new sandbox")
+        task = asyncio.create_task(self._create(spec), name="create a sandbox")
+        self._creates.add(task)
+        task.add_done_callback(self._creates.discard)
+        try:
+            return await task  # a cancel of the caller cancels the create too
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and self._closing and (me is None or not me.cancelling()):
+                raise SandboxUnavailableError("the backend closed while the sandbox was being created") from None
+            raise
+
+    async def _create(self, spec: SandboxSpec) -> DockerSandbox:
         name = f"envfleet-{uuid.uuid4().hex[:12]}"
         self._creating.add(name)
         try:
@@ -403,6 +421,11 @@ class DockerBackend(SandboxBackend):
                 log.exception("periodic sweep failed")
 
     async def close(self) -> None:
+        self._closing = True
+        for create in list(self._creates):  # each cleans up what it made (a removal, waited for below)
+            create.cancel()
+        while self._creates:
+            await asyncio.wait(list(self._creates))
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

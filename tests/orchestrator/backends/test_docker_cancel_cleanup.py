@@ -18,6 +18,7 @@ import docker
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
+from orchestrator.core.errors import SandboxUnavailableError
 from orchestrator.core.sandbox import SandboxSpec
 from tests.conftest import TEST_OWNER, owned_backend, owned_containers
 
@@ -168,3 +169,28 @@ async def test_a_docker_exec_command_cancelled_while_the_engine_starts_it_is_kil
             await asyncio.sleep(0.05)
         top = docker_client.api.top(sb.id, ps_args="-eo pid,args")
         assert not [p for p in top["Processes"] if "sleep 1000" in p[-1]], "the cancelled command still runs"
+
+
+async def test_close_during_a_create_in_flight_stops_it_and_leaves_nothing(
+    base_image: str, socket_root: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a create past the engine's create when close() ran was waited for by nobody: close() shut the engine's pool,
+    # the create's next call and its cleanup's failed on it, and the container stayed until the lease ended
+    backend = await DockerBackend.start(DockerBackendConfig(owner=TEST_OWNER, socket_root=socket_root), sweep=False)
+    at_start = threading.Event()
+    monkeypatch.setattr(backend.api, "start", slowed(backend.api.start, at_start))
+    creating = asyncio.create_task(backend.create(SandboxSpec(image=base_image)))
+    try:
+        await reached(at_start)
+        await backend.close()
+        with pytest.raises(SandboxUnavailableError, match="closed while the sandbox was being created"):
+            await creating
+        with pytest.raises(SandboxUnavailableError, match="closed"):
+            await backend.create(SandboxSpec(image=base_image))
+    finally:
+        creating.cancel()
+        await asyncio.gather(creating, return_exceptions=True)
+        for c in owned_containers():  # what a failing run left
+            c.remove(force=True)
+    assert not owned_containers(), "the create in flight left its container"
+    assert sorted(os.listdir(socket_root)) == [".seal-key"], "the create in flight left its socket directory"
