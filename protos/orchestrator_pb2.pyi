@@ -52,6 +52,7 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_RUNNING: _ClassVar[SandboxState]
     SANDBOX_STATE_EXPIRED: _ClassVar[SandboxState]
     SANDBOX_STATE_DELETED: _ClassVar[SandboxState]
+    SANDBOX_STATE_DIED: _ClassVar[SandboxState]
 TOKEN_MODE_UNSPECIFIED: TokenMode
 TOKEN_MODE_CHAT: TokenMode
 TOKEN_MODE_TITO: TokenMode
@@ -80,6 +81,7 @@ SANDBOX_STATE_UNSPECIFIED: SandboxState
 SANDBOX_STATE_RUNNING: SandboxState
 SANDBOX_STATE_EXPIRED: SandboxState
 SANDBOX_STATE_DELETED: SandboxState
+SANDBOX_STATE_DIED: SandboxState
 
 class EnvironmentArchive(_message.Message):
     __slots__ = ("kind", "name", "version", "archive", "visibility")

@@ -1026,7 +1026,7 @@ class SandboxServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def List(self, request, context):
-        """The caller's own sandboxes: running ones, and those that ended in the last hour (state EXPIRED or DELETED).
+        """The caller's own sandboxes: running ones, and those that ended in the last hour (state EXPIRED, DELETED or DIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

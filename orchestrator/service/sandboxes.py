@@ -13,8 +13,8 @@ raw sandbox counts against the host's capacity (the scheduler's admission) until
 A sandbox whose container died (killed from outside, the OOM killer, envd gone, a dockerd restart) ends as soon as
 a call finds it dead, or at its next health check (every `probe_interval_s`: a health call to its envd, and an
 engine call only when envd refuses): its capacity and the tenant's slot come back, the backend removes its container
-and socket folder, and every call on it is a NOT_FOUND saying it died, when, and how. The API has no state of its own
-for a death yet: List shows it EXPIRED, with the cause in `end_reason`.
+and socket folder, and every call on it is a NOT_FOUND saying it died, when, and how. List shows it DIED, with the
+cause in `end_reason`.
 
 Exec stdin is one field of one message on the trainer API and again on envd's Start, so the server holds a few
 copies of it while the call is handed on (measured: about 3.5x the stdin bytes); capping what a tenant may have in
@@ -65,7 +65,7 @@ from orchestrator.service.scheduler import Need, Reservation, Scheduler
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-State = Literal["RUNNING", "EXPIRED", "DELETED"]
+State = Literal["RUNNING", "EXPIRED", "DELETED", "DIED"]
 ENVFLEET_IMAGE_PREFIX = "envfleet/"
 TOMBSTONE_KEEP_S = 3600.0
 MAX_TOMBSTONES_PER_TENANT = 1000
@@ -124,12 +124,6 @@ class _Live:
     probe_at: float = 0.0  # time.monotonic() of its next health check
 
 
-@dataclass(frozen=True)
-class _Ended:
-    record: SandboxRecord
-    how: str  # what the NOT_FOUND says it did: "expired", "deleted", "died"
-
-
 def _limits(base: Limits, overrides: Mapping[str, Any]) -> Limits:
     try:
         return Limits.model_validate({**base.model_dump(), **overrides})
@@ -183,7 +177,7 @@ class SandboxManager:
         self._stdin = TenantCounter(self.caps.stdin_bytes_per_tenant, "caps.stdin_bytes_per_tenant", "stdin bytes")
         self._live: dict[str, _Live] = {}
         self._reserved: dict[str, int] = {}
-        self._ended: dict[str, OrderedDict[str, _Ended]] = {}
+        self._ended: dict[str, OrderedDict[str, SandboxRecord]] = {}  # tenant -> its tombstones, oldest first
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
@@ -279,7 +273,7 @@ class SandboxManager:
         self._live[sid] = _Live(record, tenant, sandbox, reservation, time.monotonic() + self.config.probe_interval_s)
         return record
 
-    def _tombstone(self, tenant: str, sandbox_id: str) -> _Ended | None:
+    def _tombstone(self, tenant: str, sandbox_id: str) -> SandboxRecord | None:
         return self._ended.get(tenant, OrderedDict()).get(sandbox_id)
 
     async def _get(self, tenant: str, sandbox_id: str) -> _Live:
@@ -290,19 +284,19 @@ class SandboxManager:
             await self._end(live, "EXPIRED", "its ttl ended")
         tomb = self._tombstone(tenant, sandbox_id)
         if tomb is not None:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.record.ended_at))
-            raise NotFoundError(f"sandbox {sandbox_id} {tomb.how} at {when} ({tomb.record.end_reason})")
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.ended_at))
+            # its state says how it ended: "expired", "deleted" or "died" at ...
+            raise NotFoundError(f"sandbox {sandbox_id} {tomb.state.lower()} at {when} ({tomb.end_reason})")
         raise NotFoundError(f"no sandbox {echo(sandbox_id)}")
 
-    async def _end(self, live: _Live, state: State, reason: str, how: str = "") -> None:
-        """Forget a sandbox (a tombstone tells its owner `how` it ended, and why), give its capacity back and destroy
+    async def _end(self, live: _Live, state: State, reason: str) -> None:
+        """Forget a sandbox (a tombstone tells its owner how it ended, and why), give its capacity back and destroy
         it."""
         sid = live.record.sandbox_id
         if self._live.pop(sid, None) is None:
             return
         ended = self._ended.setdefault(live.tenant, OrderedDict())
-        record = dataclasses.replace(live.record, state=state, ended_at=time.time(), end_reason=reason)
-        ended[sid] = _Ended(record, how or state.lower())
+        ended[sid] = dataclasses.replace(live.record, state=state, ended_at=time.time(), end_reason=reason)
         while len(ended) > MAX_TOMBSTONES_PER_TENANT:
             ended.popitem(last=False)
         if live.reservation is not None:
@@ -314,8 +308,7 @@ class SandboxManager:
 
     async def _died(self, live: _Live, reason: str) -> None:
         log.warning("sandbox %s of %s died: %s; destroying it", live.record.sandbox_id, live.tenant, reason)
-        # the wire has no state for a death (yet): EXPIRED is the one that ended without its owner asking
-        await self._end(live, "EXPIRED", reason, how="died")
+        await self._end(live, "DIED", reason)
 
     async def _use(self, live: _Live, call: Awaitable[T]) -> T:
         """Run a call on a sandbox; if it failed because the sandbox ended meanwhile or died, say so (NOT_FOUND): a
@@ -344,7 +337,7 @@ class SandboxManager:
         """The tenant's running sandboxes, then those that ended in the last hour."""
         await self.reap()
         running = [x.record for x in self._live.values() if x.tenant == tenant]
-        ended = [x.record for x in self._ended.get(tenant, OrderedDict()).values()]
+        ended = list(self._ended.get(tenant, OrderedDict()).values())
         return sorted(running, key=lambda r: r.created_at) + ended
 
     def _exec_limits(self, timeout_s: float, max_output: int) -> tuple[float, int]:
@@ -485,7 +478,7 @@ class SandboxManager:
             log.info("sandbox %s of %s: ttl ended, destroying it", live.record.sandbox_id, live.tenant)
             await self._end(live, "EXPIRED", "its ttl ended")
         for ended in self._ended.values():
-            while ended and now - next(iter(ended.values())).record.ended_at > TOMBSTONE_KEEP_S:
+            while ended and now - next(iter(ended.values())).ended_at > TOMBSTONE_KEEP_S:
                 ended.popitem(last=False)
         return len(doomed)
 

@@ -183,7 +183,7 @@ async def test_a_call_that_finds_the_container_dead_ends_the_sandbox_and_gives_i
         )
         await expect_error(stub.Get(pb.GetSandboxRequest(sandbox_id=sid)), grpc.StatusCode.NOT_FOUND, "container")
         (listed,) = (await stub.List(pb.ListSandboxesRequest())).sandboxes
-        assert (listed.sandbox_id, listed.state) == (sid, pb.SANDBOX_STATE_EXPIRED)
+        assert (listed.sandbox_id, listed.state, listed.state_name) == (sid, pb.SANDBOX_STATE_DIED, "DIED")
         assert "its container" in listed.end_reason and "exit code 137" in listed.end_reason, listed.end_reason
         assert listed.ended_at >= listed.created_at
 
@@ -215,7 +215,7 @@ async def test_the_reaper_ends_a_sandbox_whose_container_died_and_spares_the_liv
             }
             if states[dead][0] != pb.SANDBOX_STATE_RUNNING:
                 break
-        assert states[dead][0] == pb.SANDBOX_STATE_EXPIRED and "its container" in states[dead][1], states
+        assert states[dead][0] == pb.SANDBOX_STATE_DIED and "its container" in states[dead][1], states
         assert states[live] == (pb.SANDBOX_STATE_RUNNING, "")
         assert orch.jobs.scheduler.reserved == 1
         await _nothing_left(docker_client, orch, dead, name)
