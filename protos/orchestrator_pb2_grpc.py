@@ -1019,7 +1019,7 @@ class SandboxServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """NOT_FOUND for an unknown sandbox; for an expired one, the message says when it expired.
+        """NOT_FOUND for an unknown sandbox; for an ended one, the message says when and how it ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
