@@ -172,9 +172,7 @@ class EnvfleetClient:
         def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, Rollout]]:
             return [(r.id, r.seq, r) for r in map(rollout_from_pb, _members(batch))]
 
-        batches = self._batches(job_id, resume_after, max_in_flight, max_batch)
-        # closed with this generator, not left to the collector: closing it sends the acks of what was consumed
-        async with contextlib.aclosing(self._consume(job_id, batches, auto_ack, unpack, max_in_flight)) as items:
+        async with self._items(job_id, unpack, resume_after, max_in_flight, max_batch, auto_ack) as items:
             async for r in items:
                 yield r
 
@@ -194,8 +192,7 @@ class EnvfleetClient:
         def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, pb.Rollout]]:
             return [(r.id, r.seq, r) for r in _members(batch)]
 
-        batches = self._batches(job_id, resume_after, max_in_flight, max_batch)
-        async with contextlib.aclosing(self._consume(job_id, batches, auto_ack, unpack, max_in_flight)) as items:
+        async with self._items(job_id, unpack, resume_after, max_in_flight, max_batch, auto_ack) as items:
             async for r in items:
                 yield r
 
@@ -220,10 +217,23 @@ class EnvfleetClient:
                 )
             return out
 
-        batches = self._batches(job_id, resume_after, max_in_flight, 64)
-        async with contextlib.aclosing(self._consume(job_id, batches, auto_ack, unpack, max_in_flight)) as items:
+        async with self._items(job_id, unpack, resume_after, max_in_flight, 64, auto_ack) as items:
             async for g in items:
                 yield g
+
+    def _items(
+        self,
+        job_id: str,
+        unpack: Callable[[pb.RolloutBatch], list[tuple[str, int, T]]],
+        resume_after: int,
+        max_in_flight: int,
+        max_batch: int,
+        auto_ack: bool,
+    ) -> contextlib.aclosing[AsyncGenerator[T]]:
+        """The stream's items as `unpack` makes them (see _consume), to be read inside `async with`: closed with the
+        caller's generator, not left to the collector, since closing it sends the acks of what was consumed."""
+        batches = self._batches(job_id, resume_after, max_in_flight, max_batch)
+        return contextlib.aclosing(self._consume(job_id, batches, auto_ack, unpack, max_in_flight))
 
     async def _consume(
         self,

@@ -21,7 +21,7 @@ import pytest
 from environments.harbor.env import built_dockerfile, make_harbor_environment
 from environments.harbor.task import HarborTaskError
 from orchestrator.backends.docker.backend import DockerBackend
-from orchestrator.core.environment import Episode
+from orchestrator.core.environment import Episode, Score
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxSpec
 from tests.environments.harbor.test_harbor import DOCKERFILE, TOML, make_task
 from tests.security.test_builds import Canary, canary  # noqa: F401  (the fixture)
@@ -49,8 +49,8 @@ async def _score_after_the_agent(
     test: str,
     solve: str,
     planted: list[str],
-) -> float:
-    """The reward of a task whose agent (its solve.sh) ran first, under a writable HOME, as many tasks need (the
+) -> Score:
+    """The score of a task whose agent (its solve.sh) ran first, under a writable HOME, as many tasks need (the
     sandbox's uid has no account, so Docker's HOME is the read-only /); `planted`: a command that shows the agent's
     move took effect in the sandbox."""
     d = make_task(tmp_path, name, test=test, solve=solve, toml_extra='env = { HOME = "/tmp" }\n')
@@ -62,7 +62,7 @@ async def _score_after_the_agent(
         solved = await env.run_solution(s, task.id)
         assert solved is not None and solved.ok, solved
         assert (await s.exec(planted)).exit_code == 0, "the agent's move did not take effect"
-        return (await env.score(s, task, Episode([], "", "submit"))).reward or 0.0
+        return await env.score(s, task, Episode([], "", "submit"))
 
 
 async def test_the_verifier_does_not_run_a_planted_usercustomize(
@@ -70,7 +70,8 @@ async def test_the_verifier_does_not_run_a_planted_usercustomize(
 ) -> None:
     # the plant works: any python the agent starts exits 0 at once
     works = ["python3", "-c", "import sys; sys.exit(1)"]
-    assert await _score_after_the_agent(tmp_path, backend, docker_client, "planted", TEST_SH, PLANT, works) == 0.0
+    score = await _score_after_the_agent(tmp_path, backend, docker_client, "planted", TEST_SH, PLANT, works)
+    assert score.reward == 0.0
 
 
 # a test.sh whose tools keep a cache in HOME (uv, go, npm, cargo do), and that must not see what the agent left there
@@ -89,10 +90,10 @@ async def test_the_verifier_gets_a_writable_home_the_agent_never_had(
     # HOME=/nonexistent made a right solution's test.sh fail at its first cache write (reward 0); the agent's own
     # writable HOME held its ~/.gitconfig, which git in test.sh would have run
     planted = ["cat", "/tmp/.gitconfig"]
-    reward = await _score_after_the_agent(
+    score = await _score_after_the_agent(
         tmp_path, backend, docker_client, "home", CACHING_TEST_SH, PLANT_GITCONFIG, planted
     )
-    assert reward == 1.0
+    assert score.reward == 1.0
 
 
 # the agent's move: fill /tmp, where /tests and /logs live, to its last block and inode
@@ -109,16 +110,7 @@ async def test_an_agent_that_fills_tmp_scores_0_never_a_masked_env_error(
     # the tests' upload (or test.sh's reward file) failed on the full /tmp: ENV_ERROR, a rollout masked from
     # training, so an agent about to fail could trade its 0 for no signal at all
     full = ["/bin/sh", "-c", "! dd if=/dev/zero of=/tmp/probe bs=64k count=1 2>/dev/null"]
-    d = make_task(tmp_path, "filled", test=TEST_SH, solve=FILL_TMP)
-    env = make_harbor_environment("harbor-filled", [d])
-    image = await asyncio.to_thread(env.build_image, docker_client)
-    task = env.tasks()[0]
-    async with await backend.create(SandboxSpec(image=image, limits=env.limits, env=dict(DETERMINISTIC_ENV))) as s:
-        await env.setup(s, task, 0)
-        solved = await env.run_solution(s, task.id)
-        assert solved is not None and solved.ok, solved
-        assert (await s.exec(full)).exit_code == 0, "the agent's move did not take effect"
-        score = await env.score(s, task, Episode([], "", "submit"))
+    score = await _score_after_the_agent(tmp_path, backend, docker_client, "filled", TEST_SH, FILL_TMP, full)
     assert score.reward == 0.0 and score.metrics == {"agent_filled_tmp": 1.0}, score
 
 
