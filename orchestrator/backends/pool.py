@@ -252,12 +252,7 @@ class SandboxPool:
         return sandbox, "cold"
 
     async def _probe(self, sandbox: Sandbox) -> Liveness:
-        transport = getattr(sandbox, "transport", None)
-        try:
-            outcome: Liveness = "alive" if transport is None else await transport.probe(self.config.probe_timeout_s)
-        except Exception as e:  # e.g. its channel closed under it (the sweep removed it while idle)
-            log.info("probe of %s failed: %s", getattr(sandbox, "name", "?"), e)
-            outcome = "gone"
+        outcome = await sandbox.probe(self.config.probe_timeout_s)  # "gone" also when the sweep removed it while idle
         self.metrics.pool_probes.labels(outcome).inc()
         return outcome
 

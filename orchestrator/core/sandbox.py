@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import logging
 import math
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.core.errors import ArchiveTooLargeError, QuotaExceededError
+
+log = logging.getLogger(__name__)
 
 RUNTIME_PATTERN = r"^([a-z][a-z0-9._-]{0,63})?$"
 DEFAULT_LEASE_S = 3600.0  # a sandbox's lease unless its spec says otherwise
@@ -342,6 +345,18 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def state(self) -> SandboxState:
         """The container's state (running, exit code, OOM-killed)."""
+
+    async def probe(self, timeout: float) -> Liveness:
+        """Whether this sandbox, thought alive, still is: its transport's probe ("alive" for a sandbox with no
+        transport to ask; "gone" when asking failed, e.g. its channel closed under it). No engine call."""
+        transport = getattr(self, "transport", None)
+        if not isinstance(transport, Transport):
+            return "alive"
+        try:
+            return await transport.probe(timeout)
+        except Exception as e:
+            log.info("probe of %s failed: %s", getattr(self, "name", "?"), e)
+            return "gone"
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -8,7 +8,7 @@ import logging
 
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import SandboxError
-from orchestrator.core.sandbox import Liveness, Sandbox, SandboxState, Transport
+from orchestrator.core.sandbox import Sandbox, SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ async def died(sandbox: Sandbox, name: str) -> str | None:
     silent or down, as during a dockerd restart)."""
     try:
         async with asyncio.timeout(CHECK_TIMEOUT_S):
-            if await _probe(sandbox) != "gone":
+            if await sandbox.probe(PROBE_TIMEOUT_S) != "gone":
                 return None
             st = await sandbox.state()
     except (TimeoutError, SandboxError) as e:
@@ -36,15 +36,3 @@ def death(st: SandboxState) -> str:
         return "its container no longer exists"
     how = "was killed by the OOM killer" if st.oom_killed else "stopped"
     return f"its container {how}, exit code {st.exit_code}" + (f": {echo(st.error)}" if st.error else "")
-
-
-async def _probe(sandbox: Sandbox) -> Liveness:
-    """The sandbox's envd health: "gone" when it refuses (or the call failed), "slow" with no answer in time."""
-    transport = getattr(sandbox, "transport", None)
-    if not isinstance(transport, Transport):
-        return "alive"  # nothing to ask without an engine call; a call into it still finds it dead
-    try:
-        return await transport.probe(PROBE_TIMEOUT_S)
-    except Exception as e:  # e.g. its channel closed under it: the engine decides
-        log.info("health check of %s failed: %s", getattr(sandbox, "name", "?"), e)
-        return "gone"
