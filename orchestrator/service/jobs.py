@@ -373,14 +373,15 @@ class JobManager:
             job.state = JobState.RUNNING
             await self._logged("a job's start", lambda: self.store.set_job_state(job.job_id, JobState.RUNNING))
         self.metrics.queue_wait_seconds.observe(time.monotonic() - item.enqueued_at)
+        env = job.run_env
         try:
             rollout = await traced_rollout(
-                self.tracer, item, job.run_env.ref(), lambda traced: self.executor.run(traced, job.run_env, job.spec)
+                self.tracer, item, env.ref(), lambda traced: self.executor.run(traced, env, job.spec)
             )
         except Exception as e:  # an executor's bug: the rollout is masked, never lost (the job would never end)
             log.error("rollout %s: the executor failed", item.id, exc_info=e)
             error = RolloutError(kind=type(e).__name__, message=f"the rollout could not be run: {e}"[:2000])
-            rollout = unrun_rollout(item, job.run_env.ref(), job.spec.policy.version, error)
+            rollout = unrun_rollout(item, env.ref(), job.spec.policy.version, error)
         self.metrics.rollouts.labels(rollout.status.value).inc()
         if job.state == JobState.CANCELLED:
             return
