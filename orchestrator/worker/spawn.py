@@ -36,7 +36,7 @@ class LocalWorkers:
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._supervisors: list[asyncio.Task[None]] = []
         self._stopping = False
-        self._reapers: set[asyncio.Task[None]] = set()
+        self._silence_kills: set[asyncio.Task[None]] = set()
         self.restarts = 0
         self.lost_kill_s = LOST_KILL_S
 
@@ -49,11 +49,11 @@ class LocalWorkers:
         """The hub cut worker `pid` off: kill it unless it has `rejoined` within `lost_kill_s` (a stopped worker,
         resumed, finds its stream gone, drops its rollouts and sandboxes, and joins again)."""
         if pid in self.pids and not self._stopping:
-            task = asyncio.create_task(self._reap(pid, rejoined), name=f"reap silent worker {pid}")
-            self._reapers.add(task)
-            task.add_done_callback(self._reapers.discard)
+            task = asyncio.create_task(self._kill_unless_rejoined(pid, rejoined), name=f"kill silent worker {pid}")
+            self._silence_kills.add(task)
+            task.add_done_callback(self._silence_kills.discard)
 
-    async def _reap(self, pid: int, rejoined: Callable[[int], bool]) -> None:
+    async def _kill_unless_rejoined(self, pid: int, rejoined: Callable[[int], bool]) -> None:
         await asyncio.sleep(self.lost_kill_s)
         if pid in self.pids and not rejoined(pid) and not self._stopping:
             log.error("worker pid %d has been silent since it was cut off %gs ago; killing it", pid, self.lost_kill_s)
@@ -104,6 +104,6 @@ class LocalWorkers:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
             await asyncio.gather(*(p.wait() for p in procs))
-        for task in [*self._supervisors, *self._reapers]:
+        for task in [*self._supervisors, *self._silence_kills]:
             task.cancel()
-        await asyncio.gather(*self._supervisors, *self._reapers, return_exceptions=True)
+        await asyncio.gather(*self._supervisors, *self._silence_kills, return_exceptions=True)
