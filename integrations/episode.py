@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from integrations.session import AsyncSessions, Message, Opening, StepResult
 from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
-from orchestrator.rollout.policy import parsing as policy_parsing
 from orchestrator.rollout.tito import ChatTemplateTokens, ToolCall, ToolParser
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,7 @@ _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
 
 # what an engine says ended a sample: it did not finish it (vLLM's and SGLang's "abort", verl's "aborted": a weight
 # sync cut it), or it cut it at max_tokens; any other value, or none, is a sample the engine ended
-NOT_FINISHED = policy_parsing.NOT_FINISHED | {"aborted"}
+NOT_FINISHED = frozenset({"abort", "aborted", "error"})
 CUT_OFF = frozenset({"length"})
 GENERATE_TRIES = 3  # for a turn whose sample the engine did not finish
 
