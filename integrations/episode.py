@@ -34,7 +34,8 @@ _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
 
 
 # what an engine says ended a sample: it did not finish it (vLLM's and SGLang's "abort", verl's "aborted": a weight
-# sync cut it), or it cut it at max_tokens; any other value, or none, is a sample the engine ended
+# sync cut it), or it cut it at max_tokens; any other value, or none, is a sample the engine ended. The policy
+# client's list (rollout/policy/parsing.py) is not importable here: integrations stay on the client and core layers
 NOT_FINISHED = frozenset({"abort", "aborted", "error"})
 CUT_OFF = frozenset({"length"})
 GENERATE_TRIES = 3  # for a turn whose sample the engine did not finish
