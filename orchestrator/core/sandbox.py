@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import posixpath
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -187,6 +188,13 @@ def _at_most(data: bytes, max_bytes: int, path: str) -> bytes:
 
 
 Liveness = Literal["alive", "slow", "gone"]
+
+
+def escapes(path: str) -> bool:
+    """Whether a tar member's name (or a link's target, joined to its member's folder) leaves the folder it is
+    unpacked into: absolute, or up past it once normalized. envd judges uploads by the same rule."""
+    norm = posixpath.normpath(path)
+    return posixpath.isabs(norm) or norm == ".." or norm.startswith("../")
 
 
 class Transport(abc.ABC):

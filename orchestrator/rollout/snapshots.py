@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from orchestrator.core.errors import ArchiveTooLargeError, InvalidRequestError, SandboxError, SandboxFileError
-from orchestrator.core.sandbox import Sandbox
+from orchestrator.core.sandbox import Sandbox, escapes
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _rebase(tar: bytes, workspace: str) -> bytes:
                 info = tarfile.TarInfo(rel)
                 info.type, info.mode, info.mtime = m.type, m.mode, int(m.mtime)
                 if m.issym():
-                    if posixpath.isabs(m.linkname) or _escapes(posixpath.join(posixpath.dirname(rel), m.linkname)):
+                    if posixpath.isabs(m.linkname) or escapes(posixpath.join(posixpath.dirname(rel), m.linkname)):
                         raise _Unusable(f"{rel} is a link out of the workspace ({m.linkname})")
                     info.linkname = m.linkname
                     dst.addfile(info)
@@ -91,17 +91,12 @@ def _rebase(tar: bytes, workspace: str) -> bytes:
     return out.getvalue()
 
 
-def _escapes(path: str) -> bool:
-    norm = posixpath.normpath(path)
-    return posixpath.isabs(norm) or norm == ".." or norm.startswith("../")
-
-
 def _relative(name: str, top: str) -> str | None:
     """A member's name inside the workspace (None: the workspace itself), or _Unusable if it lies outside."""
     norm = posixpath.normpath(name)
     if norm == top:
         return None
-    if not norm.startswith(top + "/") or _escapes(norm[len(top) + 1 :]):
+    if not norm.startswith(top + "/") or escapes(norm[len(top) + 1 :]):
         raise _Unusable(f"member {name!r} is not in the workspace's archive")
     return norm[len(top) + 1 :]
 

@@ -20,7 +20,7 @@ from orchestrator.core.errors import (
     SandboxFileNotFoundError,
     SandboxPermissionError,
 )
-from orchestrator.core.sandbox import FileEntry
+from orchestrator.core.sandbox import FileEntry, escapes
 
 MAX_READ_BYTES = 16 << 20  # envd's default when max_bytes is 0
 
@@ -211,10 +211,9 @@ class MemoryFS:
             raise InvalidRequestError(f"upload is not a tar archive: {e}") from None
         with archive:
             for m in archive:
-                norm = posixpath.normpath(m.name)
-                if posixpath.isabs(m.name) or norm == ".." or norm.startswith("../"):
+                if escapes(m.name):
                     raise InvalidRequestError(f"tar member {m.name!r} escapes the destination directory")
-                target = posixpath.join(dest, norm)
+                target = posixpath.join(dest, posixpath.normpath(m.name))
                 if target == dest:
                     continue
                 parent_path, name = posixpath.split(target)
