@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeGuard
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,7 +42,20 @@ CALL_DEADLINE_S = 60.0
 # An envd built before StartStream (a base image from an older tree) takes stdin in one message: streamed stdin is
 # gathered for it up to this much
 OLD_ENVD_STDIN_BYTES = 16 << 20
+# stdin given as bytes over this goes to envd in UPLOAD_CHUNK pieces, as streamed stdin does: inline it is one gRPC
+# message, which envd refuses over MAX_MESSAGE_BYTES, and each hop holds a copy of it whole
+STREAM_STDIN_OVER = 8 << 20
 _KINDS: dict[int, Literal["file", "dir", "symlink", "other"]] = {1: "file", 2: "dir", 3: "symlink", 4: "other"}
+
+
+def _inline(stdin: Stdin) -> TypeGuard[bytes]:
+    """Whether stdin goes in the request message itself (bytes up to STREAM_STDIN_OVER) rather than streamed."""
+    return isinstance(stdin, bytes) and len(stdin) <= STREAM_STDIN_OVER
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), UPLOAD_CHUNK):
+        yield data[start : start + UPLOAD_CHUNK]
 
 
 def _raise(e: grpc.aio.AioRpcError) -> NoReturn:
@@ -126,12 +139,13 @@ class EnvdTransport(Transport):
     ) -> AsyncIterator[ExecEvent]:
         deadline = (timeout or 600.0) + CALL_DEADLINE_S
         call: Any
-        if isinstance(stdin, bytes):
+        if _inline(stdin):
             call = self._proc.Start(
                 self._request(cmd, cwd, env, stdin, timeout, max_output), metadata=self._md, timeout=deadline
             )
         else:
-            call = await self._start_stream(self._request(cmd, cwd, env, b"", timeout, max_output), stdin, deadline)
+            chunks = _chunks(stdin) if isinstance(stdin, bytes) else stdin
+            call = await self._start_stream(self._request(cmd, cwd, env, b"", timeout, max_output), chunks, deadline)
         async for ev in self._events(call):
             yield ev
 
@@ -192,7 +206,7 @@ class EnvdTransport(Transport):
         max_output: int | None = None,
     ) -> ExecResult:
         """One unary round trip: cheaper than the stream when nobody watches the output live."""
-        if not isinstance(stdin, bytes):
+        if not _inline(stdin):
             return await super().exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
         req = self._request(cmd, cwd, env, stdin, timeout, max_output)
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -38,11 +38,6 @@ MAX_ANSWER_ENV = 64 << 10
 # What no environment variable can hold (NUL ends a C string; an unpaired surrogate has no UTF-8): ENVFLEET_ANSWER has
 # U+FFFD in its place. The exact answer is always in the JSON on stdin.
 _NOT_IN_ENV = re.compile("[\x00\ud800-\udfff]")
-# A scoring payload over this is streamed into the command in chunks of STDIN_CHUNK: sent whole, it is one gRPC
-# message, and envd refuses one over 64 MiB. The policy decides its size: an answer (up to 32 MiB, a policy response's
-# cap) is in it twice, as the answer and in the turns, and JSON's escapes make each up to six times as long.
-STREAM_STDIN_OVER = 8 << 20
-STDIN_CHUNK = 1 << 20
 TAIL_CHARS = 600
 # The package check runs at build time, offline: a missing package fails the build with this message.
 _PACKAGE_CHECK = (
@@ -69,11 +64,6 @@ def answer_env(answer: str | None) -> str:
     # scanned and encoded whole on the event loop, then in bytes
     data = _NOT_IN_ENV.sub("\ufffd", (answer or "")[:MAX_ANSWER_ENV]).encode()
     return data[:MAX_ANSWER_ENV].decode(errors="ignore")  # "ignore" drops only a character the cut split
-
-
-async def _chunks(data: bytes) -> AsyncIterator[bytes]:
-    for start in range(0, len(data), STDIN_CHUNK):
-        yield data[start : start + STDIN_CHUNK]
 
 
 def parse_score(result: ExecResult, timeout_s: float) -> Score:
@@ -192,12 +182,13 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
             "ENVFLEET_WORKSPACE": sandbox.spec.workspace,
             **GRADER_ENV,
         }
-        # ASCII whatever the answer holds: json escapes NUL, unpaired surrogates and every other non-ASCII character
-        data = json.dumps(payload).encode()
+        # ASCII whatever the answer holds: json escapes NUL, unpaired surrogates and every other non-ASCII character.
+        # The policy decides its size (an answer up to 32 MiB, in it twice, each up to six times as long escaped):
+        # the transport streams a large stdin in pieces (envd_transport.STREAM_STDIN_OVER)
         r = await sandbox.exec(
             ["/bin/sh", "-c", scoring.command],
             cwd=GRADER_CWD,
-            stdin=_chunks(data) if len(data) > STREAM_STDIN_OVER else data,
+            stdin=json.dumps(payload).encode(),
             env=env,
             timeout=scoring.timeout_s,
             max_output=MAX_SCORING_OUTPUT,
