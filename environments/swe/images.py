@@ -29,17 +29,7 @@ import docker.errors
 from environments.swe.instance import ArchiveSource, EnvironmentSpec, ImageSource, SdistSource, SweInstance
 from environments.swe.report import write_atomic
 from environments.swe.sources import MAX_SOURCE_BYTES, copy_archive, fetch_sdist, open_archive
-from orchestrator.backends.docker.sweeper import (
-    LABEL_EXPORT,
-    LABEL_HOST,
-    LABEL_LEASE,
-    LABEL_MANAGED,
-    LABEL_OWNER,
-    LABEL_PID,
-    LABEL_PID_START,
-    Owner,
-    doomed,
-)
+from orchestrator.backends.docker.sweeper import LABEL_EXPORT, LABEL_MANAGED, Owner, doomed, owner_labels
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images import ensure_base_image
@@ -312,14 +302,7 @@ def export_labels(owner: Owner, now: float) -> dict[str, str]:
     """The labels of an export container: the mark, and the owner and lease labels the sandbox sweep reads, so that
     `sweep_exports` judges it as that sweep judges a sandbox. Never `envfleet.managed`: that sweep acts only on
     containers sealed under its socket root's key, which this module does not hold."""
-    return {
-        EXPORT_LABEL: "1",
-        LABEL_OWNER: owner.name,
-        LABEL_PID: str(owner.pid),
-        LABEL_PID_START: owner.start,
-        LABEL_HOST: owner.host,
-        LABEL_LEASE: f"{now + EXPORT_LEASE_S:.0f}",
-    }
+    return {EXPORT_LABEL: "1", **owner_labels(owner, now + EXPORT_LEASE_S)}
 
 
 def sweep_exports(client: docker.DockerClient) -> int:

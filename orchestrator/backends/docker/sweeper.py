@@ -63,13 +63,20 @@ def labels_for(owner: Owner, spec: SandboxSpec, seal: str) -> dict[str, str]:
     return {
         **{k: v for k, v in spec.labels.items() if k not in CONTROL_LABELS},
         LABEL_MANAGED: "1",
-        LABEL_OWNER: owner.name,
         LABEL_INSTANCE: owner.instance,
+        **owner_labels(owner, time.time() + spec.ttl_s),
+        LABEL_SEAL: seal,
+    }
+
+
+def owner_labels(owner: Owner, lease_expiry: float) -> dict[str, str]:
+    """The labels `doomed` judges a container's owner and lease by (process, its start, host; unix seconds)."""
+    return {
+        LABEL_OWNER: owner.name,
         LABEL_PID: str(owner.pid),
         LABEL_PID_START: owner.start,
         LABEL_HOST: owner.host,
-        LABEL_LEASE: f"{time.time() + spec.ttl_s:.0f}",
-        LABEL_SEAL: seal,
+        LABEL_LEASE: f"{lease_expiry:.0f}",
     }
 
 
