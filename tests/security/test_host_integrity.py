@@ -138,6 +138,14 @@ def test_a_tenant_dockerfile_with_the_sweeps_labels_is_refused(
             context_files={},
             labels={"envfleet.socket_dir": "/"},
         )
+    # the SWE export's mark: its sweep removes a stopped container that carries it once its owner is gone
+    with pytest.raises(InvalidRequestError, match=r"\['envfleet.swe.export'\] are reserved"):
+        build_image(
+            docker_client,
+            name="test-forged-labels",
+            dockerfile=f"FROM {base_image}\nLABEL envfleet.swe.export=1\n",
+            context_files={},
+        )
 
 
 def test_an_image_spec_on_a_base_with_the_sweeps_labels_is_refused(
