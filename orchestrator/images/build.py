@@ -2,8 +2,9 @@
 
 The build runs on the engine's classic builder through the low-level API, with no network, from an in-memory
 context; every streamed line goes to a log file, and a failure names the Dockerfile step that failed. A build of
-untrusted content runs under BuildLimits: memory (no swap), CPU shares and cores, and a wall-clock deadline after
-which the connection is dropped, which makes the engine cancel the build and remove its container.
+untrusted content runs under BuildLimits: memory (no swap), CPU shares and cores, the disk its layers may take
+(disk_guard.py), and a wall-clock deadline after which the connection is dropped, which makes the engine cancel the
+build and remove its container.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import urllib3
 from orchestrator.backends.docker.sweeper import CONTROL_LABELS
 from orchestrator.core.errors import EngineError, ImageBuildError, InvalidRequestError
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, safe_name
+from orchestrator.images.disk_guard import DiskGuard
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class BuildLimits:
     cpu_shares: int = 512  # relative weight (1024: one full share), so builds yield to sandboxes under contention
     cpuset: str | None = None  # e.g. "0-3": the cores a build may run on
     timeout_s: float = 900.0
+    disk_mb: int = 10240  # what its layers may add to the engine's disk, every step together (disk_guard.py)
 
 
 def _limit_kwargs(limits: BuildLimits | None) -> dict[str, Any]:
@@ -280,8 +283,10 @@ def _run_build(
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     step: str | None = None
     error: str | None = None
+    ended = False  # the engine ended the build itself (a failed step), rather than this process dropping it
     deadline = time.monotonic() + limits.timeout_s if limits is not None else None
-    with log_path.open("w", encoding="utf-8") as logf:
+    guard = DiskGuard(client, limits.disk_mb) if limits is not None else None
+    with log_path.open("w", encoding="utf-8") as logf, guard or contextlib.nullcontext():
         stream: Iterator[dict[str, Any]] | None = None
         try:
             stream = client.api.build(
@@ -307,9 +312,16 @@ def _run_build(
                     tail.append(line)
                     if _STEP.match(line):
                         step = line
+                    if guard is not None:
+                        guard.saw(line)
                 if "error" in chunk:
-                    error = str(chunk["error"] or chunk.get("errorDetail"))
+                    error, ended = str(chunk["error"] or chunk.get("errorDetail")), True
                     break
+            else:
+                ended = True
+            if guard is not None and guard.over is not None:  # past its disk limit: its steps were killed
+                error = guard.over
+                _log_error(logf, tail, error)
         except docker.errors.APIError as e:
             if e.is_server_error():  # the engine failing (its disk full, a commit failing), not the Dockerfile
                 _log_error(logf, tail, str(e.explanation or e))
@@ -324,6 +336,8 @@ def _run_build(
             _log_error(logf, tail, error)
         finally:
             _drop(stream)  # closing the connection is what cancels a build the engine is still running
+    if error is not None and guard is not None:
+        guard.forget(cancelled=not ended)  # a failed build's layers would stay as untagged images, on disk
     if error is not None:
         where = f" at {step!r}" if step else ""
         raise ImageBuildError(

@@ -1,6 +1,6 @@
 """Builds are sandboxes too: a tenant's Dockerfile is parsed as the builder reads it and every way out of the build
 is refused (other images, ADD <url>, ONBUILD, frontends, the host's files); builds run under memory, CPU and time
-limits; and build slots are counted per tenant."""
+limits, and the disk their layers may take; and build slots are counted per tenant."""
 
 from __future__ import annotations
 
@@ -253,6 +253,74 @@ def test_build_time_limit(docker_client: docker.DockerClient, tmp_path: Path, ba
     while _containers_with(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _containers_with(marker) == []
+
+
+def _images_labelled(marker: str) -> list[str]:
+    out = subprocess.run(
+        ["docker", "images", "-a", "-q", "--filter", f"label=test.marker={marker}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return out.split()
+
+
+@pytest.mark.parametrize(
+    ("steps", "wrote"),
+    [
+        # one step writes past the limit and waits: the guard's poll sees the step's container grow and kills it
+        (["head -c 300M /dev/zero > /big && sleep 120"], r"wrote \d+ MB"),
+        # each step under the limit, together over it: the committed layers add up
+        ([f"head -c 60M /dev/zero > /part{n}" for n in range(3)], r"wrote 1\d\d MB"),
+        # the last RUN goes over and ends before a poll may see it; the build would end well (an ENV step runs no
+        # process to kill): it is refused at its end, and its tagged image removed with the rest
+        (["head -c 150M /dev/zero > /big", "ENV DONE=1"], r"wrote \d+ MB"),
+    ],
+    ids=["one-step", "across-steps", "at-the-end"],
+)
+def test_build_disk_limit(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str, steps: list[str], wrote: str
+) -> None:
+    marker = uuid.uuid4().hex
+    runs = "".join(f"{step}\n" if step.startswith("ENV") else f"RUN : {marker} && {step}\n" for step in steps)
+    started = time.monotonic()
+    with pytest.raises(
+        ImageBuildError, match=wrote + r", over its disk limit of 100 MB; the build was refused and its layers removed"
+    ):
+        build_image(
+            docker_client,
+            name="sec-disk",
+            dockerfile=f"FROM {base_image}\nLABEL test.marker={marker}\n{runs}",
+            context_files={},
+            cache_dir=tmp_path,
+            limits=BuildLimits(disk_mb=100),
+        )
+    assert time.monotonic() - started < 60  # stopped, not left to its sleep
+    # nothing the build wrote stays: its step's container is gone, and so are the layers it committed
+    deadline = time.monotonic() + 20
+    while (_containers_with(marker) or _images_labelled(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _containers_with(marker) == []
+    assert _images_labelled(marker) == []
+
+
+def test_a_build_under_its_disk_limit_is_kept(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str
+) -> None:
+    marker = uuid.uuid4().hex
+    tag = build_image(
+        docker_client,
+        name="sec-disk-ok",
+        dockerfile=f"FROM {base_image}\nLABEL test.marker={marker}\nRUN head -c 40M /dev/zero > /a\n",
+        context_files={},
+        cache_dir=tmp_path,
+        limits=BuildLimits(disk_mb=100),
+    )
+    try:
+        assert docker_client.images.get(tag).attrs["Size"] >= 40 << 20
+    finally:
+        docker_client.images.remove(tag, force=True)
+    assert _images_labelled(marker) == []
 
 
 async def test_tenant_gate_keeps_a_slot_for_others() -> None:

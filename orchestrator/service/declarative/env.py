@@ -31,7 +31,7 @@ from orchestrator.service.declarative.errors import ScoringError
 from orchestrator.service.declarative.spec import EnvironmentSpec
 
 MAX_SCORING_OUTPUT = 1 << 20
-TENANT_BUILD = BuildLimits()  # a spec's build is tenant content: memory, CPU and time limits
+TENANT_BUILD = BuildLimits()  # a spec's build is tenant content: memory, CPU, disk and time limits
 # ENVFLEET_ANSWER holds at most this many bytes of UTF-8: the kernel refuses an environment string over 128 KiB
 # (MAX_ARG_STRLEN, in bytes) with E2BIG, for the scoring command and for every command it starts.
 MAX_ANSWER_ENV = 64 << 10
