@@ -29,6 +29,7 @@ POLL_SHARE = 0.1
 CANCEL_WAIT_S = 10.0  # for the engine to stop a cancelled build's step and remove its container
 _RUNNING = re.compile(r"^ ---> Running in ([0-9a-f]{12,64})$")
 _LAYER = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
+_CACHED = " ---> Using cache"
 _FROM = re.compile(r"^Step \d+/\d+ : FROM ", re.IGNORECASE)
 
 
@@ -39,10 +40,11 @@ class DiskGuard:
         self._client = client
         self.limit_mb = limit_mb
         self.committed = 0  # bytes of the layers this build's steps committed so far
-        self.layers: list[str] = []  # the images its steps committed, oldest first (a FROM's base is not one)
+        self.layers: list[str] = []  # the images its steps committed, oldest first (not a FROM's, not a cached one)
         self.over: str | None = None  # why the build was stopped, once it wrote past the limit
         self._step: str | None = None  # the running step's container
         self._after_from = False
+        self._cached = False  # the next layer is an earlier build's, taken from the cache
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="build disk guard", daemon=True)
@@ -59,6 +61,8 @@ class DiskGuard:
         """One line of the build's output."""
         if _FROM.match(line):
             self._after_from = True
+        elif line == _CACHED:
+            self._cached = True
         elif m := _RUNNING.match(line):
             with self._lock:
                 self._step = m[1]
@@ -70,7 +74,10 @@ class DiskGuard:
             if self._after_from:  # the base image the stage starts from: not written by this build
                 self._after_from = False
                 return
-            self.layers.append(m[1])
+            if self._cached:  # part of the image, so counted, but another image's too: never removed
+                self._cached = False
+            else:
+                self.layers.append(m[1])
             self.committed += self._layer_size(m[1])
             self._check(0)
 

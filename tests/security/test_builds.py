@@ -304,6 +304,28 @@ def test_build_disk_limit(
     assert _images_labelled(marker) == []
 
 
+def test_a_failed_build_keeps_the_images_it_took_from_the_cache(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str
+) -> None:
+    marker = uuid.uuid4().hex
+    first = f"FROM {base_image}\nRUN echo {marker} > /m\n"
+    kept = build_image(docker_client, name="sec-cached", dockerfile=first, context_files={}, cache_dir=tmp_path)
+    try:
+        # its first step is the image above, from the cache; the build fails after it: only what it wrote goes
+        with pytest.raises(ImageBuildError, match="returned a non-zero code: 3"):
+            build_image(
+                docker_client,
+                name="sec-cached-fails",
+                dockerfile=first + "RUN head -c 1M /dev/zero > /a\nRUN exit 3\n",
+                context_files={},
+                cache_dir=tmp_path,
+                limits=BuildLimits(),
+            )
+        assert docker_client.images.get(kept).tags == [kept]
+    finally:
+        docker_client.images.remove(kept, force=True)
+
+
 def test_a_build_under_its_disk_limit_is_kept(
     docker_client: docker.DockerClient, tmp_path: Path, base_image: str
 ) -> None:
