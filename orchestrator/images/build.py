@@ -3,8 +3,8 @@
 The build runs on the engine's classic builder through the low-level API, with no network, from an in-memory
 context; every streamed line goes to a log file, and a failure names the Dockerfile step that failed. A build of
 untrusted content runs under BuildLimits: memory (no swap), CPU shares and cores, the disk its layers may take
-(disk_guard.py), and a wall-clock deadline after which the connection is dropped, which makes the engine cancel the
-build and remove its container.
+(disk_guard.py), how much it may print (its log is on this host's disk), and a wall-clock deadline. Past the output
+or the deadline the connection is dropped, which makes the engine cancel the build and remove its container.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class BuildLimits:
     cpuset: str | None = None  # e.g. "0-3": the cores a build may run on
     timeout_s: float = 900.0
     disk_mb: int = 10240  # what its layers may add to the engine's disk, every step together (disk_guard.py)
+    output_mb: int = 64  # what its steps may print: every line goes to a log file on this host's disk
 
 
 def _limit_kwargs(limits: BuildLimits | None) -> dict[str, Any]:
@@ -283,6 +284,7 @@ def _run_build(
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     step: str | None = None
     error: str | None = None
+    printed = 0  # characters of output logged
     ended = False  # the engine ended the build itself (a failed step), rather than this process dropping it
     deadline = time.monotonic() + limits.timeout_s if limits is not None else None
     guard = DiskGuard(client, limits.disk_mb) if limits is not None else None
@@ -308,7 +310,7 @@ def _run_build(
                     _log_error(logf, tail, error)
                     break
                 for line in _lines(chunk):
-                    logf.write(line + "\n")
+                    printed += logf.write(line + "\n")
                     tail.append(line)
                     if _STEP.match(line):
                         step = line
@@ -316,6 +318,13 @@ def _run_build(
                         guard.saw(line)
                 if "error" in chunk:
                     error, ended = str(chunk["error"] or chunk.get("errorDetail")), True
+                    break
+                if limits is not None and printed > limits.output_mb << 20:
+                    error = (
+                        f"the build printed more than {limits.output_mb} MB; it was stopped (send a step's output to "
+                        "a file in the image, or to /dev/null)"
+                    )
+                    _log_error(logf, tail, error)
                     break
             else:
                 ended = True

@@ -304,6 +304,29 @@ def test_build_disk_limit(
     assert _images_labelled(marker) == []
 
 
+def test_build_output_limit(docker_client: docker.DockerClient, tmp_path: Path, base_image: str) -> None:
+    marker = uuid.uuid4().hex
+    # 400 MB of lines, then a long wait: the log on this host's disk stops at the limit, and so does the build
+    step = f": {marker} && head -c 400M /dev/zero | tr '\\0' x | fold -w 1000 && sleep 120"
+    started = time.monotonic()
+    with pytest.raises(ImageBuildError, match=r"the build printed more than 8 MB; it was stopped") as raised:
+        build_image(
+            docker_client,
+            name="sec-output",
+            dockerfile=f"FROM {base_image}\nRUN {step}\n",
+            context_files={},
+            cache_dir=tmp_path,
+            limits=BuildLimits(output_mb=8),
+        )
+    assert time.monotonic() - started < 60
+    assert raised.value.log_path is not None
+    assert (8 << 20) < raised.value.log_path.stat().st_size < (9 << 20)
+    deadline = time.monotonic() + 20  # dropping the connection cancels the build: its container goes away
+    while _containers_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _containers_with(marker) == []
+
+
 def test_a_failed_build_keeps_the_images_it_took_from_the_cache(
     docker_client: docker.DockerClient, tmp_path: Path, base_image: str
 ) -> None:
