@@ -220,6 +220,18 @@ def _containers_with(marker: str) -> list[str]:
     return [line for line in out.splitlines() if marker in line]
 
 
+def _assert_gone(marker: str, images: bool = False) -> None:
+    """Within 20 s, no container of a build marked `marker` is left (nor, with `images`, an image labelled so)."""
+
+    def left() -> list[str]:
+        return _containers_with(marker) + (_images_labelled(marker) if images else [])
+
+    deadline = time.monotonic() + 20
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left() == []
+
+
 def test_build_memory_limit(docker_client: docker.DockerClient, tmp_path: Path, base_image: str) -> None:
     marker = uuid.uuid4().hex
     dockerfile = f"FROM {base_image}\nRUN python3 -c 'b = bytearray(400 << 20); print(len(b), \"{marker}\")'\n"
@@ -249,10 +261,7 @@ def test_build_time_limit(docker_client: docker.DockerClient, tmp_path: Path, ba
             limits=BuildLimits(timeout_s=3),
         )
     assert time.monotonic() - started < 20
-    deadline = time.monotonic() + 20  # dropping the connection cancels the build: its container goes away
-    while _containers_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _containers_with(marker) == []
+    _assert_gone(marker)  # dropping the connection cancels the build: its container goes away
 
 
 def _images_labelled(marker: str) -> list[str]:
@@ -296,12 +305,7 @@ def test_build_disk_limit(
             limits=BuildLimits(disk_mb=100),
         )
     assert time.monotonic() - started < 60  # stopped, not left to its sleep
-    # nothing the build wrote stays: its step's container is gone, and so are the layers it committed
-    deadline = time.monotonic() + 20
-    while (_containers_with(marker) or _images_labelled(marker)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _containers_with(marker) == []
-    assert _images_labelled(marker) == []
+    _assert_gone(marker, images=True)  # its step's container is gone, and so are the layers it committed
 
 
 def test_build_output_limit(docker_client: docker.DockerClient, tmp_path: Path, base_image: str) -> None:
@@ -321,10 +325,7 @@ def test_build_output_limit(docker_client: docker.DockerClient, tmp_path: Path, 
     assert time.monotonic() - started < 60
     assert raised.value.log_path is not None
     assert (8 << 20) < raised.value.log_path.stat().st_size < (9 << 20)
-    deadline = time.monotonic() + 20  # dropping the connection cancels the build: its container goes away
-    while _containers_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _containers_with(marker) == []
+    _assert_gone(marker)  # dropping the connection cancels the build: its container goes away
 
 
 def test_a_failed_build_keeps_the_images_it_took_from_the_cache(

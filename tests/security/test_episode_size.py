@@ -1,0 +1,53 @@
+"""A policy cannot write an episode without end. Each answer may be up to 32 MiB and max_turns up to 1000: in this
+process's rollouts (workers=0) the whole episode went to the result log, on the host's disk; on a worker, an encoded
+rollout over 16 MiB was refused as an infrastructure failure, masked from training, which a policy can learn to reach
+instead of a low reward. The episode keeps at most EPISODE_BYTES, counted as the log's JSON holds it (a control
+character is six bytes there); past that it ends TRUNCATED and is scored.
+
+Through real processes: the scripted policy server, the real gRPC server on the fake backend, in this process and
+on a worker process, and the trainer's stream."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import RolloutStatus
+from orchestrator.rollout.episode import EPISODE_BYTES
+from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
+from orchestrator.worker.results import MAX_ROLLOUT_BYTES
+from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import FAKE, serve
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "worker"])
+@pytest.mark.parametrize(
+    ("content", "json_bytes"),
+    [("x" * (2 << 20), 2 << 20), ("\x01" * (1 << 19), 6 << 19)],
+    ids=["text", "escaped"],
+)
+async def test_a_policy_that_writes_without_end_is_truncated_and_scored(
+    tmp_path: Path, workers: int, content: str, json_bytes: int
+) -> None:
+    # every turn writes `content` and calls a tool the environment does not have (answered at once), for as many
+    # turns as python-tool allows (8): 16 MiB of text, or 24 MiB once escaped
+    script = Script(default=[Step(content=content, tool_calls=[ScriptedToolCall(name="nothing")])] * 16)
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    async with (
+        await start_scripted_server(script, tokens=False) as scripted,
+        serve(tmp_path / "data", backend=FAKE, workers=workers) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        job_id = await client.submit(job(scripted.url, [task_id], max_turns=16))
+        async with asyncio.timeout(120):
+            [rollout] = [r async for r in client.rollouts(job_id)]
+    assert rollout.status == RolloutStatus.TRUNCATED, rollout.error
+    assert rollout.reward is not None  # scored as a cut episode is, not masked
+    written = [t for t in rollout.turns if t.role == "assistant"]
+    # the turn that would cross the budget is dropped whole: as many turns as fit, and no more
+    assert len(written) == EPISODE_BYTES // json_bytes - 1 or len(written) == EPISODE_BYTES // json_bytes
+    assert len(rollout.model_dump_json()) <= EPISODE_BYTES + (1 << 20) < MAX_ROLLOUT_BYTES
