@@ -3,7 +3,6 @@ orchestrator/rollout/step.py) -> observation, until submit, a stop, or a limit."
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,38 +33,6 @@ from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import CUT_OFF
 from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
-
-# What one episode may keep: the text of its turns, its tools' observations and its tokens, counted as the result
-# log's JSON holds them. A policy writes as much as it is let (each answer up to 32 MiB, max_turns up to 1000); past
-# this the episode ends TRUNCATED, as at a full context, and the turn that crossed it is dropped whole, tokens with
-# it. The policy's writing is its outcome, scored, never a masked failure: an encoded rollout over 16 MiB
-# (results.MAX_ROLLOUT_BYTES) is refused as an infrastructure failure, so the budget keeps well under that.
-EPISODE_BYTES = 8 << 20
-TOKEN_BYTES = 40  # an id, its mask and its logprob, as JSON at most
-
-
-@dataclass
-class _Budget:
-    """The episode's bytes so far, against EPISODE_BYTES."""
-
-    text: int = 0  # turns and observations
-
-    def fits(self, tracker: TokenTracker, c: Completion | None = None, *more: str) -> bool:
-        """Whether the episode, with completion `c` and texts `more` added, stays within the budget."""
-        added = sum(_json_bytes(t) for t in more)
-        tokens = len(tracker.prompt_ids) + len(tracker.completion_ids)
-        if c is not None:
-            added += _json_bytes(c.text) + sum(_json_bytes(tc.arguments) for tc in c.tool_calls)
-            tokens = max(tokens, len(c.prompt_ids or ())) + len(c.completion_ids or ())
-        return self.text + added + tokens * TOKEN_BYTES <= EPISODE_BYTES
-
-    def add(self, *texts: str) -> None:
-        self.text += sum(_json_bytes(t) for t in texts)
-
-
-def _json_bytes(text: str) -> int:
-    # escaped as the log escapes it: a control character is six bytes there
-    return len(json.dumps(text, ensure_ascii=False).encode(errors="replace"))
 
 
 @dataclass
@@ -108,7 +75,6 @@ async def run_episode(
     finish: Finish = "max_turns"
     model = ""
     episode_policy = policy.for_episode(max_model_len=max_model_len)
-    budget = _Budget()
     for turn in range(max_turns):
         phase = Phase(span, "policy", {TURN: turn})
         try:
@@ -121,11 +87,10 @@ async def run_episode(
         finally:
             generation_s += phase.seconds
         model = c.model
-        if not budget.fits(tracker, c):
-            finish = "length"  # the episode is as long as it may be: TRUNCATED without this turn
+        if not state.fits(c.text, *(tc.arguments for tc in c.tool_calls), tokens=tracker.count_with(c)):
+            finish = "length"  # the episode is as long as it may be (EPISODE_BYTES): TRUNCATED without this turn
             break
         tracker.add(c)
-        budget.add(c.text, *(tc.arguments for tc in c.tool_calls))
         messages.append(c.raw_message)
         calls = [ToolCallRecord(id=tc.id, name=tc.name, arguments=tc.arguments) for tc in c.tool_calls]
         record_assistant(state, c.text, calls)
@@ -142,13 +107,12 @@ async def run_episode(
             if tool_seconds is not None:
                 tool_seconds(phase.seconds)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result.output})
-            budget.add(result.output)
-            if state.submitted or not budget.fits(tracker):
+            if state.submitted or not state.fits(tokens=tracker.count()):
                 break
         if state.submitted:
             finish = "submit"
             break
-        if not budget.fits(tracker):
+        if not state.fits(tokens=tracker.count()):
             finish = "length"  # its observations filled the budget (each is capped, core/tools.py)
             break
     return EpisodeResult(state.episode(finish), tracker, generation_s, tools_s, model)

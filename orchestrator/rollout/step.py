@@ -24,6 +24,15 @@ from orchestrator.core.tools import Tool, ToolResult, call_tool, get_tools
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# What one episode may keep: the text of its turns (the policy's or a session's, and the tools' observations) and
+# its tokens, counted as the result log's JSON holds them. Whoever writes the turns writes as much as they are let
+# (a policy's answer up to 32 MiB and max_turns up to 1000; a session's action up to 4 Mi characters): past this an
+# episode ends TRUNCATED, as at a full context, and the turn that would cross it is not kept. It is the writer's
+# outcome, scored, never a masked failure: an encoded rollout over 16 MiB (worker/results.MAX_ROLLOUT_BYTES) is
+# refused as an infrastructure failure, so the budget keeps well under that.
+EPISODE_BYTES = 8 << 20
+TOKEN_BYTES = 40  # a token's id, mask and logprob as JSON, at most
+
 
 @dataclass
 class EpisodeState:
@@ -34,6 +43,7 @@ class EpisodeState:
     tool_calls: int = 0
     answer: str | None = None
     submitted: bool = False
+    kept: int = 0  # bytes of its turns' text (EPISODE_BYTES)
 
     @classmethod
     def start(cls, env: Environment, turns: list[Turn] | None = None) -> EpisodeState:
@@ -44,6 +54,19 @@ class EpisodeState:
         """The episode as the scorer sees it."""
         return Episode(list(self.turns), self.answer, finish, self.tool_calls)
 
+    def fits(self, *texts: str, tokens: int = 0) -> bool:
+        """Whether the episode stays within EPISODE_BYTES with `texts` more and `tokens` tokens in all."""
+        return self.kept + sum(map(json_bytes, texts)) + tokens * TOKEN_BYTES <= EPISODE_BYTES
+
+    def _keep(self, turn: Turn) -> None:
+        self.turns.append(turn)
+        self.kept += json_bytes(turn.text) + sum(json_bytes(c.arguments) for c in turn.tool_calls or ())
+
+
+def json_bytes(text: str) -> int:
+    """The bytes of `text` as a JSON string: a control character is six there."""
+    return len(json.dumps(text, ensure_ascii=False).encode(errors="replace"))
+
 
 def opening_turns(messages: Sequence[dict[str, Any]]) -> list[Turn]:
     """The opening chat messages of an episode (Environment.messages) as the turns a rollout records."""
@@ -52,7 +75,7 @@ def opening_turns(messages: Sequence[dict[str, Any]]) -> list[Turn]:
 
 def record_assistant(state: EpisodeState, text: str, calls: Sequence[ToolCallRecord]) -> None:
     """Record one assistant turn with the tool calls it made."""
-    state.turns.append(Turn(role="assistant", text=text, tool_calls=list(calls)))
+    state._keep(Turn(role="assistant", text=text, tool_calls=list(calls)))
 
 
 async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState, call: ToolCallRecord) -> ToolResult:
@@ -72,7 +95,7 @@ async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState,
         result = await call_tool(tool, sandbox, call.arguments, env.tool_timeout_s)
         if result.submitted:
             state.submitted, state.answer = True, result.answer
-    state.turns.append(Turn(role="tool", text=result.output, tool_call_id=call.id, name=call.name))
+    state._keep(Turn(role="tool", text=result.output, tool_call_id=call.id, name=call.name))
     return result
 
 

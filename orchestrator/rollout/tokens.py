@@ -58,6 +58,14 @@ class TokenTracker:
         self.mask += [1] * len(completion)
         self.logprobs += logprobs
 
+    def count(self) -> int:
+        """How many tokens the episode holds so far."""
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    def count_with(self, c: Completion) -> int:
+        """How many it would hold with `c` added (its prompt extends everything before it)."""
+        return max(self.count(), len(c.prompt_ids or ())) + len(c.completion_ids or ())
+
     def _drop(self, status: TokenStatus) -> None:
         self.status = status
         self.prompt_ids, self.completion_ids, self.mask, self.logprobs = [], [], [], []

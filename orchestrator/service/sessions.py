@@ -347,7 +347,9 @@ class SessionManager:
         finish: Finish | None = None
         try:
             async with asyncio.timeout(s.env.tool_timeout_s + self.config.scoring_budget_s):
-                if isinstance(action, ToolAction):
+                if not s.state.fits(action.arguments if isinstance(action, ToolAction) else action.text):
+                    finish = "length"  # the episode is as long as it may be (EPISODE_BYTES): TRUNCATED without it
+                elif isinstance(action, ToolAction):
                     call = ToolCallRecord(
                         id=action.call_id or f"call-{s.turn}", name=action.name, arguments=action.arguments
                     )
@@ -359,7 +361,7 @@ class SessionManager:
                 else:
                     record_assistant(s.state, action.text, [])
                     finish, s.state.answer = "stop", action.text
-                s.turn += 1
+                s.turn += finish != "length"  # a step past the budget is not taken
                 if finish is None and s.turn >= s.max_turns:
                     finish = "max_turns"
                 if finish is None:
@@ -372,8 +374,8 @@ class SessionManager:
         return StepResult(
             observation,
             score.reward,
-            terminated=finish != "max_turns",
-            truncated=finish == "max_turns",
+            terminated=status == RolloutStatus.OK,
+            truncated=status == RolloutStatus.TRUNCATED,
             status=status,
             info=self._view(s),
             components=dict(score.components),

@@ -1,11 +1,12 @@
-"""A policy cannot write an episode without end. Each answer may be up to 32 MiB and max_turns up to 1000: in this
-process's rollouts (workers=0) the whole episode went to the result log, on the host's disk; on a worker, an encoded
-rollout over 16 MiB was refused as an infrastructure failure, masked from training, which a policy can learn to reach
-instead of a low reward. The episode keeps at most EPISODE_BYTES, counted as the log's JSON holds it (a control
-character is six bytes there); past that it ends TRUNCATED and is scored.
+"""Neither a policy nor a session's tenant can write an episode without end. A policy's answer may be up to 32 MiB
+and max_turns up to 1000: in this process's rollouts (workers=0) the whole episode went to the result log, on the
+host's disk; on a worker, an encoded rollout over 16 MiB was refused as an infrastructure failure, masked from
+training, which a policy can learn to reach instead of a low reward. A session's action may be 4 Mi characters, and
+its steps were kept in memory until the session ended. An episode keeps at most EPISODE_BYTES, counted as the log's
+JSON holds it (a control character is six bytes there); past that it ends TRUNCATED and is scored.
 
 Through real processes: the scripted policy server, the real gRPC server on the fake backend, in this process and
-on a worker process, and the trainer's stream."""
+on a worker process, and the trainer's stream; a session over the real gRPC API."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
-from orchestrator.rollout.episode import EPISODE_BYTES
+from orchestrator.rollout.step import EPISODE_BYTES
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
 from orchestrator.worker.results import MAX_ROLLOUT_BYTES
+from protos import orchestrator_pb2 as pb
 from tests.orchestrator.conftest import ENV, job
 from tests.orchestrator.servers import FAKE, serve
 
@@ -51,3 +53,23 @@ async def test_a_policy_that_writes_without_end_is_truncated_and_scored(
     # the turn that would cross the budget is dropped whole: as many turns as fit, and no more
     assert len(written) == EPISODE_BYTES // json_bytes - 1 or len(written) == EPISODE_BYTES // json_bytes
     assert len(rollout.model_dump_json()) <= EPISODE_BYTES + (1 << 20) < MAX_ROLLOUT_BYTES
+
+
+async def test_a_session_that_writes_without_end_is_truncated_and_scored(tmp_path: Path) -> None:
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    arguments = '{"code": "' + "x" * (3 << 20) + '"}'  # a 3 MiB tool call: the first two fit, the third does not
+    async with serve(tmp_path / "data", backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        session = await client.session_stub.Reset(pb.ResetRequest(env=ENV, task_id=task_id, max_turns=100))
+        steps = []
+        for n in range(3):
+            call = pb.ToolCall(id=f"c{n}", name="nothing", arguments=arguments)
+            steps.append(
+                await client.session_stub.Step(
+                    pb.StepRequest(session_id=session.session_id, action=pb.Action(tool_call=call)), timeout=60
+                )
+            )
+    assert [s.status for s in steps[:2]] == [pb.ROLLOUT_STATUS_UNSPECIFIED] * 2  # still running
+    last = steps[2]
+    assert last.status == pb.ROLLOUT_STATUS_TRUNCATED and last.truncated and not last.terminated
+    assert last.HasField("reward")  # scored, as a cut episode is
+    assert last.info.turn == 2  # the step that would cross the budget is not kept
