@@ -62,6 +62,13 @@ class CapsConfig(BaseModel):
     sandbox: SandboxCaps = SandboxCaps()
     archive: ArchiveCaps = ArchiveCaps()
     jobs_per_tenant: int = Field(64, ge=1, le=100_000, description="unfinished jobs per tenant")
+    finished_jobs_per_tenant: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="finished jobs a tenant keeps within their retention; past it, its oldest go early (a stream "
+        "that reads one keeps it)",
+    )
     streams_per_tenant: int = Field(
         64, ge=1, le=100_000, description="open StreamRollouts streams per tenant, and apart from them open Execs"
     )

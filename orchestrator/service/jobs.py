@@ -13,8 +13,9 @@ and its own private ones).
 
 Retention: a finished job is kept `retention_s` after its end (and while a stream of it is open), then removed from
 memory and from the result log, so that a control plane that runs for weeks holds, lists and resumes only its recent
-jobs and its log stops growing once it holds that window. A job's counts live in memory: GetJob and ListJobs read
-no log."""
+jobs and its log stops growing once it holds that window. A tenant keeps at most caps.finished_jobs_per_tenant
+finished jobs within that window; past it its oldest go early. A job's counts live in memory: GetJob and ListJobs
+read no log."""
 
 from __future__ import annotations
 
@@ -190,6 +191,7 @@ class JobManager:
             self.metrics.jobs.labels(state.value).set_function(functools.partial(self._count_in, state))
         self._jobs: dict[str, _Job] = {}
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
+        self._kept: Counter[str] = Counter()  # per tenant: its jobs here, finished or not
         self._submitting = 0  # submits in progress
         self._deferred: list[tuple[_Job, list[WorkItem]]] = []  # accepted jobs whose rollouts wait for them
         self._defer_timer: asyncio.TimerHandle | None = None  # START_DEFER_S after the first deferred job
@@ -303,6 +305,8 @@ class JobManager:
                 f"{unfinished} jobs are unfinished; caps.jobs_per_tenant is {self.caps.jobs_per_tenant}; "
                 "cancel some or wait for them to finish"
             )
+        if self._kept[owner] - unfinished >= self.caps.finished_jobs_per_tenant:
+            await self._trim_finished(owner)
         spec = spec.model_copy(update={"env": env.ref()})
         job_id = uuid.uuid4().hex[:16]
         tasks = select_tasks(env, spec)
@@ -402,7 +406,14 @@ class JobManager:
 
     def _add(self, job: _Job) -> None:
         self._jobs[job.job_id] = job
+        self._kept[job.owner] += 1
         self._unfinished[job.owner] += not job.finished
+
+    def _forget(self, jobs: list[_Job]) -> None:
+        """Take finished jobs out: GetJob, streams and acks see no such job from here on."""
+        for job in jobs:
+            del self._jobs[job.job_id]
+            self._kept[job.owner] -= 1
 
     def _set_state(self, job: _Job, state: JobState) -> None:
         was = job.finished
@@ -423,7 +434,8 @@ class JobManager:
         """The job; for a caller `owner`, another tenant's job is reported exactly like a missing one."""
         job = self._jobs.get(job_id)
         if job is None or (owner is not None and job.owner != owner):
-            kept = "" if self.retention_s is None else f" (a finished job is kept {self.retention_s:g}s after its end)"
+            kept = "" if self.retention_s is None else f"a finished job is kept {self.retention_s:g}s after its end; "
+            kept = f" ({kept}a tenant keeps its last {self.caps.finished_jobs_per_tenant} finished jobs)"
             raise JobNotFoundError(f"no job {echo(job_id)}{kept}")
         return job
 
@@ -573,14 +585,30 @@ class JobManager:
         """Remove the finished jobs whose retention ran out and that no stream reads now; returns how many."""
         now = time.time()
         gone = [j for j in self._jobs.values() if self._expired(j.finished_at, now) and not j.listeners]
-        for job in gone:
-            del self._jobs[job.job_id]  # GetJob, streams and acks see no such job from here on
+        self._forget(gone)
         for job in gone:
             await self._remove(job.job_id)
         return len(gone)
 
-    async def _remove(self, job_id: str) -> None:
-        log.info("job %s removed: its retention of %gs after its end ran out", job_id, self.retention_s)
+    async def _trim_finished(self, owner: str) -> None:
+        """Make room for one more finished job of tenant `owner` under caps.finished_jobs_per_tenant: its oldest go
+        before their retention runs out (a tenant submitting and cancelling in a loop kept every spec, up to 100,000
+        task ids each, for the whole retention)."""
+        finished = sorted(
+            (j for j in self._jobs.values() if j.owner == owner and j.finished and not j.listeners),
+            key=lambda j: j.finished_at or 0.0,
+        )
+        gone = finished[: max(0, len(finished) - self.caps.finished_jobs_per_tenant + 1)]
+        self._forget(gone)
+        for job in gone:
+            await self._remove(
+                job.job_id,
+                f"its tenant had {self.caps.finished_jobs_per_tenant} finished (caps.finished_jobs_per_tenant)",
+            )
+
+    async def _remove(self, job_id: str, why: str = "") -> None:
+        why = why or f"its retention of {self.retention_s:g}s after its end ran out"
+        log.info("job %s removed: %s", job_id, why)
         self.metrics.jobs_removed.inc()
         await self._logged(f"job {job_id}'s removal", functools.partial(self.store.remove_job, job_id))
 

@@ -113,6 +113,40 @@ async def test_jobs_streams_and_rollouts_per_job_are_capped_per_tenant(tmp_path:
         await a.rollout_stub.SubmitJob(_job(url))  # a finished job no longer counts
 
 
+async def test_a_tenant_keeps_a_capped_number_of_finished_jobs(tmp_path: Path, token_file: Path) -> None:
+    # submitting and cancelling in a loop left every job (a spec of up to 100,000 task ids) for the whole retention
+    caps = {"finished_jobs_per_tenant": 3}
+    async with (
+        silent_policy() as url,
+        serve(tmp_path, backend=FAKE, caps=caps, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        others = []
+        for _ in range(3):  # B's finished jobs are B's: A's loop below removes none of them
+            others.append((await b.rollout_stub.SubmitJob(_job(url))).job_id)
+            await b.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=others[-1]))
+        ids = []
+        for _ in range(8):
+            ids.append((await a.rollout_stub.SubmitJob(_job(url))).job_id)
+            await a.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=ids[-1]))
+        listed = {j.job_id for j in (await a.rollout_stub.ListJobs(pb.ListJobsRequest())).jobs}
+        assert listed == set(ids[-3:])  # the last three; the oldest went before their retention ran out
+        await expect_error(
+            a.rollout_stub.GetJob(pb.GetJobRequest(job_id=ids[0])),
+            grpc.StatusCode.NOT_FOUND,
+            "a tenant keeps its last 3 finished jobs",
+        )
+        assert {j.job_id for j in (await b.rollout_stub.ListJobs(pb.ListJobsRequest())).jobs} == set(others)
+    # and the result log holds no more of them either: a restart finds the same jobs
+    async with (
+        serve(tmp_path, backend=FAKE, caps=caps, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+    ):
+        listed = {j.job_id for j in (await a.rollout_stub.ListJobs(pb.ListJobsRequest())).jobs}
+    assert listed == set(ids[-3:])
+
+
 async def test_sessions_and_raw_sandboxes_share_the_hosts_capacity_with_rollouts(tmp_path: Path) -> None:
     config: dict[str, Any] = {"capacity": {"max_sandboxes": 2}, "pool": {"enabled": False}}
     async with (
