@@ -79,7 +79,8 @@ async def _plane(
             backend=FakeBackendConfig(owner=OWNER, **fake),
             workers=workers,
             metrics_port=None,
-            caps=CapsConfig(jobs_per_tenant=10_000),  # 200 one-task jobs at once are the submit benchmark
+            # 200 one-task jobs at once are the submit benchmark; the job table's keeps 4,000 finished ones
+            caps=CapsConfig(jobs_per_tenant=10_000, finished_jobs_per_tenant=10_000),
         )
     )
     assert orch.workers is not None
