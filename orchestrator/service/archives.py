@@ -154,9 +154,18 @@ class ArchiveStore:
         return len(left)
 
     def held_bytes(self, tenant: str) -> int:
-        """The bytes of the archives `tenant` keeps registered."""
+        """The bytes of the archives `tenant` keeps registered: as sent, and their unpacked trees (a small archive
+        may unpack to many times its size, and every tree stays on disk)."""
         folder = self._folder(tenant)
-        return sum(p.stat().st_size for p in folder.glob("*.tar")) if folder.is_dir() else 0
+        if not folder.is_dir():
+            return 0
+        held = 0
+        for path in folder.iterdir():
+            if path.suffix == ".tar" and path.is_file():
+                held += path.stat().st_size
+            elif path.is_dir() and not path.is_symlink() and not path.name.startswith(".staging-"):
+                held += sum(os.lstat(Path(top) / f).st_size for top, _, files in os.walk(path) for f in files)
+        return held
 
     def save(self, record: StoredArchive, data: bytes) -> None:
         """The archive first, then its record (a record always has its archive)."""

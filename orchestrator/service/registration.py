@@ -442,17 +442,12 @@ class Registrar:
                 size=len(upload.data),
             )
             async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its store
-                held = await asyncio.to_thread(self._archives.held_bytes, tenant)
-                cap = self._archive_caps.bytes_per_tenant
-                if held + len(upload.data) > cap:
-                    raise ArchiveTooLargeError(
-                        f"tenant {tenant} keeps {held} bytes of registered archives; {len(upload.data)} more would be "
-                        f"over caps.archive.bytes_per_tenant = {cap}"
-                    )
+                await self._check_held(tenant, len(upload.data), "more")
                 staging = await asyncio.to_thread(self._archives.staging, tenant)
                 dest = await asyncio.to_thread(self._archives.tree, tenant, upload.ref())
                 try:
                     env = await self._load_archive(upload, dest, staging)
+                    await self._check_held(tenant, len(upload.data), "more, with its unpacked tree,")
                     await self._check_archive(env, upload)
                     await asyncio.to_thread(self._archives.save, record, upload.data)
                     self._add_archive(env, record, self._archives.archive_path(record))
@@ -463,6 +458,16 @@ class Registrar:
                     await asyncio.to_thread(shutil.rmtree, staging, True)
             log.info("tenant %s registered %s from a %s archive", tenant, upload.ref(), upload.kind)
             return self._registry.lookup(upload.ref())
+
+    async def _check_held(self, tenant: str, adding: int, what: str) -> None:
+        """Refuse an archive of `adding` bytes that would take the tenant's store over its cap."""
+        held = await asyncio.to_thread(self._archives.held_bytes, tenant)
+        cap = self._archive_caps.bytes_per_tenant
+        if held + adding > cap:
+            raise ArchiveTooLargeError(
+                f"tenant {tenant} keeps {held} bytes of registered archives and their unpacked trees; {adding} "
+                f"{what} would be over caps.archive.bytes_per_tenant = {cap}"
+            )
 
     def _add_archive(self, env: Environment, record: StoredArchive, path: Path) -> None:
         owner = None if record.visibility == "public" else record.owner

@@ -64,6 +64,10 @@ def _nothing_left(data_dir: Path, tenant: str = "team-a") -> None:
     assert left == [], left
 
 
+def _tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
 @pytest.fixture
 def task(tmp_path: Path) -> Path:
     return make_task(tmp_path / "src", "t")
@@ -194,11 +198,33 @@ async def test_limits_over_the_sandbox_caps_are_refused(tmp_path: Path, token_fi
     )
 
 
+async def test_a_small_archive_that_unpacks_large_counts_its_tree(tmp_path: Path, token_file: Path, task: Path) -> None:
+    # 4 MiB of zeros pack into a few KiB: the tenant's cap counted only the archives as sent, while every unpacked
+    # tree stays on the control plane's disk (and a copy on each worker), so a tenant could keep ~250x its cap
+    (task / "environment" / "zeros.bin").write_bytes(bytes(4 << 20))
+    archive = pack([task])
+    assert len(archive) < 64 << 10
+    data = tmp_path / "data"
+    async with (
+        serve(
+            data, backend=FAKE, security={"token_file": token_file}, caps={"archive": {"bytes_per_tenant": 1 << 20}}
+        ) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+    ):
+        details = await expect_error(
+            a.env_stub.RegisterArchive(_upload(archive)),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "more, with its unpacked tree, would be over caps.archive.bytes_per_tenant = 1048576",
+        )
+        assert "keeps 4194" in details  # the tree it unpacked, counted
+    _nothing_left(data)
+
+
 async def test_an_uploaded_environment_is_private_to_its_tenant(
     tmp_path: Path, base_image: str, token_file: Path, task: Path
 ) -> None:
     archive = pack([task])
-    cap = len(archive) * 3 // 2  # room for this archive, not for a second one
+    cap = (len(archive) + _tree_bytes(task)) * 3 // 2  # room for this archive and its tree, not for a second one
     async with (
         serve(
             tmp_path / "data", security={"token_file": token_file}, caps={"archive": {"bytes_per_tenant": cap}}
