@@ -29,6 +29,16 @@ IMAGE_PYTHON = "3.11"
 ENVD_DISTRIBUTIONS = ("grpcio", "protobuf", "grpcio-health-checking")
 PIP_TIMEOUT_S = 900.0
 _MANYLINUX = ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
+# What one wheel may unpack to on this host. A dataset names the distributions (SWE pins), and their publishers make
+# the bytes: a zip's members are read at most their declared size, so the declared sizes are what is counted. The
+# largest wheels an environment plausibly needs (torch's CPU build: about 1 GiB unpacked) fit; a deflate bomb (a
+# 100 MB wheel unpacking to 100 GB) does not, nor a member more than MAX_WHEEL_RATIO times its compressed size past
+# the floor.
+MAX_WHEEL_BYTES = 4 << 30
+MAX_SITE_BYTES = 8 << 30  # every wheel of one site together
+MAX_WHEEL_MEMBERS = 200_000
+MAX_WHEEL_RATIO = 200
+WHEEL_RATIO_FLOOR = 64 << 20
 _MACHINES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}
 
 
@@ -110,9 +120,16 @@ def fetch_site(requirements: list[str], dest: Path, cache_dir: Path, *, python_v
     with file_lock(cache_dir / "locks", f"site-{dest.name}"):
         if dest.is_dir() and marker.is_file() and marker.read_text() == key:
             return dest
+        wheels = sorted(wheel_dir.glob("*.whl"))
+        total = sum(_declared_bytes(w) for w in wheels)
+        if total > MAX_SITE_BYTES:
+            raise ImageBuildError(
+                f"the wheels of {len(wheels)} requirements unpack to {total} bytes, over {MAX_SITE_BYTES}",
+                step="unpack wheels",
+            )
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
         try:
-            for wheel in sorted(wheel_dir.glob("*.whl")):
+            for wheel in wheels:
                 unpack_wheel(wheel, staging)
             marker.unlink(missing_ok=True)
             if dest.exists():
@@ -122,7 +139,7 @@ def fetch_site(requirements: list[str], dest: Path, cache_dir: Path, *, python_v
             if staging.exists():
                 shutil.rmtree(staging)
         marker.write_text(key)
-    log.info("unpacked %d wheels into %s", len(list(wheel_dir.glob("*.whl"))), dest)
+    log.info("unpacked %d wheels into %s", len(wheels), dest)
     return dest
 
 
@@ -201,6 +218,7 @@ def unpack_wheel(wheel: Path, dest: Path) -> None:
     """Install a wheel by unpacking it, `.dist-info` included; `*.data/{purelib,platlib}` go to the top, other `.data`
     is dropped."""
     with zipfile.ZipFile(wheel) as zf:
+        _check_sizes(wheel, zf.infolist())
         for info in zf.infolist():
             if info.is_dir():
                 continue
@@ -213,6 +231,28 @@ def unpack_wheel(wheel: Path, dest: Path) -> None:
                 shutil.copyfileobj(src, dst)
             mode = (info.external_attr >> 16) & 0o777
             out.chmod(0o755 if mode & 0o111 else 0o644)
+
+
+def _declared_bytes(wheel: Path) -> int:
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            return sum(i.file_size for i in zf.infolist())
+    except zipfile.BadZipFile as e:
+        raise ImageBuildError(f"wheel {wheel.name} is not a zip file: {e}", step="unpack wheels") from e
+
+
+def _check_sizes(wheel: Path, members: list[zipfile.ZipInfo]) -> None:
+    total = sum(i.file_size for i in members)
+    packed = max(sum(i.compress_size for i in members), 1)
+    why = None
+    if len(members) > MAX_WHEEL_MEMBERS:
+        why = f"has {len(members)} members, over {MAX_WHEEL_MEMBERS}"
+    elif total > MAX_WHEEL_BYTES:
+        why = f"unpacks to {total} bytes, over {MAX_WHEEL_BYTES}"
+    elif total > WHEEL_RATIO_FLOOR and total > MAX_WHEEL_RATIO * packed:
+        why = f"unpacks to {total} bytes from {packed}, over {MAX_WHEEL_RATIO} times: refused as a decompression bomb"
+    if why is not None:
+        raise ImageBuildError(f"wheel {wheel.name} {why}", step="unpack wheels")
 
 
 def _install_path(name: str, wheel: Path) -> PurePosixPath | None:
