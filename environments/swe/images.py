@@ -12,6 +12,7 @@ image (`envfleet/swe/...`). Blocking calls: run them in a thread from async code
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import io
 import logging
@@ -52,6 +53,12 @@ EXPORT_OWNER = "envfleet-swe-export"
 # an export reads one repository out of the image in seconds: a container older than this is left over, whoever
 # its owner (one of another pid namespace, whose liveness cannot be judged from here, included)
 EXPORT_LEASE_S = 900.0
+# A repository as exported from its instance image: the dataset made it (its sdist unpacks to up to 8 GiB, and its
+# image's build may add more), and the export is read into this process's memory, re-rooted, and uploaded into each
+# sandbox. Past this the task cannot run (ENV_ERROR naming the size); the largest of the shipped repositories is
+# a few MiB. The exports kept in memory are bounded too; the rest are read again from the disk cache.
+MAX_REPO_TAR_BYTES = 512 << 20
+MAX_CACHED_REPO_BYTES = 1 << 30
 
 
 def swe_cache(cache_dir: Path | None = None) -> Path:
@@ -244,16 +251,21 @@ def _strip_first(tar_bytes: bytes) -> bytes:
     return out.getvalue()
 
 
+class RepositoryTooLargeError(Exception):
+    """An instance's repository is over MAX_REPO_TAR_BYTES: the task's content, so the task cannot run (ENV_ERROR)."""
+
+
 class RepoTars:
     """Instance repositories as tars rooted at the repository, exported from the instance images (built when
-    missing) and kept in memory and on disk (`<cache>/swe/repos/<image id>.tar`: an image id names its content).
+    missing) and kept on disk (`<cache>/swe/repos/<image id>.tar`: an image id names its content) and, the most
+    recent up to MAX_CACHED_REPO_BYTES, in memory.
     An export's container carries its owner process and a lease, and every load first removes those whose owner was
     killed during its export (`sweep_exports`)."""
 
     def __init__(self, client: docker.DockerClient | None = None, *, cache_dir: Path | None = None) -> None:
         self._client = client
         self._cache_dir = cache_dir
-        self._tars: dict[str, bytes] = {}
+        self._tars: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # oldest used first
         self._locks: dict[str, asyncio.Lock] = {}
         self._thread_lock = threading.Lock()
 
@@ -266,10 +278,16 @@ class RepoTars:
 
     async def tar(self, instance: SweInstance, env_image: str) -> bytes:
         """The repository at base_commit as a tar rooted at the repository."""
-        async with self._locks.setdefault(instance.instance_id, asyncio.Lock()):
-            if instance.instance_id not in self._tars:
-                self._tars[instance.instance_id] = await asyncio.to_thread(self._load, instance, env_image)
-            return self._tars[instance.instance_id]
+        key = instance.instance_id
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            data = self._tars.get(key)
+            if data is None:
+                data = await asyncio.to_thread(self._load, instance, env_image)
+                self._tars[key] = data
+                while sum(map(len, self._tars.values())) > MAX_CACHED_REPO_BYTES and len(self._tars) > 1:
+                    self._tars.popitem(last=False)
+            self._tars.move_to_end(key)
+            return data
 
     def _load(self, instance: SweInstance, env_image: str) -> bytes:
         client = self.client()
@@ -281,7 +299,7 @@ class RepoTars:
         tag = instance_image(client, instance, env_image=env_image, cache_dir=self._cache_dir)
         image_id = str(client.images.get(tag).id).removeprefix("sha256:")
         path = swe_cache(self._cache_dir) / "repos" / f"{image_id[:32]}.tar"
-        if path.is_file():
+        if path.is_file() and path.stat().st_size <= MAX_REPO_TAR_BYTES:
             return path.read_bytes()
         data = self._export(client, tag)
         write_atomic(path, data)
@@ -291,10 +309,22 @@ class RepoTars:
     def _export(client: docker.DockerClient, tag: str) -> bytes:
         labels = export_labels(Owner.current(EXPORT_OWNER), time.time())
         container = client.containers.create(tag, command=["true"], labels=labels)
+        stream = None
         try:
-            chunks, _ = container.get_archive(REPO_DIR)
+            stream, _ = container.get_archive(REPO_DIR)
+            chunks, size = [], 0
+            for chunk in stream:
+                size += len(chunk)
+                if size > MAX_REPO_TAR_BYTES:
+                    raise RepositoryTooLargeError(
+                        f"the repository of {tag} is over {MAX_REPO_TAR_BYTES >> 20} MiB as a tar; a task's repository "
+                        "must be smaller"
+                    )
+                chunks.append(chunk)
             return _strip_first(b"".join(chunks))
         finally:
+            if stream is not None:
+                stream.close()  # an export cut short: its connection goes now, not when collected
             container.remove(force=True)
 
 

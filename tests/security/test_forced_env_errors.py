@@ -6,7 +6,7 @@ graded, and a wrong answer scores 0 (status OK).
   the command, 65,536 two-byte characters (the cut counted characters) made execve fail with E2BIG, and an unpaired
   surrogate could not be encoded into envd's request at all.
   And an answer of 6 million two-byte characters (a 12 MB response) made the episode's JSON for stdin 72 MB, over the
-  64 MiB of one gRPC message: INFRA_ERROR, retried and never scored.
+  64 MiB of one gRPC message: INFRA_ERROR, retried and never scored (it is over an episode's budget now: TRUNCATED).
 - code-tests wrote its hidden tests to the fixed path /tmp/.envfleet-hidden, in the /tmp the policy writes: a
   directory of mode 0, a file or a link planted there, or a full /tmp, made the grader's write fail.
 
@@ -47,9 +47,12 @@ ANSWERS: dict[str, tuple[str, int]] = {
     "two-byte": ("\u00e9" * 65536, 64 << 10),
     "surrogate": ("\ud800", 3),
 }
-# the final text of a policy that stops without submit is its answer: this one is 12 MB, and six times as long as
-# JSON's escapes on stdin, where it is twice (the answer, and the turn's text)
-HUGE = ("\u00e9" * 6_000_000, 64 << 10)
+# the final text of a policy that stops without submit is its answer: this one is 7 MB, and six times as long as
+# JSON's escapes on stdin, where it is twice (the answer, and the turn's text): 42 MB, streamed. One of 12 MB (72 MB
+# on stdin, over the 64 MiB of one gRPC message) was INFRA_ERROR; it is over an episode's budget now (step.py,
+# EPISODE_BYTES), so its turn is dropped and the episode ends TRUNCATED: scored, never masked (`endless`).
+HUGE = ("\u00e9" * 3_500_000, 64 << 10)
+ENDLESS = "\u00e9" * 6_000_000
 
 
 def _declarative_spec() -> dict[str, Any]:
@@ -64,7 +67,7 @@ def _declarative_spec() -> dict[str, Any]:
                 "data": {"expected": EXPECTED},
                 "reference": [{"name": "submit", "arguments": {"answer": EXPECTED}}],
             }
-            for tid in [*ANSWERS, "huge"]
+            for tid in [*ANSWERS, "huge", "endless"]
         ],
         "scoring": {"command": GRADER, "timeout_s": 30},
         "limits": {"memory_mb": 256, "pids": 64},
@@ -95,11 +98,13 @@ async def test_any_answer_is_graded(tmp_path: Path, base_image: str) -> None:
             tid: [Step(tool_calls=[ScriptedToolCall(name="submit", arguments={"answer": answer})])]
             for tid, (answer, _) in ANSWERS.items()
         }
-        | {"huge": [Step(content=HUGE[0])]}
+        | {"huge": [Step(content=HUGE[0])], "endless": [Step(content=ENDLESS)]}
     )
     async with serve(tmp_path, Registry.from_entry_points()) as orch, EnvfleetClient(orch.address) as client:
         await client.env_stub.Register(to_pb(_declarative_spec()))
         got = await _run(client, "forced-env-error", script)
+    endless = got.pop("endless")
+    assert (endless.status, endless.reward, endless.error) == (RolloutStatus.TRUNCATED, 0.0, None)
     outcomes = {tid: (r.status, r.reward, r.error.message if r.error else "") for tid, r in got.items()}
     expected = {**ANSWERS, "huge": HUGE}
     assert outcomes == {tid: (RolloutStatus.OK, float(tid == "right"), "") for tid in expected}

@@ -1,5 +1,7 @@
 """What a repository export leaves when it fails or its process is killed: its container is swept by the next
-export once its owner is gone (a live owner's is spared), and a failed write leaves no temporary file."""
+export once its owner is gone (a live owner's is spared), and a failed write leaves no temporary file. What it
+holds: a repository over MAX_REPO_TAR_BYTES is refused while it streams (the dataset made it), and the exports kept
+in memory stay within MAX_CACHED_REPO_BYTES."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import docker
 import docker.errors
 import pytest
 
-from environments.swe.images import RepoTars, environment_image, instance_image, swe_cache
+from environments.swe import images
+from environments.swe.images import RepositoryTooLargeError, RepoTars, environment_image, instance_image, swe_cache
 from environments.swe.report import write_atomic
 from tests.conftest import REPO, stop_process
 from tests.environments.swe.conftest import Tiny
@@ -121,3 +124,32 @@ async def test_a_failed_repository_cache_write_leaves_no_temporary_file(
     with pytest.raises(IsADirectoryError):
         await RepoTars(docker_client, cache_dir=tmp_path).tar(tiny.pytest, env_image)
     assert sorted(p.name for p in repos.iterdir()) == [f"{image_id[:32]}.tar"]
+
+
+async def test_a_repository_over_the_limit_is_refused_as_it_streams(
+    tiny: Tiny, base_image: str, docker_client: docker.DockerClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env_image = environment_image(docker_client, tiny.pytest.environment, base=base_image)
+    tag = instance_image(docker_client, tiny.pytest, env_image=env_image)
+    monkeypatch.setattr(images, "MAX_REPO_TAR_BYTES", 4 << 10)  # the tiny repository is more than 4 KiB as a tar
+    with pytest.raises(RepositoryTooLargeError, match=r"the repository of .* is over 0 MiB as a tar"):
+        await RepoTars(docker_client, cache_dir=tmp_path).tar(tiny.pytest, env_image)
+    exports = docker_client.containers.list(all=True, filters={"label": images.EXPORT_LABEL, "ancestor": tag})
+    assert exports == []  # its export container went with it
+    assert not list((swe_cache(tmp_path) / "repos").glob("*.tar"))  # and nothing was cached
+
+
+async def test_the_exports_kept_in_memory_are_bounded(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    loads: list[str] = []
+
+    def load(self: RepoTars, instance: object, env_image: str) -> bytes:
+        loads.append(env_image)
+        return env_image.encode() * 100  # 400 bytes each: what the disk cache would give
+
+    monkeypatch.setattr(RepoTars, "_load", load)
+    monkeypatch.setattr(images, "MAX_CACHED_REPO_BYTES", 1000)
+    repos = RepoTars()
+    for image in ("img1", "img2", "img1", "img3", "img1", "img2"):
+        await repos.tar(tiny.pytest.model_copy(update={"instance_id": image}), image)
+    # img1, used most recently each time, stays; img2 is dropped for img3 and read again
+    assert loads == ["img1", "img2", "img3", "img2"]
