@@ -3,6 +3,8 @@ orchestrator/worker/hub.py). The job manager sees only this seam."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from typing import Protocol
 
 from orchestrator.core.environment import Environment, ImageSource
@@ -34,6 +36,11 @@ class Executor(Protocol):
         """Release connections; running rollouts were cancelled by the scheduler before."""
 
 
+# Policy clients kept: a tenant names endpoints (base URL, model, API key: each its own client, with its HTTP pools
+# and, for HTTPS, an SSL context); past this many the least recently used idle ones are closed.
+MAX_POLICY_CLIENTS = 64
+
+
 def _client_key(endpoint: PolicyEndpoint) -> PolicyEndpoint:
     return endpoint if endpoint.version == "" else endpoint.model_copy(update={"version": ""})
 
@@ -45,14 +52,21 @@ class LocalExecutor:
     def __init__(self, runner: RolloutRunner, tokenizers: TokenizerCache | None = None) -> None:
         self.runner = runner
         self.tokenizers = tokenizers or TokenizerCache()
-        self._policies: dict[PolicyEndpoint, OpenAIPolicy] = {}
+        self._policies: collections.OrderedDict[PolicyEndpoint, OpenAIPolicy] = collections.OrderedDict()
         self._tito: dict[PolicyEndpoint, TitoPolicy] = {}
         self._replays: dict[str, ReplayPolicy] = {}
+        self._running: collections.Counter[PolicyEndpoint] = collections.Counter()  # rollouts using each client
+        self._closing: set[asyncio.Future[None]] = set()
 
     @property
     def images(self) -> ImageSource:
         """The runner's image source."""
         return self.runner.images
+
+    @property
+    def open_clients(self) -> int:
+        """How many policy clients are open (at most MAX_POLICY_CLIENTS, and those rollouts use now)."""
+        return len(self._policies)
 
     def policy(self, endpoint: PolicyEndpoint) -> OpenAIPolicy:
         """The client of one endpoint, made once: each manages its own small HTTP pools. Made per endpoint less its
@@ -62,6 +76,7 @@ class LocalExecutor:
         policy = self._policies.get(key)
         if policy is None:
             policy = self._policies[key] = OpenAIPolicy(key)
+        self._policies.move_to_end(key)
         return policy
 
     def tito_policy(self, endpoint: PolicyEndpoint) -> TitoPolicy:
@@ -76,12 +91,27 @@ class LocalExecutor:
         """Run the rollout here."""
         policy: Policy
         if spec.policy.base_url == REPLAY_URL:
-            policy = self._replay(env)
-        elif spec.token_mode == "tito":
-            policy = self.tito_policy(spec.policy)
-        else:
-            policy = self.policy(spec.policy)
-        return await self.runner.run(item, env, spec, policy, spec.policy.version)
+            return await self.runner.run(item, env, spec, self._replay(env), spec.policy.version)
+        key = _client_key(spec.policy)
+        policy = self.tito_policy(key) if spec.token_mode == "tito" else self.policy(key)
+        self._running[key] += 1
+        try:
+            return await self.runner.run(item, env, spec, policy, spec.policy.version)
+        finally:
+            self._running[key] -= 1
+            if not self._running[key]:
+                del self._running[key]
+            self._close_idle()
+
+    def _close_idle(self) -> None:
+        """Past MAX_POLICY_CLIENTS, close the least recently used clients no rollout uses now (in the background:
+        the rollout that ended is not held by it)."""
+        over = len(self._policies) - MAX_POLICY_CLIENTS
+        for key in [k for k in self._policies if k not in self._running][: max(over, 0)]:
+            self._tito.pop(key, None)  # its transport is the chat client, closed here
+            closing = asyncio.ensure_future(self._policies.pop(key).aclose())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def _replay(self, env: Environment) -> ReplayPolicy:
         policy = self._replays.get(env.ref())
@@ -96,6 +126,8 @@ class LocalExecutor:
     async def close(self) -> None:
         """Close every policy client."""
         self._tito = {}  # their transports are the chat clients, closed below
-        policies, self._policies = list(self._policies.values()), {}
+        policies = list(self._policies.values())
+        self._policies.clear()
         for policy in policies:
             await policy.aclose()
+        await asyncio.gather(*self._closing)

@@ -1,6 +1,7 @@
 """A job's policy URL is the tenant's choice, so the server behind it is untrusted: the operator may restrict policy
 URLs to an allowlist (compared on the path that is sent), a response is read under a size cap, no error message quotes
-a response body, a redirect is an answer (never followed), and no credentials from ~/.netrc are sent."""
+a response body, a redirect is an answer (never followed), no credentials from ~/.netrc are sent, and the clients of
+the endpoints a tenant names are bounded."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from orchestrator.core.models import RolloutStatus
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.server.security import PolicyURLs, SecurityConfig
+from orchestrator.service import executor
 from orchestrator.service.registry import Registry
+from orchestrator.testing.scripted_policy import Script, Step, start_scripted_server
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.orchestrator.conftest import ENV, job
@@ -269,3 +272,36 @@ async def test_a_huge_response_is_cut_at_the_cap(http_server: Callable[[Respond]
             await policy.complete(MESSAGES, [], Sampling())
     finally:
         await policy.aclose()
+
+
+def _established_to(port: int) -> int:
+    """TCP connections of this host in state ESTABLISHED whose remote end is 127.0.0.1:`port`."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for line in lines if line.split()[2] == f"0100007F:{port:04X}" and line.split()[3] == "01")
+
+
+async def test_policy_clients_of_many_endpoints_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # every API key is an endpoint of its own, with its own client and pools: a tenant cycling through keys (or
+    # models) made clients and sockets without end; past the cap the least recently used idle ones are closed
+    monkeypatch.setattr(executor, "MAX_POLICY_CLIENTS", 3)
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    script = Script(default=[Step(content="done")])
+    async with (
+        await start_scripted_server(script, tokens=False) as scripted,
+        serve(tmp_path / "data", backend=FAKE) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        port = int(scripted.url.rsplit(":", 1)[1].split("/")[0])
+        for n in range(8):
+            spec = job(scripted.url, [task_id])
+            spec = spec.model_copy(update={"policy": spec.policy.model_copy(update={"api_key": f"key-{n}"})})
+            statuses = [r.status async for r in client.rollouts(await client.submit(spec))]
+            assert statuses == [RolloutStatus.OK]
+        local = orch.jobs.executor
+        assert isinstance(local, executor.LocalExecutor)
+        assert local.open_clients == 3
+        for _ in range(20):  # and their sockets: evicted clients close in the background (within the 5 s an idle
+            if _established_to(port) <= 3:  # keep-alive connection lasts anyway)
+                break
+            await asyncio.sleep(0.1)
+        assert 1 <= _established_to(port) <= 3
