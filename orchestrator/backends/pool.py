@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.metrics import Metrics
-from orchestrator.core.sandbox import Liveness, Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.core.sandbox import DEFAULT_LEASE_S, Liveness, Sandbox, SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,12 @@ FREEZES_PER_TICK = 64  # per pool and refill tick (a second)
 LEASE_MARGIN_S = 60.0
 
 
+def lease_for(hold_s: float) -> float:
+    """The lease of a sandbox held up to `hold_s`: DEFAULT_LEASE_S or a whole multiple of it, so that jobs of nearby
+    timeouts share a pool (the lease is part of the pool key: each timeout a tenant named made a pool of its own)."""
+    return DEFAULT_LEASE_S * max(1, math.ceil((hold_s + LEASE_MARGIN_S) / DEFAULT_LEASE_S))
+
+
 def _key_labels(spec: SandboxSpec) -> dict[str, str]:
     """The labels that are part of the pool key: the tenant's, if any."""
     tenant = spec.labels.get(TENANT_LABEL)
@@ -121,6 +127,7 @@ class _Pool:
     recycling: bool = False  # whether its last release was recycled
     freeze_checked: float = 0.0  # when its idle sandboxes were last looked at for freezing
     start_latency_s: float = 0.5  # EWMA of cold creates
+    made: float = field(default_factory=time.monotonic)
 
     def rate(self, now: float, window: float) -> float:
         """Acquires per second over the window."""
@@ -412,6 +419,9 @@ class SandboxPool:
                 # expire idle sandboxes past their TTL
                 while p.idle and now - p.idle[0].since > self.config.idle_ttl_s:
                     self._destroy_later(self._pop_oldest(p), "expired")
+                if self._unused(p, now):
+                    self._forget(p)
+                    continue
                 self._freeze_idle(p, now)
                 self.metrics.pool_target.labels(p.key).set(self._target(p, now))
                 for _ in range(max(0, self._missing(p, now))):
@@ -422,6 +432,20 @@ class SandboxPool:
                     self._refills.add(task)
                     task.add_done_callback(self._refills.discard)
             self._gauge()
+
+    def _unused(self, p: _Pool, now: float) -> bool:
+        """A pool with no sandbox of any kind and no demand within the rate window: kept, it would only hold memory
+        and two metric series (its key is made by whoever names the image, limits and lease: a tenant's spec)."""
+        if now - p.made < self.config.rate_window_s:  # declared (warm) or being filled: its demand is to come
+            return False
+        held = len(p.idle) + p.creating + p.queued + p.busy + p.resetting
+        return not held and self._target(p, now) == 0 and p.rate(now, self.config.rate_window_s) == 0
+
+    def _forget(self, p: _Pool) -> None:
+        del self._pools[p.key]
+        for gauge in (self.metrics.pool_idle, self.metrics.pool_target):
+            with contextlib.suppress(KeyError):
+                gauge.remove(p.key)
 
     def _missing(self, p: _Pool, now: float) -> int:
         """How many sandboxes the pool is short of its target. The ones on their way count: being created, queued

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from orchestrator.backends.pool import LEASE_MARGIN_S, TENANT_LABEL, SandboxPool
+from orchestrator.backends.pool import TENANT_LABEL, SandboxPool, lease_for
 from orchestrator.core.environment import Environment, ImageSource, Task
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, SandboxWaitTimeoutError
 from orchestrator.core.models import (
@@ -27,7 +27,7 @@ from orchestrator.core.models import (
     Turn,
     rollout_id,
 )
-from orchestrator.core.sandbox import DEFAULT_LEASE_S, DETERMINISTIC_ENV, Sandbox, SandboxSpec
+from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
 from orchestrator.core.tracing import (
     ATTEMPT,
     ATTEMPTS,
@@ -228,7 +228,7 @@ class RolloutRunner:
                                 runtime=env.runtime,
                                 env=dict(DETERMINISTIC_ENV),
                                 labels=labels,
-                                ttl_s=max(DEFAULT_LEASE_S, spec.rollout_timeout_s + LEASE_MARGIN_S),
+                                ttl_s=lease_for(spec.rollout_timeout_s),
                             ),
                             need_s=spec.rollout_timeout_s,
                         )

@@ -1,6 +1,7 @@
 """No unbounded buffering in the orchestrator: Download is counted as it streams and refused at the cap (a 1 GiB
 sparse file no longer passes through the server's memory), Exec stdin is capped per request and in flight per
-tenant, open Execs per tenant are capped, and group snapshots are bounded per snapshot and per job."""
+tenant, open Execs per tenant are capped, group snapshots are bounded per snapshot and per job, and a warm pool
+nothing uses any more is forgotten (its key is made by whoever names the image, limits and lease)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import grpc
 
 from orchestrator.backends.config import ExecRule, FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend
+from orchestrator.backends.pool import PoolConfig, SandboxPool, lease_for
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.sandbox import SandboxSpec
 from orchestrator.rollout.snapshots import SnapshotBudget, SnapshotCache
@@ -299,3 +301,30 @@ async def test_exec_stream_needs_the_request_first(tmp_path: Path) -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
             "the first message of ExecStream must be the request",
         )
+
+
+async def test_pools_nothing_uses_are_forgotten_with_their_metric_series() -> None:
+    # each distinct lease (a tenant's rollout_timeout_s, a raw sandbox's ttl_s) was a pool of its own, kept for good
+    # with two metric series, however briefly it was used
+    assert lease_for(600) == lease_for(3000) == 3600 and lease_for(3541) == lease_for(7000) == 7200
+    backend = FakeBackend(FakeBackendConfig(owner=TEST_OWNER))
+    pool = SandboxPool(backend, PoolConfig(rate_window_s=0.2, idle_ttl_s=0.3))  # what it refilled expires soon
+    pool.start()
+    try:
+        for n in range(20):
+            sandbox, _ = await pool.acquire(SandboxSpec(image=FAKE_BASE_IMAGE, ttl_s=4000.0 + n))
+            await pool.release(sandbox, recycle=False)
+        assert len(pool.stats()) == 20
+        for _ in range(100):  # the refiller looks at every pool once a second
+            if not pool.stats():
+                break
+            await asyncio.sleep(0.1)
+        assert pool.stats() == {}
+        gauges = ("envfleet_pool_idle", "envfleet_pool_target")
+        assert [s for m in pool.metrics.registry.collect() if m.name in gauges for s in m.samples] == []
+        # a forgotten key works again
+        sandbox, _ = await pool.acquire(SandboxSpec(image=FAKE_BASE_IMAGE, ttl_s=4000.0))
+        await pool.release(sandbox, recycle=True)
+    finally:
+        await pool.close()
+        await backend.close()
