@@ -8,6 +8,7 @@ JobManager, on its loop, only which jobs a tenant may see.
 from __future__ import annotations
 
 import asyncio
+import collections
 import sqlite3
 import threading
 from collections.abc import Coroutine
@@ -162,6 +163,11 @@ class FileSource:
         return [self._read(job.offsets[r.id]) for r in rows]
 
 
+# The jobs whose rows a live viewer keeps indexed, the most recently viewed; another is indexed again from the log
+# when viewed. Every job viewed was kept for good, removed ones too (a row per rollout, a million in a big job).
+MAX_INDEXED_JOBS = 16
+
+
 class LiveSource:
     """A running orchestrator's jobs (through its JobManager, per tenant) and result log (read-only SQLite)."""
 
@@ -169,7 +175,7 @@ class LiveSource:
         self._manager = jobs
         self._db_path = db_path
         self._loop = loop
-        self._indexes: dict[str, Index] = {}
+        self._indexes: collections.OrderedDict[str, Index] = collections.OrderedDict()  # least recently viewed first
         self._lock = threading.Lock()  # one read-only connection, used by one HTTP thread at a time
         self._conn: sqlite3.Connection | None = None
 
@@ -204,9 +210,17 @@ class LiveSource:
         self.job(tenant, job_id)  # the tenant check
         with self._lock:
             index = self._indexes.setdefault(job_id, Index())
+            self._indexes.move_to_end(job_id)
+            while len(self._indexes) > MAX_INDEXED_JOBS:
+                self._indexes.popitem(last=False)
             # a group published late is re-logged with new seqs: reading after the last seq picks it up
             index.add(read_rows(self._db(), job_id, index.last_seq))
             return index
+
+    def indexed_jobs(self) -> list[str]:
+        """The jobs whose rows are kept indexed now, least recently viewed first."""
+        with self._lock:
+            return list(self._indexes)
 
     def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Rollout:
         """One of the job's rollouts."""

@@ -16,6 +16,7 @@ from orchestrator.core.models import Rollout, ToolCallRecord, Turn
 from orchestrator.core.policy import REPLAY_URL
 from orchestrator.server.app import Orchestrator
 from orchestrator.testing.synthetic_rollouts import long_rollout
+from orchestrator.viewer import sources
 from orchestrator.viewer.html import seg
 from tests.orchestrator.conftest import ENV, job
 from tests.orchestrator.servers import FAKE, serve
@@ -137,3 +138,24 @@ async def test_a_viewer_off_loopback_without_tokens_is_refused(tmp_path: Path) -
     with pytest.raises(ConfigError, match=r"refusing to serve on '0\.0\.0\.0'.*no --token-file"):
         async with serve(tmp_path / "data", backend=FAKE, ui_port=0, ui_host="0.0.0.0"):
             pass
+
+
+async def test_a_live_viewer_keeps_the_rows_of_its_most_recently_viewed_jobs_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every job ever viewed stayed indexed, a row per rollout, removed jobs too
+    monkeypatch.setattr(sources, "MAX_INDEXED_JOBS", 2)
+    async with serve(tmp_path / "data", backend=FAKE, ui_port=0) as orch:
+        assert orch.ui is not None
+        task_ids = [t.id for t in orch.jobs.registry.get(ENV).tasks()][:2]
+        ids = []
+        for _ in range(3):
+            job_id, _ = await orch.jobs.submit(job(REPLAY_URL, task_ids))
+            assert len([e async for batch in orch.jobs.stream(job_id) for e in batch.entries]) == 2
+            ids.append(job_id)
+        for job_id in [*ids, ids[0]]:  # the first again, after it was dropped: indexed again, whole
+            status, _, page = await get(orch.ui.url, f"/job/{seg(job_id)}")
+            assert status == 200 and all(f"/rollout/{job_id}%253A{t}%253A0" in page for t in task_ids)
+        source = orch.ui.source
+        assert isinstance(source, sources.LiveSource)
+        assert source.indexed_jobs() == [ids[2], ids[0]]
