@@ -32,7 +32,7 @@ from environments.swe.report import write_atomic
 from environments.swe.sources import MAX_SOURCE_BYTES, copy_archive, fetch_sdist, open_archive
 from orchestrator.backends.docker.sweeper import LABEL_EXPORT, LABEL_MANAGED, Owner, doomed, owner_labels
 from orchestrator.core.echo import echo
-from orchestrator.core.errors import ImageBuildError, InvalidRequestError
+from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, InvalidRequestError
 from orchestrator.images import ensure_base_image
 from orchestrator.images.build import REPO_PREFIX, BuildLimits, build_image
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, safe_name
@@ -251,7 +251,7 @@ def _strip_first(tar_bytes: bytes) -> bytes:
     return out.getvalue()
 
 
-class RepositoryTooLargeError(Exception):
+class RepositoryTooLargeError(EnvironmentBroken):
     """An instance's repository is over MAX_REPO_TAR_BYTES: the task's content, so the task cannot run (ENV_ERROR)."""
 
 
