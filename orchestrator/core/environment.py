@@ -43,7 +43,9 @@ class Task:
     reference: Sequence[ToolInvocation] = ()  # a tool-call path that solves the task, for checks and scripted runs
 
 
-Finish = Literal["submit", "stop", "max_turns", "length"]
+# How an episode ended: the policy submitted or stopped; or a limit cut it (TRUNCATED): its turns, its context or
+# size ("length"), or its share of the rollout's time ("time").
+Finish = Literal["submit", "stop", "max_turns", "length", "time"]
 
 
 @dataclass

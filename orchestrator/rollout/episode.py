@@ -3,6 +3,7 @@ orchestrator/rollout/step.py) -> observation, until submit, a stop, or a limit."
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,13 +60,18 @@ async def run_episode(
     *,
     span: Span = NOOP_SPAN,
     tool_seconds: Callable[[float], None] | None = None,
+    deadline: float | None = None,
 ) -> EpisodeResult:
     """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode.
 
     The policy decides how tokens are made (chat completions, or token-in, token-out with `max_model_len` bounding
     the episode's context); the loop and the TokenTracker are the same for both. Each policy call and each tool
     call is a child span of `span`; their seconds sum to generation_s and tools_s. `tool_seconds` is told each tool
-    call's seconds (the tool-exec histogram)."""
+    call's seconds (the tool-exec histogram). `deadline` (the event loop's clock) bounds the tool calls: one it
+    cuts, or one it finds passed, ends the episode there, TRUNCATED ("time"). What the policy's commands take is the
+    policy's to spend (each is its own choice, up to the tool's timeout), so a rollout whose time they spent is
+    scored, never a masked TIMEOUT. A generation is not cut by it: a hung inference server is no outcome of the
+    policy's (its requests have their own timeout, and the rollout's stays TIMEOUT)."""
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     messages: list[dict[str, Any]] = env.messages(task)
@@ -100,15 +106,29 @@ async def run_episode(
             finish = "length" if c.finish_reason in CUT_OFF else "stop"
             break
         for call in calls:
-            with Phase(span, "tool", _call_attributes(call, turn)) as phase:
-                result = await run_tool_call(env, sandbox, state, call)
-                phase.span.set(_result_attributes(result))
-            tools_s += phase.seconds
+            phase, limit = Phase(span, "tool", _call_attributes(call, turn)), asyncio.timeout_at(deadline)
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                finish = "time"
+                break
+            try:
+                async with limit:
+                    with phase:
+                        result = await run_tool_call(env, sandbox, state, call)
+                        phase.span.set(_result_attributes(result))
+            except TimeoutError:
+                if not limit.expired():
+                    raise
+                finish = "time"
+                break
+            finally:
+                tools_s += phase.seconds
             if tool_seconds is not None:
                 tool_seconds(phase.seconds)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result.output})
             if state.submitted or not state.fits(tokens=tracker.count()):
                 break
+        if finish == "time":
+            break
         if state.submitted:
             finish = "submit"
             break

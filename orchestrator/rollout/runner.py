@@ -54,6 +54,7 @@ from orchestrator.rollout.step import classify_failure, env_call, finished_statu
 log = logging.getLogger(__name__)
 R = TypeVar("R", Rollout, EncodedRollout, Rollout | EncodedRollout)  # a model, or a worker's encoded rollout
 RETRY_BACKOFF_CAP_S = 8.0  # the longest pause between infrastructure retries of one rollout
+SCORING_RESERVE_MAX_S = 300.0  # the most of a rollout's time kept for its scoring (scoring_reserve)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,13 @@ class WorkItem:
     @property
     def seed(self) -> int:
         return int.from_bytes(hashlib.sha256(self.id.encode()).digest()[:4], "big")
+
+
+def scoring_reserve(spec: JobSpec) -> float:
+    """What of a rollout's time its scoring keeps: the episode's tool calls end (TRUNCATED, "time") when only this is
+    left, so that a policy that spends its time in them is still scored rather than a masked TIMEOUT. A quarter of
+    the rollout's time, at most SCORING_RESERVE_MAX_S."""
+    return min(spec.rollout_timeout_s / 4, SCORING_RESERVE_MAX_S)
 
 
 def unrun_rollout(item: WorkItem, env_ref: str, policy_version: str, error: RolloutError, attempts: int = 1) -> Rollout:
@@ -199,6 +207,8 @@ class RolloutRunner:
             "policy_version": policy_version,
         }
         t_start = time.monotonic()
+        loop = asyncio.get_running_loop()
+        loop_start = loop.time()
         span = parent.open("attempt", t_start, {ROLLOUT_ID: item.id, JOB_ID: item.job_id, ATTEMPT: attempt})
         sandbox = None
         warm = False
@@ -251,6 +261,8 @@ class RolloutRunner:
                             setup_kind = "own"
                     timing.setup = phase.seconds
                     with Phase(span, "episode") as phase:
+                        # the episode's share of the attempt: scoring keeps the rest, whatever the policy spent
+                        episode_deadline = loop_start + spec.rollout_timeout_s - scoring_reserve(spec)
                         result = await run_episode(
                             env,
                             item.task,
@@ -263,6 +275,7 @@ class RolloutRunner:
                             spec.max_model_len if spec.token_mode == "tito" else None,
                             span=phase.span,
                             tool_seconds=self.sandboxes.metrics.exec_seconds.observe,
+                            deadline=episode_deadline,
                         )
                     tokens = result.tokens.result()
                     timing.generation, timing.tools = result.generation_s, result.tools_s

@@ -123,8 +123,8 @@ async def env_call(coro: Awaitable[T]) -> T:
 
 
 def finished_status(finish: Finish) -> RolloutStatus:
-    """The status of an episode that ended normally: a turn or token limit is TRUNCATED, the rest OK."""
-    return RolloutStatus.TRUNCATED if finish in ("max_turns", "length") else RolloutStatus.OK
+    """The status of an episode that ended normally: a turn, size or time limit is TRUNCATED, the rest OK."""
+    return RolloutStatus.TRUNCATED if finish in ("max_turns", "length", "time") else RolloutStatus.OK
 
 
 def classify_failure(
