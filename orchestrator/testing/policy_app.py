@@ -274,7 +274,7 @@ class ScriptedPolicyApp:
         if step.hang:
             return _HANG
         assert step.error_status is not None
-        msg = f"scripted fault: HTTP {step.error_status} (turn {turn})"
+        msg = step.error_message or f"scripted fault: HTTP {step.error_status} (turn {turn})"
         return step.error_status, _error_body(step.error_status, msg, "ScriptedFault")
 
     def _step(self, user: str, turn: int) -> Step:

@@ -29,6 +29,7 @@ class Step(BaseModel):
     tool_calls: list[ScriptedToolCall] = Field(default_factory=list)
     finish_reason: str | None = Field(None, description="override, e.g. 'length'; default: tool_calls or stop")
     error_status: int | None = Field(None, ge=400, le=599, description="answer this HTTP status instead")
+    error_message: str | None = Field(None, description="the error's message, e.g. vLLM's context-length one")
     hang: bool = Field(False, description="never answer; hold the connection until the client gives up")
     fail_times: int | None = Field(
         None, ge=1, description="the fault hits only this many attempts, then the turn answers normally; None: always"

@@ -3,7 +3,8 @@ and max_turns up to 1000: in this process's rollouts (workers=0) the whole episo
 host's disk; on a worker, an encoded rollout over 16 MiB was refused as an infrastructure failure, masked from
 training, which a policy can learn to reach instead of a low reward. A session's action may be 4 Mi characters, and
 its steps were kept in memory until the session ended. An episode keeps at most EPISODE_BYTES, counted as the log's
-JSON holds it (a control character is six bytes there); past that it ends TRUNCATED and is scored.
+JSON holds it (a control character is six bytes there); past that it ends TRUNCATED and is scored. So does a
+conversation the inference server refuses as over the model's context (a 400 saying so, from vLLM or SGLang).
 
 Through real processes: the scripted policy server, the real gRPC server on the fake backend, in this process and
 on a worker process, and the trainer's stream; a session over the real gRPC API."""
@@ -73,3 +74,43 @@ async def test_a_session_that_writes_without_end_is_truncated_and_scored(tmp_pat
     assert last.status == pb.ROLLOUT_STATUS_TRUNCATED and last.truncated and not last.terminated
     assert last.HasField("reward")  # scored, as a cut episode is
     assert last.info.turn == 2  # the step that would cross the budget is not kept
+
+
+# what vLLM answers a request over the model's context (vllm-project/vllm#20409), and SGLang
+VLLM_CONTEXT = (
+    "This model's maximum context length is 32768 tokens. However, you requested 33792 tokens (32768 in the "
+    "messages, 1024 in the completion). Please reduce the length of the messages or completion."
+)
+SGLANG_CONTEXT = "The input (40000 tokens) is longer than the model's context length (32768 tokens)."
+
+
+@pytest.mark.parametrize(
+    ("message", "status"),
+    [
+        (VLLM_CONTEXT, RolloutStatus.TRUNCATED),
+        (SGLANG_CONTEXT, RolloutStatus.TRUNCATED),
+        ("Invalid 'tools': unknown parameter", RolloutStatus.POLICY_ERROR),  # any other 400 stays a failure
+    ],
+    ids=["vllm", "sglang", "other"],
+)
+async def test_a_conversation_over_the_models_context_is_truncated_and_scored(
+    tmp_path: Path, message: str, status: RolloutStatus
+) -> None:
+    # the policy's observations grow the conversation until the server refuses it: in chat mode that 400 was a
+    # POLICY_ERROR, masked, where the token-in, token-out client (which counts) ended the episode TRUNCATED
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    call = Step(tool_calls=[ScriptedToolCall(name="python", arguments={"code": "print(1)"})])
+    script = Script(default=[call, Step(error_status=400, error_message=message)])
+    async with (
+        await start_scripted_server(script, tokens=False) as scripted,
+        serve(tmp_path / "data", backend=FAKE) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        job_id = await client.submit(job(scripted.url, [task_id]))
+        async with asyncio.timeout(60):
+            [rollout] = [r async for r in client.rollouts(job_id)]
+    assert rollout.status == status, rollout.error
+    if status == RolloutStatus.TRUNCATED:
+        assert rollout.reward == 0.0 and [t.role for t in rollout.turns][-2:] == ["assistant", "tool"]
+    else:
+        assert rollout.reward is None and rollout.error is not None and "HTTP 400" in rollout.error.message

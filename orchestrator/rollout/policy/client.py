@@ -10,7 +10,8 @@ stopped at `max_response_bytes`), redirects are not followed, and error messages
 content type of a response, never its body.
 
 A 200 whose finish_reason says the server did not finish the generation ("abort": vLLM and SGLang abort what is
-running for a weight sync; "error") is retried as a 5xx is: the partial answer is never a turn (parsing.py).
+running for a weight sync; "error") is retried as a 5xx is: the partial answer is never a turn (parsing.py). A 400
+that says the conversation is over the model's context is ContextFull: the episode ends there, TRUNCATED.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import asyncio
 import json
 import logging
 import random
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import orjson
 
 from orchestrator.core.errors import (
+    ContextFull,
     GenerationAborted,
     PolicyConnectionError,
     PolicyError,
@@ -44,6 +47,10 @@ BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
 # A chat completion with token ids and logprobs of a long episode is a few MB; anything past this is refused.
 MAX_RESPONSE_BYTES = 32 << 20
+# How servers say a request is over the model's context, in a 400's body: vLLM ("This model's maximum context length
+# is ...", "... is longer than the maximum model length of ..."), SGLang ("... longer than the model's context length"),
+# OpenAI's own wording; only a 400 is read so.
+_CONTEXT_FULL = re.compile(r"maximum context length|context length|maximum model length|max_model_len", re.IGNORECASE)
 
 
 class _Retryable(Exception):
@@ -177,6 +184,10 @@ class OpenAIPolicy(Policy):
                     f"policy server {url} answered {resp.status} with a body that is not JSON ({_described(resp)})"
                 ) from e
         log.debug("policy server %s answered HTTP %d: %r", url, resp.status, resp.content[:200])
+        if resp.status == 400 and _CONTEXT_FULL.search(resp.content[:4096].decode(errors="replace")):
+            # the conversation outgrew the model: the policy's own length, an episode cut there (TRUNCATED) as the
+            # token-in, token-out client cuts it when it counts the tokens itself; never a POLICY_ERROR, masked
+            raise ContextFull(f"policy server {url} answered HTTP 400: the conversation is over the model's context")
         http_err = PolicyHTTPError(f"policy server {url} answered HTTP {resp.status} ({_described(resp)})", resp.status)
         if resp.status == 429 or resp.status >= 500:
             raise _Retryable(http_err, _retry_after(resp))
