@@ -220,6 +220,23 @@ def _containers_with(marker: str) -> list[str]:
     return [line for line in out.splitlines() if marker in line]
 
 
+def _refused(
+    client: docker.DockerClient,
+    cache: Path,
+    name: str,
+    dockerfile: str,
+    limits: BuildLimits,
+    match: str,
+    within_s: float,
+) -> ImageBuildError:
+    """Build `dockerfile` under `limits`: it must fail with `match` within `within_s` (stopped, not left to run)."""
+    started = time.monotonic()
+    with pytest.raises(ImageBuildError, match=match) as raised:
+        build_image(client, name=name, dockerfile=dockerfile, context_files={}, cache_dir=cache, limits=limits)
+    assert time.monotonic() - started < within_s
+    return raised.value
+
+
 def _assert_gone(marker: str, images: bool = False) -> None:
     """Within 20 s, no container of a build marked `marker` is left (nor, with `images`, an image labelled so)."""
 
@@ -250,17 +267,10 @@ def test_build_memory_limit(docker_client: docker.DockerClient, tmp_path: Path, 
 def test_build_time_limit(docker_client: docker.DockerClient, tmp_path: Path, base_image: str, chatty: bool) -> None:
     marker = uuid.uuid4().hex
     step = f"while true; do echo {marker}; sleep 0.2; done" if chatty else f"sleep 120; echo {marker}"
-    started = time.monotonic()
-    with pytest.raises(ImageBuildError, match=r"did not finish within its time limit \(3s\)"):
-        build_image(
-            docker_client,
-            name="sec-time",
-            dockerfile=f"FROM {base_image}\nRUN {step}\n",
-            context_files={},
-            cache_dir=tmp_path,
-            limits=BuildLimits(timeout_s=3),
-        )
-    assert time.monotonic() - started < 20
+    dockerfile, limits = f"FROM {base_image}\nRUN {step}\n", BuildLimits(timeout_s=3)
+    _refused(
+        docker_client, tmp_path, "sec-time", dockerfile, limits, r"did not finish within its time limit \(3s\)", 20
+    )
     _assert_gone(marker)  # dropping the connection cancels the build: its container goes away
 
 
@@ -292,19 +302,9 @@ def test_build_disk_limit(
 ) -> None:
     marker = uuid.uuid4().hex
     runs = "".join(f"{step}\n" if step.startswith("ENV") else f"RUN : {marker} && {step}\n" for step in steps)
-    started = time.monotonic()
-    with pytest.raises(
-        ImageBuildError, match=wrote + r", over its disk limit of 100 MB; the build was refused and its layers removed"
-    ):
-        build_image(
-            docker_client,
-            name="sec-disk",
-            dockerfile=f"FROM {base_image}\nLABEL test.marker={marker}\n{runs}",
-            context_files={},
-            cache_dir=tmp_path,
-            limits=BuildLimits(disk_mb=100),
-        )
-    assert time.monotonic() - started < 60  # stopped, not left to its sleep
+    dockerfile = f"FROM {base_image}\nLABEL test.marker={marker}\n{runs}"
+    refused = wrote + r", over its disk limit of 100 MB; the build was refused and its layers removed"
+    _refused(docker_client, tmp_path, "sec-disk", dockerfile, BuildLimits(disk_mb=100), refused, 60)  # not its sleep
     _assert_gone(marker, images=True)  # its step's container is gone, and so are the layers it committed
 
 
@@ -312,19 +312,9 @@ def test_build_output_limit(docker_client: docker.DockerClient, tmp_path: Path, 
     marker = uuid.uuid4().hex
     # 400 MB of lines, then a long wait: the log on this host's disk stops at the limit, and so does the build
     step = f": {marker} && head -c 400M /dev/zero | tr '\\0' x | fold -w 1000 && sleep 120"
-    started = time.monotonic()
-    with pytest.raises(ImageBuildError, match=r"the build printed more than 8 MB; it was stopped") as raised:
-        build_image(
-            docker_client,
-            name="sec-output",
-            dockerfile=f"FROM {base_image}\nRUN {step}\n",
-            context_files={},
-            cache_dir=tmp_path,
-            limits=BuildLimits(output_mb=8),
-        )
-    assert time.monotonic() - started < 60
-    assert raised.value.log_path is not None
-    assert (8 << 20) < raised.value.log_path.stat().st_size < (9 << 20)
+    dockerfile, limits = f"FROM {base_image}\nRUN {step}\n", BuildLimits(output_mb=8)
+    error = _refused(docker_client, tmp_path, "sec-output", dockerfile, limits, r"the build printed more than 8 MB", 60)
+    assert error.log_path is not None and (8 << 20) < error.log_path.stat().st_size < (9 << 20)
     _assert_gone(marker)  # dropping the connection cancels the build: its container goes away
 
 
