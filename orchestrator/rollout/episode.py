@@ -4,6 +4,7 @@ orchestrator/rollout/step.py) -> observation, until submit, a stop, or a limit."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,9 @@ from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import CUT_OFF
 from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
+
+TOOL_SLACK_S = 30.0  # past its timeout, what a tool call may take to be stopped and answered
+_NO_LIMIT = contextlib.nullcontext()
 
 
 @dataclass
@@ -106,17 +110,23 @@ async def run_episode(
             finish = "length" if c.finish_reason in CUT_OFF else "stop"
             break
         for call in calls:
-            phase, limit = Phase(span, "tool", _call_attributes(call, turn)), asyncio.timeout_at(deadline)
-            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
-                finish = "time"
-                break
+            limit = None
+            if deadline is not None:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    finish = "time"
+                    break
+                # a call that ends by its own timeout before the deadline needs no timer of the episode's (µs each)
+                if left < env.tool_timeout_s + TOOL_SLACK_S:
+                    limit = asyncio.timeout_at(deadline)
+            phase = Phase(span, "tool", _call_attributes(call, turn))
             try:
-                async with limit:
+                async with limit or _NO_LIMIT:
                     with phase:
                         result = await run_tool_call(env, sandbox, state, call)
                         phase.span.set(_result_attributes(result))
             except TimeoutError:
-                if not limit.expired():
+                if limit is None or not limit.expired():
                     raise
                 finish = "time"
                 break
