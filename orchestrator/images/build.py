@@ -284,7 +284,7 @@ def _run_build(
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     step: str | None = None
     error: str | None = None
-    printed = 0  # characters of output logged
+    printed = 0  # bytes of output logged
     ended = False  # the engine ended the build itself (a failed step), rather than this process dropping it
     deadline = time.monotonic() + limits.timeout_s if limits is not None else None
     guard = DiskGuard(client, limits.disk_mb) if limits is not None else None
@@ -310,7 +310,8 @@ def _run_build(
                     _log_error(logf, tail, error)
                     break
                 for line in _lines(chunk):
-                    printed += logf.write(line + "\n")
+                    logf.write(line + "\n")
+                    printed += len(line.encode()) + 1  # bytes in the log, as output_mb counts them
                     tail.append(line)
                     if _STEP.match(line):
                         step = line
