@@ -361,7 +361,8 @@ class SessionManager:
                 else:
                     record_assistant(s.state, action.text, [])
                     finish, s.state.answer = "stop", action.text
-                s.turn += finish != "length"  # a step past the budget is not taken
+                if finish != "length":  # a step past the budget is not taken
+                    s.turn += 1
                 if finish is None and s.turn >= s.max_turns:
                     finish = "max_turns"
                 if finish is None:
