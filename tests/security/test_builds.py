@@ -308,10 +308,18 @@ def test_build_disk_limit(
     _assert_gone(marker, images=True)  # its step's container is gone, and so are the layers it committed
 
 
-def test_build_output_limit(docker_client: docker.DockerClient, tmp_path: Path, base_image: str) -> None:
+# 400 MB of lines, then a long wait: the log on this host's disk stops at the limit, and so does the build; in
+# characters of four bytes too (counted as characters, they made a log four times the limit)
+OUTPUTS = {
+    "ascii": "head -c 400M /dev/zero | tr '\\0' x | fold -w 1000",
+    "four-byte": "python3 -c 'import sys; [sys.stdout.write(chr(0x1F600) * 250 + chr(10)) for _ in range(400000)]'",
+}
+
+
+@pytest.mark.parametrize("output", OUTPUTS.values(), ids=OUTPUTS.keys())
+def test_build_output_limit(docker_client: docker.DockerClient, tmp_path: Path, base_image: str, output: str) -> None:
     marker = uuid.uuid4().hex
-    # 400 MB of lines, then a long wait: the log on this host's disk stops at the limit, and so does the build
-    step = f": {marker} && head -c 400M /dev/zero | tr '\\0' x | fold -w 1000 && sleep 120"
+    step = f": {marker} && {output} && sleep 120"
     dockerfile, limits = f"FROM {base_image}\nRUN {step}\n", BuildLimits(output_mb=8)
     error = _refused(docker_client, tmp_path, "sec-output", dockerfile, limits, r"the build printed more than 8 MB", 60)
     assert error.log_path is not None and (8 << 20) < error.log_path.stat().st_size < (9 << 20)
