@@ -1,7 +1,7 @@
 """envd's CPU per call: exec (`echo a`), reset and health through the real DockerBackend.
 
 The CPU is read from the host in /proc/<envd pid>/stat: utime + stime + cutime + cstime, so envd's threads and the
-children it reaped (the commands) count; envd is the child of the container's docker-init (State.Pid). Several
+children it reaped (the commands) count; envd is the container's PID 1 (State.Pid). Several
 images (e.g. a baseline built from main and the current tree's) are measured in the same run, their rounds
 interleaved in alternating order, because this host is shared and noisy: compare within one run only. Each image is
 measured with each envd asked for (`--envd`; by default the compiled one and the Python one, both in every image).
@@ -48,10 +48,8 @@ def cpu_s(pid: int) -> float:
 
 
 def envd_pid(api: Any, container_id: str) -> int:
-    """envd's host pid: the only child of the container's init (docker-init, State.Pid)."""
-    init = api.inspect_container(container_id)["State"]["Pid"]
-    with open(f"/proc/{init}/task/{init}/children") as f:
-        return int(f.read().split()[0])
+    """envd's host pid: the container's PID 1 (State.Pid)."""
+    return int(api.inspect_container(container_id)["State"]["Pid"])
 
 
 @dataclass

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from envd.kernel import become_subreaper, make_non_dumpable
+from envd.kernel import become_subreaper, ignore_signals, make_non_dumpable
 from envd.server import EnvdConfig, serve
 
 TOKEN_VAR = "ENVD_TOKEN"
@@ -59,7 +59,7 @@ def take_token(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, configure logging, and serve until SIGTERM/SIGINT."""
+    """Parse arguments, configure logging, and serve until SIGTERM/SIGINT (as PID 1: until the container goes)."""
     opts = parse_options(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=opts["log-level"], stream=sys.stderr, format="envd %(levelname)s %(message)s")
     token_file = opts["token-file"] or os.path.join(os.path.dirname(opts["socket"]), "token")
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         sys.exit(f"envd: {token_file} is empty; refusing to serve without a token")
     make_non_dumpable()
+    if os.getpid() == 1:
+        ignore_signals()
     subreaper = become_subreaper()
     defaults = EnvdConfig(socket_path=opts["socket"], token=token, workspace=opts["workspace"], subreaper=subreaper)
     # the container's environment (image ENV and the sandbox spec's env) is the base of every process's environment;

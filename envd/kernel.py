@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import signal
 
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
@@ -42,6 +43,21 @@ def become_subreaper() -> bool:
 def make_non_dumpable() -> None:
     """No process of the sandbox (same uid) may ptrace envd or read its memory or environ through /proc."""
     _prctl(PR_SET_DUMPABLE, 0)
+
+
+def ignore_signals() -> None:
+    """envd as the sandbox's PID 1: every signal a sandbox process can send it reaches nothing.
+
+    The kernel delivers no signal to a PID namespace's init from inside the namespace unless init has a handler for
+    it (SIGKILL and SIGSTOP never). Python has one for SIGINT (KeyboardInterrupt: envd exits); it gets a handler
+    that does nothing, not SIG_IGN, which commands would inherit. The host removes the container with a SIGKILL,
+    which comes from outside the namespace.
+    """
+    signal.signal(signal.SIGINT, _ignore)
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """A signal handler that does nothing."""
 
 
 def sysv_ids(kind: str) -> list[int]:

@@ -187,7 +187,7 @@ class ProcessService(pb_grpc.ProcessServicer):  # type: ignore[misc]
 
     def __init__(self, cfg: EnvdConfig) -> None:
         self._cfg = cfg
-        adopters = () if cfg.subreaper else (os.getpid(), 1)
+        adopters = () if cfg.subreaper or os.getpid() == 1 else (os.getpid(), 1)  # PID 1 adopts all orphans
         self._runner = ProcessRunner(base_env=cfg.base_env, adopters=adopters)
         self._modes: dict[str, int] = {}  # what Reset puts back (remember_inodes)
 

@@ -159,7 +159,8 @@ func spareThreads(n int) {
 	wg.Wait()
 }
 
-// serve listens on the socket and serves until SIGTERM or SIGINT.
+// serve listens on the socket and serves until SIGTERM or SIGINT; as the container's PID 1, until the container is
+// removed.
 func serve(cfg *Config) error {
 	server := grpc.NewServer(
 		grpc.MaxRecvMsgSize(maxMessageBytes),
@@ -180,6 +181,10 @@ func serve(cfg *Config) error {
 	}
 	process.rememberModes() // the socket is there now, and no command has run
 	healthServer.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	if self == 1 {
+		go ignoreSignals()
+		return server.Serve(lis)
+	}
 	stop := make(chan os.Signal, 1)
 	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
 	go func() {
@@ -193,4 +198,19 @@ func serve(cfg *Config) error {
 		}
 	}()
 	return server.Serve(lis)
+}
+
+// ignoreSignals takes every signal and does nothing with it, for good: envd as the sandbox's PID 1.
+//
+// The kernel delivers no signal to a PID namespace's init from inside the namespace unless init has a handler for
+// it, and SIGKILL and SIGSTOP never. Go's runtime has a handler for every signal and exits on most (SIGTERM, SIGINT,
+// SIGHUP, SIGQUIT, SIGUSR1, ...): a sandbox's `kill 1` stopped envd, and a policy heading for a reward of 0 made its
+// rollout an infrastructure retry. Taken here, they reach nothing; the host removes the container with a SIGKILL,
+// which comes from outside the namespace. The handlers stay handlers (not SIG_IGN), so commands start with every
+// signal at its default.
+func ignoreSignals() {
+	taken := make(chan os.Signal, 64)
+	signal.Notify(taken)
+	for range taken {
+	}
 }

@@ -34,7 +34,7 @@ type processServer struct {
 
 func newProcessServer(cfg *Config) *processServer {
 	var adopters []int
-	if !cfg.Subreaper {
+	if !cfg.Subreaper && self != 1 { // as PID 1, every orphan is envd's already
 		adopters = []int{self, 1}
 	}
 	return &processServer{cfg: cfg, runner: newRunner(cfg, adopters), modes: map[string]uint32{}}

@@ -40,6 +40,8 @@ class Hardening(BaseModel):
     read_only_root: bool = True
     cap_drop_all: bool = True
     no_new_privileges: bool = True
+    # a PID 1 that reaps orphans: envd itself on the envd transport (always: it takes no signal from the sandbox
+    # there), docker's init on docker-exec
     init: bool = True
     # a uid no host account has (nor the base image): a file it leaves on the host belongs to nobody there
     user: str = Field(

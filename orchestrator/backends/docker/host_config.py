@@ -50,7 +50,9 @@ def host_config(
         "read_only": hard.read_only_root,
         "cap_drop": ["ALL"] if hard.cap_drop_all else None,
         "security_opt": ["no-new-privileges"] if hard.no_new_privileges else None,
-        "init": hard.init,
+        # envd is PID 1 itself: a namespace's init takes no signal from inside it, so no `kill 1` stops envd and
+        # turns a rollout into an infrastructure retry; docker's init would pass signals on to it
+        "init": hard.init and spec.transport != "envd",
         "pids_limit": lim.pids,
         "mem_limit": f"{lim.memory_mb}m",
         "nano_cpus": int(lim.cpus * 1e9),
