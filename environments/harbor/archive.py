@@ -17,7 +17,7 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from environments.harbor.env import HarborEnvironment, load_tasks, make_harbor_environment
+from environments.harbor.env import HarborEnvironment, load_tasks, make_harbor_environment, mark_validated
 from environments.harbor.task import HarborTaskError
 from environments.harbor.validate import validate
 from environments.swe.snapshot import ArchiveLimitError, SnapshotError, extract_archive
@@ -110,3 +110,9 @@ class HarborKind(ArchiveKind):
         if not isinstance(env, HarborEnvironment):
             raise TypeError(f"{env.ref()} is not a Harbor environment")
         return [TaskValidation(c.task_id, c.oracle, c.empty, c.problems) for c in await validate(env, backend, image)]
+
+    def validated(self, env: Environment) -> Environment:
+        """A registered archive's tasks all passed: a verifier that fails after an agent's turn scores 0."""
+        if not isinstance(env, HarborEnvironment):
+            raise TypeError(f"{env.ref()} is not a Harbor environment")
+        return mark_validated(env)

@@ -109,7 +109,12 @@ def save(env: HarborEnvironment, home: Path) -> Path:
     (tmp / "tasks").mkdir(parents=True)
     for task_id, task in env.harbor_tasks.items():
         shutil.copytree(task.path, tmp / "tasks" / task_id, symlinks=True)
-    doc = {"name": env.name, "version": env.version, "tasks": [f"tasks/{t}" for t in env.harbor_tasks]}
+    doc = {
+        "name": env.name,
+        "version": env.version,
+        "tasks": [f"tasks/{t}" for t in env.harbor_tasks],
+        "validated": env.validated,
+    }
     (tmp / "harbor.json").write_text(json.dumps(doc, indent=2) + "\n")
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
@@ -120,7 +125,7 @@ def import_harbor(args: argparse.Namespace, console: Console) -> int:
     """The command: exit 0 when every task validated and the environment was saved, 1 otherwise."""
     import re
 
-    from environments.harbor.env import make_harbor_environment
+    from environments.harbor.env import make_harbor_environment, mark_validated
     from environments.harbor.installed import harbor_home
     from orchestrator.cli.errors import CommandLineError
 
@@ -143,6 +148,7 @@ def import_harbor(args: argparse.Namespace, console: Console) -> int:
         if bad:
             console.print(f"{bad} task(s) failed validation; nothing saved")
             return 1
+        mark_validated(env)
     manifest = save(env, args.home or harbor_home())
     console.print(f"saved {manifest}; serve it with environments: ['environments.harbor.installed:{env.name}']")
     return 0

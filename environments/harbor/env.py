@@ -55,6 +55,7 @@ MAX_OUTPUT = 1 << 20
 GRADER_SLACK_KIB = 1024
 GRADER_SLACK_INODES = 64
 TMP_FULL_METRIC = "agent_filled_tmp"
+VERIFIER_FAILED_METRIC = "verifier_failed_after_agent"
 TAIL_CHARS = 600
 ENVD_CMD = '["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py"]'
 SYSTEM_PROMPT = (
@@ -133,6 +134,9 @@ class HarborEnvironment(Environment, BuildsOwnImage):
     """Base of the classes `make_harbor_environment` creates (an Environment's identity is class-level)."""
 
     task_dirs: ClassVar[tuple[Path, ...]] = ()
+    # every task's oracle scored above 0 and its empty solution below it, on this image (validate.py): each test.sh
+    # is known to write a reward, in time, in a sandbox of this environment, whether the task is solved or not
+    validated: ClassVar[bool] = False
     tools = ("bash", "read_file", "write_file", "str_replace", "submit")
     system_prompt = SYSTEM_PROMPT
     rubric = Rubric([])  # unused: score() runs the task's test.sh
@@ -224,17 +228,22 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             return None
 
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
-        """Upload tests/, run test.sh as Harbor does and read its reward (a failure is ENV_ERROR, never 0), unless
-        the agent filled /tmp, where /tests and /logs live: then the grader could not do its part, and that is the
-        agent's own outcome, 0, as a test.sh that cannot write scores it (not a rollout masked from training)."""
+        """Upload tests/, run test.sh as Harbor does and read its reward. When the verifier cannot do its part (no
+        reward, a timeout, a step of the grader's failed), the sandbox as the agent left it is why, and that is the
+        agent's own outcome, 0 (never a rollout masked from training), if the agent filled /tmp, where /tests and
+        /logs live, or if the task was validated: its test.sh wrote a reward in time for the oracle and for an empty
+        solution. Otherwise the task is not known to work: ENV_ERROR."""
         t = self.harbor_tasks[task.id]
         try:
             return await self._verify(sandbox, t)
         except (HarborRunError, SandboxFileError) as e:  # a step of the grader's, or a file it wrote or read
-            if not await self._tmp_full(sandbox, t.tests):
+            if await self._tmp_full(sandbox, t.tests):
+                log.info("%s: the agent filled /tmp, so the verifier could not run (%s); scored 0", task.id, e)
+                return Score(0.0, {}, {TMP_FULL_METRIC: 1.0})
+            if not self.validated:
                 raise
-            log.info("%s: the agent filled /tmp, so the verifier could not run (%s); scored 0", task.id, e)
-            return Score(0.0, {}, {TMP_FULL_METRIC: 1.0})
+            log.info("%s: the verifier failed after the agent's turn, not in validation (%s); scored 0", task.id, e)
+            return Score(0.0, {}, {VERIFIER_FAILED_METRIC: 1.0})
 
     async def _tmp_full(self, sandbox: Sandbox, tests: Mapping[str, bytes]) -> bool:
         """Whether /tmp has no room left for what the grader writes there (tests/, the reward, a HOME); an answer
@@ -317,8 +326,11 @@ def _workdir_note(workdir: str) -> str:
     )
 
 
-def make_harbor_environment(name: str, dirs: Sequence[Path], version: str = "1") -> HarborEnvironment:
-    """The environment of these task directories (parsed and checked now: a HarborTaskError names the problem)."""
+def make_harbor_environment(
+    name: str, dirs: Sequence[Path], version: str = "1", *, validated: bool = False
+) -> HarborEnvironment:
+    """The environment of these task directories (parsed and checked now: a HarborTaskError names the problem);
+    `validated`: every task passed validate.py on its image (import-harbor's, or the server's at registration)."""
     tasks = load_tasks([Path(d) for d in dirs])
     attrs: dict[str, Any] = {
         "task_dirs": tuple(t.path for t in tasks.values()),
@@ -328,6 +340,7 @@ def make_harbor_environment(name: str, dirs: Sequence[Path], version: str = "1")
         "limits": _limits(list(tasks.values())),
         "system_prompt": SYSTEM_PROMPT + _workdir_note(next(iter(tasks.values())).workdir),
         "tool_timeout_s": max(60.0, min(t.agent_timeout_s for t in tasks.values())),
+        "validated": validated,
         "__doc__": f"The Harbor environment {name}@{version}.",
     }
     cls: type[HarborEnvironment] = type(f"Harbor({name}@{version})", (HarborEnvironment,), attrs)
@@ -336,13 +349,15 @@ def make_harbor_environment(name: str, dirs: Sequence[Path], version: str = "1")
     return env
 
 
-def manifest(env: HarborEnvironment) -> dict[str, Any]:
-    """The registrable form written by import-harbor: name, version and the task directories."""
-    return {"name": env.name, "version": env.version, "tasks": [str(p) for p in env.task_dirs]}
+def mark_validated(env: HarborEnvironment) -> HarborEnvironment:
+    """`env` once every task passed validate.py on its image (its class is this load's own)."""
+    type(env).validated = True
+    return env
 
 
 def from_manifest(path: Path) -> HarborEnvironment:
     """The environment a manifest (JSON) describes; relative task paths are relative to the manifest."""
     doc = json.loads(path.read_text())
     dirs = [(path.parent / d) for d in doc["tasks"]]
-    return make_harbor_environment(str(doc["name"]), dirs, str(doc.get("version", "1")))
+    validated = doc.get("validated") is True  # written by import-harbor once every task passed
+    return make_harbor_environment(str(doc["name"]), dirs, str(doc.get("version", "1")), validated=validated)

@@ -470,6 +470,7 @@ class Registrar:
             )
 
     def _add_archive(self, env: Environment, record: StoredArchive, path: Path) -> None:
+        env = self._kind(record.kind).validated(env)  # it passed its checks when it was registered
         owner = None if record.visibility == "public" else record.owner
         self._registry.register(env, source=ARCHIVE_SOURCE + record.kind, owner=owner)
         self.catalog.add(env, Shipment(record.kind, record.name, record.version, record.digest, path))

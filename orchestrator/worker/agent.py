@@ -253,7 +253,8 @@ class WorkerAgent:
         await asyncio.to_thread(archive.write_bytes, m.archive)
         tree = folder / "tree"
         tree.mkdir()
-        return await asyncio.to_thread(kind.load, archive, tree, m.name, m.version, WIDEST_ARCHIVE_LIMITS)
+        env = await asyncio.to_thread(kind.load, archive, tree, m.name, m.version, WIDEST_ARCHIVE_LIMITS)
+        return kind.validated(env)  # only registered archives are shipped: each passed its checks
 
     async def _archived(self, m: wpb.ArchiveEnvironment) -> Environment:
         loading = self._archives.get(m.sha256)

@@ -6,6 +6,8 @@
 - The image is the task's Dockerfile with envfleet's lines appended; a last line that continues (ends in the escape
   character) joined them to the task's instruction, so `ADD <url> \\` passed the check with the URL as its
   destination and was built with it as a source, fetched by the daemon on the host network.
+- A verifier that fails after the agent's turn (here: held past its timeout by the agent's program) scores 0 once
+  the task is validated, never an ENV_ERROR the agent could trade its 0 for.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import docker
 import grpc
 import pytest
 
-from environments.harbor.env import built_dockerfile, make_harbor_environment
-from environments.harbor.task import HarborTaskError
+from environments.harbor.archive import HarborKind
+from environments.harbor.env import VERIFIER_FAILED_METRIC, built_dockerfile, make_harbor_environment
+from environments.harbor.task import HarborRewardError, HarborTaskError
+from environments.harbor.validate import validate
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.core.environment import Episode, Score
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxSpec
@@ -160,3 +164,41 @@ async def test_an_uploaded_dockerfile_whose_last_line_continues_is_refused(tmp_p
         tmp_path, token_file, _upload(_tar(list(_members(bad)))), grpc.StatusCode.INVALID_ARGUMENT, "continues past"
     )
     assert "task bad-task: environment/Dockerfile" in details, details
+
+
+# a verdict from a program the agent writes: the oracle's prints 42, an empty solution has none (0), and an agent's
+# that never ends holds test.sh past its timeout, so it writes no reward
+VERDICT_SH = """#!/bin/bash
+if [ "$(timeout 60 python3 answer.py 2>/dev/null)" = 42 ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+ORACLE = "#!/bin/bash\necho 'print(42)' > answer.py\n"
+HANG = "#!/bin/bash\necho 'while True: pass' > answer.py\n"
+
+
+async def test_a_verifier_the_agent_hung_scores_0_once_the_task_is_validated(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # test.sh ran past its timeout because of the agent's code: ENV_ERROR, masked from training, so an agent about
+    # to fail could trade its 0 for no signal by leaving a program that never ends. A validated task's test.sh
+    # wrote a reward in time for the oracle and for an empty solution: when it does not after an agent's turn, the
+    # agent's doing is why, and it scores 0. An unvalidated task (import-harbor --no-validate) is not known to work.
+    d = make_task(tmp_path, "hang", test=VERDICT_SH, solve=ORACLE, verifier_timeout=3)
+    env = make_harbor_environment("harbor-hang", [d])
+    image = await asyncio.to_thread(env.build_image, docker_client)
+    [check] = await validate(env, backend, image)
+    assert (check.oracle, check.empty, check.problems) == (1.0, 0.0, []), check
+    task = env.tasks()[0]
+
+    async def score_after_the_hang() -> Score:
+        async with await backend.create(SandboxSpec(image=image, limits=env.limits)) as s:
+            await env.setup(s, task, 0)
+            assert (await s.exec(["bash", "-c", HANG], cwd="/app")).ok
+            return await env.score(s, task, Episode([], "", "submit"))
+
+    with pytest.raises(HarborRewardError, match=r"timed out after 3s"):
+        await score_after_the_hang()
+    HarborKind().validated(env)  # what the server does with a registered archive, import-harbor with a validated one
+    assert env.validated and not make_harbor_environment("harbor-hang", [d]).validated
+    score = await score_after_the_hang()
+    assert score.reward == 0.0 and score.metrics == {VERIFIER_FAILED_METRIC: 1.0}, score

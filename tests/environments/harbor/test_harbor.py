@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from environments.harbor.cli import import_harbor, register
-from environments.harbor.env import HarborEnvironment, make_harbor_environment
+from environments.harbor.env import HarborEnvironment, from_manifest, make_harbor_environment
 from environments.harbor.task import HarborRewardError, HarborTaskError, load_task, parse_reward
 from environments.harbor.validate import check_task
 from orchestrator.backends.docker.backend import DockerBackend
@@ -240,12 +240,29 @@ def test_import_validates_and_saves_a_loadable_environment(
     assert import_harbor(args, Console(file=out, width=200)) == 0, out.getvalue()
     assert "upper-txt: ok" in out.getvalue() and "environments.harbor.installed:upper" in out.getvalue()
     doc = json.loads((home / "upper" / "harbor.json").read_text())
-    assert doc["tasks"] == ["tasks/upper-txt", "tasks/upper-json"]
+    assert doc["tasks"] == ["tasks/upper-txt", "tasks/upper-json"] and doc["validated"] is True
     monkeypatch.setenv("ENVFLEET_HARBOR_HOME", str(home))
     from orchestrator.service.registry import Registry
 
     loaded = Registry().load("environments.harbor.installed:upper")
     assert loaded.ref() == "upper@1" and [t.id for t in loaded.tasks()] == ["upper-txt", "upper-json"]
+    assert isinstance(loaded, HarborEnvironment) and loaded.validated  # its verifier failing after an agent is a 0
+
+
+def test_an_import_without_validation_is_saved_unvalidated(tmp_path: Path) -> None:
+    d = make_task(tmp_path, "unchecked")
+    home = tmp_path / "home"
+    args = _parse(["envs", "import-harbor", str(d), "--name", "unchecked", "--home", str(home), "--no-validate"])
+    assert import_harbor(args, Console(file=io.StringIO())) == 0
+    doc = json.loads((home / "unchecked" / "harbor.json").read_text())
+    assert doc["validated"] is False and not from_manifest(home / "unchecked" / "harbor.json").validated
+    # a manifest written before the mark, or by hand with anything but true, is not validated
+    for value in ("absent", "yes", 1):
+        doc.pop("validated", None)
+        if value != "absent":
+            doc["validated"] = value
+        (home / "unchecked" / "harbor.json").write_text(json.dumps(doc))
+        assert not from_manifest(home / "unchecked" / "harbor.json").validated
 
 
 def test_import_refuses_a_failing_oracle(tasks_root: Path, tmp_path: Path, image: str) -> None:

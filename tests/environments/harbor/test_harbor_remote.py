@@ -2,7 +2,8 @@
 archive, the server validates them as a local import does (each oracle passes, an empty solution fails), and the
 environment runs jobs like any other, in the control plane and, after a restart that reloads it, on worker processes;
 rewards follow Harbor's rules (reward.txt, or the mean of reward.json's keys), and a reward the agent planted in
-/logs/verifier is cleared before test.sh runs."""
+/logs/verifier is cleared before test.sh runs, and a validated task whose test.sh the agent's program held past its
+timeout scores 0 on either (the server and each worker know a registered archive passed validation)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.conftest import REPO
 from tests.environments.harbor.test_harbor import TEST_JSON, make_task
 from tests.environments.harbor.test_harbor_rollout import SUBMIT, bash
 from tests.orchestrator.servers import expect_error, serve
+from tests.security.test_grader_harbor import HANG, ORACLE, VERDICT_SH
 
 TOKEN = secrets.token_urlsafe(24)
 SOLVE = "tr a-z A-Z < greeting.txt > out.txt && mkdir -p src && echo x > /app/src/marker"
@@ -41,12 +43,18 @@ def token_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def task_dirs(tmp_path: Path) -> list[Path]:
-    return [make_task(tmp_path / "src", "upper-txt"), make_task(tmp_path / "src", "upper-json", test=TEST_JSON)]
+    return [
+        make_task(tmp_path / "src", "upper-txt"),
+        make_task(tmp_path / "src", "upper-json", test=TEST_JSON),
+        make_task(tmp_path / "src", "hang", test=VERDICT_SH, solve=ORACLE, verifier_timeout=3),
+    ]
 
 
 @pytest.fixture
 async def policy() -> AsyncIterator[ScriptedServer]:
-    script = Script(tasks={"upper-txt": [bash(SOLVE), SUBMIT], "upper-json": [bash(HALF), SUBMIT]})
+    script = Script(
+        tasks={"upper-txt": [bash(SOLVE), SUBMIT], "upper-json": [bash(HALF), SUBMIT], "hang": [bash(HANG), SUBMIT]}
+    )
     server = await start_scripted_server(script)
     try:
         yield server
@@ -75,7 +83,7 @@ async def _job(address: str, policy_url: str) -> dict[str, Rollout]:
     async with EnvfleetClient(address, token=TOKEN) as client:
         spec = JobSpec(
             env="remote-harbor",
-            tasks=TaskSelection(kind="ids", ids=["upper-txt", "upper-json"]),
+            tasks=TaskSelection(kind="ids", ids=["upper-txt", "upper-json", "hang"]),
             policy=PolicyEndpoint(base_url=policy_url),
         )
         return {r.task_id: r async for r in client.rollouts(await client.submit(spec))}
@@ -88,6 +96,9 @@ def _check_rewards(rollouts: dict[str, Rollout]) -> None:
     assert js.status == RolloutStatus.OK, js.error
     assert js.reward == pytest.approx(0.5)
     assert js.reward_components == {"correct": 1.0, "marker": 0.0, "style": 0.5}
+    hang = rollouts["hang"]  # test.sh timed out on the agent's program: its 0, not a masked ENV_ERROR
+    assert hang.status == RolloutStatus.OK and hang.reward == 0.0, (hang.status, hang.error)
+    assert hang.metrics["verifier_failed_after_agent"] == 1.0
 
 
 async def test_register_remotely_then_run_jobs_in_process_and_on_workers(
@@ -103,10 +114,10 @@ async def test_register_remotely_then_run_jobs_in_process_and_on_workers(
             "--server", orch.address, "--token-file", str(token),
         )  # fmt: skip
         assert code == 0, out
-        assert "registered remote-harbor@1" in out and "2 task(s) validated" in out, out
+        assert "registered remote-harbor@1" in out and "3 task(s) validated" in out, out
         async with EnvfleetClient(orch.address, token=TOKEN) as client:
             info = await client.env_stub.Describe(pb.DescribeEnvironmentRequest(name="remote-harbor"))
-            assert (info.source, info.num_tasks) == ("archive:harbor", 2)
+            assert (info.source, info.num_tasks) == ("archive:harbor", 3)
             assert {t.name for t in info.tools} >= {"bash", "write_file", "submit"}
             # the same archive again is a no-op; other content under the same version is refused
             code, out = await envfleet(
@@ -129,7 +140,7 @@ async def test_register_remotely_then_run_jobs_in_process_and_on_workers(
         assert orch.workers is not None
         await orch.workers.hub.wait_for_workers(1, timeout_s=120)
         _check_rewards(await _job(orch.address, policy.url))
-        assert sum(w.served for w in orch.workers.hub.workers()) == 2
+        assert sum(w.served for w in orch.workers.hub.workers()) == 3
 
 
 async def test_a_failing_oracle_is_refused_by_the_server(tmp_path: Path, base_image: str) -> None:
