@@ -6,8 +6,9 @@ What a snapshot holds is the workspace: a setup that must also leave state elsew
 snapshot-able.
 
 Snapshots are held in the orchestrator's memory, so they are bounded: one snapshot is read no further than
-`max_bytes` (counted as it streams out of envd), and a job holds at most `per_job_count` snapshots and
-`per_job_bytes` in all. A group whose snapshot would pass a bound is not snapshotted: its samples each run the
+`max_bytes` (counted as it streams out of envd), a job holds at most `per_job_count` snapshots and
+`per_job_bytes` in all, and the process at most `total_bytes`, held or being read (a tenant's many jobs cannot add
+up past it). A group whose snapshot would pass a bound is not snapshotted: its samples each run the
 setup, as without snapshots (slower, never wrong).
 
 A snapshot is restored into the workspace itself, never into its parent, so envd's check that no member and no
@@ -39,11 +40,12 @@ Outcome = Literal["built", "restored", "fallback"]
 
 @dataclass(frozen=True)
 class SnapshotBudget:
-    """How much snapshot data the orchestrator holds: per snapshot, and per job in count and bytes."""
+    """How much snapshot data the orchestrator holds: per snapshot, per job in count and bytes, and in all."""
 
     max_bytes: int = 256 << 20
     per_job_count: int = 256
     per_job_bytes: int = 1 << 30
+    total_bytes: int = 4 << 30
 
 
 class _Unusable(Exception):
@@ -109,6 +111,7 @@ class SnapshotCache:
         self._snapshots: dict[tuple[str, str], asyncio.Future[bytes]] = {}
         self._count: collections.Counter[str] = collections.Counter()  # per job: snapshots held or being built
         self._bytes: collections.Counter[str] = collections.Counter()  # per job: bytes held
+        self._reading = 0  # bytes the snapshots being read may still take (each one's room)
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -117,23 +120,30 @@ class SnapshotCache:
         """Bytes of the job's snapshots held now."""
         return self._bytes[job_id]
 
+    def total_bytes(self) -> int:
+        """Bytes held now and reserved by the snapshots being read, over every job."""
+        return sum(self._bytes.values()) + self._reading
+
     def _room(self, job_id: str) -> int:
-        """The most the next snapshot of the job may be (0: the job's budget is spent)."""
+        """The most the next snapshot of the job may be (0: the job's budget, or the process's, is spent)."""
         b = self.budget
         if self._count[job_id] >= b.per_job_count:
             return 0
-        return max(0, min(b.max_bytes, b.per_job_bytes - self._bytes[job_id]))
+        return max(0, min(b.max_bytes, b.per_job_bytes - self._bytes[job_id], b.total_bytes - self.total_bytes()))
 
     async def _snapshot(self, key: tuple[str, str], sandbox: Sandbox, workspace: str) -> bytes:
         room = self._room(key[0])
         if room <= 0:
-            raise ArchiveTooLargeError(f"job {key[0]} has spent its snapshot budget")
+            raise ArchiveTooLargeError(f"job {key[0]} has spent its snapshot budget, or the process its own")
         self._count[key[0]] += 1
+        self._reading += room
         try:
             tar = await asyncio.to_thread(_rebase, await sandbox.download_at_most(workspace, room), workspace)
         except BaseException:
             self._count[key[0]] -= 1
             raise
+        finally:
+            self._reading -= room
         self._bytes[key[0]] += len(tar)
         return tar
 

@@ -121,9 +121,10 @@ async def test_exec_stdin_and_open_execs_are_capped(tmp_path: Path) -> None:
         assert events[0] == "started" and events[-1] == "ended"  # the budget came back
 
 
-async def test_snapshots_are_bounded_per_snapshot_and_per_job() -> None:
+async def test_snapshots_are_bounded_per_snapshot_per_job_and_in_all() -> None:
     backend = FakeBackend(FakeBackendConfig())
-    cache = SnapshotCache(SnapshotBudget(max_bytes=3 * MiB, per_job_count=8, per_job_bytes=4 * MiB))
+    budget = SnapshotBudget(max_bytes=3 * MiB, per_job_count=8, per_job_bytes=4 * MiB, total_bytes=5 * MiB)
+    cache = SnapshotCache(budget)
     setups: list[str] = []
 
     async def prepared(job: str, task: str, size: int) -> str:
@@ -147,8 +148,12 @@ async def test_snapshots_are_bounded_per_snapshot_and_per_job() -> None:
         assert [await prepared("j1", "b", 2 * MiB) for _ in range(2)] == ["fallback", "fallback"]
         assert cache.held_bytes("j1") < 3 * MiB
         assert await prepared("j2", "b", 2 * MiB) == "built"  # the budget is per job
+        # but the process holds at most 5 MiB, however many jobs there are (a tenant's many jobs added up before)
+        assert [await prepared("j3", "c", 2 * MiB) for _ in range(2)] == ["fallback", "fallback"]
+        assert 4 * MiB < cache.total_bytes() <= 5 * MiB
         cache.forget_job("j1")
-        assert cache.held_bytes("j1") == 0
+        assert cache.held_bytes("j1") == 0 and cache.total_bytes() < 3 * MiB
+        assert await prepared("j4", "c", 2 * MiB) == "built"
     finally:
         await backend.close()
 
