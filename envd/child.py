@@ -61,6 +61,18 @@ def _set_once(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def first_to_go(pid: int) -> None:
+    """The command, and what it starts later, go before envd when the sandbox runs out of memory (envd/go/child.go,
+    firstToGo): oom_score_adj 1000 adds the whole limit to their score. A process may lower its own back to 0, so
+    this is the default order, not a wall."""
+    with contextlib.suppress(OSError):  # gone already, or no /proc
+        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
+
+
 def _pipe(nonblocking_end: int) -> tuple[int, int]:
     """A close-on-exec pipe whose end envd keeps (0: read, 1: write) is non-blocking; the child's end blocks."""
     fds = os.pipe2(os.O_CLOEXEC)
@@ -115,6 +127,7 @@ class Child:
         # would waitpid a pid that may by then belong to another command
         proc.returncode = 0
         self.pid = proc.pid
+        first_to_go(proc.pid)
         for fd in (out_w, err_w, in_r):
             if fd >= 0:
                 os.close(fd)

@@ -7,6 +7,7 @@ package main
 
 import (
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -140,6 +141,7 @@ func spawn(argv []string, cwd string, env []string, pathVar string, withStdin bo
 		}
 		return nil, err
 	}
+	firstToGo(pid)
 	var pidfd *os.File
 	// opened at once: only envd reaps its child and it has not yet, so the pid is still this process
 	if fd, err := unix.PidfdOpen(pid, unix.O_NONBLOCK); err == nil {
@@ -162,6 +164,24 @@ func spawn(argv []string, cwd string, env []string, pathVar string, withStdin bo
 	go func() { wg.Wait(); close(c.pipes) }()
 	go c.watchExit()
 	return c, nil
+}
+
+// firstToGo makes a command, and every process it starts later, the sandbox's first choice for the OOM killer.
+//
+// The killer takes the process with the most memory, and envd (about 9 MB resident, most of it its binary's pages)
+// was that process once a command's memory was spread over many smaller ones (a parallel build, a test runner's
+// workers): envd died, the sandbox with it, and the rollout was an infrastructure retry. oom_score_adj 1000 adds
+// the whole memory limit to a process's score, so any command's process goes before envd (0). A process may lower
+// its own back to 0 (it needs no privilege to), so this is the default order, not a wall. Written once the command
+// has exec'd (ForkExec returns then; before, it is non-dumpable like envd and its /proc files are root's), so a
+// process it forked in those microseconds keeps 0.
+func firstToGo(pid int) {
+	fd, err := unix.Open("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return // gone already, or no /proc: nothing to order
+	}
+	_, _ = unix.Write(fd, []byte("1000"))
+	unix.Close(fd)
 }
 
 // pump forwards one pipe's output until EOF or close(); past the budget it reads and drops.
