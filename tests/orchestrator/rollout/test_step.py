@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import docker
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend
@@ -31,7 +34,7 @@ from orchestrator.rollout.step import classify_failure
 from orchestrator.service.checker import check_environment
 from orchestrator.service.registry import Registry
 from orchestrator.service.sessions import FinalAnswer, SessionConfig, SessionManager, ToolAction
-from tests.conftest import owned_backend
+from tests.conftest import owned_backend, owned_containers
 
 
 def _rubric(ctx: ScoringContext) -> float:
@@ -45,7 +48,7 @@ class FaultsEnv(Environment):
 
     name = "faults"
     tools = ("bash", "submit")
-    tool_timeout_s = 1.0
+    tool_timeout_s = 3.0  # room for the outside kill of sandbox-dies to come first
     limits = Limits(memory_mb=256, cpus=0.5, pids=64)
     rubric = Rubric([("done", _rubric, 1.0)])
 
@@ -54,10 +57,36 @@ class FaultsEnv(Environment):
         return [
             Task("tool-timeout", "sleep", reference=(ToolInvocation("bash", {"command": "sleep 30"}), submit)),
             Task("unknown-tool", "call nope", reference=(ToolInvocation("nope", {}), submit)),
-            # envd runs as the sandbox user: killing every process of that user kills the sandbox's daemon
-            Task("sandbox-dies", "die", reference=(ToolInvocation("bash", {"command": "kill -9 -1"}), submit)),
+            # killed from outside while its tool call runs (killed_from_outside); nothing inside can kill envd
+            Task("sandbox-dies", "die", reference=(ToolInvocation("bash", {"command": f"sleep {DIE_MARK}"}), submit)),
             Task("rubric-raises", "score", reference=(submit,)),
         ]
+
+
+DIE_MARK = "4242"
+
+
+@contextlib.asynccontextmanager
+async def killed_from_outside(mark: str) -> AsyncIterator[None]:
+    """Kill, as an operator's `docker kill` or a crashing engine would, each sandbox of the test suite in which a
+    process runs `sleep MARK`, while in the block."""
+
+    async def watch() -> None:
+        while True:
+            for c in await asyncio.to_thread(owned_containers):
+                with contextlib.suppress(docker.errors.APIError):
+                    top = await asyncio.to_thread(c.top, ps_args="-eo pid,args")
+                    if any(f"sleep {mark}" in " ".join(p) for p in top.get("Processes") or []):
+                        await asyncio.to_thread(c.kill)
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 @dataclass(frozen=True)
@@ -159,13 +188,14 @@ async def test_a_fault_has_one_outcome_through_every_entry_point(fleet: Any, tas
     env = FaultsEnv()
     task = next(t for t in env.tasks() if t.id == task_id)
     status, observation, checker_says = FAULTS[task_id]
-    job_outcome = await via_job(fleet, env, task)
-    session_outcome = await via_session(fleet, env, task)
-    assert job_outcome.status == session_outcome.status == status
-    if status != RolloutStatus.INFRA_ERROR:
-        assert observation in job_outcome.first_observation
-        assert job_outcome.first_observation == session_outcome.first_observation
-    assert checker_says in await via_checker(fleet, env, task)
+    async with killed_from_outside(DIE_MARK):
+        job_outcome = await via_job(fleet, env, task)
+        session_outcome = await via_session(fleet, env, task)
+        assert job_outcome.status == session_outcome.status == status
+        if status != RolloutStatus.INFRA_ERROR:
+            assert observation in job_outcome.first_observation
+            assert job_outcome.first_observation == session_outcome.first_observation
+        assert checker_says in await via_checker(fleet, env, task)
 
 
 async def test_a_policy_failure_is_policy_error_never_a_reward(fleet: Any) -> None:
