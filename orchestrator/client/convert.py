@@ -218,6 +218,7 @@ def job_spec_to_pb(s: JobSpec) -> pb.JobSpec:
             max_retries=s.policy.max_retries,
             tokenizer=s.policy.tokenizer,
             tool_parser=s.policy.tool_parser,
+            stream=s.policy.stream,
         ),
         max_concurrency=s.max_concurrency,
         priority=s.priority,

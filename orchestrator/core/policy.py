@@ -49,7 +49,17 @@ class PolicyEndpoint(BaseModel):
     model: str = "policy"
     api_key: str = Field("", repr=False)
     version: str = "0"
-    request_timeout_s: float = Field(120.0, gt=0, le=3600)
+    request_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="one attempt's limit: the whole answer's time, or with `stream` the longest silence in it",
+    )
+    stream: bool = Field(
+        False,
+        description="ask for streamed answers (server-sent events, as vLLM and SGLang send them): a generation may "
+        "then take as long as it keeps sending, where a whole answer must come within request_timeout_s",
+    )
     max_retries: int = Field(3, ge=0, le=20)
     tokenizer: str = Field(
         "",

@@ -67,6 +67,7 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         "api_key": m.policy.api_key,
         "version": m.policy.version or "0",
         "tokenizer": m.policy.tokenizer,
+        "stream": m.policy.stream,
     }
     if m.policy.tool_parser:
         policy["tool_parser"] = m.policy.tool_parser

@@ -6,6 +6,7 @@ Any ASGI server can serve it; ScriptedServer (scripted_policy.py) serves it with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -92,6 +93,89 @@ class _Hang:
     """The scripted turn never answers."""
 
 
+STREAM_PIECES = 8  # a streamed answer comes in this many chunks (fewer for a shorter one)
+
+
+@dataclass
+class _Streamed:
+    """A whole answer to send as server-sent events, as vLLM streams one (`"stream": true`), `delay_s` apart."""
+
+    response: dict[str, Any]
+    delay_s: float
+
+    async def send(self, send: Send, closing: asyncio.Event) -> None:
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for i, chunk in enumerate(stream_chunks(self.response)):
+            if i and self.delay_s and not closing.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.delay_s):
+                        await closing.wait()
+            # json, not orjson: a hostile step's NaN and big ints go out as they are
+            event = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _cut(seq: Any, n: int) -> list[Any]:
+    """`seq` (a string or a list; anything else whole, first) in n consecutive pieces."""
+    if not isinstance(seq, str | list):
+        return [seq] + [None] * (n - 1)
+    size = -(-len(seq) // n) if seq else 0
+    return [seq[i * size : (i + 1) * size] for i in range(n)]
+
+
+def stream_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks vLLM would stream for a whole chat completion or completion: its text, tool call arguments, token
+    ids and logprobs cut into consecutive pieces, prompt ids and the role first, the finish reason last."""
+    choice = response["choices"][0]
+    ids = choice.get("token_ids")
+    n = max(1, min(STREAM_PIECES, len(ids) if isinstance(ids, list) else STREAM_PIECES))
+    chat = "message" in choice
+    texts = _cut((choice["message"].get("content") or "") if chat else choice.get("text", ""), n)
+    lp = choice.get("logprobs")
+    lp_pieces = {k: _cut(v, n) for k, v in lp.items()} if isinstance(lp, dict) else {}
+    extra = {k: v for k, v in choice.items() if k not in ("message", "text", "logprobs", "token_ids", "finish_reason")}
+    chunks: list[dict[str, Any]] = []
+    for i in range(n):
+        piece: dict[str, Any] = {"index": 0, "finish_reason": choice.get("finish_reason") if i == n - 1 else None}
+        if chat:
+            delta: dict[str, Any] = {"content": texts[i]}
+            if i == 0:
+                delta["role"] = "assistant"
+            calls = []
+            for j, call in enumerate(choice["message"].get("tool_calls") or []):
+                fn = call["function"]
+                part: dict[str, Any] = {"index": j, "function": {"arguments": _cut(fn["arguments"], n)[i]}}
+                if i == 0:
+                    part.update(id=call["id"], type="function")
+                    part["function"]["name"] = fn["name"]
+                calls.append(part)
+            if calls:
+                delta["tool_calls"] = calls
+            piece["delta"] = delta
+        else:
+            piece["text"] = texts[i]
+        if isinstance(ids, list):
+            piece["token_ids"] = _cut(ids, n)[i]
+        elif ids is not None and i == 0:
+            piece["token_ids"] = ids  # a hostile step's value, whole
+        if lp_pieces:
+            piece["logprobs"] = {k: v[i] for k, v in lp_pieces.items() if v[i] is not None}
+        if i == 0:
+            piece.update(extra)  # prompt_token_ids of a completion, a hostile step's other fields
+        chunk: dict[str, Any] = {
+            "id": response.get("id"),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "model": response.get("model"),
+            "choices": [piece],
+        }
+        if i == 0 and "prompt_token_ids" in response:
+            chunk["prompt_token_ids"] = response["prompt_token_ids"]
+        chunks.append(chunk)
+    return chunks
+
+
 @dataclass
 class _Answer:
     """What a step answers at a turn, the same for every request that reaches it: the message, its completion token
@@ -131,6 +215,7 @@ class ScriptedPolicyApp:
         self.tokens = tokens
         self.requests = 0
         self.faults = 0
+        self.streamed = 0  # answers sent as a stream
         self.samples: list[Sample] = []
         self._model: QwenLikeModel | None = None
         self._failures: dict[tuple[str, int], int] = {}
@@ -169,10 +254,15 @@ class ScriptedPolicyApp:
         except Exception as e:  # a bug here must answer 500, not leave the client waiting
             log.exception("scripted server failed on %s %s", scope["method"], scope["path"])
             reply = 500, _error_body(500, f"{type(e).__name__}: {e}", "InternalServerError")
-        if reply is not None:
-            await _send_json(send, *reply)
+        if reply is None:
+            return
+        status, payload = reply
+        if isinstance(payload, _Streamed):
+            await payload.send(send, self._closing)
+        else:
+            await _send_json(send, status, payload)
 
-    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any] | bytes] | None:
+    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, dict[str, Any] | bytes | _Streamed] | None:
         path, method = scope["path"], scope["method"]
         if path in ("/v1/chat/completions", "/v1/completions"):
             allowed = "POST"
@@ -193,7 +283,9 @@ class ScriptedPolicyApp:
             raise _HTTPError(404, "no route /v1/completions: only the qwen3 template serves token-id prompts")
         return await self._generate(scope, receive, path)
 
-    async def _generate(self, scope: Scope, receive: Receive, path: str) -> tuple[int, dict[str, Any] | bytes] | None:
+    async def _generate(
+        self, scope: Scope, receive: Receive, path: str
+    ) -> tuple[int, dict[str, Any] | bytes | _Streamed] | None:
         # the simulated latency is the whole answer time, this server's own work included, as a model server's is
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -219,9 +311,14 @@ class ScriptedPolicyApp:
             raise _HTTPError(400, str(e)) from None
 
         step = self._step(user, turn)
+        reply: tuple[int, dict[str, Any] | bytes | _Streamed] | _Hang
         reply = self._fault(user, turn, step) or (200, _with_choice_fields(answer(step), step.choice_fields))
         if isinstance(reply, _Hang):
             return await self._hang(receive)
+        if reply[0] == 200 and body.get("stream") is True:  # the latency is then the time to the first chunk
+            whole = reply[1]
+            self.streamed += 1
+            reply = 200, _Streamed(json.loads(whole) if isinstance(whole, bytes) else whole, step.chunk_delay_s)
         delay = start + self._latency(user, turn) - loop.time()
         if delay > 0 and not await self._wait_closing(delay):
             return reply

@@ -31,6 +31,9 @@ class Step(BaseModel):
     error_status: int | None = Field(None, ge=400, le=599, description="answer this HTTP status instead")
     error_message: str | None = Field(None, description="the error's message, e.g. vLLM's context-length one")
     hang: bool = Field(False, description="never answer; hold the connection until the client gives up")
+    chunk_delay_s: float = Field(
+        0.0, ge=0, le=60, description="a streamed answer's pause between chunks: a long generation that keeps sending"
+    )
     fail_times: int | None = Field(
         None, ge=1, description="the fault hits only this many attempts, then the turn answers normally; None: always"
     )

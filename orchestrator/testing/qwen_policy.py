@@ -344,9 +344,8 @@ def completion_response(
 
 
 def check_request(body: dict[str, Any], *, completions: bool) -> None:
-    """Refuse what the double does not do (streaming, several choices, echo) instead of answering something else."""
-    if body.get("stream") is True:
-        raise RequestError("'stream': true is not supported by the scripted policy")
+    """Refuse what the double does not do (several choices, echo) instead of answering something else; a stream is
+    the app's (policy_app.stream_chunks)."""
     if body.get("n") not in (None, 1):
         raise RequestError(f"'n' must be 1, not {body.get('n')!r}")
     if completions:

@@ -200,7 +200,6 @@ async def test_bad_requests_get_clear_400s(server: ScriptedServer, http: httpx.A
         ({"prompt": [[1, 2]]}, "is not a token id"),
         ({"prompt": []}, "'prompt' must be a non-empty list of token ids or a string"),
         ({"prompt": [1], "logprobs": True}, "'logprobs' of /v1/completions is the number of top logprobs"),
-        ({"prompt": [1], "stream": True}, "'stream': true is not supported"),
         ({"prompt": [1], "max_tokens": 0}, "'max_tokens' must be a positive integer"),
         ({"prompt": [1], "n": 2}, "'n' must be 1"),
     ]

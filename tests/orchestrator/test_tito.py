@@ -39,11 +39,12 @@ def qwen_script(env: Environment, tasks: Sequence[Task], max_model_len: int | No
 
 def spec(env: str, tasks: Sequence[Task], url: str, **kw: object) -> JobSpec:
     tokenizer = kw.pop("tokenizer", TOKENIZER)
+    stream = bool(kw.pop("stream", False))
     return JobSpec.model_validate(
         {
             "env": env,
             "tasks": TaskSelection(kind="ids", ids=[t.id for t in tasks]),
-            "policy": PolicyEndpoint(base_url=url, model="qwen-like", tokenizer=str(tokenizer)),
+            "policy": PolicyEndpoint(base_url=url, model="qwen-like", tokenizer=str(tokenizer), stream=stream),
             "max_turns": TURNS + 2,
             **kw,
         }
@@ -136,6 +137,22 @@ async def test_tito_tokens_are_the_servers_samples_for_every_builtin(name: str, 
         # the double's reasoning and its oddly spaced tool-call JSON are in the ids, as sampled
         text = server.app.model.decode(r.tokens.completion_ids)
         assert "<think>" in text and '{"name":"' in text
+
+
+async def test_streamed_tito_and_chat_answers_are_as_exact_as_whole_ones(client: EnvfleetClient) -> None:
+    # the JobSpec's policy asks for streams (through the API, to the rollout's client); the double streams each
+    # sample in pieces, token ids and logprobs cut between chunks
+    env = Registry.from_entry_points().get("python-tool")
+    tasks = env.tasks()[:1]
+    server = await start_scripted_server(qwen_script(env, tasks))
+    try:
+        (tito,) = await _run(client, spec("python-tool", tasks, server.url, stream=True))
+        (chat,) = await _run(client, spec("python-tool", tasks, server.url, stream=True, token_mode="chat"))
+    finally:
+        await server.close()
+    assert tito.status == chat.status == RolloutStatus.OK and tito.reward == chat.reward == 1.0
+    assert server.app.streamed == server.requests == 2 * TURNS
+    assert_exact(tito, samples_of(server, tito), server)
 
 
 async def test_chat_mode_on_the_same_script_is_inconsistent(client: EnvfleetClient) -> None:

@@ -12,6 +12,9 @@ content type of a response, never its body.
 A 200 whose finish_reason says the server did not finish the generation ("abort": vLLM and SGLang abort what is
 running for a weight sync; "error") is retried as a 5xx is: the partial answer is never a turn (parsing.py). A 400
 that says the conversation is over the model's context is ContextFull: the episode ends there, TRUNCATED.
+
+With `PolicyEndpoint.stream` the answer is asked for as a stream (streaming.py): `request_timeout_s` then bounds the
+longest silence, not the whole generation, so a long generation is a turn, never a POLICY_ERROR for its length.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from orchestrator.core.errors import (
     PolicyTimeoutError,
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
-from orchestrator.rollout.policy import http
+from orchestrator.rollout.policy import http, streaming
 from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import parse_chat_completion
 
@@ -97,7 +100,7 @@ class OpenAIPolicy(Policy):
         body: dict[str, Any] = {
             "model": self.endpoint.model,
             "messages": messages,
-            "stream": False,
+            "stream": self.endpoint.stream,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_tokens": sampling.max_tokens,
@@ -162,12 +165,16 @@ class OpenAIPolicy(Policy):
 
     async def _attempt(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         timeout_s = self.endpoint.request_timeout_s
+        streamed = body.get("stream") is True
         try:
-            # the whole attempt: connect, send and read, a slow trickle included
-            async with asyncio.timeout(timeout_s):
-                resp = await self._send(url, _dumps(body), headers)
+            if streamed:  # the longest silence: the answer may take as long as it keeps coming (streaming.py)
+                resp = await self._send(url, _dumps(body), headers, idle_timeout_s=timeout_s)
+            else:  # the whole attempt: connect, send and read, a slow trickle included
+                async with asyncio.timeout(timeout_s):
+                    resp = await self._send(url, _dumps(body), headers)
         except TimeoutError as e:
-            msg = f"policy server {url} did not answer within {timeout_s:g}s"
+            said = "sent nothing for" if streamed else "did not answer within"
+            msg = f"policy server {url} {said} {timeout_s:g}s"
             raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
         except (http.ConnectError, http.ReadError, http.RemoteProtocolError) as e:
             raise _Retryable(self._unreachable(url, e), cause=e) from e
@@ -177,7 +184,12 @@ class OpenAIPolicy(Policy):
             raise PolicyError(f"request to policy server {url} failed: {type(e).__name__}: {e}") from e
 
         if resp.is_success:
-            try:
+            if streamed and resp.headers.get("content-type", "").startswith(streaming.EVENT_STREAM):
+                try:
+                    return streaming.collect(resp.content)
+                except GenerationAborted as e:
+                    raise _Retryable(e) from None
+            try:  # a whole answer, also from a server that does not stream
                 return _loads(resp.content)
             except ValueError as e:
                 raise PolicyResponseError(
@@ -197,11 +209,13 @@ class OpenAIPolicy(Policy):
     def _unreachable(url: str, e: Exception) -> PolicyConnectionError:
         return PolicyConnectionError(f"policy server {url} unreachable: {type(e).__name__}: {e}")
 
-    async def _send(self, url: str, content: bytes, headers: dict[str, str]) -> http.Response:
-        """POST a JSON body through this policy's session."""
+    async def _send(
+        self, url: str, content: bytes, headers: dict[str, str], idle_timeout_s: float | None = None
+    ) -> http.Response:
+        """POST a JSON body through this policy's session (`idle_timeout_s`: see http.Client.post)."""
         if self._closed:
             raise PolicyError("the policy client is closed")
-        return await self._client.post(url, content, headers, self.max_response_bytes)
+        return await self._client.post(url, content, headers, self.max_response_bytes, idle_timeout_s)
 
     def _too_big(self, url: str, status: int, what: str) -> str:
         return (

@@ -15,18 +15,22 @@ and errors name what went wrong, never what the server sent.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import ssl
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
 import certifi
 
 from orchestrator.core.errors import PolicyError
+
+T = TypeVar("T")
 
 KEEPALIVE_EXPIRY_S = 5.0  # an idle connection older than this is closed, not reused (httpx's default)
 # as many connections as httpx allowed (128 pools of 64); the scheduler, not the pool, bounds what is in flight
@@ -147,8 +151,13 @@ class Client:
             )
         return self._session
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str], max_bytes: int) -> Response:
-        """POST `body` as JSON to `url` and return the complete response; HTTPError (a subclass) when none came."""
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], max_bytes: int, idle_timeout_s: float | None = None
+    ) -> Response:
+        """POST `body` as JSON to `url` and return the complete response; HTTPError (a subclass) when none came.
+        With `idle_timeout_s`, TimeoutError when the server sends nothing for that long (its headers, or the next
+        piece of the body): a streamed answer may take as long as it keeps coming. Without, the caller bounds the
+        whole request."""
         for name, value in headers.items():
             if not _HEADER_NAME.fullmatch(name) or not _HEADER_VALUE.fullmatch(value):
                 raise LocalProtocolError(f"the {name} header has characters a header cannot carry")
@@ -156,13 +165,13 @@ class Client:
         sent = {**headers, "Content-Type": "application/json"}
         try:
             try:
-                return await self._post(session, url, body, sent, max_bytes)
+                return await self._post(session, url, body, sent, max_bytes, idle_timeout_s)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 if isinstance(e, aiohttp.ClientConnectorError):
                     raise
                 # no answer at all: most often a kept-alive connection the server closed as this request went out
                 # (aiohttp resends only idempotent methods so, not a POST); once more, before the caller's backoff
-                return await self._post(session, url, body, sent, max_bytes)
+                return await self._post(session, url, body, sent, max_bytes, idle_timeout_s)
         except aiohttp.ClientConnectorError as e:  # refused, unreachable, no such host, a certificate refused
             raise ConnectError(f"{type(e).__name__}: {e.os_error}") from e
         except aiohttp.ServerDisconnectedError as e:
@@ -179,16 +188,23 @@ class Client:
             raise LocalProtocolError(f"{type(e).__name__}: {e}") from e
 
     async def _post(
-        self, session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], max_bytes: int
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        max_bytes: int,
+        idle_timeout_s: float | None,
     ) -> Response:
-        async with session.post(url, data=body, headers=headers, allow_redirects=False, proxy=self._proxy) as resp:
+        request = session.post(url, data=body, headers=headers, allow_redirects=False, proxy=self._proxy)
+        async with await _within(idle_timeout_s, request) as resp:
             declared = resp.content_length
             if declared is not None and declared > max_bytes:
                 resp.close()  # the connection is not drained for reuse
                 raise ResponseTooLarge(resp.status, f"declares {declared} bytes", resp.headers)
             chunks: list[bytes] = []
             size = 0
-            while chunk := await resp.content.read(READ_CHUNK):
+            while chunk := await _within(idle_timeout_s, resp.content.read(READ_CHUNK)):
                 size += len(chunk)
                 if size > max_bytes:
                     resp.close()
@@ -202,3 +218,11 @@ class Client:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+
+async def _within(timeout_s: float | None, step: Awaitable[T]) -> T:
+    """`step`, within `timeout_s` when there is one (TimeoutError past it)."""
+    if timeout_s is None:
+        return await step
+    async with asyncio.timeout(timeout_s):
+        return await step

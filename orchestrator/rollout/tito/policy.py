@@ -88,7 +88,7 @@ class TitoPolicy(Policy):
         body: dict[str, Any] = {
             "model": self.endpoint.model,
             "prompt": prompt_ids,
-            "stream": False,
+            "stream": self.endpoint.stream,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_tokens": max_tokens,

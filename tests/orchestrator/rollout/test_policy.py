@@ -88,10 +88,12 @@ def expected_logprobs(ids: list[int]) -> list[float]:
     return [toy.logprob(t, i) for i, t in enumerate(ids)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
 async def test_tool_calls_and_exact_tokens_over_a_multi_turn_episode(
-    server: ScriptedServer, make_policy: PolicyFactory
+    server: ScriptedServer, make_policy: PolicyFactory, stream: bool
 ) -> None:
-    policy = make_policy(server.url)
+    # streamed, the answer comes in pieces (text, tool call arguments, token ids, logprobs) put back together
+    policy = make_policy(server.url, stream=stream)
     msgs = list(MESSAGES)
 
     c1 = await policy.complete(msgs, TOOLS, Sampling(), user="job7:t1:0")
@@ -125,7 +127,7 @@ async def test_tool_calls_and_exact_tokens_over_a_multi_turn_episode(
         [*msgs, c3.raw_message, {"role": "user", "content": "more?"}], [], Sampling(), user="j:t1:0"
     )
     assert (c4.text, c4.finish_reason) == ("done", "stop")  # past the end of the script
-    assert server.requests == 4
+    assert server.requests == 4 and server.app.streamed == (4 if stream else 0)
 
 
 async def test_unknown_task_and_no_user_get_the_default_answer(

@@ -1,0 +1,62 @@
+"""A streamed answer from a hostile policy server (the URL is the tenant's) is held to the same byte cap as a whole
+one: a stream that never ends is cut at `max_response_bytes`, and the error describes it without quoting it. Its
+time is bounded by the longest silence (request_timeout_s) and, for a server that keeps trickling, by the rollout's
+own wall-clock limit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from orchestrator.core.errors import PolicyResponseError
+from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.rollout.policy.client import OpenAIPolicy
+
+SECRET = b"the-other-host-said-this"
+
+
+@contextlib.asynccontextmanager
+async def endless_stream() -> AsyncIterator[str]:
+    """A server that answers 200 text/event-stream and sends chunks forever, never `data: [DONE]`."""
+    chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "' + SECRET + b' "}}]}\n\n'
+    framed = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            while True:
+                writer.write(framed * 64)
+                await writer.drain()
+                await asyncio.sleep(0.001)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+
+
+async def test_an_endless_stream_is_cut_at_the_byte_cap() -> None:
+    async with endless_stream() as url:
+        policy = OpenAIPolicy(
+            PolicyEndpoint(base_url=url, stream=True, request_timeout_s=5, max_retries=0),
+            max_response_bytes=1 << 20,
+        )
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PolicyResponseError, match=r"sent more than 1048576 bytes") as e:
+                await policy.complete([{"role": "user", "content": "hi"}], [], Sampling())
+            assert time.monotonic() - t0 < 10
+            assert SECRET.decode() not in str(e.value)
+        finally:
+            await policy.aclose()
