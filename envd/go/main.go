@@ -182,7 +182,7 @@ func serve(cfg *Config) error {
 	process.rememberModes() // the socket is there now, and no command has run
 	healthServer.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	if self == 1 {
-		go ignoreSignals()
+		ignoreSignals()
 		return server.Serve(lis)
 	}
 	stop := make(chan os.Signal, 1)
@@ -200,7 +200,7 @@ func serve(cfg *Config) error {
 	return server.Serve(lis)
 }
 
-// ignoreSignals takes every signal and does nothing with it, for good: envd as the sandbox's PID 1.
+// ignoreSignals takes every signal from now on and does nothing with it: envd as the sandbox's PID 1.
 //
 // The kernel delivers no signal to a PID namespace's init from inside the namespace unless init has a handler for
 // it, and SIGKILL and SIGSTOP never. Go's runtime has a handler for every signal and exits on most (SIGTERM, SIGINT,
@@ -211,6 +211,8 @@ func serve(cfg *Config) error {
 func ignoreSignals() {
 	taken := make(chan os.Signal, 64)
 	signal.Notify(taken)
-	for range taken {
-	}
+	go func() {
+		for range taken {
+		}
+	}()
 }
