@@ -61,7 +61,7 @@ def _decode(event: bytes, n: int) -> dict[str, Any]:
             raise PolicyResponseError(f"stream event {n} is not JSON ({len(event)} bytes)") from None
     if not isinstance(chunk, dict):
         raise PolicyResponseError(f"stream event {n} is a {type(chunk).__name__}, expected a JSON object")
-    if "error" in chunk:  # vLLM and SGLang end a failed generation with an error event
+    if chunk.get("error") is not None:  # vLLM and SGLang end a failed generation with an error event
         raise GenerationAborted(f"the policy server's stream reported an error at event {n}: the generation failed")
     return chunk
 
