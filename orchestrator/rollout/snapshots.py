@@ -7,9 +7,9 @@ snapshot-able.
 
 Snapshots are held in the orchestrator's memory, so they are bounded: one snapshot is read no further than
 `max_bytes` (counted as it streams out of envd), a job holds at most `per_job_count` snapshots and
-`per_job_bytes` in all, and the process at most `total_bytes`, held or being read (a tenant's many jobs cannot add
-up past it). A group whose snapshot would pass a bound is not snapshotted: its samples each run the
-setup, as without snapshots (slower, never wrong).
+`per_job_bytes` in all, and the process at most `total_bytes` (a tenant's many jobs cannot add up past it; a snapshot
+is read within what is left, and one whose room others took meanwhile is not kept). A group whose snapshot would pass
+a bound is not snapshotted: its samples each run the setup, as without snapshots (slower, never wrong).
 
 A snapshot is restored into the workspace itself, never into its parent, so envd's check that no member and no
 link lands outside the destination keeps its meaning (at "/" everything is inside). envd's Download names the
@@ -111,7 +111,6 @@ class SnapshotCache:
         self._snapshots: dict[tuple[str, str], asyncio.Future[bytes]] = {}
         self._count: collections.Counter[str] = collections.Counter()  # per job: snapshots held or being built
         self._bytes: collections.Counter[str] = collections.Counter()  # per job: bytes held
-        self._reading = 0  # bytes the snapshots being read may still take (each one's room)
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -121,8 +120,8 @@ class SnapshotCache:
         return self._bytes[job_id]
 
     def total_bytes(self) -> int:
-        """Bytes held now and reserved by the snapshots being read, over every job."""
-        return sum(self._bytes.values()) + self._reading
+        """Bytes held now, over every job."""
+        return sum(self._bytes.values())
 
     def _room(self, job_id: str) -> int:
         """The most the next snapshot of the job may be (0: the job's budget, or the process's, is spent)."""
@@ -132,19 +131,22 @@ class SnapshotCache:
         return max(0, min(b.max_bytes, b.per_job_bytes - self._bytes[job_id], b.total_bytes - self.total_bytes()))
 
     async def _snapshot(self, key: tuple[str, str], sandbox: Sandbox, workspace: str) -> bytes:
+        if key not in self._snapshots:
+            raise ArchiveTooLargeError(f"job {key[0]} was forgotten while its setup ran")
         room = self._room(key[0])
         if room <= 0:
             raise ArchiveTooLargeError(f"job {key[0]} has spent its snapshot budget, or the process its own")
         self._count[key[0]] += 1
-        self._reading += room
         try:
             tar = await asyncio.to_thread(_rebase, await sandbox.download_at_most(workspace, room), workspace)
+            if self.total_bytes() + len(tar) > self.budget.total_bytes:  # others were kept while it was read
+                raise ArchiveTooLargeError("the process's snapshot budget was spent while it was read")
         except BaseException:
-            self._count[key[0]] -= 1
+            if key in self._snapshots:  # else forget_job dropped the job's counts already
+                self._count[key[0]] -= 1
             raise
-        finally:
-            self._reading -= room
-        self._bytes[key[0]] += len(tar)
+        if key in self._snapshots:  # a job forgotten while its snapshot was read holds nothing
+            self._bytes[key[0]] += len(tar)
         return tar
 
     async def prepare(

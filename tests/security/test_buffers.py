@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+import tarfile
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +158,48 @@ async def test_snapshots_are_bounded_per_snapshot_per_job_and_in_all() -> None:
         assert await prepared("j4", "c", 2 * MiB) == "built"
     finally:
         await backend.close()
+
+
+class _SlowDownload:
+    """A sandbox double whose workspace download runs `during` first (it has the workspace `/tmp/ws`)."""
+
+    def __init__(self, during: Callable[[], None], size: int) -> None:
+        self.during, self.size = during, size
+
+    async def download_at_most(self, path: str, max_bytes: int) -> bytes:
+        await asyncio.sleep(0.01)
+        self.during()
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo("ws/data")
+            info.size = self.size
+            tar.addfile(info, io.BytesIO(b"d" * self.size))
+        return buf.getvalue()
+
+
+async def test_snapshots_read_at_once_are_not_refused_for_room_they_never_took() -> None:
+    # each read in flight reserved its whole room (up to max_bytes): 20 small snapshots at once reserved 5 GiB
+    # and the last ones were refused, their groups never snapshotted
+    cache = SnapshotCache(SnapshotBudget(max_bytes=256 * MiB, total_bytes=1 << 30))
+
+    async def setup() -> None:
+        pass
+
+    outcomes = await asyncio.gather(
+        *(cache.prepare((f"j{i}", "t"), _SlowDownload(lambda: None, 1000), "/tmp/ws", setup) for i in range(20))  # type: ignore[arg-type]
+    )
+    assert outcomes == ["built"] * 20 and 20 * 1000 < cache.total_bytes() < MiB
+
+
+async def test_a_job_forgotten_while_its_snapshot_is_read_holds_nothing() -> None:
+    cache = SnapshotCache(SnapshotBudget(max_bytes=8 * MiB, total_bytes=16 * MiB))
+
+    async def setup() -> None:
+        pass
+
+    box = _SlowDownload(lambda: cache.forget_job("j"), MiB)
+    await cache.prepare(("j", "t"), box, "/tmp/ws", setup)  # type: ignore[arg-type]
+    assert cache.total_bytes() == 0 and cache.held_bytes("j") == 0 and len(cache) == 0
 
 
 # The trainer runs in its own process, so that only the server's memory is measured here.
