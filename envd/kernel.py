@@ -45,15 +45,27 @@ def make_non_dumpable() -> None:
     _prctl(PR_SET_DUMPABLE, 0)
 
 
+# Signals whose default ends or stops a process and that only another process sends (kill), never a fault of envd's
+# own: SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP and SIGSYS keep their default, so a real crash is a crash.
+_TAKEN = (
+    *("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF"),
+    *("SIGXCPU", "SIGXFSZ", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGPWR", "SIGSTKFLT", "SIGIO"),
+)
+
+
 def ignore_signals() -> None:
     """envd as the sandbox's PID 1: every signal a sandbox process can send it reaches nothing.
 
     The kernel delivers no signal to a PID namespace's init from inside the namespace unless init has a handler for
-    it (SIGKILL and SIGSTOP never). Python has one for SIGINT (KeyboardInterrupt: envd exits); it gets a handler
-    that does nothing, not SIG_IGN, which commands would inherit. The host removes the container with a SIGKILL,
-    which comes from outside the namespace.
+    it (SIGKILL and SIGSTOP never), and Python has one for SIGINT (KeyboardInterrupt: envd exits). Each signal that
+    would end or stop envd gets a handler that does nothing, so envd stays up where a runtime does not shield its
+    init as Linux does. Handlers, not SIG_IGN, which commands would inherit. The host removes the container with a
+    SIGKILL, which comes from outside the namespace.
     """
-    signal.signal(signal.SIGINT, _ignore)
+    taken = [getattr(signal, name) for name in _TAKEN if hasattr(signal, name)]
+    taken += range(signal.SIGRTMIN, signal.SIGRTMAX + 1)
+    for signum in taken:
+        signal.signal(signum, _ignore)
 
 
 def _ignore(signum: int, frame: object) -> None:
