@@ -6,7 +6,11 @@ the result encoding; only envd's answers are faked. The policy is the scripted s
 answering after `--latency` seconds. Each round is one job of `--rollouts` rollouts at `--concurrency`; the first
 warms the pools, the others are measured from /proc: the worker's CPU per rollout, the policy's per request.
 
-    python -m bench.worker_cpu [--concurrency 64] [--rollouts 640] [--rounds 3] [--latency 1.0]
+    python -m bench.worker_cpu [--concurrency 64] [--rollouts 640] [--rounds 3] [--latency 1.0] [--stream]
+
+With --stream the measured rounds alternate between whole answers and streamed ones (`PolicyEndpoint.stream`: the
+scripted server sends each answer in 8 chunks), interleaved because this host is noisy; it reports both medians
+and their ratio.
 
 A quick loop for work on the worker's hot path; it writes nothing (bench/scale.py measures the real thing).
 """
@@ -44,7 +48,9 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / HZ
 
 
-async def run(concurrency: int, rollouts: int, rounds: int, latency: float) -> list[dict[str, Any]]:
+async def run(
+    concurrency: int, rollouts: int, rounds: int, latency: float, stream: bool = False
+) -> list[dict[str, Any]]:
     env = LightEnv()
     assert rollouts * rounds <= len(env.tasks())
     ids = [t.id for t in env.tasks()]
@@ -72,9 +78,10 @@ async def run(concurrency: int, rollouts: int, rounds: int, latency: float) -> l
             (worker,) = orch.workers.local.pids
             async with EnvfleetClient(orch.address, timeout_s=600) as client:
                 for rnd in range(rounds):
+                    streamed = stream and rnd % 2 == 0  # round 0 (the warm-up) too: the measured ones alternate
                     job = JobSpec(
                         env=env.name,
-                        policy=PolicyEndpoint(base_url=url, request_timeout_s=600),
+                        policy=PolicyEndpoint(base_url=url, request_timeout_s=600, stream=streamed),
                         max_concurrency=concurrency,
                         tasks=TaskSelection(kind="ids", ids=ids[rnd * rollouts : (rnd + 1) * rollouts]),
                     )
@@ -84,6 +91,7 @@ async def run(concurrency: int, rollouts: int, rounds: int, latency: float) -> l
                     n = sum(got.values())
                     row = {
                         "round": rnd,
+                        "stream": streamed,
                         "rollouts": n,
                         "statuses": dict(got),
                         "seconds": round(dt, 2),
@@ -107,18 +115,21 @@ def main() -> int:
     p.add_argument("--rollouts", type=int, default=640)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--latency", type=float, default=1.0)
+    p.add_argument("--stream", action="store_true", help="alternate whole and streamed answers (rounds: odd, >= 3)")
     a = p.parse_args()
-    rows = asyncio.run(run(a.concurrency, a.rollouts, a.rounds, a.latency))
-    worker = sorted(r["worker_ms_per_rollout"] for r in rows)
-    policy = sorted(r["policy_ms_per_request"] for r in rows)
-    print(
-        json.dumps(
-            {
-                "worker_ms_per_rollout_median": worker[len(worker) // 2],
-                "policy_ms_per_request_median": policy[len(policy) // 2],
-            }
-        )
-    )
+    rows = asyncio.run(run(a.concurrency, a.rollouts, a.rounds, a.latency, a.stream))
+    summary: dict[str, float] = {}
+    for mode in sorted({r["stream"] for r in rows}):
+        mine = [r for r in rows if r["stream"] == mode]
+        worker = sorted(r["worker_ms_per_rollout"] for r in mine)
+        policy = sorted(r["policy_ms_per_request"] for r in mine)
+        prefix = "streamed_" if mode else ""
+        summary[f"{prefix}worker_ms_per_rollout_median"] = worker[len(worker) // 2]
+        summary[f"{prefix}policy_ms_per_request_median"] = policy[len(policy) // 2]
+    if a.stream:
+        ratio = summary["streamed_worker_ms_per_rollout_median"] / summary["worker_ms_per_rollout_median"]
+        summary["streamed_over_whole_worker_cpu"] = round(ratio, 3)
+    print(json.dumps(summary))
     return 0
 
 

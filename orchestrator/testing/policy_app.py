@@ -98,15 +98,17 @@ STREAM_PIECES = 8  # a streamed answer comes in this many chunks (fewer for a sh
 
 @dataclass
 class _Streamed:
-    """A whole answer to send as server-sent events, as vLLM streams one (`"stream": true`), `delay_s` apart."""
+    """A whole answer to send as server-sent events, as vLLM streams one (`"stream": true`), `delay_s` apart; with
+    `usage` (stream_options.include_usage) a last chunk says how many tokens were sampled."""
 
     response: dict[str, Any]
     delay_s: float
+    usage: bool = False
 
     async def send(self, send: Send, closing: asyncio.Event) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        for i, chunk in enumerate(stream_chunks(self.response)):
+        for i, chunk in enumerate(stream_chunks(self.response, usage=self.usage)):
             if i and self.delay_s and not closing.is_set():
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.delay_s):
@@ -125,9 +127,10 @@ def _cut(seq: Any, n: int) -> list[Any]:
     return [seq[i * size : (i + 1) * size] for i in range(n)]
 
 
-def stream_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chunks vLLM would stream for a whole chat completion or completion: its text, tool call arguments, token
-    ids and logprobs cut into consecutive pieces, prompt ids and the role first, the finish reason last."""
+def stream_chunks(response: dict[str, Any], *, usage: bool = False) -> list[dict[str, Any]]:
+    """The chunks vLLM would stream for a whole chat completion or completion: a chat answer's role alone first
+    (with the prompt ids), then its text, tool call arguments, token ids and logprobs cut into consecutive pieces,
+    the finish reason on the last; with `usage`, a chunk of no choices that carries the token counts."""
     choice = response["choices"][0]
     ids = choice.get("token_ids")
     n = max(1, min(STREAM_PIECES, len(ids) if isinstance(ids, list) else STREAM_PIECES))
@@ -137,12 +140,16 @@ def stream_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
     lp_pieces = {k: _cut(v, n) for k, v in lp.items()} if isinstance(lp, dict) else {}
     extra = {k: v for k, v in choice.items() if k not in ("message", "text", "logprobs", "token_ids", "finish_reason")}
     chunks: list[dict[str, Any]] = []
+    if chat:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        chunks.append({"id": response.get("id"), "object": "chat.completion.chunk", "model": response.get("model")})
+        chunks[0]["choices"] = [role]
+        if "prompt_token_ids" in response:
+            chunks[0]["prompt_token_ids"] = response["prompt_token_ids"]
     for i in range(n):
         piece: dict[str, Any] = {"index": 0, "finish_reason": choice.get("finish_reason") if i == n - 1 else None}
         if chat:
             delta: dict[str, Any] = {"content": texts[i]}
-            if i == 0:
-                delta["role"] = "assistant"
             calls = []
             for j, call in enumerate(choice["message"].get("tool_calls") or []):
                 fn = call["function"]
@@ -170,9 +177,11 @@ def stream_chunks(response: dict[str, Any]) -> list[dict[str, Any]]:
             "model": response.get("model"),
             "choices": [piece],
         }
-        if i == 0 and "prompt_token_ids" in response:
-            chunk["prompt_token_ids"] = response["prompt_token_ids"]
         chunks.append(chunk)
+    if usage and isinstance(response.get("usage"), dict):
+        chunks.append(
+            {"id": response.get("id"), "model": response.get("model"), "choices": [], "usage": response["usage"]}
+        )
     return chunks
 
 
@@ -318,7 +327,9 @@ class ScriptedPolicyApp:
         if reply[0] == 200 and body.get("stream") is True:  # the latency is then the time to the first chunk
             whole = reply[1]
             self.streamed += 1
-            reply = 200, _Streamed(json.loads(whole) if isinstance(whole, bytes) else whole, step.chunk_delay_s)
+            options = body.get("stream_options")
+            usage = isinstance(options, dict) and options.get("include_usage") is True
+            reply = 200, _Streamed(json.loads(whole) if isinstance(whole, bytes) else whole, step.chunk_delay_s, usage)
         delay = start + self._latency(user, turn) - loop.time()
         if delay > 0 and not await self._wait_closing(delay):
             return reply

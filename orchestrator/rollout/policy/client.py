@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import random
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -41,7 +40,7 @@ from orchestrator.core.errors import (
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy import http, streaming
 from orchestrator.rollout.policy.base import Completion, Policy
-from orchestrator.rollout.policy.parsing import parse_chat_completion
+from orchestrator.rollout.policy.parsing import CONTEXT_FULL, parse_chat_completion
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,10 +49,9 @@ BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
 # A chat completion with token ids and logprobs of a long episode is a few MB; anything past this is refused.
 MAX_RESPONSE_BYTES = 32 << 20
-# How servers say a request is over the model's context, in a 400's body: vLLM ("This model's maximum context length
-# is ...", "... is longer than the maximum model length of ..."), SGLang ("... longer than the model's context length"),
-# OpenAI's own wording; only a 400 is read so.
-_CONTEXT_FULL = re.compile(r"maximum context length|context length|maximum model length|max_model_len", re.IGNORECASE)
+# A streamed answer bigger than this is put back together in a thread: a hostile server's millions of tiny events
+# would hold the event loop (and every other rollout of the worker) for seconds.
+STREAM_INLINE_BYTES = 1 << 20
 
 
 class _Retryable(Exception):
@@ -110,6 +108,8 @@ class OpenAIPolicy(Policy):
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
+        if self.endpoint.stream:
+            body["stream_options"] = {"include_usage": True}  # the count of sampled tokens, checked (streaming.py)
         if tools:
             body["tools"] = tools
             body["tool_choice"] = "auto"
@@ -186,6 +186,8 @@ class OpenAIPolicy(Policy):
         if resp.is_success:
             if streamed and resp.headers.get("content-type", "").startswith(streaming.EVENT_STREAM):
                 try:
+                    if len(resp.content) > STREAM_INLINE_BYTES:
+                        return await asyncio.to_thread(streaming.collect, resp.content)
                     return streaming.collect(resp.content)
                 except GenerationAborted as e:
                     raise _Retryable(e) from None
@@ -196,7 +198,7 @@ class OpenAIPolicy(Policy):
                     f"policy server {url} answered {resp.status} with a body that is not JSON ({_described(resp)})"
                 ) from e
         log.debug("policy server %s answered HTTP %d: %r", url, resp.status, resp.content[:200])
-        if resp.status == 400 and _CONTEXT_FULL.search(resp.content[:4096].decode(errors="replace")):
+        if resp.status == 400 and CONTEXT_FULL.search(resp.content[:4096].decode(errors="replace")):
             # the conversation outgrew the model: the policy's own length, an episode cut there (TRUNCATED) as the
             # token-in, token-out client cuts it when it counts the tokens itself; never a POLICY_ERROR, masked
             raise ContextFull(f"policy server {url} answered HTTP 400: the conversation is over the model's context")
@@ -241,7 +243,10 @@ def _loads(content: bytes) -> Any:
     try:
         return orjson.loads(content)
     except orjson.JSONDecodeError:
-        return json.loads(content)
+        try:
+            return json.loads(content)
+        except RecursionError:  # nested past the json module's depth (orjson stops at 1024): no JSON we can read
+            raise ValueError("nested too deeply") from None
 
 
 def _described(resp: http.Response) -> str:

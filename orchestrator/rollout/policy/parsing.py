@@ -25,6 +25,10 @@ CUT_OFF = frozenset({"length", "content_filter"})
 NOT_FINISHED = frozenset({"abort", "error"})
 NOT_SAID = "unknown"  # no finish_reason (null or absent): taken as finished, as servers that omit it always were
 _NAME = re.compile(r"[A-Za-z0-9_.-]{0,40}")
+# How servers say a request is over the model's context: vLLM ("This model's maximum context length is ...", "... is
+# longer than the maximum model length of ..."), SGLang ("... longer than the model's context length"), OpenAI's own
+# wording; read in a 400's body (client.py) and in a stream's error event (streaming.py).
+CONTEXT_FULL = re.compile(r"maximum context length|context length|maximum model length|max_model_len", re.IGNORECASE)
 
 
 def finish_reason(value: Any, where: str) -> str:

@@ -22,7 +22,8 @@ from typing import Any
 
 import orjson
 
-from orchestrator.core.errors import GenerationAborted, PolicyResponseError
+from orchestrator.core.errors import ContextFull, GenerationAborted, PolicyResponseError, PolicyTokenError
+from orchestrator.rollout.policy.parsing import CONTEXT_FULL
 
 DONE = b"[DONE]"
 EVENT_STREAM = "text/event-stream"
@@ -57,11 +58,18 @@ def _decode(event: bytes, n: int) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         try:
             chunk = json.loads(event)  # NaN and the like, as a whole answer is read (client._loads)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the json module's depth
             raise PolicyResponseError(f"stream event {n} is not JSON ({len(event)} bytes)") from None
     if not isinstance(chunk, dict):
         raise PolicyResponseError(f"stream event {n} is a {type(chunk).__name__}, expected a JSON object")
-    if chunk.get("error") is not None:  # vLLM and SGLang end a failed generation with an error event
+    # vLLM and SGLang end a failed generation with an error event ({"error": {...}}, or vLLM's {"object": "error"})
+    error = chunk.get("error")
+    if error is not None or chunk.get("object") == "error":
+        detail = error if isinstance(error, dict) else chunk
+        message = detail.get("message")
+        if isinstance(message, str) and CONTEXT_FULL.search(message[:4096]):
+            # SGLang says so in the stream: the conversation outgrew the model, the episode's own end (client.py)
+            raise ContextFull("the policy server's stream says the conversation is over the model's context")
         raise GenerationAborted(f"the policy server's stream reported an error at event {n}: the generation failed")
     return chunk
 
@@ -73,30 +81,41 @@ def _expect(value: Any, kind: type, where: str) -> Any:
 
 
 class _Choice:
-    """choices[0] of a whole answer, built from the chunks' pieces."""
+    """choices[0] of a whole answer, built from the chunks' pieces (each kept in a list, joined once at the end)."""
 
     def __init__(self) -> None:
         self.chat = False
         self.text: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
+        self.calls: dict[int, dict[str, Any]] = {}  # index -> id, name pieces, argument pieces
         self.lists: dict[str, list[Any]] = {}  # logprobs.content (chat), logprobs.<field> (completions)
         self.token_ids: list[Any] | None = None
         self.prompt_ids: Any = None
         self.finish: Any = None
+        self.counts: list[tuple[int, int, int]] = []  # per chunk with tokens: (event, token ids, logprob entries)
 
-    def add(self, choice: dict[str, Any], where: str) -> None:
+    def add(self, choice: dict[str, Any], n: int, where: str) -> None:
         if choice.get("finish_reason") is not None:
             self.finish = choice["finish_reason"]
         if choice.get("prompt_token_ids") is not None:
             self.prompt_ids = choice["prompt_token_ids"]
         ids = choice.get("token_ids")
         if ids is not None:
-            self.token_ids = [*(self.token_ids or []), *_expect(ids, list, f"{where}.token_ids")]
+            ids = _expect(ids, list, f"{where}.token_ids")
+            self.token_ids = self.token_ids or []
+            self.token_ids.extend(ids)
+        entries = 0
         lp = choice.get("logprobs")
         if lp is not None:
             for key, value in _expect(lp, dict, f"{where}.logprobs").items():
+                if value is None:
+                    continue
+                if key in ("content", "tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    value = _expect(value, list, f"{where}.logprobs.{key}")
+                    entries = max(entries, len(value))
                 if isinstance(value, list):
                     self.lists.setdefault(key, []).extend(value)
+        if ids is not None or entries:
+            self.counts.append((n, len(ids or ()), entries))
         delta = choice.get("delta")
         if delta is None:
             text = choice.get("text")
@@ -111,21 +130,36 @@ class _Choice:
             self._call_piece(_expect(piece, dict, f"{where}.delta.tool_calls[{i}]"), f"{where}.delta.tool_calls[{i}]")
 
     def _call_piece(self, piece: dict[str, Any], where: str) -> None:
-        index = piece.get("index", len(self.calls))
+        # a piece without its index continues the call before it (servers send the index on every piece)
+        index = piece.get("index", max(self.calls, default=0))
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 1024:
             raise PolicyResponseError(f"{where}.index is not a tool call index (0..1023)")
-        call = self.calls.setdefault(index, {"type": "function", "function": {"name": "", "arguments": ""}})
+        call = self.calls.setdefault(index, {"id": None, "name": [], "arguments": []})
         if piece.get("id") is not None:
             call["id"] = _expect(piece["id"], str, f"{where}.id")
         fn = _expect(piece.get("function") or {}, dict, f"{where}.function")
         for key in ("name", "arguments"):
             if fn.get(key) is not None:
-                call["function"][key] += _expect(fn[key], str, f"{where}.function.{key}")
+                call[key].append(_expect(fn[key], str, f"{where}.function.{key}"))
 
     def whole(self) -> dict[str, Any]:
+        if self.finish is None:
+            # every server ends a stream's last chunk with one; without it the answer may be cut (a whole answer's
+            # parser takes a missing finish_reason as finished, which a stream must not lend itself to)
+            raise GenerationAborted("the policy server's stream ended without a finish_reason: it may be incomplete")
+        if self.token_ids is not None and self.lists:
+            for n, ids, entries in self.counts:
+                if ids != entries:
+                    raise PolicyTokenError(
+                        f"stream event {n} carries {ids} token ids and {entries} logprobs: they do not line up"
+                    )
         out: dict[str, Any] = {"index": 0, "finish_reason": self.finish}
         if self.chat:
-            calls = [self.calls[i] for i in sorted(self.calls)]
+            calls = []
+            for i in sorted(self.calls):
+                c = self.calls[i]
+                fn = {"name": "".join(c["name"]), "arguments": "".join(c["arguments"])}
+                calls.append({**({"id": c["id"]} if c["id"] is not None else {}), "type": "function", "function": fn})
             content = "".join(self.text)
             message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
             if calls:
@@ -145,19 +179,32 @@ class _Choice:
 
 
 def collect(body: bytes) -> dict[str, Any]:
-    """The whole answer a streamed one adds up to (the first choice only: one is asked for)."""
+    """The whole answer a streamed one adds up to (the first choice only: one is asked for). When the stream says
+    how many tokens it sampled (`usage`, asked for with stream_options.include_usage), the token ids must be that
+    many: a server whose tool or reasoning parser held a chunk back has sent neither its ids nor its logprobs, and
+    the two lists would still be of one length."""
     choice = _Choice()
     whole: dict[str, Any] = {}
+    sampled: Any = None
     for n, event in enumerate(_events(body)):
         chunk = _decode(event, n)
         if isinstance(chunk.get("model"), str):
             whole["model"] = chunk["model"]
         if chunk.get("prompt_token_ids") is not None:  # vLLM: at the top level, on the first chunk
             whole["prompt_token_ids"] = chunk["prompt_token_ids"]
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            sampled = usage["completion_tokens"]
         for i, c in enumerate(_expect(chunk.get("choices") or [], list, f"stream event {n}'s choices")):
             where = f"stream event {n}'s choices[{i}]"
             c = _expect(c, dict, where)
             if c.get("index", 0) == 0:
-                choice.add(c, where)
+                choice.add(c, n, where)
     whole["choices"] = [choice.whole()]
+    ids = choice.token_ids
+    if ids is not None and sampled is not None and sampled != len(ids):
+        raise PolicyTokenError(
+            f"the policy server's stream carried {len(ids)} token ids but says it sampled {sampled} tokens "
+            "(usage.completion_tokens): some never arrived; use token_mode tito, or a server that sends every one"
+        )
     return whole

@@ -97,6 +97,8 @@ class TitoPolicy(Policy):
             "return_tokens_as_token_ids": True,  # older vLLM: logprobs.tokens as "token_id:N"
             "skip_special_tokens": False,
         }
+        if self.endpoint.stream:
+            body["stream_options"] = {"include_usage": True}  # the count of sampled tokens, checked (streaming.py)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
         if sampling.stop:

@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from orchestrator.core.errors import GenerationAborted, PolicyError, PolicyResponseError, PolicyTimeoutError
+from orchestrator.core.errors import (
+    ContextFull,
+    EnvfleetError,
+    GenerationAborted,
+    PolicyResponseError,
+    PolicyTimeoutError,
+    PolicyTokenError,
+)
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy import streaming
 from orchestrator.rollout.policy.client import OpenAIPolicy
@@ -102,7 +109,7 @@ def test_the_chunks_of_an_answer_add_up_to_the_answer() -> None:
         ],
     }
     chunks = stream_chunks(whole)
-    assert len(chunks) == 3
+    assert len(chunks) == 4  # the role alone, then the three tokens
     streamed = parse_chat_completion(streaming.collect(_sse(*chunks)), model="x")
     assert streamed == parse_chat_completion(whole, model="x")
     assert (streamed.prompt_ids, streamed.completion_ids, streamed.logprobs) == ([1, 2, 3], [7, 8, 9], [-3.5, -4, -4.5])
@@ -123,14 +130,60 @@ def test_the_chunks_of_an_answer_add_up_to_the_answer() -> None:
             r"tool_calls\[0\].index is not a tool call index",
         ),
         (_sse({"choices": [{"token_ids": 5}]}), PolicyResponseError, r"token_ids is a int, expected a list"),
+        (_sse(b"[" * 100_000 + b"]" * 100_000), PolicyResponseError, r"stream event 0 is not JSON"),
+        # every server ends a stream with a finish_reason: a cut answer must not pass as a finished one
+        (_sse(_chunk("I will now rm")), GenerationAborted, r"ended without a finish_reason"),
+        (_sse(_chunk("half"), {"object": "error", "message": "x"}), GenerationAborted, r"reported an error"),
+        (
+            _sse({"error": {"message": "Requested tokens exceed the model's context length", "code": 400}}),
+            ContextFull,
+            r"over the model's context",
+        ),
+        # a server that held chunks back (its tool parser's) sent neither their ids nor their logprobs
+        (
+            _sse(
+                {"choices": [{"delta": {"content": "ab"}, "token_ids": [1, 2], "logprobs": {"content": [{}, {}]}}]},
+                {"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": {"completion_tokens": 3}},
+            ),
+            PolicyTokenError,
+            r"carried 2 token ids but says it sampled 3 tokens",
+        ),
+        (
+            _sse(
+                {"choices": [{"delta": {"content": "a"}, "token_ids": [1, 2]}]},
+                {"choices": [{"delta": {}, "logprobs": {"content": [{}, {}]}, "finish_reason": "stop"}]},
+            ),
+            PolicyTokenError,
+            r"stream event 0 carries 2 token ids and 0 logprobs",
+        ),
     ],
-    ids=["no-done", "error-event", "not-json", "not-object", "content", "delta", "call-index", "token-ids"],
+    ids=[
+        *("no-done", "error-event", "not-json", "not-object", "content", "delta", "call-index", "token-ids"),
+        *("deep", "no-finish", "error-object", "context-full", "ids-held-back", "misaligned"),
+    ],
 )
 def test_a_stream_that_stops_short_or_is_malformed_is_no_turn(
-    body: bytes, error: type[PolicyError], match: str
+    body: bytes, error: type[EnvfleetError], match: str
 ) -> None:
     with pytest.raises(error, match=match):
         streaming.collect(body)
+
+
+def test_a_tool_call_piece_without_its_index_continues_the_call_before_it() -> None:
+    body = _sse(
+        {
+            "choices": [
+                {"delta": {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{"}}]}}
+            ]
+        },
+        {
+            "choices": [
+                {"delta": {"tool_calls": [{"function": {"arguments": '"x": 1}'}}]}, "finish_reason": "tool_calls"}
+            ]
+        },
+    )
+    c = parse_chat_completion(streaming.collect(body), model="m")
+    assert [(t.id, t.name, t.arguments) for t in c.tool_calls] == [("c", "f", '{"x": 1}')]
 
 
 async def test_a_stream_that_stops_short_is_retried_then_fails(make_policy: PolicyFactory) -> None:
