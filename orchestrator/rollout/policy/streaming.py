@@ -9,9 +9,11 @@ two pieces of the answer (http.py), and a generation may take as long as it keep
 Each event is a chunk of the chat completion (`choices[0].delta`: content, tool call pieces by index) or of the
 completion (`choices[0].text`), with the token fields vLLM and SGLang add per chunk: `token_ids` and `logprobs` of
 the chunk's tokens, `prompt_token_ids` once. They are concatenated in order, field by field; the parser then checks
-them as it checks a whole answer (ids and logprobs of one length, exact values). A stream that ends before
-`data: [DONE]`, or that carries an error event, is an unfinished generation (GenerationAborted, retried as a 5xx):
-a cut answer is never a turn. The server is untrusted: a chunk of the wrong shape is a PolicyResponseError that names
+them as it checks a whole answer (ids and logprobs of one length, exact values); here each chunk's ids and
+logprobs must line up too, and all the ids must be as many as the stream's `usage` says were sampled. A stream that
+ends before `data: [DONE]` or without a finish_reason, or that carries an error event, is an unfinished generation
+(GenerationAborted, retried as a 5xx): a cut answer is never a turn; an error that says the context is full is
+ContextFull, as the 400 is. The server is untrusted: a chunk of the wrong shape is a PolicyResponseError that names
 the chunk and the field, never quotes it.
 """
 
