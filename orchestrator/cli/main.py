@@ -281,6 +281,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
                 api_key=args.api_key,
                 tokenizer=args.tokenizer,
                 tool_parser=args.tool_parser,
+                stream=args.stream,
             ),
             max_concurrency=args.concurrency,
             max_turns=args.max_turns,
@@ -425,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tito's tool-call format: hermes, qwen3_coder, llama3_json, or a plug-in",
     )
     rollout.add_argument("--max-model-len", type=int, default=None, help="tito: the whole episode's context in tokens")
+    rollout.add_argument(
+        "--stream",
+        action="store_true",
+        help="ask the policy server for streamed answers: a generation may run past the request timeout while it "
+        "keeps sending",
+    )
     _add_tokenizer_dir_argument(rollout, " (of the in-process orchestrator, without --server)")
     add_client_arguments(rollout, None, "an orchestrator address (default: run one in this process)")
     rollout.set_defaults(fn=_cmd_rollout)

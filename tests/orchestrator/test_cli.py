@@ -58,27 +58,21 @@ def test_envs_list_and_describe() -> None:
     assert r.returncode != 0 and "did you mean python-tool" in r.stderr
 
 
-async def test_rollout_command_writes_jsonl(tmp_path: Path, policy_server: ScriptedServer, base_image: str) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_rollout_command_writes_jsonl(
+    tmp_path: Path, policy_server: ScriptedServer, base_image: str, stream: bool
+) -> None:
     out = tmp_path / "r.jsonl"
-    r = await asyncio.to_thread(
-        _envfleet,
-        "rollout",
-        "--env",
-        "python-tool",
-        "--tasks",
-        "2",
-        "--n",
-        "2",
-        "--policy",
-        policy_server.url,
-        "--out",
-        str(out),
-    )
+    streamed = policy_server.app.streamed
+    args = ["--env", "python-tool", "--tasks", "2", "--n", "2", "--policy", policy_server.url, "--out", str(out)]
+    r = await asyncio.to_thread(_envfleet, "rollout", *args, *(["--stream"] if stream else []))
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == 4
     assert {x["status"] for x in lines} == {"OK"} and {x["reward"] for x in lines} == {1.0}
+    assert {x["tokens"]["status"] for x in lines} == {"complete"}
     assert "4 rollouts written" in r.stdout
+    assert (policy_server.app.streamed > streamed) == stream  # every answer came as a stream, or none did
 
 
 async def test_sync_client(fake_orchestrator: Orchestrator, policy_server: ScriptedServer, task_ids: list[str]) -> None:
