@@ -492,6 +492,10 @@ class JobManager:
                 elif finished and (room > 0 or not await self.store.read(job_id, cursor, 1)):
                     return
                 me.full = len(me.outstanding) >= max_in_flight
+                if room <= 0 and not me.full:
+                    # acks freed room while the log was read above (they woke nobody: the window was not marked
+                    # full yet); waiting now would wait for an ack that already came, at the end of a job forever
+                    continue
                 await me.wake.wait()
                 # while it reads and sends, an ack changes nothing it is about to look at: it wakes no read
                 waited_for_room, me.full = me.full, False
