@@ -30,7 +30,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
@@ -515,10 +515,20 @@ class JobManager:
             raise InvalidRequestError(f"up_to must be >= 0, got {up_to}")
         if up_to > job.delivered:
             raise InvalidRequestError(f"up_to={up_to}: nothing delivered after seq {job.delivered}")
-        seqs = await self.store.ack(job_id, up_to, ids, delivered=job.delivered, whole_groups=job.spec.deliver_groups)
+        # the log's ack and the streams' notice of it run to their end together: the store runs a queued call even
+        # when its caller is cancelled (an Ack RPC past its deadline), and without the notice the acked seqs stayed
+        # in a stream's window for good, which a later ack (acking nothing new) never freed: a full window hung
+        acking = asyncio.ensure_future(self._ack(job, up_to, ids))
+        acking.add_done_callback(_retrieved)
+        return len(await asyncio.shield(acking))
+
+    async def _ack(self, job: _Job, up_to: int, ids: Sequence[str]) -> list[int]:
+        seqs = await self.store.ack(
+            job.job_id, up_to, ids, delivered=job.delivered, whole_groups=job.spec.deliver_groups
+        )
         job.acked += len(seqs)
         job.notify_acked(seqs)
-        return len(seqs)
+        return seqs
 
     async def update_policy(self, job_id: str, version: str, base_url: str, *, owner: str | None = None) -> JobInfo:
         """Rollouts started from now on use this endpoint and record this version."""
@@ -678,3 +688,9 @@ def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "g
         failed = sum(not r.status.scored for r in rollouts)
         groups.append(Group(g, rollouts[0].task_id, members, group_advantages(rewards, advantage), failed))
     return Batch(groups=groups)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Marks a shielded task's outcome as seen: its caller may have been cancelled, and it may still fail."""
+    if not task.cancelled():
+        task.exception()

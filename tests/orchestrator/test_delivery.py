@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import docker
 import grpc
@@ -297,6 +299,42 @@ async def test_an_ack_that_lands_while_a_full_window_reads_the_log_is_not_lost(
     async with asyncio.timeout(10):
         assert len((await call.read()).rollouts) == 2  # the ack made room: the rest comes at once
     assert acked.is_set()
+    call.cancel()
+
+
+async def test_an_ack_whose_call_is_cancelled_still_frees_the_window(
+    fake_orchestrator: Orchestrator,
+    fake_client: EnvfleetClient,
+    policy_server: ScriptedServer,
+    task_ids: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the store runs a queued call even when its caller is cancelled (an Ack RPC past its deadline): the rows were
+    # acked in the log, but the streams never heard of it, a later ack acked nothing new, and the full window hung
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4], max_concurrency=4))
+    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    jobs = fake_orchestrator.jobs
+    call = fake_client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_in_flight=2))
+    assert len((await call.read()).rollouts) == 2
+    gate, entered = threading.Event(), threading.Event()
+    transaction = jobs.store._transaction
+
+    def held(calls: list[Any]) -> list[tuple[bool, Any]]:
+        entered.set()
+        gate.wait(10)  # the ack's transaction runs while its caller is cancelled
+        return transaction(calls)
+
+    monkeypatch.setattr(jobs.store, "_transaction", held)
+    acking = asyncio.create_task(jobs.ack(job_id, 2, []))
+    assert await asyncio.to_thread(entered.wait, 10)
+    acking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await acking
+    monkeypatch.setattr(jobs.store, "_transaction", transaction)
+    gate.set()
+    async with asyncio.timeout(10):
+        assert len((await call.read()).rollouts) == 2  # the window was freed all the same
+    assert (await fake_client.get_job(job_id)).acked == 2
     call.cancel()
 
 
