@@ -141,9 +141,8 @@ class OpenAIPolicy(Policy):
         attempts = self.endpoint.max_retries + 1
         for attempt in range(attempts):
             try:
-                data = await self._attempt(url, body, headers)
-                try:
-                    return parse(data)
+                try:  # unfinished: an answer parse finds so, or a stream cut short (streaming.py)
+                    return parse(await self._attempt(url, body, headers))
                 except GenerationAborted as e:
                     raise _Retryable(e) from None
             except _Retryable as r:
@@ -185,12 +184,9 @@ class OpenAIPolicy(Policy):
 
         if resp.is_success:
             if streamed and resp.headers.get("content-type", "").startswith(streaming.EVENT_STREAM):
-                try:
-                    if len(resp.content) > STREAM_INLINE_BYTES:
-                        return await asyncio.to_thread(streaming.collect, resp.content)
-                    return streaming.collect(resp.content)
-                except GenerationAborted as e:
-                    raise _Retryable(e) from None
+                if len(resp.content) > STREAM_INLINE_BYTES:
+                    return await asyncio.to_thread(streaming.collect, resp.content)
+                return streaming.collect(resp.content)
             try:  # a whole answer, also from a server that does not stream
                 return _loads(resp.content)
             except ValueError as e:
