@@ -142,10 +142,11 @@ def stream_chunks(response: dict[str, Any], *, usage: bool = False) -> list[dict
     chunks: list[dict[str, Any]] = []
     if chat:
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        chunks.append({"id": response.get("id"), "object": "chat.completion.chunk", "model": response.get("model")})
-        chunks[0]["choices"] = [role]
+        first = {"id": response.get("id"), "object": "chat.completion.chunk", "model": response.get("model")}
+        first["choices"] = [role]
         if "prompt_token_ids" in response:
-            chunks[0]["prompt_token_ids"] = response["prompt_token_ids"]
+            first["prompt_token_ids"] = response["prompt_token_ids"]
+        chunks.append(first)
     for i in range(n):
         piece: dict[str, Any] = {"index": 0, "finish_reason": choice.get("finish_reason") if i == n - 1 else None}
         if chat:
