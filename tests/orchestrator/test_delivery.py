@@ -270,6 +270,20 @@ async def test_a_full_window_is_not_held_back_by_the_gap(
     assert (await fake_client.get_job(job_id)).acked == 8
 
 
+async def _finished_job(client: EnvfleetClient, policy_server: ScriptedServer, ids: list[str]) -> str:
+    """A job of these tasks, run to its end."""
+    job_id = await client.submit(job(policy_server.url, ids, max_concurrency=len(ids)))
+    assert await until_done(client, job_id, len(ids), timeout_s=60) == len(ids)
+    return job_id
+
+
+async def _full_window(client: EnvfleetClient, job_id: str) -> Any:
+    """A stream of the job with a window of 2, filled: its first batch read, nothing acked."""
+    call = client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_in_flight=2))
+    assert len((await call.read()).rollouts) == 2
+    return call
+
+
 async def test_an_ack_that_lands_while_a_full_window_reads_the_log_is_not_lost(
     fake_orchestrator: Orchestrator,
     fake_client: EnvfleetClient,
@@ -280,8 +294,7 @@ async def test_an_ack_that_lands_while_a_full_window_reads_the_log_is_not_lost(
     # a finished job's stream with a full window reads the log once more (is anything left?) before it waits for
     # room: an ack landing during that read found the window not yet marked full and woke nobody, so the stream
     # waited for an ack that had come, forever (seen once in CI as a 20 s timeout of the test above)
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4], max_concurrency=4))
-    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:4])
     store = fake_orchestrator.jobs.store
     read = store.read
     acked = asyncio.Event()
@@ -294,8 +307,7 @@ async def test_an_ack_that_lands_while_a_full_window_reads_the_log_is_not_lost(
         return entries
 
     monkeypatch.setattr(store, "read", read_then_ack)
-    call = fake_client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_in_flight=2))
-    assert len((await call.read()).rollouts) == 2
+    call = await _full_window(fake_client, job_id)
     async with asyncio.timeout(10):
         assert len((await call.read()).rollouts) == 2  # the ack made room: the rest comes at once
     assert acked.is_set()
@@ -311,11 +323,9 @@ async def test_an_ack_whose_call_is_cancelled_still_frees_the_window(
 ) -> None:
     # the store runs a queued call even when its caller is cancelled (an Ack RPC past its deadline): the rows were
     # acked in the log, but the streams never heard of it, a later ack acked nothing new, and the full window hung
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4], max_concurrency=4))
-    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:4])
     jobs = fake_orchestrator.jobs
-    call = fake_client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_in_flight=2))
-    assert len((await call.read()).rollouts) == 2
+    call = await _full_window(fake_client, job_id)
     gate, entered = threading.Event(), threading.Event()
     transaction = jobs.store._transaction
 
