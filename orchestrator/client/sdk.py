@@ -33,6 +33,8 @@ T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 << 20
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+# An ack is idempotent (up_to is cumulative), so one that ran past its deadline on a busy server is sent again too
+ACK_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
 RETRY_S = 0.5  # between tries while the server cannot be reached
 ACK_GAP_S = 0.1  # while rollouts come quicker than this, one auto-ack per gap acks all consumed meanwhile
 
@@ -124,7 +126,7 @@ class EnvfleetClient:
     async def _ack_through_outages(self, job_id: str, up_to: int) -> None:
         """An auto-ack, tried again for up to reconnect_s while the server cannot be reached, as the stream is (a
         server restarting made the iterator raise after its caller had consumed the batch)."""
-        outage = _Outage(self.reconnect_s)
+        outage = _Outage(self.reconnect_s, ACK_RETRYABLE)
         while True:
             try:
                 await self.ack(job_id, up_to=up_to)
@@ -250,11 +252,7 @@ class EnvfleetClient:
         consumed: int | None = None
         acker = _Acker(self, job_id, max_in_flight) if auto_ack else None
         try:
-            while True:
-                try:
-                    batch = await batches.asend(consumed)
-                except StopAsyncIteration:
-                    break
+            while (batch := await _next_batch(batches, consumed, acker)) is not None:
                 consumed = None
                 entries = unpack(batch)
                 for key, _, item in entries:
@@ -279,6 +277,33 @@ class EnvfleetClient:
             await batches.aclose()
 
 
+async def _next_batch(
+    batches: AsyncGenerator[pb.RolloutBatch, int | None], consumed: int | None, acker: _Acker | None
+) -> pb.RolloutBatch | None:
+    """The stream's next batch (None at its end). While an auto-ack is in flight, its failure is raised as soon as it
+    fails, not at the next batch: a window full of rollouts consumed and not acked gets no next batch."""
+
+    async def ask() -> pb.RolloutBatch | None:
+        try:
+            return await batches.asend(consumed)
+        except StopAsyncIteration:
+            return None
+
+    acks = acker.in_flight if acker is not None else None
+    if acks is None:
+        return await ask()
+    batch = asyncio.ensure_future(ask())
+    try:
+        done, _ = await asyncio.wait((batch, acks), return_when=asyncio.FIRST_COMPLETED)
+        if batch not in done:
+            acks.result()  # a failed ack raises here; one that went through leaves the batch to wait for
+        return await batch
+    finally:
+        if not batch.done():
+            batch.cancel()
+            await asyncio.wait((batch,))
+
+
 def _members(batch: pb.RolloutBatch) -> list[pb.Rollout]:
     """A batch's rollouts, the groups' members after the loose ones."""
     return [*batch.rollouts, *(m for g in batch.groups for m in g.rollouts)]
@@ -288,8 +313,9 @@ class _Outage:
     """A server that cannot be reached: a call is tried again every RETRY_S until reconnect_s have passed since the
     first failure of the spell (the stream's spell ends with its next message)."""
 
-    def __init__(self, reconnect_s: float) -> None:
+    def __init__(self, reconnect_s: float, retryable: set[grpc.StatusCode] = RETRYABLE) -> None:
         self._reconnect_s = reconnect_s
+        self._retryable = retryable
         self._give_up: float | None = None
 
     async def wait_out(self, e: grpc.aio.AioRpcError, what: str) -> None:
@@ -297,7 +323,7 @@ class _Outage:
         now = asyncio.get_running_loop().time()
         if self._give_up is None:
             self._give_up = now + self._reconnect_s
-        if e.code() not in RETRYABLE or now > self._give_up:
+        if e.code() not in self._retryable or now > self._give_up:
             raise e
         log.warning("%s failed (%s); trying again", what, e.code().name)
         await asyncio.sleep(RETRY_S)
@@ -311,7 +337,8 @@ class _Acker:
     and while rollouts come quicker than one an ACK_GAP_S, one Ack per gap (up_to is cumulative: it acks everything
     consumed meanwhile). At 50 rollouts a second each batch is one rollout, and each Ack its own call and log write
     on the control plane. A window half full of consumed rollouts is acked at once, so a small max_in_flight is not
-    held back by the gap. A failed ack (after reconnect_s of outage) is raised at the next batch."""
+    held back by the gap. A failed ack (after reconnect_s of outage, or a status no retry helps) is raised to the
+    reader when it fails, also while the reader waits for a batch (_next_batch)."""
 
     def __init__(self, client: EnvfleetClient, job_id: str, max_in_flight: int) -> None:
         self._client = client
@@ -322,6 +349,11 @@ class _Acker:
         self._sent_at = float("-inf")
         self._task: asyncio.Task[None] | None = None
         self._due = asyncio.Event()  # set when the window is half full: the gap is skipped
+
+    @property
+    def in_flight(self) -> asyncio.Task[None] | None:
+        """The task sending acks, while it runs."""
+        return self._task if self._task is not None and not self._task.done() else None
 
     def consumed(self, seq: int, count: int) -> None:
         if self._task is not None and self._task.done():

@@ -381,6 +381,51 @@ async def test_auto_acks_go_behind_the_reader_and_are_through_when_it_stops(
     assert (await fake_client.get_job(job_id)).acked == 8
 
 
+def _failing_ack(code: grpc.StatusCode, times: int, ack: Any) -> Any:
+    """An ack that fails with `code` its first `times` calls, then goes through."""
+    calls: list[int] = []
+
+    async def failing(job_id: str, up_to: int = 0, ids: object = ()) -> int:
+        calls.append(up_to)
+        if len(calls) <= times:
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="refused by the test")
+        return int(await ack(job_id, up_to=up_to))
+
+    failing.calls = calls  # type: ignore[attr-defined]
+    return failing
+
+
+async def test_a_failed_auto_ack_is_raised_while_the_reader_waits_on_a_full_window(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the window (2) is full of consumed rollouts when their ack fails: no batch comes until something is acked, and
+    # the failure was raised only at the next batch, so the reader waited for ever
+    monkeypatch.setattr(fake_client, "ack", _failing_ack(grpc.StatusCode.PERMISSION_DENIED, 1, fake_client.ack))
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4], max_concurrency=4))
+    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    got: list[str] = []
+    with pytest.raises(grpc.aio.AioRpcError, match="refused by the test"):
+        async with asyncio.timeout(20):
+            async for r in fake_client.rollouts(job_id, max_in_flight=2, max_batch=2):
+                got.append(r.id)
+    assert len(got) == 2
+    assert (await fake_client.get_job(job_id)).acked == 0  # they come again to the next reader
+
+
+async def test_an_auto_ack_past_its_deadline_is_sent_again(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an ack is idempotent, so one that ran past its deadline on a busy server is tried again, not raised
+    failing = _failing_ack(grpc.StatusCode.DEADLINE_EXCEEDED, 1, fake_client.ack)
+    monkeypatch.setattr(fake_client, "ack", failing)
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4], max_concurrency=4))
+    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    async with asyncio.timeout(20):
+        got = [r.id async for r in fake_client.rollouts(job_id, max_in_flight=2, max_batch=2)]
+    assert sorted(got) == sorted(f"{job_id}:{t}:0" for t in task_ids[:4])
+    assert len(failing.calls) >= 2 and (await fake_client.get_job(job_id)).acked == 4
+
+
 @pytest.mark.parametrize("groups", [False, True], ids=["rollouts", "groups"])
 async def test_big_rollouts_come_in_messages_a_client_with_grpcs_default_limit_reads(
     fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str], groups: bool
