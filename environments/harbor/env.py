@@ -56,6 +56,7 @@ GRADER_SLACK_KIB = 1024
 GRADER_SLACK_INODES = 64
 TMP_FULL_METRIC = "agent_filled_tmp"
 VERIFIER_FAILED_METRIC = "verifier_failed_after_agent"
+VERIFIER_RERUN_METRIC = "verifier_ran_again_after_timeout"
 TAIL_CHARS = 600
 ENVD_CMD = '["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py"]'
 SYSTEM_PROMPT = (
@@ -63,6 +64,10 @@ SYSTEM_PROMPT = (
     "call submit when done."
 )
 DEFAULT_LIMITS = Limits(memory_mb=1024, cpus=1.0, pids=256)
+
+
+class VerifierTimeoutError(HarborRewardError):
+    """test.sh ran past its timeout, so it wrote no reward."""
 
 
 def _tail(r: ExecResult) -> str:
@@ -232,10 +237,21 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         reward, a timeout, a step of the grader's failed), the sandbox as the agent left it is why, and that is the
         agent's own outcome, 0 (never a rollout masked from training), if the agent filled /tmp, where /tests and
         /logs live, or if the task was validated: its test.sh wrote a reward in time for the oracle and for an empty
-        solution. Otherwise the task is not known to work: ENV_ERROR."""
+        solution (one that ran past its timeout runs once more first: a busy host's doing is no reward). Otherwise
+        the task is not known to work: ENV_ERROR."""
         t = self.harbor_tasks[task.id]
         try:
-            return await self._verify(sandbox, t)
+            try:
+                return await self._verify(sandbox, t)
+            except VerifierTimeoutError as e:
+                if not self.validated:
+                    raise
+                # test.sh finished in time in validation: past its timeout now, it ran the agent's program that
+                # never ends (it does so again) or a host was too busy to run it in time (a second run most likely
+                # finishes): a 0 for the host's doing would be an infrastructure failure passed off as a reward
+                log.info("%s: %s; running it once more", task.id, e)
+                score = await self._verify(sandbox, t)
+                return Score(score.reward, score.components, {**score.metrics, VERIFIER_RERUN_METRIC: 1.0})
         except (HarborRunError, SandboxFileError) as e:  # a step of the grader's, or a file it wrote or read
             if await self._tmp_full(sandbox, t.tests):
                 log.info("%s: the agent filled /tmp, so the verifier could not run (%s); scored 0", task.id, e)
@@ -277,7 +293,9 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             max_output=MAX_OUTPUT,
         )
         if r.timed_out:
-            raise HarborRewardError(f"tests/test.sh timed out after {t.verifier_timeout_s:g}s ([verifier] timeout_sec)")
+            raise VerifierTimeoutError(
+                f"tests/test.sh timed out after {t.verifier_timeout_s:g}s ([verifier] timeout_sec)"
+            )
         txt = await self._read(sandbox, f"{VERIFIER_DIR}/reward.txt")
         js = await self._read(sandbox, f"{VERIFIER_DIR}/reward.json")
         try:

@@ -21,7 +21,12 @@ import grpc
 import pytest
 
 from environments.harbor.archive import HarborKind
-from environments.harbor.env import VERIFIER_FAILED_METRIC, built_dockerfile, make_harbor_environment
+from environments.harbor.env import (
+    VERIFIER_FAILED_METRIC,
+    VERIFIER_RERUN_METRIC,
+    built_dockerfile,
+    make_harbor_environment,
+)
 from environments.harbor.task import HarborRewardError, HarborTaskError
 from environments.harbor.validate import validate
 from orchestrator.backends.docker.backend import DockerBackend
@@ -202,3 +207,44 @@ async def test_a_verifier_the_agent_hung_scores_0_once_the_task_is_validated(
     assert env.validated and not make_harbor_environment("harbor-hang", [d]).validated
     score = await score_after_the_hang()
     assert score.reward == 0.0 and score.metrics == {VERIFIER_FAILED_METRIC: 1.0}, score
+
+
+async def test_a_validated_verifier_a_busy_host_held_past_its_timeout_runs_again(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # the host, not the agent, held test.sh past its timeout: the sandbox frozen for longer than it, as a host too
+    # busy to run it would leave it. The agent's answer is right; a 0 for the host's doing would be an
+    # infrastructure failure passed off as a reward. test.sh runs once more, and its verdict stands.
+    slow = VERDICT_SH.replace("\n", "\nsleep 1\n", 1)  # long enough to be seen running
+    d = make_task(tmp_path, "slow-host", test=slow, solve=ORACLE, verifier_timeout=3)
+    env = make_harbor_environment("harbor-slow-host", [d])
+    HarborKind().validated(env)
+    image = await asyncio.to_thread(env.build_image, docker_client)
+    task = env.tasks()[0]
+    frozen: list[float] = []
+
+    async def freeze_the_first_verifier(container_id: str) -> None:
+        container = await asyncio.to_thread(docker_client.containers.get, container_id)
+        while True:
+            top = await asyncio.to_thread(container.top, ps_args="-eo pid,args")
+            if any("/tests/test.sh" in " ".join(p) for p in top.get("Processes") or []):
+                await asyncio.to_thread(container.pause)
+                try:
+                    await asyncio.sleep(4.5)
+                finally:
+                    await asyncio.to_thread(container.unpause)
+                frozen.append(4.5)
+                return
+            await asyncio.sleep(0.02)
+
+    async with await backend.create(SandboxSpec(image=image, limits=env.limits)) as s:
+        await env.setup(s, task, 0)
+        assert (await s.exec(["bash", "-c", ORACLE], cwd="/app")).ok
+        freezer = asyncio.create_task(freeze_the_first_verifier(s.id))
+        try:
+            score = await env.score(s, task, Episode([], "", "submit"))
+        finally:
+            freezer.cancel()
+            await asyncio.gather(freezer, return_exceptions=True)
+    assert frozen, "the verifier was never seen running"
+    assert score.reward == 1.0 and score.metrics.get(VERIFIER_RERUN_METRIC) == 1.0, score
