@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal, Protocol
 from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import Limits, Sandbox
+from orchestrator.core.text import as_text
 
 # Added to the environment of every grader command run in a sandbox (test runs, scoring commands): no user site
 # directory (a usercustomize.py the policy planted under $HOME would run first) and a HOME with nothing in it.
@@ -85,6 +86,12 @@ class Score:
         for kind, values in (("component", self.components), ("metric", self.metrics)):
             for name, value in values.items():
                 _finite(f"{kind} {name!r}", value)
+            if not all(name.isascii() for name in values):
+                # names a scorer read from what the sandbox printed (a reward.json's keys): a lone surrogate made the
+                # rollout unstorable, and the job waited for it for ever
+                named = {as_text(name): value for name, value in values.items()}
+                values.clear()
+                values.update(named)
 
 
 def _finite(what: str, value: object) -> None:

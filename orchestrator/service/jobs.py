@@ -390,7 +390,13 @@ class JobManager:
         if job.state == JobState.CANCELLED:
             return
         grouped = job.spec.deliver_groups
-        seq = await self._logged(f"rollout {item.id}", lambda: self.store.append(rollout, visible=not grouped))
+        try:
+            seq = await self._logged(f"rollout {item.id}", lambda: self.store.append(rollout, visible=not grouped))
+        except ValueError as e:  # a rollout the log cannot encode (a bug upstream): masked, never lost
+            log.error("rollout %s cannot be stored", item.id, exc_info=e)
+            error = RolloutError(kind=type(e).__name__, message=f"the rollout could not be stored: {e}"[:2000])
+            rollout = unrun_rollout(item, env.ref(), job.spec.policy.version, error, rollout.attempts)
+            seq = await self._logged(f"rollout {item.id}", lambda: self.store.append(rollout, visible=not grouped))
         if seq is None:
             return  # already in the log (a resumed duplicate)
         if grouped:

@@ -36,8 +36,9 @@ ROLE_TOKENS: dict[str, int] = {
 
 
 def encode(text: str) -> list[int]:
-    """UTF-8 bytes of text, each shifted by BYTE_OFFSET."""
-    return [b + BYTE_OFFSET for b in text.encode()]
+    """UTF-8 bytes of text, each shifted by BYTE_OFFSET; a lone surrogate (a hostile script's) as the three bytes
+    UTF-8 would give it, so that the double can send one."""
+    return [b + BYTE_OFFSET for b in text.encode(errors="surrogatepass")]
 
 
 def decode(ids: Sequence[int]) -> str:

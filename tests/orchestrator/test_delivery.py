@@ -19,6 +19,7 @@ import pytest
 
 from orchestrator.client.convert import rollout_from_pb
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import RolloutStatus
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.jobs import _within_bytes
 from orchestrator.service.registry import Registry
@@ -379,6 +380,34 @@ async def test_auto_acks_go_behind_the_reader_and_are_through_when_it_stops(
         rest = [r.id async for r in fake_client.rollouts(job_id, max_batch=1)]
     assert len(rest) == 4 and len(sent) == 4, sent  # a new reader's first ack goes at once, the others together
     assert (await fake_client.get_job(job_id)).acked == 8
+
+
+async def test_a_rollout_the_log_cannot_encode_is_delivered_masked_and_its_job_ends(
+    fake_orchestrator: Orchestrator,
+    fake_client: EnvfleetClient,
+    policy_server: ScriptedServer,
+    task_ids: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a rollout holding what the log cannot encode (a lone surrogate: pydantic's ValueError) was never logged, and
+    # its job waited for it for ever
+    store = fake_orchestrator.jobs.store
+    append = store.append
+    unstorable = f":{task_ids[0]}:"
+
+    async def refusing(rollout: Any, *, visible: bool = True) -> int | None:
+        if unstorable in rollout.id and rollout.status == RolloutStatus.OK:
+            raise ValueError("surrogates not allowed")
+        return await append(rollout, visible=visible)
+
+    monkeypatch.setattr(store, "append", refusing)
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:2]))
+    assert await until_done(fake_client, job_id, 2, timeout_s=60) == 2
+    got = {r.task_id: r async for r in fake_client.rollouts(job_id)}
+    masked, fine = got[task_ids[0]], got[task_ids[1]]
+    assert masked.status == RolloutStatus.INFRA_ERROR and masked.reward is None
+    assert masked.error is not None and "could not be stored: surrogates not allowed" in masked.error.message
+    assert fine.status == RolloutStatus.OK
 
 
 def _failing_ack(code: grpc.StatusCode, times: int, ack: Any) -> Any:

@@ -7,6 +7,9 @@ graded, and a wrong answer scores 0 (status OK).
   surrogate could not be encoded into envd's request at all.
   And an answer of 6 million two-byte characters (a 12 MB response) made the episode's JSON for stdin 72 MB, over the
   64 MiB of one gRPC message: INFRA_ERROR, retried and never scored (it is over an episode's budget now: TRUNCATED).
+- A lone surrogate from the policy server (an answer's text: the worker's result could not be encoded), in a bash
+  command (envd's request could not be), or in a component's name a scorer printed (the rollout could not be
+  stored, and its job waited for it for ever): each is U+FFFD, or the tool's error, now.
 - code-tests wrote its hidden tests to the fixed path /tmp/.envfleet-hidden, in the /tmp the policy writes: a
   directory of mode 0, a file or a link planted there, or a full /tmp, made the grader's write fail.
 
@@ -111,6 +114,42 @@ async def test_any_answer_is_graded(tmp_path: Path, base_image: str) -> None:
     assert {tid: r.reward_components for tid, r in got.items()} == {
         tid: {"env_answer_bytes": env_bytes} for tid, (_, env_bytes) in expected.items()
     }
+
+
+# Surrogates from the policy server itself, not inside a tool call's arguments: an answer whose text has a lone one
+# (the json module keeps the escape's value, where orjson refuses it) made the worker's result unencodable, and a
+# bash command with one could not be put into envd's request: both ended INFRA_ERROR, retried and masked.
+SURROGATES = {
+    "text": [Step(content="4\ud8002")],
+    "command": [
+        Step(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "echo \ud800"})]),
+        Step(tool_calls=[ScriptedToolCall(name="submit", arguments={"answer": EXPECTED})]),
+    ],
+}
+
+
+# A scorer's output names its components: one that echoes what the sandbox holds (a test's name the policy chose) may
+# name one with a lone surrogate's escape, and the rollout could not be stored: its job waited for it for ever.
+ECHOING_GRADER = "printf '%s\\n' '{\"reward\": 1, \"\\ud800 passed\": 1}'"
+
+
+async def test_surrogates_from_the_policy_are_graded(tmp_path: Path, base_image: str) -> None:
+    spec = _declarative_spec()
+    spec["tasks"] = [{**spec["tasks"][0], "id": tid} for tid in SURROGATES]
+    echoing = {**spec, "name": "echoing-scorer", "scoring": {"command": ECHOING_GRADER, "timeout_s": 30}}
+    echoing["tasks"] = [{**spec["tasks"][0], "id": "echo"}]
+    async with serve(tmp_path, Registry.from_entry_points()) as orch, EnvfleetClient(orch.address) as client:
+        await client.env_stub.Register(to_pb(spec))
+        await client.env_stub.Register(to_pb(echoing))
+        got = await _run(client, "forced-env-error", Script(tasks=SURROGATES))
+        echoed = await _run(client, "echoing-scorer", Script(tasks={"echo": SURROGATES["command"][1:]}))
+    outcomes = {tid: (r.status, r.reward, r.error.message if r.error else "") for tid, r in got.items()}
+    assert outcomes == {"text": (RolloutStatus.OK, 0.0, ""), "command": (RolloutStatus.OK, 1.0, "")}, outcomes
+    echo = echoed["echo"]
+    assert (echo.status, echo.reward, echo.reward_components) == (RolloutStatus.OK, 1.0, {"\ufffd passed": 1.0})
+    assert got["text"].turns[-1].text == "4\ufffd2"
+    turns = [(t.role, t.text) for t in got["command"].turns]
+    assert any(role == "tool" and "lone surrogate" in text for role, text in turns), turns
 
 
 # What the policy leaves in its sandbox before it submits a wrong solution: each made the grader's write of the hidden

@@ -38,6 +38,7 @@ from orchestrator.core.errors import (
     PolicyTimeoutError,
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.core.text import texts
 from orchestrator.rollout.policy import http, streaming
 from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import CONTEXT_FULL, parse_chat_completion
@@ -233,14 +234,15 @@ def _dumps(body: dict[str, Any]) -> bytes:
 
 
 def _loads(content: bytes) -> Any:
-    """A JSON body decoded by orjson, or by the json module where orjson refuses it (NaN, UTF-16); ValueError when
-    it is not JSON. One difference remains: orjson reads an integer past 64 bits as a float, so a token id that
-    large (past the wire's int32 anyway) is refused by the parser as a float, never rounded."""
+    """A JSON body decoded by orjson, or by the json module where orjson refuses it (NaN, UTF-16, a lone surrogate's
+    escape: its strings then made text, core.text.texts); ValueError when it is not JSON. One difference remains:
+    orjson reads an integer past 64 bits as a float, so a token id that large (past the wire's int32 anyway) is
+    refused by the parser as a float, never rounded."""
     try:
         return orjson.loads(content)
     except orjson.JSONDecodeError:
         try:
-            return json.loads(content)
+            return texts(json.loads(content))  # a lone surrogate's escape, which orjson refuses, is U+FFFD
         except RecursionError:  # nested past the json module's depth (orjson stops at 1024): no JSON we can read
             raise ValueError("nested too deeply") from None
 

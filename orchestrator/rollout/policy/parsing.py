@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-from orchestrator.core.errors import GenerationAborted, PolicyResponseError
+from orchestrator.core.errors import GenerationAborted, PolicyResponseError, PolicyTokenError
 from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.base import Completion, ToolCall
 
@@ -51,11 +51,19 @@ def finish_reason(value: Any, where: str) -> str:
 
 
 def _logprob_entries(choice: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """logprobs.content, or None when the answer has none; a value of another shape is no logprobs at all, so it is
+    refused (PolicyTokenError), never read as none."""
     lp = choice.get("logprobs")
-    content = lp.get("content") if isinstance(lp, dict) else None
-    if isinstance(content, list) and all(isinstance(e, dict) for e in content):
-        return content
-    return None
+    if lp is None:
+        return None
+    if not isinstance(lp, dict):
+        raise PolicyTokenError(f"choices[0].logprobs is a {type(lp).__name__}, expected an object")
+    content = lp.get("content")
+    if content is None:
+        return None
+    if not isinstance(content, list) or not all(isinstance(e, dict) for e in content):
+        raise PolicyTokenError(f"{_CONTENT} is not a list of objects (one per sampled token)")
+    return content
 
 
 def _text(content: Any) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from orchestrator.core.errors import ContextFull, GenerationAborted, PolicyResponseError, PolicyTokenError
+from orchestrator.core.text import texts
 from orchestrator.rollout.policy.parsing import CONTEXT_FULL
 
 DONE = b"[DONE]"
@@ -35,8 +36,8 @@ def _events(body: bytes) -> list[bytes]:
     """The data of each server-sent event, up to `[DONE]`; GenerationAborted when the stream ended before it."""
     events: list[bytes] = []
     data: list[bytes] = []
-    for raw in body.split(b"\n"):
-        line = raw[:-1] if raw.endswith(b"\r") else raw
+    # a stream may start with a byte order mark, and end its lines with CRLF, LF or CR alone (the SSE standard)
+    for line in body.removeprefix(b"\xef\xbb\xbf").splitlines():
         if not line:  # an event ends at a blank line
             if data:
                 event = b"\n".join(data)
@@ -54,10 +55,14 @@ def _events(body: bytes) -> list[bytes]:
     raise GenerationAborted("the policy server's stream ended before `data: [DONE]`: the generation is incomplete")
 
 
-def _decode(event: bytes, n: int) -> dict[str, Any]:
+def _decode(event: bytes, n: int) -> tuple[dict[str, Any], bool]:
+    """The event's chunk, and whether the json module read it (orjson refused it): its strings may then hold
+    surrogates, a pair's halves in two events or a lone one, which `collect` makes text once they are joined."""
+    lax = False
     try:
         chunk = orjson.loads(event)
     except orjson.JSONDecodeError:
+        lax = True
         try:
             chunk = json.loads(event)  # NaN and the like, as a whole answer is read (client._loads)
         except (ValueError, RecursionError):  # RecursionError: nested past the json module's depth
@@ -73,7 +78,7 @@ def _decode(event: bytes, n: int) -> dict[str, Any]:
             # SGLang says so in the stream: the conversation outgrew the model, the episode's own end (client.py)
             raise ContextFull("the policy server's stream says the conversation is over the model's context")
         raise GenerationAborted(f"the policy server's stream reported an error at event {n}: the generation failed")
-    return chunk
+    return chunk, lax
 
 
 def _expect(value: Any, kind: type, where: str) -> Any:
@@ -179,6 +184,16 @@ class _Choice:
             out["prompt_token_ids"] = self.prompt_ids
         return out
 
+    def carried(self) -> int | None:
+        """How many sampled tokens the stream carried: its ids, else the logprob entries the parser reads them from
+        (the `token_id:N` labels of a server that sends no ids); None when it carried none of either."""
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        for key in ("content", "tokens", "token_logprobs"):
+            if key in self.lists:
+                return len(self.lists[key])
+        return None
+
 
 def collect(body: bytes) -> dict[str, Any]:
     """The whole answer a streamed one adds up to (the first choice only: one is asked for). When the stream says
@@ -188,8 +203,10 @@ def collect(body: bytes) -> dict[str, Any]:
     choice = _Choice()
     whole: dict[str, Any] = {}
     sampled: Any = None
+    lax = False
     for n, event in enumerate(_events(body)):
-        chunk = _decode(event, n)
+        chunk, lax_event = _decode(event, n)
+        lax |= lax_event
         if isinstance(chunk.get("model"), str):
             whole["model"] = chunk["model"]
         if chunk.get("prompt_token_ids") is not None:  # vLLM: at the top level, on the first chunk
@@ -203,10 +220,10 @@ def collect(body: bytes) -> dict[str, Any]:
             if c.get("index", 0) == 0:
                 choice.add(c, n, where)
     whole["choices"] = [choice.whole()]
-    ids = choice.token_ids
-    if ids is not None and sampled is not None and sampled != len(ids):
+    carried = choice.carried()
+    if carried is not None and sampled is not None and sampled != carried:
         raise PolicyTokenError(
-            f"the policy server's stream carried {len(ids)} token ids but says it sampled {sampled} tokens "
+            f"the policy server's stream carried {carried} tokens but says it sampled {sampled} "
             "(usage.completion_tokens): some never arrived; use token_mode tito, or a server that sends every one"
         )
-    return whole
+    return texts(whole) if lax else whole

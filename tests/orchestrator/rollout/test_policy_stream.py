@@ -20,7 +20,7 @@ from orchestrator.core.errors import (
     PolicyTokenError,
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
-from orchestrator.rollout.policy import streaming
+from orchestrator.rollout.policy import client, streaming
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.parsing import parse_chat_completion
 from orchestrator.testing import toy_tokenizer as toy
@@ -55,6 +55,10 @@ def _sse(*chunks: Any, done: bool = True) -> bytes:
 
 def _chunk(content: str, finish: str | None = None) -> dict[str, Any]:
     return {"choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+
+
+def _label(token_id: int) -> dict[str, Any]:
+    return {"token": f"token_id:{token_id}", "logprob": -0.5}
 
 
 async def test_a_generation_longer_than_the_request_timeout_is_a_turn(make_policy: PolicyFactory) -> None:
@@ -146,7 +150,16 @@ def test_the_chunks_of_an_answer_add_up_to_the_answer() -> None:
                 {"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": {"completion_tokens": 3}},
             ),
             PolicyTokenError,
-            r"carried 2 token ids but says it sampled 3 tokens",
+            r"carried 2 tokens but says it sampled 3",
+        ),
+        # the same held back from a server that sends no ids, only the `token_id:N` labels of its logprobs
+        (
+            _sse(
+                {"choices": [{"delta": {"content": "ab"}, "logprobs": {"content": [_label(1), _label(2)]}}]},
+                {"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": {"completion_tokens": 3}},
+            ),
+            PolicyTokenError,
+            r"carried 2 tokens but says it sampled 3",
         ),
         (
             _sse(
@@ -159,7 +172,7 @@ def test_the_chunks_of_an_answer_add_up_to_the_answer() -> None:
     ],
     ids=[
         *("no-done", "error-event", "not-json", "not-object", "content", "delta", "call-index", "token-ids"),
-        *("deep", "no-finish", "error-object", "context-full", "ids-held-back", "misaligned"),
+        *("deep", "no-finish", "error-object", "context-full", "ids-held-back", "labels-held-back", "misaligned"),
     ],
 )
 def test_a_stream_that_stops_short_or_is_malformed_is_no_turn(
@@ -167,6 +180,47 @@ def test_a_stream_that_stops_short_or_is_malformed_is_no_turn(
 ) -> None:
     with pytest.raises(error, match=match):
         streaming.collect(body)
+
+
+def test_a_stream_framed_as_the_sse_standard_allows_reads_the_same() -> None:
+    # a byte order mark before the first event, and lines ended by CR alone: the first event was dropped (its ids
+    # and text with it, the rest still a turn), and a CR-framed stream never ended
+    body = _sse(
+        {"choices": [{"delta": {"content": "x"}, "token_ids": [7], "logprobs": {"content": [_label(7)]}}]},
+        {"choices": [{"delta": {"content": "y"}, "token_ids": [8], "logprobs": {"content": [_label(8)]}}]},
+        {"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": {"completion_tokens": 2}},
+    )
+    whole = streaming.collect(body)
+    assert whole["choices"][0]["token_ids"] == [7, 8] and whole["choices"][0]["message"]["content"] == "xy"
+    for framed in (b"\xef\xbb\xbf" + body, body.replace(b"\n", b"\r"), body.replace(b"\n", b"\r\n")):
+        assert streaming.collect(framed) == whole
+
+
+def test_surrogates_from_the_policy_server_are_text_the_rollout_can_carry() -> None:
+    # a lone surrogate's escape (which orjson refuses and the json module keeps) and a pair split between two
+    # events: neither is a character, and the rollout holding one could not be stored or sent (UTF-8 has none), so
+    # the worker's result failed to encode and the policy's answer ended the rollout as an infrastructure failure
+    split = _sse(
+        {"choices": [{"delta": {"content": "a\ud83d"}}]},
+        {"choices": [{"delta": {"content": "\ude00b"}, "finish_reason": "stop"}]},
+    )
+    assert streaming.collect(split)["choices"][0]["message"]["content"] == "a\U0001f600b"
+    lone = _sse({"choices": [{"delta": {"content": "hi \ud800"}, "finish_reason": "stop"}]})
+    assert streaming.collect(lone)["choices"][0]["message"]["content"] == "hi \ufffd"
+    whole = b'{"choices": [{"finish_reason": "stop", "message": {"content": "hi \\ud800", "\\udc00k": 1}}]}'
+    c = parse_chat_completion(client._loads(whole), model="m")
+    assert c.text == "hi \ufffd"
+    c.text.encode()
+
+
+@pytest.mark.parametrize(
+    "logprobs", [{"content": [_label(5), None]}, {"content": {"a": 1}}, "none"], ids=["entry", "object", "string"]
+)
+def test_logprobs_of_another_shape_are_refused_not_read_as_none(logprobs: Any) -> None:
+    # a whole answer's malformed logprobs were taken as no logprobs at all: a turn whose tokens were "missing"
+    body = {"choices": [{"finish_reason": "stop", "message": {"content": "x"}, "token_ids": [5], "logprobs": logprobs}]}
+    with pytest.raises(PolicyTokenError, match=r"choices\[0\]\.logprobs"):
+        parse_chat_completion(body, model="m")
 
 
 def test_a_tool_call_piece_without_its_index_continues_the_call_before_it() -> None:
