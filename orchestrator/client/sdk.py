@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -144,8 +144,9 @@ class EnvfleetClient:
             req = pb.StreamRolloutsRequest(
                 job_id=job_id, resume_after=cursor, max_in_flight=max_in_flight, max_batch=max_batch
             )
+            call = self.rollout_stub.StreamRollouts(req)
             try:
-                async for batch in self.rollout_stub.StreamRollouts(req):
+                async for batch in call:
                     outage.over()
                     consumed = yield batch
                     if consumed is not None:
@@ -153,6 +154,10 @@ class EnvfleetClient:
                 return
             except grpc.aio.AioRpcError as e:
                 await outage.wait_out(e, f"stream of job {job_id} (resuming after seq {cursor})")
+            finally:
+                # a reader that stops early (a break, an error of its own) ends the call: the channel keeps a call
+                # alive until it ends, and the server's stream, which holds one of the tenant's few, went on for good
+                call.cancel()
 
     async def rollouts(
         self,
@@ -391,12 +396,15 @@ class _Acker:
 
 
 class SyncEnvfleetClient:
-    """The same client for code without asyncio: a private event loop runs on a background thread."""
+    """The same client for code without asyncio: a private event loop runs on a background thread. Close it (or use
+    it in a `with`): its open iterators are closed first, so what they consumed is acked."""
 
     def __init__(self, target: str, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="envfleet-client", daemon=True)
         self._thread.start()
+        self._closed = False
+        self._open: set[AsyncGenerator[Any]] = set()  # iterators not closed yet
         self._client: EnvfleetClient = self._call(self._make(target, kwargs))
 
     @staticmethod
@@ -404,7 +412,17 @@ class SyncEnvfleetClient:
         return EnvfleetClient(target, **kwargs)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run `coro` on the client's loop and wait for it. Interrupted while it runs (Ctrl-C, a signal handler's
+        exception), it is cancelled there, so that nothing of it goes on behind the caller's back."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this SyncEnvfleetClient is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # a no-op once it is done
+            raise
 
     def submit(self, spec: JobSpec) -> str:
         return self._call(self._client.submit(spec))
@@ -418,20 +436,22 @@ class SyncEnvfleetClient:
     def ack(self, job_id: str, up_to: int = 0, ids: Sequence[str] = ()) -> int:
         return self._call(self._client.ack(job_id, up_to, ids))
 
-    def rollouts(self, job_id: str, **kwargs: Any) -> Iterator[Rollout]:
+    def rollouts(self, job_id: str, **kwargs: Any) -> Generator[Rollout, None, None]:
         """A blocking iterator over the job's rollouts (see EnvfleetClient.rollouts)."""
         return self._blocking(self._client.rollouts(job_id, **kwargs))
 
-    def rollout_messages(self, job_id: str, **kwargs: Any) -> Iterator[pb.Rollout]:
+    def rollout_messages(self, job_id: str, **kwargs: Any) -> Generator[pb.Rollout, None, None]:
         """A blocking iterator over the job's rollouts as protobuf messages (see EnvfleetClient.rollout_messages)."""
         return self._blocking(self._client.rollout_messages(job_id, **kwargs))
 
-    def groups(self, job_id: str, **kwargs: Any) -> Iterator[GroupResult]:
+    def groups(self, job_id: str, **kwargs: Any) -> Generator[GroupResult, None, None]:
         """A blocking iterator over the job's whole groups (see EnvfleetClient.groups)."""
         return self._blocking(self._client.groups(job_id, **kwargs))
 
-    def _blocking(self, agen: AsyncIterator[T]) -> Iterator[T]:
-        # each item is awaited on the client's loop; closing the iterator closes the stream there too
+    def _blocking(self, agen: AsyncGenerator[T]) -> Generator[T, None, None]:
+        # each item is awaited on the client's loop; closing the iterator closes the stream there too (once the
+        # item it was waiting for, if interrupted, has stopped: a generator cannot be closed while it runs)
+        self._open.add(agen)
         try:
             while True:
                 try:
@@ -439,18 +459,48 @@ class SyncEnvfleetClient:
                 except StopAsyncIteration:
                     return
         finally:
-            self._call(agen.aclose())  # type: ignore[attr-defined]
+            self._open.discard(agen)
+            if not self._closed:
+                self._call(_close(agen))
 
     def close(self) -> None:
-        self._call(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        """Close the open iterators (their consumed rollouts acked), then the channel, then the loop; again, nothing."""
+        if self._closed:
+            return
+        try:
+            for agen in list(self._open):
+                if not _running(agen):  # one that another thread waits on ends with the channel
+                    self._open.discard(agen)
+                    with contextlib.suppress(Exception):
+                        self._call(_close(agen))
+            self._call(self._client.close())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def __enter__(self) -> SyncEnvfleetClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+CLOSE_WAIT_S = 5.0  # how long closing an iterator waits for the item it was interrupted on to stop
+
+
+def _running(agen: AsyncGenerator[Any]) -> bool:
+    return bool(getattr(agen, "ag_running", False))  # an async generator's, not in the abstract type
+
+
+async def _close(agen: AsyncGenerator[Any]) -> None:
+    """Close `agen` once it is not running: a step of it that was cancelled may take a few loop turns to end."""
+    async with asyncio.timeout(CLOSE_WAIT_S):
+        while _running(agen):  # noqa: ASYNC110 - a generator has no event to wait on
+            await asyncio.sleep(0.01)
+    await agen.aclose()
 
 
 async def _anext(agen: AsyncIterator[T]) -> T:

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from orchestrator.client.convert import rollout_from_pb
-from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.client.sdk import EnvfleetClient, SyncEnvfleetClient
 from orchestrator.core.models import RolloutStatus
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.jobs import _within_bytes
@@ -408,6 +408,88 @@ async def test_a_rollout_the_log_cannot_encode_is_delivered_masked_and_its_job_e
     assert masked.status == RolloutStatus.INFRA_ERROR and masked.reward is None
     assert masked.error is not None and "could not be stored: surrogates not allowed" in masked.error.message
     assert fine.status == RolloutStatus.OK
+
+
+async def test_a_reader_that_stops_early_ends_its_stream_on_the_server(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # the call was left open when the reader broke out: the server's stream went on for good, holding one of the
+    # tenant's streams (64), so a trainer that read a few rollouts a step was refused at about its 65th step
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4]))
+    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    for _ in range(3):
+        async with contextlib.aclosing(fake_client.rollouts(job_id, max_in_flight=2, max_batch=1)) as rollouts:
+            async for _ in rollouts:
+                break
+    listeners = fake_orchestrator.jobs._jobs[job_id].listeners
+    async with asyncio.timeout(10):
+        while listeners:  # noqa: ASYNC110 - the job's listeners have no event to wait on
+            await asyncio.sleep(0.05)
+
+
+async def test_a_closed_sync_client_and_its_iterators_close_again_without_waiting(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # close() stopped the client's loop and left it there: a second close, an iterator closed after it (its
+    # finally), any call, each waited for ever on a loop that would never run it
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4]))
+    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+
+    def run() -> None:
+        c = SyncEnvfleetClient(fake_orchestrator.address)
+        it = c.rollouts(job_id, max_batch=1)
+        next(it)
+        c.close()
+        c.close()
+        it.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            c.get_job(job_id)
+
+    await asyncio.wait_for(asyncio.to_thread(run), 20)
+    assert (await fake_client.get_job(job_id)).acked == 0  # the one it read was not consumed: it comes again
+
+
+_INTERRUPTED = """
+import os, signal, sys, threading
+from orchestrator.client.sdk import SyncEnvfleetClient
+
+c = SyncEnvfleetClient(sys.argv[1])
+it = c.rollouts(sys.argv[2], max_in_flight=1, max_batch=1, auto_ack=False)
+next(it)  # the window is full now: nothing more comes
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    next(it)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+it.close()
+c.close()
+print("closed", flush=True)
+"""
+
+
+async def test_ctrl_c_while_a_sync_iterator_waits_is_a_keyboard_interrupt_and_ends_its_stream(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # the interrupt came while the next item was awaited on the client's loop; closing the iterator then tried to
+    # close a generator still running there: a RuntimeError replaced the KeyboardInterrupt (a trainer's handler for
+    # it never ran), and the stream stayed open on the server
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:3]))
+    assert await until_done(fake_client, job_id, 3, timeout_s=60) == 3
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _INTERRUPTED, fake_orchestrator.address, job_id, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0 and out.decode().split() == ["interrupted", "closed"], err.decode()[-2000:]
+    listeners = fake_orchestrator.jobs._jobs[job_id].listeners
+    async with asyncio.timeout(10):
+        while listeners:  # noqa: ASYNC110 - the job's listeners have no event to wait on
+            await asyncio.sleep(0.05)
 
 
 def _failing_ack(code: grpc.StatusCode, times: int, ack: Any) -> Any:
