@@ -69,6 +69,9 @@ class _Worker:
     connected_at: float = field(default_factory=time.monotonic)
     next_sweep: float = field(default_factory=time.monotonic)
     served: int = 0
+    # its last assignment came back as an error, invalid, or not at all within its budget (a worker that cannot load
+    # an environment answers at once, so it would look the least loaded): placed on only when the others are full
+    failing: bool = False
     archives: set[str] = field(default_factory=set)  # digests of the archives this stream has carried
     metrics: bytes | None = b""  # its Prometheus metrics as its heartbeats last carried them; None: too large
 
@@ -147,16 +150,21 @@ class WorkerHub:
     # -- the executor seam -------------------------------------------------------------------------------------
 
     async def run(self, item: WorkItem, env: Environment, spec: JobSpec) -> EncodedRollout | Rollout:
-        """Run the rollout on a worker; a lost worker's rollout is retried on another, within the job's budget."""
+        """Run the rollout on a worker; a lost worker's rollout is retried on another (one it did not fail on, while
+        there is one), within the job's budget."""
         lost: list[str] = []
+        failed_on: set[str] = set()
         while True:
+            worker: _Worker | None = None
             try:
-                worker = await self._pick(item, env, spec)
+                worker = await self._pick(item, env, spec, failed_on)
                 try:
                     rollout = await self._run_on(worker, item, env, spec)
                 finally:
                     self._free_slot()
             except WorkerLostError as e:
+                if worker is not None:
+                    failed_on.add(worker.id)
                 lost.append(str(e))
                 if len(lost) > spec.max_infra_retries:
                     return _lost_rollout(item, env, spec, lost)
@@ -182,8 +190,9 @@ class WorkerHub:
 
     # -- placement ---------------------------------------------------------------------------------------------
 
-    async def _pick(self, item: WorkItem, env: Environment, spec: JobSpec) -> _Worker:
-        """A worker for the rollout, once one has room; the caller frees the slot (_free_slot) when it is done."""
+    async def _pick(self, item: WorkItem, env: Environment, spec: JobSpec, failed_on: set[str]) -> _Worker:
+        """A worker for the rollout, once one has room, other than those it `failed_on` while there is another; the
+        caller frees the slot (_free_slot) when it is done."""
         while True:
             if not self._workers:
                 try:
@@ -207,12 +216,13 @@ class WorkerHub:
                 raise
         self._in_use += 1
         home = self._workers.get(self._group_home.get(item.job_id, {}).get(item.group_id, ""))
-        if home is not None and home.load < 2.0:
+        if home is not None and home.load < 2.0 and not home.failing and home.id not in failed_on:
             return home
         hosts = self._hosts_with.get(env.ref(), set())
-        # least loaded first; among equals, a host that already has the image
-        worker = min(self._workers.values(), key=lambda w: (round(w.load, 3), w.host not in hosts, w.served))
-        self._remember_home(item, worker)
+        candidates = [w for w in self._workers.values() if w.id not in failed_on] or self._workers.values()
+        # least loaded first (a failing worker counted as full); among equals, a host that already has the image
+        worker = min(candidates, key=lambda w: (round(w.load + w.failing, 3), w.host not in hosts, w.served))
+        self._remember_home(item, worker, moved=home is not None)
         return worker
 
     def _free_slot(self) -> None:
@@ -227,8 +237,12 @@ class WorkerHub:
                 waiter.set_result(None)
                 n -= 1
 
-    def _remember_home(self, item: WorkItem, worker: _Worker) -> None:
+    def _remember_home(self, item: WorkItem, worker: _Worker, moved: bool = False) -> None:
+        """The group's samples go where its first went (its snapshots are there), or, `moved` from a home that
+        failed or is full, where this one goes."""
         if item.group_id in self._group_home.get(item.job_id, {}):
+            if moved:
+                self._group_home[item.job_id][item.group_id] = worker.id
             return
         if self._tracked_groups >= MAX_TRACKED_GROUPS:  # forget the oldest job's oldest group
             oldest_job = next(iter(self._group_home))
@@ -285,6 +299,7 @@ class WorkerHub:
         finally:
             worker.running.pop(assignment_id, None)
         worker.served += 1
+        worker.failing = False
         self.dispatch_delays.append(max(0.0, time.monotonic() - sent - run_s))
         self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
         return rollout
@@ -433,12 +448,14 @@ class WorkerHub:
         if running is None or running.result.done():
             return  # cancelled, or given up on: the answer is late
         if result.error:
+            worker.failing = True
             running.result.set_exception(WorkerLostError(result.error))
             return
         try:
             running.result.set_result(decode(result, running.item, trusted=worker.trusted))
         except InvalidResultError as e:
             log.warning("worker %s sent an invalid rollout for %s: %s", worker.id, running.item.id, e)
+            worker.failing = True
             running.result.set_exception(WorkerLostError(f"worker {worker.id} sent an invalid rollout: {e}"))
 
     def _expire(self, worker: _Worker, now: float) -> None:
@@ -446,6 +463,7 @@ class WorkerHub:
         stuck rollout holds a sandbox there)."""
         for assignment_id, running in list(worker.running.items()):
             if now > running.deadline and not running.result.done():
+                worker.failing = True
                 running.result.set_exception(
                     WorkerLostError(f"worker {worker.id} gave no result within {running.budget_s:g}s")
                 )
@@ -466,6 +484,9 @@ class WorkerHub:
                 running.result.set_exception(WorkerLostError(f"worker {worker.id} was lost: {why}"))
         worker.running.clear()
         worker.outbox.close()
+        if not self._workers:
+            # rollouts waiting for a slot wait for a worker now: in time (_pick), not for a slot that no end frees
+            self._wake(len(self._slot_waiters))
         if not self._closed and worker.trusted and worker.pid in self.local_pids():
             self.on_local_lost(worker.pid, self._connected_pid)
 

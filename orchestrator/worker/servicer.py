@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import AsyncIterator
 
@@ -28,7 +29,15 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
         if not hmac.compare_digest(str(given).encode(), self._expected):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a worker needs the fleet's worker token")
         inbound = aiter(request_iterator)
-        first = await anext(inbound, None)
+        try:
+            # a peer that holds the token but never says hello (or went away unseen) does not hold a handler for good
+            async with asyncio.timeout(self._hub.heartbeat_timeout_s):
+                first = await anext(inbound, None)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"a worker must say hello within {self._hub.heartbeat_timeout_s:g}s of connecting",
+            )
         if first is None or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a worker's first message must be its hello")
         assert first is not None

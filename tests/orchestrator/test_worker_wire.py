@@ -13,6 +13,9 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 
+import grpc
+import pytest
+
 from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
 from orchestrator.server.convert import rollout_pb
 from orchestrator.service.registry import Registry
@@ -20,7 +23,8 @@ from orchestrator.worker.outbox import Outbox, as_messages, by_size
 from orchestrator.worker.results import encode
 from protos import orchestrator_pb2 as pb
 from protos import worker_pb2 as wpb
-from tests.orchestrator.worker_wire import ENV, ScriptedWorker, Wire, items, rollout_for, serve_hub, spec
+from protos import worker_pb2_grpc as wpb_grpc
+from tests.orchestrator.worker_wire import ENV, TOKEN, ScriptedWorker, Wire, items, rollout_for, serve_hub, spec
 
 
 async def _answer(a: wpb.Assignment) -> wpb.RolloutResult:
@@ -154,6 +158,65 @@ async def test_a_lost_workers_rollouts_wait_for_room_rather_than_overload_the_ot
     assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
     assert peak == 2, f"the surviving worker held {peak} rollouts at once with 2 slots"
     assert len(steady.assignments) == 6
+
+
+async def test_a_worker_that_cannot_run_a_rollout_is_not_given_its_retry_nor_new_work() -> None:
+    # a worker that cannot load the environment answers each assignment with an error, at once: the retry went back
+    # to it (the group's home, and the least loaded), so each rollout spent its retries there and ended INFRA_ERROR
+    # while a sound worker stood idle
+    async def broken(a: wpb.Assignment) -> wpb.RolloutResult:
+        return wpb.RolloutResult(assignment_id=a.assignment_id, error="no such environment plug-in here")
+
+    batch = items("job-broken", 3)
+    env = Registry.from_entry_points().get(ENV)
+    job = spec([i.task.id for i in batch], max_infra_retries=2)
+    async with serve_hub() as w, ScriptedWorker(w.tcp, broken, worker_id="broken") as bad:
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        async with ScriptedWorker(w.tcp, _answer, worker_id="sound") as good:
+            await w.hub.wait_for_workers(2, timeout_s=30)
+            got = [await asyncio.wait_for(w.hub.run(i, env, job), 60) for i in batch]
+    assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
+    assert len(bad.assignments) == 1 and len(good.assignments) == 3, (len(bad.assignments), len(good.assignments))
+    assert isinstance(got[0], EncodedRollout) and got[0].attempts == 2  # its one failed attempt is counted
+
+
+async def test_rollouts_waiting_for_a_slot_end_when_the_last_worker_is_gone() -> None:
+    # one slot, four rollouts: three wait for it; the only worker's stream ends and none joins. The slot freed woke
+    # one of them; the others waited for a slot no rollout would free, and their job never ended
+    async def never(a: wpb.Assignment) -> None:
+        await asyncio.sleep(3600)
+
+    batch = items("job-orphaned", 4)
+    env = Registry.from_entry_points().get(ENV)
+    job = spec([i.task.id for i in batch], rollout_timeout_s=1)
+    async with serve_hub() as w:
+        only = ScriptedWorker(w.tcp, never, worker_id="only", slots=1)
+        await only.__aenter__()
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        runs = asyncio.gather(*(w.hub.run(i, env, job) for i in batch))
+        for _ in range(200):
+            if only.assignments:
+                break
+            await asyncio.sleep(0.05)
+        await only.__aexit__(None, None, None)
+        got = await asyncio.wait_for(runs, 30)
+    assert all(isinstance(r, Rollout) and r.status == RolloutStatus.INFRA_ERROR for r in got), got
+
+
+async def test_a_peer_that_never_says_hello_is_let_go() -> None:
+    # it holds the token, connects, and sends nothing: the handler waited for its hello for good
+    async def silent() -> AsyncIterator[wpb.WorkerMessage]:
+        await asyncio.sleep(3600)
+        yield wpb.WorkerMessage()
+
+    async with serve_hub(heartbeat_timeout_s=1.0) as w, grpc.aio.insecure_channel(w.tcp) as channel:
+        call = wpb_grpc.WorkerServiceStub(channel).Connect(silent(), metadata=(("authorization", f"Bearer {TOKEN}"),))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async with asyncio.timeout(10):
+                async for _ in call:
+                    pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "must say hello within 1s" in str(e.value.details())
 
 
 async def test_a_rollout_past_its_budget_is_given_up_and_stopped_on_the_worker() -> None:
