@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its worker counts as stuck
 OVERDUE_SWEEP_S = 1.0  # how often a worker's rollouts are checked against their budgets (one timer each would cost)
 HEARD_TICK_S = 1.0  # how often a silent worker's silence is added up (see WorkerHub._next)
+STARVED_CUTOFFS = 6  # heartbeat cut-offs in a row a silent local worker that uses CPU is kept past (WorkerHub._next)
 MAX_TRACKED_GROUPS = 100_000
 DISPATCH_SAMPLES = 100_000
 MAX_ASSIGN_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB); an environment's spec can be large
@@ -363,11 +364,14 @@ class WorkerHub:
         A silent worker that is a process of this host, running and using CPU over its silence, is starved rather
         than lost (on a host at a load of 100, heartbeats arrive late from workers that still work). Dropping it
         would retry its rollouts and destroy their sandboxes, which is how a loaded host collapses; it is given
-        another `heartbeat_timeout_s` instead, and its rollouts stay bound by their budgets. A stopped (SIGSTOP),
-        hung (no CPU) or gone one is lost, as is a silent remote one."""
+        another `heartbeat_timeout_s` instead, and its rollouts stay bound by their budgets, up to STARVED_CUTOFFS
+        of them in a row: silent that long, its loop is stuck however much CPU it uses (a loop in an environment's
+        own synchronous code), and it is lost (this host's supervisor starts another). A stopped (SIGSTOP), hung
+        (no CPU) or gone one is lost, as is a silent remote one."""
         pending = asyncio.ensure_future(anext(inbound, None))
         loop = asyncio.get_running_loop()
         silent = 0.0
+        starved = 0  # cut-offs it was kept past, in a row
         cpu: int | None = None  # the worker process's CPU when its silence began (a process of this host only)
         try:
             while True:
@@ -385,8 +389,13 @@ class WorkerHub:
                         raise TimeoutError
                     if fresh:
                         continue
+                    starved += 1
                     if now <= cpu:
                         raise TimeoutError
+                    if starved >= STARVED_CUTOFFS:
+                        raise TimeoutError(
+                            f"silent for {starved} cut-offs in a row, though its process uses CPU: stuck"
+                        )
                     log.warning(
                         "worker %s (pid %d) silent for %gs, but its process runs and uses CPU: starved, kept",
                         worker.id,
@@ -417,8 +426,8 @@ class WorkerHub:
                 if now >= worker.next_sweep:  # heartbeats come every second or so: the sweep runs as often
                     worker.next_sweep = now + OVERDUE_SWEEP_S
                     self._expire(worker, now)
-        except TimeoutError:
-            why = f"no heartbeat for {self.heartbeat_timeout_s:g}s"
+        except TimeoutError as e:
+            why = str(e) or f"no heartbeat for {self.heartbeat_timeout_s:g}s"
         except Exception as e:  # the connection broke
             why = f"its stream failed: {type(e).__name__}"
         self._drop(worker, why)

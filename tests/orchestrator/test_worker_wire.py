@@ -19,6 +19,7 @@ import pytest
 from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
 from orchestrator.server.convert import rollout_pb
 from orchestrator.service.registry import Registry
+from orchestrator.worker import hub
 from orchestrator.worker.outbox import Outbox, as_messages, by_size
 from orchestrator.worker.results import encode
 from protos import orchestrator_pb2 as pb
@@ -114,6 +115,16 @@ async def test_a_silent_local_worker_that_still_uses_cpu_is_starved_not_lost() -
         assert (w.hub.lost, len(w.hub.workers())) == (0, 1)
         os.kill(pid, signal.SIGSTOP)
         await asyncio.wait_for(worker.ended(), 10)
+        assert (w.hub.lost, w.hub.workers()) == (1, [])
+
+
+async def test_a_silent_local_worker_that_uses_cpu_is_lost_once_stuck_that_long() -> None:
+    # a loop stuck in an environment's synchronous code uses CPU as a starved one does: it was kept for good, its
+    # slots counted as capacity and its rollouts waiting out their whole budgets (half an hour by default)
+    async with _silent_worker("unix") as (w, worker, _):
+        t0 = time.monotonic()
+        await asyncio.wait_for(worker.ended(), 30)
+        assert time.monotonic() - t0 >= hub.STARVED_CUTOFFS - 1  # kept for that many 1 s cut-offs first
         assert (w.hub.lost, w.hub.workers()) == (1, [])
 
 
