@@ -72,17 +72,49 @@ class HarborTask:
 
 
 def _files(root: Path, task: str, what: str) -> dict[str, bytes]:
+    """The files of a task's folder by relative path. A link is refused, the folder itself too: an uploaded archive
+    keeps links that stay inside it, and a hundred tasks whose tests/ each link to one task's re-read its files a
+    hundred times past every cap that counted them once."""
+    if root.is_symlink():
+        raise HarborTaskError(f"task {task}: {what} is a symlink; copy the folder instead")
     if not root.is_dir():
         return {}
     out: dict[str, bytes] = {}
     for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if not _is_text(rel):
+            raise HarborTaskError(
+                f"task {task}: {what}/ holds a file whose name is not UTF-8 ({rel.encode(errors='replace')!r})"
+            )
         if p.is_symlink():
-            raise HarborTaskError(f"task {task}: {what}/{p.relative_to(root)} is a symlink; copy the file instead")
+            raise HarborTaskError(f"task {task}: {what}/{rel} is a symlink; copy the file instead")
         if p.is_file():
             if p.stat().st_size > MAX_FILE_BYTES:
-                raise HarborTaskError(f"task {task}: {what}/{p.relative_to(root)} is over {MAX_FILE_BYTES >> 20} MiB")
-            out[p.relative_to(root).as_posix()] = p.read_bytes()
+                raise HarborTaskError(f"task {task}: {what}/{rel} is over {MAX_FILE_BYTES >> 20} MiB")
+            out[rel] = p.read_bytes()
     return out
+
+
+def _is_text(name: str) -> bool:
+    try:
+        name.encode()
+    except UnicodeEncodeError:  # a byte that is not UTF-8, as the file system's surrogate escape
+        return False
+    return True
+
+
+def _text(path: Path, task: str) -> str | None:
+    """A task file's UTF-8 text, None when there is none; HarborTaskError when it is a link, a folder or not UTF-8."""
+    if path.is_symlink():
+        raise HarborTaskError(f"task {task}: {path.name} is a symlink; copy the file instead")
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        raise HarborTaskError(f"task {task}: {path.name} is not UTF-8 text") from None
+    except OSError as e:  # a folder, say
+        raise HarborTaskError(f"task {task}: {path.name} cannot be read as a file ({e.strerror})") from None
 
 
 def _table(doc: dict[str, Any], name: str, task: str) -> dict[str, Any]:
@@ -107,7 +139,7 @@ def _env(t: dict[str, Any], section: str, task: str) -> dict[str, str]:
         raise HarborTaskError(f"task {task}: [{section}] env must be a table of strings")
     out: dict[str, str] = {}
     for k, v in env.items():
-        if not _ENV_NAME.match(k) or not isinstance(v, str | int | float) or isinstance(v, bool):
+        if not _ENV_NAME.fullmatch(k) or not isinstance(v, str | int | float) or isinstance(v, bool):
             raise HarborTaskError(f"task {task}: [{section}] env {k!r} must be NAME = string")
         s = str(v)
         # the image's environment is written as Dockerfile ENV lines: keep values that need no escaping there
@@ -125,18 +157,20 @@ def load_task(path: Path) -> HarborTask:
     task = path.name
     if not path.is_dir():
         raise HarborTaskError(f"{path} is not a task directory")
-    if not TASK_ID.match(task):
+    if not TASK_ID.fullmatch(task):
         raise HarborTaskError(f"task folder name {task!r} is not a valid task id ({TASK_ID.pattern})")
+    toml = _text(path / "task.toml", task)
+    if toml is None:
+        raise HarborTaskError(f"task {task}: no task.toml in {path}")
     try:
-        doc = tomllib.loads((path / "task.toml").read_text())
-    except FileNotFoundError:
-        raise HarborTaskError(f"task {task}: no task.toml in {path}") from None
-    except tomllib.TOMLDecodeError as e:
+        doc = tomllib.loads(toml)
+    except RecursionError:
+        raise HarborTaskError(f"task {task}: task.toml: nested too deeply") from None
+    except ValueError as e:  # TOMLDecodeError, or an integer of thousands of digits
         raise HarborTaskError(f"task {task}: task.toml: {e}") from None
-    try:
-        instruction = (path / "instruction.md").read_text()
-    except FileNotFoundError:
-        raise HarborTaskError(f"task {task}: no instruction.md (the prompt)") from None
+    instruction = _text(path / "instruction.md", task)
+    if instruction is None:
+        raise HarborTaskError(f"task {task}: no instruction.md (the prompt)")
     if not instruction.strip():
         raise HarborTaskError(f"task {task}: instruction.md is empty")
     agent, envt, verifier = (_table(doc, n, task) for n in ("agent", "environment", "verifier"))
@@ -147,7 +181,7 @@ def load_task(path: Path) -> HarborTask:
             "only 'no-network' tasks can be imported"
         )
     workdir = envt.get("workdir", "/app")
-    if not isinstance(workdir, str) or not _WORKDIR.match(workdir) or ".." in workdir.split("/") or workdir == "/":
+    if not isinstance(workdir, str) or not _WORKDIR.fullmatch(workdir) or ".." in workdir.split("/") or workdir == "/":
         raise HarborTaskError(f"task {task}: [environment] workdir {workdir!r} must be an absolute directory path")
     context = _files(path / "environment", task, "environment")
     image = envt.get("docker_image")

@@ -10,7 +10,10 @@ nothing in it can reveal a later state of the code.
 from __future__ import annotations
 
 import argparse
+import bz2
+import gzip
 import hashlib
+import lzma
 import os
 import shutil
 import stat
@@ -21,7 +24,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, cast
 
 IDENTITY = ("envfleet", "swe@envfleet.invalid")
 EPOCH = 946684800  # 2000-01-01T00:00:00Z
@@ -205,10 +208,14 @@ def extract_archive(archive: Path, dest: Path, strip: int = 1, limits: ArchiveLi
                 parts = _safe_parts(info.filename, strip)
                 if parts is None or info.is_dir():
                     continue
-                with zf.open(info) as src:  # reads at most file_size bytes, CRC checked
+                try:
+                    src = zf.open(info)  # reads at most file_size bytes, CRC checked
+                except (RuntimeError, NotImplementedError) as e:  # encrypted, or a method zipfile does not read
+                    raise SnapshotError(f"member {_shown(info.filename)} cannot be read: {e}") from None
+                with src:
                     tree.write(parts, src, bool((info.external_attr >> 16) & 0o111), info.filename)
         return
-    with tarfile.open(archive) as tf:
+    with _tar_stream(archive, budget) as stream, tarfile.open(fileobj=cast(IO[bytes], stream), mode="r:") as tf:
         for member in tf:  # streamed: a huge member list is refused before it is all read
             budget.add(member.size if member.isfile() else 0, member.name)
             parts = _safe_parts(member.name, strip)
@@ -226,6 +233,68 @@ def extract_archive(archive: Path, dest: Path, strip: int = 1, limits: ArchiveLi
             else:
                 raise SnapshotError(f"member {_shown(member.name)} is a device or fifo; refused")
     tree.check_links()
+
+
+# A tar's headers are read whole, outside any member: a GNU long name or a pax header of a gigabyte, a few hundred KB
+# compressed, was held in memory before a member was counted. Every byte read from the unpacked stream is counted:
+# the members' bytes and, for each, its header and padding, and this much for long names and pax records.
+HEADER_BYTES = 16 << 20
+
+
+def _tar_stream(archive: Path, budget: _Budget) -> _Capped:
+    """The archive's unpacked tar stream (gzip, bzip2, xz or none, by its magic), read within the budget's bytes."""
+    with archive.open("rb") as f:
+        magic = f.read(6)
+    raw: IO[bytes]
+    if magic.startswith(b"\x1f\x8b"):
+        raw = cast(IO[bytes], gzip.GzipFile(archive, "rb"))
+    elif magic.startswith(b"BZh"):
+        raw = cast(IO[bytes], bz2.BZ2File(archive, "rb"))
+    elif magic.startswith(b"\xfd7zXZ\x00"):
+        raw = cast(IO[bytes], lzma.LZMAFile(archive, "rb"))
+    else:
+        raw = archive.open("rb")
+    return _Capped(raw, budget.max_total + (budget.max_members + 3) * 2 * tarfile.BLOCKSIZE + HEADER_BYTES)
+
+
+class _Capped:
+    """A file's reads, refused (ArchiveLimitError) before one would take the total past `cap` bytes."""
+
+    def __init__(self, raw: IO[bytes], cap: int) -> None:
+        self._raw = raw
+        self._cap = cap
+        self._read = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = self._cap - self._read
+        if size is not None and size > left:
+            raise self._over()
+        data = self._raw.read(left + 1 if size is None or size < 0 else size)
+        if len(data) > left:
+            raise self._over()
+        self._read += len(data)
+        return data
+
+    def _over(self) -> ArchiveLimitError:
+        return ArchiveLimitError(
+            f"the archive's tar stream goes on past {self._cap} bytes (a header that large, or a long name)",
+            "total_bytes",
+        )
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> _Capped:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _object(kind: str, data: bytes) -> bytes:

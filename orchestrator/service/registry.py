@@ -42,8 +42,10 @@ class Registered:
         return self.owner is None or tenant is None or self.owner == tenant
 
 
-def _version_key(v: str) -> tuple[int | str, ...]:
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"[._+-]", v))
+def _version_key(v: str) -> tuple[tuple[int, int, str], ...]:
+    """Versions in order, part by part: numbers by value, before words (1 < 2 < 10 < a). Every key compares with
+    every other: `1` and `a` side by side once made sorting raise, and every registration after failed."""
+    return tuple((0, int(p), "") if p.isascii() and p.isdigit() else (1, 0, p) for p in re.split(r"[._+-]", v))
 
 
 class Registry:

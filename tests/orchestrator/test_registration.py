@@ -290,3 +290,19 @@ async def test_register_without_python(client: EnvfleetClient, tmp_path: Path) -
     r = await asyncio.to_thread(_envfleet, "envs", "register", str(tmp_path / "bad.yaml"), "--server", client.target)
     assert r.returncode == 2
     assert "tasks_jsonl line 1.prompt: Field required" in r.stderr and "limits.memory_mb" in r.stderr, r.stderr
+
+
+async def test_versions_of_any_shape_side_by_side_break_no_registration(fake_client: EnvfleetClient) -> None:
+    # `1` and `a` are both versions: sorting them raised TypeError (an int against a str), and since a registration
+    # lists every environment, each one after, of any tenant and name, failed with INTERNAL, a restart included
+    def spec(name: str, version: str = "1") -> pb.EnvironmentSpec:
+        d = word_count_spec(name=name, version=version)
+        d["scoring"]["command"] = """echo '{"reward": 1}'"""  # the fake backend echoes it: every reference passes
+        return to_pb(d)
+
+    for version in ("1", "a", "1.b", "2"):
+        await fake_client.env_stub.Register(spec("shapes", version))
+    await fake_client.env_stub.Register(spec("after-them"))
+    info = await fake_client.describe_env("shapes")
+    assert info.version == "a"  # numbers before words, part by part: 1 < 1.b < 2 < a
+    assert {"shapes", "after-them"} <= {e.name for e in await fake_client.list_envs()}

@@ -3,8 +3,10 @@ in any order, carries a write outside the destination; members, size and compres
 
 from __future__ import annotations
 
+import gzip
 import io
 import tarfile
+import tracemalloc
 import zipfile
 from pathlib import Path
 from typing import Literal
@@ -128,3 +130,26 @@ def test_compression_bomb_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyP
     with pytest.raises(SnapshotError, match="decompression bomb"):
         extract_archive(archive, tmp_path / "dest")
     assert not (tmp_path / "dest" / "zeros").exists()
+
+
+def test_a_header_that_large_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    # a GNU long name (or a pax record) is a header, not a member: tarfile reads it whole before any member is
+    # counted, so a 128 MiB one, 128 KiB gzipped, was held in memory by the control plane (a tenant's upload)
+    size = 128 << 20
+    header = tarfile.TarInfo("././@LongLink")
+    header.type, header.size = tarfile.GNUTYPE_LONGNAME, size
+    archive = tmp_path / "header.tar.gz"
+    with gzip.open(archive, "wb", compresslevel=1) as f:
+        f.write(header.tobuf(tarfile.GNU_FORMAT))
+        for _ in range(size >> 20):
+            f.write(b"a" * (1 << 20))
+        f.write(tarfile.TarInfo("r/named-by-it").tobuf(tarfile.GNU_FORMAT) + b"\0" * 1024)  # its member, the end
+    limits = snapshot.ArchiveLimits(members=100, total_bytes=8 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(snapshot.ArchiveLimitError, match="tar stream goes on past"):
+            extract_archive(archive, tmp_path / "dest", limits=limits)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak >> 20} MiB held"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import secrets
 import tarfile
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import grpc
 import pytest
 
 from environments.harbor.archive import pack
+from environments.swe.snapshot import SnapshotError, extract_archive
 from orchestrator.client.sdk import EnvfleetClient
 from protos import orchestrator_pb2 as pb
 from tests.environments.harbor.test_harbor import make_task
@@ -172,6 +174,60 @@ async def test_a_bad_task_is_refused_naming_it(tmp_path: Path, token_file: Path,
     upload = _upload(_tar(list(_members(bad))))
     details = await _refused(tmp_path, token_file, upload, grpc.StatusCode.INVALID_ARGUMENT, message)
     assert "task bad-task" in details, details
+
+
+def _replaced(task: Path, name: str, *members: tuple[str, str, bytes | str]) -> list[tuple[str, str, bytes | str]]:
+    """The task's members, `name` (a path under the task) left out and `members` added."""
+    return [m for m in _members(task) if m[1] != f"{task.name}/{name}"] + list(members)
+
+
+def _linked_copies(task: Path, n: int) -> list[tuple[str, str, bytes | str]]:
+    """n tasks more, each a folder of links to `task`'s parts: read n times over, counted once."""
+    parts = ("task.toml", "instruction.md", "environment", "tests", "solution")
+    return [("sym", f"c{i}/{part}", f"../{task.name}/{part}") for i in range(n) for part in parts]
+
+
+# each was INTERNAL (an error no handler expected), or read the same bytes again for every task that linked to them
+BAD_FILES: dict[str, tuple[list[tuple[str, str, bytes | str]] | str, str]] = {
+    "parts linked to another task's": ("linked", "is a symlink"),
+    "task.toml not UTF-8": ("toml-bytes", "task.toml is not UTF-8 text"),
+    "task.toml a folder": ("toml-folder", "task.toml cannot be read as a file"),
+    "task.toml nested deep": ("toml-deep", "task.toml: nested too deeply"),
+    "task.toml a huge integer": ("toml-int", "task.toml: "),
+    "a file name not UTF-8": ("name-bytes", "holds a file whose name is not UTF-8"),
+    "a task id with a newline": ("id-newline", "is not a valid task id"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES), ids=list(BAD_FILES))
+async def test_task_files_that_are_links_or_not_text_are_refused(
+    tmp_path: Path, token_file: Path, task: Path, case: str
+) -> None:
+    how, message = BAD_FILES[case]
+    members = {
+        "linked": list(_members(task)) + _linked_copies(task, 3),
+        "toml-bytes": _replaced(task, "task.toml", ("file", "t/task.toml", b"\xff\xfe")),
+        "toml-folder": _replaced(task, "task.toml", ("file", "t/task.toml/x", b"")),
+        "toml-deep": _replaced(task, "task.toml", ("file", "t/task.toml", ("x = " + "[" * 5000 + "]" * 5000).encode())),
+        "toml-int": _replaced(task, "task.toml", ("file", "t/task.toml", ("x = " + "9" * 5000).encode())),
+        "name-bytes": [*_members(task), ("file", "t/environment/\udcff", b"x")],
+        "id-newline": [(kind, name.replace("t/", "t\n/", 1), data) for kind, name, data in _members(task)],
+    }[str(how)]
+    await _refused(tmp_path, token_file, _upload(_tar(members)), grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def test_a_zip_member_that_cannot_be_read_is_refused(tmp_path: Path) -> None:
+    # an encrypted member, or one compressed with a method zipfile does not read: RuntimeError and
+    # NotImplementedError, each an INTERNAL
+    archive = tmp_path / "odd.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("t/task.toml", b"x = 1\n")
+    data = bytearray(archive.read_bytes())
+    for at in (6, data.rindex(b"PK\x01\x02") + 8):  # the local header's and the central directory's flags
+        data[at] |= 0x1  # encrypted
+    archive.write_bytes(bytes(data))
+    with pytest.raises(SnapshotError, match=r"t/task\.toml.* cannot be read"):
+        extract_archive(archive, tmp_path / "dest")
 
 
 async def test_malformed_uploads_are_refused(tmp_path: Path, token_file: Path, task: Path) -> None:
