@@ -307,6 +307,8 @@ async def _next_batch(
         if not batch.done():
             batch.cancel()
             await asyncio.wait((batch,))
+            if not batch.cancelled():
+                batch.exception()  # the stream's own error, if it ended with one: seen, not logged as never retrieved
 
 
 def _members(batch: pb.RolloutBatch) -> list[pb.Rollout]:
