@@ -192,6 +192,7 @@ class JobManager:
         self._jobs: dict[str, _Job] = {}
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
         self._kept: Counter[str] = Counter()  # per tenant: its jobs here, finished or not
+        self._admitting: Counter[str] = Counter()  # per tenant: submits past the cap's check, not recorded yet
         self._submitting = 0  # submits in progress
         self._deferred: list[tuple[_Job, list[WorkItem]]] = []  # accepted jobs whose rollouts wait for them
         self._defer_timer: asyncio.TimerHandle | None = None  # START_DEFER_S after the first deferred job
@@ -299,13 +300,23 @@ class JobManager:
     async def _submit(self, spec: JobSpec, owner: str) -> tuple[str, int]:
         env = self.registry.get(spec.env, owner)
         check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits", env.runtime)
-        unfinished = self._unfinished[owner]
+        # submits being admitted count too: side by side (a burst, one commit for all) each saw the same count
+        unfinished = self._unfinished[owner] + self._admitting[owner]
         if unfinished >= self.caps.jobs_per_tenant:
             raise QuotaExceededError(
                 f"{unfinished} jobs are unfinished; caps.jobs_per_tenant is {self.caps.jobs_per_tenant}; "
                 "cancel some or wait for them to finish"
             )
-        if self._kept[owner] - unfinished >= self.caps.finished_jobs_per_tenant:
+        self._admitting[owner] += 1
+        try:
+            return await self._admit(spec, env, owner)
+        finally:
+            self._admitting[owner] -= 1
+            if not self._admitting[owner]:
+                del self._admitting[owner]
+
+    async def _admit(self, spec: JobSpec, env: Environment, owner: str) -> tuple[str, int]:
+        if self._kept[owner] - self._unfinished[owner] >= self.caps.finished_jobs_per_tenant:
             await self._trim_finished(owner)
         spec = spec.model_copy(update={"env": env.ref()})
         job_id = uuid.uuid4().hex[:16]
@@ -325,13 +336,20 @@ class JobManager:
             )
         items = self._items(job_id, env, spec, tasks, owner=owner)
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
+        # recorded to its end even when the call is cancelled: the log's row was written all the same, and a job
+        # missing from memory was run by the next start with nobody to stream it (a client's deadline in a burst)
+        recording = asyncio.ensure_future(self._record(job_id, spec, env, items, owner))
+        recording.add_done_callback(_retrieved)
+        await asyncio.shield(recording)
+        return job_id, len(items)
+
+    async def _record(self, job_id: str, spec: JobSpec, env: Environment, items: list[WorkItem], owner: str) -> None:
         await self.store.create_job(job_id, spec, len(items), owner)
         job = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
         self._add(job)
         self._deferred.append((job, items))  # started when this submit and those beside it are answered
         if self._defer_timer is None:
             self._defer_timer = asyncio.get_running_loop().call_later(START_DEFER_S, self._start_deferred)
-        return job_id, len(items)
 
     def _start_deferred(self) -> None:
         """Queue the accepted jobs' rollouts (a job cancelled meanwhile has none to run)."""
@@ -544,9 +562,12 @@ class JobManager:
         update = {"version": version} | ({"base_url": base_url} if base_url else {})
         try:
             endpoint = job.spec.policy.model_validate({**job.spec.policy.model_dump(), **update})
+            # the whole spec, checked as a submit checks it: an endpoint fine alone may not be for the job (a tito
+            # job's on the replay policy), and one kept unchecked broke every read of the job, and the next start
+            spec = JobSpec.model_validate({**job.spec.model_dump(), "policy": endpoint.model_dump()})
         except ValueError as e:
             raise InvalidRequestError(f"policy update: {e}") from None
-        job.spec = job.spec.model_copy(update={"policy": endpoint})
+        job.spec = spec
         await self.store.update_spec(job_id, job.spec)
         return await self.info(job_id)
 
@@ -555,9 +576,16 @@ class JobManager:
         job = self._job(job_id, owner)
         if not job.finished:
             self._set_state(job, JobState.CANCELLED)
-            await self.scheduler.cancel_job(job_id)
-            await self._finish(job, JobState.CANCELLED)
+            # to its end even when the call is cancelled (a CancelJob past its deadline while sandboxes are torn
+            # down): half done, the log said RUNNING, streams were never woken, and a restart ran the job again
+            cancelling = asyncio.ensure_future(self._cancel(job))
+            cancelling.add_done_callback(_retrieved)
+            await asyncio.shield(cancelling)
         return await self.info(job_id)
+
+    async def _cancel(self, job: _Job) -> None:
+        await self.scheduler.cancel_job(job.job_id)
+        await self._finish(job, JobState.CANCELLED)
 
     async def info(self, job_id: str, *, owner: str | None = None) -> JobInfo:
         """Status, counts by rollout status, throughput."""

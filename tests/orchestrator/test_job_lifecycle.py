@@ -1,0 +1,142 @@
+"""A job's lifecycle calls hold whatever happens to the call: a policy update the job cannot take changes nothing, a
+CancelJob or a SubmitJob whose call is cancelled half-way is carried out whole, and submits side by side keep to the
+tenant's cap. Real gRPC on the fake backend; the policy is a server that never answers, so jobs stay running."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from orchestrator.backends.config import FakeBackendConfig
+from orchestrator.client.convert import job_spec_to_pb
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, JobState, TaskSelection
+from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.server.app import Orchestrator
+from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
+from protos import orchestrator_pb2 as pb
+from tests.conftest import TEST_OWNER
+from tests.orchestrator.conftest import ENV
+from tests.orchestrator.servers import FAKE, expect_error, serve
+
+
+@pytest.fixture
+async def silent_policy() -> AsyncIterator[str]:
+    """A policy server that takes each request and never answers it."""
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+
+
+def _spec(url: str, task_ids: list[str], **policy: Any) -> JobSpec:
+    return JobSpec(
+        env=ENV,
+        tasks=TaskSelection(kind="ids", ids=task_ids),
+        policy=PolicyEndpoint(base_url=url, request_timeout_s=600, **policy),
+    )
+
+
+async def _running(client: EnvfleetClient, job_id: str) -> None:
+    async with asyncio.timeout(30):
+        while (await client.get_job(job_id)).in_flight == 0:  # noqa: ASYNC110 - the job has no event to wait on
+            await asyncio.sleep(0.05)
+
+
+async def test_a_policy_update_the_job_cannot_take_is_refused_and_changes_nothing(
+    tmp_path: Path, silent_policy: str, task_ids: list[str]
+) -> None:
+    # the replay policy is a fine endpoint, but not for a tito job (it samples no tokens): it was kept all the same,
+    # and then every read of the job (GetJob, ListJobs, CancelJob) failed, and so did the next start, on every job
+    data = tmp_path / "data"
+    config: dict[str, Any] = {"backend": FAKE, "tokenizer_dirs": [QWEN_LIKE_DIR.parent]}
+    async with serve(data, **config) as orch, EnvfleetClient(orch.address) as client:
+        spec = _spec(silent_policy, task_ids[:1], model="qwen-like", tokenizer=QWEN_LIKE_DIR.name)
+        job_id = await client.submit(spec)
+        update = pb.UpdatePolicyRequest(job_id=job_id, version="2", base_url=REPLAY_URL)
+        await expect_error(
+            client.rollout_stub.UpdatePolicy(update), grpc.StatusCode.INVALID_ARGUMENT, "tito needs a policy server"
+        )
+        assert (await client.get_job(job_id)).policy_version == spec.policy.version
+        assert orch.jobs._jobs[job_id].spec.policy.base_url == silent_policy
+        assert [j.job_id for j in await client.list_jobs()] == [job_id]
+    async with serve(data, **config) as again, EnvfleetClient(again.address) as client:
+        assert [j.job_id for j in await client.list_jobs()] == [job_id]
+
+
+async def test_a_cancel_whose_call_is_cancelled_is_carried_out_whole(
+    tmp_path: Path, silent_policy: str, task_ids: list[str]
+) -> None:
+    # a CancelJob past its deadline while the running rollouts' sandboxes were torn down stopped half-way: the log
+    # said RUNNING, the job's streams were never woken, and the next start ran the job again
+    data = tmp_path / "data"
+    slow = FakeBackendConfig(owner=TEST_OWNER, destroy_latency_s=2.0)
+    async with serve(data, backend=slow) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(_spec(silent_policy, task_ids[:2]))
+        await _running(client, job_id)
+        stream = asyncio.create_task(_drain(client, job_id))
+        await expect_error(
+            client.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=0.5),
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+        async with asyncio.timeout(20):
+            await stream  # woken by the job's end
+        assert (await client.get_job(job_id)).state == JobState.CANCELLED
+    async with serve(data, backend=FAKE) as again, EnvfleetClient(again.address) as client:
+        info = await client.get_job(job_id)
+        assert (info.state, info.in_flight) == (JobState.CANCELLED, 0)
+
+
+async def _drain(client: EnvfleetClient, job_id: str) -> int:
+    return len([r async for r in client.rollouts(job_id)])
+
+
+async def test_a_submit_whose_call_is_cancelled_is_recorded_whole(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the log ran the job's insert although the call was cancelled (a client's deadline in a burst of submits): the
+    # job was not in memory, so no one could list, stream or cancel it, and the next start ran it
+    store = fake_orchestrator.jobs.store
+    create = store.create_job
+
+    async def slow_create(*args: Any, **kwargs: Any) -> None:
+        await asyncio.sleep(1.0)
+        await create(*args, **kwargs)
+
+    monkeypatch.setattr(store, "create_job", slow_create)
+    request = job_spec_to_pb(_spec(REPLAY_URL, task_ids[:2]))
+    await expect_error(fake_client.rollout_stub.SubmitJob(request, timeout=0.3), grpc.StatusCode.DEADLINE_EXCEEDED)
+    async with asyncio.timeout(20):
+        while not (jobs := await fake_client.list_jobs()):  # noqa: ASYNC110 - the manager has no event to wait on
+            await asyncio.sleep(0.05)
+    (job,) = jobs
+    assert [r.task_id async for r in fake_client.rollouts(job.job_id)]  # it runs, and it streams
+
+
+async def test_submits_side_by_side_keep_to_the_tenants_cap(
+    tmp_path: Path, silent_policy: str, task_ids: list[str]
+) -> None:
+    # each read the same count of unfinished jobs before any was recorded: all ten were taken with a cap of two
+    async with (
+        serve(tmp_path / "data", backend=FAKE, caps={"jobs_per_tenant": 2}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        spec = job_spec_to_pb(_spec(silent_policy, task_ids[:1]))
+        calls = [client.rollout_stub.SubmitJob(spec) for _ in range(10)]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    refused = [e for e in outcomes if isinstance(e, grpc.aio.AioRpcError)]
+    assert len(outcomes) - len(refused) == 2, outcomes
+    assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
