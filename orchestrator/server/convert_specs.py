@@ -8,6 +8,7 @@ from typing import Any
 from orchestrator.core.sandbox import Limits
 from orchestrator.service.archives import ArchiveUpload, parse_upload
 from orchestrator.service.declarative import EnvironmentSpec, Problem, SpecError, parse_spec
+from orchestrator.service.declarative.spec import loads
 from orchestrator.service.registration import ValidationResult
 from protos import orchestrator_pb2 as pb
 
@@ -23,10 +24,12 @@ def _json_object(text: str, where: str, problems: list[Problem]) -> Any:
     if not text:
         return {}
     try:
-        return json.loads(text)
+        return loads(text)
     except json.JSONDecodeError as e:
         problems.append(Problem(where, f"not valid JSON ({e.msg} at position {e.pos})"))
-        return {}
+    except ValueError as e:
+        problems.append(Problem(where, f"not usable JSON: {e}"))
+    return {}
 
 
 def _image(m: pb.ImageSource) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import yaml
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.service.declarative import SpecError, parse_spec
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import start_scripted_server
 from orchestrator.testing.scripts import reference_script
@@ -306,3 +307,27 @@ async def test_versions_of_any_shape_side_by_side_break_no_registration(fake_cli
     info = await fake_client.describe_env("shapes")
     assert info.version == "a"  # numbers before words, part by part: 1 < 1.b < 2 < a
     assert {"shapes", "after-them"} <= {e.name for e in await fake_client.list_envs()}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("9" * 5000, "Exceeds the limit"),
+        ('{"a": "\\ud800"}', "lone surrogate escape"),
+    ],
+    ids=["deep", "long-integer", "lone-surrogate"],
+)
+async def test_task_json_python_cannot_hold_is_refused_naming_it(
+    fake_client: EnvfleetClient, text: str, message: str
+) -> None:
+    # each was INTERNAL: RecursionError, ValueError, and a spec that validated and then could not be stored
+    m = to_pb(word_count_spec(name="odd-json"))
+    m.tasks[0].data_json = text
+    for call in (fake_client.env_stub.Validate, fake_client.env_stub.Register):
+        await expect_error(call(m), grpc.StatusCode.INVALID_ARGUMENT, "tasks[0].data_json: not usable JSON", message)
+    jsonl = "\n".join([json.dumps({"id": "a", "prompt": "p"}), '{"id": "b", "prompt": "p", "data": ' + text + "}"])
+    with pytest.raises(SpecError, match=rf"tasks_jsonl line 2: not usable JSON: .*{message}"):
+        parse_spec(
+            {**{k: v for k, v in word_count_spec(name="odd-jsonl").items() if k != "tasks"}, "tasks_jsonl": jsonl}
+        )

@@ -250,6 +250,21 @@ def _message(err: Mapping[str, Any]) -> str:
     return msg
 
 
+def loads(text: str) -> Any:
+    """json.loads, raising ValueError (besides its JSONDecodeError) for what it would raise otherwise or let pass:
+    nesting deeper than the interpreter's stack, an integer of thousands of digits, and a lone surrogate's escape,
+    which is no character: a spec holding one could not be stored (each was an INTERNAL error)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ValueError("it holds a lone surrogate escape (\\ud800-\\udfff), which is no character") from None
+    return value
+
+
 def parse_tasks_jsonl(text: str) -> tuple[list[Any], list[int], list[Problem]]:
     """Tasks from JSONL text: the parsed objects, their line numbers, and problems with unreadable lines."""
     tasks: list[Any] = []
@@ -259,10 +274,12 @@ def parse_tasks_jsonl(text: str) -> tuple[list[Any], list[int], list[Problem]]:
         if not line.strip():
             continue
         try:
-            tasks.append(json.loads(line))
+            tasks.append(loads(line))
             lines.append(n)
         except json.JSONDecodeError as e:
             problems.append(Problem(f"tasks_jsonl line {n}", f"not valid JSON ({e.msg} at column {e.colno})"))
+        except ValueError as e:
+            problems.append(Problem(f"tasks_jsonl line {n}", f"not usable JSON: {e}"))
     return tasks, lines, problems
 
 
