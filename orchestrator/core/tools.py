@@ -172,18 +172,6 @@ def get_tools(names: tuple[str, ...]) -> list[Tool]:
     return [BUILTIN_TOOLS[n] for n in names]
 
 
-def _has_surrogate(raw_arguments: str, args: dict[str, Any]) -> bool:
-    """Whether the decoded arguments hold a surrogate; only arguments with a `\\u` escape (or with one themselves)
-    can, so most are not walked."""
-    if "\\u" not in raw_arguments and raw_arguments.isascii():
-        return False
-    try:
-        json.dumps(args, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
 async def call_tool(tool: Tool, sandbox: Sandbox, raw_arguments: str, timeout: float) -> ToolResult:
     """Parse the policy's JSON arguments and run the tool; task-level problems become the observation."""
     try:
@@ -192,11 +180,12 @@ async def call_tool(tool: Tool, sandbox: Sandbox, raw_arguments: str, timeout: f
         return ToolResult(f"error: arguments are not valid JSON ({e.msg} at position {e.pos})")
     if not isinstance(args, dict):
         return ToolResult("error: arguments must be a JSON object")
-    if _has_surrogate(raw_arguments, args):
-        # no process, file or request can carry one (UTF-8 has none): a command with one failed to reach envd, an
-        # infrastructure failure a policy could cause at will
-        return ToolResult("error: arguments hold a lone surrogate escape (\\ud800-\\udfff), which is no character")
     try:
         return await tool.run(sandbox, args, timeout)
     except (ToolArgumentError, SandboxFileError, InvalidRequestError, UnicodeDecodeError) as e:
         return ToolResult(f"error: {e}")
+    except UnicodeEncodeError:
+        # a lone surrogate's escape in the arguments (JSON lets one through): no command, path or file content can
+        # carry it (UTF-8 has none), and a command holding one failed to reach envd, an infrastructure failure a
+        # policy could cause at will. submit takes one (its answer is graded as it came).
+        return ToolResult("error: the arguments hold a lone surrogate escape (\\ud800-\\udfff), which is no character")
