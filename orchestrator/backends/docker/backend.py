@@ -81,14 +81,21 @@ class DockerSandbox(Sandbox):
     """A running container and the transport into it."""
 
     def __init__(
-        self, backend: DockerBackend, cid: str, name: str, spec: SandboxSpec, transport: Transport, socket_dir: Path
+        self,
+        backend: DockerBackend,
+        cid: str,
+        name: str,
+        spec: SandboxSpec,
+        transport: Transport,
+        socket_dir: Path,
+        lease_expiry: float,
     ) -> None:
         self.id = cid
         self.name = name
         self.spec = spec
         self.transport = transport
         self.socket_dir = socket_dir
-        self.lease_expiry = time.time() + spec.ttl_s
+        self.lease_expiry = lease_expiry  # no later than its label's, which the sweep goes by
         self._backend = backend
         self._closed = False
         self._removal: asyncio.Task[None] | None = None
@@ -282,7 +289,10 @@ class DockerBackend(SandboxBackend):
                 self.engine_healthy = healthy
                 log.warning("docker engine is %s", "answering again" if healthy else "NOT answering")
                 for listener in self._health_listeners:
-                    listener(healthy)
+                    try:
+                        listener(healthy)
+                    except Exception:  # one listener's bug ends neither the others' news nor this watch
+                        log.exception("an engine health listener failed")
                 if healthy:
                     await self._sweep_quietly()  # what the stall left half-created or half-removed
             await asyncio.sleep(self.config.health_interval_s)
@@ -314,6 +324,10 @@ class DockerBackend(SandboxBackend):
         try:
             return await task  # a cancel of the caller cancels the create too
         except asyncio.CancelledError:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                # made in the turn its caller was cancelled: no one holds it, and it ran until its lease label's
+                # expiry (an hour, two days for a session); removed now, in the backend's own task
+                task.result()._begin_removal()
             me = asyncio.current_task()
             if task.cancelled() and self._closing and (me is None or not me.cancelling()):
                 raise SandboxUnavailableError("the backend closed while the sandbox was being created") from None
@@ -321,13 +335,16 @@ class DockerBackend(SandboxBackend):
 
     async def _create(self, spec: SandboxSpec) -> DockerSandbox:
         name = f"envfleet-{uuid.uuid4().hex[:12]}"
+        # the lease as its label will say, before the label is written (whole seconds, rounded): counted from the end
+        # of a slow create instead, it ran past the label's, and the sweep removed a sandbox the pool still handed out
+        lease_expiry = time.time() + spec.ttl_s - 1
         self._creating.add(name)
         try:
             async with self.startups:  # the health deadline counts from here: waiting for a turn is not starting
                 cid, transport, socket_dir = await create_until_ready(self, spec, name)
         finally:
             self._creating.discard(name)
-        sandbox = DockerSandbox(self, cid, name, spec, transport, socket_dir)
+        sandbox = DockerSandbox(self, cid, name, spec, transport, socket_dir, lease_expiry)
         self._owned[cid] = sandbox
         return sandbox
 
@@ -403,12 +420,16 @@ class DockerBackend(SandboxBackend):
         return await sweep(self, older_than)
 
     async def _sweep_quietly(self) -> None:
+        """A sweep whose failure is logged: it ended the engine's health watch (an engine's 500 while it listed,
+        just after it answered again), and then close() raised it before it removed anything."""
         try:
             n = await self.sweep()
             if n:
                 log.info("sweep removed %d sandbox(es)", n)
         except SandboxError as e:
             log.warning("sweep failed: %s", e)
+        except Exception:
+            log.exception("sweep failed")
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -426,14 +447,12 @@ class DockerBackend(SandboxBackend):
             create.cancel()
         while self._creates:
             await asyncio.wait(list(self._creates))
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._health_task, self._sweeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.wait([task])  # whatever it ended with, the sandboxes are removed below
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("%s had ended with an error", task.get_name(), exc_info=task.exception())
         await asyncio.gather(*(s.close() for s in list(self._owned.values())), return_exceptions=True)
         while self._removals:  # those begun before, and meanwhile; wait, not gather: a cancel of close() is not theirs
             await asyncio.wait(list(self._removals))

@@ -305,6 +305,82 @@ async def test_a_sandbox_whose_removal_is_cancelled_midway_is_removed_all_the_sa
     assert backend.owned(sb.id) is None
 
 
+async def test_a_sandbox_made_as_its_caller_is_cancelled_is_removed(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the create finished in the loop turn its caller was cancelled (a rollout's timeout, a job's cancel): the caller
+    # got the cancel, no one held the sandbox, and this backend's sweep kept it (it is its own) until its lease ended
+    create = backend._create
+    made: list[DockerSandbox] = []
+    caller: asyncio.Task[DockerSandbox] | None = None
+
+    async def made_as_cancelled(spec: SandboxSpec) -> DockerSandbox:
+        sandbox = await create(spec)
+        made.append(sandbox)
+        assert caller is not None
+        asyncio.get_running_loop().call_soon(caller.cancel)  # before the caller's wake-up: the same turn
+        return sandbox
+
+    monkeypatch.setattr(backend, "_create", made_as_cancelled)
+    caller = asyncio.create_task(backend.create(SandboxSpec(image=base_image)))
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    (sb,) = made
+    for _ in range(100):
+        if not docker_client.api.containers(all=True, filters={"id": sb.id}):
+            break
+        await asyncio.sleep(0.1)
+    assert not docker_client.api.containers(all=True, filters={"id": sb.id})
+    assert backend.owned(sb.id) is None
+
+
+async def test_a_sandboxs_lease_ends_no_later_than_its_label_says(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # counted from the end of the create, the lease in memory ran past the label's by the create's time, which the
+    # sweep goes by: a slow create's sandbox was handed out (and recycled) after the sweep could remove it
+    from orchestrator.backends.docker import startup
+
+    ready = startup.wait_ready
+
+    async def slow_ready(*args: object, **kwargs: object) -> None:
+        await asyncio.sleep(3)
+        await ready(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(startup, "wait_ready", slow_ready)
+    sb = await backend.create(SandboxSpec(image=base_image))
+    async with sb:
+        label = float(docker_client.api.inspect_container(sb.id)["Config"]["Labels"][LABEL_LEASE])
+        assert sb.lease_expiry <= label, (sb.lease_expiry, label)
+
+
+async def test_the_engine_watch_outlives_a_failed_sweep_and_close_still_removes_everything(
+    base_image: str, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the engine answered again and the sweep that follows failed (a 500 while it listed): the watch ended with the
+    # error, unseen, and close() raised it before it removed a single sandbox
+    b = await DockerBackend.start(
+        DockerBackendConfig(owner=TEST_OWNER, health_interval_s=0.05, reaper=False), sweep=False
+    )
+    try:
+        sb = await b.create(SandboxSpec(image=base_image))
+        ping, answers = b.engine.ping, [False]
+
+        async def flaky_ping() -> bool:
+            return answers.pop() if answers else await ping()
+
+        async def failing_sweep() -> int:
+            raise docker.errors.APIError("the engine's 500 while it listed")
+
+        monkeypatch.setattr(b.engine, "ping", flaky_ping)
+        monkeypatch.setattr(b, "sweep", failing_sweep)
+        await asyncio.sleep(1.0)  # it went, came back, and the sweep after failed
+        assert b._health_task is not None and not b._health_task.done()
+    finally:
+        await b.close()
+    assert not docker_client.api.containers(all=True, filters={"id": sb.id})
+
+
 async def test_fifty_concurrent_sandboxes_leave_nothing_behind(
     backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
 ) -> None:
