@@ -178,6 +178,10 @@ async def call_tool(tool: Tool, sandbox: Sandbox, raw_arguments: str, timeout: f
         args = json.loads(raw_arguments) if raw_arguments.strip() else {}
     except json.JSONDecodeError as e:
         return ToolResult(f"error: arguments are not valid JSON ({e.msg} at position {e.pos})")
+    except (ValueError, RecursionError):
+        # nested deeper than the interpreter's stack, or an integer of thousands of digits: each escaped as an
+        # infrastructure failure (masked and retried) for text the policy wrote
+        return ToolResult("error: arguments are not JSON this tool reads (nested too deeply, or a number too long)")
     if not isinstance(args, dict):
         return ToolResult("error: arguments must be a JSON object")
     try:

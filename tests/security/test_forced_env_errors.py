@@ -20,13 +20,17 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import pytest
 
 from environments.code_tests import SOLUTION, CodeTestsEnv
 from environments.swe.env import SweEnv
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.core.sandbox import Sandbox
+from orchestrator.core.tools import BUILTIN_TOOLS, call_tool
 from orchestrator.service.declarative.env import MAX_ANSWER_ENV, answer_env
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
@@ -150,6 +154,16 @@ async def test_surrogates_from_the_policy_are_graded(tmp_path: Path, base_image:
     assert got["text"].turns[-1].text == "4\ufffd2"
     turns = [(t.role, t.text) for t in got["command"].turns]
     assert any(role == "tool" and "lone surrogate" in text for role, text in turns), turns
+
+
+@pytest.mark.parametrize(
+    "raw", ['{"command": ' + "[" * 100_000, '{"command": 1' + "0" * 5000 + "}"], ids=["deep", "long-integer"]
+)
+async def test_tool_arguments_the_json_module_cannot_read_are_the_tools_error(raw: str) -> None:
+    # RecursionError and ValueError (Python's 4,300-digit limit) escaped call_tool: INFRA_ERROR, masked and retried
+    # on fresh sandboxes, for text the policy wrote. Refused before any sandbox is touched.
+    result = await call_tool(BUILTIN_TOOLS["bash"], cast(Sandbox, None), raw, 5.0)
+    assert result.output.startswith("error: arguments are not JSON this tool reads"), result.output
 
 
 # What the policy leaves in its sandbox before it submits a wrong solution: each made the grader's write of the hidden
