@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from orchestrator.core.echo import bounded
@@ -94,14 +95,43 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return cached[1]
 
 
+class UnreadableRequestError(InvalidRequestError):
+    """A request message that does not parse: gRPC parses it before any handler runs, and its error was UNKNOWN."""
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserialize`, with a message that does not parse (a string field that is not UTF-8: how a lone surrogate
+    arrives) read as the UnreadableRequestError the handler's wrapper raises."""
+    if deserialize is None:
+        return None
+
+    def read(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return UnreadableRequestError(f"the request message does not parse: {e} (string fields must be UTF-8)")
+
+    return read
+
+
+async def _readable(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, UnreadableRequestError):
+            raise request
+        yield request
+
+
 def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """`handler` with its exceptions turned into statuses."""
+    """`handler` with its exceptions turned into statuses, a request that does not parse as INVALID_ARGUMENT."""
+    deserialize = _lenient(handler.request_deserializer)
     if handler.unary_unary:
         inner_uu = handler.unary_unary
 
         @functools.wraps(inner_uu)
         async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
+                if isinstance(request, UnreadableRequestError):
+                    raise request
                 return await inner_uu(request, context)
             except grpc.aio.AbortError:
                 raise
@@ -109,14 +139,17 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
                 await _abort(context, e, method)
 
         return grpc.unary_unary_rpc_method_handler(
-            uu, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            uu, request_deserializer=deserialize, response_serializer=handler.response_serializer
         )
     if handler.unary_stream or handler.stream_stream:
         inner_us = handler.unary_stream or handler.stream_stream
+        streamed = handler.stream_stream is not None
 
         async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for item in inner_us(request, context):
+                if isinstance(request, UnreadableRequestError):
+                    raise request
+                async for item in inner_us(_readable(request) if streamed else request, context):
                     yield item
             except grpc.aio.AbortError:
                 raise
@@ -124,7 +157,5 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
                 await _abort(context, e, method)
 
         make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-        return make(
-            us, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
+        return make(us, request_deserializer=deserialize, response_serializer=handler.response_serializer)
     return handler

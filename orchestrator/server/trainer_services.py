@@ -76,14 +76,21 @@ def _stdin_size(request: pb.ExecRequest) -> int:
     return max(0, framed)
 
 
-async def _stdin_chunks(first: pb.ExecInput, rest: AsyncIterator[pb.ExecInput]) -> AsyncIterator[bytes]:
-    """ExecStream's stdin: the request's own, then each later message's, read only as the process takes them."""
+async def _stdin_chunks(
+    first: pb.ExecInput, rest: AsyncIterator[pb.ExecInput], unreadable: list[InvalidRequestError]
+) -> AsyncIterator[bytes]:
+    """ExecStream's stdin: the request's own, then each later message's, read only as the process takes them. A
+    later message that does not parse ends stdin and is kept in `unreadable`: raised here, it was swallowed by the
+    task that feeds envd, whose call was cancelled, and the caller's call hung without a status."""
     if first.request.stdin:
         yield first.request.stdin
     del first
-    async for m in rest:
-        if m.WhichOneof("input") == "stdin" and m.stdin:
-            yield m.stdin
+    try:
+        async for m in rest:
+            if m.WhichOneof("input") == "stdin" and m.stdin:
+                yield m.stdin
+    except InvalidRequestError as e:
+        unreadable.append(e)
 
 
 class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
@@ -192,10 +199,13 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("input") != "request":
             raise InvalidRequestError("the first message of ExecStream must be the request (ExecInput.request)")
-        events = self._exec(tenant, first.request, _stdin_chunks(first, request_iterator), None)
+        unreadable: list[InvalidRequestError] = []
+        events = self._exec(tenant, first.request, _stdin_chunks(first, request_iterator, unreadable), None)
         del first
         async for ev in events:
             yield exec_event_pb(ev)
+        if unreadable:
+            raise unreadable[0]
 
     async def ReadFile(
         self, request: pb.SandboxReadFileRequest, context: grpc.aio.ServicerContext

@@ -3,6 +3,8 @@ backend: nothing here reaches a sandbox."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -160,3 +162,45 @@ def test_job_spec_validator_accepts_or_explains(m: pb.JobSpec) -> None:
     assert isinstance(s, JobSpec)
     assert 1 <= s.group_size <= 1024 and 0 < s.rollout_timeout_s <= 86400
     assert s.policy.base_url.startswith(("http://", "https://"))
+
+
+async def test_a_request_that_does_not_parse_is_invalid_argument(fake_orchestrator: Orchestrator) -> None:
+    # gRPC parses a request before any handler runs; a string field that is not UTF-8 (how a lone surrogate
+    # arrives) made it UNKNOWN "Unexpected <class DecodeError>", or INTERNAL with a traceback for a stream's first
+    # message
+    bad_string = b"\x0a\x03\xed\xa0\x80"  # field 1, a string: the UTF-8 form of a lone surrogate
+    async with grpc.aio.insecure_channel(fake_orchestrator.address) as channel:
+        for method, stream in (
+            ("/envfleet.v1.SandboxService/ReadFile", False),
+            ("/envfleet.v1.RolloutService/GetJob", False),
+            ("/envfleet.v1.RolloutService/StreamRollouts", True),
+        ):
+            call = (channel.unary_stream if stream else channel.unary_unary)(method)(bad_string)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await (call.read() if stream else call)  # type: ignore[attr-defined]
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.code(), e.value.details())
+            assert "does not parse" in str(e.value.details())
+
+
+async def test_an_exec_streams_later_message_that_does_not_parse_ends_it_with_a_status(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient
+) -> None:
+    # it was read by the task that feeds the process's stdin, which swallowed the error and cancelled the command:
+    # the call got no status at all, and without a deadline it stayed open for good
+    sandbox = await fake_client.sandbox_stub.Create(pb.CreateSandboxRequest(image="envfleet/base:latest"))
+    first = pb.ExecInput(request=pb.ExecRequest(sandbox_id=sandbox.sandbox_id, shell="cat")).SerializeToString()
+
+    async def frames() -> AsyncIterator[bytes]:
+        yield first
+        yield b"\xff"  # a tag that is no field: not a message
+
+    try:
+        async with grpc.aio.insecure_channel(fake_orchestrator.address) as channel:
+            call = channel.stream_stream("/envfleet.v1.SandboxService/ExecStream")(frames(), timeout=20)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), e.value.details())
+        assert "does not parse" in str(e.value.details())
+    finally:
+        await fake_client.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=sandbox.sandbox_id))
