@@ -145,6 +145,7 @@ class _Session:
     turn: int = 0
     ended: RolloutStatus | None = None
     released: bool = False  # its sandbox went back to the pool (once: a close and a step's end may both try)
+    closed_after_end: bool = False  # dropped once its episode had ended (while its sandbox was being recycled)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -303,6 +304,7 @@ class SessionManager:
         self._ended[s.id] = _Tombstone(s.tenant, why, time.monotonic())
         while len(self._ended) > MAX_TOMBSTONES:
             self._ended.popitem(last=False)
+        s.closed_after_end = s.ended is not None
         if s.ended is None:
             await self._release(s, recycle=False)
 
@@ -334,7 +336,11 @@ class SessionManager:
                 result = await self._step(s, action)
             finally:
                 s.last_used = time.monotonic()
-            self._check_open(s)  # closed during the step: its sandbox went midway, so neither a reward nor a failure
+            if not s.closed_after_end:
+                # closed during the step: its sandbox went midway, so neither a reward nor a failure. Closed once the
+                # step had ended the episode (its sandbox being recycled), the step's outcome stands: a scored
+                # reward was thrown away, and the close and the step each said the other had ended it
+                self._check_open(s)
             return result
 
     def _check_open(self, s: _Session) -> None:

@@ -177,6 +177,24 @@ async def test_a_session_closed_during_a_step_answers_its_steps_not_found_and_go
         assert orch.sessions.open_sessions() == 1 and orch.pool.busy == 1
 
 
+async def test_a_close_while_the_ending_steps_sandbox_is_recycled_keeps_the_steps_reward(tmp_path: Path) -> None:
+    # the step had scored the episode and was resetting its sandbox for the next session when the close came: the
+    # close answered "ended", and the step answered NOT_FOUND, its reward thrown away
+    backend = FakeBackendConfig(owner=TEST_OWNER, reset_latency_s=2.0)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        ending = asyncio.ensure_future(
+            stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="no idea")))
+        )
+        await asyncio.sleep(0.5)  # scored; its sandbox is being reset
+        assert not ending.done()
+        assert not (await stub.Close(pb.CloseSessionRequest(session_id=r.session_id))).was_running
+        s = await ending
+        assert s.terminated and s.status == pb.ROLLOUT_STATUS_OK and s.HasField("reward") and s.reward == 0.0
+        assert orch.pool is not None and orch.pool.busy == 0
+
+
 async def test_a_session_gets_no_warm_sandbox_whose_lease_ends_before_its_lifetime_could(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
