@@ -138,7 +138,7 @@ def _check_env_vars(env: Mapping[str, str], what: str) -> dict[str, str]:
     if len(env) > 256:
         raise InvalidRequestError(f"{what}: at most 256 variables")
     for name, value in env.items():
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):  # `$` alone let a trailing newline through
             raise InvalidRequestError(f"{what}: {echo(name)} is not a variable name")
         if "\0" in value or len(value) > 128 << 10:
             raise InvalidRequestError(f"{what}: the value of {name} holds NUL or is over 128 KiB")

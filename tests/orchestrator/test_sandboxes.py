@@ -97,6 +97,7 @@ async def test_bad_creates(client: EnvfleetClient, base_image: str) -> None:
         (pb.CreateSandboxRequest(image=base_image, limits=pb.SandboxLimits(pids=-1)), "limits.pids"),
         (pb.CreateSandboxRequest(image=base_image, ttl_s=1e12), "ttl_s"),
         (pb.CreateSandboxRequest(image=base_image, env_vars={"A=B": "x"}), "env_vars"),
+        (pb.CreateSandboxRequest(image=base_image, env_vars={"A\n": "x"}), "env_vars"),  # `$` let it through
         (pb.CreateSandboxRequest(image="alpine:latest"), "only envfleet images"),
         (pb.CreateSandboxRequest(), "exactly one of image and env"),
     ]
