@@ -20,6 +20,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -323,8 +324,15 @@ class SessionManager:
             log.warning("could not release the sandbox of session %s", s.id, exc_info=True)
 
     async def step(self, tenant: str, session_id: str, action: Action) -> StepResult:
-        """Apply one action; the step that ends the episode scores it and releases the sandbox."""
+        """Apply one action; the step that ends the episode scores it and releases the sandbox. A step whose call is
+        cancelled (a client's deadline) runs to its end all the same: cut midway, the transcript kept the assistant's
+        call without its tool turn (the next step reused its id), and a step cut while scoring scored again."""
         s = await self._get(tenant, session_id)
+        stepping = asyncio.ensure_future(self._step_locked(s, session_id, action))
+        stepping.add_done_callback(_seen)
+        return await asyncio.shield(stepping)
+
+    async def _step_locked(self, s: _Session, session_id: str, action: Action) -> StepResult:
         async with s.lock:
             self._check_open(s)  # closed or expired while this step waited for the one before it
             if s.ended is not None:
@@ -449,3 +457,9 @@ class SessionManager:
         await asyncio.gather(
             *(self._pool.release(s.sandbox, recycle=False) for s in sessions if s.ended is None), return_exceptions=True
         )
+
+
+def _seen(task: asyncio.Future[Any]) -> None:
+    """Marks a shielded step's outcome as seen: its caller may have gone, and it may have failed."""
+    if not task.cancelled():
+        task.exception()

@@ -195,6 +195,24 @@ async def test_a_close_while_the_ending_steps_sandbox_is_recycled_keeps_the_step
         assert orch.pool is not None and orch.pool.busy == 0
 
 
+async def test_a_step_whose_call_is_cancelled_runs_to_its_end(tmp_path: Path) -> None:
+    # cut by its client's deadline during the tool call, the step left the assistant's call without its tool turn,
+    # and the next step reused its id (call-0): the transcript the scorer reads had two calls of one id, one unanswered
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=1.0)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        cut = stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")), timeout=0.3)
+        await expect_error(cut, grpc.StatusCode.DEADLINE_EXCEEDED)
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(2)")))
+        assert s.observation == "print(2)" and not s.terminated
+        assert orch.sessions is not None
+        turns = orch.sessions._sessions[r.session_id].state.turns
+        calls = [c.id for t in turns for c in t.tool_calls]
+        answered = [t.tool_call_id for t in turns if t.role == "tool"]
+        assert calls == answered and len(set(calls)) == 2, [(t.role, t.text[:20]) for t in turns]
+
+
 async def test_a_session_gets_no_warm_sandbox_whose_lease_ends_before_its_lifetime_could(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
