@@ -11,10 +11,28 @@ hosts").
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import gc
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 GC_THRESHOLDS = (50_000, 20, 20)
+
+
+async def run_to_end(work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; run to its end even when the caller is cancelled meanwhile (the caller gets its cancel at
+    once, the work goes on), its outcome, a failure too, then marked seen (never logged as not retrieved)."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(_seen)
+    return await asyncio.shield(task)
+
+
+def _seen(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def tune_gc() -> None:

@@ -30,7 +30,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
@@ -44,6 +44,7 @@ from orchestrator.core.errors import (
 )
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState, RolloutError
+from orchestrator.core.runtime import run_to_end
 from orchestrator.core.tracing import NOOP_TRACER, Tracer
 from orchestrator.rollout.runner import WorkItem, traced_rollout, unrun_rollout
 from orchestrator.service.advantages import group_advantages
@@ -338,9 +339,7 @@ class JobManager:
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
         # recorded to its end even when the call is cancelled: the log's row was written all the same, and a job
         # missing from memory was run by the next start with nobody to stream it (a client's deadline in a burst)
-        recording = asyncio.ensure_future(self._record(job_id, spec, env, items, owner))
-        recording.add_done_callback(_retrieved)
-        await asyncio.shield(recording)
+        await run_to_end(self._record(job_id, spec, env, items, owner))
         return job_id, len(items)
 
     async def _record(self, job_id: str, spec: JobSpec, env: Environment, items: list[WorkItem], owner: str) -> None:
@@ -542,9 +541,7 @@ class JobManager:
         # the log's ack and the streams' notice of it run to their end together: the store runs a queued call even
         # when its caller is cancelled (an Ack RPC past its deadline), and without the notice the acked seqs stayed
         # in a stream's window for good, which a later ack (acking nothing new) never freed: a full window hung
-        acking = asyncio.ensure_future(self._ack(job, up_to, ids))
-        acking.add_done_callback(_retrieved)
-        return len(await asyncio.shield(acking))
+        return len(await run_to_end(self._ack(job, up_to, ids)))
 
     async def _ack(self, job: _Job, up_to: int, ids: Sequence[str]) -> list[int]:
         seqs = await self.store.ack(
@@ -578,9 +575,7 @@ class JobManager:
             self._set_state(job, JobState.CANCELLED)
             # to its end even when the call is cancelled (a CancelJob past its deadline while sandboxes are torn
             # down): half done, the log said RUNNING, streams were never woken, and a restart ran the job again
-            cancelling = asyncio.ensure_future(self._cancel(job))
-            cancelling.add_done_callback(_retrieved)
-            await asyncio.shield(cancelling)
+            await run_to_end(self._cancel(job))
         return await self.info(job_id)
 
     async def _cancel(self, job: _Job) -> None:
@@ -722,9 +717,3 @@ def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "g
         failed = sum(not r.status.scored for r in rollouts)
         groups.append(Group(g, rollouts[0].task_id, members, group_advantages(rewards, advantage), failed))
     return Batch(groups=groups)
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """Marks a shielded task's outcome as seen: its caller may have been cancelled, and it may still fail."""
-    if not task.cancelled():
-        task.exception()

@@ -20,7 +20,6 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,6 +35,7 @@ from orchestrator.core.errors import (
     SandboxError,
 )
 from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
+from orchestrator.core.runtime import run_to_end
 
 # the runner's classification of environment code failures (ENV_ERROR), shared so both paths agree
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
@@ -328,9 +328,7 @@ class SessionManager:
         cancelled (a client's deadline) runs to its end all the same: cut midway, the transcript kept the assistant's
         call without its tool turn (the next step reused its id), and a step cut while scoring scored again."""
         s = await self._get(tenant, session_id)
-        stepping = asyncio.ensure_future(self._step_locked(s, session_id, action))
-        stepping.add_done_callback(_seen)
-        return await asyncio.shield(stepping)
+        return await run_to_end(self._step_locked(s, session_id, action))
 
     async def _step_locked(self, s: _Session, session_id: str, action: Action) -> StepResult:
         async with s.lock:
@@ -457,9 +455,3 @@ class SessionManager:
         await asyncio.gather(
             *(self._pool.release(s.sandbox, recycle=False) for s in sessions if s.ended is None), return_exceptions=True
         )
-
-
-def _seen(task: asyncio.Future[Any]) -> None:
-    """Marks a shielded step's outcome as seen: its caller may have gone, and it may have failed."""
-    if not task.cancelled():
-        task.exception()
