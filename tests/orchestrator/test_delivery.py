@@ -256,8 +256,7 @@ async def test_a_full_window_is_not_held_back_by_the_gap(
 
     monkeypatch.setattr(jobs, "STREAM_GAP_S", 30.0)
     monkeypatch.setattr(sdk, "ACK_GAP_S", 30.0)
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:8], max_concurrency=8))
-    assert await until_done(fake_client, job_id, 8, timeout_s=60) == 8
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:8])
     call = fake_client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, max_in_flight=2))
     first = await call.read()
     assert len(first.rollouts) == 2
@@ -363,8 +362,7 @@ async def test_auto_acks_go_behind_the_reader_and_are_through_when_it_stops(
         return await ack(job_id, up_to=up_to)
 
     monkeypatch.setattr(fake_client, "ack", counted)
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:8], max_concurrency=8))
-    assert await until_done(fake_client, job_id, 8, timeout_s=60) == 8
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:8])
     # the reader stops after its fifth rollout: the four batches before it were consumed, the fifth was not
     async with asyncio.timeout(20), contextlib.aclosing(fake_client.rollouts(job_id, max_batch=1)) as rollouts:
         seen = 0
@@ -401,8 +399,7 @@ async def test_a_rollout_the_log_cannot_encode_is_delivered_masked_and_its_job_e
         return await append(rollout, visible=visible)
 
     monkeypatch.setattr(store, "append", refusing)
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:2]))
-    assert await until_done(fake_client, job_id, 2, timeout_s=60) == 2
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:2])
     got = {r.task_id: r async for r in fake_client.rollouts(job_id)}
     masked, fine = got[task_ids[0]], got[task_ids[1]]
     assert masked.status == RolloutStatus.INFRA_ERROR and masked.reward is None
@@ -415,8 +412,7 @@ async def test_a_reader_that_stops_early_ends_its_stream_on_the_server(
 ) -> None:
     # the call was left open when the reader broke out: the server's stream went on for good, holding one of the
     # tenant's streams (64), so a trainer that read a few rollouts a step was refused at about its 65th step
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4]))
-    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:4])
     for _ in range(3):
         async with contextlib.aclosing(fake_client.rollouts(job_id, max_in_flight=2, max_batch=1)) as rollouts:
             async for _ in rollouts:
@@ -432,8 +428,7 @@ async def test_a_closed_sync_client_and_its_iterators_close_again_without_waitin
 ) -> None:
     # close() stopped the client's loop and left it there: a second close, an iterator closed after it (its
     # finally), any call, each waited for ever on a loop that would never run it
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4]))
-    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:4])
 
     def run() -> None:
         c = SyncEnvfleetClient(fake_orchestrator.address)
@@ -473,8 +468,7 @@ async def test_ctrl_c_while_a_sync_iterator_waits_is_a_keyboard_interrupt_and_en
     # the interrupt came while the next item was awaited on the client's loop; closing the iterator then tried to
     # close a generator still running there: a RuntimeError replaced the KeyboardInterrupt (a trainer's handler for
     # it never ran), and the stream stayed open on the server
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:3]))
-    assert await until_done(fake_client, job_id, 3, timeout_s=60) == 3
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:3])
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _INTERRUPTED, fake_orchestrator.address, job_id, cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -512,8 +506,7 @@ async def test_a_failed_auto_ack_is_raised_while_the_reader_waits_on_a_full_wind
     # the window (2) is full of consumed rollouts when their ack fails: no batch comes until something is acked, and
     # the failure was raised only at the next batch, so the reader waited for ever
     monkeypatch.setattr(fake_client, "ack", _failing_ack(grpc.StatusCode.PERMISSION_DENIED, 1, fake_client.ack))
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4], max_concurrency=4))
-    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:4])
     got: list[str] = []
     with pytest.raises(grpc.aio.AioRpcError, match="refused by the test"):
         async with asyncio.timeout(20):
@@ -529,8 +522,7 @@ async def test_an_auto_ack_past_its_deadline_is_sent_again(
     # an ack is idempotent, so one that ran past its deadline on a busy server is tried again, not raised
     failing = _failing_ack(grpc.StatusCode.DEADLINE_EXCEEDED, 1, fake_client.ack)
     monkeypatch.setattr(fake_client, "ack", failing)
-    job_id = await fake_client.submit(job(policy_server.url, task_ids[:4], max_concurrency=4))
-    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:4])
     async with asyncio.timeout(20):
         got = [r.id async for r in fake_client.rollouts(job_id, max_in_flight=2, max_batch=2)]
     assert sorted(got) == sorted(f"{job_id}:{t}:0" for t in task_ids[:4])

@@ -279,6 +279,16 @@ async def test_sweep_keeps_live_owners_and_removes_expired_leases(
         await short.close()
 
 
+async def _removed_soon(backend: DockerBackend, docker_client: docker.DockerClient, cid: str) -> None:
+    """The container is gone within 10 s (its removal runs in the backend's own task), and the backend holds none."""
+    for _ in range(100):
+        if not docker_client.api.containers(all=True, filters={"id": cid}):
+            break
+        await asyncio.sleep(0.1)
+    assert not docker_client.api.containers(all=True, filters={"id": cid})
+    assert backend.owned(cid) is None
+
+
 @pytest.mark.parametrize("how", ["close", "release"])
 async def test_a_sandbox_whose_removal_is_cancelled_midway_is_removed_all_the_same(
     backend: DockerBackend, base_image: str, docker_client: docker.DockerClient, how: str
@@ -297,12 +307,7 @@ async def test_a_sandbox_whose_removal_is_cancelled_midway_is_removed_all_the_sa
     await asyncio.sleep(0.2)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    for _ in range(100):
-        if not docker_client.api.containers(all=True, filters={"id": sb.id}):
-            break
-        await asyncio.sleep(0.1)
-    assert not docker_client.api.containers(all=True, filters={"id": sb.id})
-    assert backend.owned(sb.id) is None
+    await _removed_soon(backend, docker_client, sb.id)
 
 
 async def test_a_sandbox_made_as_its_caller_is_cancelled_is_removed(
@@ -326,12 +331,7 @@ async def test_a_sandbox_made_as_its_caller_is_cancelled_is_removed(
     with pytest.raises(asyncio.CancelledError):
         await caller
     (sb,) = made
-    for _ in range(100):
-        if not docker_client.api.containers(all=True, filters={"id": sb.id}):
-            break
-        await asyncio.sleep(0.1)
-    assert not docker_client.api.containers(all=True, filters={"id": sb.id})
-    assert backend.owned(sb.id) is None
+    await _removed_soon(backend, docker_client, sb.id)
 
 
 async def test_a_sandboxs_lease_ends_no_later_than_its_label_says(
