@@ -6,7 +6,9 @@ Every call acts as the calling tenant (from its bearer token); the managers keep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 
 import grpc
 
@@ -76,21 +78,51 @@ def _stdin_size(request: pb.ExecRequest) -> int:
     return max(0, framed)
 
 
-async def _stdin_chunks(
-    first: pb.ExecInput, rest: AsyncIterator[pb.ExecInput], unreadable: list[InvalidRequestError]
-) -> AsyncIterator[bytes]:
-    """ExecStream's stdin: the request's own, then each later message's, read only as the process takes them. A
-    later message that does not parse ends stdin and is kept in `unreadable`: raised here, it was swallowed by the
-    task that feeds envd, whose call was cancelled, and the caller's call hung without a status."""
-    if first.request.stdin:
-        yield first.request.stdin
-    del first
+class _StreamedStdin:
+    """ExecStream's stdin: the request's own, then each later message's, read only as the process takes them.
+
+    A later message that does not parse is kept in `unreadable`, and stdin then never ends: an end would let the
+    command run on with part of its input (a write cut short, say), so ExecStream stops the command instead and
+    answers the error. Raised from the chunks, the error was swallowed by the task that feeds envd, whose call was
+    cancelled, and the caller's call hung without a status."""
+
+    def __init__(self, first: pb.ExecInput, rest: AsyncIterator[pb.ExecInput]) -> None:
+        self._first: bytes = first.request.stdin
+        self._rest = rest
+        self.unreadable: InvalidRequestError | None = None
+        self.broken = asyncio.Event()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        if self._first:
+            yield self._first
+        self._first = b""
+        try:
+            async for m in self._rest:
+                if m.WhichOneof("input") == "stdin" and m.stdin:
+                    yield m.stdin
+        except InvalidRequestError as e:
+            self.unreadable = e
+            self.broken.set()
+            await asyncio.Event().wait()  # until the command is stopped, which cancels this read
+
+
+async def _until(events: AsyncIterator[ExecEvent], stop: asyncio.Event) -> AsyncGenerator[ExecEvent]:
+    """The events until `stop` is set. The read of the next one is then cancelled, as it is when the caller goes:
+    the command's call is cancelled on its way out, and envd kills the command."""
+    stopped = asyncio.ensure_future(stop.wait())
+    step: asyncio.Future[ExecEvent | None] | None = None
     try:
-        async for m in rest:
-            if m.WhichOneof("input") == "stdin" and m.stdin:
-                yield m.stdin
-    except InvalidRequestError as e:
-        unreadable.append(e)
+        while True:
+            step = asyncio.ensure_future(anext(events, None))
+            await asyncio.wait((step, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not step.done() or (event := step.result()) is None:
+                return
+            yield event
+    finally:
+        stopped.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.wait((step,))
 
 
 class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
@@ -199,13 +231,14 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("input") != "request":
             raise InvalidRequestError("the first message of ExecStream must be the request (ExecInput.request)")
-        unreadable: list[InvalidRequestError] = []
-        events = self._exec(tenant, first.request, _stdin_chunks(first, request_iterator, unreadable), None)
+        stdin = _StreamedStdin(first, request_iterator)
+        events = self._exec(tenant, first.request, stdin.chunks(), None)
         del first
-        async for ev in events:
-            yield exec_event_pb(ev)
-        if unreadable:
-            raise unreadable[0]
+        async with contextlib.aclosing(_until(events, stdin.broken)) as until:
+            async for ev in until:
+                yield exec_event_pb(ev)
+        if stdin.unreadable is not None:
+            raise stdin.unreadable
 
     async def ReadFile(
         self, request: pb.SandboxReadFileRequest, context: grpc.aio.ServicerContext

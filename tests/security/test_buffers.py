@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from orchestrator.backends.config import ExecRule, FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend
@@ -336,6 +337,36 @@ async def test_streamed_stdin_is_not_buffered(tmp_path: Path, base_image: str) -
             EXHAUSTED,
             "caps.exec_stdin_bytes",
         )
+        await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
+
+
+async def test_an_exec_stream_cut_short_by_a_message_that_does_not_parse_stops_its_command(
+    tmp_path: Path, base_image: str
+) -> None:
+    """Real envd: a later message that does not parse ended the command's stdin, so the command ran on with part of
+    its input (here: a write cut short, then the step after it) before the caller got INVALID_ARGUMENT. Now it is
+    stopped where it stands: what came after the end of its input never runs."""
+    async with serve(tmp_path) as orch, EnvfleetClient(orch.address) as c:
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=base_image))).sandbox_id
+        request = pb.ExecRequest(sandbox_id=sid, shell="cat > /tmp/input; touch /tmp/ran", timeout_s=60)
+
+        async def frames() -> AsyncIterator[bytes]:
+            yield pb.ExecInput(request=request).SerializeToString()
+            yield pb.ExecInput(stdin=b"the first half").SerializeToString()
+            await asyncio.sleep(1.0)  # the command runs and has read it
+            yield b"\xff"  # a tag that is no field: not a message
+
+        async with grpc.aio.insecure_channel(orch.address) as channel:
+            call = channel.stream_stream("/envfleet.v1.SandboxService/ExecStream")(frames(), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), e.value.details())
+        assert "does not parse" in str(e.value.details())
+        check = "sleep 1; test -e /tmp/ran && echo ran || echo stopped; cat /tmp/input"
+        out = b"".join([ev.stdout async for ev in ss.Exec(pb.ExecRequest(sandbox_id=sid, shell=check))])
+        assert out.decode() == "stopped\nthe first half", out
         await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
 
 
