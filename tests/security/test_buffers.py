@@ -370,6 +370,32 @@ async def test_an_exec_stream_cut_short_by_a_message_that_does_not_parse_stops_i
         await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
 
 
+async def test_an_exec_stream_its_caller_cancels_stops_its_command(tmp_path: Path, base_image: str) -> None:
+    """Real envd: a caller that goes mid-stdin (its call cancelled) stops the command; its stdin does not end, which
+    would let it run on with part of its input."""
+    async with serve(tmp_path) as orch, EnvfleetClient(orch.address) as c:
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=base_image))).sandbox_id
+        request = pb.ExecRequest(sandbox_id=sid, shell="cat > /tmp/input; touch /tmp/ran", timeout_s=60)
+        sent = asyncio.Event()
+
+        async def inputs() -> AsyncIterator[pb.ExecInput]:
+            yield pb.ExecInput(request=request)
+            yield pb.ExecInput(stdin=b"the first half")
+            sent.set()
+            await asyncio.sleep(60)
+
+        call = ss.ExecStream(inputs())
+        assert (await call.read()).WhichOneof("event") == "started"
+        await sent.wait()
+        await asyncio.sleep(1.0)  # the command has read it
+        call.cancel()
+        check = "sleep 2; test -e /tmp/ran && echo ran || echo stopped; cat /tmp/input"
+        out = b"".join([ev.stdout async for ev in ss.Exec(pb.ExecRequest(sandbox_id=sid, shell=check))])
+        assert out.decode() == "stopped\nthe first half", out
+        await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
+
+
 async def test_exec_stream_needs_the_request_first(tmp_path: Path) -> None:
     async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as c:
 
