@@ -13,6 +13,7 @@ with `tls=ClientTLS(...)` the channel uses TLS (and a client certificate, for mT
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -253,16 +254,17 @@ class EnvfleetClient:
         """Yield each batch's items (key, seq, item) whose key is new; with auto_ack, a batch is acked once its items
         were consumed (the next is asked for), behind the consumer (see _Acker); the iterator ends, or is closed,
         only once every such ack is through."""
-        seen: set[str] = set()
+        seen = _Seen()
         consumed: int | None = None
         acker = _Acker(self, job_id, max_in_flight) if auto_ack else None
         try:
             while (batch := await _next_batch(batches, consumed, acker)) is not None:
+                if consumed is not None:
+                    seen.forget_through(consumed)  # sent in: a reconnect resumes after it, so none of those comes again
                 consumed = None
                 entries = unpack(batch)
-                for key, _, item in entries:
-                    if key not in seen:
-                        seen.add(key)
+                for key, seq, item in entries:
+                    if seen.add(key, seq):
                         yield item
                 last = max((seq for _, seq, _ in entries), default=0)
                 if acker is not None and last:
@@ -337,6 +339,31 @@ class _Outage:
 
     def over(self) -> None:
         self._give_up = None
+
+
+class _Seen:
+    """The keys a stream has yielded, to drop what a reconnect sends again: those above the seq it resumes after.
+    Keys come in seq order (a stream sends in seq order, and what comes again was seen), so the ones at or below it
+    are forgotten from the front: with auto-ack a job of a million rollouts holds a window's keys, not a million."""
+
+    def __init__(self) -> None:
+        self._keys: set[str] = set()
+        self._order: collections.deque[tuple[int, str]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str, seq: int) -> bool:
+        """Whether `key` is new (and now seen)."""
+        if key in self._keys:
+            return False
+        self._keys.add(key)
+        self._order.append((seq, key))
+        return True
+
+    def forget_through(self, seq: int) -> None:
+        while self._order and self._order[0][0] <= seq:
+            self._keys.discard(self._order.popleft()[1])
 
 
 class _Acker:

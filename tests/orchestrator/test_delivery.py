@@ -583,3 +583,27 @@ async def test_rollout_messages_are_the_rollouts_models_as_they_came_and_acked_t
     assert all(rollout_from_pb(m) == models[m.id] for m in messages)
     assert any(m.tokens.completion_ids for m in messages)
     assert (await fake_client.get_job(job_id)).acked == 12
+
+
+async def test_a_reader_with_auto_ack_holds_the_keys_of_a_window_not_of_the_whole_job(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the keys kept to drop what a reconnect sends again grew with the job: a million rollouts, a million ids
+    from orchestrator.client import sdk
+
+    sizes: list[int] = []
+
+    class Measured(sdk._Seen):
+        def add(self, key: str, seq: int) -> bool:
+            new = super().add(key, seq)
+            sizes.append(len(self))
+            return new
+
+    monkeypatch.setattr(sdk, "_Seen", Measured)
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:20], n=10, max_concurrency=200))
+    assert await until_done(fake_client, job_id, 200, timeout_s=60) == 200
+    async with asyncio.timeout(30):
+        ids = [r.id async for r in fake_client.rollouts(job_id, max_in_flight=16, max_batch=4)]
+    assert len(set(ids)) == len(ids) == 200
+    assert max(sizes) <= 8, max(sizes)  # the batch being read, and the one before it until it is sent in
+    assert (await fake_client.get_job(job_id)).acked == 200
