@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
+RESTART_RESET_S = 10.0  # a worker that ran this long before it exited is started again after RESTART_MIN_S
 STOP_GRACE_S = 60.0
 # a worker the hub cut off for its silence (stopped, hung) that has not joined again this long after is killed: the
 # supervisor starts it again, and the new process sweeps the sandboxes the silent one held (they waited out their
@@ -69,7 +70,7 @@ class LocalWorkers:
         argv = [sys.executable, "-m", "orchestrator.worker", "--connect", self._target, "--name", f"w{index}"]
         argv += ["--parent-pid", str(os.getpid())]
         argv += ["--config", self.config.model_dump_json()] + ["-v"] * self._verbose
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
+        proc = self._procs[index] = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
         assert proc.stdin is not None
         proc.stdin.write(self._token.encode() + b"\n")
         await proc.stdin.drain()
@@ -79,19 +80,34 @@ class LocalWorkers:
     async def _supervise(self, index: int) -> None:
         delay = RESTART_MIN_S
         while not self._stopping:
-            proc = self._procs[index] = await self._spawn(index)
-            code = await proc.wait()
-            if self._stopping:
-                return
-            self.restarts += 1
-            log.warning("worker %d (pid %d) exited with %s; starting it again in %gs", index, proc.pid, code, delay)
+            started = asyncio.get_running_loop().time()
+            try:
+                proc = await self._spawn(index)
+            except OSError as e:  # no process (fds, memory, the interpreter gone): the slot is tried again, not lost
+                log.error("worker %d could not be started (%s); trying again in %gs", index, e, delay)
+            else:
+                code = await proc.wait()
+                if self._stopping:
+                    return
+                self.restarts += 1
+                if asyncio.get_running_loop().time() - started >= RESTART_RESET_S:
+                    delay = RESTART_MIN_S  # it ran a while: this exit is not one of a crash loop's
+                log.warning("worker %d (pid %d) exited with %s; starting it again in %gs", index, proc.pid, code, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RESTART_MAX_S)
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every worker (they destroy their sandboxes), SIGKILL those still running after `grace_s`."""
         self._stopping = True
-        procs = [p for p in self._procs.values() if p.returncode is None]
+        await self._stop_procs([p for p in self._procs.values() if p.returncode is None], grace_s)
+        for task in [*self._supervisors, *self._silence_kills]:
+            task.cancel()
+        await asyncio.gather(*self._supervisors, *self._silence_kills, return_exceptions=True)
+        # one a supervisor started while the others were being stopped
+        await self._stop_procs([p for p in self._procs.values() if p.returncode is None], grace_s)
+
+    @staticmethod
+    async def _stop_procs(procs: list[asyncio.subprocess.Process], grace_s: float) -> None:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
@@ -104,6 +120,3 @@ class LocalWorkers:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
             await asyncio.gather(*(p.wait() for p in procs))
-        for task in [*self._supervisors, *self._silence_kills]:
-            task.cancel()
-        await asyncio.gather(*self._supervisors, *self._silence_kills, return_exceptions=True)

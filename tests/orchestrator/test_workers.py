@@ -5,6 +5,7 @@ as a fake reward, and no sandbox is left behind."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -26,6 +27,8 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.testing.scripted_policy import ScriptedServer
+from orchestrator.worker.config import WorkerConfig
+from orchestrator.worker.spawn import LocalWorkers
 from tests.conftest import TEST_OWNER, owned_containers
 from tests.orchestrator.conftest import job
 from tests.orchestrator.servers import check_delivery, until_done
@@ -374,3 +377,81 @@ def _my_workers() -> list[int]:
         if b"orchestrator.worker" in argv and str(os.getpid()).encode() in argv and state != "Z":
             found.append(int(pid))
     return found
+
+
+def _local_workers(tmp_path: Path) -> LocalWorkers:
+    """One supervised worker process that dials a socket nobody serves (it keeps trying until it is stopped)."""
+    config = WorkerConfig(backend=FakeBackendConfig(owner=TEST_OWNER))
+    return LocalWorkers(1, f"unix:{tmp_path}/nobody.sock", "token", config)
+
+
+async def test_a_worker_that_could_not_be_started_is_started_again(tmp_path: Path) -> None:
+    # an OSError from the spawn (fds or memory short for a moment) ended the slot's supervisor: one worker fewer for
+    # good, said nowhere until the control plane stopped
+    workers = _local_workers(tmp_path)
+    spawn, failures = workers._spawn, [OSError(24, "Too many open files")]
+
+    async def flaky(index: int) -> asyncio.subprocess.Process:
+        if failures:
+            raise failures.pop()
+        return await spawn(index)
+
+    workers._spawn = flaky  # type: ignore[method-assign]
+    workers.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not workers.pids and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        assert len(workers.pids) == 1 and not failures
+    finally:
+        await workers.stop(grace_s=10)
+    assert _my_workers() == []
+
+
+async def test_a_worker_started_while_the_others_stop_is_stopped_too(tmp_path: Path) -> None:
+    # stop() signalled the processes it found; one its supervisor was starting meanwhile was neither signalled nor
+    # waited for, and ran on while this process lived
+    workers = _local_workers(tmp_path)
+    spawn, spawning = workers._spawn, asyncio.Event()
+
+    async def slow(index: int) -> asyncio.subprocess.Process:
+        spawning.set()
+        await asyncio.sleep(1.0)  # stop() begins meanwhile
+        return await spawn(index)
+
+    workers._spawn = slow  # type: ignore[method-assign]
+    workers.start()
+    await spawning.wait()
+    stopping = asyncio.create_task(workers.stop(grace_s=10))
+    await asyncio.sleep(1.5)  # the process exists now, started after stop() looked
+    await stopping
+    assert workers.pids == [] and _my_workers() == []
+
+
+async def test_a_workers_restart_delay_starts_over_after_it_ran_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the delay only doubled: a control plane up for a week waited 30 s to restart any worker after a few exits
+    from orchestrator.worker import spawn as spawn_module
+
+    monkeypatch.setattr(spawn_module, "RESTART_RESET_S", 1.0)
+    workers = _local_workers(tmp_path)
+    caplog.set_level(logging.WARNING, logger=spawn_module.__name__)
+
+    def delays() -> list[str]:
+        return [r.getMessage().rsplit(" ", 1)[1] for r in caplog.records if "starting it again" in r.getMessage()]
+
+    workers.start()
+    try:
+        async with asyncio.timeout(30):
+            for exits in range(3):
+                while len(workers.pids) != 1 or len(delays()) != exits:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+                if exits == 2:
+                    await asyncio.sleep(1.2)  # this one ran past RESTART_RESET_S; the two before exited at once
+                os.kill(workers.pids[0], signal.SIGKILL)
+            while len(delays()) < 3:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert delays() == ["0.5s", "1s", "0.5s"], delays()
+    finally:
+        await workers.stop(grace_s=10)
