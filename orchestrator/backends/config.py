@@ -99,13 +99,20 @@ class DockerBackendConfig(BaseModel):
             return 0
         return self.exec_admission or EXECS_PER_CORE * (os.cpu_count() or 1)
 
+    def startup_slots(self) -> int:
+        """Sandboxes starting at once (startup_concurrency, or its default)."""
+        return self.startup_concurrency or max(8, 4 * (os.cpu_count() or 1))
+
     def shared_by(self, workers: int) -> DockerBackendConfig:
-        """The backend of one of `workers` processes on a host: the execs at once split between them (rounded up,
-        at least 2 each), so that the host starts what it was configured to, not that times its workers."""
-        slots = self.exec_slots()
-        if workers <= 1 or not slots:
+        """The backend of one of `workers` processes on a host: the execs and the sandbox start-ups at once split
+        between them (rounded up, at least 2 each), so that the host starts what it was configured to, not that
+        times its workers."""
+        if workers <= 1:
             return self
-        return self.model_copy(update={"exec_admission": max(2, -(-slots // workers))})
+        update = {"startup_concurrency": max(2, -(-self.startup_slots() // workers))}
+        if slots := self.exec_slots():
+            update["exec_admission"] = max(2, -(-slots // workers))
+        return self.model_copy(update=update)
 
 
 EXECS_PER_CORE = 4  # the default of exec_admission: the best of 2, 4 and 8 a core tried here (README)

@@ -500,7 +500,9 @@ class WorkerHub:
             self.on_local_lost(worker.pid, self._connected_pid)
 
     def _connected_pid(self, pid: int) -> bool:
-        return any(w.pid == pid for w in self._workers.values())
+        """Whether a process of this host with `pid` is connected: a remote worker's pid is its own host's (and
+        whatever its hello says), so it never stands for a local one."""
+        return any(w.trusted and w.pid == pid for w in self._workers.values())
 
 
 def _assignment_size(a: wpb.Assignment) -> int:

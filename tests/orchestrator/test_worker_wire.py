@@ -135,6 +135,21 @@ async def test_a_silent_remote_worker_is_lost_whatever_runs_under_its_pid() -> N
         assert w.hub.lost == 1
 
 
+async def test_a_remote_worker_with_a_cut_off_local_workers_pid_does_not_count_as_it_rejoining() -> None:
+    # a Ray actor on another host may have any pid (small ones in containers): taken for the local worker joined
+    # again, the stopped local process was never killed, and kept its slot and its sandboxes for good
+    told: list[tuple[int, bool]] = []
+    async with _silent_worker("unix") as (w, _, pid):
+        w.hub.on_local_lost = lambda lost, rejoined: told.append((lost, rejoined(lost)))
+        async with ScriptedWorker(w.tcp, _answer, worker_id="remote", pid=pid):
+            await w.hub.wait_for_workers(2, timeout_s=30)
+            os.kill(pid, signal.SIGSTOP)
+            async with asyncio.timeout(10):
+                while not told:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+    assert told == [(pid, False)]
+
+
 async def test_a_lost_workers_rollouts_wait_for_room_rather_than_overload_the_others() -> None:
     running, peak = 0, 0
 

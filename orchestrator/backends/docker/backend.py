@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -249,7 +248,7 @@ class DockerBackend(SandboxBackend):
         self._closing = False
         slots = self.config.exec_slots()
         self.admission = ExecAdmission(slots, self.config.exec_admission_hold_s) if slots else None
-        self.startups = asyncio.Semaphore(self.config.startup_concurrency or max(8, 4 * (os.cpu_count() or 1)))
+        self.startups = asyncio.Semaphore(self.config.startup_slots())
         self.engine_healthy = True
         self._health_listeners: list[Callable[[bool], None]] = []
         self._health_task: asyncio.Task[None] | None = None
