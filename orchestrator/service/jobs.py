@@ -309,14 +309,19 @@ class JobManager:
                 "cancel some or wait for them to finish"
             )
         self._admitting[owner] += 1
+        handed_over: list[bool] = []  # to the job's record, which lets go of the admission once the job counts
         try:
-            return await self._admit(spec, env, owner)
+            return await self._admit(spec, env, owner, handed_over)
         finally:
-            self._admitting[owner] -= 1
-            if not self._admitting[owner]:
-                del self._admitting[owner]
+            if not handed_over:
+                self._admitted(owner)
 
-    async def _admit(self, spec: JobSpec, env: Environment, owner: str) -> tuple[str, int]:
+    def _admitted(self, owner: str) -> None:
+        self._admitting[owner] -= 1
+        if not self._admitting[owner]:
+            del self._admitting[owner]
+
+    async def _admit(self, spec: JobSpec, env: Environment, owner: str, handed_over: list[bool]) -> tuple[str, int]:
         if self._kept[owner] - self._unfinished[owner] >= self.caps.finished_jobs_per_tenant:
             await self._trim_finished(owner)
         spec = spec.model_copy(update={"env": env.ref()})
@@ -339,13 +344,19 @@ class JobManager:
         self.scheduler.check_fits(_need(env))  # refused before anything is recorded
         # recorded to its end even when the call is cancelled: the log's row was written all the same, and a job
         # missing from memory was run by the next start with nobody to stream it (a client's deadline in a burst)
+        # the admission counts until the job does (_add): let go when a cancelled caller returned, the next submit's
+        # check missed the job being recorded, and cancelled submits stacked jobs past jobs_per_tenant
+        handed_over.append(True)
         await run_to_end(self._record(job_id, spec, env, items, owner))
         return job_id, len(items)
 
     async def _record(self, job_id: str, spec: JobSpec, env: Environment, items: list[WorkItem], owner: str) -> None:
-        await self.store.create_job(job_id, spec, len(items), owner)
-        job = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
-        self._add(job)
+        try:
+            await self.store.create_job(job_id, spec, len(items), owner)
+            job = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
+            self._add(job)
+        finally:
+            self._admitted(owner)
         self._deferred.append((job, items))  # started when this submit and those beside it are answered
         if self._defer_timer is None:
             self._defer_timer = asyncio.get_running_loop().call_later(START_DEFER_S, self._start_deferred)

@@ -140,3 +140,28 @@ async def test_submits_side_by_side_keep_to_the_tenants_cap(
     refused = [e for e in outcomes if isinstance(e, grpc.aio.AioRpcError)]
     assert len(outcomes) - len(refused) == 2, outcomes
     assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+async def test_submits_whose_callers_give_up_while_recording_keep_to_the_tenants_cap(
+    tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a cancelled submit's job is recorded all the same, but its admission was let go at the cancel: the next
+    # submit's check missed the job being recorded, and submits with a short deadline stacked jobs past the cap
+    async with (
+        serve(tmp_path / "data", backend=FAKE, caps={"jobs_per_tenant": 2}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        create_job = orch.jobs.store.create_job
+
+        async def slow(*args: Any, **kwargs: Any) -> None:
+            await asyncio.sleep(1.0)
+            await create_job(*args, **kwargs)
+
+        monkeypatch.setattr(orch.jobs.store, "create_job", slow)
+        spec = job_spec_to_pb(_spec(silent_policy, task_ids[:1]))
+        for _ in range(6):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.rollout_stub.SubmitJob(spec, timeout=0.2)
+            assert e.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        await asyncio.sleep(1.5)  # the records under way end
+        assert len(await client.list_jobs()) == 2
