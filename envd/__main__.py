@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from envd.kernel import become_subreaper, ignore_signals, make_non_dumpable
+from envd.kernel import become_subreaper, guard_limits, ignore_signals, make_non_dumpable
 from envd.server import EnvdConfig, serve
 
 TOKEN_VAR = "ENVD_TOKEN"
@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         sys.exit(f"envd: {token_file} is empty; refusing to serve without a token")
     make_non_dumpable()
+    try:
+        guard_limits()
+    except OSError as e:
+        sys.exit(f"envd: cannot keep the sandbox's processes from setting each other's limits: {e}")
     if os.getpid() == 1:
         ignore_signals()
     subreaper = become_subreaper()

@@ -1,4 +1,4 @@
-"""What envd asks of the kernel through libc: prctl (sub-reaper, non-dumpable) and SysV IPC removal.
+"""What envd asks of the kernel through libc: prctl (sub-reaper, non-dumpable), a seccomp filter and SysV IPC removal.
 
 ctypes is loaded once, at start; these calls have no wrapper in the os module.
 """
@@ -43,6 +43,89 @@ def become_subreaper() -> bool:
 def make_non_dumpable() -> None:
     """No process of the sandbox (same uid) may ptrace envd or read its memory or environ through /proc."""
     _prctl(PR_SET_DUMPABLE, 0)
+
+
+# Every process of a sandbox runs as envd's own uid, and the kernel lets a process set the resource limits of any
+# other process of its uid (prlimit): a command could lower envd's (a CPU time of one second: the kernel kills it,
+# the sandbox dies, and a rollout heading for 0 becomes an infrastructure retry) or a concurrent command's (the
+# grader's), and every command envd starts later inherits envd's. A seccomp filter installed on envd at start,
+# inherited by everything it runs, refuses to set another process's limits (envd/go/limits.go is the same filter).
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 1, 1
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+# BPF: load a word at an offset of struct seccomp_data; jump on equal; return
+LD_ABS, JEQ_K, RET_K = 0x20, 0x15, 0x06
+OFF_NR, OFF_ARCH, OFF_ARG0, OFF_ARG2, OFF_ARG2_HIGH = 0, 4, 16, 32, 36
+# prlimit64 on each ABI a process of this host may call it through: (audit arch, number, 64-bit pointer)
+PRLIMIT_ABIS = (
+    (0xC000003E, 302, True),  # x86_64
+    (0xC000003E, 0x40000000 | 302, False),  # x32
+    (0x40000003, 340, False),  # i386
+    (0xC00000B7, 261, True),  # aarch64
+    (0x40000028, 369, False),  # arm
+)
+SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
+
+
+def prlimit_filter() -> list[tuple[int, int, int, int]]:
+    """The filter: (code, jump if true, jump if false, k) each. prlimit64 with a pid other than 0 (the caller) and
+    new limits to set is refused (EPERM); reading another's limits, and every other call, is allowed."""
+    code: list[tuple[int, int, int, int]] = []
+    labels: dict[str, int] = {}
+    jumps: dict[int, tuple[str, str]] = {}
+
+    def jeq(k: int, yes: str, no: str) -> None:
+        jumps[len(code)] = (yes, no)
+        code.append((JEQ_K, 0, 0, k))
+
+    code.append((LD_ABS, 0, 0, OFF_ARCH))
+    for i, (arch, nr, wide) in enumerate(PRLIMIT_ABIS):
+        jeq(arch, "", f"abi{i}")
+        code.append((LD_ABS, 0, 0, OFF_NR))
+        jeq(nr, "wide" if wide else "narrow", f"abi{i}")
+        labels[f"abi{i}"] = len(code)
+        if i < len(PRLIMIT_ABIS) - 1:
+            code.append((LD_ABS, 0, 0, OFF_ARCH))
+    code.append((RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    for width in ("wide", "narrow"):
+        labels[width] = len(code)
+        code.append((LD_ABS, 0, 0, OFF_ARG0))  # pid_t: the kernel reads the low 32 bits
+        jeq(0, "allow", "")
+        code.append((LD_ABS, 0, 0, OFF_ARG2))
+        if width == "wide":
+            jeq(0, "", "deny")
+            code.append((LD_ABS, 0, 0, OFF_ARG2_HIGH))
+        jeq(0, "allow", "deny")
+    labels["allow"] = len(code)
+    code.append((RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    labels["deny"] = len(code)
+    code.append((RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.EPERM))
+    for at, (yes, no) in jumps.items():
+        c, _, _, k = code[at]
+        code[at] = (c, labels[yes] - at - 1 if yes else 0, labels[no] - at - 1 if no else 0, k)
+    return code
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = (("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32))
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter)))
+
+
+def guard_limits() -> None:
+    """Install prlimit_filter on every thread of envd, and so on every process it starts from now on."""
+    nr = SYS_SECCOMP.get(os.uname().machine)
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"seccomp: no syscall number known for {os.uname().machine}")
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)  # a filter needs it (the container has it already)
+    program = prlimit_filter()
+    filters = (_SockFilter * len(program))(*(_SockFilter(*insn) for insn in program))
+    prog = _SockFprog(len(program), filters)
+    if _libc.syscall(nr, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(prog)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"seccomp: {os.strerror(err) if err else 'a thread could not take the filter'}")
 
 
 # Signals whose default ends or stops a process and that only another process sends (kill), never a fault of envd's

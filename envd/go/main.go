@@ -123,6 +123,9 @@ func main() {
 	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
 		fail("envd: prctl(PR_SET_DUMPABLE): %v", err)
 	}
+	if err := guardLimits(); err != nil {
+		fail("envd: cannot keep the sandbox's processes from setting each other's limits (seccomp): %v", err)
+	}
 	cfg := defaultConfig(opts["socket"], token, opts["workspace"])
 	cfg.Subreaper = becomeSubreaper()
 	// the container's environment is the base of every process's; the old token carrier's name is dropped

@@ -1,0 +1,138 @@
+package main
+
+// Every process of a sandbox runs as envd's own uid, and the kernel lets a process set the resource limits of any
+// other process of its uid (prlimit): a command could lower envd's (a CPU time of one second: the kernel kills it,
+// the sandbox dies, and a rollout heading for 0 becomes an infrastructure retry) or a concurrent command's (the
+// grader's), and every command envd starts later inherits envd's. No capability or uid tells them apart here, so a
+// seccomp filter does: installed on envd at start, it is inherited by everything envd runs, and it refuses to set
+// another process's limits. A process's own (setrlimit, ulimit, prlimit on pid 0) stay its to set.
+
+import (
+	"fmt"
+	"runtime"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	seccompSetModeFilter = 1
+	seccompFlagTsync     = 1
+	seccompRetAllow      = 0x7fff0000
+	seccompRetErrno      = 0x00050000
+	auditArchI386        = 0x40000003
+	auditArchARM         = 0x40000028
+	x32SyscallBit        = 0x40000000
+	// struct seccomp_data: nr, arch, instruction pointer, then six 64-bit arguments (little-endian: low word first)
+	offNr, offArch, offArg0, offArg2, offArg2High = 0, 4, 16, 32, 36
+)
+
+// the prlimit64 syscall's number on each ABI a process of this host may call it through, and whether its
+// pointer argument is 64 bits wide
+var prlimitABIs = []struct {
+	arch uint32
+	nr   uint32
+	wide bool
+}{
+	{unix.AUDIT_ARCH_X86_64, 302, true},
+	{unix.AUDIT_ARCH_X86_64, x32SyscallBit | 302, false},
+	{auditArchI386, 340, false},
+	{unix.AUDIT_ARCH_AARCH64, 261, true},
+	{auditArchARM, 369, false},
+}
+
+// bpf is a classic BPF program being assembled, with jumps to labels resolved at the end.
+type bpf struct {
+	code   []unix.SockFilter
+	labels map[string]int
+	jumps  map[int][2]string // instruction -> (true label, false label); "" falls through
+}
+
+func (p *bpf) load(offset uint32) {
+	p.code = append(p.code, unix.SockFilter{Code: unix.BPF_LD | unix.BPF_W | unix.BPF_ABS, K: offset})
+}
+
+func (p *bpf) jeq(k uint32, yes, no string) {
+	p.jumps[len(p.code)] = [2]string{yes, no}
+	p.code = append(p.code, unix.SockFilter{Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, K: k})
+}
+
+func (p *bpf) ret(k uint32) {
+	p.code = append(p.code, unix.SockFilter{Code: unix.BPF_RET | unix.BPF_K, K: k})
+}
+
+func (p *bpf) label(name string) { p.labels[name] = len(p.code) }
+
+func (p *bpf) resolve() []unix.SockFilter {
+	for at, targets := range p.jumps {
+		for i, name := range targets {
+			if name == "" {
+				continue
+			}
+			offset := uint8(p.labels[name] - at - 1) // forward only, and the program is short
+			if i == 0 {
+				p.code[at].Jt = offset
+			} else {
+				p.code[at].Jf = offset
+			}
+		}
+	}
+	return p.code
+}
+
+// prlimitFilter refuses (EPERM) prlimit64 with a pid other than 0 (the caller) and new limits to set; reading
+// another process's limits stays allowed, as does every other call.
+func prlimitFilter() []unix.SockFilter {
+	p := &bpf{labels: map[string]int{}, jumps: map[int][2]string{}}
+	p.load(offArch)
+	for i := range prlimitABIs {
+		p.jeq(prlimitABIs[i].arch, "", "arch"+string(rune('0'+i)))
+		p.load(offNr)
+		check := "narrow"
+		if prlimitABIs[i].wide {
+			check = "wide"
+		}
+		p.jeq(prlimitABIs[i].nr, check, "arch"+string(rune('0'+i))) // or another ABI's number on this arch
+		p.label("arch" + string(rune('0'+i)))
+		if i < len(prlimitABIs)-1 {
+			p.load(offArch)
+		}
+	}
+	p.ret(seccompRetAllow)
+	for _, width := range []string{"wide", "narrow"} {
+		p.label(width)
+		p.load(offArg0) // pid_t: the kernel reads the low 32 bits
+		p.jeq(0, "allow", "")
+		p.load(offArg2)
+		if width == "wide" {
+			p.jeq(0, "", "deny")
+			p.load(offArg2High)
+		}
+		p.jeq(0, "allow", "deny")
+	}
+	p.label("allow")
+	p.ret(seccompRetAllow)
+	p.label("deny")
+	p.ret(seccompRetErrno | uint32(unix.EPERM))
+	return p.resolve()
+}
+
+// guardLimits installs prlimitFilter on every thread of envd, and so on every process it starts from now on.
+func guardLimits() error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	// a filter needs no_new_privs (the container has it already: its processes gain nothing through exec)
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+		return err
+	}
+	filter := prlimitFilter()
+	prog := unix.SockFprog{Len: uint16(len(filter)), Filter: &filter[0]}
+	tid, _, errno := unix.Syscall(unix.SYS_SECCOMP, seccompSetModeFilter, seccompFlagTsync, uintptr(unsafe.Pointer(&prog)))
+	if errno != 0 {
+		return errno
+	}
+	if tid != 0 {
+		return fmt.Errorf("thread %d could not take the filter", tid)
+	}
+	return nil
+}
