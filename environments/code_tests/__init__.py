@@ -15,6 +15,7 @@ from orchestrator.core.environment import GRADER_CWD, GRADER_ENV
 
 SOLUTION = "solution.py"
 TEST_TIMEOUT_S = 30.0
+GRADER_SLACK_S = 30.0  # the start of its command and the end of its answer, on a busy host
 # The grader reads this file of the workspace and nothing else the policy wrote. It runs with `python -I` (no user
 # site, no PYTHON* variables, no script or current directory on sys.path), an empty HOME and a fixed cwd
 # (GRADER_ENV, GRADER_CWD): a usercustomize.py or a module named like one the runner imports cannot speak for it.
@@ -171,3 +172,7 @@ class CodeTestsEnv(Environment):
 
     def tasks(self) -> Sequence[Task]:
         return build_tasks()
+
+    def scoring_timeout_s(self, task: Task) -> float:
+        """The hidden tests' run, and the slack of a command on a busy host."""
+        return TEST_TIMEOUT_S + GRADER_SLACK_S

@@ -57,6 +57,7 @@ GRADER_SLACK_INODES = 64
 TMP_FULL_METRIC = "agent_filled_tmp"
 VERIFIER_FAILED_METRIC = "verifier_failed_after_agent"
 VERIFIER_RERUN_METRIC = "verifier_ran_again_after_timeout"
+TMP_CHECK_S = 30.0  # df on /tmp, when the verifier could not run
 TAIL_CHARS = 600
 ENVD_CMD = '["python3", "-S", "-OO", "/opt/envfleet/envd/launch.py"]'
 SYSTEM_PROMPT = (
@@ -232,6 +233,13 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         except SandboxFileNotFoundError:
             return None
 
+    def scoring_timeout_s(self, task: Task) -> float:
+        """test.sh at its timeout and the grader's four steps around it, twice for a validated task (it runs once
+        more after a timeout), then the look at /tmp."""
+        t = self.harbor_tasks[task.id]
+        runs = 2 if self.validated else 1
+        return runs * (t.verifier_timeout_s + 4 * self.tool_timeout_s) + 2 * TMP_CHECK_S
+
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
         """Upload tests/, run test.sh as Harbor does and read its reward. When the verifier cannot do its part (no
         reward, a timeout, a step of the grader's failed), the sandbox as the agent left it is why, and that is the
@@ -265,7 +273,8 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         """Whether /tmp has no room left for what the grader writes there (tests/, the reward, a HOME); an answer
         that cannot be read is no."""
         try:
-            r = await sandbox.exec(["/bin/sh", "-c", "df -Pk /tmp | tail -n 1; df -Pi /tmp | tail -n 1"], timeout=30)
+            df = "df -Pk /tmp | tail -n 1; df -Pi /tmp | tail -n 1"
+            r = await sandbox.exec(["/bin/sh", "-c", df], timeout=TMP_CHECK_S)
             kib, inodes = (int(line.split()[3]) for line in r.stdout.decode().splitlines()[-2:])
         except (SandboxError, ValueError, IndexError):
             return False

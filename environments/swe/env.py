@@ -34,7 +34,7 @@ from environments.sdk import (
     ToolInvocation,
 )
 from environments.swe.builder.pins import INSTANCES
-from environments.swe.evaluate import SWE_LIMITS, evaluate_in_sandbox
+from environments.swe.evaluate import EXEC_MARGIN_S, SWE_LIMITS, evaluate_in_sandbox
 from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, Grade, ResolvedStatus
 from environments.swe.images import RepoTars, environment_image
 from environments.swe.instance import EnvironmentSpec, SweInstance, load_instances
@@ -42,6 +42,9 @@ from environments.swe.script import EVAL_ENV
 from orchestrator.core.errors import InvalidRequestError, SandboxError
 
 log = logging.getLogger(__name__)
+
+CLEAR_S = 60.0  # the grader's fresh folder in /tmp
+DIFF_S = 120.0  # the workspace's diff against base_commit
 
 WORKSPACE = "/workspace"
 GRADE_DIR = "/tmp/swe-grade"
@@ -123,7 +126,7 @@ async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, 
         f"set -e; export GIT_INDEX_FILE={shlex.quote(index)}; cd {WORKSPACE}; {git} read-tree {instance.base_commit}; "
         f"{git} add -A .; {git} diff --cached --binary {instance.base_commit}"
     )
-    r = await sandbox.exec(["bash", "-c", cmd], env=EVAL_ENV, timeout=120, max_output=64 << 20)
+    r = await sandbox.exec(["bash", "-c", cmd], env=EVAL_ENV, timeout=DIFF_S, max_output=64 << 20)
     if r.exit_code != 0 or r.truncated:
         log.info("%s: no usable workspace diff: %s", instance.instance_id, r.stderr.decode(errors="replace")[-300:])
         return None
@@ -242,6 +245,11 @@ class SweEnv(Environment):
         env_image = await asyncio.to_thread(lambda: self._env_image)
         await sandbox.upload(await self._repos.tar(inst, env_image), WORKSPACE)
 
+    def scoring_timeout_s(self, task: Task) -> float:
+        """A fresh folder, the repository's upload and the workspace's diff, then the instance's tests with their
+        script's margin."""
+        return CLEAR_S + self.tool_timeout_s + DIFF_S + self.instance(task).test_runner.timeout_s + EXEC_MARGIN_S
+
     async def grade(self, sandbox: Sandbox, task: Task) -> Grade:
         """Grade the workspace as a prediction: its diff, on a fresh pristine copy, with the instance's tests."""
         inst = self.instance(task)
@@ -249,7 +257,7 @@ class SweEnv(Environment):
         # a fresh, unpredictable folder: nothing the agent left in /tmp can be in the way
         root = f"{GRADE_DIR}-{secrets.token_hex(6)}"
         base = f"{root}/base"
-        r = await sandbox.exec(["sh", "-c", f"{CLEAR_TMP}; mkdir -p {base}"], timeout=60)
+        r = await sandbox.exec(["sh", "-c", f"{CLEAR_TMP}; mkdir -p {base}"], timeout=CLEAR_S)
         if r.exit_code != 0:
             raise SandboxError(f"could not create {base}: {r.stderr.decode(errors='replace')[-300:]}")
         await sandbox.upload(await self._repos.tar(inst, env_image), base)

@@ -166,6 +166,13 @@ class Environment(abc.ABC):
     async def setup(self, sandbox: Sandbox, task: Task, seed: int) -> None:  # noqa: B027 - optional hook
         """Prepare the sandbox for the task (files, repositories...). Default: nothing."""
 
+    def scoring_timeout_s(self, task: Task) -> float:
+        """The longest `score` can take, every step of its grader at its own timeout; 0: not known. The rollout
+        gives scoring at least this much, past its own time if need be: a grader that runs out of the rollout's time
+        (a policy that left a program that never ends, for the grader to wait out) made a masked TIMEOUT of what its
+        own timeout scores 0."""
+        return 0.0
+
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
         """Score an episode with the rubric, before the sandbox is released."""
         return await self.rubric.score(ScoringContext(sandbox, task, episode))

@@ -210,6 +210,7 @@ class RolloutRunner:
         loop = asyncio.get_running_loop()
         loop_start = loop.time()
         span = parent.open("attempt", t_start, {ROLLOUT_ID: item.id, JOB_ID: item.job_id, ATTEMPT: attempt})
+        grading_s = env.scoring_timeout_s(item.task)
         sandbox = None
         warm = False
         failure: Exception | None = None
@@ -218,7 +219,7 @@ class RolloutRunner:
         setup_kind = "own"
         try:
             try:
-                async with asyncio.timeout(spec.rollout_timeout_s):
+                async with asyncio.timeout(spec.rollout_timeout_s) as deadline:
                     # each phase is measured once: its seconds go into the timing, its readings make its span
                     with Phase(span, "acquire") as phase:
                         try:
@@ -238,9 +239,9 @@ class RolloutRunner:
                                 runtime=env.runtime,
                                 env=dict(DETERMINISTIC_ENV),
                                 labels=labels,
-                                ttl_s=lease_for(spec.rollout_timeout_s),
+                                ttl_s=lease_for(spec.rollout_timeout_s + grading_s),
                             ),
-                            need_s=spec.rollout_timeout_s,
+                            need_s=spec.rollout_timeout_s + grading_s,
                         )
                         warm = source == "warm"
                         self.active[item.id] = sandbox
@@ -281,6 +282,8 @@ class RolloutRunner:
                     timing.generation, timing.tools = result.generation_s, result.tools_s
                     prov.policy_model = result.policy_model or spec.policy.model
                     with Phase(span, "scoring") as phase:
+                        # the grader's own timeouts decide what a grader that runs long scores, not what is left
+                        deadline.reschedule(max(deadline.when() or 0.0, loop.time() + grading_s))
                         score = await env_call(env.score(sandbox, item.task, result.episode))
                         if score.reward is not None:
                             phase.span.set({REWARD: score.reward})

@@ -358,7 +358,9 @@ class SessionManager:
         observation = ""
         finish: Finish | None = None
         try:
-            async with asyncio.timeout(s.env.tool_timeout_s + self.config.scoring_budget_s):
+            # a final step's grader gets its own timeouts' worth (Environment.scoring_timeout_s), at least
+            scoring_s = max(self.config.scoring_budget_s, s.env.scoring_timeout_s(s.task))
+            async with asyncio.timeout(s.env.tool_timeout_s + scoring_s):
                 if not s.state.fits(action.arguments if isinstance(action, ToolAction) else action.text):
                     finish = "length"  # the episode is as long as it may be (EPISODE_BYTES): TRUNCATED without it
                 elif isinstance(action, ToolAction):

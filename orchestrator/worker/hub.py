@@ -274,7 +274,8 @@ class WorkerHub:
             raise WorkerLostError(f"worker {worker.id} was lost")
         # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
         # worker's reader enforces it (_expire)
-        budget = (spec.max_infra_retries + 1) * (spec.rollout_timeout_s + RETRY_BACKOFF_CAP_S) + self.result_slack_s
+        attempt_s = spec.rollout_timeout_s + env.scoring_timeout_s(item.task) + RETRY_BACKOFF_CAP_S
+        budget = (spec.max_infra_retries + 1) * attempt_s + self.result_slack_s
         worker.running[assignment_id] = _Running(item, future, budget, sent + budget)
         spec_json, env_json = self._encode(item.job_id, env, spec)
         worker.outbox.put(

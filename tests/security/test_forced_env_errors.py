@@ -209,6 +209,41 @@ async def test_what_the_policy_leaves_in_tmp_does_not_stop_the_hidden_tests(tmp_
     assert "No space left on device" in fill_output, fill_output[:2000]
 
 
+async def test_a_grader_left_a_program_that_never_ends_scores_0_past_the_rollouts_time(
+    tmp_path: Path, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # scoring had what was left of the rollout's time (a quarter of it kept back), less than the hidden tests' own
+    # timeout: a solution that never ends, with the episode run to its end, made the rollout's deadline fire in the
+    # grader, a masked TIMEOUT where the grader's own timeout scores 0
+    import environments.code_tests as code_tests
+
+    monkeypatch.setattr(code_tests, "TEST_TIMEOUT_S", 4.0)
+    task = CodeTestsEnv().tasks()[0]
+    endless = f"def {task.data['function']}(*args):\n    while True:\n        pass\n"
+    steps = [
+        Step(tool_calls=[ScriptedToolCall(name="write_file", arguments={"path": SOLUTION, "content": endless})]),
+        Step(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "sleep 100"})]),  # to the episode's end
+        Step(tool_calls=[ScriptedToolCall(name="submit", arguments={"answer": ""})]),
+    ]
+    policy = await start_scripted_server(Script(tasks={task.id: steps}), tokens=False)
+    try:
+        async with serve(tmp_path, Registry.from_entry_points()) as orch, EnvfleetClient(orch.address) as client:
+            spec = JobSpec(
+                env=CodeTestsEnv.name,
+                tasks=TaskSelection(kind="ids", ids=[task.id]),
+                policy=PolicyEndpoint(base_url=policy.url, model="scripted"),
+                rollout_timeout_s=8.0,  # 2 s kept for scoring, the tests take 4
+                max_infra_retries=0,
+            )
+            job_id = await client.submit(spec)
+            async with asyncio.timeout(120):
+                (r,) = [r async for r in client.rollouts(job_id)]
+    finally:
+        await policy.close()
+    assert (r.status, r.reward) == (RolloutStatus.TRUNCATED, 0.0), (r.status, r.error)
+    assert r.timing.scoring >= 4.0
+
+
 def test_the_answer_variable_is_cut_in_bytes_at_a_character_boundary() -> None:
     answer = "a" + "\U0001f600" * 20000  # four bytes each: the cut at 64 KiB falls inside one
     cut = answer_env(answer)
