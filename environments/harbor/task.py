@@ -245,9 +245,13 @@ def load_task(path: Path) -> HarborTask:
 
 
 def _finite(v: object) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, int | float):
         return None
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an integer past a float's range
+        return None
+    return f if math.isfinite(f) else None
 
 
 def parse_reward(txt: bytes | None, js: bytes | None) -> tuple[float, dict[str, float]]:
@@ -272,8 +276,8 @@ def parse_reward(txt: bytes | None, js: bytes | None) -> tuple[float, dict[str, 
 
     try:
         doc = json.loads(js)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HarborRewardError(f"/logs/verifier/reward.json is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, an integer of over 4,300 digits, nested deep
+        raise HarborRewardError(f"/logs/verifier/reward.json is not JSON this reads: {e}"[:500]) from None
     if not isinstance(doc, dict) or not doc:
         raise HarborRewardError("/logs/verifier/reward.json must be a non-empty object of numbers")
     values: dict[str, float] = {}
@@ -282,5 +286,6 @@ def parse_reward(txt: bytes | None, js: bytes | None) -> tuple[float, dict[str, 
         if f is None:
             raise HarborRewardError(f"/logs/verifier/reward.json: {k!r} is {v!r}, not a finite number")
         values[str(k)] = f
-    reward = values["reward"] if "reward" in values else sum(values.values()) / len(values)
+    # each value divided first: two values near a float's limit have a finite mean and an infinite sum
+    reward = values["reward"] if "reward" in values else sum(v / len(values) for v in values.values())
     return reward, values

@@ -151,6 +151,7 @@ def test_reward_rules() -> None:
     assert parse_reward(b"0.25\n", b'{"reward": 1}') == (0.25, {})  # reward.txt wins, as in Harbor
     assert parse_reward(None, b'{"a": 1, "b": 0}') == (0.5, {"a": 1.0, "b": 0.0})
     assert parse_reward(None, b'{"reward": 0.75, "a": 0}')[0] == 0.75
+    assert parse_reward(None, b'{"a": 1e308, "b": 1e308}')[0] == 1e308  # the mean, not an infinite sum halved
     for txt, js, msg in [
         (None, None, "neither"),
         (b"  \n", None, "empty"),
@@ -158,6 +159,10 @@ def test_reward_rules() -> None:
         (b"yes", None, "not a finite number"),
         (None, b'{"a": "high"}', "not a finite number"),
         (None, b"[1]", "non-empty object"),
+        # each was an OverflowError, a ValueError or a RecursionError: ENV_ERROR where a validated task scores 0
+        (None, b'{"a": 1' + b"0" * 400 + b"}", "not a finite number"),
+        (None, b'{"a": 1' + b"0" * 5000 + b"}", "not JSON"),
+        (None, b"[" * 100_000 + b"]" * 100_000, "not JSON"),
     ]:
         with pytest.raises(HarborRewardError, match=msg):
             parse_reward(txt, js)
