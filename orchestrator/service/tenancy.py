@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 LOCAL_TENANT = "local"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MIN_TOKEN_CHARS = 16
+# a word of a token file's text: what YAML's quotes, keys and flow collections leave between them
+_WORD = re.compile(r"[^\s:'\"{}\[\],#]+")
 RELOAD_CHECK_S = 2.0
 # A changed file without a final newline may be half written: it is read once it has not changed for this long.
 SETTLE_S = 2.0
@@ -131,6 +134,14 @@ class TokenTable:
             raise UnauthenticatedError(f"bearer token expired at {when}")
         return grant
 
+    def named_in(self, text: str) -> TokenTable:
+        """This table less the tokens `text` no longer holds (as a word of it): what a broken edit of the token
+        file leaves in force, so that the edit still revokes what it removed."""
+        words = {_digest(w) for w in _WORD.findall(text) if len(w) >= MIN_TOKEN_CHARS}
+        kept = TokenTable({}, revoked=self._revoked)
+        kept._grants = {digest: grant for digest, grant in self._grants.items() if digest in words}
+        return kept
+
     def tenant_of(self, token: str, now: float | None = None) -> str:
         """The tenant a token belongs to; UnauthenticatedError for an unknown, expired or revoked token."""
         return self.grant_of(token, now).tenant
@@ -145,8 +156,9 @@ _Version = tuple[int, int, int]  # (mtime_ns, size, inode): a changed file has a
 class TokenSource:
     """A token file, re-read when it changes (checked at most every RELOAD_CHECK_S).
 
-    Deleting the file revokes every token (fail closed). A broken edit is logged and the previous table stays in
-    force, so a typo never locks every tenant out; a file that may be half written is not read until it settles.
+    Deleting the file revokes every token (fail closed). A broken edit is logged and the previous tokens it still
+    names stay in force, so a typo never locks every tenant out and a removal still revokes; a file that may be half
+    written is not read until it settles.
     """
 
     def __init__(self, path: Path) -> None:
@@ -204,7 +216,12 @@ class TokenSource:
         try:
             table = TokenTable.parse(data.decode("utf-8", "replace"), str(self.path))
         except ConfigError as e:
-            log.error("token file changed but is broken; keeping the previous tokens: %s", e)
+            # the previous tokens that the broken text still names stay in force (a typo locks nobody out), and
+            # those it no longer names are revoked (a removal, or an emptied file, must not keep a leaked token)
+            self._table = self._table.named_in(data.decode("utf-8", "replace"))
+            log.error(
+                "token file changed but is broken; keeping the %d previous tokens it names: %s", len(self._table), e
+            )
             return
         self._table = table  # parsed whole, swapped in at once
         log.info("reloaded token file %s (%d tokens)", self.path, len(table))

@@ -53,8 +53,8 @@ def test_token_file_is_reloaded_when_it_changes(tmp_path: Path, monkeypatch: pyt
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
     monkeypatch.setattr("orchestrator.service.tenancy.RELOAD_CHECK_S", 0.0)
     assert auth.tenant_of_metadata([("authorization", f"Bearer {GOOD}")]) == "team-z"
-    path.write_text("tokens: [")  # a broken edit keeps the previous tokens
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    path.write_text(f"tokens:\n  {GOOD}: team-y\n  too-short: team-b\n")  # a broken edit: the previous tokens
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))  # it still names stay as they were
     assert auth.tenant_of_metadata([("authorization", f"Bearer {GOOD}")]) == "team-z"
     for metadata, message in (
         ([], "missing"),

@@ -92,6 +92,29 @@ def test_deleting_the_token_file_revokes_every_token(tmp_path: Path, monkeypatch
         auth.tenant_of_metadata(_md(TOKEN_A))
 
 
+def test_a_broken_edit_of_the_token_file_still_revokes_the_tokens_it_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a broken edit kept the whole previous table: emptying the file ("tokens: {}", refused as a table) to cut a
+    # leaked token off, or removing it in an edit with a typo elsewhere, left the token working
+    monkeypatch.setattr("orchestrator.service.tenancy.RELOAD_CHECK_S", 0.0)
+    path = tmp_path / "tokens.yaml"
+    path.write_text(f"tokens:\n  {TOKEN_A}: team-a\n  {TOKEN_B}: team-b\n")
+    auth = Authenticator(TokenSource(path))
+
+    def edit(text: str) -> None:
+        path.write_text(text)
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1000))
+
+    edit(f"tokens:\n  {TOKEN_B}: team-b\n  typo: [\n")  # A removed, and a typo: B stays, A is revoked
+    assert auth.tenant_of_metadata(_md(TOKEN_B)) == "team-b"
+    with pytest.raises(UnauthenticatedError, match="invalid bearer token"):
+        auth.tenant_of_metadata(_md(TOKEN_A))
+    edit("tokens: {}\n")  # every token cut off
+    with pytest.raises(UnauthenticatedError, match="invalid bearer token"):
+        auth.tenant_of_metadata(_md(TOKEN_B))
+
+
 def test_a_half_written_token_file_is_never_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("orchestrator.service.tenancy.RELOAD_CHECK_S", 0.0)
     path = tmp_path / "tokens.yaml"
