@@ -333,6 +333,11 @@ class SessionManager:
     async def _step_locked(self, s: _Session, session_id: str, action: Action) -> StepResult:
         async with s.lock:
             self._check_open(s)  # closed or expired while this step waited for the one before it
+            # past its lifetime while its steps came one behind the other: the checks that skip a session in a step
+            # never got to it, and it lived until the sweep took its sandbox mid-step (an infrastructure failure)
+            if s.ended is None and (why := self._expired_why(s, time.monotonic())):
+                await self._drop(s, why)
+                raise NotFoundError(f"session {session_id} {why}")
             if s.ended is not None:
                 raise FailedPreconditionError(
                     f"session {session_id} has ended ({s.ended.value}); call Reset for a new episode"

@@ -4,6 +4,7 @@ sandboxes; truncation, bad requests, failures that are never a reward, and expir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -193,6 +194,31 @@ async def test_a_close_while_the_ending_steps_sandbox_is_recycled_keeps_the_step
         s = await ending
         assert s.terminated and s.status == pb.ROLLOUT_STATUS_OK and s.HasField("reward") and s.reward == 0.0
         assert orch.pool is not None and orch.pool.busy == 0
+
+
+async def test_a_session_whose_steps_overlap_still_ends_at_its_lifetime(tmp_path: Path) -> None:
+    # the expiry checks skip a session while a step holds it: a client that sent each step before the last one
+    # ended was never checked, and its session outlived max_lifetime_s until the sweep took its sandbox mid-step
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=0.5)
+    async with (
+        serve(tmp_path, backend=backend, sessions={"max_lifetime_s": 1.0}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+
+        def step() -> grpc.aio.UnaryUnaryCall:
+            return stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
+
+        pending = step()
+        for _ in range(6):  # 3 s of steps, each sent while the one before it runs
+            await asyncio.sleep(0.25)
+            following = step()
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await pending
+            pending = following
+        await expect_error(pending, grpc.StatusCode.NOT_FOUND, "maximum session lifetime")
+        assert orch.sessions is not None and orch.sessions.open_sessions() == 0
 
 
 async def test_a_step_whose_call_is_cancelled_runs_to_its_end(tmp_path: Path) -> None:
