@@ -10,6 +10,7 @@ private memory in each sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -192,6 +193,18 @@ def spool() -> SpooledTemporaryFile[bytes]:
     return tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
 
 
+@contextlib.contextmanager
+def _complete_tar() -> Iterator[None]:
+    """An archive cut short or corrupt past its first member: the upload's own fault (INVALID_ARGUMENT), not the
+    unexpected error (UNKNOWN) that the host reads as an unavailable sandbox and retries."""
+    import tarfile
+
+    try:
+        yield
+    except (tarfile.TarError, EOFError) as e:
+        raise InvalidRequestError(f"upload is not a complete tar archive: {e}") from None
+
+
 def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
     """Extract a tar into dest_dir, refusing members that would land, or point, outside it. Returns the file count."""
     import tarfile
@@ -203,7 +216,7 @@ def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
         tar = tarfile.open(fileobj=fileobj, mode="r|*")
     except tarfile.TarError as e:
         raise InvalidRequestError(f"upload is not a tar archive: {e}") from None
-    with tar:
+    with tar, _complete_tar():
         for m in tar:
             target = _member_target(dest, m.name)
             if target == dest:

@@ -20,8 +20,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 )
 
 const (
@@ -120,11 +118,9 @@ func bareErrno(err error) error {
 
 // --- reading a tar as Python's tarfile.open(fileobj, mode="r|*") reads it ---
 
-// pyReadError is a tarfile.ReadError raised while the Python envd iterated over an archive: no envd error, so
-// its gRPC server answered UNKNOWN with the exception's class and text.
-func pyReadError(msg string) error {
-	return status.Error(codes.Unknown, "Unexpected <class 'tarfile.ReadError'>: "+msg)
-}
+// cutTar is a failure past the archive's first member (Python's tarfile.ReadError out of the loop): the upload's
+// own fault, INVALID_ARGUMENT. It was UNKNOWN, which the host reads as an unavailable sandbox, retried for ever.
+func cutTar(msg string) error { return invalidf("upload is not a complete tar archive: %s", msg) }
 
 func notTar(msg string) error { return invalidf("upload is not a tar archive: %s", msg) }
 
@@ -195,12 +191,12 @@ func fsOpenTar(src io.Reader) (*fsTarReader, error) {
 }
 
 // fail is an error while reading the archive: in Python's tarfile.open (the first member) it is "not a tar
-// archive", later a ReadError out of the loop.
+// archive", later "not a complete tar archive".
 func (r *fsTarReader) fail(msg string) error {
 	if r.first {
 		return notTar(msg)
 	}
-	return pyReadError(msg)
+	return cutTar(msg)
 }
 
 // readFailure is Python's words for a failure of the tar reader or the decompressor under it.
@@ -221,7 +217,7 @@ func (r *fsTarReader) next() (*tar.Header, error) {
 	for {
 		// the rest of the last member's data (Python seeks over it): a cut one is an error
 		if _, err := io.Copy(io.Discard, r.tr); err != nil {
-			return nil, pyReadError(readFailure(err))
+			return nil, cutTar(readFailure(err))
 		}
 		// the next header starts at the next block boundary; Python checks the stream reaches it
 		pad := int((tarBlock - r.in.n%tarBlock) % tarBlock)
@@ -230,7 +226,7 @@ func (r *fsTarReader) next() (*tar.Header, error) {
 			return nil, r.fail(readFailure(err))
 		}
 		if len(peek) < pad {
-			return nil, pyReadError("unexpected end of data")
+			return nil, cutTar("unexpected end of data")
 		}
 		if problem := fsHeaderProblem(peek[pad:]); problem != "" {
 			switch {
@@ -470,7 +466,7 @@ func (x *fsExtractor) member(hdr *tar.Header) error {
 				err = io.ErrUnexpectedEOF
 			}
 			if err != nil {
-				return pyReadError(readFailure(err))
+				return cutTar(readFailure(err))
 			}
 			if err := fsWriteAll(fd, x.buf[:n]); err != nil {
 				return err

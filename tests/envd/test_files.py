@@ -129,6 +129,17 @@ async def test_upload_of_garbage_is_invalid(envd_client: EnvdTransport) -> None:
         await envd_client.upload(b"this is not a tar file" * 100, "g")
 
 
+@pytest.mark.parametrize("cut", [1024, 4608 + 512 + 50])
+async def test_upload_of_a_tar_cut_short_is_invalid_not_an_unavailable_sandbox(
+    envd_client: EnvdTransport, cut: int
+) -> None:
+    # a valid first header and the rest cut off (in the first member's data, or in the second's): UNKNOWN
+    # before, which the host reads as a sandbox gone (UNAVAILABLE: a client retries it for ever)
+    whole = _tar({"a": b"x" * 4000, "b": b"y" * 100})
+    with pytest.raises(InvalidRequestError, match="not a complete tar archive"):
+        await envd_client.upload(whole[:cut], f"cut{cut}")
+
+
 def _tar_of(entries: list[tuple[str, str | bytes]]) -> bytes:
     """A tar of (name, content) in order: bytes is a regular file, str the target of a symbolic link."""
     buf = io.BytesIO()
