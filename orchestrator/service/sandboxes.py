@@ -74,6 +74,8 @@ MAX_LEASE_S = 7 * 24 * 3600.0  # SandboxSpec's limit
 PROBE_CONCURRENCY = 64
 _STDIN_BOUND_SLACK = 16  # a stdin length bound from message sizes is at most this much over the length
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_STRING_BYTES = 128 << 10  # MAX_ARG_STRLEN: one environment string, its NUL counted
+ENV_TOTAL_BYTES = 1 << 20  # half of the usual ARG_MAX: the image's own variables and the command's argv need room
 
 
 class SandboxServiceConfig(BaseModel):
@@ -135,13 +137,26 @@ def _limits(base: Limits, overrides: Mapping[str, Any]) -> Limits:
 
 
 def _check_env_vars(env: Mapping[str, str], what: str) -> dict[str, str]:
+    """The variables, as the kernel takes them: each NAME=value string within MAX_ARG_STRLEN and all of them well
+    within ARG_MAX, counted in UTF-8 bytes (a cap in characters let values through that execve refused with E2BIG:
+    the sandbox failed to start, UNAVAILABLE, which a client retries)."""
     if len(env) > 256:
         raise InvalidRequestError(f"{what}: at most 256 variables")
+    total = 0
     for name, value in env.items():
         if not _ENV_NAME.fullmatch(name):  # `$` alone let a trailing newline through
             raise InvalidRequestError(f"{what}: {echo(name)} is not a variable name")
-        if "\0" in value or len(value) > 128 << 10:
-            raise InvalidRequestError(f"{what}: the value of {name} holds NUL or is over 128 KiB")
+        try:
+            size = len(name) + 1 + len(value.encode()) + 1  # NAME=value and its NUL
+        except UnicodeEncodeError:
+            raise InvalidRequestError(f"{what}: the value of {name} is not text (a lone surrogate)") from None
+        if "\0" in value or size > ENV_STRING_BYTES:
+            raise InvalidRequestError(
+                f"{what}: {name}=value holds NUL or is over {ENV_STRING_BYTES} bytes (the kernel's limit per string)"
+            )
+        total += size
+    if total > ENV_TOTAL_BYTES:
+        raise InvalidRequestError(f"{what}: the variables come to {total} bytes, over {ENV_TOTAL_BYTES}")
     return dict(env)
 
 

@@ -98,6 +98,14 @@ async def test_bad_creates(client: EnvfleetClient, base_image: str) -> None:
         (pb.CreateSandboxRequest(image=base_image, ttl_s=1e12), "ttl_s"),
         (pb.CreateSandboxRequest(image=base_image, env_vars={"A=B": "x"}), "env_vars"),
         (pb.CreateSandboxRequest(image=base_image, env_vars={"A\n": "x"}), "env_vars"),  # `$` let it through
+        # past what execve takes, each was UNAVAILABLE (the sandbox's start failed with E2BIG), which clients retry:
+        # a string over MAX_ARG_STRLEN, one within 128 Ki characters but not bytes, and too many bytes in all
+        (pb.CreateSandboxRequest(image=base_image, env_vars={"A": "x" * (128 << 10)}), "the kernel's limit"),
+        (pb.CreateSandboxRequest(image=base_image, env_vars={"A": "\u00e9" * (64 << 10)}), "the kernel's limit"),
+        (
+            pb.CreateSandboxRequest(image=base_image, env_vars={f"V{i}": "x" * 100_000 for i in range(11)}),
+            "over 1048576",
+        ),
         (pb.CreateSandboxRequest(image="alpine:latest"), "only envfleet images"),
         (pb.CreateSandboxRequest(), "exactly one of image and env"),
     ]
@@ -107,6 +115,18 @@ async def test_bad_creates(client: EnvfleetClient, base_image: str) -> None:
         stub.Create(pb.CreateSandboxRequest(image="envfleet/nope:1")), grpc.StatusCode.NOT_FOUND, "not on this host"
     )
     await expect_error(stub.Create(pb.CreateSandboxRequest(env="nope")), grpc.StatusCode.NOT_FOUND, "no environment")
+
+
+async def test_variables_at_the_kernels_limits_start_a_sandbox(client: EnvfleetClient, base_image: str) -> None:
+    # the caps are the kernel's, not below them: a string of MAX_ARG_STRLEN with its NUL, and 1 MiB in all
+    stub = client.sandbox_stub
+    longest = "x" * ((128 << 10) - len("V0=") - 1)
+    info = await stub.Create(
+        pb.CreateSandboxRequest(image=base_image, env_vars={f"V{i}": longest for i in range(7)} | {"W": "y" * 50_000})
+    )
+    events = await _exec(client, info.sandbox_id, shell="printenv V6 | wc -c; printenv W | wc -c")
+    assert b"".join(e.stdout for e in events).split() == [str(len(longest) + 1).encode(), b"50001"]
+    await stub.Delete(pb.DeleteSandboxRequest(sandbox_id=info.sandbox_id))
 
 
 async def test_ttl_destroys_and_owner_sees_it(
