@@ -103,8 +103,10 @@ async def _python(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> 
 
 
 async def _read_file(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> ToolResult:
-    data = await sandbox.read_file(_str_arg(args, "path"), max_bytes=MAX_FILE_READ)
-    return ToolResult(_clip(data.decode(errors="replace"), MAX_FILE_READ))
+    # a byte past the cap says whether there is more: a file cut at exactly the cap read as a whole one before
+    data = await sandbox.read_file(_str_arg(args, "path"), max_bytes=MAX_FILE_READ + 1)
+    text = data[:MAX_FILE_READ].decode(errors="replace")
+    return ToolResult(text + f"\n[... cut at {MAX_FILE_READ} bytes]" if len(data) > MAX_FILE_READ else text)
 
 
 async def _write_file(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> ToolResult:

@@ -6,7 +6,7 @@ import json
 
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.core.sandbox import SandboxSpec
-from orchestrator.core.tools import BUILTIN_TOOLS, MAX_EDIT_BYTES, call_tool
+from orchestrator.core.tools import BUILTIN_TOOLS, MAX_EDIT_BYTES, MAX_FILE_READ, call_tool
 
 
 async def test_str_replace_edits_a_file_and_never_writes_back_one_it_could_not_read_whole(
@@ -25,3 +25,15 @@ async def test_str_replace_edits_a_file_and_never_writes_back_one_it_could_not_r
         assert r.output.startswith(f"error: big.txt is over {MAX_EDIT_BYTES >> 20} MiB; str_replace edits smaller")
         size = await sb.exec(["stat", "-c", "%s", "big.txt"])
         assert int(size.stdout) == len(big)
+
+
+async def test_read_file_says_when_it_shows_only_the_start_of_a_file(backend: DockerBackend, base_image: str) -> None:
+    # a file over the read's cap came back cut with no word of it, as if it ended there
+    tool = BUILTIN_TOOLS["read_file"]
+    async with await backend.create(SandboxSpec(image=base_image)) as sb:
+        await sb.write_file("whole.txt", b"y" * MAX_FILE_READ)
+        await sb.write_file("long.txt", b"x" * (100 << 10))
+        whole = await call_tool(tool, sb, json.dumps({"path": "whole.txt"}), 10)
+        long = await call_tool(tool, sb, json.dumps({"path": "long.txt"}), 10)
+    assert whole.output == "y" * MAX_FILE_READ
+    assert long.output == "x" * MAX_FILE_READ + f"\n[... cut at {MAX_FILE_READ} bytes]"
