@@ -118,9 +118,10 @@ def reference_solution(instance: SweInstance) -> tuple[ToolInvocation, ...]:
     return (*calls, ToolInvocation("submit", {"answer": "done"}))
 
 
-async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, index: str) -> str | None:
-    """The agent's change: /workspace against base_commit, through a pristine git directory and a private index.
-    None when git cannot read the workspace (the agent made it unreadable: its own doing, graded as no patch)."""
+async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, index: str) -> bytes | None:
+    """The agent's change: /workspace against base_commit, through a pristine git directory and a private index,
+    as git wrote it (bytes: a file that is not UTF-8 keeps its own). None when git cannot read the workspace (the
+    agent made it unreadable: its own doing, graded as no patch)."""
     git = f"git --git-dir={shlex.quote(git_dir)} --work-tree={WORKSPACE}"
     cmd = (
         f"set -e; export GIT_INDEX_FILE={shlex.quote(index)}; cd {WORKSPACE}; {git} read-tree {instance.base_commit}; "
@@ -130,7 +131,7 @@ async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, 
     if r.exit_code != 0 or r.truncated:
         log.info("%s: no usable workspace diff: %s", instance.instance_id, r.stderr.decode(errors="replace")[-300:])
         return None
-    return r.stdout.decode(errors="replace")
+    return r.stdout
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class EvalOutput:
 async def evaluate_in_sandbox(
     sandbox: Sandbox,
     instance: SweInstance,
-    model_patch: str | None,
+    model_patch: str | bytes | None,
     *,
     repo_dir: str = REPO_DIR,
     work_dir: str = "/workspace",

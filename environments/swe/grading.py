@@ -315,7 +315,7 @@ def grade_log(
     framework: str,
     fail_to_pass: Sequence[str],
     pass_to_pass: Sequence[str],
-    model_patch: str | None,
+    model_patch: str | bytes | None,
     nonce: str = "",
 ) -> Grade:
     """Grade an evaluation log against the instance's tests. An empty patch is run (its statuses are reported) but

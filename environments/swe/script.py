@@ -228,7 +228,7 @@ class Bundle:
 
 def make_bundle(
     instance: SweInstance,
-    model_patch: str | None,
+    model_patch: str | bytes | None,
     *,
     nonce: str,
     repo_dir: str = "/opt/repo",
@@ -246,7 +246,8 @@ def make_bundle(
     return Bundle(
         {
             "eval.sh": script.encode(),
-            "model.patch": (model_patch or "").encode(),
+            # as git wrote it: a diff of a file that is not UTF-8 decoded and encoded again no longer applies
+            "model.patch": model_patch if isinstance(model_patch, bytes) else (model_patch or "").encode(),
             "test.patch": instance.test_patch.encode(),
             "unittest_runner.py": UNITTEST_RUNNER.encode(),
         }

@@ -3,11 +3,17 @@ scripted policy applying the gold fix through the tools (scored resolved) and on
 
 from __future__ import annotations
 
-from environments.swe.env import SweEnv, reference_solution
+from types import SimpleNamespace
+from typing import cast
+
+from environments.swe.env import SweEnv, reference_solution, workspace_diff
 from environments.swe.instance import SweInstance
+from environments.swe.script import make_bundle
+from orchestrator.backends.docker import DockerBackend
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.core.sandbox import SandboxSpec
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
 from orchestrator.testing.scripts import reference_script
 from tests.environments.swe.conftest import Tiny
@@ -55,3 +61,28 @@ async def test_rollout_through_the_orchestrator(client: EnvfleetClient) -> None:
     tool_turns = [t for t in good.turns if t.role == "tool"]
     assert [t.name for t in tool_turns][-1] == "submit" and all("error" not in t.text for t in tool_turns)
     assert none.status == RolloutStatus.OK and none.reward == 0.0 and none.metrics["patch_applied"] == 0.0
+
+
+async def test_the_workspace_diff_of_a_file_that_is_not_utf8_still_applies(
+    tiny: Tiny, backend: DockerBackend, base_image: str
+) -> None:
+    # the diff was decoded with U+FFFD for what is not UTF-8 and encoded again for the grader: the context of a
+    # latin-1 line no longer matched, the patch did not apply, and a right fix scored 0
+    setup = (
+        "set -e; cd /workspace; printf 'name = \"caf\\351\"\\nx = 1\\n' > m.py; g='git --git-dir=/tmp/g.git'; "
+        "$g init -q; $g --work-tree=/workspace add -A; "
+        "$g -c user.name=t -c user.email=t@t --work-tree=/workspace commit -qm base; $g rev-parse HEAD"
+    )
+    async with await backend.create(SandboxSpec(image=base_image)) as sb:
+        r = await sb.exec(["sh", "-c", setup])
+        assert r.exit_code == 0, r
+        base = r.stdout.decode().strip()
+        await sb.write_file("/workspace/m.py", b'name = "caf\xe9"\nx = 2\n')  # the fix, beside the latin-1 line
+        instance = cast(SweInstance, SimpleNamespace(base_commit=base, instance_id="latin-1"))
+        diff = await workspace_diff(sb, instance, "/tmp/g.git", "/tmp/agent.index")
+        patch = make_bundle(tiny.pytest, diff, nonce="n").files["model.patch"]  # what the grader applies
+        assert b"caf\xe9" in patch
+        fresh = "mkdir /tmp/fresh && git --git-dir=/tmp/g.git --work-tree=/tmp/fresh checkout -q HEAD -- . && "
+        applied = await sb.exec(["sh", "-c", fresh + "cd /tmp/fresh && git apply - && cat m.py"], stdin=patch)
+        assert applied.exit_code == 0, applied
+        assert applied.stdout == b'name = "caf\xe9"\nx = 2\n'
