@@ -139,6 +139,7 @@ class WorkerPlane:
                 identity.fleet_id,
                 tls=ray_tls,
                 insecure=config.security.insecure,
+                connected=lambda: [w.worker_id for w in hub.workers()],
             )
             try:
                 await plane.ray.start()

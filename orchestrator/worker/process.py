@@ -4,6 +4,7 @@ stop. Used by `python -m orchestrator.worker` and by Ray actors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 from orchestrator.backends.pool import SandboxPool
@@ -37,41 +38,41 @@ async def run_worker(
     `tls` says whom to trust (and what to present, for mTLS); the token is never sent in clear off loopback unless
     `insecure`. `on_agent` is handed the agent once it exists (a Ray actor reports on it)."""
     check_client_transport(target, token, tls, insecure)  # before any sandbox exists
-    await asyncio.to_thread(sweep_private_dirs)  # what killed workers of this host left (a Ray node has no other)
-    tracer = make_tracer(config.tracing, "envfleet-worker")  # each worker process exports its own spans
-    fleet = await start_fleet(config.backend)
-    backend = fleet.backend
-    metrics = Metrics()  # its own: the control plane serves them, labelled with this worker, from the heartbeats
-    fleet.export_metrics(metrics)
-    pool = SandboxPool(backend, config.pool, metrics, max_sandboxes=config.slots)
-    pool.start()
-    executor = LocalExecutor(RolloutRunner(pool, fleet.images, tracer), TokenizerCache(config.tokenizer_dirs))
     registry = Registry.from_entry_points()
-    for reference in config.environments:
+    for reference in config.environments:  # a module missing on this host fails here, before any sandbox
         registry.load(reference)
-    agent = WorkerAgent(
-        target,
-        token,
-        executor,
-        registry,
-        name=name,
-        slots=config.slots,
-        heartbeat_s=config.heartbeat_s,
-        metrics=metrics.registry,
-        metrics_s=config.metrics_s,
-        tls=tls,
-        insecure=insecure,
-    )
-    if on_agent is not None:
-        on_agent(agent)
-    stalls = StallWatch(f"worker {name}")
-    stalls.start()
-    tune_gc()
-    try:
+    await asyncio.to_thread(sweep_private_dirs)  # what killed workers of this host left (a Ray node has no other)
+    # each part is closed on the way out, in the reverse order, also when a later part fails to start: the backend's
+    # sweeper and the pool's refills went on for as long as the process lived (a Ray actor's: until it was killed)
+    async with contextlib.AsyncExitStack() as parts:
+        tracer = make_tracer(config.tracing, "envfleet-worker")  # each worker process exports its own spans
+        parts.push_async_callback(asyncio.to_thread, tracer.shutdown)  # the last spans go before the process ends
+        fleet = await start_fleet(config.backend)
+        parts.push_async_callback(fleet.backend.close)
+        metrics = Metrics()  # its own: the control plane serves them, labelled with this worker, from the heartbeats
+        fleet.export_metrics(metrics)
+        pool = SandboxPool(fleet.backend, config.pool, metrics, max_sandboxes=config.slots)
+        pool.start()
+        parts.push_async_callback(pool.close)
+        executor = LocalExecutor(RolloutRunner(pool, fleet.images, tracer), TokenizerCache(config.tokenizer_dirs))
+        parts.push_async_callback(executor.close)
+        agent = WorkerAgent(
+            target,
+            token,
+            executor,
+            registry,
+            name=name,
+            slots=config.slots,
+            heartbeat_s=config.heartbeat_s,
+            metrics=metrics.registry,
+            metrics_s=config.metrics_s,
+            tls=tls,
+            insecure=insecure,
+        )
+        if on_agent is not None:
+            on_agent(agent)
+        stalls = StallWatch(f"worker {name}")
+        stalls.start()
+        parts.push_async_callback(stalls.stop)
+        tune_gc()
         await agent.run_forever(stop)
-    finally:
-        await stalls.stop()
-        await executor.close()
-        await pool.close()
-        await backend.close()
-        await asyncio.to_thread(tracer.shutdown)  # the last spans are exported before the process ends

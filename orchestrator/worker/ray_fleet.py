@@ -25,6 +25,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,14 @@ log = logging.getLogger(__name__)
 
 ACTOR_STOP_S = 60.0
 ACTOR_ANSWER_S = 30.0  # an actor found by name that does not answer in this time is replaced
+# an actor whose worker the hub has not heard this long is killed and replaced: stopped, hung or partitioned, its
+# run never ends, so it held its sandboxes and its place for good (one that never joined gets ACTOR_JOIN_S)
+ACTOR_SILENT_S = 60.0
+ACTOR_JOIN_S = 300.0
+# a slot whose actors keep ending soon after their start is placed again after a pause that doubles up to this
+# (a bad --env module on a node: each new actor swept the engine, warmed sandboxes and failed, every poll)
+REPLACE_BACKOFF_MAX_S = 60.0
+STEADY_RUN_S = 60.0  # an actor that ran this long before it ended starts its slot's pause over
 
 
 class RayConfig(BaseModel):
@@ -123,6 +133,10 @@ class _Placed:
     run: Any  # the ObjectRef of its long-running `run` call
     node_id: str
     name: str
+    worker_name: str  # its worker's name: the hub's worker ids of it start with it
+    placed_at: float = field(default_factory=time.monotonic)
+    heard: bool = False  # its worker has been connected to the hub
+    unheard_since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -142,6 +156,12 @@ class RayWorkers:
     _actor_class: Any = None
     replaced: int = 0  # actors started again after their run ended (a crash the actor did not survive)
     adopted: int = 0  # actors of this fleet found running at start (they outlived the last control plane)
+    # the hub's connected worker ids (the plane sets it): an actor whose worker is not among them for
+    # silent_s is killed and replaced; None: not watched
+    connected: Callable[[], Collection[str]] | None = None
+    silent_s: float = ACTOR_SILENT_S
+    join_s: float = ACTOR_JOIN_S
+    _not_before: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # slot -> (when, pause)
 
     async def start(self) -> None:
         """Join the cluster, find or place workers on its sandbox hosts, and keep watching for nodes that come and
@@ -179,6 +199,7 @@ class RayWorkers:
         for gone in set(self.placed) - alive:
             log.warning("ray node %s is gone; its workers' rollouts are retried elsewhere", gone[:12])
             del self.placed[gone]
+        now = time.monotonic()
         for node, placed in self.placed.items():
             if not placed:
                 continue
@@ -186,20 +207,53 @@ class RayWorkers:
             ended, _ = await asyncio.to_thread(ray.wait, runs, num_returns=len(runs), timeout=0)
             for index, p in list(placed.items()):
                 if p.run in ended:
-                    log.warning("a worker on ray node %s ended; starting another", node[:12])
-                    with contextlib.suppress(Exception):
-                        ray.kill(p.actor, no_restart=True)
-                    del placed[index]  # its name is free once it is dead: placed again at once or at the next poll
-                    self.replaced += 1
+                    why = await asyncio.to_thread(_outcome, p.run)
+                    log.warning("the worker %s on ray node %s ended (%s); starting another", p.name, node[:12], why)
+                elif self._silent(p, now):
+                    log.error(
+                        "the worker %s on ray node %s has not been connected for %gs (stopped, hung or cut off); "
+                        "killing it and starting another",
+                        p.name,
+                        node[:12],
+                        now - p.unheard_since,
+                    )
+                else:
+                    continue
+                with contextlib.suppress(Exception):
+                    ray.kill(p.actor, no_restart=True)
+                del placed[index]  # its name is free once it is dead: placed again at once or at the next poll
+                self.replaced += 1
+                self._pause((node, index), now - p.placed_at, now)
         for node in sorted(alive):
             placed = self.placed.setdefault(node, {})
             missing = [i for i in range(self.config.per_node) if i not in placed]
             for index in missing:
+                if self._not_before.get((node, index), (0.0, 0.0))[0] > now:
+                    continue
                 new = await asyncio.to_thread(self._place, node, index)
                 if new is not None:
                     placed[index] = new
             if missing:
                 log.info("%d of %d worker(s) on ray node %s", len(placed), self.config.per_node, node[:12])
+
+    def _silent(self, p: _Placed, now: float) -> bool:
+        """Whether the actor's worker has been away from the hub too long (it joined, then went silent: silent_s;
+        it never joined: join_s)."""
+        if self.connected is None:
+            return False
+        if any(w.startswith(p.worker_name + "-") for w in self.connected()):
+            p.heard, p.unheard_since = True, now
+            return False
+        return now - p.unheard_since > (self.silent_s if p.heard else self.join_s)
+
+    def _pause(self, slot: tuple[str, int], ran_s: float, now: float) -> None:
+        """The slot's next actor waits a pause that doubles while its actors end soon after they start."""
+        pause = (
+            0.0
+            if ran_s >= STEADY_RUN_S
+            else min(max(1.0, 2 * self._not_before.get(slot, (0.0, 0.0))[1]), REPLACE_BACKOFF_MAX_S)
+        )
+        self._not_before[slot] = (now + pause, pause)
 
     def _place(self, node: str, index: int) -> _Placed | None:
         """The node's `index`th worker: the live actor of that name if it was started as this control plane would
@@ -220,7 +274,7 @@ class RayWorkers:
             if theirs == fingerprint:
                 log.info("worker actor %s outlived the last control plane; it reconnects", name)
                 self.adopted += 1
-                return _Placed(existing, existing.run.remote(), node, name)
+                return _Placed(existing, existing.run.remote(), node, name, worker_name(node, index))
             log.warning("worker actor %s was started with another address, token or config; replacing it", name)
             _retire(existing)
             return None
@@ -236,7 +290,7 @@ class RayWorkers:
                 self.target,
                 self.token,
                 self.worker.model_dump_json(),
-                f"ray-{node[:8]}-{index}",
+                worker_name(node, index),
                 fingerprint,
                 self.tls,
                 self.insecure,
@@ -244,7 +298,7 @@ class RayWorkers:
         except ValueError as e:  # the name is taken: the actor that held it is still being killed
             log.info("worker actor %s: %s; trying again at the next poll", name, e)
             return None
-        return _Placed(actor, actor.run.remote(), node, name)
+        return _Placed(actor, actor.run.remote(), node, name, worker_name(node, index))
 
     def _retire_strays(self, skip: frozenset[str] = frozenset()) -> None:
         """Stop actors of this fleet that no node's plan has (fewer per node than before, a node no longer a
@@ -295,6 +349,22 @@ class RayWorkers:
             await asyncio.to_thread(self._retire_strays, frozenset(p.name for p in placed))
         if self._initialized_ray:
             await asyncio.to_thread(ray.shutdown)
+
+
+def worker_name(node_id: str, index: int) -> str:
+    """The worker name of a node's `index`th actor (its hub worker id starts with it)."""
+    return f"ray-{node_id[:8]}-{index}"
+
+
+def _outcome(run: Any) -> str:
+    """Why an actor's ended run ended, in a line (blocking)."""
+    import ray
+
+    try:
+        ray.get(run, timeout=0)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
+    return "it returned"
 
 
 def _find(name: str, namespace: str) -> Any:

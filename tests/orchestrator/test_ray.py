@@ -5,6 +5,7 @@ control plane SIGKILLed mid-job is rejoined by its actors when it restarts, and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -312,3 +313,51 @@ async def test_a_slow_local_stop_still_stops_the_ray_actors(
     finally:
         ray.shutdown()
     assert not left, f"worker actors outlived the stop: {sorted(left)}"
+
+
+async def test_a_ray_worker_stopped_for_good_is_killed_and_replaced(ray_plane: Orchestrator) -> None:
+    # a Ray actor stopped (SIGSTOP) or hung is cut off by the hub, but its run never ends: it was never replaced,
+    # and held its sandboxes and its node's place until the control plane stopped
+    import ray
+
+    assert ray_plane.workers is not None and ray_plane.workers.ray is not None
+    fleet, hub = ray_plane.workers.ray, ray_plane.workers.hub
+    fleet.silent_s = 3.0  # after the hub's cut-off (5 s here)
+    victim = next(p for placed in fleet.placed.values() for p in placed.values())
+    info = cast(dict[str, int], await asyncio.to_thread(ray.get, victim.actor.info.remote(), timeout=30))
+    pid = int(info["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async with asyncio.timeout(120):
+            while fleet.replaced < 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+            await hub.wait_for_workers(2, timeout_s=240)
+            while _alive(pid):  # noqa: ASYNC110 - Ray kills it once it does not answer the graceful stop
+                await asyncio.sleep(0.2)
+        assert victim.name in {p.name for placed in fleet.placed.values() for p in placed.values()}  # its slot again
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_slot_whose_actors_keep_ending_waits_longer_each_time() -> None:
+    # each replacement was placed at once, every poll, however soon the last one had ended
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import REPLACE_BACKOFF_MAX_S, STEADY_RUN_S, RayWorkers
+
+    fleet = RayWorkers(RayConfig(), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
+    slot, pauses = ("node", 0), []
+    for _ in range(8):
+        fleet._pause(slot, ran_s=0.5, now=100.0)
+        pauses.append(fleet._not_before[slot][1])
+    assert pauses == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, REPLACE_BACKOFF_MAX_S, REPLACE_BACKOFF_MAX_S]
+    fleet._pause(slot, ran_s=STEADY_RUN_S, now=100.0)  # one that ran a while starts it over
+    assert fleet._not_before[slot] == (100.0, 0.0)

@@ -10,15 +10,19 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
+from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.core.models import Rollout, Turn
 from orchestrator.rollout.runner import WorkItem
 from orchestrator.service.registry import Registry
 from orchestrator.worker.agent import WorkerAgent
+from orchestrator.worker.config import WorkerConfig
 from orchestrator.worker.outbox import Outbox
 from orchestrator.worker.results import MAX_ROLLOUT_BYTES
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
+from tests.conftest import TEST_OWNER
 from tests.orchestrator.worker_wire import ENV, TOKEN, rollout_for, spec
 
 
@@ -135,3 +139,24 @@ async def test_a_result_too_large_to_send_fails_alone_and_the_stream_goes_on(tmp
     [result] = plane.results
     assert result.assignment_id == "a0" and "over" in result.error and not result.rollout_pb
     assert executor.cancelled == [1]  # only by the worker's own stop, at the end
+
+
+async def test_a_worker_whose_start_fails_midway_closes_what_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the backend, the pool and their tasks were made before the parts that can fail (a module a Ray node lacks, the
+    # agent): a failed start left them running for as long as the process lived, and a Ray actor's slot was placed
+    # again at every poll, each new one sweeping the engine and warming sandboxes before it failed the same way
+    from orchestrator.worker import process
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the agent could not be made")
+
+    monkeypatch.setattr(process, "WorkerAgent", broken)
+    before = asyncio.all_tasks()
+    config = WorkerConfig(backend=FakeBackendConfig(owner=TEST_OWNER))
+    with pytest.raises(RuntimeError, match="could not be made"):
+        await process.run_worker(f"unix:{tmp_path}/nobody.sock", "token", config, "w", asyncio.Event())
+    await asyncio.sleep(0.1)
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert left == [], left
