@@ -4,7 +4,9 @@ restart; the data path stays envfleet's own (each actor dials the control plane'
 
 A node that joins later gets workers at the next poll. A node that dies takes its actors with it: their streams
 end, and the hub retries their rollouts elsewhere as infrastructure retries. A worker whose run ended on a live node
-(a crash) is replaced at the next poll; its first act, starting the Docker backend, sweeps what the dead one left.
+(a crash) is replaced at the next poll, after a pause that grows while its slot's actors keep ending soon; its first
+act, starting the Docker backend, sweeps what the dead one left. One whose worker the hub has not heard for
+ACTOR_SILENT_S (stopped, hung, cut off: its run never ends) is killed and replaced the same way.
 
 The actors are detached and named after the fleet (the data dir's fleet id), the node and their index, so they
 outlive a control plane that crashes: they redial its fixed address with backoff, and the restarted control plane
