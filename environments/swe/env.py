@@ -35,7 +35,7 @@ from environments.sdk import (
 )
 from environments.swe.builder.pins import INSTANCES
 from environments.swe.evaluate import EXEC_MARGIN_S, SWE_LIMITS, evaluate_in_sandbox
-from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, Grade, ResolvedStatus
+from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, SETUP_FAILED, Grade, ResolvedStatus
 from environments.swe.images import RepoTars, environment_image
 from environments.swe.instance import EnvironmentSpec, SweInstance, load_instances
 from environments.swe.script import EVAL_ENV
@@ -116,6 +116,15 @@ def reference_solution(instance: SweInstance) -> tuple[ToolInvocation, ...]:
         for path, old, new in _hunks(instance.patch)
     ]
     return (*calls, ToolInvocation("submit", {"answer": "done"}))
+
+
+def checked(grade: Grade) -> Grade:
+    """The grade, unless the grader's own set-up of the repository failed (a fresh copy of a pristine repository in
+    a /tmp it has just emptied: nothing of the agent's): SWE-bench counts that unresolved, but under RL a 0 for it
+    would be an infrastructure failure passed off as a reward, so it is one (SandboxError: INFRA_ERROR, retried)."""
+    if grade.error is not None and grade.error.startswith(SETUP_FAILED):
+        raise SandboxError(f"the grader could not set up {grade.instance_id}: {grade.error}")
+    return grade
 
 
 async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, index: str) -> bytes | None:
@@ -269,7 +278,7 @@ class SweEnv(Environment):
             return Grade(task.id, False, False, False, None, ResolvedStatus.NO, None, why, {})
         out = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{root}/work")
         log.debug("%s graded %s (%s)", task.id, out.grade.resolution.value, out.grade.apply_method)
-        return out.grade
+        return checked(out.grade)
 
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
         """Grade the workspace once, then apply the rubric to the grade."""

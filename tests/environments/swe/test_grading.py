@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from environments.swe.env import checked
 from environments.swe.grading import (
     APPLY_PATCH_FAIL,
     END_TEST_OUTPUT,
@@ -20,6 +21,7 @@ from environments.swe.grading import (
     resolution,
     unittest_id,
 )
+from orchestrator.core.errors import SandboxError
 
 PYTEST_OUT = """\
 ============================= test session starts ==============================
@@ -161,3 +163,23 @@ def test_a_test_reported_twice_keeps_its_worst_status() -> None:
     assert statuses["tests/test_a.py::TestK::test_e"] == TestStatus.ERROR
     again = parse_unittest(UNITTEST_OUT + "\ntest_b (tests.test_m.ATests.test_b) ... ok\n")
     assert again["test_b (tests.test_m.ATests.test_b)"] == TestStatus.FAILED
+
+
+@pytest.mark.parametrize(
+    ("log", "infrastructure"),
+    [
+        (">>>>> Reset Failed: HEAD is x, expected y\n", True),  # the grader's own copy of the repository
+        (">>>>> Reset Failed: cannot copy /tmp/grade-1/base\n", True),
+        (f"{APPLY_PATCH_FAIL}\n", False),  # the agent's patch
+        (_log(PYTEST_OUT, code=124) + f"{TESTS_TIMEOUT}\n", False),  # the agent's code
+    ],
+)
+def test_only_the_graders_own_setup_failing_is_an_infrastructure_failure_in_rl(log: str, infrastructure: bool) -> None:
+    # SWE-bench counts a failed reset unresolved; the RL environment scored it 0: a broken grader passed off as the
+    # policy's reward. What the agent's patch or code did stays graded.
+    grade = grade_log("i", log, framework="pytest", fail_to_pass=F2P, pass_to_pass=P2P, model_patch="x", nonce="n1")
+    if infrastructure:
+        with pytest.raises(SandboxError, match="the grader could not set up i"):
+            checked(grade)
+    else:
+        assert checked(grade) is grade
