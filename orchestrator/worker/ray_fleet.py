@@ -40,6 +40,7 @@ from orchestrator.worker.config import WorkerConfig
 log = logging.getLogger(__name__)
 
 ACTOR_STOP_S = 60.0
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")  # listen hosts that name every address of this host
 ACTOR_ANSWER_S = 30.0  # an actor found by name that does not answer in this time is replaced
 # an actor whose worker the hub has not heard this long is killed and replaced: stopped, hung or partitioned, its
 # run never ends, so it held its sandboxes and its place for good (one that never joined gets ACTOR_JOIN_S)
@@ -175,6 +176,12 @@ class RayWorkers:
                 ray.init, address=self.config.address, namespace=self.config.namespace, log_to_driver=False
             )
             self._initialized_ray = True
+        host, _, port = self.target.rpartition(":")
+        if host in WILDCARDS:
+            # a listen address is no address to dial: on another node 0.0.0.0 is that node. This node's address as
+            # the cluster knows it is what the other nodes reach it by
+            self.target = f"{ray.util.get_node_ip_address()}:{port}"  # type: ignore[no-untyped-call]
+            log.info("worker actors dial this control plane at %s (--worker-listen %s:%s)", self.target, host, port)
         await self.reconcile()
         await asyncio.to_thread(self._retire_strays)
         self._watcher = asyncio.create_task(self._watch(), name="ray node watcher")

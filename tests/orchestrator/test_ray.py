@@ -361,3 +361,31 @@ def test_a_slot_whose_actors_keep_ending_waits_longer_each_time() -> None:
     assert pauses == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, REPLACE_BACKOFF_MAX_S, REPLACE_BACKOFF_MAX_S]
     fleet._pause(slot, ran_s=STEADY_RUN_S, now=100.0)  # one that ran a while starts it over
     assert fleet._not_before[slot] == (100.0, 0.0)
+
+
+async def test_actors_dial_a_wildcard_listen_address_by_this_nodes_address(
+    tmp_path: Path, base_image: str, cluster: Any
+) -> None:
+    # --worker-listen 0.0.0.0:PORT was handed to the actors as it was: on any other machine, 0.0.0.0 is that
+    # machine, so no actor off this one ever joined (and each sent its token to whatever listened there)
+    import ray
+
+    from orchestrator.server.security import SecurityConfig
+
+    orch = await create_server(
+        OrchestratorConfig(
+            port=0,
+            data_dir=tmp_path / "data",
+            backend=DockerBackendConfig(owner=TEST_OWNER),
+            worker_listen="0.0.0.0:0",
+            security=SecurityConfig(insecure=True),  # plaintext off loopback: this test's own cluster
+            ray=RayConfig(address=cluster.address, resource=RESOURCE, poll_s=1.0),
+        )
+    )
+    try:
+        assert orch.workers is not None and orch.workers.ray is not None
+        host = orch.workers.ray.target.rsplit(":", 1)[0]
+        assert host == ray.util.get_node_ip_address() and host != "0.0.0.0"  # type: ignore[no-untyped-call]
+        await orch.workers.hub.wait_for_workers(2, timeout_s=240)
+    finally:
+        await orch.stop(grace=1)
