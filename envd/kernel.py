@@ -56,10 +56,11 @@ SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 # BPF: load a word at an offset of struct seccomp_data; jump on equal; return
 LD_ABS, JEQ_K, RET_K = 0x20, 0x15, 0x06
 OFF_NR, OFF_ARCH, OFF_ARG0, OFF_ARG2, OFF_ARG2_HIGH = 0, 4, 16, 32, 36
-# prlimit64 on each ABI a process of this host may call it through: (audit arch, number, 64-bit pointer)
+# prlimit64 on each ABI a process of this host may call it through: (audit arch, number, whether the kernel reads
+# its pointer as 64 bits)
 PRLIMIT_ABIS = (
     (0xC000003E, 302, True),  # x86_64
-    (0xC000003E, 0x40000000 | 302, False),  # x32
+    (0xC000003E, 0x40000000 | 302, True),  # x32: the common entry, which reads the whole 64-bit register
     (0x40000003, 340, False),  # i386
     (0xC00000B7, 261, True),  # aarch64
     (0x40000028, 369, False),  # arm

@@ -27,15 +27,15 @@ const (
 	offNr, offArch, offArg0, offArg2, offArg2High = 0, 4, 16, 32, 36
 )
 
-// the prlimit64 syscall's number on each ABI a process of this host may call it through, and whether its
-// pointer argument is 64 bits wide
+// the prlimit64 syscall's number on each ABI a process of this host may call it through, and whether the kernel
+// reads its pointer argument as 64 bits
 var prlimitABIs = []struct {
 	arch uint32
 	nr   uint32
 	wide bool
 }{
 	{unix.AUDIT_ARCH_X86_64, 302, true},
-	{unix.AUDIT_ARCH_X86_64, x32SyscallBit | 302, false},
+	{unix.AUDIT_ARCH_X86_64, x32SyscallBit | 302, true}, // the common entry: it reads the whole register
 	{auditArchI386, 340, false},
 	{unix.AUDIT_ARCH_AARCH64, 261, true},
 	{auditArchARM, 369, false},
