@@ -448,7 +448,14 @@ class SyncEnvfleetClient:
             raise RuntimeError("this SyncEnvfleetClient is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result()
+            # waited in short turns: Ctrl-C's SIGINT may reach any thread (gRPC's, the loop's), and a main thread
+            # blocked on the future's lock for good then never ran its handler: the interrupt hung the trainer
+            while True:
+                try:
+                    return future.result(timeout=SIGNAL_CHECK_S)
+                except TimeoutError:
+                    if future.done():
+                        raise  # the call's own TimeoutError
         except BaseException:
             future.cancel()  # a no-op once it is done
             raise
@@ -518,6 +525,7 @@ class SyncEnvfleetClient:
 
 
 CLOSE_WAIT_S = 5.0  # how long closing an iterator waits for the item it was interrupted on to stop
+SIGNAL_CHECK_S = 0.2  # how often a blocking call returns to the interpreter, which runs a signal's handler then
 
 
 def _running(agen: AsyncGenerator[Any]) -> bool:

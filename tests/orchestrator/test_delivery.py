@@ -445,13 +445,18 @@ async def test_a_closed_sync_client_and_its_iterators_close_again_without_waitin
 
 
 _INTERRUPTED = """
-import os, signal, sys, threading
+import faulthandler, os, signal, sys, threading
 from orchestrator.client.sdk import SyncEnvfleetClient
+
+faulthandler.dump_traceback_later(20, exit=True)  # a hang ends with every thread's stack on stderr
 
 c = SyncEnvfleetClient(sys.argv[1])
 it = c.rollouts(sys.argv[2], max_in_flight=1, max_batch=1, auto_ack=False)
 next(it)  # the window is full now: nothing more comes
-threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+if sys.argv[3] == "process":  # the kernel gives it to a thread of its choosing
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+else:  # to the client's loop thread, never the main one
+    threading.Timer(0.5, signal.pthread_kill, (c._thread.ident, signal.SIGINT)).start()
 try:
     next(it)
 except KeyboardInterrupt:
@@ -462,15 +467,21 @@ print("closed", flush=True)
 """
 
 
+@pytest.mark.parametrize("to", ["process", "loop thread"])
 async def test_ctrl_c_while_a_sync_iterator_waits_is_a_keyboard_interrupt_and_ends_its_stream(
-    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+    fake_orchestrator: Orchestrator,
+    fake_client: EnvfleetClient,
+    policy_server: ScriptedServer,
+    task_ids: list[str],
+    to: str,
 ) -> None:
     # the interrupt came while the next item was awaited on the client's loop; closing the iterator then tried to
     # close a generator still running there: a RuntimeError replaced the KeyboardInterrupt (a trainer's handler for
-    # it never ran), and the stream stayed open on the server
+    # it never ran), and the stream stayed open on the server. And a SIGINT that the kernel gave another thread
+    # (gRPC's, the loop's) never woke the main thread blocked on the item's future: it hung (a clean-clone run)
     job_id = await _finished_job(fake_client, policy_server, task_ids[:3])
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _INTERRUPTED, fake_orchestrator.address, job_id, cwd=REPO,
+        sys.executable, "-c", _INTERRUPTED, fake_orchestrator.address, job_id, to.split()[0], cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
