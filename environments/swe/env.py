@@ -119,9 +119,10 @@ def reference_solution(instance: SweInstance) -> tuple[ToolInvocation, ...]:
 
 
 def checked(grade: Grade) -> Grade:
-    """The grade, unless the grader's own set-up of the repository failed (a fresh copy of a pristine repository in
-    a /tmp it has just emptied: nothing of the agent's): SWE-bench counts that unresolved, but under RL a 0 for it
-    would be an infrastructure failure passed off as a reward, so it is one (SandboxError: INFRA_ERROR, retried)."""
+    """The grade, unless the grader's own set-up of the repository failed before the patch went in (a fresh copy of
+    a pristine repository in a /tmp it has just emptied: nothing of the agent's): SWE-bench counts that unresolved,
+    but under RL a 0 for it would be an infrastructure failure passed off as a reward, so it is one (SandboxError:
+    INFRA_ERROR, retried). A step after the patch that fails may be the patch's doing, and stays graded."""
     if grade.error is not None and grade.error.startswith(SETUP_FAILED):
         raise SandboxError(f"the grader could not set up {grade.instance_id}: {grade.error}")
     return grade

@@ -42,6 +42,7 @@ PASS_TO_FAIL = "PASS_TO_FAIL"
 APPLY_PATCH_FAIL = ">>>>> Patch Apply Failed"
 APPLY_PATCH_PASS = ">>>>> Applied Patch"
 RESET_FAILED = ">>>>> Reset Failed"
+PATCHED_SETUP_FAILED = ">>>>> Patched Tree Setup Failed"  # a step after the patch (test files back, harness files)
 SETUP_FAILED = "the repository could not be set up"  # a Grade's error when the grader's own reset failed
 TESTS_ERROR = ">>>>> Tests Errored"
 TESTS_TIMEOUT = ">>>>> Tests Timed Out"
@@ -197,6 +198,11 @@ def read_eval_log(log: str, framework: str, nonce: str = "") -> EvalLog:
     reset = next((line for line in head.split("\n") if line.startswith(RESET_FAILED)), None)
     if reset is not None:
         return result(False, f"{SETUP_FAILED}: {reset[len(RESET_FAILED) :].strip(': ')}")
+    patched = next((line for line in head.split("\n") if line.startswith(PATCHED_SETUP_FAILED)), None)
+    if patched is not None:
+        return result(
+            False, f"the patched tree could not be prepared: {patched[len(PATCHED_SETUP_FAILED) :].strip(': ')}"
+        )
     if APPLY_PATCH_FAIL in head_lines:
         return result(False, "the patch did not apply (git apply, git apply --reject, patch --fuzz all failed)")
     if TEST_PATCH_FAIL in head_lines:

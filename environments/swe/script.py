@@ -19,6 +19,7 @@ from environments.swe.grading import (
     APPLY_PATCH_PASS,
     EMPTY_PATCH,
     END_TEST_OUTPUT,
+    PATCHED_SETUP_FAILED,
     RESET_FAILED,
     START_TEST_OUTPUT,
     TEST_EXIT_CODE,
@@ -151,6 +152,8 @@ S={SCRATCH}
 W={q(work_dir)}
 BASE={instance.base_commit}
 fail_reset() {{ echo "{RESET_FAILED}: $1"; exit 0; }}
+# past the patch, a step that fails may be the patch's doing (a tree it filled the disk with): graded, not reset
+fail_patched() {{ echo "{PATCHED_SETUP_FAILED}: $1"; exit 0; }}
 reset_tree() {{ git reset -q --hard "$BASE" && git clean -fdq; }}
 if [ {q(repo_dir)} != "$W" ]; then  # else the caller has just put a fresh copy there
   mkdir -p "$W" || fail_reset "cannot create $W"
@@ -179,7 +182,7 @@ fi
 # the test files go back to base_commit (in one git call); test files the patch added are removed
 tracked=$(git ls-tree -r --name-only "$BASE" -- {files})
 if [ -n "$tracked" ]; then
-  printf '%s\n' "$tracked" | git checkout -q "$BASE" --pathspec-from-file=- || fail_reset "test files"
+  printf '%s\n' "$tracked" | git checkout -q "$BASE" --pathspec-from-file=- || fail_patched "test files"
 fi
 for f in {files}; do
   case $'\n'"$tracked"$'\n' in *$'\n'"$f"$'\n'*) ;; *) rm -f -- "$f" ;; esac
@@ -189,7 +192,7 @@ done
 # hook could report every test passed)
 harness=$(git ls-tree -r --name-only "$BASE" | grep -E {q(HARNESS_FILES)})
 if [ -n "$harness" ]; then
-  printf '%s\n' "$harness" | git checkout -q "$BASE" --pathspec-from-file=- || fail_reset "harness files"
+  printf '%s\n' "$harness" | git checkout -q "$BASE" --pathspec-from-file=- || fail_patched "harness files"
 fi
 git ls-files --others | grep -E {q(HARNESS_FILES)} | while IFS= read -r f; do rm -f -- "$f"; done
 if [ -s "$S/test.patch" ]; then

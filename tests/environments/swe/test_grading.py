@@ -171,6 +171,7 @@ def test_a_test_reported_twice_keeps_its_worst_status() -> None:
         (">>>>> Reset Failed: HEAD is x, expected y\n", True),  # the grader's own copy of the repository
         (">>>>> Reset Failed: cannot copy /tmp/grade-1/base\n", True),
         (f"{APPLY_PATCH_FAIL}\n", False),  # the agent's patch
+        (">>>>> Applied Patch (git apply)\n>>>>> Patched Tree Setup Failed: test files\n", False),  # maybe the patch's
         (_log(PYTEST_OUT, code=124) + f"{TESTS_TIMEOUT}\n", False),  # the agent's code
     ],
 )
