@@ -22,7 +22,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -38,8 +38,7 @@ log = logging.getLogger(__name__)
 LOCAL_TENANT = "local"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MIN_TOKEN_CHARS = 16
-# a word of a token file's text: what YAML's quotes, keys and flow collections leave between them
-_WORD = re.compile(r"[^\s:'\"{}\[\],#]+")
+_COMMENT = re.compile(r"(^|\s)#.*$")  # a YAML comment: a # at a line's start or after a blank
 RELOAD_CHECK_S = 2.0
 # A changed file without a final newline may be half written: it is read once it has not changed for this long.
 SETTLE_S = 2.0
@@ -72,6 +71,16 @@ class Grant:
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def _words(text: str) -> Iterator[str]:
+    """The words of a token file's text, each as a key or a value of it would be: its comments dropped (a token
+    commented out is no longer named), then each blank-separated word without the quotes, brackets and commas of
+    YAML's flow style around it, or the colon after a key (a token may hold a colon or a # itself)."""
+    for line in text.splitlines():
+        for word in _COMMENT.sub("", line).split():
+            word = word.strip("'\"{}[],")
+            yield (word[:-1] if word.endswith(":") else word).strip("'\"")
 
 
 class TokenTable:
@@ -137,7 +146,7 @@ class TokenTable:
     def named_in(self, text: str) -> TokenTable:
         """This table less the tokens `text` no longer holds (as a word of it): what a broken edit of the token
         file leaves in force, so that the edit still revokes what it removed."""
-        words = {_digest(w) for w in _WORD.findall(text) if len(w) >= MIN_TOKEN_CHARS}
+        words = {_digest(w) for w in _words(text) if len(w) >= MIN_TOKEN_CHARS}
         kept = TokenTable({}, revoked=self._revoked)
         kept._grants = {digest: grant for digest, grant in self._grants.items() if digest in words}
         return kept

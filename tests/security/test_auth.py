@@ -110,6 +110,11 @@ def test_a_broken_edit_of_the_token_file_still_revokes_the_tokens_it_removed(
     assert auth.tenant_of_metadata(_md(TOKEN_B)) == "team-b"
     with pytest.raises(UnauthenticatedError, match="invalid bearer token"):
         auth.tenant_of_metadata(_md(TOKEN_A))
+    edit(f"tokens:\n  # {TOKEN_B}: team-b\n  typo: [\n")  # B commented out, and a typo: B is revoked too
+    with pytest.raises(UnauthenticatedError, match="invalid bearer token"):
+        auth.tenant_of_metadata(_md(TOKEN_B))
+    edit(f"tokens:\n  {TOKEN_B}: team-b\n")
+    assert auth.tenant_of_metadata(_md(TOKEN_B)) == "team-b"
     edit("tokens: {}\n")  # every token cut off
     with pytest.raises(UnauthenticatedError, match="invalid bearer token"):
         auth.tenant_of_metadata(_md(TOKEN_B))
