@@ -412,19 +412,18 @@ async def test_a_worker_started_while_the_others_stop_is_stopped_too(tmp_path: P
     # stop() signalled the processes it found; one its supervisor was starting meanwhile was neither signalled nor
     # waited for, and ran on while this process lived
     workers = _local_workers(tmp_path)
-    spawn, spawning = workers._spawn, asyncio.Event()
+    spawn, spawned = workers._spawn, asyncio.Event()
 
     async def slow(index: int) -> asyncio.subprocess.Process:
-        spawning.set()
-        await asyncio.sleep(1.0)  # stop() begins meanwhile
-        return await spawn(index)
+        proc = await spawn(index)  # the process runs: its supervisor has not taken it back yet
+        spawned.set()
+        await asyncio.sleep(30)  # stop() comes meanwhile, and cancels this supervisor here
+        return proc
 
     workers._spawn = slow  # type: ignore[method-assign]
     workers.start()
-    await spawning.wait()
-    stopping = asyncio.create_task(workers.stop(grace_s=10))
-    await asyncio.sleep(1.5)  # the process exists now, started after stop() looked
-    await stopping
+    await spawned.wait()
+    await workers.stop(grace_s=10)
     assert workers.pids == [] and _my_workers() == []
 
 

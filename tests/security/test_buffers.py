@@ -340,6 +340,16 @@ async def test_streamed_stdin_is_not_buffered(tmp_path: Path, base_image: str) -
         await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
 
 
+async def _until_written(ss: Any, sid: str, path: str, content: bytes) -> None:
+    """Wait until the sandbox's file at `path` holds `content` (read with Execs of its own)."""
+    async with asyncio.timeout(60):
+        while True:
+            read = pb.ExecRequest(sandbox_id=sid, shell=f"cat {path} 2>/dev/null")
+            if b"".join([ev.stdout async for ev in ss.Exec(read)]) == content:
+                return
+            await asyncio.sleep(0.1)
+
+
 async def test_an_exec_stream_cut_short_by_a_message_that_does_not_parse_stops_its_command(
     tmp_path: Path, base_image: str
 ) -> None:
@@ -354,7 +364,7 @@ async def test_an_exec_stream_cut_short_by_a_message_that_does_not_parse_stops_i
         async def frames() -> AsyncIterator[bytes]:
             yield pb.ExecInput(request=request).SerializeToString()
             yield pb.ExecInput(stdin=b"the first half").SerializeToString()
-            await asyncio.sleep(1.0)  # the command runs and has read it
+            await _until_written(ss, sid, "/tmp/input", b"the first half")  # the command runs and has read it
             yield b"\xff"  # a tag that is no field: not a message
 
         async with grpc.aio.insecure_channel(orch.address) as channel:
@@ -388,7 +398,7 @@ async def test_an_exec_stream_its_caller_cancels_stops_its_command(tmp_path: Pat
         call = ss.ExecStream(inputs())
         assert (await call.read()).WhichOneof("event") == "started"
         await sent.wait()
-        await asyncio.sleep(1.0)  # the command has read it
+        await _until_written(ss, sid, "/tmp/input", b"the first half")  # the command has read it
         call.cancel()
         check = "sleep 2; test -e /tmp/ran && echo ran || echo stopped; cat /tmp/input"
         out = b"".join([ev.stdout async for ev in ss.Exec(pb.ExecRequest(sandbox_id=sid, shell=check))])
