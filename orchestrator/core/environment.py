@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import inspect
+import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import Limits, Sandbox
 from orchestrator.core.text import as_text
+
+log = logging.getLogger(__name__)
 
 # Added to the environment of every grader command run in a sandbox (test runs, scoring commands): no user site
 # directory (a usercustomize.py the policy planted under $HOME would run first) and a HOME with nothing in it.
@@ -122,6 +125,20 @@ class Rubric:
                 components[name] = value
                 reward += weight * value
         return Score(reward, components, metrics)
+
+
+MAX_SCORING_S = 24 * 3600.0  # the most an environment's scoring_timeout_s is taken at
+
+
+def scoring_budget(env: Environment, task: Task) -> float:
+    """`env.scoring_timeout_s(task)`, within [0, MAX_SCORING_S]; an environment whose answer is not a number it
+    can be (it raised, or said NaN) is logged and given none: a hint, never the rollout's failure."""
+    try:
+        s = float(env.scoring_timeout_s(task))
+    except Exception:
+        log.exception("%s: scoring_timeout_s failed; its scoring gets what is left of the rollout's time", env.ref())
+        return 0.0
+    return 0.0 if math.isnan(s) else min(max(s, 0.0), MAX_SCORING_S)
 
 
 class Environment(abc.ABC):

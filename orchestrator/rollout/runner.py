@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from orchestrator.backends.pool import TENANT_LABEL, SandboxPool, lease_for
-from orchestrator.core.environment import Environment, ImageSource, Task
+from orchestrator.core.environment import Environment, ImageSource, Task, scoring_budget
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, SandboxWaitTimeoutError
 from orchestrator.core.models import (
     EncodedRollout,
@@ -210,7 +210,7 @@ class RolloutRunner:
         loop = asyncio.get_running_loop()
         loop_start = loop.time()
         span = parent.open("attempt", t_start, {ROLLOUT_ID: item.id, JOB_ID: item.job_id, ATTEMPT: attempt})
-        grading_s = env.scoring_timeout_s(item.task)
+        grading_s = scoring_budget(env, item.task)
         sandbox = None
         warm = False
         failure: Exception | None = None

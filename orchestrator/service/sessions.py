@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.backends.pool import TENANT_LABEL, SandboxPool
 from orchestrator.core.echo import echo
-from orchestrator.core.environment import Environment, Finish, ImageSource, Task
+from orchestrator.core.environment import Environment, Finish, ImageSource, Task, scoring_budget
 from orchestrator.core.errors import (
     EnvironmentBroken,
     FailedPreconditionError,
@@ -247,6 +247,7 @@ class SessionManager:
     async def _open(self, tenant: str, env: Environment, task: Task, seed: int, max_turns: int) -> _Session:
         sid = secrets.token_hex(12)
         image, _ = await self._images.resolve(env)
+        last_step = self._step_budget(env, task)
         # as in the runner, the seed travels with the task (setup), so warm sandboxes stay interchangeable
         # a session may live max_lifetime_s, and the sweep removes a sandbox when its lease ends: a warm one must
         # have that much left, and a lease of twice that leaves a sandbox its first lifetime's worth of recycling
@@ -257,9 +258,9 @@ class SessionManager:
                 runtime=env.runtime,
                 env=dict(DETERMINISTIC_ENV),
                 labels={TENANT_LABEL: tenant},  # a warm pool of the tenant's own
-                ttl_s=min(2 * self.config.max_lifetime_s + LEASE_GRACE_S, MAX_LEASE_S),
+                ttl_s=min(2 * (self.config.max_lifetime_s + last_step) + LEASE_GRACE_S, MAX_LEASE_S),
             ),
-            need_s=self.config.max_lifetime_s,
+            need_s=self.config.max_lifetime_s + last_step,  # a step begun at the end of its lifetime runs on
         )
         try:
             await env_call(env.setup(sandbox, task, seed))
@@ -359,13 +360,16 @@ class SessionManager:
             tomb = self._ended.get(s.id)
             raise NotFoundError(f"session {s.id} {tomb.why if tomb is not None else 'was closed'}")
 
+    def _step_budget(self, env: Environment, task: Task) -> float:
+        """A step's time: its tool call, then the scoring of a final one (at least the grader's own timeouts)."""
+        return env.tool_timeout_s + max(self.config.scoring_budget_s, scoring_budget(env, task))
+
     async def _step(self, s: _Session, action: Action) -> StepResult:
         observation = ""
         finish: Finish | None = None
         try:
             # a final step's grader gets its own timeouts' worth (Environment.scoring_timeout_s), at least
-            scoring_s = max(self.config.scoring_budget_s, s.env.scoring_timeout_s(s.task))
-            async with asyncio.timeout(s.env.tool_timeout_s + scoring_s):
+            async with asyncio.timeout(self._step_budget(s.env, s.task)):
                 if not s.state.fits(action.arguments if isinstance(action, ToolAction) else action.text):
                     finish = "length"  # the episode is as long as it may be (EPISODE_BYTES): TRUNCATED without it
                 elif isinstance(action, ToolAction):

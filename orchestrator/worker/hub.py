@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
-from orchestrator.core.environment import Environment, ImageSource
+from orchestrator.core.environment import Environment, ImageSource, scoring_budget
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError
 from orchestrator.core.processes import cpu_ticks
@@ -274,7 +274,7 @@ class WorkerHub:
             raise WorkerLostError(f"worker {worker.id} was lost")
         # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
         # worker's reader enforces it (_expire)
-        attempt_s = spec.rollout_timeout_s + env.scoring_timeout_s(item.task) + RETRY_BACKOFF_CAP_S
+        attempt_s = spec.rollout_timeout_s + scoring_budget(env, item.task) + RETRY_BACKOFF_CAP_S
         budget = (spec.max_infra_retries + 1) * attempt_s + self.result_slack_s
         worker.running[assignment_id] = _Running(item, future, budget, sent + budget)
         spec_json, env_json = self._encode(item.job_id, env, spec)
