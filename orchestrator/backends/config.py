@@ -69,6 +69,12 @@ class DockerBackendConfig(BaseModel):
         "has run four times as long as execs here take (at most exec_admission_hold_s; a long command never holds "
         "the others back longer); 0: four per CPU core of the host, shared by the host's worker processes",
     )
+    host_workers: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="worker processes of this backend's host that share its defaults (the plane sets it)",
+    )
     exec_admission_hold_s: float = Field(
         0.25, ge=0, le=60, description="the longest an exec holds its place; 0: no limit on execs at once"
     )
@@ -94,25 +100,35 @@ class DockerBackendConfig(BaseModel):
     api_max_backoff_s: float = Field(5.0, ge=0, description="longest pause of new calls while the engine fails")
 
     def exec_slots(self) -> int:
-        """Execs starting at once (exec_admission, or its default); 0 when admission is off."""
+        """Execs starting at once (exec_admission, or its default: this host's, shared by its worker processes);
+        0 when admission is off."""
         if self.exec_admission_hold_s <= 0:
             return 0
-        return self.exec_admission or EXECS_PER_CORE * (os.cpu_count() or 1)
+        return self.exec_admission or _share(EXECS_PER_CORE * (os.cpu_count() or 1), self.host_workers)
 
     def startup_slots(self) -> int:
-        """Sandboxes starting at once (startup_concurrency, or its default)."""
-        return self.startup_concurrency or max(8, 4 * (os.cpu_count() or 1))
+        """Sandboxes starting at once (startup_concurrency, or its default: this host's, shared by its worker
+        processes)."""
+        return self.startup_concurrency or _share(max(8, 4 * (os.cpu_count() or 1)), self.host_workers)
 
     def shared_by(self, workers: int) -> DockerBackendConfig:
         """The backend of one of `workers` processes on a host: the execs and the sandbox start-ups at once split
         between them (rounded up, at least 2 each), so that the host starts what it was configured to, not that
-        times its workers."""
+        times its workers. A default is split where the backend runs (a Ray node's own cores, not the control
+        plane's); a value set here is split now."""
         if workers <= 1:
             return self
-        update = {"startup_concurrency": max(2, -(-self.startup_slots() // workers))}
-        if slots := self.exec_slots():
-            update["exec_admission"] = max(2, -(-slots // workers))
+        update: dict[str, int] = {"host_workers": workers}
+        if self.startup_concurrency:
+            update["startup_concurrency"] = _share(self.startup_concurrency, workers)
+        if self.exec_admission:
+            update["exec_admission"] = _share(self.exec_admission, workers)
         return self.model_copy(update=update)
+
+
+def _share(total: int, workers: int) -> int:
+    """One of `workers` processes' share of a host's `total`: rounded up, at least 2."""
+    return total if workers <= 1 else max(2, -(-total // workers))
 
 
 EXECS_PER_CORE = 4  # the default of exec_admission: the best of 2, 4 and 8 a core tried here (README)

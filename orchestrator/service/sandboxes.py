@@ -75,7 +75,9 @@ PROBE_CONCURRENCY = 64
 _STDIN_BOUND_SLACK = 16  # a stdin length bound from message sizes is at most this much over the length
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 ENV_STRING_BYTES = 128 << 10  # MAX_ARG_STRLEN: one environment string, its NUL counted
-ENV_TOTAL_BYTES = 1 << 20  # half of the usual ARG_MAX: the image's own variables and the command's argv need room
+# the sandbox's variables, and an exec's: both go to the same execve, beside the image's own and the command's argv,
+# so each has this much, and the two together stay within the usual ARG_MAX of 2 MiB with room to spare
+ENV_TOTAL_BYTES = 768 << 10
 
 
 class SandboxServiceConfig(BaseModel):

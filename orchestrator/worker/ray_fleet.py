@@ -180,7 +180,8 @@ class RayWorkers:
         if host in WILDCARDS:
             # a listen address is no address to dial: on another node 0.0.0.0 is that node. This node's address as
             # the cluster knows it is what the other nodes reach it by
-            self.target = f"{ray.util.get_node_ip_address()}:{port}"  # type: ignore[no-untyped-call]
+            ip = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+            self.target = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
             log.info("worker actors dial this control plane at %s (--worker-listen %s:%s)", self.target, host, port)
         await self.reconcile()
         await asyncio.to_thread(self._retire_strays)

@@ -104,7 +104,7 @@ async def test_bad_creates(client: EnvfleetClient, base_image: str) -> None:
         (pb.CreateSandboxRequest(image=base_image, env_vars={"A": "\u00e9" * (64 << 10)}), "the kernel's limit"),
         (
             pb.CreateSandboxRequest(image=base_image, env_vars={f"V{i}": "x" * 100_000 for i in range(11)}),
-            "over 1048576",
+            "over 786432",
         ),
         (pb.CreateSandboxRequest(image="alpine:latest"), "only envfleet images"),
         (pb.CreateSandboxRequest(), "exactly one of image and env"),
@@ -118,13 +118,15 @@ async def test_bad_creates(client: EnvfleetClient, base_image: str) -> None:
 
 
 async def test_variables_at_the_kernels_limits_start_a_sandbox(client: EnvfleetClient, base_image: str) -> None:
-    # the caps are the kernel's, not below them: a string of MAX_ARG_STRLEN with its NUL, and 1 MiB in all
+    # the caps are the kernel's, not below them: strings of MAX_ARG_STRLEN with its NUL, the sandbox's and the
+    # exec's variables each near their budget, and all of it in one execve
     stub = client.sandbox_stub
     longest = "x" * ((128 << 10) - len("V0=") - 1)
     info = await stub.Create(
-        pb.CreateSandboxRequest(image=base_image, env_vars={f"V{i}": longest for i in range(7)} | {"W": "y" * 50_000})
+        pb.CreateSandboxRequest(image=base_image, env_vars={f"V{i}": longest for i in range(5)} | {"W": "y" * 50_000})
     )
-    events = await _exec(client, info.sandbox_id, shell="printenv V6 | wc -c; printenv W | wc -c")
+    more = {f"E{i}": longest for i in range(5)}
+    events = await _exec(client, info.sandbox_id, shell="printenv V4 | wc -c; printenv W | wc -c", env=more)
     assert b"".join(e.stdout for e in events).split() == [str(len(longest) + 1).encode(), b"50001"]
     await stub.Delete(pb.DeleteSandboxRequest(sandbox_id=info.sandbox_id))
 

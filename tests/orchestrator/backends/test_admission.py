@@ -157,11 +157,15 @@ def test_the_host_budget_is_shared_by_its_workers() -> None:
     assert config.shared_by(20).exec_admission == 2  # at least 2 each
     assert DockerBackendConfig().exec_slots() == EXECS_PER_CORE * (os.cpu_count() or 1)
     off = DockerBackendConfig(exec_admission_hold_s=0)
-    assert off.exec_slots() == 0 and off.shared_by(4).exec_admission == 0
+    assert off.exec_slots() == 0 and off.shared_by(4).exec_slots() == 0
     # the sandboxes starting at once too: each worker took the host's whole default for itself
-    assert DockerBackendConfig(startup_concurrency=16).shared_by(4).startup_concurrency == 4
+    assert DockerBackendConfig(startup_concurrency=16).shared_by(4).startup_slots() == 4
     assert DockerBackendConfig().startup_slots() == max(8, 4 * (os.cpu_count() or 1))
-    assert DockerBackendConfig().shared_by(2).startup_concurrency == -(-DockerBackendConfig().startup_slots() // 2)
+    # a default is split on the host that runs the backend (a Ray node's cores), not fixed by the control plane's
+    shared = DockerBackendConfig().shared_by(2)
+    assert (shared.startup_concurrency, shared.exec_admission, shared.host_workers) == (0, 0, 2)
+    assert shared.startup_slots() == -(-DockerBackendConfig().startup_slots() // 2)
+    assert shared.exec_slots() == max(2, -(-DockerBackendConfig().exec_slots() // 2))
     with pytest.raises(ValueError):
         DockerBackendConfig(exec_admission=-1)
 
