@@ -449,6 +449,9 @@ import faulthandler, os, signal, sys, threading
 from orchestrator.client.sdk import SyncEnvfleetClient
 
 faulthandler.dump_traceback_later(20, exit=True)  # a hang ends with every thread's stack on stderr
+# Ctrl-C as in a terminal: a process started in the background (a CI run under nohup, say) inherits SIGINT
+# ignored, and Python then installs no handler for it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 c = SyncEnvfleetClient(sys.argv[1])
 it = c.rollouts(sys.argv[2], max_in_flight=1, max_batch=1, auto_ack=False)
