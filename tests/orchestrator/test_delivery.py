@@ -480,8 +480,8 @@ async def test_ctrl_c_while_a_sync_iterator_waits_is_a_keyboard_interrupt_and_en
 ) -> None:
     # the interrupt came while the next item was awaited on the client's loop; closing the iterator then tried to
     # close a generator still running there: a RuntimeError replaced the KeyboardInterrupt (a trainer's handler for
-    # it never ran), and the stream stayed open on the server. And a SIGINT that the kernel gave another thread
-    # (gRPC's, the loop's) never woke the main thread blocked on the item's future: it hung (a clean-clone run)
+    # it never ran), and the stream stayed open on the server. And a SIGINT that reached another thread (gRPC's,
+    # the loop's) never woke the main thread blocked on the item's future: it hung ("loop thread")
     job_id = await _finished_job(fake_client, policy_server, task_ids[:3])
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _INTERRUPTED, fake_orchestrator.address, job_id, to.split()[0], cwd=REPO,
