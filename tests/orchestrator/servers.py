@@ -54,6 +54,18 @@ async def expect_error(call: Any, code: grpc.StatusCode, *fragments: str) -> str
     return details
 
 
+async def expect_unreadable_exec_stream(address: str, frames: AsyncIterator[bytes], timeout_s: float) -> None:
+    """Send ExecStream's raw `frames` (serialized messages, or bytes that are none) and check that the call ends with
+    INVALID_ARGUMENT saying a message does not parse."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream("/envfleet.v1.SandboxService/ExecStream")(frames, timeout=timeout_s)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in call:
+                pass
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), e.value.details())
+    assert "does not parse" in str(e.value.details())
+
+
 def local_runner(orch: Orchestrator) -> RolloutRunner:
     """The in-process runner of an orchestrator without rollout workers."""
     executor = orch.jobs.executor
