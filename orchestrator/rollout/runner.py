@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -68,11 +69,12 @@ class WorkItem:
     tenant: str = ""  # the job's owner: its sandboxes come from a warm pool of that tenant's own ("": shared)
     traceparent: str = ""  # the rollout's span upstream (W3C), when it is traced
 
-    @property
+    # made once: the control plane reads each several times a rollout (placement, the log, the stream)
+    @functools.cached_property
     def id(self) -> str:
         return rollout_id(self.job_id, self.task.id, self.sample_index)
 
-    @property
+    @functools.cached_property
     def group_id(self) -> str:
         return f"{self.job_id}:{self.task.id}"
 

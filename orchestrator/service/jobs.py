@@ -32,6 +32,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from prometheus_client import Counter as MetricCounter
+
 from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.errors import (
@@ -43,7 +45,15 @@ from orchestrator.core.errors import (
     QuotaExceededError,
 )
 from orchestrator.core.metrics import Metrics
-from orchestrator.core.models import AdvantageMode, JobCounts, JobInfo, JobSpec, JobState, RolloutError
+from orchestrator.core.models import (
+    AdvantageMode,
+    JobCounts,
+    JobInfo,
+    JobSpec,
+    JobState,
+    RolloutError,
+    RolloutStatus,
+)
 from orchestrator.core.runtime import run_to_end
 from orchestrator.core.tracing import NOOP_TRACER, Tracer
 from orchestrator.rollout.runner import WorkItem, traced_rollout, unrun_rollout
@@ -199,6 +209,7 @@ class JobManager:
         self._defer_timer: asyncio.TimerHandle | None = None  # START_DEFER_S after the first deferred job
         self._quiet_timer: asyncio.TimerHandle | None = None  # START_QUIET_S after the last submit was answered
         self._expiry: asyncio.Task[None] | None = None
+        self._counted: dict[RolloutStatus, MetricCounter] = {}  # metrics.rollouts by status
 
     @classmethod
     async def start(
@@ -414,7 +425,10 @@ class JobManager:
             log.error("rollout %s: the executor failed", item.id, exc_info=e)
             error = RolloutError(kind=type(e).__name__, message=f"the rollout could not be run: {e}"[:2000])
             rollout = unrun_rollout(item, env.ref(), job.spec.policy.version, error)
-        self.metrics.rollouts.labels(rollout.status.value).inc()
+        counted = self._counted.get(rollout.status)
+        if counted is None:  # a labelled child looked up once per status, not per rollout
+            counted = self._counted[rollout.status] = self.metrics.rollouts.labels(rollout.status.value)
+        counted.inc()
         if job.state == JobState.CANCELLED:
             return
         grouped = job.spec.deliver_groups

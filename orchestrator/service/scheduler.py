@@ -228,6 +228,9 @@ class Scheduler:
     def _next(self) -> JobQueue | None:
         if self.in_flight >= self.max_in_flight:
             return None
+        if len(self._queues) == 1:  # one job queued (a trainer's usual): no share to weigh
+            q = next(iter(self._queues.values()))
+            return q if q.has_room() and self._room(q.need) else None
         ready = [q for q in self._queues.values() if q.has_room() and self._room(q.need)]
         if not ready:
             return None

@@ -118,9 +118,11 @@ class WorkerHub:
         self._ids = itertools.count(1)
         # a job's spec (and declarative environment) as JSON, encoded once per spec rather than per assignment
         self._encoded: dict[str, tuple[JobSpec, bytes, bytes]] = {}
+        self._budgets: dict[str, dict[str, float]] = {}  # job id -> task id -> its scoring budget, asked once
         self._closed = False
         self.lost = 0  # workers lost so far
         self._in_use = 0  # rollouts placed (or being placed) on workers; at most the connected workers' slots
+        self._slots = 0  # the connected workers' slots, summed as they join and leave
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         # what placing a rollout on a worker costs it: the round trip from sending the assignment to taking the result,
         # less the rollout's own run time (the wire both ways and the waits in both processes; the recent ones)
@@ -177,6 +179,7 @@ class WorkerHub:
         """Tell every worker to drop the job's snapshots; forget where its groups ran."""
         self._tracked_groups -= len(self._group_home.pop(job_id, {}))
         self._encoded.pop(job_id, None)
+        self._budgets.pop(job_id, None)
         for w in self._workers.values():
             w.outbox.put(wpb.ControlMessage(job_ended=wpb.JobEnded(job_id=job_id)))
 
@@ -203,7 +206,7 @@ class WorkerHub:
                     raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
             if self._closed:
                 raise WorkerLostError("the control plane is stopping")
-            if self._in_use < sum(w.slots for w in self._workers.values()):
+            if self._in_use < self._slots:
                 break
             # every worker is full (one was lost, say): the rollout waits here, in line, rather than overload the
             # others until their heartbeats starve and they are lost too
@@ -220,7 +223,9 @@ class WorkerHub:
         if home is not None and home.load < 2.0 and not home.failing and home.id not in failed_on:
             return home
         hosts = self._hosts_with.get(env.ref(), set())
-        candidates = [w for w in self._workers.values() if w.id not in failed_on] or self._workers.values()
+        candidates: Collection[_Worker] = self._workers.values()
+        if failed_on:
+            candidates = [w for w in candidates if w.id not in failed_on] or candidates
         # least loaded first (a failing worker counted as full); among equals, a host that already has the image
         worker = min(candidates, key=lambda w: (round(w.load + w.failing, 3), w.host not in hosts, w.served))
         self._remember_home(item, worker, moved=home is not None)
@@ -264,6 +269,13 @@ class WorkerHub:
             cached = self._encoded[job_id] = (spec, spec.model_dump_json().encode(), env_json)
         return cached[1], cached[2]
 
+    def _scoring_budget(self, item: WorkItem, env: Environment) -> float:
+        budgets = self._budgets.setdefault(item.job_id, {})
+        budget = budgets.get(item.task.id)
+        if budget is None:
+            budget = budgets[item.task.id] = scoring_budget(env, item.task)
+        return budget
+
     async def _run_on(self, worker: _Worker, item: WorkItem, env: Environment, spec: JobSpec) -> EncodedRollout:
         assignment_id = f"a{next(self._ids)}"
         sent = time.monotonic()
@@ -274,7 +286,7 @@ class WorkerHub:
             raise WorkerLostError(f"worker {worker.id} was lost")
         # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
         # worker's reader enforces it (_expire)
-        attempt_s = spec.rollout_timeout_s + scoring_budget(env, item.task) + RETRY_BACKOFF_CAP_S
+        attempt_s = spec.rollout_timeout_s + self._scoring_budget(item, env) + RETRY_BACKOFF_CAP_S
         budget = (spec.max_infra_retries + 1) * attempt_s + self.result_slack_s
         worker.running[assignment_id] = _Running(item, future, budget, sent + budget)
         spec_json, env_json = self._encode(item.job_id, env, spec)
@@ -339,6 +351,7 @@ class WorkerHub:
         if previous is not None:
             self._drop(previous, "it connected again")
         self._workers[worker.id] = worker
+        self._slots += worker.slots
         log.info("worker %s joined (host %s, pid %d, %d slots)", worker.id, worker.host, worker.pid, worker.slots)
         self._wake(worker.slots)
         async with self._joined:
@@ -484,6 +497,7 @@ class WorkerHub:
         if self._workers.get(worker.id) is not worker:
             return
         del self._workers[worker.id]
+        self._slots -= worker.slots
         self.lost += 0 if self._closed else 1
         if not self._closed:
             log.warning(
