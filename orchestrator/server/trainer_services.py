@@ -50,6 +50,28 @@ def _capped(value: str, what: str, limit: int) -> str:
     return value
 
 
+def _at_end(context: grpc.aio.ServicerContext) -> Callable[[Callable[[], None]], None]:
+    """Hands a release to the RPC's end: called once its reply is sent or the call is over (a client that never reads
+    its reply keeps it waiting, and keeps what it holds); at once if the RPC is over already."""
+    releases: list[Callable[[], None]] = []
+    ended = False
+
+    def end(_: object) -> None:
+        nonlocal ended
+        ended = True
+        for release in releases:
+            release()
+
+    def at_end(release: Callable[[], None]) -> None:
+        if ended:
+            release()
+        else:
+            releases.append(release)
+
+    context.add_done_callback(end)
+    return at_end
+
+
 def _path(value: str, what: str = "path") -> str:
     if not value:
         raise InvalidRequestError(f"{what} is empty")
@@ -245,7 +267,11 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
     ) -> pb.SandboxReadFileResponse:
         tenant = self._auth.tenant(context)
         data = await self._sandboxes.read_file(
-            tenant, check_id(request.sandbox_id, "sandbox_id"), _path(request.path), request.max_bytes
+            tenant,
+            check_id(request.sandbox_id, "sandbox_id"),
+            _path(request.path),
+            request.max_bytes,
+            until_sent=_at_end(context),
         )
         return pb.SandboxReadFileResponse(content=data)
 
@@ -270,7 +296,9 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         self, request: pb.SandboxDownloadRequest, context: grpc.aio.ServicerContext
     ) -> pb.SandboxDownloadResponse:
         tenant = self._auth.tenant(context)
-        tar = await self._sandboxes.download(tenant, check_id(request.sandbox_id, "sandbox_id"), _path(request.path))
+        tar = await self._sandboxes.download(
+            tenant, check_id(request.sandbox_id, "sandbox_id"), _path(request.path), until_sent=_at_end(context)
+        )
         return pb.SandboxDownloadResponse(tar=tar)
 
     async def Delete(

@@ -7,6 +7,7 @@ so an operator knows which setting to raise and a tenant knows what it ran into.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 from collections.abc import Iterator
@@ -77,6 +78,13 @@ class CapsConfig(BaseModel):
         512 << 20, ge=1 << 10, le=1 << 40, description="declarative specs a tenant keeps registered (their JSON)"
     )
     exec_stdin_bytes: int = Field(16 << 20, ge=0, le=64 << 20, description="stdin of one Exec")
+    read_bytes_per_tenant: int = Field(
+        256 << 20,
+        ge=1 << 10,
+        le=1 << 36,
+        description="ReadFile and Download replies a tenant has in flight, each counted at its cap while it is read "
+        "and at its size until it is sent (a client that never reads holds them); past it a call waits its turn",
+    )
     stdin_bytes_per_tenant: int = Field(64 << 20, ge=0, le=1 << 32, description="Exec stdin in flight per tenant")
 
 
@@ -133,3 +141,83 @@ class TenantCounter:
             self._held[tenant] -= amount
             if not self._held[tenant]:
                 del self._held[tenant]  # the map stays as small as the tenants at work
+
+
+class TenantBytes:
+    """Bytes each tenant may hold at once (file replies in flight), in turns: a call past the cap waits until what
+    the tenant holds leaves it room (first come, first served); one that could never fit is refused at once."""
+
+    def __init__(self, cap: int, cap_name: str, unit: str) -> None:
+        self.cap = cap
+        self.cap_name = cap_name
+        self.unit = unit
+        self._held: collections.Counter[str] = collections.Counter()
+        self._waiting: dict[str, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
+
+    def held(self, tenant: str) -> int:
+        """What `tenant` holds now."""
+        return self._held[tenant]
+
+    async def take(self, tenant: str, amount: int) -> Taken:
+        """`amount` bytes of the tenant's, once they fit; release (or shrink) the returned hold."""
+        if amount > self.cap:
+            raise QuotaExceededError(
+                f"{amount} {self.unit} asked for at once; {self.cap_name} is {self.cap} per tenant (ask for less)"
+            )
+        queue = self._waiting.get(tenant)
+        if queue or self._held[tenant] + amount > self.cap:
+            turn = asyncio.get_running_loop().create_future()
+            queue = self._waiting.setdefault(tenant, collections.deque())
+            queue.append((amount, turn))
+            try:
+                await turn  # granted: counted already, by _wake
+            except BaseException:
+                if turn.done() and not turn.cancelled():
+                    self._give_back(tenant, amount)  # granted, then cancelled before it was used
+                else:
+                    queue.remove((amount, turn))
+                    if not queue:
+                        del self._waiting[tenant]
+                    self._wake(tenant)  # a large call that left the head of the line lets the next ones in
+                raise
+        else:
+            self._held[tenant] += amount
+        return Taken(self, tenant, amount)
+
+    def _give_back(self, tenant: str, amount: int) -> None:
+        self._held[tenant] -= amount
+        if not self._held[tenant]:
+            del self._held[tenant]
+        self._wake(tenant)
+
+    def _wake(self, tenant: str) -> None:
+        queue = self._waiting.get(tenant)
+        while queue and self._held[tenant] + queue[0][0] <= self.cap:
+            amount, turn = queue.popleft()
+            self._held[tenant] += amount
+            turn.set_result(None)
+        if queue is not None and not queue:
+            del self._waiting[tenant]
+        if not self._held[tenant]:
+            del self._held[tenant]
+
+
+class Taken:
+    """Bytes a tenant holds from a TenantBytes until `release()` (idempotent); `shrink(n)` keeps only n of them."""
+
+    def __init__(self, budget: TenantBytes, tenant: str, amount: int) -> None:
+        self._budget = budget
+        self._tenant = tenant
+        self.amount = amount
+
+    def shrink(self, amount: int) -> None:
+        """Keep `amount` (less than held) until the release: a reply smaller than its cap."""
+        if 0 <= amount < self.amount:
+            self._budget._give_back(self._tenant, self.amount - amount)
+            self.amount = amount
+
+    def release(self) -> None:
+        """Give back what is held (once)."""
+        if self.amount:
+            self._budget._give_back(self._tenant, self.amount)
+            self.amount = 0

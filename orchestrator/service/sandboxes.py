@@ -56,7 +56,7 @@ from orchestrator.core.sandbox import (
     SandboxBackend,
     SandboxSpec,
 )
-from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
+from orchestrator.service.caps import CapsConfig, TenantBytes, TenantCounter, check_limits
 from orchestrator.service.declarative.dockerfile import TENANT_IMAGE_PREFIX
 from orchestrator.service.registry import Registry
 from orchestrator.service.sandbox_health import death, died
@@ -64,6 +64,8 @@ from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# given the release of a reply's budget, calls it once the reply is sent (the RPC's end)
+UntilSent = Callable[[Callable[[], None]], None]
 
 State = Literal["RUNNING", "EXPIRED", "DELETED", "DIED"]
 ENVFLEET_IMAGE_PREFIX = "envfleet/"
@@ -192,6 +194,7 @@ class SandboxManager:
         self._admission = admission  # None: raw sandboxes are not counted against the host's capacity
         self._execs = TenantCounter(self.caps.streams_per_tenant, "caps.streams_per_tenant", "Execs")
         self._stdin = TenantCounter(self.caps.stdin_bytes_per_tenant, "caps.stdin_bytes_per_tenant", "stdin bytes")
+        self._replies = TenantBytes(self.caps.read_bytes_per_tenant, "caps.read_bytes_per_tenant", "bytes of replies")
         self._live: dict[str, _Live] = {}
         self._reserved: dict[str, int] = {}
         self._ended: dict[str, OrderedDict[str, SandboxRecord]] = {}  # tenant -> its tombstones, oldest first
@@ -452,12 +455,19 @@ class SandboxManager:
             )
         return size
 
-    async def read_file(self, tenant: str, sandbox_id: str, path: str, max_bytes: int = 0) -> bytes:
-        """A file's content (at most max_bytes, 0: the configured cap)."""
+    async def read_file(
+        self, tenant: str, sandbox_id: str, path: str, max_bytes: int = 0, *, until_sent: UntilSent | None = None
+    ) -> bytes:
+        """A file's content (at most max_bytes, 0: the configured cap). It counts against the tenant's
+        caps.read_bytes_per_tenant while it is read, and then, given `until_sent`, until the caller hands back the
+        release it is given (once the reply is sent)."""
         if not 0 <= max_bytes <= self.config.max_output:
             raise InvalidRequestError(f"max_bytes must be between 0 and {self.config.max_output}, got {max_bytes}")
         live = await self._get(tenant, sandbox_id)
-        return await self._use(live, live.sandbox.read_file(path, max_bytes or self.config.max_output))
+        cap = max_bytes or self.config.max_output
+        return await self._held_reply(
+            tenant, cap, lambda: self._use(live, live.sandbox.read_file(path, cap)), until_sent
+        )
 
     async def write_file(self, tenant: str, sandbox_id: str, path: str, data: bytes, mode: int = 0) -> None:
         """Create or replace a file (parents are created)."""
@@ -471,16 +481,37 @@ class SandboxManager:
         live = await self._get(tenant, sandbox_id)
         return await self._use(live, live.sandbox.upload(tar, dest_dir or "."))
 
-    async def download(self, tenant: str, sandbox_id: str, path: str) -> bytes:
-        """A tar archive of a file or folder (links stored as links); refused once it streams past the cap."""
+    async def download(self, tenant: str, sandbox_id: str, path: str, *, until_sent: UntilSent | None = None) -> bytes:
+        """A tar archive of a file or folder (links stored as links); refused once it streams past the cap. Counted
+        as read_file's reply is."""
         live = await self._get(tenant, sandbox_id)
         cap = self.config.max_output
         try:
-            return await self._use(live, live.sandbox.download_at_most(path, cap))
+            return await self._held_reply(
+                tenant, cap, lambda: self._use(live, live.sandbox.download_at_most(path, cap)), until_sent
+            )
         except ArchiveTooLargeError:
             raise QuotaExceededError(
                 f"the archive of {echo(path)} is over sandboxes.max_output = {cap} bytes; download less at a time"
             ) from None
+
+    async def _held_reply(
+        self, tenant: str, cap: int, read: Callable[[], Awaitable[bytes]], until_sent: UntilSent | None
+    ) -> bytes:
+        """`read()`'s bytes, with `cap` of the tenant's reply budget held while it runs (waiting for room first),
+        then their size, released now or, with `until_sent`, when the release it is handed is called."""
+        taken = await self._replies.take(tenant, cap)
+        try:
+            data = await read()
+        except BaseException:
+            taken.release()
+            raise
+        taken.shrink(len(data))
+        if until_sent is None:
+            taken.release()
+        else:
+            until_sent(taken.release)
+        return data
 
     async def delete(self, tenant: str, sandbox_id: str) -> None:
         """Destroy a sandbox now."""

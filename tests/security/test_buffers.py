@@ -1,7 +1,8 @@
 """No unbounded buffering in the orchestrator: Download is counted as it streams and refused at the cap (a 1 GiB
 sparse file no longer passes through the server's memory), Exec stdin is capped per request and in flight per
 tenant, open Execs per tenant are capped, group snapshots are bounded per snapshot and per job, and a warm pool
-nothing uses any more is forgotten (its key is made by whoever names the image, limits and lease)."""
+nothing uses any more is forgotten (its key is made by whoever names the image, limits and lease); file replies
+(ReadFile, Download) a tenant has in flight are counted until they are sent, a client that never reads included."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from orchestrator.backends.config import ExecRule, FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend
 from orchestrator.backends.pool import PoolConfig, SandboxPool, lease_for
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import QuotaExceededError
 from orchestrator.core.sandbox import SandboxSpec
 from orchestrator.rollout.snapshots import SnapshotBudget, SnapshotCache
+from orchestrator.service.caps import TenantBytes
+from orchestrator.service.tenancy import LOCAL_TENANT
 from protos import orchestrator_pb2 as pb
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, expect_unreadable_exec_stream, serve
@@ -206,6 +211,7 @@ async def test_a_job_forgotten_while_its_snapshot_is_read_holds_nothing() -> Non
 _TRAINER = """
 import asyncio, json, sys
 import grpc
+import pytest
 from orchestrator.client.sdk import EnvfleetClient
 from protos import orchestrator_pb2 as pb
 
@@ -276,6 +282,7 @@ async def test_a_lower_message_cap_refuses_large_requests_before_they_are_read(t
 _STREAMING_TRAINER = """
 import asyncio, json, sys
 import grpc
+import pytest
 from orchestrator.client.sdk import EnvfleetClient
 from protos import orchestrator_pb2 as pb
 
@@ -437,3 +444,124 @@ async def test_pools_nothing_uses_are_forgotten_with_their_metric_series() -> No
     finally:
         await pool.close()
         await backend.close()
+
+
+@contextlib.asynccontextmanager
+async def _unread_call(address: str, method: str, request: bytes) -> AsyncIterator[None]:
+    """A gRPC call over raw HTTP/2 from a client that never reads its reply: its window for the reply is 0, so the
+    server cannot send a byte of it. The call ends (cancelled) when the block exits."""
+    import h2.config
+    import h2.connection
+    import h2.settings
+
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    sid = conn.get_next_available_stream_id()
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", method),
+        (":authority", address),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+    conn.send_headers(sid, headers)
+    conn.send_data(sid, b"\0" + len(request).to_bytes(4, "big") + request, end_stream=True)
+    writer.write(conn.data_to_send())
+    await writer.drain()
+
+    async def answer_pings() -> None:  # settings and pings are answered; the reply's window never opens
+        while data := await reader.read(65536):
+            conn.receive_data(data)
+            writer.write(conn.data_to_send())
+
+    pump = asyncio.create_task(answer_pings())
+    try:
+        yield
+    finally:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
+        writer.close()
+
+
+async def test_file_replies_a_client_never_reads_count_against_its_tenant_until_they_end(tmp_path: Path) -> None:
+    # a reply waits in the server until its client reads it: ReadFile and Download of 32 MiB each, from clients that
+    # never read, pinned the server's memory without bound (nothing counted them once their handler returned)
+    caps = {"read_bytes_per_tenant": 5 * MiB}
+    async with (
+        serve(tmp_path, backend=FAKE, caps=caps, sandboxes={"max_output": 4 * MiB}) as orch,
+        EnvfleetClient(orch.address) as c,
+    ):
+        assert orch.sandboxes is not None
+        replies = orch.sandboxes._replies
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))).sandbox_id
+        await ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="big", content=b"x" * (3 * MiB)))
+        read_big = pb.SandboxReadFileRequest(sandbox_id=sid, path="big")
+        assert len((await ss.ReadFile(read_big)).content) == 3 * MiB  # alone, it fits
+        async with _unread_call(orch.address, "/envfleet.v1.SandboxService/ReadFile", read_big.SerializeToString()):
+            for _ in range(100):  # its reply is made, and waits for a window that never opens
+                if replies.held(LOCAL_TENANT) == 3 * MiB:
+                    break
+                await asyncio.sleep(0.05)
+            assert replies.held(LOCAL_TENANT) == 3 * MiB
+            # another 3 MiB reply waits its turn (a read is counted at its 4 MiB cap while it runs)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ss.ReadFile(read_big, timeout=1.0)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            small = pb.SandboxReadFileRequest(sandbox_id=sid, path="big", max_bytes=MiB)
+            assert len((await ss.ReadFile(small)).content) == MiB  # one that fits goes at once
+        waited = ss.ReadFile(read_big, timeout=30)  # the unread call ended: its 3 MiB came back
+        assert len((await waited).content) == 3 * MiB
+        assert replies.held(LOCAL_TENANT) == 0
+        # and Download's reply the same way
+        download = pb.SandboxDownloadRequest(sandbox_id=sid, path="big")
+        async with _unread_call(orch.address, "/envfleet.v1.SandboxService/Download", download.SerializeToString()):
+            for _ in range(100):
+                if replies.held(LOCAL_TENANT) > 3 * MiB:  # the tar of a 3 MiB file
+                    break
+                await asyncio.sleep(0.05)
+            assert replies.held(LOCAL_TENANT) > 3 * MiB
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ss.Download(download, timeout=1.0)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert len((await ss.Download(download, timeout=30)).tar) > 3 * MiB
+        for _ in range(100):
+            if not replies.held(LOCAL_TENANT):
+                break
+            await asyncio.sleep(0.05)
+        assert replies.held(LOCAL_TENANT) == 0
+
+
+async def test_a_tenants_reply_budget_goes_in_turns_and_refuses_what_never_fits() -> None:
+    budget = TenantBytes(10, "caps.read_bytes_per_tenant", "bytes of replies")
+    with pytest.raises(QuotaExceededError, match=r"11 bytes of replies asked for at once; caps\.read_bytes_per_tenant"):
+        await budget.take("a", 11)
+    first = await budget.take("a", 8)
+    other = await budget.take("b", 10)  # another tenant's budget is its own
+    second = asyncio.create_task(budget.take("a", 5))
+    third = asyncio.create_task(
+        budget.take("a", 1)
+    )  # it would fit, but waits behind the second: first come, first served
+    gone = asyncio.create_task(budget.take("a", 2))
+    await asyncio.sleep(0.01)
+    assert not second.done() and not third.done()
+    gone.cancel()  # a waiting call cancelled leaves the line
+    await asyncio.gather(gone, return_exceptions=True)
+    first.shrink(4)  # a reply smaller than its cap keeps only its size
+    taken = await second
+    assert (await third).amount == 1 and budget.held("a") == 10
+    first.release()
+    first.release()  # once
+    taken.release()
+    assert budget.held("a") == 1 and budget.held("b") == 10
+    other.release()
+    late = asyncio.create_task(budget.take("a", 10))
+    await asyncio.sleep(0.01)
+    late.cancel()
+    await asyncio.gather(late, return_exceptions=True)
+    assert budget.held("a") == 1 and not budget._waiting
