@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.core.environment import Environment, Episode, Finish, Task
-from orchestrator.core.errors import ContextFull
+from orchestrator.core.errors import ContextFull, PolicyError
 from orchestrator.core.models import ToolCallRecord, Turn
 from orchestrator.core.policy import Sampling
 from orchestrator.core.sandbox import Sandbox
@@ -91,7 +91,11 @@ async def run_episode(
             with phase:
                 c = await episode_policy.complete(messages, schemas, sampling, user=user)
                 phase.span.set(_policy_attributes(c))
-        except ContextFull:
+        except ContextFull as e:
+            if turn == 0:
+                # nothing the policy did filled it: the job's prompt, max_tokens or max_model_len do not fit the
+                # model, and every rollout of the job would be an empty episode scored as if the policy had tried
+                raise PolicyError(f"the task's first prompt does not fit the model's context: {e}") from None
             finish = "length"  # the context is full: TRUNCATED, the tokens as far as they went
             break
         finally:

@@ -114,3 +114,21 @@ async def test_a_conversation_over_the_models_context_is_truncated_and_scored(
         assert rollout.reward == 0.0 and [t.role for t in rollout.turns][-2:] == ["assistant", "tool"]
     else:
         assert rollout.reward is None and rollout.error is not None and "HTTP 400" in rollout.error.message
+
+
+async def test_a_first_prompt_over_the_models_context_is_a_policy_error_never_scored(tmp_path: Path) -> None:
+    # the server refuses the task's very first request (the job's max_tokens, or its prompt, is over the model's
+    # context): the episode ended TRUNCATED before the policy acted, and its empty answer was scored 0 as if it had
+    # tried, every rollout of the job alike
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    script = Script(default=[Step(error_status=400, error_message=VLLM_CONTEXT)])
+    async with (
+        await start_scripted_server(script, tokens=False) as scripted,
+        serve(tmp_path / "data", backend=FAKE) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        job_id = await client.submit(job(scripted.url, [task_id]))
+        async with asyncio.timeout(60):
+            [rollout] = [r async for r in client.rollouts(job_id)]
+    assert rollout.status == RolloutStatus.POLICY_ERROR and rollout.reward is None
+    assert rollout.error is not None and "first prompt does not fit the model's context" in rollout.error.message
