@@ -174,8 +174,14 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         t = self._first()
         context: Mapping[str, bytes] = {k: v for k, v in t.context.items() if k != "Dockerfile"}
         limits = BuildLimits(timeout_s=max(x.build_timeout_s for x in self.harbor_tasks.values()))
+        text = self.dockerfile()
         return build_image(
-            client, name=image_name(self.name), dockerfile=self.dockerfile(), context_files=context, limits=limits
+            client,
+            name=image_name(self.name),
+            dockerfile=text,
+            context_files=context,
+            limits=limits,
+            from_images=dockerfile_check.check(text),  # each on this host: a build never pulls
         )
 
     async def _sh(self, sandbox: Sandbox, cmd: str, timeout: float, what: str) -> ExecResult:

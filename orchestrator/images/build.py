@@ -19,7 +19,7 @@ import re
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
@@ -119,6 +119,7 @@ def build_image(
     cache_dir: Path | None = None,
     limits: BuildLimits | None = None,
     made_files: Callable[[], Mapping[str, ContextFile]] | None = None,
+    from_images: Collection[str] | None = None,
 ) -> str:
     """Build `envfleet/<name>:<hash of the inputs, 12 hex>` unless the engine has it already; return the tag.
 
@@ -126,6 +127,9 @@ def build_image(
     under a folder, recursively). `made_files` gives more context files that are made from inputs (a compiled
     binary): called only when the image must be built, and not hashed, so the caller puts what they are made from
     in the key (a label). The build has no network; with `limits`, it runs under them (untrusted content).
+    `from_images`: the images the Dockerfile reads (FROM and --from, none of its own stages), as the caller's check
+    of an untrusted Dockerfile found them: each must be on this host, since the engine would pull a missing one over
+    the host network (ImageBuildError says so, and nothing is built); None: a trusted Dockerfile's FROM lines.
     Raises ImageBuildError naming the failing step.
     """
     if not _NAME.match(name):
@@ -138,7 +142,8 @@ def build_image(
     args = dict(buildargs or {})
     # the images it builds FROM are inputs too: FROM envfleet/base:latest names whatever base this engine has now
     # (a new envd), so a cache keyed by the Dockerfile's text alone would hand out an image on the old one
-    key = _key(dockerfile, entries, {**args, **_base_ids(client, dockerfile)}, labs)[:12]
+    bases = _base_ids(client, dockerfile) if from_images is None else _present_ids(client, from_images)
+    key = _key(dockerfile, entries, {**args, **bases}, labs)[:12]
     tag = f"{REPO_PREFIX}/{name}:{key}"
     if image_exists(client, tag):
         log.debug("cache hit: %s", tag)
@@ -234,6 +239,22 @@ def _base_ids(client: docker.DockerClient, dockerfile: str) -> dict[str, str]:
             ids[f"from:{ref}"] = str(client.images.get(ref).id)
         except (docker.errors.ImageNotFound, docker.errors.APIError):
             continue  # a stage name, or an image the build will refuse with its own message
+    return ids
+
+
+def _present_ids(client: docker.DockerClient, refs: Collection[str]) -> dict[str, str]:
+    """The engine's image id of each of `refs`; ImageBuildError for one it does not have (a build never pulls)."""
+    ids = {}
+    for ref in refs:
+        try:
+            ids[f"from:{ref}"] = str(client.images.get(ref).id)
+        except docker.errors.ImageNotFound:
+            raise ImageBuildError(
+                f"the Dockerfile reads {ref!r}, which is not an image on this host; builds are offline and never "
+                "pull one: name an envfleet image this host has (envfleet/base:latest, say)"
+            ) from None
+        except docker.errors.APIError as e:
+            raise ImageBuildError(f"the Dockerfile reads {ref!r}, which the engine cannot look up: {e}") from None
     return ids
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import docker
@@ -18,8 +19,10 @@ def build_from_spec(
     labels: dict[str, str] | None = None,
     log_dir: Path | None = None,
     limits: BuildLimits | None = None,
+    from_images: Collection[str] | None = None,
 ) -> str:
-    """Render `spec` and build it with `build_image` (cached by its inputs); return the tag."""
+    """Render `spec` and build it with `build_image` (cached by its inputs); return the tag. `from_images`: as
+    build_image's (an untrusted spec's base)."""
     dockerfile, context = render_dockerfile(spec)
     return build_image(
         client,
@@ -29,4 +32,5 @@ def build_from_spec(
         labels=labels,
         log_dir=log_dir,
         limits=limits,
+        from_images=from_images,
     )

@@ -5,6 +5,7 @@ limits, and the disk their layers may take; and build slots are counted per tena
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import subprocess
 import time
@@ -94,6 +95,8 @@ BASE = "FROM envfleet/base:latest\n"
         (BASE + "HEALTHCHECK CMD true\n", "HEALTHCHECK never runs in a sandbox"),
         (BASE + "RUN cat <<EOF>/x\n", "heredoc"),
         (BASE + "RUN cat 2<<-'END'\n", "heredoc"),
+        # an image of another platform is pulled (whatever the host has under that tag)
+        ("FROM --platform=linux/s390x envfleet/base:latest\n", "FROM --platform is not allowed"),
     ],
 )
 def test_dockerfile_ways_out_are_refused(dockerfile: str, message: str) -> None:
@@ -119,6 +122,18 @@ def test_dockerfile_ways_out_are_refused(dockerfile: str, message: str) -> None:
 )
 def test_legitimate_dockerfiles_pass(dockerfile: str) -> None:
     check(dockerfile)
+
+
+def test_the_check_names_every_image_a_dockerfile_reads() -> None:
+    # what the build must find on the host: every FROM and --from that is no stage of the file's own, however the
+    # line is written (a FROM continued onto the next line was missed by a reading of FROM lines)
+    text = (
+        "FROM \\\n  envfleet/tools:1 AS tools\nRUN true\n"
+        + BASE
+        + "COPY --from=tools /a /a\nCOPY --from=envfleet/data:2 /b /b\n"
+        + "RUN --mount=type=bind,from=envfleet/more:3,target=/m true\n"
+    )
+    assert check(text) == ["envfleet/tools:1", "envfleet/base:latest", "envfleet/data:2", "envfleet/more:3"]
 
 
 class Canary:
@@ -408,3 +423,68 @@ async def test_one_tenant_cannot_hold_every_build_slot(tmp_path: Path, base_imag
         report = await asyncio.wait_for(b.env_stub.Validate(quick), 60)
         assert report.image and not all(s.done() for s in slow)
         await asyncio.gather(*slow)
+
+
+def test_a_tenant_build_never_pulls_and_keys_on_every_image_it_reads(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str
+) -> None:
+    # the engine pulls a FROM or --from image it lacks, over the host network (--network none is the build's
+    # steps'): docker.io/envfleet/... is whoever owns that name there. A tenant's build names no image the host lacks
+    marker = uuid.uuid4().hex[:12]
+    for text in (
+        f"FROM envfleet/missing-{marker}:1\n",
+        f"FROM {base_image}\nCOPY --from=envfleet/gone-{marker}:2 /a /a\n",
+    ):
+        with pytest.raises(ImageBuildError, match="is not an image on this host; builds are offline and never pull"):
+            build_image(
+                docker_client,
+                name=f"sec-pull-{marker}",
+                dockerfile=text,
+                context_files={},
+                cache_dir=tmp_path,
+                limits=BuildLimits(),
+                from_images=check(text),
+            )
+    # and an image it reads however it is written is an input of the cache: the same text on another image of the
+    # same name builds anew (the FROM continued onto the next line kept the old one's image)
+    alias = f"envfleet/sec-alias-{marker}:1"
+    text = f"FROM \\\n  {alias}\nLABEL test.marker={marker}\n"
+    docker_client.images.get(base_image).tag(alias)
+    made: list[str] = []
+    try:
+        made.append(
+            build_image(
+                docker_client,
+                name="sec-alias",
+                dockerfile=text,
+                context_files={},
+                cache_dir=tmp_path,
+                limits=BuildLimits(),
+                from_images=check(text),
+            )
+        )
+        other = build_image(
+            docker_client,
+            name="sec-alias-other",
+            dockerfile=f"FROM {base_image}\nRUN echo {marker} > /m\n",
+            context_files={},
+            cache_dir=tmp_path,
+        )
+        made.append(other)
+        docker_client.images.get(other).tag(alias)  # the same name, another image
+        made.append(
+            build_image(
+                docker_client,
+                name="sec-alias",
+                dockerfile=text,
+                context_files={},
+                cache_dir=tmp_path,
+                limits=BuildLimits(),
+                from_images=check(text),
+            )
+        )
+        assert made[0] != made[2]
+    finally:
+        for tag in [*made, alias]:
+            with contextlib.suppress(docker.errors.ImageNotFound):
+                docker_client.images.remove(tag, force=True)

@@ -14,7 +14,9 @@ directive anywhere but the first line, a heredoc (newer engines take its body as
 
 - every stage's FROM, and every `COPY --from` / `RUN --mount=...,from=`, names an envfleet image (not another
   environment's, which may be another tenant's) or an earlier stage of the same file, written plainly (no variable,
-  quote or escape: the builder expands those);
+  quote or escape: the builder expands those), and FROM takes no `--platform` (an image of another platform would be
+  pulled); `check` returns the images named, which the build requires on the host (the engine pulls a missing one
+  over the host network, whatever `--network none` says);
 - flags are written `--name=value`, without quotes, backslashes or non-ASCII characters (the builder unquotes flags,
   and splits them on bytes);
 - ADD takes no URL (nor a git address) and no source the builder would expand; COPY and ADD no path with `..`;
@@ -220,9 +222,12 @@ def _image_allowed(ref: str) -> bool:
     return ref.startswith(ENVFLEET_IMAGE_PREFIX) and not ref.startswith(TENANT_IMAGE_PREFIX)
 
 
-def check(text: str) -> None:
-    """Refuse a Dockerfile that could reach outside its build (DockerfileError names the line and why)."""
+def check(text: str) -> list[str]:
+    """Refuse a Dockerfile that could reach outside its build (DockerfileError names the line and why); returns the
+    images it reads (every FROM and --from that is no stage of its own), in order: the build needs each of them on
+    the host, since it never pulls one."""
     instructions = parse(text)
+    images: list[str] = []
     froms = [i for i in instructions if i.keyword == "FROM"]
     if not froms:
         raise DockerfileError("the Dockerfile has no FROM line")
@@ -243,6 +248,8 @@ def check(text: str) -> None:
             if key in s.names:
                 return s.envfleet
         if _image_allowed(ref):
+            if ref not in images:
+                images.append(ref)
             return True
         why = "another environment's image" if ref.startswith(TENANT_IMAGE_PREFIX) else "not an envfleet image"
         raise DockerfileError(
@@ -254,6 +261,11 @@ def check(text: str) -> None:
         kw, line = ins.keyword, ins.line
         if kw == "FROM":
             flags, rest = _flags(ins.args, line)
+            if flags:
+                raise DockerfileError(
+                    f"line {line}: FROM --{next(iter(flags))} is not allowed (an image for another platform would be "
+                    "pulled, and builds are offline); name the image alone"
+                )
             words = _SEPARATOR.split(rest) if rest else []
             if not words or (len(words) not in (1, 3)) or (len(words) == 3 and words[1].lower() != "as"):
                 raise DockerfileError(f"line {line}: FROM takes an image and an optional 'AS name'")
@@ -315,3 +327,4 @@ def check(text: str) -> None:
             f"the final stage is FROM {echo(final.base)}; it must be an envfleet image (e.g. envfleet/base:latest), "
             "which carries envd (builds are offline: nothing can be pulled)"
         )
+    return images

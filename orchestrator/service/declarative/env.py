@@ -27,6 +27,7 @@ from orchestrator.core.sandbox import ExecResult, Sandbox
 from orchestrator.images import build_from_spec, build_image, ensure_base_image
 from orchestrator.images.build import BuildLimits
 from orchestrator.images.resolver import BuildsOwnImage
+from orchestrator.service.declarative import dockerfile as dockerfile_check
 from orchestrator.service.declarative.errors import ScoringError
 from orchestrator.service.declarative.spec import EnvironmentSpec
 
@@ -137,12 +138,21 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
         img = self.spec.image
         name = image_name(self.name)
         if img.dockerfile is not None:  # context: the Dockerfile alone, so nothing of the host can be copied in
-            return build_image(client, name=name, dockerfile=img.dockerfile, context_files={}, limits=TENANT_BUILD)
+            return build_image(
+                client,
+                name=name,
+                dockerfile=img.dockerfile,
+                context_files={},
+                limits=TENANT_BUILD,
+                from_images=dockerfile_check.check(img.dockerfile),
+            )
         base = img.base or ensure_base_image(client)
         spec = self.image_spec()
         if spec is None:
             return base
-        return build_from_spec(client, name=name, spec=spec.model_copy(update={"base": base}), limits=TENANT_BUILD)
+        return build_from_spec(
+            client, name=name, spec=spec.model_copy(update={"base": base}), limits=TENANT_BUILD, from_images=[base]
+        )
 
     def _task_json(self, task: Task) -> dict[str, Any]:
         return {"task_id": task.id, "prompt": task.prompt, "data": task.data.get("data", {})}
