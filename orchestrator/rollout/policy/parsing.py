@@ -89,7 +89,10 @@ def _tool_calls(raw: Any) -> tuple[list[ToolCall], list[dict[str, Any]]]:
             raise PolicyResponseError(f"tool call {i} has no function name")
         args = fn.get("arguments", "")
         if not isinstance(args, str):  # some servers send the parsed object; keep it as the JSON text it was
-            args = json.dumps(args)
+            try:
+                args = json.dumps(args)
+            except RecursionError:  # nested past the json module's depth: no call a rollout can record
+                raise PolicyResponseError(f"tool call {i}'s arguments are nested too deeply to be JSON") from None
         call_id = tc.get("id")
         if not isinstance(call_id, str) or not call_id:
             call_id = f"call_{i}"  # the tool result must name a call; the id is the server's, not the model's

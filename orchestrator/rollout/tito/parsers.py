@@ -51,11 +51,11 @@ def _json_call(i: int, body: str, arg_keys: tuple[str, ...]) -> ToolCall:
     and its raw text as arguments (which then fail as JSON in the tool: an error observation)."""
     try:
         obj = json.loads(body)
-    except ValueError:
-        obj = None
-    if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-        args: Any = next((obj[k] for k in arg_keys if k in obj), {})
-        return ToolCall(f"call_{i}", obj["name"], _arguments(args))
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            args: Any = next((obj[k] for k in arg_keys if k in obj), {})
+            return ToolCall(f"call_{i}", obj["name"], _arguments(args))
+    except (ValueError, RecursionError):  # RecursionError: nested past the json module's depth (the policy's text)
+        pass
     m = _NAME_IN_JSON.search(body)
     return ToolCall(f"call_{i}", m.group(1) if m else "", body)
 
@@ -99,7 +99,10 @@ class Qwen3CoderParser:
             for p in self._PARAM.finditer(fn.group(2)):
                 key = p.group(1).strip()
                 args[key] = _typed(_trim_newline(p.group(2)), types.get(key))
-            calls.append(ToolCall(f"call_{i}", name, json.dumps(args, ensure_ascii=False)))
+            try:
+                calls.append(ToolCall(f"call_{i}", name, json.dumps(args, ensure_ascii=False)))
+            except RecursionError:  # a parameter nested past the json module's depth: garbled, kept as written
+                calls.append(ToolCall(f"call_{i}", name, fn.group(2).strip()))
         return self._BLOCK.sub("", text).strip(), calls
 
 
@@ -129,7 +132,7 @@ class Llama3JsonParser:
                 pos = end
                 while pos < len(body) and body[pos] in " \t\r\n;":
                     pos += 1
-        except ValueError:
+        except (ValueError, RecursionError):
             if not tagged and not _NAME_IN_JSON.search(body):
                 return text.strip(), []  # JSON-ish prose, not a call
             return "", [_json_call(0, body, ("parameters", "arguments"))]
@@ -174,7 +177,7 @@ def _typed(value: str, schema: Any) -> Any:
             return stripped.lower() == "true"
         if kind in ("object", "array", "null"):
             return json.loads(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return value  # the model wrote something else: the tool sees it as it was
 
