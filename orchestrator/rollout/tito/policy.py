@@ -140,7 +140,9 @@ class TitoEpisode(Policy):
         s = await self._policy.sample(prompt, sampling, max_tokens, user)
         self._context, self._last_sample = prompt + s.ids, s.ids
         turn, self._turn = self._turn, self._turn + 1
-        end = {tokens.turn_end_id, getattr(tokens.tokenizer, "eos_token_id", None)}
+        # the token it stopped on is no text of the turn's: the turn's end, the eos, or any other special token the
+        # server stops on (Qwen's <|endoftext|>, Llama's <|eom_id|>), which a grader or a parser would read as text
+        end = tokens.end_ids if s.finish_reason in CUT_OFF else tokens.stop_ids
         text = tokens.decode(s.ids[:-1] if s.ids and s.ids[-1] in end else s.ids)
         calls: list[ToolCall]
         if s.finish_reason in CUT_OFF:

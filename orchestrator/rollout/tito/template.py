@@ -62,6 +62,9 @@ class ChatTemplateTokens:
         # the text cut is exact only if the end token's text always tokenizes as that one token
         self._turn_end_text = text if self.encode(text) == [self.turn_end_id] else None
         self._bases: dict[str, _Base] = {"": _Base(base.count(self.turn_end_id), tools_matter=False)}
+        # what ends a turn: its end token and the eos; and what a server may stop a turn on, any special token
+        self.end_ids = frozenset({self.turn_end_id, getattr(tokenizer, "eos_token_id", None)} - {None})
+        self.stop_ids = self.end_ids | frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def _render(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, gen: bool) -> str:
         text = self.tokenizer.apply_chat_template(
