@@ -235,6 +235,20 @@ def test_a_chat_answer_with_bad_prompt_ids_is_a_policy_token_error(body: dict[st
         parse_chat_completion({**body, "choices": [choice]}, model="m")
 
 
+def test_a_chat_answer_that_carries_fewer_tokens_than_it_sampled_never_passes_them_as_complete() -> None:
+    # a turn that wrote something with an empty list of token entries: its text came back in the next prompt and
+    # was counted an observation (mask 0), the rollout's tokens "complete" though the policy's own were in them
+    choice = {"finish_reason": "stop", "message": {"content": "hello"}, "logprobs": {"content": []}}
+    c = parse_chat_completion({"choices": [choice]}, model="m")
+    assert c.completion_ids is None and c.logprobs is None  # missing, never empty
+    # one that says how many it sampled is held to it
+    counted = {"choices": [{**choice, "token_ids": [5, 6], "logprobs": None}], "usage": {"completion_tokens": 3}}
+    with pytest.raises(PolicyTokenError, match=r"carries 2 token ids .* but says it sampled 3"):
+        parse_chat_completion(counted, model="m")
+    whole = {"choices": [{**choice, "token_ids": [5, 6], "logprobs": None}], "usage": {"completion_tokens": 2}}
+    assert parse_chat_completion(whole, model="m").completion_ids == [5, 6]
+
+
 def test_the_parsers_bounds_are_the_wires_own() -> None:
     """The bounds are the protobuf contract's (ids int32, logprobs float32): at them a value is kept exactly, through
     the parser and the encoding; one past them the parser refuses it, where the encoding would have raised after the

@@ -137,6 +137,17 @@ def parse_chat_completion(data: Any, *, model: str) -> Completion:
         logprobs = checks.logprobs([e.get("logprob") for e in entries], _CONTENT + "[{i}].logprob")
     if completion_ids is not None and logprobs is not None:
         checks.same_length(completion_ids, logprobs, ids_at, _CONTENT)
+    usage = data.get("usage")
+    sampled = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if completion_ids is not None and type(sampled) is int and sampled != len(completion_ids):
+        raise PolicyTokenError(
+            f"the answer carries {len(completion_ids)} token ids ({ids_at}) but says it sampled {sampled} "
+            "(usage.completion_tokens)"
+        )
+    if completion_ids == [] and (text or tool_calls):
+        # none for a turn that wrote something: they are missing, never the turn's tokens (its text would come back
+        # as the next prompt's, and count as an observation the policy never sampled)
+        completion_ids = logprobs = None
 
     raw_message: dict[str, Any] = {"role": "assistant", "content": content if isinstance(content, str) else text}
     if content is None:
