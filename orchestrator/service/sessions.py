@@ -329,10 +329,15 @@ class SessionManager:
         cancelled (a client's deadline) runs to its end all the same: cut midway, the transcript kept the assistant's
         call without its tool turn (the next step reused its id), and a step cut while scoring scored again."""
         s = await self._get(tenant, session_id)
+        # its turn behind the step before it is waited for in the call: a call that gives up meanwhile took no step
+        # (waited for in the work run to its end, a step cut while queued ran later all the same, an action the
+        # client never saw the outcome of, and ran again when it retried)
+        await s.lock.acquire()
         return await run_to_end(self._step_locked(s, session_id, action))
 
     async def _step_locked(self, s: _Session, session_id: str, action: Action) -> StepResult:
-        async with s.lock:
+        """The step, with the session's lock held by the caller; it lets go at the end."""
+        try:
             self._check_open(s)  # closed or expired while this step waited for the one before it
             # past its lifetime while its steps came one behind the other: the checks that skip a session in a step
             # never got to it, and it lived until the sweep took its sandbox mid-step (an infrastructure failure)
@@ -354,6 +359,8 @@ class SessionManager:
                 # reward was thrown away, and the close and the step each said the other had ended it
                 self._check_open(s)
             return result
+        finally:
+            s.lock.release()
 
     def _check_open(self, s: _Session) -> None:
         if self._sessions.get(s.id) is not s:
@@ -408,6 +415,11 @@ class SessionManager:
 
     async def _end(self, s: _Session, status: RolloutStatus, recycle: bool = False) -> None:
         s.ended = status
+        # an ended session stays to say how it ended until it is closed or idles out; its transcript (up to
+        # EPISODE_BYTES) goes now: kept, a tenant's loop of Reset and a long last Step held memory without bound,
+        # since only the sessions still open count against sessions.max_per_tenant
+        s.state.turns.clear()
+        s.state.answer = None
         await self._release(s, recycle)
 
     async def _fail(self, s: _Session, observation: str, e: BaseException) -> StepResult:

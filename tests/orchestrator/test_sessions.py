@@ -239,6 +239,47 @@ async def test_a_step_whose_call_is_cancelled_runs_to_its_end(tmp_path: Path) ->
         assert calls == answered and len(set(calls)) == 2, [(t.role, t.text[:20]) for t in turns]
 
 
+async def test_a_step_whose_call_gives_up_before_its_turn_takes_no_step(tmp_path: Path) -> None:
+    # queued behind a running step, a call cut by its deadline ran its action later all the same: a turn spent on
+    # an action whose outcome nobody saw, and run twice when the client retried it
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=1.0)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        first = stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
+        await asyncio.sleep(0.2)  # it runs
+        queued = stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(2)")), timeout=0.3)
+        await expect_error(queued, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert (await first).info.turn == 1
+        await asyncio.sleep(1.5)  # a step that still ran would be done by now
+        assert orch.sessions is not None
+        session = orch.sessions._sessions[r.session_id]
+        assert session.turn == 1 and "print(2)" not in [t.text for t in session.state.turns if t.role == "tool"]
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(3)")))
+        assert s.observation == "print(3)" and s.info.turn == 2
+
+
+async def test_an_ended_session_keeps_no_transcript(tmp_path: Path) -> None:
+    # an ended session answers Step and Close until it idles out, and held its whole transcript meanwhile: only the
+    # open ones count against sessions.max_per_tenant, so a loop of Reset and a 1 MiB final answer grew the server
+    async with (
+        serve(tmp_path, backend=FAKE, sessions={"max_per_tenant": 2}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        stub = client.session_stub
+        ids = []
+        for _ in range(20):
+            r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+            await stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="x" * (1 << 20))))
+            ids.append(r.session_id)
+        assert orch.sessions is not None
+        kept = [orch.sessions._sessions[i] for i in ids]
+        assert all(s.ended is not None for s in kept)
+        assert sum(len(t.text) for s in kept for t in s.state.turns) == 0
+        again = stub.Step(pb.StepRequest(session_id=ids[0], action=pb.Action(final_answer="1")))
+        await expect_error(again, grpc.StatusCode.FAILED_PRECONDITION, "has ended (OK)")
+
+
 async def test_a_session_gets_no_warm_sandbox_whose_lease_ends_before_its_lifetime_could(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
