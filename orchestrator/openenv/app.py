@@ -22,7 +22,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import grpc
 from openenv.core.env_server.http_server import create_fastapi_app
@@ -175,7 +175,11 @@ class FacadeApp:
         if kind == "http":
             await app(child, receive, send)
             return
-        caller = hashlib.sha256((authorization or "").encode()).hexdigest()
+        if "session_id" in parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True):
+            # OpenEnv attaches a websocket to a live session named so: its episode ran on with this caller's frames
+            # and the first caller's token, and a reset over it opened a session no websocket's end closed
+            raise _Refused(400, "session_id: each websocket runs its own episodes; open one and send reset")
+        caller = _caller(authorization)
         if self.open_connections >= self.config.max_connections:
             raise _Refused(503, f"the facade serves {self.config.max_connections} websockets at most; try later")
         if self._open.get(caller, 0) >= self.config.max_connections_per_caller:
@@ -263,7 +267,8 @@ def _guarded(receive: Receive, send: Send) -> Receive:
                     {"type": "websocket.send", "text": error_frame("send JSON text frames", WSErrorCode.INVALID_JSON)}
                 )
                 continue
-            if '"mcp"' in text and _frame_type(text) == "mcp":
+            # parsed whenever it could say "mcp": written plainly, or with an escape ("\u006dcp" is "mcp" too)
+            if ("mcp" in text or "\\" in text) and _frame_type(text) == "mcp":
                 refusal = error_frame(
                     "MCP is not served here: send reset, step, state or close", WSErrorCode.UNKNOWN_TYPE
                 )
@@ -301,6 +306,14 @@ def _explain(text: str) -> str:
         parts.append(f"{where}: {err.get('msg', '')}" if where else str(err.get("msg", "")))
     message = f"{data.get('message', 'Invalid message')}: {'; '.join(parts)}"[:2000]
     return json.dumps({"type": "error", "data": {**data, "message": message}})
+
+
+def _caller(authorization: str | None) -> str:
+    """Whom a websocket counts against: its bearer token as the orchestrator reads it (the scheme in any case, spaces
+    around the token), so that the ways of writing one token are one caller."""
+    value = authorization or ""
+    scheme, _, token = value.strip().partition(" ")
+    return hashlib.sha256((token.strip() if scheme.lower() == "bearer" else value).encode()).hexdigest()
 
 
 def _frame_type(text: str) -> object:

@@ -23,10 +23,20 @@ def env_client(base: str, env: str = ENV, token: str | None = None) -> GenericEn
     return GenericEnvClient(base_url=f"{base}/envs/{env}", message_timeout_s=TIMEOUT_S, headers=headers)
 
 
-def ws_connect(base: str, env: str = ENV, token: str | None = None, origin: str | None = None, **kw: Any) -> Any:
-    """A raw websocket to an environment's /ws (for frames OpenEnv's client never sends)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    url = base.replace("http://", "ws://") + f"/envs/{env}/ws"
+def ws_connect(
+    base: str,
+    env: str = ENV,
+    token: str | None = None,
+    origin: str | None = None,
+    authorization: str | None = None,
+    query: str = "",
+    **kw: Any,
+) -> Any:
+    """A raw websocket to an environment's /ws (for frames OpenEnv's client never sends); `authorization` is the
+    header as written, instead of `Bearer <token>`."""
+    authorization = authorization or (f"Bearer {token}" if token else None)
+    headers = {"Authorization": authorization} if authorization else None
+    url = base.replace("http://", "ws://") + f"/envs/{env}/ws{query}"
     return connect(url, additional_headers=headers, origin=origin, open_timeout=TIMEOUT_S, **kw)  # type: ignore[arg-type]
 
 

@@ -122,6 +122,11 @@ async def test_bad_actions_get_error_frames_and_the_connection_goes_on(tmp_path:
             await _expect_error(ws, json.dumps({"type": "mcp", "data": {"method": "tools/list"}}), "UNKNOWN_TYPE")
             mcp = {"type": "mcp", "data": {"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create"}}
             await _expect_error(ws, json.dumps(mcp), "UNKNOWN_TYPE", "MCP is not served")
+            # the type written with an escape is "mcp" to OpenEnv too (it reached the MCP handler, which opens
+            # sessions outside the websocket's lifetime)
+            escaped = json.dumps(mcp).replace('"mcp"', '"\\u006dcp"')
+            assert "\\u006dcp" in escaped and '"mcp"' not in escaped
+            await _expect_error(ws, escaped, "UNKNOWN_TYPE", "MCP is not served")
             await _expect_error(ws, json.dumps({"type": "launch"}), "UNKNOWN_TYPE")
             await _expect_error(ws, json.dumps({"type": "step", "data": {"answer": 7}}), "VALIDATION_ERROR", "answer")
             answer = await exchange(ws, json.dumps({"type": "reset", "data": {"task_id": "py-000"}}))

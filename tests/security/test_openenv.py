@@ -63,6 +63,10 @@ async def test_open_websockets_are_capped_per_caller(tmp_path: Path) -> None:
         url = facade_url(orch)
         async with ws_connect(url, token=TOKEN_A):
             assert "1 websockets are open with this token" in await _refused(429, url, token=TOKEN_A)
+            # the orchestrator reads these as the same token: each counted as a caller of its own, one tenant
+            # could hold every websocket of the facade
+            for written in (f"bearer {TOKEN_A}", f"BEARER {TOKEN_A}", f"Bearer   {TOKEN_A}", f" Bearer {TOKEN_A} "):
+                assert "1 websockets are open" in await _refused(429, url, authorization=written)
             async with ws_connect(url, token=TOKEN_B):  # another caller is not held up
                 pass
         async with ws_connect(url, token=TOKEN_A):  # the slot is free again once the first one closed
@@ -122,3 +126,16 @@ async def test_no_route_opens_a_sandbox_outside_a_websocket(tmp_path: Path) -> N
             assert (await http_get(url, path, method))[0] == status, (method, path)
         await _refused(404, url, env="python-tool/mcp")
         assert open_sessions(orch) == 0
+
+
+async def test_a_websocket_cannot_attach_to_a_running_session(tmp_path: Path) -> None:
+    # OpenEnv attaches a websocket to the live session its query names: another caller's frames drove the episode
+    # with the first caller's token, and a reset over it opened a session that no websocket's end closed
+    security = {"token_file": _tokens(tmp_path)}
+    async with serve(tmp_path / "data", backend=FAKE, security=security, openenv={"port": 0}) as orch:
+        url = facade_url(orch)
+        for query in ("?session_id=0f1e2d3c", "?x=1&session_id=", "?session_id"):
+            body = await _refused(400, url, token=TOKEN_B, query=query)
+            assert "session_id: each websocket runs its own episodes" in body
+        async with ws_connect(url, token=TOKEN_A, query="?x=1"):  # other parameters are no matter
+            pass
