@@ -500,6 +500,13 @@ class JobManager:
         once (a group is never split, so it may exceed that by group_size - 1); ends once the job is finished and
         everything logged has been sent."""
         job = self._job(job_id, owner)
+        if resume_after > job.delivered:
+            # seqs are the log's, across jobs: a cursor of another job's, or made up, skipped every unacked rollout
+            # up to it and ended the stream as if the job had no more
+            raise InvalidRequestError(
+                f"resume_after={resume_after}: no rollout of job {job_id} was sent after seq {job.delivered}; "
+                "resume after the last seq this job's stream gave you"
+            )
         with self._streams.hold(job.owner):
             async with contextlib.aclosing(self._stream(job, resume_after, max_in_flight, max_batch)) as batches:
                 async for batch in batches:

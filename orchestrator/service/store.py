@@ -348,7 +348,7 @@ class ResultStore:
         """Ack every seq <= up_to and the given rollout ids among those delivered (seq <= `delivered`: an id is
         easily guessed, and one acked before it was sent would never be); with `whole_groups`, an id acks its
         group's every member (a group is delivered whole, so one acked alone would leave the rest to go out as a
-        part group). Returns the seqs newly acked."""
+        part group), and so does an up_to inside a group. Returns the seqs newly acked."""
         id_list = list(ids)
         by = (
             "group_id IN (SELECT group_id FROM rollouts WHERE job_id = ? AND rollout_id IN ({marks}))"
@@ -366,6 +366,19 @@ class ResultStore:
                     (job_id, up_to),
                 )
             ]
+            if whole_groups:
+                # a group's seqs are consecutive, so only the last group up_to reaches may be cut: its members past
+                # up_to went out with it, in one message, and acked apart they went out again as a part group (its
+                # advantages made over the part)
+                seqs += [
+                    r[0]
+                    for r in db.execute(
+                        "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq > ? "
+                        "AND seq <= ? AND group_id = (SELECT group_id FROM rollouts WHERE job_id = ? AND visible = 1 "
+                        "AND seq <= ? ORDER BY seq DESC LIMIT 1)",
+                        (job_id, up_to, delivered, job_id, up_to),
+                    )
+                ]
             for i in range(0, len(id_list), 500):
                 chunk = id_list[i : i + 500]
                 marks = ",".join("?" * len(chunk))

@@ -31,7 +31,7 @@ from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
-from tests.orchestrator.servers import until_done
+from tests.orchestrator.servers import expect_error, until_done
 
 
 async def test_disconnect_and_resume_loses_nothing(
@@ -57,6 +57,12 @@ async def test_disconnect_and_resume_loses_nothing(
     assert {r.id for r in first[:3]} | set(ids_second) == {f"{job_id}:{t}:0" for t in task_ids[:8]}
     info = await client.get_job(job_id)
     assert info.acked == 8
+    # a cursor past what the job sent (another job's seq, or made up) is refused: it skipped every unacked
+    # rollout up to it, and the stream ended as if the job were done
+    beyond = client.rollout_stub.StreamRollouts(
+        pb.StreamRolloutsRequest(job_id=job_id, resume_after=max(*(r.seq for r in first), *(r.seq for r in second)) + 1)
+    )
+    await expect_error(beyond, grpc.StatusCode.INVALID_ARGUMENT, "no rollout of job", "resume after the last seq")
 
 
 async def test_backpressure_holds_at_max_in_flight(

@@ -67,6 +67,28 @@ async def test_whole_groups_keep_their_wire_bytes_when_published(tmp_path: Path)
         await store.close()
 
 
+async def test_an_ack_up_to_inside_a_group_acks_the_whole_group(tmp_path: Path) -> None:
+    # a trainer (in any language) that acks the last seq it processed, inside a group: the group's rest went out
+    # again as a part group, with advantages made over the part
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    try:
+        for task in range(2):
+            for k in range(4):
+                r = _sample(task).model_copy(update={"id": f"job-a:task-{task}:{k}", "sample_index": k})
+                await store.append(_encoded(r), visible=False)
+        assert await store.publish_complete_groups("job-a", 4) == 2
+        entries = await store.read("job-a", 0, 10)
+        seqs = [e.seq for e in entries]
+        acked = await store.ack("job-a", seqs[1], [], delivered=seqs[-1], whole_groups=True)
+        assert acked == seqs[:4]
+        assert [e.seq for e in await store.read("job-a", 0, 10)] == seqs[4:]  # the next group, whole
+        # not past what was delivered, and not without whole groups
+        assert await store.ack("job-a", seqs[5], [], delivered=seqs[5], whole_groups=True) == seqs[4:6]
+        assert await store.ack("job-a", seqs[6], [], delivered=seqs[-1]) == [seqs[6]]
+    finally:
+        await store.close()
+
+
 OLD_SCHEMA = """
 CREATE TABLE jobs (job_id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL, created_at REAL NOT NULL,
     finished_at REAL, total INTEGER NOT NULL, owner TEXT NOT NULL DEFAULT 'local');
