@@ -529,7 +529,7 @@ class JobManager:
                 backlog = False
                 if room > 0:
                     limit = max(min(room, max_batch), n)
-                    entries = await self.store.read(job_id, cursor, limit)
+                    entries = await self.store.read(job_id, cursor, limit, STREAM_BATCH_BYTES, whole_groups=n > 1)
                     backlog = len(entries) == limit
                     if n > 1 and backlog:
                         entries = _whole_groups(entries)

@@ -305,8 +305,8 @@ async def test_an_ack_that_lands_while_a_full_window_reads_the_log_is_not_lost(
     read = store.read
     acked = asyncio.Event()
 
-    async def read_then_ack(job: str, after: int, limit: int) -> list[LogEntry]:
-        entries = await read(job, after, limit)
+    async def read_then_ack(job: str, after: int, limit: int, *args: Any, **kw: Any) -> list[LogEntry]:
+        entries = await read(job, after, limit, *args, **kw)
         if limit == 1 and after == 2 and not acked.is_set():  # the check a full window makes before it waits
             acked.set()
             await fake_orchestrator.jobs.ack(job, 2, [])

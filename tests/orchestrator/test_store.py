@@ -89,6 +89,32 @@ async def test_an_ack_up_to_inside_a_group_acks_the_whole_group(tmp_path: Path) 
         await store.close()
 
 
+async def test_a_read_stops_where_its_bytes_run_out(tmp_path: Path) -> None:
+    # a stream asks for up to 10,000 rows and sends 3 MiB of them: read whole and cut after, a backlog of large
+    # rows was read (and held, on the log's one thread) over and over, 2 GB for each message
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    try:
+        for task in range(4):
+            for k in range(3):
+                r = _sample(task).model_copy(update={"id": f"job-a:task-{task}:{k}", "sample_index": k})
+                await store.append(_encoded(r), visible=False)
+        assert await store.publish_complete_groups("job-a", 3) == 4
+        everything = await store.read("job-a", 0, 10_000)
+        sizes = [len(e.wire or b"") for e in everything]
+        assert len(everything) == 12 and all(sizes)
+        budget = sum(sizes[:4]) + sizes[4] // 2  # crossed by the fifth row, in the second group
+        assert [e.seq for e in await store.read("job-a", 0, 10_000, budget)] == [e.seq for e in everything[:5]]
+        # whole groups: on to the end of the group the budget ran out in, and no further
+        grouped = await store.read("job-a", 0, 10_000, budget, whole_groups=True)
+        assert [e.seq for e in grouped] == [e.seq for e in everything[:6]]
+        assert [e.seq for e in await store.read("job-a", 0, 10_000, 1, whole_groups=True)] == [
+            e.seq for e in everything[:3]
+        ]  # a first group over the budget alone still comes whole
+        assert len(await store.read("job-a", 0, 2, budget)) == 2  # and the row limit holds
+    finally:
+        await store.close()
+
+
 OLD_SCHEMA = """
 CREATE TABLE jobs (job_id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL, created_at REAL NOT NULL,
     finished_at REAL, total INTEGER NOT NULL, owner TEXT NOT NULL DEFAULT 'local');
