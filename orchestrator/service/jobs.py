@@ -612,6 +612,16 @@ class JobManager:
 
     async def _cancel(self, job: _Job) -> None:
         await self.scheduler.cancel_job(job.job_id)
+        # a rollout cancelled while its append waited in the log's queue was logged all the same (the store runs a
+        # queued call to its end), but neither counted nor, delivered in groups, its group published: the counts
+        # come from the log (behind those appends), and its whole groups go out, as a resume would make them
+        job_id = job.job_id
+        if job.spec.deliver_groups:
+            n = job.spec.group_size
+            await self._logged(f"job {job_id}'s groups", lambda: self.store.publish_complete_groups(job_id, n))
+        by_status, job.acked = await self._logged(f"job {job_id}'s counts", lambda: self.store.counts(job_id))
+        job.by_status = Counter(by_status)
+        job.done = sum(by_status.values())
         await self._finish(job, JobState.CANCELLED)
 
     async def info(self, job_id: str, *, owner: str | None = None) -> JobInfo:

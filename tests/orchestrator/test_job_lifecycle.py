@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from orchestrator.backends.config import FakeBackendConfig
+from orchestrator.backends.fake import FakeBackend
 from orchestrator.client.convert import job_spec_to_pb
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, JobState, TaskSelection
@@ -165,3 +166,77 @@ async def test_submits_whose_callers_give_up_while_recording_keep_to_the_tenants
             assert e.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
         await asyncio.sleep(1.5)  # the records under way end
         assert len(await client.list_jobs()) == 2
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["rollouts", "groups"])
+async def test_a_job_cancelled_while_its_results_wait_for_the_log_counts_and_streams_them(
+    tmp_path: Path, groups: bool
+) -> None:
+    # the log runs a queued append to its end when its caller is cancelled: a CancelJob landing then left rows the
+    # job never counted (GetJob said done 0, acked 4), and, delivered in groups, whole groups never published
+    import time
+
+    from orchestrator.core.models import Rollout, RolloutStatus
+    from orchestrator.service.jobs import JobManager
+    from orchestrator.service.registry import Registry
+    from orchestrator.service.store import ResultStore
+
+    gate = asyncio.Event()
+
+    class Gated:
+        images = FakeBackend(FAKE).images
+
+        async def run(self, item: Any, env: Any, spec: JobSpec) -> Rollout:
+            await gate.wait()
+            return Rollout(
+                id=item.id,
+                job_id=item.job_id,
+                env=env.ref(),
+                task_id=item.task.id,
+                group_id=item.group_id,
+                sample_index=item.sample_index,
+                status=RolloutStatus.OK,
+                reward=float(item.sample_index),
+            )
+
+        def job_ended(self, job_id: str) -> None:
+            pass
+
+        async def close(self) -> None:
+            pass
+
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    registry = Registry.from_entry_points()
+    mgr = await JobManager.start(store, registry, Gated())  # type: ignore[arg-type]
+    try:
+        ids = [t.id for t in registry.get(ENV).tasks()][:2]
+        spec = JobSpec(
+            env=ENV,
+            tasks=TaskSelection(kind="ids", ids=ids),
+            group_size=2,
+            deliver_groups=groups,
+            policy=PolicyEndpoint(base_url=REPLAY_URL),
+        )
+        job_id, total = await mgr.submit(spec)
+        await asyncio.sleep(0.5)  # its rollouts run, held at the gate
+        transaction = store._transaction
+
+        def slow(calls: Any) -> Any:
+            time.sleep(0.3)  # a busy disk: the appends wait in the log's queue
+            return transaction(calls)
+
+        store._transaction = slow  # type: ignore[method-assign]
+        gate.set()
+        await asyncio.sleep(0.05)
+        info = await mgr.cancel(job_id)
+        store._transaction = transaction  # type: ignore[method-assign]
+        logged, _ = await store.counts(job_id)
+        assert info.state == JobState.CANCELLED and sum(logged.values()) == total
+        assert info.counts.done == total and info.counts.by_status == {"OK": total}
+        streamed = [b async for b in mgr.stream(job_id)]
+        got = [e for b in streamed for e in b.entries] + [e for b in streamed for g in b.groups for e in g.entries]
+        assert len(got) == total
+        assert all(len(g.entries) == 2 for b in streamed for g in b.groups)
+    finally:
+        await mgr.close()
+        await store.close()
