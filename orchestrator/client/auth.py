@@ -15,9 +15,20 @@ import grpc
 from orchestrator.core.net import is_loopback
 
 MAX_MESSAGE_BYTES = 64 << 20
+# the client pings a quiet connection: a server whose host went away without a word (a crash, a partition) is found
+# out in about a minute, and a stream reconnects or fails, where it waited on a dead connection for hours. The
+# server allows pings this often (orchestrator/server/app.py)
+KEEPALIVE_MS = 30_000
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.ping_timeout_ms", 20_000),  # what newer gRPC cores wait for a ping's answer (keepalive's included)
+    ("grpc.keepalive_permit_without_calls", 1),
+    # a stream quiet for long (slow rollouts) is pinged all along, not twice and then after five minutes
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_MS),
 ]
 
 

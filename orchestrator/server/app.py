@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
+# how often a client may ping, a quiet connection included (the SDK pings every 30 s: client/auth.py KEEPALIVE_MS);
+# more often, gRPC answers with GOAWAY ("too many pings")
+CLIENT_PING_MIN_MS = 10_000
 STOP_STAGE_S = 60.0  # the longest any one stage of a shutdown may take, plus for the pool:
 REMOVE_BUDGET_S = 0.5  # per idle sandbox (the engine removes about 10 a second here)
 
@@ -99,6 +102,14 @@ class OrchestratorConfig(BaseModel):
     # the one bound on what an in-flight request costs before it can be refused
     max_message_bytes: int = Field(
         MAX_MESSAGE_BYTES, ge=4 << 20, le=MAX_MESSAGE_BYTES, description="largest request (and response) message"
+    )
+    client_keepalive_s: float = Field(
+        60.0,
+        ge=0.5,
+        le=7200,
+        description="how often the server pings a client's connection that is quiet; one whose host went away "
+        "without a word (a crash, a partition) is cut off when its answer is that late, so its streams' slots and "
+        "its jobs' retention come back (without it, after the kernel's two hours)",
     )
     workers: int = Field(
         0, ge=0, le=1024, description="rollout worker processes on this host; 0: rollouts run in this process"
@@ -346,6 +357,17 @@ async def create_server(
                 # 400 MiB bound of tests/security/test_buffers.py), 56-77 MiB without; stdin throughput 10-20% lower
                 # (README)
                 ("grpc.http2.bdp_probe", 0),
+                # a client whose host is gone answers no ping: its connection is cut, and its streams end
+                ("grpc.keepalive_time_ms", int(config.client_keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(min(config.client_keepalive_s, 20.0) * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(min(config.client_keepalive_s, 20.0) * 1000)),  # newer cores
+                # a stream quiet for long is pinged all along (by default the second ping without data in between
+                # waits five minutes, and a third never goes)
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.http2.min_time_between_pings_ms", int(config.client_keepalive_s * 1000)),
+                # and the SDK pings too (client/auth.py CHANNEL_OPTIONS), an idle stream included: allowed
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", CLIENT_PING_MIN_MS),
             ],
         )
         # sessions and raw sandboxes share the host's capacity with rollouts: they reserve it through the scheduler

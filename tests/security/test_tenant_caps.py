@@ -244,3 +244,57 @@ async def test_the_specs_a_tenant_keeps_registered_are_capped_across_restarts(tm
     ):
         assert {"a-env"} <= {e.name for e in await a.list_envs()}
         await expect_error(a.env_stub.Register(_spec("a-env", "3")), EXHAUSTED, "caps.spec_bytes_per_tenant")
+
+
+# A trainer whose process stops answering (its host crashed, a partition): its connection stays up as far as the
+# kernel knows, for hours
+_STOPPED_TRAINER = """
+import asyncio, sys
+from orchestrator.client.sdk import EnvfleetClient
+from protos import orchestrator_pb2 as pb
+
+async def main(address, token, job_id):
+    async with EnvfleetClient(address, token=token) as client:
+        call = client.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))
+        print("streaming", flush=True)
+        async for _ in call:
+            pass
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def test_a_stream_of_a_trainer_that_stops_answering_gives_its_slot_back(tmp_path: Path, token_file: Path) -> None:
+    # without keepalive the server never found out: the stream held one of the tenant's streams_per_tenant (and its
+    # job past its retention) until the kernel gave up on the connection, two hours on
+    import os
+    import signal
+    import sys
+
+    caps = {"streams_per_tenant": 1}
+    async with (
+        silent_policy() as url,
+        serve(tmp_path, backend=FAKE, caps=caps, security={"token_file": token_file}, client_keepalive_s=1.0) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+    ):
+        job_id = (await a.rollout_stub.SubmitJob(_job(url))).job_id
+        trainer = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _STOPPED_TRAINER, orch.address, TOKEN_A, job_id, stdout=asyncio.subprocess.PIPE
+        )
+        try:
+            assert trainer.stdout is not None
+            assert (await asyncio.wait_for(trainer.stdout.readline(), 30)).strip() == b"streaming"
+            await asyncio.sleep(0.5)
+            second = a.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))
+            await expect_error(second, EXHAUSTED, "caps.streams_per_tenant is 1")  # the trainer's stream is open
+            os.kill(trainer.pid, signal.SIGSTOP)
+            for _ in range(100):  # a ping every second, answered within a second, or the connection is cut
+                again = a.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))
+                await asyncio.sleep(0.2)
+                if not again.done():
+                    break
+            assert not again.done(), "the stopped trainer's stream still holds the tenant's only slot"
+            again.cancel()
+        finally:
+            trainer.kill()
+            await trainer.wait()
