@@ -81,12 +81,17 @@ class SessionEnv(gymnasium.Env[str, str]):
         insecure: bool = False,
         max_turns: int = 0,
         timeout_s: float = 300.0,
+        step_timeout_s: float | None = None,
         max_text: int = 1 << 20,
         on_failure: Literal["raise", "truncate"] = "raise",
     ) -> None:
         self.env_ref = env
         self.max_turns = max_turns
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # Reset's and Close's deadline
+        # Step's: None, the server's own bound (the tool call, then a final step's grading, up to the grader's own
+        # timeouts, past timeout_s for some); a server that stops answering is found by keepalive. Shorter, a final
+        # step cut here was scored all the same, its reward lost (and the episode over when retried)
+        self.step_timeout_s = step_timeout_s
         self.on_failure = on_failure
         self.observation_space = AnyText(max_text, min_length=0)
         self.action_space = AnyText(max_text, min_length=0)
@@ -142,7 +147,7 @@ class SessionEnv(gymnasium.Env[str, str]):
             raise RuntimeError("call reset() before step()")
         r = self._stub.Step(
             pb.StepRequest(session_id=self.session_id, action=parse_action(action)),
-            timeout=self.timeout_s,
+            timeout=self.step_timeout_s,
             metadata=self._metadata,
         )
         # the models' short name ("OK"): the wire's enum values carry the ROLLOUT_STATUS_ prefix

@@ -337,3 +337,22 @@ async def test_gymnasium_wrapper_passes_check_env(
     await asyncio.to_thread(
         _gym_episode, address, task.id, task.reference[0].arguments["code"], str(task.data["answer"])
     )
+
+
+async def test_a_gym_step_longer_than_the_clients_call_deadline_keeps_its_result(tmp_path: Path) -> None:
+    # Step had Reset's deadline (300 s): a final step whose grader ran longer (a step's budget is the tool call and
+    # up to the grader's own timeouts) was scored by the server and its reward lost here, the episode over on retry
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=1.5)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+
+        def episode() -> tuple[str, str]:
+            env = SessionEnv(client.target, ENV, timeout_s=0.5)  # Reset's and Close's deadline only
+            try:
+                env.reset(options={"task_id": "py-000"})
+                obs, _, _, _, info = env.step(json.dumps({"name": "python", "arguments": {"code": "print(7)"}}))
+                return obs, info["status"]
+            finally:
+                env.close()
+
+        obs, status = await asyncio.to_thread(episode)
+        assert obs.strip() == "print(7)" and status == ""  # the fake echoes the command; the episode goes on
