@@ -27,7 +27,7 @@ from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
-from orchestrator.rollout.policy.parsing import CUT_OFF, finish_reason
+from orchestrator.rollout.policy.parsing import CUT_OFF, NOT_SAID, finish_reason
 from orchestrator.rollout.tito.parsers import ToolParser, get_parser
 from orchestrator.rollout.tito.template import ChatTemplateTokens
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
@@ -140,12 +140,21 @@ class TitoEpisode(Policy):
         s = await self._policy.sample(prompt, sampling, max_tokens, user)
         self._context, self._last_sample = prompt + s.ids, s.ids
         turn, self._turn = self._turn, self._turn + 1
+        finish = s.finish_reason
+        if finish == NOT_SAID and len(s.ids) >= max_tokens and not (s.ids and s.ids[-1] in tokens.stop_ids):
+            finish = "length"  # no finish_reason, but every token it could sample and no stop: it was cut there
         # the token it stopped on is no text of the turn's: the turn's end, the eos, or any other special token the
         # server stops on (Qwen's <|endoftext|>, Llama's <|eom_id|>), which a grader or a parser would read as text
-        end = tokens.end_ids if s.finish_reason in CUT_OFF else tokens.stop_ids
+        end = tokens.end_ids if finish in CUT_OFF else tokens.stop_ids
         text = tokens.decode(s.ids[:-1] if s.ids and s.ids[-1] in end else s.ids)
+        if finish not in CUT_OFF and sampling.stop:
+            # a stop string the server stopped at ends the text there, as the server's own text does (chat mode):
+            # the ids up to it decode to it and to what its last token carries past it
+            cut = min((i for i in (text.find(stop) for stop in sampling.stop if stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
         calls: list[ToolCall]
-        if s.finish_reason in CUT_OFF:
+        if finish in CUT_OFF:
             content, calls = text, []  # cut off: whatever call it was writing was never finished
         else:
             content, calls = parser.parse(text, tools)
@@ -155,7 +164,7 @@ class TitoEpisode(Policy):
             raw["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
             ]
-        return Completion(content, calls, s.finish_reason, prompt, s.ids, s.logprobs, s.model, raw)
+        return Completion(content, calls, finish, prompt, s.ids, s.logprobs, s.model, raw)
 
     def _prompt(
         self, tokens: ChatTemplateTokens, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]]
@@ -191,7 +200,9 @@ def parse_completion(data: Any, prompt_ids: list[int], max_tokens: int, *, model
     choice = choices[0]
     finish = finish_reason(choice.get("finish_reason"), "choices[0].finish_reason")  # first: a partial sample is moot
     raw_lp = choice.get("logprobs")
-    lp: dict[str, Any] = raw_lp if isinstance(raw_lp, dict) else {}
+    if raw_lp is not None and not isinstance(raw_lp, dict):  # as chat mode's: no logprobs at all, never none
+        raise PolicyTokenError(f"choices[0].logprobs is a {type(raw_lp).__name__}, expected an object")
+    lp: dict[str, Any] = raw_lp or {}
     ids = checks.token_ids(choice.get("token_ids"), "choices[0].token_ids")
     labels = lp.get("tokens")
     if ids is None and isinstance(labels, list):
