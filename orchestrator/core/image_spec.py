@@ -92,8 +92,10 @@ def render_dockerfile(spec: ImageSpec) -> tuple[str, dict[str, bytes]]:
     if spec.workdir is not None:
         lines.append(f"WORKDIR {spec.workdir}")
     context: dict[str, bytes] = {}
-    for path, text in spec.files.items():
-        rel = "files" + str(PurePosixPath(path))
+    for i, (path, text) in enumerate(spec.files.items()):
+        # named by its place, not its path: the builder reads *, ? and [ in a COPY source as a pattern, and a file
+        # /opt/[a] got the bytes of /opt/a
+        rel = f"files/{i}"
         context[rel] = text.encode()
         lines.append(f"COPY {json.dumps([rel, path])}")
     for cmd in spec.run:

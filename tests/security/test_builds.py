@@ -488,3 +488,22 @@ def test_a_tenant_build_never_pulls_and_keys_on_every_image_it_reads(
         for tag in [*made, alias]:
             with contextlib.suppress(docker.errors.ImageNotFound):
                 docker_client.images.remove(tag, force=True)
+
+
+def test_a_spec_file_whose_path_reads_as_a_pattern_gets_its_own_bytes(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str
+) -> None:
+    # the builder reads *, ? and [ in a COPY source as a pattern: the context file of /opt/[a] was files/opt/[a],
+    # which matched files/opt/a, and the image's /opt/[a] held /opt/a's bytes
+    from orchestrator.core.image_spec import ImageSpec
+    from orchestrator.images.spec import build_from_spec
+
+    spec = ImageSpec(base=base_image, files={"/opt/[a]": "bracket\n", "/opt/a": "plain\n", "/opt/?": "question\n"})
+    tag = build_from_spec(docker_client, name="sec-globs", spec=spec, limits=BuildLimits(), from_images=[base_image])
+    try:
+        out = docker_client.containers.run(
+            tag, ["cat", "/opt/[a]", "/opt/a", "/opt/?"], remove=True, network_mode="none", entrypoint=[]
+        )
+        assert out == b"bracket\nplain\nquestion\n"
+    finally:
+        docker_client.images.remove(tag, force=True)
