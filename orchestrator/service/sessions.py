@@ -233,7 +233,9 @@ class SessionManager:
         reservation = self._admission.reserve(need, "a session") if self._admission is not None else None
         self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
         try:
-            session = await self._open(tenant, env, task, seed, max_turns or env.max_turns)
+            # at most the environment's own, as a job's rollouts are (runner.py): a session asked for more
+            turns = min(max_turns, env.max_turns) if max_turns else env.max_turns
+            session = await self._open(tenant, env, task, seed, turns)
         except BaseException:
             if reservation is not None:
                 reservation.release()

@@ -88,6 +88,9 @@ async def test_final_answer_turn_limit_and_bad_requests(
     await expect_error(
         stub.Reset(pb.ResetRequest(env=ENV, max_turns=-1)), grpc.StatusCode.INVALID_ARGUMENT, "max_turns"
     )
+    # more turns than the environment allows is the environment's number, as a job's rollouts get
+    longer = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-001", max_turns=1000))
+    assert longer.info.max_turns == registry.get(ENV).max_turns < 1000
     await expect_error(stub.Step(pb.StepRequest(session_id="x" * 24)), grpc.StatusCode.INVALID_ARGUMENT, "action")
     await expect_error(
         stub.Step(pb.StepRequest(session_id="x" * 24, action=pb.Action(final_answer=""))),
