@@ -16,6 +16,7 @@ import io
 import json
 import logging
 import re
+import shutil
 import tarfile
 import tempfile
 import time
@@ -42,6 +43,10 @@ _SPOOL_MAX_BYTES = 64 << 20
 _NAME = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
 _STEP = re.compile(r"^Step \d+/\d+ : ")
 _CONTINUED = re.compile(r"\\[ \t]*\r?\n")
+# an untrusted build starts only while the engine's disk would keep this much free past its own disk limit
+KEEP_FREE_SHARE = 0.05
+KEEP_FREE_MIN_BYTES = 2 << 30
+MAX_BUILD_LOGS = 500
 
 ContextFile = bytes | Path
 
@@ -155,6 +160,9 @@ def build_image(
     with file_lock(cache / "locks", tag):
         if image_exists(client, tag):
             return tag
+        if limits is not None:
+            _check_room(client, limits)
+        _prune_logs(logs)
         log_path = logs / f"{safe_name(name)}-{key}.log"
         started = time.monotonic()
         if made_files is not None:
@@ -240,6 +248,39 @@ def _base_ids(client: docker.DockerClient, dockerfile: str) -> dict[str, str]:
         except (docker.errors.ImageNotFound, docker.errors.APIError):
             continue  # a stage name, or an image the build will refuse with its own message
     return ids
+
+
+def _check_room(client: docker.DockerClient, limits: BuildLimits) -> None:
+    """Refuse a build of untrusted content that could leave the engine's disk with less than a floor free (what
+    sandboxes and the result log need to go on): images built, validated or not, are kept, and a tenant's builds
+    could fill the disk. The engine's data root is measured where it is a path of this host (else not at all)."""
+    try:
+        root = str(client.info().get("DockerRootDir") or "")
+        usage = shutil.disk_usage(root) if root else None
+    except (docker.errors.APIError, OSError):
+        usage = None
+    if usage is None:
+        return
+    floor = max(KEEP_FREE_MIN_BYTES, int(usage.total * KEEP_FREE_SHARE))
+    need = floor + (limits.disk_mb << 20)
+    if usage.free < need:
+        raise ImageBuildError(
+            f"the engine's disk has {usage.free >> 20} MB free: a build that may write {limits.disk_mb} MB would "
+            f"leave less than the {floor >> 20} MB kept free for sandboxes; builds wait until images are removed "
+            "(an operator: docker image prune, or unregister environments)"
+        )
+
+
+def _prune_logs(logs: Path) -> None:
+    """Keep the newest MAX_BUILD_LOGS build logs (each up to a build's output_mb): one per build, never removed, they
+    grew without end."""
+    try:
+        found = sorted(logs.glob("*.log"), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return
+    for old in found[: max(0, len(found) - MAX_BUILD_LOGS + 1)]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def _present_ids(client: docker.DockerClient, refs: Collection[str]) -> dict[str, str]:

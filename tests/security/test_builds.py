@@ -507,3 +507,49 @@ def test_a_spec_file_whose_path_reads_as_a_pattern_gets_its_own_bytes(
         assert out == b"bracket\nplain\nquestion\n"
     finally:
         docker_client.images.remove(tag, force=True)
+
+
+def test_a_tenant_build_never_takes_the_disk_sandboxes_need(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every image a tenant builds stays (a Validate's too), and each build keeps a log: builds filled the engine's
+    # disk, which stops every sandbox on it. A build starts only while its disk limit leaves a floor free
+    import shutil as real_shutil
+
+    from orchestrator.images import build as build_module
+
+    marker = uuid.uuid4().hex
+    text = f"FROM {base_image}\nLABEL test.marker={marker}\n"
+    total = 100 << 30
+    full = real_shutil._ntuple_diskusage(total, total - (6 << 30), 6 << 30)  # type: ignore[attr-defined]
+    monkeypatch.setattr(real_shutil, "disk_usage", lambda path: full)
+    with pytest.raises(ImageBuildError, match=r"6144 MB free: a build that may write 2048 MB would leave less than"):
+        build_image(
+            docker_client,
+            name="sec-room",
+            dockerfile=text,
+            context_files={},
+            cache_dir=tmp_path,
+            limits=BuildLimits(disk_mb=2048),
+            from_images=[base_image],
+        )
+    assert _images_labelled(marker) == [] and not list((tmp_path / "logs").glob("*.log"))  # nothing was asked
+    # room enough (5 GB kept of 100, past the build's 2 GB): it builds; and the logs folder keeps the newest
+    monkeypatch.setattr(build_module, "MAX_BUILD_LOGS", 3)
+    for n in range(5):
+        (tmp_path / "logs" / f"old-{n}.log").write_text("x")
+    roomy = real_shutil._ntuple_diskusage(total, total - (8 << 30), 8 << 30)  # type: ignore[attr-defined]
+    monkeypatch.setattr(real_shutil, "disk_usage", lambda path: roomy)
+    tag = build_image(
+        docker_client,
+        name="sec-room",
+        dockerfile=text,
+        context_files={},
+        cache_dir=tmp_path,
+        limits=BuildLimits(disk_mb=2048),
+        from_images=[base_image],
+    )
+    try:
+        assert len(list((tmp_path / "logs").glob("*.log"))) == 3  # two old ones and this build's
+    finally:
+        docker_client.images.remove(tag, force=True)
