@@ -126,7 +126,8 @@ def build_image(
     made_files: Callable[[], Mapping[str, ContextFile]] | None = None,
     from_images: Collection[str] | None = None,
 ) -> str:
-    """Build `envfleet/<name>:<hash of the inputs, 12 hex>` unless the engine has it already; return the tag.
+    """Build `envfleet/<name>:<hash of the inputs, 12 hex; 24 with limits>` unless the engine has it already; return
+    the tag.
 
     `context_files` maps a relative path in the build context to its bytes, or to a host file or folder (all files
     under a folder, recursively). `made_files` gives more context files that are made from inputs (a compiled
@@ -148,7 +149,9 @@ def build_image(
     # the images it builds FROM are inputs too: FROM envfleet/base:latest names whatever base this engine has now
     # (a new envd), so a cache keyed by the Dockerfile's text alone would hand out an image on the old one
     bases = _base_ids(client, dockerfile) if from_images is None else _present_ids(client, from_images)
-    key = _key(dockerfile, entries, {**args, **bases}, labs)[:12]
+    # a tag is trusted on a cache hit: tenants' images (env-<name>, where distinct names share a repository) carry
+    # 96 bits of their key, past anyone's search for a collision with another tenant's; 48 would not be
+    key = _key(dockerfile, entries, {**args, **bases}, labs)[: 12 if limits is None else 24]
     tag = f"{REPO_PREFIX}/{name}:{key}"
     if image_exists(client, tag):
         log.debug("cache hit: %s", tag)

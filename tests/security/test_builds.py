@@ -551,5 +551,8 @@ def test_a_tenant_build_never_takes_the_disk_sandboxes_need(
     )
     try:
         assert len(list((tmp_path / "logs").glob("*.log"))) == 3  # two old ones and this build's
+        # a tenant's image carries 96 bits of its key: its tag is trusted on a cache hit, and distinct names (a.b,
+        # a_b) share a repository
+        assert tag.startswith("envfleet/sec-room:") and len(tag.rsplit(":", 1)[1]) == 24
     finally:
         docker_client.images.remove(tag, force=True)
