@@ -83,7 +83,7 @@ class WorkerAgent:
         self._metrics_s = metrics_s
         self._declarative: dict[str, Environment] = {}
         self._kinds = dict(load_kinds() if kinds is None else kinds)
-        # uploaded environments by archive digest, loaded once (a failed load stays failed: its error is the answer)
+        # uploaded environments by archive digest, loaded once (a failed load is the answer until the bytes come again)
         self._archives: dict[str, asyncio.Task[Environment]] = {}
         self._archive_dir: Path | None = None
         self._tasks: dict[str, dict[str, Task]] = {}
@@ -233,7 +233,10 @@ class WorkerAgent:
         return env
 
     def _start_loading(self, m: wpb.ArchiveEnvironment) -> None:
-        if m.sha256 not in self._archives:
+        loading = self._archives.get(m.sha256)
+        # a load that failed is tried again with the bytes sent again (the control plane sends them after a failure):
+        # kept, a passing fault (a full disk, bytes damaged on the way) broke the environment here for good
+        if loading is None or (loading.done() and (loading.cancelled() or loading.exception() is not None)):
             self._archives[m.sha256] = asyncio.create_task(self._load_archive(m), name=f"loading {m.name}@{m.version}")
 
     async def _load_archive(self, m: wpb.ArchiveEnvironment) -> Environment:
@@ -248,12 +251,17 @@ class WorkerAgent:
             # marked as this process's: left by a killed worker, the next worker or control plane removes it
             self._archive_dir = await asyncio.to_thread(make_private_dir, "worker-archives")
         folder = self._archive_dir / digest
-        folder.mkdir()
-        archive = folder / "archive"
-        await asyncio.to_thread(archive.write_bytes, m.archive)
-        tree = folder / "tree"
-        tree.mkdir()
-        env = await asyncio.to_thread(kind.load, archive, tree, m.name, m.version, WIDEST_ARCHIVE_LIMITS)
+        await asyncio.to_thread(shutil.rmtree, folder, True)  # what a load that failed left
+        try:
+            folder.mkdir()
+            archive = folder / "archive"
+            await asyncio.to_thread(archive.write_bytes, m.archive)
+            tree = folder / "tree"
+            tree.mkdir()
+            env = await asyncio.to_thread(kind.load, archive, tree, m.name, m.version, WIDEST_ARCHIVE_LIMITS)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, folder, True))
+            raise
         return kind.validated(env)  # only registered archives are shipped: each passed its checks
 
     async def _archived(self, m: wpb.ArchiveEnvironment) -> Environment:

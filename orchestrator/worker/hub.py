@@ -56,6 +56,7 @@ class _Running:
     result: asyncio.Future[tuple[EncodedRollout, float]]  # the rollout, and its run time on the worker
     budget_s: float
     deadline: float  # monotonic: past it, the worker counts as stuck on this rollout
+    archive: str = ""  # the digest of its environment's archive, if an uploaded one
 
 
 @dataclass
@@ -288,7 +289,8 @@ class WorkerHub:
         # worker's reader enforces it (_expire)
         attempt_s = spec.rollout_timeout_s + self._scoring_budget(item, env) + RETRY_BACKOFF_CAP_S
         budget = (spec.max_infra_retries + 1) * attempt_s + self.result_slack_s
-        worker.running[assignment_id] = _Running(item, future, budget, sent + budget)
+        digest = archive.sha256 if archive is not None else ""
+        worker.running[assignment_id] = _Running(item, future, budget, sent + budget, digest)
         spec_json, env_json = self._encode(item.job_id, env, spec)
         worker.outbox.put(
             wpb.Assignment(
@@ -472,6 +474,10 @@ class WorkerHub:
             return  # cancelled, or given up on: the answer is late
         if result.error:
             worker.failing = True
+            if running.archive:
+                # its environment's archive may be what failed there (it did not load): the next assignment of it
+                # to this worker carries the bytes again, and the worker loads them again
+                worker.archives.discard(running.archive)
             running.result.set_exception(WorkerLostError(result.error))
             return
         try:

@@ -7,7 +7,7 @@ import asyncio
 import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -160,3 +160,47 @@ async def test_a_worker_whose_start_fails_midway_closes_what_it_started(
     await asyncio.sleep(0.1)
     left = [t for t in asyncio.all_tasks() - before if not t.done()]
     assert left == [], left
+
+
+async def test_an_archive_that_failed_to_load_loads_when_its_bytes_come_again(tmp_path: Path) -> None:
+    # a failed load stayed the answer for the worker's life: a passing fault (a full disk, bytes damaged on the way)
+    # broke the uploaded environment on this worker for good, since the control plane sends the bytes once a stream
+    import hashlib
+    import shutil
+
+    loaded: list[bytes] = []
+
+    class Kind:
+        def load(self, archive: Path, tree: Path, name: str, version: str, limits: Any) -> str:
+            loaded.append(archive.read_bytes())
+            return f"{name}@{version}"
+
+        def validated(self, env: Any) -> Any:
+            return env
+
+    good = b"the archive"
+    sent = wpb.ArchiveEnvironment(kind="k", name="env", version="1", sha256=hashlib.sha256(good).hexdigest())
+    agent = WorkerAgent(
+        f"unix:{tmp_path}/w.sock",
+        TOKEN,
+        _Executor(),  # type: ignore[arg-type]
+        Registry.from_entry_points(),
+        kinds={"k": Kind()},  # type: ignore[dict-item]
+    )
+    try:
+        damaged = wpb.ArchiveEnvironment()
+        damaged.CopyFrom(sent)
+        damaged.archive = b"the archivE"
+        agent._start_loading(damaged)
+        with pytest.raises(ValueError, match="arrived damaged"):
+            await agent._archived(sent)
+        again = wpb.ArchiveEnvironment()
+        again.CopyFrom(sent)
+        again.archive = good
+        agent._start_loading(again)
+        assert cast(str, await agent._archived(sent)) == "env@1" and loaded == [good]
+        agent._start_loading(again)  # a load that worked is kept
+        assert cast(str, await agent._archived(sent)) == "env@1" and loaded == [good]
+    finally:
+        if agent._archive_dir is not None:
+            shutil.rmtree(agent._archive_dir, True)

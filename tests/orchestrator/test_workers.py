@@ -200,6 +200,38 @@ async def test_an_archive_goes_once_per_worker_stream(tmp_path: Path) -> None:
     assert await hub._archive_for(one, PythonToolEnv()) is None  # not the instance registered from the archive
 
 
+async def test_an_archive_goes_again_to_a_worker_that_failed_its_assignment(tmp_path: Path) -> None:
+    # the archive may be what failed there (it did not load): without its bytes again, every later assignment of it
+    # to that worker failed the same way for the stream's life
+    import hashlib
+
+    from environments.python_tool import PythonToolEnv
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.rollout.runner import WorkItem
+    from orchestrator.service.archives import ArchiveCatalog, Shipment
+    from orchestrator.worker.hub import WorkerHub, WorkerLostError, _Running, _Worker
+    from protos import worker_pb2 as wpb
+    from tests.orchestrator.servers import FAKE
+
+    path = tmp_path / "env.tar"
+    path.write_bytes(b"the archive")
+    env = PythonToolEnv()
+    catalog = ArchiveCatalog()
+    catalog.add(env, Shipment("harbor", env.name, env.version, hashlib.sha256(b"the archive").hexdigest(), path))
+    hub = WorkerHub(FakeBackend(FAKE).images, archives=catalog)
+    worker = _Worker("w1", "h", 1, 1)
+    first = await hub._archive_for(worker, env)
+    assert first is not None and first.archive
+    answer = asyncio.get_running_loop().create_future()
+    item = WorkItem("j", env.tasks()[0], 0, time.monotonic())
+    worker.running["a1"] = _Running(item, answer, 60.0, time.monotonic() + 60, first.sha256)
+    hub._deliver(worker, wpb.RolloutResult(assignment_id="a1", error="worker w1 cannot run it: OSError: disk full"))
+    with pytest.raises(WorkerLostError):
+        answer.result()
+    again = await hub._archive_for(worker, env)
+    assert again is not None and again.archive == b"the archive"
+
+
 async def test_a_worker_lost_while_its_assignment_is_made_loses_no_rollout(tmp_path: Path) -> None:
     # the assignment waits for the environment's archive to be read (a thread) before it is queued: a worker
     # dropped meanwhile had the rollout queued to its closed stream, and it waited for an answer forever, its slot
