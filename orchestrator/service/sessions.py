@@ -474,9 +474,6 @@ class SessionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         sessions, self._sessions = list(self._sessions.values()), {}
-        for s in sessions:
-            if s.reservation is not None:
-                s.reservation.release()
-        await asyncio.gather(
-            *(self._pool.release(s.sandbox, recycle=False) for s in sessions if s.ended is None), return_exceptions=True
-        )
+        # through _release, which marks each released: a step still running releases nothing again (its sandbox
+        # went back to the pool twice, and the pool's counts drifted)
+        await asyncio.gather(*(self._release(s, recycle=False) for s in sessions), return_exceptions=True)

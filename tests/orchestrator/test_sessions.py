@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import docker
 import grpc
@@ -359,3 +360,32 @@ async def test_a_gym_step_longer_than_the_clients_call_deadline_keeps_its_result
 
         obs, status = await asyncio.to_thread(episode)
         assert obs.strip() == "print(7)" and status == ""  # the fake echoes the command; the episode goes on
+
+
+async def test_closing_every_session_mid_step_releases_each_sandbox_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # at shutdown the sandboxes went back to the pool without the sessions marked released: a step still running
+    # released its sandbox again when it ended, and the pool's counts drifted
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=1.0)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        assert orch.sessions is not None
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        pool = orch.sessions._pool
+        release, released = pool.release, []
+
+        async def counted(sandbox: Any, *args: Any, **kw: Any) -> Any:
+            released.append(sandbox.name)
+            return await release(sandbox, *args, **kw)
+
+        monkeypatch.setattr(pool, "release", counted)
+        step = asyncio.ensure_future(
+            stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
+        )
+        await asyncio.sleep(0.3)  # the step runs its tool call
+        await orch.sessions.close_all()
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await step
+        await asyncio.sleep(1.5)  # past the step's own end
+        assert len(released) == 1, released
