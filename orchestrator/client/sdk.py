@@ -72,6 +72,9 @@ class EnvfleetClient:
         self.env_stub = pb_grpc.EnvironmentServiceStub(self._channel)
         self.session_stub = pb_grpc.SessionServiceStub(self._channel)
         self.sandbox_stub = pb_grpc.SandboxServiceStub(self._channel)
+        # per job, the highest up_to acked through this client: a reader without auto_ack forgets the keys up to it
+        # (none of them comes again) and resumes after it
+        self._acked: dict[str, int] = {}
 
     async def __aenter__(self) -> EnvfleetClient:
         return self
@@ -122,6 +125,8 @@ class EnvfleetClient:
         r = await self.rollout_stub.Ack(
             pb.AckRequest(job_id=job_id, up_to=up_to, ids=list(ids)), timeout=self.timeout_s
         )
+        if up_to > self._acked.get(job_id, 0):
+            self._acked[job_id] = up_to
         return int(r.acked)
 
     async def _ack_through_outages(self, job_id: str, up_to: int) -> None:
@@ -258,7 +263,13 @@ class EnvfleetClient:
         consumed: int | None = None
         acker = _Acker(self, job_id, max_in_flight) if auto_ack else None
         try:
-            while (batch := await _next_batch(batches, consumed, acker)) is not None:
+            while True:
+                if acker is None and (through := self._acked.get(job_id, 0)) > (consumed or 0):
+                    # the reader acks by itself (ack up_to): none up to it comes again, and a reconnect resumes after
+                    # it; without this the keys of a job read so grew to all of its rollouts
+                    consumed = through
+                if (batch := await _next_batch(batches, consumed, acker)) is None:
+                    break
                 if consumed is not None:
                     seen.forget_through(consumed)  # sent in: a reconnect resumes after it, so none of those comes again
                 consumed = None

@@ -627,3 +627,27 @@ async def test_a_reader_with_auto_ack_holds_the_keys_of_a_window_not_of_the_whol
     assert len(set(ids)) == len(ids) == 200
     assert max(sizes) <= 8, max(sizes)  # the batch being read, and the one before it until it is sent in
     assert (await fake_client.get_job(job_id)).acked == 200
+
+
+async def test_a_reader_that_acks_by_itself_keeps_a_windows_keys_not_the_jobs(
+    fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # without auto_ack the SDK never learned what was acked: it kept every rollout's id to drop what a reconnect
+    # sends again (a million-rollout job, a million ids), and a reconnect resumed at the first seq
+    from orchestrator.client import sdk
+
+    made: list[sdk._Seen] = []
+
+    class Recorded(sdk._Seen):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(sdk, "_Seen", Recorded)
+    job_id = await fake_client.submit(job(policy_server.url, task_ids[:32]))
+    read, most = 0, 0
+    async for r in fake_client.rollouts(job_id, auto_ack=False, max_batch=4, max_in_flight=8):
+        await fake_client.ack(job_id, up_to=r.seq)
+        read += 1
+        most = max(most, len(made[0]))
+    assert read == 32 and most <= 8, most
