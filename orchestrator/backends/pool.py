@@ -30,7 +30,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.metrics import Metrics
-from orchestrator.core.sandbox import DEFAULT_LEASE_S, Liveness, Sandbox, SandboxBackend, SandboxSpec
+from orchestrator.core.sandbox import (
+    DEFAULT_LEASE_S,
+    Liveness,
+    ResetOutcome,
+    Sandbox,
+    SandboxBackend,
+    SandboxSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,7 @@ class PoolConfig(BaseModel):
 
 
 TENANT_LABEL = "envfleet.tenant"
+SEED_LABEL = "envfleet.workspace-seed"
 FREEZES_PER_TICK = 64  # per pool and refill tick (a second)
 # a sandbox whose lease ends within this is neither recycled nor handed out: the sweep would remove it in use
 LEASE_MARGIN_S = 60.0
@@ -92,15 +100,24 @@ def lease_for(hold_s: float) -> float:
     return DEFAULT_LEASE_S * max(1, math.ceil((hold_s + LEASE_MARGIN_S) / DEFAULT_LEASE_S))
 
 
+def pool_labels(tenant: str, workspace_seed: str = "") -> dict[str, str]:
+    """The labels of a sandbox that keys its warm pool: the tenant whose pool it is, and the workspace seed its
+    environment resets it to (a sandbox reset to one environment's seed is no warm sandbox of another's)."""
+    labels = {TENANT_LABEL: tenant} if tenant else {}
+    return labels | ({SEED_LABEL: workspace_seed} if workspace_seed else {})
+
+
 def _key_labels(spec: SandboxSpec) -> dict[str, str]:
-    """The labels that are part of the pool key: the tenant's, if any."""
-    tenant = spec.labels.get(TENANT_LABEL)
-    return {TENANT_LABEL: tenant} if tenant is not None else {}
+    """The labels that are part of the pool key: the tenant's and the workspace seed's, if any."""
+    return {k: spec.labels[k] for k in (TENANT_LABEL, SEED_LABEL) if k in spec.labels}
 
 
 def pool_key(spec: SandboxSpec) -> str:
-    """What makes two sandboxes interchangeable: everything but the labels, save the tenant's."""
-    raw = spec.model_dump_json(exclude={"labels"}) + "\0" + _key_labels(spec).get(TENANT_LABEL, "")
+    """What makes two sandboxes interchangeable: everything but the labels, save the tenant's and the seed's."""
+    keyed = _key_labels(spec)
+    raw = spec.model_dump_json(exclude={"labels"}) + "\0" + keyed.get(TENANT_LABEL, "")
+    if SEED_LABEL in keyed:
+        raw += "\0" + keyed[SEED_LABEL]
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -328,6 +345,8 @@ class SandboxPool:
             p.resetting += 1
             try:
                 outcome = await sandbox.reset(workspace_seed)
+            except Exception as e:  # a reset that raised, not one that said no: not kept, so destroyed below
+                outcome = ResetOutcome(False, f"the reset raised {type(e).__name__}: {e}")
             finally:
                 p.resetting -= 1
             if outcome.ok and not self._closed:

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from orchestrator.backends.pool import TENANT_LABEL, SandboxPool, lease_for
+from orchestrator.backends.pool import SandboxPool, lease_for, pool_labels
 from orchestrator.core.environment import Environment, ImageSource, Task, scoring_budget
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, SandboxWaitTimeoutError
 from orchestrator.core.models import (
@@ -231,7 +231,7 @@ class RolloutRunner:
                         prov.image, prov.image_id = image, image_id
                         # the seed travels with the task (setup), not in the sandbox's environment, so sandboxes
                         # stay interchangeable in the warm pool
-                        labels = {TENANT_LABEL: item.tenant} if item.tenant else {}
+                        labels = pool_labels(item.tenant, env.workspace_seed)
                         # the sandbox's lease must outlast the attempt: the sweep removes it at the end, in use or
                         # not (a warm one's lease runs from its creation, so the pool checks what is left)
                         sandbox, source = await self.sandboxes.acquire(

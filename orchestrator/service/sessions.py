@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.backends.pool import TENANT_LABEL, SandboxPool
+from orchestrator.backends.pool import SandboxPool, pool_labels
 from orchestrator.core.echo import echo
 from orchestrator.core.environment import Environment, Finish, ImageSource, Task, scoring_budget
 from orchestrator.core.errors import (
@@ -259,7 +259,7 @@ class SessionManager:
                 limits=env.limits,
                 runtime=env.runtime,
                 env=dict(DETERMINISTIC_ENV),
-                labels={TENANT_LABEL: tenant},  # a warm pool of the tenant's own
+                labels=pool_labels(tenant, env.workspace_seed),  # a warm pool of the tenant's own, and its seed's
                 ttl_s=min(2 * (self.config.max_lifetime_s + last_step) + LEASE_GRACE_S, MAX_LEASE_S),
             ),
             need_s=self.config.max_lifetime_s + last_step,  # a step begun at the end of its lifetime runs on

@@ -16,9 +16,9 @@ from bench.envd_bench import envd_pid
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.backends.fake import FakeBackend, FakeSandbox
-from orchestrator.backends.pool import PoolConfig, SandboxPool
+from orchestrator.backends.pool import PoolConfig, SandboxPool, pool_key, pool_labels
 from orchestrator.core.errors import SandboxError
-from orchestrator.core.sandbox import Limits, Sandbox, SandboxSpec
+from orchestrator.core.sandbox import Limits, ResetOutcome, Sandbox, SandboxSpec
 
 
 async def _until(pred: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -622,3 +622,46 @@ async def test_idle_sandboxes_are_frozen_a_batch_a_second_not_all_at_once(monkey
     finally:
         await pool.close()
         await backend.close()
+
+
+async def test_a_reset_that_raises_destroys_the_sandbox() -> None:
+    # a reset that raised (rather than saying it failed) left the sandbox neither kept nor destroyed: on docker its
+    # container ran until its lease ended, an hour or more, with nothing counting it
+    backend, spec = _fake()
+    pool = SandboxPool(backend, PoolConfig(max_idle_per_pool=2))  # not started: no refill
+    try:
+        sandbox, _ = await pool.acquire(spec)
+
+        async def broken(workspace_seed: str = "") -> ResetOutcome:
+            raise RuntimeError("the transport broke")
+
+        sandbox.reset = broken  # type: ignore[method-assign]
+        assert await pool.release(sandbox, recycle=True) is False
+        await _until(lambda: sandbox.id not in backend._owned, 5)  # type: ignore[attr-defined]
+        p = pool._pools[pool_key(spec)]
+        assert pool.idle_total == 0 and p.resetting == 0 and p.busy == 0
+        assert _discards(pool, "reset_failed") == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_sandbox_reset_to_one_seed_is_no_warm_sandbox_of_another() -> None:
+    # the pool key left out the workspace seed a release resets to: two environments on one image, the second
+    # without a seed, shared a pool, and the second's rollout got a workspace restored from the first's seed
+    backend, spec = _fake()
+    seeded = spec.model_copy(update={"labels": pool_labels("team-a", "/seed/a")})
+    plain = spec.model_copy(update={"labels": pool_labels("team-a")})
+    assert pool_key(seeded) != pool_key(plain)
+    assert pool_key(seeded) == pool_key(spec.model_copy(update={"labels": pool_labels("team-a", "/seed/a")}))
+    pool = SandboxPool(backend, PoolConfig(max_idle_per_pool=2))
+    try:
+        a, _ = await pool.acquire(seeded)
+        assert await pool.release(a, recycle=True)  # kept warm, reset to its seed
+        b, source = await pool.acquire(plain)
+        assert source == "cold" and b is not a
+        again, source = await pool.acquire(seeded)
+        assert source == "warm" and again is a
+        for s in (b, again):
+            await pool.release(s, recycle=False)
+    finally:
+        await pool.close()
