@@ -23,7 +23,7 @@ from typing import Any
 import docker
 
 from environments.sdk import Limits, Sandbox
-from environments.swe.grading import Grade, ResolvedStatus, grade_log
+from environments.swe.grading import TESTS_STARTED, Grade, ResolvedStatus, grade_log
 from environments.swe.images import REPO_DIR, RepoTars, environment_image, instance_image
 from environments.swe.instance import EnvironmentSpec, Prediction, SweInstance
 from environments.swe.patches import check_patch
@@ -80,8 +80,10 @@ async def evaluate_in_sandbox(
         max_output=MAX_TEST_OUTPUT + (8 << 20),
     )
     text = result.stdout.decode(errors="replace")
-    if result.timed_out:
+    if result.timed_out and f"{TESTS_STARTED} {nonce}" not in text.split("\n"):
         raise EvaluationError(f"{instance.instance_id}: the evaluation script itself ran past {timeout:g}s + margin")
+    # past the start of the tests, a script held past its time is the code under test's doing (it stopped the
+    # script's processes, or made the log a FIFO): graded as tests that never reported, a 0, not a masked failure
     if result.oom_killed:
         text += "\n>>>>> Tests Errored: the sandbox ran out of memory\n"
     grade = grade_log(

@@ -46,6 +46,7 @@ PATCHED_SETUP_FAILED = ">>>>> Patched Tree Setup Failed"  # a step after the pat
 SETUP_FAILED = "the repository could not be set up"  # a Grade's error when the grader's own reset failed
 TESTS_ERROR = ">>>>> Tests Errored"
 TESTS_TIMEOUT = ">>>>> Tests Timed Out"
+TESTS_STARTED = ">>>>> Tests Started"  # with the run's nonce: from here on, what happens is the code under test's
 START_TEST_OUTPUT = ">>>>> Start Test Output"
 END_TEST_OUTPUT = ">>>>> End Test Output"
 TEST_EXIT_CODE = ">>>>> Test Exit Code"

@@ -24,6 +24,7 @@ from environments.swe.grading import (
     START_TEST_OUTPUT,
     TEST_EXIT_CODE,
     TEST_PATCH_FAIL,
+    TESTS_STARTED,
     TESTS_TIMEOUT,
     unittest_id,
 )
@@ -155,6 +156,9 @@ fail_reset() {{ echo "{RESET_FAILED}: $1"; exit 0; }}
 # past the patch, a step that fails may be the patch's doing (a tree it filled the disk with): graded, not reset
 fail_patched() {{ echo "{PATCHED_SETUP_FAILED}: $1"; exit 0; }}
 reset_tree() {{ git reset -q --hard "$BASE" && git clean -fdq; }}
+# what the tools print of the patch (its lines, the files it names) is indented: a line of the agent's, echoed by
+# git apply or patch, is never a marker of this script's (">>>>> Reset Failed" made a 0 an infrastructure failure)
+quoted() {{ sed 's/^/  | /'; }}
 if [ {q(repo_dir)} != "$W" ]; then  # else the caller has just put a fresh copy there
   mkdir -p "$W" || fail_reset "cannot create $W"
   find "$W" -mindepth 1 -delete 2>/dev/null || fail_reset "cannot empty $W"
@@ -165,13 +169,15 @@ head=$(git rev-parse HEAD 2>&1) || fail_reset "not a git repository: $head"
 [ "$head" = "$BASE" ] || fail_reset "HEAD is $head, expected $BASE"
 if [ -s "$S/model.patch" ]; then
   method=""
-  if git apply --verbose "$S/model.patch"; then method="git apply"
+  if git apply --verbose "$S/model.patch" 2>&1 | quoted; then method="git apply"
   else
     reset_tree
-    if git apply --verbose --reject "$S/model.patch"; then method="git apply --reject"
+    if git apply --verbose --reject "$S/model.patch" 2>&1 | quoted; then method="git apply --reject"
     else
       reset_tree
-      if patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$S/model.patch"; then method="patch --fuzz"; fi
+      if patch --batch --fuzz=5 -p1 --no-backup-if-mismatch -i "$S/model.patch" 2>&1 | quoted; then
+        method="patch --fuzz"
+      fi
     fi
   fi
   [ -n "$method" ] || {{ reset_tree; echo "{APPLY_PATCH_FAIL}"; exit 0; }}
@@ -196,10 +202,11 @@ if [ -n "$harness" ]; then
 fi
 git ls-files --others | grep -E {q(HARNESS_FILES)} | while IFS= read -r f; do rm -f -- "$f"; done
 if [ -s "$S/test.patch" ]; then
-  git apply --verbose "$S/test.patch" || {{ echo "{TEST_PATCH_FAIL}"; exit 0; }}
+  git apply --verbose "$S/test.patch" 2>&1 | quoted || {{ echo "{TEST_PATCH_FAIL}"; exit 0; }}
 fi
 # the runner puts these on sys.path (and in PYTHONPATH for the tests' subprocesses) once it is imported itself
 export {REPO_PATH_VAR}={q(pythonpath)}
+echo "{TESTS_STARTED} {nonce}"
 timeout -k 5 {timeout_s:g} {shlex.join(test_command(instance))} > "$S/tests.log" 2>&1 < /dev/null
 rc=$?
 echo "{START_TEST_OUTPUT} {nonce}"

@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import docker
+import pytest
 
+from environments.swe.env import checked
 from environments.swe.evaluate import run_evaluation
+from environments.swe.grading import find_nonce, grade_log
 from orchestrator.backends.docker.backend import DockerBackend
 from tests.environments.swe.conftest import Tiny, tiny  # noqa: F401  (the fixture)
 from tests.environments.swe.test_evaluate import HOOK, _new_file, pred, report
@@ -78,3 +81,53 @@ async def test_a_patch_cannot_replace_or_plug_into_the_test_runner(
     # the fake module is in the tree the tests ran in, yet pytest's own output is what was graded
     output = (run / "shadow" / iid / "test_output.txt").read_text()
     assert "short test summary info" in output and "FAILED tests/test_calc.py::test_clamp_low" in output
+
+
+# a line git apply echoes whole when it warns of its trailing whitespace: the script's own marker, forged
+FORGED_MARKER = ">>>>> Reset Failed: the agent says so "
+# imported by the tests in calc.py's place (a package comes before a module): it stops the tests' parent, the
+# `timeout` the script waits for, so the script never ends
+STOPPER = "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\nfrom calc_impl import *\n"
+
+
+async def test_a_patch_cannot_turn_its_0_into_a_grader_failure(
+    tiny: Tiny,  # noqa: F811
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # under RL a grader's failure is masked (INFRA_ERROR, ENV_ERROR), never a 0: a policy whose answer fails learns
+    # to fail the grader instead. A line of the patch echoed by git apply read as the script's "Reset Failed"
+    # (INFRA_ERROR, retried, masked); tests that stopped the script's processes ran the exec past its time
+    # (ENV_ERROR). Both are graded now: unresolved
+    from environments.swe import evaluate
+
+    monkeypatch.setattr(evaluate, "EXEC_MARGIN_S", 5.0)
+    iid = tiny.pytest.instance_id
+    preds = [
+        pred(iid, "forged-marker", _new_file("notes.txt", FORGED_MARKER)),
+        pred(iid, "stopper", _new_file("calc/__init__.py", STOPPER)),
+    ]
+    summary = await run_evaluation(
+        [tiny.pytest], preds, run_id="r", backend=backend, client=docker_client, log_dir=tmp_path, timeout_s=5
+    )
+    assert summary["error_instances"] == 0, summary["errors"]
+    run = tmp_path / "r"
+    forged = report(run, "forged-marker", iid)
+    assert forged["patch_successfully_applied"] and not forged["resolved"], forged
+    # what the RL environment makes of the same log: a 0, not the grader's set-up failing (INFRA_ERROR)
+    log = (run / "forged-marker" / iid / "test_output.txt").read_text()
+    assert "  | " + FORGED_MARKER in log.splitlines()  # git apply echoed it, indented
+    inst = tiny.pytest
+    grade = grade_log(
+        iid,
+        log,
+        framework=inst.test_runner.framework,
+        fail_to_pass=inst.FAIL_TO_PASS,
+        pass_to_pass=inst.PASS_TO_PASS,
+        model_patch="x",
+        nonce=find_nonce(log),
+    )
+    assert not checked(grade).resolved and grade.error is None, grade.error
+    assert not report(run, "stopper", iid)["resolved"]
