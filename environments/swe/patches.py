@@ -47,8 +47,27 @@ class PatchProblem:
     fatal: bool
 
 
+_GIT_PATH_LINE = re.compile(r"^(?:diff --git |rename (?:from|to) |copy (?:from|to) )(.*)$")
+
+
+def _named_paths(patch: str) -> list[str]:
+    """Every path a patch's headers name: --- / +++, git's diff line (both sides), renames and copies."""
+    names = list(patch_files(patch))
+    for line in patch.splitlines():
+        m = _GIT_PATH_LINE.match(line)
+        if m:
+            names += m[1].split(" ")
+    return names
+
+
 def check_patch(patch: str) -> PatchProblem | None:
-    """What makes `patch` a malformed unified diff, or None. Empty text is not checked (it is an empty patch)."""
+    """What makes `patch` a malformed unified diff, or a patch of a repository's .git folder (fatal: nothing a change
+    of the code writes, and `patch --fuzz`, the last way the grader tries, would write there: a filter that runs at
+    the grader's next checkout restored a test file of the agent's making), or None. Empty text is not checked (it
+    is an empty patch)."""
+    inside = next((p for p in _named_paths(patch) if ".git" in p.lower().split("/")), None)
+    if inside is not None:
+        return PatchProblem(f"it names {inside!r}, inside a repository's .git folder: no change of the code", True)
     problem = _problem(patch)
     if problem is None:
         return None
