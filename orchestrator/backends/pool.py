@@ -189,6 +189,10 @@ class SandboxPool:
         self._closed = False
         self.busy = 0
         self._frozen = 0  # idle sandboxes frozen, all pools
+        # read when scraped: set at the pool's events, the busy count went stale (nothing set it after a cold acquire
+        # or a release, and with the pool off nothing ever did)
+        self.metrics.sandboxes.labels("idle").set_function(lambda: self.idle_total)
+        self.metrics.sandboxes.labels("busy").set_function(lambda: self.busy)
 
     def start(self) -> None:
         """Start the background refiller."""
@@ -421,8 +425,6 @@ class SandboxPool:
         task.add_done_callback(self._destroys.discard)
 
     def _gauge(self) -> None:
-        self.metrics.sandboxes.labels("idle").set(self.idle_total)
-        self.metrics.sandboxes.labels("busy").set(self.busy)
         self.metrics.pool_frozen.set(self._frozen)
         for k, p in self._pools.items():
             self.metrics.pool_idle.labels(k).set(len(p.idle))

@@ -665,3 +665,23 @@ async def test_a_sandbox_reset_to_one_seed_is_no_warm_sandbox_of_another() -> No
             await pool.release(s, recycle=False)
     finally:
         await pool.close()
+
+
+async def test_the_busy_and_idle_gauges_are_what_the_pool_holds_when_read() -> None:
+    # set only at some of the pool's events: after a cold acquire, a release, or with the pool off, the busy gauge
+    # said what it had been
+    backend, spec = _fake()
+    pool = SandboxPool(backend, PoolConfig(enabled=False))
+
+    def gauge(state: str) -> float | None:
+        return pool.metrics.registry.get_sample_value("envfleet_sandboxes", {"state": state})
+
+    try:
+        held = [await pool.acquire(spec) for _ in range(3)]
+        assert gauge("busy") == 3 and gauge("idle") == 0
+        await pool.release(held[0][0], recycle=False)
+        assert gauge("busy") == 2
+    finally:
+        for sandbox, _ in held[1:]:
+            await pool.release(sandbox, recycle=False)
+        await pool.close()
