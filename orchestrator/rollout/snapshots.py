@@ -139,8 +139,12 @@ class SnapshotCache:
         self._count[key[0]] += 1
         try:
             tar = await asyncio.to_thread(_rebase, await sandbox.download_at_most(workspace, room), workspace)
-            if self.total_bytes() + len(tar) > self.budget.total_bytes:  # others were kept while it was read
+            # others were kept while it was read: the job's and the process's budgets are checked again (the job's
+            # room was read before, so a job's snapshots read side by side each took all of it)
+            if self.total_bytes() + len(tar) > self.budget.total_bytes:
                 raise ArchiveTooLargeError("the process's snapshot budget was spent while it was read")
+            if self._bytes[key[0]] + len(tar) > self.budget.per_job_bytes:
+                raise ArchiveTooLargeError(f"job {key[0]}'s snapshot budget was spent while it was read")
         except BaseException:
             if key in self._snapshots:  # else forget_job dropped the job's counts already
                 self._count[key[0]] -= 1

@@ -196,6 +196,21 @@ async def test_snapshots_read_at_once_are_not_refused_for_room_they_never_took()
     assert outcomes == ["built"] * 20 and 20 * 1000 < cache.total_bytes() < MiB
 
 
+async def test_a_jobs_snapshots_read_side_by_side_keep_to_its_budget() -> None:
+    # the job's room was read before each download: six groups of one job read at once each took all of it, and the
+    # job held 550 KB against a budget of 200 KB (one tenant's job could take the whole process's budget)
+    cache = SnapshotCache(SnapshotBudget(max_bytes=100_000, per_job_bytes=200_000, total_bytes=10 * MiB))
+
+    async def setup() -> None:
+        pass
+
+    outcomes = await asyncio.gather(
+        *(cache.prepare(("j", f"t{i}"), _SlowDownload(lambda: None, 80_000), "/tmp/ws", setup) for i in range(6))  # type: ignore[arg-type]
+    )
+    assert outcomes.count("built") == 2 and outcomes.count("fallback") == 4, outcomes
+    assert cache.held_bytes("j") <= 200_000
+
+
 async def test_a_job_forgotten_while_its_snapshot_is_read_holds_nothing() -> None:
     cache = SnapshotCache(SnapshotBudget(max_bytes=8 * MiB, total_bytes=16 * MiB))
 
