@@ -19,7 +19,7 @@ from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.server.convert import batch_to_pb, entry_to_pb, rollout_pb
 from orchestrator.service import store as store_module
 from orchestrator.service.jobs import Batch
-from orchestrator.service.store import ResultStore
+from orchestrator.service.store import LogEntry, ResultStore
 from orchestrator.testing.synthetic_rollouts import long_rollout
 
 
@@ -33,6 +33,16 @@ def _sample(i: int, job: str = "job-a") -> Rollout:
     return long_rollout(turns=6, job_id=job).model_copy(
         update={"id": f"{job}:task-{i}:0", "task_id": f"task-{i}", "group_id": f"{job}:task-{i}"}
     )
+
+
+async def _published_groups(store: ResultStore, groups: int, size: int) -> list[LogEntry]:
+    """`groups` whole groups of `size` samples of job-a, appended and published: the entries a stream reads."""
+    for task in range(groups):
+        for k in range(size):
+            r = _sample(task).model_copy(update={"id": f"job-a:task-{task}:{k}", "sample_index": k})
+            await store.append(_encoded(r), visible=False)
+    assert await store.publish_complete_groups("job-a", size) == groups
+    return await store.read("job-a", 0, 10_000)
 
 
 async def test_a_workers_rollout_is_streamed_from_its_wire_bytes(tmp_path: Path) -> None:
@@ -72,13 +82,7 @@ async def test_an_ack_up_to_inside_a_group_acks_the_whole_group(tmp_path: Path) 
     # again as a part group, with advantages made over the part
     store = await ResultStore.open(tmp_path / "log.sqlite3")
     try:
-        for task in range(2):
-            for k in range(4):
-                r = _sample(task).model_copy(update={"id": f"job-a:task-{task}:{k}", "sample_index": k})
-                await store.append(_encoded(r), visible=False)
-        assert await store.publish_complete_groups("job-a", 4) == 2
-        entries = await store.read("job-a", 0, 10)
-        seqs = [e.seq for e in entries]
+        seqs = [e.seq for e in await _published_groups(store, 2, 4)]
         acked = await store.ack("job-a", seqs[1], [], delivered=seqs[-1], whole_groups=True)
         assert acked == seqs[:4]
         assert [e.seq for e in await store.read("job-a", 0, 10)] == seqs[4:]  # the next group, whole
@@ -94,12 +98,7 @@ async def test_a_read_stops_where_its_bytes_run_out(tmp_path: Path) -> None:
     # rows was read (and held, on the log's one thread) over and over, 2 GB for each message
     store = await ResultStore.open(tmp_path / "log.sqlite3")
     try:
-        for task in range(4):
-            for k in range(3):
-                r = _sample(task).model_copy(update={"id": f"job-a:task-{task}:{k}", "sample_index": k})
-                await store.append(_encoded(r), visible=False)
-        assert await store.publish_complete_groups("job-a", 3) == 4
-        everything = await store.read("job-a", 0, 10_000)
+        everything = await _published_groups(store, 4, 3)
         sizes = [len(e.wire or b"") for e in everything]
         assert len(everything) == 12 and all(sizes)
         budget = sum(sizes[:4]) + sizes[4] // 2  # crossed by the fifth row, in the second group

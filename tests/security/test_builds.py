@@ -425,6 +425,21 @@ async def test_one_tenant_cannot_hold_every_build_slot(tmp_path: Path, base_imag
         await asyncio.gather(*slow)
 
 
+def _tenant_build(
+    client: docker.DockerClient, name: str, text: str, cache: Path, limits: BuildLimits | None = None
+) -> str:
+    """Build `text` as a tenant's Dockerfile is built: under limits, reading only the images its check names."""
+    return build_image(
+        client,
+        name=name,
+        dockerfile=text,
+        context_files={},
+        cache_dir=cache,
+        limits=limits or BuildLimits(),
+        from_images=check(text),
+    )
+
+
 def test_a_tenant_build_never_pulls_and_keys_on_every_image_it_reads(
     docker_client: docker.DockerClient, tmp_path: Path, base_image: str
 ) -> None:
@@ -436,15 +451,7 @@ def test_a_tenant_build_never_pulls_and_keys_on_every_image_it_reads(
         f"FROM {base_image}\nCOPY --from=envfleet/gone-{marker}:2 /a /a\n",
     ):
         with pytest.raises(ImageBuildError, match="is not an image on this host; builds are offline and never pull"):
-            build_image(
-                docker_client,
-                name=f"sec-pull-{marker}",
-                dockerfile=text,
-                context_files={},
-                cache_dir=tmp_path,
-                limits=BuildLimits(),
-                from_images=check(text),
-            )
+            _tenant_build(docker_client, f"sec-pull-{marker}", text, tmp_path)
     # and an image it reads however it is written is an input of the cache: the same text on another image of the
     # same name builds anew (the FROM continued onto the next line kept the old one's image)
     alias = f"envfleet/sec-alias-{marker}:1"
@@ -452,17 +459,7 @@ def test_a_tenant_build_never_pulls_and_keys_on_every_image_it_reads(
     docker_client.images.get(base_image).tag(alias)
     made: list[str] = []
     try:
-        made.append(
-            build_image(
-                docker_client,
-                name="sec-alias",
-                dockerfile=text,
-                context_files={},
-                cache_dir=tmp_path,
-                limits=BuildLimits(),
-                from_images=check(text),
-            )
-        )
+        made.append(_tenant_build(docker_client, "sec-alias", text, tmp_path))
         other = build_image(
             docker_client,
             name="sec-alias-other",
@@ -472,17 +469,7 @@ def test_a_tenant_build_never_pulls_and_keys_on_every_image_it_reads(
         )
         made.append(other)
         docker_client.images.get(other).tag(alias)  # the same name, another image
-        made.append(
-            build_image(
-                docker_client,
-                name="sec-alias",
-                dockerfile=text,
-                context_files={},
-                cache_dir=tmp_path,
-                limits=BuildLimits(),
-                from_images=check(text),
-            )
-        )
+        made.append(_tenant_build(docker_client, "sec-alias", text, tmp_path))
         assert made[0] != made[2]
     finally:
         for tag in [*made, alias]:
@@ -524,15 +511,7 @@ def test_a_tenant_build_never_takes_the_disk_sandboxes_need(
     full = real_shutil._ntuple_diskusage(total, total - (6 << 30), 6 << 30)  # type: ignore[attr-defined]
     monkeypatch.setattr(real_shutil, "disk_usage", lambda path: full)
     with pytest.raises(ImageBuildError, match=r"6144 MB free: a build that may write 2048 MB would leave less than"):
-        build_image(
-            docker_client,
-            name="sec-room",
-            dockerfile=text,
-            context_files={},
-            cache_dir=tmp_path,
-            limits=BuildLimits(disk_mb=2048),
-            from_images=[base_image],
-        )
+        _tenant_build(docker_client, "sec-room", text, tmp_path, BuildLimits(disk_mb=2048))
     assert _images_labelled(marker) == [] and not list((tmp_path / "logs").glob("*.log"))  # nothing was asked
     # room enough (5 GB kept of 100, past the build's 2 GB): it builds; and the logs folder keeps the newest
     monkeypatch.setattr(build_module, "MAX_BUILD_LOGS", 3)
@@ -540,15 +519,7 @@ def test_a_tenant_build_never_takes_the_disk_sandboxes_need(
         (tmp_path / "logs" / f"old-{n}.log").write_text("x")
     roomy = real_shutil._ntuple_diskusage(total, total - (8 << 30), 8 << 30)  # type: ignore[attr-defined]
     monkeypatch.setattr(real_shutil, "disk_usage", lambda path: roomy)
-    tag = build_image(
-        docker_client,
-        name="sec-room",
-        dockerfile=text,
-        context_files={},
-        cache_dir=tmp_path,
-        limits=BuildLimits(disk_mb=2048),
-        from_images=[base_image],
-    )
+    tag = _tenant_build(docker_client, "sec-room", text, tmp_path, BuildLimits(disk_mb=2048))
     try:
         assert len(list((tmp_path / "logs").glob("*.log"))) == 3  # two old ones and this build's
         # a tenant's image carries 96 bits of its key: its tag is trusted on a cache hit, and distinct names (a.b,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.models import RolloutStatus
+from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.rollout.step import EPISODE_BYTES
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
@@ -76,6 +76,20 @@ async def test_a_session_that_writes_without_end_is_truncated_and_scored(tmp_pat
     assert last.info.turn == 2  # the step that would cross the budget is not kept
 
 
+async def _one_rollout(tmp_path: Path, script: Script) -> Rollout:
+    """The rollout of a one-task job of the python tool against the scripted policy (chat mode, no token ids)."""
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    async with (
+        await start_scripted_server(script, tokens=False) as scripted,
+        serve(tmp_path / "data", backend=FAKE) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        job_id = await client.submit(job(scripted.url, [task_id]))
+        async with asyncio.timeout(60):
+            [rollout] = [r async for r in client.rollouts(job_id)]
+    return rollout
+
+
 # what vLLM answers a request over the model's context (vllm-project/vllm#20409), and SGLang
 VLLM_CONTEXT = (
     "This model's maximum context length is 32768 tokens. However, you requested 33792 tokens (32768 in the "
@@ -98,17 +112,8 @@ async def test_a_conversation_over_the_models_context_is_truncated_and_scored(
 ) -> None:
     # the policy's observations grow the conversation until the server refuses it: in chat mode that 400 was a
     # POLICY_ERROR, masked, where the token-in, token-out client (which counts) ended the episode TRUNCATED
-    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
     call = Step(tool_calls=[ScriptedToolCall(name="python", arguments={"code": "print(1)"})])
-    script = Script(default=[call, Step(error_status=400, error_message=message)])
-    async with (
-        await start_scripted_server(script, tokens=False) as scripted,
-        serve(tmp_path / "data", backend=FAKE) as orch,
-        EnvfleetClient(orch.address) as client,
-    ):
-        job_id = await client.submit(job(scripted.url, [task_id]))
-        async with asyncio.timeout(60):
-            [rollout] = [r async for r in client.rollouts(job_id)]
+    rollout = await _one_rollout(tmp_path, Script(default=[call, Step(error_status=400, error_message=message)]))
     assert rollout.status == status, rollout.error
     if status == RolloutStatus.TRUNCATED:
         assert rollout.reward == 0.0 and [t.role for t in rollout.turns][-2:] == ["assistant", "tool"]
@@ -120,15 +125,6 @@ async def test_a_first_prompt_over_the_models_context_is_a_policy_error_never_sc
     # the server refuses the task's very first request (the job's max_tokens, or its prompt, is over the model's
     # context): the episode ended TRUNCATED before the policy acted, and its empty answer was scored 0 as if it had
     # tried, every rollout of the job alike
-    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
-    script = Script(default=[Step(error_status=400, error_message=VLLM_CONTEXT)])
-    async with (
-        await start_scripted_server(script, tokens=False) as scripted,
-        serve(tmp_path / "data", backend=FAKE) as orch,
-        EnvfleetClient(orch.address) as client,
-    ):
-        job_id = await client.submit(job(scripted.url, [task_id]))
-        async with asyncio.timeout(60):
-            [rollout] = [r async for r in client.rollouts(job_id)]
+    rollout = await _one_rollout(tmp_path, Script(default=[Step(error_status=400, error_message=VLLM_CONTEXT)]))
     assert rollout.status == RolloutStatus.POLICY_ERROR and rollout.reward is None
     assert rollout.error is not None and "first prompt does not fit the model's context" in rollout.error.message
