@@ -175,8 +175,10 @@ class TenantBytes:
                 if turn.done() and not turn.cancelled():
                     self._give_back(tenant, amount)  # granted, then cancelled before it was used
                 else:
-                    queue.remove((amount, turn))
-                    if not queue:
+                    # its turn was cancelled with its task; _wake may have dropped it from the line meanwhile
+                    with contextlib.suppress(ValueError):
+                        queue.remove((amount, turn))
+                    if not queue and self._waiting.get(tenant) is queue:
                         del self._waiting[tenant]
                     self._wake(tenant)  # a large call that left the head of the line lets the next ones in
                 raise
@@ -192,8 +194,14 @@ class TenantBytes:
 
     def _wake(self, tenant: str) -> None:
         queue = self._waiting.get(tenant)
-        while queue and self._held[tenant] + queue[0][0] <= self.cap:
-            amount, turn = queue.popleft()
+        while queue:
+            amount, turn = queue[0]
+            if turn.done():  # cancelled with its task, which has not run its way out of the line yet
+                queue.popleft()
+                continue
+            if self._held[tenant] + amount > self.cap:
+                break
+            queue.popleft()
             self._held[tenant] += amount
             turn.set_result(None)
         if queue is not None and not queue:

@@ -196,6 +196,23 @@ async def test_snapshots_read_at_once_are_not_refused_for_room_they_never_took()
     assert outcomes == ["built"] * 20 and 20 * 1000 < cache.total_bytes() < MiB
 
 
+async def test_a_waiting_call_cancelled_as_the_budget_frees_takes_none_of_it() -> None:
+    # a cancelled task's turn is cancelled at once, and the task leaves the line only when it next runs: a release
+    # in between granted the cancelled turn (set_result raised on it) and counted its bytes for good, so every later
+    # read of the tenant waited for ever (seen in CI: a Download past a deadline, then the next one never came)
+    budget = TenantBytes(10, "caps.read_bytes_per_tenant", "bytes of replies")
+    first = await budget.take("a", 10)
+    waiting = asyncio.create_task(budget.take("a", 5))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    first.release()  # before the cancelled task runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert budget.held("a") == 0 and not budget._waiting
+    async with asyncio.timeout(1):
+        (await budget.take("a", 10)).release()
+
+
 async def test_a_jobs_snapshots_read_side_by_side_keep_to_its_budget() -> None:
     # the job's room was read before each download: six groups of one job read at once each took all of it, and the
     # job held 550 KB against a budget of 200 KB (one tenant's job could take the whole process's budget)
