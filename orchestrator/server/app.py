@@ -367,7 +367,9 @@ async def create_server(
                 ("grpc.http2.min_time_between_pings_ms", int(config.client_keepalive_s * 1000)),
                 # and the SDK pings too (client/auth.py CHANNEL_OPTIONS), an idle stream included: allowed
                 ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", CLIENT_PING_MIN_MS),
+                # (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS is this name; "min_recv_ping_interval..." is
+                # no option, and with it gRPC's default held: a ping every 5 minutes, the third too soon a GOAWAY)
+                ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_MIN_MS),
             ],
         )
         # sessions and raw sandboxes share the host's capacity with rollouts: they reserve it through the scheduler

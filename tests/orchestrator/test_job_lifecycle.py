@@ -22,6 +22,7 @@ from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.server.app import Orchestrator
 from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
 from protos import orchestrator_pb2 as pb
+from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV
 from tests.orchestrator.servers import FAKE, expect_error, serve
@@ -240,3 +241,35 @@ async def test_a_job_cancelled_while_its_results_wait_for_the_log_counts_and_str
     finally:
         await mgr.close()
         await store.close()
+
+
+async def test_a_quiet_stream_that_its_client_pings_as_often_as_allowed_stays_open(
+    tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the SDK pings a quiet connection every 30 s, and the server meant to allow one every 10 s; the option it set had
+    # the wrong name, so gRPC's default held (one every 5 minutes, two strikes): a trainer's stream that waited on slow
+    # rollouts for a minute and a half was cut with GOAWAY "too_many_pings", and after a reconnect failed for good.
+    # Here the server allows a ping every 0.5 s and the client pings every 0.6 s
+    import orchestrator.server.app as app
+
+    monkeypatch.setattr(app, "CLIENT_PING_MIN_MS", 500)
+    pinging = [
+        ("grpc.keepalive_time_ms", 600),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_time_between_pings_ms", 600),
+    ]
+    async with (
+        serve(tmp_path, backend=FAKE) as orch,
+        EnvfleetClient(orch.address) as client,
+        grpc.aio.insecure_channel(orch.address, options=pinging) as channel,
+    ):
+        job_id = await client.submit(_spec(silent_policy, task_ids[:1]))
+        await _running(client, job_id)
+        stream = pb_grpc.RolloutServiceStub(channel).StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))
+        read = asyncio.ensure_future(stream.read())
+        await asyncio.sleep(6)  # ten pings; the third too soon was the cut
+        assert not read.done(), read.exception() if read.done() else None
+        stream.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await read
