@@ -151,6 +151,7 @@ class EnvfleetClient:
                 job_id=job_id, resume_after=cursor, max_in_flight=max_in_flight, max_batch=max_batch
             )
             call = self.rollout_stub.StreamRollouts(req)
+            opened = asyncio.get_running_loop().time()
             try:
                 async for batch in call:
                     outage.over()
@@ -159,6 +160,7 @@ class EnvfleetClient:
                         cursor = max(cursor, consumed)
                 return
             except grpc.aio.AioRpcError as e:
+                outage.over_if_up(opened)
                 await outage.wait_out(e, f"stream of job {job_id} (resuming after seq {cursor})")
             finally:
                 # a reader that stops early (a break, an error of its own) ends the call: the channel keeps a call
@@ -331,7 +333,9 @@ def _members(batch: pb.RolloutBatch) -> list[pb.Rollout]:
 
 class _Outage:
     """A server that cannot be reached: a call is tried again every RETRY_S until reconnect_s have passed since the
-    first failure of the spell (the stream's spell ends with its next message)."""
+    first failure of the spell. The stream's spell ends with its next message, or once a call of it has been up for
+    reconnect_s: a quiet stream (slow rollouts) that came back from one restart is not still in that outage at the
+    next, minutes later."""
 
     def __init__(self, reconnect_s: float, retryable: set[grpc.StatusCode] = RETRYABLE) -> None:
         self._reconnect_s = reconnect_s
@@ -350,6 +354,11 @@ class _Outage:
 
     def over(self) -> None:
         self._give_up = None
+
+    def over_if_up(self, opened: float) -> None:
+        """End the spell if the call that failed was opened (loop time) longer than reconnect_s ago."""
+        if asyncio.get_running_loop().time() - opened > self._reconnect_s:
+            self._give_up = None
 
 
 class _Seen:

@@ -273,3 +273,35 @@ async def test_a_quiet_stream_that_its_client_pings_as_often_as_allowed_stays_op
         stream.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await read
+
+
+async def test_a_quiet_stream_rides_out_restarts_further_apart_than_its_reconnect_window(
+    tmp_path: Path, silent_policy: str, task_ids: list[str]
+) -> None:
+    # an outage's spell ended only with the stream's next message: a quiet stream (slow rollouts) that reconnected
+    # through one restart and stayed up for minutes counted a second restart as the same outage, past reconnect_s,
+    # and the trainer's iterator raised UNAVAILABLE
+    from orchestrator.server.app import OrchestratorConfig, create_server
+
+    config = OrchestratorConfig(port=0, data_dir=tmp_path / "data", backend=FAKE)
+    orch = await create_server(config)
+    config = config.model_copy(update={"port": orch.port})
+    try:
+        async with EnvfleetClient(orch.address, reconnect_s=2) as client:
+            job_id = await client.submit(_spec(silent_policy, task_ids[:1]))
+            messages = client.rollout_messages(job_id)
+            reader = asyncio.ensure_future(anext(messages))
+            for _ in range(2):
+                await asyncio.sleep(4.5)  # up, and quiet, for longer than reconnect_s (after a reconnect's backoff)
+                assert not reader.done(), reader.exception()
+                await orch.stop(grace=0)
+                await asyncio.sleep(0.5)
+                orch = await create_server(config)
+            await asyncio.sleep(1.5)
+            assert not reader.done(), reader.exception()
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            await messages.aclose()
+    finally:
+        await orch.stop(grace=1)
