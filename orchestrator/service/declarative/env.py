@@ -8,7 +8,7 @@ import math
 import re
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 import docker
 
@@ -75,24 +75,37 @@ def parse_score(result: ExecResult, timeout_s: float) -> Score:
         raise ScoringError(
             f"scoring command exited with code {result.exit_code}: {_tail(result.stderr or result.stdout)}"
         )
+    if result.truncated:
+        # its output was cut after the first MAX_SCORING_OUTPUT bytes: the last line kept is not its last line (a
+        # policy whose code the command runs could print a reward line and then flood stderr past the cut)
+        raise ScoringError(
+            f"scoring command printed more than {MAX_SCORING_OUTPUT} bytes (stdout and stderr together), so its last "
+            "line was lost; print less (send a program's output to a file)"
+        )
     lines = [line for line in result.stdout.decode(errors="replace").splitlines() if line.strip()]
     try:
         out = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:
         out = None
     reward = out.get("reward") if isinstance(out, dict) else None
-    if not isinstance(reward, int | float) or isinstance(reward, bool) or not math.isfinite(reward):
+    if not _finite(reward):
         raise ScoringError(
             'scoring command must print a JSON object with a finite numeric "reward" as its last line; '
             f"its output ended with: {_tail(result.stdout) or '(nothing)'}"
         )
     assert isinstance(out, dict)
-    components = {
-        str(k): float(v)
-        for k, v in out.items()
-        if k != "reward" and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    }
+    components = {str(k): float(v) for k, v in out.items() if k != "reward" and _finite(v)}
     return Score(float(reward), components)
+
+
+def _finite(v: object) -> TypeGuard[int | float]:
+    """A JSON number that is a finite float: an integer past a float's range (400 digits) is not, and is no error."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 class DeclarativeEnvironment(Environment, BuildsOwnImage):

@@ -1,0 +1,29 @@
+"""What a declarative environment's scoring command prints is read as its verdict only when it is whole and a finite
+number. A scorer that runs the policy's code and lets its stderr through gave the policy the last line: its code
+printed a reward line, then flooded stderr past the output cap, and the line the scorer printed after was cut while
+the policy's stayed. A 400-digit number in a component (a scorer that echoes `int(answer)`) raised OverflowError,
+and the policy's 0 became an ENV_ERROR."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.core.sandbox import ExecResult
+from orchestrator.service.declarative.env import MAX_SCORING_OUTPUT, parse_score
+from orchestrator.service.declarative.errors import ScoringError
+
+
+def test_a_scorers_output_cut_at_the_cap_is_no_verdict() -> None:
+    flooded = ExecResult(0, b'{"reward": 1}\n', b"x" * MAX_SCORING_OUTPUT, truncated=True)
+    with pytest.raises(ScoringError, match="its last line was lost"):
+        parse_score(flooded, 10)
+    whole = ExecResult(0, b'{"reward": 1}\n', b"x" * 1000)
+    assert parse_score(whole, 10).reward == 1.0
+
+
+def test_a_number_past_a_floats_range_is_no_error_in_a_component_and_no_reward() -> None:
+    huge = "1" + "0" * 400
+    score = parse_score(ExecResult(0, f'{{"reward": 0, "parsed": {huge}, "ok": 2}}\n'.encode(), b""), 10)
+    assert (score.reward, score.components) == (0.0, {"ok": 2.0})
+    with pytest.raises(ScoringError, match='finite numeric "reward"'):
+        parse_score(ExecResult(0, f'{{"reward": {huge}}}\n'.encode(), b""), 10)
