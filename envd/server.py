@@ -85,6 +85,8 @@ def maps_errors(fn: F) -> F:
             await context.abort(_status_for(e), str(e))
         except OSError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.filename or ''}: {e.strerror}")
+        except ValueError as e:  # a path no system call can take (a NUL in a tar member's name): bad input
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     @functools.wraps(fn)
     async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -95,6 +97,8 @@ def maps_errors(fn: F) -> F:
             await context.abort(_status_for(e), str(e))
         except OSError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.filename or ''}: {e.strerror}")
+        except ValueError as e:  # a path no system call can take (a NUL in a tar member's name): bad input
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     return streaming if inspect.isasyncgenfunction(fn) else unary  # type: ignore[return-value]
 
@@ -150,7 +154,15 @@ def _command(req: pb.ProcessRequest, cfg: EnvdConfig) -> Command:
     for key in req.env:
         if not key or "=" in key or "\0" in key:
             raise InvalidRequestError(f"invalid environment variable name {key!r}")
+    # no exec can carry a NUL (Popen raised ValueError, which came back UNKNOWN: an unavailable sandbox)
+    if any("\0" in a for a in argv):
+        raise InvalidRequestError("the command contains a NUL byte")
+    for key in sorted(req.env):
+        if "\0" in req.env[key]:
+            raise InvalidRequestError(f"environment variable {key!r} contains a NUL byte")
     cwd = req.cwd or cfg.workspace
+    if "\0" in cwd:
+        raise InvalidRequestError("cwd contains a NUL byte")
     if not os.path.isabs(cwd):
         cwd = os.path.join(cfg.workspace, cwd)
     return Command(

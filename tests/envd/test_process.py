@@ -141,6 +141,14 @@ async def test_bad_requests_are_invalid_argument(envd_client: EnvdTransport) -> 
         await envd_client.exec("true", max_output=-5)
     with pytest.raises(InvalidRequestError, match="invalid environment variable name"):
         await envd_client.exec("true", env={"A=B": "x"})
+    # a NUL no exec can carry (a policy's bash command holds one): the Python envd's Popen raised ValueError, which
+    # came back UNKNOWN, an unavailable sandbox, and the policy's own tool call an INFRA_ERROR
+    with pytest.raises(InvalidRequestError, match="the command contains a NUL byte"):
+        await envd_client.exec(["bash", "-c", "echo a\x00b"])
+    with pytest.raises(InvalidRequestError, match="environment variable 'A' contains a NUL byte"):
+        await envd_client.exec("true", env={"A": "x\x00y"})
+    with pytest.raises(InvalidRequestError, match="cwd contains a NUL byte"):
+        await envd_client.exec("true", cwd="a\x00b")
 
 
 async def test_wrong_token_is_unauthenticated(host_envd: tuple[str, str, Path]) -> None:
