@@ -26,7 +26,8 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     memory_mb: int = Field(1024, ge=16, le=1 << 20, description="memory limit (no swap beyond it)")
-    cpus: float = Field(1.0, gt=0, le=1024, description="CPU quota in cores")
+    # at least the engine's smallest quota: under it NanoCpus rounds to 0, which the engine takes as no limit
+    cpus: float = Field(1.0, ge=0.01, le=1024, description="CPU quota in cores (at least 0.01)")
     pids: int = Field(256, ge=8, le=1 << 22, description="maximum number of processes and threads")
     tmp_mb: int = Field(256, ge=1, le=1 << 20, description="size cap of the /tmp tmpfs")
     workspace_mb: int = Field(1024, ge=1, le=1 << 20, description="size cap of the writable workspace")

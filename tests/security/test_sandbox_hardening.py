@@ -123,6 +123,23 @@ async def test_seccomp_apparmor_and_nofile_as_the_engine_reports_them(
         ulimits = {u["Name"]: (u["Soft"], u["Hard"]) for u in info["HostConfig"]["Ulimits"] or []}
         assert ulimits["nofile"] == (backend.config.nofile,) * 2
         assert (await s.exec("ulimit -n")).stdout == f"{backend.config.nofile}\n".encode()
+        # no core dumps: a process that crashes in a loop started the host's core handler (systemd-coredump,
+        # apport: root, outside the sandbox's cgroup) each time, and it wrote the sandbox's memory to the host's disk
+        assert ulimits["core"] == (0, 0)
+        assert (await s.exec("ulimit -c")).stdout == b"0\n"
+
+
+def test_a_cpu_quota_too_small_to_apply_is_refused() -> None:
+    # 1e-10 cores was NanoCpus 0, which the engine takes as no limit at all (and admission counted the sandbox as
+    # using no CPU): every sandbox of such a spec could use every core of the host
+    from pydantic import ValidationError
+
+    from orchestrator.core.sandbox import Limits
+
+    for cpus in (1e-10, 0.009):
+        with pytest.raises(ValidationError, match=r"greater than or equal to 0\.01"):
+            Limits(cpus=cpus)
+    assert Limits(cpus=0.01).cpus == 0.01
 
 
 async def test_the_sweep_unmounts_and_removes_a_socket_directory_a_crashed_owner_left(backend: DockerBackend) -> None:

@@ -57,7 +57,12 @@ def host_config(
         "mem_limit": f"{lim.memory_mb}m",
         "nano_cpus": int(lim.cpus * 1e9),
         # set here, not inherited from the engine's default (often 1M): one process cannot hold the host's file table
-        "ulimits": [docker.types.Ulimit(name="nofile", soft=nofile, hard=nofile)],
+        # and no core dumps: a crash would start the host's core handler (root, outside the sandbox's cgroup), which
+        # writes the sandbox's memory to the host's disk; at 0 systemd-coredump and apport keep nothing
+        "ulimits": [
+            docker.types.Ulimit(name="nofile", soft=nofile, hard=nofile),
+            docker.types.Ulimit(name="core", soft=0, hard=0),
+        ],
         "tmpfs": {
             "/tmp": f"rw,exec,nosuid,nodev,size={tmp_mb}m,mode=1777",
             spec.workspace: f"rw,exec,nosuid,nodev,size={workspace_mb}m,uid={uid},gid={gid},mode=0755",
