@@ -6,8 +6,9 @@ What is checked, on the protobuf form (the one the trainer reads): both forms ar
 parses; the ids are the assignment's (a worker cannot write into another rollout, job or tenant); the status is
 known and a reward comes with a scored status only (no failure passes as reward 0). The JSON of this host's own
 worker processes (unix socket) is stored unread: both forms come from one model (`encode`). A remote worker (TCP:
-another host, a Ray actor) is trusted less: its JSON is validated whole, as a Rollout, must agree with the protobuf
-form on all of the above, and the log keeps the control plane's own serialization of it.
+another host, a Ray actor) is trusted less: its JSON is validated whole, as a Rollout, with every number finite, must
+agree with the protobuf form on all of the above, and both forms kept are the control plane's own serializations of
+that model (the worker's protobuf form is checked and dropped).
 """
 
 from __future__ import annotations
@@ -78,7 +79,17 @@ def decode(result: wpb.RolloutResult, item: WorkItem, *, trusted: bool) -> tuple
     ):
         raise InvalidResultError("the rollout's JSON and protobuf forms disagree on its ids, status or reward")
     json = model.model_dump_json(exclude={"seq"})
-    return EncodedRollout(*ids, status, reward, wire.attempts, json, wire_bytes), wire.timing.total
+    try:  # a NaN or an infinity (JSON's NaN, 1e999) is written as null, which no float field takes back
+        Rollout.model_validate_json(json)
+    except ValueError:
+        raise InvalidResultError(
+            "the rollout's JSON form holds a number that is not finite (NaN or infinity)"
+        ) from None
+    # the trainer's form is made here from the checked model, not passed on as the worker sent it (its token ids,
+    # logprobs and metrics were never compared with the JSON's)
+    return EncodedRollout(
+        *ids, status, reward, model.attempts, json, rollout_pb(json).SerializeToString()
+    ), model.timing.total
 
 
 def add_attempts(rollout: EncodedRollout, extra: int) -> EncodedRollout:
