@@ -10,6 +10,8 @@ from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig
 from orchestrator.core.tracing import TracingConfig
 
+MAX_SLOTS = 100_000  # rollouts one worker may say it runs at once
+
 
 class WorkerConfig(BaseModel):
     """A worker's configuration, handed over by the control plane (or a Ray launch) as JSON."""
@@ -18,7 +20,7 @@ class WorkerConfig(BaseModel):
 
     backend: BackendConfig = DockerBackendConfig(owner="envfleet-orchestrator")
     pool: PoolConfig = PoolConfig()
-    slots: int = Field(64, ge=1, le=100_000, description="rollouts this worker expects to run at once")
+    slots: int = Field(64, ge=1, le=MAX_SLOTS, description="rollouts this worker expects to run at once")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
     metrics_s: float = Field(5.0, gt=0, le=300, description="how often a heartbeat carries the worker's metrics")
     tracing: TracingConfig = Field(TracingConfig(), description="where this worker exports its spans; off by default")

@@ -146,6 +146,11 @@ class WorkerHub:
             for w in self._workers.values()
         ]
 
+    def is_trusted(self, worker_id: str) -> bool:
+        """Whether a connected worker of this host (unix socket) has the id."""
+        w = self._workers.get(worker_id)
+        return w is not None and w.trusted
+
     async def wait_for_workers(self, n: int, timeout_s: float = 60.0) -> None:
         """Return once `n` workers are connected."""
         async with asyncio.timeout(timeout_s), self._joined:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from orchestrator.worker.config import MAX_SLOTS
 from orchestrator.worker.hub import WorkerHub
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -49,7 +50,21 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
                 f"the worker speaks protocol {name}, this control plane PROTOCOL_BATCHED: "
                 "run the same envfleet release on both",
             )
+        hello = first.hello
+        if not 1 <= hello.slots <= MAX_SLOTS:
+            # its slots are the fleet's room: a hello of 2**31 slots took every rollout and undid the wait for room
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a worker's slots must be between 1 and {MAX_SLOTS}, got {hello.slots}",
+            )
         # a worker over the unix socket is a process of this host, in the control plane's own 0700 directory
         trusted = context.peer().startswith("unix:")
-        async for message in self._hub.attach(first.hello, inbound, trusted=trusted):
+        if not trusted and self._hub.is_trusted(hello.worker_id):
+            # a remote hello with a local worker's id would drop it (its rollouts retried), and the two would then
+            # take the id from each other for good
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker id {hello.worker_id!r} is a connected worker of this host's; a remote worker needs its own",
+            )
+        async for message in self._hub.attach(hello, inbound, trusted=trusted):
             yield message

@@ -181,3 +181,35 @@ async def test_a_worker_of_another_release_is_refused_with_a_clear_error() -> No
         assert "PROTOCOL_UNSPECIFIED" in (old.error.details() or "")
         assert "same envfleet release" in (old.error.details() or "")
         assert w.hub.workers() == []
+
+
+@pytest.mark.parametrize("slots", [0, 100_001, 2**31 - 1])
+async def test_a_worker_that_claims_slots_out_of_range_is_refused(slots: int) -> None:
+    # its slots are the fleet's room: 2**31 of them made it the least loaded worker for good, every job's rollouts
+    # went to it, and the wait for room that keeps a lost worker's share off the others was gone
+    async def never(a: wpb.Assignment) -> None:
+        return None
+
+    async with serve_hub() as w:
+        greedy = ScriptedWorker(w.tcp, never, slots=slots, heartbeat_s=None)
+        async with greedy:
+            await asyncio.wait_for(greedy.ended(), 30)
+        assert greedy.error is not None and greedy.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "slots must be between 1 and 100000" in (greedy.error.details() or "")
+        assert w.hub.workers() == []
+
+
+async def test_a_remote_worker_cannot_take_a_local_workers_id() -> None:
+    # a remote hello with a local worker's id dropped it (its rollouts retried on others), and then the two took the
+    # id from each other at every reconnect
+    async def never(a: wpb.Assignment) -> None:
+        return None
+
+    async with serve_hub() as w, ScriptedWorker(w.unix, never, worker_id="w0-host-1"):
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        impostor = ScriptedWorker(w.tcp, never, worker_id="w0-host-1", heartbeat_s=None)
+        async with impostor:
+            await asyncio.wait_for(impostor.ended(), 30)
+        assert impostor.error is not None and impostor.error.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert [(i.worker_id, i.trusted) for i in w.hub.workers()] == [("w0-host-1", True)]
+        assert w.hub.lost == 0
