@@ -39,6 +39,7 @@ DEFAULT_LIMITS = Limits(memory_mb=512, cpus=1.0, pids=128)
 DEFAULT_SYSTEM_PROMPT = "You are an agent working in a sandbox. Use the tools; call submit when done."
 MAX_TEXT = 256 << 10
 MAX_TASKS = 100_000
+MAX_JSON_DEPTH = 64  # levels of nesting in task data and reference arguments: far inside what pydantic reads back
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Dockerfile instructions substitute $VARS in paths and treat a backslash as an escape: allow neither in paths.
 _PATH_FORBIDDEN = ("\n", "\r", "\0", "$", "\\")
@@ -76,6 +77,8 @@ class ReferenceCall(_Strict):
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
 
+    _nesting = field_validator("arguments")(lambda v: nested_within(v, "the arguments"))
+
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
@@ -92,6 +95,8 @@ class TaskDef(_Strict):
     data: dict[str, Any] = Field(default_factory=dict)
     files: dict[str, str] = Field(default_factory=dict)
     reference: list[ReferenceCall] = Field(default_factory=list, max_length=100)
+
+    _nesting = field_validator("data")(lambda v: nested_within(v, "the data"))
 
     @field_validator("files")
     @classmethod
@@ -250,14 +255,28 @@ def _message(err: Mapping[str, Any]) -> str:
     return msg
 
 
+def nested_within(value: Any, what: str = "it") -> Any:
+    """`value` (parsed JSON), or ValueError when it nests deeper than MAX_JSON_DEPTH: a spec stored as JSON is read
+    back by pydantic, whose reader stops at about 200 levels (and whose writer at 255). Deeper, a spec registered and
+    then failed every rollout on a remote worker, which could not parse it, and was dropped at the next start."""
+    if not isinstance(value, dict | list):
+        return value
+    level = [value]  # the containers at one depth
+    for _ in range(MAX_JSON_DEPTH):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, dict | list)]
+        if not level:
+            return value
+    raise ValueError(f"{what} is nested too deeply: more than {MAX_JSON_DEPTH} levels")
+
+
 def loads(text: str) -> Any:
     """json.loads, raising ValueError (besides its JSONDecodeError) for what it would raise otherwise or let pass:
-    nesting deeper than the interpreter's stack, an integer of thousands of digits, and a lone surrogate's escape,
-    which is no character: a spec holding one could not be stored (each was an INTERNAL error)."""
+    nesting deeper than MAX_JSON_DEPTH, an integer of thousands of digits, and a lone surrogate's escape, which is no
+    character: a spec holding one could not be stored (each was an INTERNAL error)."""
     try:
-        value = json.loads(text)
+        value = nested_within(json.loads(text))
     except RecursionError:
-        raise ValueError("nested too deeply") from None
+        raise ValueError(f"it is nested too deeply: more than {MAX_JSON_DEPTH} levels") from None
     try:
         json.dumps(value, ensure_ascii=False).encode()
     except UnicodeEncodeError:
