@@ -148,6 +148,16 @@ class ValidationResult:
     tasks: list[TaskValidation] = field(default_factory=list)  # an archive's tasks, each checked
 
 
+def _shadowed(ref: str, owner: str) -> None:
+    log.error(
+        "not loading environment %s of tenant %s: a built-in environment of this server has its name (the tenant "
+        "registered it before the built-in was installed); it stays on disk, and the tenant can register it again "
+        "under another name",
+        ref,
+        owner,
+    )
+
+
 class Registrar:
     """Validates, registers and reloads declarative environments and uploaded archives."""
 
@@ -186,7 +196,14 @@ class Registrar:
     async def load(self) -> int:
         """Register every persisted spec; returns how many. A spec the registry refuses is logged, not fatal."""
         count = 0
+        # the server's own environments (installed plug-ins, the operator's), registered before this: a tenant's
+        # saved one of the same name is not loaded. Registered first and then installed as a built-in, it replaced
+        # the built-in for every tenant (and its jobs) at the next start
+        builtins = {r.env.name for r in self._registry.all()}
         for record in await asyncio.to_thread(self._store.load_all):
+            if record.spec.name in builtins:
+                _shadowed(record.spec.ref(), record.owner)
+                continue
             try:
                 self._registry.register(
                     make_environment(record.spec), source=SPEC_SOURCE, owner=_owner(record.spec, record.owner)
@@ -199,6 +216,9 @@ class Registrar:
             count += 1
         await asyncio.to_thread(self._archives.sweep_staging)
         for stored in await asyncio.to_thread(self._archives.load_all):
+            if stored.name in builtins:
+                _shadowed(stored.ref(), stored.owner)
+                continue
             try:
                 await self._reload_archive(stored)
             except Exception:
