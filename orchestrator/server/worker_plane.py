@@ -19,7 +19,7 @@ from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.server.security import server_credentials
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.worker.config import WorkerConfig
-from orchestrator.worker.hub import WorkerHub
+from orchestrator.worker.hub import MAX_WIRE_BYTES, WorkerHub
 from orchestrator.worker.identity import FleetIdentity, fresh_identity, load_identity
 from orchestrator.worker.ray_fleet import RayWorkers
 from orchestrator.worker.servicer import WorkerServicer
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_WIRE_BYTES),
+    ("grpc.max_send_message_length", MAX_WIRE_BYTES),
     # workers ping every 10 s; allow it without data in flight
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),

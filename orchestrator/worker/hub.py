@@ -44,10 +44,16 @@ STARVED_CUTOFFS = 6  # heartbeat cut-offs in a row a silent local worker that us
 MAX_TRACKED_GROUPS = 100_000
 DISPATCH_SAMPLES = 100_000
 MAX_ASSIGN_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB); an environment's spec can be large
+MAX_WIRE_BYTES = 64 << 20  # one message of the worker wire, either way (server/worker_plane.py, worker/agent.py)
+MAX_ASSIGNMENT_BYTES = MAX_WIRE_BYTES - (64 << 10)  # one assignment, with room for the message around it
 
 
 class WorkerLostError(SandboxError):
     """The worker running a rollout went away (crashed, killed, stopped answering)."""
+
+
+class AssignmentTooLargeError(SandboxError):
+    """A rollout's assignment is larger than one message of the worker wire may be."""
 
 
 @dataclass
@@ -171,6 +177,8 @@ class WorkerHub:
                     rollout = await self._run_on(worker, item, env, spec)
                 finally:
                     self._free_slot()
+            except AssignmentTooLargeError as e:  # no worker could take it: INFRA_ERROR at once, never retried
+                return _lost_rollout(item, env, spec, [*lost, str(e)], kind=type(e).__name__)
             except WorkerLostError as e:
                 if worker is not None:
                     failed_on.add(worker.id)
@@ -295,22 +303,29 @@ class WorkerHub:
         attempt_s = spec.rollout_timeout_s + self._scoring_budget(item, env) + RETRY_BACKOFF_CAP_S
         budget = (spec.max_infra_retries + 1) * attempt_s + self.result_slack_s
         digest = archive.sha256 if archive is not None else ""
-        worker.running[assignment_id] = _Running(item, future, budget, sent + budget, digest)
         spec_json, env_json = self._encode(item.job_id, env, spec)
-        worker.outbox.put(
-            wpb.Assignment(
-                assignment_id=assignment_id,
-                job_spec_json=spec_json,
-                job_id=item.job_id,
-                task_id=item.task.id,
-                sample_index=item.sample_index,
-                queued_s=queued_s,
-                tenant=item.tenant,
-                traceparent=item.traceparent,
-                env_spec_json=env_json,
-                env_archive=archive,
-            )
+        assignment = wpb.Assignment(
+            assignment_id=assignment_id,
+            job_spec_json=spec_json,
+            job_id=item.job_id,
+            task_id=item.task.id,
+            sample_index=item.sample_index,
+            queued_s=queued_s,
+            tenant=item.tenant,
+            traceparent=item.traceparent,
+            env_spec_json=env_json,
+            env_archive=archive,
         )
+        if (size := _assignment_size(assignment)) > MAX_ASSIGNMENT_BYTES:
+            # sent, it would end the worker's stream (the wire refuses the message): every rollout there retried, and
+            # this one carried on to the next worker, and the next
+            worker.archives.discard(digest)
+            raise AssignmentTooLargeError(
+                f"the rollout's assignment is {size} bytes (the job's spec, its environment's spec and archive), over "
+                f"the worker wire's {MAX_ASSIGNMENT_BYTES}: submit fewer task ids, or a smaller environment"
+            )
+        worker.running[assignment_id] = _Running(item, future, budget, sent + budget, digest)
+        worker.outbox.put(assignment)
         try:
             rollout, run_s = await future
         except asyncio.CancelledError:
@@ -547,7 +562,9 @@ def _control_messages(batch: list[wpb.Assignment | wpb.ControlMessage]) -> list[
     )
 
 
-def _lost_rollout(item: WorkItem, env: Environment, spec: JobSpec, lost: list[str]) -> Rollout:
+def _lost_rollout(
+    item: WorkItem, env: Environment, spec: JobSpec, lost: list[str], kind: str = WorkerLostError.__name__
+) -> Rollout:
     """The rollout of an item whose workers were all lost: INFRA_ERROR, delivered so the trainer can mask it."""
-    error = RolloutError(kind=WorkerLostError.__name__, message="; ".join(lost)[-2000:])
+    error = RolloutError(kind=kind, message="; ".join(lost)[-2000:])
     return unrun_rollout(item, env.ref(), spec.policy.version, error, attempts=len(lost))

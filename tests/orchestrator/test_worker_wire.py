@@ -315,3 +315,29 @@ async def test_a_local_workers_rollout_is_kept_in_both_forms_as_it_came() -> Non
     for r in got:
         assert isinstance(r, EncodedRollout)
         assert pb.Rollout.FromString(r.wire) == rollout_pb(r.json)
+
+
+async def test_an_assignment_over_the_wires_message_size_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # sent, it was over the wire's 64 MiB and ended the worker's stream: every rollout there was retried, and this one
+    # went on to end the next worker's stream, and the next. Here the cap is 4 KB and the job's spec is larger
+    monkeypatch.setattr(hub, "MAX_ASSIGNMENT_BYTES", 4096)
+    answered: list[str] = []
+
+    async def answer(a: wpb.Assignment) -> wpb.RolloutResult:
+        answered.append(a.task_id)
+        return encode(a.assignment_id, rollout_for(a))
+
+    async with serve_hub() as w, ScriptedWorker(w.unix, answer) as worker:
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        (small_item,) = items("job-small", 1)
+        (big_item,) = items("job-big", 1)
+        env = Registry.from_entry_points().get(ENV)
+        big = spec([big_item.task.id, *(f"padding-{i:04d}" for i in range(400))], max_infra_retries=3)
+        got = await asyncio.wait_for(w.hub.run(big_item, env, big), 30)
+        assert isinstance(got, Rollout) and got.status == RolloutStatus.INFRA_ERROR and got.reward is None, got
+        assert got.error is not None and got.error.kind == "AssignmentTooLargeError", got.error
+        assert "over the worker wire's 4096" in got.error.message and got.attempts == 1
+        # the worker was never sent it, and is still there for the next job's rollouts
+        ok = await asyncio.wait_for(w.hub.run(small_item, env, spec([small_item.task.id])), 30)
+        assert isinstance(ok, EncodedRollout) and ok.status == RolloutStatus.OK
+        assert answered == [small_item.task.id] and w.hub.lost == 0 and worker.error is None
