@@ -316,6 +316,7 @@ async def create_server(
             archive_caps=config.caps.archive,
             kinds=load_kinds(),
             spec_bytes_per_tenant=config.caps.spec_bytes_per_tenant,
+            check_s=config.caps.registration_check_s,
         )
         await registrar.load()
         metrics = Metrics()

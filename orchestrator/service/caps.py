@@ -77,6 +77,14 @@ class CapsConfig(BaseModel):
     spec_bytes_per_tenant: int = Field(
         512 << 20, ge=1 << 10, le=1 << 40, description="declarative specs a tenant keeps registered (their JSON)"
     )
+    registration_check_s: float = Field(
+        7200.0,
+        ge=1,
+        le=7 * 86400,
+        allow_inf_nan=False,
+        description="the longest one Validate or Register may check for in all (image build, reference runs, an "
+        "archive's every task); the time budgets a spec gives its steps count within it",
+    )
     exec_stdin_bytes: int = Field(16 << 20, ge=0, le=64 << 20, description="stdin of one Exec")
     read_bytes_per_tenant: int = Field(
         256 << 20,

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,8 +174,12 @@ class Registrar:
         archive_caps: ArchiveCaps | None = None,
         kinds: Mapping[str, ArchiveKind] | None = None,
         spec_bytes_per_tenant: int = CapsConfig().spec_bytes_per_tenant,
+        check_s: float = CapsConfig().registration_check_s,
     ) -> None:
         self._registry = registry
+        # a check's time in all (build, reference runs, an archive's every task): its budgets come from the tenant's
+        # own spec (up to 101 x 3600 s), so without this two tenants held both check slots for days
+        self._check_s = check_s
         self._caps = caps or SandboxCaps()
         self._backend = backend
         self._build_image = build_image  # blocking (run in a thread): the backend's way to get a spec's image
@@ -273,8 +277,22 @@ class Registrar:
         async with self._checks.slot(tenant):
             return await self._validated(spec)
 
+    @contextlib.asynccontextmanager
+    async def _check_time(self, where: str) -> AsyncIterator[None]:
+        """A check's steps, cut off at caps.registration_check_s (SpecCheckError at `where`)."""
+        try:
+            async with asyncio.timeout(self._check_s):
+                yield
+        except TimeoutError:
+            problem = f"the checks did not finish within caps.registration_check_s = {self._check_s:g}s"
+            raise SpecCheckError([Problem(where, problem)]) from None
+
     async def _validated(self, spec: EnvironmentSpec) -> ValidationResult:
         """Validate's checks, in a check slot of the tenant's that the caller holds."""
+        async with self._check_time("spec"):
+            return await self._validated_steps(spec)
+
+    async def _validated_steps(self, spec: EnvironmentSpec) -> ValidationResult:
         started = time.monotonic()
         check_limits(spec.limits, self._caps, runtime=spec.runtime)  # before anything is built
         env = make_environment(spec)
@@ -395,6 +413,10 @@ class Registrar:
 
     async def _check_archive(self, env: Environment, upload: ArchiveUpload) -> ValidationResult:
         """Build the image and run every task's check; SpecCheckError lists each task's problems."""
+        async with self._check_time("archive"):
+            return await self._check_archive_steps(env, upload)
+
+    async def _check_archive_steps(self, env: Environment, upload: ArchiveUpload) -> ValidationResult:
         assert isinstance(env, BuildsOwnImage)
         kind = self._kind(upload.kind)
         result = ValidationResult(env=upload.ref(), image="", num_tasks=len(env.tasks()))

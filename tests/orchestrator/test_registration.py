@@ -374,3 +374,34 @@ async def test_a_saved_tenant_environment_never_replaces_a_built_in_of_its_name(
             grpc.StatusCode.PERMISSION_DENIED,
             "is a built-in environment of this server",
         )
+
+
+async def test_a_check_past_its_time_in_all_gives_the_tenants_slot_back(tmp_path: Path) -> None:
+    # a check's budgets came from the tenant's own spec (up to 101 x 3600 s for a reference run, an archive's every
+    # task on top): two tenants held both check slots for days, and nobody else could Validate or Register
+    import time
+
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.service.declarative import SpecCheckError
+    from orchestrator.service.registration import Registrar, SpecStore
+
+    builds: list[str] = []
+
+    def slow_build(env: object) -> str:
+        builds.append(type(env).__name__)
+        time.sleep(3 if len(builds) == 1 else 0)  # the first build hangs past the check's time; the next does not
+        return "envfleet/slow-check:1"
+
+    registrar = Registrar(Registry(), FakeBackend(FakeBackendConfig()), slow_build, SpecStore(tmp_path), check_s=1)
+    spec = parse_spec(word_count_spec(name="slow-check"))
+    t0 = time.monotonic()
+    with pytest.raises(SpecCheckError, match=r"did not finish within caps.registration_check_s = 1s"):
+        await registrar.validate(spec, "tenant-a")
+    assert time.monotonic() - t0 < 2.5
+    # the tenant's one check slot is free again: its next check runs, past the build this time (to the fake
+    # backend, which has no such image)
+    async with asyncio.timeout(10):
+        with pytest.raises(SpecCheckError, match="a sandbox of the image did not start"):
+            await registrar.validate(spec, "tenant-a")
+    assert len(builds) == 2
