@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint, Sampling
 
+MAX_TASK_IDS = 100_000  # ids one job may name
+
 
 class RolloutStatus(StrEnum):
     """How a rollout ended. Only OK and TRUNCATED carry a reward to learn from."""
@@ -53,7 +55,7 @@ class TaskSelection(_Model):
     """Which tasks of the environment a job runs."""
 
     kind: Literal["all", "ids", "sample"] = "all"
-    ids: list[str] = Field(default_factory=list, max_length=100_000)
+    ids: list[str] = Field(default_factory=list, max_length=MAX_TASK_IDS)
     count: int = Field(0, ge=0, le=1_000_000, description="how many tasks to sample (kind=sample)")
     seed: int = 0
 

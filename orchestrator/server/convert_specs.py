@@ -8,7 +8,7 @@ from typing import Any
 from orchestrator.core.sandbox import Limits
 from orchestrator.service.archives import ArchiveUpload, parse_upload
 from orchestrator.service.declarative import EnvironmentSpec, Problem, SpecError, parse_spec
-from orchestrator.service.declarative.spec import loads
+from orchestrator.service.declarative.spec import MAX_REFERENCE_CALLS, MAX_TASKS, loads
 from orchestrator.service.registration import ValidationResult
 from protos import orchestrator_pb2 as pb
 
@@ -67,6 +67,14 @@ def spec_from_pb(m: pb.EnvironmentSpec) -> EnvironmentSpec:
         raw["description"] = m.description
     if m.HasField("image"):
         raw["image"] = _image(m.image)
+    # counted before any task is converted: each parses its JSON, and 64 MiB of empty tasks held the event loop for
+    # minutes (and took gigabytes) before the model's own limit refused them
+    if len(m.tasks) > MAX_TASKS:
+        raise SpecError([Problem("tasks", f"{len(m.tasks)} tasks; the limit is {MAX_TASKS}")])
+    for i, t in enumerate(m.tasks):
+        if len(t.reference) > MAX_REFERENCE_CALLS:
+            problem = f"{len(t.reference)} calls; the limit is {MAX_REFERENCE_CALLS}"
+            raise SpecError([Problem(f"tasks[{i}].reference", problem)])
     if m.tasks:
         raw["tasks"] = [_task(t, i, problems) for i, t in enumerate(m.tasks)]
     if m.tasks_jsonl:

@@ -11,6 +11,7 @@ import grpc
 
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
+from orchestrator.core.models import MAX_TASK_IDS
 from orchestrator.rollout.tito.parsers import get_parser
 from orchestrator.rollout.tito.tokenizer import TokenizerDirs
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
@@ -52,6 +53,8 @@ def _job_id(job_id: str) -> str:
 def check_job_spec(m: pb.JobSpec) -> None:
     """Identifier caps and the job's size (tasks x group_size), checked before the spec is even converted."""
     capped(m.env, "env", MAX_ENV_REF)
+    if len(m.tasks.ids) > MAX_TASK_IDS:  # counted first: 33 million empty ids walked one by one held the loop 20 s
+        raise InvalidRequestError(f"tasks.ids has {len(m.tasks.ids)} ids; the limit is {MAX_TASK_IDS}")
     for i, task_id in enumerate(m.tasks.ids):
         capped(task_id, f"tasks.ids[{i}]", MAX_ID)
     p = m.policy

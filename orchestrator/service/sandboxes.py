@@ -140,12 +140,15 @@ def _limits(base: Limits, overrides: Mapping[str, Any]) -> Limits:
         raise InvalidRequestError(bad) from None
 
 
+MAX_ENV_VARS = 256  # variables of one sandbox or one exec
+
+
 def _check_env_vars(env: Mapping[str, str], what: str) -> dict[str, str]:
     """The variables, as the kernel takes them: each NAME=value string within MAX_ARG_STRLEN and all of them well
     within ARG_MAX, counted in UTF-8 bytes (a cap in characters let values through that execve refused with E2BIG:
     the sandbox failed to start, UNAVAILABLE, which a client retries)."""
-    if len(env) > 256:
-        raise InvalidRequestError(f"{what}: at most 256 variables")
+    if len(env) > MAX_ENV_VARS:
+        raise InvalidRequestError(f"{what}: at most {MAX_ENV_VARS} variables")
     total = 0
     for name, value in env.items():
         if not _ENV_NAME.fullmatch(name):  # `$` alone let a trailing newline through

@@ -199,3 +199,27 @@ async def test_an_exec_streams_later_message_that_does_not_parse_ends_it_with_a_
         await expect_unreadable_exec_stream(fake_orchestrator.address, frames(), 20)
     finally:
         await fake_client.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=sandbox.sandbox_id))
+
+
+async def test_repeated_fields_past_their_limits_are_counted_before_anything_is_built(
+    fake_client: EnvfleetClient,
+) -> None:
+    # each item was checked, copied or parsed before the limit was: 33 million empty task ids held the event loop for
+    # 20 s, 64 MiB of empty tasks for minutes (and gigabytes), 2 million env vars for seconds, for every tenant
+    too_many_ids = spec(tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=[""] * 100_001))
+    env_spec = pb.EnvironmentSpec(name="x", version="1", tasks=[pb.TaskSpec()] * 100_001)
+    long_reference = pb.EnvironmentSpec(name="x", version="1", tasks=[pb.TaskSpec(reference=[pb.ToolCall()] * 101)])
+    jsonl = pb.EnvironmentSpec(name="x", version="1", tasks_jsonl="{}\n" * 100_001)
+    sandbox = pb.CreateSandboxRequest(env_vars={f"V{i}": "" for i in range(257)})
+    cases = [
+        (fake_client.rollout_stub.SubmitJob(too_many_ids), "tasks.ids has 100001 ids; the limit is 100000"),
+        (fake_client.env_stub.Validate(env_spec), "tasks: 100001 tasks; the limit is 100000"),
+        (fake_client.env_stub.Register(long_reference), "tasks[0].reference: 101 calls; the limit is 100"),
+        (fake_client.env_stub.Validate(jsonl), "tasks_jsonl: more than 100000 tasks"),
+        (fake_client.sandbox_stub.Create(sandbox), "env_vars: at most 256 variables, got 257"),
+    ]
+    for call, message in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert message in (e.value.details() or ""), e.value.details()

@@ -39,6 +39,7 @@ DEFAULT_LIMITS = Limits(memory_mb=512, cpus=1.0, pids=128)
 DEFAULT_SYSTEM_PROMPT = "You are an agent working in a sandbox. Use the tools; call submit when done."
 MAX_TEXT = 256 << 10
 MAX_TASKS = 100_000
+MAX_REFERENCE_CALLS = 100  # tool calls of one task's reference solution
 MAX_JSON_DEPTH = 64  # levels of nesting in task data and reference arguments: far inside what pydantic reads back
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Dockerfile instructions substitute $VARS in paths and treat a backslash as an escape: allow neither in paths.
@@ -94,7 +95,7 @@ class TaskDef(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_TEXT)
     data: dict[str, Any] = Field(default_factory=dict)
     files: dict[str, str] = Field(default_factory=dict)
-    reference: list[ReferenceCall] = Field(default_factory=list, max_length=100)
+    reference: list[ReferenceCall] = Field(default_factory=list, max_length=MAX_REFERENCE_CALLS)
 
     _nesting = field_validator("data")(lambda v: nested_within(v, "the data"))
 
@@ -292,6 +293,9 @@ def parse_tasks_jsonl(text: str) -> tuple[list[Any], list[int], list[Problem]]:
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        if len(tasks) + len(problems) >= MAX_TASKS:  # what follows is not parsed: a spec holds MAX_TASKS at most
+            problems.append(Problem("tasks_jsonl", f"more than {MAX_TASKS} tasks; the limit is {MAX_TASKS}"))
+            break
         try:
             tasks.append(loads(line))
             lines.append(n)
