@@ -78,7 +78,14 @@ def _tail(r: ExecResult) -> str:
 
 def _in(workdir: str, cmd: str) -> list[str]:
     """Run `cmd` from the task's workdir as Harbor does (a cd, so `pwd` shows the workdir, not /workspace)."""
-    return ["bash", "-c", f"cd {shlex.quote(workdir)} && exec {cmd}"]
+    return ["/bin/bash", "-c", f"cd {shlex.quote(workdir)} && exec {cmd}"]
+
+
+# The grader's own commands (rm, mkdir, find, df, bash) are the image's, found on a PATH of read-only folders: the
+# image's or a task's PATH may name one under the workdir (uv's /app/.venv/bin), which is the agent's /workspace, and
+# a `bash` the agent left there ran in place of the grader's and wrote the reward. test.sh keeps the task's PATH:
+# what it runs from there is the agent's, as the code under test is (README, "Harbor tasks").
+GRADER_PATH = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 
 
 def image_tail(task: HarborTask) -> str:
@@ -185,7 +192,7 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         )
 
     async def _sh(self, sandbox: Sandbox, cmd: str, timeout: float, what: str) -> ExecResult:
-        r = await sandbox.exec(["/bin/sh", "-c", cmd], timeout=timeout, max_output=MAX_OUTPUT)
+        r = await sandbox.exec(["/bin/sh", "-c", cmd], env=GRADER_PATH, timeout=timeout, max_output=MAX_OUTPUT)
         if not r.ok:
             raise HarborRunError(f"{what} failed (exit {r.exit_code}): {_tail(r)}")
         return r
@@ -214,20 +221,31 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             return None
         await self._upload(sandbox, t.solution, f"{RUNTIME}/solution")
         return await sandbox.exec(
-            _in(t.workdir, "bash /solution/solve.sh"), timeout=t.agent_timeout_s, max_output=MAX_OUTPUT
+            _in(t.workdir, "/bin/bash /solution/solve.sh"), timeout=t.agent_timeout_s, max_output=MAX_OUTPUT
         )
 
     async def _verifier_home(self, sandbox: Sandbox, verifier_env: Mapping[str, str]) -> str:
-        """The verifier's HOME: the task's or the image's while the sandbox user cannot write there (on the
-        read-only root: its tools, a toolchain under ~/.rustup say, are as the image made them), else a fresh empty
-        one of the grader's, under a name the agent could not guess. A writable HOME is the agent's: what it left
-        there would run in the verifier, and /nonexistent broke every test.sh whose tools keep a cache in HOME
-        (uv, go, npm, cargo), a right solution scored 0."""
+        """The verifier's HOME: the task's or the image's when the agent never controlled it (on the read-only
+        root, not writable, nor anything in it: its tools, a toolchain under ~/.rustup say, are as the image made
+        them), else a fresh empty one of the grader's, under a name the agent could not guess. A HOME the agent
+        controlled is the agent's: what it left there would run in the verifier, and /nonexistent broke every
+        test.sh whose tools keep a cache in HOME (uv, go, npm, cargo), a right solution scored 0.
+
+        Judged by where it really is, not by whether it is writable now: the agent owns /workspace (and a folder it
+        made under /tmp), so it could leave a ~/.gitconfig in HOME=/app, the workdir's link to /workspace, and
+        then `chmod 555 /workspace`: not writable any more, that HOME was the verifier's."""
         fresh = f"{RUNTIME}/home-{secrets.token_hex(8)}"
-        writable = 'h="${HOME:-/}"; [ -w "$h" ] || find "$h" -maxdepth 1 -name ".?*" -writable | grep -q .'
-        pick = f'if {writable}; then mkdir -m 0700 {fresh} && echo {fresh}; else echo "$h"; fi'
+        agents = (
+            'h="${HOME:-/}"; r=$(readlink -f -- "$h" 2>/dev/null) || r="$h"; '
+            'case "$r/" in /workspace/*|/tmp/*|/dev/*|/var/tmp/*|/run/*) true ;; '
+            '*) [ -w "$h" ] || find -L "$h" -maxdepth 1 -name ".?*" -writable | grep -q . ;; esac'
+        )
+        pick = f'if {agents}; then mkdir -m 0700 {fresh} && echo {fresh}; else echo "$h"; fi'
         r = await sandbox.exec(
-            ["/bin/sh", "-c", pick], env=dict(verifier_env), timeout=self.tool_timeout_s, max_output=MAX_OUTPUT
+            ["/bin/sh", "-c", pick],
+            env={**verifier_env, **GRADER_PATH},
+            timeout=self.tool_timeout_s,
+            max_output=MAX_OUTPUT,
         )
         if not r.ok:
             raise HarborRunError(f"making the verifier's HOME failed (exit {r.exit_code}): {_tail(r)}")
@@ -235,9 +253,13 @@ class HarborEnvironment(Environment, BuildsOwnImage):
 
     async def _read(self, sandbox: Sandbox, path: str) -> bytes | None:
         try:
-            return await sandbox.read_file(path, max_bytes=MAX_OUTPUT)
+            data = await sandbox.read_file(path, max_bytes=MAX_OUTPUT + 1)  # a byte past the cap: is there more?
         except SandboxFileNotFoundError:
             return None
+        if len(data) > MAX_OUTPUT:
+            # read whole, as Harbor reads it, or not at all: "1", a megabyte of blanks and "0" was read as 1
+            raise HarborRewardError(f"{path} is over {MAX_OUTPUT} bytes")
+        return data
 
     def scoring_timeout_s(self, task: Task) -> float:
         """test.sh at its timeout and the grader's four steps around it, twice for a validated task (it runs once
@@ -280,7 +302,7 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         that cannot be read is no."""
         try:
             df = "df -Pk /tmp | tail -n 1; df -Pi /tmp | tail -n 1"
-            r = await sandbox.exec(["/bin/sh", "-c", df], timeout=TMP_CHECK_S)
+            r = await sandbox.exec(["/bin/sh", "-c", df], env=GRADER_PATH, timeout=TMP_CHECK_S)
             kib, inodes = (int(line.split()[3]) for line in r.stdout.decode().splitlines()[-2:])
         except (SandboxError, ValueError, IndexError):
             return False
@@ -302,7 +324,7 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         # user site, and a HOME the agent could not write to, so nothing it left there runs in the verifier's
         # pythons or tools (git's config, pip's, npm's)
         r = await sandbox.exec(
-            _in(t.workdir, "bash /tests/test.sh"),
+            _in(t.workdir, "/bin/bash /tests/test.sh"),
             env={**t.verifier_env, **GRADER_ENV, "HOME": home},
             timeout=t.verifier_timeout_s,
             max_output=MAX_OUTPUT,

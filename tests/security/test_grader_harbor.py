@@ -58,11 +58,12 @@ async def _score_after_the_agent(
     test: str,
     solve: str,
     planted: list[str],
+    verifier_env: str = 'HOME = "/tmp"',
 ) -> Score:
     """The score of a task whose agent (its solve.sh) ran first, under a writable HOME, as many tasks need (the
     sandbox's uid has no account, so Docker's HOME is the read-only /); `planted`: a command that shows the agent's
     move took effect in the sandbox."""
-    d = make_task(tmp_path, name, test=test, solve=solve, toml_extra='env = { HOME = "/tmp" }\n')
+    d = make_task(tmp_path, name, test=test, solve=solve, toml_extra=f"env = {{ {verifier_env} }}\n")
     env = make_harbor_environment(f"harbor-{name}", [d])
     image = await asyncio.to_thread(env.build_image, docker_client)
     task = env.tasks()[0]
@@ -103,6 +104,52 @@ async def test_the_verifier_gets_a_writable_home_the_agent_never_had(
         tmp_path, backend, docker_client, "home", CACHING_TEST_SH, PLANT_GITCONFIG, planted
     )
     assert score.reward == 1.0
+
+
+# the agent's move: a ~/.gitconfig in a HOME that is its workspace, which it then makes read-only
+PLANT_GITCONFIG_AND_LOCK = """#!/bin/bash
+printf '[core]\\n\\tfsmonitor = /app/forge\\n' > "$HOME/.gitconfig" && chmod 555 /workspace
+"""
+
+
+async def test_a_home_the_agent_controlled_is_not_the_verifiers_even_made_read_only(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # the verifier's HOME was judged by its write bit: HOME=/app is the workdir's link to /workspace, which the agent
+    # owns, and after a chmod 555 it was "never the agent's", so git in test.sh would run the agent's fsmonitor
+    planted = ["/bin/sh", "-c", "test -f /app/.gitconfig && ! test -w /app"]
+    score = await _score_after_the_agent(
+        tmp_path,
+        backend,
+        docker_client,
+        "home-locked",
+        CACHING_TEST_SH,
+        PLANT_GITCONFIG_AND_LOCK,
+        planted,
+        verifier_env='HOME = "/app"',
+    )
+    assert score.reward == 1.0
+
+
+# the agent's move: a `bash` in a folder of the verifier's PATH under the workdir (uv's /app/.venv/bin), which
+# writes the reward itself
+PLANT_BASH = """#!/bin/bash
+mkdir -p /app/.venv/bin
+printf '#!/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n' > /app/.venv/bin/bash
+chmod 755 /app/.venv/bin/bash
+"""
+
+
+async def test_the_graders_own_commands_are_never_the_agents(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # the grader ran test.sh with a bare `bash`, found on the task's PATH: the agent's, which wrote reward 1
+    planted = ["/bin/sh", "-c", "test -x /app/.venv/bin/bash"]
+    env = 'HOME = "/tmp", PATH = "/app/.venv/bin:/usr/local/bin:/usr/bin:/bin"'
+    score = await _score_after_the_agent(
+        tmp_path, backend, docker_client, "path", TEST_SH, PLANT_BASH, planted, verifier_env=env
+    )
+    assert score.reward == 0.0
 
 
 # the agent's move: fill /tmp, where /tests and /logs live, to its last block and inode
@@ -248,3 +295,14 @@ async def test_a_validated_verifier_a_busy_host_held_past_its_timeout_runs_again
             await asyncio.gather(freezer, return_exceptions=True)
     assert frozen, "the verifier was never seen running"
     assert score.reward == 1.0 and score.metrics.get(VERIFIER_RERUN_METRIC) == 1.0, score
+
+
+async def test_a_reward_file_over_the_cap_is_no_reward(tmp_path: Path) -> None:
+    # it was read up to the cap and parsed: "1", a megabyte of blanks, then "0" scored 1 (Harbor reads it whole)
+    class Sandbox:
+        async def read_file(self, path: str, max_bytes: int) -> bytes:
+            return (b"1" + b" " * (1 << 20) + b"0")[:max_bytes]
+
+    env = make_harbor_environment("big-reward", [make_task(tmp_path, "big-reward")])
+    with pytest.raises(HarborRewardError, match=r"reward\.txt is over"):
+        await env._read(Sandbox(), "/logs/verifier/reward.txt")  # type: ignore[arg-type]
