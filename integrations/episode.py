@@ -130,6 +130,11 @@ async def _attempt(
         result, messages = await _turn(sessions, sid, content, calls)
         if not result.done:
             delta = tokens.observation_ids(messages, tools)
+            if not out.ids or out.ids[-1] != tokens.turn_end_id:
+                # the engine stopped without the turn's end token (a stop string, another special token): the
+                # template's end goes in as an observation token (mask 0), as in the fleet's own tito turns, so the
+                # conversation stays well formed
+                delta = [tokens.turn_end_id, *delta]
             if len(episode.response_ids) + len(delta) >= response_length:
                 # no room for the observation and another turn: the policy ran out of its budget without an
                 # answer, which is its own outcome (the rubric scores an empty answer), not a failure

@@ -160,3 +160,28 @@ async def test_no_call_of_a_sample_cut_at_max_tokens_runs(
         episode = await run_episode(AsyncSessions(client), tokens, get_parser("hermes"), cut, env=ENV, task_id=TASK)
     assert (episode.assistant_turns, episode.tool_turns) == (1, 0)
     assert episode.reward == 0.0
+
+
+async def test_a_turn_that_stopped_before_its_end_token_gets_it_from_the_template(
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine
+) -> None:
+    # an engine stopped by a stop string (or a special token other than the turn's end) returns a sample without
+    # the end token: the observation went straight after it, and the conversation verl trained on had an assistant
+    # turn that never ended. The fleet's own tito turns put the end token in (mask 0), and so does the episode now
+    firsts: list[Generated] = []
+
+    async def stopped_early(prompt_ids: list[int], max_tokens: int) -> Generated:
+        out = await engine.generate(REQUEST, prompt_ids, max_tokens)
+        assert out.ids[-1] == tokens.turn_end_id and out.logprobs is not None
+        firsts.append(out)
+        return Generated(out.ids[:-1], out.logprobs[:-1], "stop")
+
+    async with EnvfleetClient(orchestrator.address) as client:
+        episode = await run_episode(
+            AsyncSessions(client), tokens, get_parser("hermes"), stopped_early, env=ENV, task_id=TASK
+        )
+    assert episode.status == RolloutStatus.OK and episode.reward == 1.0  # the double read turn 1 off a right prompt
+    n = len(firsts[0].ids) - 1
+    assert episode.response_ids[: n + 1] == [*firsts[0].ids[:n], tokens.turn_end_id]
+    assert episode.response_mask[: n + 1] == [1] * n + [0]
+    assert episode.response_logprobs is not None and episode.response_logprobs[n] == 0.0
