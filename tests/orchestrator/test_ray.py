@@ -389,3 +389,24 @@ async def test_actors_dial_a_wildcard_listen_address_by_this_nodes_address(
         await orch.workers.hub.wait_for_workers(2, timeout_s=240)
     finally:
         await orch.stop(grace=1)
+
+
+def test_an_actors_worker_is_heard_by_its_own_name_only() -> None:
+    # the hub's workers are read once a poll (each actor read and scanned them all: 50 s of the loop a poll at 4,096
+    # actors); a worker name is heard only from ids of its own, never from another index that starts the same
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import RayWorkers, _Placed
+
+    reads: list[int] = []
+
+    def connected() -> list[str]:
+        reads.append(1)
+        return ["ray-abcdef12-10-host-7", "w0-host-8"]
+
+    fleet = RayWorkers(RayConfig(), "127.0.0.1:1", "token", WorkerConfig(), "fleet", connected=connected, join_s=0.0)
+    names = fleet._connected_names()
+    assert reads == [1] and names is not None
+    heard = _Placed(None, None, "abcdef12", "a", "ray-abcdef12-10")
+    other = _Placed(None, None, "abcdef12", "b", "ray-abcdef12-1")
+    assert not fleet._silent(heard, heard.placed_at + 1, names) and heard.heard
+    assert fleet._silent(other, other.placed_at + 1, names) and not other.heard
