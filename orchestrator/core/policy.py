@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
+import urllib.parse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_NOT_IN_URL = re.compile(r"[\x00-\x20\x7f]")
+_HEADER_VALUE = re.compile(r"[\x20-\x7e\t]*")  # what the policy client sends (rollout/policy/http.py)
 
 
 class Sampling(BaseModel):
@@ -81,7 +85,26 @@ class PolicyEndpoint(BaseModel):
             return v
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https:// (or be {REPLAY_URL}), got {v!r}")
+        # one no request can be made to (no host, a port past 65535, a space) failed each of the job's rollouts as a
+        # POLICY_ERROR instead of the submit
+        if _NOT_IN_URL.search(v):
+            raise ValueError(f"base_url holds a space or a control character, got {v!r}")
+        try:
+            parts = urllib.parse.urlsplit(v)
+            parts.port  # noqa: B018 - raises ValueError when the port is not a number within 0-65535
+        except ValueError as e:
+            raise ValueError(f"base_url is not a URL ({e}), got {v!r}") from None
+        if not parts.hostname:
+            raise ValueError(f"base_url names no host, got {v!r}")
         return v.rstrip("/")
+
+    @field_validator("api_key")
+    @classmethod
+    def _header_value(cls, v: str) -> str:
+        # it goes in the Authorization header: a character no header can carry failed every request (never echoed)
+        if not _HEADER_VALUE.fullmatch(v):
+            raise ValueError("api_key holds a character an HTTP header cannot carry (visible ASCII and spaces only)")
+        return v
 
     @field_validator("tokenizer")
     @classmethod

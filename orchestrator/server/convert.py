@@ -29,6 +29,8 @@ from orchestrator.service.jobs import Batch
 from orchestrator.service.store import LogEntry
 from protos import orchestrator_pb2 as pb
 
+SECRET_FIELDS = frozenset({"api_key"})
+
 
 def validation_message(e: ValidationError, notes: Mapping[str, str] | None = None) -> str:
     """A pydantic error as one line per field: `path: reason (got value)`, plus a note on the field, if any."""
@@ -36,7 +38,8 @@ def validation_message(e: ValidationError, notes: Mapping[str, str] | None = Non
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "request"
         got = err.get("input")
-        shown = "" if isinstance(got, dict) else f" (got {echo(got)})"
+        secret = bool(err["loc"]) and err["loc"][-1] in SECRET_FIELDS  # never echoed: errors reach logs and clients
+        shown = "" if isinstance(got, dict) or secret else f" (got {echo(got)})"
         note = (notes or {}).get(loc)
         parts.append(f"{loc}: {err['msg']}{shown}" + (f"; {note}" if note else ""))
     return "; ".join(parts)

@@ -49,6 +49,16 @@ def spec(**kw: object) -> pb.JobSpec:
         (spec(priority=1000), grpc.StatusCode.INVALID_ARGUMENT, "priority"),
         (spec(policy=pb.PolicyEndpoint(base_url="ftp://x")), grpc.StatusCode.INVALID_ARGUMENT, "policy.base_url"),
         (spec(policy=pb.PolicyEndpoint()), grpc.StatusCode.INVALID_ARGUMENT, "policy.base_url"),
+        # each was taken, and every rollout of the job was then a POLICY_ERROR: no request can be made to them
+        (spec(policy=pb.PolicyEndpoint(base_url="http://")), grpc.StatusCode.INVALID_ARGUMENT, "names no host"),
+        (spec(policy=pb.PolicyEndpoint(base_url="http://a b/v1")), grpc.StatusCode.INVALID_ARGUMENT, "a space"),
+        (spec(policy=pb.PolicyEndpoint(base_url="http://h:99999/v1")), grpc.StatusCode.INVALID_ARGUMENT, "not a URL"),
+        (spec(policy=pb.PolicyEndpoint(base_url="http://[::1/v1")), grpc.StatusCode.INVALID_ARGUMENT, "not a URL"),
+        (
+            spec(policy=pb.PolicyEndpoint(base_url="http://h/v1", api_key="s\u00e9cret\n")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "api_key holds a character an HTTP header cannot carry",
+        ),
         (
             spec(tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS)),
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -78,6 +88,7 @@ async def test_malformed_job_specs(
         await fake_client.rollout_stub.SubmitJob(request_)
     assert e.value.code() == code
     assert message in (e.value.details() or ""), e.value.details()
+    assert "cret" not in (e.value.details() or "")  # a key is never echoed
 
 
 async def test_bad_arguments_of_other_calls(fake_client: EnvfleetClient) -> None:

@@ -232,8 +232,17 @@ async def test_header_values_cannot_end_the_request(serve: Callable[..., Awaitab
         return True
 
     s = await serve(answer)
-    with pytest.raises(PolicyError, match="LocalProtocolError: the Authorization header has characters"):
-        await _complete(s.url, api_key="sk\r\nX-Injected: 1")
+    injected = "sk\r\nX-Injected: 1"
+    with pytest.raises(ValueError, match="api_key holds a character an HTTP header cannot carry"):
+        PolicyEndpoint(base_url=s.url, api_key=injected)  # refused at the submit
+    # and the client refuses it too, should an unchecked endpoint reach it
+    unchecked = PolicyEndpoint(base_url=s.url, max_retries=0).model_copy(update={"api_key": injected})
+    policy = OpenAIPolicy(unchecked)
+    try:
+        with pytest.raises(PolicyError, match="LocalProtocolError: the Authorization header has characters"):
+            await policy.complete(MESSAGES, [], Sampling())
+    finally:
+        await policy.aclose()
     assert s.requests == []
 
 
