@@ -454,7 +454,11 @@ class SyncEnvfleetClient:
         self._thread.start()
         self._closed = False
         self._open: set[AsyncGenerator[Any]] = set()  # iterators not closed yet
-        self._client: EnvfleetClient = self._call(self._make(target, kwargs))
+        try:
+            self._client: EnvfleetClient = self._call(self._make(target, kwargs))
+        except BaseException:  # a client refused (a token in clear, say) leaves no thread and loop behind
+            self._stop()
+            raise
 
     @staticmethod
     async def _make(target: str, kwargs: dict[str, Any]) -> EnvfleetClient:
@@ -476,8 +480,13 @@ class SyncEnvfleetClient:
                 except TimeoutError:
                     if future.done():
                         raise  # the call's own TimeoutError
+                    if self._closed:
+                        # closed by another thread while this call waited (a trainer's loader thread reading as its
+                        # main thread shuts down): its loop stops, and this call would wait for ever
+                        raise RuntimeError("this SyncEnvfleetClient was closed while the call waited") from None
         except BaseException:
-            future.cancel()  # a no-op once it is done
+            with contextlib.suppress(RuntimeError):  # the loop may be closed: nothing of the call runs any more
+                future.cancel()  # a no-op once it is done
             raise
 
     def submit(self, spec: JobSpec) -> str:
@@ -531,11 +540,14 @@ class SyncEnvfleetClient:
                         self._call(_close(agen))
             self._call(self._client.close())
         finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            if not self._thread.is_alive():
-                self._loop.close()
+            self._stop()
+
+    def _stop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> SyncEnvfleetClient:
         return self

@@ -450,6 +450,42 @@ async def test_a_closed_sync_client_and_its_iterators_close_again_without_waitin
     assert (await fake_client.get_job(job_id)).acked == 0  # the one it read was not consumed: it comes again
 
 
+def test_a_sync_client_closed_by_another_thread_ends_the_read_that_waits() -> None:
+    # close() left a reader on another thread waiting on a call its loop would never run: a trainer that shut down
+    # on its main thread while its loader thread read (here in the stream's retry loop, the server unreachable) never
+    # exited
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    c = SyncEnvfleetClient(address, reconnect_s=60)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            next(c.rollouts("job-1"))
+        except BaseException as e:
+            errors.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(1.0)
+    assert reader.is_alive()  # waiting out the outage
+    c.close()
+    reader.join(5.0)
+    assert not reader.is_alive(), "the reader still waits on the closed client"
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "closed" in str(errors[0]), errors
+
+
+def test_a_sync_client_refused_at_its_start_leaves_no_thread_behind() -> None:
+    before = {t for t in threading.enumerate() if t.name == "envfleet-client"}
+    for _ in range(3):
+        with pytest.raises(ValueError, match="in clear"):
+            SyncEnvfleetClient("10.1.2.3:50051", token="secret")
+    assert {t for t in threading.enumerate() if t.name == "envfleet-client"} == before
+
+
 _INTERRUPTED = """
 import faulthandler, os, signal, sys, threading
 from orchestrator.client.sdk import SyncEnvfleetClient
