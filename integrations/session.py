@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
+from orchestrator.client.convert import known_status
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.errors import EpisodeFailedError
 from orchestrator.core.models import RolloutStatus
@@ -107,7 +108,7 @@ def action_pb(action: ToolCall | str) -> pb.Action:
 
 def step_from_pb(r: pb.StepResponse) -> StepResult:
     """The wire's StepResponse as a StepResult (status by its short name, reward None when absent)."""
-    status = RolloutStatus(pb.RolloutStatus.Name(r.status).removeprefix("ROLLOUT_STATUS_")) if r.status else None
+    status = known_status(r.status, "the step") if r.status else None
     return StepResult(
         observation=r.observation,
         reward=r.reward if r.HasField("reward") else None,

@@ -92,6 +92,18 @@ def rollout_status_from_pb(value: int) -> RolloutStatus | None:
     return ROLLOUT_STATUS_FROM_PB.get(value)
 
 
+def known_status(value: int, what: str) -> RolloutStatus:
+    """The model's status of `what`'s wire status, or ValueError saying why there is none: a bare KeyError of a
+    status newer than this client stopped every reader of the job at that rollout, with no word of the cause."""
+    status = ROLLOUT_STATUS_FROM_PB.get(value)
+    if status is None:
+        raise ValueError(
+            f"{what} has status {value}, which this client does not know: the server is newer than this client "
+            "(upgrade envfleet here) or sent none"
+        )
+    return status
+
+
 def _token_status(t: pb.Tokens) -> TokenStatus:
     if t.status in _TOKEN_STATUS_FROM_PB:
         return _TOKEN_STATUS_FROM_PB[t.status]
@@ -112,7 +124,7 @@ def rollout_from_pb(m: pb.Rollout) -> Rollout:
             "group_id": m.group_id,
             "sample_index": m.sample_index,
             "policy_version": m.policy_version,
-            "status": ROLLOUT_STATUS_FROM_PB[m.status],
+            "status": known_status(m.status, f"rollout {m.id!r}"),
             "reward": m.reward if m.HasField("reward") else None,
             "reward_components": dict(m.reward_components),
             "metrics": dict(m.metrics),

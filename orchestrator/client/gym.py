@@ -23,6 +23,7 @@ import gymnasium
 from gymnasium import spaces
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
+from orchestrator.client.convert import known_status
 from orchestrator.core.errors import EnvfleetError
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
@@ -150,8 +151,8 @@ class SessionEnv(gymnasium.Env[str, str]):
             timeout=self.step_timeout_s,
             metadata=self._metadata,
         )
-        # the models' short name ("OK"): the wire's enum values carry the ROLLOUT_STATUS_ prefix
-        status = pb.RolloutStatus.Name(r.status).removeprefix("ROLLOUT_STATUS_") if r.status else ""
+        # the models' short name ("OK"); a status newer than this client is a ValueError that says so
+        status = known_status(r.status, "the step").value if r.status else ""
         info: dict[str, Any] = {
             "turn": r.info.turn,
             "status": status,

@@ -20,6 +20,7 @@ import grpc
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import EnvironmentMetadata
 
+from orchestrator.client.convert import known_status
 from orchestrator.core.errors import (
     EnvfleetError,
     FailedPreconditionError,
@@ -172,8 +173,8 @@ class EnvfleetEnvironment(Environment):  # type: ignore[type-arg]
         else:
             act = pb.Action(final_answer=action.answer or "")
         r = await self._call(self._backend.stub.Step, pb.StepRequest(session_id=self._session_id, action=act))
-        # the models' short name ("OK"): the wire's enum values carry the ROLLOUT_STATUS_ prefix
-        status = pb.RolloutStatus.Name(r.status).removeprefix("ROLLOUT_STATUS_") if r.status else ""
+        # the models' short name ("OK"); a status newer than this client is a ValueError that says so
+        status = known_status(r.status, "the step").value if r.status else ""
         done = bool(status) or r.terminated or r.truncated
         metadata: dict[str, Any] = {"turn": r.info.turn, "terminated": r.terminated, "truncated": r.truncated}
         if status:

@@ -89,3 +89,12 @@ def test_built_makes_what_model_construct_makes(model: type[BaseModel]) -> None:
     assert built.__pydantic_extra__ == constructed.__pydantic_extra__
     assert built.__pydantic_private__ == constructed.__pydantic_private__
     assert built.model_dump() == constructed.model_dump()
+
+
+@pytest.mark.parametrize("value", [0, 99])
+def test_a_status_this_client_does_not_know_says_so(value: int) -> None:
+    # a bare KeyError (99: a status newer than this client) stopped every reader of the job at that rollout, unsaid
+    m = rollout_pb(_every_field_set(RolloutStatus.OK).model_dump_json())
+    m.status = value  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=rf"rollout '{m.id}' has status {value}, which this client does not know"):
+        rollout_from_pb(m)
