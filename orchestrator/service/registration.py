@@ -191,7 +191,9 @@ class Registrar:
         # builds and reference runs are tenant content: counted per tenant, so one cannot hold every slot
         self._checks = TenantGate(max_concurrent_checks, min(max_checks_per_tenant, max_concurrent_checks))
         self._owners: dict[str, str] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # a lock per name while a registration of it runs or waits: kept for every name ever tried, a tenant's loop
+        # of refused registrations under fresh names grew it without end
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
         self._spec_bytes = TenantCounter(
             spec_bytes_per_tenant, "caps.spec_bytes_per_tenant", "bytes of registered specs"
@@ -276,6 +278,21 @@ class Registrar:
         """
         async with self._checks.slot(tenant):
             return await self._validated(spec)
+
+    @contextlib.asynccontextmanager
+    async def _name_lock(self, name: str) -> AsyncIterator[None]:
+        """Registrations of one name, one at a time; the lock is dropped when none runs or waits."""
+        lock, users = self._locks.get(name, (asyncio.Lock(), 0))
+        self._locks[name] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
 
     @contextlib.asynccontextmanager
     async def _check_time(self, where: str) -> AsyncIterator[None]:
@@ -363,7 +380,7 @@ class Registrar:
 
     async def register(self, spec: EnvironmentSpec, tenant: str) -> Registered:
         """Validate, persist, add to the registry; nothing is left behind when a step fails."""
-        async with self._locks.setdefault(spec.name, asyncio.Lock()):
+        async with self._name_lock(spec.name):
             existing = self._existing(spec, tenant)
             if existing is not None:
                 return existing
@@ -469,7 +486,7 @@ class Registrar:
         """Validate, persist (archive and record under the tenant's folder), add to the registry; all or nothing."""
         self._kind(upload.kind)
         self._check_size(upload)
-        async with self._locks.setdefault(upload.name, asyncio.Lock()):
+        async with self._name_lock(upload.name):
             existing = self._claim(upload.name, upload.version, tenant, self._same_archive(upload))
             if existing is not None:
                 return existing

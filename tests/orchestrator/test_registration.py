@@ -405,3 +405,19 @@ async def test_a_check_past_its_time_in_all_gives_the_tenants_slot_back(tmp_path
         with pytest.raises(SpecCheckError, match="a sandbox of the image did not start"):
             await registrar.validate(spec, "tenant-a")
     assert len(builds) == 2
+
+
+async def test_refused_registrations_under_fresh_names_leave_nothing_behind(tmp_path: Path) -> None:
+    # each name tried kept a lock for good: a loop of registrations refused at once (limits over the caps) under
+    # fresh names grew the control plane's memory without end
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.core.errors import QuotaExceededError
+    from orchestrator.service.registration import Registrar, SpecStore
+
+    registrar = Registrar(Registry(), FakeBackend(FakeBackendConfig()), lambda env: "x", SpecStore(tmp_path))
+    for i in range(20):
+        spec = parse_spec({**word_count_spec(name=f"fresh-{i}"), "limits": {"memory_mb": 1 << 20}})
+        with pytest.raises(QuotaExceededError, match=r"caps\.sandbox\.memory_mb"):
+            await registrar.register(spec, "tenant-a")
+    assert registrar._locks == {}
