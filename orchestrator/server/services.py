@@ -69,7 +69,11 @@ def check_job_spec(m: pb.JobSpec) -> None:
     for i, s in enumerate(m.sampling.stop):
         capped(s, f"sampling.stop[{i}]", MAX_NAME)
     # kind=all is checked by the JobManager, which knows the environment's task count, still before building items
-    tasks = len(set(m.tasks.ids)) if m.tasks.kind == pb.TaskSelection.KIND_IDS else m.tasks.count
+    # (its `count`, which only KIND_SAMPLE reads, refused a job of 10 tasks as 5000 x 256 rollouts)
+    kind = m.tasks.kind
+    tasks = len(set(m.tasks.ids)) if kind == pb.TaskSelection.KIND_IDS else 0
+    if kind == pb.TaskSelection.KIND_SAMPLE:
+        tasks = m.tasks.count
     total = tasks * max(m.group_size, 1)
     if total > MAX_ROLLOUTS_PER_JOB:
         raise InvalidRequestError(

@@ -234,3 +234,10 @@ async def test_repeated_fields_past_their_limits_are_counted_before_anything_is_
             await call
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
         assert message in (e.value.details() or ""), e.value.details()
+
+
+async def test_a_count_that_only_sampling_reads_does_not_size_a_job_of_every_task(fake_client: EnvfleetClient) -> None:
+    # a job of every task (python-tool's few) with a stray count was refused as count x group_size rollouts
+    every = spec(tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_ALL, count=5000), group_size=256)
+    job_id = (await fake_client.rollout_stub.SubmitJob(every)).job_id
+    await fake_client.cancel_job(job_id)
