@@ -502,8 +502,11 @@ class WorkerHub:
             return
         try:
             running.result.set_result(decode(result, running.item, trusted=worker.trusted))
-        except InvalidResultError as e:
-            log.warning("worker %s sent an invalid rollout for %s: %s", worker.id, running.item.id, e)
+        except Exception as e:  # a check's own failure too: taken off `running`, the rollout would wait for ever
+            if isinstance(e, InvalidResultError):
+                log.warning("worker %s sent an invalid rollout for %s: %s", worker.id, running.item.id, e)
+            else:
+                log.error("checking worker %s's rollout for %s failed", worker.id, running.item.id, exc_info=e)
             worker.failing = True
             running.result.set_exception(WorkerLostError(f"worker {worker.id} sent an invalid rollout: {e}"))
 

@@ -213,3 +213,19 @@ async def test_a_remote_worker_cannot_take_a_local_workers_id() -> None:
         assert impostor.error is not None and impostor.error.code() == grpc.StatusCode.ALREADY_EXISTS
         assert [(i.worker_id, i.trusted) for i in w.hub.workers()] == [("w0-host-1", True)]
         assert w.hub.lost == 0
+
+
+async def test_a_check_that_fails_on_its_own_fails_the_rollout_over_never_hangs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the assignment was taken off the worker's running rollouts before the check: a check that raised anything but
+    # InvalidResultError left the rollout's future unresolved (and dropped the worker's stream)
+    from orchestrator.worker import hub
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug of the check")
+
+    monkeypatch.setattr(hub, "decode", broken)
+    got = await _one("unix", _forged)
+    assert isinstance(got, Rollout) and got.status == RolloutStatus.INFRA_ERROR and got.reward is None, got
+    assert got.error is not None and "a bug of the check" in got.error.message, got.error
