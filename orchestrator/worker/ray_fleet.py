@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.client.auth import ClientTLS
+from orchestrator.core.net import is_loopback
 from orchestrator.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,12 @@ class _Placed:
     heard: bool = False  # its worker has been connected to the hub
     unheard_since: float = field(default_factory=time.monotonic)
 
+    def ran_s(self, now: float) -> float:
+        """How long it ran as a worker: none when its worker never joined (a wrong CA, a firewall, a target it
+        cannot reach), however long it lived; its 300 s until it was given up on counted as a steady run, and the
+        slot's next actor was placed at once, every 5 minutes for good."""
+        return now - self.placed_at if self.heard else 0.0
+
 
 @dataclass
 class RayWorkers:
@@ -165,6 +172,8 @@ class RayWorkers:
     silent_s: float = ACTOR_SILENT_S
     join_s: float = ACTOR_JOIN_S
     _not_before: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # slot -> (when, pause)
+    _unreachable: set[str] = field(default_factory=set)  # nodes told they get no workers (a loopback target)
+    _local: set[str] | None = None  # this machine's addresses as Ray knows it
 
     async def start(self) -> None:
         """Join the cluster, find or place workers on its sandbox hosts, and keep watching for nodes that come and
@@ -187,6 +196,31 @@ class RayWorkers:
         await asyncio.to_thread(self._retire_strays)
         self._watcher = asyncio.create_task(self._watch(), name="ray node watcher")
 
+    def _reaches(self, node: dict[str, Any]) -> bool:
+        """Whether a worker on `node` can dial the target. A loopback target (--worker-listen 127.0.0.1:P) is this
+        machine's alone: on a node of another machine its actor dialed that machine's own loopback, and sent the
+        worker token in clear to whatever listened there. Such a node gets no workers (said once)."""
+        host = self.target.rpartition(":")[0].strip("[]")
+        if not is_loopback(host) or node.get("NodeManagerAddress") in self._local_ips():
+            return True
+        if node["NodeID"] not in self._unreachable:
+            self._unreachable.add(node["NodeID"])
+            log.error(
+                "ray node %s (%s) gets no workers: this control plane listens for workers on loopback (%s), which "
+                "only its own machine reaches; give --worker-listen an address the nodes reach (with TLS)",
+                node["NodeID"][:12],
+                node.get("NodeManagerAddress"),
+                self.target,
+            )
+        return False
+
+    def _local_ips(self) -> set[str]:
+        import ray
+
+        if self._local is None:
+            self._local = {str(ray.util.get_node_ip_address()), "127.0.0.1", "::1"}  # type: ignore[no-untyped-call]
+        return self._local
+
     def nodes(self) -> list[str]:
         """The sandbox-host nodes that have workers now."""
         return sorted(node for node, placed in self.placed.items() if placed)
@@ -205,7 +239,8 @@ class RayWorkers:
         import ray
 
         nodes = await asyncio.to_thread(ray.nodes)
-        alive = {n["NodeID"] for n in nodes if n["Alive"] and n.get("Resources", {}).get(self.config.resource, 0) > 0}
+        hosts = [n for n in nodes if n["Alive"] and n.get("Resources", {}).get(self.config.resource, 0) > 0]
+        alive = {n["NodeID"] for n in hosts if self._reaches(n)}
         for gone in set(self.placed) - alive:
             log.warning("ray node %s is gone; its workers' rollouts are retried elsewhere", gone[:12])
             del self.placed[gone]
@@ -234,7 +269,7 @@ class RayWorkers:
                     ray.kill(p.actor, no_restart=True)
                 del placed[index]  # its name is free once it is dead: placed again at once or at the next poll
                 self.replaced += 1
-                self._pause((node, index), now - p.placed_at, now)
+                self._pause((node, index), p.ran_s(now), now)
         for node in sorted(alive):
             placed = self.placed.setdefault(node, {})
             missing = [i for i in range(self.config.per_node) if i not in placed]

@@ -410,3 +410,24 @@ def test_an_actors_worker_is_heard_by_its_own_name_only() -> None:
     other = _Placed(None, None, "abcdef12", "b", "ray-abcdef12-1")
     assert not fleet._silent(heard, heard.placed_at + 1, names) and heard.heard
     assert fleet._silent(other, other.placed_at + 1, names) and not other.heard
+
+
+def test_a_loopback_target_gets_workers_on_this_machines_nodes_only() -> None:
+    # an actor on another machine dialed that machine's own loopback, and sent the worker token in clear to whatever
+    # listened there; and its 300 s until it was given up on counted as a steady run, so it was placed again at once
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import RayWorkers, _Placed
+
+    here, there = (
+        {"NodeID": "a" * 40, "NodeManagerAddress": "10.0.0.1"},
+        {"NodeID": "b" * 40, "NodeManagerAddress": "10.0.0.2"},
+    )
+    loopback = RayWorkers(RayConfig(), "127.0.0.1:5000", "token", WorkerConfig(), "fleet")
+    loopback._local = {"10.0.0.1", "127.0.0.1", "::1"}  # what Ray says this machine is
+    assert loopback._reaches(here) and not loopback._reaches(there)
+    routable = RayWorkers(RayConfig(), "10.0.0.1:5000", "token", WorkerConfig(), "fleet")
+    assert routable._reaches(there)
+    never_joined = _Placed(None, None, "b" * 40, "x", "ray-bbbbbbbb-0")
+    assert never_joined.ran_s(never_joined.placed_at + 300) == 0.0
+    never_joined.heard = True
+    assert never_joined.ran_s(never_joined.placed_at + 300) == 300
