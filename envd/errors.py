@@ -21,3 +21,7 @@ class NotFoundError(PathError, FileNotFoundError):
 
 class SymlinkRefusedError(PathError, PermissionError):
     """The path goes through a symbolic link, which envd never follows."""
+
+
+class TooLargeError(EnvdError):
+    """What a call would make is over the cap it was given (a download's archive)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import IO, TYPE_CHECKING, BinaryIO
 
-from envd.errors import InvalidRequestError, NotFoundError, PathError, SymlinkRefusedError
+from envd.errors import InvalidRequestError, NotFoundError, PathError, SymlinkRefusedError, TooLargeError
 
 if TYPE_CHECKING:
     from tempfile import SpooledTemporaryFile
@@ -261,15 +261,35 @@ def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
     return count
 
 
-def build_tar(path: str, workspace: str) -> BinaryIO:
-    """A spooled tar of a file or directory tree, links stored as links. The caller closes it."""
+class _Capped:
+    """A file that refuses a write taking it past `cap` bytes (0: no cap): the tar being built stops there."""
+
+    def __init__(self, f: SpooledTemporaryFile[bytes], cap: int, path: str) -> None:
+        self._f, self._cap, self._path = f, cap, path
+
+    def write(self, data: bytes) -> int:
+        if self._cap and self._f.tell() + len(data) > self._cap:
+            raise TooLargeError(f"the archive of {self._path!r} is over max_bytes = {self._cap}")
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
+def build_tar(path: str, workspace: str, max_bytes: int = 0) -> BinaryIO:
+    """A spooled tar of a file or directory tree, links stored as links. The caller closes it. Past `max_bytes`
+    (0: no cap) TooLargeError, the tree read no further."""
     import tarfile
 
     full = resolve(path, workspace, final_may_be_link=True)
     _lstat(full, path)
     out = spool()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        tar.add(full, arcname=os.path.basename(full) or ".", recursive=True)
+    try:
+        with tarfile.open(fileobj=_Capped(out, max_bytes, path), mode="w", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
+            tar.add(full, arcname=os.path.basename(full) or ".", recursive=True)
+    except BaseException:
+        out.close()
+        raise
     out.seek(0)
     return out  # type: ignore[return-value]
 

@@ -19,7 +19,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from envd import files
-from envd.errors import EnvdError, InvalidRequestError, NotFoundError, PathError, SymlinkRefusedError
+from envd.errors import (
+    EnvdError,
+    InvalidRequestError,
+    NotFoundError,
+    PathError,
+    SymlinkRefusedError,
+    TooLargeError,
+)
 from envd.process import Command, Ended, Output, ProcessRunner, Started
 from protos import envd_pb2 as pb
 from protos import envd_pb2_grpc as pb_grpc
@@ -64,6 +71,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (PathError, grpc.StatusCode.FAILED_PRECONDITION),
+    (TooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EnvdError, grpc.StatusCode.INTERNAL),
 ]
 
@@ -339,7 +347,9 @@ class FilesystemService(pb_grpc.FilesystemServicer):  # type: ignore[misc]
 
     @maps_errors
     async def Download(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        spool = await asyncio.to_thread(files.build_tar, request.path, self._cfg.workspace)
+        if request.max_bytes < 0:
+            raise InvalidRequestError(f"max_bytes must be >= 0 (0: no cap), got {request.max_bytes}")
+        spool = await asyncio.to_thread(files.build_tar, request.path, self._cfg.workspace, request.max_bytes)
         with spool:
             for chunk in files.iter_chunks(spool):
                 yield pb.DataChunk(data=chunk)

@@ -220,10 +220,12 @@ class UploadResponse(_message.Message):
     def __init__(self, files: _Optional[int] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "max_bytes")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    max_bytes: int
+    def __init__(self, path: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class DataChunk(_message.Message):
     __slots__ = ("data",)

@@ -105,7 +105,10 @@ func (s *filesystemServer) Upload(stream pb.Filesystem_UploadServer) error {
 // Download builds the whole archive first (spooled), so an error comes before any data, then streams it in
 // chunkBytes pieces.
 func (s *filesystemServer) Download(req *pb.DownloadRequest, stream pb.Filesystem_DownloadServer) error {
-	spool, err := fsBuildTar(req.Path, s.cfg.Workspace)
+	if req.MaxBytes < 0 {
+		return invalidf("max_bytes must be >= 0 (0: no cap), got %d", req.MaxBytes)
+	}
+	spool, err := fsBuildTar(req.Path, s.cfg.Workspace, req.MaxBytes)
 	if err != nil {
 		return err
 	}

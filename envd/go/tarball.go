@@ -10,6 +10,7 @@ import (
 	"compress/bzip2"
 	"compress/gzip"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"os"
@@ -20,6 +21,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
 )
 
 const (
@@ -543,7 +545,7 @@ func fsChmodDir(dirfd int, name, full string, mode uint32) error {
 
 // fsBuildTar is files.py's build_tar: a spooled tar of a file or directory tree, links stored as links, read
 // through directory fds so nothing is followed. The caller closes it.
-func fsBuildTar(path, workspace string) (*fsSpool, error) {
+func fsBuildTar(path, workspace string, maxBytes int64) (*fsSpool, error) {
 	full, err := fsResolve(path, workspace, true)
 	if err != nil {
 		return nil, err
@@ -559,8 +561,12 @@ func fsBuildTar(path, workspace string) (*fsSpool, error) {
 		arcname = "."
 	}
 	spool := newFsSpool()
+	var w io.Writer = spool
+	if maxBytes > 0 { // past it the tree is read no further (files.py's _Capped)
+		w = &cappedWriter{spool, maxBytes, path}
+	}
 	b := &fsTarBuilder{
-		tw: tar.NewWriter(spool), inodes: map[[2]uint64]string{}, unames: map[uint32]string{}, gnames: map[uint32]string{},
+		tw: tar.NewWriter(w), inodes: map[[2]uint64]string{}, unames: map[uint32]string{}, gnames: map[uint32]string{},
 	}
 	err = b.add(dirfd, name, full, arcname)
 	if err == nil {
@@ -577,6 +583,20 @@ func fsBuildTar(path, workspace string) (*fsSpool, error) {
 		return nil, err
 	}
 	return spool, nil
+}
+
+// cappedWriter refuses a write that takes the spool past max bytes: RESOURCE_EXHAUSTED.
+type cappedWriter struct {
+	spool *fsSpool
+	max   int64
+	path  string
+}
+
+func (c *cappedWriter) Write(p []byte) (int, error) {
+	if c.spool.size+int64(len(p)) > c.max {
+		return 0, &envdError{codes.ResourceExhausted, fmt.Sprintf("the archive of %s is over max_bytes = %d", pyRepr(c.path), c.max)}
+	}
+	return c.spool.Write(p)
 }
 
 type fsTarBuilder struct {

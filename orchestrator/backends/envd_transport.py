@@ -276,11 +276,14 @@ class EnvdTransport(Transport):
         return await self.download_at_most(path, 0)
 
     async def download_at_most(self, path: str, max_bytes: int) -> bytes:
-        """The archive, counted as it streams: past `max_bytes` (0: no cap) the call is cancelled, so envd stops
-        producing it and no more than the cap plus one chunk is ever held here."""
+        """The archive, at most `max_bytes` of it (0: no cap), or ArchiveTooLargeError. envd builds an archive whole
+        before it sends any of it: told the cap, it stops building there (a workspace of gigabytes took past the
+        call's deadline, an INFRA_ERROR, and went on filling the sandbox's /tmp after the cancel). It is counted here
+        too, as it streams."""
         parts: list[bytes] = []
         total = 0
-        call = self._fs.Download(pb.DownloadRequest(path=path), metadata=self._md, timeout=CALL_DEADLINE_S)
+        request = pb.DownloadRequest(path=path, max_bytes=max_bytes)
+        call = self._fs.Download(request, metadata=self._md, timeout=CALL_DEADLINE_S)
         try:
             async for chunk in call:
                 total += len(chunk.data)
@@ -288,6 +291,10 @@ class EnvdTransport(Transport):
                     raise ArchiveTooLargeError(f"the archive of {path!r} is over the cap of {max_bytes} bytes")
                 parts.append(chunk.data)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ArchiveTooLargeError(
+                    e.details() or f"the archive of {path!r} is over {max_bytes} bytes"
+                ) from None
             _raise(e)
         finally:
             call.cancel()

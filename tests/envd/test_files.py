@@ -11,6 +11,7 @@ import pytest
 
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.errors import (
+    ArchiveTooLargeError,
     InvalidRequestError,
     SandboxFileError,
     SandboxFileNotFoundError,
@@ -93,6 +94,24 @@ async def test_tar_upload_download_round_trip(envd_client: EnvdTransport, host_e
         assert names == ["pkg", "pkg/a.py", "pkg/big.bin", "pkg/l"]
         f = tar.extractfile("pkg/big.bin")
         assert f is not None and f.read() == blob
+
+
+async def test_a_download_over_its_cap_stops_where_the_cap_is(
+    envd_client: EnvdTransport, host_envd: tuple[str, str, Path]
+) -> None:
+    # envd built the whole archive before the first chunk and only then was cut off by the caller's count: a sparse
+    # file of 64 GiB (or a workspace of gigabytes) was read to its end, past the call's deadline (an INFRA_ERROR, where
+    # a snapshot too large falls back to the setup), and kept filling the sandbox's /tmp after the cancel
+    _, _, ws = host_envd
+    (ws / "big").mkdir()
+    (ws / "big/small.txt").write_text("x\n")
+    (ws / "big/sparse.bin").touch()
+    os.truncate(ws / "big/sparse.bin", 64 << 30)
+    with pytest.raises(ArchiveTooLargeError, match=r"the archive of 'big' is over max_bytes = 1048576"):
+        await envd_client.download_at_most("big", 1 << 20)
+    os.remove(ws / "big/sparse.bin")
+    with tarfile.open(fileobj=io.BytesIO(await envd_client.download_at_most("big", 1 << 20))) as tar:
+        assert sorted(tar.getnames()) == ["big", "big/small.txt"]
 
 
 @pytest.mark.parametrize(
