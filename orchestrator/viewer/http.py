@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,10 @@ DecoderFor = Callable[[Rollout], TokenDecoder | None]
 
 def _no_decoder(rollout: Rollout) -> TokenDecoder | None:
     return None
+
+
+# a cookie's value (RFC 6265 cookie-octet): visible ASCII but for space, ", comma, ; and backslash
+_COOKIE_VALUE = re.compile(r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]{1,4096}")
 
 
 class ViewerServer:
@@ -198,12 +203,21 @@ class _Handler(BaseHTTPRequestHandler):
         if urlsplit(self.path).path != "/login" or not self._host_ok():
             self._send(HTTPStatus.NOT_FOUND, page("Not found", "<p>Only the login form takes a POST.</p>"))
             return
+        if not self._same_origin():
+            # another site's page posting its own token would sign this browser in as that tenant (login CSRF)
+            self._send(HTTPStatus.FORBIDDEN, _login_page("the form was posted from another site"))
+            return
         raw_length = self.headers.get("Content-Length") or "0"
         length = int(raw_length) if raw_length.isdigit() else 0
         if not 0 < length <= MAX_FORM_BYTES:
             self._send(HTTPStatus.BAD_REQUEST, _login_page("the form is empty or too large"))
             return
         token = dict(parse_qsl(self.rfile.read(length).decode("utf-8", "replace"))).get("token", "").strip()
+        if not _COOKIE_VALUE.fullmatch(token):
+            # it goes into a Set-Cookie header: a CR/LF in it added headers of the sender's (a cookie for every port
+            # of this host, a redirect), and without tokens configured any token passed the check below
+            self._send(HTTPStatus.BAD_REQUEST, _login_page('a token is visible ASCII without spaces, ; , \\ or "'))
+            return
         try:
             self.server_viewer.tenant_of(f"Bearer {token}")
         except UnauthenticatedError as e:
@@ -211,6 +225,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         cookie = f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
         self._send(HTTPStatus.SEE_OTHER, "", {"Location": "/", "Set-Cookie": cookie})
+
+    def _same_origin(self) -> bool:
+        """Whether a POST came from this viewer's own page: a browser says where a request came from (Sec-Fetch-Site,
+        else Origin); a client that says neither (curl) is no other site's page."""
+        site = self.headers.get("Sec-Fetch-Site")
+        if site is not None:
+            return site in ("same-origin", "none")
+        origin = self.headers.get("Origin")
+        return origin is None or urlsplit(origin).netloc == (self.headers.get("Host") or "")
 
     def do_PUT(self) -> None:
         self._send(HTTPStatus.METHOD_NOT_ALLOWED, page("Read-only", "<p>The viewer is read-only.</p>"))

@@ -121,6 +121,25 @@ async def test_the_login_form_sets_an_http_only_cookie(tenants: tuple[Orchestrat
     assert status == 200 and job_id in page
 
 
+async def test_the_login_form_takes_no_header_of_the_senders_and_no_other_sites_post(tmp_path: Path) -> None:
+    # without tokens any token passed, and it went into Set-Cookie as sent: a CR/LF in it added a cookie for every
+    # port of 127.0.0.1 and a redirect, from any site's page that auto-submitted a form to the viewer
+    async with serve(tmp_path / "data", backend=FAKE, ui_port=0) as orch:
+        assert orch.ui is not None
+        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        injected = "token=x%0d%0aSet-Cookie:%20session=attacker%0d%0aRefresh:%200;url=http://evil.example/"
+        status, headers, page = await get(orch.ui.url, "/login", method="POST", headers=form, body=injected)
+        assert status == 400 and "visible ASCII" in page
+        assert "refresh" not in headers and "session=attacker" not in headers.get("set-cookie", "")
+        cross = {**form, "Sec-Fetch-Site": "cross-site"}
+        status, headers, page = await get(orch.ui.url, "/login", method="POST", headers=cross, body="token=abc")
+        assert status == 403 and "posted from another site" in page and "set-cookie" not in headers
+        other = {**form, "Origin": "http://evil.example"}
+        assert (await get(orch.ui.url, "/login", method="POST", headers=other, body="token=abc"))[0] == 403
+        same = {**form, "Sec-Fetch-Site": "same-origin"}
+        assert (await get(orch.ui.url, "/login", method="POST", headers=same, body="token=abc"))[0] == 303
+
+
 async def test_without_tokens_it_is_read_only_and_answers_loopback_names_only(tmp_path: Path) -> None:
     async with serve(tmp_path / "data", backend=FAKE, ui_port=0) as orch:
         assert orch.ui is not None
