@@ -49,6 +49,10 @@ def _no_decoder(rollout: Rollout) -> TokenDecoder | None:
 _COOKIE_VALUE = re.compile(r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]{1,4096}")
 
 
+MAX_RENDERS = 4  # pages rendered at once; more wait their turn
+RENDER_WAIT_S = 30.0  # then the page answers 503 Busy
+
+
 class ViewerServer:
     """The viewer serving a source on host:port (port 0: a free one) until `close()`."""
 
@@ -65,6 +69,9 @@ class ViewerServer:
         self.tenant_of: TenantOf = tenant_of or (lambda header: None)
         self.auth_enabled = auth_enabled
         self.decoder_for = decoder_for
+        # pages rendered at once: a page of a rollout a hostile policy filled holds its rollouts decoded (hundreds of
+        # MiB), and each request had a thread of its own, so a few tabs at once took the control plane's memory
+        self.renders = threading.BoundedSemaphore(MAX_RENDERS)
         viewer = self
 
         class Handler(_Handler):
@@ -183,9 +190,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             tenant = viewer.tenant_of(self._authorization())
-            start = time.perf_counter()
-            body = viewer.render(url.path, dict(parse_qsl(url.query)), tenant)
-            render_ms = 1000 * (time.perf_counter() - start)
+            if not viewer.renders.acquire(timeout=RENDER_WAIT_S):
+                raise TimeoutError
+            try:
+                start = time.perf_counter()
+                body = viewer.render(url.path, dict(parse_qsl(url.query)), tenant)
+                render_ms = 1000 * (time.perf_counter() - start)
+            finally:
+                viewer.renders.release()
         except UnauthenticatedError as e:
             self._send(HTTPStatus.UNAUTHORIZED, _login_page(str(e)), {"WWW-Authenticate": "Bearer"})
         except NotFoundError as e:

@@ -140,6 +140,37 @@ async def test_the_login_form_takes_no_header_of_the_senders_and_no_other_sites_
         assert (await get(orch.ui.url, "/login", method="POST", headers=same, body="token=abc"))[0] == 303
 
 
+def test_a_huge_text_is_shown_cut() -> None:
+    # a tool output of 16 MiB of quotes was a page of 96 MiB, about 500 MiB of the control plane's memory a request
+    from orchestrator.viewer.html import SHOWN_CHARS, folded
+
+    shown = folded('"' * (SHOWN_CHARS + 10))
+    assert "[... 10 more characters not shown]" in shown and len(shown) < 7 * SHOWN_CHARS
+
+
+async def test_pages_render_a_few_at_once_and_the_rest_wait_their_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each request rendered on a thread of its own, however many came: a few tabs of a huge rollout at once took the
+    # control plane's memory
+    from orchestrator.viewer import http
+
+    monkeypatch.setattr(http, "RENDER_WAIT_S", 0.2)
+    async with serve(tmp_path / "data", backend=FAKE, ui_port=0) as orch:
+        assert orch.ui is not None
+        held = 0
+        while orch.ui.renders.acquire(blocking=False):
+            held += 1
+        try:
+            assert held == http.MAX_RENDERS
+            status, _, page = await get(orch.ui.url, "/")
+            assert status == 503 and "Busy" in page
+        finally:
+            for _ in range(held):
+                orch.ui.renders.release()
+        assert (await get(orch.ui.url, "/"))[0] == 200
+
+
 async def test_without_tokens_it_is_read_only_and_answers_loopback_names_only(tmp_path: Path) -> None:
     async with serve(tmp_path / "data", backend=FAKE, ui_port=0) as orch:
         assert orch.ui is not None
