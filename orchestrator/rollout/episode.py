@@ -101,7 +101,8 @@ async def run_episode(
         finally:
             generation_s += phase.seconds
         model = c.model
-        if not state.fits(c.text, *(tc.arguments for tc in c.tool_calls), tokens=tracker.count_with(c)):
+        texts = (x for tc in c.tool_calls for x in (tc.arguments, tc.name, tc.id))
+        if not state.fits(c.text, *texts, tokens=tracker.count_with(c), calls=len(c.tool_calls)):
             finish = "length"  # the episode is as long as it may be (EPISODE_BYTES): TRUNCATED without this turn
             break
         tracker.add(c)

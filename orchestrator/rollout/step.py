@@ -32,6 +32,8 @@ T = TypeVar("T")
 # outcome, scored, never a masked failure: an encoded rollout over 16 MiB (worker/results.MAX_ROLLOUT_BYTES) is
 # refused as an infrastructure failure, so the budget keeps well under that.
 EPISODE_BYTES = 8 << 20
+TURN_BYTES = 96  # a turn's JSON around its texts (its keys, role, quotes), counted high
+CALL_BYTES = 64  # a tool call's
 TOKEN_BYTES = 40  # a token's id, mask and logprob as JSON, at most
 
 
@@ -59,9 +61,10 @@ class EpisodeState:
         """The episode as the scorer sees it."""
         return Episode(list(self.turns), self.answer, finish, self.tool_calls)
 
-    def fits(self, *texts: str, tokens: int = 0) -> bool:
-        """Whether the episode stays within EPISODE_BYTES with `texts` more and `tokens` tokens in all."""
-        room = EPISODE_BYTES - tokens * TOKEN_BYTES
+    def fits(self, *texts: str, tokens: int = 0, calls: int = 0) -> bool:
+        """Whether the episode stays within EPISODE_BYTES with `texts` more in a turn of `calls` tool calls (their
+        names and ids among the texts), and `tokens` tokens in all."""
+        room = EPISODE_BYTES - tokens * TOKEN_BYTES - TURN_BYTES - calls * CALL_BYTES
         if not self.exact:
             bound = self.kept
             for t in texts:
@@ -76,13 +79,19 @@ class EpisodeState:
         if self.exact:
             self.kept += _turn_bytes(turn)
         else:
-            self.kept += 6 * len(turn.text) + 2
+            self.kept += TURN_BYTES + 6 * (len(turn.text) + len(turn.name) + len(turn.tool_call_id)) + 6
             for call in turn.tool_calls or ():
-                self.kept += 6 * len(call.arguments) + 2
+                self.kept += CALL_BYTES + 6 * (len(call.arguments) + len(call.name) + len(call.id)) + 6
 
 
 def _turn_bytes(turn: Turn) -> int:
-    return json_bytes(turn.text) + sum(json_bytes(c.arguments) for c in turn.tool_calls or ())
+    """A turn's bytes in the rollout's JSON: its texts, a tool call's name and id among them (junk names and 2,000
+    calls a turn took a rollout within the budget to 19-27 MiB, over what a worker may send: a scored rollout was an
+    INFRA_ERROR, masked, on workers alone), and the structure around them."""
+    own = TURN_BYTES + json_bytes(turn.text) + json_bytes(turn.name) + json_bytes(turn.tool_call_id)
+    return own + sum(
+        CALL_BYTES + json_bytes(c.arguments) + json_bytes(c.name) + json_bytes(c.id) for c in turn.tool_calls or ()
+    )
 
 
 def json_bytes(text: str) -> int:

@@ -379,7 +379,11 @@ class SessionManager:
         try:
             # a final step's grader gets its own timeouts' worth (Environment.scoring_timeout_s), at least
             async with asyncio.timeout(self._step_budget(s.env, s.task)):
-                if not s.state.fits(action.arguments if isinstance(action, ToolAction) else action.text):
+                if isinstance(action, ToolAction):
+                    fits = s.state.fits(action.arguments, action.name, action.call_id, calls=1)
+                else:
+                    fits = s.state.fits(action.text)
+                if not fits:
                     finish = "length"  # the episode is as long as it may be (EPISODE_BYTES): TRUNCATED without it
                 elif isinstance(action, ToolAction):
                     call = ToolCallRecord(

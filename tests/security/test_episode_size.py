@@ -128,3 +128,36 @@ async def test_a_first_prompt_over_the_models_context_is_a_policy_error_never_sc
     rollout = await _one_rollout(tmp_path, Script(default=[Step(error_status=400, error_message=VLLM_CONTEXT)]))
     assert rollout.status == RolloutStatus.POLICY_ERROR and rollout.reward is None
     assert rollout.error is not None and "first prompt does not fit the model's context" in rollout.error.message
+
+
+@pytest.mark.parametrize(("calls", "name"), [(2000, ""), (20, "n" * 200_000)], ids=["many-calls", "long-names"])
+def test_the_episode_budget_counts_what_the_rollout_holds(calls: int, name: str) -> None:
+    # the budget counted texts and arguments only: 2,000 calls a turn, or 20 with junk names of 200k characters, took
+    # a rollout within it to 19-27 MiB, over what a worker may send, and a scored rollout was an INFRA_ERROR, masked,
+    # on workers alone (the same one was scored by the control plane's own runner)
+    from orchestrator.core.models import ToolCallRecord, Turn
+    from orchestrator.rollout.step import EpisodeState, record_assistant
+
+    state = EpisodeState({}, [])
+    turn = 0
+    while True:
+        made = [ToolCallRecord(id=f"call-{turn}-{i}", name=name, arguments="{}") for i in range(calls)]
+        if not state.fits("", *(x for c in made for x in (c.arguments, c.name, c.id)), calls=len(made)):
+            break
+        record_assistant(state, "", made)
+        for c in made:
+            state._keep(Turn(role="tool", text="error: unknown tool", tool_call_id=c.id, name=c.name))
+        turn += 1
+    rollout = Rollout(
+        id="j:t:0",
+        job_id="j",
+        env="e",
+        task_id="t",
+        group_id="j:t",
+        sample_index=0,
+        status=RolloutStatus.TRUNCATED,
+        reward=0.0,
+        turns=state.turns,
+    )
+    assert turn > 0
+    assert len(rollout.model_dump_json().encode()) <= EPISODE_BYTES < MAX_ROLLOUT_BYTES
