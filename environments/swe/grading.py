@@ -181,7 +181,15 @@ def read_eval_log(log: str, framework: str, nonce: str = "") -> EvalLog:
     if m and m.group(1) in APPLY_METHODS:
         method = m.group(1)  # type: ignore[assignment]
     head = log.split(f"{START_TEST_OUTPUT} {nonce}".rstrip(), 1)[0]
-    head_lines = set(head.split("\n"))
+    # the script's own steps are what comes before the tests start: from there on the code under test runs, and it
+    # can write to the script's output (its parent's /proc/PID/fd/1): a "Reset Failed" it printed made its 0 an
+    # infrastructure failure, masked and retried
+    setup = head.split("\n")
+    started = f"{TESTS_STARTED} {nonce}".rstrip()
+    if started in setup:
+        setup = setup[: setup.index(started)]
+    head = "\n".join(setup)
+    head_lines = set(setup)
 
     def result(valid: bool, error: str | None, statuses: StatusMap | None = None, **kw: Any) -> EvalLog:
         return EvalLog(

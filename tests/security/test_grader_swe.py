@@ -85,6 +85,16 @@ async def test_a_patch_cannot_replace_or_plug_into_the_test_runner(
 
 # a line git apply echoes whole when it warns of its trailing whitespace: the script's own marker, forged
 FORGED_MARKER = ">>>>> Reset Failed: the agent says so "
+# imported by the tests in calc.py's place: it writes the marker to the script's own output (bash, the parent of the
+# tests' `timeout`), past the line that says the tests started
+WRITER = """import os
+ppid = os.getppid()
+with open(f"/proc/{ppid}/stat") as f:
+    script = int(f.read().rsplit(")", 1)[1].split()[1])
+with open(f"/proc/{script}/fd/1", "w") as out:
+    out.write("\\n>>>>> Reset Failed: written by the code under test\\n")
+from calc_impl import *
+"""
 # imported by the tests in calc.py's place (a package comes before a module): it stops the tests' parent, the
 # `timeout` the script waits for, so the script never ends
 STOPPER = "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\nfrom calc_impl import *\n"
@@ -108,6 +118,7 @@ async def test_a_patch_cannot_turn_its_0_into_a_grader_failure(
     preds = [
         pred(iid, "forged-marker", _new_file("notes.txt", FORGED_MARKER)),
         pred(iid, "stopper", _new_file("calc/__init__.py", STOPPER)),
+        pred(iid, "writer", _new_file("calc/__init__.py", WRITER)),
     ]
     summary = await run_evaluation(
         [tiny.pytest], preds, run_id="r", backend=backend, client=docker_client, log_dir=tmp_path, timeout_s=5
@@ -131,3 +142,17 @@ async def test_a_patch_cannot_turn_its_0_into_a_grader_failure(
     )
     assert not checked(grade).resolved and grade.error is None, grade.error
     assert not report(run, "stopper", iid)["resolved"]
+    # a marker the code under test wrote to the script's output, after the tests started: graded, not a set-up
+    # failure (it was read as one: INFRA_ERROR, masked)
+    log = (run / "writer" / iid / "test_output.txt").read_text()
+    assert ">>>>> Reset Failed: written by the code under test" in log.splitlines()
+    grade = grade_log(
+        iid,
+        log,
+        framework=inst.test_runner.framework,
+        fail_to_pass=inst.FAIL_TO_PASS,
+        pass_to_pass=inst.PASS_TO_PASS,
+        model_patch="x",
+        nonce=find_nonce(log),
+    )
+    assert not checked(grade).resolved, grade
