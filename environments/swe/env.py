@@ -268,7 +268,9 @@ class SweEnv(Environment):
         # a fresh, unpredictable folder: nothing the agent left in /tmp can be in the way
         root = f"{GRADE_DIR}-{secrets.token_hex(6)}"
         base = f"{root}/base"
-        r = await sandbox.exec(["sh", "-c", f"{CLEAR_TMP}; mkdir -p {base}"], timeout=CLEAR_S)
+        # from "/": the workspace is the agent's, and one it made unenterable (chmod 000) failed this step, an
+        # infrastructure failure (masked) instead of its grade
+        r = await sandbox.exec(["/bin/sh", "-c", f"{CLEAR_TMP}; mkdir -p {base}"], cwd="/", timeout=CLEAR_S)
         if r.exit_code != 0:
             raise SandboxError(f"could not create {base}: {r.stderr.decode(errors='replace')[-300:]}")
         await sandbox.upload(await self._repos.tar(inst, env_image), base)

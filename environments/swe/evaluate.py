@@ -73,7 +73,8 @@ async def evaluate_in_sandbox(
     bundle = make_bundle(instance, model_patch, nonce=nonce, repo_dir=repo_dir, work_dir=work_dir, timeout_s=timeout)
     t0 = time.monotonic()
     result = await sandbox.exec(
-        ["bash", "-c", f"exec 2>&1; {BOOTSTRAP}"],
+        ["/bin/bash", "-c", f"exec 2>&1; {BOOTSTRAP}"],
+        cwd="/",  # not the agent's workspace, which it may have made unenterable
         stdin=bundle.tar(),
         env=EVAL_ENV,
         timeout=timeout + EXEC_MARGIN_S,

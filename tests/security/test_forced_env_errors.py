@@ -251,6 +251,19 @@ def test_the_answer_variable_is_cut_in_bytes_at_a_character_boundary() -> None:
     assert answer_env("ok\x00\udfff") == "ok\ufffd\ufffd" and answer_env(None) == ""
 
 
+async def test_a_workspace_made_unenterable_is_graded_not_masked(tmp_path: Path, base_image: str) -> None:
+    # the grade's first step ran in the workspace (envd's default cwd): after the agent's `chmod 000 /workspace`
+    # it could not start, and every wrong answer was an INFRA_ERROR, masked and retried
+    env = SweEnv()
+    idle = env.tasks()[1]
+    lock = Step(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": "chmod 000 /workspace"})])
+    steps = {idle.id: [lock, Step(tool_calls=[ScriptedToolCall(name="submit")])]}
+    async with serve(tmp_path, Registry.from_entry_points()) as orch, EnvfleetClient(orch.address) as client:
+        got = await _run(client, "swe", Script(tasks=steps))
+    r = got[idle.id]
+    assert (r.status, r.reward) == (RolloutStatus.OK, 0.0), (r.status, r.error)
+
+
 async def test_a_full_tmp_does_not_stop_the_swe_grade(tmp_path: Path, base_image: str) -> None:
     # the grade unpacks a fresh copy of the repository in /tmp: a policy that filled /tmp (and planted a directory it
     # cannot enter) broke it, ENV_ERROR for a wrong patch, when it must score 0, and for a right one, which scores 1
