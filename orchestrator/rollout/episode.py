@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.core.environment import Environment, Episode, Finish, Task
-from orchestrator.core.errors import ContextFull, PolicyError
+from orchestrator.core.errors import ContextFull, EnvironmentBroken, PolicyError
 from orchestrator.core.models import ToolCallRecord, Turn
 from orchestrator.core.policy import Sampling
 from orchestrator.core.sandbox import Sandbox
@@ -78,8 +78,11 @@ async def run_episode(
     policy's (its requests have their own timeout, and the rollout's stays TIMEOUT)."""
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
-    messages: list[dict[str, Any]] = env.messages(task)
-    turns.extend(opening_turns(messages))
+    try:  # environment code, as setup and scoring are: a bug in it is ENV_ERROR, never retried as infrastructure
+        messages: list[dict[str, Any]] = env.messages(task)
+        turns.extend(opening_turns(messages))
+    except Exception as e:
+        raise EnvironmentBroken(f"the environment's opening messages failed: {type(e).__name__}: {e}") from e
     tracker = TokenTracker()
     generation_s = tools_s = 0.0
     finish: Finish = "max_turns"

@@ -9,6 +9,7 @@ import asyncio
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -95,3 +96,33 @@ async def test_a_non_finite_reward_is_env_error_never_a_scored_rollout(tmp_path:
         r = got[tid]
         assert (r.status, r.reward) == (RolloutStatus.ENV_ERROR, None), (tid, r.status, r.reward)
         assert r.error is not None and "not a finite number" in r.error.message, r.error
+
+
+class OpeningFailsEnv(ScorerSaysEnv):
+    """An environment whose opening messages fail for a task (a plug-in's bug)."""
+
+    name = "opening-fails"
+
+    def messages(self, task: Task) -> list[dict[str, Any]]:
+        raise KeyError("expected")
+
+
+async def test_an_environments_opening_messages_that_fail_are_env_error_never_retried(tmp_path: Path) -> None:
+    # the hook ran outside the guard that setup and scoring have: its KeyError was unclassified, an INFRA_ERROR,
+    # retried on fresh sandboxes and then masked as the fleet's failure
+    backend = FakeBackendConfig(owner=TEST_OWNER)
+    async with (
+        serve(tmp_path, backend=backend, environments=[f"{__name__}:OpeningFailsEnv"]) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        job_id = await client.submit(
+            JobSpec(
+                env=OpeningFailsEnv.name,
+                policy=PolicyEndpoint(base_url=REPLAY_URL),
+                tasks=TaskSelection(kind="ids", ids=["fine"]),
+            )
+        )
+        async with asyncio.timeout(60):
+            (r,) = [r async for r in client.rollouts(job_id)]
+    assert (r.status, r.reward, r.attempts) == (RolloutStatus.ENV_ERROR, None, 1), r
+    assert r.error is not None and r.error.kind == "KeyError", r.error
