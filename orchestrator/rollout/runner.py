@@ -263,9 +263,19 @@ class RolloutRunner:
                             await env_call(env.setup(box, item.task, item.seed))
                             setup_kind = "own"
                     timing.setup = phase.seconds
+                    # the episode's share of the attempt: scoring keeps the rest, whatever the policy spent
+                    episode_deadline = loop_start + spec.rollout_timeout_s - scoring_reserve(spec)
+                    budget = spec.rollout_timeout_s - scoring_reserve(spec)
+                    if episode_deadline - loop.time() < budget / 2:
+                        # the fleet (the image, a sandbox, the environment's setup) took more than half the policy's
+                        # time: a short episode here is no outcome of the policy's (its first tool call found the
+                        # time gone, and a TRUNCATED 0 was scored for the fleet's slowness)
+                        raise SandboxWaitTimeoutError(
+                            f"the sandbox and the environment's setup took {loop.time() - loop_start:.0f}s of the "
+                            f"rollout's {spec.rollout_timeout_s:g}s, more than half of the {budget:.0f}s the episode "
+                            "has"
+                        )
                     with Phase(span, "episode") as phase:
-                        # the episode's share of the attempt: scoring keeps the rest, whatever the policy spent
-                        episode_deadline = loop_start + spec.rollout_timeout_s - scoring_reserve(spec)
                         result = await run_episode(
                             env,
                             item.task,

@@ -252,6 +252,22 @@ async def test_a_policy_version_update_keeps_the_endpoints_client() -> None:
     await backend.close()
 
 
+async def test_a_fleet_that_took_most_of_the_policys_time_is_infrastructure_not_a_short_episode(
+    tmp_path: Path, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # the episode's deadline counts from the attempt's start: a sandbox that took 460 s of a 600 s rollout left the
+    # policy nothing, its first tool call found the time gone, and the fleet's slowness was scored, a TRUNCATED 0
+    slow = FakeBackendConfig(owner=TEST_OWNER, create_latency_s=4.0)
+    async with serve(tmp_path / "data", backend=slow) as orch, EnvfleetClient(orch.address) as client:
+        # 8 s: 6 for the episode, of which the sandbox takes 4
+        job_id = await client.submit(job(policy_server.url, task_ids[:1], rollout_timeout_s=8, max_infra_retries=0))
+        async with asyncio.timeout(30):
+            (r,) = [r async for r in client.rollouts(job_id)]
+    assert (r.status, r.reward, r.attempts) == (RolloutStatus.INFRA_ERROR, None, 1), r
+    assert r.error is not None and r.error.kind == "SandboxWaitTimeoutError", r.error
+    assert "more than half of the 6s the episode has" in r.error.message
+
+
 async def test_a_rollout_out_of_time_before_it_had_a_sandbox_is_infrastructure_not_a_timeout(
     tmp_path: Path, policy_server: ScriptedServer, task_ids: list[str]
 ) -> None:
