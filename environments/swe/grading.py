@@ -226,6 +226,10 @@ def read_eval_log(log: str, framework: str, nonce: str = "") -> EvalLog:
     statuses = parse(output)
     if timed_out:
         return result(False, "the tests timed out", statuses, exit_code=exit_code, timed_out=True, output=output)
+    if any(line.startswith(TESTS_ERROR) for line in tail.split("\n")):
+        # the evaluation says the sandbox ran out of memory (evaluate.py): what the run printed does not describe it
+        # (a test's process killed, its report maybe written before), so it is no resolution; it was graded as is
+        return result(False, "the sandbox ran out of memory while the tests ran", statuses, output=output)
     if not statuses:
         return result(False, "no test results in the output", statuses, exit_code=exit_code, output=output)
     if exit_code not in (None, 0) and not any(s in (TestStatus.FAILED, TestStatus.ERROR) for s in statuses.values()):

@@ -10,6 +10,7 @@ from environments.swe.grading import (
     END_TEST_OUTPUT,
     START_TEST_OUTPUT,
     TEST_EXIT_CODE,
+    TESTS_ERROR,
     TESTS_TIMEOUT,
     ResolvedStatus,
     TestStatus,
@@ -135,6 +136,11 @@ def test_read_eval_log_needs_the_nonce_fence() -> None:
         (_log(PYTEST_OUT, code=124) + f"{TESTS_TIMEOUT}\n", "timed out"),
         (_log("nothing ran", code=4), "no test results"),
         (_log("PASSED tests/test_a.py::test_two", code=1), "reported no failure"),
+        # the evaluation's note that the sandbox ran out of memory was written and never read: graded as printed
+        (
+            _log(PYTEST_OUT.replace("FAILED", "PASSED")) + f"{TESTS_ERROR}: the sandbox ran out of memory\n",
+            "ran out of memory",
+        ),
     ],
 )
 def test_bad_logs_are_not_graded(log: str, error: str) -> None:
