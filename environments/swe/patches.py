@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import difflib
 import re
 from dataclasses import dataclass
@@ -60,12 +62,34 @@ def _named_paths(patch: str) -> list[str]:
     return names
 
 
+# What git and patch read as a header's file name, read as they read it: lines end at "\n" only (Python's
+# splitlines also ends one at U+0085, where a header hid ".git/config" from the check), a quoted name's escapes are
+# decoded ("b/\056git/config" is b/.git/config), and a context diff's "***" headers count too.
+_HEADER_PREFIXES = ("--- ", "+++ ", "*** ", "diff ", "rename from ", "rename to ", "copy from ", "copy to ", "Index: ")
+_GIT_COMPONENT = re.compile(r'(?:^|[/\s"])\.git(?:[/\s"]|$)', re.IGNORECASE)
+
+
+def _header_texts(patch: str) -> list[str]:
+    out = []
+    for line in patch.split("\n"):
+        for prefix in _HEADER_PREFIXES:
+            if line.startswith(prefix):
+                rest = line[len(prefix) :]
+                with contextlib.suppress(ValueError):  # C escapes of bytes (\056, \303\251), as git quotes a name
+                    rest = codecs.escape_decode(rest.encode("utf-8"))[0].decode("utf-8", "replace")
+                out.append(rest)
+                break
+    return out
+
+
 def check_patch(patch: str) -> PatchProblem | None:
     """What makes `patch` a malformed unified diff, or a patch of a repository's .git folder (fatal: nothing a change
     of the code writes, and `patch --fuzz`, the last way the grader tries, would write there: a filter that runs at
     the grader's next checkout restored a test file of the agent's making), or None. Empty text is not checked (it
     is an empty patch)."""
     inside = next((p for p in _named_paths(patch) if ".git" in p.lower().split("/")), None)
+    if inside is None:
+        inside = next((t for t in _header_texts(patch) if _GIT_COMPONENT.search(t)), None)
     if inside is not None:
         return PatchProblem(f"it names {inside!r}, inside a repository's .git folder: no change of the code", True)
     problem = _problem(patch)
