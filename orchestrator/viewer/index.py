@@ -157,20 +157,27 @@ class Index:
     _sorted: dict[tuple[str, str, str, str, SortKey, bool], list[Row]] = field(default_factory=dict)
 
     def add(self, rows: Iterable[Row]) -> None:
-        """Add (or replace) rows; cached orders are dropped."""
-        for row in rows:
-            self.rows[row.id] = row
+        """Add (or replace) rows; cached orders are dropped. The rows and the cache are new objects, never changed in
+        place: another request's thread may be reading the ones it took (the viewer serves a thread a request), and
+        a dict changed under it failed its page, or a query of the old rows cached its order after the drop."""
+        new = list(rows)
+        if not new:
+            return
+        table = dict(self.rows)
+        for row in new:
+            table[row.id] = row
             self.last_seq = max(self.last_seq, row.seq)
-        self._sorted.clear()
+        self.rows, self._sorted = table, {}
 
     def query(self, q: Query) -> Page:
         """The page of rows that `q` asks for; a filter and order are cached, so paging through them is cheap."""
         key = (q.status, q.env, q.task, q.group, q.sort, q.desc)
-        ordered = self._sorted.get(key)
+        rows, cache = self.rows, self._sorted  # as they are now: an add makes new ones
+        ordered = cache.get(key)
         if ordered is None:
             ordered = [
                 r
-                for r in self.rows.values()
+                for r in rows.values()
                 if (not q.status or r.status == q.status)
                 and (not q.env or r.env == q.env)
                 and (not q.task or q.task in r.task_id)
@@ -180,16 +187,16 @@ class Index:
             if q.sort == "reward" and q.desc:  # keep the unscored last when descending too
                 cut = bisect.bisect_left([r.reward is not None for r in ordered], True)
                 ordered = ordered[cut:] + ordered[:cut]
-            if len(self._sorted) > 16:
-                self._sorted.clear()
-            self._sorted[key] = ordered
+            if len(cache) > 16:
+                cache.clear()
+            cache[key] = ordered
         start = (q.page - 1) * q.per_page
-        return Page(ordered[start : start + q.per_page], len(ordered), len(self.rows), q)
+        return Page(ordered[start : start + q.per_page], len(ordered), len(rows), q)
 
     def by_status(self) -> dict[str, StatusSummary]:
         """Counts and mean rewards by status."""
         out: dict[str, StatusSummary] = {}
-        for r in self.rows.values():
+        for r in list(self.rows.values()):
             s = out.setdefault(r.status, StatusSummary())
             s.count += 1
             if r.reward is not None:
@@ -199,11 +206,11 @@ class Index:
 
     def envs(self) -> list[str]:
         """The environments of the rows."""
-        return sorted({r.env for r in self.rows.values()})
+        return sorted({r.env for r in list(self.rows.values())})
 
     def throughput(self, bins: int = 40) -> tuple[float, float, list[int]]:
         """Rollouts finished per time bin: (start, bin width in seconds, counts); empty without finish times."""
-        times = [r.finished_at for r in self.rows.values() if r.finished_at > 0]
+        times = [r.finished_at for r in list(self.rows.values()) if r.finished_at > 0]
         if not times:
             return 0.0, 0.0, []
         lo, hi = min(times), max(times)

@@ -110,3 +110,42 @@ async def test_rows_read_from_the_result_log_match_the_rollouts(tmp_path: Path) 
         await store.close()
     assert rows == [Row.of(r.model_dump(mode="json"), seq=i + 1) for i, r in enumerate(rollouts)]
     assert [r.seq for r in later] == [29, 30, 31] and later[-1].turns == 7 and later[-1].reward == 1.0
+
+
+def test_a_query_reads_the_rows_as_they_were_when_it_started() -> None:
+    # the viewer serves a thread a request: an add on one thread changed the dict another thread's query was walking
+    # ("dictionary changed size during iteration", the page failed), or cached its old order after the drop
+    index = Index()
+    index.add([Row(1, "j:t:0", "j", "e@1", "t", "j:t", 0, "OK", 1.0, 1, 1.0, 1.0)])
+
+    class AddsWhileRead(str):
+        """A status whose comparison, mid-query, adds a row as another thread would."""
+
+        def __eq__(self, other: object) -> bool:
+            if len(index.rows) < 3:
+                index.add(
+                    [
+                        Row(
+                            len(index.rows) + 1,
+                            f"j:t:{len(index.rows)}",
+                            "j",
+                            "e@1",
+                            "t",
+                            "j:t",
+                            0,
+                            "OK",
+                            1.0,
+                            1,
+                            1.0,
+                            2.0,
+                        )
+                    ]
+                )
+            return str.__eq__(self, other)
+
+        __hash__ = str.__hash__
+
+    index.add([Row(2, "j:t:1", "j", "e@1", "t", "j:t", 1, AddsWhileRead("OK"), 1.0, 1, 1.0, 1.0)])
+    page = index.query(Query(status="OK"))
+    assert page.matched == 2  # the rows as they were when it began
+    assert index.query(Query(status="OK")).matched == len(index.rows) == 3  # and the next query sees the new one
