@@ -107,6 +107,9 @@ def _env_vars(field: Mapping[str, str], what: str) -> dict[str, str]:
     return dict(field)
 
 
+STDIN_END_GRACE_S = 0.05  # ExecStream's stdin ends this long after its caller's last message (_StreamedStdin)
+
+
 class _StreamedStdin:
     """ExecStream's stdin: the request's own, then each later message's, read only as the process takes them.
 
@@ -129,6 +132,11 @@ class _StreamedStdin:
             async for m in self._rest:
                 if m.WhichOneof("input") == "stdin" and m.stdin:
                     yield m.stdin
+            # gRPC ends the messages of a call its caller cancelled as it ends those of one it closed, and the
+            # handler's cancellation comes a few loop turns later: ended at once, stdin let the command run on with
+            # part of its input (`cat > f; touch done` ran to its end) whenever the end got to envd first. A cancel
+            # is in by the end of this pause (its callback is queued before the timer), a close's end is this late
+            await asyncio.sleep(STDIN_END_GRACE_S)
         except InvalidRequestError as e:
             self.unreadable = e
             self.broken.set()

@@ -438,6 +438,34 @@ async def test_an_exec_stream_its_caller_cancels_stops_its_command(tmp_path: Pat
         await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
 
 
+async def test_a_cancelled_callers_stdin_does_not_end_before_the_cancel_arrives() -> None:
+    # gRPC ends a cancelled caller's messages as it ends a closed call's, and cancels the handler a few loop turns
+    # later: stdin ended at once, and under load its end reached envd first (a clean-clone CI run: the test above
+    # found "ran", the command run to its end on half its input)
+    from orchestrator.server.trainer_services import _StreamedStdin
+
+    async def rest() -> AsyncIterator[pb.ExecInput]:
+        yield pb.ExecInput(stdin=b"the first half")  # then the caller cancelled
+
+    stdin = _StreamedStdin(pb.ExecInput(request=pb.ExecRequest()), rest())
+    got: list[bytes] = []
+    ended = False
+
+    async def feed() -> None:
+        nonlocal ended
+        async for chunk in stdin.chunks():
+            got.append(chunk)
+        ended = True
+
+    task = asyncio.ensure_future(feed())
+    for _ in range(5):  # the handler's cancellation, as gRPC delivers it
+        await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert got == [b"the first half"] and not ended
+
+
 async def test_exec_stream_needs_the_request_first(tmp_path: Path) -> None:
     async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as c:
 
