@@ -17,8 +17,11 @@ COUNT_SLEEPS = (
 
 async def test_no_process_outlives_a_docker_exec(backend: DockerBackend, base_image: str) -> None:
     async with await backend.create(SandboxSpec(image=base_image, transport="docker-exec")) as box:
-        r = await box.exec("sleep 1037 & sleep 1037 & " + COUNT_SLEEPS)
-        assert r.stdout.strip() == b"2", r  # the count sees them
+        # the count sees them, once both have started (on a loaded host the second may not have yet: a clean-clone
+        # CI run counted 1)
+        seen = f'for i in $(seq 100); do n=$({COUNT_SLEEPS}); [ "$n" = 2 ] && break; sleep 0.1; done; echo "$n"'
+        r = await box.exec("sleep 1037 & sleep 1037 & " + seen)
+        assert r.stdout.strip() == b"2", r
         # escaped from its group and environment, holding stdout: before, the call waited the full timeout (and the
         # sleeps stayed); now it ends when the shell does and the sleeps are gone
         t0 = time.monotonic()
