@@ -49,22 +49,9 @@ class PatchProblem:
     fatal: bool
 
 
-_GIT_PATH_LINE = re.compile(r"^(?:diff --git |rename (?:from|to) |copy (?:from|to) )(.*)$")
-
-
-def _named_paths(patch: str) -> list[str]:
-    """Every path a patch's headers name: --- / +++, git's diff line (both sides), renames and copies."""
-    names = list(patch_files(patch))
-    for line in patch.splitlines():
-        m = _GIT_PATH_LINE.match(line)
-        if m:
-            names += m[1].split(" ")
-    return names
-
-
-# What git and patch read as a header's file name, read as they read it: lines end at "\n" only (Python's
-# splitlines also ends one at U+0085, where a header hid ".git/config" from the check), a quoted name's escapes are
-# decoded ("b/\056git/config" is b/.git/config), and a context diff's "***" headers count too.
+# Every header that names a file (--- / +++, a context diff's ***, git's diff line, renames and copies, Index:),
+# read as git and patch read it: lines end at "\n" only (Python's splitlines also ends one at U+0085, where a header
+# hid ".git/config"), and a quoted name's escapes are decoded ("b/\056git/config" is b/.git/config).
 _HEADER_PREFIXES = ("--- ", "+++ ", "*** ", "diff ", "rename from ", "rename to ", "copy from ", "copy to ", "Index: ")
 _GIT_COMPONENT = re.compile(r'(?:^|[/\s"])\.git(?:[/\s"]|$)', re.IGNORECASE)
 
@@ -87,9 +74,7 @@ def check_patch(patch: str) -> PatchProblem | None:
     of the code writes, and `patch --fuzz`, the last way the grader tries, would write there: a filter that runs at
     the grader's next checkout restored a test file of the agent's making), or None. Empty text is not checked (it
     is an empty patch)."""
-    inside = next((p for p in _named_paths(patch) if ".git" in p.lower().split("/")), None)
-    if inside is None:
-        inside = next((t for t in _header_texts(patch) if _GIT_COMPONENT.search(t)), None)
+    inside = next((t for t in _header_texts(patch) if _GIT_COMPONENT.search(t)), None)
     if inside is not None:
         return PatchProblem(f"it names {inside!r}, inside a repository's .git folder: no change of the code", True)
     problem = _problem(patch)
