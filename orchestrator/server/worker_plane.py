@@ -19,9 +19,10 @@ from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.server.security import server_credentials
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.worker.config import WorkerConfig
-from orchestrator.worker.hub import MAX_WIRE_BYTES, WorkerHub
+from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.identity import FleetIdentity, fresh_identity, load_identity
 from orchestrator.worker.ray_fleet import RayWorkers
+from orchestrator.worker.results import MAX_WIRE_BYTES
 from orchestrator.worker.servicer import WorkerServicer
 from orchestrator.worker.spawn import LocalWorkers
 from protos import worker_pb2_grpc as wpb_grpc

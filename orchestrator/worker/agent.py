@@ -32,7 +32,7 @@ from orchestrator.service.declarative.spec import EnvironmentSpec
 from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.registry import Registry
 from orchestrator.worker.outbox import Outbox, as_messages
-from orchestrator.worker.results import MAX_ROLLOUT_BYTES, InvalidResultError, encode
+from orchestrator.worker.results import MAX_ROLLOUT_BYTES, MAX_WIRE_BYTES, InvalidResultError, encode
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 
@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_WIRE_BYTES),
+    ("grpc.max_send_message_length", MAX_WIRE_BYTES),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),

@@ -32,7 +32,7 @@ from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
 from orchestrator.worker.metrics import MAX_SNAPSHOT_BYTES
 from orchestrator.worker.outbox import Outbox, as_messages
-from orchestrator.worker.results import InvalidResultError, add_attempts, decode
+from orchestrator.worker.results import MAX_WIRE_BYTES, InvalidResultError, add_attempts, decode
 from protos import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,6 @@ STARVED_CUTOFFS = 6  # heartbeat cut-offs in a row a silent local worker that us
 MAX_TRACKED_GROUPS = 100_000
 DISPATCH_SAMPLES = 100_000
 MAX_ASSIGN_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB); an environment's spec can be large
-MAX_WIRE_BYTES = 64 << 20  # one message of the worker wire, either way (server/worker_plane.py, worker/agent.py)
 MAX_ASSIGNMENT_BYTES = MAX_WIRE_BYTES - (64 << 10)  # one assignment, with room for the message around it
 
 

@@ -23,7 +23,8 @@ from orchestrator.server.convert import rollout_pb
 from protos import orchestrator_pb2 as pb
 from protos import worker_pb2 as wpb
 
-MAX_ROLLOUT_BYTES = 16 << 20  # each form; the worker wire's messages are capped at 64 MiB
+MAX_WIRE_BYTES = 64 << 20  # one message of the worker wire, either way (the control plane's and the worker's channel)
+MAX_ROLLOUT_BYTES = 16 << 20  # each form of a rollout, well inside one message
 
 
 class InvalidResultError(InvalidRequestError):
