@@ -264,8 +264,8 @@ class RolloutRunner:
                             setup_kind = "own"
                     timing.setup = phase.seconds
                     # the episode's share of the attempt: scoring keeps the rest, whatever the policy spent
-                    episode_deadline = loop_start + spec.rollout_timeout_s - scoring_reserve(spec)
                     budget = spec.rollout_timeout_s - scoring_reserve(spec)
+                    episode_deadline = loop_start + budget
                     if episode_deadline - loop.time() < budget / 2:
                         # the fleet (the image, a sandbox, the environment's setup) took more than half the policy's
                         # time: a short episode here is no outcome of the policy's (its first tool call found the
