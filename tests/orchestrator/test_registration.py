@@ -8,7 +8,6 @@ import copy
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 import yaml
 
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.environment import Environment, Rubric, Task
 from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.service.declarative import SpecError, parse_spec
@@ -335,44 +333,6 @@ async def test_task_json_python_cannot_hold_is_refused_naming_it(
     with pytest.raises(SpecError, match=rf"tasks_jsonl line 2: not usable JSON: .*{message}"):
         parse_spec(
             {**{k: v for k, v in word_count_spec(name="odd-jsonl").items() if k != "tasks"}, "tasks_jsonl": jsonl}
-        )
-
-
-class _InstalledLater(Environment):
-    """A built-in environment the operator installs after a tenant registered a spec of the same name."""
-
-    name = "installed-later"
-    tools = ("submit",)
-    max_turns = 1
-    rubric = Rubric([("one", lambda ctx: 1.0, 1.0)])
-
-    def tasks(self) -> Sequence[Task]:
-        return [Task(id="t", prompt="submit")]
-
-
-async def test_a_saved_tenant_environment_never_replaces_a_built_in_of_its_name(tmp_path: Path) -> None:
-    # the saved spec was loaded back without the name checks a Register makes, over the built-in: every tenant's
-    # "installed-later" (and the jobs resumed on it) ran the tenant's environment, with the tenant's scoring
-    from orchestrator.backends.config import FakeBackendConfig
-    from orchestrator.service.registration import SPEC_SOURCE
-    from tests.conftest import TEST_OWNER
-
-    fake = FakeBackendConfig(owner=TEST_OWNER)
-    spec = word_count_spec(name=_InstalledLater.name)
-    spec["scoring"]["command"] = """echo '{"reward": 1}'"""  # the fake backend echoes it: the reference passes
-    before = Registry.from_entry_points()
-    async with serve(tmp_path, before, backend=fake) as orch, EnvfleetClient(orch.address) as client:
-        await client.env_stub.Register(to_pb(spec))
-        assert before.lookup(_InstalledLater.name).source == SPEC_SOURCE
-    registry = Registry.from_entry_points()
-    registry.register(_InstalledLater())
-    async with serve(tmp_path, registry, backend=fake) as orch, EnvfleetClient(orch.address) as client:
-        assert registry.lookup(f"{_InstalledLater.name}@1").source == "python"
-        assert isinstance(registry.get(_InstalledLater.name), _InstalledLater)
-        await expect_error(
-            client.env_stub.Register(to_pb({**spec, "version": "2"})),
-            grpc.StatusCode.PERMISSION_DENIED,
-            "is a built-in environment of this server",
         )
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from environments.swe.env import checked
 from environments.swe.evaluate import run_evaluation
-from environments.swe.grading import find_nonce, grade_log
+from environments.swe.grading import Grade, find_nonce, grade_log
+from environments.swe.patches import check_patch, file_diff
 from orchestrator.backends.docker.backend import DockerBackend
 from tests.environments.swe.conftest import Tiny, tiny  # noqa: F401  (the fixture)
 from tests.environments.swe.test_evaluate import HOOK, _new_file, pred, report
@@ -127,32 +128,50 @@ async def test_a_patch_cannot_turn_its_0_into_a_grader_failure(
     run = tmp_path / "r"
     forged = report(run, "forged-marker", iid)
     assert forged["patch_successfully_applied"] and not forged["resolved"], forged
+
     # what the RL environment makes of the same log: a 0, not the grader's set-up failing (INFRA_ERROR)
-    log = (run / "forged-marker" / iid / "test_output.txt").read_text()
+    def rl_grade(model: str) -> tuple[str, Grade]:
+        """A prediction's log, and what the RL environment grades it (checked: raises on the grader's failure)."""
+        log = (run / model / iid / "test_output.txt").read_text()
+        inst = tiny.pytest
+        grade = grade_log(
+            iid,
+            log,
+            framework=inst.test_runner.framework,
+            fail_to_pass=inst.FAIL_TO_PASS,
+            pass_to_pass=inst.PASS_TO_PASS,
+            model_patch="x",
+            nonce=find_nonce(log),
+        )
+        return log, checked(grade)
+
+    log, grade = rl_grade("forged-marker")
     assert "  | " + FORGED_MARKER in log.splitlines()  # git apply echoed it, indented
-    inst = tiny.pytest
-    grade = grade_log(
-        iid,
-        log,
-        framework=inst.test_runner.framework,
-        fail_to_pass=inst.FAIL_TO_PASS,
-        pass_to_pass=inst.PASS_TO_PASS,
-        model_patch="x",
-        nonce=find_nonce(log),
-    )
-    assert not checked(grade).resolved and grade.error is None, grade.error
+    assert not grade.resolved and grade.error is None, grade.error
     assert not report(run, "stopper", iid)["resolved"]
     # a marker the code under test wrote to the script's output, after the tests started: graded, not a set-up
     # failure (it was read as one: INFRA_ERROR, masked)
-    log = (run / "writer" / iid / "test_output.txt").read_text()
+    log, grade = rl_grade("writer")
     assert ">>>>> Reset Failed: written by the code under test" in log.splitlines()
-    grade = grade_log(
-        iid,
-        log,
-        framework=inst.test_runner.framework,
-        fail_to_pass=inst.FAIL_TO_PASS,
-        pass_to_pass=inst.PASS_TO_PASS,
-        model_patch="x",
-        nonce=find_nonce(log),
-    )
-    assert not checked(grade).resolved, grade
+    assert not grade.resolved, grade
+
+
+def test_a_patch_of_the_repositorys_git_folder_is_refused_whole() -> None:
+    # patch --fuzz, the grader's last way to apply a prediction, writes where the patch says: a .git/config filter
+    # and a .git/info/attributes line made the grader's checkout of the test files run the prediction's command
+    for path in (".git/config", ".git/info/attributes", "sub/.GIT/hooks/post-checkout"):
+        problem = check_patch(file_diff(path, "", "[filter]\n") + file_diff("calc.py", "a\n", "b\n"))
+        assert problem is not None and problem.fatal and ".git folder" in problem.message, path
+    renamed = "diff --git a/x b/.git/x\nsimilarity index 100%\nrename from x\nrename to .git/x\n"
+    assert check_patch(renamed) is not None
+    assert check_patch(file_diff("src/gitlab.py", "a\n", "b\n")) is None  # a name with .git in it is no .git folder
+    assert check_patch(file_diff(".github/workflows/ci.yml", "a\n", "b\n")) is None
+    # names as git and patch read them: a quoted name's escapes (\056 is "."), a line that Python's splitlines ends
+    # at U+0085 (git and patch end lines at "\n" only), and a context diff's headers each hid .git/config
+    hunk = "@@ -1 +1 @@\n-a\n+b\n"
+    quoted = 'diff --git "a/\\056git/config" "b/\\056git/config"\n--- "a/\\056git/config"\n+++ "b/\\056git/config"\n'
+    next_line = file_diff("calc.py", "a\n", "b\n") + "--- \x85/.git/config\n+++ \x85/.git/config\n" + hunk
+    context = "*** a/.git/config\n--- b/.git/config\n***************\n*** 1 ****\n! a\n--- 1 ----\n! b\n"
+    for hidden in (quoted + hunk, next_line, context):
+        problem = check_patch(hidden)
+        assert problem is not None and problem.fatal and ".git folder" in problem.message, hidden

@@ -88,24 +88,3 @@ def test_file_diff_and_patch_checks() -> None:
     assert problem is not None and problem.fatal and "not a unified diff" in problem.message
     truncated = check_patch(diff.replace("+B\n", ""))
     assert truncated is not None and not truncated.fatal and "line counts" in truncated.message
-
-
-def test_a_patch_of_the_repositorys_git_folder_is_refused_whole() -> None:
-    # patch --fuzz, the grader's last way to apply a prediction, writes where the patch says: a .git/config filter
-    # and a .git/info/attributes line made the grader's checkout of the test files run the prediction's command
-    for path in (".git/config", ".git/info/attributes", "sub/.GIT/hooks/post-checkout"):
-        problem = check_patch(file_diff(path, "", "[filter]\n") + file_diff("calc.py", "a\n", "b\n"))
-        assert problem is not None and problem.fatal and ".git folder" in problem.message, path
-    renamed = "diff --git a/x b/.git/x\nsimilarity index 100%\nrename from x\nrename to .git/x\n"
-    assert check_patch(renamed) is not None
-    assert check_patch(file_diff("src/gitlab.py", "a\n", "b\n")) is None  # a name with .git in it is no .git folder
-    assert check_patch(file_diff(".github/workflows/ci.yml", "a\n", "b\n")) is None
-    # names as git and patch read them: a quoted name's escapes (\056 is "."), a line that Python's splitlines ends
-    # at U+0085 (git and patch end lines at "\n" only), and a context diff's headers each hid .git/config
-    hunk = "@@ -1 +1 @@\n-a\n+b\n"
-    quoted = 'diff --git "a/\\056git/config" "b/\\056git/config"\n--- "a/\\056git/config"\n+++ "b/\\056git/config"\n'
-    next_line = file_diff("calc.py", "a\n", "b\n") + "--- \x85/.git/config\n+++ \x85/.git/config\n" + hunk
-    context = "*** a/.git/config\n--- b/.git/config\n***************\n*** 1 ****\n! a\n--- 1 ----\n! b\n"
-    for hidden in (quoted + hunk, next_line, context):
-        problem = check_patch(hidden)
-        assert problem is not None and problem.fatal and ".git folder" in problem.message, hidden
