@@ -89,7 +89,12 @@ class JobSpec(_Model):
     max_concurrency: int = Field(8, ge=1, le=4096, description="rollouts of this job in flight at once")
     priority: int = Field(1, ge=1, le=100, description="weight in the fair share between one tenant's jobs")
     max_turns: int = Field(16, ge=1, le=1000)
-    rollout_timeout_s: float = Field(600.0, gt=0, le=24 * 3600)
+    rollout_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=24 * 3600,
+        description="the episode's and its scoring's time, from the setup's end; the sandbox and setup get as long",
+    )
     max_infra_retries: int = Field(2, ge=0, le=10)
     deliver_groups: bool = False
     advantage: AdvantageMode = Field(

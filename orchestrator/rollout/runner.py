@@ -83,6 +83,13 @@ class WorkItem:
         return int.from_bytes(hashlib.sha256(self.id.encode()).digest()[:4], "big")
 
 
+def attempt_s(spec: JobSpec, grading_s: float) -> float:
+    """The longest one attempt runs: the fleet's part (the image, a sandbox, the environment's setup) within the
+    rollout's time, then the rollout's time again for the episode and its scoring, and a grader's own timeouts past
+    it (scoring_budget)."""
+    return 2 * spec.rollout_timeout_s + grading_s
+
+
 def scoring_reserve(spec: JobSpec) -> float:
     """What of a rollout's time its scoring keeps: the episode's tool calls end (TRUNCATED, "time") when only this is
     left, so that a policy that spends its time in them is still scored rather than a masked TIMEOUT. A quarter of
@@ -210,7 +217,6 @@ class RolloutRunner:
         }
         t_start = time.monotonic()
         loop = asyncio.get_running_loop()
-        loop_start = loop.time()
         span = parent.open("attempt", t_start, {ROLLOUT_ID: item.id, JOB_ID: item.job_id, ATTEMPT: attempt})
         grading_s = scoring_budget(env, item.task)
         sandbox = None
@@ -241,9 +247,9 @@ class RolloutRunner:
                                 runtime=env.runtime,
                                 env=dict(DETERMINISTIC_ENV),
                                 labels=labels,
-                                ttl_s=lease_for(spec.rollout_timeout_s + grading_s),
+                                ttl_s=lease_for(attempt_s(spec, grading_s)),
                             ),
-                            need_s=spec.rollout_timeout_s + grading_s,
+                            need_s=attempt_s(spec, grading_s),
                         )
                         warm = source == "warm"
                         self.active[item.id] = sandbox
@@ -263,18 +269,14 @@ class RolloutRunner:
                             await env_call(env.setup(box, item.task, item.seed))
                             setup_kind = "own"
                     timing.setup = phase.seconds
-                    # the episode's share of the attempt: scoring keeps the rest, whatever the policy spent
-                    budget = spec.rollout_timeout_s - scoring_reserve(spec)
-                    episode_deadline = loop_start + budget
-                    if episode_deadline - loop.time() < budget / 2:
-                        # the fleet (the image, a sandbox, the environment's setup) took more than half the policy's
-                        # time: a short episode here is no outcome of the policy's (its first tool call found the
-                        # time gone, and a TRUNCATED 0 was scored for the fleet's slowness)
-                        raise SandboxWaitTimeoutError(
-                            f"the sandbox and the environment's setup took {loop.time() - loop_start:.0f}s of the "
-                            f"rollout's {spec.rollout_timeout_s:g}s, more than half of the {budget:.0f}s the episode "
-                            "has"
-                        )
+                    # the rollout's time is the episode's and its scoring's, counted from here: the fleet's part
+                    # (the image, a sandbox, the environment's setup) had a limit of its own. Counted from the
+                    # attempt's start, a slow sandbox shortened the policy's time, and the episode it cut short was
+                    # scored (a TRUNCATED 0 for the fleet's slowness), beside samples of its group that had it all
+                    episode_start = loop.time()
+                    deadline.reschedule(episode_start + spec.rollout_timeout_s)
+                    # the episode's share: scoring keeps the rest, whatever the policy spent
+                    episode_deadline = episode_start + spec.rollout_timeout_s - scoring_reserve(spec)
                     with Phase(span, "episode") as phase:
                         result = await run_episode(
                             env,

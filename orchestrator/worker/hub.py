@@ -27,7 +27,7 @@ from orchestrator.core.environment import Environment, ImageSource, scoring_budg
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError
 from orchestrator.core.processes import cpu_ticks
-from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, unrun_rollout
+from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, attempt_s, unrun_rollout
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
 from orchestrator.worker.metrics import MAX_SNAPSHOT_BYTES
@@ -299,8 +299,8 @@ class WorkerHub:
             raise WorkerLostError(f"worker {worker.id} was lost")
         # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
         # worker's reader enforces it (_expire)
-        attempt_s = spec.rollout_timeout_s + self._scoring_budget(item, env) + RETRY_BACKOFF_CAP_S
-        budget = (spec.max_infra_retries + 1) * attempt_s + self.result_slack_s
+        each = attempt_s(spec, self._scoring_budget(item, env)) + RETRY_BACKOFF_CAP_S
+        budget = (spec.max_infra_retries + 1) * each + self.result_slack_s
         digest = archive.sha256 if archive is not None else ""
         spec_json, env_json = self._encode(item.job_id, env, spec)
         assignment = wpb.Assignment(

@@ -3,7 +3,8 @@ setup, its episode and its scoring alike, and ran out as TIMEOUT, which carries 
 a losing policy gained by making slow tool calls (each up to the tool's timeout, as many a turn as it liked) until
 the time was gone. Its tool calls now end when only the scoring's reserve is left (a quarter of the rollout's time,
 at most 300 s), and the episode with them: TRUNCATED ("time"), and scored. A generation is not cut: a hung inference
-server is no outcome of the policy's, and stays TIMEOUT (tests/orchestrator/test_e2e.py).
+server is no outcome of the policy's, and stays TIMEOUT (tests/orchestrator/test_e2e.py). The time counts from the end
+of the environment's setup: a slow sandbox takes none of it.
 
 Through real processes: the scripted policy server and the real gRPC server on the fake backend, whose every command
 takes 2 s."""
@@ -14,28 +15,45 @@ import asyncio
 from pathlib import Path
 
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.models import RolloutStatus
+from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
 from tests.orchestrator.conftest import ENV, job
 from tests.orchestrator.servers import FAKE, serve
 
 
-async def test_a_policy_that_spends_the_rollouts_time_is_truncated_and_scored(tmp_path: Path) -> None:
+async def _spending(tmp_path: Path, **fleet: float) -> Rollout:
+    """The one rollout of a policy that makes a tool call a turn, for python-tool's 8 turns, on the fake backend
+    where each call takes 2 s (16 s in all) and `fleet` sets the rest; the rollout has 8 s."""
     task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
     slow = Step(tool_calls=[ScriptedToolCall(name="python", arguments={"code": "print(1)"})])
-    script = Script(default=[slow] * 8)  # a tool call a turn, 2 s each, for python-tool's 8 turns: 16 s
     async with (
-        await start_scripted_server(script, tokens=False) as scripted,
-        serve(tmp_path / "data", backend=FAKE.model_copy(update={"exec_latency_s": 2.0})) as orch,
+        await start_scripted_server(Script(default=[slow] * 8), tokens=False) as scripted,
+        serve(tmp_path / "data", backend=FAKE.model_copy(update={"exec_latency_s": 2.0, **fleet})) as orch,
         EnvfleetClient(orch.address) as client,
     ):
-        # 8 s in all: the episode ends when 2 s are left (a quarter), three calls in
         job_id = await client.submit(job(scripted.url, [task_id], rollout_timeout_s=8, max_infra_retries=0))
         async with asyncio.timeout(60):
             [rollout] = [r async for r in client.rollouts(job_id)]
+    return rollout
+
+
+async def test_a_policy_that_spends_the_rollouts_time_is_truncated_and_scored(tmp_path: Path) -> None:
+    # 8 s in all: the episode ends when 2 s are left (a quarter), three calls in
+    rollout = await _spending(tmp_path)
     assert (rollout.status, rollout.reward, rollout.error) == (RolloutStatus.TRUNCATED, 0.0, None)
     assert rollout.timing is not None and 5.5 < rollout.timing.total < 8
     calls = [c for t in rollout.turns if t.role == "assistant" for c in t.tool_calls or ()]
     answered = [t for t in rollout.turns if t.role == "tool"]
     assert len(answered) in (2, 3) and len(calls) == len(answered) + 1  # the call the deadline cut has no answer
+
+
+async def test_a_slow_sandbox_leaves_the_policy_all_of_its_time(tmp_path: Path) -> None:
+    # the episode's time counted from the attempt's start: a sandbox that took 2.5 s of an 8 s rollout left the same
+    # policy 3.5 s of the 6 it has, one tool call where a quick fleet gave it two or three, and the episode it cut
+    # short was scored beside its group's. The fleet's part has a limit of its own (tests/orchestrator/test_e2e.py)
+    rollout = await _spending(tmp_path, create_latency_s=2.5)
+    assert (rollout.status, rollout.reward, rollout.error) == (RolloutStatus.TRUNCATED, 0.0, None)
+    assert rollout.timing is not None and rollout.timing.sandbox_acquire >= 2.5
+    assert 5.5 < rollout.timing.total - rollout.timing.sandbox_acquire < 8
+    assert len([t for t in rollout.turns if t.role == "tool"]) in (2, 3)

@@ -313,9 +313,11 @@ async def test_a_cancelled_rollouts_sandbox_leaves_the_pools_busy_count() -> Non
 
 @pytest.mark.parametrize("timeout_s", [600.0, 7200.0])
 async def test_a_rollouts_sandbox_has_a_lease_that_outlasts_its_attempt(timeout_s: float) -> None:
-    # the runner asks the pool for a sandbox it may hold for the attempt's whole timeout, and a cold one's lease
-    # covers it: with the default lease of an hour, a two-hour rollout was swept midway
+    # the runner asks the pool for a sandbox it may hold for the attempt's whole time (the fleet's part, the
+    # episode's, the grader's), and a cold one's lease covers it: with the default lease of an hour, a two-hour
+    # rollout was swept midway
     from environments.python_tool import PythonToolEnv
+    from orchestrator.core.environment import scoring_budget
     from orchestrator.core.models import JobSpec, TaskSelection
     from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
     from orchestrator.rollout.runner import RolloutRunner, WorkItem
@@ -341,7 +343,7 @@ async def test_a_rollouts_sandbox_has_a_lease_that_outlasts_its_attempt(timeout_
     try:
         await LocalExecutor(RolloutRunner(pool, backend.images)).run(WorkItem("j", env.tasks()[0], 0, 0.0), env, spec)
         [(ttl, need)] = asked
-        assert need == timeout_s and ttl >= max(3600.0, timeout_s + 60)
+        assert need == 2 * timeout_s + scoring_budget(env, env.tasks()[0]) and ttl >= max(3600.0, need + 60)
     finally:
         await pool.close()
         await backend.close()
