@@ -12,6 +12,7 @@ from environments.code_tests.problems import PROBLEMS, Problem
 from environments.python_tool import num_turns, used_tool
 from environments.sdk import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from orchestrator.core.environment import GRADER_CWD, GRADER_ENV
+from orchestrator.core.errors import SandboxError
 
 SOLUTION = "solution.py"
 TEST_TIMEOUT_S = 30.0
@@ -28,6 +29,11 @@ GRADER_READS = (SOLUTION,)
 # expected values from the runner's variables.
 CHILD = """
 import importlib.util, json, os, sys
+try:  # the first the kernel kills when the sandbox runs out of memory, before the runner that counts
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+except OSError:
+    pass
 out = os.fdopen(int(sys.argv[3]), "w")
 calls = json.load(sys.stdin)
 answers = []
@@ -47,21 +53,28 @@ out.write(json.dumps(answers))
 out.flush()
 os._exit(0)
 """
-# Runs in the sandbox after the episode (`python3 -I -c RUNNER solution function CHILD`): reads the cases from its
-# stdin, runs the solution's child, compares its answers, prints JSON counts. Nothing of the grader is written into
-# the sandbox: a fixed path in /tmp (the cases were written to /tmp/.envfleet-hidden) is the policy's to take first,
-# with a directory of mode 0, a file or a link there, or a /tmp it filled, and the failed write was ENV_ERROR, a
-# rollout masked from training instead of scored 0. The policy's processes run as the grader's own uid, so no place
-# in the sandbox is the grader's alone; stdin is.
-RUNNER = """
-import ctypes, json, os, subprocess, sys
+# Runs in the sandbox after the episode (`python3 -I -c RUNNER solution function CHILD seconds`): reads the cases
+# from its stdin, says STARTED, runs the solution's child (in a session of its own, killed whole after `seconds`),
+# compares its answers, prints JSON counts. Nothing of the grader is written into the sandbox: a fixed path in /tmp
+# (the cases were written to /tmp/.envfleet-hidden) is the policy's to take first, with a directory of mode 0, a file
+# or a link there, or a /tmp it filled, and the failed write was ENV_ERROR, a rollout masked from training instead of
+# scored 0. The policy's processes run as the grader's own uid, so no place in the sandbox is the grader's alone;
+# stdin and stdout are. Before STARTED nothing of the policy's has run: a grader that fails there (no python3, a
+# prctl refused) is the sandbox's failure, never a 0. After it, what goes wrong is the solution's doing: a solution
+# that never ends, wrote junk on its pipe or ran the sandbox out of memory scores what it passed.
+STARTED = "envfleet-grader: running the solution"
+RUNNER = f"""
+import ctypes, json, os, select, signal, subprocess, sys, time
 if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
     sys.exit("cannot make the grader non-dumpable")
 cases = json.load(sys.stdin)
+print({STARTED!r}, flush=True)
+deadline = time.monotonic() + float(sys.argv[4])
 read, write = os.pipe()
 child = subprocess.Popen(
     [sys.executable, "-I", "-c", sys.argv[3], sys.argv[1], sys.argv[2], str(write)],
     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write,),
+    start_new_session=True,
 )
 os.close(write)
 try:
@@ -69,13 +82,24 @@ try:
     child.stdin.close()
 except OSError:
     pass
-with os.fdopen(read, "rb") as f:
-    data = f.read(16 << 20)
-child.kill()
+chunks, size = [], 0
+while size < 16 << 20:
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([read], [], [], left)[0]:
+        break
+    chunk = os.read(read, 1 << 20)
+    if not chunk:
+        break
+    chunks.append(chunk)
+    size += len(chunk)
+try:
+    os.killpg(child.pid, signal.SIGKILL)
+except OSError:
+    pass
 child.wait()
 try:
-    answers = json.loads(data)
-except ValueError:
+    answers = json.loads(b"".join(chunks))
+except (ValueError, RecursionError, MemoryError):
     answers = []
 if not isinstance(answers, list):
     answers = []
@@ -83,9 +107,9 @@ passed = 0
 for (args, expected), answer in zip(cases, answers):
     try:
         passed += isinstance(answer, str) and json.loads(answer) == expected
-    except ValueError:
+    except (ValueError, RecursionError, MemoryError):
         pass
-print(json.dumps({"passed": passed, "total": len(cases)}), flush=True)
+print(json.dumps({{"passed": passed, "total": len(cases)}}), flush=True)
 """
 
 
@@ -123,20 +147,25 @@ async def hidden_tests_passed(ctx: ScoringContext) -> float:
     sb = ctx.sandbox
     solution = f"{sb.spec.workspace}/{SOLUTION}"
     r = await sb.exec(
-        ["python3", "-I", "-c", RUNNER, solution, task.data["function"], CHILD],
+        ["python3", "-I", "-c", RUNNER, solution, task.data["function"], CHILD, str(TEST_TIMEOUT_S)],
         cwd=GRADER_CWD,
         env=GRADER_ENV,
         stdin=json.dumps(task.data["cases"]).encode(),
-        timeout=TEST_TIMEOUT_S,
+        # the runner ends the solution itself; this is for the runner, and leaves the answer time before the
+        # rollout's scoring deadline (scoring_timeout_s)
+        timeout=TEST_TIMEOUT_S + GRADER_SLACK_S / 2,
         max_output=64 << 10,
     )
-    if r.timed_out:
-        return 0.0
+    lines = r.stdout.decode(errors="replace").splitlines()
+    if STARTED not in lines:
+        # no solution ran: the grader's failure (no python3, the sandbox gone, a refused prctl), never a 0
+        how = "timed out" if r.timed_out else f"exited {r.exit_code}"
+        raise SandboxError(f"the hidden tests' grader {how} before it ran the solution: {r.stderr.decode()[-300:]!r}")
     try:
-        result = json.loads(r.stdout.decode().strip().splitlines()[-1])
+        result = json.loads(lines[-1])
         passed, total = int(result["passed"]), int(result["total"])
-    except (ValueError, IndexError, KeyError, TypeError):
-        return 0.0  # the grader was killed or stopped by the solution: it said nothing, or nothing it could say
+    except (ValueError, KeyError, TypeError):
+        return 0.0  # the solution stopped the grader (its memory, its CPU): it said nothing it could say
     if total != len(task.data["cases"]) or not 0 <= passed <= total:
         return 0.0
     return passed / total

@@ -1,14 +1,20 @@
 """The grader runs clean: a usercustomize.py (or a module named like one the grader imports) that the policy
-planted does not run when the hidden tests or a declarative scoring command run."""
+planted does not run when the hidden tests or a declarative scoring command run. What the solution does to the
+hidden tests' grader scores what it passed; what fails before the solution runs is the sandbox's, never a 0."""
 
 from __future__ import annotations
 
 import json
+import time
 
+import pytest
+
+import environments.code_tests as code_tests
 from environments.code_tests import SOLUTION, CodeTestsEnv, hidden_tests_passed
 from orchestrator.backends.docker import DockerBackend
 from orchestrator.core.environment import Episode, ScoringContext, Task
-from orchestrator.core.sandbox import Hardening, Sandbox, SandboxSpec
+from orchestrator.core.errors import SandboxError
+from orchestrator.core.sandbox import Hardening, Limits, Sandbox, SandboxSpec
 from orchestrator.service.declarative import make_environment, parse_spec
 
 EPISODE = Episode(turns=[], answer="wrong", finish="submit")
@@ -78,5 +84,47 @@ async def test_a_solution_cannot_score_itself(backend: DockerBackend, base_image
         for how, code in cheats.items():
             await s.write_file(SOLUTION, code.encode())
             assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 0.0, how
+        await s.write_file(SOLUTION, task.reference[0].arguments["content"].encode())
+        assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 1.0
+
+
+async def test_a_grader_that_fails_before_the_solution_runs_is_the_sandboxs_failure_not_a_0(
+    backend: DockerBackend, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the grader that said nothing (no python3 in the image, a prctl refused, the sandbox gone) scored 0, the
+    # policy's failure, for a solution nobody ran
+    task = CodeTestsEnv().tasks()[0]
+    monkeypatch.setattr(code_tests, "RUNNER", "import sys; sys.exit('no grader here')")
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        await s.write_file(SOLUTION, task.reference[0].arguments["content"].encode())
+        with pytest.raises(SandboxError, match=r"before it ran the solution.*no grader here"):
+            await hidden_tests_passed(ScoringContext(s, task, EPISODE))
+
+
+async def test_what_a_solution_does_to_the_grader_scores_0_and_never_masks_it(
+    backend: DockerBackend, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # once the grader says it runs the solution, its failure is the solution's doing: junk its JSON reader cannot
+    # hold, a hang (the grader ends it on its own clock, long before its command's timeout), the sandbox's memory
+    # run out (the solution's processes are the kernel's first choice), processes that outlive the solution
+    monkeypatch.setattr(code_tests, "TEST_TIMEOUT_S", 3.0)
+    task = CodeTestsEnv().tasks()[0]
+    fn = task.data["function"]
+    cheats = {
+        "junk on its pipe": "import os, sys\nos.write(int(sys.argv[3]), b'[' * 100000)\nos._exit(0)\n",
+        "never ends": f"def {fn}(*args):\n    while True:\n        pass\n",
+        "memory": f"def {fn}(*args):\n    x = [b'x' * (1 << 20) for _ in range(1 << 12)]\n",
+        "children left behind": (
+            f"import os, time\ndef {fn}(*args):\n    if os.fork() == 0:\n        time.sleep(600)\n    time.sleep(600)\n"
+        ),
+    }
+    spec = SandboxSpec(image=base_image, limits=Limits(memory_mb=256, pids=256))
+    async with await backend.create(spec) as s:
+        for how, code in cheats.items():
+            await s.write_file(SOLUTION, code.encode())
+            t0 = time.monotonic()
+            assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 0.0, how
+            # the grader's own clock ended it, not its command's timeout
+            assert time.monotonic() - t0 < 3.0 + code_tests.GRADER_SLACK_S / 2, how
         await s.write_file(SOLUTION, task.reference[0].arguments["content"].encode())
         assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 1.0
