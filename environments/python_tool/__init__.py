@@ -154,24 +154,27 @@ class PythonToolEnv(Environment):
 # Shaped rewards. A reward that depends on the episode's length or on the answer's format is one more rubric
 # component with a weight: the reward is the weighted sum, and each component is reported on its own. The built-in
 # environment keeps the plain exact match; ShapedPythonToolEnv shows the pattern
-# (tests/environments/test_shaped_reward.py).
+# (tests/environments/test_shaped_reward.py). Shaping pays only on a right answer: paid on its own, it paid a policy
+# to guess at once (a wrong answer submitted in the first turn earned 0.2, more than a try with the tool that failed),
+# and RL learns what it pays for.
 
 
 def brevity(max_turns: int) -> Callable[[ScoringContext], float]:
-    """1 for an answer in the first assistant turn, falling linearly to 0 at `max_turns` turns."""
+    """1 for a right answer in the first assistant turn, falling linearly to 0 at `max_turns` turns; 0 for a wrong
+    one."""
 
     def fn(ctx: ScoringContext) -> float:
         turns = num_turns(ctx)
-        return max(0.0, 1.0 - (turns - 1) / max(1, max_turns - 1))
+        return exact_match(ctx) * max(0.0, 1.0 - (turns - 1) / max(1, max_turns - 1))
 
     return fn
 
 
 def submitted_plainly(ctx: ScoringContext) -> float:
-    """The format: 1 when the answer came through submit as one line with nothing around it."""
+    """The format: 1 when the right answer came through submit as one line with nothing around it."""
     answer = ctx.episode.answer
     ok = ctx.episode.finish == "submit" and answer is not None and answer == answer.strip() and "\n" not in answer
-    return float(ok and answer != "")
+    return float(ok and exact_match(ctx) == 1.0)
 
 
 class ShapedPythonToolEnv(PythonToolEnv):

@@ -67,6 +67,16 @@ async def test_length_and_format_each_cost_their_weight(tmp_path: Path) -> None:
     assert result.reward_components["format"] == 0.0 and result.reward == pytest.approx(1.1)
 
 
+async def test_shaping_pays_nothing_without_the_right_answer(tmp_path: Path) -> None:
+    # paid on its own, the shaping paid 0.2 for any answer submitted at once and 0.1 for an empty final answer:
+    # more than a try with the tool that failed, so the policy learned to guess
+    result = await _episode(tmp_path, [_submit(ANSWER + "1")])
+    assert result.reward_components == {"exact_match": 0.0, "brevity": 0.0, "format": 0.0}
+    assert result.reward == 0.0
+    result = await _episode(tmp_path, [""])
+    assert result.reward == 0.0
+
+
 def test_brevity_bottoms_out_at_zero() -> None:
     def ctx(turns: int) -> ScoringContext:
         episode = Episode(turns=[Turn(role="assistant")] * turns, answer=ANSWER, finish="max_turns")
