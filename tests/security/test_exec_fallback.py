@@ -7,7 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+import pytest
+
 from orchestrator.backends.docker import DockerBackend
+from orchestrator.core.errors import SandboxFileError, SandboxFileNotFoundError
 from orchestrator.core.sandbox import SandboxSpec
 
 COUNT_SLEEPS = (
@@ -44,3 +47,21 @@ async def test_no_process_outlives_a_docker_exec(backend: DockerBackend, base_im
                 yield b"q" * (1 << 20)
 
         assert (await box.exec("wc -c", stdin=chunks())).stdout.strip() == str(4 << 20).encode()
+
+
+async def test_a_path_is_never_the_fallbacks_shell_text_or_finds_expression(
+    backend: DockerBackend, base_image: str
+) -> None:
+    # read_file's path stood in its script's text: a link the policy named `$(...)` ran that on a read_file, a
+    # command in an environment that gives it no shell. list_dir("-delete") was find's expression: it emptied the
+    # working directory. A relative path starts at the workspace, as envd's do (write_file put it under /)
+    async with await backend.create(SandboxSpec(image=base_image, transport="docker-exec")) as box:
+        await box.write_file("keep.txt", b"kept")
+        name = "x$(touch ran)"
+        await box.exec(["ln", "-s", "keep.txt", name])
+        with pytest.raises(SandboxFileError, match="is a symbolic link"):
+            await box.read_file(name)
+        with pytest.raises(SandboxFileNotFoundError):
+            await box.list_dir("-delete")
+        assert sorted(e.name for e in await box.list_dir(box.spec.workspace)) == sorted(["keep.txt", name])
+        assert await box.read_file("keep.txt") == b"kept"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import shlex
+import posixpath
 import socket
 import struct
 import tarfile
@@ -279,22 +279,29 @@ class DockerExecTransport(Transport):
             raise SandboxFileError(msg or f"{argv[0]} exited {end.exit_code}")
         return b"".join(out)
 
+    def _abs(self, path: str) -> str:
+        """A relative path starts at the workspace, as envd's do. Its commands got it as written: write_file put a
+        relative one under / (a read-only file system), and find read "-delete" as its expression, which emptied
+        the working directory."""
+        return path if path.startswith("/") else posixpath.join(self._spec.workspace, path)
+
     async def download(self, path: str) -> bytes:
-        parent, _, base = path.rstrip("/").rpartition("/")
+        parent, _, base = self._abs(path).rstrip("/").rpartition("/")
         return await self._checked(["tar", "-c", "-C", parent or "/", "--", base or "."])
 
     async def upload(self, tar: bytes, dest_dir: str) -> int:
+        dest_dir = self._abs(dest_dir)
         await self._checked(["mkdir", "-p", "--", dest_dir])
         listing = await self._checked(["tar", "-x", "-v", "--no-same-owner", "-C", dest_dir], stdin=tar)
         return len(listing.splitlines())
 
     async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
-        script = f'test -L {shlex.quote(path)} && {{ echo "{path}: is a symbolic link" >&2; exit 1; }}; cat -- "$1"'
-        data = await self._checked(["/bin/sh", "-c", script, "sh", path], max_output=max_bytes or 16 << 20)
-        return data
+        # the path only ever as an argument: in the script's text, a link the policy named `$(...)` ran that
+        script = 'test -L "$1" && { echo "$1: is a symbolic link" >&2; exit 1; }; cat -- "$1"'
+        return await self._checked(["/bin/sh", "-c", script, "sh", self._abs(path)], max_output=max_bytes or 16 << 20)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True) -> None:
-        parent, _, base = path.rpartition("/")
+        parent, _, base = self._abs(path).rpartition("/")
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             info = tarfile.TarInfo(base)
@@ -306,7 +313,7 @@ class DockerExecTransport(Transport):
 
     async def list_dir(self, path: str) -> list[FileEntry]:
         out = await self._checked(
-            ["find", path, "-mindepth", "1", "-maxdepth", "1", "-printf", r"%y\t%s\t%m\t%T@\t%l\t%p\0"]
+            ["find", self._abs(path), "-mindepth", "1", "-maxdepth", "1", "-printf", r"%y\t%s\t%m\t%T@\t%l\t%p\0"]
         )
         entries = []
         for rec in out.split(b"\0"):
