@@ -88,6 +88,11 @@ def parse_args(
     targets = [parser, *(commands[c] for c in CONFIGURABLE_COMMANDS if c in commands)]
     config_path = _config_path(args, env)
     file_values = _read_config(config_path, targets) if config_path else {}
+    # argparse adds a repeatable (append) or counted option's command-line values to its default: taken as defaults,
+    # the file's and the environment's would have stayed, and `--allow-policy-url https://only/` on the command line
+    # still let an ENVFLEET_ALLOW_POLICY_URL=http:// through. They stand in after the parse, where the command line
+    # gave none.
+    added: dict[str, tuple[str, argparse.Action, Any]] = {}
     for target in targets:
         defaults: dict[str, Any] = {}
         for action in settable_actions(target):
@@ -96,8 +101,18 @@ def parse_args(
             raw = env.get(env_name(action))
             if raw is not None and raw != "":
                 defaults[action.dest] = _convert(target, action, raw, f"${env_name(action)}")
+            if action.dest in defaults and isinstance(action, argparse._AppendAction | argparse._CountAction):
+                added[action.dest] = (target.prog, action, defaults.pop(action.dest))
         target.set_defaults(**defaults)
-    return parser.parse_args(args)
+    namespace = parser.parse_args(args)
+    chosen = {
+        parser.prog,
+        *(commands[c].prog for c in CONFIGURABLE_COMMANDS if getattr(namespace, "command", None) == c),
+    }
+    for dest, (prog, action, value) in added.items():
+        if prog in chosen and getattr(namespace, dest, action.default) == action.default:
+            setattr(namespace, dest, value)
+    return namespace
 
 
 def _config_path(argv: list[str], env: Mapping[str, str]) -> Path | None:

@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import docker
+import docker.errors
 import grpc
 from rich.console import Console
 from rich.table import Table
@@ -506,6 +507,17 @@ def main(argv: list[str] | None = None) -> None:
         log.debug("command failed", exc_info=True)
         print(f"envfleet: error: {e}", file=sys.stderr)
         code = 2 if isinstance(e, CommandLineError) else 1
+    except docker.errors.DockerException as e:  # no engine (a fresh machine), or its refusal: one line
+        log.debug("engine call failed", exc_info=True)
+        if isinstance(e, docker.errors.APIError):
+            print(f"envfleet: the Docker engine refused: {e}", file=sys.stderr)
+        else:
+            print(
+                f"envfleet: cannot reach the Docker engine ({e}); start it (`make docker` in a checkout) or set "
+                "DOCKER_HOST",
+                file=sys.stderr,
+            )
+        code = 1
     sys.exit(code)
 
 

@@ -91,6 +91,22 @@ def test_command_line_wins_over_environment_over_file_over_default(tmp_path: Pat
     assert parse_args(build_parser(), ["serve", f"--config={conf}"], environ={}).max_in_flight == 5
 
 
+def test_a_repeatable_option_on_the_command_line_replaces_the_environments_and_the_files(tmp_path: Path) -> None:
+    # argparse adds a repeatable option's values to its default: the operator who narrowed the policy allowlist on
+    # the command line still let ENVFLEET_ALLOW_POLICY_URL's http:// through, and -v counted on from ENVFLEET_VERBOSE
+    conf = tmp_path / "c.yaml"
+    conf.write_text("allow-policy-url: [https://file.example/]\n")
+    env = {"ENVFLEET_ALLOW_POLICY_URL": "http://", "ENVFLEET_VERBOSE": "2"}
+    args = parse_args(build_parser(), ["-v", "serve", "--allow-policy-url", "https://only.example/"], environ=env)
+    assert (args.allow_policy_url, args.verbose) == (["https://only.example/"], 1)
+    args = parse_args(build_parser(), ["serve"], environ=env)
+    assert (args.allow_policy_url, args.verbose) == (["http://"], 2)
+    args = parse_args(build_parser(), ["serve", "--config", str(conf)], environ={})
+    assert args.allow_policy_url == ["https://file.example/"]
+    args = parse_args(build_parser(), ["serve", "--config", str(conf), "--allow-policy-url", "https://x/"], environ={})
+    assert args.allow_policy_url == ["https://x/"]
+
+
 @pytest.mark.parametrize(
     ("environ", "error"),
     [

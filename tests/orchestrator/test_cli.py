@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -226,3 +227,19 @@ def test_a_token_in_clear_is_refused_before_any_call(tmp_path: Path) -> None:
     assert r.returncode == 2 and "refusing to send a bearer token in clear" in r.stderr and "--insecure" in r.stderr
     r = _envfleet("jobs", "--server", "192.0.2.1:50051", "--token-file", str(tmp_path / "nope"))
     assert r.returncode == 2 and f"cannot read --token-file {tmp_path / 'nope'}" in r.stderr
+
+
+@pytest.mark.parametrize("command", [("image", "build-base"), ("sweep",), ("serve", "--port", "0")])
+def test_no_docker_engine_is_one_line_not_a_traceback(command: tuple[str, ...]) -> None:
+    # on a fresh machine, before dockerd runs: the docker SDK's exception ran out of main() as a traceback
+    env = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    r = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *command],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r
+    assert "Traceback" not in r.stderr and "cannot reach the Docker engine" in r.stderr, r.stderr
