@@ -8,7 +8,7 @@ BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 
-.PHONY: venv buf docker go base-image chromium test test-fast test-integrations demo bench bench-scale proto proto-check lint image clean-containers
+.PHONY: venv buf docker go base-image chromium test test-fast test-integrations demo bench bench-scale proto lint image
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -43,9 +43,9 @@ chromium:
 		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
 		else sudo apt-get install -y -q chromium; fi; }
 
+# the leak check runs after a failed run too, where a leak is likeliest
 test: venv buf docker base-image chromium
-	$(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider
-	@scripts/check-leaks.sh
+	@rc=0; $(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider || rc=$$?; scripts/check-leaks.sh || rc=1; exit $$rc
 
 # The tests that need no Docker engine (pytest -m "not docker"): the control plane on the fake backend, envd on the
 # host, parsers and validators. Starts no dockerd and builds no image.

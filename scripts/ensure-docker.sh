@@ -45,9 +45,10 @@ os.replace(tmp, path)
 print("ensure-docker: registered runsc in", path)
 PY
   [ "$rc" = 0 ] || return 0
+  # the running daemon by its pid file (pgrep may name several: a rootless one, another user's)
   local pid
-  pid=$(pgrep -x dockerd || true)
-  if [ -n "$pid" ]; then kill -HUP "$pid"; fi
+  pid=$(cat /var/run/docker.pid 2>/dev/null || true)
+  if [ -n "$pid" ] && [ "$(cat /proc/"$pid"/comm 2>/dev/null || true)" = dockerd ]; then kill -HUP "$pid" || true; fi
 }
 register_runsc
 
@@ -69,7 +70,10 @@ fi
 # containerd leaves a pid file of its own
 if [ -f /var/run/docker/containerd/containerd.pid ]; then
   cpid=$(cat /var/run/docker/containerd/containerd.pid 2>/dev/null || true)
-  if [ -z "$cpid" ] || [ ! -d /proc/"$cpid" ]; then rm -f /var/run/docker/containerd/containerd.pid; fi
+  # its pid by name, as dockerd's: after a restore, a low pid is often some other process's
+  if [ -z "$cpid" ] || [ "$(cat /proc/"$cpid"/comm 2>/dev/null || true)" != containerd ]; then
+    rm -f /var/run/docker/containerd/containerd.pid
+  fi
 fi
 
 if ! pgrep -x dockerd >/dev/null 2>&1; then
