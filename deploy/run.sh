@@ -37,7 +37,8 @@ export ENVFLEET_PORT="${ENVFLEET_PORT:-50051}" ENVFLEET_SOCKET_ROOT="$SOCKET_ROO
 # Sandboxes are siblings: the engine bind-mounts their socket folders from the host's SOCKET_ROOT, which the server
 # makes inside the container at the same path, each a 64 KiB tmpfs that it mounts (CAP_SYS_ADMIN) and hands to the
 # sandbox's uid (root: chown). For the engine to see those mounts, SOCKET_ROOT is a shared mount point on the host
-# and reaches the container with rshared propagation.
+# and reaches the container with rshared propagation. The container has no AppArmor profile: Docker's default one
+# (on Ubuntu and Debian hosts) denies every mount, so every sandbox's create would fail there.
 install -d -m 0700 "$SOCKET_ROOT"
 mountpoint -q "$SOCKET_ROOT" || mount --bind "$SOCKET_ROOT" "$SOCKET_ROOT"
 mount --make-shared "$SOCKET_ROOT"
@@ -49,7 +50,7 @@ mount --make-shared "$SOCKET_ROOT"
 # namespace of its own each container was another host, whose sandboxes were kept until their lease (an hour at
 # least), unless the kernel happened to hand the new namespace the old one's number.
 set -- --name "$NAME" --detach --init --stop-timeout 30 --pid host \
-    --user 0:0 --cap-add SYS_ADMIN \
+    --user 0:0 --cap-add SYS_ADMIN --security-opt apparmor=unconfined \
     --volume "$DOCKER_SOCK:/var/run/docker.sock" \
     --volume "$SOCKET_ROOT:$SOCKET_ROOT:rshared" \
     --volume "$DATA_VOLUME:/var/lib/envfleet" \
