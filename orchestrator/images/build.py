@@ -351,6 +351,7 @@ def _run_build(
     error: str | None = None
     printed = 0  # bytes of output logged
     ended = False  # the engine ended the build itself (a failed step), rather than this process dropping it
+    failed: EngineError | None = None  # the engine's own failure, raised once the build's layers are forgotten
     deadline = time.monotonic() + limits.timeout_s if limits is not None else None
     guard = DiskGuard(client, limits.disk_mb) if limits is not None else None
     with log_path.open("w", encoding="utf-8") as logf, guard or contextlib.nullcontext():
@@ -400,19 +401,26 @@ def _run_build(
         except docker.errors.APIError as e:
             if e.is_server_error():  # the engine failing (its disk full, a commit failing), not the Dockerfile
                 _log_error(logf, tail, str(e.explanation or e))
-                raise EngineError(f"building {tag}: the engine failed: {e.explanation or e}") from e
-            error = str(e.explanation or e)
-            _log_error(logf, tail, error)
+                failed = EngineError(f"building {tag}: the engine failed: {e.explanation or e}")
+                failed.__cause__ = e
+            else:
+                error = str(e.explanation or e)
+                _log_error(logf, tail, error)
         except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError) as e:
             if limits is None or not _read_timed_out(e):
                 # the engine went away mid-build (restarted, the connection reset): the fleet's failure
-                raise EngineError(f"building {tag}: the engine did not answer: {e}") from e
-            error = _timed_out(limits)  # the read timeout: a step printed nothing until the deadline
-            _log_error(logf, tail, error)
+                failed = EngineError(f"building {tag}: the engine did not answer: {e}")
+                failed.__cause__ = e
+            else:
+                error = _timed_out(limits)  # the read timeout: a step printed nothing until the deadline
+                _log_error(logf, tail, error)
         finally:
             _drop(stream)  # closing the connection is what cancels a build the engine is still running
-    if error is not None and guard is not None:
-        guard.forget(cancelled=not ended)  # a failed build's layers would stay as untagged images, on disk
+    if (error is not None or failed is not None) and guard is not None:
+        # a failed build's layers would stay as untagged images, on disk: the engine's failures' too
+        guard.forget(cancelled=not ended)
+    if failed is not None:
+        raise failed
     if error is not None:
         where = f" at {step!r}" if step else ""
         raise ImageBuildError(

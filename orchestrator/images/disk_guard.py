@@ -91,7 +91,7 @@ class DiskGuard:
         while time.monotonic() < deadline and self._in_use(self.layers[-1]):
             time.sleep(0.2)
         for image in reversed(self.layers):
-            with contextlib.suppress(docker.errors.APIError):
+            with contextlib.suppress(docker.errors.APIError, requests.exceptions.RequestException):
                 self._client.api.remove_image(image, force=False, noprune=False)
 
     def _in_use(self, image: str) -> bool:

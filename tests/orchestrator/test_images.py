@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import socketserver
 import threading
 import time
@@ -20,7 +21,7 @@ from orchestrator.core.errors import EngineError, ImageBuildError, InvalidReques
 from orchestrator.core.image_spec import ImageSpec, render_dockerfile
 from orchestrator.core.models import RolloutStatus
 from orchestrator.images import build_image, ensure_base_image
-from orchestrator.images.build import image_key
+from orchestrator.images.build import BuildLimits, image_key
 from orchestrator.images.resolver import ImageResolver
 from orchestrator.rollout.step import classify_failure
 from orchestrator.service.registry import Registry
@@ -226,9 +227,39 @@ class _EngineAnswering(http.server.BaseHTTPRequestHandler):
     def _answer(self) -> None:
         body = b'{"message": "write /var/lib/docker/tmp: no space left on device"}'
         code = self.server.code  # type: ignore[attr-defined]
+        if code == "midway":
+            return self._midway()
         if code == "build" and self.command == "GET":  # no such image yet: it is to be built
             code, body = 404, b'{"message": "No such image"}'
         self.send_response(500 if code == "build" else code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _midway(self) -> None:
+        """ "midway": a build that commits a layer, then the engine goes away (its answer cut short); the calls to
+        remove an image are recorded on the server's `deleted`."""
+        if self.command == "DELETE":
+            self.server.deleted.append(self.path)  # type: ignore[attr-defined]
+        if self.command == "POST" and "/build" in self.path:
+            steps = ["Step 1/2 : FROM envfleet/base", " ---> 0123456789ab", "Step 2/2 : RUN make"]
+            steps += [" ---> Running in c0ffee0c0ffe", " ---> ba9876543210"]
+            self.protocol_version = "HTTP/1.1"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for line in steps:
+                data = json.dumps({"stream": f"{line}\n"}).encode() + b"\r\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()  # and no last chunk: the connection ends
+            self.close_connection = True
+            return
+        code, body = (200, b'[{"Size": 1}]') if "/history" in self.path else (404, b'{"message": "No such image"}')
+        if self.command == "DELETE":
+            code, body = 200, b"[]"
+        self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -241,9 +272,10 @@ class _EngineAnswering(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def _engine(path: Path, code: int | str) -> Iterator[str]:
+def _engine(path: Path, code: int | str, deleted: list[str] | None = None) -> Iterator[str]:
     server = socketserver.ThreadingUnixStreamServer(str(path), _EngineAnswering)
     server.code = code  # type: ignore[attr-defined]
+    server.deleted = [] if deleted is None else deleted  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -273,3 +305,21 @@ def test_the_engine_failing_a_build_is_infrastructure_too(tmp_path: Path) -> Non
         client = docker.DockerClient(base_url=url, version="1.41", timeout=10)
         with pytest.raises(EngineError, match=r"the engine failed: .*no space left on device"):
             build_image(client, name="engine-down", dockerfile="FROM scratch\n", context_files={}, cache_dir=tmp_path)
+
+
+def test_a_build_the_engine_failed_midway_leaves_no_layers(tmp_path: Path) -> None:
+    # the engine's failures were raised before the build's layers were removed: the steps it had committed stayed on
+    # disk as untagged images
+    deleted: list[str] = []
+    with _engine(tmp_path / "engine.sock", "midway", deleted) as url:
+        client = docker.DockerClient(base_url=url, version="1.41", timeout=10)
+        with pytest.raises(EngineError, match="did not answer"):
+            build_image(
+                client,
+                name="engine-gone",
+                dockerfile="FROM envfleet/base\nRUN make\n",
+                context_files={},
+                cache_dir=tmp_path,
+                limits=BuildLimits(),
+            )
+    assert [p.split("?")[0].rsplit("/", 1)[-1] for p in deleted] == ["ba9876543210"]
