@@ -40,6 +40,7 @@ from environments.swe.snapshot import extract_archive, snapshot_commit
 from environments.swe.validate import validate_dataset
 from orchestrator.core.errors import EnvfleetError, SandboxError
 from orchestrator.core.sandbox import SandboxBackend, SandboxSpec
+from orchestrator.images.cache import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -195,15 +196,7 @@ class DatasetBuilder:
         source = pin.source()
         archive = await asyncio.to_thread(fetch_source, source, self.cache_dir)
         tree = swe_cache(self.cache_dir) / "src" / pin.sha256[:16]
-        done = tree.with_name(tree.name + ".complete")  # outside the tree: it is no part of the snapshot
-        if not done.is_file():
-            tree.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tree, ignore_errors=True)
-            with tempfile.TemporaryDirectory(dir=tree.parent) as tmp:
-                staging = Path(tmp) / "tree"
-                extract_archive(archive, staging, source.strip_components)
-                staging.rename(tree)
-            done.write_text("")
+        await asyncio.to_thread(_unpack, archive, tree, source.strip_components, swe_cache(self.cache_dir) / "locks")
         env_commit = snapshot_commit(tree)
         env_image = await self.images.environment(EnvironmentSpec())
         image = await asyncio.to_thread(
@@ -433,3 +426,19 @@ async def build_dataset(
             st.reasons["failed harness validation"] = rejected
         shipped.extend(keep)
     return sorted(shipped, key=lambda i: i.instance_id), stats
+
+
+def _unpack(archive: Path, tree: Path, strip_components: int, locks: Path) -> None:
+    """The project's source at `tree`, unpacked once; under a lock shared with other processes on this cache (two
+    `swe-build`s of one pin: one removed the tree the other was renaming into, or taking its snapshot of)."""
+    done = tree.with_name(tree.name + ".complete")  # outside the tree: it is no part of the snapshot
+    with file_lock(locks, f"src-{tree.name}"):
+        if done.is_file():
+            return
+        tree.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tree, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=tree.parent) as tmp:
+            staging = Path(tmp) / "tree"
+            extract_archive(archive, staging, strip_components)
+            staging.rename(tree)
+        done.write_text("")

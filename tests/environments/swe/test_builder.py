@@ -40,3 +40,24 @@ async def test_build_a_small_subset(
         assert inst == by_id[inst.instance_id]
     # it went through the harness: gold resolved
     assert (tmp_path / "build-validate-gold-1" / "summary.json").is_file()
+
+
+def test_processes_unpacking_one_pins_source_take_turns(tmp_path: Path) -> None:
+    # two `swe-build`s of one pin on one cache: one removed the tree the other was renaming into (ENOTEMPTY) or
+    # taking its snapshot of
+    import io
+    import tarfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from environments.swe.builder.build import _unpack
+
+    archive = tmp_path / "p-1.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        for i in range(200):
+            info = tarfile.TarInfo(f"p-1/m{i}.py")
+            info.size = 6
+            tf.addfile(info, io.BytesIO(b"x = 1\n"))
+    tree = tmp_path / "src" / "0123456789abcdef"
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: _unpack(archive, tree, 1, tmp_path / "locks"), range(8)))
+    assert len(list(tree.iterdir())) == 200 and tree.with_name(tree.name + ".complete").is_file()
