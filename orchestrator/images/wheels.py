@@ -106,13 +106,17 @@ def _arch(machine: str | None) -> str:
 
 
 def fetch_site(requirements: list[str], dest: Path, cache_dir: Path, *, python_version: str = IMAGE_PYTHON) -> Path:
-    """Download binary wheels for `requirements` (cached by their hash) and unpack them into `dest`; return `dest`.
+    """Download binary wheels for `requirements` (cached by their hash) and unpack them into a folder named by
+    `dest` and that hash, `<dest>-<hash>`; return it.
 
-    `dest` is replaced as a whole, and left alone when it already holds exactly these wheels.
+    The folder is written once, under a lock, and never rewritten: a build hashes its context's files, then reads
+    them again to send them, and one folder per name, replaced when another install's pins changed the wheels, sent
+    the other install's between the two reads, and the image was cached under a key of files it does not hold.
     """
     platforms = wheel_platforms()
     key = _wheels_key(requirements, python_version, platforms)
     wheel_dir = _download(requirements, key, platforms, python_version, cache_dir)
+    dest = dest.with_name(f"{dest.name}-{key}")
     marker = dest.parent / f".{dest.name}.key"
     if dest.is_dir() and marker.is_file() and marker.read_text() == key:
         return dest

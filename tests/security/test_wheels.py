@@ -58,4 +58,20 @@ def test_a_site_whose_wheels_together_are_over_the_limit_is_refused(
     dest = tmp_path / "site"
     with pytest.raises(ImageBuildError, match=r"the wheels of 3 requirements unpack to 196608 bytes, over 131072"):
         wheels.fetch_site(["w0==1.0", "w1==1.0", "w2==1.0"], dest, tmp_path / "cache")
-    assert not dest.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".site")] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.lstrip(".").startswith("site")] == []
+
+
+def test_another_installs_wheels_never_replace_a_site_a_build_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one folder per name, replaced whenever another install's pins changed the wheels: a build that had hashed
+    # the old folder sent the new one, and the image was cached under a key of files it does not hold
+    for n in range(2):
+        (tmp_path / f"wheels{n}").mkdir()
+        _wheel(tmp_path / f"wheels{n}" / f"w{n}-1.0-py3-none-any.whl", {f"w{n}/data.bin": b"%d" % n})
+    monkeypatch.setattr(wheels, "_download", lambda requirements, *args: tmp_path / f"wheels{requirements[0][1]}")
+    first = wheels.fetch_site(["w0==1.0"], tmp_path / "site", tmp_path / "cache")
+    second = wheels.fetch_site(["w1==1.0"], tmp_path / "site", tmp_path / "cache")
+    assert first != second and first.parent == second.parent == tmp_path
+    assert (first / "w0" / "data.bin").read_bytes() == b"0" and not (first / "w1").exists()
+    assert wheels.fetch_site(["w0==1.0"], tmp_path / "site", tmp_path / "cache") == first
