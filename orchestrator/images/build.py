@@ -19,6 +19,7 @@ import re
 import shutil
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -163,18 +164,17 @@ def build_image(
     with file_lock(cache / "locks", tag):
         if image_exists(client, tag):
             return tag
-        if limits is not None:
-            _check_room(client, limits)
-        _prune_logs(logs)
-        log_path = logs / f"{safe_name(name)}-{key}.log"
-        started = time.monotonic()
-        if made_files is not None:
-            entries = entries + _collect(made_files())
-        log.info("building %s (%d context files), log %s", tag, len(entries), log_path)
-        with tempfile.SpooledTemporaryFile(max_size=_SPOOL_MAX_BYTES) as context:
-            _write_context(context, dockerfile, entries)
-            context.seek(0)
-            _run_build(client, context, tag, args, labs, log_path, limits)
+        with _room(client, limits) if limits is not None else contextlib.nullcontext():
+            _prune_logs(logs)
+            log_path = logs / f"{safe_name(name)}-{key}.log"
+            started = time.monotonic()
+            if made_files is not None:
+                entries = entries + _collect(made_files())
+            log.info("building %s (%d context files), log %s", tag, len(entries), log_path)
+            with tempfile.SpooledTemporaryFile(max_size=_SPOOL_MAX_BYTES) as context:
+                _write_context(context, dockerfile, entries)
+                context.seek(0)
+                _run_build(client, context, tag, args, labs, log_path, limits)
         if not image_exists(client, tag):
             raise ImageBuildError(f"building {tag}: the build finished but the image is missing", log_path=log_path)
         _check_image_labels(client, tag)
@@ -253,24 +253,49 @@ def _base_ids(client: docker.DockerClient, dockerfile: str) -> dict[str, str]:
     return ids
 
 
-def _check_room(client: docker.DockerClient, limits: BuildLimits) -> None:
-    """Refuse a build of untrusted content that could leave the engine's disk with less than a floor free (what
-    sandboxes and the result log need to go on): images built, validated or not, are kept, and a tenant's builds
-    could fill the disk. The engine's data root is measured where it is a path of this host (else not at all)."""
+# What the limited builds running in this process may still write (each one's disk_mb): each build's check of the
+# disk counts the others', which two at once (a registration's checks run in parallel) took from the floor together.
+_reserved_bytes = 0
+_reserving = threading.Lock()
+
+
+@contextlib.contextmanager
+def _room(client: docker.DockerClient, limits: BuildLimits) -> Iterator[None]:
+    """Hold a build's disk limit against the floor (_check_room) while it runs."""
+    global _reserved_bytes
+    usage = _engine_disk(client)
+    with _reserving:
+        if usage is not None:
+            _check_room(usage, limits, _reserved_bytes)
+        _reserved_bytes += limits.disk_mb << 20
+    try:
+        yield
+    finally:
+        with _reserving:
+            _reserved_bytes -= limits.disk_mb << 20
+
+
+def _engine_disk(client: docker.DockerClient) -> Any:
+    """The disk usage of the engine's data root where it is a path of this host (else None)."""
     try:
         root = str(client.info().get("DockerRootDir") or "")
-        usage = shutil.disk_usage(root) if root else None
+        return shutil.disk_usage(root) if root else None
     except (docker.errors.APIError, OSError):
-        usage = None
-    if usage is None:
-        return
+        return None
+
+
+def _check_room(usage: Any, limits: BuildLimits, reserved: int) -> None:
+    """Refuse a build of untrusted content that could leave the engine's disk with less than a floor free (what
+    sandboxes and the result log need to go on): images built, validated or not, are kept, and a tenant's builds
+    could fill the disk. `reserved`: what the builds already running may still write."""
     floor = max(KEEP_FREE_MIN_BYTES, int(usage.total * KEEP_FREE_SHARE))
-    need = floor + (limits.disk_mb << 20)
+    need = floor + (limits.disk_mb << 20) + reserved
     if usage.free < need:
+        running = f" and the builds running may write {reserved >> 20} MB" if reserved else ""
         raise ImageBuildError(
-            f"the engine's disk has {usage.free >> 20} MB free: a build that may write {limits.disk_mb} MB would "
-            f"leave less than the {floor >> 20} MB kept free for sandboxes; builds wait until images are removed "
-            "(an operator: docker image prune, or unregister environments)"
+            f"the engine's disk has {usage.free >> 20} MB free: a build that may write {limits.disk_mb} MB{running} "
+            f"would leave less than the {floor >> 20} MB kept free for sandboxes; builds wait until images are "
+            "removed (an operator: docker image prune, or unregister environments)"
         )
 
 

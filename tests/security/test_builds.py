@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import docker
 import grpc
@@ -527,3 +528,27 @@ def test_a_tenant_build_never_takes_the_disk_sandboxes_need(
         assert tag.startswith("envfleet/sec-room:") and len(tag.rsplit(":", 1)[1]) == 24
     finally:
         docker_client.images.remove(tag, force=True)
+
+
+def test_builds_running_at_once_count_each_others_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each build checked the floor alone: two a registration ran at once (its checks run in parallel) could write
+    # twice the room between them, into what the sandboxes need
+    import shutil as real_shutil
+
+    from orchestrator.images import build as build_module
+
+    class Engine:
+        def info(self) -> dict[str, str]:
+            return {"DockerRootDir": "/"}
+
+    total = 100 << 30
+    roomy = real_shutil._ntuple_diskusage(total, total - (8 << 30), 8 << 30)  # type: ignore[attr-defined]
+    monkeypatch.setattr(real_shutil, "disk_usage", lambda path: roomy)
+    limits = BuildLimits(disk_mb=2048)
+    engine = cast(docker.DockerClient, Engine())
+    # 8 GB free, 5 kept: room for one build of 2
+    refused = pytest.raises(ImageBuildError, match="2048 MB and the builds running may write 2048 MB would leave")
+    with build_module._room(engine, limits), refused, build_module._room(engine, limits):
+        pass
+    with build_module._room(engine, limits):  # the first one's end gave its room back
+        pass
