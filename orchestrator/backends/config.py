@@ -31,6 +31,11 @@ class DockerBackendConfig(BaseModel):
         description="envd's socket directories and the sweep's key: created 0700 and owned by us, not a world-writable"
         " place (a backend that shares it with others shares their sweep)",
     )
+    seal_key_dir: Path | None = Field(
+        None,
+        description="where the socket root's key is kept across reboots (the root is under /run, a tmpfs); default: "
+        "/var/lib/envfleet/seal-keys for root, else $XDG_STATE_HOME/envfleet/seal-keys",
+    )
     socket_tmpfs: bool = Field(
         True, description="each socket directory is a 64 KiB tmpfs (needs CAP_SYS_ADMIN), so no sandbox fills the disk"
     )

@@ -233,7 +233,9 @@ class DockerBackend(SandboxBackend):
     def __init__(self, config: DockerBackendConfig | None = None) -> None:
         self.config = config or DockerBackendConfig()
         self.owner = Owner.current(self.config.owner)
-        self.sockets = SocketDirs(self.config.socket_root, tmpfs=self.config.socket_tmpfs)
+        self.sockets = SocketDirs(
+            self.config.socket_root, tmpfs=self.config.socket_tmpfs, key_dir=self.config.seal_key_dir
+        )
         self.engine = Engine(self.config)
         self.limiter = self.engine.limiter
         self.client = self.engine.client

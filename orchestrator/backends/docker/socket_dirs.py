@@ -7,7 +7,9 @@ directory is handed to us (root-owned, 0755), so the sandbox can no longer add, 
 only then is the socket checked (lstat: a socket, not a link) and connected to. Removal never follows a link either.
 
 A per-root secret key seals each container's name (an HMAC in a label): the sweep acts only on containers whose seal
-it can verify, so a label copied from an image or set by anyone else is a claim it ignores.
+it can verify, so a label copied from an image or set by anyone else is a claim it ignores. The key is kept outside
+the root too (kept_key_path: /var/lib, not the /run of the root, a tmpfs): after a reboot the root is new, and with a
+new key the containers from before the reboot, back as exited, were claims no sweep could verify, left for good.
 
 Every backend of the host that shares the root sweeps it, and a create may stall long between its mkdir and its
 container (a slow engine). So a create holds an exclusive flock on `NAME.creating` beside its directory (in the root,
@@ -87,12 +89,48 @@ class Claims:
         self.held.clear()
 
 
+def default_key_dir() -> Path:
+    """Where the roots' keys outlive a reboot: /var/lib/envfleet/seal-keys for root, else under XDG_STATE_HOME."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/envfleet/seal-keys")
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "envfleet" / "seal-keys"
+
+
+def kept_key_path(root: Path, key_dir: Path | None = None) -> Path:
+    """The kept copy of the key of socket root `root`, named by the root's path."""
+    digest = hashlib.sha256(os.fsencode(os.path.abspath(root))).hexdigest()[:24]
+    return (key_dir or default_key_dir()) / f"{digest}.key"
+
+
+def _place(folder: Path, path: Path, key: bytes, *, replace: bool = False) -> None:
+    """Write `key` at `path` whole (0600, through a new file in `folder`): linked where none is (the first writer
+    wins), or renamed over one (`replace`)."""
+    tmp = folder / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        if replace:
+            os.replace(tmp, path)
+        else:
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 class SocketDirs:
     """The socket root of one backend and the per-sandbox directories in it."""
 
-    def __init__(self, root: Path, *, tmpfs: bool = True) -> None:
+    def __init__(self, root: Path, *, tmpfs: bool = True, key_dir: Path | None = None) -> None:
         self.root = Path(os.path.abspath(root))
         self.tmpfs = tmpfs
+        self.kept_key = kept_key_path(self.root, key_dir)
         self._creating: dict[str, int] = {}  # name -> the fd of the lock its create holds
         self._ensure_root()
         self._key = self._load_key()
@@ -116,24 +154,39 @@ class SocketDirs:
             os.close(fd)
 
     def _load_key(self) -> bytes:
-        """The root's secret (created once, 0600); a link in its place is refused."""
+        """The root's secret (0600; a link in its place is refused): the root's own, else the kept one (the root is
+        new after a reboot), else a new one. The root's is kept, so the next boot finds it."""
         path = self.root / KEY_FILE
-        with contextlib.suppress(FileNotFoundError):
-            return self._read_key(path)
-        tmp = self.root / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, secrets.token_bytes(32))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            key = self._read_key(path)
+        except FileNotFoundError:
+            try:
+                key = self._read_key(self.kept_key)
+            except (OSError, ConfigError) as e:  # none kept (a new host), or none that can be read
+                if not isinstance(e, FileNotFoundError):
+                    log.warning("the kept seal key %s is not read (%s): a new key", self.kept_key, e)
+                key = secrets.token_bytes(32)
+            _place(self.root, path, key)  # atomic: a backend starting at the same moment reads the same key
+            key = self._read_key(path)
+        self._keep(key)
+        return key
+
+    def _keep(self, key: bytes) -> None:
+        """The key's copy outside the root, written when it differs (a root from before kept keys); a host where it
+        cannot be written keeps its key in the root alone, as before."""
         try:
-            os.link(tmp, path)  # atomic: a backend starting at the same moment reads the same key
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-        return self._read_key(path)
+            with contextlib.suppress(FileNotFoundError):
+                if self._read_key(self.kept_key) == key:
+                    return
+            self.kept_key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _place(self.kept_key.parent, self.kept_key, key, replace=True)
+        except (OSError, ConfigError) as e:
+            log.warning(
+                "the seal key of %s is not kept at %s (%s): after a reboot its sandboxes from before it are not swept",
+                self.root,
+                self.kept_key,
+                e,
+            )
 
     @staticmethod
     def _read_key(path: Path) -> bytes:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.docker.socket_dirs import SocketDirs
+from orchestrator.backends.docker.socket_dirs import SocketDirs, kept_key_path
 
 
 @pytest.fixture
@@ -25,3 +25,4 @@ def socket_root() -> Iterator[Path]:
             for name in dirs.names():  # what a failed test left: unmounted, then removed
                 dirs.remove(name)
         shutil.rmtree(top)
+        kept_key_path(root).unlink(missing_ok=True)  # the root's key, kept for its next boot

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,12 +14,14 @@ import tarfile
 import textwrap
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import docker
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
 from orchestrator.backends.docker.host_config import tmpfs_sizes
+from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, LABEL_LEASE, LABEL_MANAGED, LABEL_OWNER
 from orchestrator.core.errors import (
     SandboxCreateError,
@@ -220,8 +223,10 @@ from orchestrator.backends.docker import DockerBackend, DockerBackendConfig
 from orchestrator.core.sandbox import SandboxSpec
 
 async def main():
-    # no reaper: this is the start-up sweep's test (test_reaper.py has the reaper's)
-    b = await DockerBackend.start(DockerBackendConfig(owner=sys.argv[2], reaper=False), sweep=False)
+    # no reaper: this is the start-up sweep's test (test_reaper.py has the reaper's); a socket root and key folder
+    # of its own when named
+    where = dict(zip(("socket_root", "seal_key_dir"), sys.argv[3:]))
+    b = await DockerBackend.start(DockerBackendConfig(owner=sys.argv[2], reaper=False, **where), sweep=False)
     for _ in range(3):
         await b.create(SandboxSpec(image=sys.argv[1]))
     print("ready", flush=True)
@@ -231,10 +236,10 @@ asyncio.run(main())
 """
 
 
-async def test_sandboxes_of_a_killed_owner_are_swept(base_image: str, docker_client: docker.DockerClient) -> None:
-    owner = f"{TEST_OWNER}-crash"
+async def _killed_owner(base_image: str, owner: str, *where: str) -> None:
+    """An owner process that made 3 sandboxes, SIGKILLed."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", OWNER_SCRIPT, base_image, owner], stdout=subprocess.PIPE, cwd=REPO, text=True
+        [sys.executable, "-c", OWNER_SCRIPT, base_image, owner, *where], stdout=subprocess.PIPE, cwd=REPO, text=True
     )
     try:
         assert proc.stdout is not None
@@ -243,6 +248,11 @@ async def test_sandboxes_of_a_killed_owner_are_swept(base_image: str, docker_cli
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+async def test_sandboxes_of_a_killed_owner_are_swept(base_image: str, docker_client: docker.DockerClient) -> None:
+    owner = f"{TEST_OWNER}-crash"
+    await _killed_owner(base_image, owner)
     flt = {"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={owner}"]}
     left = owned_containers(owner)
     assert len(left) == 3, "the killed owner's sandboxes should still exist before the sweep"
@@ -253,6 +263,28 @@ async def test_sandboxes_of_a_killed_owner_are_swept(base_image: str, docker_cli
             assert not os.path.lexists(sweeper.config.socket_root / c.name)
     finally:
         await sweeper.close()
+
+
+async def test_sandboxes_from_before_a_reboot_are_swept_after_it(
+    base_image: str, socket_root: Path, tmp_path: Path
+) -> None:
+    # the sweep's key lived in the socket root alone, under /run, a tmpfs: after a reboot the root was new, its key
+    # too, and the sandboxes from before it (back as exited) were claims no sweep could verify, left for good
+    owner = f"{TEST_OWNER}-reboot"
+    await _killed_owner(base_image, owner, str(socket_root), str(tmp_path / "keys"))
+    assert len(owned_containers(owner)) == 3
+    dirs = SocketDirs(socket_root, key_dir=tmp_path / "keys")
+    for name in dirs.names():  # the reboot: /run is empty again
+        dirs.remove(name)
+    shutil.rmtree(socket_root)
+    config = DockerBackendConfig(owner=TEST_OWNER, socket_root=socket_root, seal_key_dir=tmp_path / "keys")
+    sweeper = await DockerBackend.start(config)  # sweeps at start
+    try:
+        assert owned_containers(owner) == []
+    finally:
+        await sweeper.close()
+        for c in owned_containers(owner):  # what the sweep could not verify
+            c.remove(force=True)
 
 
 async def test_sweep_keeps_live_owners_and_removes_expired_leases(
