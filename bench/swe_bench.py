@@ -65,7 +65,9 @@ def _run_flags(image: str) -> list[str]:
         "--security-opt", "no-new-privileges", "--init", "--user", "100000:100000",
         "--pids-limit", str(lim.pids), "--memory", f"{lim.memory_mb}m", "--cpus", str(lim.cpus),
         "--tmpfs", f"/tmp:rw,exec,nosuid,nodev,size={lim.tmp_mb}m,mode=1777",
-        "--tmpfs", f"/workspace:rw,exec,nosuid,nodev,size={lim.workspace_mb}m,uid=1000,gid=1000,mode=0755",
+        # the workspace is the sandbox uid's, as envfleet's own sandboxes mount it (uid 1000 left the baseline,
+        # which runs as 100000, unable to write it: every instance failed and `make bench` stopped there)
+        "--tmpfs", f"/workspace:rw,exec,nosuid,nodev,size={lim.workspace_mb}m,uid=100000,gid=100000,mode=0755",
         "--label", "envfleet.bench=swe-baseline",
         *(x for k, v in EVAL_ENV.items() for x in ("-e", f"{k}={v}")),
         image, "sleep", "infinity",
@@ -83,6 +85,8 @@ async def _baseline_one(inst: SweInstance, image: str) -> bool:
         if inst.test_runner.framework == "unittest":
             await _docker("exec", "-i", cid, "sh", "-c", "cat > /tmp/swe_unittest.py", stdin=UNITTEST_RUNNER.encode())
         code, out = await _docker("exec", "-w", "/workspace", cid, "sh", "-c", "cp -a /opt/repo/. /workspace/")
+        if code != 0:
+            raise RuntimeError(f"the baseline could not copy the repository: {out.decode()[-500:]}")
         code, out = await _docker("exec", "-w", "/workspace", cid, "git", "apply", "/tmp/model.patch")
         if code != 0:
             return False
@@ -149,14 +153,21 @@ async def swe_eval_throughput(count: int = 16, rounds: int = 3, owner: str = "en
     pooled: list[float] = []
     fresh: list[float] = []
     base: list[float] = []
-    for _ in range(rounds):  # interleaved, so the noise of a shared host hits all three alike
-        for reuse, out in ((True, pooled), (False, fresh)):
-            seconds, ok = await _envfleet(instances, client, owner, reuse=reuse)
-            assert ok == len(instances), f"envfleet resolved {ok}/{len(instances)}"
-            out.append(seconds)
+
+    async def envfleet(reuse: bool, out: list[float]) -> None:
+        seconds, ok = await _envfleet(instances, client, owner, reuse=reuse)
+        assert ok == len(instances), f"envfleet resolved {ok}/{len(instances)}"
+        out.append(seconds)
+
+    async def baseline() -> None:
         seconds, ok = await _baseline(instances, images)
         assert ok == len(instances), f"baseline resolved {ok}/{len(instances)}"
         base.append(seconds)
+
+    sides = [lambda: envfleet(True, pooled), lambda: envfleet(False, fresh), baseline]
+    for r in range(rounds):  # interleaved, each side first in turn, so a host's drift hits all three alike
+        for side in sides[r % 3 :] + sides[: r % 3]:
+            await side()
 
     def per_min(xs: list[float]) -> float:
         return 60 * len(instances) / statistics.median(xs)

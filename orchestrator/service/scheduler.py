@@ -12,6 +12,12 @@ Sessions and raw sandboxes count against the same capacity: `reserve(need)` take
 with RESOURCE_EXHAUSTED when the host is full, since a trainer waiting on Reset is better told than queued), and the
 returned `Reservation` gives it back when the sandbox ends.
 
+A tenant whose rollouts need more of the host than another's is not passed over for good: while the fairest
+tenant's next rollout does not fit, smaller ones of other tenants fill the room (backfill) for at most
+DRAIN_AFTER_S, and then nothing else starts until it fits (as long as the host, empty of rollouts, would hold it).
+Before, each freed CPU went to whichever tenant fitted it at once, and a tenant of 4-CPU sandboxes beside one of
+1-CPU sandboxes never ran. Tenants tied on running rollouts take turns (least recently served first).
+
 Placement is image-aware: a job whose sandbox image is still being built is held back (`ready=False`), so its
 rollouts do not sit on slots waiting for a build while jobs whose images exist could run; `set_ready` releases it.
 """
@@ -33,6 +39,8 @@ from orchestrator.core.errors import CapacityError, QuotaExceededError
 from orchestrator.rollout.runner import WorkItem
 
 log = logging.getLogger(__name__)
+
+DRAIN_AFTER_S = 10.0  # how long other tenants' rollouts may backfill the room a fairer tenant's rollout waits for
 
 
 class Capacity(BaseModel):
@@ -108,6 +116,11 @@ class Scheduler:
         self._cpus_used = 0.0
         self._memory_used = 0
         self._held = 0  # sandboxes of sessions and the raw sandbox API, reserved outside the queues
+        self._held_cpus = 0.0  # and their share, which no drain frees
+        self._held_memory = 0
+        self._starts = 0  # rollouts started so far: a tenant's last start orders the ties
+        self._served: dict[str, int] = {}  # tenant -> its last start
+        self._blocked: dict[str, float] = {}  # tenant -> since when its next rollout found no room
         self._running = 0  # kept as a count: summing over the queues made each decision O(jobs), a burst O(jobs^2)
         self._running_by_tenant: collections.Counter[str] = collections.Counter()  # counted for the same reason
         self._queues: dict[str, JobQueue] = {}
@@ -177,6 +190,8 @@ class Scheduler:
         if q is None:
             return
         q.pending.clear()
+        if not any(o.tenant == q.tenant for o in self._queues.values()):
+            self._blocked.pop(q.tenant, None)  # a wait of the tenant's it never ran: none to count on
         tasks = list(q.running.values())
         # their done callbacks still release the counts: the queue is found through the callback, not the dict
         for t in tasks:
@@ -215,15 +230,35 @@ class Scheduler:
                 f"capacity.memory_mb = {cap.memory_mb} MB; try again later"
             )
         self._held += 1
+        self._held_cpus += need.cpus
+        self._held_memory += need.memory_mb
         self._cpus_used += need.cpus
         self._memory_used += need.memory_mb
         return Reservation(self, need)
 
     def _unreserve(self, need: Need) -> None:
         self._held = max(0, self._held - 1)
+        self._held_cpus = max(0.0, self._held_cpus - need.cpus)
+        self._held_memory = max(0, self._held_memory - need.memory_mb)
+        self._give_back(need)
+        self.kick()  # queued rollouts may fit now
+
+    def _give_back(self, need: Need) -> None:
         self._cpus_used = max(0.0, self._cpus_used - need.cpus)
         self._memory_used = max(0, self._memory_used - need.memory_mb)
-        self.kick()  # queued rollouts may fit now
+        if not self._running and not self._held:
+            # fractions of a CPU added and taken away leave a rounding residue (1e-15): with nothing running it is
+            # 0, and a rollout that needs the whole host fits again (it was refused, or queued for good)
+            self._cpus_used, self._held_cpus = 0.0, 0.0
+
+    def _could_fit(self, need: Need) -> bool:
+        """Whether `need` fits once every running rollout has ended (what held reservations leave)."""
+        cap = self.capacity
+        return (
+            self._held < cap.max_sandboxes
+            and self._held_cpus + need.cpus <= cap.cpus
+            and self._held_memory + need.memory_mb <= cap.memory_mb
+        )
 
     def _next(self) -> JobQueue | None:
         if self.in_flight >= self.max_in_flight:
@@ -231,13 +266,22 @@ class Scheduler:
         if len(self._queues) == 1:  # one job queued (a trainer's usual): no share to weigh
             q = next(iter(self._queues.values()))
             return q if q.has_room() and self._room(q.need) else None
-        ready = [q for q in self._queues.values() if q.has_room() and self._room(q.need)]
-        if not ready:
+        waiting = [q for q in self._queues.values() if q.has_room()]
+        if not waiting:
             return None
-        running = self._running_by_tenant
-        tenant = min({q.tenant for q in ready}, key=lambda t: (running[t], t))
-        mine = [q for q in ready if q.tenant == tenant]
-        return min(mine, key=lambda q: (len(q.running) / q.priority, -q.priority))
+        running, served = self._running_by_tenant, self._served
+        tenants = sorted({q.tenant for q in waiting}, key=lambda t: (running[t], served.get(t, -1)))
+        now = asyncio.get_running_loop().time()
+        for tenant in tenants:  # the fairest first; the next ones backfill while it waits for room
+            mine = [q for q in waiting if q.tenant == tenant]
+            fit = [q for q in mine if self._room(q.need)]
+            if fit:
+                self._blocked.pop(tenant, None)
+                return min(fit, key=lambda q: (len(q.running) / q.priority, -q.priority))
+            since = self._blocked.setdefault(tenant, now)
+            if now - since >= DRAIN_AFTER_S and any(self._could_fit(q.need) for q in mine):
+                return None  # its wait is over: the host drains for it
+        return None
 
     def running_by_tenant(self) -> dict[str, int]:
         """Running rollouts per tenant."""
@@ -255,6 +299,8 @@ class Scheduler:
                 q.running[item.id] = task
                 self._running += 1
                 self._running_by_tenant[q.tenant] += 1
+                self._starts += 1
+                self._served[q.tenant] = self._starts
                 task.add_done_callback(functools.partial(self._done, q, item.id))
 
     def _done(self, q: JobQueue, rid: str, task: asyncio.Task[None]) -> None:
@@ -265,10 +311,13 @@ class Scheduler:
             self._running_by_tenant[q.tenant] -= 1
             if not self._running_by_tenant[q.tenant]:
                 del self._running_by_tenant[q.tenant]
-        self._cpus_used = max(0.0, self._cpus_used - q.need.cpus)
-        self._memory_used = max(0, self._memory_used - q.need.memory_mb)
+        self._give_back(q.need)
         if not q.pending and not q.running:
             self._queues.pop(q.job_id, None)
+            if not any(o.tenant == q.tenant for o in self._queues.values()):
+                self._blocked.pop(q.tenant, None)
+                if not self._running_by_tenant[q.tenant]:
+                    self._served.pop(q.tenant, None)
         self.kick()
 
     async def close(self) -> None:

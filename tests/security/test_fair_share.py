@@ -1,13 +1,17 @@
-"""Fair share is per tenant, then per job: one tenant's many priority-100 jobs cannot starve another tenant."""
+"""Fair share is per tenant, then per job: one tenant's many priority-100 jobs cannot starve another tenant, nor can
+smaller sandboxes, a name earlier in the alphabet, or a rounding residue."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
 
+import pytest
+
 from orchestrator.core.environment import Task
 from orchestrator.rollout.runner import WorkItem
-from orchestrator.service.scheduler import Scheduler
+from orchestrator.service import scheduler
+from orchestrator.service.scheduler import Capacity, Need, Scheduler
 
 
 def _items(job_id: str, n: int) -> list[WorkItem]:
@@ -64,3 +68,62 @@ async def test_priority_still_weighs_one_tenants_jobs() -> None:
     finally:
         gate.set()
         await s.close()
+
+
+async def test_a_tenant_of_larger_sandboxes_is_not_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each freed CPU went to whichever tenant fitted it at once: beside one of 1-CPU sandboxes, a tenant of 4-CPU
+    # sandboxes never ran (140 started to 0). Now the others backfill for DRAIN_AFTER_S, then the host drains for it
+    monkeypatch.setattr(scheduler, "DRAIN_AFTER_S", 0.2)
+    started: Counter[str] = Counter()
+
+    async def run(item: WorkItem) -> None:
+        started[item.job_id] += 1
+        await asyncio.sleep(0.01 * (1 + started[item.job_id] % 3))
+
+    s = Scheduler(max_in_flight=64, run=run, capacity=Capacity(max_sandboxes=64, cpus=8, memory_mb=1 << 20))
+    s.start()
+    try:
+        s.add_job(
+            "small", priority=1, max_concurrency=64, items=_items("small", 100_000), need=Need(cpus=1), tenant="a"
+        )
+        await asyncio.sleep(0.05)
+        s.add_job(
+            "large", priority=1, max_concurrency=64, items=_items("large", 100_000), need=Need(cpus=4), tenant="b"
+        )
+        await asyncio.sleep(2)
+        assert started["large"] >= 5 and started["small"] > started["large"], started
+    finally:
+        await s.close()
+
+
+async def test_tied_tenants_take_turns() -> None:
+    # one rollout at a time, every tenant at 0 running at each decision: the tie went to the first name, 193 to 0
+    started: list[str] = []
+
+    async def run(item: WorkItem) -> None:
+        started.append(item.job_id)
+        await asyncio.sleep(0)
+
+    s = Scheduler(max_in_flight=1, run=run)
+    s.start()
+    try:
+        s.add_job("alpha", priority=1, max_concurrency=8, items=_items("alpha", 50), tenant="alpha")
+        s.add_job("zeta", priority=1, max_concurrency=8, items=_items("zeta", 50), tenant="zeta")
+        for _ in range(200):
+            await asyncio.sleep(0)
+            if len(started) >= 40:
+                break
+        assert abs(started[:40].count("alpha") - started[:40].count("zeta")) <= 1, started[:40]
+    finally:
+        await s.close()
+
+
+def test_fractions_of_a_cpu_leave_no_residue_that_keeps_a_whole_host_rollout_out() -> None:
+    # 0.1, 0.2 and 0.4 CPU taken and given back left 1e-16 in use with nothing running: a rollout that needs the
+    # whole host was then refused, and a job of them queued for good
+    s = Scheduler(max_in_flight=8, run=lambda item: asyncio.sleep(0), capacity=Capacity(cpus=1, memory_mb=1024))
+    for _ in range(50):
+        held = [s.reserve(Need(cpus=c), "a session") for c in (0.1, 0.2, 0.4, 0.2)]
+        for r in reversed(held):
+            r.release()
+    s.reserve(Need(cpus=1), "a session").release()
