@@ -200,14 +200,14 @@ async def rollouts_per_s(workers: int, total: int, in_flight: int = 1024, reader
 
 
 async def workers_speedup(total: int = 20_000) -> dict[str, Any]:
-    """2 workers over 1 on the same workload, interleaved twice so that the host's noise hits both; once with a
-    trainer that reads models (the top-level figures, as in earlier runs) and once with one that reads protobuf
-    messages (`messages_reader`)."""
+    """2 workers over 1 on the same workload, interleaved twice (each first in turn) so that the host's noise hits
+    both; once with a trainer that reads models (the top-level figures, as in earlier runs) and once with one that
+    reads protobuf messages (`messages_reader`)."""
     runs: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {"models": ([], []), "messages": ([], [])}
-    for _ in range(2):
+    for r in range(2):
         for reader, (one, two) in runs.items():
-            one.append(await rollouts_per_s(1, total, reader=reader))
-            two.append(await rollouts_per_s(2, total, reader=reader))
+            for workers in (1, 2) if r % 2 == 0 else (2, 1):
+                (one if workers == 1 else two).append(await rollouts_per_s(workers, total, reader=reader))
     return {**_speedup(*runs["models"]), "messages_reader": _speedup(*runs["messages"])}
 
 
@@ -321,10 +321,16 @@ async def submit_latency(concurrent: int = 200, rounds: int = 5) -> dict[str, An
     with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
         orch = await _plane(Path(data), 2, in_flight=256)
         try:
-            for _ in range(rounds):
-                floor.append(await _timed_burst(_BARE, bare_address, str(concurrent)))
-                ours.append(await _timed_burst(_SUBMITTER, orch.address, spec.model_dump_json(), str(concurrent)))
-                await asyncio.sleep(1.0)  # the round's rollouts run before the next burst
+            bursts = [
+                (floor, (_BARE, bare_address, str(concurrent))),
+                (ours, (_SUBMITTER, orch.address, spec.model_dump_json(), str(concurrent))),
+            ]
+            for r in range(rounds):  # each first in turn
+                for into, burst in bursts if r % 2 == 0 else bursts[::-1]:
+                    into.append(await _timed_burst(*burst))
+                    # the jobs run to their end before the next burst: the floor's CPU (this process's) counted
+                    # the control plane still at the last round's rollouts
+                    await _all_finished(orch.address)
             completed, ok = await _all_finished(orch.address)
         finally:
             await orch.stop(grace=1)

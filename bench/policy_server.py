@@ -241,9 +241,9 @@ async def run(modules: list[str], clients: int, seconds: float, waves: int, roun
     }
     samples: dict[str, dict[str, list[dict[str, float]]]] = {m: {p: [] for p in phases} for m in modules}
     with tempfile.TemporaryDirectory() as d:
-        for _ in range(rounds):
+        for r in range(rounds):
             for phase, measure in phases.items():
-                for m in modules:
+                for m in modules if r % 2 == 0 else modules[::-1]:  # each module first in turn
                     samples[m][phase].append(await measure(m, Path(d)))
     results = {m: {p: _median(s) for p, s in by_phase.items()} for m, by_phase in samples.items()}
     return {

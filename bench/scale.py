@@ -218,32 +218,37 @@ async def run(
         (Path(data) / "script.json").write_text(script.model_dump_json())
         policy_proc, policy_url = await _start_policy(Path(data) / "script.json", latency)
         mem_before = used_memory_mb()
-        orch = await create_server(
-            OrchestratorConfig(
-                port=0,
-                data_dir=Path(data),
-                max_in_flight=sandboxes,
-                # the default admission (CPU quotas up to 16x the cores) would cap these 0.5-CPU sandboxes at 64 in
-                # flight; light rollouts mostly wait on the policy, so the host is declared big enough for all of them
-                capacity=Capacity(
-                    max_sandboxes=sandboxes,
-                    cpus=sandboxes * env.limits.cpus,
-                    memory_mb=sandboxes * env.limits.memory_mb,
+        try:  # a server that fails to start leaves no policy process behind
+            orch = await create_server(
+                OrchestratorConfig(
+                    port=0,
+                    data_dir=Path(data),
+                    max_in_flight=sandboxes,
+                    # the default admission (CPU quotas up to 16x the cores) would cap these 0.5-CPU sandboxes at 64
+                    # in flight; light rollouts mostly wait on the policy, so the host is declared big enough for all
+                    capacity=Capacity(
+                        max_sandboxes=sandboxes,
+                        cpus=sandboxes * env.limits.cpus,
+                        memory_mb=sandboxes * env.limits.memory_mb,
+                    ),
+                    backend=DockerBackendConfig(
+                        owner=OWNER,
+                        api_workers=32,
+                        api_timeout_s=600,
+                        **({} if admission else {"exec_admission_hold_s": 0}),
+                    ),
+                    pool=PoolConfig(
+                        max_idle_total=sandboxes, max_idle_per_pool=sandboxes, refill_concurrency=16, idle_ttl_s=3600
+                    ),
+                    workers=workers,
+                    environments=["bench.scale:LightEnv"],  # by module path: this file may run as __main__
                 ),
-                backend=DockerBackendConfig(
-                    owner=OWNER,
-                    api_workers=32,
-                    api_timeout_s=600,
-                    **({} if admission else {"exec_admission_hold_s": 0}),
-                ),
-                pool=PoolConfig(
-                    max_idle_total=sandboxes, max_idle_per_pool=sandboxes, refill_concurrency=16, idle_ttl_s=3600
-                ),
-                workers=workers,
-                environments=["bench.scale:LightEnv"],  # by module path: this file may run as __main__
-            ),
-            registry=registry,
-        )
+                registry=registry,
+            )
+        except BaseException:
+            policy_proc.terminate()
+            await policy_proc.wait()
+            raise
         tune_gc()  # as `envfleet serve` does
         assert orch.pool is not None
         pool = orch.pool

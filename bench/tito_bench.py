@@ -82,28 +82,30 @@ async def tito_overhead(tasks: int = 16, rounds: int = 7, concurrency: int = 8) 
         script = Path(tmp) / "script.json"
         script.write_text(long_script(env, chosen, turns=TURNS).model_dump_json())
         proc, url = await _start_double(script)
-        orch = await create_server(
-            OrchestratorConfig(
-                port=0,
-                data_dir=Path(tmp) / "data",
-                backend=FakeBackendConfig(owner=OWNER),
-                tokenizer_dirs=[QWEN_LIKE_DIR.parent],
-                metrics_port=None,
-            )
-        )
         per_turn: dict[str, list[float]] = {"chat": [], "tito": []}
         statuses: dict[str, set[str]] = {"chat": set(), "tito": set()}
-        try:
-            async with EnvfleetClient(orch.address) as client:
-                for mode in ("chat", "tito"):  # warm up: connections, the tokenizer load, the template caches
-                    await _measured(client, _job(ids[:2], url, mode, concurrency))
-                for _ in range(rounds):
-                    for mode in ("chat", "tito"):
-                        cpu, turns, rollouts = await _measured(client, _job(ids, url, mode, concurrency))
-                        per_turn[mode].append(cpu / max(turns, 1))
-                        statuses[mode] |= {r.tokens.status for r in rollouts}
+        try:  # the double stops whatever fails, the server's start too
+            orch = await create_server(
+                OrchestratorConfig(
+                    port=0,
+                    data_dir=Path(tmp) / "data",
+                    backend=FakeBackendConfig(owner=OWNER),
+                    tokenizer_dirs=[QWEN_LIKE_DIR.parent],
+                    metrics_port=None,
+                )
+            )
+            try:
+                async with EnvfleetClient(orch.address) as client:
+                    for mode in ("chat", "tito"):  # warm up: connections, the tokenizer load, the template caches
+                        await _measured(client, _job(ids[:2], url, mode, concurrency))
+                    for r in range(rounds):
+                        for mode in ("chat", "tito") if r % 2 == 0 else ("tito", "chat"):  # each first in turn
+                            cpu, turns, rollouts = await _measured(client, _job(ids, url, mode, concurrency))
+                            per_turn[mode].append(cpu / max(turns, 1))
+                            statuses[mode] |= {r.tokens.status for r in rollouts}
+            finally:
+                await orch.stop(grace=1)
         finally:
-            await orch.stop(grace=1)
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 30)
     chat, tito = statistics.median(per_turn["chat"]), statistics.median(per_turn["tito"])

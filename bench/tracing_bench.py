@@ -97,12 +97,13 @@ async def run(total: int = 2000, rounds: int = 3) -> dict[str, Any]:
     on: list[float] = []
     traced = 0
     try:
-        for _ in range(rounds):
+        for r in range(rounds):
             with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
-                off.append((await cpu_per_rollout(Path(data) / "off", total, TracingConfig()))[0])
-                per, ran = await cpu_per_rollout(Path(data) / "on", total, TracingConfig(otlp_endpoint=endpoint))
-                on.append(per)
-                traced += ran
+                for side in ("off", "on") if r % 2 == 0 else ("on", "off"):  # each first in turn
+                    config = TracingConfig(otlp_endpoint=endpoint) if side == "on" else TracingConfig()
+                    per, ran = await cpu_per_rollout(Path(data) / side, total, config)
+                    (on if side == "on" else off).append(per)
+                    traced += ran if side == "on" else 0
     finally:
         collector.stdin.close()
         received = int((await collector.stdout.readline()).decode().strip() or 0)
