@@ -25,7 +25,7 @@ from orchestrator.server.security import Authenticator, SecurityConfig, check_tr
 from orchestrator.service.tenancy import TokenSource
 from protos import orchestrator_pb2 as pb
 from tests.orchestrator.conftest import ENV
-from tests.orchestrator.servers import expect_error, serve
+from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve
 
 TOKEN_A, TOKEN_B = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
 
@@ -191,3 +191,22 @@ async def test_metrics_listen_on_loopback_even_when_grpc_does_not(tmp_path: Path
     # the metrics page has no authentication: it must not follow gRPC onto every interface
     async with serve(tmp_path / "data", host="0.0.0.0", metrics_port=0, security=security) as orch:
         assert orch._metrics_server.server_address[0] == "127.0.0.1"
+
+
+async def test_the_sdk_carries_its_token_on_every_kind_of_call(tmp_path: Path) -> None:
+    # the aio channel's interceptors covered unary and server-streaming calls: an ExecStream (both ways streamed)
+    # went out without the token, and a tenant's own sandbox answered UNAUTHENTICATED
+    token_file = tmp_path / "tokens.yaml"
+    token_file.write_text(f"tokens:\n  {TOKEN_A}: team-a\n")
+    async with (
+        serve(tmp_path / "data", backend=FAKE, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as client,
+    ):
+        info = await client.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
+
+        async def inputs() -> AsyncIterator[pb.ExecInput]:
+            yield pb.ExecInput(request=pb.ExecRequest(sandbox_id=info.sandbox_id, shell="echo hi"))
+
+        events = [ev async for ev in client.sandbox_stub.ExecStream(inputs())]
+        assert events and events[-1].HasField("ended"), events
+        await client.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=info.sandbox_id))
