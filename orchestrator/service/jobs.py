@@ -679,8 +679,14 @@ class JobManager:
         """Make room for one more finished job of tenant `owner` under caps.finished_jobs_per_tenant: its oldest go
         before their retention runs out (a tenant submitting and cancelling in a loop kept every spec, up to 100,000
         task ids each, for the whole retention)."""
+        # a cancel still under way (finished, no end time yet) is no candidate: it sorted as the oldest, and was
+        # removed from under the CancelJob tearing it down, which then said NOT_FOUND
         finished = sorted(
-            (j for j in self._jobs.values() if j.owner == owner and j.finished and not j.listeners),
+            (
+                j
+                for j in self._jobs.values()
+                if j.owner == owner and j.finished and j.finished_at is not None and not j.listeners
+            ),
             key=lambda j: j.finished_at or 0.0,
         )
         gone = finished[: max(0, len(finished) - self.caps.finished_jobs_per_tenant + 1)]

@@ -147,6 +147,29 @@ async def test_a_tenant_keeps_a_capped_number_of_finished_jobs(tmp_path: Path, t
     assert listed == set(ids[-3:])
 
 
+async def test_a_job_whose_cancel_is_under_way_is_not_trimmed_from_under_it(tmp_path: Path, token_file: Path) -> None:
+    # a cancelled job is finished at once but has no end time until its sandboxes are gone: it sorted as the
+    # oldest finished job, a submit meanwhile removed it, and the CancelJob that was tearing it down said NOT_FOUND
+    caps = {"finished_jobs_per_tenant": 1}
+    slow = FAKE.model_copy(update={"destroy_latency_s": 2.0})
+    async with (
+        silent_policy() as url,
+        serve(tmp_path, backend=slow, caps=caps, pool={"enabled": False}, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+    ):
+        job_id = (await a.rollout_stub.SubmitJob(_job(url))).job_id
+        for _ in range(100):  # its rollout holds a sandbox
+            if (await a.rollout_stub.GetJob(pb.GetJobRequest(job_id=job_id))).in_flight:
+                break
+            await asyncio.sleep(0.05)
+        cancel = asyncio.ensure_future(a.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id)))
+        await asyncio.sleep(0.5)  # the sandbox is being destroyed
+        assert not cancel.done()
+        await a.rollout_stub.SubmitJob(_job(url))
+        status = await cancel
+        assert status.job_id == job_id and status.state == pb.JOB_STATE_CANCELLED
+
+
 async def test_sessions_and_raw_sandboxes_share_the_hosts_capacity_with_rollouts(tmp_path: Path) -> None:
     config: dict[str, Any] = {"capacity": {"max_sandboxes": 2}, "pool": {"enabled": False}}
     async with (
