@@ -5,9 +5,9 @@
         async for rollout in client.rollouts(job_id):
             train_on(rollout.tokens, rollout.reward)
 
-`SyncEnvfleetClient` offers the same calls without asyncio. With `token=` every call carries it as a bearer token;
-with `tls=ClientTLS(...)` the channel uses TLS (and a client certificate, for mTLS). `session_stub` and
-`sandbox_stub` reach the SessionService and the SandboxService.
+`SyncEnvfleetClient` offers the same calls without asyncio (the stubs below are the async client's alone). With
+`token=` every call carries it as a bearer token; with `tls=ClientTLS(...)` the channel uses TLS (and a client
+certificate, for mTLS). `session_stub` and `sandbox_stub` reach the SessionService and the SandboxService.
 """
 
 from __future__ import annotations
@@ -497,6 +497,18 @@ class SyncEnvfleetClient:
 
     def cancel_job(self, job_id: str) -> JobStatus:
         return self._call(self._client.cancel_job(job_id))
+
+    def update_policy(self, job_id: str, version: str, base_url: str = "") -> JobStatus:
+        return self._call(self._client.update_policy(job_id, version, base_url))
+
+    def list_jobs(self) -> list[JobStatus]:
+        return self._call(self._client.list_jobs())
+
+    def list_envs(self) -> list[pb.EnvironmentInfo]:
+        return self._call(self._client.list_envs())
+
+    def describe_env(self, name: str) -> pb.EnvironmentInfo:
+        return self._call(self._client.describe_env(name))
 
     def ack(self, job_id: str, up_to: int = 0, ids: Sequence[str] = ()) -> int:
         return self._call(self._client.ack(job_id, up_to, ids))

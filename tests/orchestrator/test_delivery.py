@@ -450,6 +450,26 @@ async def test_a_closed_sync_client_and_its_iterators_close_again_without_waitin
     assert (await fake_client.get_job(job_id)).acked == 0  # the one it read was not consumed: it comes again
 
 
+async def test_the_sync_client_has_the_async_clients_calls(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # the README and the SDK said "the same calls without asyncio"; list_jobs, update_policy, list_envs and
+    # describe_env were the async client's alone (an AttributeError in a trainer without asyncio)
+    job_id = await _finished_job(fake_client, policy_server, task_ids[:1])
+    public = {n for n in dir(EnvfleetClient) if not n.startswith("_")} - {"close"}
+    assert public <= {n for n in dir(SyncEnvfleetClient) if not n.startswith("_")}
+
+    def run() -> None:
+        with SyncEnvfleetClient(fake_orchestrator.address) as c:
+            assert job_id in {j.job_id for j in c.list_jobs()}
+            assert "python-tool" in {e.name for e in c.list_envs()}
+            assert c.describe_env("python-tool").num_tasks > 0
+            with pytest.raises(grpc.aio.AioRpcError, match="can no longer change"):  # the server's own answer
+                c.update_policy(job_id, "v2")
+
+    await asyncio.wait_for(asyncio.to_thread(run), 20)
+
+
 def test_a_sync_client_closed_by_another_thread_ends_the_read_that_waits() -> None:
     # close() left a reader on another thread waiting on a call its loop would never run: a trainer that shut down
     # on its main thread while its loader thread read (here in the stream's retry loop, the server unreachable) never
