@@ -50,7 +50,12 @@ class PoolConfig(BaseModel):
     enabled: bool = True
     max_idle_total: int = Field(32, ge=0, le=100_000, description="idle sandboxes across all pools")
     max_idle_per_pool: int = Field(16, ge=0, le=100_000)
-    min_idle_per_pool: int = Field(0, ge=0, le=100_000)
+    min_idle_per_pool: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="idle sandboxes a pool keeps while it is declared (warm) or was acquired from within idle_ttl_s",
+    )
     idle_ttl_s: float = Field(300.0, gt=0, description="an idle sandbox older than this is destroyed")
     headroom: float = Field(1.5, ge=1.0, le=10.0, description="multiplier on rate x latency")
     rate_window_s: float = Field(10.0, gt=0, description="window of the acquire-rate estimate")
@@ -145,6 +150,8 @@ class _Pool:
     freeze_checked: float = 0.0  # when its idle sandboxes were last looked at for freezing
     start_latency_s: float = 0.5  # EWMA of cold creates
     made: float = field(default_factory=time.monotonic)
+    declared: bool = False  # warm(): kept at its minimum for good
+    used: float = field(default_factory=time.monotonic)  # its last acquire
 
     def rate(self, now: float, window: float) -> float:
         """Acquires per second over the window."""
@@ -219,7 +226,7 @@ class SandboxPool:
 
     def warm(self, spec: SandboxSpec) -> None:
         """Declare a pool ahead of demand, so its minimum size is kept warm from now on."""
-        self._pool(spec)
+        self._pool(spec).declared = True
         self._wake.set()
 
     def _pool(self, spec: SandboxSpec) -> _Pool:
@@ -232,13 +239,16 @@ class SandboxPool:
     def _target(self, p: _Pool, now: float) -> int:
         c = self.config
         want = math.ceil(p.unmet_rate(now, c.rate_window_s) * p.start_latency_s * c.headroom)
-        return max(c.min_idle_per_pool, min(c.max_idle_per_pool, want))
+        # the minimum holds for a pool in use: a pool is made by whoever names an image, limits and lease (a
+        # tenant's one job), and every pool ever made was kept at its minimum, refilled past each TTL, for good
+        floor = c.min_idle_per_pool if p.declared or now - p.used < c.idle_ttl_s else 0
+        return max(floor, min(c.max_idle_per_pool, want))
 
     async def acquire(self, spec: SandboxSpec, *, need_s: float = 0.0) -> tuple[Sandbox, str]:
         """A ready sandbox and where it came from ("warm" or "cold"). `need_s`: how long the caller may hold it; a
         warm one whose lease ends sooner is not handed out (the sweep would remove it in the caller's hands)."""
         p = self._pool(spec)
-        now = time.monotonic()
+        now = p.used = time.monotonic()
         p.acquires.append(now)
         self._wake.set()
         while p.idle:

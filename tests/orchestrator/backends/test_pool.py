@@ -687,3 +687,24 @@ async def test_the_busy_and_idle_gauges_are_what_the_pool_holds_when_read() -> N
         for sandbox, _ in held[1:]:
             await pool.release(sandbox, recycle=False)
         await pool.close()
+
+
+async def test_a_pool_out_of_use_keeps_no_minimum_and_is_forgotten() -> None:
+    # min_idle_per_pool held for every pool ever made: one tenant's one job, with an image of its own, left that
+    # many sandboxes refilled past each TTL for good. A declared (warm) pool keeps its minimum
+    backend, spec = _fake()
+    declared = SandboxSpec(image=backend.config.base_image, ttl_s=7200)  # another pool key
+    config = PoolConfig(min_idle_per_pool=2, max_idle_per_pool=4, idle_ttl_s=0.5, rate_window_s=0.5)
+    pool = SandboxPool(backend, config)
+    pool.start()
+    try:
+        pool.warm(declared)
+        sb, _ = await pool.acquire(spec)
+        await pool.release(sb, recycle=True)
+        await _until(lambda: pool_key(spec) not in pool._pools, timeout=10)
+        await asyncio.sleep(1.5)  # past the TTL again: nothing refilled it
+        assert pool_key(spec) not in pool._pools
+        await _until(lambda: len(pool._pools[pool_key(declared)].idle) == 2)  # refilled past each TTL
+    finally:
+        await pool.close()
+        await backend.close()
