@@ -70,7 +70,12 @@ class LocalWorkers:
         argv = [sys.executable, "-m", "orchestrator.worker", "--connect", self._target, "--name", f"w{index}"]
         argv += ["--parent-pid", str(os.getpid())]
         argv += ["--config", self.config.model_dump_json()] + ["-v"] * self._verbose
-        proc = self._procs[index] = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE)
+        # a session of its own: a terminal's Ctrl-C reaches its whole foreground group, and the workers in serve's
+        # stopped on it while their supervisors, serve not stopping them yet, started each again; serve stops them
+        # (and PDEATHSIG ends them with serve)
+        proc = self._procs[index] = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, start_new_session=True
+        )
         assert proc.stdin is not None
         proc.stdin.write(self._token.encode() + b"\n")
         await proc.stdin.drain()

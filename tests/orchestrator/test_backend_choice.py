@@ -26,6 +26,7 @@ from orchestrator.core.errors import ConfigError
 from orchestrator.server.app import OrchestratorConfig
 from orchestrator.service.registry import Registry
 from orchestrator.service.store import ResultStore
+from orchestrator.testing.policy_script import Script, Step
 from orchestrator.testing.scripted_policy import ScriptedServer, start_scripted_server
 from orchestrator.testing.scripts import reference_script
 from protos import orchestrator_pb2 as pb
@@ -37,8 +38,9 @@ SERVE = (sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0")
 NO_ENGINE = {**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"}  # any engine call would fail
 
 
-async def _serve_cli(data: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
-    """`envfleet serve` as a subprocess with no reachable Docker engine; returns it and its address."""
+async def _serve_cli(data: Path, *args: str, group: bool = False) -> tuple[subprocess.Popen[str], str]:
+    """`envfleet serve` as a subprocess with no reachable Docker engine (`group`: leading a process group of its
+    own, as a shell's foreground job does); returns it and its address."""
     proc = subprocess.Popen(
         [*SERVE, "--metrics-port", "-1", "--data-dir", str(data), "--owner", TEST_OWNER, *args],
         stdout=subprocess.PIPE,
@@ -46,6 +48,7 @@ async def _serve_cli(data: Path, *args: str) -> tuple[subprocess.Popen[str], str
         text=True,
         cwd=REPO,
         env=NO_ENGINE,
+        start_new_session=group,
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
@@ -110,6 +113,29 @@ async def test_serve_backend_fake_runs_jobs_end_to_end_and_survives_sigkill(
         assert len(await store.done_ids(slow_job)) == len(tasks)
     finally:
         await store.close()
+
+
+async def test_ctrl_c_stops_serve_and_its_workers_without_restarting_them(tmp_path: Path, task_ids: list[str]) -> None:
+    # Ctrl-C reaches a terminal's whole foreground process group: the workers, in serve's group, stopped on their own
+    # SIGINT, and their supervisors, not stopping yet (serve gives an open stream its grace first), started every one
+    # again while serve shut down
+    slow = await start_scripted_server(Script(default=[Step(content="thinking")], latency_s=60))
+    proc, address = await _serve_cli(tmp_path / "data", "--backend", "fake", "--workers", "2", group=True)
+    try:
+        async with EnvfleetClient(address) as c:
+            job_id = await c.submit(job(slow.url, task_ids[:2]))
+            for _ in range(200):  # the workers are up, with its rollouts
+                if (await c.get_job(job_id)).in_flight == 2:
+                    break
+                await asyncio.sleep(0.05)
+            stream = asyncio.ensure_future(anext(c.rollout_messages(job_id)))  # held open through the stop
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = await asyncio.to_thread(proc.communicate, timeout=60)
+            stream.cancel()
+    finally:
+        _stop(proc)
+        await slow.close()
+    assert "starting it again" not in err, err[-3000:]
 
 
 async def test_fake_latencies_show_in_the_rollout_timings(
