@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import stat
 from collections.abc import Iterator
@@ -121,7 +122,12 @@ def read_file(path: str, workspace: str, max_bytes: int) -> tuple[bytes, bool]:
         raise NotFoundError(f"{path}: no such file") from None
     except OSError as e:
         raise PathError(f"{path}: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
+    try:
+        f = os.fdopen(fd, "rb")
+    except BaseException:  # a directory's fd ("Is a directory"): fdopen does not close it, and each call leaked one
+        os.close(fd)
+        raise
+    with f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise PathError(f"{path}: not a regular file")
         data = f.read(max_bytes + 1)
@@ -205,6 +211,27 @@ def _complete_tar() -> Iterator[None]:
         raise InvalidRequestError(f"upload is not a complete tar archive: {e}") from None
 
 
+MAX_TAR_HEADER_BYTES = 1 << 20  # a PAX or GNU long-name header's data, as Go's archive/tar caps it
+
+
+@functools.cache
+def _bounded_tarinfo() -> type:
+    """A TarInfo that refuses extension headers over MAX_TAR_HEADER_BYTES: tarfile reads one whole into memory,
+    and a header of a few MB of gzip that claimed 2 GiB took envd's memory with it."""
+    import tarfile
+
+    extended = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME}
+    extended.add(tarfile.GNUTYPE_LONGLINK)
+
+    class BoundedTarInfo(tarfile.TarInfo):
+        def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+            if self.type in extended and self.size > MAX_TAR_HEADER_BYTES:
+                raise tarfile.ReadError(f"a tar extension header of {self.size} bytes (at most {MAX_TAR_HEADER_BYTES})")
+            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+
+    return BoundedTarInfo
+
+
 def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
     """Extract a tar into dest_dir, refusing members that would land, or point, outside it. Returns the file count."""
     import tarfile
@@ -213,7 +240,7 @@ def extract_tar(fileobj: IO[bytes], dest_dir: str, workspace: str) -> int:
     _make_dirs(dest, dest_dir)
     count = 0
     try:
-        tar = tarfile.open(fileobj=fileobj, mode="r|*")
+        tar = tarfile.open(fileobj=fileobj, mode="r|*", tarinfo=_bounded_tarinfo())
     except tarfile.TarError as e:
         raise InvalidRequestError(f"upload is not a tar archive: {e}") from None
     with tar, _complete_tar():

@@ -65,8 +65,10 @@ type child struct {
 }
 
 // lookPath finds argv0 on the command's own PATH, as execvpe does: the first executable file; EACCES when only
-// files that are not executable were found, ENOENT when none.
-func lookPath(argv0 string, path string) (string, error) {
+// files that are not executable were found, ENOENT when none. A relative entry (".", "bin", an empty one) is
+// looked in from the command's cwd, where the exec happens: looked in from envd's own, a script in cwd was 127,
+// and one of envd's directory's was run from cwd, where it is not.
+func lookPath(argv0 string, path string, cwd string) (string, error) {
 	if strings.Contains(argv0, "/") {
 		return argv0, nil
 	}
@@ -76,14 +78,18 @@ func lookPath(argv0 string, path string) (string, error) {
 		if dir == "" {
 			candidate = argv0
 		}
+		checked := candidate
+		if !strings.HasPrefix(candidate, "/") {
+			checked = cwd + "/" + candidate
+		}
 		var st unix.Stat_t
-		if err := unix.Stat(candidate, &st); err != nil {
+		if err := unix.Stat(checked, &st); err != nil {
 			if err != unix.ENOENT && err != unix.ENOTDIR && firstErr == nil {
 				firstErr = err
 			}
 			continue
 		}
-		if st.Mode&unix.S_IFMT != unix.S_IFDIR && unix.Access(candidate, unix.X_OK) == nil {
+		if st.Mode&unix.S_IFMT != unix.S_IFDIR && unix.Access(checked, unix.X_OK) == nil {
 			return candidate, nil
 		}
 		if firstErr == nil {
@@ -98,7 +104,7 @@ func lookPath(argv0 string, path string) (string, error) {
 
 // spawn starts argv in a new session; the error is exec's (ENOENT, EACCES, ...).
 func spawn(argv []string, cwd string, env []string, pathVar string, withStdin bool, b *budget) (*child, error) {
-	exe, err := lookPath(argv[0], pathVar)
+	exe, err := lookPath(argv[0], pathVar, cwd)
 	if err != nil {
 		return nil, err
 	}

@@ -442,7 +442,14 @@ func fsReadFile(path, workspace string, maxBytes int64) ([]byte, bool, error) {
 	// one byte past the limit tells whether there was more (Python's read(max_bytes + 1)); the buffer grows with
 	// what is read, not to the limit at once
 	want := maxBytes + 1
-	data := make([]byte, minInt64(want, st.Size+1))
+	// no more than the file's size and the byte past it; st.Size+1 of a file of 2^63-1 bytes (a sparse one on a
+	// tmpfs, a `truncate -s` away) wrapped to a negative length, and make() panicked: envd, PID 1, and the sandbox
+	// with it, were gone
+	size := want
+	if st.Size >= 0 && st.Size < want {
+		size = st.Size + 1
+	}
+	data := make([]byte, size)
 	n := 0
 	for int64(n) < want {
 		if n == len(data) {

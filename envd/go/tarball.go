@@ -572,8 +572,8 @@ func fsBuildTar(path, workspace string, maxBytes int64) (*fsSpool, error) {
 	if err == nil {
 		err = b.tw.Close()
 	}
-	if err == nil && spool.size%tarRecord != 0 {
-		_, err = spool.Write(make([]byte, tarRecord-spool.size%tarRecord))
+	if err == nil && spool.size%tarRecord != 0 { // through the cap, as Python's tarfile pads through _Capped
+		_, err = w.Write(make([]byte, tarRecord-spool.size%tarRecord))
 	}
 	if err == nil {
 		err = spool.Rewind()

@@ -225,3 +225,45 @@ async def test_tar_upload_to_the_root_keeps_every_link_and_never_writes_through_
     assert not (outside / "planted").exists()
     with pytest.raises(InvalidRequestError, match="escapes the destination"):
         await envd_client.upload(_tar_of([("../x", b"x")]), "/")
+
+
+async def test_reading_a_directory_holds_no_descriptor(
+    envd_client: EnvdTransport, host_envd: tuple[str, str, Path]
+) -> None:
+    # the Python envd's fdopen refused a directory's descriptor without closing it: each ReadFile of a directory
+    # (a policy's read_file(".")) kept one, and at the sandbox's 4,096 no exec could open its pipes
+    sock, _, ws = host_envd
+    (ws / "d").mkdir()
+    pid = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, sock))
+
+    def open_fds() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    with pytest.raises(SandboxFileError):
+        await envd_client.read_file("d")
+    before = open_fds()
+    for _ in range(50):
+        with pytest.raises(SandboxFileError):
+            await envd_client.read_file("d")
+    assert open_fds() - before < 10
+
+
+def _cmdline_has(proc: Path, text: str) -> bool:
+    try:
+        return text in (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+async def test_an_upload_with_a_huge_extension_header_is_invalid(envd_client: EnvdTransport) -> None:
+    # the Python envd's tarfile read a PAX header's data whole into memory: a few MB of gzip that claimed 2 GiB
+    # took envd's memory. Both envds refuse one over 1 MiB (Go's archive/tar always did)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("f.txt")
+        info.size, info.pax_headers = 1, {"comment": "x" * (2 << 20)}
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(InvalidRequestError):
+        await envd_client.upload(buf.getvalue(), ".")
+    with pytest.raises(SandboxFileNotFoundError):
+        await envd_client.read_file("f.txt")

@@ -206,3 +206,17 @@ async def test_streamed_stdin_that_arrives_slowly_is_waited_for(envd_client: Env
     events = [ev async for ev in envd_client.exec_stream("cat; echo end", stdin=slowly(), timeout=30)]
     assert b"".join(e.data for e in events if isinstance(e, ExecOutput)) == b"abababend\n"
     assert isinstance(events[-1], ExecEnded) and events[-1].exit_code == 0
+
+
+async def test_a_relative_path_entry_is_looked_in_from_the_commands_cwd(
+    envd_client: EnvdTransport, host_envd: tuple[str, str, Path]
+) -> None:
+    # the Go envd looked a relative PATH entry up from its own directory, where the Python one (Popen, as execvpe)
+    # looks from the command's cwd: the script in cwd was 127 in Go, and one in envd's directory was run from cwd
+    _, _, ws = host_envd
+    (ws / "proj").mkdir()
+    for where, text in ((ws / "proj" / "run.sh", "in proj"), (ws / "run.sh", "in the workspace")):
+        where.write_text(f"#!/bin/sh\necho {text}\n")
+        where.chmod(0o755)
+    r = await envd_client.exec(["run.sh"], cwd="proj", env={"PATH": ".:/usr/bin:/bin"})
+    assert (r.exit_code, r.stdout) == (0, b"in proj\n"), r

@@ -1,6 +1,7 @@
 """What a sandbox's processes can set up against envd and the next rollout, on real sandboxes: a FIFO where a file
 is to be written (envd's file threads), an output sized to Run's message limit (the reply), and the metadata of the
-places Reset wipes (a channel to the next rollout on a recycled sandbox)."""
+places Reset wipes (a channel to the next rollout on a recycled sandbox), a file of the largest size a tmpfs
+allows where the host reads one."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from orchestrator.backends.docker import DockerBackend
 from orchestrator.core.errors import SandboxFileError
 from orchestrator.core.sandbox import Limits, SandboxSpec
+from tests.conftest import owned_backend
 
 
 def _tar(name: str, data: bytes) -> bytes:
@@ -79,3 +81,15 @@ async def test_reset_puts_back_the_workspaces_own_mode_times_and_xattrs(
         assert mode == b"0o755"
         assert max(int(atime), int(mtime)) < time.time() + 60  # the reset's time, not the one set
         assert xattrs.strip() == b"[]", (tagged, xattrs)
+
+
+@pytest.mark.parametrize("impl", ["go", "python"])
+async def test_a_file_of_the_largest_size_is_read_up_to_the_cap_and_envd_lives(impl: str, base_image: str) -> None:
+    # the Go envd sized its buffer as the file's size plus one: a sparse file of 2^63-1 bytes (a `truncate -s` in
+    # the workspace's tmpfs) wrapped it negative and make() panicked. envd is PID 1: the sandbox died on the host's
+    # read (a grader's), an infrastructure failure the policy chose, masked from training
+    async with owned_backend(envd=impl) as backend, await backend.create(SandboxSpec(image=base_image)) as s:
+        r = await s.exec(["truncate", "-s", str((1 << 63) - 1), "huge"])
+        assert r.exit_code == 0, r
+        assert await s.read_file("huge", max_bytes=16) == b"\0" * 16
+        assert (await s.exec(["echo", "alive"])).stdout == b"alive\n"
