@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import time
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -86,7 +87,9 @@ class WorkerAgent:
         # uploaded environments by archive digest, loaded once (a failed load is the answer until the bytes come again)
         self._archives: dict[str, asyncio.Task[Environment]] = {}
         self._archive_dir: Path | None = None
-        self._tasks: dict[str, dict[str, Task]] = {}
+        # by the environment object, not its ref: one name@version of other content (another control plane's
+        # registration, an archive of other bytes) is another environment, whose tasks the old ones are not
+        self._tasks: weakref.WeakKeyDictionary[Environment, dict[str, Task]] = weakref.WeakKeyDictionary()
         self._specs: dict[str, tuple[bytes, JobSpec]] = {}  # job id -> its spec as last sent, and parsed
         self.sessions = 0  # streams opened so far
 
@@ -99,8 +102,16 @@ class WorkerAgent:
                 try:
                     await self._session(stop)
                 except grpc.aio.AioRpcError as e:  # a TLS handshake that fails lands here too, with its reason
-                    log.info(
-                        "worker %s: stream to %s ended: %s: %s", self.worker_id, self.target, e.code().name, e.details()
+                    # a refusal that no retry mends (a rotated token, another protocol, a hello refused) is said
+                    # where an operator looks: at info, under the default level, a worker retried it unseen
+                    level = logging.ERROR if e.code() in _REFUSALS else logging.INFO
+                    log.log(
+                        level,
+                        "worker %s: stream to %s ended: %s: %s",
+                        self.worker_id,
+                        self.target,
+                        e.code().name,
+                        e.details(),
                     )
                 if time.monotonic() - started > 10:
                     delay = RECONNECT_MIN_S
@@ -227,9 +238,12 @@ class WorkerAgent:
     def _environment(self, ref: str, spec_json: bytes) -> Environment:
         if not spec_json:
             return self._registry.get(ref)
-        env = self._declarative.get(ref)
+        # by its content: kept by ref, a spec of the same name@version from a control plane that came back with
+        # other registrations was run and scored as the old one
+        key = hashlib.sha256(spec_json).hexdigest()
+        env = self._declarative.get(key)
         if env is None:
-            env = self._declarative[ref] = make_environment(EnvironmentSpec.model_validate_json(spec_json))
+            env = self._declarative[key] = make_environment(EnvironmentSpec.model_validate_json(spec_json))
         return env
 
     def _start_loading(self, m: wpb.ArchiveEnvironment) -> None:
@@ -271,10 +285,21 @@ class WorkerAgent:
         return await asyncio.shield(loading)  # a cancelled rollout does not cancel the load others wait for
 
     def _task(self, env: Environment, task_id: str) -> Task:
-        by_id = self._tasks.get(env.ref())
+        by_id = self._tasks.get(env)
         if by_id is None:
-            by_id = self._tasks[env.ref()] = {t.id: t for t in env.tasks()}
+            by_id = self._tasks[env] = {t.id: t for t in env.tasks()}
         return by_id[task_id]
+
+
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+    }
+)
 
 
 def _forget(running: dict[str, asyncio.Task[None]], assignment_id: str, _: asyncio.Task[None]) -> None:

@@ -204,3 +204,65 @@ async def test_an_archive_that_failed_to_load_loads_when_its_bytes_come_again(tm
     finally:
         if agent._archive_dir is not None:
             shutil.rmtree(agent._archive_dir, True)
+
+
+def test_one_name_at_version_of_other_content_is_another_environment_on_a_worker() -> None:
+    # a worker kept declarative environments and their tasks by name@version: a control plane that came back with
+    # another registration of that name and version (another data dir) had its rollouts run with the old tasks and
+    # scored by the old command
+    from orchestrator.service.declarative import parse_spec
+
+    agent = WorkerAgent("unix:/nonexistent", TOKEN, cast(Any, None), Registry.from_entry_points())
+
+    def spec_json(prompt: str, command: str) -> bytes:
+        raw = {
+            "name": "mine",
+            "version": "1",
+            "tools": ["submit"],
+            "tasks": [{"id": "t1", "prompt": prompt}],
+            "scoring": {"command": command},
+        }
+        return parse_spec(raw).model_dump_json().encode()
+
+    first = agent._environment("mine@1", spec_json("old", "echo '{\"reward\": 0}'"))
+    assert agent._task(first, "t1").prompt == "old"
+    second = agent._environment("mine@1", spec_json("new", "echo '{\"reward\": 1}'"))
+    assert second is not first and agent._task(second, "t1").prompt == "new"
+    assert agent._environment("mine@1", spec_json("old", "echo '{\"reward\": 0}'")) is first
+
+
+class _Refusing(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
+    """A control plane that refuses every worker's stream, as one does a worker whose token was rotated."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+
+    async def Connect(self, requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.ControlMessage]:
+        self.streams += 1
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid worker token")
+        yield wpb.ControlMessage()  # never reached: makes this a generator, as a stream's handler is
+
+
+async def test_a_refusal_no_retry_mends_is_logged_as_an_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # logged at info, under the default level, a worker whose token was rotated retried every 5 s unseen
+    target = f"unix:{tmp_path}/w.sock"
+    server = grpc.aio.server()
+    plane = _Refusing()
+    wpb_grpc.add_WorkerServiceServicer_to_server(plane, server)
+    server.add_insecure_port(target)
+    await server.start()
+    agent = WorkerAgent(target, TOKEN, cast(Any, _Executor()), Registry.from_entry_points())
+    stop = asyncio.Event()
+    with caplog.at_level("WARNING", logger="orchestrator.worker.agent"):
+        run = asyncio.create_task(agent.run_forever(stop))
+        try:
+            for _ in range(100):
+                if plane.streams:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            await asyncio.wait_for(run, 10)
+            await server.stop(0)
+    assert any(r.levelname == "ERROR" and "invalid worker token" in r.getMessage() for r in caplog.records)
