@@ -21,7 +21,9 @@ fi
 register_runsc() {
   [ "${ENVFLEET_NO_RUNSC:-0}" = 1 ] && return 0
   if ! command -v runsc >/dev/null 2>&1; then
-    if apt-cache policy runsc 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+    # grep reads all of it (no -q): stopping at the first match, it broke apt-cache's pipe, and with pipefail the
+    # test was false nearly every time, so runsc was never installed and CI skipped the gVisor tests
+    if apt-cache policy runsc 2>/dev/null | grep 'Candidate: [0-9]' >/dev/null; then
       echo "ensure-docker: installing runsc (gVisor)"
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runsc >/dev/null || return 0
     else
