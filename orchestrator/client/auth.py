@@ -79,53 +79,35 @@ def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.Cli
     )
 
 
-class _BearerUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    """Adds the bearer token to every unary call of an aio channel."""
+class _Bearer:
+    """Adds the bearer token to the calls of an aio channel. grpc.aio files an interceptor under the first call
+    kind it implements, so each kind is an object of its own (the subclasses below)."""
 
     def __init__(self, token: str) -> None:
         self._token = token
 
-    async def intercept_unary_unary(
-        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
-    ) -> Any:
-        return await continuation(_with_token(client_call_details, self._token), request)
+    async def _carry(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        return await continuation(_with_token(details, self._token), request)
 
 
-# grpc.aio files an interceptor under the first call kind it implements, so each kind needs its own object
-class _BearerStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    """Adds the bearer token to every server-streaming call of an aio channel."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    async def intercept_unary_stream(
-        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, request: Any
-    ) -> Any:
-        return await continuation(_with_token(client_call_details, self._token), request)
+class _BearerUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await self._carry(continuation, client_call_details, request)
 
 
-class _BearerStreamUnary(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
-    """Adds the bearer token to every client-streaming call of an aio channel."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    async def intercept_stream_unary(
-        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, requests: Any
-    ) -> Any:
-        return await continuation(_with_token(client_call_details, self._token), requests)
+class _BearerStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await self._carry(continuation, client_call_details, request)
 
 
-class _BearerStreamStream(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
-    """Adds the bearer token to every bidirectional call of an aio channel (ExecStream)."""
+class _BearerStreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any, requests: Any) -> Any:
+        return await self._carry(continuation, client_call_details, requests)
 
-    def __init__(self, token: str) -> None:
-        self._token = token
 
-    async def intercept_stream_stream(
-        self, continuation: Callable[..., Any], client_call_details: grpc.aio.ClientCallDetails, requests: Any
-    ) -> Any:
-        return await continuation(_with_token(client_call_details, self._token), requests)
+class _BearerStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, requests: Any) -> Any:
+        return await self._carry(continuation, client_call_details, requests)
 
 
 def aio_channel(
