@@ -136,7 +136,9 @@ class WorkerPlane:
                 config.ray,
                 plane.tcp_address,
                 token,
-                worker_config.model_copy(update=_host_share(config, config.ray.per_node)),
+                worker_config.model_copy(
+                    update={**_host_share(config, config.ray.per_node), "orphan_after_s": config.ray.orphan_after_s}
+                ),
                 identity.fleet_id,
                 tls=ray_tls,
                 insecure=config.security.insecure,

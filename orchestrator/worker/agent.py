@@ -65,6 +65,7 @@ class WorkerAgent:
         name: str = "worker",
         slots: int = 64,
         heartbeat_s: float = 1.0,
+        orphan_after_s: float | None = None,
         metrics: CollectorRegistry | None = None,
         metrics_s: float = 5.0,
         kinds: Mapping[str, ArchiveKind] | None = None,
@@ -80,6 +81,7 @@ class WorkerAgent:
         self._registry = registry
         self._slots = slots
         self._heartbeat_s = heartbeat_s
+        self._orphan_after_s = orphan_after_s
         self._metrics = metrics  # sent to the control plane every `metrics_s`, in a heartbeat
         self._metrics_s = metrics_s
         self._declarative: dict[str, Environment] = {}
@@ -94,8 +96,10 @@ class WorkerAgent:
         self.sessions = 0  # streams opened so far
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        """Serve until `stop` is set, reconnecting (with backoff) whenever the stream ends or cannot open."""
+        """Serve until `stop` is set, reconnecting (with backoff) whenever the stream ends or cannot open; or, with
+        `orphan_after_s`, until no session has stood that long."""
         delay = RECONNECT_MIN_S
+        served = time.monotonic()  # the end of the last session that stood (its control plane took it)
         try:
             while not stop.is_set():
                 started = time.monotonic()
@@ -115,6 +119,15 @@ class WorkerAgent:
                     )
                 if time.monotonic() - started > 10:
                     delay = RECONNECT_MIN_S
+                    served = time.monotonic()
+                if self._orphan_after_s is not None and time.monotonic() - served >= self._orphan_after_s:
+                    log.error(
+                        "worker %s: no session with %s for %gs; ending (orphan_after_s)",
+                        self.worker_id,
+                        self.target,
+                        self._orphan_after_s,
+                    )
+                    return
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):
                         await stop.wait()

@@ -22,6 +22,12 @@ class WorkerConfig(BaseModel):
     pool: PoolConfig = PoolConfig()
     slots: int = Field(64, ge=1, le=MAX_SLOTS, description="rollouts this worker expects to run at once")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
+    orphan_after_s: float | None = Field(
+        None,
+        gt=0,
+        description="a worker with no session to its control plane for this long ends (a Ray actor whose control "
+        "plane never came back on its data directory); none: it waits for ever",
+    )
     metrics_s: float = Field(5.0, gt=0, le=300, description="how often a heartbeat carries the worker's metrics")
     tracing: TracingConfig = Field(TracingConfig(), description="where this worker exports its spans; off by default")
     environments: list[str] = Field(

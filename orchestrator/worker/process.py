@@ -64,6 +64,7 @@ async def run_worker(
             name=name,
             slots=config.slots,
             heartbeat_s=config.heartbeat_s,
+            orphan_after_s=config.orphan_after_s,
             metrics=metrics.registry,
             metrics_s=config.metrics_s,
             tls=tls,

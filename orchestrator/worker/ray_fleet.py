@@ -63,6 +63,13 @@ class RayConfig(BaseModel):
     per_node: int = Field(1, ge=1, le=256, description="worker actors per sandbox host (one per core is typical)")
     poll_s: float = Field(2.0, gt=0, le=300, description="how often to look for nodes that joined or died")
     namespace: str = Field("envfleet", description="the Ray namespace of the worker actors")
+    orphan_after_s: float = Field(
+        3600.0,
+        gt=0,
+        description="a worker actor with no control plane for this long ends itself: detached, it outlives a control "
+        "plane that crashes (the next one on the same data directory adopts it), and one that never comes back on "
+        "it left the actor dialing for good",
+    )
 
 
 def actor_prefix(fleet_id: str) -> str:
@@ -114,6 +121,10 @@ class _Worker:
                 )
             )
         await asyncio.shield(self._running)  # a caller that goes away does not end the run
+        if not self._stop.is_set():  # orphaned (WorkerConfig.orphan_after_s): the detached actor ends too
+            import ray
+
+            ray.actor.exit_actor()  # type: ignore[no-untyped-call]
 
     def _set_agent(self, agent: Any) -> None:
         self._agent = agent

@@ -266,3 +266,12 @@ async def test_a_refusal_no_retry_mends_is_logged_as_an_error(tmp_path: Path, ca
             await asyncio.wait_for(run, 10)
             await server.stop(0)
     assert any(r.levelname == "ERROR" and "invalid worker token" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_worker_with_no_control_plane_for_its_orphan_time_ends(tmp_path: Path) -> None:
+    # a detached Ray actor whose control plane never came back on its data directory redialed every 5 s for good
+    agent = WorkerAgent(
+        f"unix:{tmp_path}/nobody.sock", TOKEN, cast(Any, _Executor()), Registry.from_entry_points(), orphan_after_s=1
+    )
+    await asyncio.wait_for(agent.run_forever(asyncio.Event()), 10)
+    assert agent.sessions >= 1
