@@ -252,12 +252,16 @@ class Orchestrator:
             await _bounded("the warm pool", self.pool.close(), drain_s)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
-        await self.backend.close()
-        await self.store.close()
-        await self.stalls.stop()
-        if self._private_dir is not None:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
-        await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
+        try:
+            await self.backend.close()
+        finally:
+            try:
+                await self.store.close()
+            finally:
+                await self.stalls.stop()
+                if self._private_dir is not None:
+                    shutil.rmtree(self._private_dir, ignore_errors=True)
+                await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
 
 
 async def _swept(backend: SandboxBackend) -> None:
@@ -265,11 +269,16 @@ async def _swept(backend: SandboxBackend) -> None:
 
 
 async def _bounded(what: str, stage: Awaitable[None], limit_s: float) -> None:
+    """One stage of the stop, within `limit_s`; one that overruns or fails is logged and the stop goes on (a sweep
+    that raised on an engine answering 500 skipped every later stage: the pool, the backend's close that removes
+    this instance's containers, the store's close)."""
     try:
         async with asyncio.timeout(limit_s):
             await stage
     except TimeoutError:
         log.error("shutdown: %s did not stop within %gs; going on (the backend removes what is left)", what, limit_s)
+    except Exception:
+        log.exception("shutdown: %s failed; going on (the backend removes what is left)", what)
 
 
 async def create_server(

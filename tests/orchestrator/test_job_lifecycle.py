@@ -305,3 +305,30 @@ async def test_a_quiet_stream_rides_out_restarts_further_apart_than_its_reconnec
             await messages.aclose()
     finally:
         await orch.stop(grace=1)
+
+
+async def test_a_stop_stage_that_fails_leaves_the_later_ones_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a stage that raised (the sweep of lost workers' sandboxes on an engine answering 500) ended the stop there:
+    # the warm pool, the backend's close that removes this instance's containers, the store's close never ran
+    async with serve(tmp_path, backend=FAKE) as orch:
+        backend, store = orch.backend, orch.store
+        closed: list[str] = []
+        close_backend, close_store = backend.close, store.close
+
+        async def failing() -> None:
+            raise RuntimeError("the engine answered 500")
+
+        async def backend_close() -> None:
+            closed.append("backend")
+            await close_backend()
+
+        async def store_close() -> None:
+            closed.append("store")
+            await close_store()
+
+        monkeypatch.setattr(orch.jobs, "close", failing)
+        monkeypatch.setattr(backend, "close", backend_close)
+        monkeypatch.setattr(store, "close", store_close)
+    assert closed == ["backend", "store"]
