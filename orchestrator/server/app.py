@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import stat
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -264,6 +265,15 @@ class Orchestrator:
                 await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
 
 
+def _private_data_dir(path: Path) -> None:
+    """The data directory, entered by this user alone: it holds every tenant's rollouts and job specs (their
+    policies' API keys among them), and was made with the umask's 0755, its result log 0644, for any local user."""
+    path.mkdir(parents=True, exist_ok=True)
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        log.warning("data directory %s was open to other users; it is 0700 now", path)
+        path.chmod(0o700)
+
+
 async def _swept(backend: SandboxBackend) -> None:
     await backend.sweep()
 
@@ -301,6 +311,7 @@ async def create_server(
     credentials = server_credentials(tls) if tls else None
     # what killed control planes and workers of this host left in the temp directory (their sockets, archives)
     await asyncio.to_thread(sweep_private_dirs)
+    _private_data_dir(config.data_dir)
     with_workers = config.workers or config.worker_listen or config.ray
     identity = await worker_identity(config) if with_workers else None
     # what has started so far is stopped again if a later step fails (a port taken, a store that will not open):

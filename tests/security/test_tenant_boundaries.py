@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import stat
 from pathlib import Path
 
 import grpc
@@ -194,3 +195,13 @@ async def test_rollout_sandboxes_come_from_the_job_owners_pool(tmp_path: Path, t
             "team-a",
             "team-b",
         ]
+
+
+async def test_the_data_directory_is_this_users_alone(tmp_path: Path) -> None:
+    # it holds every tenant's rollouts and job specs, their policies' API keys among them; made with the umask's
+    # 0755 (its result log 0644), any local user could read them
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    async with serve(data, backend=FAKE):
+        assert stat.S_IMODE(data.stat().st_mode) == 0o700
