@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
-from orchestrator.core.models import DEFAULT_JOB_RETENTION_S
+from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobSpec
 from orchestrator.core.private_dirs import make_private_dir, sweep_private_dirs
 from orchestrator.core.sandbox import SandboxBackend
 from orchestrator.core.stalls import StallWatch
@@ -351,6 +351,13 @@ async def create_server(
             executor = workers.hub
         else:
             executor = LocalExecutor(RolloutRunner(pool, images, tracer), TokenizerCache(config.tokenizer_dirs))
+        policy_urls, tokenizers = PolicyURLs(config.security.policy_urls), TokenizerDirs(config.tokenizer_dirs)
+
+        def admit(spec: JobSpec) -> None:  # what SubmitJob checks besides the request's form: for resumed jobs
+            policy_urls.check(spec.policy.base_url)
+            if spec.token_mode == "tito":
+                tokenizers.resolve(spec.policy.tokenizer)
+
         jobs = await JobManager.start(
             store,
             registry,
@@ -361,6 +368,7 @@ async def create_server(
             caps=config.caps,
             tracer=tracer,
             retention_s=config.job_retention_s,
+            admit=admit,
         )
         undo.push_async_callback(jobs.close)
         # read when scraped
@@ -406,7 +414,7 @@ async def create_server(
             EnvironmentService(registry, registrar, auth), server
         )
         orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
-            RolloutService(jobs, auth, PolicyURLs(config.security.policy_urls), TokenizerDirs(config.tokenizer_dirs)),
+            RolloutService(jobs, auth, policy_urls, tokenizers),
             server,
         )
         orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)

@@ -223,17 +223,19 @@ class JobManager:
         caps: CapsConfig | None = None,
         tracer: Tracer = NOOP_TRACER,
         retention_s: float | None = None,
+        admit: Callable[[JobSpec], None] | None = None,
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store (and removed those whose retention ran out
-        while it was down)."""
+        while it was down). `admit` raises (an EnvfleetError) for a spec this server would refuse at SubmitJob now
+        (its policy URL off the allowlist, say): a resumed job must pass it too."""
         mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps, tracer, retention_s)
         mgr.scheduler.start()
-        await mgr._resume()
+        await mgr._resume(admit)
         if retention_s is not None:
             mgr._expiry = asyncio.create_task(mgr._expire_forever(), name="job expiry")
         return mgr
 
-    async def _resume(self) -> None:
+    async def _resume(self, admit: Callable[[JobSpec], None] | None = None) -> None:
         now = time.time()
         for stored in await self.store.jobs():
             if self._expired(stored.finished_at, now):
@@ -264,6 +266,11 @@ class JobManager:
                 await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
             done_ids = await self.store.done_ids(job.job_id)
             try:
+                # what SubmitJob checks, under this start's settings: resumed unchecked, a job kept calling a policy
+                # URL the operator had since taken off the allowlist, or ran sandboxes past lowered caps
+                if admit is not None:
+                    admit(stored.spec)
+                check_limits(job.run_env.limits, self.caps.sandbox, f"{job.run_env.ref()}: limits", job.run_env.runtime)
                 items = [
                     i
                     for i in self._items(job.job_id, job.run_env, stored.spec, owner=stored.owner)

@@ -305,3 +305,34 @@ async def test_policy_clients_of_many_endpoints_are_bounded(tmp_path: Path, monk
                 break
             await asyncio.sleep(0.1)
         assert 1 <= _established_to(port) <= 3
+
+
+async def test_a_job_resumed_after_the_allowlist_narrowed_is_cancelled_not_run(tmp_path: Path) -> None:
+    # a restart resumed the log's jobs without SubmitJob's checks: a job kept calling a policy URL the operator had
+    # since taken off the allowlist, with the job's API key
+    hit: list[str] = []
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hit.append("called")  # never answers: the job stays unfinished across the restart
+        await reader.read()
+
+    server = await asyncio.start_server(held, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    try:
+        async with serve(tmp_path / "data", backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+            tasks = pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["py-000"])
+            spec = pb.JobSpec(env=ENV, tasks=tasks, policy=pb.PolicyEndpoint(base_url=url, max_retries=0))
+            job_id = (await client.rollout_stub.SubmitJob(spec)).job_id
+            for _ in range(100):
+                if hit:
+                    break
+                await asyncio.sleep(0.05)
+        hit.clear()
+        narrowed = {"policy_urls": ["http://127.0.0.1:9/v1"]}
+        async with serve(tmp_path / "data", backend=FAKE, security=narrowed) as orch, EnvfleetClient(orch.address) as c:
+            status = await c.get_job(job_id)
+            await asyncio.sleep(0.5)
+        assert status.state == "CANCELLED" and not hit
+    finally:
+        server.close()
+        await server.wait_closed()
