@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
 from orchestrator.core.image_spec import ImageSpec
-from orchestrator.core.models import Turn
+from orchestrator.core.models import MAX_REWARD, Turn
 from orchestrator.core.sandbox import Limits, Sandbox
 from orchestrator.core.text import as_text
 
@@ -86,6 +86,9 @@ class Score:
 
     def __post_init__(self) -> None:
         _finite("the reward", self.reward)
+        if abs(self.reward) > MAX_REWARD:
+            # a group's statistics square it: past this, a group of them made advantages NaN, infinite, or 0
+            raise ValueError(f"the reward is {self.reward!r:.40}, past the ±{MAX_REWARD:g} a reward may be")
         for kind, values in (("component", self.components), ("metric", self.metrics)):
             for name, value in values.items():
                 _finite(f"{kind} {name!r}", value)

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint, Sampling
 
 MAX_TASK_IDS = 100_000  # ids one job may name
+# the largest reward, either sign: a group's statistics square rewards, and past this they overflowed (advantages
+# NaN, infinite, or 0 for a group of distinct rewards); no RL reward comes near it
+MAX_REWARD = 1e12
 
 
 class RolloutStatus(StrEnum):
@@ -226,6 +229,8 @@ def check_reward(status: RolloutStatus, reward: float | None) -> None:
         raise ValueError(f"a {status.value} rollout needs a reward")
     if reward is not None and not math.isfinite(reward):
         raise ValueError(f"a rollout's reward must be a finite number, not {reward}")
+    if reward is not None and abs(reward) > MAX_REWARD:
+        raise ValueError(f"a rollout's reward must be within ±{MAX_REWARD:g}, not {reward:g}")
 
 
 @dataclass(frozen=True, slots=True)

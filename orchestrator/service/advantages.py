@@ -21,8 +21,12 @@ MODES: tuple[AdvantageMode, ...] = get_args(AdvantageMode)
 
 
 def _advantages(r: npt.NDArray[np.float64], mode: AdvantageMode, eps: float) -> npt.NDArray[np.float64]:
-    """Vectorised over the scored rewards `r` (at least one)."""
+    """Vectorised over the scored rewards `r` (at least one; each within ±MAX_REWARD, so nothing here overflows)."""
     out: npt.NDArray[np.float64]
+    if mode != "none" and r.max() == r.min():
+        # a group of equal rewards has no signal: exactly 0, where the mean's rounding left 1e-11 (GRPO, 0.1 three
+        # times) to 1e-5 (larger rewards), all of one sign, pushing the whole group one way
+        return np.zeros_like(r)
     if mode == "grpo":  # population std (ddof=0): GRPO normalizes within the group
         out = (r - r.mean()) / (r.std() + eps)
     elif mode == "dr_grpo":  # Dr. GRPO: no std division, which weights up the tasks with

@@ -9,8 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.client.convert import job_spec_to_pb
+from orchestrator.core.environment import Score
 from orchestrator.core.errors import InvalidRequestError
-from orchestrator.core.models import AdvantageMode, JobSpec
+from orchestrator.core.models import MAX_REWARD, AdvantageMode, JobSpec
 from orchestrator.server.app import Orchestrator
 from orchestrator.server.convert import job_spec_from_pb
 from orchestrator.service.advantages import EPS, MODES, group_advantages
@@ -63,6 +64,22 @@ def test_all_failed_and_empty(mode: AdvantageMode) -> None:
 def test_equal_rewards_give_zero_not_nan() -> None:
     assert group_advantages([1.0, 1.0, 1.0], "grpo") == [0.0, 0.0, 0.0]
     assert group_advantages([1.0, 1.0, 1.0], "rloo") == [0.0, 0.0, 0.0]
+    # exactly 0 for rewards that binary fractions do not hold: the mean's rounding left -1.39e-11 (0.1 three times)
+    # to 2.3e-7 (1234.56 six times) under GRPO, all of one sign, pushing the whole group one way
+    for rewards in ([0.1] * 3, [1234.56] * 6, [65535.3] * 12):
+        for mode in ("grpo", "dr_grpo", "rloo"):
+            assert group_advantages(rewards, mode) == [0.0] * len(rewards), (rewards, mode)
+
+
+def test_a_reward_past_the_bound_is_the_environments_fault_and_advantages_stay_finite() -> None:
+    # a group of 1e308s gave NaN advantages, one of 1e200 and -1e200 gave 0s (the std overflowed); an environment's
+    # reward past ±1e12 is its own fault (a Score refuses it, ENV_ERROR), and within it every advantage is finite
+    with pytest.raises(ValueError, match="past the ±1e\\+12"):
+        Score(1e13)
+    for mode in ("grpo", "dr_grpo", "rloo", "none"):
+        out = group_advantages([MAX_REWARD, -MAX_REWARD, 0.0, MAX_REWARD], mode)
+        assert all(a is not None and math.isfinite(a) for a in out), (mode, out)
+    assert group_advantages([MAX_REWARD, -MAX_REWARD], "grpo") == pytest.approx([1.0, -1.0])
 
 
 def test_the_mode_is_a_job_field() -> None:
