@@ -546,7 +546,8 @@ class JobManager:
                     cursor = entries[-1].seq
                     job.delivered = max(job.delivered, cursor)
                     me.outstanding.update(e.seq for e in entries)
-                    yield _batch(entries, grouped=n > 1, advantage=job.spec.advantage)
+                    # a group of one is a group too: streamed as plain rollouts, its job's groups() refused it
+                    yield _batch(entries, grouped=job.spec.deliver_groups, advantage=job.spec.advantage)
                     sent_at = loop.time()
                     if backlog or finished:
                         continue  # more is logged already (or the end is near): read on at once

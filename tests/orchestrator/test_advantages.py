@@ -4,11 +4,13 @@ reaching the groups it streams."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from orchestrator.client.convert import job_spec_to_pb
+from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.environment import Score
 from orchestrator.core.errors import InvalidRequestError
 from orchestrator.core.models import MAX_REWARD, AdvantageMode, JobSpec
@@ -18,6 +20,7 @@ from orchestrator.service.advantages import EPS, MODES, group_advantages
 from orchestrator.testing.scripted_policy import ScriptedServer
 from protos import orchestrator_pb2 as pb
 from tests.orchestrator.conftest import job
+from tests.orchestrator.servers import FAKE, serve
 
 # scored rewards 1, 0, 0.5 and one failed sample: mean 0.5, population std sqrt(1/6)
 REWARDS = [1.0, 0.0, 0.5, None]
@@ -107,3 +110,15 @@ async def test_the_jobs_mode_reaches_its_groups(
     groups = [g async for batch in orchestrator.jobs.stream(job_id) for g in batch.groups]
     assert len(groups) == 2
     assert [g.advantages for g in groups] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+async def test_a_job_of_groups_of_one_is_delivered_as_groups(
+    tmp_path: Path, policy_server: ScriptedServer, task_ids: list[str]
+) -> None:
+    # group_size 1 with deliver_groups streamed plain rollouts, and the SDK's groups() refused the job as one "not
+    # submitted with deliver_groups=True" (TRL's eval with one generation)
+    spec = job(policy_server.url, task_ids[:2], n=1, deliver_groups=True)
+    async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        groups = [g async for g in client.groups(await client.submit(spec))]
+    assert sorted(g.task_id for g in groups) == sorted(task_ids[:2])
+    assert [len(g.rollouts) for g in groups] == [1, 1] and [g.advantages for g in groups] == [[0.0], [0.0]]
