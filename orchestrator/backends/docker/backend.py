@@ -69,6 +69,22 @@ async def to_the_end(task: asyncio.Task[T]) -> T:
     return task.result()
 
 
+def engine_security_problem(info: Mapping[str, Any]) -> str:
+    """What in the engine's own settings (`docker info`) leaves sandboxes weaker than their hardening says, or "":
+    a daemon run with `seccomp-profile: unconfined` (or built without seccomp) started every sandbox with no system
+    call filter, and nothing noticed."""
+    options = [str(o) for o in info.get("SecurityOptions") or ()]
+    seccomp = [o for o in options if o.startswith("name=seccomp")]
+    if not seccomp:
+        return "the docker engine applies no seccomp profile (docker info: SecurityOptions); sandboxes need its filter"
+    if any("profile=unconfined" in o for o in seccomp):
+        return (
+            "the docker engine's seccomp profile is unconfined (daemon.json seccomp-profile); sandboxes need a "
+            "system call filter: remove that setting"
+        )
+    return ""
+
+
 def _no_runtime(runtime: str, have: frozenset[str]) -> str:
     return (
         f"the docker engine has no OCI runtime {runtime!r} (it has: {', '.join(sorted(have)) or 'none'}); register it "
@@ -263,9 +279,12 @@ class DockerBackend(SandboxBackend):
         info = await backend.engine.call(backend.api.info)
         backend.swap_limit = bool(info.get("SwapLimit"))
         backend.runtimes = frozenset(info.get("Runtimes") or ())
+        problem = engine_security_problem(info)
         if backend.config.runtime and backend.config.runtime not in backend.runtimes:
+            problem = _no_runtime(backend.config.runtime, backend.runtimes)
+        if problem:
             backend.engine.close()
-            raise ConfigError(_no_runtime(backend.config.runtime, backend.runtimes))
+            raise ConfigError(problem)
         if sweep:
             await backend.sweep()
             backend._sweeper = asyncio.create_task(backend._sweep_forever())
