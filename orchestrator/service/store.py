@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from orchestrator.core.models import EncodedRollout, JobSpec, JobState, Rollout
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -261,11 +264,19 @@ class ResultStore:
                 "SELECT job_id, spec, state, created_at, finished_at, total, owner FROM jobs ORDER BY created_at"
             ).fetchall()
             wanted = {s.value for s in states} if states is not None else None
-            return [
-                StoredJob(r[0], JobSpec.model_validate_json(r[1]), JobState(r[2]), r[3], r[4], r[5], r[6])
-                for r in rows
-                if wanted is None or r[2] in wanted
-            ]
+            jobs = []
+            for r in rows:
+                if wanted is not None and r[2] not in wanted:
+                    continue
+                try:
+                    jobs.append(
+                        StoredJob(r[0], JobSpec.model_validate_json(r[1]), JobState(r[2]), r[3], r[4], r[5], r[6])
+                    )
+                except ValueError as e:
+                    # a row this version cannot read (a validator tightened since, a damaged row): left in the log
+                    # as it is, for a version that can; one such row stopped the server's start
+                    log.error("job %s in the result log does not load, so it is left alone: %s", r[0], e)
+            return jobs
 
         return await self._run(q)
 

@@ -51,3 +51,27 @@ async def test_a_job_that_can_no_longer_run_is_cancelled_at_the_restart_and_keep
             assert len([r async for r in client.rollouts(job_id)]) == 2  # streamed, acked, the stream ends
         assert (await client.get_job(job_id)).acked == 2
         assert len(await client.list_jobs()) == 1
+
+
+async def test_a_job_row_this_version_cannot_read_is_left_alone_and_the_server_starts(
+    tmp_path: Path, task_ids: list[str]
+) -> None:
+    # one row of the log whose spec no longer validates (a validator tightened by an upgrade, a damaged row) made
+    # the store's read of the jobs raise, and the server did not start; the other jobs resume
+    data = tmp_path / "data"
+    spec = JobSpec(
+        env=ENV, tasks=TaskSelection(kind="ids", ids=task_ids[:2]), policy=PolicyEndpoint(base_url=REPLAY_URL)
+    )
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        bad, good = await client.submit(spec), await client.submit(spec)
+        for job_id in (bad, good):
+            assert await until_done(client, job_id, 2, timeout_s=60) == 2
+    with sqlite3.connect(data / "results.sqlite3") as db:
+        (stored,) = db.execute("SELECT spec FROM jobs WHERE job_id = ?", (bad,)).fetchone()
+        db.execute(
+            "UPDATE jobs SET spec = ? WHERE job_id = ?", (json.dumps({**json.loads(stored), "group_size": 0}), bad)
+        )
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        assert [j.job_id for j in await client.list_jobs()] == [good]
+    with sqlite3.connect(data / "results.sqlite3") as db:  # and the row is still there, for a version that reads it
+        assert db.execute("SELECT COUNT(*) FROM jobs WHERE job_id = ?", (bad,)).fetchone() == (1,)
