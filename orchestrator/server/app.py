@@ -465,30 +465,38 @@ async def create_server(
     orch.pool, orch.metrics = pool, metrics
     orch.sessions, orch.sandboxes, orch.registrar = sessions, sandboxes, registrar
     orch.workers = workers
-    if config.metrics_port is not None:
-        # with rollout workers, theirs too (sandboxes, pools, engine calls), from their heartbeats
-        served = metrics.registry if workers is None else fleet_registry(metrics.registry, workers.hub.metric_snapshots)
-        try:
-            orch._metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=served)
-        except OSError as e:  # the port is taken (another orchestrator on this host): serve metrics elsewhere
-            log.warning("metrics port %d unavailable (%s); using a free port", config.metrics_port, e)
-            orch._metrics_server, _ = start_http_server(0, addr=config.metrics_host, registry=served)
-        orch.metrics_port = orch._metrics_server.server_port
-        log.info("metrics on http://%s:%d/metrics (unauthenticated)", config.metrics_host, orch.metrics_port)
-    if config.ui_port is not None:
-        header_tenant = lambda h: auth.tenant_of_metadata([("authorization", h)] if h else [])  # noqa: E731
-        try:
-            orch.ui = start_live_viewer(jobs, store.path, config.ui_host, config.ui_port, header_tenant, auth.enabled)
-        except OSError as e:  # the port is taken: like the metrics, serve on a free one and say where
-            log.warning("viewer port %d unavailable (%s); using a free port", config.ui_port, e)
-            orch.ui = start_live_viewer(jobs, store.path, config.ui_host, 0, header_tenant, auth.enabled)
-        log.info("trajectory viewer on %s", orch.ui.url)
-    if config.openenv is not None and private_dir is not None:
-        from orchestrator.openenv.serving import start_facade  # the optional extra, loaded only here
+    # past this point the undo stack is spent: the servers below that fail to start (a metrics or viewer host this
+    # machine lacks) stop everything that did, or the gRPC server, workers and sandboxes ran on behind the error
+    try:
+        if config.metrics_port is not None:
+            # with rollout workers, theirs too (sandboxes, pools, engine calls), from their heartbeats
+            served = (
+                metrics.registry if workers is None else fleet_registry(metrics.registry, workers.hub.metric_snapshots)
+            )
+            try:
+                orch._metrics_server, _ = start_http_server(
+                    config.metrics_port, addr=config.metrics_host, registry=served
+                )
+            except OSError as e:  # the port is taken (another orchestrator on this host): serve metrics elsewhere
+                log.warning("metrics port %d unavailable (%s); using a free port", config.metrics_port, e)
+                orch._metrics_server, _ = start_http_server(0, addr=config.metrics_host, registry=served)
+            orch.metrics_port = orch._metrics_server.server_port
+            log.info("metrics on http://%s:%d/metrics (unauthenticated)", config.metrics_host, orch.metrics_port)
+        if config.ui_port is not None:
+            header_tenant = lambda h: auth.tenant_of_metadata([("authorization", h)] if h else [])  # noqa: E731
+            try:
+                orch.ui = start_live_viewer(
+                    jobs, store.path, config.ui_host, config.ui_port, header_tenant, auth.enabled
+                )
+            except OSError as e:  # the port is taken: like the metrics, serve on a free one and say where
+                log.warning("viewer port %d unavailable (%s); using a free port", config.ui_port, e)
+                orch.ui = start_live_viewer(jobs, store.path, config.ui_host, 0, header_tenant, auth.enabled)
+            log.info("trajectory viewer on %s", orch.ui.url)
+        if config.openenv is not None and private_dir is not None:
+            from orchestrator.openenv.serving import start_facade  # the optional extra, loaded only here
 
-        try:
             orch.openenv = await start_facade(config.openenv, f"unix:{private_dir / 'grpc.sock'}")
-        except BaseException:
-            await orch.stop(grace=0)
-            raise
+    except BaseException:
+        await orch.stop(grace=0)
+        raise
     return orch

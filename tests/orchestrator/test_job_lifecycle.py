@@ -332,3 +332,27 @@ async def test_a_stop_stage_that_fails_leaves_the_later_ones_to_run(
         monkeypatch.setattr(backend, "close", backend_close)
         monkeypatch.setattr(store, "close", store_close)
     assert closed == ["backend", "store"]
+
+
+async def test_a_server_whose_metrics_cannot_start_stops_what_had_started(tmp_path: Path) -> None:
+    # the metrics server starts after the start's undo stack is spent: a metrics host this machine lacks raised out
+    # of create_server with the gRPC server (and the workers, the pool, the store) left running behind the error
+    import socket
+
+    from orchestrator.server.app import OrchestratorConfig, create_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = OrchestratorConfig(
+        port=port,
+        data_dir=tmp_path,
+        backend=FAKE,
+        metrics_port=0,
+        metrics_host="192.0.2.1",  # TEST-NET: not ours
+    )
+    with pytest.raises(OSError):
+        await create_server(config)
+    with pytest.raises(OSError):  # nothing listens on the gRPC port any more
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
