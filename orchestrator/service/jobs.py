@@ -537,7 +537,9 @@ class JobManager:
                 if room > 0:
                     limit = max(min(room, max_batch), n)
                     entries = await self.store.read(job_id, cursor, limit, STREAM_BATCH_BYTES, whole_groups=n > 1)
-                    backlog = len(entries) == limit
+                    # more is logged when the read stopped at its limit, or at its bytes: a first rollout (or group)
+                    # over them alone went out, and the rest waited for the next result to wake the stream
+                    backlog = len(entries) == limit or sum(map(_size, entries)) > STREAM_BATCH_BYTES
                     if n > 1 and backlog:
                         entries = _whole_groups(entries)
                     if len(entries) > 1 and (head := _within_bytes(entries, STREAM_BATCH_BYTES, n > 1)) < len(entries):
@@ -740,14 +742,18 @@ def _whole_groups(entries: list[LogEntry]) -> list[LogEntry]:
     return entries[:i] if i > 0 else entries
 
 
+def _size(e: LogEntry) -> int:
+    """An entry's bytes: the wire form as stored, else the JSON's UTF-8, about as long as its message or longer."""
+    return len(e.wire) if e.wire is not None else len(e.payload.encode())
+
+
 def _within_bytes(entries: list[LogEntry], budget: int, grouped: bool) -> int:
     """How many of `entries` (from the first) one message carries within `budget` bytes, `grouped`: ending on a
     group's end (a group's entries are consecutive in the log). The first rollout, or group, goes even past the
     budget, by itself."""
     total, end = 0, len(entries)
     for i, e in enumerate(entries):
-        # the wire form as stored, else the JSON's UTF-8, about as long as the message made from it or longer
-        total += len(e.wire) if e.wire is not None else len(e.payload.encode())
+        total += _size(e)
         if total > budget:
             end = i
             break

@@ -629,6 +629,29 @@ async def test_big_rollouts_come_in_messages_a_client_with_grpcs_default_limit_r
     assert sorted(got) == sorted({f"{job_id}:{t}:{i}" for t in task_ids[:8] for i in range(2)})
 
 
+async def test_rollouts_logged_behind_one_over_a_messages_bytes_go_out_while_the_job_runs(
+    fake_client: EnvfleetClient, task_ids: list[str]
+) -> None:
+    # a read stopped at its bytes (a first rollout over them alone) looked like the log's end: the rest already
+    # logged waited for the next result to wake the stream, minutes apart when rollouts are long
+    big = [Step(content="x" * (3_200_000))]
+    script = Script(default=big, tasks={task_ids[3]: [Step(hang=True)]})  # the job runs on: its last never ends
+    server = await start_scripted_server(script, tokens=False)
+    try:
+        job_id = await fake_client.submit(job(server.url, task_ids[:4], max_concurrency=4))
+        assert await until_done(fake_client, job_id, 3, timeout_s=60) == 3
+        got: list[str] = []
+        async with asyncio.timeout(10):
+            async for r in fake_client.rollouts(job_id):
+                got.append(r.task_id)
+                if len(got) == 3:
+                    break
+        assert sorted(got) == sorted(task_ids[:3])
+        await fake_client.cancel_job(job_id)
+    finally:
+        await server.close()
+
+
 def test_a_message_ends_within_its_bytes_on_a_groups_end_and_a_big_first_one_goes_alone() -> None:
     def entries(*groups: str) -> list[LogEntry]:
         return [LogEntry(seq=i + 1, group_id=g, payload="{}", wire=b"x" * 10) for i, g in enumerate(groups)]
