@@ -36,6 +36,10 @@ class DockerBackendConfig(BaseModel):
         description="where the socket root's key is kept across reboots (the root is under /run, a tmpfs); default: "
         "/var/lib/envfleet/seal-keys for root, else $XDG_STATE_HOME/envfleet/seal-keys",
     )
+    allow_unlimited_swap: bool = Field(
+        False,
+        description="start on an engine that cannot limit swap (sandboxes may then swap past their memory limit)",
+    )
     socket_tmpfs: bool = Field(
         True, description="each socket directory is a 64 KiB tmpfs (needs CAP_SYS_ADMIN), so no sandbox fills the disk"
     )

@@ -191,13 +191,18 @@ async def test_an_images_entrypoint_and_healthcheck_never_run(
         assert b"beat" not in r.stdout and b"envd" in r.stdout
 
 
-def test_an_engine_without_a_seccomp_filter_is_refused_at_the_backends_start() -> None:
+def test_an_engine_without_a_seccomp_filter_or_a_swap_limit_is_refused_at_the_backends_start() -> None:
     # a daemon run with `seccomp-profile: unconfined` (or built without seccomp) started every sandbox with no
     # system call filter, and nothing noticed: the test above checks this host, the backend now checks its engine
     from orchestrator.backends.docker.backend import engine_security_problem
 
-    assert engine_security_problem({"SecurityOptions": ["name=seccomp,profile=default"]}) == ""
-    assert engine_security_problem({"SecurityOptions": ["name=apparmor", "name=seccomp,profile=builtin"]}) == ""
-    assert "unconfined" in engine_security_problem({"SecurityOptions": ["name=seccomp,profile=unconfined"]})
-    assert "no seccomp profile" in engine_security_problem({"SecurityOptions": ["name=apparmor"]})
-    assert "no seccomp profile" in engine_security_problem({})
+    ok = {"SwapLimit": True}
+    assert engine_security_problem({**ok, "SecurityOptions": ["name=seccomp,profile=default"]}) == ""
+    assert engine_security_problem({**ok, "SecurityOptions": ["name=apparmor", "name=seccomp,profile=builtin"]}) == ""
+    assert "unconfined" in engine_security_problem({**ok, "SecurityOptions": ["name=seccomp,profile=unconfined"]})
+    assert "no seccomp profile" in engine_security_problem({**ok, "SecurityOptions": ["name=apparmor"]})
+    assert "no seccomp profile" in engine_security_problem(ok)
+    # and one with no swap accounting let every sandbox swap past its memory limit, unnoticed, unless allowed
+    no_swap = {"SwapLimit": False, "SecurityOptions": ["name=seccomp,profile=default"]}
+    assert "cannot limit swap" in engine_security_problem(no_swap)
+    assert engine_security_problem(no_swap, allow_swap=True) == ""

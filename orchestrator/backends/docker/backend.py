@@ -69,10 +69,15 @@ async def to_the_end(task: asyncio.Task[T]) -> T:
     return task.result()
 
 
-def engine_security_problem(info: Mapping[str, Any]) -> str:
+def engine_security_problem(info: Mapping[str, Any], *, allow_swap: bool = False) -> str:
     """What in the engine's own settings (`docker info`) leaves sandboxes weaker than their hardening says, or "":
     a daemon run with `seccomp-profile: unconfined` (or built without seccomp) started every sandbox with no system
-    call filter, and nothing noticed."""
+    call filter, and one with no swap accounting let each sandbox swap past its memory limit, and nothing noticed."""
+    if not info.get("SwapLimit") and not allow_swap:
+        return (
+            "the docker engine cannot limit swap (docker info: SwapLimit false; cgroup v1 without swapaccount=1): a "
+            "sandbox's memory limit would hold RAM only; enable swap accounting, or set allow_unlimited_swap"
+        )
     options = [str(o) for o in info.get("SecurityOptions") or ()]
     seccomp = [o for o in options if o.startswith("name=seccomp")]
     if not seccomp:
@@ -279,7 +284,7 @@ class DockerBackend(SandboxBackend):
         info = await backend.engine.call(backend.api.info)
         backend.swap_limit = bool(info.get("SwapLimit"))
         backend.runtimes = frozenset(info.get("Runtimes") or ())
-        problem = engine_security_problem(info)
+        problem = engine_security_problem(info, allow_swap=backend.config.allow_unlimited_swap)
         if backend.config.runtime and backend.config.runtime not in backend.runtimes:
             problem = _no_runtime(backend.config.runtime, backend.runtimes)
         if problem:
