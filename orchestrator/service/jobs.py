@@ -538,12 +538,19 @@ class JobManager:
                     limit = max(min(room, max_batch), n)
                     entries = await self.store.read(job_id, cursor, limit, STREAM_BATCH_BYTES, whole_groups=n > 1)
                     # more is logged when the read stopped at its limit, or at its bytes: a first rollout (or group)
-                    # over them alone went out, and the rest waited for the next result to wake the stream
-                    backlog = len(entries) == limit or sum(map(_size, entries)) > STREAM_BATCH_BYTES
+                    # over them alone went out, and the rest waited for the next result to wake the stream. A read
+                    # stopped at its bytes ends on a whole group; one within them needs no cut
+                    over = sum(map(_size, entries)) > STREAM_BATCH_BYTES
+                    backlog = len(entries) == limit
                     if n > 1 and backlog:
                         entries = _whole_groups(entries)
-                    if len(entries) > 1 and (head := _within_bytes(entries, STREAM_BATCH_BYTES, n > 1)) < len(entries):
-                        entries, backlog = entries[:head], True
+                    if (
+                        over
+                        and len(entries) > 1
+                        and (head := _within_bytes(entries, STREAM_BATCH_BYTES, n > 1)) < len(entries)
+                    ):
+                        entries = entries[:head]
+                    backlog = backlog or over
                 if entries:
                     cursor = entries[-1].seq
                     job.delivered = max(job.delivered, cursor)
