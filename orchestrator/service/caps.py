@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.core.archives import ArchiveLimits
 from orchestrator.core.echo import echo
+from orchestrator.core.environment import Environment
 from orchestrator.core.errors import InvalidRequestError, QuotaExceededError
 from orchestrator.core.sandbox import Limits
 
@@ -111,6 +112,11 @@ def check_limits(limits: Limits, caps: SandboxCaps, what: str = "limits", runtim
     ]
     if over:
         raise QuotaExceededError("; ".join(over))
+
+
+def check_env_limits(env: Environment, caps: SandboxCaps) -> None:
+    """check_limits for the sandboxes of environment `env` (its limits and runtime), named by its ref."""
+    check_limits(env.limits, caps, f"{env.ref()}: limits", env.runtime)
 
 
 class TenantCounter:

@@ -58,7 +58,7 @@ from orchestrator.core.runtime import run_to_end
 from orchestrator.core.tracing import NOOP_TRACER, Tracer
 from orchestrator.rollout.runner import WorkItem, traced_rollout, unrun_rollout
 from orchestrator.service.advantages import group_advantages
-from orchestrator.service.caps import CapsConfig, TenantCounter, check_limits
+from orchestrator.service.caps import CapsConfig, TenantCounter, check_env_limits
 from orchestrator.service.executor import Executor
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity, Need, Scheduler
@@ -270,7 +270,7 @@ class JobManager:
                 # URL the operator had since taken off the allowlist, or ran sandboxes past lowered caps
                 if admit is not None:
                     admit(stored.spec)
-                check_limits(job.run_env.limits, self.caps.sandbox, f"{job.run_env.ref()}: limits", job.run_env.runtime)
+                check_env_limits(job.run_env, self.caps.sandbox)
                 items = [
                     i
                     for i in self._items(job.job_id, job.run_env, stored.spec, owner=stored.owner)
@@ -318,7 +318,7 @@ class JobManager:
 
     async def _submit(self, spec: JobSpec, owner: str) -> tuple[str, int]:
         env = self.registry.get(spec.env, owner)
-        check_limits(env.limits, self.caps.sandbox, f"{env.ref()}: limits", env.runtime)
+        check_env_limits(env, self.caps.sandbox)
         # submits being admitted count too: side by side (a burst, one commit for all) each saw the same count
         unfinished = self._unfinished[owner] + self._admitting[owner]
         if unfinished >= self.caps.jobs_per_tenant:

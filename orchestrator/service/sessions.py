@@ -49,7 +49,7 @@ from orchestrator.rollout.step import (
     record_assistant,
     run_tool_call,
 )
-from orchestrator.service.caps import SandboxCaps, check_limits
+from orchestrator.service.caps import SandboxCaps, check_env_limits
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
@@ -219,7 +219,7 @@ class SessionManager:
     ) -> tuple[SessionView, Observation]:
         """Open a session: a sandbox with the task set up. The task is `task_id`, or drawn with `seed`."""
         env = self._registry.get(env_ref, tenant)
-        check_limits(env.limits, self._caps, f"{env.ref()}: limits", env.runtime)
+        check_env_limits(env, self._caps)
         task, seed = self._pick_task(env, task_id, seed)
         if not 0 <= max_turns <= 1000:
             raise InvalidRequestError(f"max_turns must be between 1 and 1000 (0: the default), got {max_turns}")
