@@ -33,6 +33,12 @@ class Limits(BaseModel):
     workspace_mb: int = Field(1024, ge=1, le=1 << 20, description="size cap of the writable workspace")
 
 
+AUTO_USER = "auto"
+# the uids "auto" picks from: past any host account's, and under 2^21, which a ustar archive's 7 octal digits hold (a
+# repository's own tests that write tar files with the default format would fail past it)
+SANDBOX_UIDS = range(100_000, 1 << 21)
+
+
 class Hardening(BaseModel):
     """Hardening flags, all on by default. Turning one off is explicit and visible in the spec."""
 
@@ -44,9 +50,15 @@ class Hardening(BaseModel):
     # a PID 1 that reaps orphans: envd itself on the envd transport (always: it takes no signal from the sandbox
     # there), docker's init on docker-exec
     init: bool = True
-    # a uid no host account has (nor the base image): a file it leaves on the host belongs to nobody there
+    # "auto": each sandbox a uid of its own from SANDBOX_UIDS (its gid the same), which no host account has (nor the
+    # base image), so a file it leaves on the host belongs to nobody there. The kernel counts some limits per uid
+    # across every container of the host (inotify instances and watches, processes against RLIMIT_NPROC, queued
+    # signals, pipe buffers): with one uid for all, one sandbox that used them up failed the others' tests.
+    # "uid:gid": that user, shared by every sandbox of the spec
     user: str = Field(
-        "100000:100000", pattern=r"^[0-9]+:[0-9]+$", description="uid:gid; never root, no host account by default"
+        AUTO_USER,
+        pattern=rf"^({AUTO_USER}|[0-9]+:[0-9]+)$",
+        description="'auto' (a uid of its own per sandbox) or uid:gid; never root",
     )
 
     @field_validator("user")

@@ -13,6 +13,7 @@ import grpc
 
 from orchestrator.backends.config import DockerBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.sandbox import SANDBOX_UIDS
 from orchestrator.server.app import Orchestrator
 from protos import orchestrator_pb2 as pb
 from tests.orchestrator.servers import expect_error, serve
@@ -52,9 +53,10 @@ async def test_lifecycle_exec_files_and_hardening(
     assert b"".join(e.stdout for e in events) == b"1\n2\n3\n" and b"".join(e.stderr for e in events) == b"oops\n"
     assert events[-1].ended.exit_code == 3
 
-    # the same hardening as every sandbox: uid 100000, read-only root, no network, no capabilities, the limits
+    # the same hardening as every sandbox: a uid of its own, read-only root, no network, no capabilities, the limits
     out = b"".join(e.stdout for e in await _exec(client, sid, shell="id -u; touch /probe 2>/dev/null || echo ro"))
-    assert out.decode().split() == ["100000", "ro"]
+    uid, ro = out.decode().split()
+    assert int(uid) in SANDBOX_UIDS and ro == "ro"
     (c,) = await asyncio.to_thread(docker_client.api.containers, filters={"label": [f"envfleet.sandbox={sid}"]})
     host = (await asyncio.to_thread(docker_client.api.inspect_container, c["Id"]))["HostConfig"]
     assert (host["Memory"], host["PidsLimit"], host["NetworkMode"]) == (256 << 20, 64, "none")

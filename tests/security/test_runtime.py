@@ -16,7 +16,7 @@ from orchestrator.backends.config import DockerBackendConfig
 from orchestrator.backends.docker import DockerBackend
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.errors import ConfigError, LimitNotAppliedError
-from orchestrator.core.sandbox import SandboxSpec
+from orchestrator.core.sandbox import SANDBOX_UIDS, SandboxSpec
 from protos import orchestrator_pb2 as pb
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve
@@ -72,14 +72,14 @@ async def test_a_default_runtime_the_engine_lacks_stops_the_backend_from_startin
 
 @pytest.mark.usefixtures("runsc")
 async def test_a_runsc_sandbox_runs_envd_on_gvisors_kernel(backend: DockerBackend, base_image: str) -> None:
-    """The whole hardened create under runsc: read-only root, tmpfs, cap-drop, pids limit, uid 100000, envd on a
+    """The whole hardened create under runsc: read-only root, tmpfs, cap-drop, pids limit, a uid of its own, envd on a
     unix socket in the bind-mounted directory. The kernel that answers is gVisor's, not the host's."""
     async with await backend.create(SandboxSpec(image=base_image, runtime="runsc")) as box:
         dmesg = await box.exec("dmesg")
         assert dmesg.ok and b"gVisor" in dmesg.stdout, dmesg
         host = Path("/proc/version").read_bytes()
         assert (await box.exec(["cat", "/proc/version"])).stdout != host
-        assert (await box.exec("id -u")).stdout.strip() == b"100000"
+        assert int((await box.exec("id -u")).stdout) == int(box.name.removeprefix("envfleet-"), 16) in SANDBOX_UIDS
         assert not (await box.exec("touch /etc/x")).ok  # read-only root
         assert (await box.exec("grep CapEff /proc/self/status")).stdout.split()[-1] == b"0000000000000000"
         # no sub-reaper in this gVisor: envd finds what an exec left under init instead, and kills it

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,12 +23,13 @@ from orchestrator.backends.docker.engine import Engine
 from orchestrator.backends.docker.freezer import Freezer
 from orchestrator.backends.docker.reaper import Reaper, start_reaper
 from orchestrator.backends.docker.socket_dirs import SocketDirs
-from orchestrator.backends.docker.startup import create_until_ready
+from orchestrator.backends.docker.startup import NameTakenError, create_until_ready, sandbox_identity
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, Owner, sweep
 from orchestrator.backends.pool import TENANT_LABEL
 from orchestrator.core.errors import (
     ConfigError,
     LimitNotAppliedError,
+    SandboxCreateError,
     SandboxDiedError,
     SandboxError,
     SandboxUnavailableError,
@@ -53,6 +53,9 @@ __all__ = ["DockerBackend", "DockerBackendConfig", "DockerSandbox"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# creates that found their picked name (and uid) taken, before one gives up: with 1,000 sandboxes live among the
+# 2 million uids, one pick in 2,000 is taken
+NAME_TRIES = 8
 
 
 async def to_the_end(task: asyncio.Task[T]) -> T:
@@ -359,16 +362,25 @@ class DockerBackend(SandboxBackend):
             raise
 
     async def _create(self, spec: SandboxSpec) -> DockerSandbox:
-        name = f"envfleet-{uuid.uuid4().hex[:12]}"
         # the lease as its label will say, before the label is written (whole seconds, rounded): counted from the end
         # of a slow create instead, it ran past the label's, and the sweep removed a sandbox the pool still handed out
         lease_expiry = time.time() + spec.ttl_s - 1
-        self._creating.add(name)
-        try:
-            async with self.startups:  # the health deadline counts from here: waiting for a turn is not starting
-                cid, transport, socket_dir = await create_until_ready(self, spec, name)
-        finally:
-            self._creating.discard(name)
+        for tries_left in reversed(range(NAME_TRIES)):
+            name, user = sandbox_identity(spec)
+            if name in self._creating or any(s.name == name for s in self._owned.values()):
+                continue
+            self._creating.add(name)
+            try:
+                async with self.startups:  # the health deadline counts from here: waiting for a turn is not starting
+                    cid, transport, socket_dir = await create_until_ready(self, spec, name, user)
+                break
+            except NameTakenError:
+                if not tries_left:
+                    raise
+            finally:
+                self._creating.discard(name)
+        else:
+            raise SandboxCreateError(f"no free sandbox name in {NAME_TRIES} tries")
         sandbox = DockerSandbox(self, cid, name, spec, transport, socket_dir, lease_expiry)
         self._owned[cid] = sandbox
         return sandbox

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from orchestrator.core.errors import (
     SandboxCreateError,
     SandboxStartTimeoutError,
 )
-from orchestrator.core.sandbox import SandboxSpec, Transport
+from orchestrator.core.sandbox import AUTO_USER, SANDBOX_UIDS, SandboxSpec, Transport
 
 if TYPE_CHECKING:
     from orchestrator.backends.docker.backend import DockerBackend
@@ -35,14 +36,47 @@ ENVD_COMMANDS = {
 }
 
 
-async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: str) -> tuple[str, Transport, Path]:
-    """Create and start container `name` for `spec`; returns its id, a ready transport and its socket directory."""
+class NameTakenError(SandboxCreateError):
+    """Another sandbox has the name (and so the uid) a create picked: it picks again."""
+
+
+def sandbox_identity(spec: SandboxSpec) -> tuple[str, str]:
+    """A new sandbox's container name and its user ("uid:gid").
+
+    With the "auto" user, the name is made of the uid: the engine keeps container names unique, and the socket root
+    keeps their directories unique, so two live sandboxes of one host never share a uid (a create that finds its name
+    taken picks again, NameTakenError). A spec's own user is shared by each of its sandboxes, whose names are random.
+    """
+    if spec.hardening.user != AUTO_USER:
+        return f"envfleet-{uuid.uuid4().hex[:12]}", spec.hardening.user
+    uid = pick_uid()
+    return f"envfleet-{uid:012x}", f"{uid}:{uid}"
+
+
+def pick_uid() -> int:
+    """A uid for an "auto" sandbox, at random."""
+    return SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))]
+
+
+def _name_taken(e: BaseException) -> bool:
+    return isinstance(e, docker.errors.APIError) and e.status_code == 409 and "already in use" in str(e)
+
+
+async def create_until_ready(
+    backend: DockerBackend, spec: SandboxSpec, name: str, user: str
+) -> tuple[str, Transport, Path]:
+    """Create and start container `name` for `spec`, run as `user` (sandbox_identity); returns its id, a ready
+    transport and its socket directory. NameTakenError: another sandbox has the name, and nothing was made."""
     engine = backend.engine
-    uid, gid = (int(x) for x in spec.hardening.user.split(":"))
+    uid, gid = (int(x) for x in user.split(":"))
+    spec = spec.model_copy(update={"hardening": spec.hardening.model_copy(update={"user": user})})
     use_envd = spec.transport == "envd"
     runtime = await backend.runtime_for(spec)  # before anything is made: a missing runtime fails closed
     token = secrets.token_urlsafe(24)
-    socket_dir = backend.sockets.make(name, uid, gid)
+    try:
+        socket_dir = backend.sockets.make(name, uid, gid)
+    except FileExistsError:  # a live sandbox's directory, or its create's lock: left as they are
+        raise NameTakenError(f"sandbox name {name} is taken") from None
     cid: str | None = None
     transport: Transport | None = None
     try:
@@ -89,6 +123,9 @@ async def create_until_ready(backend: DockerBackend, spec: SandboxSpec, name: st
             await fallback.start()
             transport = fallback
     except BaseException as e:
+        if cid is None and _name_taken(e):  # the container of that name is another's: only the directory is ours
+            backend.sockets.remove(name)
+            raise NameTakenError(f"sandbox name {name} is taken") from None
         # not created (cancelled in the engine's create, which then finished): its name finds it, if it exists.
         # Cancelled again while this runs, it runs to its end all the same, and only then is the cancel raised
         await backend.discard(cid or name, name, transport)

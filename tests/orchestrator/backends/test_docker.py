@@ -29,7 +29,7 @@ from orchestrator.core.errors import (
     SandboxPermissionError,
     SandboxStartTimeoutError,
 )
-from orchestrator.core.sandbox import ExecOutput, Hardening, Limits, SandboxSpec
+from orchestrator.core.sandbox import SANDBOX_UIDS, ExecOutput, Limits, SandboxSpec
 from tests.conftest import ENVD_IS_LAUNCH_PY, REPO, TEST_OWNER, owned_containers
 
 
@@ -56,8 +56,9 @@ async def test_exec_basics_through_envd(sandbox: DockerSandbox) -> None:
 
 
 async def test_not_root_and_root_filesystem_is_read_only(sandbox: DockerSandbox) -> None:
-    r = await sandbox.exec("id -u; id -g")
-    assert r.stdout.split() == Hardening().user.encode().split(b":") == [b"100000", b"100000"]
+    uid, gid = (int(x) for x in (await sandbox.exec("id -u; id -g")).stdout.split())
+    assert uid == gid and uid in SANDBOX_UIDS
+    assert sandbox.name == f"envfleet-{uid:012x}"
     r = await sandbox.exec("touch /usr/evil")
     assert r.exit_code != 0 and b"Read-only file system" in r.stderr
     r = await sandbox.exec("touch /evil")
@@ -83,7 +84,8 @@ async def test_inspect_shows_every_hardening_flag(sandbox: DockerSandbox, docker
     tmp_mb, ws_mb = tmpfs_sizes(lim)
     assert f"size={tmp_mb}m" in hc["Tmpfs"]["/tmp"] and f"size={ws_mb}m" in hc["Tmpfs"]["/workspace"]
     assert tmp_mb + ws_mb <= lim.memory_mb * 3 // 4, "the tmpfs caps fit under the memory limit with a reserve"
-    assert cfg["User"] == "100000:100000"
+    uid = int(sandbox.name.removeprefix("envfleet-"), 16)
+    assert cfg["User"] == f"{uid}:{uid}" and uid in SANDBOX_UIDS
     assert cfg["Labels"][LABEL_MANAGED] == "1" and cfg["Labels"][LABEL_OWNER] == TEST_OWNER
     assert float(cfg["Labels"][LABEL_LEASE]) > time.time()
 
