@@ -66,6 +66,17 @@ PRLIMIT_ABIS = (
     (0x40000028, 369, False),  # arm
 )
 SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
+# The kernel's asynchronous I/O, refused with ENOSYS (programs that use it fall back to threads: libaio's, libuv):
+# io_setup takes its events from one count for the whole host (fs.aio-max-nr, 65536 by default), so one sandbox that
+# took them all failed io_setup in every other sandbox of the host; io_uring is a large part of the kernel to expose
+# to hostile code for no gain here. Each ABI's numbers (x32's io_setup has one of its own); envd/go/limits.go too.
+_X32 = 0x40000000
+REFUSED_CALLS = (
+    (0xC000003E, (206, 425, 426, 427, _X32 | 543, _X32 | 425, _X32 | 426, _X32 | 427)),  # x86_64 and x32
+    (0x40000003, (245, 425, 426, 427)),  # i386
+    (0xC00000B7, (0, 425, 426, 427)),  # aarch64
+    (0x40000028, (243, 425, 426, 427)),  # arm
+)
 
 
 def prlimit_filter() -> list[tuple[int, int, int, int]]:
@@ -107,6 +118,27 @@ def prlimit_filter() -> list[tuple[int, int, int, int]]:
     return code
 
 
+def refused_filter() -> list[tuple[int, int, int, int]]:
+    """The filter: ENOSYS for REFUSED_CALLS, every other call allowed."""
+    code: list[tuple[int, int, int, int]] = [(LD_ABS, 0, 0, OFF_ARCH)]
+    refusals: list[int] = []  # the jumps to the refusal, resolved once its place is known
+    for arch, numbers in REFUSED_CALLS:
+        # not this arch: past this arch's numbers and its return (the accumulator still holds the arch)
+        code.append((JEQ_K, 0, len(numbers) + 2, arch))
+        code.append((LD_ABS, 0, 0, OFF_NR))
+        for nr in numbers:
+            refusals.append(len(code))
+            code.append((JEQ_K, 0, 0, nr))
+        code.append((RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    code.append((RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    refuse = len(code)
+    code.append((RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS))
+    for at in refusals:
+        c, _, jf, k = code[at]
+        code[at] = (c, refuse - at - 1, jf, k)
+    return code
+
+
 class _SockFilter(ctypes.Structure):
     _fields_ = (("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32))
 
@@ -116,17 +148,18 @@ class _SockFprog(ctypes.Structure):
 
 
 def guard_limits() -> None:
-    """Install prlimit_filter on every thread of envd, and so on every process it starts from now on."""
+    """Install prlimit_filter and refused_filter on every thread of envd, and so on every process it starts from now
+    on."""
     nr = SYS_SECCOMP.get(os.uname().machine)
     if nr is None:
         raise OSError(errno.ENOSYS, f"seccomp: no syscall number known for {os.uname().machine}")
     _prctl(PR_SET_NO_NEW_PRIVS, 1)  # a filter needs it (the container has it already)
-    program = prlimit_filter()
-    filters = (_SockFilter * len(program))(*(_SockFilter(*insn) for insn in program))
-    prog = _SockFprog(len(program), filters)
-    if _libc.syscall(nr, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(prog)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"seccomp: {os.strerror(err) if err else 'a thread could not take the filter'}")
+    for program in (prlimit_filter(), refused_filter()):
+        filters = (_SockFilter * len(program))(*(_SockFilter(*insn) for insn in program))
+        prog = _SockFprog(len(program), filters)
+        if _libc.syscall(nr, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(prog)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"seccomp: {os.strerror(err) if err else 'a thread could not take the filter'}")
 
 
 # Signals whose default ends or stops a process and that only another process sends (kill), never a fault of envd's

@@ -117,7 +117,42 @@ func prlimitFilter() []unix.SockFilter {
 	return p.resolve()
 }
 
-// guardLimits installs prlimitFilter on every thread of envd, and so on every process it starts from now on.
+// The kernel's asynchronous I/O, refused with ENOSYS (programs that use it fall back to threads: libaio's, libuv):
+// io_setup takes its events from one count for the whole host (fs.aio-max-nr, 65536 by default), so one sandbox that
+// took them all failed io_setup in every other sandbox of the host; io_uring is a large part of the kernel to expose
+// to hostile code for no gain here. Each ABI's numbers (x32's io_setup has one of its own).
+var refusedCalls = []struct {
+	arch uint32
+	nrs  []uint32
+}{
+	{unix.AUDIT_ARCH_X86_64, []uint32{206, 425, 426, 427, x32SyscallBit | 543, x32SyscallBit | 425, x32SyscallBit | 426, x32SyscallBit | 427}},
+	{auditArchI386, []uint32{245, 425, 426, 427}},
+	{unix.AUDIT_ARCH_AARCH64, []uint32{0, 425, 426, 427}},
+	{auditArchARM, []uint32{243, 425, 426, 427}},
+}
+
+// refusedFilter returns ENOSYS for refusedCalls and allows every other call.
+func refusedFilter() []unix.SockFilter {
+	p := &bpf{labels: map[string]int{}, jumps: map[int][2]string{}}
+	p.load(offArch)
+	for i, abi := range refusedCalls {
+		next := "abi" + string(rune('0'+i))
+		p.jeq(abi.arch, "", next)
+		p.load(offNr)
+		for _, nr := range abi.nrs {
+			p.jeq(nr, "refuse", "")
+		}
+		p.ret(seccompRetAllow)
+		p.label(next) // the accumulator still holds the arch
+	}
+	p.ret(seccompRetAllow)
+	p.label("refuse")
+	p.ret(seccompRetErrno | uint32(unix.ENOSYS))
+	return p.resolve()
+}
+
+// guardLimits installs prlimitFilter and refusedFilter on every thread of envd, and so on every process it starts
+// from now on.
 func guardLimits() error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -125,14 +160,15 @@ func guardLimits() error {
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return err
 	}
-	filter := prlimitFilter()
-	prog := unix.SockFprog{Len: uint16(len(filter)), Filter: &filter[0]}
-	tid, _, errno := unix.Syscall(unix.SYS_SECCOMP, seccompSetModeFilter, seccompFlagTsync, uintptr(unsafe.Pointer(&prog)))
-	if errno != 0 {
-		return errno
-	}
-	if tid != 0 {
-		return fmt.Errorf("thread %d could not take the filter", tid)
+	for _, filter := range [][]unix.SockFilter{prlimitFilter(), refusedFilter()} {
+		prog := unix.SockFprog{Len: uint16(len(filter)), Filter: &filter[0]}
+		tid, _, errno := unix.Syscall(unix.SYS_SECCOMP, seccompSetModeFilter, seccompFlagTsync, uintptr(unsafe.Pointer(&prog)))
+		if errno != 0 {
+			return errno
+		}
+		if tid != 0 {
+			return fmt.Errorf("thread %d could not take the filter", tid)
+		}
 	}
 	return nil
 }
