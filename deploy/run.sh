@@ -49,8 +49,10 @@ mount --make-shared "$SOCKET_ROOT"
 # started after it was killed (SIGKILL, an OOM, a stop past its grace) must see that pid gone to sweep them; in a
 # namespace of its own each container was another host, whose sandboxes were kept until their lease (an hour at
 # least), unless the kernel happened to hand the new namespace the old one's number.
+# CAP_SYS_PTRACE (with CAP_SYS_ADMIN) lets it cap each sandbox's ptys through /proc/PID/root of the sandbox's envd, a
+# process of another uid (orchestrator/backends/docker/ptys.py).
 set -- --name "$NAME" --detach --init --stop-timeout 30 --pid host \
-    --user 0:0 --cap-add SYS_ADMIN --security-opt apparmor=unconfined \
+    --user 0:0 --cap-add SYS_ADMIN --cap-add SYS_PTRACE --security-opt apparmor=unconfined \
     --volume "$DOCKER_SOCK:/var/run/docker.sock" \
     --volume "$SOCKET_ROOT:$SOCKET_ROOT:rshared" \
     --volume "$DATA_VOLUME:/var/lib/envfleet" \

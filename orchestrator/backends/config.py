@@ -55,6 +55,14 @@ class DockerBackendConfig(BaseModel):
         "both are in every image made from envfleet/base ($ENVFLEET_ENVD sets the default)",
     )
     nofile: int = Field(4096, ge=64, le=1 << 20, description="open files per sandbox process (the nofile ulimit)")
+    # the host's ptys are one pool for every container (orchestrator/backends/docker/ptys.py)
+    pty_max: int = Field(
+        32,
+        ge=0,
+        le=1 << 20,
+        description="pseudo-terminals a sandbox may hold at once (needs CAP_SYS_ADMIN and CAP_SYS_PTRACE); 0: the "
+        "engine's devpts as it is, which lets one sandbox take the host's every pty",
+    )
     api_workers: int = Field(
         16, ge=1, le=256, description="threads (and HTTP connections) for engine calls; the most in flight at once"
     )

@@ -3,9 +3,16 @@
 Asynchronous I/O: io_setup takes its events from fs.aio-max-nr (65536 by default), one count for the host. One
 sandbox's io_setup(65536) took them all, and io_setup failed in every other sandbox of the host. envd's seccomp
 filter now refuses io_setup and io_uring with ENOSYS (each envd in turn), so programs fall back to threads.
+
+Pseudo-terminals: kernel.pty.max (4096, less the host's 1024) is one pool for every container's /dev/pts, which the
+engine mounts with no `max=`. One sandbox that opened /dev/ptmx 3,071 times left none to any other. The backend now
+sets each sandbox's devpts `max=` (pty_max) before the sandbox runs anything.
 """
 
 from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import cast
 
 import pytest
 
@@ -34,3 +41,43 @@ async def test_a_sandbox_cannot_take_the_hosts_asynchronous_io(impl: str, base_i
             ["python3", "-c", "import os; open('/tmp/f', 'wb').write(b'x' * 4096); print(os.stat('/tmp/f').st_size)"]
         )
         assert r.stdout == b"4096\n", r
+
+
+# opens ptys until the kernel refuses one, says how many and why, and holds them
+PTY_HOG = """
+import os, time
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+except OSError as e:
+    print(len(held), e.errno, flush=True)
+time.sleep(120)
+"""
+ONE_PTY = "import os, pty; leader, follower = pty.openpty(); print(os.ttyname(follower).startswith('/dev/pts/'))"
+
+
+@pytest.mark.parametrize("impl", ["go", "python"])
+async def test_a_sandbox_holds_at_most_its_share_of_the_hosts_ptys(impl: str, base_image: str) -> None:
+    spec = SandboxSpec(image=base_image)
+    async with (
+        owned_backend(envd=impl) as backend,
+        await backend.create(spec) as hog,
+        await backend.create(spec) as other,
+    ):
+        cap = backend.config.pty_max
+        mounts = (await hog.exec(["grep", " /dev/pts ", "/proc/mounts"])).stdout
+        assert f"max={cap}".encode() in mounts and b"nosuid" in mounts and b"noexec" in mounts, mounts
+        stream = cast(AsyncGenerator[object], hog.exec_stream(["python3", "-c", PTY_HOG], timeout=120))
+        try:
+            async for event in stream:
+                if data := getattr(event, "data", b""):
+                    held, err = (int(x) for x in data.split())
+                    break
+            else:
+                pytest.fail("the hog ended without saying how many ptys it held")
+            assert (held, err) == (cap, 28), "its own cap stopped it (ENOSPC)"
+            r = await other.exec(["python3", "-c", ONE_PTY])
+            assert r.stdout == b"True\n", r
+        finally:
+            await stream.aclose()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
+import struct
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 import docker.errors
 
 from orchestrator.backends.docker.host_config import ENVD_MOUNT, host_config, limit_warnings
+from orchestrator.backends.docker.ptys import cap_ptys
 from orchestrator.backends.docker.socket_dirs import SOCKET_NAME
 from orchestrator.backends.docker.sweeper import labels_for
 from orchestrator.backends.envd_transport import EnvdTransport
@@ -122,6 +125,10 @@ async def create_until_ready(
             fallback = DockerExecTransport(backend, cid, spec)
             await fallback.start()
             transport = fallback
+        if backend.config.pty_max and runtime != "runsc":  # gVisor's ptys are its own
+            # before the sandbox runs any command: envd has run nothing yet
+            pid = _envd_pid(socket_dir) if use_envd else await _init_pid(backend, cid)
+            cap_ptys(pid, backend.config.pty_max)
     except BaseException as e:
         if cid is None and _name_taken(e):  # the container of that name is another's: only the directory is ours
             backend.sockets.remove(name)
@@ -135,6 +142,25 @@ async def create_until_ready(
             raise SandboxCreateError(f"docker refused to create the sandbox: {e.explanation or e}") from e
         raise
     return cid, transport, socket_dir
+
+
+def _envd_pid(socket_dir: Path) -> int:
+    """envd's process on this host: the credentials of its listening socket (SO_PEERCRED), with no engine call."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5.0)
+        s.connect(str(socket_dir / SOCKET_NAME))
+        pid, _, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if pid <= 0:
+        raise SandboxCreateError(f"envd's socket in {socket_dir} names no process of this host")
+    return int(pid)
+
+
+async def _init_pid(backend: DockerBackend, cid: str) -> int:
+    info = await backend.engine.call(backend.api.inspect_container, cid)
+    pid = int(info["State"].get("Pid") or 0)
+    if pid <= 0:
+        raise SandboxCreateError(f"container {cid[:12]} has no process")
+    return pid
 
 
 async def wait_ready(backend: DockerBackend, cid: str, name: str, transport: Transport, deadline_s: float) -> None:
