@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from orchestrator.backends.docker import DockerBackend
-from orchestrator.backends.docker.host_config import tmpfs_sizes
+from orchestrator.backends.docker.host_config import leftovers
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.environment import Episode, Task
 from orchestrator.core.errors import LimitNotAppliedError, SandboxDiedError, SandboxFileError, SandboxUnavailableError
@@ -217,9 +217,10 @@ async def test_a_gzip_bomb_into_the_workspace_fails_and_the_sandbox_lives(
 async def test_tmpfs_caps_that_cannot_fit_under_the_memory_limit_fail_the_create(
     backend: DockerBackend, base_image: str
 ) -> None:
-    # asked: 256 + 1024 MB of tmpfs in 1 GiB of memory; given: both scaled down under 3/4 of it
-    tmp_mb, ws_mb = tmpfs_sizes(Limits())
-    assert tmp_mb + ws_mb <= 768 and ws_mb > tmp_mb > 0
+    # asked: 256 + 1024 MB of tmpfs in 1 GiB of memory; given: both scaled down under 3/4 of it, with /dev/shm, the
+    # SysV shared memory and the inodes
+    left = leftovers(Limits())
+    assert left.charged_mb() <= 768 and left.workspace_mb > left.tmp_mb > 0
     with pytest.raises(LimitNotAppliedError, match="memory_mb=40 leaves no room"):
         await backend.create(SandboxSpec(image=base_image, limits=Limits(memory_mb=40)))
     assert await backend.list_owned() == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,29 +13,71 @@ from orchestrator.core.errors import LimitNotAppliedError
 from orchestrator.core.sandbox import Limits, SandboxSpec
 
 ENVD_MOUNT = "/run/envd"
-# tmpfs pages are charged to the sandbox's memory: this much of the limit stays for envd and the processes, so a
-# full workspace is ENOSPC for the writer, never an OOM kill of the sandbox
+# What a sandbox's processes leave behind when they end is charged to its memory and stays there: the files of its
+# tmpfs mounts (/tmp, the workspace, /dev/shm), their inodes (about 1 KB of kernel memory each, an empty file too) and
+# its SysV shared memory. All of it is sized together under the memory limit, with this much of the limit kept for
+# envd and the processes, so that a full workspace is ENOSPC for the writer, never an OOM kill of the sandbox, and the
+# next command (the grader's) always has room to start. Before, nothing bounded a sandbox's SysV shared memory or its
+# inodes, and the engine's /dev/shm (64 MB) was not counted: a policy's last command that left them full had the
+# grader OOM-killed before it ran the solution, an infrastructure failure that masked the rollout.
 MIN_PROCESS_RESERVE_MB = 48
+INODE_BYTES = 1024  # an inode and its dentry, as charged (about 965 bytes measured on tmpfs)
+INODES_PER_MB = 64  # a tmpfs's inodes: one per 16 KB of its size (at least MIN_INODES)
+MIN_INODES = 256
+SHM_MB = 64  # /dev/shm as the engine makes it, and as much SysV shared memory, at most 1/32 of the memory each
+SHM_SEGMENTS = 64
+PAGE_BYTES = 4096
+# SysV message queues and semaphores, in the namespace's own: a few queues of the kernel's 16 KB, and the kernel's
+# old semaphore defaults (SEMMSL SEMMNS SEMOPM SEMMNI); both fit in the reserve
+IPC_SYSCTLS = {"kernel.msgmni": "16", "kernel.msgmnb": "16384", "kernel.sem": "250 32000 32 128"}
 LIMIT_WARNING_WORDS = ("limit", "memory", "swap", "cpu", "pids", "discarded", "not support")
 
 
-def tmpfs_sizes(lim: Limits) -> tuple[int, int]:
-    """(/tmp, workspace) sizes in MB: as asked, or scaled down together to fit under the memory limit with a reserve.
+@dataclass(frozen=True)
+class Leftovers:
+    """The sizes, in MB, of what a sandbox's processes can leave behind: its /tmp, its workspace, its /dev/shm and
+    its SysV shared memory (shm_mb each), with each tmpfs's inodes."""
 
-    Fails closed (LimitNotAppliedError) when the memory limit leaves no room for both.
+    tmp_mb: int
+    workspace_mb: int
+    shm_mb: int
+
+    @staticmethod
+    def inodes(size_mb: int) -> int:
+        """The inodes of a tmpfs of `size_mb`."""
+        return max(MIN_INODES, size_mb * INODES_PER_MB)
+
+    def charged_mb(self) -> float:
+        """The most memory all of it can hold."""
+        tmpfs = (self.tmp_mb, self.workspace_mb, self.shm_mb)
+        return sum(tmpfs) + sum(self.inodes(mb) for mb in tmpfs) * INODE_BYTES / (1 << 20) + self.shm_mb
+
+
+def leftovers(lim: Limits) -> Leftovers:
+    """/dev/shm and SysV shared memory at SHM_MB each (at most 1/32 of the memory), and /tmp and the workspace as
+    asked, or scaled down together into what is left under the memory limit with a reserve for envd and the processes.
+
+    Fails closed (LimitNotAppliedError) when the memory limit leaves no room for them.
     """
     reserve = max(MIN_PROCESS_RESERVE_MB, lim.memory_mb // 4)
     budget = lim.memory_mb - reserve
-    asked = lim.tmp_mb + lim.workspace_mb
-    if asked <= budget:
-        return lim.tmp_mb, lim.workspace_mb
-    tmp, ws = lim.tmp_mb * budget // asked, lim.workspace_mb * budget // asked
-    if tmp < 1 or ws < 1:
-        raise LimitNotAppliedError(
-            f"memory_mb={lim.memory_mb} leaves no room for the /tmp and workspace tmpfs ({reserve} MB are kept for "
-            f"envd and the sandbox's processes); raise memory_mb"
-        )
-    return tmp, ws
+    shm = max(1, min(SHM_MB, lim.memory_mb // 32))
+    asked = Leftovers(lim.tmp_mb, lim.workspace_mb, shm)
+    if asked.charged_mb() <= budget:
+        return asked
+    # both by one factor, a little under what fits (the inodes' floor is not linear)
+    factor = budget / asked.charged_mb()
+    while factor > 0:
+        scaled = Leftovers(int(lim.tmp_mb * factor), int(lim.workspace_mb * factor), shm)
+        if min(scaled.tmp_mb, scaled.workspace_mb) < 1:
+            break
+        if scaled.charged_mb() <= budget:
+            return scaled
+        factor -= 0.005
+    raise LimitNotAppliedError(
+        f"memory_mb={lim.memory_mb} leaves no room for the /tmp, workspace and shared-memory tmpfs ({reserve} MB are "
+        f"kept for envd and the sandbox's processes); raise memory_mb"
+    )
 
 
 def host_config(
@@ -44,7 +87,8 @@ def host_config(
     OCI `runtime` (already checked to be one the engine has; empty: the engine's default)."""
     lim, hard = spec.limits, spec.hardening
     uid, gid = hard.user.split(":")
-    tmp_mb, workspace_mb = tmpfs_sizes(lim)
+    left = leftovers(lim)
+    tmpfs = "rw,exec,nosuid,nodev,size={}m,nr_inodes={}"
     kwargs: dict[str, Any] = {
         "network_mode": "none",
         "read_only": hard.read_only_root,
@@ -64,8 +108,19 @@ def host_config(
             docker.types.Ulimit(name="core", soft=0, hard=0),
         ],
         "tmpfs": {
-            "/tmp": f"rw,exec,nosuid,nodev,size={tmp_mb}m,mode=1777",
-            spec.workspace: f"rw,exec,nosuid,nodev,size={workspace_mb}m,uid={uid},gid={gid},mode=0755",
+            "/tmp": tmpfs.format(left.tmp_mb, left.inodes(left.tmp_mb)) + ",mode=1777",
+            spec.workspace: tmpfs.format(left.workspace_mb, left.inodes(left.workspace_mb))
+            + f",uid={uid},gid={gid},mode=0755",
+            # in place of the engine's, which has no inode cap and is not counted
+            "/dev/shm": tmpfs.format(left.shm_mb, left.inodes(left.shm_mb)).replace(",exec,", ",noexec,")
+            + ",mode=1777",
+        },
+        # the IPC namespace is the sandbox's own: its SysV shared memory in bytes and in pages, and its segments
+        "sysctls": {
+            "kernel.shmmax": str(left.shm_mb << 20),
+            "kernel.shmall": str((left.shm_mb << 20) // PAGE_BYTES),
+            "kernel.shmmni": str(SHM_SEGMENTS),
+            **IPC_SYSCTLS,
         },
     }
     if swap_limit:

@@ -20,7 +20,7 @@ import docker
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
-from orchestrator.backends.docker.host_config import tmpfs_sizes
+from orchestrator.backends.docker.host_config import leftovers
 from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, LABEL_LEASE, LABEL_MANAGED, LABEL_OWNER
 from orchestrator.core.errors import (
@@ -80,10 +80,12 @@ async def test_inspect_shows_every_hardening_flag(sandbox: DockerSandbox, docker
     assert hc["Memory"] == lim.memory_mb << 20
     assert hc["NanoCpus"] == int(lim.cpus * 1e9)
     assert not hc["Init"]  # envd is PID 1 (tests/security/test_envd_signals.py), not docker's init
-    assert set(hc["Tmpfs"]) == {"/tmp", "/workspace"}
-    tmp_mb, ws_mb = tmpfs_sizes(lim)
-    assert f"size={tmp_mb}m" in hc["Tmpfs"]["/tmp"] and f"size={ws_mb}m" in hc["Tmpfs"]["/workspace"]
-    assert tmp_mb + ws_mb <= lim.memory_mb * 3 // 4, "the tmpfs caps fit under the memory limit with a reserve"
+    assert set(hc["Tmpfs"]) == {"/tmp", "/workspace", "/dev/shm"}
+    left = leftovers(lim)
+    for path, mb in (("/tmp", left.tmp_mb), ("/workspace", left.workspace_mb), ("/dev/shm", left.shm_mb)):
+        assert f"size={mb}m,nr_inodes={left.inodes(mb)}" in hc["Tmpfs"][path]
+    assert hc["Sysctls"]["kernel.shmmax"] == str(left.shm_mb << 20)
+    assert left.charged_mb() <= lim.memory_mb * 3 // 4, "what outlives a command fits under the memory with a reserve"
     uid = int(sandbox.name.removeprefix("envfleet-"), 16)
     assert cfg["User"] == f"{uid}:{uid}" and uid in SANDBOX_UIDS
     assert cfg["Labels"][LABEL_MANAGED] == "1" and cfg["Labels"][LABEL_OWNER] == TEST_OWNER
