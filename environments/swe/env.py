@@ -131,10 +131,20 @@ def checked(grade: Grade) -> Grade:
 async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, index: str) -> bytes | None:
     """The agent's change: /workspace against base_commit, through a pristine git directory and a private index,
     as git wrote it (bytes: a file that is not UTF-8 keeps its own). None when git cannot read the workspace (the
-    agent made it unreadable: its own doing, graded as no patch)."""
-    git = f"git --git-dir={shlex.quote(git_dir)} --work-tree={WORKSPACE}"
+    agent made it unreadable, or filled the grader's /tmp with it: its own doing, graded as no patch).
+
+    The agent's files become objects in a store of their own beside the index (the pristine one is read through
+    GIT_ALTERNATE_OBJECT_DIRECTORIES), and both are removed when the diff is out: written into the pristine git
+    directory, which the grader then copies, tens of thousands of small files fit once in /tmp and not twice, and the
+    copy's failure ("Reset Failed") made a rollout heading for 0 an infrastructure failure."""
+    q = shlex.quote
+    objects = f"{index}.objects"
+    git = f"git --git-dir={q(git_dir)} --work-tree={WORKSPACE}"
     cmd = (
-        f"set -e; export GIT_INDEX_FILE={shlex.quote(index)}; cd {WORKSPACE}; {git} read-tree {instance.base_commit}; "
+        f"set -e; trap 'rm -rf {q(index)} {q(objects)}' EXIT; mkdir {q(objects)}; "
+        f"export GIT_INDEX_FILE={q(index)} GIT_OBJECT_DIRECTORY={q(objects)} "
+        f"GIT_ALTERNATE_OBJECT_DIRECTORIES={q(git_dir + '/objects')}; "
+        f"cd {WORKSPACE}; {git} read-tree {instance.base_commit}; "
         f"{git} add -A .; {git} diff --cached --binary {instance.base_commit}"
     )
     r = await sandbox.exec(["bash", "-c", cmd], env=EVAL_ENV, timeout=DIFF_S, max_output=64 << 20)

@@ -86,3 +86,28 @@ async def test_the_workspace_diff_of_a_file_that_is_not_utf8_still_applies(
         applied = await sb.exec(["sh", "-c", fresh + "cd /tmp/fresh && git apply - && cat m.py"], stdin=patch)
         assert applied.exit_code == 0, applied
         assert applied.stdout == b'name = "caf\xe9"\nx = 2\n'
+
+
+async def test_the_agents_files_never_become_objects_of_the_pristine_repository(
+    backend: DockerBackend, base_image: str
+) -> None:
+    # the diff's `git add` wrote every file of the agent's into the pristine repository's objects, and the grader then
+    # copied that repository: tens of thousands of small files fit once in /tmp and not twice, the copy failed, and
+    # "Reset Failed" made a rollout heading for 0 an infrastructure failure (masked)
+    setup = (
+        "set -e; cd /workspace; echo 'x = 1' > m.py; g='git --git-dir=/tmp/g.git'; $g init -q; "
+        "$g --work-tree=/workspace add -A; $g -c user.name=t -c user.email=t@t --work-tree=/workspace commit -qm base; "
+        "$g rev-parse HEAD"
+    )
+    count = "find /tmp/g.git/objects -type f | wc -l"
+    async with await backend.create(SandboxSpec(image=base_image)) as sb:
+        r = await sb.exec(["sh", "-c", setup])
+        assert r.exit_code == 0, r
+        instance = cast(SweInstance, SimpleNamespace(base_commit=r.stdout.decode().strip(), instance_id="objects"))
+        before = (await sb.exec(["sh", "-c", count])).stdout
+        r = await sb.exec(["sh", "-c", "cd /workspace && for i in $(seq 200); do echo $i > f$i.txt; done"])
+        assert r.exit_code == 0, r
+        diff = await workspace_diff(sb, instance, "/tmp/g.git", "/tmp/agent.index")
+        assert diff is not None and diff.count(b"diff --git") == 200
+        assert (await sb.exec(["sh", "-c", count])).stdout == before
+        assert (await sb.exec(["ls", "/tmp"])).stdout == b"g.git\n", "the diff's index and objects are gone"
