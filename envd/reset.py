@@ -186,4 +186,16 @@ def reset_sandbox(
     appeared = _other_pids()
     if appeared:
         problems.append(f"processes appeared during the reset: {appeared}")
-    return ResetResult(not problems, "; ".join(problems), killed, time.monotonic() - t0)
+    return ResetResult(not problems, summary(problems), killed, time.monotonic() - t0)
+
+
+# what a reset tells of what it could not clean: a line a problem, the first MAX_PROBLEMS of them (envd/go/reset.go
+# too). Each folder left in /tmp was a line: a rollout that left 240,000 it could not remove made every reset of its
+# sandbox answer 64 MiB, which the worker read and logged
+MAX_PROBLEMS = 10
+
+
+def summary(problems: list[str]) -> str:
+    """The problems as the reset's detail: the first MAX_PROBLEMS, and how many more."""
+    more = len(problems) - MAX_PROBLEMS
+    return "; ".join(problems[:MAX_PROBLEMS] + ([f"and {more} more"] if more > 0 else []))

@@ -111,9 +111,23 @@ func resetSandbox(workspace, socketDir, socketName, seed string, managed map[int
 		problems = append(problems, "processes appeared during the reset: "+reprIntList(appeared))
 	}
 	return resetResult{
-		ok: len(problems) == 0, detail: strings.Join(problems, "; "), killed: killed,
+		ok: len(problems) == 0, detail: summary(problems), killed: killed,
 		durationS: time.Since(t0).Seconds(),
 	}
+}
+
+// maxProblems is what a reset tells of what it could not clean: a line a problem, the first maxProblems of them
+// (envd/reset.py too). Each folder left in /tmp was a line: a rollout that left 240,000 it could not remove made
+// every reset of its sandbox answer 64 MiB, which the worker read and logged.
+const maxProblems = 10
+
+// summary is the problems as the reset's detail: the first maxProblems, and how many more.
+func summary(problems []string) string {
+	shown := atMost(problems, maxProblems)
+	if more := len(problems) - len(shown); more > 0 {
+		shown = append(append([]string{}, shown...), fmt.Sprintf("and %d more", more))
+	}
+	return strings.Join(shown, "; ")
 }
 
 // --- processes ---

@@ -93,3 +93,16 @@ async def test_a_file_of_the_largest_size_is_read_up_to_the_cap_and_envd_lives(i
         assert r.exit_code == 0, r
         assert await s.read_file("huge", max_bytes=16) == b"\0" * 16
         assert (await s.exec(["echo", "alive"])).stdout == b"alive\n"
+
+
+@pytest.mark.parametrize("impl", ["go", "python"])
+async def test_a_reset_tells_the_first_of_many_problems_not_all(impl: str, base_image: str) -> None:
+    # each folder left in /tmp that the reset could not remove was a line of its answer: 240,000 of them made every
+    # reset of the sandbox answer 64 MiB, which the worker read and logged
+    stuck = "cd /tmp && for i in $(seq 50); do mkdir d$i && touch d$i/f && chmod 555 d$i; done"
+    async with owned_backend(envd=impl) as backend, await backend.create(SandboxSpec(image=base_image)) as s:
+        assert (await s.exec(["sh", "-c", stuck])).exit_code == 0
+        got = await s.reset()
+        assert not got.ok
+        # 50 folders, and the check after that /tmp still holds something: 51 problems
+        assert got.detail.endswith("; and 41 more") and got.detail.count("; ") == 10, got.detail
