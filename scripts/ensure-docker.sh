@@ -54,6 +54,24 @@ PY
 }
 register_runsc
 
+# Counts the kernel keeps for the whole host, raised where they are under what a host of the scheduler's default size
+# needs (host_limit_warnings in orchestrator/backends/docker/backend.py): process ids (at 32,768, one tenant's
+# sandboxes at their pids limit used them all, and then no process of the host could fork) and ptys (32 a sandbox)
+raise_sysctl() {
+  local path=/proc/sys/$1 want=$2 have
+  have=$(cat "$path" 2>/dev/null) || return 0
+  [ "$have" -lt "$want" ] || return 0
+  if echo "$want" 2>/dev/null >"$path"; then
+    echo "ensure-docker: $1 $have -> $want"
+  else
+    echo "ensure-docker: could not raise $1 from $have to $want" >&2
+  fi
+}
+if [ "$(id -u)" = 0 ]; then
+  raise_sysctl kernel/pid_max 4194304
+  raise_sysctl kernel/pty/max 65536
+fi
+
 if timeout 10 docker info >/dev/null 2>&1; then
   exit 0
 fi

@@ -16,6 +16,7 @@ from typing import cast
 
 import pytest
 
+from orchestrator.backends.docker.backend import host_limit_warnings
 from orchestrator.core.sandbox import SandboxSpec
 from tests.conftest import owned_backend
 
@@ -81,3 +82,16 @@ async def test_a_sandbox_holds_at_most_its_share_of_the_hosts_ptys(impl: str, ba
             assert r.stdout == b"True\n", r
         finally:
             await stream.aclose()
+
+
+def test_the_backend_says_when_the_hosts_counts_are_short_of_its_sandboxes() -> None:
+    # process ids are one pool too: at this machine's 32,768, 128 sandboxes at the default 256 processes took every
+    # one, and nothing on the host could start a process
+    small: dict[str, int | None] = {"kernel/pid_max": 32768, "kernel/pty/max": 4096}
+    enough: dict[str, int | None] = {"kernel/pid_max": 4194304, "kernel/pty/max": 65536}
+    pid_short, pty_short = host_limit_warnings(32, small.get)
+    assert "kernel.pid_max is 32768: 128 sandboxes" in pid_short and "sysctl -w kernel.pid_max=4194304" in pid_short
+    assert "kernel.pty.max is 4096: 96 sandboxes" in pty_short
+    assert host_limit_warnings(0, small.get) == [pid_short]  # no pty cap: no share to count
+    assert host_limit_warnings(32, enough.get) == []
+    assert host_limit_warnings(32, lambda name: None) == []  # counts it cannot read: nothing to say

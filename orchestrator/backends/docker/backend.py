@@ -21,6 +21,7 @@ from orchestrator.backends.admission import ExecAdmission
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.backends.docker.engine import Engine
 from orchestrator.backends.docker.freezer import Freezer
+from orchestrator.backends.docker.ptys import PTY_RESERVE
 from orchestrator.backends.docker.reaper import Reaper, start_reaper
 from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.startup import NameTakenError, create_until_ready, sandbox_identity
@@ -39,6 +40,7 @@ from orchestrator.core.sandbox import (
     ExecEvent,
     ExecResult,
     FileEntry,
+    Limits,
     ResetOutcome,
     Sandbox,
     SandboxBackend,
@@ -91,6 +93,43 @@ def engine_security_problem(info: Mapping[str, Any], *, allow_swap: bool = False
             "system call filter: remove that setting"
         )
     return ""
+
+
+# a host of the scheduler's default size (Capacity.max_sandboxes) at the default limits, and room for the host's own
+HOST_SANDBOXES = 1024
+HOST_OWN_PIDS = 32768
+
+
+def host_limit_warnings(pty_max: int, read: Callable[[str], int | None] | None = None) -> list[str]:
+    """What in the kernel's host-wide counts is short of what HOST_SANDBOXES sandboxes may take: they are one pool
+    for every container, so one tenant's sandboxes that take what their limits allow leave none to the host and the
+    other tenants (scripts/ensure-docker.sh raises both)."""
+    read = read or _sysctl
+    warnings = []
+    pids = Limits().pids
+    need = HOST_SANDBOXES * pids + HOST_OWN_PIDS
+    if (have := read("kernel/pid_max")) is not None and have < need:
+        warnings.append(
+            f"kernel.pid_max is {have}: {have // pids} sandboxes at their default limit of {pids} processes take "
+            f"every process id of the host, and then nothing on it can start a process (dockerd, the workers, every "
+            f"other tenant's commands); {HOST_SANDBOXES} sandboxes need {need}: sysctl -w kernel.pid_max=4194304"
+        )
+    need = PTY_RESERVE + HOST_SANDBOXES * pty_max
+    if pty_max and (have := read("kernel/pty/max")) is not None and have < need:
+        warnings.append(
+            f"kernel.pty.max is {have}: {max(0, have - PTY_RESERVE) // pty_max} sandboxes at their pty_max of "
+            f"{pty_max} take every pty of the host's containers; {HOST_SANDBOXES} sandboxes need {need}: "
+            f"sysctl -w kernel.pty.max=65536"
+        )
+    return warnings
+
+
+def _sysctl(name: str) -> int | None:
+    try:
+        with open(f"/proc/sys/{name}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _no_runtime(runtime: str, have: frozenset[str]) -> str:
@@ -293,6 +332,8 @@ class DockerBackend(SandboxBackend):
         if problem:
             backend.engine.close()
             raise ConfigError(problem)
+        for warning in host_limit_warnings(backend.config.pty_max):
+            log.warning("%s", warning)
         if sweep:
             await backend.sweep()
             backend._sweeper = asyncio.create_task(backend._sweep_forever())

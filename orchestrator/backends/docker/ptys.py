@@ -22,6 +22,7 @@ import os
 from orchestrator.core.errors import LimitNotAppliedError
 
 DEVPTS_SUPER_MAGIC = 0x1CD1
+PTY_RESERVE = 1024  # kernel.pty.reserve: the ptys kept for the host's own /dev/pts
 # the new mount API's calls have one number on every architecture
 SYS_FSCONFIG, SYS_FSPICK = 431, 433
 FSPICK_CLOEXEC, FSPICK_SYMLINK_NOFOLLOW, FSPICK_NO_AUTOMOUNT, FSPICK_EMPTY_PATH = 1, 2, 4, 8
