@@ -27,6 +27,10 @@ READ_CHUNK = 64 << 10
 # output chunks held for a consumer that is slower than the process; past this the pipes are not read, so the
 # process blocks on a full pipe (backpressure) rather than envd's memory growing
 MAX_PENDING = 8
+# chunks go out at most one per this while the process runs, those read meanwhile joined (up to READ_CHUNK): one that
+# wrote a byte at a time was a message per byte, each a gRPC message of envd's and an event the host relayed to its
+# caller, a million for one command's 1 MiB of output (envd/go/child.go too)
+COALESCE_S = 0.002
 # without pidfd: how often the exit is polled, first and at most
 POLL_FIRST_S = 0.001
 POLL_MAX_S = 0.02
@@ -224,15 +228,28 @@ class Child:
         """Yield output until the process exits (`until_exit`; what was read by then is still yielded) or else
         both pipes close, or the loop's clock passes `deadline`."""
         loop = self._loop
+        last = float("-inf")  # when the last chunk went out
         while True:
             while self.pending:
-                item = self.pending.popleft()
+                if not self.exited and (gap := last + COALESCE_S - loop.time()) > 0:
+                    await asyncio.sleep(min(gap, max(0.0, deadline - loop.time())))  # what comes meanwhile joins it
+                item = self._merged()
                 if len(self.pending) <= MAX_PENDING // 2:
                     self._resume()
                 yield item
+                last = loop.time()
             if (self.exited if until_exit else not self._readers) or loop.time() >= deadline:
                 return
             await self.wait(deadline)
+
+    def _merged(self) -> Output:
+        """The next pending chunk, with those of the same stream right after it (up to READ_CHUNK)."""
+        item = self.pending.popleft()
+        parts, size = [item.data], len(item.data)
+        while self.pending and self.pending[0].stream == item.stream and size + len(self.pending[0].data) <= READ_CHUNK:
+            parts.append(self.pending.popleft().data)
+            size += len(parts[-1])
+        return item if len(parts) == 1 else Output(item.stream, b"".join(parts))
 
     async def wait_exit(self, deadline: float) -> None:
         """Until the process exits or `deadline`; output read meanwhile stays pending (up to MAX_PENDING)."""

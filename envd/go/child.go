@@ -6,11 +6,13 @@ package main
 // killed by its pid), and its reaping once what it started is gone.
 
 import (
+	"errors"
 	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -19,6 +21,10 @@ import (
 const (
 	readChunk  = 64 << 10
 	maxPending = 8
+	// what a command writes within this of a read goes in the same message (up to readChunk): one that wrote a byte
+	// at a time was a message per byte, each a gRPC message of envd's and an event the host relayed to its caller,
+	// a million for one command's 1 MiB of output (envd/child.py too)
+	coalesceWindow = 2 * time.Millisecond
 )
 
 // output is a chunk of the process's stdout (stream 1) or stderr (stream 2).
@@ -197,6 +203,19 @@ func (c *child) pump(f *os.File, stream int, b *budget, wg *sync.WaitGroup) {
 	defer readBuffers.Put(buf)
 	for {
 		n, err := f.Read(*buf)
+		if n > 0 && n < len(*buf) && err == nil && f.SetReadDeadline(time.Now().Add(coalesceWindow)) == nil {
+			for n < len(*buf) {
+				m, rerr := f.Read((*buf)[n:])
+				n += m
+				if rerr != nil {
+					if !errors.Is(rerr, os.ErrDeadlineExceeded) {
+						err = rerr
+					}
+					break
+				}
+			}
+			_ = f.SetReadDeadline(time.Time{})
+		}
 		if n > 0 {
 			if kept := b.take((*buf)[:n]); len(kept) > 0 {
 				// a copy of what was read, the consumer's: a command's output is mostly a few bytes, and a 64 KiB

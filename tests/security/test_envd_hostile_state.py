@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.backends.docker import DockerBackend
 from orchestrator.core.errors import SandboxFileError
-from orchestrator.core.sandbox import Limits, SandboxSpec
+from orchestrator.core.sandbox import ExecOutput, Limits, SandboxSpec
 from tests.conftest import owned_backend
 
 
@@ -106,3 +106,20 @@ async def test_a_reset_tells_the_first_of_many_problems_not_all(impl: str, base_
         assert not got.ok
         # 50 folders, and the check after that /tmp still holds something: 51 problems
         assert got.detail.endswith("; and 41 more") and got.detail.count("; ") == 10, got.detail
+
+
+TRICKLE = "import os, time\nfor _ in range(20000):\n    os.write(1, b'x')\n    time.sleep(0.00005)\n"
+
+
+@pytest.mark.parametrize("impl", ["go", "python"])
+async def test_output_written_a_byte_at_a_time_comes_in_few_messages(impl: str, base_image: str) -> None:
+    # each write was a message of envd's and an event the host relayed to its caller: a command that wrote its 1 MiB
+    # of output a byte at a time made a million of them, on the event loop every tenant shares
+    async with owned_backend(envd=impl) as backend, await backend.create(SandboxSpec(image=base_image)) as s:
+        chunks = [
+            e.data
+            for e in [e async for e in s.exec_stream(["python3", "-c", TRICKLE], timeout=120)]
+            if isinstance(e, ExecOutput)
+        ]
+        assert b"".join(chunks) == b"x" * 20000
+        assert len(chunks) < 2000, f"{len(chunks)} messages for 20,000 writes over about 2 s"
