@@ -27,10 +27,12 @@ READ_CHUNK = 64 << 10
 # output chunks held for a consumer that is slower than the process; past this the pipes are not read, so the
 # process blocks on a full pipe (backpressure) rather than envd's memory growing
 MAX_PENDING = 8
-# chunks go out at most one per this while the process runs, those read meanwhile joined (up to READ_CHUNK): one that
+# chunks go out at once while they are few (a burst of COALESCE_BURST, one more each COALESCE_S); past that, at most
+# one each COALESCE_S while the process runs, those of a stream read meanwhile joined (up to READ_CHUNK). One that
 # wrote a byte at a time was a message per byte, each a gRPC message of envd's and an event the host relayed to its
 # caller, a million for one command's 1 MiB of output (envd/go/child.go too)
 COALESCE_S = 0.002
+COALESCE_BURST = 16
 # without pidfd: how often the exit is polled, first and at most
 POLL_FIRST_S = 0.001
 POLL_MAX_S = 0.02
@@ -228,16 +230,20 @@ class Child:
         """Yield output until the process exits (`until_exit`; what was read by then is still yielded) or else
         both pipes close, or the loop's clock passes `deadline`."""
         loop = self._loop
-        last = float("-inf")  # when the last chunk went out
+        tokens, last = float(COALESCE_BURST), loop.time()
         while True:
             while self.pending:
-                if not self.exited and (gap := last + COALESCE_S - loop.time()) > 0:
-                    await asyncio.sleep(min(gap, max(0.0, deadline - loop.time())))  # what comes meanwhile joins it
+                now = loop.time()
+                tokens, last = min(COALESCE_BURST, tokens + (now - last) / COALESCE_S), now
+                if tokens < 1 and not self.exited:
+                    # what comes meanwhile joins it
+                    await asyncio.sleep(min((1 - tokens) * COALESCE_S, max(0.0, deadline - now)))
+                    tokens, last = tokens + (loop.time() - last) / COALESCE_S, loop.time()
                 item = self._merged()
                 if len(self.pending) <= MAX_PENDING // 2:
                     self._resume()
+                tokens -= 1
                 yield item
-                last = loop.time()
             if (self.exited if until_exit else not self._readers) or loop.time() >= deadline:
                 return
             await self.wait(deadline)
