@@ -20,19 +20,22 @@ import os
 import signal
 import subprocess
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 
 READ_CHUNK = 64 << 10
 # output chunks held for a consumer that is slower than the process; past this the pipes are not read, so the
 # process blocks on a full pipe (backpressure) rather than envd's memory growing
 MAX_PENDING = 8
-# chunks go out at once while they are few (a burst of COALESCE_BURST, one more each COALESCE_S); past that, at most
-# one each COALESCE_S while the process runs, those of a stream read meanwhile joined (up to READ_CHUNK). One that
-# wrote a byte at a time was a message per byte, each a gRPC message of envd's and an event the host relayed to its
-# caller, a million for one command's 1 MiB of output (envd/go/child.go too)
-COALESCE_S = 0.002
-COALESCE_BURST = 16
+# Output goes out in turns: at once while they are few (a burst of PACE_BURST turns, then one more each PACE_EVERY_S),
+# each with what the pipes sent meanwhile (at most MAX_PENDING chunks, then the pipes wait, full), the chunks of a
+# stream in a row joined, in their order. A command that wrote a byte at a time was a message per byte, each a gRPC
+# message of envd's and an event the host relayed to its caller, a million for one command's 1 MiB of output
+# (envd/go/process.go too). A turn of chunks of PACE_SMALL bytes or more is not counted: large output goes as often as
+# it comes.
+PACE_EVERY_S = 0.002
+PACE_BURST = 16
+PACE_SMALL = 4096
 # without pidfd: how often the exit is polled, first and at most
 POLL_FIRST_S = 0.001
 POLL_MAX_S = 0.02
@@ -230,32 +233,26 @@ class Child:
         """Yield output until the process exits (`until_exit`; what was read by then is still yielded) or else
         both pipes close, or the loop's clock passes `deadline`."""
         loop = self._loop
-        tokens, last = float(COALESCE_BURST), loop.time()
+        tokens, last = float(PACE_BURST), loop.time()
         while True:
-            while self.pending:
+            if self.pending:
                 now = loop.time()
-                tokens, last = min(COALESCE_BURST, tokens + (now - last) / COALESCE_S), now
+                tokens, last = min(PACE_BURST, tokens + (now - last) / PACE_EVERY_S), now
                 if tokens < 1 and not self.exited:
-                    # what comes meanwhile joins it
-                    await asyncio.sleep(min((1 - tokens) * COALESCE_S, max(0.0, deadline - now)))
-                    tokens, last = tokens + (loop.time() - last) / COALESCE_S, loop.time()
-                item = self._merged()
-                if len(self.pending) <= MAX_PENDING // 2:
-                    self._resume()
-                tokens -= 1
-                yield item
+                    # what comes meanwhile joins this turn
+                    await asyncio.sleep(min((1 - tokens) * PACE_EVERY_S, max(0.0, deadline - now)))
+                    tokens, last = tokens + (loop.time() - last) / PACE_EVERY_S, loop.time()
+                turn = _joined(self.pending)
+                self.pending.clear()
+                self._resume()
+                if any(len(item.data) < PACE_SMALL for item in turn):
+                    tokens -= 1
+                for item in turn:
+                    yield item
+                continue
             if (self.exited if until_exit else not self._readers) or loop.time() >= deadline:
                 return
             await self.wait(deadline)
-
-    def _merged(self) -> Output:
-        """The next pending chunk, with those of the same stream right after it (up to READ_CHUNK)."""
-        item = self.pending.popleft()
-        parts, size = [item.data], len(item.data)
-        while self.pending and self.pending[0].stream == item.stream and size + len(self.pending[0].data) <= READ_CHUNK:
-            parts.append(self.pending.popleft().data)
-            size += len(parts[-1])
-        return item if len(parts) == 1 else Output(item.stream, b"".join(parts))
 
     async def wait_exit(self, deadline: float) -> None:
         """Until the process exits or `deadline`; output read meanwhile stays pending (up to MAX_PENDING)."""
@@ -331,3 +328,14 @@ class Child:
             finally:
                 if self.stdin_fd == fd:
                     self._loop.remove_writer(fd)
+
+
+def _joined(chunks: Iterable[Output]) -> list[Output]:
+    """The chunks, those of one stream in a row joined (up to READ_CHUNK each), in their order."""
+    out: list[Output] = []
+    for c in chunks:
+        if out and out[-1].stream == c.stream and len(out[-1].data) + len(c.data) <= READ_CHUNK:
+            out[-1] = Output(c.stream, out[-1].data + c.data)
+        else:
+            out.append(c)
+    return out

@@ -6,14 +6,11 @@ package main
 // killed by its pid), and its reaping once what it started is gone.
 
 import (
-	"errors"
-	"math"
 	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -22,12 +19,6 @@ import (
 const (
 	readChunk  = 64 << 10
 	maxPending = 8
-	// a pipe's messages go out at once while they are few (a burst of coalesceBurst, one more each coalesceWindow);
-	// past that, what the command writes until its next turn joins the read (up to readChunk). One that wrote a byte
-	// at a time was a message per byte, each a gRPC message of envd's and an event the host relayed to its caller, a
-	// million for one command's 1 MiB of output (envd/child.py too)
-	coalesceWindow = 2 * time.Millisecond
-	coalesceBurst  = 16
 )
 
 // output is a chunk of the process's stdout (stream 1) or stderr (stream 2).
@@ -204,32 +195,9 @@ func (c *child) pump(f *os.File, stream int, b *budget, wg *sync.WaitGroup) {
 	defer wg.Done()
 	buf := readBuffers.Get().(*[]byte)
 	defer readBuffers.Put(buf)
-	tokens, last := float64(coalesceBurst), time.Now()
-	refill := func() {
-		now := time.Now()
-		tokens = math.Min(coalesceBurst, tokens+float64(now.Sub(last))/float64(coalesceWindow))
-		last = now
-	}
 	for {
 		n, err := f.Read(*buf)
-		refill()
-		wait := time.Duration((1 - tokens) * float64(coalesceWindow))
-		if wait > 0 && n > 0 && n < len(*buf) && err == nil && f.SetReadDeadline(last.Add(wait)) == nil {
-			for n < len(*buf) {
-				m, rerr := f.Read((*buf)[n:])
-				n += m
-				if rerr != nil {
-					if !errors.Is(rerr, os.ErrDeadlineExceeded) {
-						err = rerr
-					}
-					break
-				}
-			}
-			_ = f.SetReadDeadline(time.Time{})
-			refill()
-		}
 		if n > 0 {
-			tokens--
 			if kept := b.take((*buf)[:n]); len(kept) > 0 {
 				// a copy of what was read, the consumer's: a command's output is mostly a few bytes, and a 64 KiB
 				// buffer per chunk was most of envd's garbage (and so of its CPU, in the collector)

@@ -123,3 +123,22 @@ async def test_output_written_a_byte_at_a_time_comes_in_few_messages(impl: str, 
         ]
         assert b"".join(chunks) == b"x" * 20000
         assert len(chunks) < 2000, f"{len(chunks)} messages for 20,000 writes over about 2 s"
+
+
+# 60 lines on stdout a fifth of a millisecond apart (past the burst), then lines on stdout and stderr in turn, a
+# millisecond apart
+ALTERNATING = (
+    "import os, time\n"
+    "for i in range(60):\n    os.write(1, b'%d\\n' % i)\n    time.sleep(0.0002)\n"
+    "for i in range(60, 260):\n    os.write(1 + i % 2, b'%d\\n' % i)\n    time.sleep(0.001)\n"
+)
+
+
+@pytest.mark.parametrize("impl", ["go", "python"])
+async def test_paced_output_keeps_the_order_of_stdout_and_stderr(impl: str, base_image: str) -> None:
+    # past its burst, output is paced; a first version held each pipe's reads apart, so a line of stderr went out
+    # before an earlier line of stdout
+    async with owned_backend(envd=impl) as backend, await backend.create(SandboxSpec(image=base_image)) as s:
+        events = [e async for e in s.exec_stream(["python3", "-c", ALTERNATING], timeout=60)]
+        lines = [int(n) for e in events if isinstance(e, ExecOutput) for n in e.data.split()]
+        assert lines == list(range(260))

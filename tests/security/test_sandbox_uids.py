@@ -70,13 +70,19 @@ async def test_sandboxes_live_at_once_have_uids_of_their_own(backend: DockerBack
             await s.close()
 
 
+def test_a_spec_cannot_name_a_uid_that_auto_gives() -> None:
+    with pytest.raises(ValueError, match="'auto' gives each sandbox"):
+        Hardening(user="100000:100000")  # the old default: it would share an auto sandbox's per-uid counts
+    assert Hardening(user=f"{SANDBOX_UIDS.stop}:{SANDBOX_UIDS.stop}").user == "2097152:2097152"
+
+
 async def test_a_spec_that_names_its_user_gets_that_user_in_each_sandbox(
     backend: DockerBackend, base_image: str
 ) -> None:
-    spec = SandboxSpec(image=base_image, hardening=Hardening(user="123456:123457"))
+    spec = SandboxSpec(image=base_image, hardening=Hardening(user="5000:5001"))
     async with await backend.create(spec) as a, await backend.create(spec) as b:
         for s in (a, b):
-            assert (await s.exec("id -u; id -g")).stdout.split() == [b"123456", b"123457"]
+            assert (await s.exec("id -u; id -g")).stdout.split() == [b"5000", b"5001"]
 
 
 async def test_a_picked_uid_another_sandbox_or_container_has_is_left_to_it_and_another_is_picked(
@@ -102,3 +108,26 @@ async def test_a_picked_uid_another_sandbox_or_container_has_is_left_to_it_and_a
             assert (await first.exec(["echo", "still here"])).stdout == b"still here\n"
         finally:
             foreign.remove(force=True)
+
+
+async def test_a_failed_create_removes_a_container_of_its_name_only_if_it_is_its_own(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    # a create cancelled in the engine's call never learns its container's id, and cleans up by the name: names are
+    # made of uids, so the name may be another socket root's live sandbox on the same engine (removed by name, force)
+    foreign_name = f"envfleet-{SANDBOX_UIDS.stop - 1:012x}"
+    foreign = docker_client.containers.create(base_image, ["true"], name=foreign_name, network_disabled=True)
+    try:
+        await backend.discard_unknown(foreign_name)
+        foreign.reload()
+        assert foreign.name == foreign_name, "another's container was left alone"
+    finally:
+        foreign.remove(force=True)
+    own = await backend.create(SandboxSpec(image=base_image))
+    try:
+        await backend.discard_unknown(own.name)
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(own.id)
+        assert not (backend.config.socket_root / own.name).exists()
+    finally:
+        await own.close()

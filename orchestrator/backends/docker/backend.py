@@ -25,7 +25,7 @@ from orchestrator.backends.docker.ptys import PTY_RESERVE
 from orchestrator.backends.docker.reaper import Reaper, start_reaper
 from orchestrator.backends.docker.socket_dirs import SocketDirs
 from orchestrator.backends.docker.startup import NameTakenError, create_until_ready, sandbox_identity
-from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, Owner, sweep
+from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, LABEL_SEAL, Owner, sweep
 from orchestrator.backends.pool import TENANT_LABEL
 from orchestrator.core.errors import (
     ConfigError,
@@ -479,6 +479,34 @@ class DockerBackend(SandboxBackend):
         """Remove a sandbox this backend does not hold (see remove_later) and wait until it is gone; cancelled
         meanwhile, the removal still runs to its end, and then the cancel is raised."""
         await to_the_end(self.remove_later(cid, name, transport))
+
+    async def discard_unknown(self, name: str, transport: Transport | None = None) -> None:
+        """Clean up a create that failed before its container's id was known: the container named `name` is removed
+        only when it is this backend's (its seal and instance: names are made of uids, so another socket root's live
+        sandbox may hold the name on this engine), and this create's socket directory is. Runs to its end as
+        discard() does."""
+        await to_the_end(asyncio.create_task(self._discard_unknown(name, transport), name=f"discard {name}"))
+
+    async def _discard_unknown(self, name: str, transport: Transport | None) -> None:
+        cid = None
+        try:
+            info = await self.engine.call(self.api.inspect_container, name)
+        except docker.errors.NotFound:
+            pass
+        except Exception as e:  # left to the sweep, which verifies seals
+            log.warning("could not look for a container named %s: %s", name, e)
+        else:
+            labels = (info.get("Config") or {}).get("Labels") or {}
+            if labels.get(LABEL_SEAL) == self.sockets.seal(name) and labels.get(LABEL_INSTANCE) == self.owner.instance:
+                cid = info["Id"]
+        if cid is not None:
+            await self._remove(cid, name, transport)
+            return
+        try:
+            if transport is not None:
+                await transport.close()
+        finally:
+            self.sockets.remove(name)
 
     async def list_owned(self) -> list[SandboxInfo]:
         return [

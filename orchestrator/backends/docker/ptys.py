@@ -11,10 +11,17 @@ namespaces and runs nothing of the container's. It needs CAP_SYS_ADMIN and, to r
 another uid, CAP_SYS_PTRACE (the deploy container adds both). A pty cap that cannot be set fails the create, as any
 limit does; `pty_max=0` leaves the engine's devpts as it is. Under gVisor (runsc) ptys are gVisor's own, and the cap is
 not set.
+
+The devpts is the container's, never this host's: it is reached through /proc/PID/root without following a link at its
+end (and /dev is root's inside the container), it must be a devpts, and not the one of this process or of the host's
+init (a pid that was reused by a host process would otherwise cap the host's own ptys). Its options are read back from
+/proc/PID/mountinfo (as the host's user namespace sees them, which is also how fsconfig reads them, so a remapped
+group stays right) and set again with the cap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -28,9 +35,10 @@ SYS_FSCONFIG, SYS_FSPICK = 431, 433
 FSPICK_CLOEXEC, FSPICK_SYMLINK_NOFOLLOW, FSPICK_NO_AUTOMOUNT, FSPICK_EMPTY_PATH = 1, 2, 4, 8
 PICK_FLAGS = FSPICK_CLOEXEC | FSPICK_SYMLINK_NOFOLLOW | FSPICK_NO_AUTOMOUNT | FSPICK_EMPTY_PATH
 FSCONFIG_SET_STRING, FSCONFIG_CMD_RECONFIGURE = 1, 7
-# a reconfigure sets every devpts option at once (the others go back to the kernel's defaults): the engine's own, and
-# the cap
-ENGINE_OPTIONS = (("gid", "5"), ("mode", "620"), ("ptmxmode", "666"))
+# a reconfigure sets every devpts option at once (the others go back to the kernel's defaults): those the mount has
+# (the engine's, when they cannot be read), and the cap
+ENGINE_OPTIONS = {"gid": "5", "mode": "620", "ptmxmode": "666"}
+KEPT_OPTIONS = ("uid", "gid", "mode", "ptmxmode")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -52,11 +60,14 @@ def cap_ptys(pid: int, max_ptys: int) -> None:
         _check(_libc.fstatfs(where, ctypes.byref(st)), "fstatfs", path)
         if st.f_type & 0xFFFFFFFF != DEVPTS_SUPER_MAGIC:
             raise LimitNotAppliedError(f"{path} is no devpts (type {st.f_type:#x}): the ptys were not capped")
+        if os.fstat(where).st_dev in _hosts_own_devpts():
+            raise LimitNotAppliedError(f"{path} is this host's own /dev/pts, so process {pid} is no sandbox's")
         fd = _check(_libc.syscall(SYS_FSPICK, where, b"", PICK_FLAGS), "fspick", path)
     finally:
         os.close(where)
+    options = {**ENGINE_OPTIONS, **_devpts_options(pid), "max": str(max_ptys)}
     try:
-        for key, value in (*ENGINE_OPTIONS, ("max", str(max_ptys))):
+        for key, value in options.items():
             _check(
                 _libc.syscall(SYS_FSCONFIG, fd, FSCONFIG_SET_STRING, key.encode(), value.encode(), 0), "fsconfig", key
             )
@@ -65,14 +76,42 @@ def cap_ptys(pid: int, max_ptys: int) -> None:
         os.close(fd)
 
 
+def _hosts_own_devpts() -> set[int]:
+    """The devices of this process's /dev/pts and of the host's init's."""
+    devices = set()
+    for path in ("/dev/pts", "/proc/1/root/dev/pts"):
+        with contextlib.suppress(OSError):
+            devices.add(os.stat(path).st_dev)
+    return devices
+
+
+def _devpts_options(pid: int) -> dict[str, str]:
+    """The options of the devpts on top at /dev/pts in `pid`'s mount namespace that a reconfigure keeps ({} if
+    unread)."""
+    try:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for line in lines:  # the last mount at /dev/pts is the one on top
+        fields, _, rest = line.partition(" - ")
+        parts, tail = fields.split(), rest.split()
+        if len(parts) >= 5 and parts[4] == "/dev/pts" and len(tail) >= 3 and tail[0] == "devpts":
+            pairs = (option.partition("=") for option in tail[2].split(","))
+            found = {key: value for key, sep, value in pairs if sep and key in KEPT_OPTIONS}
+    return found
+
+
 def _check(result: int, call: str, what: str, err: int | None = None) -> int:
     if result >= 0:
         return result
     err = err or ctypes.get_errno()
-    hint = (
-        ": the backend needs CAP_SYS_ADMIN and CAP_SYS_PTRACE (root on the host), or pty_max=0 to leave each "
-        "sandbox's ptys uncapped"
-        if err in (errno.EPERM, errno.EACCES)
-        else ""
-    )
+    hint = {
+        errno.EPERM: ": the backend needs CAP_SYS_ADMIN and CAP_SYS_PTRACE (root on the host)",
+        errno.EACCES: ": the backend needs CAP_SYS_ADMIN and CAP_SYS_PTRACE (root on the host)",
+        errno.ENOSYS: ": this kernel has no fspick/fsconfig (Linux 5.2), or a seccomp filter refuses them",
+    }.get(err, "")
+    if hint:
+        hint += "; pty_max=0 leaves each sandbox's ptys uncapped"
     raise LimitNotAppliedError(f"could not cap the sandbox's ptys ({call} {what}: {os.strerror(err)}){hint}")

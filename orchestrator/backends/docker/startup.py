@@ -126,16 +126,20 @@ async def create_until_ready(
             await fallback.start()
             transport = fallback
         if backend.config.pty_max and runtime != "runsc":  # gVisor's ptys are its own
-            # before the sandbox runs any command: envd has run nothing yet
-            pid = _envd_pid(socket_dir) if use_envd else await _init_pid(backend, cid)
-            cap_ptys(pid, backend.config.pty_max)
+            # before the sandbox runs any command: envd has run nothing yet (a few blocking calls: in a thread)
+            pid = await asyncio.to_thread(_envd_pid, socket_dir) if use_envd else await _init_pid(backend, cid)
+            await asyncio.to_thread(cap_ptys, pid, backend.config.pty_max)
     except BaseException as e:
-        if cid is None and _name_taken(e):  # the container of that name is another's: only the directory is ours
-            backend.sockets.remove(name)
-            raise NameTakenError(f"sandbox name {name} is taken") from None
-        # not created (cancelled in the engine's create, which then finished): its name finds it, if it exists.
-        # Cancelled again while this runs, it runs to its end all the same, and only then is the cancel raised
-        await backend.discard(cid or name, name, transport)
+        # cancelled again while this runs, the cleanup runs to its end all the same, and only then is the cancel raised
+        if cid is None:
+            # not known to be made (refused, or cancelled in the engine's create, which may then have finished): the
+            # container of that name is removed only if it is this backend's own; another's (the 409's, or one a
+            # cancel hid) is left alone
+            await backend.discard_unknown(name, transport)
+            if _name_taken(e):
+                raise NameTakenError(f"sandbox name {name} is taken") from None
+        else:
+            await backend.discard(cid, name, transport)
         if isinstance(e, docker.errors.ImageNotFound):
             raise SandboxCreateError(f"image {spec.image!r} not found; build it first") from e
         if isinstance(e, docker.errors.APIError):
