@@ -118,7 +118,7 @@ def baseline_rollouts_per_s(image: str, total: int, concurrency: int) -> float:
                 detach=True,
                 network_mode="none",
                 init=True,
-                user="100000:100000",
+                user="99999:99999",
                 labels={"envfleet.bench": "baseline"},
             )
             try:

@@ -70,7 +70,7 @@ async def _true_vs_exec_run(sandbox: Sandbox, container: Any, runs: int) -> dict
             ours.append(await timed(lambda: sandbox.exec(["true"])))
         for _ in range(10):
             t0 = time.perf_counter()
-            container.exec_run("true", user="100000:100000")
+            container.exec_run("true", user="99999:99999")
             base.append(time.perf_counter() - t0)
     return pair(ours, base)
 
@@ -82,7 +82,7 @@ async def bench_exec(backend: DockerBackend, client: docker.DockerClient, image:
         container = client.containers.get(s.id)
         for _ in range(5):  # warm both paths
             await s.exec(["true"])
-            container.exec_run("true", user="100000:100000")
+            container.exec_run("true", user="99999:99999")
         return await _true_vs_exec_run(s, container, runs)
 
 

@@ -62,12 +62,12 @@ def _run_flags(image: str) -> list[str]:
     lim = SWE_LIMITS
     return [
         "run", "-d", "--network", "none", "--read-only", "--cap-drop", "ALL",
-        "--security-opt", "no-new-privileges", "--init", "--user", "100000:100000",
+        "--security-opt", "no-new-privileges", "--init", "--user", "99999:99999",
         "--pids-limit", str(lim.pids), "--memory", f"{lim.memory_mb}m", "--cpus", str(lim.cpus),
         "--tmpfs", f"/tmp:rw,exec,nosuid,nodev,size={lim.tmp_mb}m,mode=1777",
         # the workspace is the sandbox uid's, as envfleet's own sandboxes mount it (uid 1000 left the baseline,
-        # which runs as 100000, unable to write it: every instance failed and `make bench` stopped there)
-        "--tmpfs", f"/workspace:rw,exec,nosuid,nodev,size={lim.workspace_mb}m,uid=100000,gid=100000,mode=0755",
+        # which runs as 99999, unable to write it: every instance failed and `make bench` stopped there)
+        "--tmpfs", f"/workspace:rw,exec,nosuid,nodev,size={lim.workspace_mb}m,uid=99999,gid=99999,mode=0755",
         "--label", "envfleet.bench=swe-baseline",
         *(x for k, v in EVAL_ENV.items() for x in ("-e", f"{k}={v}")),
         image, "sleep", "infinity",

@@ -235,12 +235,15 @@ class Child:
         loop = self._loop
         tokens, last = float(PACE_BURST), loop.time()
         while True:
+            # past the deadline, what is pending goes in one last turn: a command that kept writing refilled it while
+            # each turn went out, and held its exec past its timeout
+            past = loop.time() >= deadline
             if self.pending:
                 now = loop.time()
                 tokens, last = min(PACE_BURST, tokens + (now - last) / PACE_EVERY_S), now
-                if tokens < 1 and not self.exited:
+                if tokens < 1 and not self.exited and not past:
                     # what comes meanwhile joins this turn
-                    await asyncio.sleep(min((1 - tokens) * PACE_EVERY_S, max(0.0, deadline - now)))
+                    await asyncio.sleep(min((1 - tokens) * PACE_EVERY_S, deadline - now))
                     tokens, last = tokens + (loop.time() - last) / PACE_EVERY_S, loop.time()
                 turn = _joined(self.pending)
                 self.pending.clear()
@@ -249,8 +252,9 @@ class Child:
                     tokens -= 1
                 for item in turn:
                     yield item
-                continue
-            if (self.exited if until_exit else not self._readers) or loop.time() >= deadline:
+                if not past:
+                    continue
+            if past or (self.exited if until_exit else not self._readers):
                 return
             await self.wait(deadline)
 

@@ -64,9 +64,12 @@ class Hardening(BaseModel):
     @field_validator("user")
     @classmethod
     def _not_root(cls, v: str) -> str:
-        if v.split(":")[0] == "0":
+        if v == AUTO_USER:
+            return v
+        uid = int(v.split(":")[0])  # as the engine reads it: "00" is uid 0 too
+        if uid == 0:
             raise ValueError("the sandbox user must not be root (uid 0)")
-        if v != AUTO_USER and int(v.split(":")[0]) in SANDBOX_UIDS:
+        if uid in SANDBOX_UIDS:
             # such a user would share its uid, and the kernel's per-uid counts, with an "auto" sandbox
             raise ValueError(
                 f"uids {SANDBOX_UIDS.start} to {SANDBOX_UIDS.stop - 1} are those 'auto' gives each sandbox: choose "

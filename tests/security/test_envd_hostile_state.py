@@ -142,3 +142,15 @@ async def test_paced_output_keeps_the_order_of_stdout_and_stderr(impl: str, base
         events = [e async for e in s.exec_stream(["python3", "-c", ALTERNATING], timeout=60)]
         lines = [int(n) for e in events if isinstance(e, ExecOutput) for n in e.data.split()]
         assert lines == list(range(260))
+
+
+ENDLESS = "import os, time\nwhile True:\n    os.write(1, b'x')\n    time.sleep(0.0001)\n"
+
+
+@pytest.mark.parametrize("impl", ["go", "python"])
+async def test_a_command_that_never_stops_writing_still_times_out(impl: str, base_image: str) -> None:
+    # the contract on real sandboxes, with either envd; the Python envd's loop once checked its deadline only when
+    # no output was pending, and with a consumer slower than the writes ran on past it (tests/envd/test_child_output.py)
+    async with owned_backend(envd=impl) as backend, await backend.create(SandboxSpec(image=base_image)) as s:
+        r = await s.exec(["python3", "-c", ENDLESS], timeout=1)
+        assert r.timed_out and r.duration_s < 5, r

@@ -73,6 +73,9 @@ async def test_sandboxes_live_at_once_have_uids_of_their_own(backend: DockerBack
 def test_a_spec_cannot_name_a_uid_that_auto_gives() -> None:
     with pytest.raises(ValueError, match="'auto' gives each sandbox"):
         Hardening(user="100000:100000")  # the old default: it would share an auto sandbox's per-uid counts
+    for root in ("0:0", "00:0", "000:5"):  # the engine reads "00" as uid 0
+        with pytest.raises(ValueError, match="must not be root"):
+            Hardening(user=root)
     assert Hardening(user=f"{SANDBOX_UIDS.stop}:{SANDBOX_UIDS.stop}").user == "2097152:2097152"
 
 

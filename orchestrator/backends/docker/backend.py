@@ -485,7 +485,10 @@ class DockerBackend(SandboxBackend):
         only when it is this backend's (its seal and instance: names are made of uids, so another socket root's live
         sandbox may hold the name on this engine), and this create's socket directory is. Runs to its end as
         discard() does."""
-        await to_the_end(asyncio.create_task(self._discard_unknown(name, transport), name=f"discard {name}"))
+        task = asyncio.create_task(self._discard_unknown(name, transport), name=f"remove {name}")
+        self._removals.add(task)  # close() waits for it, as for every removal
+        task.add_done_callback(self._removed)
+        await to_the_end(task)
 
     async def _discard_unknown(self, name: str, transport: Transport | None) -> None:
         cid = None
@@ -497,7 +500,8 @@ class DockerBackend(SandboxBackend):
             log.warning("could not look for a container named %s: %s", name, e)
         else:
             labels = (info.get("Config") or {}).get("Labels") or {}
-            if labels.get(LABEL_SEAL) == self.sockets.seal(name) and labels.get(LABEL_INSTANCE) == self.owner.instance:
+            seal = str(labels.get(LABEL_SEAL, ""))
+            if self.sockets.verify(name, seal) and labels.get(LABEL_INSTANCE) == self.owner.instance:
                 cid = info["Id"]
         if cid is not None:
             await self._remove(cid, name, transport)

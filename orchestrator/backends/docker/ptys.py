@@ -15,8 +15,8 @@ not set.
 The devpts is the container's, never this host's: it is reached through /proc/PID/root without following a link at its
 end (and /dev is root's inside the container), it must be a devpts, and not the one of this process or of the host's
 init (a pid that was reused by a host process would otherwise cap the host's own ptys). Its options are read back from
-/proc/PID/mountinfo (as the host's user namespace sees them, which is also how fsconfig reads them, so a remapped
-group stays right) and set again with the cap.
+the entry of its own device in /proc/PID/mountinfo (as the host's user namespace sees them, which is also how fsconfig
+reads them, so a remapped group stays right) and set again with the cap.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ PICK_FLAGS = FSPICK_CLOEXEC | FSPICK_SYMLINK_NOFOLLOW | FSPICK_NO_AUTOMOUNT | FS
 FSCONFIG_SET_STRING, FSCONFIG_CMD_RECONFIGURE = 1, 7
 # a reconfigure sets every devpts option at once (the others go back to the kernel's defaults): those the mount has
 # (the engine's, when they cannot be read), and the cap
-ENGINE_OPTIONS = {"gid": "5", "mode": "620", "ptmxmode": "666"}
+ENGINE_OPTIONS = {"gid": "5", "mode": "620", "ptmxmode": "666"}  # when the mount table cannot be read
 KEPT_OPTIONS = ("uid", "gid", "mode", "ptmxmode")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -51,8 +51,12 @@ def cap_ptys(pid: int, max_ptys: int) -> None:
     """Set `max=max_ptys` on the devpts of the container whose init is host process `pid` (blocking: a few system
     calls). LimitNotAppliedError says why it could not."""
     path = f"/proc/{pid}/root/dev/pts"
-    try:
-        where = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:  # the process's folder once: its root and its mount table are the same process's
+        proc = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            where = os.open("root/dev/pts", os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
+        finally:
+            os.close(proc)
     except OSError as e:
         _check(-1, "open", path, e.errno)
     try:
@@ -60,14 +64,15 @@ def cap_ptys(pid: int, max_ptys: int) -> None:
         _check(_libc.fstatfs(where, ctypes.byref(st)), "fstatfs", path)
         if st.f_type & 0xFFFFFFFF != DEVPTS_SUPER_MAGIC:
             raise LimitNotAppliedError(f"{path} is no devpts (type {st.f_type:#x}): the ptys were not capped")
-        if os.fstat(where).st_dev in _hosts_own_devpts():
+        device = os.fstat(where).st_dev
+        if device in _hosts_own_devpts():
             raise LimitNotAppliedError(f"{path} is this host's own /dev/pts, so process {pid} is no sandbox's")
+        options = _devpts_options(pid, device) or dict(ENGINE_OPTIONS)
         fd = _check(_libc.syscall(SYS_FSPICK, where, b"", PICK_FLAGS), "fspick", path)
     finally:
         os.close(where)
-    options = {**ENGINE_OPTIONS, **_devpts_options(pid), "max": str(max_ptys)}
     try:
-        for key, value in options.items():
+        for key, value in {**options, "max": str(max_ptys)}.items():
             _check(
                 _libc.syscall(SYS_FSCONFIG, fd, FSCONFIG_SET_STRING, key.encode(), value.encode(), 0), "fsconfig", key
             )
@@ -85,22 +90,21 @@ def _hosts_own_devpts() -> set[int]:
     return devices
 
 
-def _devpts_options(pid: int) -> dict[str, str]:
-    """The options of the devpts on top at /dev/pts in `pid`'s mount namespace that a reconfigure keeps ({} if
-    unread)."""
+def _devpts_options(pid: int, device: int) -> dict[str, str]:
+    """The options of the devpts `device` as `pid`'s mount table shows it, those a reconfigure keeps ({} if unread)."""
     try:
         with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
         return {}
-    found: dict[str, str] = {}
-    for line in lines:  # the last mount at /dev/pts is the one on top
+    want = f"{os.major(device)}:{os.minor(device)}"
+    for line in lines:
         fields, _, rest = line.partition(" - ")
         parts, tail = fields.split(), rest.split()
-        if len(parts) >= 5 and parts[4] == "/dev/pts" and len(tail) >= 3 and tail[0] == "devpts":
+        if len(parts) >= 5 and parts[2] == want and len(tail) >= 3 and tail[0] == "devpts":
             pairs = (option.partition("=") for option in tail[2].split(","))
-            found = {key: value for key, sep, value in pairs if sep and key in KEPT_OPTIONS}
-    return found
+            return {key: value for key, sep, value in pairs if sep and key in KEPT_OPTIONS}
+    return {}
 
 
 def _check(result: int, call: str, what: str, err: int | None = None) -> int:
