@@ -97,8 +97,20 @@ def _tool_calls(raw: Any) -> tuple[list[ToolCall], list[dict[str, Any]]]:
         if not isinstance(call_id, str) or not call_id:
             call_id = f"call_{i}"  # the tool result must name a call; the id is the server's, not the model's
         calls.append(ToolCall(call_id, fn["name"], args))
-        wire.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        wire.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": _echoed(args)}})
     return calls, wire
+
+
+def _echoed(args: str) -> str:
+    """A call's arguments as the next request sends them back: a JSON object as it was written, anything else as
+    "{}". Servers decode them to render the conversation (vLLM json.loads each one), and answered the next request
+    400 for text that is no JSON object: the episode ended POLICY_ERROR, masked, so a malformed call escaped the 0 it
+    earned. The call itself runs with what the model wrote, and the tool's answer tells it what was wrong."""
+    try:
+        parsed = json.loads(args)
+    except (ValueError, RecursionError):
+        return "{}"
+    return args if isinstance(parsed, dict) else "{}"
 
 
 def parse_chat_completion(data: Any, *, model: str) -> Completion:
