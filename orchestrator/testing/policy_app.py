@@ -398,7 +398,8 @@ class ScriptedPolicyApp:
 
     def _toy_chat(self, body: dict[str, Any]) -> _Request:
         messages = _messages(body)
-        _decode_arguments(messages)
+        for m in messages:  # its call arguments decoded, as vLLM does before it renders the conversation
+            qwen.vllm_message(m)
         prompt = render_prompt(messages, self.script.template)
         turn = sum(1 for m in messages if m.get("role") == "assistant")
         return turn, lambda step: self._completion(body, step, turn, prompt)
@@ -512,19 +513,6 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError("'messages' must be a non-empty list of objects")
     return messages
-
-
-def _decode_arguments(messages: list[dict[str, Any]]) -> None:
-    """As vLLM does before it renders a conversation (and the qwen3 template's model here): each call's arguments
-    decoded, a 400 for text that is not JSON."""
-    for m in messages:
-        for i, call in enumerate(m.get("tool_calls") or ()):
-            args = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
-            if isinstance(args, str):
-                try:
-                    json.loads(args)
-                except ValueError as e:
-                    raise ValueError(f"tool_calls[{i}].function.arguments is not JSON: {e}") from None
 
 
 async def _disconnected(receive: Receive) -> None:

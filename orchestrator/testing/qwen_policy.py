@@ -111,7 +111,7 @@ class QwenLikeModel:
         """The prompt ids of a chat request, rendered as vLLM renders it."""
         try:
             text = self.tokenizer.apply_chat_template(
-                [_vllm_message(m) for m in messages],
+                [vllm_message(m) for m in messages],
                 tools=tools or None,
                 add_generation_prompt=True,
                 tokenize=False,
@@ -203,7 +203,7 @@ class QwenLikeModel:
         return Parsed(reasoning, content or None, calls)
 
 
-def _vllm_message(msg: dict[str, Any]) -> dict[str, Any]:
+def vllm_message(msg: dict[str, Any]) -> dict[str, Any]:
     """A chat message as vLLM hands it to the template: tool call arguments parsed from JSON text to objects."""
     calls = msg.get("tool_calls")
     if not calls:

@@ -88,7 +88,10 @@ def host_config(
     lim, hard = spec.limits, spec.hardening
     uid, gid = hard.user.split(":")
     left = leftovers(lim)
-    tmpfs = "rw,exec,nosuid,nodev,size={}m,nr_inodes={}"
+
+    def tmpfs(size_mb: int, mode: str, run: str = "exec") -> str:
+        return f"rw,{run},nosuid,nodev,size={size_mb}m,nr_inodes={left.inodes(size_mb)},{mode}"
+
     kwargs: dict[str, Any] = {
         "network_mode": "none",
         "read_only": hard.read_only_root,
@@ -108,12 +111,10 @@ def host_config(
             docker.types.Ulimit(name="core", soft=0, hard=0),
         ],
         "tmpfs": {
-            "/tmp": tmpfs.format(left.tmp_mb, left.inodes(left.tmp_mb)) + ",mode=1777",
-            spec.workspace: tmpfs.format(left.workspace_mb, left.inodes(left.workspace_mb))
-            + f",uid={uid},gid={gid},mode=0755",
+            "/tmp": tmpfs(left.tmp_mb, "mode=1777"),
+            spec.workspace: tmpfs(left.workspace_mb, f"uid={uid},gid={gid},mode=0755"),
             # in place of the engine's, which has no inode cap and is not counted
-            "/dev/shm": tmpfs.format(left.shm_mb, left.inodes(left.shm_mb)).replace(",exec,", ",noexec,")
-            + ",mode=1777",
+            "/dev/shm": tmpfs(left.shm_mb, "mode=1777", run="noexec"),
         },
         # the IPC namespace is the sandbox's own: its SysV shared memory in bytes and in pages, and its segments
         "sysctls": {

@@ -37,7 +37,7 @@ PICK_FLAGS = FSPICK_CLOEXEC | FSPICK_SYMLINK_NOFOLLOW | FSPICK_NO_AUTOMOUNT | FS
 FSCONFIG_SET_STRING, FSCONFIG_CMD_RECONFIGURE = 1, 7
 # a reconfigure sets every devpts option at once (the others go back to the kernel's defaults): those the mount has
 # (the engine's, when they cannot be read), and the cap
-ENGINE_OPTIONS = {"gid": "5", "mode": "620", "ptmxmode": "666"}  # when the mount table cannot be read
+ENGINE_OPTIONS = {"gid": "5", "mode": "620", "ptmxmode": "666"}
 KEPT_OPTIONS = ("uid", "gid", "mode", "ptmxmode")
 
 _libc = ctypes.CDLL(None, use_errno=True)
