@@ -11,12 +11,15 @@ sets each sandbox's devpts `max=` (pty_max) before the sandbox runs anything.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncGenerator
 from typing import cast
 
 import pytest
 
 from orchestrator.backends.docker.backend import host_limit_warnings
+from orchestrator.backends.docker.ptys import cap_ptys
+from orchestrator.core.errors import LimitNotAppliedError
 from orchestrator.core.sandbox import SandboxSpec
 from tests.conftest import owned_backend
 
@@ -95,3 +98,10 @@ def test_the_backend_says_when_the_hosts_counts_are_short_of_its_sandboxes() -> 
     assert host_limit_warnings(0, small.get) == [pid_short]  # no pty cap: no share to count
     assert host_limit_warnings(32, enough.get) == []
     assert host_limit_warnings(32, lambda name: None) == []  # counts it cannot read: nothing to say
+
+
+def test_the_pty_cap_never_touches_this_hosts_own_ptys() -> None:
+    # the cap reaches a sandbox's devpts through /proc/PID/root of its envd: a pid that a host process took over
+    # (envd gone, the number reused) would lead it to this host's own /dev/pts, whose ptys it must never cap
+    with pytest.raises(LimitNotAppliedError, match="this host's own /dev/pts"):
+        cap_ptys(os.getpid(), 32)
