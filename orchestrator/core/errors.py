@@ -180,6 +180,12 @@ class ContextFull(EnvfleetError):
     Not a failure: the agent loop ends the episode there, TRUNCATED, with its tokens as far as they went."""
 
 
+class GenerationTooLong(EnvfleetError):
+    """A streamed answer passed the response cap carrying more tokens than an episode keeps (rollout/step.py's
+    EPISODE_BYTES): the policy's own length, so the episode ends there, TRUNCATED without the turn, at any turn.
+    Not a PolicyError: masked, a policy that rambles past the cap would never be scored for it."""
+
+
 class EpisodeFailedError(EnvfleetError, RuntimeError):
     """An episode a trainer drove (a session) ended without a reward to learn from: INFRA_ERROR, ENV_ERROR, TIMEOUT
     or POLICY_ERROR. The sample must be masked, never scored 0."""

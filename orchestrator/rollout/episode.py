@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.core.environment import Environment, Episode, Finish, Task
-from orchestrator.core.errors import ContextFull, EnvironmentBroken, PolicyError
+from orchestrator.core.errors import ContextFull, EnvironmentBroken, GenerationTooLong, PolicyError
 from orchestrator.core.models import ToolCallRecord, Turn
 from orchestrator.core.policy import Sampling
 from orchestrator.core.sandbox import Sandbox
@@ -94,6 +94,9 @@ async def run_episode(
             with phase:
                 c = await episode_policy.complete(messages, schemas, sampling, user=user)
                 phase.span.set(_policy_attributes(c))
+        except GenerationTooLong:
+            finish = "length"  # the policy's answer is longer than an episode keeps: TRUNCATED without it
+            break
         except ContextFull as e:
             if turn == 0:
                 # nothing the policy did filled it: the job's prompt, max_tokens or max_model_len do not fit the

@@ -1,7 +1,7 @@
-"""A streamed answer from a hostile policy server (the URL is the tenant's) is held to the same byte cap as a whole
-one: a stream that never ends is cut at `max_response_bytes`, and the error describes it without quoting it. Its
-time is bounded by the longest silence (request_timeout_s) and, for a server that keeps trickling, by the rollout's
-own wall-clock limit."""
+"""A streamed answer from a hostile policy server (the URL is the tenant's) is held to a byte cap as a whole one is: a
+stream that never ends is cut at its cap (`max_response_bytes`, and 1 KiB more for each token max_tokens allows:
+test_long_generations.py), and the error describes it without quoting it. Its time is bounded by the longest silence
+(request_timeout_s) and, for a server that keeps trickling, by the rollout's own wall-clock limit."""
 
 from __future__ import annotations
 
@@ -54,8 +54,12 @@ async def test_an_endless_stream_is_cut_at_the_byte_cap() -> None:
         )
         try:
             t0 = time.monotonic()
-            with pytest.raises(PolicyResponseError, match=r"sent more than 1048576 bytes") as e:
-                await policy.complete([{"role": "user", "content": "hi"}], [], Sampling())
+            messages = [{"role": "user", "content": "hi"}]
+            cap = policy.response_cap(policy.request_body(messages, [], Sampling()))
+            assert cap == (1 << 20) + 1024 * Sampling().max_tokens
+            said = rf"sent more than {cap} bytes; the limit is {cap} bytes"
+            with pytest.raises(PolicyResponseError, match=said) as e:
+                await policy.complete(messages, [], Sampling())
             assert time.monotonic() - t0 < 10
             assert SECRET.decode() not in str(e.value)
         finally:

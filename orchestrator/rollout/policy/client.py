@@ -14,7 +14,10 @@ running for a weight sync; "error") is retried as a 5xx is: the partial answer i
 that says the conversation is over the model's context is ContextFull: the episode ends there, TRUNCATED.
 
 With `PolicyEndpoint.stream` the answer is asked for as a stream (streaming.py): `request_timeout_s` then bounds the
-longest silence, not the whole generation, so a long generation is a turn, never a POLICY_ERROR for its length.
+longest silence, not the whole generation, so a long generation is a turn, never a POLICY_ERROR for its length. Its
+byte cap grows with its max_tokens (`response_cap`); a stream that passes it carrying more tokens than an episode
+keeps is GenerationTooLong, the episode's end (TRUNCATED), and one whose bytes pass it otherwise is the server's
+fault (PolicyResponseError).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ import orjson
 
 from orchestrator.core.errors import (
     ContextFull,
+    EnvfleetError,
     GenerationAborted,
+    GenerationTooLong,
     PolicyConnectionError,
     PolicyError,
     PolicyHTTPError,
@@ -42,6 +47,7 @@ from orchestrator.core.text import texts
 from orchestrator.rollout.policy import http, streaming
 from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import CONTEXT_FULL, parse_chat_completion
+from orchestrator.rollout.step import EPISODE_BYTES, TOKEN_BYTES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +56,12 @@ BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
 # A chat completion with token ids and logprobs of a long episode is a few MB; anything past this is refused.
 MAX_RESPONSE_BYTES = 32 << 20
+# A streamed answer is about 400 bytes a token (vLLM: a chunk per token with its id and logprob entry), so 32 MiB
+# held about 85,000 tokens: a longer generation within max_tokens was refused, POLICY_ERROR, masked. A stream's cap
+# is MAX_RESPONSE_BYTES and this much for each token it may carry: max_tokens, at most one more than an episode
+# keeps (KEPT_TOKENS), since a stream past that many is TRUNCATED whatever follows (GenerationTooLong).
+STREAMED_TOKEN_BYTES = 1024
+KEPT_TOKENS = EPISODE_BYTES // TOKEN_BYTES  # a turn of more tokens never fits an episode (rollout/step.py)
 # A streamed answer bigger than this is put back together in a thread: a hostile server's millions of tiny events
 # would hold the event loop (and every other rollout of the worker) for seconds.
 STREAM_INLINE_BYTES = 1 << 20
@@ -77,9 +89,11 @@ class OpenAIPolicy(Policy):
         backoff_base_s: float = BACKOFF_BASE_S,
         backoff_cap_s: float = BACKOFF_CAP_S,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        kept_tokens: int = KEPT_TOKENS,
     ) -> None:
         self.endpoint = endpoint
         self.max_response_bytes = max_response_bytes
+        self.kept_tokens = kept_tokens
         tls = endpoint.base_url.startswith("https:")
         self._client = http.Client(endpoint.base_url, http.ssl_context() if tls else None)
         self._closed = False
@@ -163,15 +177,23 @@ class OpenAIPolicy(Policy):
             delay = max(delay, retry_after_s)
         return min(self._backoff_cap_s, delay)
 
+    def response_cap(self, body: dict[str, Any]) -> int:
+        """The most bytes read of the answer to `body`: `max_response_bytes`, and for a stream STREAMED_TOKEN_BYTES
+        for each token it may carry."""
+        if body.get("stream") is not True:
+            return self.max_response_bytes
+        return self.max_response_bytes + STREAMED_TOKEN_BYTES * min(_max_tokens(body), self.kept_tokens + 1)
+
     async def _attempt(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         timeout_s = self.endpoint.request_timeout_s
         streamed = body.get("stream") is True
+        cap = self.response_cap(body)
         try:
             if streamed:  # the longest silence: the answer may take as long as it keeps coming (streaming.py)
-                resp = await self._send(url, _dumps(body), headers, idle_timeout_s=timeout_s)
+                resp = await self._send(url, _dumps(body), headers, cap, idle_timeout_s=timeout_s)
             else:  # the whole attempt: connect, send and read, a slow trickle included
                 async with asyncio.timeout(timeout_s):
-                    resp = await self._send(url, _dumps(body), headers)
+                    resp = await self._send(url, _dumps(body), headers, cap)
         except TimeoutError as e:
             said = "sent nothing for" if streamed else "did not answer within"
             msg = f"policy server {url} {said} {timeout_s:g}s"
@@ -179,7 +201,16 @@ class OpenAIPolicy(Policy):
         except (http.ConnectError, http.ReadError, http.RemoteProtocolError) as e:
             raise _Retryable(self._unreachable(url, e), cause=e) from e
         except http.ResponseTooLarge as e:
-            raise PolicyResponseError(self._too_big(url, e.status, e.what)) from None
+            partial, e.partial = e.partial, b""  # up to the cap's bytes: never kept by an error's traceback
+            carried = await _carried(partial) if streamed and _max_tokens(body) > self.kept_tokens else None
+            del partial
+            if carried is not None and carried > self.kept_tokens:
+                # the policy's length, not the server's bytes, took the stream past its cap: TRUNCATED
+                raise GenerationTooLong(
+                    f"the policy's answer carried {carried} tokens when its stream passed the cap of {cap} bytes: "
+                    f"more than an episode keeps ({self.kept_tokens}), so the episode ends there, TRUNCATED"
+                ) from None
+            raise PolicyResponseError(self._too_big(url, e.status, e.what, cap)) from None
         except http.HTTPError as e:
             raise PolicyError(f"request to policy server {url} failed: {type(e).__name__}: {e}") from e
 
@@ -209,18 +240,32 @@ class OpenAIPolicy(Policy):
         return PolicyConnectionError(f"policy server {url} unreachable: {type(e).__name__}: {e}")
 
     async def _send(
-        self, url: str, content: bytes, headers: dict[str, str], idle_timeout_s: float | None = None
+        self, url: str, content: bytes, headers: dict[str, str], cap: int, idle_timeout_s: float | None = None
     ) -> http.Response:
-        """POST a JSON body through this policy's session (`idle_timeout_s`: see http.Client.post)."""
+        """POST a JSON body through this policy's session, reading at most `cap` bytes of the answer
+        (`idle_timeout_s`: see http.Client.post)."""
         if self._closed:
             raise PolicyError("the policy client is closed")
-        return await self._client.post(url, content, headers, self.max_response_bytes, idle_timeout_s)
+        return await self._client.post(url, content, headers, cap, idle_timeout_s)
 
-    def _too_big(self, url: str, status: int, what: str) -> str:
-        return (
-            f"policy server {url} answered HTTP {status} but its response {what}; "
-            f"the limit is {self.max_response_bytes} bytes"
-        )
+    @staticmethod
+    def _too_big(url: str, status: int, what: str, cap: int) -> str:
+        return f"policy server {url} answered HTTP {status} but its response {what}; the limit is {cap} bytes"
+
+
+async def _carried(partial: bytes) -> int | None:
+    """How many tokens the complete events of a stream cut at its cap carry (streaming.carried_so_far), or None
+    when they carry none or are not a well-formed answer's."""
+    try:
+        return await asyncio.to_thread(streaming.carried_so_far, partial)
+    except EnvfleetError:
+        return None
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The request's max_tokens (every request of a rollout sets it; 0 for one that does not)."""
+    n = body.get("max_tokens")
+    return n if type(n) is int else 0
 
 
 def _dumps(body: dict[str, Any]) -> bytes:

@@ -64,13 +64,15 @@ class LocalProtocolError(HTTPError):
 
 
 class ResponseTooLarge(HTTPError):
-    """The response passed the caller's cap; `what` says how ("declares N bytes" or "sent more than N bytes")."""
+    """The response passed the caller's cap; `what` says how ("declares N bytes" or "sent more than N bytes"), and
+    `partial` holds what was read before it was cut (the cap's worth, or nothing for a declared size)."""
 
-    def __init__(self, status: int, what: str, headers: Mapping[str, str]) -> None:
+    def __init__(self, status: int, what: str, headers: Mapping[str, str], partial: bytes = b"") -> None:
         super().__init__(what)
         self.status = status
         self.what = what
         self.headers = headers
+        self.partial = partial
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,10 @@ class Client:
                 size += len(chunk)
                 if size > max_bytes:
                     resp.close()
-                    raise ResponseTooLarge(resp.status, f"sent more than {max_bytes} bytes", resp.headers)
+                    chunks.append(chunk[: len(chunk) - (size - max_bytes)])
+                    partial = b"".join(chunks)
+                    chunks.clear()
+                    raise ResponseTooLarge(resp.status, f"sent more than {max_bytes} bytes", resp.headers, partial)
                 chunks.append(chunk)
             return Response(resp.status, resp.headers, b"".join(chunks))
 

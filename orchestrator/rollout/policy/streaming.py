@@ -26,14 +26,16 @@ import orjson
 
 from orchestrator.core.errors import ContextFull, GenerationAborted, PolicyResponseError, PolicyTokenError
 from orchestrator.core.text import texts
+from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.parsing import CONTEXT_FULL
 
 DONE = b"[DONE]"
 EVENT_STREAM = "text/event-stream"
 
 
-def _events(body: bytes) -> list[bytes]:
-    """The data of each server-sent event, up to `[DONE]`; GenerationAborted when the stream ended before it."""
+def _events(body: bytes, *, cut: bool = False) -> list[bytes]:
+    """The data of each server-sent event, up to `[DONE]`; GenerationAborted when the stream ended before it. A
+    stream `cut` short (at the response cap) gives its complete events, without the one it was cut in."""
     events: list[bytes] = []
     data: list[bytes] = []
     # a stream may start with a byte order mark, and end its lines with CRLF, LF or CR alone (the SSE standard)
@@ -50,7 +52,7 @@ def _events(body: bytes) -> list[bytes]:
             value = line[5:]
             data.append(value[1:] if value.startswith(b" ") else value)
         # comments (":...") and the other fields (event, id, retry) carry nothing an answer needs
-    if data and b"\n".join(data).strip() == DONE:  # [DONE] as the last line, without its blank line
+    if cut or (data and b"\n".join(data).strip() == DONE):  # [DONE] as the last line, without its blank line
         return events
     raise GenerationAborted("the policy server's stream ended before `data: [DONE]`: the generation is incomplete")
 
@@ -154,12 +156,7 @@ class _Choice:
             # every server ends a stream's last chunk with one; without it the answer may be cut (a whole answer's
             # parser takes a missing finish_reason as finished, which a stream must not lend itself to)
             raise GenerationAborted("the policy server's stream ended without a finish_reason: it may be incomplete")
-        if self.token_ids is not None and self.lists:
-            for n, ids, entries in self.counts:
-                if ids != entries:
-                    raise PolicyTokenError(
-                        f"stream event {n} carries {ids} token ids and {entries} logprobs: they do not line up"
-                    )
+        self.lined_up()
         out: dict[str, Any] = {"index": 0, "finish_reason": self.finish}
         if self.chat:
             calls = []
@@ -184,6 +181,15 @@ class _Choice:
             out["prompt_token_ids"] = self.prompt_ids
         return out
 
+    def lined_up(self) -> None:
+        """PolicyTokenError unless each chunk carries as many logprobs as token ids (when it carries both)."""
+        if self.token_ids is not None and self.lists:
+            for n, ids, entries in self.counts:
+                if ids != entries:
+                    raise PolicyTokenError(
+                        f"stream event {n} carries {ids} token ids and {entries} logprobs: they do not line up"
+                    )
+
     def carried(self) -> int | None:
         """How many sampled tokens the stream carried: its ids, else the logprob entries the parser reads them from
         (the `token_id:N` labels of a server that sends no ids); None when it carried none of either."""
@@ -200,11 +206,34 @@ def collect(body: bytes) -> dict[str, Any]:
     how many tokens it sampled (`usage`, asked for with stream_options.include_usage), the token ids must be that
     many: a server whose tool or reasoning parser held a chunk back has sent neither its ids nor its logprobs, and
     the two lists would still be of one length."""
+    choice, whole, sampled, lax = _read(body)
+    whole["choices"] = [choice.whole()]
+    carried = choice.carried()
+    if carried is not None and sampled is not None and sampled != carried:
+        raise PolicyTokenError(
+            f"the policy server's stream carried {carried} tokens but says it sampled {sampled} "
+            "(usage.completion_tokens): some never arrived; use token_mode tito, or a server that sends every one"
+        )
+    return texts(whole) if lax else whole
+
+
+def carried_so_far(body: bytes) -> int | None:
+    """How many sampled tokens a stream cut short at the response cap carried in its complete events, each checked
+    as `collect` checks it (PolicyError names the first wrong one); None when they carried none."""
+    choice, _, _, _ = _read(body, cut=True)
+    choice.lined_up()
+    checks.token_ids(choice.token_ids, "the stream's token_ids")  # ints of the wire's range, as the parser wants
+    return choice.carried()
+
+
+def _read(body: bytes, *, cut: bool = False) -> tuple[_Choice, dict[str, Any], Any, bool]:
+    """The stream's first choice as read so far, the answer's other fields, the sampled count its `usage` gives,
+    and whether the json module read an event (its strings to be made text)."""
     choice = _Choice()
     whole: dict[str, Any] = {}
     sampled: Any = None
     lax = False
-    for n, event in enumerate(_events(body)):
+    for n, event in enumerate(_events(body, cut=cut)):
         chunk, lax_event = _decode(event, n)
         lax |= lax_event
         if isinstance(chunk.get("model"), str):
@@ -219,11 +248,4 @@ def collect(body: bytes) -> dict[str, Any]:
             c = _expect(c, dict, where)
             if c.get("index", 0) == 0:
                 choice.add(c, n, where)
-    whole["choices"] = [choice.whole()]
-    carried = choice.carried()
-    if carried is not None and sampled is not None and sampled != carried:
-        raise PolicyTokenError(
-            f"the policy server's stream carried {carried} tokens but says it sampled {sampled} "
-            "(usage.completion_tokens): some never arrived; use token_mode tito, or a server that sends every one"
-        )
-    return texts(whole) if lax else whole
+    return choice, whole, sampled, lax
