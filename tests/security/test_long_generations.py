@@ -33,9 +33,9 @@ def _event(chunk: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
-def token_chunk(token: int, ids: int = 1) -> bytes:
-    """One token as vLLM streams it with logprobs, return_token_ids and return_tokens_as_token_ids (~400 bytes);
-    `ids` token ids against its one logprob entry (1: they line up)."""
+def token_chunk(token: int, ids: int = 1, tokens: int = 1) -> bytes:
+    """One token as vLLM streams it with logprobs, return_token_ids and return_tokens_as_token_ids (~400 bytes),
+    or `tokens` of them in one chunk; `ids` token ids a token against its one logprob entry (1: they line up)."""
     return _event(
         {
             "id": "chatcmpl-0123456789abcdef0123456789abcdef",
@@ -55,9 +55,10 @@ def token_chunk(token: int, ids: int = 1) -> bytes:
                                 "top_logprobs": [],
                             }
                         ]
+                        * tokens
                     },
                     "finish_reason": None,
-                    "token_ids": [token] * ids,
+                    "token_ids": [token] * ids * tokens,
                 }
             ],
         }
@@ -74,9 +75,11 @@ def generation(tokens: int) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def streaming_server(answers: list[bytes], endless: bytes = b"") -> AsyncIterator[str]:
-    """A server that answers each request 200 text/event-stream (chunked): the first ones with `answers` in turn,
-    the rest with `endless` over and over without end."""
+async def streaming_server(
+    answers: list[bytes], endless: bytes = b"", content_type: str = "text/event-stream"
+) -> AsyncIterator[str]:
+    """A server that answers each request 200 `content_type` (chunked): the first ones with `answers` in turn, the
+    rest with `endless` over and over without end."""
     served = 0
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -87,7 +90,8 @@ async def streaming_server(answers: list[bytes], endless: bytes = b"") -> AsyncI
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
             await reader.readexactly(length)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n\r\n"
+            writer.write(head.encode())
             if served < len(answers):
                 whole = answers[served]
                 served += 1
@@ -172,8 +176,12 @@ async def test_a_stream_past_its_cap_with_more_tokens_than_an_episode_keeps_is_g
         (b"".join(token_chunk(7 + i, ids=2) for i in range(64)), 100_000),
         # ids that are not token ids
         (token_chunk(-5) * 64, 100_000),
+        # logprob entries that are no sampled tokens' (no ids, no `token_id:N` labels), a thousand a chunk
+        (_event({"choices": [{"index": 0, "delta": {}, "logprobs": {"content": [0] * 1000}}]}) * 16, 100_000),
+        # more tokens than an episode keeps (500), and than max_tokens (520): 550 by the chunk that passes 500
+        (b"".join(token_chunk(7 + i, tokens=50) for i in range(8)), 520),
     ],
-    ids=["over-max-tokens", "no-tokens", "misaligned", "bad-ids"],
+    ids=["over-max-tokens", "no-tokens", "misaligned", "bad-ids", "junk-logprobs", "past-max-tokens"],
 )
 async def test_a_stream_past_its_cap_otherwise_is_the_servers_fault(endless: bytes, max_tokens: int) -> None:
     async with streaming_server([], endless=endless) as url:
@@ -184,6 +192,18 @@ async def test_a_stream_past_its_cap_otherwise_is_the_servers_fault(endless: byt
         finally:
             await policy.aclose()
     assert "the-other-host-said-this" not in str(e.value)
+
+
+async def test_a_whole_answer_to_a_streams_request_keeps_a_whole_answers_cap() -> None:
+    # a stream's cap is for events; a JSON body past the whole answer's cap would be parsed on the event loop
+    body = b'{"choices": [{"index": 0, "message": {"content": "' + b"x" * (300 << 10) + b'"}}]}'
+    async with streaming_server([body], content_type="application/json") as url:
+        policy = _policy(url, max_response_bytes=256 << 10)
+        try:
+            with pytest.raises(PolicyResponseError, match=r"is \d+ bytes of application/json; the limit is 262144"):
+                await policy.complete(MESSAGES, [], Sampling(max_tokens=100_000))
+        finally:
+            await policy.aclose()
 
 
 @pytest.mark.parametrize("first_turns", [0, 1], ids=["first-turn", "later-turn"])

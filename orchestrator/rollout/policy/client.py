@@ -6,7 +6,7 @@ and logprobs are never invented here. Requests go through one aiohttp session pe
 proxies from the environment; a fraction of httpx's CPU per request).
 
 The URL is the tenant's choice, so the server at it is untrusted: its response is read with a size cap (streamed,
-stopped at `max_response_bytes`), redirects are not followed, and error messages give the status, the size and the
+stopped at `response_cap`), redirects are not followed, and error messages give the status, the size and the
 content type of a response, never its body.
 
 A 200 whose finish_reason says the server did not finish the generation ("abort": vLLM and SGLang abort what is
@@ -15,9 +15,9 @@ that says the conversation is over the model's context is ContextFull: the episo
 
 With `PolicyEndpoint.stream` the answer is asked for as a stream (streaming.py): `request_timeout_s` then bounds the
 longest silence, not the whole generation, so a long generation is a turn, never a POLICY_ERROR for its length. Its
-byte cap grows with its max_tokens (`response_cap`); a stream that passes it carrying more tokens than an episode
-keeps is GenerationTooLong, the episode's end (TRUNCATED), and one whose bytes pass it otherwise is the server's
-fault (PolicyResponseError).
+byte cap grows with its max_tokens (`response_cap`); a stream that passes it whose complete events the parser takes
+as more tokens than an episode keeps, and no more than max_tokens, is GenerationTooLong, the episode's end
+(TRUNCATED), and one that passes it otherwise is the server's fault (PolicyResponseError).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ BACKOFF_CAP_S = 5.0
 MAX_RESPONSE_BYTES = 32 << 20
 # A streamed answer is about 400 bytes a token (vLLM: a chunk per token with its id and logprob entry), so 32 MiB
 # held about 85,000 tokens: a longer generation within max_tokens was refused, POLICY_ERROR, masked. A stream's cap
-# is MAX_RESPONSE_BYTES and this much for each token it may carry: max_tokens, at most one more than an episode
+# is MAX_RESPONSE_BYTES and this much for each token it may carry: max_tokens, but at most one more than an episode
 # keeps (KEPT_TOKENS), since a stream past that many is TRUNCATED whatever follows (GenerationTooLong).
 STREAMED_TOKEN_BYTES = 1024
 KEPT_TOKENS = EPISODE_BYTES // TOKEN_BYTES  # a turn of more tokens never fits an episode (rollout/step.py)
@@ -160,6 +160,8 @@ class OpenAIPolicy(Policy):
                     return parse(await self._attempt(url, body, headers))
                 except GenerationAborted as e:
                     raise _Retryable(e) from None
+                except _CutAtCap as cut:
+                    raise await self._past_cap(cut, parse, _max_tokens(body)) from None
             except _Retryable as r:
                 if attempt + 1 >= attempts:
                     r.error.args = (f"{r.error} (attempt {attempt + 1} of {attempts})",)
@@ -201,16 +203,13 @@ class OpenAIPolicy(Policy):
         except (http.ConnectError, http.ReadError, http.RemoteProtocolError) as e:
             raise _Retryable(self._unreachable(url, e), cause=e) from e
         except http.ResponseTooLarge as e:
+            message = self._too_big(url, e.status, e.what, cap)
             partial, e.partial = e.partial, b""  # up to the cap's bytes: never kept by an error's traceback
-            carried = await _carried(partial) if streamed and _max_tokens(body) > self.kept_tokens else None
+            if not (streamed and _max_tokens(body) > self.kept_tokens):
+                raise PolicyResponseError(message) from None
+            answer = await _cut_answer(partial, self.kept_tokens)
             del partial
-            if carried is not None and carried > self.kept_tokens:
-                # the policy's length, not the server's bytes, took the stream past its cap: TRUNCATED
-                raise GenerationTooLong(
-                    f"the policy's answer carried {carried} tokens when its stream passed the cap of {cap} bytes: "
-                    f"more than an episode keeps ({self.kept_tokens}), so the episode ends there, TRUNCATED"
-                ) from None
-            raise PolicyResponseError(self._too_big(url, e.status, e.what, cap)) from None
+            raise _CutAtCap(answer, message) from None
         except http.HTTPError as e:
             raise PolicyError(f"request to policy server {url} failed: {type(e).__name__}: {e}") from e
 
@@ -219,6 +218,9 @@ class OpenAIPolicy(Policy):
                 if len(resp.content) > STREAM_INLINE_BYTES:
                     return await asyncio.to_thread(streaming.collect, resp.content)
                 return streaming.collect(resp.content)
+            if len(resp.content) > self.max_response_bytes:  # a whole answer to a stream's request: a whole one's cap
+                what = f"is {len(resp.content)} bytes of {resp.headers.get('content-type') or 'no content type'}"
+                raise PolicyResponseError(self._too_big(url, resp.status, what, self.max_response_bytes))
             try:  # a whole answer, also from a server that does not stream
                 return _loads(resp.content)
             except ValueError as e:
@@ -239,6 +241,22 @@ class OpenAIPolicy(Policy):
     def _unreachable(url: str, e: Exception) -> PolicyConnectionError:
         return PolicyConnectionError(f"policy server {url} unreachable: {type(e).__name__}: {e}")
 
+    async def _past_cap(self, cut: _CutAtCap, parse: Callable[[Any], Any], max_tokens: int) -> EnvfleetError:
+        """What a stream cut at its cap is: GenerationTooLong when its complete events are an answer the parser
+        takes, of more tokens than an episode keeps and at most max_tokens (the policy's length: TRUNCATED);
+        otherwise the server's bytes, not the policy's tokens, took it there (PolicyResponseError)."""
+        if cut.answer is not None:
+            try:
+                sampled = _sampled(await asyncio.to_thread(parse, cut.answer))
+            except EnvfleetError:
+                sampled = None
+            if sampled is not None and self.kept_tokens < sampled <= max_tokens:
+                return GenerationTooLong(
+                    f"the policy's answer carried {sampled} tokens when its stream passed its cap: more than an "
+                    f"episode keeps ({self.kept_tokens}), so the episode ends there, TRUNCATED"
+                )
+        return PolicyResponseError(cut.message)
+
     async def _send(
         self, url: str, content: bytes, headers: dict[str, str], cap: int, idle_timeout_s: float | None = None
     ) -> http.Response:
@@ -253,13 +271,28 @@ class OpenAIPolicy(Policy):
         return f"policy server {url} answered HTTP {status} but its response {what}; the limit is {cap} bytes"
 
 
-async def _carried(partial: bytes) -> int | None:
-    """How many tokens the complete events of a stream cut at its cap carry (streaming.carried_so_far), or None
-    when they carry none or are not a well-formed answer's."""
+class _CutAtCap(Exception):
+    """A stream that passed its cap, past max_tokens an episode keeps: the answer its complete events make (None
+    when they make none) for the request's parser, and the error to raise if it is not the policy's length."""
+
+    def __init__(self, answer: dict[str, Any] | None, message: str) -> None:
+        super().__init__(message)
+        self.answer = answer
+        self.message = message
+
+
+async def _cut_answer(partial: bytes, tokens: int) -> dict[str, Any] | None:
+    """streaming.cut_answer in a thread (the cut is tens of MB), None when its events are not chunks."""
     try:
-        return await asyncio.to_thread(streaming.carried_so_far, partial)
+        return await asyncio.to_thread(streaming.cut_answer, partial, tokens)
     except EnvfleetError:
         return None
+
+
+def _sampled(parsed: object) -> int | None:
+    """How many sampled token ids a parsed answer carries: a chat Completion's, or a tito Sample's."""
+    ids = parsed.completion_ids if isinstance(parsed, Completion) else getattr(parsed, "ids", None)
+    return len(ids) if isinstance(ids, list) else None
 
 
 def _max_tokens(body: dict[str, Any]) -> int:

@@ -213,7 +213,10 @@ class Client:
                     chunks.append(chunk[: len(chunk) - (size - max_bytes)])
                     partial = b"".join(chunks)
                     chunks.clear()
-                    raise ResponseTooLarge(resp.status, f"sent more than {max_bytes} bytes", resp.headers, partial)
+                    try:
+                        raise ResponseTooLarge(resp.status, f"sent more than {max_bytes} bytes", resp.headers, partial)
+                    finally:
+                        del partial, chunk  # the error's traceback keeps this frame: the bytes go with the caller's
                 chunks.append(chunk)
             return Response(resp.status, resp.headers, b"".join(chunks))
 

@@ -20,32 +20,34 @@ the chunk and the field, never quotes it.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import orjson
 
 from orchestrator.core.errors import ContextFull, GenerationAborted, PolicyResponseError, PolicyTokenError
 from orchestrator.core.text import texts
-from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.parsing import CONTEXT_FULL
 
 DONE = b"[DONE]"
 EVENT_STREAM = "text/event-stream"
+BOM = b"\xef\xbb\xbf"
+# a stream may start with a byte order mark, and end its lines with CRLF, LF or CR alone (the SSE standard)
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
-def _events(body: bytes, *, cut: bool = False) -> list[bytes]:
+def _events(lines: Iterable[bytes], *, cut: bool = False) -> Iterator[bytes]:
     """The data of each server-sent event, up to `[DONE]`; GenerationAborted when the stream ended before it. A
     stream `cut` short (at the response cap) gives its complete events, without the one it was cut in."""
-    events: list[bytes] = []
     data: list[bytes] = []
-    # a stream may start with a byte order mark, and end its lines with CRLF, LF or CR alone (the SSE standard)
-    for line in body.removeprefix(b"\xef\xbb\xbf").splitlines():
+    for line in lines:
         if not line:  # an event ends at a blank line
             if data:
                 event = b"\n".join(data)
                 if event.strip() == DONE:
-                    return events
-                events.append(event)
+                    return
+                yield event
                 data = []
             continue
         if line.startswith(b"data:"):
@@ -53,8 +55,17 @@ def _events(body: bytes, *, cut: bool = False) -> list[bytes]:
             data.append(value[1:] if value.startswith(b" ") else value)
         # comments (":...") and the other fields (event, id, retry) carry nothing an answer needs
     if cut or (data and b"\n".join(data).strip() == DONE):  # [DONE] as the last line, without its blank line
-        return events
+        return
     raise GenerationAborted("the policy server's stream ended before `data: [DONE]`: the generation is incomplete")
+
+
+def _lines(body: bytes) -> Iterator[bytes]:
+    """The complete lines of a stream cut short, one at a time: its last, cut line is not one. (A whole stream's are
+    split at once, which is quicker and holds them all.)"""
+    start = 0
+    for end in _LINE_END.finditer(body):
+        yield body[start : end.start()]
+        start = end.end()
 
 
 def _decode(event: bytes, n: int) -> tuple[dict[str, Any], bool]:
@@ -156,7 +167,12 @@ class _Choice:
             # every server ends a stream's last chunk with one; without it the answer may be cut (a whole answer's
             # parser takes a missing finish_reason as finished, which a stream must not lend itself to)
             raise GenerationAborted("the policy server's stream ended without a finish_reason: it may be incomplete")
-        self.lined_up()
+        if self.token_ids is not None and self.lists:
+            for n, ids, entries in self.counts:
+                if ids != entries:
+                    raise PolicyTokenError(
+                        f"stream event {n} carries {ids} token ids and {entries} logprobs: they do not line up"
+                    )
         out: dict[str, Any] = {"index": 0, "finish_reason": self.finish}
         if self.chat:
             calls = []
@@ -180,15 +196,6 @@ class _Choice:
         if self.prompt_ids is not None:
             out["prompt_token_ids"] = self.prompt_ids
         return out
-
-    def lined_up(self) -> None:
-        """PolicyTokenError unless each chunk carries as many logprobs as token ids (when it carries both)."""
-        if self.token_ids is not None and self.lists:
-            for n, ids, entries in self.counts:
-                if ids != entries:
-                    raise PolicyTokenError(
-                        f"stream event {n} carries {ids} token ids and {entries} logprobs: they do not line up"
-                    )
 
     def carried(self) -> int | None:
         """How many sampled tokens the stream carried: its ids, else the logprob entries the parser reads them from
@@ -217,23 +224,29 @@ def collect(body: bytes) -> dict[str, Any]:
     return texts(whole) if lax else whole
 
 
-def carried_so_far(body: bytes) -> int | None:
-    """How many sampled tokens a stream cut short at the response cap carried in its complete events, each checked
-    as `collect` checks it (PolicyError names the first wrong one); None when they carried none."""
-    choice, _, _, _ = _read(body, cut=True)
-    choice.lined_up()
-    checks.token_ids(choice.token_ids, "the stream's token_ids")  # ints of the wire's range, as the parser wants
-    return choice.carried()
+def cut_answer(body: bytes, tokens: int) -> dict[str, Any]:
+    """The answer the complete events of a stream cut at its cap add up to, read until they carry more than `tokens`
+    sampled tokens (or to the cut), as `length` where they give no finish_reason: for the parser to check as it
+    checks any answer. PolicyError when an event is not a chunk."""
+    choice, whole, _, lax = _read(body, cut=True, tokens=tokens)
+    if choice.finish is None:
+        choice.finish = "length"
+    whole["choices"] = [choice.whole()]
+    return texts(whole) if lax else whole
 
 
-def _read(body: bytes, *, cut: bool = False) -> tuple[_Choice, dict[str, Any], Any, bool]:
-    """The stream's first choice as read so far, the answer's other fields, the sampled count its `usage` gives,
-    and whether the json module read an event (its strings to be made text)."""
+def _read(body: bytes, *, cut: bool = False, tokens: int | None = None) -> tuple[_Choice, dict[str, Any], Any, bool]:
+    """The stream's first choice (read until it carries more than `tokens`, when given), the answer's other fields,
+    the sampled count its `usage` gives, and whether the json module read an event (its strings to be made text)."""
     choice = _Choice()
     whole: dict[str, Any] = {}
     sampled: Any = None
     lax = False
-    for n, event in enumerate(_events(body, cut=cut)):
+    body = body.removeprefix(BOM)
+    events = _events(_lines(body), cut=True) if cut else list(_events(body.splitlines()))
+    for n, event in enumerate(events):
+        if tokens is not None and (choice.carried() or 0) > tokens:
+            break
         chunk, lax_event = _decode(event, n)
         lax |= lax_event
         if isinstance(chunk.get("model"), str):
