@@ -1,8 +1,15 @@
 """Grading as pure functions: an evaluation log's text -> per-test status -> FAIL_TO_PASS / PASS_TO_PASS -> report.
 
-The log markers and the grading rules are SWE-bench's (harness/constants, harness/grading.py, log_parsers), so a log
-written here can be graded by SWE-bench's own code and the two agree (tests/environments/swe/test_crosscheck.py).
-The test output is fenced by sentinel lines that carry a per-run nonce, so a patch cannot print a fake end of output.
+The log markers and the statuses are SWE-bench's (harness/constants, harness/grading.py, log_parsers), so a log
+written here can be graded by SWE-bench's own code, and with `gold=None` the rules are its too: the two agree
+(tests/environments/swe/test_crosscheck.py). The test output is fenced by sentinel lines that carry a per-run nonce,
+so a patch cannot print a fake end of output.
+
+The harness grades by stricter rules (`gold`: the instance's `gold_statuses`, usually empty). SWE-bench counts XFAIL
+as passed and a skipped PASS_TO_PASS test as kept, and the code under test decides both: one `pytest.xfail()` in the
+function a FAIL_TO_PASS test calls resolved the task without fixing it, and a `pytest.skip()` hid the PASS_TO_PASS
+tests a patch broke. Under RL the policy learns that. So a listed test succeeds only PASSED, or with the status it
+has under the gold patch where the instance records one (a test that xfails or skips for the gold patch too).
 """
 
 from __future__ import annotations
@@ -62,8 +69,10 @@ _APPLIED = re.compile(rf"^{re.escape(APPLY_PATCH_PASS)} \(([^)]*)\)\s*$", re.M)
 StatusMap = dict[str, TestStatus]
 TestsStatus = dict[str, dict[str, list[str]]]
 # a test reported twice keeps its worst status: the code under test runs in the test process and can print a
-# passing line after the real failing one (an atexit hook), never take a failure back
-_RANK = {TestStatus.PASSED: 0, TestStatus.XFAIL: 0, TestStatus.SKIPPED: 1, TestStatus.FAILED: 2, TestStatus.ERROR: 2}
+# passing line after the real failing one (an atexit hook), never take a failure back. XFAIL ranks below PASSED: the
+# harness counts it only where the gold patch has it (grade_tests), so a PASSED line the code printed (in a test's
+# captured output, before the summary's XFAIL) must not stand for it
+_RANK = {TestStatus.PASSED: 0, TestStatus.XFAIL: 1, TestStatus.SKIPPED: 1, TestStatus.FAILED: 2, TestStatus.ERROR: 2}
 
 
 def _report(statuses: StatusMap, name: str, status: TestStatus) -> None:
@@ -257,16 +266,27 @@ def test_failed(name: str, statuses: Mapping[str, TestStatus]) -> bool:
 
 
 def grade_tests(
-    statuses: Mapping[str, TestStatus], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]
+    statuses: Mapping[str, TestStatus],
+    fail_to_pass: Sequence[str],
+    pass_to_pass: Sequence[str],
+    gold: Mapping[str, TestStatus] | None = None,
 ) -> TestsStatus:
-    """SWE-bench's `tests_status`: success / failure lists of each category (FAIL_TO_FAIL and PASS_TO_FAIL empty)."""
+    """SWE-bench's `tests_status`: success / failure lists of each category (FAIL_TO_FAIL and PASS_TO_FAIL empty).
+    With `gold` (a listed test's status under the gold patch where it is not PASSED) a test succeeds only PASSED or
+    with its gold status, and fails otherwise; without it, by SWE-bench's rules (the module doc)."""
     report: TestsStatus = {k: {"success": [], "failure": []} for k in (FAIL_TO_PASS, PASS_TO_PASS)}
-    for name in fail_to_pass:
+    if gold is not None:
+        for category, names in ((FAIL_TO_PASS, fail_to_pass), (PASS_TO_PASS, pass_to_pass)):
+            for name in names:
+                got = statuses.get(name)
+                ok = got == TestStatus.PASSED or (got is not None and got == gold.get(name))
+                report[category]["success" if ok else "failure"].append(name)
+    for name in fail_to_pass if gold is None else ():
         if test_passed(name, statuses):
             report[FAIL_TO_PASS]["success"].append(name)
         elif test_failed(name, statuses):
             report[FAIL_TO_PASS]["failure"].append(name)
-    for name in pass_to_pass:
+    for name in pass_to_pass if gold is None else ():
         if test_maintained(name, statuses):
             report[PASS_TO_PASS]["success"].append(name)
         elif test_failed(name, statuses):
@@ -337,9 +357,10 @@ def grade_log(
     pass_to_pass: Sequence[str],
     model_patch: str | bytes | None,
     nonce: str = "",
+    gold: Mapping[str, TestStatus] | None = None,
 ) -> Grade:
-    """Grade an evaluation log against the instance's tests. An empty patch is run (its statuses are reported) but
-    never counts as resolved, as in SWE-bench."""
+    """Grade an evaluation log against the instance's tests (`gold`: grade_tests). An empty patch is run (its
+    statuses are reported) but never counts as resolved, as in SWE-bench."""
     parsed = read_eval_log(log, framework, nonce)
     exists = bool(model_patch and model_patch.strip())
     applied = parsed.patch_applied and exists
@@ -355,7 +376,7 @@ def grade_log(
             parsed.error,
             parsed.statuses,
         )
-    tests = grade_tests(parsed.statuses, fail_to_pass, pass_to_pass)
+    tests = grade_tests(parsed.statuses, fail_to_pass, pass_to_pass, gold)
     return Grade(
         instance_id,
         model_patch is None,

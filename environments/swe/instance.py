@@ -11,6 +11,8 @@ extension fields, documented on their models:
 - `environment`: the environment tier's dependencies (pinned wheels), empty for dependency-free projects.
 
 `quarantined_tests` lists tests that `swe-validate` found flaky and removed from FAIL_TO_PASS / PASS_TO_PASS.
+`gold_statuses` names the listed tests that xfail or skip under the gold patch: the harness counts those statuses as
+success for them alone, and PASSED for every test (grading.py says why).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from orchestrator.core.errors import InvalidRequestError
 
@@ -131,8 +133,22 @@ class SweInstance(_Strict):
     test_runner: TestRunner = TestRunner()
     environment: EnvironmentSpec = EnvironmentSpec()
     quarantined_tests: list[str] = Field(default_factory=list)
+    gold_statuses: dict[str, Literal["XFAIL", "SKIPPED"]] = Field(
+        default_factory=dict,
+        description="listed tests whose status under the gold patch is XFAIL or SKIPPED, with that status; every "
+        "other listed test must pass",
+    )
 
     _lists = field_validator("FAIL_TO_PASS", "PASS_TO_PASS", "quarantined_tests", mode="before")(_json_list)
+
+    @field_validator("gold_statuses")
+    @classmethod
+    def _gold_of_listed_tests(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        listed = {*info.data.get("FAIL_TO_PASS", ()), *info.data.get("PASS_TO_PASS", ())}
+        unknown = sorted(set(v) - listed)
+        if unknown:
+            raise ValueError(f"names tests that are in neither FAIL_TO_PASS nor PASS_TO_PASS: {unknown[:5]}")
+        return v
 
     @field_validator("FAIL_TO_PASS", "PASS_TO_PASS")
     @classmethod

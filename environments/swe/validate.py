@@ -173,6 +173,7 @@ async def validate_dataset(
                         "FAIL_TO_PASS": f2p,
                         "PASS_TO_PASS": p2p,
                         "quarantined_tests": sorted(set(inst.quarantined_tests) | drop),
+                        "gold_statuses": {t: s for t, s in inst.gold_statuses.items() if t not in drop},
                     }
                 )
             )

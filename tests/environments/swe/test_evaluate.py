@@ -44,6 +44,10 @@ async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docke
         pred(py, "cheat", file_diff("tests/test_calc.py", _t(), _t(True))),
         pred(py, "hook", _new_file("conftest.py", HOOK)),
         pred(py, "forged", file_diff("calc.py", tiny.bad, tiny.bad + _forger(tiny.pytest.FAIL_TO_PASS))),
+        # the function under test gives up the way a test may: SWE-bench counts the FAIL_TO_PASS tests that call it
+        # as passed (XFAIL), and a PASS_TO_PASS test it breaks as kept (SKIPPED)
+        pred(py, "xfail", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", "xfail"))),
+        pred(ut, "skip", file_diff("calc.py", tiny.bad, _giving_up(tiny.good.replace("a + b", "a - b"), "add"))),
     ]
     seen: list[tuple[str, str]] = []
     summary = await run_evaluation(
@@ -94,6 +98,19 @@ async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docke
     forged = report(run, "forged", py)
     assert not forged["resolved"] and forged["tests_status"]["FAIL_TO_PASS"]["failure"], forged
 
+    # ...which the harness does not: XFAIL and SKIPPED succeed only for a test with that status under the gold patch
+    xfail = report(run, "xfail", py)
+    assert not xfail["resolved"] and xfail["tests_status"]["FAIL_TO_PASS"]["failure"] == tiny.pytest.FAIL_TO_PASS
+    skip = report(run, "skip", ut)
+    assert not skip["resolved"] and skip["tests_status"]["FAIL_TO_PASS"]["failure"] == []
+    assert skip["tests_status"]["PASS_TO_PASS"]["failure"] == tiny.unittest.PASS_TO_PASS
+    # what the logs say: the statuses SWE-bench counts as passed and as kept
+    assert "XFAIL tests/test_calc.py::test_clamp_low" in (run / "xfail" / py / "test_output.txt").read_text()
+    assert (
+        "test_add (tests.test_unit.CalcTests.test_add) ... skipped 'not today'"
+        in (run / "skip" / ut / "test_output.txt").read_text()
+    )
+
     for f in ("patch.diff", "eval.sh", "test_output.txt", "run_instance.log", "report.json"):
         assert (run / "gold" / py / f).is_file()
     assert summary["resolved_ids"] == sorted([py, ut, py])
@@ -121,6 +138,16 @@ def _new_file(path: str, text: str) -> str:
 def _forger(tests: list[str]) -> str:
     lines = "".join(f"PASSED {t}\\n" for t in tests) + "FAILED zz.py::x\\n"
     return f"\n\nimport atexit, sys\natexit.register(lambda: (sys.stdout.write('{lines}'), sys.stdout.flush()))\n"
+
+
+def _giving_up(source: str, function: str, how: str = "skip") -> str:
+    """`source` with `function` calling pytest.xfail, or raising unittest's SkipTest ("skip"), first."""
+    if how == "xfail":
+        call = '    import pytest\n\n    pytest.xfail("not today")\n'
+    else:
+        call = '    import unittest\n\n    raise unittest.SkipTest("not today")\n'
+    head = next(line for line in source.splitlines(keepends=True) if line.startswith(f"def {function}("))
+    return source.replace(head, head + call, 1)
 
 
 def _t(fixed: bool = False) -> str:

@@ -118,6 +118,28 @@ def test_grade_categories_follow_swe_bench() -> None:
     assert resolution(grade_tests({"a": TestStatus.PASSED, "b": TestStatus.FAILED}, ["a"], ["b"])) == ResolvedStatus.NO
 
 
+def test_the_harness_counts_xfail_and_skips_only_where_gold_has_them() -> None:
+    # SWE-bench's rules (gold=None): the code under test's pytest.xfail() passes a FAIL_TO_PASS test, and its
+    # pytest.skip() keeps a PASS_TO_PASS test it broke
+    hacked = {"f": TestStatus.XFAIL, "p": TestStatus.SKIPPED, "q": TestStatus.XFAIL}
+    assert resolution(grade_tests(hacked, ["f"], ["p", "q"])) == ResolvedStatus.FULL
+    # the harness's (gold: none of them xfails or skips under the gold patch): each is a failure
+    strict = grade_tests(hacked, ["f"], ["p", "q"], gold={})
+    assert strict["FAIL_TO_PASS"] == {"success": [], "failure": ["f"]}
+    assert strict["PASS_TO_PASS"] == {"success": [], "failure": ["p", "q"]}
+    assert resolution(strict) == ResolvedStatus.NO
+    # a test that skips or xfails under the gold patch too succeeds with that status, and with PASSED, not another
+    gold = {"p": TestStatus.SKIPPED, "q": TestStatus.XFAIL}
+    fixed = {"f": TestStatus.PASSED, "p": TestStatus.SKIPPED, "q": TestStatus.PASSED}
+    assert resolution(grade_tests(fixed, ["f"], ["p", "q"], gold=gold)) == ResolvedStatus.FULL
+    swapped = {"f": TestStatus.PASSED, "p": TestStatus.XFAIL, "q": TestStatus.SKIPPED}
+    assert grade_tests(swapped, ["f"], ["p", "q"], gold=gold)["PASS_TO_PASS"]["failure"] == ["p", "q"]
+    # missing, FAILED and ERROR fail, as before
+    broken = {"p": TestStatus.FAILED, "q": TestStatus.ERROR}
+    assert grade_tests(broken, ["f"], ["p", "q"], gold={})["PASS_TO_PASS"]["failure"] == ["p", "q"]
+    assert grade_tests(broken, ["f"], ["p", "q"], gold={})["FAIL_TO_PASS"]["failure"] == ["f"]
+
+
 def test_read_eval_log_needs_the_nonce_fence() -> None:
     good = read_eval_log(_log(PYTEST_OUT), "pytest", "n1")
     assert good.valid and good.apply_method == "git apply" and good.exit_code == 1
