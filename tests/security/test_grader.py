@@ -128,3 +128,37 @@ async def test_what_a_solution_does_to_the_grader_scores_0_and_never_masks_it(
             assert time.monotonic() - t0 < 3.0 + code_tests.GRADER_SLACK_S / 2, how
         await s.write_file(SOLUTION, task.reference[0].arguments["content"].encode())
         assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 1.0
+
+
+@pytest.mark.parametrize("endless", [True, False], ids=["never-ends", "slow-once"])
+async def test_a_declarative_scoring_command_past_its_timeout_runs_again_then_scores_0(
+    backend: DockerBackend, base_image: str, endless: bool
+) -> None:
+    # the scoring command runs the policy's program: one that never ends ran the command past its timeout, which was
+    # a ScoringError (ENV_ERROR, masked) where the program's outcome is a 0. Once more first: a run past its time may
+    # be the host's doing (here, the first run only: it leaves a mark and sleeps)
+    grader = (
+        'if [ ! -e /tmp/ran ]; then touch /tmp/ran; sleep 30; fi; python3 "$ENVFLEET_WORKSPACE/sol.py" >&2; '
+        "echo '{\"reward\": 1}'"
+    )
+    spec = parse_spec(
+        {
+            "name": "runs-the-solution",
+            "version": "1",
+            "tools": ["bash", "submit"],
+            "tasks": [{"id": "t1", "prompt": "p", "reference": [{"name": "submit", "arguments": {"answer": "x"}}]}],
+            "scoring": {"command": grader, "timeout_s": 2},
+        }
+    )
+    env = make_environment(spec)
+    task = env.tasks()[0]
+    assert env.scoring_timeout_s(task) >= 2 * 2  # the rollout keeps both runs' time for scoring
+    async with await backend.create(SandboxSpec(image=base_image, **SPEC)) as s:
+        await s.write_file("sol.py", b"while True:\n    pass\n" if endless else b"print('done')\n")
+        t0 = time.monotonic()
+        score = await env.score(s, task, EPISODE)
+    if endless:
+        assert (score.reward, score.metrics) == (0.0, {"scoring_timed_out": 1.0})
+        assert time.monotonic() - t0 >= 4  # it did run twice
+    else:
+        assert (score.reward, score.metrics) == (1.0, {"scoring_ran_again_after_timeout": 1.0})

@@ -4,6 +4,7 @@ score is whatever the spec's scoring command prints."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ from orchestrator.service.declarative import dockerfile as dockerfile_check
 from orchestrator.service.declarative.errors import ScoringError
 from orchestrator.service.declarative.spec import EnvironmentSpec
 
+log = logging.getLogger(__name__)
+
 MAX_SCORING_OUTPUT = 1 << 20
 TENANT_BUILD = BuildLimits()  # a spec's build is tenant content: memory, CPU, disk and time limits
 # ENVFLEET_ANSWER holds at most this many bytes of UTF-8: the kernel refuses an environment string over 128 KiB
@@ -40,6 +43,13 @@ MAX_ANSWER_ENV = 64 << 10
 # U+FFFD in its place. The exact answer is always in the JSON on stdin.
 _NOT_IN_ENV = re.compile("[\x00\ud800-\udfff]")
 TAIL_CHARS = 600
+# A scoring command past its timeout runs once more, and past it again scores 0: registration checked that it scores
+# the reference and an empty answer in time, so a run past it ran the policy's own program that never ends (again),
+# or met a host too busy to run it in time (a second run most likely finishes). An ENV_ERROR, or a rollout that ran
+# out of time in its grader (TIMEOUT), was masked: a way out of a low reward.
+SCORING_RERUN_METRIC = "scoring_ran_again_after_timeout"
+SCORING_TIMEOUT_METRIC = "scoring_timed_out"
+SCORING_SLACK_S = 5.0  # a scoring command's own start and its reply, twice
 # The package check runs at build time, offline: a missing package fails the build with this message.
 _PACKAGE_CHECK = (
     "for p in {packages}; do dpkg-query -W -f='${{Status}}' \"$p\" 2>/dev/null | grep -q 'install ok installed' "
@@ -187,8 +197,26 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
                 what = "timed out" if r.timed_out else f"exited with code {r.exit_code}"
                 raise ScoringError(f"setup command {what}: {_tail(r.stderr or r.stdout)}")
 
+    def scoring_timeout_s(self, task: Task) -> float:
+        """The scoring command at its timeout, twice (it runs once more after a timeout)."""
+        return 2 * (self.spec.scoring.timeout_s + SCORING_SLACK_S)
+
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
-        """Run the scoring command with the episode as JSON on stdin and parse the reward it prints."""
+        """Run the scoring command with the episode as JSON on stdin and parse the reward it prints; past its timeout
+        it runs once more, and past it again scores 0 (SCORING_RERUN_METRIC says why)."""
+        timeout_s = self.spec.scoring.timeout_s
+        r = await self._run_scoring(sandbox, task, episode)
+        if not r.timed_out:
+            return parse_score(r, timeout_s)
+        log.info("%s: the scoring command ran past its %gs; running it once more", task.id, timeout_s)
+        r = await self._run_scoring(sandbox, task, episode)
+        if r.timed_out:
+            log.info("%s: the scoring command ran past its %gs twice; scored 0", task.id, timeout_s)
+            return Score(0.0, {}, {SCORING_TIMEOUT_METRIC: 1.0})
+        score = parse_score(r, timeout_s)
+        return Score(score.reward, score.components, {**score.metrics, SCORING_RERUN_METRIC: 1.0})
+
+    async def _run_scoring(self, sandbox: Sandbox, task: Task, episode: Episode) -> ExecResult:
         payload = {
             **self._task_json(task),
             "answer": episode.answer,
@@ -208,7 +236,7 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
         # ASCII whatever the answer holds: json escapes NUL, unpaired surrogates and every other non-ASCII character.
         # The policy decides its size (an answer up to 32 MiB, in it twice, each up to six times as long escaped):
         # the transport streams a large stdin in pieces (envd_transport.STREAM_STDIN_OVER)
-        r = await sandbox.exec(
+        return await sandbox.exec(
             ["/bin/sh", "-c", scoring.command],
             cwd=GRADER_CWD,
             stdin=json.dumps(payload).encode(),
@@ -216,7 +244,6 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
             timeout=scoring.timeout_s,
             max_output=MAX_SCORING_OUTPUT,
         )
-        return parse_score(r, scoring.timeout_s)
 
 
 def make_environment(spec: EnvironmentSpec) -> DeclarativeEnvironment:
