@@ -166,9 +166,20 @@ class _Pool:
 
 
 def _per_second(times: collections.deque[float], now: float, window: float) -> float:
+    _trim(times, now, window)
+    return len(times) / window
+
+
+def _count(times: collections.deque[float], now: float, window: float) -> None:
+    """Record an event at `now`, and forget those past the window: read only while a pool is empty (the refiller's
+    `_unused`), the acquires of a pool in use for days, a float each, were never forgotten."""
+    times.append(now)
+    _trim(times, now, window)
+
+
+def _trim(times: collections.deque[float], now: float, window: float) -> None:
     while times and times[0] < now - window:
         times.popleft()
-    return len(times) / window
 
 
 class SandboxPool:
@@ -249,7 +260,7 @@ class SandboxPool:
         warm one whose lease ends sooner is not handed out (the sweep would remove it in the caller's hands)."""
         p = self._pool(spec)
         now = p.used = time.monotonic()
-        p.acquires.append(now)
+        _count(p.acquires, now, self.config.rate_window_s)
         self._wake.set()
         while p.idle:
             # the most recently returned first: the hot set stays small and warm in the CPU's caches, and what the
@@ -282,7 +293,7 @@ class SandboxPool:
             self.busy += 1
             self.metrics.acquire_seconds.labels("warm").observe(time.monotonic() - now)
             return entry.sandbox, "warm"
-        p.colds.append(now)
+        _count(p.colds, now, self.config.rate_window_s)
         sandbox = await self._create(p)
         self.busy += 1
         p.busy += 1
@@ -329,6 +340,9 @@ class SandboxPool:
         p = self._pools.get(key)
         if p is not None:
             p.busy = max(0, p.busy - 1)
+            if not self.config.enabled and not p.busy + p.creating:
+                # no refiller forgets it (the pool never keeps one): a pool a spec, for every spec ever named
+                self._forget(p)
         return key, p
 
     async def close_now(self, sandbox: Sandbox) -> None:
@@ -374,7 +388,7 @@ class SandboxPool:
                 self.metrics.pool_discards.labels("reset_failed").inc()
         if p is not None:
             p.recycling = False
-            p.losses.append(time.monotonic())
+            _count(p.losses, time.monotonic(), self.config.rate_window_s)
         await sandbox.release()
         return False
 

@@ -708,3 +708,46 @@ async def test_a_pool_out_of_use_keeps_no_minimum_and_is_forgotten() -> None:
     finally:
         await pool.close()
         await backend.close()
+
+
+async def test_a_pool_in_use_for_long_keeps_only_its_windows_acquires() -> None:
+    # the acquire times were forgotten only while the pool was empty (the refiller's `_unused` reads its rate then):
+    # a pool recycling through a long run kept a float for every rollout, hundreds of MB a day on a busy worker
+    backend, spec = _fake()
+    pool = SandboxPool(backend, PoolConfig(rate_window_s=0.2))
+    pool.start()
+    try:
+        t0, n = time.monotonic(), 0
+        while time.monotonic() - t0 < 1.0:
+            sb, _ = await pool.acquire(spec)
+            await pool.release(sb, recycle=True)
+            n += 1
+            await asyncio.sleep(0.005)
+        p = pool._pools[pool_key(spec)]
+        assert p.idle, "the pool was in use throughout"
+        assert n > 50 and len(p.acquires) < n / 2, (n, len(p.acquires))
+        assert all(t >= time.monotonic() - 0.3 for t in p.acquires)
+    finally:
+        await pool.close()
+        await backend.close()
+
+
+async def test_a_disabled_pool_forgets_each_spec_once_its_sandboxes_are_back() -> None:
+    # without a refiller nothing forgot a pool: one for every spec ever named (a tenant's image, limits and lease)
+    backend, _ = _fake()
+    pool = SandboxPool(backend, PoolConfig(enabled=False))
+    pool.start()
+    try:
+        specs = [SandboxSpec(image=backend.config.base_image, env={"N": str(i)}) for i in range(20)]
+        held = await asyncio.gather(*(pool.acquire(s) for s in specs))
+        assert len(pool._pools) == 20
+        for sb, _ in held:
+            assert not await pool.release(sb, recycle=True)  # never kept: the pool is off
+        assert pool._pools == {}
+        sb, _ = await pool.acquire(specs[0])  # and a spec named again is a pool again
+        assert len(pool._pools) == 1
+        await pool.close_now(sb)
+        assert pool._pools == {}
+    finally:
+        await pool.close()
+        await backend.close()
