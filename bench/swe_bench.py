@@ -95,7 +95,8 @@ async def _baseline_one(inst: SweInstance, image: str) -> bool:
         env = ["-e", f"PYTHONPATH={pythonpath}"] if pythonpath else []
         code, out = await _docker("exec", "-w", "/workspace", *env, cid, "sh", "-c", f"timeout 300 {cmd} 2>&1")
         statuses = PARSERS[inst.test_runner.framework](out.decode(errors="replace"))
-        return resolution(grade_tests(statuses, inst.FAIL_TO_PASS, inst.PASS_TO_PASS)).value == "RESOLVED_FULL"
+        tests = grade_tests(statuses, inst.FAIL_TO_PASS, inst.PASS_TO_PASS, inst.gold())  # as the harness grades
+        return resolution(tests).value == "RESOLVED_FULL"
     finally:
         await _docker("rm", "-f", cid)
 

@@ -23,7 +23,7 @@ from typing import Any
 import docker
 
 from environments.sdk import Limits, Sandbox
-from environments.swe.grading import TESTS_STARTED, Grade, ResolvedStatus, TestStatus, grade_log
+from environments.swe.grading import TESTS_STARTED, Grade, ResolvedStatus, grade_log
 from environments.swe.images import REPO_DIR, RepoTars, environment_image, instance_image
 from environments.swe.instance import EnvironmentSpec, Prediction, SweInstance
 from environments.swe.patches import check_patch
@@ -95,7 +95,7 @@ async def evaluate_in_sandbox(
         pass_to_pass=instance.PASS_TO_PASS,
         model_patch=model_patch,
         nonce=nonce,
-        gold={name: TestStatus(status) for name, status in instance.gold_statuses.items()},
+        gold=instance.gold(),
     )
     return EvalOutput(grade, text, bundle.files["eval.sh"].decode(), seconds=time.monotonic() - t0)
 

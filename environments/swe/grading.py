@@ -7,9 +7,11 @@ so a patch cannot print a fake end of output.
 
 The harness grades by stricter rules (`gold`: the instance's `gold_statuses`, usually empty). SWE-bench counts XFAIL
 as passed and a skipped PASS_TO_PASS test as kept, and the code under test decides both: one `pytest.xfail()` in the
-function a FAIL_TO_PASS test calls resolved the task without fixing it, and a `pytest.skip()` hid the PASS_TO_PASS
-tests a patch broke. Under RL the policy learns that. So a listed test succeeds only PASSED, or with the status it
-has under the gold patch where the instance records one (a test that xfails or skips for the gold patch too).
+function a FAIL_TO_PASS test calls resolved the task without fixing it, and a `unittest.SkipTest` raised in a
+function a patch broke hid its PASS_TO_PASS tests. Under RL the policy learns that. So a listed test succeeds only
+PASSED, or, for a PASS_TO_PASS test, with the status it has under the gold patch where the instance records one (a
+test that xfails or skips for the gold patch too). The runners (script.py) name every skipped test, so a skip is a
+status of its own that a passing line printed by the code cannot stand for.
 """
 
 from __future__ import annotations

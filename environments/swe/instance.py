@@ -11,8 +11,8 @@ extension fields, documented on their models:
 - `environment`: the environment tier's dependencies (pinned wheels), empty for dependency-free projects.
 
 `quarantined_tests` lists tests that `swe-validate` found flaky and removed from FAIL_TO_PASS / PASS_TO_PASS.
-`gold_statuses` names the listed tests that xfail or skip under the gold patch: the harness counts those statuses as
-success for them alone, and PASSED for every test (grading.py says why).
+`gold_statuses` names the PASS_TO_PASS tests that xfail or skip under the gold patch: the harness counts those
+statuses as success for them alone, and PASSED for every test (grading.py says why).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from environments.swe.grading import TestStatus
 from orchestrator.core.errors import InvalidRequestError
 
 INSTANCE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
@@ -135,8 +136,9 @@ class SweInstance(_Strict):
     quarantined_tests: list[str] = Field(default_factory=list)
     gold_statuses: dict[str, Literal["XFAIL", "SKIPPED"]] = Field(
         default_factory=dict,
-        description="listed tests whose status under the gold patch is XFAIL or SKIPPED, with that status; every "
-        "other listed test must pass",
+        description="PASS_TO_PASS tests whose status under the gold patch is XFAIL or SKIPPED, with that status; "
+        "every other listed test must pass (a FAIL_TO_PASS test always: an xfail in the code it calls is the "
+        "policy's to write)",
     )
 
     _lists = field_validator("FAIL_TO_PASS", "PASS_TO_PASS", "quarantined_tests", mode="before")(_json_list)
@@ -144,10 +146,9 @@ class SweInstance(_Strict):
     @field_validator("gold_statuses")
     @classmethod
     def _gold_of_listed_tests(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
-        listed = {*info.data.get("FAIL_TO_PASS", ()), *info.data.get("PASS_TO_PASS", ())}
-        unknown = sorted(set(v) - listed)
+        unknown = sorted(set(v) - set(info.data.get("PASS_TO_PASS", ())))
         if unknown:
-            raise ValueError(f"names tests that are in neither FAIL_TO_PASS nor PASS_TO_PASS: {unknown[:5]}")
+            raise ValueError(f"names tests that are not in PASS_TO_PASS: {unknown[:5]}")
         return v
 
     @field_validator("FAIL_TO_PASS", "PASS_TO_PASS")
@@ -159,6 +160,10 @@ class SweInstance(_Strict):
         if len(set(v)) != len(v):
             raise ValueError("test names repeat")
         return v
+
+    def gold(self) -> dict[str, TestStatus]:
+        """`gold_statuses` as grading.grade_tests takes them."""
+        return {name: TestStatus(status) for name, status in self.gold_statuses.items()}
 
     @property
     def tests(self) -> list[str]:

@@ -75,13 +75,23 @@ unittest.TestCase.shortDescription = lambda self: None
     del sys.path[0]
 
 
+class Result(unittest.TextTestResult):
+    # a test's line is written whole once its outcome is known (_write_status), not its name before it runs: the
+    # code under test wrote "ok" after the name (to sys.__stderr__, past -b) and then skipped, and the real
+    # "skipped" went on a line of its own that names no test
+    def startTest(self, test):
+        unittest.TestResult.startTest(self, test)
+        self._newline = True
+
+
 class Program(unittest.TestProgram):
     def createTests(self, *args, **kwargs):
         sys.path[:0] = paths
         super().createTests(*args, **kwargs)
 
 
-Program(module=None, argv=["python -m unittest", "-v", "-b", *sys.argv[1:]])
+runner = unittest.TextTestRunner(resultclass=Result, verbosity=2, buffer=True)
+Program(module=None, argv=["python -m unittest", "-v", "-b", *sys.argv[1:]], testRunner=runner)
 """
 PYTEST_RUNNER = f"""\
 import os, sys
@@ -90,9 +100,21 @@ import getpass, pdb  # what pytest itself imports after the repository joins sys
 {_REPO_PATHS}
 
 class Repository:
+    skipped = []
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_load_initial_conftests(self):
         sys.path[:0] = paths
+
+    # `-rA` lists a skip as `SKIPPED [1] file:line: reason`, naming no test: a test that skipped had no status of
+    # its own, and a passing line the code under test printed for it stood alone. Each skip is named here.
+    def pytest_runtest_logreport(self, report):
+        if report.skipped and not hasattr(report, "wasxfail"):
+            self.skipped.append(report.nodeid)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        for nodeid in self.skipped:
+            terminalreporter.write_line(f"SKIPPED {{nodeid}}")
 
 
 sys.exit(pytest.main(sys.argv[1:], plugins=[Repository()]))

@@ -142,6 +142,7 @@ async def test_a_patch_cannot_turn_its_0_into_a_grader_failure(
             pass_to_pass=inst.PASS_TO_PASS,
             model_patch="x",
             nonce=find_nonce(log),
+            gold={},  # the harness's rules, as evaluate_in_sandbox grades
         )
         return log, checked(grade)
 

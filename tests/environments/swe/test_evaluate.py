@@ -31,6 +31,7 @@ def report(run: Path, model: str, iid: str) -> dict[str, Any]:
 async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docker.DockerClient, tmp_path: Path) -> None:
     py, ut = tiny.pytest.instance_id, tiny.unittest.instance_id
     gold = tiny.pytest.patch
+    forger = _forger(tiny.pytest.FAIL_TO_PASS).replace("FAILED zz.py::x\\n", "")
     moved = tiny.bad.replace('"""x, kept within [lo, hi]."""', '"""x, clamped."""')
     preds = [
         pred(py, "gold", gold),
@@ -46,8 +47,13 @@ async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docke
         pred(py, "forged", file_diff("calc.py", tiny.bad, tiny.bad + _forger(tiny.pytest.FAIL_TO_PASS))),
         # the function under test gives up the way a test may: SWE-bench counts the FAIL_TO_PASS tests that call it
         # as passed (XFAIL), and a PASS_TO_PASS test it breaks as kept (SKIPPED)
-        pred(py, "xfail", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", "xfail"))),
-        pred(ut, "skip", file_diff("calc.py", tiny.bad, _giving_up(tiny.good.replace("a + b", "a - b"), "add"))),
+        pred(py, "xfail", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", XFAIL))),
+        pred(ut, "skip", file_diff("calc.py", tiny.bad, _giving_up(tiny.good.replace("a + b", "a - b"), "add", SKIP))),
+        # a skip that leaves its test no status of its own, and a passing line the code prints for it: unittest's
+        # runner wrote a test's name before it ran, so an "ok" written then completed its line; pytest's -rA names
+        # no skipped test, so a PASSED line printed at exit stood alone
+        pred(ut, "skip-ok", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", OK_THEN_SKIP))),
+        pred(py, "skip-forged", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", SKIP) + forger)),
     ]
     seen: list[tuple[str, str]] = []
     summary = await run_evaluation(
@@ -104,6 +110,14 @@ async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docke
     skip = report(run, "skip", ut)
     assert not skip["resolved"] and skip["tests_status"]["FAIL_TO_PASS"]["failure"] == []
     assert skip["tests_status"]["PASS_TO_PASS"]["failure"] == tiny.unittest.PASS_TO_PASS
+    for model, iid in (("skip-ok", ut), ("skip-forged", py)):
+        body = report(run, model, iid)
+        assert not body["resolved"] and body["tests_status"]["FAIL_TO_PASS"]["success"] == [], (model, body)
+    assert (
+        "test_clamp (tests.test_unit.CalcTests.test_clamp) ... skipped"
+        in (run / "skip-ok" / ut / "test_output.txt").read_text()
+    )
+    assert "SKIPPED tests/test_calc.py::test_clamp_low" in (run / "skip-forged" / py / "test_output.txt").read_text()
     # what the logs say: the statuses SWE-bench counts as passed and as kept
     assert "XFAIL tests/test_calc.py::test_clamp_low" in (run / "xfail" / py / "test_output.txt").read_text()
     assert (
@@ -140,14 +154,18 @@ def _forger(tests: list[str]) -> str:
     return f"\n\nimport atexit, sys\natexit.register(lambda: (sys.stdout.write('{lines}'), sys.stdout.flush()))\n"
 
 
-def _giving_up(source: str, function: str, how: str = "skip") -> str:
-    """`source` with `function` calling pytest.xfail, or raising unittest's SkipTest ("skip"), first."""
-    if how == "xfail":
-        call = '    import pytest\n\n    pytest.xfail("not today")\n'
-    else:
-        call = '    import unittest\n\n    raise unittest.SkipTest("not today")\n'
+XFAIL = '    import pytest\n\n    pytest.xfail("not today")\n'
+SKIP = '    import unittest\n\n    raise unittest.SkipTest("not today")\n'
+OK_THEN_SKIP = (
+    '    import sys, unittest\n\n    sys.__stderr__.write("ok\\n")\n    sys.__stderr__.flush()\n'
+    '    raise unittest.SkipTest("not today")\n'
+)
+
+
+def _giving_up(source: str, function: str, body: str) -> str:
+    """`source` with `body` run first in `function`."""
     head = next(line for line in source.splitlines(keepends=True) if line.startswith(f"def {function}("))
-    return source.replace(head, head + call, 1)
+    return source.replace(head, head + body, 1)
 
 
 def _t(fixed: bool = False) -> str:

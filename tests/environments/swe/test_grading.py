@@ -191,6 +191,10 @@ def test_a_test_reported_twice_keeps_its_worst_status() -> None:
     assert statuses["tests/test_a.py::TestK::test_e"] == TestStatus.ERROR
     again = parse_unittest(UNITTEST_OUT + "\ntest_b (tests.test_m.ATests.test_b) ... ok\n")
     assert again["test_b (tests.test_m.ATests.test_b)"] == TestStatus.FAILED
+    # XFAIL, which the harness counts only where gold has it, is worse than a PASSED line printed before or after
+    for lines in ("PASSED t.py::a\nXFAIL t.py::a - reason\n", "XFAIL t.py::a - reason\nPASSED t.py::a\n"):
+        assert parse_pytest(lines) == {"t.py::a": TestStatus.XFAIL}
+        assert resolution(grade_tests(parse_pytest(lines), ["t.py::a"], [], gold={})) == ResolvedStatus.NO
 
 
 @pytest.mark.parametrize(
