@@ -1,5 +1,6 @@
 """The SWE grader's test runner is the image's: a patch (or whatever an RL policy leaves in the workspace, which the
-grader diffs as its patch) cannot stand in for pytest or plug itself into it with files in the repository.
+grader diffs as its patch) cannot stand in for pytest or plug itself into it with files in the repository, and a test
+the code under test xfails or skips is no success (SWE-bench counts both).
 
 Code under test still runs in the process that reports the results, so it can forge them (see
 environments/swe/script.py, "accepted risk"); what is closed here is the runner itself being replaced by a file the
@@ -19,7 +20,7 @@ from environments.swe.grading import Grade, find_nonce, grade_log
 from environments.swe.patches import check_patch, file_diff
 from orchestrator.backends.docker.backend import DockerBackend
 from tests.environments.swe.conftest import Tiny, tiny  # noqa: F401  (the fixture)
-from tests.environments.swe.test_evaluate import HOOK, _new_file, pred, report
+from tests.environments.swe.test_evaluate import HOOK, _forger, _new_file, pred, report
 
 # prints a passing line for every test id in the command line, and exits 0: what `python -m pytest` ran before as
 # pytest.py (or, as pluggy.py, when pytest imported it)
@@ -45,6 +46,63 @@ PLUGIN = {
     "forge-1.0.dist-info/entry_points.txt": "[pytest11]\nforge = forge_plugin\n",
     "forge_plugin.py": HOOK,
 }
+
+
+XFAIL = '    import pytest\n\n    pytest.xfail("not today")\n'
+SKIP = '    import unittest\n\n    raise unittest.SkipTest("not today")\n'
+OK_THEN_SKIP = (
+    '    import sys, unittest\n\n    sys.__stderr__.write("ok\\n")\n    sys.__stderr__.flush()\n'
+    '    raise unittest.SkipTest("not today")\n'
+)
+
+
+def _giving_up(source: str, function: str, body: str) -> str:
+    """`source` with `body` run first in `function`."""
+    head = next(line for line in source.splitlines(keepends=True) if line.startswith(f"def {function}("))
+    return source.replace(head, head + body, 1)
+
+
+async def test_a_patch_that_xfails_or_skips_the_tests_it_is_graded_by_resolves_nothing(
+    tiny: Tiny,  # noqa: F811
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,
+    tmp_path: Path,
+) -> None:
+    # the code under test gives up the way a test may. SWE-bench counts the FAIL_TO_PASS tests that call it as passed
+    # (XFAIL), and a PASS_TO_PASS test it broke as kept (SKIPPED): each resolved the instance, a reward of 1
+    py, ut = tiny.pytest.instance_id, tiny.unittest.instance_id
+    forger = _forger(tiny.pytest.FAIL_TO_PASS).replace("FAILED zz.py::x\\n", "")
+    preds = [
+        pred(py, "xfail", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", XFAIL))),
+        pred(ut, "skip", file_diff("calc.py", tiny.bad, _giving_up(tiny.good.replace("a + b", "a - b"), "add", SKIP))),
+        # a skip that leaves its test no status of its own, and a passing line the code prints for it: unittest's
+        # runner wrote a test's name before it ran, so an "ok" written then completed its line; pytest's -rA names
+        # no skipped test, so a PASSED line printed at exit stood alone
+        pred(ut, "skip-ok", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", OK_THEN_SKIP))),
+        pred(py, "skip-forged", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", SKIP) + forger)),
+    ]
+    summary = await run_evaluation(
+        [tiny.pytest, tiny.unittest], preds, run_id="r", backend=backend, client=docker_client, log_dir=tmp_path
+    )
+    assert summary["error_instances"] == 0, summary["errors"]
+    run = tmp_path / "r"
+    xfail = report(run, "xfail", py)
+    assert not xfail["resolved"] and xfail["tests_status"]["FAIL_TO_PASS"]["failure"] == tiny.pytest.FAIL_TO_PASS
+    skip = report(run, "skip", ut)
+    assert not skip["resolved"] and skip["tests_status"]["FAIL_TO_PASS"]["failure"] == []
+    assert skip["tests_status"]["PASS_TO_PASS"]["failure"] == tiny.unittest.PASS_TO_PASS
+    for model, iid in (("skip-ok", ut), ("skip-forged", py)):
+        body = report(run, model, iid)
+        assert not body["resolved"] and body["tests_status"]["FAIL_TO_PASS"]["success"] == [], (model, body)
+    # what the logs say: the statuses SWE-bench counts as passed and as kept, each skip named
+    logs = {
+        p.model_name_or_path: (run / p.model_name_or_path / p.instance_id / "test_output.txt").read_text()
+        for p in preds
+    }
+    assert "XFAIL tests/test_calc.py::test_clamp_low" in logs["xfail"]
+    assert "test_add (tests.test_unit.CalcTests.test_add) ... skipped 'not today'" in logs["skip"]
+    assert "test_clamp (tests.test_unit.CalcTests.test_clamp) ... skipped 'not today'" in logs["skip-ok"]
+    assert "SKIPPED tests/test_calc.py::test_clamp_low" in logs["skip-forged"]
 
 
 async def test_a_patch_cannot_replace_or_plug_into_the_test_runner(

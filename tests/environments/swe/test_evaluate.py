@@ -31,7 +31,6 @@ def report(run: Path, model: str, iid: str) -> dict[str, Any]:
 async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docker.DockerClient, tmp_path: Path) -> None:
     py, ut = tiny.pytest.instance_id, tiny.unittest.instance_id
     gold = tiny.pytest.patch
-    forger = _forger(tiny.pytest.FAIL_TO_PASS).replace("FAILED zz.py::x\\n", "")
     moved = tiny.bad.replace('"""x, kept within [lo, hi]."""', '"""x, clamped."""')
     preds = [
         pred(py, "gold", gold),
@@ -45,15 +44,6 @@ async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docke
         pred(py, "cheat", file_diff("tests/test_calc.py", _t(), _t(True))),
         pred(py, "hook", _new_file("conftest.py", HOOK)),
         pred(py, "forged", file_diff("calc.py", tiny.bad, tiny.bad + _forger(tiny.pytest.FAIL_TO_PASS))),
-        # the function under test gives up the way a test may: SWE-bench counts the FAIL_TO_PASS tests that call it
-        # as passed (XFAIL), and a PASS_TO_PASS test it breaks as kept (SKIPPED)
-        pred(py, "xfail", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", XFAIL))),
-        pred(ut, "skip", file_diff("calc.py", tiny.bad, _giving_up(tiny.good.replace("a + b", "a - b"), "add", SKIP))),
-        # a skip that leaves its test no status of its own, and a passing line the code prints for it: unittest's
-        # runner wrote a test's name before it ran, so an "ok" written then completed its line; pytest's -rA names
-        # no skipped test, so a PASSED line printed at exit stood alone
-        pred(ut, "skip-ok", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", OK_THEN_SKIP))),
-        pred(py, "skip-forged", file_diff("calc.py", tiny.bad, _giving_up(tiny.bad, "clamp", SKIP) + forger)),
     ]
     seen: list[tuple[str, str]] = []
     summary = await run_evaluation(
@@ -104,27 +94,6 @@ async def test_outcomes(tiny: Tiny, backend: DockerBackend, docker_client: docke
     forged = report(run, "forged", py)
     assert not forged["resolved"] and forged["tests_status"]["FAIL_TO_PASS"]["failure"], forged
 
-    # ...which the harness does not: XFAIL and SKIPPED succeed only for a test with that status under the gold patch
-    xfail = report(run, "xfail", py)
-    assert not xfail["resolved"] and xfail["tests_status"]["FAIL_TO_PASS"]["failure"] == tiny.pytest.FAIL_TO_PASS
-    skip = report(run, "skip", ut)
-    assert not skip["resolved"] and skip["tests_status"]["FAIL_TO_PASS"]["failure"] == []
-    assert skip["tests_status"]["PASS_TO_PASS"]["failure"] == tiny.unittest.PASS_TO_PASS
-    for model, iid in (("skip-ok", ut), ("skip-forged", py)):
-        body = report(run, model, iid)
-        assert not body["resolved"] and body["tests_status"]["FAIL_TO_PASS"]["success"] == [], (model, body)
-    assert (
-        "test_clamp (tests.test_unit.CalcTests.test_clamp) ... skipped"
-        in (run / "skip-ok" / ut / "test_output.txt").read_text()
-    )
-    assert "SKIPPED tests/test_calc.py::test_clamp_low" in (run / "skip-forged" / py / "test_output.txt").read_text()
-    # what the logs say: the statuses SWE-bench counts as passed and as kept
-    assert "XFAIL tests/test_calc.py::test_clamp_low" in (run / "xfail" / py / "test_output.txt").read_text()
-    assert (
-        "test_add (tests.test_unit.CalcTests.test_add) ... skipped 'not today'"
-        in (run / "skip" / ut / "test_output.txt").read_text()
-    )
-
     for f in ("patch.diff", "eval.sh", "test_output.txt", "run_instance.log", "report.json"):
         assert (run / "gold" / py / f).is_file()
     assert summary["resolved_ids"] == sorted([py, ut, py])
@@ -152,20 +121,6 @@ def _new_file(path: str, text: str) -> str:
 def _forger(tests: list[str]) -> str:
     lines = "".join(f"PASSED {t}\\n" for t in tests) + "FAILED zz.py::x\\n"
     return f"\n\nimport atexit, sys\natexit.register(lambda: (sys.stdout.write('{lines}'), sys.stdout.flush()))\n"
-
-
-XFAIL = '    import pytest\n\n    pytest.xfail("not today")\n'
-SKIP = '    import unittest\n\n    raise unittest.SkipTest("not today")\n'
-OK_THEN_SKIP = (
-    '    import sys, unittest\n\n    sys.__stderr__.write("ok\\n")\n    sys.__stderr__.flush()\n'
-    '    raise unittest.SkipTest("not today")\n'
-)
-
-
-def _giving_up(source: str, function: str, body: str) -> str:
-    """`source` with `body` run first in `function`."""
-    head = next(line for line in source.splitlines(keepends=True) if line.startswith(f"def {function}("))
-    return source.replace(head, head + body, 1)
 
 
 def _t(fixed: bool = False) -> str:
