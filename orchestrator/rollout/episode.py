@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,12 +32,15 @@ from orchestrator.core.tracing import (
     Phase,
     Span,
 )
+from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import CUT_OFF
 from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 
 TOOL_SLACK_S = 30.0  # past its timeout, what a tool call may take to be stopped and answered
+GENERATING_S = 5.0  # a policy's answer that sent bytes this recently is being generated (_PastDeadline)
+CHECK_S = 1.0  # past the deadline, how often a silent answer is looked at again
 _NO_LIMIT = contextlib.nullcontext()
 
 
@@ -90,10 +94,17 @@ async def run_episode(
     episode_policy = policy.for_episode(max_model_len=max_model_len)
     for turn in range(max_turns):
         phase = Phase(span, "policy", {TURN: turn})
+        cut = _PastDeadline(deadline)
         try:
             with phase:
-                c = await episode_policy.complete(messages, schemas, sampling, user=user)
+                async with cut:
+                    c = await episode_policy.complete(messages, schemas, sampling, user=user)
                 phase.span.set(_policy_attributes(c))
+        except TimeoutError:
+            if not cut.expired():
+                raise
+            finish = "time"  # past the deadline, still generating: TRUNCATED without the turn
+            break
         except GenerationTooLong:
             finish = "length"  # the policy's answer is longer than an episode keeps: TRUNCATED without it
             break
@@ -157,6 +168,46 @@ async def run_episode(
             finish = "length"  # its observations filled the budget (each is capped, core/tools.py)
             break
     return EpisodeResult(state.episode(finish), tracker, generation_s, tools_s, model)
+
+
+class _PastDeadline:
+    """Around a policy call: past the episode's deadline, the call is cut once its answer is seen streaming in
+    (bytes within the last GENERATING_S), the policy's own length, as a tool call is cut there ("time"); never while
+    its server is silent, which may be a hung server's doing, no outcome of the policy's (its idle timeout or the
+    rollout's decides). Uncut, a policy that wrote on past the deadline, into the scoring's reserve and the rollout's
+    end, made a losing rollout TIMEOUT, masked. A whole (not streamed) answer shows no progress until it is done."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+        self._timeout = asyncio.timeout(None)
+        self._progress = http.Progress()
+        self._token: contextvars.Token[http.Progress | None] | None = None
+        self._check: asyncio.TimerHandle | None = None
+
+    async def __aenter__(self) -> _PastDeadline:
+        await self._timeout.__aenter__()
+        if self._deadline is not None:
+            self._token = http.PROGRESS.set(self._progress)
+            self._check = asyncio.get_running_loop().call_at(self._deadline, self._look)
+        return self
+
+    def _look(self) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._progress.last < GENERATING_S:
+            self._timeout.reschedule(loop.time())
+        else:
+            self._check = loop.call_later(CHECK_S, self._look)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._check is not None:
+            self._check.cancel()
+        if self._token is not None:
+            http.PROGRESS.reset(self._token)
+        await self._timeout.__aexit__(*exc)  # TimeoutError when it cut the call
+
+    def expired(self) -> bool:
+        """Whether this cut the call."""
+        return self._timeout.expired()
 
 
 def _policy_attributes(c: Completion) -> dict[str, AttributeValue]:

@@ -2,9 +2,10 @@
 setup, its episode and its scoring alike, and ran out as TIMEOUT, which carries no reward and is masked from training:
 a losing policy gained by making slow tool calls (each up to the tool's timeout, as many a turn as it liked) until
 the time was gone. Its tool calls now end when only the scoring's reserve is left (a quarter of the rollout's time,
-at most 300 s), and the episode with them: TRUNCATED ("time"), and scored. A generation is not cut: a hung inference
-server is no outcome of the policy's, and stays TIMEOUT (tests/orchestrator/test_e2e.py). The time counts from the end
-of the environment's setup: a slow sandbox takes none of it.
+at most 300 s), and the episode with them: TRUNCATED ("time"), and scored. So does a generation seen streaming in
+past that point: a policy that wrote on into the scoring's reserve made its rollout TIMEOUT. A silent one is not cut:
+a hung inference server is no outcome of the policy's, and stays TIMEOUT (tests/orchestrator/test_e2e.py). The time
+counts from the end of the environment's setup: a slow sandbox takes none of it.
 
 Through real processes: the scripted policy server and the real gRPC server on the fake backend, whose every command
 takes 2 s."""
@@ -15,7 +16,8 @@ import asyncio
 from pathlib import Path
 
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.models import Rollout, RolloutStatus
+from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
 from tests.orchestrator.conftest import ENV, job
@@ -57,3 +59,29 @@ async def test_a_slow_sandbox_leaves_the_policy_all_of_its_time(tmp_path: Path) 
     assert rollout.timing is not None and rollout.timing.sandbox_acquire >= 2.5
     assert 5.5 < rollout.timing.total - rollout.timing.sandbox_acquire < 8
     assert len([t for t in rollout.turns if t.role == "tool"]) in (2, 3)
+
+
+async def test_a_generation_streaming_past_the_episodes_time_is_truncated_and_scored(tmp_path: Path) -> None:
+    # a tool call, then an answer that streams for 16 s (8 pieces, 2 s apart) in a rollout of 8 s: it ran on past
+    # the episode's 6 s and the scoring's reserve, and the rollout's deadline made it TIMEOUT, masked
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    call = Step(tool_calls=[ScriptedToolCall(name="python", arguments={"code": "print(1)"})])
+    rambling = Step(content="word " * 4000, chunk_delay_s=2.0)
+    async with (
+        await start_scripted_server(Script(default=[call, rambling]), tokens=False) as scripted,
+        serve(tmp_path / "data", backend=FAKE) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        spec = JobSpec(
+            env=ENV,
+            tasks=TaskSelection(kind="ids", ids=[task_id]),
+            policy=PolicyEndpoint(base_url=scripted.url, model="scripted", stream=True, request_timeout_s=30),
+            rollout_timeout_s=8,
+            max_infra_retries=0,
+        )
+        job_id = await client.submit(spec)
+        async with asyncio.timeout(60):
+            [rollout] = [r async for r in client.rollouts(job_id)]
+    assert (rollout.status, rollout.reward, rollout.error) == (RolloutStatus.TRUNCATED, 0.0, None)
+    assert rollout.timing is not None and 5.5 < rollout.timing.total < 8
+    assert [t.role for t in rollout.turns if t.role != "user" and t.role != "system"] == ["assistant", "tool"]

@@ -16,6 +16,8 @@ and errors name what went wrong, never what the server sent.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import math
 import os
 import re
 import ssl
@@ -61,6 +63,17 @@ class RemoteProtocolError(HTTPError):
 
 class LocalProtocolError(HTTPError):
     """The request cannot be sent as asked (a header value that would break the request)."""
+
+
+@dataclass
+class Progress:
+    """When the answer to a request last sent bytes (the loop's time), for whoever set PROGRESS around the request:
+    a stream that keeps sending is a generation going on, one that is silent may be a hung server."""
+
+    last: float = -math.inf
+
+
+PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("envfleet_policy_progress", default=None)
 
 
 class ResponseTooLarge(HTTPError):
@@ -206,7 +219,10 @@ class Client:
                 raise ResponseTooLarge(resp.status, f"declares {declared} bytes", resp.headers)
             chunks: list[bytes] = []
             size = 0
+            progress, loop = PROGRESS.get(), asyncio.get_running_loop()
             while chunk := await _within(idle_timeout_s, resp.content.read(READ_CHUNK)):
+                if progress is not None:
+                    progress.last = loop.time()
                 size += len(chunk)
                 if size > max_bytes:
                     resp.close()
