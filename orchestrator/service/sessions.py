@@ -184,6 +184,8 @@ class SessionManager:
         self._sessions: dict[str, _Session] = {}
         self._reserved: dict[str, int] = {}
         self._ended: OrderedDict[str, _Tombstone] = OrderedDict()
+        # each tenant's ended sessions still kept (to say how they ended), oldest first: at most max_per_tenant
+        self._ended_of: dict[str, OrderedDict[str, None]] = {}
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
@@ -305,6 +307,11 @@ class SessionManager:
         """Forget a session, leaving a tombstone that tells its owner why."""
         if self._sessions.pop(s.id, None) is None:
             return
+        ended = self._ended_of.get(s.tenant)
+        if ended is not None:
+            ended.pop(s.id, None)
+            if not ended:
+                del self._ended_of[s.tenant]
         self._ended[s.id] = _Tombstone(s.tenant, why, time.monotonic())
         while len(self._ended) > MAX_TOMBSTONES:
             self._ended.popitem(last=False)
@@ -427,6 +434,16 @@ class SessionManager:
         s.state.turns.clear()
         s.state.answer = None
         await self._release(s, recycle)
+        # and so do the tenant's ended sessions past max_per_tenant, the oldest first, each to a tombstone (capped):
+        # kept, a loop of Reset and a last Step held one a Reset, its environment, task and state, for idle_ttl_s
+        ended = self._ended_of.setdefault(s.tenant, OrderedDict())
+        ended[s.id] = None
+        while len(ended) > self.config.max_per_tenant:
+            old = self._sessions.get(next(iter(ended)))
+            if old is None or old.ended is None:  # not kept, or not ended: nothing to say of it here
+                ended.popitem(last=False)
+                continue
+            await self._drop(old, f"has ended ({old.ended.value}); call Reset for a new episode")
 
     async def _fail(self, s: _Session, observation: str, e: BaseException) -> StepResult:
         status, error = classify_failure(e, timeout_message="the step exceeded its time budget")
@@ -477,7 +494,7 @@ class SessionManager:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        sessions, self._sessions = list(self._sessions.values()), {}
+        sessions, self._sessions, self._ended_of = list(self._sessions.values()), {}, {}
         # through _release, which marks each released: a step still running releases nothing again (its sandbox
         # went back to the pool twice, and the pool's counts drifted)
         await asyncio.gather(*(self._release(s, recycle=False) for s in sessions), return_exceptions=True)

@@ -277,11 +277,19 @@ async def test_an_ended_session_keeps_no_transcript(tmp_path: Path) -> None:
             await stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="x" * (1 << 20))))
             ids.append(r.session_id)
         assert orch.sessions is not None
-        kept = [orch.sessions._sessions[i] for i in ids]
+        # nor were the ended sessions themselves forgotten before they idled out: a tenant keeps its newest
+        # max_per_tenant, the older ones leave tombstones (capped) that still say how they ended
+        assert set(orch.sessions._sessions) == set(ids[-2:])
+        kept = [orch.sessions._sessions[i] for i in ids[-2:]]
         assert all(s.ended is not None for s in kept)
         assert sum(len(t.text) for s in kept for t in s.state.turns) == 0
-        again = stub.Step(pb.StepRequest(session_id=ids[0], action=pb.Action(final_answer="1")))
+        again = stub.Step(pb.StepRequest(session_id=ids[-1], action=pb.Action(final_answer="1")))
         await expect_error(again, grpc.StatusCode.FAILED_PRECONDITION, "has ended (OK)")
+        forgotten = stub.Step(pb.StepRequest(session_id=ids[0], action=pb.Action(final_answer="1")))
+        await expect_error(forgotten, grpc.StatusCode.NOT_FOUND, "has ended (OK); call Reset")
+        # and the tenant's open sessions are not touched by it
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        assert orch.sessions.open_sessions() == 1 and r.session_id in orch.sessions._sessions
 
 
 async def test_a_session_gets_no_warm_sandbox_whose_lease_ends_before_its_lifetime_could(
