@@ -526,6 +526,10 @@ class WorkerHub:
             return
         del self._workers[worker.id]
         self._slots -= worker.slots
+        if all(w.host != worker.host for w in self._workers.values()):
+            # the images a host had count while it has a worker: hosts come and go for good in an autoscaled fleet
+            for hosts in self._hosts_with.values():
+                hosts.discard(worker.host)
         self.lost += 0 if self._closed else 1
         if not self._closed:
             log.warning(

@@ -255,6 +255,11 @@ class RayWorkers:
         for gone in set(self.placed) - alive:
             log.warning("ray node %s is gone; its workers' rollouts are retried elsewhere", gone[:12])
             del self.placed[gone]
+        # and what was kept of nodes gone from the cluster: in an autoscaled fleet, node ids come and go for good
+        known = {n["NodeID"] for n in nodes if n["Alive"]}
+        self._unreachable &= known
+        for slot in [slot for slot in self._not_before if slot[0] not in known]:
+            del self._not_before[slot]
         now = time.monotonic()
         names = self._connected_names()
         for node, placed in self.placed.items():

@@ -95,6 +95,9 @@ async def test_a_job_across_two_ray_nodes_survives_losing_one(
         assert len(served) == 2 and all(served.values()), f"both nodes serve rollouts: {served}"
         # remove the node of one worker (its raylet and its actors die with it)
         victim_node = next(n for n in cluster.worker_nodes if n.node_id in fleet.nodes())
+        # what the fleet keeps of a node apart from its workers (a replacement's pause, a loopback warning said)
+        fleet._not_before[(victim_node.node_id, 7)] = (0.0, 1.0)
+        fleet._unreachable.add(victim_node.node_id)
         cluster.remove_node(victim_node)
         rollouts = [r async for r in client.rollouts(job_id)]
         info = await client.get_job(job_id)
@@ -106,6 +109,9 @@ async def test_a_job_across_two_ray_nodes_survives_losing_one(
             break
         await asyncio.sleep(0.1)
     assert len(fleet.nodes()) == 1
+    # and all it kept of it: nodes of an autoscaled cluster come and go for good
+    assert victim_node.node_id not in fleet._unreachable
+    assert not [slot for slot in fleet._not_before if slot[0] == victim_node.node_id]
 
 
 # -- a control plane that restarts: a process of its own, so that it can be SIGKILLed ---------------------------------

@@ -342,3 +342,19 @@ async def test_an_assignment_over_the_wires_message_size_fails_alone(monkeypatch
         ok = await asyncio.wait_for(w.hub.run(small_item, env, spec([small_item.task.id])), 30)
         assert isinstance(ok, EncodedRollout) and ok.status == RolloutStatus.OK
         assert answered == [small_item.task.id] and w.hub.lost == 0 and worker.error is None
+
+
+async def test_a_host_whose_workers_are_gone_is_forgotten_by_image_placement() -> None:
+    # the hosts that ran an environment were kept for good: one entry per host that ever connected, in a fleet whose
+    # hosts come and go
+    async with serve_hub() as w:
+        env = Registry.from_entry_points().get(ENV)
+        batch = items("job-hosts", 2)
+        async with ScriptedWorker(w.tcp, _answer):
+            await w.hub.wait_for_workers(1, timeout_s=30)
+            await asyncio.wait_for(w.hub.run(batch[0], env, spec([batch[0].task.id])), 60)
+            assert w.hub._hosts_with[env.ref()] == {"scripted-host"}
+        async with asyncio.timeout(30):  # the worker's stream is closed: the hub drops it
+            while w.hub.workers():  # noqa: ASYNC110 - the hub has no event for it
+                await asyncio.sleep(0.05)
+        assert w.hub._hosts_with[env.ref()] == set()
