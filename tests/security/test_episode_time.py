@@ -13,11 +13,17 @@ takes 2 s."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
+import pytest
+
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import PolicyError
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
-from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.rollout.episode import _PastDeadline
+from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
 from tests.orchestrator.conftest import ENV, job
@@ -85,3 +91,45 @@ async def test_a_generation_streaming_past_the_episodes_time_is_truncated_and_sc
     assert (rollout.status, rollout.reward, rollout.error) == (RolloutStatus.TRUNCATED, 0.0, None)
     assert rollout.timing is not None and 5.5 < rollout.timing.total < 8
     assert [t.role for t in rollout.turns if t.role != "user" and t.role != "system"] == ["assistant", "tool"]
+
+
+@pytest.mark.parametrize("answer", ["503", "aborted"])
+async def test_a_failing_server_past_the_episodes_time_is_not_cut_as_the_policys(answer: str) -> None:
+    # the cut takes bytes seen within the last seconds for a generation going on: an error's body (a 503 of an
+    # overloaded server) or an aborted stream's, then retried, read as one, and the fleet's fault was scored 0
+    if answer == "503":
+        reply = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 17\r\n\r\n"
+        reply += b'{"error": "busy"}'
+    else:  # a stream cut short (no finish_reason, no [DONE]): the generation was aborted, and is asked for again
+        event = b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+        reply = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        reply += f"Content-Length: {len(event)}\r\n\r\n".encode() + event
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                if not line:
+                    break
+                await reader.readexactly(length)
+                writer.write(reply)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    endpoint = PolicyEndpoint(
+        base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", stream=True, max_retries=8
+    )
+    policy = OpenAIPolicy(endpoint, backoff_base_s=0.3, backoff_cap_s=0.3)
+    try:
+        cut = _PastDeadline(asyncio.get_running_loop().time() + 0.5)
+        with pytest.raises(PolicyError):  # its retries ran out: POLICY_ERROR, masked, as before
+            async with cut:
+                await policy.complete([{"role": "user", "content": "hi"}], [], Sampling())
+        assert not cut.expired()
+    finally:
+        await policy.aclose()
+        server.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -163,6 +164,8 @@ class OpenAIPolicy(Policy):
                 except _CutAtCap as cut:
                     raise await self._past_cap(cut, parse, _max_tokens(body)) from None
             except _Retryable as r:
+                if (progress := http.PROGRESS.get()) is not None:
+                    progress.last = -math.inf  # what streamed in was no answer: the next attempt's stream is
                 if attempt + 1 >= attempts:
                     r.error.args = (f"{r.error} (attempt {attempt + 1} of {attempts})",)
                     raise r.error from r.error.__cause__

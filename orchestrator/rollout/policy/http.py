@@ -67,8 +67,9 @@ class LocalProtocolError(HTTPError):
 
 @dataclass
 class Progress:
-    """When the answer to a request last sent bytes (the loop's time), for whoever set PROGRESS around the request:
-    a stream that keeps sending is a generation going on, one that is silent may be a hung server."""
+    """When a 2xx event stream answering a request last sent bytes (the loop's time), for whoever set PROGRESS around
+    the request: a stream that keeps sending is a generation going on, one that is silent may be a hung server. The
+    client forgets it when it retries (the stream it saw was not the answer)."""
 
     last: float = -math.inf
 
@@ -220,6 +221,8 @@ class Client:
             chunks: list[bytes] = []
             size = 0
             progress, loop = PROGRESS.get(), asyncio.get_running_loop()
+            if not (200 <= resp.status < 300 and resp.content_type == "text/event-stream"):
+                progress = None  # an error's body, or a whole answer: no generation seen going on
             while chunk := await _within(idle_timeout_s, resp.content.read(READ_CHUNK)):
                 if progress is not None:
                     progress.last = loop.time()
