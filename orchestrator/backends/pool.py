@@ -294,7 +294,11 @@ class SandboxPool:
             self.metrics.acquire_seconds.labels("warm").observe(time.monotonic() - now)
             return entry.sandbox, "warm"
         _count(p.colds, now, self.config.rate_window_s)
-        sandbox = await self._create(p)
+        try:
+            sandbox = await self._create(p)
+        except BaseException:
+            self._forget_unkept(p)  # a create that failed or was cancelled leaves a disabled pool nothing to hold
+            raise
         self.busy += 1
         p.busy += 1
         self.metrics.acquire_seconds.labels("cold").observe(time.monotonic() - now)
@@ -340,10 +344,14 @@ class SandboxPool:
         p = self._pools.get(key)
         if p is not None:
             p.busy = max(0, p.busy - 1)
-            if not self.config.enabled and not p.busy + p.creating:
-                # no refiller forgets it (the pool never keeps one): a pool a spec, for every spec ever named
-                self._forget(p)
+            self._forget_unkept(p)
         return key, p
+
+    def _forget_unkept(self, p: _Pool) -> None:
+        """Forget a disabled pool's entry once it holds nothing: no refiller forgets one (the pool never keeps a
+        sandbox), and every spec ever named made one."""
+        if not self.config.enabled and not p.busy + p.creating and self._pools.get(p.key) is p:
+            self._forget(p)
 
     async def close_now(self, sandbox: Sandbox) -> None:
         """Hand a sandbox back destroyed, and wait until it is (a cancelled rollout's: its job's cancel returns once

@@ -8,12 +8,13 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.core.environment import Environment, Episode, ImageSource, Task
+from orchestrator.core.environment import Environment, Episode, ImageSource, Score, Task
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
 from orchestrator.core.tools import call_tool, get_tools
 from orchestrator.rollout.step import classify_failure, env_call, replay_reference
+from orchestrator.service.declarative.env import SCORING_RERUN_METRIC, SCORING_TIMEOUT_METRIC
 
 TOOL_PROBES: dict[str, tuple[dict[str, str], str]] = {
     "bash": ({"command": "echo envfleet-ok"}, "envfleet-ok"),
@@ -84,12 +85,21 @@ async def _check_task(env: Environment, backend: SandboxBackend, image: str, tas
         empty = await env_call(env.score(sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit")))
         if empty.reward != 0:
             problems.append(f"task {task.id}: an empty answer scores {empty.reward}, expected 0")
+        problems += _in_time(task, "an empty answer", empty)
     async with await backend.create(spec) as sandbox:
         await env_call(env.setup(sandbox, task, seed))
         solved = await env_call(env.score(sandbox, task, await replay_reference(env, sandbox, task)))
         if abs(solved.reward - 1.0) > 1e-9:
             problems.append(f"task {task.id}: the reference solution scores {solved.reward}, expected 1 ({solved})")
+        problems += _in_time(task, "the reference solution", solved)
     return problems
+
+
+def _in_time(task: Task, what: str, score: Score) -> list[str]:
+    """A problem when the grader ran past its timeout for `what`: a 0 it then gives is the policy's program's
+    doing in a rollout, and no check that the grader works."""
+    late = sorted(k for k in score.metrics if k in (SCORING_TIMEOUT_METRIC, SCORING_RERUN_METRIC))
+    return [f"task {task.id}: the scoring command ran past its timeout for {what} ({', '.join(late)})"] if late else []
 
 
 async def check_environment(

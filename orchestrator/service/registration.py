@@ -58,6 +58,7 @@ from orchestrator.service.declarative import (
     SpecCheckError,
     make_environment,
 )
+from orchestrator.service.declarative.env import SCORING_RERUN_METRIC, SCORING_TIMEOUT_METRIC
 from orchestrator.service.registry import Registered, Registry
 from orchestrator.service.tenancy import LOCAL_TENANT, TenantGate
 
@@ -330,7 +331,7 @@ class Registrar:
     ) -> None:
         index, task = next(((i, t) for i, t in enumerate(env.tasks()) if t.reference), (0, env.tasks()[0]))
         where = f"tasks[{index}].reference"
-        budget = spec.tool_timeout_s * (len(task.reference) + 1) + spec.scoring.timeout_s + VALIDATION_SLACK_S
+        budget = spec.tool_timeout_s * (len(task.reference) + 1) + env.scoring_timeout_s(task) + VALIDATION_SLACK_S
         try:
             sandbox = await self._backend.create(
                 SandboxSpec(
@@ -357,6 +358,11 @@ class Registrar:
                 except EnvironmentBroken as e:
                     problem = f"on task {task.id!r}: {e.__cause__ or e}"
                     raise SpecCheckError([Problem("scoring.command", problem)]) from None
+                if SCORING_TIMEOUT_METRIC in score.metrics or SCORING_RERUN_METRIC in score.metrics:
+                    # a rollout's scoring gives such a run a 0, or its second run's score: the policy's program
+                    # may be why there, not here
+                    problem = f"on task {task.id!r}: it ran past scoring.timeout_s = {spec.scoring.timeout_s:g}s"
+                    raise SpecCheckError([Problem("scoring.command", problem)])
         except TimeoutError:
             raise SpecCheckError([Problem(where, f"the check did not finish within {budget:g}s")]) from None
         finally:

@@ -244,6 +244,12 @@ async def test_specs_that_do_not_work(client: EnvfleetClient, tmp_path: Path) ->
         "tasks[0].reference",
         "scored 0, below scoring.min_reference_reward 1",
     )
+    # a grader that never finishes: a rollout's scoring gives its second run past the timeout a 0 (the policy's
+    # program may be why), which here passed as the reference's score where min_reference_reward allows it
+    hangs = _bad(lambda d: d["scoring"].update(command="sleep 60", timeout_s=1, min_reference_reward=0))
+    await expect_error(
+        client.env_stub.Register(hangs), grpc.StatusCode.FAILED_PRECONDITION, "scoring.command", "ran past"
+    )
     assert "bad-env" not in [e.name for e in await client.list_envs()]
     assert not list((tmp_path / "data").glob("environments/*.json"))
 

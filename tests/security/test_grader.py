@@ -130,17 +130,24 @@ async def test_what_a_solution_does_to_the_grader_scores_0_and_never_masks_it(
         assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 1.0
 
 
-@pytest.mark.parametrize("endless", [True, False], ids=["never-ends", "slow-once"])
+@pytest.mark.parametrize("case", ["never-ends", "slow-once", "left-broken", "slow-host"])
 async def test_a_declarative_scoring_command_past_its_timeout_runs_again_then_scores_0(
-    backend: DockerBackend, base_image: str, endless: bool
+    backend: DockerBackend, base_image: str, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the scoring command runs the policy's program: one that never ends ran the command past its timeout, which was
     # a ScoringError (ENV_ERROR, masked) where the program's outcome is a 0. Once more first: a run past its time may
-    # be the host's doing (here, the first run only: it leaves a mark and sleeps)
+    # be the host's doing (here, the first run only: it leaves a mark and sleeps). A second run that fails may be the
+    # first's leftovers ("left-broken": a 0 too), and two runs past their time on a sandbox that does not run `true`
+    # in time are the host's (INFRA_ERROR, retried)
+    import orchestrator.service.declarative.env as declarative
+
+    endless = case in ("never-ends", "slow-host")
+    second = "exit 3" if case == "left-broken" else "echo '{\"reward\": 1}'"
     grader = (
-        'if [ ! -e /tmp/ran ]; then touch /tmp/ran; sleep 30; fi; python3 "$ENVFLEET_WORKSPACE/sol.py" >&2; '
-        "echo '{\"reward\": 1}'"
+        'if [ ! -e /tmp/ran ]; then touch /tmp/ran; sleep 30; fi; python3 "$ENVFLEET_WORKSPACE/sol.py" >&2; ' + second
     )
+    if case == "slow-host":
+        monkeypatch.setattr(declarative, "PROBE_SLOW_S", 0.0)  # any time at all is too slow
     spec = parse_spec(
         {
             "name": "runs-the-solution",
@@ -156,9 +163,26 @@ async def test_a_declarative_scoring_command_past_its_timeout_runs_again_then_sc
     async with await backend.create(SandboxSpec(image=base_image, **SPEC)) as s:
         await s.write_file("sol.py", b"while True:\n    pass\n" if endless else b"print('done')\n")
         t0 = time.monotonic()
+        if case == "slow-host":
+            with pytest.raises(SandboxError, match="the host, not the policy, is slow"):
+                await env.score(s, task, EPISODE)
+            return
         score = await env.score(s, task, EPISODE)
-    if endless:
-        assert (score.reward, score.metrics) == (0.0, {"scoring_timed_out": 1.0})
-        assert time.monotonic() - t0 >= 4  # it did run twice
-    else:
+    if case == "slow-once":
         assert (score.reward, score.metrics) == (1.0, {"scoring_ran_again_after_timeout": 1.0})
+    else:
+        assert (score.reward, score.metrics) == (0.0, {"scoring_timed_out": 1.0})
+        assert time.monotonic() - t0 >= 2  # it did run past its time
+
+
+def test_the_checker_takes_no_score_given_past_the_graders_time() -> None:
+    # an empty answer scored 0 by a grader that ran past its time twice passed the checker's "empty scores 0"
+    from orchestrator.core.environment import Score
+    from orchestrator.service.checker import _in_time
+
+    task = Task(id="t1", prompt="p")
+    assert _in_time(task, "an empty answer", Score(0.0, {}, {"scoring_timed_out": 1.0})) == [
+        "task t1: the scoring command ran past its timeout for an empty answer (scoring_timed_out)"
+    ]
+    assert _in_time(task, "the reference solution", Score(1.0, {}, {"scoring_ran_again_after_timeout": 1.0}))
+    assert _in_time(task, "an empty answer", Score(0.0, {}, {"tool_calls": 2.0})) == []

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, ClassVar, TypeGuard
@@ -23,6 +24,7 @@ from orchestrator.core.environment import (
     Task,
     ToolInvocation,
 )
+from orchestrator.core.errors import SandboxUnavailableError
 from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.sandbox import ExecResult, Sandbox
 from orchestrator.images import build_from_spec, build_image, ensure_base_image
@@ -44,12 +46,15 @@ MAX_ANSWER_ENV = 64 << 10
 _NOT_IN_ENV = re.compile("[\x00\ud800-\udfff]")
 TAIL_CHARS = 600
 # A scoring command past its timeout runs once more, and past it again scores 0: registration checked that it scores
-# the reference and an empty answer in time, so a run past it ran the policy's own program that never ends (again),
-# or met a host too busy to run it in time (a second run most likely finishes). An ENV_ERROR, or a rollout that ran
-# out of time in its grader (TIMEOUT), was masked: a way out of a low reward.
+# the reference in time, so a run past it ran the policy's own program that never ends (again), or met a host too
+# busy to run it in time (a second run most likely finishes; and a 0 is given only once a trivial command shows the
+# sandbox keeps time). An ENV_ERROR, or a rollout that ran out of time in its grader (TIMEOUT), was masked: a way out
+# of a low reward.
 SCORING_RERUN_METRIC = "scoring_ran_again_after_timeout"
 SCORING_TIMEOUT_METRIC = "scoring_timed_out"
 SCORING_SLACK_S = 5.0  # a scoring command's own start and its reply, twice
+PROBE_TIMEOUT_S = 10.0  # the trivial command's limit...
+PROBE_SLOW_S = 2.0  # ...and what it may take on a sandbox that keeps time
 # The package check runs at build time, offline: a missing package fails the build with this message.
 _PACKAGE_CHECK = (
     "for p in {packages}; do dpkg-query -W -f='${{Status}}' \"$p\" 2>/dev/null | grep -q 'install ok installed' "
@@ -210,11 +215,18 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
             return parse_score(r, timeout_s)
         log.info("%s: the scoring command ran past its %gs; running it once more", task.id, timeout_s)
         r = await self._run_scoring(sandbox, task, episode)
-        if r.timed_out:
-            log.info("%s: the scoring command ran past its %gs twice; scored 0", task.id, timeout_s)
-            return Score(0.0, {}, {SCORING_TIMEOUT_METRIC: 1.0})
-        score = parse_score(r, timeout_s)
-        return Score(score.reward, score.components, {**score.metrics, SCORING_RERUN_METRIC: 1.0})
+        if not r.timed_out:
+            try:
+                score = parse_score(r, timeout_s)
+            except ScoringError as e:
+                # the first run, stopped midway, may have left the sandbox so (a patch applied, a file half written):
+                # the policy's program that never ends is why, and a masked ENV_ERROR would reward it
+                log.info("%s: the scoring command's second run failed after the first ran out of time (%s)", task.id, e)
+                return Score(0.0, {}, {SCORING_TIMEOUT_METRIC: 1.0})
+            return Score(score.reward, score.components, {**score.metrics, SCORING_RERUN_METRIC: 1.0})
+        await _keeps_time(sandbox)
+        log.info("%s: the scoring command ran past its %gs twice; scored 0", task.id, timeout_s)
+        return Score(0.0, {}, {SCORING_TIMEOUT_METRIC: 1.0})
 
     async def _run_scoring(self, sandbox: Sandbox, task: Task, episode: Episode) -> ExecResult:
         payload = {
@@ -243,6 +255,19 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
             env=env,
             timeout=scoring.timeout_s,
             max_output=MAX_SCORING_OUTPUT,
+        )
+
+
+async def _keeps_time(sandbox: Sandbox) -> None:
+    """SandboxUnavailableError (INFRA_ERROR, retried) unless a trivial command runs in the sandbox in time: a
+    scoring command past its timeout twice on a host too busy to run anything is the fleet's doing, never a 0."""
+    t0 = time.monotonic()
+    r = await sandbox.exec(["true"], cwd=GRADER_CWD, timeout=PROBE_TIMEOUT_S)
+    took = time.monotonic() - t0
+    if r.timed_out or r.exit_code != 0 or took > PROBE_SLOW_S:
+        raise SandboxUnavailableError(
+            f"the scoring command ran past its timeout twice, and `true` took {took:.1f}s in the sandbox "
+            f"(exit code {r.exit_code}): the host, not the policy, is slow"
         )
 
 

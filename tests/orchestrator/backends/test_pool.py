@@ -748,6 +748,10 @@ async def test_a_disabled_pool_forgets_each_spec_once_its_sandboxes_are_back() -
         assert len(pool._pools) == 1
         await pool.close_now(sb)
         assert pool._pools == {}
+        # nor does a create that fails keep one
+        with pytest.raises(SandboxError):
+            await pool.acquire(SandboxSpec(image="envfleet/no-such-image:1"))
+        assert pool._pools == {}
     finally:
         await pool.close()
         await backend.close()
