@@ -5,49 +5,22 @@ test_long_generations.py), and the error describes it without quoting it. Its ti
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
 from orchestrator.core.errors import PolicyResponseError
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.client import OpenAIPolicy
+from tests.security.test_long_generations import streaming_server
 
 SECRET = b"the-other-host-said-this"
-
-
-@contextlib.asynccontextmanager
-async def endless_stream() -> AsyncIterator[str]:
-    """A server that answers 200 text/event-stream and sends chunks forever, never `data: [DONE]`."""
-    chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "' + SECRET + b' "}}]}\n\n'
-    framed = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while (await reader.readline()) not in (b"\r\n", b""):
-                pass
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-            while True:
-                writer.write(framed * 64)
-                await writer.drain()
-                await asyncio.sleep(0.001)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
+ENDLESS = b'data: {"choices": [{"index": 0, "delta": {"content": "' + SECRET + b' "}}]}\n\n'
 
 
 async def test_an_endless_stream_is_cut_at_the_byte_cap() -> None:
-    async with endless_stream() as url:
+    # a server that answers 200 text/event-stream and sends chunks forever, never `data: [DONE]`
+    async with streaming_server([], endless=ENDLESS * 64) as url:
         policy = OpenAIPolicy(
             PolicyEndpoint(base_url=url, stream=True, request_timeout_s=5, max_retries=0),
             max_response_bytes=1 << 20,
