@@ -76,12 +76,27 @@ unittest.TestCase.shortDescription = lambda self: None
 
 
 class Result(unittest.TextTestResult):
-    # a test's line is written whole once its outcome is known (_write_status), not its name before it runs: the
-    # code under test wrote "ok" after the name (to sys.__stderr__, past -b) and then skipped, and the real
-    # "skipped" went on a line of its own that names no test
+    # A test's line is written whole, in one write on a line of its own, once its outcome is known; not its name
+    # before it runs: the code under test wrote "ok" after the name (to sys.__stderr__, past -b) and then skipped,
+    # and the real "skipped" went on a line of its own that named no test (or it left a line open for ours to join).
+    started = set()
+
     def startTest(self, test):
         unittest.TestResult.startTest(self, test)
-        self._newline = True
+        Result.started.add(test.id())
+
+    def _write_status(self, test, status):
+        indent = "  " if isinstance(test, unittest.case._SubTest) else ""
+        self.stream.write("\\n" + indent + self.getDescription(test) + " ... " + status + "\\n")
+        self.stream.flush()
+
+    def addExpectedFailure(self, test, err):
+        unittest.TestResult.addExpectedFailure(self, test, err)
+        self._write_status(test, "expected failure")
+
+    def addUnexpectedSuccess(self, test):
+        unittest.TestResult.addUnexpectedSuccess(self, test)
+        self._write_status(test, "unexpected success")
 
 
 class Program(unittest.TestProgram):
@@ -91,7 +106,14 @@ class Program(unittest.TestProgram):
 
 
 runner = unittest.TextTestRunner(resultclass=Result, verbosity=2, buffer=True)
-Program(module=None, argv=["python -m unittest", "-v", "-b", *sys.argv[1:]], testRunner=runner)
+program = Program(module=None, argv=["python -m unittest", "-v", "-b", *sys.argv[1:]], testRunner=runner, exit=False)
+# a test asked for that never started (its class or module skipped in setUpClass, or not found) is named too: else a
+# passing line the code printed for it stood alone
+for test_id in sys.argv[1:]:
+    if test_id not in Result.started:
+        runner.stream.write("\\n" + test_id.rpartition(".")[2] + " (" + test_id + ") ... skipped 'not run'\\n")
+runner.stream.flush()
+sys.exit(not program.result.wasSuccessful())
 """
 PYTEST_RUNNER = f"""\
 import os, sys
@@ -101,19 +123,23 @@ import getpass, pdb  # what pytest itself imports after the repository joins sys
 
 class Repository:
     skipped = []
+    reported = set()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_load_initial_conftests(self):
         sys.path[:0] = paths
 
     # `-rA` lists a skip as `SKIPPED [1] file:line: reason`, naming no test: a test that skipped had no status of
-    # its own, and a passing line the code under test printed for it stood alone. Each skip is named here.
+    # its own, and a passing line the code under test printed for it stood alone. Each skip is named here, and so
+    # is each test asked for that never ran (its module skipped at collection, or not found).
     def pytest_runtest_logreport(self, report):
+        self.reported.add(report.nodeid)
         if report.skipped and not hasattr(report, "wasxfail"):
             self.skipped.append(report.nodeid)
 
     def pytest_terminal_summary(self, terminalreporter):
-        for nodeid in self.skipped:
+        asked = [arg for arg in sys.argv[1:] if "::" in arg]
+        for nodeid in [*self.skipped, *(a for a in asked if a not in self.reported)]:
             terminalreporter.write_line(f"SKIPPED {{nodeid}}")
 
 

@@ -180,10 +180,11 @@ class ContextFull(EnvfleetError):
     Not a failure: the agent loop ends the episode there, TRUNCATED, with its tokens as far as they went."""
 
 
-class GenerationTooLong(EnvfleetError):
+class GenerationTooLong(ContextFull):
     """A streamed answer passed the response cap carrying more tokens than an episode keeps (rollout/step.py's
-    EPISODE_BYTES): the policy's own length, so the episode ends there, TRUNCATED without the turn, at any turn.
-    Not a PolicyError: masked, a policy that rambles past the cap would never be scored for it."""
+    EPISODE_BYTES): the policy's own length, so the episode ends there, TRUNCATED without the turn, at any turn (a
+    full context at the first turn is the job's, this never). Not a PolicyError: masked, a policy that rambles past
+    the cap would never be scored for it."""
 
 
 class EpisodeFailedError(EnvfleetError, RuntimeError):

@@ -171,11 +171,12 @@ async def run_episode(
 
 
 class _PastDeadline:
-    """Around a policy call: past the episode's deadline, the call is cut once its answer is seen streaming in
-    (bytes within the last GENERATING_S), the policy's own length, as a tool call is cut there ("time"); never while
-    its server is silent, which may be a hung server's doing, no outcome of the policy's (its idle timeout or the
-    rollout's decides). Uncut, a policy that wrote on past the deadline, into the scoring's reserve and the rollout's
-    end, made a losing rollout TIMEOUT, masked. A whole (not streamed) answer shows no progress until it is done."""
+    """Around a policy call: past the episode's deadline, the call is cut once its answer is seen streaming in (bytes
+    within the last GENERATING_S), the policy's own length, as a tool call is cut there ("time"); never while its
+    server is silent, which may be a hung server's doing, no outcome of the policy's (its idle timeout or the
+    rollout's decides). The time its failed attempts and their pauses took moves the deadline on. Uncut, a policy
+    that wrote on past the deadline, into the scoring's reserve and the rollout's end, made a losing rollout
+    TIMEOUT, masked. A whole (not streamed) answer shows no progress until it is done."""
 
     def __init__(self, deadline: float | None) -> None:
         self._deadline = deadline
@@ -193,8 +194,13 @@ class _PastDeadline:
 
     def _look(self) -> None:
         loop = asyncio.get_running_loop()
-        if loop.time() - self._progress.last < GENERATING_S:
-            self._timeout.reschedule(loop.time())
+        now = loop.time()
+        assert self._deadline is not None
+        due = self._deadline + self._progress.lost  # the time failed attempts took is the server's, not the policy's
+        if now < due:
+            self._check = loop.call_at(due, self._look)
+        elif now - self._progress.last < GENERATING_S:
+            self._timeout.reschedule(now)
         else:
             self._check = loop.call_later(CHECK_S, self._look)
 

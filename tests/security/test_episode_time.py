@@ -133,3 +133,55 @@ async def test_a_failing_server_past_the_episodes_time_is_not_cut_as_the_policys
     finally:
         await policy.aclose()
         server.close()
+
+
+async def test_a_generation_after_retries_past_the_deadline_has_the_time_the_retries_took() -> None:
+    # two 503s and their pauses take the call close to the episode's deadline, and the third attempt's stream past
+    # it: cut there, the server's lost time was the policy's TRUNCATED 0
+    pieces = [
+        b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "an answer"}}]}\n\n',
+        b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    busy = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    served = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                if not line:
+                    break
+                await reader.readexactly(length)
+                served += 1
+                if served <= 2:
+                    writer.write(busy)
+                    await writer.drain()
+                    continue
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                )
+                for piece in pieces:  # 0.6 s of streaming
+                    writer.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+                    await writer.drain()
+                    await asyncio.sleep(0.3)
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    endpoint = PolicyEndpoint(base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", stream=True)
+    policy = OpenAIPolicy(endpoint, backoff_base_s=0.4, backoff_cap_s=0.4)
+    try:
+        # 1.5 s: the 503s and their pauses take about 0.8 s, the stream 0.9 s from there
+        cut = _PastDeadline(asyncio.get_running_loop().time() + 1.5)
+        async with cut:
+            c = await policy.complete([{"role": "user", "content": "hi"}], [], Sampling())
+        assert not cut.expired() and c.text == "an answer" and served == 3
+    finally:
+        await policy.aclose()
+        server.close()

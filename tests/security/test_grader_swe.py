@@ -9,6 +9,8 @@ as a pytest plugin (an entry point of a .dist-info folder in the cwd)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import docker
@@ -16,8 +18,9 @@ import pytest
 
 from environments.swe.env import checked
 from environments.swe.evaluate import run_evaluation
-from environments.swe.grading import Grade, find_nonce, grade_log
+from environments.swe.grading import Grade, TestStatus, find_nonce, grade_log, parse_unittest
 from environments.swe.patches import check_patch, file_diff
+from environments.swe.script import UNITTEST_RUNNER
 from orchestrator.backends.docker.backend import DockerBackend
 from tests.environments.swe.conftest import Tiny, tiny  # noqa: F401  (the fixture)
 from tests.environments.swe.test_evaluate import HOOK, _forger, _new_file, pred, report
@@ -234,3 +237,62 @@ def test_a_patch_of_the_repositorys_git_folder_is_refused_whole() -> None:
     for hidden in (quoted + hunk, next_line, context):
         problem = check_patch(hidden)
         assert problem is not None and problem.fatal and ".git folder" in problem.message, hidden
+
+
+SCRATCH_TESTS = """import sys, unittest
+
+
+def buggy():
+    sys.__stderr__.write("test_a (pkg.test_u.T.test_a) ... ok\\n~ ")  # a line of its own, and one left open
+    sys.__stderr__.flush()
+    raise unittest.SkipTest("x")
+
+
+class T(unittest.TestCase):
+    def test_a(self):
+        buggy()
+
+    def test_b(self):
+        self.assertEqual(1, 1)
+
+    @unittest.expectedFailure
+    def test_c(self):
+        self.assertEqual(1, 2)
+
+    def test_d(self):
+        for i in range(2):
+            with self.subTest(i=i):
+                self.assertEqual(i, 0)
+
+
+class C(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        sys.__stderr__.write("test_e (pkg.test_u.C.test_e) ... ok\\n")
+        raise unittest.SkipTest("the class")
+
+    def test_e(self):
+        pass
+"""
+
+
+def test_the_unittest_runner_names_each_tests_outcome_on_a_line_of_its_own(tmp_path: Path) -> None:
+    # the grader's runner itself, as the harness starts it (python3 -P, its arguments the tests' ids): a passing line
+    # the code under test printed stood for a test that skipped, whether the skip was the test's or its class's
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "test_u.py").write_text(SCRATCH_TESTS)
+    (tmp_path / "runner.py").write_text(UNITTEST_RUNNER)
+    ids = [f"pkg.test_u.T.test_{c}" for c in "abcd"] + ["pkg.test_u.C.test_e"]
+    out = subprocess.run(
+        [sys.executable, "-P", "runner.py", *ids], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    statuses = parse_unittest(out.stdout + out.stderr)
+    expected = {
+        "test_a (pkg.test_u.T.test_a)": TestStatus.SKIPPED,
+        "test_b (pkg.test_u.T.test_b)": TestStatus.PASSED,
+        "test_c (pkg.test_u.T.test_c)": TestStatus.XFAIL,
+        "test_d (pkg.test_u.T.test_d)": TestStatus.FAILED,
+        "test_e (pkg.test_u.C.test_e)": TestStatus.SKIPPED,
+    }
+    assert {k: statuses.get(k) for k in expected} == expected, out.stderr

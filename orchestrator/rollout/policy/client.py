@@ -155,7 +155,9 @@ class OpenAIPolicy(Policy):
         tito requests."""
         headers = {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
         attempts = self.endpoint.max_retries + 1
+        loop = asyncio.get_running_loop()
         for attempt in range(attempts):
+            started = loop.time()
             try:
                 try:  # unfinished: an answer parse finds so, or a stream cut short (streaming.py)
                     return parse(await self._attempt(url, body, headers))
@@ -164,12 +166,14 @@ class OpenAIPolicy(Policy):
                 except _CutAtCap as cut:
                     raise await self._past_cap(cut, parse, _max_tokens(body)) from None
             except _Retryable as r:
-                if (progress := http.PROGRESS.get()) is not None:
-                    progress.last = -math.inf  # what streamed in was no answer: the next attempt's stream is
                 if attempt + 1 >= attempts:
                     r.error.args = (f"{r.error} (attempt {attempt + 1} of {attempts})",)
                     raise r.error from r.error.__cause__
                 delay = self._backoff(attempt, r.retry_after_s)
+                if (progress := http.PROGRESS.get()) is not None:
+                    # what streamed in was no answer, and the failed attempt and the pause are the server's time
+                    progress.last = -math.inf
+                    progress.lost += loop.time() - started + delay
                 log.warning(
                     "policy request failed (attempt %d/%d), retrying in %.2fs: %s", attempt + 1, attempts, delay, r
                 )

@@ -69,9 +69,11 @@ class LocalProtocolError(HTTPError):
 class Progress:
     """When a 2xx event stream answering a request last sent bytes (the loop's time), for whoever set PROGRESS around
     the request: a stream that keeps sending is a generation going on, one that is silent may be a hung server. The
-    client forgets it when it retries (the stream it saw was not the answer)."""
+    client forgets it when it retries (the stream it saw was not the answer), and counts the seconds its failed
+    attempts and their pauses took in `lost` (the server's time, not the policy's)."""
 
     last: float = -math.inf
+    lost: float = 0.0
 
 
 PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("envfleet_policy_progress", default=None)

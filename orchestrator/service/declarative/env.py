@@ -48,8 +48,8 @@ TAIL_CHARS = 600
 # A scoring command past its timeout runs once more, and past it again scores 0: registration checked that it scores
 # the reference in time, so a run past it ran the policy's own program that never ends (again), or met a host too
 # busy to run it in time (a second run most likely finishes; and a 0 is given only once a trivial command shows the
-# sandbox keeps time). An ENV_ERROR, or a rollout that ran out of time in its grader (TIMEOUT), was masked: a way out
-# of a low reward.
+# sandbox keeps time). A scoring command must bear running twice: its second run finds what its first left. An
+# ENV_ERROR, or a rollout that ran out of time in its grader (TIMEOUT), was masked: a way out of a low reward.
 SCORING_RERUN_METRIC = "scoring_ran_again_after_timeout"
 SCORING_TIMEOUT_METRIC = "scoring_timed_out"
 SCORING_SLACK_S = 5.0  # a scoring command's own start and its reply, twice
@@ -220,7 +220,9 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
                 score = parse_score(r, timeout_s)
             except ScoringError as e:
                 # the first run, stopped midway, may have left the sandbox so (a patch applied, a file half written):
-                # the policy's program that never ends is why, and a masked ENV_ERROR would reward it
+                # the policy's program that never ends is why, and a masked ENV_ERROR would reward it; unless the
+                # host is why the first ran out of time
+                await _keeps_time(sandbox)
                 log.info("%s: the scoring command's second run failed after the first ran out of time (%s)", task.id, e)
                 return Score(0.0, {}, {SCORING_TIMEOUT_METRIC: 1.0})
             return Score(score.reward, score.components, {**score.metrics, SCORING_RERUN_METRIC: 1.0})
@@ -262,12 +264,12 @@ async def _keeps_time(sandbox: Sandbox) -> None:
     """SandboxUnavailableError (INFRA_ERROR, retried) unless a trivial command runs in the sandbox in time: a
     scoring command past its timeout twice on a host too busy to run anything is the fleet's doing, never a 0."""
     t0 = time.monotonic()
-    r = await sandbox.exec(["true"], cwd=GRADER_CWD, timeout=PROBE_TIMEOUT_S)
+    r = await sandbox.exec(["/bin/sh", "-c", ":"], cwd=GRADER_CWD, timeout=PROBE_TIMEOUT_S)  # as scoring runs
     took = time.monotonic() - t0
     if r.timed_out or r.exit_code != 0 or took > PROBE_SLOW_S:
         raise SandboxUnavailableError(
-            f"the scoring command ran past its timeout twice, and `true` took {took:.1f}s in the sandbox "
-            f"(exit code {r.exit_code}): the host, not the policy, is slow"
+            f"the scoring command ran past its timeout, and a shell that does nothing took {took:.1f}s in the "
+            f"sandbox (exit code {r.exit_code}): the host, not the policy, is slow"
         )
 
 

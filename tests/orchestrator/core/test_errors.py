@@ -16,7 +16,9 @@ from orchestrator.server.errors import status_for
 
 # control flow inside one module, never raised past it; and the stdlib-only snapshot script, which also runs inside
 # images where envfleet is not installed (the dataset builder wraps its errors)
-PRIVATE = {"_Retryable", "_HTTPError", "_Hang", "SnapshotError", "ArchiveLimitError", "_Refused", "_Unusable"}
+PRIVATE = {
+    *("_Retryable", "_CutAtCap", "_HTTPError", "_Hang", "SnapshotError", "ArchiveLimitError", "_Refused", "_Unusable"),
+}
 # errors that classify a rollout (POLICY_ERROR, ENV_ERROR) instead of answering a call
 CLASSIFYING = (PolicyError, EnvironmentBroken, ContextFull)
 
