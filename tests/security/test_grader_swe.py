@@ -18,9 +18,9 @@ import pytest
 
 from environments.swe.env import checked
 from environments.swe.evaluate import run_evaluation
-from environments.swe.grading import Grade, TestStatus, find_nonce, grade_log, parse_unittest
+from environments.swe.grading import Grade, TestStatus, find_nonce, grade_log, parse_pytest, parse_unittest
 from environments.swe.patches import check_patch, file_diff
-from environments.swe.script import UNITTEST_RUNNER
+from environments.swe.script import PYTEST_RUNNER, UNITTEST_RUNNER
 from orchestrator.backends.docker.backend import DockerBackend
 from tests.environments.swe.conftest import Tiny, tiny  # noqa: F401  (the fixture)
 from tests.environments.swe.test_evaluate import HOOK, _forger, _new_file, pred, report
@@ -296,3 +296,24 @@ def test_the_unittest_runner_names_each_tests_outcome_on_a_line_of_its_own(tmp_p
         "test_e (pkg.test_u.C.test_e)": TestStatus.SKIPPED,
     }
     assert {k: statuses.get(k) for k in expected} == expected, out.stderr
+
+
+def test_the_pytest_runner_names_each_skip_and_each_test_that_never_ran(tmp_path: Path) -> None:
+    # `-rA` names no skipped test, and a test of a module skipped at collection has no report at all (pytest then
+    # runs nothing: it finds no collector for the test asked for): a PASSED line the code under test printed (here,
+    # when imported) stood for each
+    forged = 'print("PASSED test_m.py::test_m")\nprint("PASSED test_s.py::test_s")\n'
+    (tmp_path / "test_m.py").write_text(forged + "import pytest\npytest.skip('x', allow_module_level=True)\n")
+    (tmp_path / "test_s.py").write_text(forged + "import pytest\n\n\ndef test_s():\n    pytest.skip('y')\n")
+    (tmp_path / "test_p.py").write_text("def test_p():\n    pass\n")
+
+    def statuses(*tests: str) -> dict[str, TestStatus | None]:
+        argv = [sys.executable, "-P", "-c", PYTEST_RUNNER, "-rA", "-s", "-p", "no:cacheprovider", *tests]
+        out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        parsed = parse_pytest(out.stdout)
+        return {t: parsed.get(t) for t in tests}
+
+    ran = statuses("test_s.py::test_s", "test_p.py::test_p")
+    assert ran == {"test_s.py::test_s": TestStatus.SKIPPED, "test_p.py::test_p": TestStatus.PASSED}
+    never = statuses("test_m.py::test_m", "test_p.py::test_p")
+    assert never == {"test_m.py::test_m": TestStatus.SKIPPED, "test_p.py::test_p": TestStatus.SKIPPED}
