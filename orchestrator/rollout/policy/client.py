@@ -279,8 +279,8 @@ class OpenAIPolicy(Policy):
 
 
 class _CutAtCap(Exception):
-    """A stream that passed its cap, past max_tokens an episode keeps: the answer its complete events make (None
-    when they make none) for the request's parser, and the error to raise if it is not the policy's length."""
+    """A stream that passed its cap, asked for more tokens than an episode keeps: the answer its complete events make
+    (None when they make none) for the request's parser, and the error to raise if it is not the policy's length."""
 
     def __init__(self, answer: dict[str, Any] | None, message: str) -> None:
         super().__init__(message)
