@@ -82,6 +82,33 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
     return next(code for cls, code in _STATUS if isinstance(exc, cls))
 
 
+# The most bytes of a status message kept: a message carries what the caller sent (a path of 20,000 characters, in
+# ENAMETOOLONG's), and past grpc's metadata limit (8 KiB) the call broke as INTERNAL "Stream removed", which the host
+# takes for a lost sandbox: a masked INFRA_ERROR a policy reached with one read_file. The Go envd cuts alike.
+MAX_STATUS_MESSAGE = 1024
+
+
+def _bounded(message: str) -> str:
+    """`message` within MAX_STATUS_MESSAGE bytes of UTF-8, cut at a character's start, with how much was cut."""
+    data = message.encode(errors="surrogateescape")
+    if len(data) <= MAX_STATUS_MESSAGE:
+        return message
+    cut = MAX_STATUS_MESSAGE
+    while cut > 0 and data[cut] & 0xC0 == 0x80:  # a continuation byte: not a character's start
+        cut -= 1
+    return f"{data[:cut].decode(errors='surrogateescape')}...[{len(data) - cut} more bytes]"
+
+
+def _abort_for(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a call that raised `e` ends with: envd's errors and OSErrors from file calls."""
+    if isinstance(e, EnvdError):
+        return _status_for(e), _bounded(str(e))
+    if isinstance(e, OSError):
+        return grpc.StatusCode.FAILED_PRECONDITION, _bounded(f"{e.filename or ''}: {e.strerror}")
+    # a path no system call can take (a NUL in a tar member's name): bad input
+    return grpc.StatusCode.INVALID_ARGUMENT, _bounded(str(e))
+
+
 def maps_errors(fn: F) -> F:
     """Turn envd's errors (and OSErrors from file calls) into gRPC statuses with their message."""
 
@@ -89,24 +116,16 @@ def maps_errors(fn: F) -> F:
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await fn(self, request, context)
-        except EnvdError as e:
-            await context.abort(_status_for(e), str(e))
-        except OSError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.filename or ''}: {e.strerror}")
-        except ValueError as e:  # a path no system call can take (a NUL in a tar member's name): bad input
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (EnvdError, OSError, ValueError) as e:
+            await context.abort(*_abort_for(e))
 
     @functools.wraps(fn)
     async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for item in fn(self, request, context):
                 yield item
-        except EnvdError as e:
-            await context.abort(_status_for(e), str(e))
-        except OSError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e.filename or ''}: {e.strerror}")
-        except ValueError as e:  # a path no system call can take (a NUL in a tar member's name): bad input
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (EnvdError, OSError, ValueError) as e:
+            await context.abort(*_abort_for(e))
 
     return streaming if inspect.isasyncgenfunction(fn) else unary  # type: ignore[return-value]
 

@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"syscall"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -116,22 +117,43 @@ func toStatus(err error) error {
 	if err == nil {
 		return nil
 	}
-	if _, ok := status.FromError(err); ok {
-		return err
+	if s, ok := status.FromError(err); ok {
+		if len(s.Message()) <= maxStatusMessage {
+			return err
+		}
+		return status.Error(s.Code(), bounded(s.Message()))
 	}
 	var e *envdError
 	if errors.As(err, &e) {
-		return status.Error(e.code, e.msg)
+		return status.Error(e.code, bounded(e.msg))
 	}
 	var pe *fs.PathError
 	if errors.As(err, &pe) {
-		return status.Error(codes.FailedPrecondition, fmt.Sprintf("%s: %s", pe.Path, strerror(pe.Err)))
+		return status.Error(codes.FailedPrecondition, bounded(fmt.Sprintf("%s: %s", pe.Path, strerror(pe.Err))))
 	}
 	var errno syscall.Errno
 	if errors.As(err, &errno) {
 		return status.Error(codes.FailedPrecondition, ": "+strerror(errno))
 	}
-	return status.Error(codes.Internal, err.Error())
+	return status.Error(codes.Internal, bounded(err.Error()))
+}
+
+// maxStatusMessage is the most bytes of a status message kept: a message carries what the caller sent (a path of
+// 20,000 characters, in ENAMETOOLONG's), and past grpc's metadata limit (8 KiB) the call broke as INTERNAL "Stream
+// removed", which the host takes for a lost sandbox: a masked INFRA_ERROR a policy reached with one read_file.
+const maxStatusMessage = 1024
+
+// bounded is msg within maxStatusMessage bytes, cut at a character's start, with how much was cut (the Python envd's
+// _bounded says the same).
+func bounded(msg string) string {
+	if len(msg) <= maxStatusMessage {
+		return msg
+	}
+	cut := maxStatusMessage
+	for cut > 0 && !utf8.RuneStart(msg[cut]) {
+		cut--
+	}
+	return fmt.Sprintf("%s...[%d more bytes]", msg[:cut], len(msg)-cut)
 }
 
 // --- the token: every call but grpc.health.v1 carries `authorization: Bearer <token>` ---

@@ -6,14 +6,17 @@ allows where the host reads one."""
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 import time
 
 import pytest
 
 from orchestrator.backends.docker import DockerBackend
+from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.errors import SandboxFileError
 from orchestrator.core.sandbox import ExecOutput, Limits, SandboxSpec
+from orchestrator.core.tools import call_tool, get_tools
 from tests.conftest import owned_backend
 
 
@@ -154,3 +157,23 @@ async def test_a_command_that_never_stops_writing_still_times_out(impl: str, bas
     async with owned_backend(envd=impl) as backend, await backend.create(SandboxSpec(image=base_image)) as s:
         r = await s.exec(["python3", "-c", ENDLESS], timeout=1)
         assert r.timed_out and r.duration_s < 5, r
+
+
+async def test_a_path_past_any_length_is_a_file_error_with_a_bounded_message(
+    envd_client: EnvdTransport, backend: DockerBackend, base_image: str
+) -> None:
+    # envd's status message carried the path whole (ENAMETOOLONG's), and past grpc's metadata limit the call broke as
+    # INTERNAL "Stream removed", which the host takes for a lost sandbox: one read_file of a 20,000-character path
+    # made the rollout INFRA_ERROR, masked. Each envd on the host, then a real sandbox through the tool
+    path = "/" + "a" * 20_000 + "\u00e9" * 10
+    for call in (envd_client.read_file(path), envd_client.write_file(path, b"x")):
+        with pytest.raises(SandboxFileError) as e:
+            await call
+        message = str(e.value)
+        assert len(message.encode()) < 2048 and "more bytes]" in message, message[:300]
+    tools = {t.name: t for t in get_tools(("read_file", "write_file"))}
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        for name, args in (("read_file", {"path": path}), ("write_file", {"path": path, "content": "x"})):
+            result = await call_tool(tools[name], s, json.dumps(args), 10)
+            assert result.output.startswith("error: /aaa") and "more bytes]" in result.output, result.output[:300]
+        assert (await s.exec("true")).exit_code == 0  # and the sandbox serves on
