@@ -35,7 +35,7 @@ from orchestrator.core.tracing import (
 from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import CUT_OFF
-from orchestrator.rollout.step import EpisodeState, opening_turns, record_assistant, run_tool_call
+from orchestrator.rollout.step import EpisodeState, record_assistant, record_opening, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 
 TOOL_SLACK_S = 30.0  # past its timeout, what a tool call may take to be stopped and answered
@@ -78,13 +78,14 @@ async def run_episode(
     call's seconds (the tool-exec histogram). `deadline` (the event loop's clock) bounds the tool calls: one it
     cuts, or one it finds passed, ends the episode there, TRUNCATED ("time"). What the policy's commands take is the
     policy's to spend (each is its own choice, up to the tool's timeout), so a rollout whose time they spent is
-    scored, never a masked TIMEOUT. A generation is not cut by it: a hung inference server is no outcome of the
-    policy's (its requests have their own timeout, and the rollout's stays TIMEOUT)."""
+    scored, never a masked TIMEOUT. A generation past it is cut only while it is seen streaming in (_PastDeadline):
+    a hung inference server is no outcome of the policy's (its requests have their own timeout, and the rollout's
+    stays TIMEOUT)."""
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     try:  # environment code, as setup and scoring are: a bug in it is ENV_ERROR, never retried as infrastructure
         messages: list[dict[str, Any]] = env.messages(task)
-        turns.extend(opening_turns(messages))
+        record_opening(state, messages)
     except Exception as e:
         raise EnvironmentBroken(f"the environment's opening messages failed: {type(e).__name__}: {e}") from e
     tracker = TokenTracker()

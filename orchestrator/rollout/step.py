@@ -105,6 +105,13 @@ def opening_turns(messages: Sequence[dict[str, Any]]) -> list[Turn]:
     return [Turn(role=m["role"], text=str(m.get("content") or "")) for m in messages]
 
 
+def record_opening(state: EpisodeState, messages: Sequence[dict[str, Any]]) -> None:
+    """Record the opening chat messages as the episode's first turns, counted in its budget as every turn is (the
+    environment's prompt, left out, let the cheap bound pass an episode over EPISODE_BYTES by its size)."""
+    for turn in opening_turns(messages):
+        state._keep(turn)
+
+
 def record_assistant(state: EpisodeState, text: str, calls: Sequence[ToolCallRecord]) -> None:
     """Record one assistant turn with the tool calls it made."""
     state._keep(Turn(role="assistant", text=text, tool_calls=list(calls)))

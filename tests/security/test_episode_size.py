@@ -161,3 +161,16 @@ def test_the_episode_budget_counts_what_the_rollout_holds(calls: int, name: str)
     )
     assert turn > 0
     assert len(rollout.model_dump_json().encode()) <= EPISODE_BYTES < MAX_ROLLOUT_BYTES
+
+
+def test_the_opening_messages_count_in_the_episodes_budget() -> None:
+    # the opening turns (the environment's prompt) were added to the turns but not to the cheap bound, so an episode
+    # with a 7 MiB prompt took a 1 MiB turn (6 MiB by the bound) and went past EPISODE_BYTES
+    from orchestrator.rollout.step import EpisodeState, record_opening
+
+    env = Registry.from_entry_points().get(ENV)
+    state = EpisodeState.start(env)
+    record_opening(state, [{"role": "system", "content": "s"}, {"role": "user", "content": "p" * (7 << 20)}])
+    assert [t.role for t in state.turns] == ["system", "user"]
+    assert not state.fits("x" * (1 << 20))
+    assert state.fits("x" * (512 << 10))
