@@ -89,14 +89,21 @@ MAX_STATUS_MESSAGE = 1024
 
 
 def _bounded(message: str) -> str:
-    """`message` within MAX_STATUS_MESSAGE bytes of UTF-8, cut at a character's start, with how much was cut."""
-    data = message.encode(errors="surrogateescape")
+    """`message` as UTF-8 text, each byte that is no UTF-8 (a path's, through surrogateescape) as \\xNN, within
+    MAX_STATUS_MESSAGE bytes cut at a character's start, with how much was cut. grpc sends a status message as strict
+    UTF-8: one holding a surrogate broke the abort itself, and the call hung until the host's deadline (INFRA_ERROR)."""
+    try:
+        raw = message.encode(errors="surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no byte stands for
+        raw = message.encode(errors="backslashreplace")
+    text = raw.decode(errors="backslashreplace")
+    data = text.encode()
     if len(data) <= MAX_STATUS_MESSAGE:
-        return message
+        return text
     cut = MAX_STATUS_MESSAGE
     while cut > 0 and data[cut] & 0xC0 == 0x80:  # a continuation byte: not a character's start
         cut -= 1
-    return f"{data[:cut].decode(errors='surrogateescape')}...[{len(data) - cut} more bytes]"
+    return f"{data[:cut].decode()}...[{len(data) - cut} more bytes]"
 
 
 def _abort_for(e: Exception) -> tuple[grpc.StatusCode, str]:

@@ -118,7 +118,7 @@ func toStatus(err error) error {
 		return nil
 	}
 	if s, ok := status.FromError(err); ok {
-		if len(s.Message()) <= maxStatusMessage {
+		if len(s.Message()) <= maxStatusMessage && utf8.ValidString(s.Message()) {
 			return err
 		}
 		return status.Error(s.Code(), bounded(s.Message()))
@@ -143,9 +143,22 @@ func toStatus(err error) error {
 // removed", which the host takes for a lost sandbox: a masked INFRA_ERROR a policy reached with one read_file.
 const maxStatusMessage = 1024
 
-// bounded is msg within maxStatusMessage bytes, cut at a character's start, with how much was cut (the Python envd's
-// _bounded says the same).
+// bounded is msg as UTF-8 text, each byte that is no UTF-8 (a path's) as \xNN, within maxStatusMessage bytes cut at
+// a character's start, with how much was cut (the Python envd's _bounded says the same).
 func bounded(msg string) string {
+	if !utf8.ValidString(msg) {
+		var b strings.Builder
+		for i := 0; i < len(msg); {
+			r, size := utf8.DecodeRuneInString(msg[i:])
+			if r == utf8.RuneError && size == 1 {
+				fmt.Fprintf(&b, "\\x%02x", msg[i])
+			} else {
+				b.WriteString(msg[i : i+size])
+			}
+			i += size
+		}
+		msg = b.String()
+	}
 	if len(msg) <= maxStatusMessage {
 		return msg
 	}

@@ -124,18 +124,26 @@ import getpass, pdb  # what pytest itself imports after the repository joins sys
 class Repository:
     skipped = []
     reported = set()
+    config = None
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_load_initial_conftests(self):
         sys.path[:0] = paths
 
+    def pytest_configure(self, config):
+        self.config = config
+
     # `-rA` lists a skip as `SKIPPED [1] file:line: reason`, naming no test: a test that skipped had no status of
     # its own, and a passing line the code under test printed for it stood alone. Each skip is named here, and so
-    # is each test asked for that never ran (its module skipped at collection, or not found).
+    # is each test asked for that never ran (its module skipped at collection, or not found); by the cwd-relative id
+    # `-rA` and the command line use (a report's is relative to the rootdir, a tests/pytest.ini's folder)
     def pytest_runtest_logreport(self, report):
-        self.reported.add(report.nodeid)
+        nodeid, root, cwd = report.nodeid, str(self.config.rootpath), str(self.config.invocation_params.dir)
+        if root != cwd:  # as pytest's own Config.cwd_relative_nodeid (7.2) makes it
+            nodeid = os.path.relpath(os.path.join(root, nodeid), cwd)
+        self.reported.add(nodeid)
         if report.skipped and not hasattr(report, "wasxfail"):
-            self.skipped.append(report.nodeid)
+            self.skipped.append(nodeid)
 
     def pytest_terminal_summary(self, terminalreporter):
         asked = [arg for arg in sys.argv[1:] if "::" in arg]

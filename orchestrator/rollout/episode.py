@@ -69,6 +69,7 @@ async def run_episode(
     span: Span = NOOP_SPAN,
     tool_seconds: Callable[[float], None] | None = None,
     deadline: float | None = None,
+    cut_by: float | None = None,
 ) -> EpisodeResult:
     """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode.
 
@@ -78,9 +79,9 @@ async def run_episode(
     call's seconds (the tool-exec histogram). `deadline` (the event loop's clock) bounds the tool calls: one it
     cuts, or one it finds passed, ends the episode there, TRUNCATED ("time"). What the policy's commands take is the
     policy's to spend (each is its own choice, up to the tool's timeout), so a rollout whose time they spent is
-    scored, never a masked TIMEOUT. A generation past it is cut only while it is seen streaming in (_PastDeadline):
-    a hung inference server is no outcome of the policy's (its requests have their own timeout, and the rollout's
-    stays TIMEOUT)."""
+    scored, never a masked TIMEOUT. A generation past it is cut only while it is seen streaming in (_PastDeadline),
+    by `cut_by` at the latest whatever its failed attempts took: a hung inference server is no outcome of the
+    policy's (its requests have their own timeout, and the rollout's stays TIMEOUT)."""
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     try:  # environment code, as setup and scoring are: a bug in it is ENV_ERROR, never retried as infrastructure
@@ -88,6 +89,8 @@ async def run_episode(
         record_opening(state, messages)
     except Exception as e:
         raise EnvironmentBroken(f"the environment's opening messages failed: {type(e).__name__}: {e}") from e
+    if not state.fits():  # the environment's doing: an empty episode scored TRUNCATED would be none of the policy's
+        raise EnvironmentBroken("the environment's opening messages are over the episode's budget (EPISODE_BYTES)")
     tracker = TokenTracker()
     generation_s = tools_s = 0.0
     finish: Finish = "max_turns"
@@ -95,7 +98,7 @@ async def run_episode(
     episode_policy = policy.for_episode(max_model_len=max_model_len)
     for turn in range(max_turns):
         phase = Phase(span, "policy", {TURN: turn})
-        cut = _PastDeadline(deadline)
+        cut = _PastDeadline(deadline, cut_by)
         try:
             with phase:
                 async with cut:
@@ -179,8 +182,9 @@ class _PastDeadline:
     that wrote on past the deadline, into the scoring's reserve and the rollout's end, made a losing rollout
     TIMEOUT, masked. A whole (not streamed) answer shows no progress until it is done."""
 
-    def __init__(self, deadline: float | None) -> None:
+    def __init__(self, deadline: float | None, cut_by: float | None = None) -> None:
         self._deadline = deadline
+        self._cut_by = cut_by  # the latest it moves on to: before the rollout's own end (a TIMEOUT, masked)
         self._timeout = asyncio.timeout(None)
         self._progress = http.Progress()
         self._token: contextvars.Token[http.Progress | None] | None = None
@@ -198,6 +202,8 @@ class _PastDeadline:
         now = loop.time()
         assert self._deadline is not None
         due = self._deadline + self._progress.lost  # the time failed attempts took is the server's, not the policy's
+        if self._cut_by is not None:
+            due = min(due, self._cut_by)
         if now < due:
             self._check = loop.call_at(due, self._look)
         elif now - self._progress.last < GENERATING_S:

@@ -291,6 +291,9 @@ class RolloutRunner:
                             span=phase.span,
                             tool_seconds=self.sandboxes.metrics.exec_seconds.observe,
                             deadline=episode_deadline,
+                            # a generation the server's failures delayed is cut by half the scoring's reserve at the
+                            # latest, its turn lost but the rollout scored: past the rollout's end it was TIMEOUT
+                            cut_by=episode_deadline + scoring_reserve(spec) / 2,
                         )
                     tokens = result.tokens.result()
                     timing.generation, timing.tools = result.generation_s, result.tools_s

@@ -5,10 +5,13 @@ allows where the host reads one."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import os
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +180,16 @@ async def test_a_path_past_any_length_is_a_file_error_with_a_bounded_message(
             result = await call_tool(tools[name], s, json.dumps(args), 10)
             assert result.output.startswith("error: /aaa") and "more bytes]" in result.output, result.output[:300]
         assert (await s.exec("true")).exit_code == 0  # and the sandbox serves on
+
+
+async def test_a_path_that_is_no_utf8_is_a_file_error_not_a_hung_call(
+    envd_client: EnvdTransport, host_envd: tuple[str, str, Path]
+) -> None:
+    # a status message is strict UTF-8 to grpc: the Python envd's, holding a link target's byte 0xff as a surrogate,
+    # broke the abort itself and the call hung until the host's deadline (INFRA_ERROR). Both envds say \xff
+    _, _, ws = host_envd
+    os.symlink(b"\xff", bytes(ws / "l"))
+    async with asyncio.timeout(20):
+        with pytest.raises(SandboxFileError) as e:
+            await envd_client.read_file(str(ws / "l" / "x"))
+    assert "\\xff" in str(e.value), str(e.value)

@@ -174,3 +174,27 @@ def test_the_opening_messages_count_in_the_episodes_budget() -> None:
     assert [t.role for t in state.turns] == ["system", "user"]
     assert not state.fits("x" * (1 << 20))
     assert state.fits("x" * (512 << 10))
+
+
+async def test_opening_messages_over_the_budget_are_the_environments_error() -> None:
+    # counted now, an opening over the budget made the first turn's fits() fail after a paid generation: an empty
+    # episode scored TRUNCATED, which is no outcome of the policy's
+    from orchestrator.core.errors import EnvironmentBroken
+    from orchestrator.core.policy import Sampling
+    from orchestrator.rollout.episode import run_episode
+
+    base = Registry.from_entry_points().get(ENV)
+
+    class Huge(type(base)):  # type: ignore[misc]
+        def messages(self, task: object) -> list[dict[str, str]]:
+            return [{"role": "user", "content": "p" * (9 << 20)}]
+
+    class NoCall:
+        async def complete(self, *a: object, **k: object) -> None:
+            raise AssertionError("the policy was asked")
+
+        def for_episode(self, **k: object) -> NoCall:
+            return self
+
+    with pytest.raises(EnvironmentBroken, match="over the episode's budget"):
+        await run_episode(Huge(), base.tasks()[0], None, NoCall(), Sampling(), 4, "r", [])  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from orchestrator.core.errors import PolicyError
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.episode import _PastDeadline
+from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
@@ -185,3 +186,20 @@ async def test_a_generation_after_retries_past_the_deadline_has_the_time_the_ret
     finally:
         await policy.aclose()
         server.close()
+
+
+async def test_the_time_failed_attempts_took_moves_the_cut_no_later_than_its_limit() -> None:
+    # failed attempts move the cut on by the time they took, but only so far: past the rollout's own end the policy
+    # that wrote on was TIMEOUT, masked, and one whose own output made the server fail gained time from it
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    cut = _PastDeadline(t0 + 0.2, cut_by=t0 + 0.5)
+    with pytest.raises(TimeoutError):
+        async with cut:
+            progress = http.PROGRESS.get()
+            assert progress is not None
+            progress.lost = 100.0  # as if the server had failed for that long
+            while loop.time() - t0 < 3:  # and streams on
+                progress.last = loop.time()
+                await asyncio.sleep(0.02)
+    assert cut.expired() and 0.5 <= loop.time() - t0 < 1.5

@@ -317,3 +317,12 @@ def test_the_pytest_runner_names_each_skip_and_each_test_that_never_ran(tmp_path
     assert ran == {"test_s.py::test_s": TestStatus.SKIPPED, "test_p.py::test_p": TestStatus.PASSED}
     never = statuses("test_m.py::test_m", "test_p.py::test_p")
     assert never == {"test_m.py::test_m": TestStatus.SKIPPED, "test_p.py::test_p": TestStatus.SKIPPED}
+    # a repository whose tests have a pytest.ini of their own: the rootdir is their folder, and the ids a report
+    # gives are relative to it, not to the command line's; every test was named a skip, and gold resolved nothing
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "tests" / "test_n.py").write_text(
+        "import pytest\n\n\ndef test_n():\n    pass\n\n\ndef test_k():\n    pytest.skip('z')\n"
+    )
+    nested = statuses("tests/test_n.py::test_n", "tests/test_n.py::test_k")
+    assert nested == {"tests/test_n.py::test_n": TestStatus.PASSED, "tests/test_n.py::test_k": TestStatus.SKIPPED}
