@@ -94,6 +94,18 @@ async def test_a_generation_streaming_past_the_episodes_time_is_truncated_and_sc
     assert [t.role for t in rollout.turns if t.role != "user" and t.role != "system"] == ["assistant", "tool"]
 
 
+async def _request(reader: asyncio.StreamReader) -> bool:
+    """Read one HTTP request off a keep-alive connection; False once the client has closed it."""
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    if not line:
+        return False
+    await reader.readexactly(length)
+    return True
+
+
 @pytest.mark.parametrize("answer", ["503", "aborted"])
 async def test_a_failing_server_past_the_episodes_time_is_not_cut_as_the_policys(answer: str) -> None:
     # the cut takes bytes seen within the last seconds for a generation going on: an error's body (a 503 of an
@@ -108,14 +120,7 @@ async def test_a_failing_server_past_the_episodes_time_is_not_cut_as_the_policys
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while True:
-                length = 0
-                while (line := await reader.readline()) not in (b"\r\n", b""):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                if not line:
-                    break
-                await reader.readexactly(length)
+            while await _request(reader):
                 writer.write(reply)
                 await writer.drain()
         writer.close()
@@ -150,14 +155,7 @@ async def test_a_generation_after_retries_past_the_deadline_has_the_time_the_ret
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal served
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while True:
-                length = 0
-                while (line := await reader.readline()) not in (b"\r\n", b""):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                if not line:
-                    break
-                await reader.readexactly(length)
+            while await _request(reader):
                 served += 1
                 if served <= 2:
                     writer.write(busy)
