@@ -203,12 +203,13 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
                 raise ScoringError(f"setup command {what}: {_tail(r.stderr or r.stdout)}")
 
     def scoring_timeout_s(self, task: Task) -> float:
-        """The scoring command at its timeout, twice (it runs once more after a timeout)."""
-        return 2 * (self.spec.scoring.timeout_s + SCORING_SLACK_S)
+        """The scoring command at its timeout, twice (it runs once more after a timeout), and the probe after."""
+        return 2 * (self.spec.scoring.timeout_s + SCORING_SLACK_S) + PROBE_TIMEOUT_S
 
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
         """Run the scoring command with the episode as JSON on stdin and parse the reward it prints; past its timeout
-        it runs once more, and past it again scores 0 (SCORING_RERUN_METRIC says why)."""
+        it runs once more, and past it again scores 0 (its metrics say which: SCORING_RERUN_METRIC,
+        SCORING_TIMEOUT_METRIC)."""
         timeout_s = self.spec.scoring.timeout_s
         r = await self._run_scoring(sandbox, task, episode)
         if not r.timed_out:
