@@ -283,16 +283,17 @@ def grade_tests(
                 got = statuses.get(name)
                 ok = got == TestStatus.PASSED or (got is not None and got == gold.get(name))
                 report[category]["success" if ok else "failure"].append(name)
-    for name in fail_to_pass if gold is None else ():
-        if test_passed(name, statuses):
-            report[FAIL_TO_PASS]["success"].append(name)
-        elif test_failed(name, statuses):
-            report[FAIL_TO_PASS]["failure"].append(name)
-    for name in pass_to_pass if gold is None else ():
-        if test_maintained(name, statuses):
-            report[PASS_TO_PASS]["success"].append(name)
-        elif test_failed(name, statuses):
-            report[PASS_TO_PASS]["failure"].append(name)
+    else:
+        for name in fail_to_pass:
+            if test_passed(name, statuses):
+                report[FAIL_TO_PASS]["success"].append(name)
+            elif test_failed(name, statuses):
+                report[FAIL_TO_PASS]["failure"].append(name)
+        for name in pass_to_pass:
+            if test_maintained(name, statuses):
+                report[PASS_TO_PASS]["success"].append(name)
+            elif test_failed(name, statuses):
+                report[PASS_TO_PASS]["failure"].append(name)
     report[FAIL_TO_FAIL] = {"success": [], "failure": []}
     report[PASS_TO_FAIL] = {"success": [], "failure": []}
     return report

@@ -14,7 +14,7 @@ from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
 from orchestrator.core.tools import call_tool, get_tools
 from orchestrator.rollout.step import classify_failure, env_call, replay_reference
-from orchestrator.service.declarative.env import SCORING_RERUN_METRIC, SCORING_TIMEOUT_METRIC
+from orchestrator.service.declarative.env import late_metrics
 
 TOOL_PROBES: dict[str, tuple[dict[str, str], str]] = {
     "bash": ({"command": "echo envfleet-ok"}, "envfleet-ok"),
@@ -98,7 +98,7 @@ async def _check_task(env: Environment, backend: SandboxBackend, image: str, tas
 def _in_time(task: Task, what: str, score: Score) -> list[str]:
     """A problem when the grader ran past its timeout for `what`: a 0 it then gives is the policy's program's
     doing in a rollout, and no check that the grader works."""
-    late = sorted(k for k in score.metrics if k in (SCORING_TIMEOUT_METRIC, SCORING_RERUN_METRIC))
+    late = late_metrics(score)
     return [f"task {task.id}: the scoring command ran past its timeout for {what} ({', '.join(late)})"] if late else []
 
 

@@ -58,7 +58,7 @@ from orchestrator.service.declarative import (
     SpecCheckError,
     make_environment,
 )
-from orchestrator.service.declarative.env import SCORING_RERUN_METRIC, SCORING_TIMEOUT_METRIC
+from orchestrator.service.declarative.env import late_metrics
 from orchestrator.service.registry import Registered, Registry
 from orchestrator.service.tenancy import LOCAL_TENANT, TenantGate
 
@@ -358,7 +358,7 @@ class Registrar:
                 except EnvironmentBroken as e:
                     problem = f"on task {task.id!r}: {e.__cause__ or e}"
                     raise SpecCheckError([Problem("scoring.command", problem)]) from None
-                if SCORING_TIMEOUT_METRIC in score.metrics or SCORING_RERUN_METRIC in score.metrics:
+                if late_metrics(score):
                     # a rollout's scoring gives such a run a 0, or its second run's score: the policy's program
                     # may be why there, not here
                     problem = f"on task {task.id!r}: it ran past scoring.timeout_s = {spec.scoring.timeout_s:g}s"

@@ -261,6 +261,11 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
         )
 
 
+def late_metrics(score: Score) -> list[str]:
+    """The metrics by which a score says its scoring command ran past its timeout (none: it ran in time)."""
+    return sorted(k for k in score.metrics if k in (SCORING_RERUN_METRIC, SCORING_TIMEOUT_METRIC))
+
+
 async def _keeps_time(sandbox: Sandbox) -> None:
     """SandboxUnavailableError (INFRA_ERROR, retried) unless a trivial command runs in the sandbox in time: a
     scoring command past its timeout twice on a host too busy to run anything is the fleet's doing, never a 0."""
