@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -22,7 +22,7 @@ T = TypeVar("T")
 GC_THRESHOLDS = (50_000, 20, 20)
 
 
-async def run_to_end(work: Coroutine[Any, Any, T]) -> T:
+async def run_to_end(work: Awaitable[T]) -> T:
     """`work`'s result; run to its end even when the caller is cancelled meanwhile (the caller gets its cancel at
     once, the work goes on), its outcome, a failure too, then marked seen (never logged as not retrieved)."""
     task = asyncio.ensure_future(work)

@@ -78,6 +78,7 @@ STREAM_GAP_S = 0.05
 # gRPC's default 4 MiB receive limit, which a trainer in most languages has unless it raises it, and under the
 # server's smallest max_message_bytes, with room for the fields the stream adds (seq, advantage, group headers)
 STREAM_BATCH_BYTES = 3 << 20
+FINISHED_STATES = (JobState.COMPLETED, JobState.CANCELLED)
 T = TypeVar("T")
 
 
@@ -127,6 +128,12 @@ class _Job:
     finished_at: float | None = None
     acked: int = 0  # rollouts acked so far (with done and by_status, what GetJob reports without reading the log)
 
+    @property
+    def ended(self) -> bool:
+        """Finished, and its end logged: every rollout it will log is logged (and, delivered in groups, its whole
+        groups published). A cancel sets the state first, and its streams keep open until this."""
+        return self.finished_at is not None
+
     def notify(self) -> None:
         """New results, or a new state: every stream looks."""
         for lst in self.listeners:
@@ -142,7 +149,7 @@ class _Job:
 
     @property
     def finished(self) -> bool:
-        return self.state in (JobState.COMPLETED, JobState.CANCELLED)
+        return self.state in FINISHED_STATES
 
     @property
     def run_env(self) -> Environment:
@@ -209,6 +216,7 @@ class JobManager:
         self._defer_timer: asyncio.TimerHandle | None = None  # START_DEFER_S after the first deferred job
         self._quiet_timer: asyncio.TimerHandle | None = None  # START_QUIET_S after the last submit was answered
         self._expiry: asyncio.Task[None] | None = None
+        self._cancelling: set[asyncio.Future[None]] = set()  # CancelJobs tearing their rollouts down: close waits
         self._counted: dict[RolloutStatus, MetricCounter] = {}  # metrics.rollouts by status
 
     @classmethod
@@ -254,16 +262,17 @@ class JobManager:
                 owner=stored.owner,
                 # what was sent before the restart is unknown: count everything already logged as delivered
                 delivered=await self.store.last_seq(stored.job_id),
-                finished_at=stored.finished_at,
+                # a finished job's end was logged with its time (a row without one ends now, not never)
+                finished_at=stored.finished_at or (now if stored.state in FINISHED_STATES else None),
             )
             by_status, job.acked = await self.store.counts(stored.job_id)
             job.by_status.update(by_status)
             job.done = sum(by_status.values())
             self._add(job)
+            if stored.spec.deliver_groups and job.state != JobState.COMPLETED:
+                await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
             if job.finished:
                 continue
-            if stored.spec.deliver_groups:
-                await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
             done_ids = await self.store.done_ids(job.job_id)
             try:
                 # what SubmitJob checks, under this start's settings: resumed unchecked, a job kept calling a policy
@@ -530,7 +539,7 @@ class JobManager:
         try:
             while True:
                 me.wake.clear()
-                finished = job.finished
+                finished = job.ended
                 room = max_in_flight - len(me.outstanding)
                 entries: list[LogEntry] = []
                 backlog = False
@@ -571,7 +580,7 @@ class JobManager:
                 await me.wake.wait()
                 # while it reads and sends, an ack changes nothing it is about to look at: it wakes no read
                 waited_for_room, me.full = me.full, False
-                if not waited_for_room and not job.finished and (gap := sent_at + STREAM_GAP_S - loop.time()) > 0:
+                if not waited_for_room and not job.ended and (gap := sent_at + STREAM_GAP_S - loop.time()) > 0:
                     # results coming quicker than one a gap: the ones landing meanwhile go out together (at 50 a
                     # second each alone cost a log read, a message, and the trainer's ack)
                     await asyncio.sleep(gap)
@@ -624,22 +633,31 @@ class JobManager:
             self._set_state(job, JobState.CANCELLED)
             # to its end even when the call is cancelled (a CancelJob past its deadline while sandboxes are torn
             # down): half done, the log said RUNNING, streams were never woken, and a restart ran the job again
-            await run_to_end(self._cancel(job))
+            cancelling = asyncio.ensure_future(self._cancel(job))
+            self._cancelling.add(cancelling)
+            cancelling.add_done_callback(self._cancelling.discard)
+            await run_to_end(cancelling)
         return await self.info(job_id)
 
     async def _cancel(self, job: _Job) -> None:
-        await self.scheduler.cancel_job(job.job_id)
-        # a rollout cancelled while its append waited in the log's queue was logged all the same (the store runs a
-        # queued call to its end), but neither counted nor, delivered in groups, its group published: the counts
-        # come from the log (behind those appends), and its whole groups go out, as a resume would make them
         job_id = job.job_id
-        if job.spec.deliver_groups:
-            n = job.spec.group_size
-            await self._logged(f"job {job_id}'s groups", lambda: self.store.publish_complete_groups(job_id, n))
-        by_status, job.acked = await self._logged(f"job {job_id}'s counts", lambda: self.store.counts(job_id))
-        job.by_status = Counter(by_status)
-        job.done = sum(by_status.values())
-        await self._finish(job, JobState.CANCELLED)
+        try:
+            # logged before the teardown, which takes a while (a removal per running rollout): a stop or a crash
+            # meanwhile left the log RUNNING, and the next start ran the cancelled job again (_resume publishes its
+            # whole groups, had the cut come before that step below)
+            await self._logged(f"job {job_id}'s cancel", lambda: self.store.set_job_state(job_id, JobState.CANCELLED))
+            await self.scheduler.cancel_job(job_id)
+            # a rollout cancelled while its append waited in the log's queue was logged all the same (the store runs
+            # a queued call to its end), but neither counted nor, delivered in groups, its group published: the
+            # counts come from the log (behind those appends), and its whole groups go out, as a resume makes them
+            if job.spec.deliver_groups:
+                n = job.spec.group_size
+                await self._logged(f"job {job_id}'s groups", lambda: self.store.publish_complete_groups(job_id, n))
+            by_status, job.acked = await self._logged(f"job {job_id}'s counts", lambda: self.store.counts(job_id))
+            job.by_status = Counter(by_status)
+            job.done = sum(by_status.values())
+        finally:  # its streams wait for the end (_Job.ended), which a failed step above must not hold back
+            await self._finish(job, JobState.CANCELLED)
 
     async def info(self, job_id: str, *, owner: str | None = None) -> JobInfo:
         """Status, counts by rollout status, throughput."""
@@ -734,6 +752,8 @@ class JobManager:
         for job in self._jobs.values():
             job.notify()
         await self.executor.close()
+        # cancels still tearing down finish (their sandboxes are gone with the executor's) before the log closes
+        await asyncio.gather(*self._cancelling, return_exceptions=True)
 
 
 def _need(env: Environment) -> Need:

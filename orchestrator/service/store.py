@@ -64,6 +64,16 @@ CREATE INDEX IF NOT EXISTS rollouts_job_seq ON rollouts (job_id, visible, acked,
 CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (job_id, group_id);
 """
 
+# An ack's up_to may cut a group: its members past up_to, unacked. The group is the last unacked one up to it (groups
+# are acked whole, so an acked last row leaves nothing of its group to ack): the index finds it at once, where the
+# last row of any kind was found by sorting every row of the job, 40 ms an Ack at 200,000 rows, on the one thread
+# that every tenant's appends, reads and acks share
+CUT_GROUP_REST = (
+    "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq > ? AND seq <= ? "
+    "AND group_id = (SELECT group_id FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq <= ? "
+    "ORDER BY seq DESC LIMIT 1)"
+)
+
 
 @dataclass(frozen=True)
 class StoredJob:
@@ -400,15 +410,7 @@ class ResultStore:
                 # a group's seqs are consecutive, so only the last group up_to reaches may be cut: its members past
                 # up_to went out with it, in one message, and acked apart they went out again as a part group (its
                 # advantages made over the part)
-                seqs += [
-                    r[0]
-                    for r in db.execute(
-                        "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq > ? "
-                        "AND seq <= ? AND group_id = (SELECT group_id FROM rollouts WHERE job_id = ? AND visible = 1 "
-                        "AND seq <= ? ORDER BY seq DESC LIMIT 1)",
-                        (job_id, up_to, delivered, job_id, up_to),
-                    )
-                ]
+                seqs += [r[0] for r in db.execute(CUT_GROUP_REST, (job_id, up_to, delivered, job_id, up_to))]
             for i in range(0, len(id_list), 500):
                 chunk = id_list[i : i + 500]
                 marks = ",".join("?" * len(chunk))

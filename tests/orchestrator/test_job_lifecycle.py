@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from orchestrator.core.models import JobSpec, JobState, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.server.app import Orchestrator
 from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
+from orchestrator.testing.synthetic_rollouts import long_rollout
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import TEST_OWNER
@@ -42,6 +44,9 @@ async def silent_policy() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
     finally:
         server.close()
+
+
+GROUPED = {"group_size": 2, "deliver_groups": True}
 
 
 def _spec(url: str, task_ids: list[str], **policy: Any) -> JobSpec:
@@ -100,6 +105,56 @@ async def test_a_cancel_whose_call_is_cancelled_is_carried_out_whole(
     async with serve(data, backend=FAKE) as again, EnvfleetClient(again.address) as client:
         info = await client.get_job(job_id)
         assert (info.state, info.in_flight) == (JobState.CANCELLED, 0)
+
+
+async def test_a_cancel_is_in_the_log_before_its_sandboxes_are_torn_down(
+    tmp_path: Path, silent_policy: str, task_ids: list[str]
+) -> None:
+    # CANCELLED reached the log only once every running rollout's sandbox was gone (a removal each, through the
+    # engine's rate limit): a stop or a crash in that window left the job RUNNING, and the next start ran it again
+    slow = FakeBackendConfig(owner=TEST_OWNER, destroy_latency_s=3.0)
+    async with serve(tmp_path / "data", backend=slow) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(_spec(silent_policy, task_ids[:2]))
+        await _running(client, job_id)
+        await expect_error(
+            client.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=0.5),
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+        assert orch.jobs._cancelling  # still tearing down
+        with contextlib.closing(sqlite3.connect(orch.jobs.store.path)) as db:
+            (state,) = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        assert state == JobState.CANCELLED.value
+
+
+async def test_an_open_stream_gets_the_groups_a_cancel_publishes(
+    tmp_path: Path, silent_policy: str, task_ids: list[str]
+) -> None:
+    # a cancel publishes the whole groups whose appends were queued as it came only once the sandboxes are gone, and
+    # a stream woken meanwhile (a result, an ack, its pacing) saw the job finished, read nothing, and ended without
+    # them: the proto promises an open stream what was logged before the cancel
+    slow = FakeBackendConfig(owner=TEST_OWNER, destroy_latency_s=3.0)
+    async with serve(tmp_path / "data", backend=slow) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(_spec(silent_policy, task_ids[:1]).model_copy(update=GROUPED))
+        await _running(client, job_id)
+        for k in range(2):  # a whole group, logged but not published: its last append was in the queue
+            member = long_rollout(turns=2, job_id=job_id).model_copy(
+                update={"id": f"{job_id}:extra:{k}", "group_id": f"{job_id}:extra", "sample_index": k}
+            )
+            await orch.jobs.store.append(member, visible=False)
+        stream = asyncio.create_task(_groups(client, job_id))
+        await asyncio.sleep(0.5)  # the stream is open and waits
+        await expect_error(
+            client.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=0.5),
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+        assert orch.jobs._cancelling  # still tearing down
+        orch.jobs._jobs[job_id].notify()  # what a result landing now does
+        async with asyncio.timeout(20):
+            assert await stream == [f"{job_id}:extra"]
+
+
+async def _groups(client: EnvfleetClient, job_id: str) -> list[str]:
+    return [g.group_id async for g in client.groups(job_id)]
 
 
 async def _drain(client: EnvfleetClient, job_id: str) -> int:

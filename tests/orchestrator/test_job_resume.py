@@ -75,3 +75,29 @@ async def test_a_job_row_this_version_cannot_read_is_left_alone_and_the_server_s
         assert [j.job_id for j in await client.list_jobs()] == [good]
     with sqlite3.connect(data / "results.sqlite3") as db:  # and the row is still there, for a version that reads it
         assert db.execute("SELECT COUNT(*) FROM jobs WHERE job_id = ?", (bad,)).fetchone() == (1,)
+
+
+async def test_a_cancel_cut_before_its_groups_were_published_publishes_them_at_the_restart(
+    tmp_path: Path, task_ids: list[str]
+) -> None:
+    # the cancel is logged first, and a stop or a crash can come before it publishes the job's whole groups: they
+    # stayed unpublished for good (the start skipped finished jobs), and a trainer never got them
+    data = tmp_path / "data"
+    spec = JobSpec(
+        env=ENV,
+        tasks=TaskSelection(kind="ids", ids=task_ids[:2]),
+        policy=PolicyEndpoint(base_url=REPLAY_URL),
+        group_size=2,
+        deliver_groups=True,
+    )
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(spec)
+        assert await until_done(client, job_id, 4, timeout_s=60) == 4
+    with sqlite3.connect(data / "results.sqlite3") as db:
+        db.execute("UPDATE jobs SET state = 'CANCELLED' WHERE job_id = ?", (job_id,))
+        db.execute("UPDATE rollouts SET visible = 0 WHERE job_id = ?", (job_id,))
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        assert (await client.get_job(job_id)).state == JobState.CANCELLED
+        async with asyncio.timeout(30):
+            groups = [g async for g in client.groups(job_id)]
+        assert sorted(len(g.rollouts) for g in groups) == [2, 2]
