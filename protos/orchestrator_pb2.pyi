@@ -396,16 +396,18 @@ class Rollout(_message.Message):
     def __init__(self, id: _Optional[str] = ..., job_id: _Optional[str] = ..., env: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., policy_version: _Optional[str] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ..., error: _Optional[_Union[RolloutError, _Mapping]] = ..., attempts: _Optional[int] = ..., seq: _Optional[int] = ..., advantage: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "task_id", "rollouts", "failed")
+    __slots__ = ("group_id", "task_id", "rollouts", "failed", "more")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     task_id: str
     rollouts: _containers.RepeatedCompositeFieldContainer[Rollout]
     failed: int
-    def __init__(self, group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., failed: _Optional[int] = ...) -> None: ...
+    more: bool
+    def __init__(self, group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., failed: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
     __slots__ = ("rollouts", "groups")

@@ -417,9 +417,9 @@ class RolloutServiceServicer:
         not yet acked and has seq > resume_after. With JobSpec.deliver_groups the messages carry whole groups instead.
 
         Backpressure: max_in_flight counts unacked rollouts (not groups) sent on this stream. While that many are
-        unacked the stream sends nothing more; an Ack (on any connection) frees room. In group delivery a group is
-        never split: a message is sent whenever fewer than max_in_flight rollouts are unacked and carries at least one
-        whole group, so unacked rollouts can exceed max_in_flight by up to group_size - 1 (the same holds for
+        unacked the stream sends nothing more; an Ack (on any connection) frees room. In group delivery the window never
+        cuts a group: a message is sent whenever fewer than max_in_flight rollouts are unacked and carries at least one
+        whole group (a group in parts, see Group, goes out whole, in consecutive messages), so unacked rollouts can exceed max_in_flight by up to group_size - 1 (the same holds for
         max_batch). A rollout sent but not acked is not sent again on the same stream; a new stream sends it again.
 
         Pacing: while rollouts land quicker than one per 50 ms, the stream sends at most one message per 50 ms, with

@@ -214,15 +214,24 @@ class EnvfleetClient:
     async def groups(
         self, job_id: str, *, resume_after: int = 0, max_in_flight: int = 256, auto_ack: bool = True
     ) -> AsyncGenerator[GroupResult]:
-        """Whole groups, for jobs submitted with deliver_groups=True."""
+        """Whole groups, for jobs submitted with deliver_groups=True (a group that comes in parts is joined)."""
+        parts: list[pb.Group] = []  # of a group that comes in parts (Group.more), so far
 
         def unpack(batch: pb.RolloutBatch) -> list[tuple[str, int, GroupResult]]:
             if batch.rollouts:  # else nothing would be acked, and the stream would stop at max_in_flight for good
                 raise ValueError(f"job {job_id} was not submitted with deliver_groups=True: read it with rollouts()")
             out = []
             for g in batch.groups:
-                rs = [rollout_from_pb(m) for m in g.rollouts]
-                adv = [m.advantage if m.HasField("advantage") else None for m in g.rollouts]
+                if parts and (g.group_id != parts[0].group_id or _starts_before(g, parts[-1])):
+                    parts.clear()  # sent again from its first part, on the stream a reconnect opened
+                if g.more or parts:
+                    parts.append(g)
+                    if g.more:
+                        continue  # nothing to yield or ack until the last part
+                members = [m for p in parts for m in p.rollouts] if parts else list(g.rollouts)
+                parts.clear()
+                rs = [rollout_from_pb(m) for m in members]
+                adv = [m.advantage if m.HasField("advantage") else None for m in members]
                 out.append(
                     (
                         g.group_id,
@@ -280,6 +289,8 @@ class EnvfleetClient:
                     if seen.add(key, seq):
                         yield item
                 last = max((seq for _, seq, _ in entries), default=0)
+                if batch.groups and batch.groups[-1].more:
+                    last = 0  # acked with its group's last part: an ack inside a group acks it whole, unread parts too
                 if acker is not None and last:
                     acker.consumed(last, len(batch.rollouts) + sum(len(g.rollouts) for g in batch.groups))
                     consumed = last  # a reconnect resumes after it: its ack is on its way
@@ -324,6 +335,11 @@ async def _next_batch(
             await asyncio.wait((batch,))
             if not batch.cancelled():
                 batch.exception()  # the stream's own error, if it ended with one: seen, not logged as never retrieved
+
+
+def _starts_before(part: pb.Group, last: pb.Group) -> bool:
+    """Whether `part` starts at or before the end of `last`, a part held: the group sent again from its start."""
+    return bool(part.rollouts and last.rollouts and part.rollouts[0].seq <= last.rollouts[-1].seq)
 
 
 def _members(batch: pb.RolloutBatch) -> list[pb.Rollout]:

@@ -144,7 +144,7 @@ def batch_to_pb(b: Batch) -> pb.RolloutBatch:
     for e in b.entries:
         _fill(out.rollouts.add(), e)
     for g in b.groups:
-        group = out.groups.add(group_id=g.group_id, task_id=g.task_id, failed=g.failed)
+        group = out.groups.add(group_id=g.group_id, task_id=g.task_id, failed=g.failed, more=g.more)
         for e, a in zip(g.entries, g.advantages, strict=True):
             _fill(group.rollouts.add(), e, a)
     return out

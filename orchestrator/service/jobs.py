@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import random
 import sqlite3
@@ -91,6 +92,7 @@ class Group:
     entries: list[LogEntry]
     advantages: list[float | None]
     failed: int
+    more: bool = False  # a part of a group over STREAM_BATCH_BYTES, with more of it in the next message (_parts)
 
 
 @dataclass
@@ -565,7 +567,10 @@ class JobManager:
                     job.delivered = max(job.delivered, cursor)
                     me.outstanding.update(e.seq for e in entries)
                     # a group of one is a group too: streamed as plain rollouts, its job's groups() refused it
-                    yield _batch(entries, grouped=job.spec.deliver_groups, advantage=job.spec.advantage)
+                    batch = _batch(entries, grouped=job.spec.deliver_groups, advantage=job.spec.advantage)
+                    big = n > 1 and sum(map(_size, entries)) > STREAM_BATCH_BYTES  # one group, over it alone
+                    for part in _parts(batch, STREAM_BATCH_BYTES) if big else (batch,):
+                        yield part
                     sent_at = loop.time()
                     if backlog or finished:
                         continue  # more is logged already (or the end is near): read on at once
@@ -791,6 +796,26 @@ def _within_bytes(entries: list[LogEntry], budget: int, grouped: bool) -> int:
         return whole
     first = entries[0].group_id  # the first group alone is over the budget: it goes whole
     return next((i for i, e in enumerate(entries) if e.group_id != first), len(entries))
+
+
+def _parts(batch: Batch, budget: int) -> list[Batch]:
+    """A batch of groups over `budget` bytes as messages within it: each group alone, and one over it in parts
+    (Group.more on every part but the last), cut between rollouts (a rollout over it goes alone). Sent whole, a group
+    over the server's max_message_bytes (GRPO's 16 samples of 100,000-token episodes pass 64 MiB) failed the stream
+    at every try, and nothing of the job after it was ever delivered."""
+    out = []
+    for g in batch.groups:
+        cuts, total = [0], 0
+        for i, e in enumerate(g.entries):
+            if total and total + _size(e) > budget:
+                cuts.append(i)
+                total = 0
+            total += _size(e)
+        cuts.append(len(g.entries))
+        for a, b in itertools.pairwise(cuts):
+            part = Group(g.group_id, g.task_id, g.entries[a:b], g.advantages[a:b], g.failed, more=b < len(g.entries))
+            out.append(Batch(groups=[part]))
+    return out
 
 
 def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "grpo") -> Batch:

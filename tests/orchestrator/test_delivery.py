@@ -31,7 +31,7 @@ from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import ENV, job
-from tests.orchestrator.servers import expect_error, until_done
+from tests.orchestrator.servers import FAKE, expect_error, serve, until_done
 
 
 async def test_disconnect_and_resume_loses_nothing(
@@ -627,6 +627,90 @@ async def test_big_rollouts_come_in_messages_a_client_with_grpcs_default_limit_r
             if groups:
                 assert all(len(g.rollouts) == 2 for g in batch.groups), "a group is never split"
     assert sorted(got) == sorted({f"{job_id}:{t}:{i}" for t in task_ids[:8] for i in range(2)})
+
+
+async def test_a_group_over_a_message_comes_in_parts_that_groups_joins(tmp_path: Path, task_ids: list[str]) -> None:
+    # a group went in one message whatever its size: past the server's max_message_bytes (GRPO's 16 samples of long
+    # episodes pass 64 MiB) its stream failed at every try, and nothing of the job after it was ever delivered
+    script = Script(default=[Step(content="x" * 1_400_000)])
+    server = await start_scripted_server(script, tokens=False)
+    try:
+        async with (
+            serve(
+                tmp_path / "data", backend=FAKE, max_message_bytes=4 << 20, sandboxes={"max_output": 1 << 20}
+            ) as orch,
+            EnvfleetClient(orch.address) as client,
+        ):
+            job_id = await client.submit(job(server.url, task_ids[:2], n=4, deliver_groups=True))
+            assert await until_done(client, job_id, 8, timeout_s=60) == 8
+            parts: list[tuple[str, int, bool]] = []
+            async with grpc.aio.insecure_channel(orch.address) as channel:  # gRPC's own defaults
+                stub = pb_grpc.RolloutServiceStub(channel)
+                async for batch in stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id)):
+                    assert batch.ByteSize() <= 4 << 20
+                    parts += [(g.group_id, len(g.rollouts), g.more) for g in batch.groups]
+            ids = sorted({p[0] for p in parts})
+            assert parts == [(ids[0], 2, True), (ids[0], 2, False), (ids[1], 2, True), (ids[1], 2, False)] or parts == [
+                (ids[1], 2, True),
+                (ids[1], 2, False),
+                (ids[0], 2, True),
+                (ids[0], 2, False),
+            ]
+            groups = [g async for g in client.groups(job_id)]  # joined, then acked whole
+            assert sorted(g.group_id for g in groups) == ids
+            for g in groups:
+                assert sorted(r.sample_index for r in g.rollouts) == [0, 1, 2, 3] and len(g.advantages) == 4
+                assert {r.group_id for r in g.rollouts} == {g.group_id}
+            assert (await client.get_job(job_id)).acked == 8
+    finally:
+        await server.close()
+
+
+class _BrokenAfterAPart(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
+    """A stream that sends a group's first part and breaks, then, on the next stream, the group from its start."""
+
+    def __init__(self) -> None:
+        self.streams: list[int] = []  # resume_after of each stream
+        self.acks: list[int] = []
+
+    async def StreamRollouts(self, request: pb.StreamRolloutsRequest, context: grpc.aio.ServicerContext) -> Any:
+        self.streams.append(request.resume_after)
+        members = [
+            pb.Rollout(
+                id=f"j:t:{k}", job_id="j", group_id="j:t", sample_index=k, seq=10 + k, status=pb.ROLLOUT_STATUS_OK
+            )
+            for k in range(4)
+        ]
+        yield pb.RolloutBatch(groups=[pb.Group(group_id="j:t", rollouts=members[:2], more=True)])
+        if len(self.streams) == 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server went away")
+        yield pb.RolloutBatch(groups=[pb.Group(group_id="j:t", rollouts=members[2:])])
+
+    async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.AckResponse:
+        self.acks.append(request.up_to)
+        return pb.AckResponse(acked=4)
+
+
+@pytest.mark.parametrize("reader", ["groups", "rollout_messages"])
+async def test_a_group_whose_stream_breaks_after_a_part_is_read_from_its_start_again(reader: str) -> None:
+    servicer = _BrokenAfterAPart()
+    server = grpc.aio.server()
+    pb_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with EnvfleetClient(f"127.0.0.1:{port}", reconnect_s=30) as client:
+            async with asyncio.timeout(30):
+                if reader == "groups":
+                    got = [[r.id for r in g.rollouts] async for g in client.groups("j")]
+                else:
+                    got = [[m.id async for m in client.rollout_messages("j")]]
+        # one group, its four samples once each: the part before the break was not kept twice, nor acked alone (an
+        # ack inside a group acks all of it, the part not read yet too)
+        assert got == [[f"j:t:{k}" for k in range(4)]]
+        assert servicer.streams == [0, 0] and servicer.acks == [13]
+    finally:
+        await server.stop(None)
 
 
 async def test_rollouts_logged_behind_one_over_a_messages_bytes_go_out_while_the_job_runs(
