@@ -30,6 +30,20 @@ async def run_to_end(work: Awaitable[T]) -> T:
     return await asyncio.shield(task)
 
 
+async def to_the_end(task: asyncio.Future[T]) -> T:
+    """Await `task` to its end even if the caller is cancelled meanwhile, once or again and again: a cleanup cut
+    short leaks what it was removing. The caller's cancel is raised once the task is done."""
+    cancel: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError as e:
+            cancel = e
+    if cancel is not None:
+        raise cancel
+    return task.result()
+
+
 def _seen(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import logging
 
 import docker
@@ -33,7 +34,7 @@ class ImageResolver:
     def __init__(self, client: docker.DockerClient) -> None:
         self._client = client
         self._cache: dict[str, tuple[str, str]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._builds: dict[str, asyncio.Future[tuple[str, str]]] = {}
         self._prebuilds: dict[str, asyncio.Task[None]] = {}
 
     def ready(self, env: Environment) -> bool:
@@ -45,19 +46,34 @@ class ImageResolver:
         an EngineError, which rollouts retry as infrastructure; its refusing one (a 4xx: a base image that does not
         exist) is the environment's ImageBuildError, as a failed build step is."""
         key = env.ref()
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            if key not in self._cache:
-                try:
-                    self._cache[key] = await asyncio.to_thread(self._build, env)
-                except docker.errors.APIError as e:
-                    if e.is_server_error():
-                        raise EngineError(f"the engine failed resolving the image of {key}: {e}") from e
-                    raise ImageBuildError(f"the engine refused building the image of {key}: {e}") from e
-                except docker.errors.DockerException as e:
-                    raise ImageBuildError(f"the engine failed building the image of {key}: {e}") from e
-                except requests.exceptions.RequestException as e:
-                    raise EngineError(f"the engine did not answer resolving the image of {key}: {e}") from e
+        if key in self._cache:
             return self._cache[key]
+        build = self._builds.get(key)
+        if build is None:
+            # one build of an image at a time, shared by all that wait for it: under a lock, a waiter cancelled (a
+            # rollout's timeout, a CancelJob) let the next one start a second build beside the first, still running
+            # in its thread, whose result was thrown away
+            build = self._builds[key] = asyncio.ensure_future(self._resolve(key, env))
+            build.add_done_callback(functools.partial(self._built, key))
+        return await asyncio.shield(build)
+
+    def _built(self, key: str, build: asyncio.Future[tuple[str, str]]) -> None:
+        self._builds.pop(key, None)  # a failed build is tried again by the next resolve
+        if not build.cancelled():
+            build.exception()  # its waiters have it; it is not "never retrieved" when every one was cancelled
+
+    async def _resolve(self, key: str, env: Environment) -> tuple[str, str]:
+        try:
+            self._cache[key] = await asyncio.to_thread(self._build, env)
+        except docker.errors.APIError as e:
+            if e.is_server_error():
+                raise EngineError(f"the engine failed resolving the image of {key}: {e}") from e
+            raise ImageBuildError(f"the engine refused building the image of {key}: {e}") from e
+        except docker.errors.DockerException as e:
+            raise ImageBuildError(f"the engine failed building the image of {key}: {e}") from e
+        except requests.exceptions.RequestException as e:
+            raise EngineError(f"the engine did not answer resolving the image of {key}: {e}") from e
+        return self._cache[key]
 
     def prebuild(self, env: Environment) -> asyncio.Task[None]:
         """Build the image in the background; the task ends (never raising) when the image exists or the build

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.server
 import json
@@ -17,6 +18,7 @@ import docker.errors
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.core.environment import Environment
 from orchestrator.core.errors import EngineError, ImageBuildError, InvalidRequestError
 from orchestrator.core.image_spec import ImageSpec, render_dockerfile
 from orchestrator.core.models import RolloutStatus
@@ -298,6 +300,31 @@ async def test_the_engine_failing_a_call_is_infrastructure_not_the_environments_
     gone = ImageResolver(docker.DockerClient(base_url=f"unix://{tmp_path / 'no-engine.sock'}", version="1.41"))
     with pytest.raises(EngineError, match="did not answer"):
         await gone.resolve(env)
+
+
+async def test_a_waiter_cancelled_during_a_build_leaves_the_one_build_to_the_next(tmp_path: Path) -> None:
+    # under a per-image lock, a waiter cancelled (a rollout's timeout, a CancelJob) let the next start a second build
+    # beside the first, which ran on in its thread and was thrown away: under retries, builds of one image piled up
+    env = Registry.from_entry_points().get("python-tool")
+    started: list[float] = []
+    release = threading.Event()
+
+    class Counting(ImageResolver):
+        def _build(self, env: Environment) -> tuple[str, str]:
+            started.append(time.monotonic())
+            release.wait(30)
+            return "env-python-tool:abc", "sha256:abc"
+
+    resolver = Counting(docker.DockerClient(base_url=f"unix://{tmp_path / 'unused.sock'}", version="1.41"))
+    first = asyncio.create_task(resolver.resolve(env))
+    await asyncio.sleep(0.2)
+    first.cancel()
+    second = asyncio.create_task(resolver.resolve(env))
+    await asyncio.sleep(0.2)
+    release.set()
+    assert await second == ("env-python-tool:abc", "sha256:abc")
+    assert len(started) == 1 and first.cancelled()
+    assert await resolver.resolve(env) == ("env-python-tool:abc", "sha256:abc") and len(started) == 1  # cached
 
 
 def test_the_engine_failing_a_build_is_infrastructure_too(tmp_path: Path) -> None:

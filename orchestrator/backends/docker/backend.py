@@ -35,6 +35,7 @@ from orchestrator.core.errors import (
     SandboxError,
     SandboxUnavailableError,
 )
+from orchestrator.core.runtime import to_the_end
 from orchestrator.core.sandbox import (
     Command,
     ExecEvent,
@@ -58,20 +59,6 @@ T = TypeVar("T")
 # creates that found their picked name (and uid) taken, before one gives up: with 1,000 sandboxes live among the
 # 2 million uids, one pick in 2,000 is taken
 NAME_TRIES = 8
-
-
-async def to_the_end(task: asyncio.Task[T]) -> T:
-    """Await `task` to its end even if the caller is cancelled meanwhile, once or again and again: a cleanup cut
-    short leaks what it was removing. The caller's cancel is raised once the task is done."""
-    cancel: asyncio.CancelledError | None = None
-    while not task.done():
-        try:
-            await asyncio.wait([task])
-        except asyncio.CancelledError as e:
-            cancel = e
-    if cancel is not None:
-        raise cancel
-    return task.result()
 
 
 def engine_security_problem(info: Mapping[str, Any], *, allow_swap: bool = False) -> str:

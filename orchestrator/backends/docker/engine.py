@@ -22,6 +22,7 @@ import requests
 from orchestrator.backends.docker.call_limiter import CallLimiter, Permit
 from orchestrator.backends.docker.config import DockerBackendConfig
 from orchestrator.core.errors import SandboxUnavailableError
+from orchestrator.core.runtime import to_the_end
 
 T = TypeVar("T")
 
@@ -86,8 +87,10 @@ class Engine:
         try:
             return await self._outcome(fn, asyncio.shield(running))
         except asyncio.CancelledError:
+            # to its end through a second cancel too (a CancelJob, then the shutdown's): cut there, the caller's
+            # cleanup looked for the container by name before the engine had made it, found none, and it stayed
             with contextlib.suppress(Exception):
-                await running
+                await to_the_end(running)
             raise
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

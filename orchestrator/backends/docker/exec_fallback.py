@@ -24,13 +24,14 @@ from typing import Any
 
 import docker.errors
 
-from orchestrator.backends.docker.backend import DockerBackend, to_the_end
+from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.core.errors import (
     SandboxCreateError,
     SandboxFileError,
     SandboxFileNotFoundError,
     SandboxUnavailableError,
 )
+from orchestrator.core.runtime import to_the_end
 from orchestrator.core.sandbox import (
     Command,
     ExecEnded,

@@ -70,6 +70,29 @@ async def test_a_failed_creates_cleanup_cancelled_again_still_removes_its_direct
         assert not backend.sockets._creating, "the create's lock fd is still open"
 
 
+async def test_a_create_cancelled_twice_while_the_engine_creates_leaves_no_container(
+    base_image: str, socket_root: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the create survived one cancel (it waited for the engine's answer), not a second (a CancelJob, then the
+    # shutdown's): the cleanup looked the container up by name before the engine had made it, found none, and the
+    # container the engine then made stayed until a sweep
+    async with owned_backend(socket_root=socket_root) as backend:
+        at_create, created = threading.Event(), threading.Event()
+        create = slowed(backend.api.create_container, at_create, created, delay_s=2.0)
+        monkeypatch.setattr(backend.api, "create_container", create)
+        creating = asyncio.create_task(backend.create(SandboxSpec(image=base_image)))
+        await reached(at_create)
+        [name] = backend.sockets.names()
+        creating.cancel()
+        await asyncio.sleep(0.3)
+        creating.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await creating
+        await reached(created)
+        await asyncio.sleep(0.5)  # a removal queued by the cleanup, if any, has its turn
+        assert not docker_client.api.containers(all=True, filters={"name": name}), "the container stayed"
+
+
 async def test_close_during_a_release_in_flight_waits_for_its_removal(
     base_image: str, socket_root: Path, docker_client: docker.DockerClient
 ) -> None:
