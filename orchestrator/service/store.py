@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from orchestrator.core.models import EncodedRollout, JobSpec, JobState, Rollout
 
@@ -107,8 +107,9 @@ class LogEntry:
 class ResultStore:
     """Append scored rollouts, read them from a cursor, ack them. Open with `await ResultStore.open(path)`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, synchronous: Literal["full", "normal"] = "full") -> None:
         self.path = path
+        self._synchronous = synchronous
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store")
         self._db: sqlite3.Connection | None = None
         # each call with its future and the task that made it
@@ -118,9 +119,12 @@ class ResultStore:
         self._served: set[asyncio.Task[Any] | None] = set()  # the callers of the last transaction
 
     @classmethod
-    async def open(cls, path: Path) -> ResultStore:
-        """Open (creating if needed) the log at `path`."""
-        store = cls(path)
+    async def open(cls, path: Path, synchronous: Literal["full", "normal"] = "full") -> ResultStore:
+        """Open (creating if needed) the log at `path`. `synchronous` full: each commit is synced to disk before
+        its rows are read (and streamed); normal (SQLite's WAL mode's): a commit survives a crash of the process
+        but may be lost with the host's power. Lost so, rollouts a trainer had read and acked came again under new
+        seqs from a rerun, past its dedup, and its cursor, past the log's end now, was refused."""
+        store = cls(path, synchronous)
         await asyncio.get_running_loop().run_in_executor(store._pool, store._connect)
         return store
 
@@ -129,7 +133,7 @@ class ResultStore:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         db.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a new log's; one made before keeps its own
         db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+        db.execute(f"PRAGMA synchronous={self._synchronous.upper()}")
         db.executescript(SCHEMA)
         if "owner" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:  # a log from before tenants
             db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT 'local'")

@@ -16,6 +16,7 @@ import pytest
 
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.server.app import OrchestratorConfig
 from orchestrator.server.convert import batch_to_pb, entry_to_pb, rollout_pb
 from orchestrator.service import store as store_module
 from orchestrator.service.jobs import Batch
@@ -268,3 +269,23 @@ async def test_a_failed_rollout_is_stored_without_a_reward(tmp_path: Path, statu
         assert not m.HasField("reward") and entry.rollout().reward is None
     finally:
         await store.close()
+
+
+async def test_the_log_is_synced_to_disk_at_each_commit_unless_the_operator_trades_that_for_speed(
+    tmp_path: Path,
+) -> None:
+    # WAL with synchronous=NORMAL kept a commit through a crash of the process, not of the host: a power loss took
+    # the last rollouts back, which a trainer may have read and acked; their reruns came under new seqs, past its
+    # dedup, and its cursor, past the log's end now, was refused
+    for sync, level in (("full", 2), ("normal", 1)):
+        store = await ResultStore.open(tmp_path / f"{sync}.sqlite3", synchronous=sync)
+        try:
+            assert store.db.execute("PRAGMA synchronous").fetchone()[0] == level
+        finally:
+            await store.close()
+    store = await ResultStore.open(tmp_path / "default.sqlite3")
+    try:
+        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 2
+    finally:
+        await store.close()
+    assert OrchestratorConfig().result_log_sync == "full"
