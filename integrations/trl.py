@@ -18,7 +18,8 @@ A failed rollout (status not OK or TRUNCATED) is masked two ways: its reward is 
 leaves out of the group's mean and std (its advantage becomes 0; a 0 reward would move the baseline), and its
 env_mask is all 0, so none of its tokens enter the loss or the KL term. One that failed before sampling anything
 gets a single pad token (env_mask 0, logprob 0.0) as its completion: TRL needs a non-empty completion per prompt,
-and it pads every completion with that token anyway.
+and it pads every completion with that token anyway. So does a scored one that kept no completion (its first
+generation cut at its length or deadline): masked, its reward kept.
 """
 
 from __future__ import annotations
@@ -89,25 +90,32 @@ def group_columns(group: GroupResult, pad_id: int | None = None) -> dict[str, li
     rollouts = sorted(group.rollouts, key=lambda r: r.sample_index)
     shared_prompt = _prompt_ids(group)
     if shared_prompt is None:
+        scored_missing = any(r.status.scored and r.tokens.status == "missing" for r in rollouts)
         raise RuntimeError(
-            f"every sample of group {group.group_id} failed without tokens ({[r.status.value for r in rollouts]}); "
-            "there is nothing to train on"
+            f"every sample of group {group.group_id} ended without tokens ({[r.status.value for r in rollouts]}); "
+            "there is nothing to train on" + (f". {_NO_IDS}" if scored_missing else "")
         )
     cols: dict[str, list[Any]] = defaultdict(list)
     for r in rollouts:
         _check_tokens(r)
         scored = r.status.scored
         t = r.tokens
-        completion = list(t.completion_ids) if scored or t.status == "complete" else []
+        # Only complete tokens are kept. A scored rollout whose first generation was never kept (cut at its length,
+        # or past its deadline: TRUNCATED) has "missing" tokens, and one "complete" with no ids has none either; the
+        # first failed the whole step with an error about tokenizers, the second gave columns of lengths 1, 1 and 0.
+        # Both are padded and masked like a failed sample, their reward kept: the episode happened, nothing to train.
+        completion = list(t.completion_ids) if t.status == "complete" else []
         logprobs = list(t.completion_logprobs) if completion else []
+        mask = list(t.completion_mask) if scored and completion else [0] * len(completion)
         if not completion:
             if pad_id is None:
-                raise ValueError(f"rollout {r.id} failed without tokens: group_columns needs a pad_id to mask it")
-            completion, logprobs = [pad_id], [0.0]
+                what = "kept no completion" if scored else "failed without tokens"
+                raise ValueError(f"rollout {r.id} {what}: group_columns needs a pad_id to mask it")
+            completion, logprobs, mask = [pad_id], [0.0], [0]
         cols["prompt_ids"].append(t.prompt_ids or shared_prompt)
         cols["completion_ids"].append(completion)
         cols["logprobs"].append(logprobs)
-        cols["env_mask"].append(list(t.completion_mask) if scored else [0] * len(completion))
+        cols["env_mask"].append(mask)
         cols[REWARD_KEY].append(r.reward if scored else None)
         cols[STATUS_KEY].append(r.status.value)
         cols[TOKEN_STATUS_KEY].append(t.status)
@@ -126,12 +134,17 @@ def pad_token_id(trainer: Any) -> int | None:
     return None
 
 
+_NO_IDS = (
+    "GRPOTrainer needs exact ids. Give the policy a tokenizer (token-in, token-out) or use a server that returns token "
+    "ids"
+)
+
+
 def _check_tokens(r: Rollout) -> None:
-    if r.status.scored and r.tokens.status != "complete":
-        raise RuntimeError(
-            f"rollout {r.id} has {r.tokens.status} tokens: GRPOTrainer needs exact ids. Give the policy a tokenizer "
-            "(token-in, token-out) or use a server that returns token ids"
-        )
+    # "missing" is not refused here: a scored rollout that kept no generation has it too (masked in group_columns).
+    # A server that returns no ids leaves every sample without them, which the group's prompt check refuses.
+    if r.status.scored and r.tokens.status == "inconsistent":
+        raise RuntimeError(f"rollout {r.id} has inconsistent tokens: {_NO_IDS}")
 
 
 class EnvfleetRollout:

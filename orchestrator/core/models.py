@@ -160,6 +160,27 @@ class Tokens(_Model):
     completion_mask: list[int] = Field(default_factory=list)
     completion_logprobs: list[float] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _aligned(self) -> Tokens:
+        # A remote worker's JSON is parsed into this model (worker/results.py) and went on to the trainer as sent: a
+        # mask or logprobs of another length than the ids (arrays that no longer line up), a mask of 2 or -1, a
+        # negative id. Checked with len, set and min, not element by element: a rollout holds up to 200,000 tokens.
+        # A list left empty is absent, not short. Observation tokens carry logprob 0.0 (rollout/tokens.py); that is
+        # not checked here, as it would need a pass over every token.
+        n = len(self.completion_ids)
+        for name, values in (
+            ("completion_mask", self.completion_mask),
+            ("completion_logprobs", self.completion_logprobs),
+        ):
+            if values and len(values) != n:
+                raise ValueError(f"tokens.{name} has {len(values)} entries for {n} completion_ids")
+        if self.completion_mask and not set(self.completion_mask) <= {0, 1}:
+            raise ValueError("tokens.completion_mask holds a value other than 0 and 1")
+        for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
+            if ids and min(ids) < 0:
+                raise ValueError(f"tokens.{name} holds a negative token id")
+        return self
+
 
 class Timing(_Model):
     """Seconds spent in each phase of one rollout."""

@@ -10,7 +10,7 @@ import contextlib
 import sqlite3
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -277,7 +277,8 @@ async def test_the_log_is_synced_to_disk_at_each_commit_unless_the_operator_trad
     # WAL with synchronous=NORMAL kept a commit through a crash of the process, not of the host: a power loss took
     # the last rollouts back, which a trainer may have read and acked; their reruns came under new seqs, past its
     # dedup, and its cursor, past the log's end now, was refused
-    for sync, level in (("full", 2), ("normal", 1)):
+    modes: list[tuple[Literal["full", "normal"], int]] = [("full", 2), ("normal", 1)]
+    for sync, level in modes:
         store = await ResultStore.open(tmp_path / f"{sync}.sqlite3", synchronous=sync)
         try:
             assert store.db.execute("PRAGMA synchronous").fetchone()[0] == level

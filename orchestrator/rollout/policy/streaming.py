@@ -10,16 +10,17 @@ Each event is a chunk of the chat completion (`choices[0].delta`: content, tool 
 completion (`choices[0].text`), with the token fields vLLM and SGLang add per chunk: `token_ids` and `logprobs` of
 the chunk's tokens, `prompt_token_ids` once. They are concatenated in order, field by field; the parser then checks
 them as it checks a whole answer (ids and logprobs of one length, exact values); here each chunk's ids and
-logprobs must line up too, and all the ids must be as many as the stream's `usage` says were sampled. A stream that
-ends before `data: [DONE]` or without a finish_reason, or that carries an error event, is an unfinished generation
-(GenerationAborted, retried as a 5xx): a cut answer is never a turn; an error that says the context is full is
-ContextFull, as the 400 is. The server is untrusted: a chunk of the wrong shape is a PolicyResponseError that names
-the chunk and the field, never quotes it.
+logprobs must line up too, and all the ids must be as many as the stream's `usage` says were sampled (a chat stream
+without `usage` keeps none: its tokens are missing). A stream that ends before `data: [DONE]` or without a
+finish_reason, or that carries an error event, is an unfinished generation (GenerationAborted, retried as a 5xx): a
+cut answer is never a turn; an error that says the context is full is ContextFull, as the 400 is. The server is
+untrusted: a chunk of the wrong shape is a PolicyResponseError that names the chunk and the field, never quotes it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -35,6 +36,7 @@ EVENT_STREAM = "text/event-stream"
 BOM = b"\xef\xbb\xbf"
 # a stream may start with a byte order mark, and end its lines with CRLF, LF or CR alone (the SSE standard)
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+log = logging.getLogger(__name__)
 
 
 def _events(lines: Iterable[bytes], *, cut: bool = False) -> Iterator[bytes]:
@@ -212,14 +214,29 @@ def collect(body: bytes) -> dict[str, Any]:
     """The whole answer a streamed one adds up to (the first choice only: one is asked for). When the stream says
     how many tokens it sampled (`usage`, asked for with stream_options.include_usage), the token ids must be that
     many: a server whose tool or reasoning parser held a chunk back has sent neither its ids nor its logprobs, and
-    the two lists would still be of one length."""
+    the two lists would still be of one length. A chat stream that does not say is answered without its token ids
+    and logprobs, so the rollout's tokens are "missing", never complete with a hole in them."""
     choice, whole, sampled, lax = _read(body)
-    whole["choices"] = [choice.whole()]
+    out = choice.whole()
+    whole["choices"] = [out]
     carried = choice.carried()
     if carried is not None and sampled is not None and sampled != carried:
         raise PolicyTokenError(
             f"the policy server's stream carried {carried} tokens but says it sampled {sampled} "
             "(usage.completion_tokens): some never arrived; use token_mode tito, or a server that sends every one"
+        )
+    if carried is not None and sampled is None and choice.chat:
+        # A server that ignored include_usage skipped the only check of held-back chunks, and on an episode's last
+        # turn no later prompt showed the gap: the rollout went to the trainer "complete" without those ids. The
+        # completions endpoint (tito) runs no tool or reasoning parser, so nothing is held back there.
+        out.pop("token_ids", None)
+        out.pop("logprobs", None)
+        log.warning(
+            "the policy server's stream did not say how many tokens it sampled (no usage: it ignores "
+            "stream_options.include_usage), so ids its tool or reasoning parser held back would go unseen; this "
+            "turn's %d token ids are dropped and the rollout's tokens are missing. Use a server that sends usage "
+            "when streaming, token_mode tito, or stream: false",
+            carried,
         )
     return texts(whole) if lax else whole
 

@@ -111,9 +111,10 @@ def test_the_chunks_of_an_answer_add_up_to_the_answer() -> None:
                 "finish_reason": "stop",
             }
         ],
+        "usage": {"completion_tokens": 3},
     }
-    chunks = stream_chunks(whole)
-    assert len(chunks) == 4  # the role alone, then the three tokens
+    chunks = stream_chunks(whole, usage=True)
+    assert len(chunks) == 5  # the role alone, then the three tokens, then the usage
     streamed = parse_chat_completion(streaming.collect(_sse(*chunks)), model="x")
     assert streamed == parse_chat_completion(whole, model="x")
     assert (streamed.prompt_ids, streamed.completion_ids, streamed.logprobs) == ([1, 2, 3], [7, 8, 9], [-3.5, -4, -4.5])

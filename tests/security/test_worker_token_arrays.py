@@ -1,0 +1,68 @@
+"""A remote worker's token arrays reach the trainer only if they line up: the control plane validates a remote
+worker's JSON as a Rollout (worker/results.py), and Tokens refuses a mask or logprobs of another length than the
+ids, a mask value other than 0 and 1, and a negative id. Before, those went on to the trainer as misaligned arrays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orchestrator.core.models import Rollout, RolloutStatus, Tokens
+from orchestrator.rollout.runner import WorkItem
+from orchestrator.worker import results
+from orchestrator.worker.results import InvalidResultError, encode
+from protos import worker_pb2 as wpb
+from tests.orchestrator.worker_wire import items
+from tests.security.test_worker_results import _forged, _one
+
+GOOD: dict[str, Any] = {
+    "status": "complete",
+    "prompt_ids": [1, 2],
+    "completion_ids": [3, 4, 5],
+    "completion_mask": [1, 0, 1],
+    "completion_logprobs": [-0.5, 0.0, -0.25],
+}
+BAD: dict[str, tuple[dict[str, Any], str]] = {
+    "a short mask": ({"completion_mask": [1, 0]}, "completion_mask has 2 entries for 3 completion_ids"),
+    "long logprobs": ({"completion_logprobs": [-0.5] * 4}, "completion_logprobs has 4 entries for 3"),
+    "a mask of 2": ({"completion_mask": [1, 2, 1]}, "completion_mask holds a value other than 0 and 1"),
+    "a negative id": ({"completion_ids": [3, -4, 5]}, "completion_ids holds a negative token id"),
+}
+
+
+def _with_tokens(rollout: Rollout, **tokens: Any) -> Rollout:
+    # model_construct: the worker's side is the forger's, and builds what Tokens would refuse
+    return rollout.model_copy(update={"tokens": Tokens.model_construct(**(GOOD | tokens))})
+
+
+def _item_rollout(item: WorkItem) -> Rollout:
+    return Rollout(
+        id=item.id,
+        job_id=item.job_id,
+        env="python-tool@1",
+        task_id=item.task.id,
+        group_id=item.group_id,
+        sample_index=item.sample_index,
+        status=RolloutStatus.OK,
+        reward=1.0,
+    )
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_remote_workers_misaligned_tokens_are_refused(case: str) -> None:
+    update, why = BAD[case]
+    (item,) = items("job-tokens", 1)
+    good = encode("a-1", _with_tokens(_item_rollout(item)))
+    assert results.decode(good, item, trusted=False)[0].id == item.id
+    with pytest.raises(InvalidResultError, match=f"(?s)JSON form is invalid: .*{why}"):
+        results.decode(encode("a-1", _with_tokens(_item_rollout(item), **update)), item, trusted=False)
+
+
+async def test_a_remote_worker_that_sends_misaligned_tokens_delivers_no_reward() -> None:
+    def answer(a: wpb.Assignment) -> wpb.RolloutResult:
+        return _forged(a, tokens=Tokens.model_construct(**(GOOD | {"completion_mask": [1, 0]})))
+
+    got = await _one("tcp", answer)
+    assert isinstance(got, Rollout) and got.status == RolloutStatus.INFRA_ERROR and got.reward is None, got
+    assert got.error is not None and "completion_mask has 2 entries for 3 completion_ids" in got.error.message
