@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import random
 import sqlite3
@@ -92,7 +91,7 @@ class Group:
     entries: list[LogEntry]
     advantages: list[float | None]
     failed: int
-    more: bool = False  # a part of a group over STREAM_BATCH_BYTES, with more of it in the next message (_parts)
+    more: bool = False  # a part of a group over STREAM_BATCH_BYTES, with more of it in the next message
 
 
 @dataclass
@@ -538,6 +537,7 @@ class JobManager:
         job.listeners.append(me)
         loop = asyncio.get_running_loop()
         sent_at = float("-inf")
+        part_of: _PartOf | None = None  # the group this stream is sending in parts, while more of it is to come
         try:
             while True:
                 me.wake.clear()
@@ -545,35 +545,33 @@ class JobManager:
                 room = max_in_flight - len(me.outstanding)
                 entries: list[LogEntry] = []
                 backlog = False
-                if room > 0:
+                if room > 0 or part_of is not None:  # the window never cuts a group: its parts go on
                     limit = max(min(room, max_batch), n)
-                    entries = await self.store.read(job_id, cursor, limit, STREAM_BATCH_BYTES, whole_groups=n > 1)
-                    # more is logged when the read stopped at its limit, or at its bytes: a first rollout (or group)
-                    # over them alone went out, and the rest waited for the next result to wake the stream. A read
-                    # stopped at its bytes ends on a whole group; one within them needs no cut
-                    over = sum(map(_size, entries)) > STREAM_BATCH_BYTES
-                    backlog = len(entries) == limit
-                    if n > 1 and backlog:
-                        entries = _whole_groups(entries)
-                    if (
-                        over
-                        and len(entries) > 1
-                        and (head := _within_bytes(entries, STREAM_BATCH_BYTES, n > 1)) < len(entries)
-                    ):
-                        entries = entries[:head]
-                    backlog = backlog or over
+                    read = await self.store.read(job_id, cursor, limit, STREAM_BATCH_BYTES)
+                    # more is logged when the read stopped at its limit, or at its bytes: a first rollout over them
+                    # alone went out, and the rest waited for the next result to wake the stream
+                    backlog = len(read) == limit or sum(map(_size, read)) > STREAM_BATCH_BYTES
+                    if part_of is not None and (not read or read[0].group_id != part_of.group_id):
+                        part_of = None  # its rest was acked meanwhile (an ack inside a group acks all of it)
+                    if n == 1:
+                        entries = read[: _within_bytes(read, STREAM_BATCH_BYTES)] if read else []
+                    elif read:
+                        entries, part = _grouped_message(read, STREAM_BATCH_BYTES, backlog, part_of is not None)
+                        if part:
+                            part_of = await self._part(job, part_of, entries, read, backlog)
                 if entries:
                     cursor = entries[-1].seq
                     job.delivered = max(job.delivered, cursor)
                     me.outstanding.update(e.seq for e in entries)
-                    # a group of one is a group too: streamed as plain rollouts, its job's groups() refused it
-                    batch = _batch(entries, grouped=job.spec.deliver_groups, advantage=job.spec.advantage)
-                    big = n > 1 and sum(map(_size, entries)) > STREAM_BATCH_BYTES  # one group, over it alone
-                    for part in _parts(batch, STREAM_BATCH_BYTES) if big else (batch,):
-                        yield part
+                    if part_of is not None and part_of.group_id == entries[0].group_id:
+                        yield part_of.batch(entries)
+                        part_of = part_of if part_of.more else None
+                    else:
+                        # a group of one is a group too: streamed as plain rollouts, its job's groups() refused it
+                        yield _batch(entries, grouped=job.spec.deliver_groups, advantage=job.spec.advantage)
                     sent_at = loop.time()
-                    if backlog or finished:
-                        continue  # more is logged already (or the end is near): read on at once
+                    if backlog or finished or part_of is not None:
+                        continue  # more is logged already (or the end is near, or the group goes on): read on
                 # a full window must not keep a finished stream open: end when nothing is left to send
                 elif finished and (room > 0 or not await self.store.read(job_id, cursor, 1)):
                     return
@@ -591,6 +589,27 @@ class JobManager:
                     await asyncio.sleep(gap)
         finally:
             job.listeners.remove(me)
+
+    async def _part(
+        self, job: _Job, part_of: _PartOf | None, part: list[LogEntry], read: list[LogEntry], cut: bool
+    ) -> _PartOf:
+        """The group `part` is a part of, and whether another part follows it: a row of the group after it in the
+        read, or, when the read ends with it and was cut, in the log."""
+        group_id = part[0].group_id
+        if part_of is None or part_of.group_id != group_id:
+            task_id, scores = await self.store.group_scores(job.job_id, group_id)
+            rewards = [reward if RolloutStatus(status).scored else None for _, status, reward in scores]
+            advantages = group_advantages(rewards, job.spec.advantage)
+            failed = sum(not RolloutStatus(status).scored for _, status, _ in scores)
+            part_of = _PartOf(
+                group_id, task_id, {seq: a for (seq, _, _), a in zip(scores, advantages, strict=True)}, failed
+            )
+        after = read[len(part) :]
+        if after:
+            part_of.more = after[0].group_id == group_id
+        else:
+            part_of.more = cut and await self.store.next_group(job.job_id, part[-1].seq) == group_id
+        return part_of
 
     async def ack(self, job_id: str, up_to: int, ids: Sequence[str], *, owner: str | None = None) -> int:
         """Ack rollouts; returns how many were newly acked. An up_to beyond every seq delivered is refused: it
@@ -765,57 +784,61 @@ def _need(env: Environment) -> Need:
     return Need(cpus=env.limits.cpus, memory_mb=env.limits.memory_mb)
 
 
-def _whole_groups(entries: list[LogEntry]) -> list[LogEntry]:
-    """Drop a trailing group cut by the read limit (groups are consecutive in the log)."""
-    last = entries[-1].group_id
-    i = len(entries)
-    while i > 0 and entries[i - 1].group_id == last:
-        i -= 1
-    return entries[:i] if i > 0 else entries
-
-
 def _size(e: LogEntry) -> int:
     """An entry's bytes: the wire form as stored, else the JSON's UTF-8, about as long as its message or longer."""
     return len(e.wire) if e.wire is not None else len(e.payload.encode())
 
 
-def _within_bytes(entries: list[LogEntry], budget: int, grouped: bool) -> int:
-    """How many of `entries` (from the first) one message carries within `budget` bytes, `grouped`: ending on a
-    group's end (a group's entries are consecutive in the log). The first rollout, or group, goes even past the
-    budget, by itself."""
-    total, end = 0, len(entries)
+def _within_bytes(entries: list[LogEntry], budget: int) -> int:
+    """How many of `entries` (from the first) one message carries within `budget` bytes; the first goes even past
+    the budget, by itself."""
+    total = 0
     for i, e in enumerate(entries):
         total += _size(e)
         if total > budget:
-            end = i
-            break
-    if end == len(entries) or not grouped:
-        return max(end, 1)
-    whole = len(_whole_groups(entries[: end + 1]))  # back to the start of the group the budget ran out in
-    if whole <= end:
-        return whole
-    first = entries[0].group_id  # the first group alone is over the budget: it goes whole
-    return next((i for i, e in enumerate(entries) if e.group_id != first), len(entries))
+            return max(i, 1)
+    return len(entries)
 
 
-def _parts(batch: Batch, budget: int) -> list[Batch]:
-    """A batch of groups over `budget` bytes as messages within it: each group alone, and one over it in parts
-    (Group.more on every part but the last), cut between rollouts (a rollout over it goes alone). Sent whole, a group
-    over the server's max_message_bytes (GRPO's 16 samples of 100,000-token episodes pass 64 MiB) failed the stream
-    at every try, and nothing of the job after it was ever delivered."""
-    out = []
-    for g in batch.groups:
-        cuts, total = [0], 0
-        for i, e in enumerate(g.entries):
-            if total and total + _size(e) > budget:
-                cuts.append(i)
-                total = 0
-            total += _size(e)
-        cuts.append(len(g.entries))
-        for a, b in itertools.pairwise(cuts):
-            part = Group(g.group_id, g.task_id, g.entries[a:b], g.advantages[a:b], g.failed, more=b < len(g.entries))
-            out.append(Batch(groups=[part]))
-    return out
+def _grouped_message(entries: list[LogEntry], budget: int, cut: bool, continuing: bool) -> tuple[list[LogEntry], bool]:
+    """What of a read of a job delivered in groups one message carries, and whether it is a part of a group: the
+    whole groups from the first that fit `budget` together; else (the first group alone is over it, or the read ends
+    inside it, or it is the rest of a group sent in parts: `continuing`) the first group's rows within the budget, a
+    part. `cut`: the read stopped at its limit or bytes, so its last group may go on past it (a read that ends by
+    itself ends on a group's end: groups are published whole). Read whole and sent in one message, a group of 1,024
+    long episodes was gigabytes in the control plane's memory, and past max_message_bytes it failed every stream."""
+    if not continuing:
+        whole = total = 0
+        while whole < len(entries):
+            g = entries[whole].group_id
+            end = next((i for i in range(whole, len(entries)) if entries[i].group_id != g), len(entries))
+            size = sum(_size(e) for e in entries[whole:end])
+            if (end == len(entries) and cut) or total + size > budget:
+                break  # it may go on past the read, or it takes the message past its bytes
+            total += size
+            whole = end
+        if whole:
+            return entries[:whole], False
+    first = entries[0].group_id
+    lead = next((i for i, e in enumerate(entries) if e.group_id != first), len(entries))
+    return entries[: _within_bytes(entries[:lead], budget)], True
+
+
+@dataclass
+class _PartOf:
+    """A group a stream sends in parts: its advantages and failed count are the whole group's (read from the log's
+    columns and two JSON fields, not from every member's whole JSON), and `more` says whether the part being sent is
+    followed by another."""
+
+    group_id: str
+    task_id: str
+    advantages: dict[int, float | None]  # by seq
+    failed: int
+    more: bool = True
+
+    def batch(self, entries: list[LogEntry]) -> Batch:
+        advantages = [self.advantages.get(e.seq) for e in entries]
+        return Batch(groups=[Group(self.group_id, self.task_id, entries, advantages, self.failed, self.more)])
 
 
 def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "grpo") -> Batch:

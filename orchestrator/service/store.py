@@ -354,13 +354,11 @@ class ResultStore:
             lambda: {r[0] for r in self.db.execute("SELECT rollout_id FROM rollouts WHERE job_id = ?", (job_id,))}
         )
 
-    async def read(
-        self, job_id: str, after: int, limit: int, max_bytes: int | None = None, *, whole_groups: bool = False
-    ) -> list[LogEntry]:
+    async def read(self, job_id: str, after: int, limit: int, max_bytes: int | None = None) -> list[LogEntry]:
         """Unacked rollouts of a job with seq > after, in seq order: at most `limit`, and with `max_bytes`, none
-        after the one that takes them past it (`whole_groups`: after the rest of its group). Rows are read one by
-        one, so a read stops where it is cut: read whole and cut after, a backlog of 10,000 rows of 200 KB was
-        2 GB read (and held) on the log's one thread for each message of 3 MiB."""
+        after the one that takes them past it. Rows are read one by one, so a read stops where it is cut: read whole
+        and cut after, a backlog of 10,000 rows of 200 KB was 2 GB read (and held) on the log's one thread for each
+        message of 3 MiB."""
 
         def q() -> list[LogEntry]:
             rows = self.db.execute(
@@ -371,18 +369,42 @@ class ResultStore:
             if max_bytes is None:
                 return [LogEntry(*r) for r in rows]
             out: list[LogEntry] = []
-            total, over = 0, None  # the group of the entry that went past max_bytes
+            total = 0
             for r in rows:
                 entry = LogEntry(*r)
-                if over is not None and (not whole_groups or entry.group_id != over):
-                    break
                 out.append(entry)
-                if over is None:
-                    # characters, at most the bytes _within_bytes counts: it never stops before the cut
-                    total += len(entry.wire) if entry.wire is not None else len(entry.payload)
-                    if total > max_bytes:
-                        over = entry.group_id
+                # characters, at most the bytes _within_bytes counts: it never stops before the cut
+                total += len(entry.wire) if entry.wire is not None else len(entry.payload)
+                if total > max_bytes:
+                    break
             return out
+
+        return await self._run(q)
+
+    async def group_scores(self, job_id: str, group_id: str) -> tuple[str, list[tuple[int, str, float | None]]]:
+        """A published group's task and each member's (seq, status, reward), in seq order, acked or not: what its
+        advantages are made of, without the members' whole JSON."""
+
+        def q() -> tuple[str, list[tuple[int, str, float | None]]]:
+            rows = self.db.execute(
+                "SELECT seq, status, json_extract(payload, '$.reward'), json_extract(payload, '$.task_id') "
+                "FROM rollouts WHERE job_id = ? AND group_id = ? AND visible = 1 ORDER BY seq",
+                (job_id, group_id),
+            ).fetchall()
+            return (rows[0][3] if rows else ""), [(seq, status, reward) for seq, status, reward, _ in rows]
+
+        return await self._run(q)
+
+    async def next_group(self, job_id: str, after: int) -> str | None:
+        """The group of the job's first unacked rollout with seq > after (None: none is logged yet)."""
+
+        def q() -> str | None:
+            row = self.db.execute(
+                "SELECT group_id FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq > ? "
+                "ORDER BY seq LIMIT 1",
+                (job_id, after),
+            ).fetchone()
+            return None if row is None else str(row[0])
 
         return await self._run(q)
 

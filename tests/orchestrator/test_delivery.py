@@ -20,13 +20,16 @@ import pytest
 from orchestrator.client.convert import rollout_from_pb
 from orchestrator.client.sdk import EnvfleetClient, SyncEnvfleetClient
 from orchestrator.core.models import RolloutStatus
+from orchestrator.core.policy import REPLAY_URL
 from orchestrator.server.app import Orchestrator
-from orchestrator.service.jobs import _within_bytes
+from orchestrator.service.advantages import group_advantages
+from orchestrator.service.jobs import _grouped_message, _within_bytes
 from orchestrator.service.registry import Registry
 from orchestrator.service.store import LogEntry, ResultStore
 from orchestrator.testing.policy_script import Script, Step
 from orchestrator.testing.scripted_policy import ScriptedServer, start_scripted_server
 from orchestrator.testing.scripts import reference_script
+from orchestrator.testing.synthetic_rollouts import long_rollout
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import REPO, TEST_OWNER
@@ -631,7 +634,8 @@ async def test_big_rollouts_come_in_messages_a_client_with_grpcs_default_limit_r
 
 async def test_a_group_over_a_message_comes_in_parts_that_groups_joins(tmp_path: Path, task_ids: list[str]) -> None:
     # a group went in one message whatever its size: past the server's max_message_bytes (GRPO's 16 samples of long
-    # episodes pass 64 MiB) its stream failed at every try, and nothing of the job after it was ever delivered
+    # episodes pass 64 MiB) its stream failed at every try, and nothing of the job after it was ever delivered; and
+    # it was read whole into the control plane's memory (1,024 samples of 8 MiB episodes: gigabytes a stream)
     script = Script(default=[Step(content="x" * 1_400_000)])
     server = await start_scripted_server(script, tokens=False)
     try:
@@ -643,6 +647,15 @@ async def test_a_group_over_a_message_comes_in_parts_that_groups_joins(tmp_path:
         ):
             job_id = await client.submit(job(server.url, task_ids[:2], n=4, deliver_groups=True))
             assert await until_done(client, job_id, 8, timeout_s=60) == 8
+            reads: list[int] = []
+            read = orch.jobs.store.read
+
+            async def counted(*args: Any, **kwargs: Any) -> list[LogEntry]:
+                entries = await read(*args, **kwargs)
+                reads.append(sum(len(e.wire or e.payload) for e in entries))
+                return entries
+
+            orch.jobs.store.read = counted  # type: ignore[method-assign]
             parts: list[tuple[str, int, bool]] = []
             async with grpc.aio.insecure_channel(orch.address) as channel:  # gRPC's own defaults
                 stub = pb_grpc.RolloutServiceStub(channel)
@@ -656,6 +669,7 @@ async def test_a_group_over_a_message_comes_in_parts_that_groups_joins(tmp_path:
                 (ids[0], 2, True),
                 (ids[0], 2, False),
             ]
+            assert max(reads) < 3 * 1_500_000  # 3 MiB and the row that crosses them, never a whole group
             groups = [g async for g in client.groups(job_id)]  # joined, then acked whole
             assert sorted(g.group_id for g in groups) == ids
             for g in groups:
@@ -664,6 +678,41 @@ async def test_a_group_over_a_message_comes_in_parts_that_groups_joins(tmp_path:
             assert (await client.get_job(job_id)).acked == 8
     finally:
         await server.close()
+
+
+async def test_a_group_in_parts_carries_the_whole_groups_advantages_and_failed_count(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str]
+) -> None:
+    # each part is some of the group's samples: their advantages and its failed count are the whole group's, made
+    # from the log's status and reward of every member, never from the part alone
+    job_id = await fake_client.submit(job(REPLAY_URL, task_ids[:1], n=4, deliver_groups=True))
+    assert await until_done(fake_client, job_id, 4, timeout_s=60) == 4
+    outcomes = [
+        (RolloutStatus.OK, 0.0),
+        (RolloutStatus.OK, 1.0),
+        (RolloutStatus.INFRA_ERROR, None),
+        (RolloutStatus.OK, 0.25),
+    ]
+    store = fake_orchestrator.jobs.store
+    for k, (status, reward) in enumerate(outcomes):
+        member = long_rollout(turns=2, job_id=job_id, tool_output="x" * 1_200_000).model_copy(
+            update={
+                "id": f"{job_id}:extra:{k}",
+                "task_id": "extra",
+                "group_id": f"{job_id}:extra",
+                "sample_index": k,
+                "status": status,
+                "reward": reward,
+            }
+        )
+        await store.append(member, visible=False)
+    assert await store.publish_complete_groups(job_id, 4) == 1
+    async with asyncio.timeout(30):
+        extra = [g async for g in fake_client.groups(job_id) if g.task_id == "extra"]
+    (group,) = extra
+    assert [r.sample_index for r in group.rollouts] == [0, 1, 2, 3]
+    assert group.advantages == group_advantages([reward for _, reward in outcomes]) and group.failed == 1
+    assert group.advantages[1] is not None and group.advantages[1] > 0 and group.advantages[2] is None
 
 
 class _BrokenAfterAPart(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
@@ -736,15 +785,25 @@ async def test_rollouts_logged_behind_one_over_a_messages_bytes_go_out_while_the
         await server.close()
 
 
-def test_a_message_ends_within_its_bytes_on_a_groups_end_and_a_big_first_one_goes_alone() -> None:
+def test_a_message_ends_within_its_bytes_on_a_groups_end_and_a_big_first_group_goes_in_parts() -> None:
     def entries(*groups: str) -> list[LogEntry]:
         return [LogEntry(seq=i + 1, group_id=g, payload="{}", wire=b"x" * 10) for i, g in enumerate(groups)]
 
-    assert _within_bytes(entries("a", "b", "c"), 30, grouped=False) == 3
-    assert _within_bytes(entries("a", "b", "c"), 25, grouped=False) == 2
-    assert _within_bytes(entries("a", "b", "c"), 5, grouped=False) == 1  # the first goes, by itself
-    assert _within_bytes(entries("a", "a", "b", "b"), 35, grouped=True) == 2  # not half of b
-    assert _within_bytes(entries("a", "a", "a", "b"), 15, grouped=True) == 3  # all of a, alone
+    def seqs(message: tuple[list[LogEntry], bool]) -> tuple[list[int], bool]:
+        return [e.seq for e in message[0]], message[1]
+
+    assert _within_bytes(entries("a", "b", "c"), 30) == 3
+    assert _within_bytes(entries("a", "b", "c"), 25) == 2
+    assert _within_bytes(entries("a", "b", "c"), 5) == 1  # the first goes, by itself
+    # whole groups that fit together, not half of the next
+    assert seqs(_grouped_message(entries("a", "a", "b", "b"), 35, cut=False, continuing=False)) == ([1, 2], False)
+    # a read that ends by itself ends on a group's end; one cut may end inside its last group
+    assert seqs(_grouped_message(entries("a", "a", "b", "b"), 40, cut=False, continuing=False)) == ([1, 2, 3, 4], False)
+    assert seqs(_grouped_message(entries("a", "a", "b", "b"), 40, cut=True, continuing=False)) == ([1, 2], False)
+    # a first group over the bytes alone, or cut by the read, or the rest of one in parts: a part within the bytes
+    assert seqs(_grouped_message(entries("a", "a", "a", "b"), 15, cut=False, continuing=False)) == ([1], True)
+    assert seqs(_grouped_message(entries("a", "a", "a", "a"), 25, cut=True, continuing=False)) == ([1, 2], True)
+    assert seqs(_grouped_message(entries("a", "b", "b"), 100, cut=False, continuing=True)) == ([1], True)
 
 
 async def test_rollout_messages_are_the_rollouts_models_as_they_came_and_acked_the_same(
