@@ -52,6 +52,13 @@ def add_serve_security_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PREFIX",
         help="a URL prefix jobs' policies may be served under (repeatable; host may start with '*.'); default: any",
     )
+    p.add_argument(
+        "--replay-reference",
+        choices=["owner", "all"],
+        default="owner",
+        help="who may run jobs on replay://reference, which streams each task's reference solution: the tenant that "
+        "registered the environment (owner), or any tenant that sees it (all); a server without tokens allows it",
+    )
 
 
 def security_config(args: argparse.Namespace) -> SecurityConfig:
@@ -75,6 +82,7 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
             tls=tls,
             insecure=args.insecure,
             policy_urls=getattr(args, "allow_policy_url", None),
+            replay_reference=getattr(args, "replay_reference", "owner"),
         )
     except ValueError as e:
         raise SystemExit(f"envfleet serve: {e}") from None

@@ -33,6 +33,7 @@ from orchestrator.server.security import (
     Authenticator,
     AuthInterceptor,
     PolicyURLs,
+    ReplayGate,
     SecurityConfig,
     WorkerTLSConfig,
     check_transport,
@@ -420,7 +421,13 @@ async def create_server(
             EnvironmentService(registry, registrar, auth), server
         )
         orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
-            RolloutService(jobs, auth, policy_urls, tokenizers),
+            RolloutService(
+                jobs,
+                auth,
+                policy_urls,
+                tokenizers,
+                ReplayGate(config.security.replay_reference, auth, registrar.registered_by),
+            ),
             server,
         )
         orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import grpc
@@ -28,6 +28,7 @@ from orchestrator.client.auth import ClientTLS, target_host
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
 from orchestrator.core.net import is_loopback
+from orchestrator.core.policy import REPLAY_URL
 from orchestrator.service import tenancy
 from orchestrator.service.tenancy import LOCAL_TENANT, Grant, TokenSource
 
@@ -94,6 +95,9 @@ class SecurityConfig(BaseModel):
     # where jobs' policies may be served; None: anywhere. Each entry is a URL prefix ("https://vllm.internal:8000/v1")
     # whose host may start with "*." (any subdomain). The orchestrator calls these URLs from its own network.
     policy_urls: list[str] | None = None
+    # who may run a job on replay://reference, which streams each task's reference solution: "owner", the tenant that
+    # registered the environment (and every caller of a server without tokens); "all", any tenant that sees it
+    replay_reference: Literal["owner", "all"] = "owner"
 
     @field_validator("policy_urls")
     @classmethod
@@ -181,6 +185,29 @@ class PolicyURLs:
         if parsed is None or not any(p.matches(parsed) for p in self._prefixes):
             raise PermissionDeniedError(
                 f"policy base_url {echo(url)} is not in this server's allowlist of policy URLs; ask the operator"
+            )
+
+
+class ReplayGate:
+    """Who may run a job on replay://reference. It streams every task's reference solution, which Describe never
+    shows: on another tenant's environment (its answer keys) or a built-in one (SWE's gold patches, code-tests'
+    solutions) it handed them to any tenant that could see the environment."""
+
+    def __init__(self, mode: Literal["owner", "all"], auth: Authenticator, registered_by: Callable[[str], str | None]):
+        self._mode = mode
+        self._auth = auth
+        self._registered_by = registered_by
+
+    def check(self, tenant: str, env: str, base_url: str) -> None:
+        """PermissionDeniedError when `base_url` is the replay policy and `tenant` may not replay `env`."""
+        if base_url != REPLAY_URL or self._mode == "all" or not self._auth.enabled:
+            return
+        name = env.partition("@")[0]
+        if self._registered_by(name) != tenant:
+            raise PermissionDeniedError(
+                f"{REPLAY_URL} streams each task's reference solution, which only the tenant that registered the "
+                f"environment may see, and {echo(name)} is not yours: run it against a policy server, or ask the "
+                "operator (security.replay_reference: all)"
             )
 
 

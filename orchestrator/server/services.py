@@ -16,7 +16,7 @@ from orchestrator.rollout.tito.parsers import get_parser
 from orchestrator.rollout.tito.tokenizer import TokenizerDirs
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
 from orchestrator.server.convert_specs import archive_from_pb, spec_from_pb, validation_report_pb
-from orchestrator.server.security import Authenticator, PolicyURLs
+from orchestrator.server.security import Authenticator, PolicyURLs, ReplayGate
 from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar
 from orchestrator.service.registry import Registry
@@ -150,21 +150,25 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         auth: Authenticator | None = None,
         policy_urls: PolicyURLs | None = None,
         tokenizers: TokenizerDirs | None = None,
+        replay: ReplayGate | None = None,
     ) -> None:
         self._jobs = jobs
         self._auth = auth or Authenticator()
         self._policy_urls = policy_urls or PolicyURLs(None)
         self._tokenizers = tokenizers or TokenizerDirs()
+        self._replay = replay or ReplayGate("all", self._auth, lambda _: None)
 
     async def SubmitJob(self, request: pb.JobSpec, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         check_job_spec(request)
         self._policy_urls.check(request.policy.base_url)
+        tenant = self._auth.tenant(context)
+        self._replay.check(tenant, request.env, request.policy.base_url)
         spec = job_spec_from_pb(request)
         if spec.token_mode == "tito":
             # refused now, not rollout by rollout: a name this server has no folder for, a parser it lacks
             self._tokenizers.resolve(spec.policy.tokenizer)
             get_parser(spec.policy.tool_parser)
-        job_id, total = await self._jobs.submit(spec, self._auth.tenant(context))
+        job_id, total = await self._jobs.submit(spec, tenant)
         return pb.SubmitJobResponse(job_id=job_id, num_rollouts=total)
 
     async def StreamRollouts(
@@ -203,9 +207,11 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         capped(request.version, "version", MAX_NAME, required=True)
         capped(request.base_url, "base_url", MAX_URL)
         self._policy_urls.check(request.base_url)
-        info = await self._jobs.update_policy(
-            _job_id(request.job_id), request.version, request.base_url, owner=self._auth.tenant(context)
-        )
+        tenant = self._auth.tenant(context)
+        if request.base_url:
+            job = await self._jobs.info(_job_id(request.job_id), owner=tenant)
+            self._replay.check(tenant, job.spec.env, request.base_url)
+        info = await self._jobs.update_policy(_job_id(request.job_id), request.version, request.base_url, owner=tenant)
         return job_status_pb(info)
 
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:

@@ -58,7 +58,7 @@ from orchestrator.service.declarative import (
     SpecCheckError,
     make_environment,
 )
-from orchestrator.service.declarative.env import late_metrics
+from orchestrator.service.declarative.env import late_metrics, strict_scoring
 from orchestrator.service.registry import Registered, Registry
 from orchestrator.service.tenancy import LOCAL_TENANT, TenantGate
 
@@ -244,6 +244,10 @@ class Registrar:
         env = await asyncio.to_thread(kind.load, path, dest, stored.name, stored.version, WIDEST_ARCHIVE_LIMITS)
         self._add_archive(env, stored, path)
 
+    def registered_by(self, name: str) -> str | None:
+        """The tenant that registered environments named `name` (None: a built-in, or none of that name)."""
+        return self._owners.get(name)
+
     def _claim(self, name: str, version: str, tenant: str, same: Callable[[Registered], bool]) -> Registered | None:
         """The registration of name@version that `same` says this one repeats, if any; raises when the name is not
         the tenant's to use or the version is taken by something else."""
@@ -354,7 +358,8 @@ class Registrar:
                     raise SpecCheckError([Problem("setup_command", str(e.__cause__ or e))]) from None
                 episode = await replay_reference(env, sandbox, task)
                 try:
-                    score = await env_call(env.score(sandbox, task, episode))
+                    with strict_scoring():
+                        score = await env_call(env.score(sandbox, task, episode))
                 except EnvironmentBroken as e:
                     problem = f"on task {task.id!r}: {e.__cause__ or e}"
                     raise SpecCheckError([Problem("scoring.command", problem)]) from None
