@@ -271,7 +271,7 @@ class SandboxManager:
                 "delete some"
             )
         need = Need(cpus=lim.cpus, memory_mb=lim.memory_mb)
-        reservation = self._admission.reserve(need, "a sandbox") if self._admission is not None else None
+        reservation = self._admission.reserve(need, "a sandbox", tenant) if self._admission is not None else None
         sid = "sb-" + secrets.token_hex(10)
         self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
         try:

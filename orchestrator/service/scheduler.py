@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.core.errors import CapacityError, QuotaExceededError
 from orchestrator.rollout.runner import WorkItem
+from orchestrator.service.tenancy import LOCAL_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,12 @@ class Capacity(BaseModel):
     max_sandboxes: int = Field(1024, ge=1, le=100_000)
     cpus: float = Field(default_factory=lambda: float(os.cpu_count() or 1) * 16, gt=0, description="CPU quota sum")
     memory_mb: int = Field(default_factory=lambda: _host_memory_mb() * 2, gt=0, description="memory limit sum")
+    # sessions and raw sandboxes hold their share until they end (a TTL of up to a day): with nothing per tenant,
+    # one tenant's idle sandboxes took the whole host, and every other tenant's jobs queued and its sessions were
+    # refused for as long as it kept them. A server without tokens has one user (tenant "local"), not held to it
+    tenant_share: float = Field(
+        0.5, gt=0, le=1, description="the most of each of the above one tenant's sessions and raw sandboxes hold"
+    )
 
 
 def _host_memory_mb() -> int:
@@ -89,16 +96,17 @@ class JobQueue:
 class Reservation:
     """Host capacity held by a session or a raw sandbox; `release()` (idempotent) gives it back."""
 
-    def __init__(self, scheduler: Scheduler, need: Need) -> None:
+    def __init__(self, scheduler: Scheduler, need: Need, tenant: str) -> None:
         self._scheduler = scheduler
         self.need = need
+        self.tenant = tenant
         self._released = False
 
     def release(self) -> None:
         """Give the capacity back (once)."""
         if not self._released:
             self._released = True
-            self._scheduler._unreserve(self.need)
+            self._scheduler._unreserve(self.need, self.tenant)
 
 
 class Scheduler:
@@ -116,6 +124,8 @@ class Scheduler:
         self._cpus_used = 0.0
         self._memory_used = 0
         self._held = 0  # sandboxes of sessions and the raw sandbox API, reserved outside the queues
+        self._held_by: dict[str, Need] = {}  # what each tenant's of them hold (capacity.tenant_share)...
+        self._held_count: dict[str, int] = {}  # ...and how many
         self._held_cpus = 0.0  # and their share, which no drain frees
         self._held_memory = 0
         self._starts = 0  # rollouts started so far: a tenant's last start orders the ties
@@ -217,10 +227,25 @@ class Scheduler:
         """Sandboxes held through `reserve` now."""
         return self._held
 
-    def reserve(self, need: Need, what: str) -> Reservation:
-        """Take one sandbox's share of the host now for `what` (a session, a raw sandbox); QuotaExceededError (with
-        the numbers) when the host is full. Release the returned Reservation when the sandbox ends."""
+    def reserve(self, need: Need, what: str, tenant: str = LOCAL_TENANT) -> Reservation:
+        """Take one sandbox's share of the host now for `what` (a session, a raw sandbox) of `tenant`;
+        QuotaExceededError (with the numbers) when the host is full, or the tenant holds its share of it
+        (capacity.tenant_share). Release the returned Reservation when the sandbox ends."""
         self.check_fits(need)
+        held = self._held_by.get(tenant, Need())
+        count = self._held_count.get(tenant, 0)
+        cap, share = self.capacity, self.capacity.tenant_share
+        if tenant != LOCAL_TENANT and (
+            count + 1 > share * cap.max_sandboxes
+            or held.cpus + need.cpus > share * cap.cpus
+            or held.memory_mb + need.memory_mb > share * cap.memory_mb
+        ):
+            raise QuotaExceededError(
+                f"{what} cannot start: your sessions and sandboxes hold {count} sandboxes, {held.cpus:g} CPUs and "
+                f"{held.memory_mb} MB, and with this one ({need.cpus:g} CPUs, {need.memory_mb} MB) would pass "
+                f"capacity.tenant_share = {share:g} of this host ({cap.max_sandboxes} sandboxes, {cap.cpus:g} CPUs, "
+                f"{cap.memory_mb} MB); close some"
+            )
         if not self._room(need):
             cap = self.capacity
             raise QuotaExceededError(
@@ -234,9 +259,16 @@ class Scheduler:
         self._held_memory += need.memory_mb
         self._cpus_used += need.cpus
         self._memory_used += need.memory_mb
-        return Reservation(self, need)
+        self._held_by[tenant] = Need(held.cpus + need.cpus, held.memory_mb + need.memory_mb)
+        self._held_count[tenant] = count + 1
+        return Reservation(self, need, tenant)
 
-    def _unreserve(self, need: Need) -> None:
+    def _unreserve(self, need: Need, tenant: str) -> None:
+        count = self._held_count.pop(tenant, 0) - 1
+        held = self._held_by.pop(tenant, Need())
+        if count > 0:  # a tenant that holds nothing is forgotten
+            self._held_count[tenant] = count
+            self._held_by[tenant] = Need(max(0.0, held.cpus - need.cpus), max(0, held.memory_mb - need.memory_mb))
         self._held = max(0, self._held - 1)
         self._held_cpus = max(0.0, self._held_cpus - need.cpus)
         self._held_memory = max(0, self._held_memory - need.memory_mb)

@@ -232,7 +232,7 @@ class SessionManager:
                 f"{open_now} sessions are open; sessions.max_per_tenant is {self.config.max_per_tenant}; close some"
             )
         need = Need(cpus=env.limits.cpus, memory_mb=env.limits.memory_mb)
-        reservation = self._admission.reserve(need, "a session") if self._admission is not None else None
+        reservation = self._admission.reserve(need, "a session", tenant) if self._admission is not None else None
         self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
         try:
             # at most the environment's own, as a job's rollouts are (runner.py): a session asked for more

@@ -1,0 +1,42 @@
+"""Sessions and raw sandboxes hold their share of the host until they end (a TTL of up to a day). With no share per
+tenant, one tenant's idle sandboxes took the whole host: every other tenant's jobs queued and its sessions were
+refused for as long as it kept them. Each tenant now holds at most capacity.tenant_share of each of the host's
+figures; a server without tokens has one user (tenant "local"), who is not held to it."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.core.errors import QuotaExceededError
+from orchestrator.service.scheduler import Capacity, Need, Scheduler
+
+
+async def _never(item: object) -> None:
+    raise AssertionError("nothing is queued here")
+
+
+async def test_a_tenant_holds_at_most_its_share_and_the_rest_is_left_to_others() -> None:
+    s = Scheduler(8, _never, Capacity(max_sandboxes=10, cpus=8, memory_mb=8000, tenant_share=0.5))
+    big = Need(cpus=2, memory_mb=1000)
+    a = [s.reserve(big, "a sandbox", "team-a") for _ in range(2)]  # 4 CPUs: its half
+    with pytest.raises(QuotaExceededError, match=r"capacity\.tenant_share = 0\.5"):
+        s.reserve(big, "a sandbox", "team-a")
+    b = [s.reserve(big, "a session", "team-b") for _ in range(2)]  # the other half is still there for team-b
+    a.pop().release()
+    a.append(s.reserve(big, "a sandbox", "team-a"))  # what it gave back it may take again
+    for r in a + b:
+        r.release()
+    assert s.reserved == 0
+    # memory and the sandbox count are shares too
+    with pytest.raises(QuotaExceededError):
+        s.reserve(Need(cpus=0.5, memory_mb=4001), "a sandbox", "team-a")
+    few = [s.reserve(Need(cpus=0.1, memory_mb=10), "a sandbox", "team-a") for _ in range(5)]
+    with pytest.raises(QuotaExceededError):
+        s.reserve(Need(cpus=0.1, memory_mb=10), "a sandbox", "team-a")
+    for r in few:
+        r.release()
+    # the one user of a server without tokens takes the whole host
+    mine = [s.reserve(big, "a sandbox") for _ in range(4)]
+    assert s.reserved == 4
+    for r in mine:
+        r.release()
