@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 from pydantic_core import from_json
 
@@ -28,6 +30,8 @@ from orchestrator.core.tools import get_tools
 from orchestrator.service.jobs import Batch
 from orchestrator.service.store import LogEntry
 from protos import orchestrator_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 SECRET_FIELDS = frozenset({"api_key"})
 
@@ -121,11 +125,30 @@ def rollout_pb(payload: str | bytes, seq: int = 0) -> pb.Rollout:
 
 def _fill(target: pb.Rollout, entry: LogEntry, advantage: float | None = None) -> None:
     """Write a stored rollout into a message of the batch in place (a message appended to a repeated field would be
-    copied): its wire bytes when a worker sent them, else its JSON converted."""
-    if entry.wire:
-        target.MergeFromString(entry.wire)
-    else:
-        target.CopyFrom(rollout_pb(entry.payload))
+    copied): its wire bytes when a worker sent them, else its JSON converted. A row this version cannot convert (an
+    older one's, a status or field since gone) goes out as an INFRA_ERROR with its id: raised, it failed its stream
+    at every try, and nothing of the job after it was delivered."""
+    try:
+        if entry.wire:
+            target.MergeFromString(entry.wire)
+        else:
+            target.CopyFrom(rollout_pb(entry.payload))
+    except (ValueError, TypeError, KeyError, DecodeError) as e:
+        log.error("rollout %s (seq %d) of the result log cannot be streamed: %s", entry.rollout_id, entry.seq, e)
+        target.Clear()
+        target.MergeFrom(
+            pb.Rollout(
+                id=entry.rollout_id,
+                job_id=entry.job_id,
+                group_id=entry.group_id,
+                task_id=entry.task_id,
+                status=pb.ROLLOUT_STATUS_INFRA_ERROR,
+                error=pb.RolloutError(
+                    kind="UnreadableLogEntry",
+                    message=f"the result log's row of this rollout cannot be read by this version: {type(e).__name__}",
+                ),
+            )
+        )
     target.seq = entry.seq
     if advantage is not None:
         target.advantage = advantage

@@ -547,7 +547,9 @@ class JobManager:
                 backlog = False
                 if room > 0 or part_of is not None:  # the window never cuts a group: its parts go on
                     limit = max(min(room, max_batch), n)
-                    read = await self.store.read(job_id, cursor, limit, STREAM_BATCH_BYTES)
+                    read = await self.store.read(
+                        job_id, cursor, limit, STREAM_BATCH_BYTES, scores=job.spec.deliver_groups
+                    )
                     # more is logged when the read stopped at its limit, or at its bytes: a first rollout over them
                     # alone went out, and the rest waited for the next result to wake the stream
                     backlog = len(read) == limit or sum(map(_size, read)) > STREAM_BATCH_BYTES
@@ -598,9 +600,9 @@ class JobManager:
         group_id = part[0].group_id
         if part_of is None or part_of.group_id != group_id:
             task_id, scores = await self.store.group_scores(job.job_id, group_id)
-            rewards = [reward if RolloutStatus(status).scored else None for _, status, reward in scores]
+            rewards = [reward if _scored(status) else None for _, status, reward in scores]
             advantages = group_advantages(rewards, job.spec.advantage)
-            failed = sum(not RolloutStatus(status).scored for _, status, _ in scores)
+            failed = sum(not _scored(status) for _, status, _ in scores)
             part_of = _PartOf(
                 group_id, task_id, {seq: a for (seq, _, _), a in zip(scores, advantages, strict=True)}, failed
             )
@@ -849,8 +851,15 @@ def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "g
         by_group.setdefault(e.group_id, []).append(e)
     groups = []
     for g, members in by_group.items():
-        rollouts = [m.rollout() for m in members]
-        rewards = [r.reward if r.status.scored else None for r in rollouts]
-        failed = sum(not r.status.scored for r in rollouts)
-        groups.append(Group(g, rollouts[0].task_id, members, group_advantages(rewards, advantage), failed))
+        # from the log's status column and the reward SQLite read out of the JSON: a model of every member (a
+        # validation of megabytes each) cost the control plane, and one a newer validator refused stopped the stream
+        rewards = [m.reward if _scored(m.status) else None for m in members]
+        failed = sum(not _scored(m.status) for m in members)
+        groups.append(Group(g, members[0].task_id, members, group_advantages(rewards, advantage), failed))
     return Batch(groups=groups)
+
+
+def _scored(status: str) -> bool:
+    """Whether a logged status is a scored one (one this version does not know is not)."""
+    known = RolloutStatus._value2member_map_.get(status)
+    return isinstance(known, RolloutStatus) and known.scored

@@ -96,6 +96,12 @@ class LogEntry:
     group_id: str
     payload: str  # the Rollout as JSON (without its seq)
     wire: bytes | None = None  # its trainer wire form as the worker that ran it encoded it; None: convert `payload`
+    rollout_id: str = ""
+    job_id: str = ""
+    status: str = ""  # the RolloutStatus' value, as logged
+    # read for group delivery only (read's `scores`): what the group's advantages are made of, out of the JSON
+    reward: float | None = None
+    task_id: str = ""
 
     def rollout(self) -> Rollout:
         """Decode the payload, with its seq."""
@@ -354,16 +360,19 @@ class ResultStore:
             lambda: {r[0] for r in self.db.execute("SELECT rollout_id FROM rollouts WHERE job_id = ?", (job_id,))}
         )
 
-    async def read(self, job_id: str, after: int, limit: int, max_bytes: int | None = None) -> list[LogEntry]:
+    async def read(
+        self, job_id: str, after: int, limit: int, max_bytes: int | None = None, *, scores: bool = False
+    ) -> list[LogEntry]:
         """Unacked rollouts of a job with seq > after, in seq order: at most `limit`, and with `max_bytes`, none
         after the one that takes them past it. Rows are read one by one, so a read stops where it is cut: read whole
         and cut after, a backlog of 10,000 rows of 200 KB was 2 GB read (and held) on the log's one thread for each
-        message of 3 MiB."""
+        message of 3 MiB. With `scores`, each entry's reward and task too (SQLite's JSON reader, not a model)."""
 
         def q() -> list[LogEntry]:
+            extra = ", json_extract(payload, '$.reward'), json_extract(payload, '$.task_id')" if scores else ""
             rows = self.db.execute(
-                "SELECT seq, group_id, payload, wire FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 "
-                "AND seq > ? ORDER BY seq LIMIT ?",
+                f"SELECT seq, group_id, payload, wire, rollout_id, job_id, status{extra} FROM rollouts "
+                "WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq > ? ORDER BY seq LIMIT ?",
                 (job_id, after, limit),
             )
             if max_bytes is None:

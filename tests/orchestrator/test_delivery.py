@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -713,6 +714,36 @@ async def test_a_group_in_parts_carries_the_whole_groups_advantages_and_failed_c
     assert [r.sample_index for r in group.rollouts] == [0, 1, 2, 3]
     assert group.advantages == group_advantages([reward for _, reward in outcomes]) and group.failed == 1
     assert group.advantages[1] is not None and group.advantages[1] > 0 and group.advantages[2] is None
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["rollouts", "groups"])
+async def test_a_row_this_version_cannot_stream_goes_out_as_an_infra_error_and_the_rest_follows(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str], groups: bool
+) -> None:
+    # a row of the log that no longer converts (an older version's, a status or field since gone) raised in the
+    # stream at every try: the SDK gave up after its reconnect time, and nothing of the job after it was delivered
+    job_id = await fake_client.submit(job(REPLAY_URL, task_ids[:3], n=2 if groups else 1, deliver_groups=groups))
+    total = 6 if groups else 3
+    assert await until_done(fake_client, job_id, total, timeout_s=60) == total
+    with contextlib.closing(sqlite3.connect(fake_orchestrator.jobs.store.path)) as db, db:
+        (bad,) = db.execute(
+            "SELECT rollout_id FROM rollouts WHERE job_id = ? ORDER BY seq LIMIT 1", (job_id,)
+        ).fetchone()
+        db.execute(
+            "UPDATE rollouts SET payload = json_set(payload, '$.status', 'FROM_THE_FUTURE'), wire = NULL "
+            "WHERE rollout_id = ?",
+            (bad,),
+        )
+    async with asyncio.timeout(30):
+        if groups:
+            got = [r for g in [g async for g in fake_client.groups(job_id)] for r in g.rollouts]
+        else:
+            got = [r async for r in fake_client.rollouts(job_id)]
+    assert sorted(r.id for r in got) == sorted(f"{job_id}:{t}:{i}" for t in task_ids[:3] for i in range(total // 3))
+    [unreadable] = [r for r in got if r.id == bad]
+    assert unreadable.status == RolloutStatus.INFRA_ERROR and unreadable.reward is None
+    assert unreadable.error is not None and unreadable.error.kind == "UnreadableLogEntry"
+    assert all(r.status == RolloutStatus.OK for r in got if r.id != bad)
 
 
 class _BrokenAfterAPart(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]

@@ -13,16 +13,10 @@ from orchestrator.rollout.runner import WorkItem
 from orchestrator.worker import results
 from orchestrator.worker.results import InvalidResultError, encode
 from protos import worker_pb2 as wpb
+from tests.orchestrator.core.test_token_arrays import GOOD
 from tests.orchestrator.worker_wire import items
 from tests.security.test_worker_results import _forged, _one
 
-GOOD: dict[str, Any] = {
-    "status": "complete",
-    "prompt_ids": [1, 2],
-    "completion_ids": [3, 4, 5],
-    "completion_mask": [1, 0, 1],
-    "completion_logprobs": [-0.5, 0.0, -0.25],
-}
 BAD: dict[str, tuple[dict[str, Any], str]] = {
     "a short mask": ({"completion_mask": [1, 0]}, "completion_mask has 2 entries for 3 completion_ids"),
     "long logprobs": ({"completion_logprobs": [-0.5] * 4}, "completion_logprobs has 4 entries for 3"),
