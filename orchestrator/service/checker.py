@@ -14,7 +14,7 @@ from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
 from orchestrator.core.tools import call_tool, get_tools
 from orchestrator.rollout.step import classify_failure, env_call, replay_reference
-from orchestrator.service.declarative.env import late_metrics
+from orchestrator.service.declarative.env import late_metrics, strict_scoring
 
 TOOL_PROBES: dict[str, tuple[dict[str, str], str]] = {
     "bash": ({"command": "echo envfleet-ok"}, "envfleet-ok"),
@@ -82,13 +82,18 @@ async def _check_task(env: Environment, backend: SandboxBackend, image: str, tas
     problems = []
     async with await backend.create(spec) as sandbox:
         await env_call(env.setup(sandbox, task, seed))
-        empty = await env_call(env.score(sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit")))
+        with strict_scoring():
+            empty = await env_call(
+                env.score(sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit"))
+            )
         if empty.reward != 0:
             problems.append(f"task {task.id}: an empty answer scores {empty.reward}, expected 0")
         problems += _in_time(task, "an empty answer", empty)
     async with await backend.create(spec) as sandbox:
         await env_call(env.setup(sandbox, task, seed))
-        solved = await env_call(env.score(sandbox, task, await replay_reference(env, sandbox, task)))
+        episode = await replay_reference(env, sandbox, task)
+        with strict_scoring():
+            solved = await env_call(env.score(sandbox, task, episode))
         if abs(solved.reward - 1.0) > 1e-9:
             problems.append(f"task {task.id}: the reference solution scores {solved.reward}, expected 1 ({solved})")
         problems += _in_time(task, "the reference solution", solved)

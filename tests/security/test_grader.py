@@ -175,6 +175,43 @@ async def test_a_declarative_scoring_command_past_its_timeout_runs_again_then_sc
         assert time.monotonic() - t0 >= 2  # it did run past its time
 
 
+@pytest.mark.parametrize("cheat", ["exits", "floods", "prints no reward"])
+async def test_a_declarative_scoring_command_the_policys_program_breaks_scores_0(
+    backend: DockerBackend, base_image: str, cheat: str
+) -> None:
+    # the scoring command runs the policy's program: one that ended the grader non-zero (os._exit), flooded its output
+    # past the cap, or left it no reward line made a ScoringError, ENV_ERROR, masked: the policy's way out of a
+    # certain 0 whenever it could not solve the task. A check (registration, the checker) still gets the grader's
+    # error, with its message: there a failing grader is the finding
+    from orchestrator.service.declarative.env import strict_scoring
+    from orchestrator.service.declarative.errors import ScoringError
+
+    programs = {
+        "exits": "import os\nos._exit(3)\n",
+        "floods": "import sys\nsys.stderr.write('x' * (2 << 20))\n",
+        "prints no reward": "print('I give up')\n",
+    }
+    spec = parse_spec(
+        {
+            "name": "runs-the-solution",
+            "version": "1",
+            "tools": ["bash", "submit"],
+            "tasks": [{"id": "t1", "prompt": "p", "reference": [{"name": "submit", "arguments": {"answer": "x"}}]}],
+            "scoring": {"command": 'python3 "$ENVFLEET_WORKSPACE/sol.py"', "timeout_s": 20},
+        }
+    )
+    env = make_environment(spec)
+    task = env.tasks()[0]
+    async with await backend.create(SandboxSpec(image=base_image, **SPEC)) as s:
+        await s.write_file("sol.py", programs[cheat].encode())
+        score = await env.score(s, task, EPISODE)
+        assert (score.reward, score.metrics) == (0.0, {"scoring_failed": 1.0})
+        with strict_scoring(), pytest.raises(ScoringError):
+            await env.score(s, task, EPISODE)
+        await s.write_file("sol.py", b"print('{\"reward\": 0.5}')\n")  # an honest program is graded as before
+        assert (await env.score(s, task, EPISODE)).reward == 0.5
+
+
 def test_the_checker_takes_no_score_given_past_the_graders_time() -> None:
     # an empty answer scored 0 by a grader that ran past its time twice passed the checker's "empty scores 0"
     from orchestrator.core.environment import Score

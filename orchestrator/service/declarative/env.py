@@ -3,12 +3,14 @@ score is whatever the spec's scoring command prints."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import cached_property
 from typing import Any, ClassVar, TypeGuard
 
@@ -52,6 +54,13 @@ TAIL_CHARS = 600
 # ENV_ERROR, or a rollout that ran out of time in its grader (TIMEOUT), was masked: a way out of a low reward.
 SCORING_RERUN_METRIC = "scoring_ran_again_after_timeout"
 SCORING_TIMEOUT_METRIC = "scoring_timed_out"
+# A scoring command that fails in a rollout (exits non-zero, floods its output, prints no reward) scores 0 the same
+# way: registration checked that it scores the reference and an empty answer, so what differs is the policy's answer
+# and files, which it runs or reads. As ENV_ERROR (masked) it was the policy's way out of a certain 0: code that
+# calls os._exit(1), or prints past the output cap, when it cannot solve the task. Checks (registration, the
+# checker) score strictly (`strict_scoring`): there the grader's own failure is the finding, with its message.
+SCORING_FAILED_METRIC = "scoring_failed"
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("envfleet_strict_scoring", default=False)
 SCORING_SLACK_S = 5.0  # a scoring command's own start and its reply, twice
 PROBE_TIMEOUT_S = 10.0  # the trivial command's limit...
 PROBE_SLOW_S = 2.0  # ...and what it may take on a sandbox that keeps time
@@ -209,11 +218,18 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
         """Run the scoring command with the episode as JSON on stdin and parse the reward it prints; past its timeout
         it runs once more, and past it again scores 0 (its metrics say which: SCORING_RERUN_METRIC,
-        SCORING_TIMEOUT_METRIC)."""
+        SCORING_TIMEOUT_METRIC); failed, it scores 0 too (SCORING_FAILED_METRIC), but within `strict_scoring`."""
         timeout_s = self.spec.scoring.timeout_s
         r = await self._run_scoring(sandbox, task, episode)
         if not r.timed_out:
-            return parse_score(r, timeout_s)
+            try:
+                return parse_score(r, timeout_s)
+            except ScoringError as e:
+                if _STRICT.get():
+                    raise
+                await _keeps_time(sandbox)  # a sandbox that cannot run a shell in time is the fleet's failure
+                log.info("%s: the scoring command failed on the policy's answer (%s); scored 0", task.id, e)
+                return Score(0.0, {}, {SCORING_FAILED_METRIC: 1.0})
         log.info("%s: the scoring command ran past its %gs; running it once more", task.id, timeout_s)
         r = await self._run_scoring(sandbox, task, episode)
         if not r.timed_out:
@@ -259,6 +275,17 @@ class DeclarativeEnvironment(Environment, BuildsOwnImage):
             timeout=scoring.timeout_s,
             max_output=MAX_SCORING_OUTPUT,
         )
+
+
+@contextlib.contextmanager
+def strict_scoring() -> Iterator[None]:
+    """Within it, a scoring command that fails raises its ScoringError (ENV_ERROR, with the grader's own message)
+    instead of scoring 0: for the checks that prove a grader works, never for a policy's rollout."""
+    token = _STRICT.set(True)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
 
 
 def late_metrics(score: Score) -> list[str]:
