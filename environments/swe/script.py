@@ -31,9 +31,12 @@ from environments.swe.grading import (
 from environments.swe.instance import SweInstance
 
 SCRATCH = "/tmp/swe"
-# files that are the test harness's, not the code's (an extended regular expression over repository paths)
+# files that are the test harness's, not the code's (an extended regular expression over repository paths). pytest's
+# configuration at any depth: pytest takes its ini file from the tests' common folder first, so a tests/pytest.ini of
+# the patch's stood in for the project's own options (its filterwarnings = error, its strictness), which came back
+# at the root only
 _HARNESS_NAMES = r"(^|/)(conftest|sitecustomize|usercustomize)\.py$|\.pth$"
-_HARNESS_CONFIG = r"^(pytest\.ini|\.pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml)$"
+_HARNESS_CONFIG = r"(^|/)(pytest\.ini|\.pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml)$"
 HARNESS_FILES = f"{_HARNESS_NAMES}|{_HARNESS_CONFIG}"
 MAX_TEST_OUTPUT = 8 << 20
 # Deterministic and closed: fixed time zone, hash seed and locale; no user site, no git config from $HOME.

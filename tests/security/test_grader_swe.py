@@ -20,7 +20,7 @@ from environments.swe.env import checked
 from environments.swe.evaluate import run_evaluation
 from environments.swe.grading import Grade, TestStatus, find_nonce, grade_log, parse_pytest, parse_unittest
 from environments.swe.patches import check_patch, file_diff
-from environments.swe.script import PYTEST_RUNNER, UNITTEST_RUNNER
+from environments.swe.script import HARNESS_FILES, PYTEST_RUNNER, UNITTEST_RUNNER
 from orchestrator.backends.docker.backend import DockerBackend
 from tests.environments.swe.conftest import Tiny, tiny  # noqa: F401  (the fixture)
 from tests.environments.swe.test_evaluate import HOOK, _forger, _new_file, pred, report
@@ -326,3 +326,25 @@ def test_the_pytest_runner_names_each_skip_and_each_test_that_never_ran(tmp_path
     )
     nested = statuses("tests/test_n.py::test_n", "tests/test_n.py::test_k")
     assert nested == {"tests/test_n.py::test_n": TestStatus.PASSED, "tests/test_n.py::test_k": TestStatus.SKIPPED}
+
+
+def test_pytests_configuration_is_the_harnesss_at_any_depth() -> None:
+    # pytest takes its ini file from the tests' common folder first: a tests/pytest.ini that the patch added stood in
+    # for the project's options (its filterwarnings = error, its strictness), which were put back at the root only
+    paths = [
+        "pytest.ini",
+        "tests/pytest.ini",
+        "tests/unit/.pytest.ini",
+        "pkg/tox.ini",
+        "tests/setup.cfg",
+        "tests/pyproject.toml",
+        "tests/conftest.py",
+        "src/lib.pth",
+        "src/pytest_ini.py",
+        "docs/setup.cfg.txt",
+        "tests/test_tox.ini.py",
+    ]
+    picked = subprocess.run(
+        ["grep", "-E", HARNESS_FILES], input="\n".join(paths) + "\n", capture_output=True, text=True, check=False
+    ).stdout.split()
+    assert picked == paths[:8]
