@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,12 @@ from orchestrator.rollout.step import EpisodeState, record_assistant, record_ope
 from orchestrator.rollout.tokens import TokenTracker
 
 TOOL_SLACK_S = 30.0  # past its timeout, what a tool call may take to be stopped and answered
+# A tool call that would run past the episode's deadline gets the time left as its own timeout: envd kills the
+# command, and everything it started, before it answers, so no process of the policy's runs on when the grader
+# starts. Cancelled at the deadline instead, the command was killed only once envd noticed the cancel, and a process
+# it had started could watch for the grader's and read its input (a code-tests case and its expected value) in that
+# window. The episode's own timer, this much past the deadline (and no later than `cut_by`), is only the backstop.
+CUT_STOP_S = 5.0
 GENERATING_S = 5.0  # a policy's answer that sent bytes this recently is being generated (_PastDeadline)
 CHECK_S = 1.0  # past the deadline, how often a silent answer is looked at again
 _NO_LIMIT = contextlib.nullcontext()
@@ -76,8 +83,9 @@ async def run_episode(
     The policy decides how tokens are made (chat completions, or token-in, token-out with `max_model_len` bounding
     the episode's context); the loop and the TokenTracker are the same for both. Each policy call and each tool
     call is a child span of `span`; their seconds sum to generation_s and tools_s. `tool_seconds` is told each tool
-    call's seconds (the tool-exec histogram). `deadline` (the event loop's clock) bounds the tool calls: one it
-    cuts, or one it finds passed, ends the episode there, TRUNCATED ("time"). What the policy's commands take is the
+    call's seconds (the tool-exec histogram). `deadline` (the event loop's clock) bounds the tool calls: one that
+    reaches it (its commands stop there, CUT_STOP_S), or one it finds passed, ends the episode there, TRUNCATED
+    ("time"). What the policy's commands take is the
     policy's to spend (each is its own choice, up to the tool's timeout), so a rollout whose time they spent is
     scored, never a masked TIMEOUT. A generation past it is cut only while it is seen streaming in (_PastDeadline),
     by `cut_by` at the latest whatever its failed attempts took: a hung inference server is no outcome of the
@@ -137,6 +145,7 @@ async def run_episode(
             break
         for call in calls:
             limit = None
+            timeout_s = env.tool_timeout_s
             if deadline is not None:
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
@@ -144,12 +153,13 @@ async def run_episode(
                     break
                 # a call that ends by its own timeout before the deadline needs no timer of the episode's (µs each)
                 if left < env.tool_timeout_s + TOOL_SLACK_S:
-                    limit = asyncio.timeout_at(deadline)
+                    timeout_s = min(timeout_s, left)
+                    limit = asyncio.timeout_at(min(deadline + CUT_STOP_S, cut_by or math.inf))
             phase = Phase(span, "tool", _call_attributes(call, turn))
             try:
                 async with limit or _NO_LIMIT:
                     with phase:
-                        result = await run_tool_call(env, sandbox, state, call)
+                        result = await run_tool_call(env, sandbox, state, call, timeout_s)
                         phase.span.set(_result_attributes(result))
             except TimeoutError:
                 if limit is None or not limit.expired():
@@ -158,6 +168,9 @@ async def run_episode(
                 break
             finally:
                 tools_s += phase.seconds
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                finish = "time"  # it ran to the deadline (its command stopped there): the episode ends with it
+                break
             if tool_seconds is not None:
                 tool_seconds(phase.seconds)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result.output})

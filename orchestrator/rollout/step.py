@@ -117,8 +117,11 @@ def record_assistant(state: EpisodeState, text: str, calls: Sequence[ToolCallRec
     state._keep(Turn(role="assistant", text=text, tool_calls=list(calls)))
 
 
-async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState, call: ToolCallRecord) -> ToolResult:
+async def run_tool_call(
+    env: Environment, sandbox: Sandbox, state: EpisodeState, call: ToolCallRecord, timeout_s: float | None = None
+) -> ToolResult:
     """Run one tool call in the sandbox and record its observation; returns the result (`output` is the observation).
+    Its commands stop at `timeout_s` (default: the environment's tool_timeout_s).
 
     A `submit` sets the state's answer. SandboxError propagates: the sandbox failed, not the policy.
     """
@@ -131,7 +134,7 @@ async def run_tool_call(env: Environment, sandbox: Sandbox, state: EpisodeState,
     elif tool is None:
         result = ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(state.tools)}")
     else:
-        result = await call_tool(tool, sandbox, call.arguments, env.tool_timeout_s)
+        result = await call_tool(tool, sandbox, call.arguments, env.tool_timeout_s if timeout_s is None else timeout_s)
         if result.submitted:
             state.submitted, state.answer = True, result.answer
     state._keep(Turn(role="tool", text=result.output, tool_call_id=call.id, name=call.name))
