@@ -37,16 +37,18 @@ class Heartbeat(_message.Message):
     def __init__(self, running: _Optional[int] = ..., metrics: _Optional[bytes] = ...) -> None: ...
 
 class RolloutResult(_message.Message):
-    __slots__ = ("assignment_id", "rollout_json", "rollout_pb", "error")
+    __slots__ = ("assignment_id", "rollout_json", "rollout_pb", "error", "cancelled")
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_PB_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
     assignment_id: str
     rollout_json: bytes
     rollout_pb: bytes
     error: str
-    def __init__(self, assignment_id: _Optional[str] = ..., rollout_json: _Optional[bytes] = ..., rollout_pb: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+    cancelled: bool
+    def __init__(self, assignment_id: _Optional[str] = ..., rollout_json: _Optional[bytes] = ..., rollout_pb: _Optional[bytes] = ..., error: _Optional[str] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
     __slots__ = ("results",)

@@ -165,14 +165,15 @@ class Tokens(_Model):
         # A remote worker's JSON is parsed into this model (worker/results.py) and went on to the trainer as sent: a
         # mask or logprobs of another length than the ids (arrays that no longer line up), a mask of 2 or -1, a
         # negative id. Checked with len, set and min, not element by element: a rollout holds up to 200,000 tokens.
-        # A list left empty is absent, not short. Observation tokens carry logprob 0.0 (rollout/tokens.py); that is
-        # not checked here, as it would need a pass over every token.
+        # Complete tokens carry all three lists, of one length; in tokens of another status a list left empty is
+        # absent. Observation tokens carry logprob 0.0 (rollout/tokens.py); that is not checked here, as it would
+        # need a pass over every token.
         n = len(self.completion_ids)
         for name, values in (
             ("completion_mask", self.completion_mask),
             ("completion_logprobs", self.completion_logprobs),
         ):
-            if values and len(values) != n:
+            if (values or self.status == "complete") and len(values) != n:
                 raise ValueError(f"tokens.{name} has {len(values)} entries for {n} completion_ids")
         if self.completion_mask and not set(self.completion_mask) <= {0, 1}:
             raise ValueError("tokens.completion_mask holds a value other than 0 and 1")

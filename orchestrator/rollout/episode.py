@@ -168,8 +168,8 @@ async def run_episode(
                 break
             finally:
                 tools_s += phase.seconds
-            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
-                finish = "time"  # it ran to the deadline (its command stopped there): the episode ends with it
+            if result.timed_out and timeout_s < env.tool_timeout_s and not state.submitted:
+                finish = "time"  # stopped at the deadline by the timeout it was given: the episode ends with it
                 break
             if tool_seconds is not None:
                 tool_seconds(phase.seconds)

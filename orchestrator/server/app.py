@@ -378,6 +378,7 @@ async def create_server(
             admit=admit,
         )
         undo.push_async_callback(jobs.close)
+        jobs.scheduler.tenant_shares = auth.enabled  # a server without tokens has one user, who may take the host
         # read when scraped
         metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
         metrics.result_log_bytes.set_function(store.size_bytes)

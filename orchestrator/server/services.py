@@ -156,7 +156,7 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         self._auth = auth or Authenticator()
         self._policy_urls = policy_urls or PolicyURLs(None)
         self._tokenizers = tokenizers or TokenizerDirs()
-        self._replay = replay or ReplayGate("all", self._auth, lambda _: None)
+        self._replay = replay or ReplayGate("owner", self._auth, lambda _: None)
 
     async def SubmitJob(self, request: pb.JobSpec, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         check_job_spec(request)

@@ -126,6 +126,8 @@ class Scheduler:
         self._held = 0  # sandboxes of sessions and the raw sandbox API, reserved outside the queues
         self._held_by: dict[str, Need] = {}  # what each tenant's of them hold (capacity.tenant_share)...
         self._held_count: dict[str, int] = {}  # ...and how many
+        # whether capacity.tenant_share holds: with tokens (the server sets it); without, its one user has the host
+        self.tenant_shares = True
         self._held_cpus = 0.0  # and their share, which no drain frees
         self._held_memory = 0
         self._starts = 0  # rollouts started so far: a tenant's last start orders the ties
@@ -235,10 +237,16 @@ class Scheduler:
         held = self._held_by.get(tenant, Need())
         count = self._held_count.get(tenant, 0)
         cap, share = self.capacity, self.capacity.tenant_share
-        if tenant != LOCAL_TENANT and (
-            count + 1 > share * cap.max_sandboxes
-            or held.cpus + need.cpus > share * cap.cpus
-            or held.memory_mb + need.memory_mb > share * cap.memory_mb
+        # a tenant's first sandbox is never refused for its share: a share too small for one (max_sandboxes 1) would
+        # refuse every tenant for good, holding nothing
+        if (
+            self.tenant_shares
+            and count
+            and (
+                count + 1 > share * cap.max_sandboxes
+                or held.cpus + need.cpus > share * cap.cpus
+                or held.memory_mb + need.memory_mb > share * cap.memory_mb
+            )
         ):
             raise QuotaExceededError(
                 f"{what} cannot start: your sessions and sandboxes hold {count} sandboxes, {held.cpus:g} CPUs and "

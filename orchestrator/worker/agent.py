@@ -142,6 +142,7 @@ class WorkerAgent:
     async def _session(self, stop: asyncio.Event) -> None:
         outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult] = Outbox()
         running: dict[str, asyncio.Task[None]] = {}
+        cancelled: set[str] = set()  # assignments the control plane cancelled, whose end it waits to hear of
         hello = wpb.WorkerHello(
             worker_id=self.worker_id,
             host=socket.gethostname(),
@@ -180,13 +181,15 @@ class WorkerAgent:
                         for a in message.assign.assignments:  # in order: an archive's bytes come first
                             if a.HasField("env_archive") and a.env_archive.archive:
                                 self._start_loading(a.env_archive)  # before any later assignment of it runs
-                            task = asyncio.create_task(self._run(a, outbox), name=f"assignment {a.assignment_id}")
+                            task = asyncio.create_task(
+                                self._run(a, outbox, cancelled), name=f"assignment {a.assignment_id}"
+                            )
                             running[a.assignment_id] = task
                             task.add_done_callback(functools.partial(_forget, running, a.assignment_id))
                     elif message.HasField("cancel"):
                         doomed = running.get(message.cancel.assignment_id)
-                        if doomed is not None:
-                            doomed.cancel()
+                        if doomed is not None and doomed.cancel():  # one that ended has sent its result
+                            cancelled.add(message.cancel.assignment_id)
                     elif message.HasField("job_ended"):
                         self._specs.pop(message.job_ended.job_id, None)
                         self._executor.job_ended(message.job_ended.job_id)
@@ -212,7 +215,18 @@ class WorkerAgent:
             return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         return grpc.aio.secure_channel(self.target, self._tls.credentials(), options=CHANNEL_OPTIONS)
 
-    async def _run(self, a: wpb.Assignment, outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult]) -> None:
+    async def _run(
+        self, a: wpb.Assignment, outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult], cancelled: set[str]
+    ) -> None:
+        try:
+            await self._run_assignment(a, outbox)
+        except asyncio.CancelledError:
+            if a.assignment_id in cancelled:  # the control plane's Cancel: a run destroys its sandbox before it ends
+                cancelled.discard(a.assignment_id)
+                outbox.put(wpb.RolloutResult(assignment_id=a.assignment_id, cancelled=True))
+            raise
+
+    async def _run_assignment(self, a: wpb.Assignment, outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult]) -> None:
         try:
             spec = self._spec(a.job_id, a.job_spec_json)
             if a.HasField("env_archive"):

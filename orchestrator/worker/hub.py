@@ -38,6 +38,10 @@ from protos import worker_pb2 as wpb
 log = logging.getLogger(__name__)
 
 RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its worker counts as stuck
+# A cancelled rollout's slot (and the CancelJob that cancelled it) waits this long at most for its worker to say that
+# its sandbox is gone: freed at once, the worker was sent new rollouts while it still tore the cancelled ones down,
+# up to twice its slots' sandboxes after a large cancel, and CancelJob answered before any sandbox was destroyed
+CANCEL_ACK_S = 60.0
 OVERDUE_SWEEP_S = 1.0  # how often a worker's rollouts are checked against their budgets (one timer each would cost)
 HEARD_TICK_S = 1.0  # how often a silent worker's silence is added up (see WorkerHub._next)
 STARVED_CUTOFFS = 6  # heartbeat cut-offs in a row a silent local worker that uses CPU is kept past (WorkerHub._next)
@@ -81,10 +85,20 @@ class _Worker:
     failing: bool = False
     archives: set[str] = field(default_factory=set)  # digests of the archives this stream has carried
     metrics: bytes | None = b""  # its Prometheus metrics as its heartbeats last carried them; None: too large
+    # rollouts cancelled here whose worker has not yet said their sandbox is gone: (given up on at, said so)
+    cancelling: dict[str, tuple[float, asyncio.Future[None]]] = field(default_factory=dict)
 
     @property
     def load(self) -> float:
-        return len(self.running) / max(self.slots, 1)
+        return (len(self.running) + len(self.cancelling)) / max(self.slots, 1)
+
+    def acknowledged(self, assignment_id: str) -> bool:
+        """Mark a cancelled rollout's sandbox gone (its worker said so, or is gone, or was waited for long enough);
+        whether it was one being cancelled."""
+        entry = self.cancelling.pop(assignment_id, None)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(None)
+        return entry is not None
 
 
 @dataclass(frozen=True)
@@ -328,8 +342,14 @@ class WorkerHub:
         try:
             rollout, run_s = await future
         except asyncio.CancelledError:
-            # CancelJob or shutdown: the worker stops the rollout and destroys its sandbox
-            self._cancel(worker, assignment_id)
+            # CancelJob or shutdown: the worker stops the rollout and destroys its sandbox, and says so; the slot is
+            # freed (and CancelJob answers) once it has, or is lost, within CANCEL_ACK_S
+            acked = self._cancel(worker, assignment_id)
+            if acked is not None:
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    async with asyncio.timeout(CANCEL_ACK_S):
+                        await asyncio.shield(acked)
+                worker.acknowledged(assignment_id)
             raise
         finally:
             worker.running.pop(assignment_id, None)
@@ -354,9 +374,14 @@ class WorkerHub:
         return m
 
     @staticmethod
-    def _cancel(worker: _Worker, assignment_id: str) -> None:
-        if worker.running.pop(assignment_id, None) is not None:
-            worker.outbox.put(wpb.ControlMessage(cancel=wpb.Cancel(assignment_id=assignment_id)))
+    def _cancel(worker: _Worker, assignment_id: str) -> asyncio.Future[None] | None:
+        """Stop a running rollout on its worker; the future is done once the worker says its sandbox is gone."""
+        if worker.running.pop(assignment_id, None) is None:
+            return None
+        worker.outbox.put(wpb.ControlMessage(cancel=wpb.Cancel(assignment_id=assignment_id)))
+        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        worker.cancelling[assignment_id] = (time.monotonic() + CANCEL_ACK_S, acked)
+        return acked
 
     # -- the worker's stream -----------------------------------------------------------------------------------
 
@@ -488,6 +513,8 @@ class WorkerHub:
         return [(w.id, w.host, w.metrics) for w in list(self._workers.values()) if w.metrics]
 
     def _deliver(self, worker: _Worker, result: wpb.RolloutResult) -> None:
+        if worker.acknowledged(result.assignment_id):
+            return  # a cancelled rollout's end (its sandbox is gone), or its result, late: discarded
         running = worker.running.pop(result.assignment_id, None)
         if running is None or running.result.done():
             return  # cancelled, or given up on: the answer is late
@@ -519,6 +546,9 @@ class WorkerHub:
                     WorkerLostError(f"worker {worker.id} gave no result within {running.budget_s:g}s")
                 )
                 self._cancel(worker, assignment_id)
+        for assignment_id, (give_up_at, _) in list(worker.cancelling.items()):
+            if now > give_up_at:
+                worker.acknowledged(assignment_id)  # a worker that never says (stuck, or older) frees it at last
 
     def _drop(self, worker: _Worker, why: str) -> None:
         """Forget a worker: its rollouts fail over, its stream ends."""
@@ -539,6 +569,8 @@ class WorkerHub:
             if not running.result.done():
                 running.result.set_exception(WorkerLostError(f"worker {worker.id} was lost: {why}"))
         worker.running.clear()
+        for assignment_id in list(worker.cancelling):
+            worker.acknowledged(assignment_id)  # its sandboxes are the sweep's now
         worker.outbox.close()
         if not self._workers:
             # rollouts waiting for a slot wait for a worker now: in time (_pick), not for a slot that no end frees

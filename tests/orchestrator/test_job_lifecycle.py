@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,30 @@ async def test_an_open_stream_gets_the_groups_a_cancel_publishes(
 
 async def _groups(client: EnvfleetClient, job_id: str) -> list[str]:
     return [g.group_id async for g in client.groups(job_id)]
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "worker"])
+async def test_a_cancel_answers_once_its_sandboxes_are_gone(
+    tmp_path: Path, silent_policy: str, task_ids: list[str], workers: int
+) -> None:
+    # on a worker, the control plane freed a cancelled rollout's slot, and CancelJob answered, as soon as it sent the
+    # Cancel: the worker still tore the sandboxes down while it was sent new rollouts (up to twice its slots'
+    # sandboxes after a large cancel), and the proto's "destroyed before CancelJob answers" held in-process only
+    slow = FakeBackendConfig(owner=TEST_OWNER, destroy_latency_s=2.0)
+    async with serve(tmp_path / "data", backend=slow, workers=workers) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(_spec(silent_policy, task_ids[:2]))
+        await _running(client, job_id)
+        if orch.workers is not None:  # on the worker, not waiting for one to connect
+            async with asyncio.timeout(60):
+                while sum(w.running for w in orch.workers.hub.workers()) < 2:  # noqa: ASYNC110 - no event to wait on
+                    await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        info = await client.cancel_job(job_id)
+        took = time.monotonic() - t0
+        assert info.state == JobState.CANCELLED and took >= 1.5, took
+        if orch.workers is not None:
+            assert not [a for w in orch.workers.hub._workers.values() for a in w.cancelling], "slots still held"
+            assert orch.workers.hub._in_use == 0
 
 
 async def _drain(client: EnvfleetClient, job_id: str) -> int:

@@ -265,7 +265,9 @@ def test_the_parsers_bounds_are_the_wires_own() -> None:
         return s.ids, s.logprobs
 
     def encoded(ids: list[int], logprobs: list[float]) -> pb.Tokens:
-        tokens = Tokens(status="complete", prompt_ids=[0], completion_ids=ids, completion_mask=[1] * len(ids))
+        tokens = Tokens.model_construct(
+            status="complete", prompt_ids=[0], completion_ids=ids, completion_mask=[1] * len(ids)
+        )
         tokens.completion_logprobs = logprobs
         r = Rollout(
             id="j:t:0", job_id="j", env="e@1", task_id="t", group_id="j:t", sample_index=0, status="OK", reward=1.0
@@ -308,8 +310,9 @@ class _Executor:
             status=RolloutStatus.OK,
             reward=1.0,
         )
-        r.tokens = Tokens(status="complete", prompt_ids=[1], completion_ids=[2**31], completion_mask=[1])
-        r.tokens.completion_logprobs = [-1.0]
+        r.tokens = Tokens(
+            status="complete", prompt_ids=[1], completion_ids=[2**31], completion_mask=[1], completion_logprobs=[-1.0]
+        )
         return r
 
 
@@ -323,7 +326,7 @@ async def test_a_worker_whose_encoding_or_executor_raises_still_answers_the_assi
         assignment_id="a-1", job_id="job", job_spec_json=spec.model_dump_json().encode(), task_id=task_ids[0]
     )
     outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult] = Outbox()
-    await agent._run(a, outbox)
+    await agent._run(a, outbox, set())
     [result] = await asyncio.wait_for(outbox.get(), 5)
     assert isinstance(result, wpb.RolloutResult) and result.assignment_id == "a-1"
     assert not result.rollout_json and match in result.error, result.error

@@ -28,15 +28,29 @@ async def test_a_tenant_holds_at_most_its_share_and_the_rest_is_left_to_others()
         r.release()
     assert s.reserved == 0
     # memory and the sandbox count are shares too
+    first = s.reserve(Need(cpus=0.5, memory_mb=4000), "a sandbox", "team-a")
     with pytest.raises(QuotaExceededError):
-        s.reserve(Need(cpus=0.5, memory_mb=4001), "a sandbox", "team-a")
+        s.reserve(Need(cpus=0.5, memory_mb=1), "a sandbox", "team-a")
+    first.release()
     few = [s.reserve(Need(cpus=0.1, memory_mb=10), "a sandbox", "team-a") for _ in range(5)]
     with pytest.raises(QuotaExceededError):
         s.reserve(Need(cpus=0.1, memory_mb=10), "a sandbox", "team-a")
     for r in few:
         r.release()
+    # with tokens, a tenant named "local" is a tenant like any other
+    mine = [s.reserve(big, "a sandbox", "local") for _ in range(2)]
+    with pytest.raises(QuotaExceededError):
+        s.reserve(big, "a sandbox", "local")
     # the one user of a server without tokens takes the whole host
-    mine = [s.reserve(big, "a sandbox") for _ in range(4)]
+    s.tenant_shares = False
+    mine += [s.reserve(big, "a sandbox", "local") for _ in range(2)]
     assert s.reserved == 4
     for r in mine:
         r.release()
+
+
+async def test_a_share_too_small_for_one_sandbox_still_lets_a_tenant_have_one() -> None:
+    # max_sandboxes 1: half of it is no sandbox at all, and every tenant was refused for good, holding nothing
+    s = Scheduler(8, _never, Capacity(max_sandboxes=1, cpus=8, memory_mb=8000, tenant_share=0.5))
+    only = s.reserve(Need(cpus=6, memory_mb=100), "a session", "team-a")
+    only.release()

@@ -60,7 +60,11 @@ def test_tokens_that_do_not_line_up_are_refused(update: dict[str, Any], match: s
         Tokens(**(GOOD | update))
 
 
-def test_an_absent_list_is_not_a_short_one() -> None:
-    # the worker wire's tests build ids and a mask, then set logprobs: an empty list is a list not given
-    assert Tokens(**(GOOD | {"completion_logprobs": []})).completion_ids == [3, 4, 5]
-    assert Tokens(**(GOOD | {"completion_mask": [], "completion_logprobs": []})).completion_mask == []
+def test_complete_tokens_carry_every_list_and_others_may_leave_one_out() -> None:
+    # complete ids with no mask or logprobs gave the TRL adapter columns of unequal lengths; tokens of another status
+    # are not trained on, and a list left empty there is one not given
+    left_out: list[dict[str, Any]] = [{"completion_logprobs": []}, {"completion_mask": [], "completion_logprobs": []}]
+    for gone in left_out:
+        with pytest.raises(ValidationError, match="0 entries for 3 completion_ids"):
+            Tokens(**(GOOD | gone))
+        assert Tokens(**(GOOD | gone | {"status": "inconsistent"})).completion_ids == [3, 4, 5]
