@@ -55,7 +55,7 @@ TAIL_CHARS = 600
 SCORING_RERUN_METRIC = "scoring_ran_again_after_timeout"
 SCORING_TIMEOUT_METRIC = "scoring_timed_out"
 # A scoring command that fails in a rollout (exits non-zero, floods its output, prints no reward) scores 0 the same
-# way: registration ran it on a task's reference (`envfleet check`: every task's, and an empty answer), so what
+# way: registration ran it on a task's reference (`envfleet envs validate`: every task's, and an empty answer), so what
 # differs is the policy's answer and files, which it runs or reads. As ENV_ERROR (masked) it was the policy's way out
 # of a certain 0: code that calls os._exit(1), or prints past the output cap, when it cannot solve the task. The
 # price: a grader that fails on a task no check ran scores 0 there, and says so (the metric below). Checks
