@@ -136,12 +136,14 @@ def _fill(target: pb.Rollout, entry: LogEntry, advantage: float | None = None) -
     except (ValueError, TypeError, KeyError, DecodeError) as e:
         log.error("rollout %s (seq %d) of the result log cannot be streamed: %s", entry.rollout_id, entry.seq, e)
         target.Clear()
+        sample = entry.rollout_id.rpartition(":")[2]  # ids are job:task:sample
         target.MergeFrom(
             pb.Rollout(
                 id=entry.rollout_id,
                 job_id=entry.job_id,
                 group_id=entry.group_id,
                 task_id=entry.task_id,
+                sample_index=int(sample) if sample.isdigit() and len(sample) < 10 else 0,
                 status=pb.ROLLOUT_STATUS_INFRA_ERROR,
                 error=pb.RolloutError(
                     kind="UnreadableLogEntry",
@@ -149,6 +151,7 @@ def _fill(target: pb.Rollout, entry: LogEntry, advantage: float | None = None) -
                 ),
             )
         )
+        advantage = None  # no score to weigh (its group's figures count it as it was logged)
     target.seq = entry.seq
     if advantage is not None:
         target.advantage = advantage

@@ -544,9 +544,12 @@ class JobManager:
                 finished = job.ended
                 room = max_in_flight - len(me.outstanding)
                 entries: list[LogEntry] = []
+                read: list[LogEntry] = []
                 backlog = False
                 if room > 0 or part_of is not None:  # the window never cuts a group: its parts go on
-                    limit = max(min(room, max_batch), n)
+                    # a group's row more than the window or the batch asks for: a read that ends with a whole group
+                    # sees where it ends (else each group of max_batch rows or more went in parts, two log calls more)
+                    limit = max(min(room, max_batch), n) + (n > 1)
                     read = await self.store.read(
                         job_id, cursor, limit, STREAM_BATCH_BYTES, scores=job.spec.deliver_groups
                     )
@@ -572,8 +575,10 @@ class JobManager:
                         # a group of one is a group too: streamed as plain rollouts, its job's groups() refused it
                         yield _batch(entries, grouped=job.spec.deliver_groups, advantage=job.spec.advantage)
                     sent_at = loop.time()
-                    if backlog or finished or part_of is not None:
-                        continue  # more is logged already (or the end is near, or the group goes on): read on
+                    if backlog or finished or part_of is not None or len(entries) < len(read):
+                        # more is logged already (or the end is near, or the group goes on, or the read held more
+                        # than the message: whole groups behind a group's last part): read on
+                        continue
                 # a full window must not keep a finished stream open: end when nothing is left to send
                 elif finished and (room > 0 or not await self.store.read(job_id, cursor, 1)):
                     return
@@ -671,8 +676,9 @@ class JobManager:
             # logged before the teardown, which takes a while (a removal per running rollout): a stop or a crash
             # meanwhile left the log RUNNING, and the next start ran the cancelled job again (_resume publishes its
             # whole groups, had the cut come before that step below)
+            stopping = self.scheduler.drop_job(job_id)  # first, at once: a log that refuses writes holds the next step
             await self._logged(f"job {job_id}'s cancel", lambda: self.store.set_job_state(job_id, JobState.CANCELLED))
-            await self.scheduler.cancel_job(job_id)
+            await asyncio.gather(*stopping, return_exceptions=True)
             # a rollout cancelled while its append waited in the log's queue was logged all the same (the store runs
             # a queued call to its end), but neither counted nor, delivered in groups, its group published: the
             # counts come from the log (behind those appends), and its whole groups go out, as a resume makes them

@@ -198,9 +198,14 @@ class Scheduler:
 
     async def cancel_job(self, job_id: str) -> None:
         """Drop a job's pending items and cancel its running ones (their sandboxes are destroyed)."""
+        await asyncio.gather(*self.drop_job(job_id), return_exceptions=True)
+
+    def drop_job(self, job_id: str) -> list[asyncio.Task[None]]:
+        """Drop a job's pending items and cancel its running ones, at once; returns those, to await their end (their
+        sandboxes destroyed)."""
         q = self._queues.pop(job_id, None)
         if q is None:
-            return
+            return []
         q.pending.clear()
         if not any(o.tenant == q.tenant for o in self._queues.values()):
             self._blocked.pop(q.tenant, None)  # a wait of the tenant's it never ran: none to count on
@@ -208,7 +213,7 @@ class Scheduler:
         # their done callbacks still release the counts: the queue is found through the callback, not the dict
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        return tasks
 
     def kick(self) -> None:
         self._kick.set()

@@ -69,10 +69,21 @@ CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (job_id, group_id);
 # last row of any kind was found by sorting every row of the job, 40 ms an Ack at 200,000 rows, on the one thread
 # that every tenant's appends, reads and acks share
 CUT_GROUP_REST = (
-    "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq > ? AND seq <= ? "
+    "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq > ? "
     "AND group_id = (SELECT group_id FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq <= ? "
     "ORDER BY seq DESC LIMIT 1)"
 )
+
+
+def _scores(wanted: bool, *, checked: bool) -> str:
+    """The columns a group's advantages are made of, read out of a row's JSON by SQLite; `checked`: null for a row
+    whose JSON is damaged, where json_extract raises (a second parse of each row: only after that happened)."""
+    if not wanted:
+        return ""
+    fields = [f"json_extract(payload, '$.{f}')" for f in ("reward", "task_id")]
+    if checked:
+        fields = [f"CASE WHEN json_valid(payload) THEN {f} END" for f in fields]
+    return ", " + ", ".join(fields)
 
 
 @dataclass(frozen=True)
@@ -369,7 +380,12 @@ class ResultStore:
         message of 3 MiB. With `scores`, each entry's reward and task too (SQLite's JSON reader, not a model)."""
 
         def q() -> list[LogEntry]:
-            extra = ", json_extract(payload, '$.reward'), json_extract(payload, '$.task_id')" if scores else ""
+            try:
+                return fetch(_scores(scores, checked=False))
+            except sqlite3.OperationalError:  # a damaged row's JSON (json_extract raises): read again, checked
+                return fetch(_scores(scores, checked=True))
+
+        def fetch(extra: str) -> list[LogEntry]:
             rows = self.db.execute(
                 f"SELECT seq, group_id, payload, wire, rollout_id, job_id, status{extra} FROM rollouts "
                 "WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq > ? ORDER BY seq LIMIT ?",
@@ -395,12 +411,18 @@ class ResultStore:
         advantages are made of, without the members' whole JSON."""
 
         def q() -> tuple[str, list[tuple[int, str, float | None]]]:
-            rows = self.db.execute(
-                "SELECT seq, status, json_extract(payload, '$.reward'), json_extract(payload, '$.task_id') "
-                "FROM rollouts WHERE job_id = ? AND group_id = ? AND visible = 1 ORDER BY seq",
+            try:
+                found = scored(_scores(True, checked=False))
+            except sqlite3.OperationalError:  # a damaged row's JSON: read again, checked
+                found = scored(_scores(True, checked=True))
+            return (found[0][3] if found else ""), [(seq, status, reward) for seq, status, reward, _ in found]
+
+        def scored(extra: str) -> list[Any]:
+            return self.db.execute(
+                f"SELECT seq, status{extra} FROM rollouts WHERE job_id = ? AND group_id = ? AND visible = 1 "
+                "ORDER BY seq",
                 (job_id, group_id),
             ).fetchall()
-            return (rows[0][3] if rows else ""), [(seq, status, reward) for seq, status, reward, _ in rows]
 
         return await self._run(q)
 
@@ -421,14 +443,15 @@ class ResultStore:
         self, job_id: str, up_to: int, ids: Iterable[str], *, delivered: int, whole_groups: bool = False
     ) -> list[int]:
         """Ack every seq <= up_to and the given rollout ids among those delivered (seq <= `delivered`: an id is
-        easily guessed, and one acked before it was sent would never be); with `whole_groups`, an id acks its
-        group's every member (a group is delivered whole, so one acked alone would leave the rest to go out as a
-        part group), and so does an up_to inside a group. Returns the seqs newly acked."""
+        easily guessed, and one acked before it was sent would never be); with `whole_groups`, a delivered id acks
+        its group's every member (one acked alone would leave the rest to go out as a part group), and so does an
+        up_to inside a group: its parts not sent yet too (a group in parts goes out whole, one part after another).
+        Returns the seqs newly acked."""
         id_list = list(ids)
         by = (
-            "group_id IN (SELECT group_id FROM rollouts WHERE job_id = ? AND rollout_id IN ({marks}))"
+            "group_id IN (SELECT group_id FROM rollouts WHERE job_id = ? AND seq <= ? AND rollout_id IN ({marks}))"
             if whole_groups
-            else "rollout_id IN ({marks})"
+            else "seq <= ? AND rollout_id IN ({marks})"
         )
 
         def q() -> list[int]:
@@ -445,16 +468,16 @@ class ResultStore:
                 # a group's seqs are consecutive, so only the last group up_to reaches may be cut: its members past
                 # up_to went out with it, in one message, and acked apart they went out again as a part group (its
                 # advantages made over the part)
-                seqs += [r[0] for r in db.execute(CUT_GROUP_REST, (job_id, up_to, delivered, job_id, up_to))]
+                seqs += [r[0] for r in db.execute(CUT_GROUP_REST, (job_id, up_to, job_id, up_to))]
             for i in range(0, len(id_list), 500):
                 chunk = id_list[i : i + 500]
                 marks = ",".join("?" * len(chunk))
                 seqs += [
                     r[0]
                     for r in db.execute(
-                        "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND seq <= ? AND "
+                        "SELECT seq FROM rollouts WHERE job_id = ? AND visible = 1 AND acked = 0 AND "
                         + by.format(marks=marks),
-                        (job_id, delivered, *([job_id] if whole_groups else []), *chunk),
+                        (job_id, *([job_id] if whole_groups else []), delivered, *chunk),
                     )
                 ]
             seqs = sorted(set(seqs))

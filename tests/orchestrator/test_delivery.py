@@ -716,9 +716,10 @@ async def test_a_group_in_parts_carries_the_whole_groups_advantages_and_failed_c
     assert group.advantages[1] is not None and group.advantages[1] > 0 and group.advantages[2] is None
 
 
+@pytest.mark.parametrize("damage", ["status from the future", "JSON cut short"])
 @pytest.mark.parametrize("groups", [False, True], ids=["rollouts", "groups"])
 async def test_a_row_this_version_cannot_stream_goes_out_as_an_infra_error_and_the_rest_follows(
-    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str], groups: bool
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str], groups: bool, damage: str
 ) -> None:
     # a row of the log that no longer converts (an older version's, a status or field since gone) raised in the
     # stream at every try: the SDK gave up after its reconnect time, and nothing of the job after it was delivered
@@ -729,11 +730,8 @@ async def test_a_row_this_version_cannot_stream_goes_out_as_an_infra_error_and_t
         (bad,) = db.execute(
             "SELECT rollout_id FROM rollouts WHERE job_id = ? ORDER BY seq LIMIT 1", (job_id,)
         ).fetchone()
-        db.execute(
-            "UPDATE rollouts SET payload = json_set(payload, '$.status', 'FROM_THE_FUTURE'), wire = NULL "
-            "WHERE rollout_id = ?",
-            (bad,),
-        )
+        edit = "json_set(payload, '$.status', 'FROM_THE_FUTURE')" if damage.startswith("status") else "'{\"id\": '"
+        db.execute(f"UPDATE rollouts SET payload = {edit}, wire = NULL WHERE rollout_id = ?", (bad,))
     async with asyncio.timeout(30):
         if groups:
             got = [r for g in [g async for g in fake_client.groups(job_id)] for r in g.rollouts]

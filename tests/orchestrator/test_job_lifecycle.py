@@ -154,6 +154,57 @@ async def test_an_open_stream_gets_the_groups_a_cancel_publishes(
             assert await stream == [f"{job_id}:extra"]
 
 
+async def test_whole_groups_read_behind_a_groups_last_part_go_out_at_once(
+    tmp_path: Path, silent_policy: str, task_ids: list[str]
+) -> None:
+    # a group's last part went out alone, and the whole groups read with it waited, unsent, for the next result or
+    # ack to wake the stream: while the job ran on, a trainer that acks once it has its batch waited on groups the
+    # control plane held (here for good)
+    async with serve(tmp_path / "data", backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(_spec(silent_policy, task_ids[:1]).model_copy(update=GROUPED))
+        await _running(client, job_id)
+        for group, output in (("big", "x" * 145_000), ("small", "ok")):  # big: 1.6 MB a member
+            for k in range(2):
+                member = long_rollout(turns=2, job_id=job_id, tool_output=output).model_copy(
+                    update={"id": f"{job_id}:{group}:{k}", "group_id": f"{job_id}:{group}", "sample_index": k}
+                )
+                await orch.jobs.store.append(member, visible=False)
+        assert await orch.jobs.store.publish_complete_groups(job_id, 2) == 2
+        got: list[str] = []
+        async with asyncio.timeout(20):
+            async for g in client.groups(job_id, auto_ack=False):  # a trainer that acks once it has a batch
+                got.append(g.group_id)
+                if len(got) == 2:
+                    break
+        assert got == [f"{job_id}:big", f"{job_id}:small"]
+        await client.cancel_job(job_id)
+
+
+async def test_a_cancel_stops_the_jobs_rollouts_before_the_log_takes_its_end(
+    tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the cancel's log write came first: while the log refused writes (a full disk), the scheduler kept starting the
+    # job's queued rollouts, each a sandbox and a policy call whose result was then thrown away
+    async with serve(tmp_path / "data", backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        spec = _spec(silent_policy, task_ids[:8]).model_copy(update={"max_concurrency": 2})
+        job_id = await client.submit(spec)
+        await _running(client, job_id)
+        held = asyncio.Event()
+
+        async def refused(*args: Any, **kwargs: Any) -> None:
+            await held.wait()
+
+        monkeypatch.setattr(orch.jobs.store, "set_job_state", refused)
+        try:
+            await expect_error(
+                client.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=0.5),
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+            assert (orch.jobs.scheduler.running_of(job_id), orch.jobs.scheduler.pending_of(job_id)) == (0, 0)
+        finally:
+            held.set()
+
+
 async def _groups(client: EnvfleetClient, job_id: str) -> list[str]:
     return [g.group_id async for g in client.groups(job_id)]
 

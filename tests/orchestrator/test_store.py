@@ -36,9 +36,10 @@ def _sample(i: int, job: str = "job-a") -> Rollout:
     )
 
 
-async def _published_groups(store: ResultStore, groups: int, size: int) -> list[LogEntry]:
-    """`groups` whole groups of `size` samples of job-a, appended and published: the entries a stream reads."""
-    for task in range(groups):
+async def _published_groups(store: ResultStore, groups: int, size: int, first: int = 0) -> list[LogEntry]:
+    """`groups` whole groups of `size` samples of job-a (tasks from `first` on), appended and published: the entries
+    a stream reads."""
+    for task in range(first, first + groups):
         for k in range(size):
             r = _sample(task).model_copy(update={"id": f"job-a:task-{task}:{k}", "sample_index": k})
             await store.append(_encoded(r), visible=False)
@@ -87,9 +88,10 @@ async def test_an_ack_up_to_inside_a_group_acks_the_whole_group(tmp_path: Path) 
         acked = await store.ack("job-a", seqs[1], [], delivered=seqs[-1], whole_groups=True)
         assert acked == seqs[:4]
         assert [e.seq for e in await store.read("job-a", 0, 10)] == seqs[4:]  # the next group, whole
-        # not past what was delivered, and not without whole groups
-        assert await store.ack("job-a", seqs[5], [], delivered=seqs[5], whole_groups=True) == seqs[4:6]
-        assert await store.ack("job-a", seqs[6], [], delivered=seqs[-1]) == [seqs[6]]
+        # past what was delivered too, within the group (its parts not sent yet), and not without whole groups
+        assert await store.ack("job-a", seqs[5], [], delivered=seqs[5], whole_groups=True) == seqs[4:]
+        more = [e.seq for e in await _published_groups(store, 1, 4, first=2)]
+        assert await store.ack("job-a", more[1], [], delivered=more[-1]) == more[:2]
     finally:
         await store.close()
 
@@ -103,11 +105,24 @@ async def test_an_ack_that_cuts_a_group_finds_the_group_on_the_index(tmp_path: P
         seqs = [e.seq for e in await _published_groups(store, 3, 2)]
         await store.ack("job-a", seqs[1], [], delivered=seqs[-1], whole_groups=True)  # the first group
         query = f"EXPLAIN QUERY PLAN {store_module.CUT_GROUP_REST}"
-        plan = " ".join(row[-1] for row in store.db.execute(query, ("job-a", 0, 0, "job-a", 0)))
+        plan = " ".join(row[-1] for row in store.db.execute(query, ("job-a", 0, "job-a", 0)))
         assert "TEMP B-TREE" not in plan and "acked=? AND seq<?" in plan, plan
         # an up_to in the acked group, then in the next: only the unacked group is cut, and acked whole
         assert await store.ack("job-a", seqs[0], [], delivered=seqs[-1], whole_groups=True) == []
         assert await store.ack("job-a", seqs[2], [], delivered=seqs[-1], whole_groups=True) == seqs[2:4]
+    finally:
+        await store.close()
+
+
+async def test_an_ack_inside_a_group_in_parts_acks_its_parts_not_sent_yet(tmp_path: Path) -> None:
+    # a group over a message goes out in parts, so what was delivered can end inside it: an up_to or an id there
+    # acked the parts sent only, and the rest went out again as a shorter group, its advantages made over the rest
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    try:
+        seqs = [e.seq for e in await _published_groups(store, 2, 4)]
+        assert await store.ack("job-a", seqs[1], [], delivered=seqs[1], whole_groups=True) == seqs[:4]
+        assert await store.ack("job-a", 0, ["job-a:task-1:0"], delivered=seqs[5], whole_groups=True) == seqs[4:]
+        assert await store.read("job-a", 0, 10) == []
     finally:
         await store.close()
 
