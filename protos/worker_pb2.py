@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12\x65nvfleet.worker.v1\"z\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12.\n\x08protocol\x18\x05 \x01(\x0e\x32\x1c.envfleet.worker.v1.Protocol\"-\n\tHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07metrics\x18\x02 \x01(\x0c\"r\n\rRolloutResult\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x14\n\x0crollout_json\x18\x02 \x01(\x0c\x12\x12\n\nrollout_pb\x18\x04 \x01(\x0c\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tcancelled\x18\x05 \x01(\x08\"A\n\x0bResultBatch\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.envfleet.worker.v1.RolloutResult\"\xb7\x01\n\rWorkerMessage\x12\x30\n\x05hello\x18\x01 \x01(\x0b\x32\x1f.envfleet.worker.v1.WorkerHelloH\x00\x12\x32\n\theartbeat\x18\x02 \x01(\x0b\x32\x1d.envfleet.worker.v1.HeartbeatH\x00\x12\x32\n\x07results\x18\x04 \x01(\x0b\x32\x1f.envfleet.worker.v1.ResultBatchH\x00\x42\x06\n\x04kindJ\x04\x08\x03\x10\x04\"\xfc\x01\n\nAssignment\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x15\n\rjob_spec_json\x18\x02 \x01(\x0c\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\x05\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x15\n\renv_spec_json\x18\x07 \x01(\x0c\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12;\n\x0b\x65nv_archive\x18\n \x01(\x0b\x32&.envfleet.worker.v1.ArchiveEnvironment\"b\n\x12\x41rchiveEnvironment\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0f\n\x07\x61rchive\x18\x05 \x01(\x0c\"\x1f\n\x06\x43\x61ncel\x12\x15\n\rassignment_id\x18\x01 \x01(\t\"\x1a\n\x08JobEnded\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"F\n\x0f\x41ssignmentBatch\x12\x33\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x1e.envfleet.worker.v1.Assignment\"\xb6\x01\n\x0e\x43ontrolMessage\x12\x35\n\x06\x61ssign\x18\x04 \x01(\x0b\x32#.envfleet.worker.v1.AssignmentBatchH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.envfleet.worker.v1.CancelH\x00\x12\x31\n\tjob_ended\x18\x03 \x01(\x0b\x32\x1c.envfleet.worker.v1.JobEndedH\x00\x42\x06\n\x04kindJ\x04\x08\x01\x10\x02*:\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x14\n\x10PROTOCOL_BATCHED\x10\x02\x32\x65\n\rWorkerService\x12T\n\x07\x43onnect\x12!.envfleet.worker.v1.WorkerMessage\x1a\".envfleet.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12\x65nvfleet.worker.v1\"\x8f\x01\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12.\n\x08protocol\x18\x05 \x01(\x0e\x32\x1c.envfleet.worker.v1.Protocol\x12\x13\n\x0b\x61\x63ks_cancel\x18\x06 \x01(\x08\"-\n\tHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07metrics\x18\x02 \x01(\x0c\"r\n\rRolloutResult\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x14\n\x0crollout_json\x18\x02 \x01(\x0c\x12\x12\n\nrollout_pb\x18\x04 \x01(\x0c\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tcancelled\x18\x05 \x01(\x08\"A\n\x0bResultBatch\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.envfleet.worker.v1.RolloutResult\"\xb7\x01\n\rWorkerMessage\x12\x30\n\x05hello\x18\x01 \x01(\x0b\x32\x1f.envfleet.worker.v1.WorkerHelloH\x00\x12\x32\n\theartbeat\x18\x02 \x01(\x0b\x32\x1d.envfleet.worker.v1.HeartbeatH\x00\x12\x32\n\x07results\x18\x04 \x01(\x0b\x32\x1f.envfleet.worker.v1.ResultBatchH\x00\x42\x06\n\x04kindJ\x04\x08\x03\x10\x04\"\xfc\x01\n\nAssignment\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x15\n\rjob_spec_json\x18\x02 \x01(\x0c\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\x05\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x15\n\renv_spec_json\x18\x07 \x01(\x0c\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12;\n\x0b\x65nv_archive\x18\n \x01(\x0b\x32&.envfleet.worker.v1.ArchiveEnvironment\"b\n\x12\x41rchiveEnvironment\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0f\n\x07\x61rchive\x18\x05 \x01(\x0c\"\x1f\n\x06\x43\x61ncel\x12\x15\n\rassignment_id\x18\x01 \x01(\t\"\x1a\n\x08JobEnded\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"F\n\x0f\x41ssignmentBatch\x12\x33\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x1e.envfleet.worker.v1.Assignment\"\xb6\x01\n\x0e\x43ontrolMessage\x12\x35\n\x06\x61ssign\x18\x04 \x01(\x0b\x32#.envfleet.worker.v1.AssignmentBatchH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.envfleet.worker.v1.CancelH\x00\x12\x31\n\tjob_ended\x18\x03 \x01(\x0b\x32\x1c.envfleet.worker.v1.JobEndedH\x00\x42\x06\n\x04kindJ\x04\x08\x01\x10\x02*:\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x14\n\x10PROTOCOL_BATCHED\x10\x02\x32\x65\n\rWorkerService\x12T\n\x07\x43onnect\x12!.envfleet.worker.v1.WorkerMessage\x1a\".envfleet.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOL']._serialized_start=1256
-  _globals['_PROTOCOL']._serialized_end=1314
-  _globals['_WORKERHELLO']._serialized_start=43
-  _globals['_WORKERHELLO']._serialized_end=165
-  _globals['_HEARTBEAT']._serialized_start=167
-  _globals['_HEARTBEAT']._serialized_end=212
-  _globals['_ROLLOUTRESULT']._serialized_start=214
-  _globals['_ROLLOUTRESULT']._serialized_end=328
-  _globals['_RESULTBATCH']._serialized_start=330
-  _globals['_RESULTBATCH']._serialized_end=395
-  _globals['_WORKERMESSAGE']._serialized_start=398
-  _globals['_WORKERMESSAGE']._serialized_end=581
-  _globals['_ASSIGNMENT']._serialized_start=584
-  _globals['_ASSIGNMENT']._serialized_end=836
-  _globals['_ARCHIVEENVIRONMENT']._serialized_start=838
-  _globals['_ARCHIVEENVIRONMENT']._serialized_end=936
-  _globals['_CANCEL']._serialized_start=938
-  _globals['_CANCEL']._serialized_end=969
-  _globals['_JOBENDED']._serialized_start=971
-  _globals['_JOBENDED']._serialized_end=997
-  _globals['_ASSIGNMENTBATCH']._serialized_start=999
-  _globals['_ASSIGNMENTBATCH']._serialized_end=1069
-  _globals['_CONTROLMESSAGE']._serialized_start=1072
-  _globals['_CONTROLMESSAGE']._serialized_end=1254
-  _globals['_WORKERSERVICE']._serialized_start=1316
-  _globals['_WORKERSERVICE']._serialized_end=1417
+  _globals['_PROTOCOL']._serialized_start=1278
+  _globals['_PROTOCOL']._serialized_end=1336
+  _globals['_WORKERHELLO']._serialized_start=44
+  _globals['_WORKERHELLO']._serialized_end=187
+  _globals['_HEARTBEAT']._serialized_start=189
+  _globals['_HEARTBEAT']._serialized_end=234
+  _globals['_ROLLOUTRESULT']._serialized_start=236
+  _globals['_ROLLOUTRESULT']._serialized_end=350
+  _globals['_RESULTBATCH']._serialized_start=352
+  _globals['_RESULTBATCH']._serialized_end=417
+  _globals['_WORKERMESSAGE']._serialized_start=420
+  _globals['_WORKERMESSAGE']._serialized_end=603
+  _globals['_ASSIGNMENT']._serialized_start=606
+  _globals['_ASSIGNMENT']._serialized_end=858
+  _globals['_ARCHIVEENVIRONMENT']._serialized_start=860
+  _globals['_ARCHIVEENVIRONMENT']._serialized_end=958
+  _globals['_CANCEL']._serialized_start=960
+  _globals['_CANCEL']._serialized_end=991
+  _globals['_JOBENDED']._serialized_start=993
+  _globals['_JOBENDED']._serialized_end=1019
+  _globals['_ASSIGNMENTBATCH']._serialized_start=1021
+  _globals['_ASSIGNMENTBATCH']._serialized_end=1091
+  _globals['_CONTROLMESSAGE']._serialized_start=1094
+  _globals['_CONTROLMESSAGE']._serialized_end=1276
+  _globals['_WORKERSERVICE']._serialized_start=1338
+  _globals['_WORKERSERVICE']._serialized_end=1439
 # @@protoc_insertion_point(module_scope)

@@ -15,18 +15,20 @@ PROTOCOL_UNSPECIFIED: Protocol
 PROTOCOL_BATCHED: Protocol
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "host", "slots", "pid", "protocol")
+    __slots__ = ("worker_id", "host", "slots", "pid", "protocol", "acks_cancel")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    ACKS_CANCEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     slots: int
     pid: int
     protocol: Protocol
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ...) -> None: ...
+    acks_cancel: bool
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., acks_cancel: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "metrics")

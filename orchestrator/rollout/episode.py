@@ -168,8 +168,8 @@ async def run_episode(
                 break
             finally:
                 tools_s += phase.seconds
-            if result.timed_out and timeout_s < env.tool_timeout_s and not state.submitted:
-                finish = "time"  # stopped at the deadline by the timeout it was given: the episode ends with it
+            if deadline is not None and not state.submitted and asyncio.get_running_loop().time() >= deadline:
+                finish = "time"  # it ran to the deadline (stopped there, or ended by itself just past it)
                 break
             if tool_seconds is not None:
                 tool_seconds(phase.seconds)

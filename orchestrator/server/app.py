@@ -251,6 +251,8 @@ class Orchestrator:
             await _bounded("the sessions", self.sessions.close_all(), STOP_STAGE_S)
         if self.sandboxes is not None:
             await _bounded("the sandbox service", self.sandboxes.close_all(), STOP_STAGE_S)
+        if self.workers is not None:
+            self.workers.hub.stopping()
         await _bounded("the jobs", self.jobs.close(), STOP_STAGE_S)
         if self.workers is not None:
             await _bounded("the workers", self.workers.stop(), STOP_STAGE_S + 10)

@@ -149,6 +149,7 @@ class WorkerAgent:
             slots=self._slots,
             pid=os.getpid(),
             protocol=wpb.PROTOCOL_BATCHED,
+            acks_cancel=True,
         )
         outbox.put(wpb.WorkerMessage(hello=hello))
 

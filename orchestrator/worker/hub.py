@@ -41,7 +41,7 @@ RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its work
 # A cancelled rollout's slot (and the CancelJob that cancelled it) waits this long at most for its worker to say that
 # its sandbox is gone: freed at once, the worker was sent new rollouts while it still tore the cancelled ones down,
 # up to twice its slots' sandboxes after a large cancel, and CancelJob answered before any sandbox was destroyed
-CANCEL_ACK_S = 60.0
+CANCEL_ACK_S = 20.0  # below the SDK's 30 s call timeout: a CancelJob past it answers, its slots freed
 OVERDUE_SWEEP_S = 1.0  # how often a worker's rollouts are checked against their budgets (one timer each would cost)
 HEARD_TICK_S = 1.0  # how often a silent worker's silence is added up (see WorkerHub._next)
 STARVED_CUTOFFS = 6  # heartbeat cut-offs in a row a silent local worker that uses CPU is kept past (WorkerHub._next)
@@ -87,6 +87,7 @@ class _Worker:
     metrics: bytes | None = b""  # its Prometheus metrics as its heartbeats last carried them; None: too large
     # rollouts cancelled here whose worker has not yet said their sandbox is gone: (given up on at, said so)
     cancelling: dict[str, tuple[float, asyncio.Future[None]]] = field(default_factory=dict)
+    acks_cancel: bool = False  # it says when a cancelled rollout's sandbox is gone (WorkerHello.acks_cancel)
 
     @property
     def load(self) -> float:
@@ -140,6 +141,7 @@ class WorkerHub:
         self._encoded: dict[str, tuple[JobSpec, bytes, bytes]] = {}
         self._budgets: dict[str, dict[str, float]] = {}  # job id -> task id -> its scoring budget, asked once
         self._closed = False
+        self._stopping = False  # the control plane stops (stopping())
         self.lost = 0  # workers lost so far
         self._in_use = 0  # rollouts placed (or being placed) on workers; at most the connected workers' slots
         self._slots = 0  # the connected workers' slots, summed as they join and leave
@@ -209,6 +211,14 @@ class WorkerHub:
         self._budgets.pop(job_id, None)
         for w in self._workers.values():
             w.outbox.put(wpb.ControlMessage(job_ended=wpb.JobEnded(job_id=job_id)))
+
+    def stopping(self) -> None:
+        """The control plane stops: cancelled rollouts no longer wait for their workers to say their sandboxes are
+        gone."""
+        self._stopping = True
+        for w in self._workers.values():
+            for assignment_id in list(w.cancelling):
+                w.acknowledged(assignment_id)
 
     async def close(self) -> None:
         """End every worker's stream (workers reconnect to the next control plane) and fail what is running."""
@@ -345,7 +355,9 @@ class WorkerHub:
             # CancelJob or shutdown: the worker stops the rollout and destroys its sandbox, and says so; the slot is
             # freed (and CancelJob answers) once it has, or is lost, within CANCEL_ACK_S
             acked = self._cancel(worker, assignment_id)
-            if acked is not None:
+            # a worker that says so (an older one never does), and not while the control plane stops (its workers go
+            # next, and the sweep after them): every stage of the stop has a limit of its own
+            if acked is not None and worker.acks_cancel and not self._stopping:
                 with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                     async with asyncio.timeout(CANCEL_ACK_S):
                         await asyncio.shield(acked)
@@ -393,6 +405,7 @@ class WorkerHub:
         if self._closed:
             return
         worker = _Worker(hello.worker_id, hello.host, max(hello.slots, 1), hello.pid, trusted)
+        worker.acks_cancel = hello.acks_cancel
         previous = self._workers.get(worker.id)
         if previous is not None:
             self._drop(previous, "it connected again")
@@ -513,7 +526,7 @@ class WorkerHub:
         return [(w.id, w.host, w.metrics) for w in list(self._workers.values()) if w.metrics]
 
     def _deliver(self, worker: _Worker, result: wpb.RolloutResult) -> None:
-        if worker.acknowledged(result.assignment_id):
+        if worker.acknowledged(result.assignment_id) or result.cancelled:
             return  # a cancelled rollout's end (its sandbox is gone), or its result, late: discarded
         running = worker.running.pop(result.assignment_id, None)
         if running is None or running.result.done():
