@@ -127,7 +127,7 @@ class Scheduler:
         self._held_by: dict[str, Need] = {}  # what each tenant's of them hold (capacity.tenant_share)...
         self._held_count: dict[str, int] = {}  # ...and how many
         # whether capacity.tenant_share holds: with tokens (the server sets it); without, its one user has the host
-        self.tenant_shares = True
+        self.tenant_shares = False
         self._held_cpus = 0.0  # and their share, which no drain frees
         self._held_memory = 0
         self._starts = 0  # rollouts started so far: a tenant's last start orders the ties

@@ -5,10 +5,14 @@ figures; a server without tokens has one user (tenant "local"), who is not held 
 
 from __future__ import annotations
 
+import secrets
+from pathlib import Path
+
 import pytest
 
 from orchestrator.core.errors import QuotaExceededError
 from orchestrator.service.scheduler import Capacity, Need, Scheduler
+from tests.orchestrator.servers import FAKE, serve
 
 
 async def _never(item: object) -> None:
@@ -17,6 +21,7 @@ async def _never(item: object) -> None:
 
 async def test_a_tenant_holds_at_most_its_share_and_the_rest_is_left_to_others() -> None:
     s = Scheduler(8, _never, Capacity(max_sandboxes=10, cpus=8, memory_mb=8000, tenant_share=0.5))
+    s.tenant_shares = True  # as a server with tokens sets it
     big = Need(cpus=2, memory_mb=1000)
     a = [s.reserve(big, "a sandbox", "team-a") for _ in range(2)]  # 4 CPUs: its half
     with pytest.raises(QuotaExceededError, match=r"capacity\.tenant_share = 0\.5"):
@@ -52,5 +57,15 @@ async def test_a_tenant_holds_at_most_its_share_and_the_rest_is_left_to_others()
 async def test_a_share_too_small_for_one_sandbox_still_lets_a_tenant_have_one() -> None:
     # max_sandboxes 1: half of it is no sandbox at all, and every tenant was refused for good, holding nothing
     s = Scheduler(8, _never, Capacity(max_sandboxes=1, cpus=8, memory_mb=8000, tenant_share=0.5))
+    s.tenant_shares = True
     only = s.reserve(Need(cpus=6, memory_mb=100), "a session", "team-a")
     only.release()
+
+
+async def test_a_server_holds_tenants_to_their_share_when_it_has_tokens(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"tokens:\n  {secrets.token_urlsafe(24)}: team-a\n")
+    async with serve(tmp_path / "with", backend=FAKE, security={"token_file": tokens}) as orch:
+        assert orch.jobs.scheduler.tenant_shares
+    async with serve(tmp_path / "without", backend=FAKE) as orch:
+        assert not orch.jobs.scheduler.tenant_shares
