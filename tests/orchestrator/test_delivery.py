@@ -732,15 +732,19 @@ async def test_a_row_this_version_cannot_stream_goes_out_as_an_infra_error_and_t
         ).fetchone()
         edit = "json_set(payload, '$.status', 'FROM_THE_FUTURE')" if damage.startswith("status") else "'{\"id\": '"
         db.execute(f"UPDATE rollouts SET payload = {edit}, wire = NULL WHERE rollout_id = ?", (bad,))
+    advantages: dict[str, float | None] = {}
     async with asyncio.timeout(30):
         if groups:
-            got = [r for g in [g async for g in fake_client.groups(job_id)] for r in g.rollouts]
+            whole = [g async for g in fake_client.groups(job_id)]
+            got = [r for g in whole for r in g.rollouts]
+            advantages = {r.id: a for g in whole for r, a in zip(g.rollouts, g.advantages, strict=True)}
         else:
             got = [r async for r in fake_client.rollouts(job_id)]
     assert sorted(r.id for r in got) == sorted(f"{job_id}:{t}:{i}" for t in task_ids[:3] for i in range(total // 3))
     [unreadable] = [r for r in got if r.id == bad]
     assert unreadable.status == RolloutStatus.INFRA_ERROR and unreadable.reward is None
     assert unreadable.error is not None and unreadable.error.kind == "UnreadableLogEntry"
+    assert advantages.get(bad) is None  # nothing to weigh: no advantage, whatever its row's columns say
     assert all(r.status == RolloutStatus.OK for r in got if r.id != bad)
 
 

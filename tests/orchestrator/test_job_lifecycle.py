@@ -154,6 +154,25 @@ async def test_an_open_stream_gets_the_groups_a_cancel_publishes(
             assert await stream == [f"{job_id}:extra"]
 
 
+async def test_a_worker_that_does_not_say_when_its_sandboxes_are_gone_is_not_waited_for(
+    tmp_path: Path, silent_policy: str, task_ids: list[str]
+) -> None:
+    # an older worker never sends RolloutResult.cancelled: waited for, each cancel of a rollout there held its slot,
+    # and the CancelJob, for the whole wait (past the SDK's call timeout)
+    slow = FakeBackendConfig(owner=TEST_OWNER, destroy_latency_s=5.0)
+    async with serve(tmp_path / "data", backend=slow, workers=1) as orch, EnvfleetClient(orch.address) as client:
+        assert orch.workers is not None
+        job_id = await client.submit(_spec(silent_policy, task_ids[:2]))
+        async with asyncio.timeout(60):
+            while sum(w.running for w in orch.workers.hub.workers()) < 2:  # noqa: ASYNC110 - no event to wait on
+                await asyncio.sleep(0.05)
+        for w in orch.workers.hub._workers.values():
+            w.acks_cancel = False  # as an older worker's hello says
+        t0 = time.monotonic()
+        await client.cancel_job(job_id)
+        assert time.monotonic() - t0 < 2.5 and orch.workers.hub._in_use == 0
+
+
 async def test_whole_groups_read_behind_a_groups_last_part_go_out_at_once(
     tmp_path: Path, silent_policy: str, task_ids: list[str]
 ) -> None:
