@@ -605,9 +605,7 @@ class JobManager:
         group_id = part[0].group_id
         if part_of is None or part_of.group_id != group_id:
             task_id, scores = await self.store.group_scores(job.job_id, group_id)
-            rewards = [reward if _scored(status) else None for _, status, reward in scores]
-            advantages = group_advantages(rewards, job.spec.advantage)
-            failed = sum(not _scored(status) for _, status, _ in scores)
+            advantages, failed = _group_scores([(status, reward) for _, status, reward in scores], job.spec.advantage)
             part_of = _PartOf(
                 group_id, task_id, {seq: a for (seq, _, _), a in zip(scores, advantages, strict=True)}, failed
             )
@@ -859,10 +857,15 @@ def _batch(entries: list[LogEntry], grouped: bool, advantage: AdvantageMode = "g
     for g, members in by_group.items():
         # from the log's status column and the reward SQLite read out of the JSON: a model of every member (a
         # validation of megabytes each) cost the control plane, and one a newer validator refused stopped the stream
-        rewards = [m.reward if _scored(m.status) else None for m in members]
-        failed = sum(not _scored(m.status) for m in members)
-        groups.append(Group(g, members[0].task_id, members, group_advantages(rewards, advantage), failed))
+        advantages, failed = _group_scores([(m.status, m.reward) for m in members], advantage)
+        groups.append(Group(g, members[0].task_id, members, advantages, failed))
     return Batch(groups=groups)
+
+
+def _group_scores(members: list[tuple[str, float | None]], advantage: AdvantageMode) -> tuple[list[float | None], int]:
+    """A group's advantages and failed count, from each member's logged status and reward (whole or in parts)."""
+    rewards = [reward if _scored(status) else None for status, reward in members]
+    return group_advantages(rewards, advantage), sum(not _scored(status) for status, _ in members)
 
 
 def _scored(status: str) -> bool:
