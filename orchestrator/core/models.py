@@ -16,6 +16,10 @@ MAX_TASK_IDS = 100_000  # ids one job may name
 # the largest reward, either sign: a group's statistics square rewards, and past this they overflowed (advantages
 # NaN, infinite, or 0 for a group of distinct rewards); no RL reward comes near it
 MAX_REWARD = 1e12
+# Tokens.prompt_ids and completion_ids are `repeated int32` on the wire; a token id is never negative.
+TOKEN_ID_MAX = 2**31 - 1
+# Tokens.completion_logprobs is `repeated float` (float32): a finite double below this would arrive as -inf.
+LOGPROB_MIN = -3.4028234663852886e38
 
 
 class RolloutStatus(StrEnum):
@@ -180,6 +184,12 @@ class Tokens(_Model):
         for name, ids in (("prompt_ids", self.prompt_ids), ("completion_ids", self.completion_ids)):
             if ids and min(ids) < 0:
                 raise ValueError(f"tokens.{name} holds a negative token id")
+            if ids and max(ids) > TOKEN_ID_MAX:
+                raise ValueError(f"tokens.{name} holds a token id over {TOKEN_ID_MAX} (the wire's int32)")
+        # a logprob is never positive; one past float32's range arrived as -inf or inf in the trainer's float32 array
+        lps = self.completion_logprobs
+        if lps and not (min(lps) >= LOGPROB_MIN and max(lps) <= 0.0 and not math.isnan(sum(lps))):  # min skips NaN
+            raise ValueError(f"tokens.completion_logprobs holds a value outside {LOGPROB_MIN:g}..0 (float32's range)")
         return self
 
 

@@ -1,6 +1,7 @@
 """A remote worker's token arrays reach the trainer only if they line up: the control plane validates a remote
 worker's JSON as a Rollout (worker/results.py), and Tokens refuses a mask or logprobs of another length than the
-ids, a mask value other than 0 and 1, and a negative id. Before, those went on to the trainer as misaligned arrays."""
+ids, a mask value other than 0 and 1, a negative id or one past int32, and a logprob outside float32's range or
+over 0. Before, those went on to the trainer as misaligned arrays."""
 
 from __future__ import annotations
 
@@ -22,7 +23,27 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "long logprobs": ({"completion_logprobs": [-0.5] * 4}, "completion_logprobs has 4 entries for 3"),
     "a mask of 2": ({"completion_mask": [1, 2, 1]}, "completion_mask holds a value other than 0 and 1"),
     "a negative id": ({"completion_ids": [3, -4, 5]}, "completion_ids holds a negative token id"),
+    # finite doubles past float32: the trainer's arrays got inf and -inf; a logprob is never positive either
+    "a logprob past float32": ({"completion_logprobs": [1e300, 0.0, -1e39]}, "completion_logprobs holds a value"),
+    "a positive logprob": ({"completion_logprobs": [-0.5, 5.0, 0.0]}, "completion_logprobs holds a value"),
 }
+
+
+@pytest.mark.parametrize(
+    ("tokens", "why"),
+    [
+        # the forms a forger's JSON can carry that encode() above cannot make: NaN (min and max skip it), an id
+        # past int32
+        ({"completion_logprobs": [0.0, float("nan"), -0.5]}, "completion_logprobs holds a value"),
+        ({"prompt_ids": [1, 2**31]}, "prompt_ids holds a token id over"),
+    ],
+)
+def test_tokens_refuse_what_the_wire_cannot_carry(tokens: dict[str, Any], why: str) -> None:
+    assert Tokens.model_validate(GOOD).status == "complete"
+    with pytest.raises(ValueError, match=why):
+        Tokens.model_validate(GOOD | tokens)
+    with pytest.raises(ValueError, match=why):
+        Tokens.model_validate_json(Tokens.model_construct(**(GOOD | tokens)).model_dump_json().replace("null", "NaN"))
 
 
 def _with_tokens(rollout: Rollout, **tokens: Any) -> Rollout:

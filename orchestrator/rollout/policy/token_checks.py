@@ -22,11 +22,9 @@ from typing import Any
 
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import PolicyTokenError
+from orchestrator.core.models import LOGPROB_MIN, TOKEN_ID_MAX
 
-# Tokens.prompt_ids and completion_ids are `repeated int32` on the wire; a token id is never negative.
-TOKEN_ID_MAX = 2**31 - 1
-# Tokens.completion_logprobs is `repeated float` (float32): a finite double below this would arrive as -inf.
-LOGPROB_MIN = -3.4028234663852886e38
+__all__ = ["LOGPROB_MIN", "TOKEN_ID_MAX"]  # the wire's bounds, checked here on the policy's answers
 # With return_tokens_as_token_ids, vLLM writes each sampled token as "token_id:N".
 TOKEN_ID_PREFIX = "token_id:"
 
