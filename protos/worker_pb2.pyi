@@ -15,20 +15,22 @@ PROTOCOL_UNSPECIFIED: Protocol
 PROTOCOL_BATCHED: Protocol
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "host", "slots", "pid", "protocol", "acks_cancel")
+    __slots__ = ("worker_id", "host", "slots", "pid", "protocol", "acks_cancel", "instance")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     ACKS_CANCEL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     slots: int
     pid: int
     protocol: Protocol
     acks_cancel: bool
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., acks_cancel: _Optional[bool] = ...) -> None: ...
+    instance: str
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., acks_cancel: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "metrics")

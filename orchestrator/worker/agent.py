@@ -10,6 +10,7 @@ import functools
 import hashlib
 import logging
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -76,6 +77,7 @@ class WorkerAgent:
         self.target = target
         self._tls = tls
         self.worker_id = f"{name}-{socket.gethostname()}-{os.getpid()}"
+        self._instance = secrets.token_hex(16)  # WorkerHello.instance: only this process reconnects as worker_id
         self._token = token
         self._executor = executor
         self._registry = registry
@@ -150,6 +152,7 @@ class WorkerAgent:
             pid=os.getpid(),
             protocol=wpb.PROTOCOL_BATCHED,
             acks_cancel=True,
+            instance=self._instance,
         )
         outbox.put(wpb.WorkerMessage(hello=hello))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import itertools
 import logging
 import time
@@ -31,7 +32,7 @@ from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, attempt_s
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
 from orchestrator.worker.metrics import MAX_SNAPSHOT_BYTES
-from orchestrator.worker.outbox import Outbox, as_messages
+from orchestrator.worker.outbox import MAX_BATCH, Outbox, as_messages
 from orchestrator.worker.results import MAX_WIRE_BYTES, InvalidResultError, add_attempts, decode
 from protos import worker_pb2 as wpb
 
@@ -49,6 +50,7 @@ MAX_TRACKED_GROUPS = 100_000
 DISPATCH_SAMPLES = 100_000
 MAX_ASSIGN_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB); an environment's spec can be large
 MAX_ASSIGNMENT_BYTES = MAX_WIRE_BYTES - (64 << 10)  # one assignment, with room for the message around it
+MAX_RESULTS_PER_MESSAGE = MAX_BATCH  # a worker's results travel in its outbox's batches
 
 
 class WorkerLostError(SandboxError):
@@ -88,6 +90,7 @@ class _Worker:
     # rollouts cancelled here whose worker has not yet said their sandbox is gone: (given up on at, said so)
     cancelling: dict[str, tuple[float, asyncio.Future[None]]] = field(default_factory=dict)
     acks_cancel: bool = False  # it says when a cancelled rollout's sandbox is gone (WorkerHello.acks_cancel)
+    instance: str = ""  # its process's secret (WorkerHello.instance): a hello with its id reconnects only with it
 
     @property
     def load(self) -> float:
@@ -171,6 +174,12 @@ class WorkerHub:
         """Whether a connected worker of this host (unix socket) has the id."""
         w = self._workers.get(worker_id)
         return w is not None and w.trusted
+
+    def taken(self, hello: wpb.WorkerHello) -> bool:
+        """Whether the hello's id is a connected worker's that the hello cannot be the reconnect of: another
+        process's (its instance differs, or says none)."""
+        w = self._workers.get(hello.worker_id)
+        return w is not None and (not hello.instance or not hmac.compare_digest(w.instance, hello.instance))
 
     async def wait_for_workers(self, n: int, timeout_s: float = 60.0) -> None:
         """Return once `n` workers are connected."""
@@ -406,6 +415,7 @@ class WorkerHub:
             return
         worker = _Worker(hello.worker_id, hello.host, max(hello.slots, 1), hello.pid, trusted)
         worker.acks_cancel = hello.acks_cancel
+        worker.instance = hello.instance
         previous = self._workers.get(worker.id)
         if previous is not None:
             self._drop(previous, "it connected again")
@@ -491,7 +501,14 @@ class WorkerHub:
                 if message is None:
                     break
                 if message.HasField("results"):
-                    for result in message.results.results:
+                    results = message.results.results
+                    if len(results) > MAX_RESULTS_PER_MESSAGE:
+                        # a worker sends a result an assignment, at most an outbox's batch a message: 13 million
+                        # empty ones in one 64 MiB message held the loop for seconds, and could come again
+                        raise InvalidResultError(
+                            f"it sent {len(results)} results in one message, over {MAX_RESULTS_PER_MESSAGE}"
+                        )
+                    for result in results:
                         self._deliver(worker, result)
                 elif message.heartbeat.metrics:
                     self._take_metrics(worker, message.heartbeat.metrics)
@@ -501,6 +518,8 @@ class WorkerHub:
                     self._expire(worker, now)
         except TimeoutError as e:
             why = str(e) or f"no heartbeat for {self.heartbeat_timeout_s:g}s"
+        except InvalidResultError as e:
+            why = str(e)
         except Exception as e:  # the connection broke
             why = f"its stream failed: {type(e).__name__}"
         self._drop(worker, why)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,6 +13,9 @@ from orchestrator.worker.config import MAX_SLOTS
 from orchestrator.worker.hub import WorkerHub
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
+
+MAX_NAME_CHARS = 256
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_NAME_CHARS - 1}}}")
 
 
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
@@ -57,14 +61,23 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a worker's slots must be between 1 and {MAX_SLOTS}, got {hello.slots}",
             )
+        for what, value in (("worker_id", hello.worker_id), ("host", hello.host)):
+            # both label every sample of the fleet's metrics: a 1 MiB host made a scrape of 300 MiB
+            if not _NAME.fullmatch(value):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a worker's {what} is 1 to {MAX_NAME_CHARS} of the characters A-Z a-z 0-9 . _ : @ -, got "
+                    f"{len(value)} characters: {value[:40]!r}",
+                )
         # a worker over the unix socket is a process of this host, in the control plane's own 0700 directory
         trusted = context.peer().startswith("unix:")
-        if not trusted and self._hub.is_trusted(hello.worker_id):
-            # a remote hello with a local worker's id would drop it (its rollouts retried), and the two would then
-            # take the id from each other for good
+        if (not trusted and self._hub.is_trusted(hello.worker_id)) or self._hub.taken(hello):
+            # a hello with a connected worker's id would drop it (its rollouts retried), and the two would then take
+            # the id from each other for good: only the same process (its instance) reconnects, and never a remote
+            # one as a local worker
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
-                f"worker id {hello.worker_id!r} is a connected worker of this host's; a remote worker needs its own",
+                f"worker id {hello.worker_id!r} is a connected worker's; another worker needs its own",
             )
         async for message in self._hub.attach(hello, inbound, trusted=trusted):
             yield message

@@ -95,6 +95,8 @@ class ScriptedWorker:
     heartbeat_s: float | None = 0.5
     slots: int = 64
     pid: int = 1
+    instance: str = "scripted-instance"  # WorkerHello.instance: one process (a hello with its id reconnects)
+    host: str = "scripted-host"
     metrics: bytes = b""  # what its heartbeats carry as its Prometheus metrics
     token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
@@ -102,6 +104,11 @@ class ScriptedWorker:
     cancelled: list[str] = field(default_factory=list)
     error: grpc.aio.AioRpcError | None = None
     _task: asyncio.Task[None] | None = None
+    _outbox: asyncio.Queue[wpb.WorkerMessage] = field(default_factory=asyncio.Queue)
+
+    def send(self, message: wpb.WorkerMessage) -> None:
+        """Send a message of the test's own on the stream (after the hello)."""
+        self._outbox.put_nowait(message)
 
     async def __aenter__(self) -> ScriptedWorker:
         self._task = asyncio.create_task(self._run())
@@ -119,9 +126,14 @@ class ScriptedWorker:
         await self._task
 
     async def _run(self) -> None:
-        outbox: asyncio.Queue[wpb.WorkerMessage] = asyncio.Queue()
+        outbox = self._outbox
         hello = wpb.WorkerHello(
-            worker_id=self.worker_id, host="scripted-host", slots=self.slots, pid=self.pid, protocol=self.protocol
+            worker_id=self.worker_id,
+            host=self.host,
+            slots=self.slots,
+            pid=self.pid,
+            protocol=self.protocol,
+            instance=self.instance,
         )
 
         async def outbound() -> AsyncIterator[wpb.WorkerMessage]:

@@ -215,6 +215,66 @@ async def test_a_remote_worker_cannot_take_a_local_workers_id() -> None:
         assert w.hub.lost == 0
 
 
+async def test_a_remote_worker_cannot_take_another_remote_workers_id() -> None:
+    # ids are predictable (name, hostname, pid): a hello with a connected remote worker's id dropped it (each of its
+    # rollouts retried, its sandbox destroyed), and the two then took the id from each other at every reconnect.
+    # Only the same process (its instance) reconnects as that id
+    async def never(a: wpb.Assignment) -> None:
+        return None
+
+    async with serve_hub() as w, ScriptedWorker(w.tcp, never, worker_id="ray-1-host-9", instance="secret-a"):
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        for instance in ("guessed", ""):
+            impostor = ScriptedWorker(w.tcp, never, worker_id="ray-1-host-9", instance=instance, heartbeat_s=None)
+            async with impostor:
+                await asyncio.wait_for(impostor.ended(), 30)
+            assert impostor.error is not None and impostor.error.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert "another worker needs its own" in (impostor.error.details() or "")
+        assert [i.worker_id for i in w.hub.workers()] == ["ray-1-host-9"] and w.hub.lost == 0
+        # its own reconnect (a new stream of the same process) replaces it
+        async with ScriptedWorker(w.tcp, never, worker_id="ray-1-host-9", instance="secret-a"):
+            for _ in range(100):
+                if w.hub.lost == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert w.hub.lost == 1 and [i.worker_id for i in w.hub.workers()] == ["ray-1-host-9"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("worker_id", "-" * 20_000), ("host", "h" * 1_000_000), ("worker_id", "w\nx"), ("host", "")],
+)
+async def test_a_hello_with_a_name_past_its_bounds_is_refused(field: str, value: str) -> None:
+    # the id and the host label every sample of the fleet's metrics (a 1 MiB host made a 300 MiB scrape), and the
+    # Ray fleet kept every dash-prefix of every id (20,000 dashes: 191 MiB)
+    async def never(a: wpb.Assignment) -> None:
+        return None
+
+    async with serve_hub() as w:
+        bad = ScriptedWorker(w.tcp, never, heartbeat_s=None, **{field: value})  # type: ignore[arg-type]
+        async with bad:
+            await asyncio.wait_for(bad.ended(), 30)
+        assert bad.error is not None and bad.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"a worker's {field} is 1 to 256 of the characters" in (bad.error.details() or "")
+        assert w.hub.workers() == []
+
+
+async def test_a_worker_that_sends_more_results_in_a_message_than_a_batch_is_dropped() -> None:
+    # a result an assignment, an outbox's batch (256) a message: 13 million empty results in one 64 MiB message held
+    # the control plane's loop for seconds, and nothing stopped the next such message
+    async def answer(a: wpb.Assignment) -> wpb.RolloutResult:
+        return _forged(a)
+
+    async with serve_hub() as w:
+        flood = ScriptedWorker(w.tcp, answer)  # its heartbeats keep it: only the flood drops it
+        async with flood:
+            await w.hub.wait_for_workers(1, timeout_s=30)
+            junk = wpb.ResultBatch(results=[wpb.RolloutResult(assignment_id="x")] * 257)
+            flood.send(wpb.WorkerMessage(results=junk))
+            await asyncio.wait_for(flood.ended(), 15)
+        assert w.hub.workers() == [] and w.hub.lost == 1
+
+
 async def test_a_check_that_fails_on_its_own_fails_the_rollout_over_never_hangs_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
