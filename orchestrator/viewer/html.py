@@ -51,8 +51,9 @@ def esc(value: object) -> str:
 
 
 def href(path: str, params: Mapping[str, str] | None = None) -> str:
-    """An escaped link target: the path's segments quoted, then the query string."""
-    url = quote(path, safe="/")
+    """An escaped link target: the path (its dynamic segments quoted by `seg`, so a '%' is one of seg's: quoting it
+    again made ':' %253A, which the server unquotes once, and every rollout link was a 404), then the query."""
+    url = quote(path, safe="/%")
     if params:
         url += "?" + urlencode(params)
     return esc(url)

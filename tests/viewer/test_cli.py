@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -55,6 +57,25 @@ def test_view_serves_a_file_of_rollouts(tmp_path: Path) -> None:
         page = _fetch(url + "job/job-many?status=OK")
         table = page.split('id="rollouts"', 1)[1]
         assert "page <b>1</b>" in page and "s-OK" in table and "INFRA_ERROR" not in table
+    finally:
+        _stop(proc)
+
+
+def test_every_link_of_a_job_page_opens(tmp_path: Path) -> None:
+    # href() quoted the ids that seg() had quoted already: a rollout id's ':' went out as %253A, the server unquoted
+    # it once, and every rollout and group link answered 404
+    path = write_jsonl(tmp_path / "rollouts.jsonl", [*many_rollouts(12), long_rollout(turns=3)])
+    proc = _start("view", str(path), "--port", "0")
+    try:
+        url = _first_line_with(proc, "viewing ").split(" at ", 1)[1].split()[0].rstrip("/")
+        links = set()
+        for page in ("/", "/job/job-many", "/job/job-long"):
+            links |= {html.unescape(h) for h in re.findall(r'href="(/[^"]*)"', _fetch(url + page))}
+        drill = sorted(h for h in links if "/rollout/" in h or "/group/" in h)
+        assert any("/rollout/" in h for h in drill) and any("/group/" in h for h in drill), sorted(links)
+        for h in sorted(links):
+            assert "%25" not in h, h  # quoted once
+            _fetch(url + h)  # raises HTTPError on a 404
     finally:
         _stop(proc)
 

@@ -205,7 +205,7 @@ async def test_a_live_viewer_keeps_the_rows_of_its_most_recently_viewed_jobs_onl
             ids.append(job_id)
         for job_id in [*ids, ids[0]]:  # the first again, after it was dropped: indexed again, whole
             status, _, page = await get(orch.ui.url, f"/job/{seg(job_id)}")
-            assert status == 200 and all(f"/rollout/{job_id}%253A{t}%253A0" in page for t in task_ids)
+            assert status == 200 and all(f"/rollout/{job_id}%3A{t}%3A0" in page for t in task_ids)
         source = orch.ui.source
         assert isinstance(source, sources.LiveSource)
         assert source.indexed_jobs() == [ids[2], ids[0]]
