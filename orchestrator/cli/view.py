@@ -9,6 +9,7 @@ from pathlib import Path
 
 from orchestrator.core.errors import ConfigError
 from orchestrator.core.models import Rollout
+from orchestrator.core.net import is_loopback
 from orchestrator.testing import toy_tokenizer
 from orchestrator.viewer.rollout_page import TokenDecoder
 
@@ -38,6 +39,13 @@ def ui_settings(args: argparse.Namespace) -> dict[str, object]:
 def _cmd_view(args: argparse.Namespace) -> int:
     from orchestrator.viewer import FileSource, start_viewer
 
+    if not is_loopback(args.host) and not args.insecure:
+        # plain HTTP and no tokens: every rollout of the file to anyone who reaches the port (serve --ui-host refuses
+        # the same)
+        raise ConfigError(
+            f"refusing to serve on {args.host!r}: the viewer is plain HTTP without authentication; keep it on "
+            "loopback (a remote browser through an SSH tunnel: ssh -L 8765:127.0.0.1:8765 HOST), or pass --insecure"
+        )
     source = FileSource(Path(args.file))
     try:
         viewer = start_viewer(source, args.host, args.port, decoder_for=toy_decoder)
@@ -62,4 +70,7 @@ def add_view_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     view.add_argument("--host", default="127.0.0.1", help="where to listen (no authentication: keep it loopback)")
     view.add_argument("--port", type=int, default=8765, help="0: a free port")
     view.add_argument("--open", action="store_true", help="open it in the default browser")
+    view.add_argument(
+        "--insecure", action="store_true", help="allow a --host off loopback (anyone reaching it reads every rollout)"
+    )
     view.set_defaults(fn=_cmd_view)
