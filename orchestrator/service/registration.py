@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -195,6 +196,7 @@ class Registrar:
         # a lock per name while a registration of it runs or waits: kept for every name ever tried, a tenant's loop
         # of refused registrations under fresh names grew it without end
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._cut_builds: dict[str, set[asyncio.Future[str]]] = {}  # builds of checks cut off, by tenant (_built)
         # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
         self._spec_bytes = TenantCounter(
             spec_bytes_per_tenant, "caps.spec_bytes_per_tenant", "bytes of registered specs"
@@ -282,7 +284,7 @@ class Registrar:
         SpecCheckError (FAILED_PRECONDITION) lists what failed; SandboxError means the fleet itself failed.
         """
         async with self._checks.slot(tenant):
-            return await self._validated(spec)
+            return await self._validated(spec, tenant)
 
     @contextlib.asynccontextmanager
     async def _name_lock(self, name: str) -> AsyncIterator[None]:
@@ -309,19 +311,47 @@ class Registrar:
             problem = f"the checks did not finish within caps.registration_check_s = {self._check_s:g}s"
             raise SpecCheckError([Problem(where, problem)]) from None
 
-    async def _validated(self, spec: EnvironmentSpec) -> ValidationResult:
+    async def _validated(self, spec: EnvironmentSpec, tenant: str) -> ValidationResult:
         """Validate's checks, in a check slot of the tenant's that the caller holds."""
         async with self._check_time("spec"):
-            return await self._validated_steps(spec)
+            return await self._validated_steps(spec, tenant)
 
-    async def _validated_steps(self, spec: EnvironmentSpec) -> ValidationResult:
+    async def _built(self, env: BuildsOwnImage, tenant: str) -> str:
+        """The environment's image, built in a thread, once the tenant's builds of earlier checks have ended.
+
+        A check cut off (its time out, its caller gone) cannot stop its build's thread, which runs on to the
+        build's own limits. Its slot was free at once, so a tenant that cancelled a Validate every 0.2 s ran five
+        builds at a time on one slot, each reserving its disk and memory, and filled the threads every call of the
+        control plane shares. The tenant's next check waits for those builds first (within its own time)."""
+        earlier = self._cut_builds.get(tenant)
+        if earlier:
+            await asyncio.wait(set(earlier))
+        build = asyncio.ensure_future(asyncio.to_thread(self._build_image, env))
+        try:
+            return await asyncio.shield(build)
+        except asyncio.CancelledError:
+            if not build.done():
+                cut = self._cut_builds.setdefault(tenant, set())
+                cut.add(build)
+                build.add_done_callback(functools.partial(self._build_ended, tenant))
+            raise
+
+    def _build_ended(self, tenant: str, build: asyncio.Future[str]) -> None:
+        cut = self._cut_builds.get(tenant, set())
+        cut.discard(build)
+        if not cut:
+            self._cut_builds.pop(tenant, None)
+        if not build.cancelled() and build.exception() is not None:  # nobody awaits it: its failure is seen here
+            log.info("a build of %s's cut-off check ended: %s", tenant, build.exception())
+
+    async def _validated_steps(self, spec: EnvironmentSpec, tenant: str) -> ValidationResult:
         started = time.monotonic()
         check_limits(spec.limits, self._caps, runtime=spec.runtime)  # before anything is built
         env = make_environment(spec)
         result = ValidationResult(env=spec.ref(), image="", num_tasks=len(env.tasks()))
         result.checks.append(f"spec: {result.num_tasks} task(s), tools {', '.join(spec.tools)}")
         try:
-            result.image = await asyncio.to_thread(self._build_image, env)
+            result.image = await self._built(env, tenant)
         except ImageBuildError as e:
             where = "image.dockerfile" if spec.image.dockerfile is not None else "image"
             raise SpecCheckError([Problem(where, f"the image does not build: {e}")]) from None
@@ -398,7 +428,7 @@ class Registrar:
             size = _spec_bytes(spec)
             async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its tally
                 self._spec_bytes.check(tenant, size)
-                await self._validated(spec)
+                await self._validated(spec, tenant)
                 record = StoredSpec(owner=tenant, registered_at=time.time(), spec=spec)
                 await asyncio.to_thread(self._store.save, record)
                 try:
@@ -439,12 +469,12 @@ class Registrar:
         check_limits(env.limits, self._caps, "the tasks' limits")
         return env
 
-    async def _check_archive(self, env: Environment, upload: ArchiveUpload) -> ValidationResult:
+    async def _check_archive(self, env: Environment, upload: ArchiveUpload, tenant: str) -> ValidationResult:
         """Build the image and run every task's check; SpecCheckError lists each task's problems."""
         async with self._check_time("archive"):
-            return await self._check_archive_steps(env, upload)
+            return await self._check_archive_steps(env, upload, tenant)
 
-    async def _check_archive_steps(self, env: Environment, upload: ArchiveUpload) -> ValidationResult:
+    async def _check_archive_steps(self, env: Environment, upload: ArchiveUpload, tenant: str) -> ValidationResult:
         assert isinstance(env, BuildsOwnImage)
         kind = self._kind(upload.kind)
         result = ValidationResult(env=upload.ref(), image="", num_tasks=len(env.tasks()))
@@ -453,7 +483,7 @@ class Registrar:
             f"{result.num_tasks} task(s), tools {', '.join(env.tools)}"
         )
         try:
-            result.image = await asyncio.to_thread(self._build_image, env)
+            result.image = await self._built(env, tenant)
         except ImageBuildError as e:
             raise SpecCheckError([Problem("image", f"the image does not build: {e}")]) from None
         result.checks.append(f"image: {result.image}")
@@ -479,7 +509,7 @@ class Registrar:
             staging = await asyncio.to_thread(self._archives.staging, tenant)
             try:
                 env = await self._load_archive(upload, staging / "tree", staging)
-                result = await self._check_archive(env, upload)
+                result = await self._check_archive(env, upload, tenant)
             finally:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
         result.duration_s = time.monotonic() - started
@@ -518,7 +548,7 @@ class Registrar:
                 try:
                     env = await self._load_archive(upload, dest, staging)
                     await self._check_held(tenant, len(upload.data), "more, with its unpacked tree,")
-                    await self._check_archive(env, upload)
+                    await self._check_archive(env, upload, tenant)
                     await asyncio.to_thread(self._archives.save, record, upload.data)
                     self._add_archive(env, record, self._archives.archive_path(record))
                 except BaseException:

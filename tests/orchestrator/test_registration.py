@@ -365,12 +365,51 @@ async def test_a_check_past_its_time_in_all_gives_the_tenants_slot_back(tmp_path
     with pytest.raises(SpecCheckError, match=r"did not finish within caps.registration_check_s = 1s"):
         await registrar.validate(spec, "tenant-a")
     assert time.monotonic() - t0 < 2.5
-    # the tenant's one check slot is free again: its next check runs, past the build this time (to the fake
-    # backend, which has no such image)
+    # the tenant's one check slot is free again: its next check runs once the cut-off check's build has ended
+    # (_built), past the build this time (to the fake backend, which has no such image)
+    await asyncio.sleep(max(0.0, t0 + 3.2 - time.monotonic()))
     async with asyncio.timeout(10):
         with pytest.raises(SpecCheckError, match="a sandbox of the image did not start"):
             await registrar.validate(spec, "tenant-a")
     assert len(builds) == 2
+
+
+async def test_cancelled_checks_do_not_pile_up_builds(tmp_path: Path) -> None:
+    # a cancelled Validate freed its tenant's slot while its build's thread ran on: cancelling one every 0.2 s ran
+    # five builds at once on one slot, each reserving its disk and memory, in the threads the control plane shares
+    import threading
+    import time
+
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.service.declarative import SpecCheckError
+    from orchestrator.service.registration import Registrar, SpecStore
+
+    lock = threading.Lock()
+    running, most, builds = 0, 0, 0
+
+    def slow_build(env: object) -> str:
+        nonlocal running, most, builds
+        with lock:
+            running, builds = running + 1, builds + 1
+            most = max(most, running)
+        time.sleep(1.5)
+        with lock:
+            running -= 1
+        return "envfleet/cut-check:1"
+
+    registrar = Registrar(Registry(), FakeBackend(FakeBackendConfig()), slow_build, SpecStore(tmp_path))
+    spec = parse_spec(word_count_spec(name="cut-check"))
+    for _ in range(5):
+        check = asyncio.create_task(registrar.validate(spec, "tenant-a"))
+        await asyncio.sleep(0.2)
+        check.cancel()
+        await asyncio.gather(check, return_exceptions=True)
+    assert (most, builds) == (1, 1)  # the later checks waited for the first one's build, and were cancelled so
+    async with asyncio.timeout(10):
+        with pytest.raises(SpecCheckError, match="a sandbox of the image did not start"):
+            await registrar.validate(spec, "tenant-a")
+    assert (most, builds) == (1, 2) and registrar._cut_builds == {}
 
 
 async def test_refused_registrations_under_fresh_names_leave_nothing_behind(tmp_path: Path) -> None:
