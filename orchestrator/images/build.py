@@ -449,7 +449,9 @@ def _run_build(
     if error is not None:
         where = f" at {step!r}" if step else ""
         raise ImageBuildError(
-            f"building {tag} failed{where}: {error.strip()}\n--- last log lines ({log_path}) ---\n" + "\n".join(tail),
+            # the log's name, not its path: the message goes to the tenant, the path is the operator's (log_path)
+            f"building {tag} failed{where}: {error.strip()}\n--- last log lines ({log_path.name}) ---\n"
+            + "\n".join(tail),
             log_path=log_path,
             step=step,
         )

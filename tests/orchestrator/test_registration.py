@@ -228,6 +228,7 @@ async def test_specs_that_do_not_work(client: EnvfleetClient, tmp_path: Path) ->
         client.env_stub.Register(broken), grpc.StatusCode.FAILED_PRECONDITION, "image.dockerfile"
     )
     assert "boom-marker" in details and "last log lines" in details  # the build log's tail
+    assert ".log) ---" in details and "/" not in details.split("last log lines (", 1)[1].split(")", 1)[0]  # no path
 
     garbage = _bad(lambda d: d["scoring"].update(command="echo not-json"))
     await expect_error(

@@ -125,6 +125,25 @@ def test_legitimate_dockerfiles_pass(dockerfile: str) -> None:
     check(dockerfile)
 
 
+@pytest.mark.parametrize(
+    "setup",
+    [
+        "--mount=type=bind,from=envfleet/env-victim:0123456789ab,target=/m cp -a /m /x",
+        "--network=host curl http://127.0.0.1:1/",
+    ],
+)
+def test_a_setup_command_that_is_a_run_flag_is_refused(setup: str) -> None:
+    # a spec's setup commands become RUN lines unchecked: one that starts with a RUN flag read another environment's
+    # image on a builder that takes --mount (the classic builder refuses it today; BuildKit would not)
+    from pydantic import ValidationError
+
+    from orchestrator.service.declarative.spec import ImageDef
+
+    assert ImageDef(setup=["echo ok", "set -e\n  true"]).setup
+    with pytest.raises(ValidationError, match=r"RUN --(mount|network)"):
+        ImageDef(setup=["echo ok", setup])
+
+
 def test_the_check_names_every_image_a_dockerfile_reads() -> None:
     # what the build must find on the host: every FROM and --from that is no stage of the file's own, however the
     # line is written (a FROM continued onto the next line was missed by a reading of FROM lines)
