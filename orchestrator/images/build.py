@@ -174,7 +174,7 @@ def build_image(
             with tempfile.SpooledTemporaryFile(max_size=_SPOOL_MAX_BYTES) as context:
                 _write_context(context, dockerfile, entries)
                 context.seek(0)
-                _run_build(client, context, tag, args, labs, log_path, limits)
+                _run_build(client, context, tag, args, labs, log_path, limits, bases.values())
         if not image_exists(client, tag):
             raise ImageBuildError(f"building {tag}: the build finished but the image is missing", log_path=log_path)
         _check_image_labels(client, tag)
@@ -370,6 +370,7 @@ def _run_build(
     labels: dict[str, str],
     log_path: Path,
     limits: BuildLimits | None = None,
+    bases: Collection[str] = (),
 ) -> None:
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     step: str | None = None
@@ -378,7 +379,7 @@ def _run_build(
     ended = False  # the engine ended the build itself (a failed step), rather than this process dropping it
     failed: EngineError | None = None  # the engine's own failure, raised once the build's layers are forgotten
     deadline = time.monotonic() + limits.timeout_s if limits is not None else None
-    guard = DiskGuard(client, limits.disk_mb) if limits is not None else None
+    guard = DiskGuard(client, limits.disk_mb, bases) if limits is not None else None
     with log_path.open("w", encoding="utf-8") as logf, guard or contextlib.nullcontext():
         stream: Iterator[dict[str, Any]] | None = None
         try:

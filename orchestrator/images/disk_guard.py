@@ -8,6 +8,13 @@ engine ends the build at the next step that runs, and the build is refused namin
 is refused all the same). A step that writes faster than a poll overshoots by what it writes in one (DISK_POLL_S;
 longer for a step of many files, which the engine walks to size them).
 
+The output is the tenant's too: a RUN step prints what it likes, lines that look like the engine's among them. So a
+line only names what the guard then checks on the engine. A layer counts as this build's when its parent is an
+image the build has reached (the Dockerfile's FROM images, then each layer taken); one made after the build started
+is its own (removed if it fails), an older one the cache's (kept). A step's container counts when it was made after
+the build started, from an image the build has reached, and is no sandbox. Printed lines once stopped the guard
+from watching a running step, left a layer uncounted, or named another image to remove.
+
 A failed build leaves its committed layers on the engine as untagged images; `forget` removes them, so that
 failing builds cannot pile up layers either.
 """
@@ -15,10 +22,13 @@ failing builds cannot pile up layers either.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import re
 import threading
 import time
+from collections.abc import Callable, Collection
 from types import TracebackType
+from typing import Any
 
 import docker
 import docker.errors
@@ -29,22 +39,33 @@ POLL_SHARE = 0.1
 CANCEL_WAIT_S = 10.0  # for the engine to stop a cancelled build's step and remove its container
 _RUNNING = re.compile(r"^ ---> Running in ([0-9a-f]{12,64})$")
 _LAYER = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
-_CACHED = " ---> Using cache"
-_FROM = re.compile(r"^Step \d+/\d+ : FROM ", re.IGNORECASE)
+SANDBOX_LABEL = "envfleet.managed"  # every sandbox carries it (backends/docker/sweeper.LABEL_MANAGED)
+# lines that look like the engine's a build may print, each checked on the engine (a real build prints two a step);
+# past it the build is stopped: a step's million such lines were a million calls to the engine every sandbox uses
+MAX_CHECKS = 2_000
+
+
+def _created(stamp: str) -> float:
+    """The engine's RFC 3339 time (nanoseconds, Z) as a Unix time."""
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    whole = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.UTC).timestamp()
+    return whole + float(f"0.{frac or 0}")
 
 
 class DiskGuard:
-    """Holds one build to `limit_mb` of layers; feed it every line the build prints (`saw`), then read `over`."""
+    """Holds one build to `limit_mb` of layers; feed it every line the build prints (`saw`), then read `over`.
+    `bases`: the ids of the images the Dockerfile builds FROM."""
 
-    def __init__(self, client: docker.DockerClient, limit_mb: int) -> None:
+    def __init__(self, client: docker.DockerClient, limit_mb: int, bases: Collection[str] = ()) -> None:
         self._client = client
         self.limit_mb = limit_mb
         self.committed = 0  # bytes of the layers this build's steps committed so far
         self.layers: list[str] = []  # the images its steps committed, oldest first (not a FROM's, not a cached one)
         self.over: str | None = None  # why the build was stopped, once it wrote past the limit
         self._step: str | None = None  # the running step's container
-        self._after_from = False
-        self._cached = False  # the next layer is an earlier build's, taken from the cache
+        self._reached = set(bases)  # image ids the build has reached: its FROM images, then each layer taken
+        self._checks = 0  # the lines it printed that look like the engine's, each checked on the engine
+        self._started = time.time()
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="build disk guard", daemon=True)
@@ -58,28 +79,63 @@ class DiskGuard:
         self._thread.join()
 
     def saw(self, line: str) -> None:
-        """One line of the build's output."""
-        if _FROM.match(line):
-            self._after_from = True
-        elif line == _CACHED:
-            self._cached = True
-        elif m := _RUNNING.match(line):
-            with self._lock:
-                self._step = m[1]
-            if self.over is not None:
-                self._kill(m[1])
-        elif m := _LAYER.match(line):
-            with self._lock:
-                self._step = None
-            if self._after_from:  # the base image the stage starts from: not written by this build
-                self._after_from = False
+        """One line of the build's output: the engine's, or a step's that looks like it (checked on the engine)."""
+        m = _RUNNING.match(line) or _LAYER.match(line)
+        if m is None or self._has_reached(m[1]):
+            return  # a FROM's image, or a layer taken already: nothing to check
+        self._checks += 1
+        if self._checks > MAX_CHECKS:
+            if self.over is None:
+                self.over = (
+                    f"the build printed more than {MAX_CHECKS} lines that look like the builder's own (' ---> <id>'); "
+                    "it was refused and its layers removed (send such output to a file, or to /dev/null)"
+                )
+                with self._lock:
+                    step = self._step
+                if step is not None:
+                    self._kill(step)
+            return
+        if line.startswith(" ---> Running in "):
+            container = self._inspect(self._client.api.inspect_container, m[1])
+            if container is None or not self._is_step(container):
                 return
-            if self._cached:  # part of the image, so counted, but another image's too: never removed
-                self._cached = False
-            else:
-                self.layers.append(m[1])
-            self.committed += self._layer_size(m[1])
+            with self._lock:
+                self._step = str(container["Id"])
+            if self.over is not None:
+                self._kill(self._step)
+        else:
+            image = self._inspect(self._client.api.inspect_image, m[1])
+            if image is None or image["Id"] in self._reached or image.get("Parent") not in self._reached:
+                return  # a FROM's (reached already), one printed again, or none of this build's
+            self._reached.add(image["Id"])
+            if _created(image["Created"]) >= self._started:  # committed by this build's step, which has ended
+                with self._lock:
+                    self._step = None
+                self.layers.append(image["Id"])
+            # else the cache's (an earlier build's): part of the image, so counted, but never removed
+            self.committed += self._layer_size(image["Id"])
             self._check(0)
+
+    def _has_reached(self, ref: str) -> bool:
+        """Whether an id as the build prints it (12 hex or more) is one of an image the build has reached."""
+        return any(i.removeprefix("sha256:").startswith(ref) for i in self._reached)
+
+    def _is_step(self, container: dict[str, Any]) -> bool:
+        """Whether a container is one of this build's steps: made since it started, from an image it reached, and
+        no sandbox (a sandbox of the base image is made from an image every build reaches)."""
+        labels = (container.get("Config") or {}).get("Labels") or {}
+        return (
+            container.get("Image") in self._reached
+            and SANDBOX_LABEL not in labels
+            and _created(container["Created"]) >= self._started
+        )
+
+    @staticmethod
+    def _inspect(call: Callable[[str], dict[str, Any]], ref: str) -> dict[str, Any] | None:
+        try:
+            return call(ref)
+        except (docker.errors.APIError, requests.exceptions.RequestException):
+            return None  # none of that id (a printed line), or gone already (a parallel build's cleanup)
 
     def forget(self, cancelled: bool) -> None:
         """Remove the layers a failed build committed (untagged images; one that is another image's parent stays).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import http.server
 import json
 import socketserver
@@ -259,6 +260,15 @@ class _EngineAnswering(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         code, body = (200, b'[{"Size": 1}]') if "/history" in self.path else (404, b'{"message": "No such image"}')
+        # the base, and the layer the build committed on it (the guard checks a layer's parent and age on the engine)
+        base, layer = "sha256:0123456789ab" + "0" * 52, "sha256:ba9876543210" + "0" * 52
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        images = {
+            "/images/envfleet/base/json": {"Id": base, "Parent": "", "Created": "2026-01-01T00:00:00Z"},
+            "/images/ba9876543210/json": {"Id": layer, "Parent": base, "Created": now},
+        }
+        if self.command == "GET" and self.path.split("?")[0].removeprefix("/v1.41") in images:
+            code, body = 200, json.dumps(images[self.path.split("?")[0].removeprefix("/v1.41")]).encode()
         if self.command == "DELETE":
             code, body = 200, b"[]"
         self.send_response(code)
@@ -349,4 +359,4 @@ def test_a_build_the_engine_failed_midway_leaves_no_layers(tmp_path: Path) -> No
                 cache_dir=tmp_path,
                 limits=BuildLimits(),
             )
-    assert [p.split("?")[0].rsplit("/", 1)[-1] for p in deleted] == ["ba9876543210"]
+    assert [p.split("?")[0].rsplit("/", 1)[-1] for p in deleted] == ["sha256:ba9876543210" + "0" * 52]

@@ -329,8 +329,17 @@ def _images_labelled(marker: str) -> list[str]:
         # the last RUN goes over and ends before a poll may see it; the build would end well (an ENV step runs no
         # process to kill): it is refused at its end, and its tagged image removed with the rest
         (["head -c 150M /dev/zero > /big", "ENV DONE=1"], r"wrote \d+ MB"),
+        # a step prints what looks like the engine's line of a layer: the guard took it for the step's end and
+        # stopped watching it, which wrote on unseen
+        ([f"printf '\\n ---> {'0' * 12}\\n' && head -c 300M /dev/zero > /big && sleep 120"], r"wrote \d+ MB"),
+        # a step prints what looks like the engine's line of a FROM: the guard took the step's own layer that came
+        # next for the base image of a stage, and never counted it
+        (
+            [f"printf '\\nStep 9/9 : FROM x\\n' && head -c 60M /dev/zero > /part{n}" for n in range(3)],
+            r"wrote 1\d\d MB",
+        ),
     ],
-    ids=["one-step", "across-steps", "at-the-end"],
+    ids=["one-step", "across-steps", "at-the-end", "printed-layer", "printed-from"],
 )
 def test_build_disk_limit(
     docker_client: docker.DockerClient, tmp_path: Path, base_image: str, steps: list[str], wrote: str
@@ -341,6 +350,55 @@ def test_build_disk_limit(
     refused = wrote + r", over its disk limit of 100 MB; the build was refused and its layers removed"
     _refused(docker_client, tmp_path, "sec-disk", dockerfile, BuildLimits(disk_mb=100), refused, 60)  # not its sleep
     _assert_gone(marker, images=True)  # its step's container is gone, and so are the layers it committed
+
+
+def test_a_failed_build_never_removes_an_image_it_names(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str
+) -> None:
+    # a step printed another image's id as if the engine had committed it: the guard took it for one of the build's
+    # layers, and removed it with them when the build failed (an image's id is in every rollout's provenance)
+    marker = uuid.uuid4().hex
+    victim = build_image(
+        docker_client,
+        name="sec-victim",
+        dockerfile=f"FROM {base_image}\nRUN echo {marker} > /m\n",
+        context_files={},
+        cache_dir=tmp_path,
+    )
+    try:
+        short = str(docker_client.images.get(victim).id).removeprefix("sha256:")[:12]
+        dockerfile = f"FROM {base_image}\nRUN printf '\\n ---> {short}\\n' && exit 3\n"
+        _refused(docker_client, tmp_path, "sec-names", dockerfile, BuildLimits(), "returned a non-zero code: 3", 60)
+        assert docker_client.images.get(victim).tags == [victim]
+    finally:
+        docker_client.images.remove(victim, force=True)
+
+
+def test_the_disk_guard_never_kills_a_container_a_build_names(
+    docker_client: docker.DockerClient, base_image: str
+) -> None:
+    # past its limit, the guard killed whatever container a line " ---> Running in <id>" named: a build could print
+    # a sandbox's id (a sandbox's hostname), and the guard killed it
+    from orchestrator.images.disk_guard import DiskGuard
+
+    base = str(docker_client.images.get(base_image).id)
+    older = docker_client.containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none")
+    time.sleep(1.1)  # the guard's build starts after `older` was made
+    guard = DiskGuard(docker_client, 1, bases=[base])
+    sandbox = docker_client.containers.run(
+        base_image, ["sleep", "60"], detach=True, network_mode="none", labels={"envfleet.managed": "1"}
+    )
+    try:
+        guard.over = "past its limit"
+        for victim in (older, sandbox):
+            guard.saw(f" ---> Running in {victim.id[:12]}")
+        time.sleep(1)
+        for victim in (older, sandbox):
+            victim.reload()
+            assert victim.status == "running", victim.name
+    finally:
+        for c in (older, sandbox):
+            c.remove(force=True)
 
 
 # 400 MB of lines, then a long wait: the log on this host's disk stops at the limit, and so does the build; in
