@@ -30,7 +30,7 @@ from openenv.core.env_server.types import WSErrorCode, WSErrorResponse
 
 from orchestrator.core.echo import echo
 from orchestrator.openenv.config import OpenEnvConfig
-from orchestrator.openenv.environment import CALLER, Backend, EnvfleetEnvironment, EnvInfo, Metadata
+from orchestrator.openenv.environment import CALLER, Backend, EnvfleetEnvironment, EnvInfo, Metadata, rpc_message
 from orchestrator.openenv.models import EnvfleetAction, EnvfleetObservation, EnvfleetState
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
@@ -246,7 +246,7 @@ class FacadeApp:
 def _refusal(e: grpc.aio.AioRpcError) -> _Refused:
     status = _STATUS_OF_RPC.get(e.code(), 502)
     extra = ((b"www-authenticate", b"Bearer"),) if status == 401 else ()
-    return _Refused(status, f"{e.code().name}: {e.details() or 'the orchestrator did not answer'}", extra)
+    return _Refused(status, rpc_message(e), extra)
 
 
 def _guarded(receive: Receive, send: Send) -> Receive:

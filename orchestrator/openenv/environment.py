@@ -57,10 +57,31 @@ class OrchestratorCallError(EnvfleetError, RuntimeError):
     """The orchestrator could not be reached, or failed the call, for a reason that is not the caller's."""
 
 
+# codes gRPC's own transport gives, whose details name this host's insides (the orchestrator's socket path, its
+# addresses): a caller of the facade, before its token is checked, gets a fixed message; the log has the details
+_TRANSPORT_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DATA_LOSS,
+}
+
+
+def rpc_message(e: grpc.aio.AioRpcError) -> str:
+    """A failed call's message for the facade's caller: "<STATUS>: <details>", the details only where they are the
+    orchestrator's answer to the caller (not the transport's)."""
+    code = e.code()
+    if code in _TRANSPORT_CODES:
+        log.warning("a call to the orchestrator failed: %s: %s", code.name, e.details())
+        return f"{code.name}: the orchestrator did not answer; the facade's log has the details"
+    return f"{code.name}: {e.details() or 'no details'}"
+
+
 def error_from_rpc(e: grpc.aio.AioRpcError) -> EnvfleetError:
     """The envfleet error of a failed call; its message (an OpenEnv error frame's) starts with the status name."""
-    code = e.code()
-    return _ERRORS.get(code, OrchestratorCallError)(f"{code.name}: {e.details() or 'no details'}")
+    return _ERRORS.get(e.code(), OrchestratorCallError)(rpc_message(e))
 
 
 @dataclass

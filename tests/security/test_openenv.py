@@ -139,3 +139,19 @@ async def test_a_websocket_cannot_attach_to_a_running_session(tmp_path: Path) ->
             assert "session_id: each websocket runs its own episodes" in body
         async with ws_connect(url, token=TOKEN_A, query="?x=1"):  # other parameters are no matter
             pass
+
+
+async def test_the_facade_never_tells_a_caller_the_orchestrators_address(tmp_path: Path) -> None:
+    # gRPC's own failure text went to any caller, token or not: "UNAVAILABLE: failed to connect to all addresses;
+    # last error: ... unix:/<the control plane's private dir>/grpc.sock: connect failed" (here its TCP port)
+    async with serve(tmp_path / "data", backend=FAKE) as orch:
+        facade = await start_facade(OpenEnvConfig(port=0), orch.address)
+        port = orch.address.rsplit(":", 1)[1]
+        try:
+            await orch.stop(grace=0)  # gone: the facade's calls fail in gRPC's transport
+            for path in ("/envs", "/envs/python-tool/health", "/envs/python-tool/metadata"):
+                status, body = await http_get(facade.url, path)
+                assert status in (502, 503) and "UNAVAILABLE" in str(body), (path, status, body)
+                assert port not in str(body) and "127.0.0.1" not in str(body), (path, body)
+        finally:
+            await facade.close()
