@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.client.auth import ClientTLS
+from orchestrator.core.errors import ConfigError
 from orchestrator.core.net import is_loopback
 from orchestrator.worker.config import WorkerConfig
 
@@ -51,6 +52,9 @@ ACTOR_JOIN_S = 300.0
 # (a bad --env module on a node: each new actor swept the engine, warmed sandboxes and failed, every poll)
 REPLACE_BACKOFF_MAX_S = 60.0
 STEADY_RUN_S = 60.0  # an actor that ran this long before it ended starts its slot's pause over
+WATCH_BACKOFF_MAX_S = 60.0  # the longest pause between looks at a cluster that keeps failing to answer
+# the resources Ray gives every node itself: not what a sandbox host advertises
+_RAY_OWN = {"CPU", "GPU", "memory", "object_store_memory", "accelerator_type"}
 
 
 class RayConfig(BaseModel):
@@ -59,10 +63,16 @@ class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     address: str = Field("auto", description="the cluster to join: auto, or HOST:PORT of its head")
-    resource: str = Field("envfleet_sandbox_host", description="custom resource that marks a node as a sandbox host")
+    resource: str = Field(
+        "envfleet_sandbox_host",
+        pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
+        description="custom resource that marks a node as a sandbox host",
+    )
     per_node: int = Field(1, ge=1, le=256, description="worker actors per sandbox host (one per core is typical)")
     poll_s: float = Field(2.0, gt=0, le=300, description="how often to look for nodes that joined or died")
-    namespace: str = Field("envfleet", description="the Ray namespace of the worker actors")
+    namespace: str = Field(
+        "envfleet", pattern=r"^[A-Za-z0-9_.:-]{1,128}$", description="the Ray namespace of the worker actors"
+    )
     orphan_after_s: float = Field(
         3600.0,
         gt=0,
@@ -184,17 +194,23 @@ class RayWorkers:
     join_s: float = ACTOR_JOIN_S
     _not_before: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # slot -> (when, pause)
     _unreachable: set[str] = field(default_factory=set)  # nodes told they get no workers (a loopback target)
+    _said_no_host: bool = False  # that no live node advertises the resource (_say_if_no_host)
     _local: set[str] | None = None  # this machine's addresses as Ray knows it
 
     async def start(self) -> None:
         """Join the cluster, find or place workers on its sandbox hosts, and keep watching for nodes that come and
         go."""
-        import ray
-
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("--ray-address needs Ray on this host: pip install 'envfleet[ray]'") from None
         if not ray.is_initialized():
-            await asyncio.to_thread(
-                ray.init, address=self.config.address, namespace=self.config.namespace, log_to_driver=False
-            )
+            try:
+                await asyncio.to_thread(
+                    ray.init, address=self.config.address, namespace=self.config.namespace, log_to_driver=False
+                )
+            except (ConnectionError, ValueError, RuntimeError) as e:  # no cluster there, or one of another Ray
+                raise ConfigError(f"cannot join the Ray cluster at {self.config.address!r}: {e}") from None
             self._initialized_ray = True
         host, _, port = self.target.rpartition(":")
         if host in WILDCARDS:
@@ -251,6 +267,7 @@ class RayWorkers:
 
         nodes = await asyncio.to_thread(ray.nodes)
         hosts = [n for n in nodes if n["Alive"] and n.get("Resources", {}).get(self.config.resource, 0) > 0]
+        self._say_if_no_host(nodes, bool(hosts))
         alive = {n["NodeID"] for n in hosts if self._reaches(n)}
         for gone in set(self.placed) - alive:
             log.warning("ray node %s is gone; its workers' rollouts are retried elsewhere", gone[:12])
@@ -281,8 +298,8 @@ class RayWorkers:
                     )
                 else:
                     continue
-                with contextlib.suppress(Exception):
-                    ray.kill(p.actor, no_restart=True)
+                with contextlib.suppress(Exception):  # a call to the cluster's head: off the loop, like the rest
+                    await asyncio.to_thread(ray.kill, p.actor, no_restart=True)
                 del placed[index]  # its name is free once it is dead: placed again at once or at the next poll
                 self.replaced += 1
                 self._pause((node, index), p.ran_s(now), now)
@@ -389,13 +406,38 @@ class RayWorkers:
                 log.info("stopping worker actor %s: no longer wanted", name)
                 _retire(actor)
 
+    def _say_if_no_host(self, nodes: list[dict[str, Any]], any_host: bool) -> None:
+        """Say once (again after one came and went) that no live node advertises the resource: a name mistyped
+        placed no worker at all, and the jobs' rollouts waited for one in silence."""
+        if any_host:
+            self._said_no_host = False
+            return
+        if self._said_no_host:
+            return
+        self._said_no_host = True
+        seen = sorted({r for n in nodes if n["Alive"] for r in n.get("Resources", {}) if r not in _RAY_OWN})
+        log.error(
+            "no live ray node advertises the resource %r, so no worker is placed: start sandbox hosts with "
+            "`ray start --resources '{\"%s\": 1}'` (custom resources the nodes advertise: %s)",
+            self.config.resource,
+            self.config.resource,
+            ", ".join(seen) or "none",
+        )
+
     async def _watch(self) -> None:
+        failures = 0
         while True:
-            await asyncio.sleep(self.config.poll_s)
+            # a cluster that does not answer is asked less often, up to a minute apart, and said once a failure
+            await asyncio.sleep(min(self.config.poll_s * 2**failures, WATCH_BACKOFF_MAX_S))
             try:
                 await self.reconcile()
-            except Exception:
-                log.exception("looking at the ray cluster failed; trying again")
+                failures = 0
+            except Exception as e:
+                if not failures:
+                    log.exception("looking at the ray cluster failed; trying again")
+                else:
+                    log.warning("looking at the ray cluster failed again (%d in a row): %s", failures + 1, e)
+                failures = min(failures + 1, 16)
 
     async def stop(self) -> None:
         """Stop every worker actor of the fleet (they destroy their sandboxes), then leave the cluster if we joined

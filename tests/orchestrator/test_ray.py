@@ -369,6 +369,74 @@ def test_a_slot_whose_actors_keep_ending_waits_longer_each_time() -> None:
     assert fleet._not_before[slot] == (100.0, 0.0)
 
 
+def test_ray_settings_that_cannot_work_are_refused_or_said() -> None:
+    # an empty resource or namespace passed validation (ray.init raised a traceback on the namespace), and a resource
+    # no node advertises placed no worker in silence: the jobs' rollouts waited for one until their timeout
+    import logging
+
+    from pydantic import ValidationError
+
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import RayWorkers
+
+    for bad in ({"resource": ""}, {"namespace": ""}, {"resource": "a b"}):
+        with pytest.raises(ValidationError):
+            RayConfig(**bad)  # type: ignore[arg-type]
+    fleet = RayWorkers(RayConfig(resource="envfleet_sandbox_hots"), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
+    nodes = [{"NodeID": "a" * 40, "Alive": True, "Resources": {"CPU": 4.0, "envfleet_sandbox_host": 1.0}}]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("orchestrator.worker.ray_fleet")
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            fleet._say_if_no_host(nodes, any_host=False)
+    finally:
+        logger.removeHandler(handler)
+    (said,) = [r.getMessage() for r in records]  # once, not at every poll
+    assert "'envfleet_sandbox_hots'" in said and "advertise: envfleet_sandbox_host" in said, said
+
+
+async def test_joining_a_cluster_that_is_not_there_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ray.init's ConnectionError went up as a traceback from `envfleet serve --ray-address`
+    import ray
+
+    from orchestrator.core.errors import ConfigError
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import RayWorkers
+
+    def no_cluster(**kw: object) -> None:
+        raise ConnectionError("could not find any running Ray instance")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    fleet = RayWorkers(RayConfig(address="10.0.0.9:6379"), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
+    with pytest.raises(ConfigError, match=r"cannot join the Ray cluster at '10\.0\.0\.9:6379': could not find"):
+        await fleet.start()
+
+
+async def test_a_cluster_that_keeps_failing_is_asked_less_often() -> None:
+    # every poll_s, however long the cluster's head had not answered, each with a traceback in the log
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import RayWorkers
+
+    fleet = RayWorkers(RayConfig(poll_s=0.01), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
+    calls = 0
+
+    async def failing() -> None:
+        nonlocal calls
+        calls += 1
+        raise ConnectionError("the head does not answer")
+
+    fleet.reconcile = failing  # type: ignore[method-assign]
+    watcher = asyncio.create_task(fleet._watch())
+    await asyncio.sleep(0.7)  # 0.01 s apart: 70 looks; doubling from 0.01 s: 6
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    assert 3 <= calls <= 8, calls
+
+
 async def test_actors_dial_a_wildcard_listen_address_by_this_nodes_address(
     tmp_path: Path, base_image: str, cluster: Any
 ) -> None:
