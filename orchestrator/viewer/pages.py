@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.core.models import Rollout
 from orchestrator.service.advantages import group_advantages
 from orchestrator.viewer.html import badge, esc, fmt_reward, href, page, seg
 from orchestrator.viewer.index import SORT_KEYS, Index, Page, Query
-from orchestrator.viewer.sources import JobView
+from orchestrator.viewer.sources import JobView, Sample
 
 COLUMNS: list[tuple[str, str]] = [
     ("seq", "#"),
@@ -169,20 +168,19 @@ def _mode(job: JobView) -> str:
     return esc(job.advantage) + (" (the default: a file does not record the job's mode)" if job.state == "FILE" else "")
 
 
-def group_page(job: JobView, group_id: str, rollouts: list[Rollout]) -> str:
+def group_page(job: JobView, group_id: str, rollouts: list[Sample]) -> str:
     """The samples of one group side by side, with their advantages under the job's mode."""
     rewards = [r.reward if r.status.scored else None for r in rollouts]
     advantages = group_advantages(rewards, job.advantage) if rollouts else []
     cards = []
     for r, adv in zip(rollouts, advantages, strict=True):
-        last = next((t.text for t in reversed(r.turns) if t.role == "assistant" and t.text), "")
         link = href(f"{job_url(job.job_id)}/rollout/{seg(r.id)}")
         cards.append(
             f'<div class="card sample"><a href="{link}">sample {r.sample_index}</a> {badge(r.status.value)}'
             f'<br>reward <b>{fmt_reward(r.reward)}</b> · advantage <b class="adv">{fmt_reward(adv)}</b>'
-            f"<br>{len(r.turns)} turns · {r.timing.total:.2f} s"
-            f"{'<br>error: ' + esc(r.error.kind) if r.error else ''}"
-            f"<pre>{esc(last[-600:])}</pre></div>"
+            f"<br>{r.turns} turns · {r.seconds:.2f} s"
+            f"{'<br>error: ' + esc(r.error_kind) if r.error_kind is not None else ''}"
+            f"<pre>{esc(r.last_text)}</pre></div>"
         )
     body = (
         f"<p>task {esc(rollouts[0].task_id) if rollouts else '&ndash;'} · {len(rollouts)} samples · advantage mode "

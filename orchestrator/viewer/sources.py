@@ -18,12 +18,48 @@ from typing import Any, Protocol, TypeVar
 
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import ConfigError, JobNotFoundError, NotFoundError
-from orchestrator.core.models import AdvantageMode, JobInfo, Rollout
+from orchestrator.core.models import AdvantageMode, JobInfo, Rollout, RolloutStatus
 from orchestrator.service.jobs import JobManager
 from orchestrator.viewer.index import Index, Row
 
 T = TypeVar("T")
 LOOP_CALL_TIMEOUT_S = 10.0
+
+
+# what a group page shows of a sample's last policy message (its tail)
+LAST_TEXT_CHARS = 600
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What a group page shows of one sample: no turns, no tokens (a group of 1,024 long samples, decoded whole,
+    was about 20 GiB of the control plane's memory for one page)."""
+
+    id: str
+    task_id: str
+    sample_index: int
+    status: RolloutStatus
+    reward: float | None
+    turns: int
+    seconds: float
+    error_kind: str | None
+    last_text: str  # the last LAST_TEXT_CHARS characters of the last assistant turn with text
+
+    @classmethod
+    def of(cls, r: Rollout) -> Sample:
+        last = next((t.text for t in reversed(r.turns) if t.role == "assistant" and t.text), "")
+        kind = r.error.kind if r.error else None
+        return cls(
+            r.id,
+            r.task_id,
+            r.sample_index,
+            r.status,
+            r.reward,
+            len(r.turns),
+            r.timing.total,
+            kind,
+            last[-LAST_TEXT_CHARS:],
+        )
 
 
 @dataclass(frozen=True)
@@ -63,7 +99,7 @@ class Source(Protocol):
         """One rollout in full; NotFoundError when missing."""
         ...
 
-    def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Rollout]:
+    def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Sample]:
         """The samples of one group, by sample index."""
         ...
 
@@ -156,11 +192,11 @@ class FileSource:
             raise NotFoundError(f"no rollout {echo(rollout_id)} in job {echo(job_id)}")
         return self._read(offset)
 
-    def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Rollout]:
-        """The samples of one group."""
+    def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Sample]:
+        """The samples of one group (each rollout read whole, one at a time)."""
         job = self._job(job_id)
         rows = sorted((r for r in job.index.rows.values() if r.group_id == group_id), key=lambda r: r.sample_index)
-        return [self._read(job.offsets[r.id]) for r in rows]
+        return [Sample.of(self._read(job.offsets[r.id])) for r in rows]
 
 
 # The jobs whose rows a live viewer keeps indexed, the most recently viewed; another is indexed again from the log
@@ -235,20 +271,25 @@ class LiveSource:
             raise NotFoundError(f"no rollout {echo(rollout_id)} in job {echo(job_id)}")
         return _decode(row)
 
-    def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Rollout]:
-        """The samples of one of the job's groups."""
+    def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Sample]:
+        """The samples of one of the job's groups: their fields taken by SQLite's JSON functions, so no payload
+        (turns, tokens) reaches Python."""
         self.job(tenant, job_id)
         with self._lock:
-            rows = (
-                self._db()
-                .execute(
-                    "SELECT seq, payload FROM rollouts WHERE job_id = ? AND group_id = ? ORDER BY seq",
-                    (job_id, group_id),
-                )
-                .fetchall()
-            )
-        return sorted((_decode(r) for r in rows), key=lambda r: r.sample_index)
+            return read_group(self._db(), job_id, group_id)
 
+
+# A group page's fields of each sample; the last assistant turn's text is cut in SQLite. A row that is no JSON (a
+# damaged log) is left out, as one would fail the whole query
+_GROUP_SQL = """
+SELECT rollout_id, json_extract(payload, '$.task_id'), json_extract(payload, '$.sample_index'), status,
+       json_extract(payload, '$.reward'), json_array_length(payload, '$.turns'),
+       json_extract(payload, '$.timing.total'), json_extract(payload, '$.error.kind'),
+       (SELECT substr(json_extract(t.value, '$.text'), -?) FROM json_each(payload, '$.turns') AS t
+        WHERE json_extract(t.value, '$.role') = 'assistant' AND coalesce(json_extract(t.value, '$.text'), '') <> ''
+        ORDER BY t.key DESC LIMIT 1)
+FROM rollouts WHERE job_id = ? AND group_id = ? AND json_valid(payload) ORDER BY seq
+"""
 
 # The table's fields, extracted by SQLite's JSON functions: no payload (turns, tokens) reaches Python for the table.
 _ROW_SQL = """
@@ -258,6 +299,27 @@ SELECT seq, rollout_id, job_id, json_extract(payload, '$.env'), json_extract(pay
        json_extract(payload, '$.finished_at')
 FROM rollouts WHERE job_id = ? AND seq > ? ORDER BY seq
 """
+
+
+def read_group(db: sqlite3.Connection, job_id: str, group_id: str) -> list[Sample]:
+    """A group's samples, by sample index, from a result log connection (_GROUP_SQL)."""
+    samples = [
+        Sample(
+            rid,
+            task or "",
+            int(index or 0),
+            RolloutStatus(status),
+            None if reward is None else float(reward),
+            int(turns or 0),
+            float(seconds or 0.0),
+            kind,
+            last or "",
+        )
+        for rid, task, index, status, reward, turns, seconds, kind, last in db.execute(
+            _GROUP_SQL, (LAST_TEXT_CHARS, job_id, group_id)
+        )
+    ]
+    return sorted(samples, key=lambda s: s.sample_index)
 
 
 def read_rows(db: sqlite3.Connection, job_id: str, after_seq: int) -> list[Row]:

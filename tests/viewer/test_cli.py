@@ -82,7 +82,7 @@ def test_every_link_of_a_job_page_opens(tmp_path: Path) -> None:
 
 def test_view_off_loopback_is_refused_without_insecure(tmp_path: Path) -> None:
     # plain HTTP, no tokens: `serve --ui-host` refused a host off loopback, `view --host 0.0.0.0` served every rollout
-    path = write_jsonl(tmp_path / "rollouts.jsonl", many_rollouts(2))
+    path = write_jsonl(tmp_path / "rollouts.jsonl", list(many_rollouts(2)))
     argv = [*CLI, "view", str(path), "--host", "0.0.0.0", "--port", "0"]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 1 and "refusing to serve on '0.0.0.0'" in proc.stderr and "--insecure" in proc.stderr

@@ -209,3 +209,59 @@ async def test_a_live_viewer_keeps_the_rows_of_its_most_recently_viewed_jobs_onl
         source = orch.ui.source
         assert isinstance(source, sources.LiveSource)
         assert source.indexed_jobs() == [ids[2], ids[0]]
+
+
+async def test_a_live_group_page_decodes_no_sample_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the page decoded every sample's payload into a Rollout to show its status, reward and last message: a group of
+    # 1,024 samples of 8 MiB episodes (a tenant's own policy server fills them) was ~20 GiB of the control plane
+    async with serve(tmp_path / "data", backend=FAKE, ui_port=0) as orch:
+        assert orch.ui is not None
+        task_id = next(iter(orch.jobs.registry.get(ENV).tasks())).id
+        job_id, _ = await orch.jobs.submit(job(REPLAY_URL, [task_id], n=3))
+        assert len([e async for batch in orch.jobs.stream(job_id) for e in batch.entries]) == 3
+        source = orch.ui.source
+        assert isinstance(source, sources.LiveSource)
+        group_id = f"{job_id}:{task_id}"
+        # from a thread, as the viewer's: the source asks this loop who may see the job
+        rollouts = [await asyncio.to_thread(source.rollout, None, job_id, f"{group_id}:{i}") for i in range(3)]
+        want = [sources.Sample.of(r) for r in rollouts]
+
+        def whole(row: object) -> Rollout:
+            raise AssertionError("a group page decoded a sample whole")
+
+        monkeypatch.setattr(sources, "_decode", whole)
+        assert await asyncio.to_thread(source.group, None, job_id, group_id) == want
+        status, _, page = await get(orch.ui.url, f"/job/{seg(job_id)}/group/{seg(group_id)}")
+        assert status == 200 and page.count('class="card sample"') == 3, page[-2000:]
+
+
+def test_a_group_pages_fields_from_sqlite_are_the_rollouts_own() -> None:
+    # the live source takes a sample's fields with SQLite's JSON functions (the tail of the last assistant text
+    # too): they must read as Sample.of reads the decoded rollout, an error, a reward of None and wide characters
+    # included; a row that is no JSON is left out rather than failing the page
+    import sqlite3
+
+    from orchestrator.core.models import RolloutError, RolloutStatus
+
+    ok = long_rollout(turns=5)
+    ok.turns.append(Turn(role="assistant", text="\U0001f600é" * 400 + "the end"))
+    ok.turns.append(Turn(role="assistant", text=""))  # the last with text counts
+    failed = long_rollout(turns=2).model_copy(
+        update={
+            "id": f"{ok.group_id}:1",
+            "sample_index": 1,
+            "status": RolloutStatus.INFRA_ERROR,
+            "reward": None,
+            "error": RolloutError(kind="WorkerLostError", message="gone"),
+        }
+    )
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE rollouts (seq INTEGER, rollout_id TEXT, job_id TEXT, group_id TEXT, status TEXT, payload)")
+    for seq, r in enumerate((ok, failed, None)):
+        payload = "{damaged" if r is None else r.model_dump_json()
+        rid = f"{ok.group_id}:9" if r is None else r.id
+        db.execute("INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, ?)", (seq, rid, ok.job_id, ok.group_id, "OK", payload))
+    db.execute("UPDATE rollouts SET status = 'INFRA_ERROR' WHERE seq = 1")
+    got = sources.read_group(db, ok.job_id, ok.group_id)
+    assert got == [sources.Sample.of(ok), sources.Sample.of(failed)]
+    assert got[0].last_text.endswith("the end") and len(got[0].last_text) == sources.LAST_TEXT_CHARS
