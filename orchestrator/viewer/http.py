@@ -18,6 +18,7 @@ from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from orchestrator.core.errors import NotFoundError, UnauthenticatedError
@@ -50,6 +51,9 @@ _COOKIE_VALUE = re.compile(r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]{1,4096}"
 
 
 MAX_RENDERS = 4  # pages rendered at once; more wait their turn
+# connections served at once, each a thread of the control plane's process, before any token is checked: more wait
+# in the listen queue until one ends (10,000 idle sockets were 10,000 threads)
+MAX_CONNECTIONS = 64
 RENDER_WAIT_S = 30.0  # then the page answers 503 Busy
 
 
@@ -77,8 +81,7 @@ class ViewerServer:
         class Handler(_Handler):
             server_viewer = viewer
 
-        self._http = ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
+        self._http = _BoundedServer((host, port), Handler)
         self._thread = threading.Thread(target=self._http.serve_forever, name="envfleet-viewer", daemon=True)
 
     @property
@@ -105,6 +108,7 @@ class ViewerServer:
 
     def close(self) -> None:
         """Stop serving and free the port."""
+        self._http.closing.set()
         self._http.shutdown()
         self._http.server_close()
         self._thread.join(10)
@@ -128,6 +132,35 @@ class ViewerServer:
                     raise NotFoundError(f"no group {group_id!r} in job {job_id!r}")
                 return group_page(src.job(tenant, job_id), group_id, samples)
         raise NotFoundError(f"no page {path!r}")
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.closing = threading.Event()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # the accepting thread waits: the next connections queue in the kernel meanwhile
+        while not self._slots.acquire(timeout=0.5):
+            if self.closing.is_set():
+                self.shutdown_request(request)
+                return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -265,3 +266,46 @@ def test_a_group_pages_fields_from_sqlite_are_the_rollouts_own() -> None:
     got = sources.read_group(db, ok.job_id, ok.group_id)
     assert got == [sources.Sample.of(ok), sources.Sample.of(failed)]
     assert got[0].last_text.endswith("the end") and len(got[0].last_text) == sources.LAST_TEXT_CHARS
+
+
+def test_idle_connections_cannot_take_a_thread_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a thread per connection, unbounded, before any token was checked: 10,000 idle sockets were 10,000 threads of
+    # the control plane's process (its gRPC and to_thread calls share them). Past the bound they wait to be accepted
+    import socket
+    import threading
+
+    from orchestrator.viewer import http as viewer_http
+
+    monkeypatch.setattr(viewer_http, "MAX_CONNECTIONS", 8)
+    with serve_file(write_jsonl(tmp_path / "r.jsonl", [long_rollout(turns=2)])) as viewer:
+        host, port = viewer.url.removeprefix("http://").rsplit(":", 1)
+        before = threading.active_count()
+        idle: list[socket.socket] = []
+        try:
+            for _ in range(24):
+                s = socket.socket()
+                s.settimeout(0.2)
+                try:
+                    s.connect((host, int(port)))
+                except OSError:  # the listen queue is full: the kernel holds the rest
+                    s.close()
+                    continue
+                idle.append(s)
+            time.sleep(0.5)
+            assert threading.active_count() - before <= 8, threading.active_count() - before
+        finally:
+            for s in idle:
+                s.close()
+        # the idle ones gone, the viewer answers again
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn = http.client.HTTPConnection(host, int(port), timeout=10)
+                conn.request("GET", "/")
+                assert conn.getresponse().status == 200
+                conn.close()
+                break
+            except (OSError, http.client.HTTPException):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
