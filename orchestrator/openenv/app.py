@@ -15,6 +15,7 @@ in all and per caller; OpenEnv's MCP frames and binary frames get error frames.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import json
@@ -187,7 +188,7 @@ class FacadeApp:
         self._open[caller] = self._open.get(caller, 0) + 1
         token = CALLER.set(metadata)  # read by EnvfleetEnvironment on this connection's task
         try:
-            await app(child, _guarded(receive, send), _explained(send))
+            await app(child, _guarded(receive, send, self.config.idle_timeout_s), _explained(send))
         finally:
             CALLER.reset(token)
             self._open[caller] -= 1
@@ -249,16 +250,23 @@ def _refusal(e: grpc.aio.AioRpcError) -> _Refused:
     return _Refused(status, rpc_message(e), extra)
 
 
-def _guarded(receive: Receive, send: Send) -> Receive:
+def _guarded(receive: Receive, send: Send, idle_timeout_s: float) -> Receive:
     """`receive` for OpenEnv's websocket handler: frames it must not see are answered here with an error frame.
 
     A binary frame would end OpenEnv's session with an opaque error; an "mcp" frame would reach OpenEnv's MCP
     handler, which can open sessions outside the websocket's lifetime. The handler waits on `receive` before it
-    sends, so answering here never interleaves with its own frames."""
+    sends, so answering here never interleaves with its own frames. A client silent for `idle_timeout_s` between
+    frames is closed (1001), which ends its session."""
 
     async def guarded() -> Message:
         while True:
-            message = await receive()
+            try:
+                # the handler waits here between frames only (never during a reset or step)
+                async with asyncio.timeout(idle_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                await send({"type": "websocket.close", "code": 1001, "reason": "idle for too long"})
+                return {"type": "websocket.disconnect", "code": 1001}
             if message["type"] != "websocket.receive":
                 return message
             text = message.get("text")

@@ -29,6 +29,13 @@ class OpenEnvConfig(BaseModel):
         64, ge=1, le=100_000, description="open websockets of one bearer token (or of the local tenant)"
     )
     call_timeout_s: float = Field(1800.0, gt=0, le=24 * 3600, description="deadline of one reset or step")
+    idle_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        le=24 * 3600,
+        description="a websocket whose client sends no frame for this long is closed with its session (its pings "
+        "kept it open for good, holding a slot of max_connections); a reset or step under way does not count",
+    )
 
 
 def check_facade_host(host: str, insecure: bool) -> None:

@@ -5,6 +5,7 @@ outside a websocket's lifetime."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from pathlib import Path
 
@@ -155,3 +156,21 @@ async def test_the_facade_never_tells_a_caller_the_orchestrators_address(tmp_pat
                 assert port not in str(body) and "127.0.0.1" not in str(body), (path, body)
         finally:
             await facade.close()
+
+
+async def test_an_idle_websocket_is_closed_with_its_session(tmp_path: Path) -> None:
+    # nothing reaped a websocket whose client sent no frame: uvicorn's pings kept it open for good, its session and
+    # its slot of max_connections with it
+    async with serve(tmp_path / "data", backend=FAKE, openenv={"port": 0, "idle_timeout_s": 1.0}) as orch:
+        url = facade_url(orch)
+        async with ws_connect(url) as ws:
+            await ws.send('{"type": "reset", "data": {"task_id": "py-000"}}')
+            answer = await ws.recv()
+            assert '"observation"' in str(answer) and open_sessions(orch) == 1, answer
+            with pytest.raises(ConnectionClosed) as closed:
+                async with asyncio.timeout(10):
+                    await ws.recv()  # silent: closed after a second of it
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+        await until(lambda: open_sessions(orch) == 0, "closed")
+        assert orch.openenv is not None
+        await until(lambda: orch.openenv is not None and orch.openenv.app.open_connections == 0, "slot free")
