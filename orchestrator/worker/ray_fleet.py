@@ -130,11 +130,15 @@ class _Worker:
                     insecure=self._insecure,
                 )
             )
-        await asyncio.shield(self._running)  # a caller that goes away does not end the run
-        if not self._stop.is_set():  # orphaned (WorkerConfig.orphan_after_s): the detached actor ends too
-            import ray
+        try:
+            await asyncio.shield(self._running)  # a caller that goes away does not end the run
+        finally:
+            # orphaned (WorkerConfig.orphan_after_s), or its run failed: the detached actor ends too, else it lived
+            # on for good with its name once its control plane was gone
+            if self._running.done() and not self._stop.is_set():
+                import ray
 
-            ray.actor.exit_actor()  # type: ignore[no-untyped-call]
+                ray.actor.exit_actor()  # type: ignore[no-untyped-call]
 
     def _set_agent(self, agent: Any) -> None:
         self._agent = agent

@@ -369,7 +369,7 @@ def test_a_slot_whose_actors_keep_ending_waits_longer_each_time() -> None:
     assert fleet._not_before[slot] == (100.0, 0.0)
 
 
-def test_ray_settings_that_cannot_work_are_refused_or_said() -> None:
+def test_ray_settings_that_cannot_work_are_refused_or_said(caplog: pytest.LogCaptureFixture) -> None:
     # an empty resource or namespace passed validation (ray.init raised a traceback on the namespace), and a resource
     # no node advertises placed no worker in silence: the jobs' rollouts waited for one until their timeout
     import logging
@@ -384,17 +384,10 @@ def test_ray_settings_that_cannot_work_are_refused_or_said() -> None:
             RayConfig(**bad)  # type: ignore[arg-type]
     fleet = RayWorkers(RayConfig(resource="envfleet_sandbox_hots"), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
     nodes = [{"NodeID": "a" * 40, "Alive": True, "Resources": {"CPU": 4.0, "envfleet_sandbox_host": 1.0}}]
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("orchestrator.worker.ray_fleet")
-    logger.addHandler(handler)
-    try:
+    with caplog.at_level(logging.ERROR, logger="orchestrator.worker.ray_fleet"):
         for _ in range(3):
             fleet._say_if_no_host(nodes, any_host=False)
-    finally:
-        logger.removeHandler(handler)
-    (said,) = [r.getMessage() for r in records]  # once, not at every poll
+    (said,) = [r.getMessage() for r in caplog.records]  # once, not at every poll
     assert "'envfleet_sandbox_hots'" in said and "advertise: envfleet_sandbox_host" in said, said
 
 
@@ -414,6 +407,37 @@ async def test_joining_a_cluster_that_is_not_there_is_a_config_error(monkeypatch
     fleet = RayWorkers(RayConfig(address="10.0.0.9:6379"), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
     with pytest.raises(ConfigError, match=r"cannot join the Ray cluster at '10\.0\.0\.9:6379': could not find"):
         await fleet.start()
+
+
+async def test_an_actor_whose_run_failed_ends_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the run's exception went up past the exit: a detached actor whose worker failed, its control plane gone, lived
+    # on for good with its name (orphan_after_s promised it would end)
+    import ray
+
+    from orchestrator.worker import process
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import _Worker
+
+    async def failing(*args: object, **kw: object) -> None:
+        raise RuntimeError("the worker failed")
+
+    exits: list[bool] = []
+    monkeypatch.setattr(process, "run_worker", failing)
+    monkeypatch.setattr(ray.actor, "exit_actor", lambda: exits.append(True))
+    actor = _Worker("127.0.0.1:1", "token", WorkerConfig().model_dump_json(), "w", "fp")
+    with pytest.raises(RuntimeError, match="the worker failed"):
+        await actor.run()
+    assert exits == [True]
+    # a caller that goes away (the control plane's wait cut short) does not end the actor
+    monkeypatch.setattr(process, "run_worker", lambda *a, **kw: asyncio.sleep(30))
+    waiting = _Worker("127.0.0.1:1", "token", WorkerConfig().model_dump_json(), "w", "fp")
+    call = asyncio.create_task(waiting.run())
+    await asyncio.sleep(0.1)
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    assert exits == [True]
+    assert waiting._running is not None
+    waiting._running.cancel()
 
 
 async def test_a_cluster_that_keeps_failing_is_asked_less_often() -> None:
