@@ -23,6 +23,7 @@ Ray is an optional extra (`pip install envfleet[ray]`): this module imports it o
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -52,6 +53,7 @@ ACTOR_JOIN_S = 300.0
 # (a bad --env module on a node: each new actor swept the engine, warmed sandboxes and failed, every poll)
 REPLACE_BACKOFF_MAX_S = 60.0
 STEADY_RUN_S = 60.0  # an actor that ran this long before it ended starts its slot's pause over
+PLACE_AT_ONCE = 16  # placements (each a blocking thread) a reconcile runs side by side
 WATCH_BACKOFF_MAX_S = 60.0  # the longest pause between looks at a cluster that keeps failing to answer
 # the resources Ray gives every node itself: not what a sandbox host advertises
 _RAY_OWN = {"CPU", "GPU", "memory", "object_store_memory", "accelerator_type"}
@@ -199,6 +201,7 @@ class RayWorkers:
     _not_before: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # slot -> (when, pause)
     _unreachable: set[str] = field(default_factory=set)  # nodes told they get no workers (a loopback target)
     _said_no_host: bool = False  # that no live node advertises the resource (_say_if_no_host)
+    _placer: concurrent.futures.ThreadPoolExecutor | None = None  # the placements' threads (reconcile)
     _local: set[str] | None = None  # this machine's addresses as Ray knows it
 
     async def start(self) -> None:
@@ -307,17 +310,28 @@ class RayWorkers:
                 del placed[index]  # its name is free once it is dead: placed again at once or at the next poll
                 self.replaced += 1
                 self._pause((node, index), p.ran_s(now), now)
-        for node in sorted(alive):
-            placed = self.placed.setdefault(node, {})
-            missing = [i for i in range(self.config.per_node) if i not in placed]
-            for index in missing:
-                if self._not_before.get((node, index), (0.0, 0.0))[0] > now:
-                    continue
-                new = await asyncio.to_thread(self._place, node, index)
-                if new is not None:
-                    placed[index] = new
-            if missing:
-                log.info("%d of %d worker(s) on ray node %s", len(placed), self.config.per_node, node[:12])
+        # side by side: each placement waits on the cluster (an actor's start, or a stale one's whole teardown), and
+        # one after another a restart with a new configuration kept the API down for an hour on 100 nodes of 8
+        slots = [
+            (node, index)
+            for node in sorted(alive)
+            for index in range(self.config.per_node)
+            if index not in self.placed.setdefault(node, {})
+            and self._not_before.get((node, index), (0.0, 0.0))[0] <= now
+        ]
+        if self._placer is None:  # threads of its own: the default executor's few serve every other call
+            self._placer = concurrent.futures.ThreadPoolExecutor(PLACE_AT_ONCE, thread_name_prefix="ray-place")
+        loop = asyncio.get_running_loop()
+
+        async def place(node: str, index: int) -> None:
+            new = await loop.run_in_executor(self._placer, self._place, node, index)
+            if new is not None and node in self.placed:
+                self.placed[node][index] = new
+
+        await asyncio.gather(*(place(node, index) for node, index in slots))
+        for node in sorted({node for node, _ in slots}):
+            placed = self.placed.get(node, {})
+            log.info("%d of %d worker(s) on ray node %s", len(placed), self.config.per_node, node[:12])
 
     def _connected_names(self) -> set[str] | None:
         """Every worker name a connected worker's id starts with (the id up to each of its dashes), read once a poll:
@@ -469,6 +483,8 @@ class RayWorkers:
             self.placed.clear()
         with contextlib.suppress(Exception):  # any other of the fleet's actors (one being placed as we stopped)
             await asyncio.to_thread(self._retire_strays, frozenset(p.name for p in placed))
+        if self._placer is not None:
+            self._placer.shutdown(wait=False)
         if self._initialized_ray:
             await asyncio.to_thread(ray.shutdown)
 

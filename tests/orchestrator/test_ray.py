@@ -440,6 +440,32 @@ async def test_an_actor_whose_run_failed_ends_itself(monkeypatch: pytest.MonkeyP
     waiting._running.cancel()
 
 
+async def test_workers_are_placed_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one placement after another, each waiting on the cluster (a stale actor's whole teardown when the control
+    # plane restarted with a new configuration): 100 nodes of 8 kept the API down for an hour
+    import time
+
+    import ray
+
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import RayWorkers
+
+    nodes = [{"NodeID": c * 40, "Alive": True, "Resources": {RESOURCE: 1.0}} for c in "ab"]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    fleet = RayWorkers(RayConfig(per_node=4), "10.0.0.1:1", "token", WorkerConfig(), "fleet")
+    placed: list[tuple[str, int]] = []
+
+    def slow_place(node: str, index: int) -> None:
+        time.sleep(1)
+        placed.append((node[0], index))
+
+    fleet._place = slow_place  # type: ignore[assignment,method-assign]
+    t0 = time.monotonic()
+    await fleet.reconcile()
+    assert sorted(placed) == [(c, i) for c in "ab" for i in range(4)]
+    assert time.monotonic() - t0 < 3, time.monotonic() - t0  # 8 s one after another
+
+
 async def test_a_cluster_that_keeps_failing_is_asked_less_often() -> None:
     # every poll_s, however long the cluster's head had not answered, each with a traceback in the log
     from orchestrator.worker.config import WorkerConfig
