@@ -411,9 +411,10 @@ class RayWorkers:
             return None
         return _Placed(actor, actor.run.remote(), node, name, worker_name(node, index))
 
-    def _retire_strays(self, skip: frozenset[str] = frozenset()) -> None:
+    def _retire_strays(self, skip: frozenset[str] = frozenset(), *, at_once: bool = False) -> None:
         """Stop actors of this fleet that no node's plan has (fewer per node than before, a node no longer a
-        sandbox host), but those named in `skip` (blocking)."""
+        sandbox host), but those named in `skip` (blocking); `at_once`: kill them without waiting for their
+        teardown (their sandboxes are the sweep's)."""
         import ray
 
         wanted = {p.name for placed in self.placed.values() for p in placed.values()} | skip
@@ -422,7 +423,11 @@ class RayWorkers:
             ours = namespace == self.config.namespace and name.startswith(actor_prefix(self.fleet_id))
             if ours and name not in wanted and (actor := _find(name, namespace)) is not None:
                 log.info("stopping worker actor %s: no longer wanted", name)
-                _retire(actor)
+                if at_once:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor, no_restart=True)
+                else:
+                    _retire(actor)
 
     def _say_if_no_host(self, nodes: list[dict[str, Any]], any_host: bool) -> None:
         """Say once (again after one came and went) that no live node advertises the resource: a name mistyped
@@ -467,6 +472,7 @@ class RayWorkers:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         placed = [p for ps in self.placed.values() for p in ps.values()]
+        cut = False
         try:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(ray.get, [p.actor.stop.remote() for p in placed], timeout=10)
@@ -474,13 +480,20 @@ class RayWorkers:
                 await asyncio.to_thread(
                     ray.wait, [p.run for p in placed], num_returns=len(placed), timeout=ACTOR_STOP_S
                 )
+        except asyncio.CancelledError:
+            cut = True
+            raise
         finally:
             # also when the shutdown's budget ran out meanwhile (this was cancelled): a detached actor left alive
-            # would hold its sandboxes until a control plane of the fleet came back; a killed one's are swept
+            # would hold its sandboxes until a control plane of the fleet came back (for orphan_after_s); a killed
+            # one's are swept
             for p in placed:
                 with contextlib.suppress(Exception):
                     ray.kill(p.actor, no_restart=True)
             self.placed.clear()
+            if cut:  # and any other of the fleet's (one a placement made as we stopped): killed too, not waited for
+                with contextlib.suppress(Exception):
+                    self._retire_strays(frozenset(p.name for p in placed), at_once=True)
         with contextlib.suppress(Exception):  # any other of the fleet's actors (one being placed as we stopped)
             await asyncio.to_thread(self._retire_strays, frozenset(p.name for p in placed))
         if self._placer is not None:

@@ -466,6 +466,37 @@ async def test_workers_are_placed_side_by_side(monkeypatch: pytest.MonkeyPatch) 
     assert time.monotonic() - t0 < 3, time.monotonic() - t0  # 8 s one after another
 
 
+async def test_a_stop_cut_short_still_kills_every_actor_of_the_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
+    # past the stop's budget only the placed actors were killed: one a placement made as the fleet stopped (in no
+    # list yet) ran on for orphan_after_s with its warm pool
+    import time
+    from types import SimpleNamespace
+
+    import ray
+
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import RayWorkers, _Placed, actor_name
+
+    fleet = RayWorkers(RayConfig(), "10.0.0.1:1", "token", WorkerConfig(), "fleet")
+    call = SimpleNamespace(remote=lambda: "ref")
+    placed = SimpleNamespace(name="placed", stop=call, run=call)
+    stray = SimpleNamespace(name="stray")
+    fleet.placed = {"n" * 40: {0: _Placed(placed, "run-ref", "n" * 40, actor_name("fleet", "n" * 40, 0), "w")}}
+    named = [actor_name("fleet", "n" * 40, 0), actor_name("fleet", "m" * 40, 0)]
+    killed: list[str] = []
+    monkeypatch.setattr(ray, "get", lambda *a, **kw: time.sleep(3))  # its teardown takes longer than the budget
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor.name))
+    monkeypatch.setattr(
+        ray.util, "list_named_actors", lambda all_namespaces: [{"name": n, "namespace": "envfleet"} for n in named]
+    )
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace: stray if name == named[1] else placed)
+    stop = asyncio.create_task(fleet.stop())
+    await asyncio.sleep(0.3)
+    stop.cancel()  # the shutdown's budget ran out
+    await asyncio.gather(stop, return_exceptions=True)
+    assert killed == ["placed", "stray"]
+
+
 async def test_a_cluster_that_keeps_failing_is_asked_less_often() -> None:
     # every poll_s, however long the cluster's head had not answered, each with a traceback in the log
     from orchestrator.worker.config import WorkerConfig
