@@ -16,6 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# trailing metadata the API puts on every status it answers itself (server/errors.py): a client tells the server's own
+# message from gRPC's transport failures, whose details name the client's insides (a socket path, an address)
+SERVER_STATUS_KEY = "envfleet-status"
+
 
 class EnvfleetError(Exception):
     """Root of every envfleet error."""

@@ -22,6 +22,7 @@ from openenv.core.env_server.types import EnvironmentMetadata
 
 from orchestrator.client.convert import known_status
 from orchestrator.core.errors import (
+    SERVER_STATUS_KEY,
     EnvfleetError,
     FailedPreconditionError,
     InvalidRequestError,
@@ -71,9 +72,9 @@ _TRANSPORT_CODES = {
 
 def rpc_message(e: grpc.aio.AioRpcError) -> str:
     """A failed call's message for the facade's caller: "<STATUS>: <details>", the details only where they are the
-    orchestrator's answer to the caller (not the transport's)."""
+    orchestrator's answer to the caller (SERVER_STATUS_KEY), not the transport's."""
     code = e.code()
-    if code in _TRANSPORT_CODES:
+    if code in _TRANSPORT_CODES and (SERVER_STATUS_KEY, "1") not in tuple(e.trailing_metadata() or ()):
         log.warning("a call to the orchestrator failed: %s: %s", code.name, e.details())
         return f"{code.name}: the orchestrator did not answer; the facade's log has the details"
     return f"{code.name}: {e.details() or 'no details'}"

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from orchestrator.core.echo import bounded
 from orchestrator.core.errors import (
+    SERVER_STATUS_KEY,
     AlreadyExistsError,
     ConfigError,
     EnvfleetError,
@@ -65,13 +66,16 @@ def status_for(e: BaseException) -> grpc.StatusCode | None:
 
 async def _abort(context: grpc.aio.ServicerContext, e: Exception, method: str) -> None:
     code = status_for(e)
+    ours = ((SERVER_STATUS_KEY, "1"),)  # this server's answer, not the transport's (the OpenEnv facade reads it)
     if code is None or code == grpc.StatusCode.INTERNAL:
         error_id = secrets.token_hex(6)
         log.error("internal error in %s (error id %s)", method, error_id, exc_info=e)
         await context.abort(
-            grpc.StatusCode.INTERNAL, f"internal error in {method} (error id {error_id}; the server log has details)"
+            grpc.StatusCode.INTERNAL,
+            f"internal error in {method} (error id {error_id}; the server log has details)",
+            trailing_metadata=ours,
         )
-    await context.abort(code, bounded(str(e)))
+    await context.abort(code, bounded(str(e)), trailing_metadata=ours)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]

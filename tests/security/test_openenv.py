@@ -174,3 +174,26 @@ async def test_an_idle_websocket_is_closed_with_its_session(tmp_path: Path) -> N
         await until(lambda: open_sessions(orch) == 0, "closed")
         assert orch.openenv is not None
         await until(lambda: orch.openenv is not None and orch.openenv.app.open_connections == 0, "slot free")
+
+
+async def test_the_orchestrators_own_answers_reach_the_facades_caller(tmp_path: Path) -> None:
+    # hiding gRPC's transport failures hid the orchestrator's own UNAVAILABLE (a sandbox that died, a worker lost)
+    # and INTERNAL (its error id) as well: the API marks the statuses it answers itself
+    import grpc
+
+    from orchestrator.core.errors import SERVER_STATUS_KEY
+    from orchestrator.openenv.environment import rpc_message
+    from protos import orchestrator_pb2 as pb
+    from protos import orchestrator_pb2_grpc as pb_grpc
+
+    async with serve(tmp_path / "data", backend=FAKE) as orch, grpc.aio.insecure_channel(orch.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await pb_grpc.EnvironmentServiceStub(channel).Describe(pb.DescribeEnvironmentRequest(name="no-such-env"))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert (SERVER_STATUS_KEY, "1") in tuple(refused.value.trailing_metadata() or ())
+    ours = grpc.aio.Metadata((SERVER_STATUS_KEY, "1"))
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+        answered = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), ours, "sandbox s-1 died: its envd is gone")
+        assert rpc_message(answered) == f"{code.name}: sandbox s-1 died: its envd is gone"
+        transport = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "unix:/private/grpc.sock")
+        assert "private" not in rpc_message(transport) and rpc_message(transport).startswith(code.name)
