@@ -99,9 +99,14 @@ def render_dockerfile(spec: ImageSpec) -> tuple[str, dict[str, bytes]]:
         context[rel] = text.encode()
         lines.append(f"COPY {json.dumps([rel, path])}")
     for cmd in spec.run:
-        one_line = "\n" not in cmd and "\r" not in cmd and not cmd.rstrip().endswith("\\")
-        lines.append(f"RUN {cmd}" if one_line else f"RUN {json.dumps(['/bin/sh', '-c', cmd])}")
+        lines.append(f"RUN {cmd}" if shell_form(cmd) else f"RUN {json.dumps(['/bin/sh', '-c', cmd])}")
     return "\n".join(lines) + "\n", context
+
+
+def shell_form(cmd: str) -> bool:
+    """Whether a RUN command goes into the Dockerfile as written (one line); else as JSON (exec form), where the
+    builder reads no flag, continuation or heredoc of it."""
+    return "\n" not in cmd and "\r" not in cmd and not cmd.rstrip().endswith("\\")
 
 
 def _env_quote(value: str) -> str:

@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.core.echo import echo
-from orchestrator.core.image_spec import ImageSpec, render_dockerfile
+from orchestrator.core.image_spec import shell_form
 from orchestrator.core.sandbox import RUNTIME_PATTERN, Limits
 from orchestrator.core.tools import BUILTIN_TOOLS
 from orchestrator.service.declarative import dockerfile
@@ -148,9 +148,15 @@ class ImageDef(_Strict):
         for cmd in v:
             if not cmd.strip() or "\0" in cmd:
                 raise ValueError(f"setup command {cmd!r} is empty or holds NUL")
-        # each becomes a RUN line (render_dockerfile), checked as a tenant's Dockerfile is: "--mount=...,from=" at a
-        # command's start is a RUN flag, which would read another environment's image on a builder that takes it
-        dockerfile.check(render_dockerfile(ImageSpec(base="envfleet/base:latest", run=v))[0])
+        # a command written as a RUN line (render_dockerfile) is checked as a tenant's Dockerfile is: "--mount=...,
+        # from=" at its start is a RUN flag, which would read another environment's image on a builder that takes
+        # it. One of several lines goes in as JSON, where the builder reads no flag (nor heredoc)
+        for i, cmd in enumerate(v):
+            if shell_form(cmd):
+                try:
+                    dockerfile.check(f"FROM envfleet/base:latest\nRUN {cmd}\n")
+                except dockerfile.DockerfileError as e:
+                    raise ValueError(f"setup[{i}] {echo(cmd)}: {e}") from None
         return v
 
     @field_validator("env")
