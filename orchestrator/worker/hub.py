@@ -179,7 +179,9 @@ class WorkerHub:
         """Whether the hello's id is a connected worker's that the hello cannot be the reconnect of: another
         process's (its instance differs, or says none)."""
         w = self._workers.get(hello.worker_id)
-        return w is not None and (not hello.instance or not hmac.compare_digest(w.instance, hello.instance))
+        return w is not None and (
+            not hello.instance or not hmac.compare_digest(w.instance.encode(), hello.instance.encode())
+        )
 
     async def wait_for_workers(self, n: int, timeout_s: float = 60.0) -> None:
         """Return once `n` workers are connected."""

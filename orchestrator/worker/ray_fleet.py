@@ -451,7 +451,7 @@ class RayWorkers:
         failures = 0
         while True:
             # a cluster that does not answer is asked less often, up to a minute apart, and said once a failure
-            await asyncio.sleep(min(self.config.poll_s * 2**failures, WATCH_BACKOFF_MAX_S))
+            await asyncio.sleep(min(self.config.poll_s * 2**failures, max(self.config.poll_s, WATCH_BACKOFF_MAX_S)))
             try:
                 await self.reconcile()
                 failures = 0

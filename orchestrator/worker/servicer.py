@@ -61,9 +61,9 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a worker's slots must be between 1 and {MAX_SLOTS}, got {hello.slots}",
             )
-        for what, value in (("worker_id", hello.worker_id), ("host", hello.host)):
-            # both label every sample of the fleet's metrics: a 1 MiB host made a scrape of 300 MiB
-            if not _NAME.fullmatch(value):
+        for what, value in (("worker_id", hello.worker_id), ("host", hello.host), ("instance", hello.instance)):
+            # the id and host label every sample of the fleet's metrics: a 1 MiB host made a scrape of 300 MiB
+            if not _NAME.fullmatch(value) and not (what == "instance" and not value):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"a worker's {what} is 1 to {MAX_NAME_CHARS} of the characters A-Z a-z 0-9 . _ : @ -, got "

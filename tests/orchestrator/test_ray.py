@@ -518,6 +518,23 @@ async def test_a_cluster_that_keeps_failing_is_asked_less_often() -> None:
     assert 3 <= calls <= 8, calls
 
 
+async def test_a_poll_longer_than_the_backoffs_cap_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.worker import ray_fleet
+    from orchestrator.worker.config import WorkerConfig
+
+    fleet = ray_fleet.RayWorkers(RayConfig(poll_s=120), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)  # the watcher's own sleep: nothing else awaits one meanwhile
+    with pytest.raises(asyncio.CancelledError):
+        await fleet._watch()
+    assert slept == [120]
+
+
 async def test_actors_dial_a_wildcard_listen_address_by_this_nodes_address(
     tmp_path: Path, base_image: str, cluster: Any
 ) -> None:

@@ -242,7 +242,14 @@ async def test_a_remote_worker_cannot_take_another_remote_workers_id() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("worker_id", "-" * 20_000), ("host", "h" * 1_000_000), ("worker_id", "w\nx"), ("host", "")],
+    [
+        ("worker_id", "-" * 20_000),
+        ("host", "h" * 1_000_000),
+        ("worker_id", "w\nx"),
+        ("host", ""),
+        ("instance", "\u00e9" * 8),  # compared as bytes, and never past the names' bounds
+        ("instance", "i" * 300),
+    ],
 )
 async def test_a_hello_with_a_name_past_its_bounds_is_refused(field: str, value: str) -> None:
     # the id and the host label every sample of the fleet's metrics (a 1 MiB host made a 300 MiB scrape), and the
