@@ -9,8 +9,10 @@ only, and a request whose Host header is not a loopback name is refused (a DNS-r
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +56,7 @@ MAX_RENDERS = 4  # pages rendered at once; more wait their turn
 # connections served at once, each a thread of the control plane's process, before any token is checked: more wait
 # in the listen queue until one ends (10,000 idle sockets were 10,000 threads)
 MAX_CONNECTIONS = 64
+HEAD_DEADLINE_S = 10.0  # for a request's line and headers to arrive, from when the connection waits for them
 RENDER_WAIT_S = 30.0  # then the page answers 503 Busy
 
 
@@ -163,10 +166,41 @@ class _BoundedServer(ThreadingHTTPServer):
             self._slots.release()
 
 
+class _HeadDeadline(socket.SocketIO):
+    """A connection's reads, each within `timeout`, and while a request's line and headers are read (`deadline`
+    set), all of them by the deadline: a client sending a byte every 29 s held its connection's slot for good."""
+
+    deadline: float | None = None
+    timeout: float = 30.0
+
+    def readinto(self, b: Any) -> int | None:
+        left = self.timeout if self.deadline is None else min(self.timeout, self.deadline - time.monotonic())
+        if left <= 0:
+            raise TimeoutError("the request's head did not arrive in time")
+        self._sock.settimeout(left)  # type: ignore[attr-defined]
+        return super().readinto(b)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_viewer: ViewerServer
     protocol_version = "HTTP/1.1"
     timeout = 30  # a client that stops sending does not hold its thread forever
+
+    def setup(self) -> None:
+        super().setup()
+        self._reads = _HeadDeadline(self.connection, "rb")
+        self._reads.timeout = float(self.timeout)
+        self.rfile = io.BufferedReader(self._reads)
+
+    def handle_one_request(self) -> None:
+        # an idle keep-alive connection waits for its next request's head as a slow one does, then is closed
+        self._reads.deadline = time.monotonic() + HEAD_DEADLINE_S
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers
+        self._reads.deadline = None  # the head is in: a login form's body is read at `timeout` a read
+        return parsed
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)

@@ -309,3 +309,32 @@ def test_idle_connections_cannot_take_a_thread_each(tmp_path: Path, monkeypatch:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+
+def test_a_request_head_sent_a_byte_at_a_time_is_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each read waited 30 s, so a client sending a header byte every 29 s held its connection's slot for good (and
+    # 64 such clients held the viewer); an idle keep-alive connection is closed the same way
+    import socket
+
+    from orchestrator.viewer import http as viewer_http
+
+    monkeypatch.setattr(viewer_http, "HEAD_DEADLINE_S", 1.5)
+    with serve_file(write_jsonl(tmp_path / "r.jsonl", [long_rollout(turns=2)])) as viewer:
+        host, port = viewer.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n")
+            t0 = time.monotonic()
+            closed = False
+            while time.monotonic() - t0 < 8 and not closed:
+                try:
+                    slow.sendall(b"X")
+                    slow.settimeout(0.5)
+                    closed = slow.recv(1024) == b""
+                except TimeoutError:
+                    continue
+                except OSError:  # reset: closed too
+                    closed = True
+            assert closed and time.monotonic() - t0 < 5, time.monotonic() - t0
+        # a quick client is served as before, a login form's body too
+        status, _, _ = _request(viewer.url, "/")
+        assert status == 200
