@@ -122,13 +122,16 @@ class DiskGuard:
 
     def _is_step(self, container: dict[str, Any]) -> bool:
         """Whether a container is one of this build's steps: made since it started, from an image it reached, and
-        no sandbox (a sandbox of the base image is made from an image every build reaches)."""
-        labels = (container.get("Config") or {}).get("Labels") or {}
-        return (
-            container.get("Image") in self._reached
-            and SANDBOX_LABEL not in labels
-            and _created(container["Created"]) >= self._started
-        )
+        no sandbox (a sandbox of the base image is made from an image every build reaches). A sandbox is labelled
+        so when it is made; a step takes its labels from the image so far, so the label counts only where that
+        image has none (a Dockerfile's own `LABEL $K=1`, K an ARG, hid every later step from the guard)."""
+        image = container.get("Image")
+        if image not in self._reached or _created(container["Created"]) < self._started:
+            return False
+        if SANDBOX_LABEL not in ((container.get("Config") or {}).get("Labels") or {}):
+            return True
+        made_from = self._inspect(self._client.api.inspect_image, str(image))
+        return made_from is not None and SANDBOX_LABEL in ((made_from.get("Config") or {}).get("Labels") or {})
 
     @staticmethod
     def _inspect(call: Callable[[str], dict[str, Any]], ref: str) -> dict[str, Any] | None:

@@ -380,7 +380,7 @@ def test_ray_settings_that_cannot_work_are_refused_or_said(caplog: pytest.LogCap
     from orchestrator.worker.ray_fleet import RayWorkers
 
     for bad in ({"resource": ""}, {"namespace": ""}, {"resource": "a b"}):
-        with pytest.raises(ValidationError):
+        with pytest.raises(ValidationError, match=rf"{next(iter(bad))}\n  String should match pattern"):
             RayConfig(**bad)  # type: ignore[arg-type]
     fleet = RayWorkers(RayConfig(resource="envfleet_sandbox_hots"), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
     nodes = [{"NodeID": "a" * 40, "Alive": True, "Resources": {"CPU": 4.0, "envfleet_sandbox_host": 1.0}}]

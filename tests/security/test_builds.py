@@ -353,6 +353,21 @@ def test_build_disk_limit(
     _assert_gone(marker, images=True)  # its step's container is gone, and so are the layers it committed
 
 
+def test_a_build_that_labels_itself_a_sandbox_is_still_watched(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str
+) -> None:
+    # a step's container takes its labels from the image so far: a Dockerfile that gave itself the sandboxes' label
+    # (through an ARG, past the check of control labels) hid every later step from the guard, which wrote unseen
+    marker = uuid.uuid4().hex
+    dockerfile = (
+        f"FROM {base_image}\nARG K=envfleet.managed\nLABEL $K=1\n"
+        f"RUN : {marker} && head -c 300M /dev/zero > /big && sleep 120\n"
+    )
+    refused = r"wrote \d+ MB, over its disk limit of 100 MB"
+    _refused(docker_client, tmp_path, "sec-labelled", dockerfile, BuildLimits(disk_mb=100), refused, 60)
+    _assert_gone(marker)
+
+
 def test_a_failed_build_never_removes_an_image_it_names(
     docker_client: docker.DockerClient, tmp_path: Path, base_image: str
 ) -> None:
