@@ -40,6 +40,7 @@ async def to_the_end(task: asyncio.Future[T]) -> T:
         except asyncio.CancelledError as e:
             cancel = e
     if cancel is not None:
+        _seen(task)  # its own failure goes with the cancel: not logged as never retrieved at collection
         raise cancel
     return task.result()
 

@@ -34,6 +34,7 @@ from orchestrator.core.errors import (
     PermissionDeniedError,
     SandboxCreateError,
 )
+from orchestrator.core.runtime import to_the_end
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
 from orchestrator.images.resolver import BuildsOwnImage
 from orchestrator.rollout.step import env_call, replay_reference
@@ -461,9 +462,13 @@ class Registrar:
         """Unpack and load an upload into `dest` (the upload's bytes are written under `staging` first)."""
         kind = self._kind(upload.kind)
         archive = staging / "upload"
-        await asyncio.to_thread(archive.write_bytes, upload.data)
+        # both to their end if the caller goes (its deadline, a cancel): a thread goes on writing, and the caller's
+        # removal of `staging` ran under it and left what it wrote after (and freed the tenant's slot meanwhile)
+        await to_the_end(asyncio.ensure_future(asyncio.to_thread(archive.write_bytes, upload.data)))
         limits = self._archive_caps.limits()
-        env = await asyncio.to_thread(kind.load, archive, dest, upload.name, upload.version, limits)
+        env = await to_the_end(
+            asyncio.ensure_future(asyncio.to_thread(kind.load, archive, dest, upload.name, upload.version, limits))
+        )
         if not isinstance(env, BuildsOwnImage) or env.ref() != upload.ref():
             raise InvalidEnvironmentError(f"the {upload.kind} kind made no environment {upload.ref()} that builds")
         check_limits(env.limits, self._caps, "the tasks' limits")

@@ -413,6 +413,46 @@ async def test_cancelled_checks_do_not_pile_up_builds(tmp_path: Path) -> None:
     assert (most, builds) == (1, 2) and registrar._cut_builds == {}
 
 
+async def test_a_cancelled_archive_check_leaves_no_staging_behind(tmp_path: Path) -> None:
+    # the unpack ran in a thread the cancel could not stop: the staging folder was removed under it, and what it
+    # wrote after stayed (256 MiB an upload, uncounted), while the tenant's slot was free for the next
+    import threading
+    import time
+
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.service.archives import ArchiveStore, ArchiveUpload
+    from orchestrator.service.registration import Registrar, SpecStore
+
+    unpacked = threading.Event()
+
+    class SlowKind:
+        def load(self, archive: Path, dest: Path, name: str, version: str, limits: object) -> object:
+            time.sleep(0.5)
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / "task.toml").write_bytes(b"x" * 1000)
+            unpacked.set()
+            raise ValueError("not an environment")
+
+    archives = ArchiveStore(tmp_path / "archives")
+    registrar = Registrar(
+        Registry(),
+        FakeBackend(FakeBackendConfig()),
+        lambda env: "x",
+        SpecStore(tmp_path),
+        archives=archives,
+        kinds={"slow": SlowKind()},  # type: ignore[dict-item]
+    )
+    check = asyncio.create_task(
+        registrar.validate_archive(ArchiveUpload(kind="slow", name="slow-env", data=b"tar"), "tenant-a")
+    )
+    await asyncio.sleep(0.1)
+    check.cancel()
+    await asyncio.gather(check, return_exceptions=True)
+    assert unpacked.is_set()  # the cancel waited for the unpack, then removed what it wrote
+    assert list((tmp_path / "archives").glob("*/.staging-*")) == []
+
+
 async def test_refused_registrations_under_fresh_names_leave_nothing_behind(tmp_path: Path) -> None:
     # each name tried kept a lock for good: a loop of registrations refused at once (limits over the caps) under
     # fresh names grew the control plane's memory without end
