@@ -301,3 +301,25 @@ async def test_the_log_is_synced_to_disk_at_each_commit_unless_the_operator_trad
     finally:
         await store.close()
     assert OrchestratorConfig().result_log_sync == "full"
+
+
+async def test_the_write_ahead_log_is_cut_back_after_a_large_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the WAL kept the size of the largest transaction for good: a group of 1,024 samples of 8 MiB published in one
+    # was 8 GiB of the host's disk while the rows it carried were long in the log itself
+    monkeypatch.setattr(store_module, "WAL_LIMIT_BYTES", 1 << 20)
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    wal = tmp_path / "log.sqlite3-wal"
+    try:
+        big = long_rollout(turns=2, tool_output="x" * 400_000)
+        for k in range(60):  # 24 MB in one publish
+            r = big.model_copy(update={"id": f"{big.job_id}:task-0:{k}", "sample_index": k})
+            await store.append(_encoded(r), visible=False)
+        assert await store.publish_complete_groups(big.job_id, 60) == 1
+        peak = wal.stat().st_size
+        for i in range(3):  # later small writes: the checkpointed log starts over, cut back to the limit
+            await store.append(_encoded(_sample(i, job="job-b")))
+        assert peak > 16 << 20 and wal.stat().st_size <= 2 << 20, (peak, wal.stat().st_size)
+    finally:
+        await store.close()
