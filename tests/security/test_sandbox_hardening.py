@@ -4,6 +4,7 @@ AppArmor, and the open-files limit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pwd
 import shutil
@@ -125,6 +126,49 @@ async def test_seccomp_apparmor_and_nofile_as_the_engine_reports_them(
         # apport: root, outside the sandbox's cgroup) each time, and it wrote the sandbox's memory to the host's disk
         assert ulimits["core"] == (0, 0)
         assert (await s.exec("ulimit -c")).stdout == b"0\n"
+
+
+async def test_a_sandboxs_output_to_the_engine_log_is_capped(
+    backend: DockerBackend, base_image: str, docker_client: docker.DockerClient
+) -> None:
+    # no log config: the engine's default (json-file, no rotation) kept whatever PID 1's stdout got, on the host's
+    # disk, for the sandbox's life. A tenant's image whose envd is a wrapper left `yes` writing there
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        info = docker_client.api.inspect_container(s.id)
+        assert info["HostConfig"]["LogConfig"] == {"Type": "json-file", "Config": {"max-size": "1m", "max-file": "1"}}
+        # a command of the sandbox's user cannot reach envd's stdout: only an image's own PID 1 can write there
+        r = await s.exec("echo x > /proc/1/fd/1", timeout=60)
+        assert r.exit_code != 0 and b"Permission denied" in r.stderr, r
+    # an image whose envd is a wrapper: it writes 8 MB to its stdout, then runs envd; the log on the host stays capped
+    wrapper = (
+        "#!/bin/sh\nhead -c 8000000 /dev/zero | tr '\\0' x | fold -w 100\nexec /opt/envfleet/bin/envd.real \"$@\"\n"
+    )
+    image = await asyncio.to_thread(
+        build_image,
+        docker_client,
+        name="test-chatty-envd",
+        dockerfile=(
+            f"FROM {base_image}\nRUN mv /opt/envfleet/bin/envd /opt/envfleet/bin/envd.real\n"
+            "COPY envd /opt/envfleet/bin/envd\nRUN chmod 0755 /opt/envfleet/bin/envd\n"
+        ),
+        context_files={"envd": wrapper.encode()},
+    )
+    async with await backend.create(SandboxSpec(image=image)) as s:
+        log_path = Path(docker_client.api.inspect_container(s.id)["LogPath"])
+        assert (await s.exec("echo alive")).stdout == b"alive\n"
+
+        def kept() -> int:  # the engine's log files of it (the one written, and one it rotates away)
+            total = 0
+            for p in log_path.parent.glob(log_path.name + "*"):
+                with contextlib.suppress(FileNotFoundError):  # rotated away meanwhile
+                    total += p.stat().st_size
+            return total
+
+        sizes = [kept()]
+        while len(sizes) < 40 and (len(sizes) < 3 or sizes[-1] != sizes[-3]):  # the engine copies it behind
+            await asyncio.sleep(0.25)
+            sizes.append(kept())
+        assert 0 < sizes[-1] <= 2 << 20, sizes  # of 8 MB written
 
 
 def test_a_cpu_quota_too_small_to_apply_is_refused() -> None:

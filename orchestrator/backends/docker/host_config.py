@@ -53,6 +53,9 @@ class Leftovers:
         return sum(tmpfs) + sum(self.inodes(mb) for mb in tmpfs) * INODE_BYTES / (1 << 20) + self.shm_mb
 
 
+LOG_CAP = {"max-size": "1m", "max-file": "1"}  # a sandbox's log on the engine's disk (json-file)
+
+
 def leftovers(lim: Limits) -> Leftovers:
     """/dev/shm and SysV shared memory at SHM_MB each (at most 1/32 of the memory), and /tmp and the workspace as
     asked, or scaled down together into what is left under the memory limit with a reserve for envd and the processes.
@@ -101,6 +104,10 @@ def host_config(
         # turns a rollout into an infrastructure retry; docker's init would pass signals on to it
         "init": hard.init and spec.transport != "envd",
         "pids_limit": lim.pids,
+        # the engine keeps the container's stdout and stderr in a file on the host's disk: a tenant's image whose
+        # envd is a wrapper (PID 1 is the image's) left `yes` writing there for the sandbox's whole life, without
+        # bound. Kept, capped, for the startup's diagnostics (startup.py)
+        "log_config": docker.types.LogConfig(type="json-file", config=dict(LOG_CAP)),
         "mem_limit": f"{lim.memory_mb}m",
         "nano_cpus": int(lim.cpus * 1e9),
         # set here, not inherited from the engine's default (often 1M): one process cannot hold the host's file table
