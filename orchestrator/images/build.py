@@ -48,6 +48,7 @@ _CONTINUED = re.compile(r"\\[ \t]*\r?\n")
 KEEP_FREE_SHARE = 0.05
 KEEP_FREE_MIN_BYTES = 2 << 30
 MAX_BUILD_LOGS = 500
+BUILD_LOG_BYTES = 1 << 30  # the build logs kept in all (the next build's room included)
 
 ContextFile = bytes | Path
 
@@ -300,15 +301,20 @@ def _check_room(usage: Any, limits: BuildLimits, reserved: int) -> None:
 
 
 def _prune_logs(logs: Path) -> None:
-    """Keep the newest MAX_BUILD_LOGS build logs (each up to a build's output_mb): one per build, never removed, they
-    grew without end."""
+    """Keep the newest MAX_BUILD_LOGS build logs, BUILD_LOG_BYTES of them at most, with room for the next build's
+    (each up to its output_mb): one per build, never removed, they grew without end; by count alone, 500 of 64 MiB
+    were 32 GiB of the host's disk, outside the engine's that a build's room is checked against."""
     try:
-        found = sorted(logs.glob("*.log"), key=lambda p: p.stat().st_mtime)
+        found = [(p, p.stat()) for p in logs.glob("*.log")]
     except OSError:
         return
-    for old in found[: max(0, len(found) - MAX_BUILD_LOGS + 1)]:
-        with contextlib.suppress(OSError):
-            old.unlink()
+    found.sort(key=lambda entry: entry[1].st_mtime, reverse=True)  # the newest first
+    total = 0
+    for kept, (path, st) in enumerate(found, start=1):
+        total += st.st_size
+        if kept >= MAX_BUILD_LOGS or total > BUILD_LOG_BYTES - (BuildLimits().output_mb << 20):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _present_ids(client: docker.DockerClient, refs: Collection[str]) -> dict[str, str]:

@@ -623,6 +623,23 @@ def test_a_tenant_build_never_takes_the_disk_sandboxes_need(
         docker_client.images.remove(tag, force=True)
 
 
+def test_build_logs_are_kept_within_a_byte_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # kept by count alone: 500 logs of a build's 64 MiB were 32 GiB of the host's disk, which no check of a build's
+    # room counts (that is the engine's disk)
+    import os
+
+    from orchestrator.images import build as build_module
+
+    monkeypatch.setattr(build_module, "BUILD_LOG_BYTES", (64 + 16) << 20)  # 16 MiB past the next build's room
+    for n in range(10):
+        path = tmp_path / f"b{n}.log"
+        with path.open("wb") as f:
+            f.truncate(8 << 20)
+        os.utime(path, (1000 + n, 1000 + n))
+    build_module._prune_logs(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.log")) == ["b8.log", "b9.log"]  # the newest, 16 MiB
+
+
 def test_builds_running_at_once_count_each_others_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     # each build checked the floor alone: two a registration ran at once (its checks run in parallel) could write
     # twice the room between them, into what the sandboxes need
