@@ -28,7 +28,7 @@ from environments.swe.images import REPO_DIR, RepoTars, environment_image, insta
 from environments.swe.instance import EnvironmentSpec, Prediction, SweInstance
 from environments.swe.patches import check_patch
 from environments.swe.report import RunLayout, RunSummary, models_of, write_atomic
-from environments.swe.script import BOOTSTRAP, EVAL_ENV, MAX_TEST_OUTPUT, make_bundle
+from environments.swe.script import BOOTSTRAP, EVAL_ENV, MAX_TEST_OUTPUT, PRE_TEST_OUTPUT, make_bundle
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.errors import EnvfleetError, ImageBuildError, InvalidRequestError, SandboxError
 from orchestrator.core.sandbox import SandboxBackend, SandboxSpec
@@ -78,7 +78,7 @@ async def evaluate_in_sandbox(
         stdin=bundle.tar(),
         env=EVAL_ENV,
         timeout=timeout + EXEC_MARGIN_S,
-        max_output=MAX_TEST_OUTPUT + (8 << 20),
+        max_output=MAX_TEST_OUTPUT + PRE_TEST_OUTPUT,
     )
     text = result.stdout.decode(errors="replace")
     if result.timed_out and f"{TESTS_STARTED} {nonce}" not in text.split("\n"):

@@ -39,6 +39,8 @@ _HARNESS_NAMES = r"(^|/)(conftest|sitecustomize|usercustomize)\.py$|\.pth$"
 _HARNESS_CONFIG = r"(^|/)(pytest\.ini|\.pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml)$"
 HARNESS_FILES = f"{_HARNESS_NAMES}|{_HARNESS_CONFIG}"
 MAX_TEST_OUTPUT = 8 << 20
+MAX_TOOL_ECHO = 64 << 10  # of what git apply or patch prints of the patch (its file names), each run
+PRE_TEST_OUTPUT = 8 << 20  # the host keeps this much of the script's output past the tests' own
 # Deterministic and closed: fixed time zone, hash seed and locale; no user site, no git config from $HOME.
 EVAL_ENV: dict[str, str] = {
     "TZ": "UTC",
@@ -217,7 +219,10 @@ fail_patched() {{ echo "{PATCHED_SETUP_FAILED}: $1"; exit 0; }}
 reset_tree() {{ git reset -q --hard "$BASE" && git clean -fdq; }}
 # what the tools print of the patch (its lines, the files it names) is indented: a line of the agent's, echoed by
 # git apply or patch, is never a marker of this script's (">>>>> Reset Failed" made a 0 an infrastructure failure)
-quoted() {{ sed 's/^/  | /'; }}
+# and kept to its first {MAX_TOOL_ECHO} bytes (the rest read and dropped, so the tool never sees a broken pipe): a patch
+# of thousands of long paths made git apply print megabytes before the tests' start marker, past what the host keeps
+# of the output, and a run held past its time by the code under test then read as the script's own failure
+quoted() {{ {{ head -c {MAX_TOOL_ECHO}; echo; }} | sed '/^$/d; s/^/  | /'; cat > /dev/null; }}  # a line cut: ended
 if [ {q(repo_dir)} != "$W" ]; then  # else the caller has just put a fresh copy there
   mkdir -p "$W" || fail_reset "cannot create $W"
   find "$W" -mindepth 1 -delete 2>/dev/null || fail_reset "cannot empty $W"

@@ -176,11 +176,18 @@ async def test_a_patch_cannot_turn_its_0_into_a_grader_failure(
     from environments.swe import evaluate
 
     monkeypatch.setattr(evaluate, "EXEC_MARGIN_S", 5.0)
+    # what the host keeps of the script's output, smaller here: a patch of many long paths that git apply echoes
+    # past it pushed the tests' start marker out, and the stopper's run past its time read as the script's failure
+    monkeypatch.setattr(evaluate, "MAX_TEST_OUTPUT", 64 << 10)
+    monkeypatch.setattr(evaluate, "PRE_TEST_OUTPUT", 256 << 10)
+    deep = "/".join(["d" * 200] * 7)
+    flood = "".join(_new_file(f"{deep}/f{i}.txt", "x") for i in range(200))  # ~600 KiB of git apply's lines
     iid = tiny.pytest.instance_id
     preds = [
         pred(iid, "forged-marker", _new_file("notes.txt", FORGED_MARKER)),
         pred(iid, "stopper", _new_file("calc/__init__.py", STOPPER)),
         pred(iid, "writer", _new_file("calc/__init__.py", WRITER)),
+        pred(iid, "flooded-stopper", flood + _new_file("calc/__init__.py", STOPPER)),
     ]
     summary = await run_evaluation(
         [tiny.pytest], preds, run_id="r", backend=backend, client=docker_client, log_dir=tmp_path, timeout_s=5
@@ -211,6 +218,8 @@ async def test_a_patch_cannot_turn_its_0_into_a_grader_failure(
     assert "  | " + FORGED_MARKER in log.splitlines()  # git apply echoed it, indented
     assert not grade.resolved and grade.error is None, grade.error
     assert not report(run, "stopper", iid)["resolved"]
+    flooded = report(run, "flooded-stopper", iid)
+    assert flooded["patch_successfully_applied"] and not flooded["resolved"], flooded
     # a marker the code under test wrote to the script's output, after the tests started: graded, not a set-up
     # failure (it was read as one: INFRA_ERROR, masked)
     log, grade = rl_grade("writer")
