@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -35,6 +36,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
+# every control character but tab: a line or an escape sequence a sandbox's output put in a message (a scoring
+# command's, a grader's tail) wrote a forged log line of its own, or cleared the operator's terminal
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class TextFormatter(logging.Formatter):
+    """TEXT_FORMAT, a record's message on one line: its control characters escaped (the exception's traceback
+    follows on lines of its own, as ever)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", record.message)
+        return super().formatMessage(record)
+
+
 def add_log_format_argument(p: argparse.ArgumentParser) -> None:
     """`--log-format`, for every command."""
     p.add_argument(
@@ -45,5 +60,5 @@ def add_log_format_argument(p: argparse.ArgumentParser) -> None:
 def configure_logging(verbose: int, log_format: str = "text") -> None:
     """The root logger for a command: WARNING, INFO with -v, DEBUG with -vv, on stderr in the chosen format."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter(TEXT_FORMAT))
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), handlers=[handler], force=True)

@@ -1,0 +1,25 @@
+"""A sandbox's text in the control plane's log stays inside its own line: control characters in a message (a scoring
+command's output, a grader's tail) are escaped in the text format, as the JSON format escapes them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from orchestrator.cli.log_format import configure_logging
+
+FORGED = "junk\r\n2099-01-01 00:00:00,000 ERROR orchestrator.server: forged line\x1b[2J"
+
+
+def test_a_policys_output_cannot_write_a_log_line_of_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(1, "text")
+    try:
+        logging.getLogger("orchestrator.service.declarative.env").info(
+            "%s: the scoring command failed on the policy's answer (%s); scored 0", "task-1", FORGED
+        )
+    finally:
+        configure_logging(0, "text")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\r" not in err and "\x1b" not in err, repr(err)
+    assert "junk\\x0d\\x0a2099-01-01" in err and "forged line\\x1b[2J); scored 0" in err
