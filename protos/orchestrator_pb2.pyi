@@ -915,10 +915,12 @@ class SandboxReadFileRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class SandboxReadFileResponse(_message.Message):
-    __slots__ = ("content",)
+    __slots__ = ("content", "truncated")
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     content: bytes
-    def __init__(self, content: _Optional[bytes] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, content: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class SandboxWriteFileRequest(_message.Message):
     __slots__ = ("sandbox_id", "path", "content", "mode")

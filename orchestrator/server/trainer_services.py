@@ -281,14 +281,14 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         self, request: pb.SandboxReadFileRequest, context: grpc.aio.ServicerContext
     ) -> pb.SandboxReadFileResponse:
         tenant = self._auth.tenant(context)
-        data = await self._sandboxes.read_file(
+        data, truncated = await self._sandboxes.read_file(
             tenant,
             check_id(request.sandbox_id, "sandbox_id"),
             _path(request.path),
             request.max_bytes,
             until_sent=_at_end(context),
         )
-        return pb.SandboxReadFileResponse(content=data)
+        return pb.SandboxReadFileResponse(content=data, truncated=truncated)
 
     async def WriteFile(
         self, request: pb.SandboxWriteFileRequest, context: grpc.aio.ServicerContext

@@ -460,17 +460,20 @@ class SandboxManager:
 
     async def read_file(
         self, tenant: str, sandbox_id: str, path: str, max_bytes: int = 0, *, until_sent: UntilSent | None = None
-    ) -> bytes:
-        """A file's content (at most max_bytes, 0: the configured cap). It counts against the tenant's
-        caps.read_bytes_per_tenant while it is read, and then, given `until_sent`, until the caller hands back the
-        release it is given (once the reply is sent)."""
+    ) -> tuple[bytes, bool]:
+        """A file's content (at most max_bytes, 0: the configured cap), and whether the file went on past it (its
+        first bytes read as the whole file gave a trainer's own loop a reward the file did not hold). It counts
+        against the tenant's caps.read_bytes_per_tenant while it is read, and then, given `until_sent`, until the
+        caller hands back the release it is given (once the reply is sent)."""
         if not 0 <= max_bytes <= self.config.max_output:
             raise InvalidRequestError(f"max_bytes must be between 0 and {self.config.max_output}, got {max_bytes}")
         live = await self._get(tenant, sandbox_id)
         cap = max_bytes or self.config.max_output
-        return await self._held_reply(
-            tenant, cap, lambda: self._use(live, live.sandbox.read_file(path, cap)), until_sent
+        # one byte past the cap says whether there was more
+        data = await self._held_reply(
+            tenant, cap + 1, lambda: self._use(live, live.sandbox.read_file(path, cap + 1)), until_sent
         )
+        return data[:cap], len(data) > cap
 
     async def write_file(self, tenant: str, sandbox_id: str, path: str, data: bytes, mode: int = 0) -> None:
         """Create or replace a file (parents are created)."""

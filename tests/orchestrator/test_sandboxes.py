@@ -73,7 +73,11 @@ async def test_lifecycle_exec_files_and_hardening(
 
     await stub.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="notes/a.txt", content=b"hello"))
     got = await stub.ReadFile(pb.SandboxReadFileRequest(sandbox_id=sid, path="/workspace/notes/a.txt"))
-    assert got.content == b"hello"
+    assert got.content == b"hello" and not got.truncated
+    # a file past max_bytes says so: its first bytes, read as the whole file, were a reward it did not hold
+    for cap, content, truncated in ((3, b"hel", True), (5, b"hello", False)):
+        got = await stub.ReadFile(pb.SandboxReadFileRequest(sandbox_id=sid, path="notes/a.txt", max_bytes=cap))
+        assert (got.content, got.truncated) == (content, truncated), cap
     await expect_error(
         stub.ReadFile(pb.SandboxReadFileRequest(sandbox_id=sid, path="missing")), grpc.StatusCode.NOT_FOUND
     )
