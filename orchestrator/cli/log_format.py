@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from datetime import UTC, datetime
 from typing import Any
+
+from orchestrator.core.log_text import TextFormatter
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -34,20 +35,6 @@ class JsonFormatter(logging.Formatter):
             if key not in _STANDARD and key not in entry:
                 entry[key] = value
         return json.dumps(entry, default=str, ensure_ascii=False)
-
-
-# every control character but tab: a line or an escape sequence a sandbox's output put in a message (a scoring
-# command's, a grader's tail) wrote a forged log line of its own, or cleared the operator's terminal
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-
-
-class TextFormatter(logging.Formatter):
-    """TEXT_FORMAT, a record's message on one line: its control characters escaped (the exception's traceback
-    follows on lines of its own, as ever)."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", record.message)
-        return super().formatMessage(record)
 
 
 def add_log_format_argument(p: argparse.ArgumentParser) -> None:

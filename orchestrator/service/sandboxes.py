@@ -469,9 +469,10 @@ class SandboxManager:
             raise InvalidRequestError(f"max_bytes must be between 0 and {self.config.max_output}, got {max_bytes}")
         live = await self._get(tenant, sandbox_id)
         cap = max_bytes or self.config.max_output
-        # one byte past the cap says whether there was more
+        # one byte past the cap says whether there was more (the budget holds the cap: a budget of exactly the cap
+        # still reads)
         data = await self._held_reply(
-            tenant, cap + 1, lambda: self._use(live, live.sandbox.read_file(path, cap + 1)), until_sent
+            tenant, cap, lambda: self._use(live, live.sandbox.read_file(path, cap + 1)), until_sent
         )
         return data[:cap], len(data) > cap
 

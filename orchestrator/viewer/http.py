@@ -200,6 +200,7 @@ class _Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         parsed = super().parse_request()  # reads the headers
         self._reads.deadline = None  # the head is in: a login form's body is read at `timeout` a read
+        self.connection.settimeout(self.timeout)  # and the reply is sent at it (the socket kept the head's time left)
         return parsed
 
     def log_message(self, format: str, *args: object) -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.client.auth import ClientTLS, check_client_transport
+from orchestrator.core.log_text import TextFormatter
 from orchestrator.core.runtime import limit_malloc_arenas
 from orchestrator.worker.config import WorkerConfig
 from orchestrator.worker.process import run_worker
@@ -54,6 +55,14 @@ def _die_with_parent(parent_pid: int) -> None:
         sys.exit("the control plane is gone")
 
 
+def configure_logging(name: str, verbose: int) -> None:
+    """The worker's log lines on stderr: a local worker's stderr is its control plane's, so its lines are escaped
+    alike (a scoring command's output, logged here, wrote forged lines of its own)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(TextFormatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), handlers=[handler], force=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of a worker process."""
     limit_malloc_arenas()  # before gRPC starts its threads
@@ -68,10 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parent-pid", type=int, default=0, help="die with this process (a local worker's control plane)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING - 10 * min(args.verbose, 2),
-        format=f"%(asctime)s %(levelname)s {args.name} %(name)s: %(message)s",
-    )
+    configure_logging(args.name, args.verbose)
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
     tls = _tls(args)

@@ -8,12 +8,18 @@ import logging
 import pytest
 
 from orchestrator.cli.log_format import configure_logging
+from orchestrator.worker.__main__ import configure_logging as worker_logging
 
 FORGED = "junk\r\n2099-01-01 00:00:00,000 ERROR orchestrator.server: forged line\x1b[2J"
 
 
-def test_a_policys_output_cannot_write_a_log_line_of_its_own(capsys: pytest.CaptureFixture[str]) -> None:
-    configure_logging(1, "text")
+@pytest.mark.parametrize("process", ["control plane", "worker"])
+def test_a_policys_output_cannot_write_a_log_line_of_its_own(process: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # a local worker runs the scoring, and its stderr is the control plane's
+    if process == "worker":
+        worker_logging("w0", 1)
+    else:
+        configure_logging(1, "text")
     try:
         logging.getLogger("orchestrator.service.declarative.env").info(
             "%s: the scoring command failed on the policy's answer (%s); scored 0", "task-1", FORGED

@@ -181,7 +181,7 @@ async def test_the_orchestrators_own_answers_reach_the_facades_caller(tmp_path: 
     # and INTERNAL (its error id) as well: the API marks the statuses it answers itself
     import grpc
 
-    from orchestrator.core.errors import SERVER_STATUS_KEY
+    from orchestrator.core.errors import SERVER_STATUS_KEY, SandboxUnavailableError
     from orchestrator.openenv.environment import rpc_message
     from protos import orchestrator_pb2 as pb
     from protos import orchestrator_pb2_grpc as pb_grpc
@@ -189,8 +189,20 @@ async def test_the_orchestrators_own_answers_reach_the_facades_caller(tmp_path: 
     async with serve(tmp_path / "data", backend=FAKE) as orch, grpc.aio.insecure_channel(orch.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await pb_grpc.EnvironmentServiceStub(channel).Describe(pb.DescribeEnvironmentRequest(name="no-such-env"))
-    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
-    assert (SERVER_STATUS_KEY, "1") in tuple(refused.value.trailing_metadata() or ())
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert (SERVER_STATUS_KEY, "1") in tuple(refused.value.trailing_metadata() or ())
+        # an UNAVAILABLE of the orchestrator's own, end to end through the facade: its message reaches the caller
+
+        def down(*args: object) -> None:
+            raise SandboxUnavailableError("the sandbox backend is down: try again shortly")
+
+        orch.jobs.registry.lookup = down  # type: ignore[method-assign,assignment]
+        facade = await start_facade(OpenEnvConfig(port=0), orch.address)
+        try:
+            status, body = await http_get(facade.url, "/envs/python-tool/metadata")
+        finally:
+            await facade.close()
+    assert status == 503 and body["detail"] == "UNAVAILABLE: the sandbox backend is down: try again shortly", body
     ours = grpc.aio.Metadata((SERVER_STATUS_KEY, "1"))
     for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
         answered = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), ours, "sandbox s-1 died: its envd is gone")

@@ -335,6 +335,15 @@ def test_a_request_head_sent_a_byte_at_a_time_is_cut_off(tmp_path: Path, monkeyp
                 except OSError:  # reset: closed too
                     closed = True
             assert closed and time.monotonic() - t0 < 5, time.monotonic() - t0
-        # a quick client is served as before, a login form's body too
-        status, _, _ = _request(viewer.url, "/")
-        assert status == 200
+        # a quick client is served as before; kept alive and then idle, its connection is closed the same way
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request("GET", "/")
+            response = conn.getresponse()
+            assert response.status == 200 and response.read()
+            assert conn.sock is not None
+            conn.sock.settimeout(8)
+            t0 = time.monotonic()
+            assert conn.sock.recv(1) == b"" and time.monotonic() - t0 < 5  # closed by the server, idle past 1.5 s
+        finally:
+            conn.close()
