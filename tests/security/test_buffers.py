@@ -631,3 +631,19 @@ async def test_a_tenants_reply_budget_goes_in_turns_and_refuses_what_never_fits(
     late.cancel()
     await asyncio.gather(late, return_exceptions=True)
     assert budget.held("a") == 1 and not budget._waiting
+
+
+async def test_a_read_as_large_as_the_tenants_budget_still_reads(tmp_path: Path) -> None:
+    # ReadFile reads a byte past its cap to say whether the file went on: the budget was asked for that byte too,
+    # and a budget of exactly the cap refused every read at its cap
+    caps = {"read_bytes_per_tenant": 1 * MiB}
+    async with (
+        serve(tmp_path, backend=FAKE, caps=caps, sandboxes={"max_output": 1 * MiB}) as orch,
+        EnvfleetClient(orch.address) as c,
+    ):
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))).sandbox_id
+        await ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="big", content=b"x" * (2 * MiB)))
+        got = await ss.ReadFile(pb.SandboxReadFileRequest(sandbox_id=sid, path="big"))
+        assert len(got.content) == 1 * MiB and got.truncated
+        await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
