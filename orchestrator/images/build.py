@@ -418,6 +418,10 @@ def _run_build(
                 if "error" in chunk:
                     error, ended = str(chunk["error"] or chunk.get("errorDetail")), True
                     break
+                if guard is not None and guard.cut:
+                    # past the lines the guard checks, it watches no later step: the build is cancelled now (the
+                    # connection dropped), not left to the kill of a step it would no longer see
+                    break
                 if limits is not None and printed > limits.output_mb << 20:
                     error = (
                         f"the build printed more than {limits.output_mb} MB; it was stopped (send a step's output to "

@@ -65,6 +65,7 @@ class DiskGuard:
         self._step: str | None = None  # the running step's container
         self._reached = set(bases)  # image ids the build has reached: its FROM images, then each layer taken
         self._checks = 0  # the lines it printed that look like the engine's, each checked on the engine
+        self.cut = False  # past MAX_CHECKS: it watches no more, and the build is to be cancelled (build._run_build)
         self._started = time.time()
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -85,6 +86,7 @@ class DiskGuard:
             return  # a FROM's image, or a layer taken already: nothing to check
         self._checks += 1
         if self._checks > MAX_CHECKS:
+            self.cut = True
             if self.over is None:
                 self.over = (
                     f"the build printed more than {MAX_CHECKS} lines that look like the builder's own (' ---> <id>'); "

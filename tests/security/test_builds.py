@@ -368,6 +368,25 @@ def test_a_build_that_labels_itself_a_sandbox_is_still_watched(
     _assert_gone(marker)
 
 
+def test_a_build_that_prints_the_guards_lines_past_its_checks_is_stopped(
+    docker_client: docker.DockerClient, tmp_path: Path, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each line that looks like the engine's is checked on the engine, 2,000 at most: past them the guard checked no
+    # more, so a later step was no longer watched. The build is stopped there
+    from orchestrator.images import disk_guard
+
+    monkeypatch.setattr(disk_guard, "MAX_CHECKS", 5)
+    marker = uuid.uuid4().hex
+    fakes = "".join(f"\\n ---> {n:012x}" for n in range(10))
+    dockerfile = (
+        f"FROM {base_image}\nRUN : {marker} && printf '{fakes}\\n'\n"
+        f"RUN : {marker} && head -c 300M /dev/zero > /big && sleep 120\n"
+    )
+    match = "printed more than 5 lines that look like the builder's own"
+    _refused(docker_client, tmp_path, "sec-checks", dockerfile, BuildLimits(disk_mb=100), match, 60)
+    _assert_gone(marker)
+
+
 def test_a_failed_build_never_removes_an_image_it_names(
     docker_client: docker.DockerClient, tmp_path: Path, base_image: str
 ) -> None:
