@@ -417,13 +417,16 @@ def test_the_disk_guard_never_kills_a_container_a_build_names(
     from orchestrator.images.disk_guard import DiskGuard
 
     base = str(docker_client.images.get(base_image).id)
-    older = docker_client.containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none")
-    time.sleep(1.1)  # the guard's build starts after `older` was made
-    guard = DiskGuard(docker_client, 1, bases=[base])
-    sandbox = docker_client.containers.run(
-        base_image, ["sleep", "60"], detach=True, network_mode="none", labels={"envfleet.managed": "1"}
-    )
-    try:
+    made = []
+    try:  # each removed whatever fails (a guard that cannot be made left `older` running)
+        older = docker_client.containers.run(base_image, ["sleep", "60"], detach=True, network_mode="none")
+        made.append(older)
+        time.sleep(1.1)  # the guard's build starts after `older` was made
+        guard = DiskGuard(docker_client, 1, bases=[base])
+        sandbox = docker_client.containers.run(
+            base_image, ["sleep", "60"], detach=True, network_mode="none", labels={"envfleet.managed": "1"}
+        )
+        made.append(sandbox)
         guard.over = "past its limit"
         for victim in (older, sandbox):
             guard.saw(f" ---> Running in {victim.id[:12]}")
@@ -432,7 +435,7 @@ def test_the_disk_guard_never_kills_a_container_a_build_names(
             victim.reload()
             assert victim.status == "running", victim.name
     finally:
-        for c in (older, sandbox):
+        for c in made:
             c.remove(force=True)
 
 
