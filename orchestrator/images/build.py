@@ -309,10 +309,11 @@ def _prune_logs(logs: Path) -> None:
     except OSError:
         return
     found.sort(key=lambda entry: entry[1].st_mtime, reverse=True)  # the newest first
+    budget = BUILD_LOG_BYTES - (BuildLimits().output_mb << 20)  # with room for the next build's
     total = 0
     for kept, (path, st) in enumerate(found, start=1):
         total += st.st_size
-        if kept >= MAX_BUILD_LOGS or total > BUILD_LOG_BYTES - (BuildLimits().output_mb << 20):
+        if kept >= MAX_BUILD_LOGS or total > budget:
             with contextlib.suppress(OSError):
                 path.unlink()
 
