@@ -16,6 +16,10 @@
 - `fleet_sim`: the fake backend in worker processes holding 10,000 concurrent sandboxes and running 50,000 rollouts
   through the production scheduler, delivery and result log: lost, duplicated, and the p99 dispatch delay (the round
   trip from the control plane sending a rollout to a worker to taking its result, less the rollout's own run time).
+- `declarative_tasks`: a declarative environment of 10,000 tasks (a spec of about 2.5 MB) beside python-tool, the same
+  number of light rollouts of each on one control plane and 2 workers: rollouts/s and CPU per rollout of both, and
+  their ratio. A job's spec and its declarative environment's travel to a worker once a stream
+  (WorkerHello.keeps_specs); sent with each assignment, the 2.5 MB went with every rollout.
 - `job_table`: what 4,000 finished jobs cost a control plane that keeps them (ListJobs, GetJob, a restart, the
   result log's bytes per job), and a restart past their retention: how long the removal takes and what is left.
 """
@@ -47,9 +51,12 @@ from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobSpec, RolloutSt
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.core.runtime import tune_gc
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
+from orchestrator.server.convert_specs import spec_to_pb
 from orchestrator.service.caps import CapsConfig
+from orchestrator.service.declarative import parse_spec
 from orchestrator.service.registry import Registry
 from orchestrator.service.scheduler import Capacity
+from protos import orchestrator_pb2 as pb
 
 ENV = "python-tool"
 OWNER = "envfleet-bench-fleet"
@@ -407,6 +414,68 @@ async def paced(total: int = 1200, in_flight: int = 64, exec_s: float = 1.0) -> 
     }
 
 
+def _many_tasks_spec(tasks: int) -> pb.EnvironmentSpec:
+    """A declarative environment of `tasks` small tasks whose reference answers and scores 1 (the fake backend echoes
+    the scoring command's output)."""
+    text = "say the number of the task, then submit it. " * 4
+    spec = parse_spec(
+        {
+            "name": "many-tasks",
+            "version": "1",
+            "tools": ["submit"],
+            "tasks": [
+                {
+                    "id": f"t-{i}",
+                    "prompt": f"Task {i}: {text}",
+                    "data": {"expected": i},
+                    "reference": [{"name": "submit", "arguments": {"answer": str(i)}}],
+                }
+                for i in range(tasks)
+            ],
+            "scoring": {"command": """echo '{"reward": 1}'""", "timeout_s": 30},
+        }
+    )
+    return spec_to_pb(spec)
+
+
+async def declarative_tasks(tasks: int = 10_000, total: int = 4_000) -> dict[str, Any]:
+    """`total` rollouts of a declarative environment of `tasks` tasks, and as many of python-tool, on one control plane
+    with 2 workers (the replay policy, the fake backend)."""
+    ids = [t.id for t in Registry.from_entry_points().get(ENV).tasks()]
+    declared = _many_tasks_spec(tasks)
+    many = _job(["x"]).model_copy(
+        update={"env": "many-tasks@1", "tasks": TaskSelection(kind="sample", count=total), "group_size": 1}
+    )
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="envfleet-bench-") as data:
+        orch = await _plane(Path(data), 2, in_flight=1024)
+        try:
+            async with EnvfleetClient(orch.address, timeout_s=600) as client:
+                await client.env_stub.Register(declared)
+                for job in (_job(ids[:4]), many.model_copy(update={"tasks": TaskSelection(kind="sample", count=4)})):
+                    await _drain(client, await client.submit(job))  # the workers' pools, code and environments warm
+            for name, job in (("python_tool", _job(ids, n=-(-total // len(ids)))), ("declarative", many)):
+                before = proc_cpu.read()
+                counts, elapsed, _ = await timed_job(orch.address, job, reader="messages")
+                after = proc_cpu.read()
+                done = sum(counts.values())
+                cpu = proc_cpu.per(before, after, done, 1e6)
+                runs[name] = {
+                    "rollouts_per_s": round(done / elapsed, 1),
+                    "cpu_us_per_rollout": {k: cpu.get(k, 0.0) for k in ("control_plane", "workers")},
+                    "ok": counts["OK"],
+                    "n": done,
+                }
+        finally:
+            await orch.stop(grace=1)
+    return {
+        **runs,
+        "tasks": tasks,
+        "spec_bytes": declared.ByteSize(),
+        "rate_ratio": round(runs["declarative"]["rollouts_per_s"] / runs["python_tool"]["rollouts_per_s"], 3),
+    }
+
+
 async def fleet_sim(concurrent: int = 10_000, total: int = 50_000, workers: int = 2) -> dict[str, Any]:
     """`concurrent` fake sandboxes held at once by worker processes, `total` rollouts through the real control plane
     (in as many jobs as a job's concurrency cap of 4096 needs, so fair share between jobs is in play too)."""
@@ -525,6 +594,7 @@ async def run_all() -> dict[str, Any]:
         "paced": await paced(),
         "fleet_sim": await fleet_sim(),
         "job_table": await job_table(),
+        "declarative_tasks": await declarative_tasks(),
     }
 
 
@@ -537,6 +607,7 @@ if __name__ == "__main__":
         "paced": paced,
         "sim": fleet_sim,
         "jobs": job_table,
+        "declarative": declarative_tasks,
     }
     fn = benches.get(which)
     tune_gc()  # the control plane runs in this process: tuned as `envfleet serve` tunes it

@@ -15,7 +15,7 @@ PROTOCOL_UNSPECIFIED: Protocol
 PROTOCOL_BATCHED: Protocol
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "host", "slots", "pid", "protocol", "acks_cancel", "instance")
+    __slots__ = ("worker_id", "host", "slots", "pid", "protocol", "acks_cancel", "instance", "keeps_specs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class WorkerHello(_message.Message):
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     ACKS_CANCEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_SPECS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     slots: int
@@ -30,7 +31,8 @@ class WorkerHello(_message.Message):
     protocol: Protocol
     acks_cancel: bool
     instance: str
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., acks_cancel: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
+    keeps_specs: bool
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., acks_cancel: _Optional[bool] = ..., instance: _Optional[str] = ..., keeps_specs: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "metrics")

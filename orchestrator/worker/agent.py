@@ -95,6 +95,11 @@ class WorkerAgent:
         # registration, an archive of other bytes) is another environment, whose tasks the old ones are not
         self._tasks: weakref.WeakKeyDictionary[Environment, dict[str, Task]] = weakref.WeakKeyDictionary()
         self._specs: dict[str, tuple[bytes, JobSpec]] = {}  # job id -> its spec as last sent, and parsed
+        # job id -> its spec and its environment's as JSON, as this stream last carried them (WorkerHello.keeps_specs)
+        self._carried: dict[str, tuple[bytes, bytes]] = {}
+        # job id -> its declarative environment's spec as carried, and the environment: looked up by content once a
+        # job (a spec of 100,000 tasks is megabytes, its hash milliseconds), not once an assignment
+        self._job_envs: dict[str, tuple[bytes, Environment]] = {}
         self.sessions = 0  # streams opened so far
 
     async def run_forever(self, stop: asyncio.Event) -> None:
@@ -153,6 +158,7 @@ class WorkerAgent:
             protocol=wpb.PROTOCOL_BATCHED,
             acks_cancel=True,
             instance=self._instance,
+            keeps_specs=True,
         )
         outbox.put(wpb.WorkerMessage(hello=hello))
 
@@ -186,7 +192,7 @@ class WorkerAgent:
                             if a.HasField("env_archive") and a.env_archive.archive:
                                 self._start_loading(a.env_archive)  # before any later assignment of it runs
                             task = asyncio.create_task(
-                                self._run(a, outbox, cancelled), name=f"assignment {a.assignment_id}"
+                                self._run(a, self._carry(a), outbox, cancelled), name=f"assignment {a.assignment_id}"
                             )
                             running[a.assignment_id] = task
                             task.add_done_callback(functools.partial(_forget, running, a.assignment_id))
@@ -196,6 +202,8 @@ class WorkerAgent:
                             cancelled.add(message.cancel.assignment_id)
                     elif message.HasField("job_ended"):
                         self._specs.pop(message.job_ended.job_id, None)
+                        self._carried.pop(message.job_ended.job_id, None)
+                        self._job_envs.pop(message.job_ended.job_id, None)
                         self._executor.job_ended(message.job_ended.job_id)
             except asyncio.CancelledError:
                 if not stop.is_set():
@@ -210,6 +218,8 @@ class WorkerAgent:
                 outbox.close()
                 # a job that ends while this worker is away is never said to end here: its spec and snapshots go
                 # now (both come back with the job's next assignment, the snapshots as a cache miss)
+                self._carried.clear()  # the next stream carries each job's spec again
+                self._job_envs.clear()
                 for job_id in list(self._specs):
                     self._specs.pop(job_id)
                     self._executor.job_ended(job_id)
@@ -219,24 +229,43 @@ class WorkerAgent:
             return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         return grpc.aio.secure_channel(self.target, self._tls.credentials(), options=CHANNEL_OPTIONS)
 
+    def _carry(self, a: wpb.Assignment) -> tuple[bytes, bytes]:
+        """The assignment's job spec and environment spec as JSON: those it carries, kept for the job's next ones, or
+        those this stream carried last for its job when it carries none (read in the stream's order, as sent)."""
+        spec_json = a.job_spec_json
+        if not spec_json:
+            return self._carried.get(a.job_id, (b"", b""))
+        carried = self._carried[a.job_id] = (spec_json, a.env_spec_json)
+        return carried
+
     async def _run(
-        self, a: wpb.Assignment, outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult], cancelled: set[str]
+        self,
+        a: wpb.Assignment,
+        carried: tuple[bytes, bytes],
+        outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult],
+        cancelled: set[str],
     ) -> None:
         try:
-            await self._run_assignment(a, outbox)
+            await self._run_assignment(a, *carried, outbox)
         except asyncio.CancelledError:
             if a.assignment_id in cancelled:  # the control plane's Cancel: a run destroys its sandbox before it ends
                 cancelled.discard(a.assignment_id)
                 outbox.put(wpb.RolloutResult(assignment_id=a.assignment_id, cancelled=True))
             raise
 
-    async def _run_assignment(self, a: wpb.Assignment, outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult]) -> None:
+    async def _run_assignment(
+        self,
+        a: wpb.Assignment,
+        spec_json: bytes,
+        env_json: bytes,
+        outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult],
+    ) -> None:
         try:
-            spec = self._spec(a.job_id, a.job_spec_json)
+            spec = self._spec(a.job_id, spec_json)
             if a.HasField("env_archive"):
                 env = await self._archived(a.env_archive)
             else:
-                env = self._environment(spec.env, a.env_spec_json)
+                env = self._job_environment(a.job_id, spec.env, env_json)
             task = self._task(env, a.task_id)
         except Exception as e:
             outbox.put(self._failed(a, "cannot run it", e))
@@ -261,10 +290,22 @@ class WorkerAgent:
 
     def _spec(self, job_id: str, spec_json: bytes) -> JobSpec:
         """The assignment's job spec, parsed once per job and spec (a policy update sends a new one)."""
+        if not spec_json:  # the control plane's bug: said again with the job's next assignment (after this error)
+            raise LookupError(f"no spec of job {job_id} came on this stream")
         cached = self._specs.get(job_id)
         if cached is None or cached[0] != spec_json:
             cached = self._specs[job_id] = (spec_json, JobSpec.model_validate_json(spec_json))
         return cached[1]
+
+    def _job_environment(self, job_id: str, ref: str, spec_json: bytes) -> Environment:
+        """The job's environment: `_environment`, once per declarative spec the stream carried for the job."""
+        cached = self._job_envs.get(job_id)
+        if cached is not None and cached[0] is spec_json:  # the bytes kept from the assignment that carried them
+            return cached[1]
+        env = self._environment(ref, spec_json)
+        if spec_json:
+            self._job_envs[job_id] = (spec_json, env)
+        return env
 
     def _environment(self, ref: str, spec_json: bytes) -> Environment:
         if not spec_json:

@@ -91,6 +91,10 @@ class _Worker:
     cancelling: dict[str, tuple[float, asyncio.Future[None]]] = field(default_factory=dict)
     acks_cancel: bool = False  # it says when a cancelled rollout's sandbox is gone (WorkerHello.acks_cancel)
     instance: str = ""  # its process's secret (WorkerHello.instance): a hello with its id reconnects only with it
+    keeps_specs: bool = False  # it keeps a job's spec from the assignment that carried it (WorkerHello.keeps_specs)
+    # job id -> the spec this stream carried last (an older worker gets it every time): a job's spec of 1-2 KB went
+    # with each of its assignments, the largest part of the wire's bytes and of the control plane's work to send them
+    specs: dict[str, JobSpec] = field(default_factory=dict)
 
     @property
     def load(self) -> float:
@@ -221,6 +225,7 @@ class WorkerHub:
         self._encoded.pop(job_id, None)
         self._budgets.pop(job_id, None)
         for w in self._workers.values():
+            w.specs.pop(job_id, None)
             w.outbox.put(wpb.ControlMessage(job_ended=wpb.JobEnded(job_id=job_id)))
 
     def stopping(self) -> None:
@@ -338,6 +343,9 @@ class WorkerHub:
         budget = (spec.max_infra_retries + 1) * each + self.result_slack_s
         digest = archive.sha256 if archive is not None else ""
         spec_json, env_json = self._encode(item.job_id, env, spec)
+        carried = worker.specs.get(item.job_id) is spec  # its spec, and its environment's, are there
+        if carried:
+            spec_json = env_json = b""
         assignment = wpb.Assignment(
             assignment_id=assignment_id,
             job_spec_json=spec_json,
@@ -359,6 +367,8 @@ class WorkerHub:
                 f"the worker wire's {MAX_ASSIGNMENT_BYTES}: submit fewer task ids, or a smaller environment"
             )
         worker.running[assignment_id] = _Running(item, future, budget, sent + budget, digest)
+        if worker.keeps_specs and not carried:
+            worker.specs[item.job_id] = spec
         worker.outbox.put(assignment)
         try:
             rollout, run_s = await future
@@ -417,6 +427,7 @@ class WorkerHub:
             return
         worker = _Worker(hello.worker_id, hello.host, max(hello.slots, 1), hello.pid, trusted)
         worker.acks_cancel = hello.acks_cancel
+        worker.keeps_specs = hello.keeps_specs
         worker.instance = hello.instance
         previous = self._workers.get(worker.id)
         if previous is not None:
@@ -558,6 +569,7 @@ class WorkerHub:
                 # its environment's archive may be what failed there (it did not load): the next assignment of it
                 # to this worker carries the bytes again, and the worker loads them again
                 worker.archives.discard(running.archive)
+            worker.specs.pop(running.item.job_id, None)  # and the job's spec, whatever the worker did not keep
             running.result.set_exception(WorkerLostError(result.error))
             return
         try:

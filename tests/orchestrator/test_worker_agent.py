@@ -54,8 +54,16 @@ class _ControlPlane(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
     """Assigns `samples` of one job on the first stream (and ends it at its first results when `end_after_results`),
     then ends every later stream at once."""
 
-    def __init__(self, task_id: str, samples: tuple[int, ...], *, end_after_results: bool) -> None:
+    def __init__(
+        self,
+        task_id: str,
+        samples: tuple[int, ...],
+        *,
+        end_after_results: bool,
+        assignments: list[wpb.Assignment] | None = None,  # sent in place of the samples'
+    ) -> None:
         self.task_id, self.samples, self.end_after_results = task_id, samples, end_after_results
+        self.assignments = assignments
         self.streams = 0
         self.results: list[wpb.RolloutResult] = []
 
@@ -65,16 +73,11 @@ class _ControlPlane(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
         if self.streams > 1:
             return
         job = spec([self.task_id]).model_dump_json().encode()
-        yield wpb.ControlMessage(
-            assign=wpb.AssignmentBatch(
-                assignments=[
-                    wpb.Assignment(
-                        assignment_id=f"a{i}", job_spec_json=job, job_id="j", task_id=self.task_id, sample_index=i
-                    )
-                    for i in self.samples
-                ]
-            )
-        )
+        assignments = self.assignments or [
+            wpb.Assignment(assignment_id=f"a{i}", job_spec_json=job, job_id="j", task_id=self.task_id, sample_index=i)
+            for i in self.samples
+        ]
+        yield wpb.ControlMessage(assign=wpb.AssignmentBatch(assignments=assignments))
         async for m in inbound:
             if m.HasField("results"):
                 self.results += m.results.results
@@ -126,6 +129,25 @@ async def test_streams_that_end_leave_no_sender_and_no_job_behind(tmp_path: Path
     assert _senders() == 0
     assert sum(isinstance(o, Outbox) for o in gc.get_objects()) == 0
     assert executor.ended == ["j"] and not agent._specs
+
+
+async def test_a_worker_runs_assignments_without_a_spec_on_the_spec_its_job_carried_last(tmp_path: Path) -> None:
+    # a job's spec (and a declarative environment's, up to 100,000 tasks) went with each of its assignments; a worker
+    # that says it keeps specs gets them once a stream, and one that never came is an error, not a default spec
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    job = spec([task_id]).model_dump_json().encode()
+    sent = [
+        wpb.Assignment(assignment_id="carries", job_spec_json=job, job_id="j", task_id=task_id, sample_index=0),
+        wpb.Assignment(assignment_id="kept", job_id="j", task_id=task_id, sample_index=2),
+        wpb.Assignment(assignment_id="never-sent", job_id="other", task_id=task_id, sample_index=3),
+    ]
+    plane = _ControlPlane(task_id, (), end_after_results=False, assignments=sent)
+    agent = await _agent_against(plane, _Executor(), tmp_path, streams=1, results=3)
+    got = {r.assignment_id: r for r in plane.results}
+    assert got["carries"].rollout_pb and got["kept"].rollout_pb and not got["kept"].error
+    assert "no spec of job other came on this stream" in got["never-sent"].error
+    assert not got["never-sent"].rollout_pb
+    assert not agent._carried and not agent._job_envs  # the stream's end drops what it carried
 
 
 async def test_a_result_too_large_to_send_fails_alone_and_the_stream_goes_on(tmp_path: Path) -> None:

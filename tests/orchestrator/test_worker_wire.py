@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 
-from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
+from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutStatus
 from orchestrator.server.convert import rollout_pb
 from orchestrator.service.registry import Registry
 from orchestrator.worker import hub
@@ -204,6 +204,42 @@ async def test_a_worker_that_cannot_run_a_rollout_is_not_given_its_retry_nor_new
     assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
     assert len(bad.assignments) == 1 and len(good.assignments) == 3, (len(bad.assignments), len(good.assignments))
     assert isinstance(got[0], EncodedRollout) and got[0].attempts == 2  # its one failed attempt is counted
+
+
+async def test_a_jobs_spec_goes_to_a_worker_that_keeps_it_once_and_again_when_it_changed_or_failed() -> None:
+    # a job's spec went with each of its assignments: 1-2 KB of the 1.9 KB an assignment was for a job of 60 task
+    # ids, and a declarative environment's spec (up to 100,000 tasks, megabytes) went along with it each time
+    batch = items("job-specs", 6)
+    env = Registry.from_entry_points().get(ENV)
+    job = spec([i.task.id for i in batch])
+    failing = batch[3].task.id
+
+    async def answer(a: wpb.Assignment) -> wpb.RolloutResult:
+        if a.task_id == failing:
+            return wpb.RolloutResult(assignment_id=a.assignment_id, error="its environment did not load")
+        return encode(a.assignment_id, rollout_for(a))
+
+    async with serve_hub() as w:
+        async with ScriptedWorker(w.tcp, answer, worker_id="keeps", keeps_specs=True) as keeps:
+            await w.hub.wait_for_workers(1, timeout_s=30)
+            for i in batch[:3]:
+                await asyncio.wait_for(w.hub.run(i, env, job), 60)
+            updated = job.model_copy(update={"policy": job.policy.model_copy(update={"version": "v2"})})
+            for i in batch[3:5]:  # the first under the new spec, then the failed one's successor
+                await asyncio.wait_for(w.hub.run(i, env, updated), 60)
+            w.hub.job_ended("job-specs")
+            await asyncio.wait_for(w.hub.run(batch[5], env, updated), 60)
+        async with ScriptedWorker(w.tcp, answer, worker_id="older") as older:
+            for _ in range(200):  # the first one's stream has ended, and the new one joined
+                if [i.worker_id for i in w.hub.workers()] == ["older"]:
+                    break
+                await asyncio.sleep(0.05)
+            for i in batch[:2]:
+                await asyncio.wait_for(w.hub.run(i, env, job), 60)
+    carried = [JobSpec.model_validate_json(a.job_spec_json) if a.job_spec_json else None for a in keeps.assignments]
+    assert [c is not None for c in carried] == [True, False, False, True, True, True], carried
+    assert carried[0] == job and carried[3] == updated and carried[4] == updated and carried[5] == updated
+    assert all(a.job_spec_json for a in older.assignments) and len(older.assignments) == 2
 
 
 async def test_rollouts_waiting_for_a_slot_end_when_the_last_worker_is_gone() -> None:

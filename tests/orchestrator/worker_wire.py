@@ -96,6 +96,7 @@ class ScriptedWorker:
     slots: int = 64
     pid: int = 1
     instance: str = "scripted-instance"  # WorkerHello.instance: one process (a hello with its id reconnects)
+    keeps_specs: bool = False  # WorkerHello.keeps_specs: its assignments carry a job's spec once (an older one's each)
     host: str = "scripted-host"
     metrics: bytes = b""  # what its heartbeats carry as its Prometheus metrics
     token: str = TOKEN
@@ -134,6 +135,7 @@ class ScriptedWorker:
             pid=self.pid,
             protocol=self.protocol,
             instance=self.instance,
+            keeps_specs=self.keeps_specs,
         )
 
         async def outbound() -> AsyncIterator[wpb.WorkerMessage]:

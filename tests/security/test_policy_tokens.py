@@ -327,7 +327,7 @@ async def test_a_worker_whose_encoding_or_executor_raises_still_answers_the_assi
         assignment_id="a-1", job_id="job", job_spec_json=spec.model_dump_json().encode(), task_id=task_ids[0]
     )
     outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult] = Outbox()
-    await agent._run(a, outbox, set())
+    await agent._run(a, agent._carry(a), outbox, set())
     [result] = await asyncio.wait_for(outbox.get(), 5)
     assert isinstance(result, wpb.RolloutResult) and result.assignment_id == "a-1"
     assert not result.rollout_json and match in result.error, result.error
