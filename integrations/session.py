@@ -24,6 +24,7 @@ from orchestrator.client.convert import known_status
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.errors import EpisodeFailedError
 from orchestrator.core.models import RolloutStatus
+from orchestrator.core.text import as_text
 from orchestrator.rollout.policy.base import ToolCall
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
@@ -100,10 +101,12 @@ def opening_from_pb(r: pb.ResetResponse) -> Opening:
 
 
 def action_pb(action: ToolCall | str) -> pb.Action:
-    """A tool call, or (a str) the final answer."""
+    """A tool call, or (a str) the final answer. Each string made text (as_text): a policy's `\\ud800` escape
+    decodes to a lone surrogate, which protobuf refuses (UTF-8 has none), and it raised out of the episode."""
     if isinstance(action, str):
-        return pb.Action(final_answer=action)
-    return pb.Action(tool_call=pb.ToolCall(id=action.id, name=action.name, arguments=action.arguments))
+        return pb.Action(final_answer=as_text(action))
+    call = pb.ToolCall(id=as_text(action.id), name=as_text(action.name), arguments=as_text(action.arguments))
+    return pb.Action(tool_call=call)
 
 
 def step_from_pb(r: pb.StepResponse) -> StepResult:
@@ -122,12 +125,22 @@ def step_from_pb(r: pb.StepResponse) -> StepResult:
     )
 
 
-class AsyncSessions:
-    """SessionService over an EnvfleetClient's channel (its token and TLS), for asyncio code."""
+# Step's deadline: None, the server's own bound (the tool call, then a final step's grading, up to the grader's own
+# timeouts, past 300 s for some); a server that stops answering is found by keepalive. Shorter, a final step cut
+# here was scored by the server all the same, its reward lost, and the episode's close destroyed the sandbox
+STEP_TIMEOUT_S: float | None = None
 
-    def __init__(self, client: EnvfleetClient, *, timeout_s: float = 300.0) -> None:
+
+class AsyncSessions:
+    """SessionService over an EnvfleetClient's channel (its token and TLS), for asyncio code. `timeout_s` is Reset's
+    and Close's deadline; `step_timeout_s` Step's (STEP_TIMEOUT_S)."""
+
+    def __init__(
+        self, client: EnvfleetClient, *, timeout_s: float = 300.0, step_timeout_s: float | None = STEP_TIMEOUT_S
+    ) -> None:
         self.client = client
         self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
 
     async def reset(self, env: str, task_id: str = "", *, seed: int | None = None, max_turns: int = 0) -> Opening:
         """Acquire a sandbox and set the task up."""
@@ -137,7 +150,7 @@ class AsyncSessions:
     async def step(self, session_id: str, action: ToolCall | str) -> StepResult:
         """Run one tool call, or give the final answer."""
         req = pb.StepRequest(session_id=session_id, action=action_pb(action))
-        return step_from_pb(await self.client.session_stub.Step(req, timeout=self.timeout_s))
+        return step_from_pb(await self.client.session_stub.Step(req, timeout=self.step_timeout_s))
 
     async def close(self, session_id: str) -> None:
         """Release the sandbox; a session that already expired has nothing to release."""
@@ -151,7 +164,8 @@ class AsyncSessions:
 
 
 class SyncSessions:
-    """SessionService on a blocking channel of its own, for code without asyncio (SkyRL runs env.step in threads)."""
+    """SessionService on a blocking channel of its own, for code without asyncio (SkyRL runs env.step in threads).
+    `timeout_s` is Reset's and Close's deadline; `step_timeout_s` Step's (STEP_TIMEOUT_S)."""
 
     def __init__(
         self,
@@ -161,8 +175,10 @@ class SyncSessions:
         tls: ClientTLS | None = None,
         insecure: bool = False,
         timeout_s: float = 300.0,
+        step_timeout_s: float | None = STEP_TIMEOUT_S,
     ) -> None:
         self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
         self._metadata = bearer_metadata(token)
         self._channel = sync_channel(target, token=token, tls=tls, insecure=insecure)
         self._stub = pb_grpc.SessionServiceStub(self._channel)
@@ -175,7 +191,7 @@ class SyncSessions:
     def step(self, session_id: str, action: ToolCall | str) -> StepResult:
         """Run one tool call, or give the final answer."""
         req = pb.StepRequest(session_id=session_id, action=action_pb(action))
-        return step_from_pb(self._stub.Step(req, timeout=self.timeout_s, metadata=self._metadata))
+        return step_from_pb(self._stub.Step(req, timeout=self.step_timeout_s, metadata=self._metadata))
 
     def close(self, session_id: str) -> None:
         """Release the sandbox; a session that already expired has nothing to release."""

@@ -9,13 +9,15 @@
 An action is a JSON object `{"name": tool, "arguments": {...}}` (a tool call) or `{"answer": text}`; any other text
 is the final answer, like a completion without tool calls. The reward is 0 until the last step. When the episode
 fails for a reason that is not the policy's (status INFRA_ERROR, ENV_ERROR or TIMEOUT) there is no reward to learn
-from: step() raises SessionFailedError (or, with on_failure="truncate", returns truncated=True, reward 0.0 and
-info["scored"] = False so the sample can be masked).
+from: step() raises SessionFailedError (or, with on_failure="truncate", returns truncated=True, reward NaN and
+info["scored"] = False so the sample can be masked: a wrapper that reads no info learns nothing from it silently, as
+it would from a 0).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 import grpc
@@ -25,6 +27,7 @@ from gymnasium import spaces
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
 from orchestrator.client.convert import known_status
 from orchestrator.core.errors import EnvfleetError
+from orchestrator.core.text import as_text
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
@@ -48,23 +51,25 @@ class AnyText(spaces.Text):
 
 
 def parse_action(text: str) -> pb.Action:
-    """A tool call for `{"name": ..., "arguments": ...}`, else a final answer (`{"answer": ...}` or the text)."""
+    """A tool call for `{"name": ..., "arguments": ...}`, else a final answer (`{"answer": ...}` or the text). Each
+    string made text (as_text): a `\\ud800` escape decodes to a lone surrogate, which protobuf refuses (UTF-8 has
+    none), and it raised out of env.step."""
     try:
         obj = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
-        return pb.Action(final_answer=text)
+        return pb.Action(final_answer=as_text(text))
     if isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]:
         args = obj.get("arguments", {})
         return pb.Action(
             tool_call=pb.ToolCall(
-                id=str(obj.get("id", "")),
-                name=obj["name"],
-                arguments=args if isinstance(args, str) else json.dumps(args),
+                id=as_text(str(obj.get("id", ""))),
+                name=as_text(obj["name"]),
+                arguments=as_text(args) if isinstance(args, str) else json.dumps(args),
             )
         )
     if isinstance(obj, dict) and isinstance(obj.get("answer"), str) and set(obj) == {"answer"}:
-        return pb.Action(final_answer=obj["answer"])
-    return pb.Action(final_answer=text)
+        return pb.Action(final_answer=as_text(obj["answer"]))
+    return pb.Action(final_answer=as_text(text))
 
 
 class SessionEnv(gymnasium.Env[str, str]):
@@ -164,7 +169,7 @@ class SessionEnv(gymnasium.Env[str, str]):
             info["error"] = {"kind": r.error.kind, "message": r.error.message}
             if self.on_failure == "raise":
                 raise SessionFailedError(status, r.error.kind, r.error.message)
-        reward = r.reward if r.HasField("reward") else 0.0
+        reward = r.reward if r.HasField("reward") else math.nan if not info["scored"] else 0.0
         return r.observation, float(reward), r.terminated, r.truncated, info
 
     def close(self) -> None:

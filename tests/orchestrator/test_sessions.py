@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,15 @@ import grpc
 import pytest
 from gymnasium.utils.env_checker import check_env
 
+from integrations.session import AsyncSessions, SyncSessions
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend, FakeExec
 from orchestrator.client.gym import SessionEnv
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import SandboxDiedError
+from orchestrator.core.models import RolloutStatus
 from orchestrator.core.sandbox import ExecResult
+from orchestrator.rollout.policy.base import ToolCall
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
@@ -368,6 +373,84 @@ async def test_a_gym_step_longer_than_the_clients_call_deadline_keeps_its_result
 
         obs, status = await asyncio.to_thread(episode)
         assert obs.strip() == "print(7)" and status == ""  # the fake echoes the command; the episode goes on
+
+
+async def test_the_adapters_sessions_keep_a_step_longer_than_their_call_deadline(tmp_path: Path) -> None:
+    # the verl and SkyRL adapters gave Step Reset's deadline (300 s): a final step graded longer was scored by the
+    # server, and the client got DEADLINE_EXCEEDED (no episode outcome), then closed the session mid-grading
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=1.5)
+    call = ToolCall("call_0", "python", json.dumps({"code": "print(7)"}))
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        sessions = AsyncSessions(client, timeout_s=0.5)  # Reset's and Close's deadline only
+        opening = await sessions.reset(ENV, task_id="py-000")
+        result = await sessions.step(opening.session_id, call)
+        await sessions.close(opening.session_id)
+        assert result.observation.strip() == "print(7)" and result.status is None
+
+        def sync_episode() -> str:
+            blocking = SyncSessions(client.target, timeout_s=0.5)
+            try:
+                opened = blocking.reset(ENV, task_id="py-000")
+                observation = blocking.step(opened.session_id, call).observation
+                blocking.close(opened.session_id)
+                return observation
+            finally:
+                blocking.shutdown()
+
+        assert (await asyncio.to_thread(sync_episode)).strip() == "print(7)"
+
+
+async def test_a_policys_lone_surrogate_escape_is_a_step_not_a_client_crash(tmp_path: Path) -> None:
+    # json reads "\ud800" as a lone surrogate, which protobuf refuses (UTF-8 has none): text the policy wrote raised
+    # UnicodeEncodeError out of env.step and out of the adapters' episodes, an outcome no trainer handles
+    async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        sessions = AsyncSessions(client)
+        opening = await sessions.reset(ENV, task_id="py-000")
+        lone = json.loads('"\\ud800"')
+        result = await sessions.step(opening.session_id, ToolCall(lone, "python" + lone, json.dumps({"code": "1"})))
+        assert not result.terminated and result.status is None  # an unknown tool: the policy's error, told to it
+        result = await sessions.step(opening.session_id, "the answer " + lone)
+        assert result.terminated and result.status == RolloutStatus.OK and result.reward == 0.0
+        await sessions.close(opening.session_id)
+
+        def gym_episode() -> list[tuple[str, float, bool]]:
+            env = SessionEnv(client.target, ENV)
+            try:
+                env.reset(options={"task_id": "py-000"})
+                steps = []
+                for action in (
+                    '{"name": "python\\ud800", "id": "\\udfff", "arguments": "{\\"code\\": 1}"}',
+                    '{"answer": "\\ud800"}',
+                ):
+                    _, reward, terminated, _, info = env.step(action)
+                    steps.append((info["status"], reward, terminated))
+                return steps
+            finally:
+                env.close()
+
+        assert await asyncio.to_thread(gym_episode) == [("", 0.0, False), ("OK", 0.0, True)]
+
+
+async def test_a_truncated_gym_step_that_failed_is_no_reward_of_0(tmp_path: Path) -> None:
+    # on_failure="truncate" returned reward 0.0 for an infrastructure failure: a wrapper that reads no info (vector
+    # autoreset, most of them) trained on it as a score
+    def broken(cmd: FakeExec) -> ExecResult:
+        raise SandboxDiedError("the sandbox died")
+
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_handler=broken)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+
+        def episode() -> tuple[float, bool, dict[str, Any]]:
+            env = SessionEnv(client.target, ENV, on_failure="truncate")
+            try:
+                env.reset(options={"task_id": "py-000"})
+                _, reward, _, truncated, info = env.step(json.dumps({"name": "python", "arguments": {"code": "1"}}))
+                return reward, truncated, info
+            finally:
+                env.close()
+
+        reward, truncated, info = await asyncio.to_thread(episode)
+    assert math.isnan(reward) and truncated and info["scored"] is False and info["status"] == "INFRA_ERROR", info
 
 
 async def test_closing_every_session_mid_step_releases_each_sandbox_once(
