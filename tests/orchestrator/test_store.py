@@ -114,6 +114,64 @@ async def test_an_ack_that_cuts_a_group_finds_the_group_on_the_index(tmp_path: P
         await store.close()
 
 
+def _reads_the_backlog(plan: str) -> bool:
+    """Whether a query plan walks the job's index with no seq bound (every visible or unacked row of the job)."""
+    return "SCAN rollouts" in plan or ("rollouts_job_seq" in plan and "seq" not in plan.split("rollouts_job_seq")[1])
+
+
+async def test_acks_and_group_checks_read_their_own_rows_not_the_jobs_backlog(tmp_path: Path) -> None:
+    # planned on the job's index, an Ack's cut group read every unacked row of the job past up_to (72 ms at 100,000
+    # behind), an Ack by ids every unacked row up to `delivered` once per 500 ids (0.37 s for 5,000 ids), and a
+    # grouped job's publish check, at each append, every hidden row of the job (0.9 ms an append with 64 groups of 64
+    # in flight); all on the one thread every tenant's appends, reads and acks share
+    store = await ResultStore.open(tmp_path / "log.sqlite3")
+    try:
+        entries = await _published_groups(store, 40, 4)  # 160 delivered, unacked
+        seqs = [e.seq for e in entries]
+        for task in range(100, 110):  # groups in flight, hidden
+            for k in range(3):
+                r = _sample(task).model_copy(update={"id": f"job-a:task-{task}:{k}", "sample_index": k})
+                await store.append(_encoded(r), visible=False)
+        statements: list[str] = []
+        store.db.set_trace_callback(statements.append)
+        try:
+            await store.ack("job-a", seqs[1], [], delivered=seqs[-1], whole_groups=True)  # cuts the first group
+            await store.ack("job-a", 0, ["job-a:task-5:0"], delivered=seqs[-1])
+            await store.ack("job-a", 0, ["job-a:task-9:1"], delivered=seqs[-1], whole_groups=True)
+            assert await store.publish_complete_groups("job-a", 4, "job-a:task-100") == 0
+        finally:
+            store.db.set_trace_callback(None)
+        selects = [q for q in statements if q.lstrip().upper().startswith("SELECT")]
+        plans = {q: " | ".join(row[-1] for row in store.db.execute(f"EXPLAIN QUERY PLAN {q}")) for q in selects}
+        assert len(plans) >= 5, plans
+        backlog = {q: plan for q, plan in plans.items() if _reads_the_backlog(plan)}
+        assert not backlog, backlog
+        # and what they acked: the cut group whole, the one id, and the other id's group
+        acked = {entries[0].group_id, "job-a:task-5:0", "job-a:task-9"}
+        left = [e.seq for e in entries if e.group_id not in acked and e.rollout_id not in acked]
+        assert [e.seq for e in await store.read("job-a", 0, 1000)] == left and len(left) == 160 - 9
+    finally:
+        await store.close()
+
+
+async def test_a_log_from_before_the_group_index_held_visible_gets_it(tmp_path: Path) -> None:
+    path = tmp_path / "log.sqlite3"
+    store = await ResultStore.open(path)
+    try:
+        await _published_groups(store, 2, 2)
+        await store._run(lambda: store.db.execute("DROP INDEX rollouts_group_visible"))
+        await store._run(lambda: store.db.execute("CREATE INDEX rollouts_group ON rollouts (job_id, group_id)"))
+    finally:
+        await store.close()
+    store = await ResultStore.open(path)
+    try:
+        names = {r[0] for r in store.db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert "rollouts_group_visible" in names and "rollouts_group" not in names, names
+        assert len(await store.read("job-a", 0, 10)) == 4
+    finally:
+        await store.close()
+
+
 async def test_an_ack_inside_a_group_in_parts_acks_its_parts_not_sent_yet(tmp_path: Path) -> None:
     # a group over a message goes out in parts, so what was delivered can end inside it: an up_to or an id there
     # acked the parts sent only, and the rest went out again as a shorter group, its advantages made over the rest
