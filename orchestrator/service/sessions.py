@@ -18,6 +18,7 @@ import logging
 import random
 import secrets
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -187,6 +188,11 @@ class SessionManager:
         # each tenant's ended sessions still kept (to say how they ended), oldest first: at most max_per_tenant
         self._ended_of: dict[str, OrderedDict[str, None]] = {}
         self._reaper: asyncio.Task[None] | None = None
+        # each environment's tasks, in order and by id, made once per environment object: a Reset copied and
+        # scanned the whole list (3.4 ms at 100,000 tasks, on the event loop)
+        self._tasks: weakref.WeakKeyDictionary[Environment, tuple[list[Task], dict[str, Task]]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     def start(
@@ -205,9 +211,13 @@ class SessionManager:
         return mgr
 
     def _pick_task(self, env: Environment, task_id: str, seed: int | None) -> tuple[Task, int]:
-        tasks = list(env.tasks())
+        known = self._tasks.get(env)
+        if known is None:
+            tasks = list(env.tasks())
+            known = self._tasks[env] = (tasks, {t.id: t for t in reversed(tasks)})  # the first of a repeated id
+        tasks, by_id = known
         if task_id:
-            task = next((t for t in tasks if t.id == task_id), None)
+            task = by_id.get(task_id)
             if task is None:
                 raise InvalidRequestError(f"task_id: {env.ref()} has no task {echo(task_id)}")
             return task, seed if seed is not None else seed_for_task(task_id)
