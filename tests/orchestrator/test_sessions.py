@@ -20,6 +20,7 @@ from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend, FakeExec
 from orchestrator.client.gym import SessionEnv
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Task
 from orchestrator.core.errors import SandboxDiedError
 from orchestrator.core.models import RolloutStatus
 from orchestrator.core.sandbox import ExecResult
@@ -385,7 +386,12 @@ async def test_resets_look_their_task_up_without_walking_the_environments_list(
         env = orch.sessions._registry.get(ENV)
         listed = env.tasks()
         calls: list[int] = []
-        monkeypatch.setattr(env, "tasks", lambda: calls.append(1) or listed)
+
+        def counted() -> list[Task]:
+            calls.append(1)
+            return listed
+
+        monkeypatch.setattr(env, "tasks", counted)
         for task_id in ("py-000", "py-001", "py-000", ""):
             r = await client.session_stub.Reset(pb.ResetRequest(env=ENV, task_id=task_id))
             assert r.info.task_id == (task_id or r.info.task_id)
