@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -387,7 +388,7 @@ async def test_resets_look_their_task_up_without_walking_the_environments_list(
         listed = env.tasks()
         calls: list[int] = []
 
-        def counted() -> list[Task]:
+        def counted() -> Sequence[Task]:
             calls.append(1)
             return listed
 
