@@ -28,6 +28,7 @@ from orchestrator.core.tracing import Tracer, TracingConfig, make_tracer
 from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.rollout.tito.tokenizer import TokenizerCache, TokenizerDirs
+from orchestrator.server.convert_sessions import MAX_STEP_REQUEST_BYTES
 from orchestrator.server.errors import ErrorInterceptor
 from orchestrator.server.security import (
     Authenticator,
@@ -386,7 +387,10 @@ async def create_server(
         metrics.result_log_bytes.set_function(store.size_bytes)
         fleet.export_metrics(metrics)
         server = grpc.aio.server(
-            interceptors=[AuthInterceptor(auth), ErrorInterceptor()],
+            interceptors=[
+                AuthInterceptor(auth),
+                ErrorInterceptor({"/envfleet.v1.SessionService/Step": MAX_STEP_REQUEST_BYTES}),
+            ],
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),

@@ -16,6 +16,8 @@ from protos import orchestrator_pb2 as pb
 MAX_ID = 128
 MAX_TOOL_NAME = 128
 MAX_ACTION_BYTES = 4 << 20
+# a StepRequest's largest: an action's text at MAX_ACTION_BYTES characters of up to 4 bytes each, and its other fields
+MAX_STEP_REQUEST_BYTES = 4 * MAX_ACTION_BYTES + (64 << 10)
 
 _SANDBOX_STATE_PB = {
     "RUNNING": pb.SANDBOX_STATE_RUNNING,

@@ -82,8 +82,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Wraps every handler so that an exception becomes a status with a message a user can act on. A method's
     wrapper is made once, not per call (the servicers' handlers are the same objects call after call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_bytes: dict[str, int] | None = None) -> None:
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        # method -> the largest request it takes, under the server's message size: one refused past it is dropped as
+        # it is read, not held for as long as its handler waits (a Step waits behind its session's running step)
+        self._request_bytes = dict(request_bytes or {})
 
     async def intercept_service(
         self,
@@ -95,7 +98,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None  # an unknown method: nothing is kept for it
         cached = self._wrapped.get(details.method)
         if cached is None or cached[0] is not handler:
-            cached = self._wrapped[details.method] = (handler, _wrap(handler, details.method))
+            wrapped = _wrap(handler, details.method, self._request_bytes.get(details.method))
+            cached = self._wrapped[details.method] = (handler, wrapped)
         return cached[1]
 
 
@@ -103,13 +107,15 @@ class UnreadableRequestError(InvalidRequestError):
     """A request message that does not parse: gRPC parses it before any handler runs, and its error was UNKNOWN."""
 
 
-def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _lenient(deserialize: Callable[[bytes], Any] | None, max_bytes: int | None = None) -> Callable[[bytes], Any] | None:
     """`deserialize`, with a message that does not parse (a string field that is not UTF-8: how a lone surrogate
-    arrives) read as the UnreadableRequestError the handler's wrapper raises."""
+    arrives), or over `max_bytes`, read as the UnreadableRequestError the handler's wrapper raises."""
     if deserialize is None:
         return None
 
     def read(data: bytes) -> Any:
+        if max_bytes is not None and len(data) > max_bytes:
+            return UnreadableRequestError(f"the request message is {len(data)} bytes, over this call's {max_bytes}")
         try:
             return deserialize(data)
         except DecodeError as e:
@@ -125,9 +131,10 @@ async def _readable(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield request
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """`handler` with its exceptions turned into statuses, a request that does not parse as INVALID_ARGUMENT."""
-    deserialize = _lenient(handler.request_deserializer)
+def _wrap(handler: grpc.RpcMethodHandler, method: str, max_bytes: int | None = None) -> grpc.RpcMethodHandler:
+    """`handler` with its exceptions turned into statuses, a request that does not parse, or is over `max_bytes`, as
+    INVALID_ARGUMENT."""
+    deserialize = _lenient(handler.request_deserializer, max_bytes)
     if handler.unary_unary:
         inner_uu = handler.unary_unary
 

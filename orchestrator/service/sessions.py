@@ -149,6 +149,12 @@ class _Session:
     released: bool = False  # its sandbox went back to the pool (once: a close and a step's end may both try)
     closed_after_end: bool = False  # dropped once its episode had ended (while its sandbox was being recycled)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting: int = 0  # steps waiting for the one running (MAX_WAITING_STEPS)
+
+
+# Steps of one session that may wait behind the running one: a client that retries a step whose call it gave up on
+# (the step runs to its end all the same) waits its turn; past it, a call is refused at once
+MAX_WAITING_STEPS = 1
 
 
 @dataclass(frozen=True)
@@ -348,10 +354,21 @@ class SessionManager:
         cancelled (a client's deadline) runs to its end all the same: cut midway, the transcript kept the assistant's
         call without its tool turn (the next step reused its id), and a step cut while scoring scored again."""
         s = await self._get(tenant, session_id)
+        if s.lock.locked() and s.waiting >= MAX_WAITING_STEPS:
+            # each waiting call holds its request (up to the server's message size) for as long as the steps before
+            # it take: a hundred Steps sent at once to one session held gigabytes for minutes
+            raise FailedPreconditionError(
+                f"session {session_id} has a step running and {s.waiting} waiting: a session's steps run one at a "
+                "time, each on the observation of the one before; wait for its answer"
+            )
         # its turn behind the step before it is waited for in the call: a call that gives up meanwhile took no step
         # (waited for in the work run to its end, a step cut while queued ran later all the same, an action the
         # client never saw the outcome of, and ran again when it retried)
-        await s.lock.acquire()
+        s.waiting += 1
+        try:
+            await s.lock.acquire()
+        finally:
+            s.waiting -= 1
         return await run_to_end(self._step_locked(s, session_id, action))
 
     async def _step_locked(self, s: _Session, session_id: str, action: Action) -> StepResult:

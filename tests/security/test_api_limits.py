@@ -3,6 +3,7 @@ a job's size is checked before anything is built, and an internal error never ec
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -11,10 +12,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from orchestrator.backends.config import FakeBackendConfig
+from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.echo import ECHO_CHARS, MAX_MESSAGE_CHARS, bounded, echo
 from orchestrator.server.app import Orchestrator
+from orchestrator.server.convert_sessions import MAX_STEP_REQUEST_BYTES
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
+from tests.conftest import TEST_OWNER
 from tests.orchestrator.conftest import ENV
 from tests.orchestrator.servers import expect_error, serve
 
@@ -140,3 +145,62 @@ async def test_internal_error_carries_an_id_not_the_exception_text(
     assert error_id, details
     logged = [r for r in caplog.records if error_id.group(1) in r.getMessage()]
     assert logged and logged[0].exc_info and secret in str(logged[0].exc_info[1])
+
+
+def _tool_step(session_id: str) -> pb.StepRequest:
+    call = pb.ToolCall(id="c", name="python", arguments='{"code": "print(1)"}')
+    return pb.StepRequest(session_id=session_id, action=pb.Action(tool_call=call))
+
+
+async def test_a_session_holds_one_waiting_step_and_no_step_past_what_a_step_can_carry(tmp_path: Path) -> None:
+    # each Step sent to a session whose step runs waited for its turn holding its whole request (up to the server's
+    # 64 MiB message, unknown fields and all): a hundred sent at once held gigabytes for as long as the steps took
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=2.0)
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        assert orch.sessions is not None
+        ss = client.session_stub
+        r = await ss.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        session = orch.sessions._sessions[r.session_id]
+        running = asyncio.ensure_future(ss.Step(_tool_step(r.session_id), timeout=60))
+        for _ in range(200):
+            if session.lock.locked():
+                break
+            await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(ss.Step(_tool_step(r.session_id), timeout=60))
+        for _ in range(200):
+            if session.waiting:
+                break
+            await asyncio.sleep(0.01)
+        for _ in range(5):
+            await expect_error(
+                ss.Step(_tool_step(r.session_id), timeout=1),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "has a step running and 1 waiting",
+            )
+        assert [s.observation.strip() for s in await asyncio.gather(running, waiting)] == ["print(1)"] * 2
+
+        # a StepRequest larger than any action it may carry is refused as it is read, before it waits anywhere
+        step = _tool_step(r.session_id).SerializeToString()
+        padding = b"x" * MAX_STEP_REQUEST_BYTES
+        unknown = b"\x7a" + _varint(len(padding)) + padding  # field 15, length-delimited: no field of StepRequest
+        raw = client._channel.unary_unary(
+            "/envfleet.v1.SessionService/Step",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.StepResponse.FromString,
+        )
+        await expect_error(
+            raw(step + unknown, timeout=30),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"over this call's {MAX_STEP_REQUEST_BYTES}",
+        )
+        ok = await raw(step, timeout=30)  # the same step, as sent by a client
+        assert ok.observation.strip() == "print(1)"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
