@@ -145,7 +145,7 @@ class WorkerHub:
         self._hosts_with: dict[str, set[str]] = {}  # env ref -> hosts that ran it
         self._ids = itertools.count(1)
         # a job's spec (and declarative environment) as JSON, encoded once per spec rather than per assignment
-        self._encoded: dict[str, tuple[JobSpec, bytes, bytes]] = {}
+        self._encoded: dict[str, tuple[JobSpec, Environment, bytes, bytes]] = {}
         self._budgets: dict[str, dict[str, float]] = {}  # job id -> task id -> its scoring budget, asked once
         self._closed = False
         self._stopping = False  # the control plane stops (stopping())
@@ -318,9 +318,12 @@ class WorkerHub:
         replaces it)."""
         cached = self._encoded.get(job_id)
         if cached is None or cached[0] is not spec:
-            env_json = env.spec.model_dump_json().encode() if isinstance(env, DeclarativeEnvironment) else b""
-            cached = self._encoded[job_id] = (spec, spec.model_dump_json().encode(), env_json)
-        return cached[1], cached[2]
+            if cached is not None and cached[1] is env:
+                env_json = cached[3]  # a policy update changes the job's spec, not its environment's (megabytes)
+            else:
+                env_json = env.spec.model_dump_json().encode() if isinstance(env, DeclarativeEnvironment) else b""
+            cached = self._encoded[job_id] = (spec, env, spec.model_dump_json().encode(), env_json)
+        return cached[2], cached[3]
 
     def _scoring_budget(self, item: WorkItem, env: Environment) -> float:
         budgets = self._budgets.setdefault(item.job_id, {})

@@ -394,3 +394,26 @@ async def test_a_host_whose_workers_are_gone_is_forgotten_by_image_placement() -
             while w.hub.workers():  # noqa: ASYNC110 - the hub has no event for it
                 await asyncio.sleep(0.05)
         assert w.hub._hosts_with[env.ref()] == set()
+
+
+async def test_a_policy_update_serializes_the_jobs_spec_again_not_its_environments() -> None:
+    # the declarative environment's spec (up to 100,000 tasks, megabytes) was serialized again at every UpdatePolicy
+    from orchestrator.service.declarative import make_environment, parse_spec
+
+    declared = parse_spec(
+        {
+            "name": "mine",
+            "version": "1",
+            "tools": ["submit"],
+            "tasks": [{"id": f"t{i}", "prompt": f"say {i}"} for i in range(100)],
+            "scoring": {"command": "echo '{\"reward\": 1}'"},
+        }
+    )
+    env = make_environment(declared)
+    job = spec(["t0"])
+    async with serve_hub() as w:
+        spec_json, env_json = w.hub._encode("job-update", env, job)
+        updated = job.model_copy(update={"policy": job.policy.model_copy(update={"version": "v2"})})
+        new_spec_json, new_env_json = w.hub._encode("job-update", env, updated)
+    assert new_env_json is env_json and b'"t99"' in env_json
+    assert JobSpec.model_validate_json(new_spec_json) == updated and new_spec_json != spec_json
