@@ -264,6 +264,7 @@ class RolloutRunner:
                                 box,
                                 box.spec.workspace,
                                 lambda: env_call(env.setup(box, item.task, item.seed)),
+                                restores=spec.group_size - 1,
                             )
                         else:
                             await env_call(env.setup(box, item.task, item.seed))

@@ -111,6 +111,7 @@ class SnapshotCache:
         self._snapshots: dict[tuple[str, str], asyncio.Future[bytes]] = {}
         self._count: collections.Counter[str] = collections.Counter()  # per job: snapshots held or being built
         self._bytes: collections.Counter[str] = collections.Counter()  # per job: bytes held
+        self._restored: collections.Counter[tuple[str, str]] = collections.Counter()  # per group: restores so far
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -154,9 +155,18 @@ class SnapshotCache:
         return tar
 
     async def prepare(
-        self, key: tuple[str, str], sandbox: Sandbox, workspace: str, setup: Callable[[], Awaitable[None]]
+        self,
+        key: tuple[str, str],
+        sandbox: Sandbox,
+        workspace: str,
+        setup: Callable[[], Awaitable[None]],
+        *,
+        restores: int | None = None,
     ) -> Outcome:
-        """Bring `sandbox` to the state after setup: by running it (and snapshotting), or from the snapshot."""
+        """Bring `sandbox` to the state after setup: by running it (and snapshotting), or from the snapshot. Once
+        `restores` samples have restored it (the group's others), the snapshot is let go: held until the job's end,
+        a job of more than `per_job_count` groups had snapshots for its first groups only, and its bytes for good. A
+        sample that comes after (a retry) runs the setup."""
         fut = self._snapshots.get(key)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
@@ -191,13 +201,18 @@ class SnapshotCache:
             # retry, on a fresh sandbox: this workspace holds part of the snapshot) run the setup instead
             self._drop(key, fut, len(tar), f"snapshot of {key[1]} could not be restored: {e}")
             raise SandboxError(f"the snapshot of {key[1]} could not be restored: {e}") from e
+        self._restored[key] += 1
+        if restores is not None and self._restored[key] >= restores:
+            self._drop(key, fut, len(tar), f"the snapshot of {key[1]} was restored for its group's samples", quiet=True)
         return "restored"
 
-    def _drop(self, key: tuple[str, str], fut: asyncio.Future[bytes], size: int, why: str) -> None:
+    def _drop(self, key: tuple[str, str], fut: asyncio.Future[bytes], size: int, why: str, quiet: bool = False) -> None:
         """Replace a snapshot by a failure, so that whoever asks for it next runs the setup."""
         if self._snapshots.get(key) is not fut:
             return  # dropped already (or the job forgotten)
-        log.warning("%s; the group's samples run the setup", why)
+        self._restored.pop(key, None)
+        if not quiet:
+            log.warning("%s; the group's samples run the setup", why)
         failed = asyncio.get_running_loop().create_future()
         failed.set_exception(RuntimeError(why))
         failed.exception()
@@ -209,5 +224,6 @@ class SnapshotCache:
         """Drop the job's snapshots (its groups are done)."""
         for key in [k for k in self._snapshots if k[0] == job_id]:
             del self._snapshots[key]
+            self._restored.pop(key, None)
         self._count.pop(job_id, None)
         self._bytes.pop(job_id, None)

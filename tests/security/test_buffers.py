@@ -213,6 +213,32 @@ async def test_a_waiting_call_cancelled_as_the_budget_frees_takes_none_of_it() -
         (await budget.take("a", 10)).release()
 
 
+async def test_a_groups_snapshot_is_let_go_once_its_samples_restored_it() -> None:
+    # held until the job's end, a job of more groups than per_job_count had snapshots for its first groups only (a
+    # 100,000-task job: 0.26% of them), the rest each running every sample's setup, and kept the bytes meanwhile
+    backend = FakeBackend(FakeBackendConfig())
+    cache = SnapshotCache(SnapshotBudget(max_bytes=MiB, per_job_count=2, per_job_bytes=2 * MiB, total_bytes=4 * MiB))
+    setups: list[str] = []
+
+    async def prepared(task: str) -> str:
+        async with await backend.create(SandboxSpec(image=FAKE_BASE_IMAGE, workspace="/tmp/ws")) as box:
+
+            async def setup() -> None:
+                setups.append(task)
+                await box.write_file("data", b"d" * 1000)
+
+            return await cache.prepare(("j", task), box, box.spec.workspace, setup, restores=2)
+
+    try:
+        for task in ("a", "b", "c", "d", "e"):  # groups of 3, one after another: more groups than the job may hold
+            assert [await prepared(task) for _ in range(3)] == ["built", "restored", "restored"], task
+            assert cache.held_bytes("j") == 0
+        assert setups == ["a", "b", "c", "d", "e"]
+        assert await prepared("a") == "fallback"  # a retry after the group's samples: its own setup
+    finally:
+        await backend.close()
+
+
 async def test_a_jobs_snapshots_read_side_by_side_keep_to_its_budget() -> None:
     # the job's room was read before each download: six groups of one job read at once each took all of it, and the
     # job held 550 KB against a budget of 200 KB (one tenant's job could take the whole process's budget)
