@@ -28,7 +28,7 @@ import sqlite3
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -61,7 +61,7 @@ from orchestrator.service.advantages import group_advantages
 from orchestrator.service.caps import CapsConfig, TenantCounter, check_env_limits
 from orchestrator.service.executor import Executor
 from orchestrator.service.registry import Registry
-from orchestrator.service.scheduler import Capacity, Need, Scheduler
+from orchestrator.service.scheduler import Capacity, Need, PendingItems, Scheduler
 from orchestrator.service.store import LogEntry, ResultStore
 from orchestrator.service.tenancy import LOCAL_TENANT
 
@@ -213,7 +213,7 @@ class JobManager:
         self._kept: Counter[str] = Counter()  # per tenant: its jobs here, finished or not
         self._admitting: Counter[str] = Counter()  # per tenant: submits past the cap's check, not recorded yet
         self._submitting = 0  # submits in progress
-        self._deferred: list[tuple[_Job, list[WorkItem]]] = []  # accepted jobs whose rollouts wait for them
+        self._deferred: list[tuple[_Job, PendingItems]] = []  # accepted jobs whose rollouts wait for them
         self._defer_timer: asyncio.TimerHandle | None = None  # START_DEFER_S after the first deferred job
         self._quiet_timer: asyncio.TimerHandle | None = None  # START_QUIET_S after the last submit was answered
         self._expiry: asyncio.Task[None] | None = None
@@ -281,11 +281,7 @@ class JobManager:
                 if admit is not None:
                     admit(stored.spec)
                 check_env_limits(job.run_env, self.caps.sandbox)
-                items = [
-                    i
-                    for i in self._items(job.job_id, job.run_env, stored.spec, owner=stored.owner)
-                    if i.id not in done_ids
-                ]
+                items = self._items(job.job_id, job.run_env, stored.spec, owner=stored.owner, skip=done_ids)
                 if items:
                     self.scheduler.check_fits(_need(job.run_env))
             except EnvfleetError as e:
@@ -308,10 +304,10 @@ class JobManager:
         tasks: Sequence[Task] | None = None,
         *,
         owner: str = LOCAL_TENANT,
-    ) -> list[WorkItem]:
-        now = time.monotonic()
+        skip: Collection[str] = (),
+    ) -> PendingItems:
         chosen = select_tasks(env, spec) if tasks is None else tasks
-        return [WorkItem(job_id, task, k, now, owner) for task in chosen for k in range(spec.group_size)]
+        return PendingItems(job_id, chosen, spec.group_size, enqueued_at=time.monotonic(), tenant=owner, skip=skip)
 
     async def submit(self, spec: JobSpec, owner: str = LOCAL_TENANT) -> tuple[str, int]:
         """Validate, record and queue a job of tenant `owner`; returns its id and rollout count."""
@@ -378,7 +374,7 @@ class JobManager:
         await run_to_end(self._record(job_id, spec, env, items, owner))
         return job_id, len(items)
 
-    async def _record(self, job_id: str, spec: JobSpec, env: Environment, items: list[WorkItem], owner: str) -> None:
+    async def _record(self, job_id: str, spec: JobSpec, env: Environment, items: PendingItems, owner: str) -> None:
         try:
             await self.store.create_job(job_id, spec, len(items), owner)
             job = _Job(job_id, spec, env, len(items), JobState.QUEUED, time.time(), owner=owner)
@@ -403,7 +399,7 @@ class JobManager:
                 timer.cancel()
         self._defer_timer = self._quiet_timer = None
 
-    def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: list[WorkItem], owner: str) -> None:
+    def _queue(self, job_id: str, env: Environment, spec: JobSpec, items: PendingItems, owner: str) -> None:
         """Hand a job's items to the scheduler; while its image is missing it is built in the background and the
         slots go to jobs whose images exist."""
         images = self.executor.images

@@ -16,10 +16,11 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.environment import Task
 from orchestrator.core.errors import CapacityError
 from orchestrator.core.image_spec import ImageSpec
+from orchestrator.core.policy import REPLAY_URL
 from orchestrator.rollout.runner import WorkItem
 from orchestrator.server.app import OrchestratorConfig, create_server
 from orchestrator.service.registry import Registry
-from orchestrator.service.scheduler import Capacity, Need, Scheduler
+from orchestrator.service.scheduler import Capacity, Need, PendingItems, Scheduler
 from orchestrator.testing.scripted_policy import start_scripted_server
 from orchestrator.testing.scripts import reference_script
 from tests.conftest import TEST_OWNER
@@ -29,6 +30,46 @@ from tests.orchestrator.servers import FAKE
 
 def _items(job_id: str, n: int) -> list[WorkItem]:
     return [WorkItem(job_id, Task(id=f"t{i}", prompt="p"), 0, 0.0) for i in range(n)]
+
+
+def test_pending_items_come_as_a_list_of_them_would_made_as_they_start() -> None:
+    # a job's million items were built at its submit, on the event loop (1.5 s and 160 MB a SubmitJob, and a tenant
+    # could submit and cancel such jobs at will): they are made as they start, in the order the list had
+    tasks = [Task(id=f"t{i}", prompt="p") for i in range(4)]
+    done = {"j:t0:1", "j:t2:0", "j:t3:2"}
+    pending = PendingItems("j", tasks, 3, enqueued_at=5.0, tenant="ten", skip=done)
+    assert len(pending) == 12 - 3 and pending._next == 0  # nothing made yet
+    first = pending.popleft()
+    assert (first.id, first.enqueued_at, first.tenant) == ("j:t0:0", 5.0, "ten") and len(pending) == 8
+    extra = WorkItem("j", tasks[0], 9, 1.0)
+    pending.extend([extra])  # made elsewhere: ahead of the rest
+    got = [pending.popleft().id for _ in range(len(pending))]
+    expected = [f"j:{t.id}:{k}" for t in tasks for k in range(3) if f"j:{t.id}:{k}" not in done][1:]
+    assert got == ["j:t0:9", *expected] and not pending
+    with pytest.raises(IndexError):
+        pending.popleft()
+    again = PendingItems("j", tasks, 3)
+    again.clear()
+    assert not again and len(again) == 0
+
+
+async def test_a_large_job_makes_its_items_as_they_start(tmp_path: Path) -> None:
+    orch = await create_server(
+        OrchestratorConfig(port=0, data_dir=tmp_path, backend=FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=5))
+    )
+    try:
+        async with EnvfleetClient(orch.address) as client:
+            ids = [t.id for t in PythonToolEnv().tasks()]
+            job_id = await client.submit(job(REPLAY_URL, ids, n=1024, max_concurrency=2))
+            for _ in range(100):
+                if orch.jobs.scheduler.running_of(job_id) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            pending = orch.jobs.scheduler._queues[job_id].pending
+            assert len(pending) == 60 * 1024 - 2 and pending._next == 2  # two made, the rest not yet
+            await client.cancel_job(job_id)
+    finally:
+        await orch.stop(grace=1)
 
 
 async def test_fair_share_follows_priority() -> None:
