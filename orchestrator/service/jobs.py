@@ -642,12 +642,17 @@ class JobManager:
         update = {"version": version} | ({"base_url": base_url} if base_url else {})
         try:
             endpoint = job.spec.policy.model_validate({**job.spec.policy.model_dump(), **update})
+            if endpoint == job.spec.policy:  # nothing to change: no write, and no spec sent to the workers again
+                return await self.info(job_id)
             # the whole spec, checked as a submit checks it: an endpoint fine alone may not be for the job (a tito
-            # job's on the replay policy), and one kept unchecked broke every read of the job, and the next start
-            spec = JobSpec.model_validate({**job.spec.model_dump(), "policy": endpoint.model_dump()})
+            # job's on the replay policy), and one kept unchecked broke every read of the job, and the next start.
+            # Its task selection (up to 100,000 ids, checked at the submit) is kept as it is, not checked again
+            checked = JobSpec.model_validate(
+                {**job.spec.model_dump(exclude={"tasks"}), "policy": endpoint.model_dump()}
+            )
         except ValueError as e:
             raise InvalidRequestError(f"policy update: {e}") from None
-        job.spec = spec
+        job.spec = checked.model_copy(update={"tasks": job.spec.tasks})
         await self.store.update_spec(job_id, job.spec)
         return await self.info(job_id)
 

@@ -375,14 +375,19 @@ class Scheduler:
         if len(self._queues) == 1:  # one job queued (a trainer's usual): no share to weigh
             q = next(iter(self._queues.values()))
             return q if q.has_room() and self._room(q.need) else None
-        waiting = [q for q in self._queues.values() if q.has_room()]
+        # by tenant in one pass: gathered again for each tenant, a decision with every tenant blocked was tenants x
+        # queues (56 ms at 200 tenants of 64 jobs each), and one is made at each rollout's end
+        waiting: dict[str, list[JobQueue]] = {}
+        for q in self._queues.values():
+            if q.has_room():
+                waiting.setdefault(q.tenant, []).append(q)
         if not waiting:
             return None
         running, served = self._running_by_tenant, self._served
-        tenants = sorted({q.tenant for q in waiting}, key=lambda t: (running[t], served.get(t, -1)))
+        tenants = sorted(waiting, key=lambda t: (running[t], served.get(t, -1)))
         now = asyncio.get_running_loop().time()
         for tenant in tenants:  # the fairest first; the next ones backfill while it waits for room
-            mine = [q for q in waiting if q.tenant == tenant]
+            mine = waiting[tenant]
             fit = [q for q in mine if self._room(q.need)]
             if fit:
                 self._blocked.pop(tenant, None)

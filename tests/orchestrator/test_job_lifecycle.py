@@ -85,6 +85,35 @@ async def test_a_policy_update_the_job_cannot_take_is_refused_and_changes_nothin
         assert [j.job_id for j in await client.list_jobs()] == [job_id]
 
 
+async def test_a_policy_update_that_changes_nothing_writes_nothing_and_one_that_does_keeps_the_tasks(
+    tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each UpdatePolicy dumped and checked the whole spec (up to 100,000 task ids, megabytes) and wrote it to the
+    # result log, whose one thread every tenant's appends, reads and acks share, changed or not
+    async with serve(tmp_path / "data", backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        spec = _spec(silent_policy, task_ids[:3])
+        job_id = await client.submit(spec)
+        writes: list[JobSpec] = []
+        write = orch.jobs.store.update_spec
+
+        async def counted(job: str, new: JobSpec) -> None:
+            writes.append(new)
+            await write(job, new)
+
+        monkeypatch.setattr(orch.jobs.store, "update_spec", counted)
+        same = pb.UpdatePolicyRequest(job_id=job_id, version=spec.policy.version)
+        for _ in range(5):
+            await client.rollout_stub.UpdatePolicy(same)
+        assert writes == []
+        await client.rollout_stub.UpdatePolicy(pb.UpdatePolicyRequest(job_id=job_id, version="v9"))
+        [written] = writes
+        assert (
+            written.policy.version == "v9" and written.tasks == spec.tasks and written.policy.base_url == silent_policy
+        )
+        assert orch.jobs._jobs[job_id].spec == written
+        assert (await client.get_job(job_id)).policy_version == "v9"
+
+
 async def test_a_cancel_whose_call_is_cancelled_is_carried_out_whole(
     tmp_path: Path, silent_policy: str, task_ids: list[str]
 ) -> None:
