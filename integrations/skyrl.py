@@ -16,6 +16,7 @@ system message the way a Qwen/Hermes template writes them. An episode that ends 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -74,17 +75,34 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
         self.last: StepResult | None = None
 
     def init(self, prompt: list[Message]) -> tuple[list[Message], dict[str, Any]]:
-        """Reset a session (the dataset's prompt is replaced by the environment's own opening messages)."""
-        self.close_session()
-        self.opening = self.sessions.reset(self.env_ref, self.task_id, seed=self.seed, max_turns=self.max_turns)
+        """Reset a session (the dataset's prompt is replaced by the environment's own opening messages). Whatever
+        raises releases the session and the connection first (SkyRL closes an environment on success only)."""
+        try:
+            self.close_session()
+            self.opening = self.sessions.reset(self.env_ref, self.task_id, seed=self.seed, max_turns=self.max_turns)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that ended it is the one to see
+                self.close()
+            raise
         self.turns = 0
         info = {"task_id": self.opening.task_id, "tools": self.opening.tools, "max_turns": self.opening.max_turns}
         return opening_messages(self.opening, self.with_tools), info
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
-        """Run the turn's tool calls (or its final answer); the reward is the episode's on the last step."""
+        """Run the turn's tool calls (or its final answer); the reward is the episode's on the last step. Whatever
+        raises (a failed episode, the server gone) releases the session and the connection first: SkyRL closes an
+        environment on success only, and the sandbox was held until the session's idle expiry."""
         if self.opening is None:
             raise RuntimeError("call init() before step()")
+        try:
+            return self._step(action)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that ended it is the one to see
+                self.close()
+            raise
+
+    def _step(self, action: str) -> BaseTextEnvStepOutput:
+        assert self.opening is not None
         self.turns += 1
         sid = self.opening.session_id
         content, calls = self.parser.parse(action, self.opening.tools)
@@ -119,7 +137,7 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
             self.sessions.close(opening.session_id)
 
     def close(self) -> None:
-        """Release the sandbox and the connection."""
+        """Release the sandbox and the connection; safe to call again."""
         try:
             self.close_session()
         finally:

@@ -41,8 +41,11 @@ def action_from_pb(m: pb.Action) -> Action:
     which = m.WhichOneof("kind")
     if which == "tool_call":
         c = m.tool_call
-        if not c.name or len(c.name) > MAX_TOOL_NAME:
-            raise InvalidRequestError(f"action.tool_call.name must be 1 to {MAX_TOOL_NAME} characters")
+        # an empty name is the policy's text as a parser read it (an unclosed <tool_call>, a call without a name):
+        # like an unknown tool, an error the policy is told in the step's observation, as a job's rollout tells it;
+        # refused here, the policy's own output failed the adapter's whole batch
+        if len(c.name) > MAX_TOOL_NAME:
+            raise InvalidRequestError(f"action.tool_call.name is over {MAX_TOOL_NAME} characters")
         if len(c.arguments) > MAX_ACTION_BYTES:
             raise InvalidRequestError(f"action.tool_call.arguments is over {MAX_ACTION_BYTES} characters")
         if len(c.id) > MAX_ID:

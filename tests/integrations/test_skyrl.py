@@ -60,3 +60,23 @@ def test_configuration_errors_are_clear() -> None:
     env.close()
     adapter.register()  # again: no error
     assert issubclass(EpisodeFailedError, RuntimeError)
+
+
+async def test_an_episode_that_raises_releases_its_session(orchestrator: Orchestrator) -> None:
+    # SkyRL closes an environment on success only: a step that raised (an episode that failed for the fleet's
+    # reason, the server gone) held its sandbox until the session's idle expiry, and its channel for good
+    skyrl_gym = require("skyrl_gym", "skyrl")
+    import integrations.skyrl  # noqa: F401  (registers "envfleet")
+
+    assert orchestrator.sessions is not None
+    env = skyrl_gym.make("envfleet", env_config={"server": orchestrator.address, "env": ENV}, extras={})
+    await asyncio.to_thread(env.init, [])
+    assert orchestrator.sessions.open_sessions() == 1
+
+    def broken(*args: object) -> object:
+        raise EpisodeFailedError("INFRA_ERROR", "SandboxDiedError", "the sandbox died")
+
+    env.sessions.step = broken
+    with pytest.raises(EpisodeFailedError, match="the sandbox died"):
+        await asyncio.to_thread(env.step, "42")
+    assert orchestrator.sessions.open_sessions() == 0

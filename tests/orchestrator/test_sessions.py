@@ -461,6 +461,27 @@ async def test_a_policys_lone_surrogate_escape_is_a_step_not_a_client_crash(tmp_
         assert await asyncio.to_thread(gym_episode) == [("", 0.0, False), ("OK", 0.0, True)]
 
 
+async def test_a_tool_call_that_names_no_tool_is_the_policys_error_not_a_refused_step(tmp_path: Path) -> None:
+    # a parser reads an unclosed <tool_call> (a thought that mentions the tag, a sample cut inside a call) as a call
+    # with no name: the session refused it INVALID_ARGUMENT, the policy's own text failing the adapter's whole batch,
+    # where a job's rollout tells the policy and goes on
+    async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        nameless = pb.Action(tool_call=pb.ToolCall(id="c0", name="", arguments='{"code": "print(1)"}'))
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=nameless))
+        assert "names no tool" in s.observation and not s.terminated and not s.status, s
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=pb.Action(final_answer="0")))
+        assert s.terminated and s.status == pb.ROLLOUT_STATUS_OK
+        too_long = pb.Action(tool_call=pb.ToolCall(id="c1", name="x" * 129, arguments="{}"))
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-000"))
+        await expect_error(
+            stub.Step(pb.StepRequest(session_id=r.session_id, action=too_long)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "action.tool_call.name is over 128 characters",
+        )
+
+
 async def test_a_truncated_gym_step_that_failed_is_no_reward_of_0(tmp_path: Path) -> None:
     # on_failure="truncate" returned reward 0.0 for an infrastructure failure: a wrapper that reads no info (vector
     # autoreset, most of them) trained on it as a score
