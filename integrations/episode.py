@@ -125,7 +125,7 @@ async def _attempt(
         episode.assistant_turns += 1
         # decoded as the server would (special tokens dropped); tool markers are ordinary tokens, the parser sees them
         content, calls = parser.parse(tokens.tokenizer.decode(out.ids, skip_special_tokens=True), tools)
-        if out.finish_reason in CUT_OFF:
+        if _cut_off(out, budget, tokens):
             calls = []  # a call it was writing may be cut short: none runs, as in the fleet's own tito turns
         result, messages = await _turn(sessions, sid, content, calls)
         if not result.done:
@@ -150,6 +150,15 @@ async def _attempt(
         episode.status, episode.reward = result.status, result.reward
         episode.reward_components = result.reward_components
         return episode
+
+
+def _cut_off(out: Generated, budget: int, tokens: ChatTemplateTokens) -> bool:
+    """Whether the sample was cut at its token budget: the engine says so ("length"), or it took the whole budget and
+    its last token is no stop token, whatever it says (verl's vLLM server says "completed" for a stop and a cut alike,
+    and its SGLang server says nothing)."""
+    if out.finish_reason in CUT_OFF:
+        return True
+    return len(out.ids) >= budget and not (out.ids and out.ids[-1] in tokens.stop_ids)
 
 
 async def _finished_sample(generate: Generate, prompt_ids: list[int], budget: int) -> Generated:

@@ -162,6 +162,39 @@ async def test_no_call_of_a_sample_cut_at_max_tokens_runs(
     assert episode.reward == 0.0
 
 
+async def test_no_call_of_a_sample_that_took_its_whole_budget_runs_whatever_the_engine_says(
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine
+) -> None:
+    # verl's vLLM server says "completed" for a sample cut at max_tokens as for one that stopped (its SGLang server
+    # says nothing): the cut, half-written call was stepped. A sample that took its whole budget and ends on no stop
+    # token was cut there, whatever the engine says
+    firsts: list[int] = []
+
+    async def completed(prompt_ids: list[int], max_tokens: int) -> Generated:
+        out = await engine.generate(REQUEST, prompt_ids, max_tokens)
+        firsts.append(len(out.ids))
+        return Generated(out.ids, out.logprobs, "completed")
+
+    async with EnvfleetClient(orchestrator.address) as client:
+        whole = await run_episode(AsyncSessions(client), tokens, get_parser("hermes"), completed, env=ENV, task_id=TASK)
+        assert whole.tool_turns == 1 and whole.reward == 1.0  # the first turn's call ran: it was not cut
+        n = firsts[0]
+        sessions = AsyncSessions(client)
+        stepped: list[object] = []
+        step = sessions.step
+
+        async def recorded(session_id: str, action: Any) -> Any:
+            stepped.append(action)
+            return await step(session_id, action)
+
+        sessions.step = recorded  # type: ignore[method-assign]
+        episode = await run_episode(
+            sessions, tokens, get_parser("hermes"), completed, env=ENV, task_id=TASK, response_length=n - 3
+        )
+    assert all(isinstance(a, str) for a in stepped), stepped  # final answers only: no call ran
+    assert episode.assistant_turns == 1 and episode.tool_turns == 0 and episode.reward == 0.0
+
+
 async def test_a_turn_that_stopped_before_its_end_token_gets_it_from_the_template(
     orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine
 ) -> None:
