@@ -115,9 +115,17 @@ async def _attempt(
     parser: ToolParser,
     generate: Generate,
     response_length: int,
+    prompt_length: int | None = None,
 ) -> EpisodeTokens:
     sid, tools = opening.session_id, opening.tools
     episode = EpisodeTokens(opening.task_id, tokens.prompt_ids(opening.messages, tools))
+    if prompt_length is not None and len(episode.prompt_ids) > prompt_length:
+        # the prompt is the environment's opening and its tools, not the dataset's row, so a trainer's own filter of
+        # long prompts never saw it; past its prompt length the trainer's batch breaks after every sample has run
+        raise ValueError(
+            f"the opening of {opening.task_id} is {len(episode.prompt_ids)} tokens (messages and tool schemas), over "
+            f"the trainer's prompt length of {prompt_length}: raise it (verl: data.max_prompt_length)"
+        )
     while True:
         budget = response_length - len(episode.response_ids)
         out = await _finished_sample(generate, episode.prompt_ids + episode.response_ids, budget)
@@ -190,6 +198,7 @@ async def run_episode(
     max_turns: int = 0,
     response_length: int = 4096,
     infra_retries: int = 1,
+    prompt_length: int | None = None,
 ) -> EpisodeTokens:
     """Run one scored episode (see the module docstring); the session is always closed."""
     if response_length < 1:
@@ -197,7 +206,7 @@ async def run_episode(
     for attempt in range(infra_retries + 1):
         opening = await sessions.reset(env, task_id, seed=seed, max_turns=max_turns)
         try:
-            return await _attempt(sessions, opening, tokens, parser, generate, response_length)
+            return await _attempt(sessions, opening, tokens, parser, generate, response_length, prompt_length)
         except EpisodeFailedError as e:
             if e.status != RolloutStatus.INFRA_ERROR or attempt == infra_retries:
                 raise

@@ -74,6 +74,7 @@ class EnvfleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
         self.infra_retries = infra_retries
         self.tokens = ChatTemplateTokens(self.tokenizer)
         self.response_length = int(self.rollout_config.response_length)
+        self.prompt_length = int(self.rollout_config.prompt_length)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         """One episode on the row's task (`extra_info.task_id`, or a task drawn with `extra_info.seed`)."""
@@ -108,5 +109,6 @@ class EnvfleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
                 seed=int(seed) if seed is not None else None,
                 response_length=self.response_length,
                 infra_retries=self.infra_retries,
+                prompt_length=self.prompt_length,
             )
         return agent_loop_output(episode)

@@ -195,6 +195,32 @@ async def test_no_call_of_a_sample_that_took_its_whole_budget_runs_whatever_the_
     assert episode.assistant_turns == 1 and episode.tool_turns == 0 and episode.reward == 0.0
 
 
+async def test_an_opening_longer_than_the_trainers_prompt_length_is_refused_before_any_sample(
+    orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine
+) -> None:
+    # the prompt is the environment's opening and its tools, not the dataset's row, so verl's own filter of long
+    # prompts never saw it: past rollout.prompt_length, its batch broke after every sample had used its sandbox
+    asked: list[int] = []
+
+    async def generate(prompt_ids: list[int], max_tokens: int) -> Generated:
+        asked.append(len(prompt_ids))
+        return await engine.generate(REQUEST, prompt_ids, max_tokens)
+
+    async with EnvfleetClient(orchestrator.address) as client:
+        with pytest.raises(
+            ValueError, match=r"tokens \(messages and tool schemas\), over the trainer's prompt length of 64"
+        ):
+            await run_episode(
+                AsyncSessions(client), tokens, get_parser("hermes"), generate, env=ENV, task_id=TASK, prompt_length=64
+            )
+        assert asked == []
+        assert orchestrator.sessions is not None and orchestrator.sessions.open_sessions() == 0
+        episode = await run_episode(
+            AsyncSessions(client), tokens, get_parser("hermes"), generate, env=ENV, task_id=TASK, prompt_length=1024
+        )
+    assert episode.reward == 1.0
+
+
 async def test_a_turn_that_stopped_before_its_end_token_gets_it_from_the_template(
     orchestrator: Orchestrator, tokens: ChatTemplateTokens, engine: DoubleEngine
 ) -> None:
