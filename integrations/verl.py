@@ -72,7 +72,9 @@ class EnvfleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
         self.token = token or os.environ.get("ENVFLEET_TOKEN") or None
         self.parser = get_parser(tool_parser)
         self.infra_retries = infra_retries
-        self.tokens = ChatTemplateTokens(self.tokenizer)
+        # the data config's apply_chat_template_kwargs (enable_thinking=False, say): the episode renders its prompt and
+        # observations as verl renders its own prompts
+        self.tokens = ChatTemplateTokens(self.tokenizer, getattr(self, "apply_chat_template_kwargs", None))
         self.response_length = int(self.rollout_config.response_length)
         self.prompt_length = int(self.rollout_config.prompt_length)
 

@@ -41,6 +41,10 @@ class _Base:
     tools_matter: bool
 
 
+# apply_chat_template's own arguments, which this class sets: never taken from a caller's template variables
+_RENDER_ARGUMENTS = frozenset({"conversation", "tools", "add_generation_prompt", "tokenize"})
+
+
 class ChatTemplateTokens:
     """A Hugging Face tokenizer's chat template as token ids: the first prompt, then observation deltas.
 
@@ -52,10 +56,13 @@ class ChatTemplateTokens:
     that a tool list changes no delta (it lives in the system prompt, as in Qwen's templates) it is not rendered.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
         self.tokenizer = tokenizer
+        # the template's own variables at every render (a trainer's `enable_thinking=False`, say): the prompt and
+        # each observation's delta are rendered as the trainer renders its own prompts
+        self.template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RENDER_ARGUMENTS}
         base = self.encode(self._render(BASE_CONVERSATION, None, gen=False))
         self.turn_end_id = self._turn_end(base)
         text = self.decode([self.turn_end_id])
@@ -72,6 +79,7 @@ class ChatTemplateTokens:
             tools=[dict(t) for t in tools] if tools else None,
             add_generation_prompt=gen,
             tokenize=False,
+            **self.template_kwargs,
         )
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned a {type(text).__name__}, expected text")

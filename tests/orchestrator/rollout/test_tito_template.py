@@ -43,6 +43,16 @@ def test_the_first_prompt_is_the_templates_rendering(tokens: ChatTemplateTokens)
     assert tokens.tokenizer.convert_ids_to_tokens(tokens.turn_end_id) == "<|im_end|>"
 
 
+def test_the_trainers_template_variables_go_into_every_rendering() -> None:
+    # verl's data.apply_chat_template_kwargs (enable_thinking=False for Qwen3) were never passed: the episode's prompt
+    # and each observation were rendered with thinking on, unlike the trainer's own prompts
+    tokens = ChatTemplateTokens(load_tokenizer(QWEN_LIKE_DIR), {"enable_thinking": False, "tokenize": True})
+    no_think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tokens.decode(tokens.prompt_ids(FIRST, TOOLS)).endswith(no_think)
+    delta = tokens.observation_ids([{"role": "tool", "tool_call_id": "c0", "content": "4"}], TOOLS)
+    assert tokens.decode(delta).endswith(no_think)
+
+
 @pytest.mark.parametrize("results", [["4"], ["4", "line one\nline two"]])
 def test_sampled_ids_plus_the_delta_spell_the_whole_conversation(
     tokens: ChatTemplateTokens, results: list[str]
