@@ -26,6 +26,10 @@ DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 MAX_FILE_BYTES = 16 << 20
+# arrays and inline tables nested in a task.toml: tomllib recurses once a level, and a document nested thousands deep
+# was refused only by the RecursionError it raised, deep in the stack, where a garbage collection that ran a failing
+# finalizer could not even report it (the process's own error hook ran out of stack)
+MAX_TOML_DEPTH = 64
 
 
 class HarborTaskError(InvalidRequestError):
@@ -151,6 +155,33 @@ def _env(t: dict[str, Any], section: str, task: str) -> dict[str, str]:
     return out
 
 
+def _nested_deeper(text: str, limit: int) -> bool:
+    """Whether TOML text opens more than `limit` arrays or inline tables inside each other, its strings and comments
+    left out (a string it misreads can only count too few: tomllib's own RecursionError stays the backstop)."""
+    depth, i, n = 0, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "#":
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+        elif c in "\"'":
+            if text.startswith(c * 3, i):  # a multi-line string
+                end = text.find(c * 3, i + 3)
+                i = n if end < 0 else end + 2
+            else:
+                i += 1
+                while i < n and text[i] != c and text[i] != "\n":
+                    i += 2 if c == '"' and text[i] == "\\" else 1
+        elif c in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif c in "]}":
+            depth = max(0, depth - 1)
+        i += 1
+    return False
+
+
 def load_task(path: Path) -> HarborTask:
     """Parse and check one Harbor task directory (the task id is its folder name)."""
     path = path.resolve()
@@ -162,6 +193,8 @@ def load_task(path: Path) -> HarborTask:
     toml = _text(path / "task.toml", task)
     if toml is None:
         raise HarborTaskError(f"task {task}: no task.toml in {path}")
+    if _nested_deeper(toml, MAX_TOML_DEPTH):
+        raise HarborTaskError(f"task {task}: task.toml: nested too deeply (over {MAX_TOML_DEPTH} levels)")
     try:
         doc = tomllib.loads(toml)
     except RecursionError:

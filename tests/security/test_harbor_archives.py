@@ -322,3 +322,21 @@ async def test_an_uploaded_environment_is_private_to_its_tenant(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "caps.archive.bytes_per_tenant",
         )
+
+
+def test_task_toml_depth_is_read_before_it_is_parsed_and_strings_do_not_count() -> None:
+    # refused only by the RecursionError tomllib raised thousands of frames deep, where a garbage collection that ran
+    # a failing finalizer could not report it (a clean-clone run failed so): the depth is read first, and brackets
+    # in strings and comments are no nesting
+    from environments.harbor.task import MAX_TOML_DEPTH, _nested_deeper
+
+    assert _nested_deeper("x = " + "[" * 5000 + "]" * 5000, MAX_TOML_DEPTH)
+    assert not _nested_deeper("x = " + "[" * MAX_TOML_DEPTH + "]" * MAX_TOML_DEPTH, MAX_TOML_DEPTH)
+    texts = [
+        'x = "' + "[" * 100 + '"\n[a]\ny = 1\n[[b]]\nz = {c = [1, [2]]}',
+        "x = '''" + "[" * 100 + "'''\n# " + "{" * 100 + "\ny = 'a[['",
+        'x = "a\\"' + "[" * 100 + '"',
+        'x = """\n' + "{" * 100 + '\n"""',
+    ]
+    for text in texts:
+        assert not _nested_deeper(text, MAX_TOML_DEPTH), text[:20]
