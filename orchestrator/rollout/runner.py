@@ -265,6 +265,7 @@ class RolloutRunner:
                                 box.spec.workspace,
                                 lambda: env_call(env.setup(box, item.task, item.seed)),
                                 restores=spec.group_size - 1,
+                                sample=item.sample_index,
                             )
                         else:
                             await env_call(env.setup(box, item.task, item.seed))

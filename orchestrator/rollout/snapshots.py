@@ -111,7 +111,8 @@ class SnapshotCache:
         self._snapshots: dict[tuple[str, str], asyncio.Future[bytes]] = {}
         self._count: collections.Counter[str] = collections.Counter()  # per job: snapshots held or being built
         self._bytes: collections.Counter[str] = collections.Counter()  # per job: bytes held
-        self._restored: collections.Counter[tuple[str, str]] = collections.Counter()  # per group: restores so far
+        # per group: the samples that restored it so far (a retry of one counts once)
+        self._restored: dict[tuple[str, str], set[int]] = {}
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -162,15 +163,18 @@ class SnapshotCache:
         setup: Callable[[], Awaitable[None]],
         *,
         restores: int | None = None,
+        sample: int = 0,
     ) -> Outcome:
         """Bring `sandbox` to the state after setup: by running it (and snapshotting), or from the snapshot. Once
-        `restores` samples have restored it (the group's others), the snapshot is let go: held until the job's end,
+        `restores` samples have restored it (the group's others, each `sample` counted once: a retry is the same
+        sample), the snapshot is let go: held until the job's end,
         a job of more than `per_job_count` groups had snapshots for its first groups only, and its bytes for good. A
         sample that comes after (a retry) runs the setup."""
         fut = self._snapshots.get(key)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
             self._snapshots[key] = fut
+            self._restored[key] = {sample}  # its builder has it: a retry of the builder that restores is no other
             try:
                 await setup()
                 try:
@@ -178,12 +182,14 @@ class SnapshotCache:
                 except (ArchiveTooLargeError, _Unusable) as e:
                     # this sample is set up; the others run their own setup (the failed future stays: no retry)
                     log.info("no snapshot of %s: %s", key[1], e)
+                    self._restored.pop(key, None)
                     fut.set_exception(RuntimeError(f"snapshot of {key[1]} skipped: {e}"))
                     fut.exception()
                     return "fallback"
             except BaseException as e:
                 # the others fall back to their own setup; this rollout reports its own error
                 self._snapshots.pop(key, None)
+                self._restored.pop(key, None)
                 fut.set_exception(RuntimeError(f"snapshot of {key[1]} failed: {e}"))
                 fut.exception()  # retrieved: no "never retrieved" warning when nobody else waits
                 raise
@@ -201,8 +207,9 @@ class SnapshotCache:
             # retry, on a fresh sandbox: this workspace holds part of the snapshot) run the setup instead
             self._drop(key, fut, len(tar), f"snapshot of {key[1]} could not be restored: {e}")
             raise SandboxError(f"the snapshot of {key[1]} could not be restored: {e}") from e
-        self._restored[key] += 1
-        if restores is not None and self._restored[key] >= restores:
+        restored = self._restored.setdefault(key, set())
+        restored.add(sample)
+        if restores is not None and len(restored) > restores:  # every sample of the group has it, its builder too
             self._drop(key, fut, len(tar), f"the snapshot of {key[1]} was restored for its group's samples", quiet=True)
         return "restored"
 

@@ -371,8 +371,9 @@ class JobManager:
         # the admission counts until the job does (_add): let go when a cancelled caller returned, the next submit's
         # check missed the job being recorded, and cancelled submits stacked jobs past jobs_per_tenant
         handed_over.append(True)
+        # counted now: queued (by a submit beside it, whose start timer fires first), its items start being made at once
         await run_to_end(self._record(job_id, spec, env, items, owner))
-        return job_id, len(items)
+        return job_id, total
 
     async def _record(self, job_id: str, spec: JobSpec, env: Environment, items: PendingItems, owner: str) -> None:
         try:

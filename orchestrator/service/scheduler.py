@@ -82,7 +82,7 @@ class PendingItems:
     """A job's work items, made as they start rather than all at its submit: a job of a million rollouts was a
     million items built on the event loop (1.5 s, 160 MB) at each SubmitJob, and a tenant could submit and cancel
     such jobs at will. Items come task by task, each task's samples in a row, as a list of them would; `extend` puts
-    items made elsewhere ahead of the rest. `skip`: ids not to run (a resumed job's logged ones)."""
+    items made elsewhere behind the rest, as a list's would. `skip`: ids not to run (a resumed job's logged ones)."""
 
     def __init__(
         self,
@@ -96,25 +96,25 @@ class PendingItems:
     ) -> None:
         self._job_id, self._tasks, self._group_size = job_id, tasks, group_size
         self._enqueued_at, self._tenant, self._skip = enqueued_at, tenant, skip
-        self._made: collections.deque[WorkItem] = collections.deque()
+        self._tail: collections.deque[WorkItem] = collections.deque()  # made elsewhere, after the tasks' items
         self._next = 0  # the next item's place among the tasks' samples, in order
         skipped = sum(1 for t in tasks for k in range(group_size) if rollout_id(job_id, t.id, k) in skip) if skip else 0
         self._left = len(tasks) * group_size - skipped  # not made yet, skips left out
 
     def __len__(self) -> int:
-        return len(self._made) + self._left
+        return self._left + len(self._tail)
 
     def __bool__(self) -> bool:
-        return bool(self._made) or self._left > 0
+        return self._left > 0 or bool(self._tail)
 
     def extend(self, items: Iterable[WorkItem]) -> None:
-        """Queue items made elsewhere, ahead of those not made yet."""
-        self._made.extend(items)
+        """Queue items made elsewhere, behind those not made yet."""
+        if isinstance(items, PendingItems):  # not iterable: made as they start, they are popped, never walked
+            raise TypeError("pending items are queued behind others item by item (add_job makes them)")
+        self._tail.extend(items)
 
     def popleft(self) -> WorkItem:
         """The next item; IndexError when none is left."""
-        if self._made:
-            return self._made.popleft()
         while self._left > 0:
             task, k = divmod(self._next, self._group_size)
             self._next += 1
@@ -122,11 +122,13 @@ class PendingItems:
             if not self._skip or item.id not in self._skip:
                 self._left -= 1
                 return item
+        if self._tail:
+            return self._tail.popleft()
         raise IndexError("no pending work item is left")
 
     def clear(self) -> None:
         """Drop every pending item."""
-        self._made.clear()
+        self._tail.clear()
         self._left = 0
 
 
@@ -238,11 +240,11 @@ class Scheduler:
         else:
             if q is None:
                 q = self._queues[job_id] = JobQueue(job_id, priority, max_concurrency, need, ready, tenant)
-            if isinstance(items, PendingItems):
-                while items:
-                    q.pending.extend([items.popleft()])
-            else:
-                q.pending.extend(items)
+            if items is q.pending:
+                raise ValueError(f"job {job_id}'s pending items are queued already")
+            if isinstance(items, PendingItems):  # a second batch for a queued job: made now, behind the first
+                items = [items.popleft() for _ in range(len(items))]
+            q.pending.extend(items)
         self.kick()
 
     def set_ready(self, job_id: str) -> None:

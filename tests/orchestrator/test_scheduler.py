@@ -32,6 +32,10 @@ def _items(job_id: str, n: int) -> list[WorkItem]:
     return [WorkItem(job_id, Task(id=f"t{i}", prompt="p"), 0, 0.0) for i in range(n)]
 
 
+async def _never(item: WorkItem) -> None:
+    await asyncio.sleep(3600)
+
+
 def test_pending_items_come_as_a_list_of_them_would_made_as_they_start() -> None:
     # a job's million items were built at its submit, on the event loop (1.5 s and 160 MB a SubmitJob, and a tenant
     # could submit and cancel such jobs at will): they are made as they start, in the order the list had
@@ -42,15 +46,25 @@ def test_pending_items_come_as_a_list_of_them_would_made_as_they_start() -> None
     first = pending.popleft()
     assert (first.id, first.enqueued_at, first.tenant) == ("j:t0:0", 5.0, "ten") and len(pending) == 8
     extra = WorkItem("j", tasks[0], 9, 1.0)
-    pending.extend([extra])  # made elsewhere: ahead of the rest
+    pending.extend([extra])  # made elsewhere: behind the rest, as a list's would be
+    assert len(pending) == 9
     got = [pending.popleft().id for _ in range(len(pending))]
     expected = [f"j:{t.id}:{k}" for t in tasks for k in range(3) if f"j:{t.id}:{k}" not in done][1:]
-    assert got == ["j:t0:9", *expected] and not pending
+    assert got == [*expected, "j:t0:9"] and not pending
     with pytest.raises(IndexError):
         pending.popleft()
     again = PendingItems("j", tasks, 3)
+    with pytest.raises(TypeError):
+        again.extend(PendingItems("j", tasks, 3))  # type: ignore[arg-type]
     again.clear()
     assert not again and len(again) == 0
+    s = Scheduler(8, _never)
+    queued = PendingItems("q", tasks, 2)
+    s.add_job("q", 1, 1, queued)
+    with pytest.raises(ValueError, match="queued already"):  # it would pop itself into itself for good
+        s.add_job("q", 1, 1, queued)
+    s.add_job("q", 1, 1, PendingItems("q", tasks[:1], 1))  # a second batch: behind the first
+    assert len(s._queues["q"].pending) == 9
 
 
 async def test_a_large_job_makes_its_items_as_they_start(tmp_path: Path) -> None:

@@ -220,21 +220,25 @@ async def test_a_groups_snapshot_is_let_go_once_its_samples_restored_it() -> Non
     cache = SnapshotCache(SnapshotBudget(max_bytes=MiB, per_job_count=2, per_job_bytes=2 * MiB, total_bytes=4 * MiB))
     setups: list[str] = []
 
-    async def prepared(task: str) -> str:
+    async def prepared(task: str, sample: int) -> str:
         async with await backend.create(SandboxSpec(image=FAKE_BASE_IMAGE, workspace="/tmp/ws")) as box:
 
             async def setup() -> None:
                 setups.append(task)
                 await box.write_file("data", b"d" * 1000)
 
-            return await cache.prepare(("j", task), box, box.spec.workspace, setup, restores=2)
+            return await cache.prepare(("j", task), box, box.spec.workspace, setup, restores=2, sample=sample)
 
     try:
         for task in ("a", "b", "c", "d", "e"):  # groups of 3, one after another: more groups than the job may hold
-            assert [await prepared(task) for _ in range(3)] == ["built", "restored", "restored"], task
+            assert [await prepared(task, k) for k in range(3)] == ["built", "restored", "restored"], task
             assert cache.held_bytes("j") == 0
         assert setups == ["a", "b", "c", "d", "e"]
-        assert await prepared("a") == "fallback"  # a retry after the group's samples: its own setup
+        assert await prepared("a", 1) == "fallback"  # a retry after the group's samples: its own setup
+        # a retry counts as its sample, the builder's too: the snapshot waits for each other sample once
+        assert [await prepared("f", k) for k in (0, 0, 1, 1)] == ["built", "restored", "restored", "restored"]
+        assert cache.held_bytes("j") > 0
+        assert await prepared("f", 2) == "restored" and cache.held_bytes("j") == 0
     finally:
         await backend.close()
 
