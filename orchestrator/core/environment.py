@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import logging
 import math
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
@@ -201,6 +202,22 @@ class Environment(abc.ABC):
     def ref(cls) -> str:
         """`name@version`."""
         return f"{cls.name}@{cls.version}"
+
+
+# each environment object's tasks, in order and by id: its tasks are fixed and their ids unique (the registry checks),
+# while some environments build their Task objects at every tasks() call (Harbor, SWE)
+_INDEXED: weakref.WeakKeyDictionary[Environment, tuple[Sequence[Task], Mapping[str, Task]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def indexed_tasks(env: Environment) -> tuple[Sequence[Task], Mapping[str, Task]]:
+    """The environment's tasks, in order and by id, read once per environment object."""
+    known = _INDEXED.get(env)
+    if known is None:
+        tasks = tuple(env.tasks())
+        known = _INDEXED[env] = (tasks, {t.id: t for t in tasks})
+    return known
 
 
 class ImageSource(Protocol):

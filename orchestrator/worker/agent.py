@@ -14,7 +14,6 @@ import secrets
 import shutil
 import socket
 import time
-import weakref
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.archives import ArchiveKind
-from orchestrator.core.environment import Environment, Task
+from orchestrator.core.environment import Environment, Task, indexed_tasks
 from orchestrator.core.models import JobSpec
 from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.rollout.runner import WorkItem
@@ -91,9 +90,6 @@ class WorkerAgent:
         # uploaded environments by archive digest, loaded once (a failed load is the answer until the bytes come again)
         self._archives: dict[str, asyncio.Task[Environment]] = {}
         self._archive_dir: Path | None = None
-        # by the environment object, not its ref: one name@version of other content (another control plane's
-        # registration, an archive of other bytes) is another environment, whose tasks the old ones are not
-        self._tasks: weakref.WeakKeyDictionary[Environment, dict[str, Task]] = weakref.WeakKeyDictionary()
         self._specs: dict[str, tuple[bytes, JobSpec]] = {}  # job id -> its spec as last sent, and parsed
         # job id -> its spec and its environment's as JSON, as this stream last carried them (WorkerHello.keeps_specs)
         self._carried: dict[str, tuple[bytes, bytes]] = {}
@@ -356,11 +352,11 @@ class WorkerAgent:
             raise LookupError(f"the control plane sent no archive of {m.name}@{m.version} on this stream")
         return await asyncio.shield(loading)  # a cancelled rollout does not cancel the load others wait for
 
-    def _task(self, env: Environment, task_id: str) -> Task:
-        by_id = self._tasks.get(env)
-        if by_id is None:
-            by_id = self._tasks[env] = {t.id: t for t in env.tasks()}
-        return by_id[task_id]
+    @staticmethod
+    def _task(env: Environment, task_id: str) -> Task:
+        # by the environment object, not its ref: one name@version of other content (another control plane's
+        # registration, an archive of other bytes) is another environment, whose tasks the old ones are not
+        return indexed_tasks(env)[1][task_id]
 
 
 _REFUSALS = frozenset(
