@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import skyrl_gym
@@ -77,13 +77,9 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
     def init(self, prompt: list[Message]) -> tuple[list[Message], dict[str, Any]]:
         """Reset a session (the dataset's prompt is replaced by the environment's own opening messages). Whatever
         raises releases the session and the connection first (SkyRL closes an environment on success only)."""
-        try:
+        with self._closed_if_raising():
             self.close_session()
             self.opening = self.sessions.reset(self.env_ref, self.task_id, seed=self.seed, max_turns=self.max_turns)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the error that ended it is the one to see
-                self.close()
-            raise
         self.turns = 0
         info = {"task_id": self.opening.task_id, "tools": self.opening.tools, "max_turns": self.opening.max_turns}
         return opening_messages(self.opening, self.with_tools), info
@@ -94,12 +90,8 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
         environment on success only, and the sandbox was held until the session's idle expiry."""
         if self.opening is None:
             raise RuntimeError("call init() before step()")
-        try:
+        with self._closed_if_raising():
             return self._step(action)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the error that ended it is the one to see
-                self.close()
-            raise
 
     def _step(self, action: str) -> BaseTextEnvStepOutput:
         assert self.opening is not None
@@ -129,6 +121,17 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
         if self.last is None:
             return {}
         return {**self.last.reward_components, **self.last.metrics}
+
+    @contextlib.contextmanager
+    def _closed_if_raising(self) -> Iterator[None]:
+        """Release the session and the connection when the block raises (SkyRL closes an environment on success
+        only), then raise what ended it."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that ended it is the one to see
+                self.close()
+            raise
 
     def close_session(self) -> None:
         """Release the session's sandbox, if one is held."""

@@ -167,9 +167,9 @@ class SnapshotCache:
     ) -> Outcome:
         """Bring `sandbox` to the state after setup: by running it (and snapshotting), or from the snapshot. Once
         `restores` samples have restored it (the group's others, each `sample` counted once: a retry is the same
-        sample), the snapshot is let go: held until the job's end,
-        a job of more than `per_job_count` groups had snapshots for its first groups only, and its bytes for good. A
-        sample that comes after (a retry) runs the setup."""
+        sample), the snapshot is let go: held until the job's end, a job of more than `per_job_count` groups had
+        snapshots for its first groups only, and held their bytes all along. A sample that comes after (a retry)
+        runs the setup."""
         fut = self._snapshots.get(key)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()

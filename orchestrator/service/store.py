@@ -70,7 +70,7 @@ DROP INDEX IF EXISTS rollouts_group;
 # the job, each from the table: 0.9 ms an append with 64 groups of 64 in flight, about 1,100 grouped rollouts a second
 # for the whole control plane. A log from before it (`rollouts_group`) gets the new index at its next open.
 # Queries below that SQLite planned over a job's whole backlog name their index (INDEXED BY), or keep job_id off
-# one (+job_id) so that the unique rollout_id index is used; tests/orchestrator/test_store_plans.py checks each plan.
+# one (+job_id) so that the unique rollout_id index is used; tests/orchestrator/test_store.py checks each plan.
 
 # An ack's up_to may cut a group: its members past up_to, unacked. The group is the last unacked one up to it (groups
 # are acked whole, so an acked last row leaves nothing of its group to ack): the index finds it at once, where the
