@@ -13,6 +13,7 @@ policy's (`scored` is False): an adapter masks that sample, it never trains on a
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
+from orchestrator.client.busy import BUSY_WAIT_S, retry_busy, retry_busy_sync
 from orchestrator.client.convert import known_status
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.errors import EpisodeFailedError
@@ -133,19 +135,27 @@ STEP_TIMEOUT_S: float | None = None
 
 class AsyncSessions:
     """SessionService over an EnvfleetClient's channel (its token and TLS), for asyncio code. `timeout_s` is Reset's
-    and Close's deadline; `step_timeout_s` Step's (STEP_TIMEOUT_S)."""
+    and Close's deadline; `step_timeout_s` Step's (STEP_TIMEOUT_S); `busy_wait_s` how long Reset asks again while
+    the server is busy (the host full, the tenant's sessions at their cap: orchestrator/client/busy.py), 0 not at
+    all."""
 
     def __init__(
-        self, client: EnvfleetClient, *, timeout_s: float = 300.0, step_timeout_s: float | None = STEP_TIMEOUT_S
+        self,
+        client: EnvfleetClient,
+        *,
+        timeout_s: float = 300.0,
+        step_timeout_s: float | None = STEP_TIMEOUT_S,
+        busy_wait_s: float = BUSY_WAIT_S,
     ) -> None:
         self.client = client
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
+        self.busy_wait_s = busy_wait_s
 
     async def reset(self, env: str, task_id: str = "", *, seed: int | None = None, max_turns: int = 0) -> Opening:
         """Acquire a sandbox and set the task up."""
-        stub = self.client.session_stub
-        return opening_from_pb(await stub.Reset(reset_request(env, task_id, seed, max_turns), timeout=self.timeout_s))
+        reset = functools.partial(self.client.session_stub.Reset, reset_request(env, task_id, seed, max_turns))
+        return opening_from_pb(await retry_busy(functools.partial(reset, timeout=self.timeout_s), self.busy_wait_s))
 
     async def step(self, session_id: str, action: ToolCall | str) -> StepResult:
         """Run one tool call, or give the final answer."""
@@ -165,7 +175,7 @@ class AsyncSessions:
 
 class SyncSessions:
     """SessionService on a blocking channel of its own, for code without asyncio (SkyRL runs env.step in threads).
-    `timeout_s` is Reset's and Close's deadline; `step_timeout_s` Step's (STEP_TIMEOUT_S)."""
+    `timeout_s`, `step_timeout_s` and `busy_wait_s` as in AsyncSessions."""
 
     def __init__(
         self,
@@ -176,9 +186,11 @@ class SyncSessions:
         insecure: bool = False,
         timeout_s: float = 300.0,
         step_timeout_s: float | None = STEP_TIMEOUT_S,
+        busy_wait_s: float = BUSY_WAIT_S,
     ) -> None:
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
+        self.busy_wait_s = busy_wait_s
         self._metadata = bearer_metadata(token)
         self._channel = sync_channel(target, token=token, tls=tls, insecure=insecure)
         self._stub = pb_grpc.SessionServiceStub(self._channel)
@@ -186,7 +198,8 @@ class SyncSessions:
     def reset(self, env: str, task_id: str = "", *, seed: int | None = None, max_turns: int = 0) -> Opening:
         """Acquire a sandbox and set the task up."""
         req = reset_request(env, task_id, seed, max_turns)
-        return opening_from_pb(self._stub.Reset(req, timeout=self.timeout_s, metadata=self._metadata))
+        reset = functools.partial(self._stub.Reset, req, timeout=self.timeout_s, metadata=self._metadata)
+        return opening_from_pb(retry_busy_sync(reset, self.busy_wait_s))
 
     def step(self, session_id: str, action: ToolCall | str) -> StepResult:
         """Run one tool call, or give the final answer."""

@@ -26,6 +26,7 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from integrations.episode import answer_text, tool_message
 from integrations.session import Message, Opening, StepResult, SyncSessions
+from orchestrator.client.busy import BUSY_WAIT_S
 from orchestrator.rollout.tito import get_parser
 
 ENV_ID = "envfleet"
@@ -54,8 +55,9 @@ def opening_messages(opening: Opening, with_tools: bool) -> list[Message]:
 
 
 class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
-    """One envfleet session per episode. env_config: server, env, token, tool_parser, tools_in_system_prompt;
-    extras: task_id (or seed), env (overrides env_config's), max_turns."""
+    """One envfleet session per episode. env_config: server, env, token, tool_parser, tools_in_system_prompt,
+    busy_wait_s (how long a Reset waits while the fleet is full; 0: fail at once); extras: task_id (or seed), env
+    (overrides env_config's), max_turns."""
 
     def __init__(self, env_config: Mapping[str, Any] | None = None, extras: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -70,7 +72,11 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
         self.max_turns = int(extras.get("max_turns") or config.get("max_turns") or 0)
         self.with_tools = bool(config.get("tools_in_system_prompt", True))
         self.parser = get_parser(str(config.get("tool_parser", "hermes")))
-        self.sessions = SyncSessions(str(config.get("server", "127.0.0.1:50051")), token=config.get("token") or None)
+        self.sessions = SyncSessions(
+            str(config.get("server", "127.0.0.1:50051")),
+            token=config.get("token") or None,
+            busy_wait_s=float(config.get("busy_wait_s", BUSY_WAIT_S)),
+        )
         self.opening: Opening | None = None
         self.last: StepResult | None = None
 

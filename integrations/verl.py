@@ -8,6 +8,7 @@ scores the episode with the environment's rubric. Importing this module register
       _target_: integrations.verl.EnvfleetAgentLoop
       server: 127.0.0.1:50051
       env: python-tool
+      busy_wait_s: 600     # how long a Reset waits while the fleet is full (0: fail at once)
 
 and give each dataset row `agent_name: envfleet` and `extra_info: {task_id: py-000}` (`env` there overrides the
 loop's). The reward is the episode's (`reward_score`); an episode that fails for the fleet's reason is retried on a
@@ -25,6 +26,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from integrations.episode import EpisodeTokens, Generated, run_episode
 from integrations.session import AsyncSessions
+from orchestrator.client.busy import BUSY_WAIT_S
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.rollout.tito import ChatTemplateTokens, get_parser
 
@@ -62,6 +64,7 @@ class EnvfleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
         token: str | None = None,
         tool_parser: str = "hermes",
         infra_retries: int = 1,
+        busy_wait_s: float = BUSY_WAIT_S,
         **kwargs: Any,
     ) -> None:
         kwargs.pop("name", None)  # the agent_loop.yaml entry's name arrives as a keyword
@@ -72,6 +75,7 @@ class EnvfleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
         self.token = token or os.environ.get("ENVFLEET_TOKEN") or None
         self.parser = get_parser(tool_parser)
         self.infra_retries = infra_retries
+        self.busy_wait_s = float(busy_wait_s)
         # the data config's apply_chat_template_kwargs (enable_thinking=False, say): the episode renders its prompt and
         # observations as verl renders its own prompts
         self.tokens = ChatTemplateTokens(self.tokenizer, getattr(self, "apply_chat_template_kwargs", None))
@@ -102,7 +106,7 @@ class EnvfleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
 
         async with EnvfleetClient(self.server, token=self.token) as client:
             episode = await run_episode(
-                AsyncSessions(client),
+                AsyncSessions(client, busy_wait_s=self.busy_wait_s),
                 self.tokens,
                 self.parser,
                 generate,

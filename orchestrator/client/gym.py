@@ -16,6 +16,7 @@ it would from a 0).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any, Literal
@@ -25,6 +26,7 @@ import gymnasium
 from gymnasium import spaces
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
+from orchestrator.client.busy import BUSY_WAIT_S, retry_busy_sync
 from orchestrator.client.convert import known_status
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.text import as_text
@@ -90,6 +92,7 @@ class SessionEnv(gymnasium.Env[str, str]):
         step_timeout_s: float | None = None,
         max_text: int = 1 << 20,
         on_failure: Literal["raise", "truncate"] = "raise",
+        busy_wait_s: float = BUSY_WAIT_S,
     ) -> None:
         self.env_ref = env
         self.max_turns = max_turns
@@ -99,6 +102,9 @@ class SessionEnv(gymnasium.Env[str, str]):
         # step cut here was scored all the same, its reward lost (and the episode over when retried)
         self.step_timeout_s = step_timeout_s
         self.on_failure = on_failure
+        # how long reset() asks again while the server is busy (the host full, the tenant's sessions at their cap:
+        # orchestrator/client/busy.py); 0: it raises the first RESOURCE_EXHAUSTED
+        self.busy_wait_s = busy_wait_s
         self.observation_space = AnyText(max_text, min_length=0)
         self.action_space = AnyText(max_text, min_length=0)
         self._metadata = bearer_metadata(token)
@@ -126,7 +132,8 @@ class SessionEnv(gymnasium.Env[str, str]):
         req = pb.ResetRequest(env=self.env_ref, task_id=task_id, max_turns=self.max_turns)
         if not task_id:
             req.seed = int(self.np_random.integers(0, 2**31 - 1))
-        r = self._stub.Reset(req, timeout=self.timeout_s, metadata=self._metadata)
+        reset = functools.partial(self._stub.Reset, req, timeout=self.timeout_s, metadata=self._metadata)
+        r = retry_busy_sync(reset, self.busy_wait_s)
         self.session_id = r.session_id
         info: dict[str, Any] = {
             "env": r.info.env,

@@ -2,7 +2,8 @@
 gRPC edge maps to a status code (orchestrator/server/errors.py) and the client maps back:
 
 - InvalidRequestError -> INVALID_ARGUMENT, NotFoundError -> NOT_FOUND, AlreadyExistsError -> ALREADY_EXISTS,
-  FailedPreconditionError -> FAILED_PRECONDITION, QuotaExceededError -> RESOURCE_EXHAUSTED,
+  FailedPreconditionError -> FAILED_PRECONDITION, QuotaExceededError -> RESOURCE_EXHAUSTED (a BusyError's with
+  google.rpc.RetryInfo: it may succeed later),
   UnauthenticatedError -> UNAUTHENTICATED, PermissionDeniedError -> PERMISSION_DENIED,
   SandboxError -> UNAVAILABLE (infrastructure: a rollout that meets one is INFRA_ERROR and retried, never scored),
   SandboxFileError -> the caller's problem inside a sandbox (NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION).
@@ -87,7 +88,17 @@ class FailedPreconditionError(EnvfleetError):
 
 
 class QuotaExceededError(EnvfleetError):
-    """A per-tenant limit or a size limit was reached."""
+    """A per-tenant limit or a size limit was reached. As it is, the request fails again (a sandbox over the caps, a
+    job of too many rollouts): a BusyError is one that can succeed later."""
+
+
+class BusyError(QuotaExceededError):
+    """A limit that frees up as other work ends: the host is full, or the tenant holds as many sessions, sandboxes
+    or unfinished jobs as its cap allows. RESOURCE_EXHAUSTED with google.rpc.RetryInfo (in grpc-status-details-bin,
+    readable by any gRPC client): asked again after `retry_after_s` or later, the call may succeed. The adapters'
+    Reset waits so (orchestrator/client/busy.py); a status without RetryInfo is not worth a retry."""
+
+    retry_after_s = 1.0
 
 
 class UnauthenticatedError(EnvfleetError, PermissionError):

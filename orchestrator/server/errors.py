@@ -14,12 +14,15 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from pydantic import ValidationError
 
 from orchestrator.core.echo import bounded
 from orchestrator.core.errors import (
     SERVER_STATUS_KEY,
     AlreadyExistsError,
+    BusyError,
     ConfigError,
     EnvfleetError,
     FailedPreconditionError,
@@ -66,7 +69,8 @@ def status_for(e: BaseException) -> grpc.StatusCode | None:
 
 async def _abort(context: grpc.aio.ServicerContext, e: Exception, method: str) -> None:
     code = status_for(e)
-    ours = ((SERVER_STATUS_KEY, "1"),)  # this server's answer, not the transport's (the OpenEnv facade reads it)
+    # this server's answer, not the transport's (the OpenEnv facade reads it)
+    ours: tuple[tuple[str, str | bytes], ...] = ((SERVER_STATUS_KEY, "1"),)
     if code is None or code == grpc.StatusCode.INTERNAL:
         error_id = secrets.token_hex(6)
         log.error("internal error in %s (error id %s)", method, error_id, exc_info=e)
@@ -75,7 +79,20 @@ async def _abort(context: grpc.aio.ServicerContext, e: Exception, method: str) -
             f"internal error in {method} (error id {error_id}; the server log has details)",
             trailing_metadata=ours,
         )
-    await context.abort(code, bounded(str(e)), trailing_metadata=ours)
+    message = bounded(str(e))
+    if isinstance(e, BusyError):
+        ours += retry_info(message, e.retry_after_s)
+    await context.abort(code, message, trailing_metadata=ours)
+
+
+def retry_info(message: str, after_s: float) -> tuple[tuple[str, str | bytes], ...]:
+    """The trailer of a RESOURCE_EXHAUSTED that may succeed after `after_s`: a google.rpc.Status (the same code and
+    message, as gRPC's rich error model requires) whose detail is a RetryInfo."""
+    detail = error_details_pb2.RetryInfo()
+    detail.retry_delay.FromNanoseconds(round(after_s * 1e9))
+    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message)
+    status.details.add().Pack(detail)
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]

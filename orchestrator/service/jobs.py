@@ -37,6 +37,7 @@ from prometheus_client import Counter as MetricCounter
 from orchestrator.core.echo import echo, echo_list
 from orchestrator.core.environment import Environment, Task
 from orchestrator.core.errors import (
+    BusyError,
     EnvfleetError,
     EnvironmentNotFoundError,
     InvalidRequestError,
@@ -328,7 +329,7 @@ class JobManager:
         # submits being admitted count too: side by side (a burst, one commit for all) each saw the same count
         unfinished = self._unfinished[owner] + self._admitting[owner]
         if unfinished >= self.caps.jobs_per_tenant:
-            raise QuotaExceededError(
+            raise BusyError(
                 f"{unfinished} jobs are unfinished; caps.jobs_per_tenant is {self.caps.jobs_per_tenant}; "
                 "cancel some or wait for them to finish"
             )

@@ -42,6 +42,7 @@ from orchestrator.core.echo import echo
 from orchestrator.core.environment import ImageSource
 from orchestrator.core.errors import (
     ArchiveTooLargeError,
+    BusyError,
     InvalidRequestError,
     NotFoundError,
     QuotaExceededError,
@@ -266,7 +267,7 @@ class SandboxManager:
         check_limits(lim, self.caps.sandbox, runtime=runtime)
         live_now = sum(x.tenant == tenant for x in self._live.values()) + self._reserved.get(tenant, 0)
         if live_now >= self.config.max_per_tenant:
-            raise QuotaExceededError(
+            raise BusyError(
                 f"{live_now} sandboxes are running; sandboxes.max_per_tenant is {self.config.max_per_tenant}; "
                 "delete some"
             )

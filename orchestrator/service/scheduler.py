@@ -36,7 +36,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.core.environment import Task
-from orchestrator.core.errors import CapacityError, QuotaExceededError
+from orchestrator.core.errors import BusyError, CapacityError
 from orchestrator.core.models import rollout_id
 from orchestrator.rollout.runner import WorkItem
 from orchestrator.service.tenancy import LOCAL_TENANT
@@ -302,7 +302,7 @@ class Scheduler:
 
     def reserve(self, need: Need, what: str, tenant: str = LOCAL_TENANT) -> Reservation:
         """Take one sandbox's share of the host now for `what` (a session, a raw sandbox) of `tenant`;
-        QuotaExceededError (with the numbers) when the host is full, or the tenant holds its share of it
+        BusyError (with the numbers) when the host is full, or the tenant holds its share of it
         (capacity.tenant_share). Release the returned Reservation when the sandbox ends."""
         self.check_fits(need)
         held = self._held_by.get(tenant, Need())
@@ -319,7 +319,7 @@ class Scheduler:
                 or held.memory_mb + need.memory_mb > share * cap.memory_mb
             )
         ):
-            raise QuotaExceededError(
+            raise BusyError(
                 f"{what} cannot start: your sessions and sandboxes hold {count} sandboxes, {held.cpus:g} CPUs and "
                 f"{held.memory_mb} MB, and with this one ({need.cpus:g} CPUs, {need.memory_mb} MB) would pass "
                 f"capacity.tenant_share = {share:g} of this host ({cap.max_sandboxes} sandboxes, {cap.cpus:g} CPUs, "
@@ -327,7 +327,7 @@ class Scheduler:
             )
         if not self._room(need):
             cap = self.capacity
-            raise QuotaExceededError(
+            raise BusyError(
                 f"this host is at capacity, {what} cannot start now: {self._running + self._held} of "
                 f"capacity.max_sandboxes = {cap.max_sandboxes} sandboxes, {self._cpus_used:g} + {need.cpus:g} of "
                 f"capacity.cpus = {cap.cpus:g} CPUs, {self._memory_used} + {need.memory_mb} of "

@@ -27,11 +27,11 @@ from orchestrator.backends.pool import SandboxPool, pool_labels
 from orchestrator.core.echo import echo
 from orchestrator.core.environment import Environment, Finish, ImageSource, Task, indexed_tasks, scoring_budget
 from orchestrator.core.errors import (
+    BusyError,
     EnvironmentBroken,
     FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
-    QuotaExceededError,
     SandboxError,
 )
 from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
@@ -236,7 +236,7 @@ class SessionManager:
         open_now = sum(s.tenant == tenant and s.ended is None for s in self._sessions.values())
         open_now += self._reserved.get(tenant, 0)
         if open_now >= self.config.max_per_tenant:
-            raise QuotaExceededError(
+            raise BusyError(
                 f"{open_now} sessions are open; sessions.max_per_tenant is {self.config.max_per_tenant}; close some"
             )
         need = Need(cpus=env.limits.cpus, memory_mb=env.limits.memory_mb)

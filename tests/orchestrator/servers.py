@@ -28,6 +28,25 @@ FAKE_BASE_IMAGE = FAKE.base_image
 
 
 @contextlib.asynccontextmanager
+async def silent_policy() -> AsyncIterator[str]:
+    """A policy URL that accepts connections and never answers: a job's rollouts stay running, its stream open."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
 async def serve(
     data_dir: Path, registry: Registry | None = None, *, tracer: Tracer | None = None, **config: Any
 ) -> AsyncIterator[Orchestrator]:

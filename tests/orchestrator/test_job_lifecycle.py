@@ -27,24 +27,15 @@ from orchestrator.testing.synthetic_rollouts import long_rollout
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 from tests.conftest import TEST_OWNER
+from tests.orchestrator import servers
 from tests.orchestrator.conftest import ENV
 from tests.orchestrator.servers import FAKE, expect_error, serve
 
 
 @pytest.fixture
 async def silent_policy() -> AsyncIterator[str]:
-    """A policy server that takes each request and never answers it."""
-
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            await reader.read()
-        writer.close()
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
+    async with servers.silent_policy() as url:
+        yield url
 
 
 GROUPED = {"group_size": 2, "deliver_groups": True}

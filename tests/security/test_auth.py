@@ -24,6 +24,7 @@ from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.server.security import Authenticator, SecurityConfig, check_transport
 from orchestrator.service.tenancy import TokenSource
 from protos import orchestrator_pb2 as pb
+from tests.orchestrator import servers
 from tests.orchestrator.conftest import ENV
 from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve
 
@@ -137,19 +138,8 @@ def test_a_half_written_token_file_is_never_read(tmp_path: Path, monkeypatch: py
 
 @pytest.fixture
 async def silent_policy() -> AsyncIterator[str]:
-    """An 'inference server' that accepts connections and never answers, so a job's stream stays open."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}/v1"
-    for w in held:
-        w.close()
-    server.close()
-    await server.wait_closed()
+    async with servers.silent_policy() as url:
+        yield url
 
 
 async def test_a_stream_ends_when_its_token_expires_or_is_revoked(

@@ -18,8 +18,7 @@ from orchestrator.backends.pool import TENANT_LABEL, PoolConfig, SandboxPool
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.sandbox import SandboxSpec
 from protos import orchestrator_pb2 as pb
-from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, local_runner, serve
-from tests.security.test_tenant_caps import silent_policy
+from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, local_runner, serve, silent_policy
 
 TOKEN_A, TOKEN_B = (secrets.token_urlsafe(24) for _ in range(2))
 

@@ -5,9 +5,7 @@ rollouts do, giving it back when they end."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
 from protos import orchestrator_pb2 as pb
-from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve
+from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve, silent_policy
 
 TOKEN_A, TOKEN_B = (secrets.token_urlsafe(24) for _ in range(2))
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -27,24 +25,6 @@ def token_file(tmp_path: Path) -> Path:
     path = tmp_path / "tokens.yaml"
     path.write_text(f"tokens:\n  {TOKEN_A}: team-a\n  {TOKEN_B}: team-b\n")
     return path
-
-
-@contextlib.asynccontextmanager
-async def silent_policy() -> AsyncIterator[str]:
-    """A policy URL that accepts connections and never answers: the job's rollouts stay running."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        for w in held:
-            w.close()
-        server.close()
 
 
 def _job(url: str, group_size: int = 1) -> pb.JobSpec:
