@@ -9,8 +9,11 @@ as a pytest plugin (an entry point of a .dist-info folder in the cwd)."""
 
 from __future__ import annotations
 
+import os
+import py_compile
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import docker
@@ -20,9 +23,9 @@ from environments.swe.env import checked
 from environments.swe.evaluate import run_evaluation
 from environments.swe.grading import Grade, TestStatus, find_nonce, grade_log, parse_pytest, parse_unittest
 from environments.swe.patches import check_patch, file_diff
-from environments.swe.script import HARNESS_FILES, PYTEST_RUNNER, UNITTEST_RUNNER
+from environments.swe.script import EVAL_ENV, HARNESS_FILES, PYTEST_RUNNER, UNITTEST_RUNNER
 from orchestrator.backends.docker.backend import DockerBackend
-from tests.environments.swe.conftest import Tiny, tiny  # noqa: F401  (the fixture)
+from tests.environments.swe.conftest import UNITTESTS, Tiny, tiny  # noqa: F401  (the fixture)
 from tests.environments.swe.test_evaluate import HOOK, _forger, _new_file, pred, report
 
 # prints a passing line for every test id in the command line, and exits 0: what `python -m pytest` ran before as
@@ -108,6 +111,23 @@ async def test_a_patch_that_xfails_or_skips_the_tests_it_is_graded_by_resolves_n
     assert "SKIPPED tests/test_calc.py::test_clamp_low" in logs["skip-forged"]
 
 
+PASSING_UNITTESTS = UNITTESTS.replace("clamp(-5, 0, 10), 0)", "clamp(-5, 0, 10), clamp(-5, 0, 10))")
+
+
+def _binary_new_file(path: str) -> str:
+    """A git patch adding `path`: PASSING_UNITTESTS compiled to a .pyc that is never checked against its source."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / Path(path).parent).mkdir(parents=True)
+        _unchecked_pyc(PASSING_UNITTESTS, root / path)
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run([*git, "init", "-q"], cwd=root, check=True)
+        subprocess.run([*git, "add", "-f", path], cwd=root, check=True)
+        return subprocess.run(
+            [*git, "diff", "--cached", "--binary"], cwd=root, check=True, capture_output=True, text=True
+        ).stdout
+
+
 async def test_a_patch_cannot_replace_or_plug_into_the_test_runner(
     tiny: Tiny,  # noqa: F811
     backend: DockerBackend,
@@ -122,6 +142,9 @@ async def test_a_patch_cannot_replace_or_plug_into_the_test_runner(
         pred(iid, "shadow-pluggy", _new_file("pluggy.py", FAKE_PYTEST)),
         pred(iid, "plugin", "".join(_new_file(path, text) for path, text in PLUGIN.items())),
         pred(ut, "shadow-shutil", _new_file("shutil.py", FAKE_SHUTIL)),
+        # the unittest module the grader puts back, stood in for by a passing copy of it under the same name
+        pred(ut, "shadow-package", _new_file("tests/test_unit/__init__.py", PASSING_UNITTESTS)),
+        pred(ut, "shadow-pyc", _binary_new_file(f"tests/__pycache__/test_unit.{sys.implementation.cache_tag}.pyc")),
     ]
     summary = await run_evaluation(
         [tiny.pytest, tiny.unittest], preds, run_id="r", backend=backend, client=docker_client, log_dir=tmp_path
@@ -135,6 +158,8 @@ async def test_a_patch_cannot_replace_or_plug_into_the_test_runner(
         ("shadow-pluggy", tiny.pytest),
         ("plugin", tiny.pytest),
         ("shadow-shutil", tiny.unittest),
+        ("shadow-package", tiny.unittest),
+        ("shadow-pyc", tiny.unittest),
     ):
         body = report(run, model, instance.instance_id)
         assert body["patch_successfully_applied"] and not body["resolved"], (model, body)
@@ -305,6 +330,53 @@ def test_the_unittest_runner_names_each_tests_outcome_on_a_line_of_its_own(tmp_p
         "test_e (pkg.test_u.C.test_e)": TestStatus.SKIPPED,
     }
     assert {k: statuses.get(k) for k in expected} == expected, out.stderr
+
+
+FAILING = "import unittest\n\n\nclass T(unittest.TestCase):\n    def test_a(self):\n        self.assertEqual(1, 2)\n"
+PASSING = FAILING.replace("1, 2", "1, 1")
+
+
+def _unchecked_pyc(source: str, where: Path) -> None:
+    """`source` compiled to `where` as a .pyc that Python never checks against the .py beside it."""
+    src = where.parent / "passing_source.py"
+    src.write_text(source)
+    py_compile.compile(str(src), cfile=str(where), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    src.unlink()
+
+
+@pytest.mark.parametrize("shadow", ["package", "pyc"])
+def test_the_unittest_runner_runs_the_test_file_the_grader_put_back_not_a_shadow_of_it(
+    tmp_path: Path, shadow: str
+) -> None:
+    # pkg/test_u.py is the grader's (failing here); beside it, what a patch added under the same module name. Python
+    # imports a package folder (or an extension module: the same check of the module's file refuses it) before the
+    # .py, and a __pycache__ .pyc compiled unchecked from a passing copy before the .py it never compares itself
+    # with. Each passed the test the grader had put back.
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "test_u.py").write_text(FAILING)
+    if shadow == "package":
+        (pkg / "test_u").mkdir()
+        (pkg / "test_u" / "__init__.py").write_text(PASSING)
+    else:
+        (pkg / "__pycache__").mkdir()
+        tag = sys.implementation.cache_tag
+        _unchecked_pyc(PASSING, pkg / "__pycache__" / f"test_u.{tag}.pyc")
+    (tmp_path / "runner.py").write_text(UNITTEST_RUNNER)
+    env = {**os.environ, **EVAL_ENV}  # the script's environment: where compiled files are read from included
+    out = subprocess.run(
+        [sys.executable, "-P", "runner.py", "pkg.test_u.T.test_a"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    statuses = parse_unittest(out.stdout + out.stderr)
+    assert statuses.get("test_a (pkg.test_u.T.test_a)") in (TestStatus.FAILED, TestStatus.ERROR), out.stderr
+    if shadow != "pyc":  # the .pyc goes unread: the test file itself ran, and failed
+        assert "its module was loaded from" in out.stderr and "test_u" in out.stderr
 
 
 def test_the_pytest_runner_names_each_skip_and_each_test_that_never_ran(tmp_path: Path) -> None:
