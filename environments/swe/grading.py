@@ -86,6 +86,17 @@ def _report(statuses: StatusMap, name: str, status: TestStatus) -> None:
 # ---- parsers: test output -> {test name: status} ----
 
 
+# a parametrized id, whose brackets may hold " - " themselves: up to the first "]" that ends the line or the message
+_PARAMETRIZED = re.compile(r"(\S*\[.*?\])(?: - |$)")
+
+
+def _node_id(rest: str) -> str:
+    """The node id of a summary line's rest: `id` or `id - message`, where a parametrized id (`t.py::f[a - b]`)
+    may hold " - " itself (cut there, a test of that id never passed, and a failing sibling stood for it)."""
+    m = _PARAMETRIZED.match(rest.strip())
+    return (m.group(1) if m else rest.split(" - ", 1)[0]).strip()
+
+
 def parse_pytest(output: str) -> StatusMap:
     """pytest with `-rA`: the short summary lists every test as `STATUS node-id[ - message]`."""
     statuses: StatusMap = {}
@@ -94,7 +105,7 @@ def parse_pytest(output: str) -> StatusMap:
         word, _, rest = line.partition(" ")
         if word not in names or not rest:
             continue
-        name = rest.split(" - ", 1)[0].strip()
+        name = _node_id(rest)
         if not name or (word == "SKIPPED" and re.fullmatch(r"\[\d+\]", name.split()[0])):
             continue  # `SKIPPED [1] file:line: reason` names no test
         _report(statuses, name, TestStatus(word))

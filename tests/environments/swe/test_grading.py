@@ -68,6 +68,22 @@ FAILED (failures=2, errors=1, skipped=1, expected failures=1)
 """
 
 
+def test_a_parametrized_id_holding_a_dash_is_read_whole() -> None:
+    # cut at " - ", both became t.py::f[a, the failure won, and a listed t.py::f[a - b] never passed
+    lines = (
+        "PASSED t.py::f[a - b]\n"
+        "FAILED t.py::f[a - c] - AssertionError: x] - y\n"
+        "XFAIL t.py::f[d] - reason\n"
+        "ERROR t.py::g - boom - again\n"
+    )
+    assert parse_pytest(lines) == {
+        "t.py::f[a - b]": TestStatus.PASSED,
+        "t.py::f[a - c]": TestStatus.FAILED,
+        "t.py::f[d]": TestStatus.XFAIL,
+        "t.py::g": TestStatus.ERROR,
+    }
+
+
 def test_pytest_parser_reads_the_short_summary() -> None:
     assert parse_pytest(PYTEST_OUT) == {
         "tests/test_a.py::test_one": TestStatus.PASSED,
