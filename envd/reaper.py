@@ -30,6 +30,13 @@ class Proc:
     pgid: int
     state: str
     start: int  # clock ticks after boot: with the pid, names a process across pid reuse
+    threads: int
+
+    @property
+    def dead(self) -> bool:
+        """A zombie, which only waits for its parent to reap it. Not one whose main thread exited while its other
+        threads run: /proc shows it Z as well (with its thread count), and it was left alive by every kill and Reset."""
+        return self.state == "Z" and self.threads <= 1
 
 
 def proc_table() -> dict[int, Proc]:
@@ -44,12 +51,12 @@ def proc_table() -> dict[int, Proc]:
         except OSError:
             continue
         fields = raw[raw.rfind(b")") + 2 :].split()
-        table[int(name)] = Proc(int(fields[1]), int(fields[2]), fields[0].decode(), int(fields[19]))
+        table[int(name)] = Proc(int(fields[1]), int(fields[2]), fields[0].decode(), int(fields[19]), int(fields[17]))
     return table
 
 
 def subtree(table: dict[int, Proc], root: int, skip: Collection[int] = ()) -> set[int]:
-    """The live (non-zombie) descendants of `root`, not entering the subtrees rooted at `skip`."""
+    """The live (not dead) descendants of `root`, not entering the subtrees rooted at `skip`."""
     children: dict[int, list[int]] = {}
     for p, info in table.items():
         children.setdefault(info.ppid, []).append(p)
@@ -60,7 +67,7 @@ def subtree(table: dict[int, Proc], root: int, skip: Collection[int] = ()) -> se
             if c not in found and c not in skip:
                 found.add(c)
                 stack.append(c)
-    return {p for p in found if table[p].state != "Z"}
+    return {p for p in found if not table[p].dead}
 
 
 def under(table: dict[int, Proc], adopters: Collection[int], skip: Collection[int] = ()) -> set[int]:
@@ -77,7 +84,7 @@ def reap_adopted(managed: Collection[int], table: dict[int, Proc] | None = None)
     """Reap envd's zombie children that asyncio does not wait for (orphans envd adopted as sub-reaper)."""
     me = os.getpid()
     for pid, info in (proc_table() if table is None else table).items():
-        if info.ppid == me and info.state == "Z" and pid not in managed:
+        if info.ppid == me and info.dead and pid not in managed:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
 

@@ -26,10 +26,17 @@ const (
 
 // proc is one line of the process table.
 type proc struct {
-	ppid  int
-	pgid  int
-	state byte
-	start uint64 // clock ticks after boot: with the pid, names a process across pid reuse
+	ppid    int
+	pgid    int
+	state   byte
+	threads int
+	start   uint64 // clock ticks after boot: with the pid, names a process across pid reuse
+}
+
+// dead: a zombie, which only waits for its parent to reap it. Not one whose main thread exited while its other
+// threads run: /proc shows it Z as well (with its thread count), and it was left alive by every kill and Reset.
+func (p proc) dead() bool {
+	return p.state == 'Z' && p.threads <= 1
 }
 
 type procTable map[int]proc
@@ -80,8 +87,9 @@ func readStat(pid int, buf []byte) (proc, bool) {
 	}
 	ppid, _ := strconv.Atoi(string(fields[1]))
 	pgid, _ := strconv.Atoi(string(fields[2]))
+	threads, _ := strconv.Atoi(string(fields[17]))
 	start, _ := strconv.ParseUint(string(fields[19]), 10, 64)
-	return proc{ppid: ppid, pgid: pgid, state: fields[0][0], start: start}, true
+	return proc{ppid: ppid, pgid: pgid, state: fields[0][0], threads: threads, start: start}, true
 }
 
 type pidSet map[int]bool
@@ -95,7 +103,7 @@ func (s pidSet) sorted() []int {
 	return out
 }
 
-// subtree is the live (non-zombie) descendants of root, not entering the subtrees rooted at skip.
+// subtree is the live (not dead) descendants of root, not entering the subtrees rooted at skip.
 func subtree(table procTable, root int, skip pidSet) pidSet {
 	children := map[int][]int{}
 	for p, info := range table {
@@ -114,7 +122,7 @@ func subtree(table procTable, root int, skip pidSet) pidSet {
 		}
 	}
 	for p := range found {
-		if table[p].state == 'Z' {
+		if table[p].dead() {
 			delete(found, p)
 		}
 	}
@@ -146,7 +154,7 @@ func reapAdopted(managed map[int]bool, table procTable) {
 		table = readProcTable()
 	}
 	for pid, info := range table {
-		if info.ppid == self && info.state == 'Z' && !managed[pid] {
+		if info.ppid == self && info.dead() && !managed[pid] {
 			var ws unix.WaitStatus
 			_, _ = unix.Wait4(pid, &ws, unix.WNOHANG, nil)
 		}

@@ -140,7 +140,7 @@ func otherPids(table procTable) []int {
 	}
 	var pids []int
 	for p, info := range table {
-		if p != 1 && p != self && info.state != 'Z' {
+		if p != 1 && p != self && !info.dead() {
 			pids = append(pids, p)
 		}
 	}

@@ -12,6 +12,7 @@ import os
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.errors import SandboxFileError
 from orchestrator.core.sandbox import ExecOutput, Limits, SandboxSpec
 from orchestrator.core.tools import call_tool, get_tools
+from protos import envd_pb2 as pb
 from tests.conftest import owned_backend
 
 
@@ -203,3 +205,51 @@ async def test_a_path_that_is_no_utf8_is_a_file_error_not_a_hung_call(
         with pytest.raises(SandboxFileError) as e:
             await envd_client.read_file(str(ws / "l" / "x"))
     assert "\\xff" in str(e.value), str(e.value)
+
+
+# a process whose main thread has exited while another of its threads runs: /proc shows it as a zombie ("Z"), and
+# envd took it for one; it beats (writes a counter to /tmp/beat) as long as it lives
+HALF_DEAD = """import ctypes, threading, time
+def beat():
+    n = 0
+    while True:
+        n += 1
+        with open("/tmp/beat", "w") as f:
+            f.write(str(n))
+        time.sleep(0.05)
+threading.Thread(target=beat).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+async def _beats(s: Any) -> bool:
+    """Whether the half-dead process still writes its counter."""
+    first = await s.read_file("/tmp/beat")
+    await asyncio.sleep(0.5)
+    return bool(await s.read_file("/tmp/beat") != first)
+
+
+@pytest.mark.parametrize("impl", ["go", "python"])
+async def test_a_process_whose_main_thread_exited_dies_with_its_command_and_at_a_reset(
+    impl: str, base_image: str
+) -> None:
+    # it escaped its command's process group (setsid) and read as a zombie, so neither the command's end nor a
+    # Reset killed it: it ran on into the next rollout of a recycled sandbox, and beside a grader in the same one
+    start = "(env -i setsid python3 /tmp/half.py &); sleep 1; echo started"
+    async with owned_backend(envd=impl) as backend, await backend.create(SandboxSpec(image=base_image)) as s:
+        await s.write_file("/tmp/half.py", HALF_DEAD.encode())
+        r = await s.exec(["sh", "-c", start], timeout=30)
+        assert r.stdout == b"started\n", r
+        assert not await _beats(s), "it outlived the command that started it"
+
+        # one a command asked to keep (keep_background, as an environment's service would be) is a Reset's to end
+        assert isinstance(s.transport, EnvdTransport)
+        kept = await s.transport._proc.Run(
+            pb.ProcessRequest(shell=start, keep_background=True, timeout_s=30), metadata=s.transport._md, timeout=60
+        )
+        assert kept.stdout == b"started\n" and await _beats(s)
+        outcome = await s.reset()
+        assert outcome.ok, outcome.detail
+        await s.write_file("/tmp/beat", b"0")
+        await asyncio.sleep(0.5)
+        assert await s.read_file("/tmp/beat") == b"0", "it outlived the reset"
