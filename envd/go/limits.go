@@ -24,7 +24,7 @@ const (
 	auditArchARM         = 0x40000028
 	x32SyscallBit        = 0x40000000
 	// struct seccomp_data: nr, arch, instruction pointer, then six 64-bit arguments (little-endian: low word first)
-	offNr, offArch, offArg0, offArg2, offArg2High = 0, 4, 16, 32, 36
+	offNr, offArch, offArg0, offArg1, offArg2, offArg2High = 0, 4, 16, 24, 32, 36
 )
 
 // the prlimit64 syscall's number on each ABI a process of this host may call it through, and whether the kernel
@@ -69,11 +69,14 @@ func (p *bpf) resolve() []unix.SockFilter {
 			if name == "" {
 				continue
 			}
-			offset := uint8(p.labels[name] - at - 1) // forward only, and the program is short
+			offset := p.labels[name] - at - 1
+			if offset < 0 || offset > 255 {
+				panic(fmt.Sprintf("bpf: a jump of %d instructions to %s", offset, name))
+			}
 			if i == 0 {
-				p.code[at].Jt = offset
+				p.code[at].Jt = uint8(offset)
 			} else {
-				p.code[at].Jf = offset
+				p.code[at].Jf = uint8(offset)
 			}
 		}
 	}
@@ -151,8 +154,84 @@ func refusedFilter() []unix.SockFilter {
 	return p.resolve()
 }
 
-// guardLimits installs prlimitFilter and refusedFilter on every thread of envd, and so on every process it starts
-// from now on.
+// Go's runtime takes a fault signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSTKFLT, SIGSYS) that kill() did not
+// send (si_code other than SI_USER) for a fault of its own, and dies ("unexpected signal"), envd's handlers of every
+// signal notwithstanding: a command's tgkill(1, tid, SIGSEGV), or an rt_sigqueueinfo to any of envd's threads, killed
+// PID 1 and the sandbox, and a rollout heading for 0 became an infrastructure retry. Those calls may not send them
+// to envd: tgkill and rt_tgsigqueueinfo to thread group 1, and tkill, rt_sigqueueinfo and pidfd_send_signal (whose
+// target may be any of envd's threads, or a pidfd of it) to anyone. raise() and pthread_kill() are tgkill, so a
+// process may still fault itself that way; kill() sends every signal as before.
+var faultSignals = []uint32{4, 5, 7, 8, 11, 16, 31}
+
+// the calls of each ABI that send a signal with a chosen si_code: their number, where the signal is, and whether
+// only a target of thread group 1 is refused
+type signalCall struct {
+	nr      uint32
+	sigArg  uint32
+	toGroup bool
+}
+
+var signalCalls = []struct {
+	arch  uint32
+	calls []signalCall
+}{
+	{unix.AUDIT_ARCH_X86_64, []signalCall{
+		{200, offArg1, false}, {234, offArg2, true}, {129, offArg1, false}, {297, offArg2, true}, {424, offArg1, false},
+		{x32SyscallBit | 200, offArg1, false}, {x32SyscallBit | 234, offArg2, true},
+		{x32SyscallBit | 524, offArg1, false}, {x32SyscallBit | 536, offArg2, true},
+		{x32SyscallBit | 424, offArg1, false},
+	}},
+	{auditArchI386, []signalCall{
+		{238, offArg1, false}, {270, offArg2, true}, {178, offArg1, false}, {335, offArg2, true}, {424, offArg1, false},
+	}},
+	{unix.AUDIT_ARCH_AARCH64, []signalCall{
+		{130, offArg1, false}, {131, offArg2, true}, {138, offArg1, false}, {240, offArg2, true}, {424, offArg1, false},
+	}},
+	{auditArchARM, []signalCall{
+		{238, offArg1, false}, {268, offArg2, true}, {178, offArg1, false}, {363, offArg2, true}, {424, offArg1, false},
+	}},
+}
+
+// signalFilter refuses (EPERM) a fault signal to envd through signalCalls and allows every other call.
+func signalFilter() []unix.SockFilter {
+	p := &bpf{labels: map[string]int{}, jumps: map[int][2]string{}}
+	name := func(i, j int) string { return fmt.Sprintf("call%d.%d", i, j) }
+	p.load(offArch)
+	for i, abi := range signalCalls {
+		next := fmt.Sprintf("abi%d", i)
+		p.jeq(abi.arch, "", next)
+		p.load(offNr)
+		for j, c := range abi.calls {
+			p.jeq(c.nr, name(i, j), "")
+		}
+		p.ret(seccompRetAllow)
+		p.label(next) // the accumulator still holds the arch
+	}
+	p.ret(seccompRetAllow)
+	for i, abi := range signalCalls {
+		for j, c := range abi.calls {
+			p.label(name(i, j))
+			if c.toGroup {
+				p.load(offArg0)
+				p.jeq(1, "", "allow")
+			}
+			p.load(c.sigArg)
+			p.jeq(0, "signal", "signal") // on to the signal's check, whatever it is
+		}
+	}
+	p.label("signal")
+	for _, sig := range faultSignals {
+		p.jeq(sig, "refuse", "")
+	}
+	p.label("allow")
+	p.ret(seccompRetAllow)
+	p.label("refuse")
+	p.ret(seccompRetErrno | uint32(unix.EPERM))
+	return p.resolve()
+}
+
+// guardLimits installs prlimitFilter, refusedFilter and signalFilter on every thread of envd, and so on every process
+// it starts from now on.
 func guardLimits() error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -160,7 +239,7 @@ func guardLimits() error {
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return err
 	}
-	for _, filter := range [][]unix.SockFilter{prlimitFilter(), refusedFilter()} {
+	for _, filter := range [][]unix.SockFilter{prlimitFilter(), refusedFilter(), signalFilter()} {
 		prog := unix.SockFprog{Len: uint16(len(filter)), Filter: &filter[0]}
 		tid, _, errno := unix.Syscall(unix.SYS_SECCOMP, seccompSetModeFilter, seccompFlagTsync, uintptr(unsafe.Pointer(&prog)))
 		if errno != 0 {
