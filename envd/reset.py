@@ -33,9 +33,7 @@ class ResetResult:
 def _other_pids(table: dict[int, Proc] | None = None) -> list[int]:
     """Live processes but init and envd (a zombie is dead: it only waits for its parent to reap it)."""
     me = os.getpid()
-    return [
-        p for p, info in (proc_table() if table is None else table).items() if p not in (1, me) and not info.dead
-    ]
+    return [p for p, info in (proc_table() if table is None else table).items() if p not in (1, me) and not info.dead]
 
 
 def kill_all_others(managed: Collection[int] = ()) -> tuple[int, list[int]]:
