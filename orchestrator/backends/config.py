@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from orchestrator.core.sandbox import SandboxBackend
 
 
+def _envd_default() -> Literal["go", "python"]:
+    """$ENVFLEET_ENVD, read when a config is made (not at import: a bad value was a traceback of any command)."""
+    value = os.environ.get("ENVFLEET_ENVD") or "go"
+    if value not in ("go", "python"):
+        raise ConfigError(f"$ENVFLEET_ENVD={value!r}: expected go or python")
+    return "go" if value == "go" else "python"
+
+
 class DockerBackendConfig(BaseModel):
     """Settings of the docker backend."""
 
@@ -49,8 +57,7 @@ class DockerBackendConfig(BaseModel):
         description="OCI runtime of sandboxes whose spec names none (`--runtime runsc`: gVisor); empty: the engine's",
     )
     envd: Literal["go", "python"] = Field(
-        os.environ.get("ENVFLEET_ENVD", "go"),  # type: ignore[arg-type]  # checked when the config is made
-        validate_default=True,
+        default_factory=lambda: _envd_default(),
         description="which envd the sandboxes run: the compiled one (/opt/envfleet/bin/envd) or the Python one; "
         "both are in every image made from envfleet/base ($ENVFLEET_ENVD sets the default)",
     )

@@ -4,7 +4,13 @@ commands named in `CONFIGURABLE_COMMANDS` (`serve`) also reads `ENVFLEET_<DEST>`
 
 A repeatable option takes a list in the file and comma-separated values in its variable. Precedence: command line >
 environment > file > the flag's default. The mechanism walks the parser's actions, so a
-flag added later gets its variable and its key without a line here.
+flag added later gets its variable and its key without a line here. A key whose value is null (YAML `~`) is not set:
+the variable or the flag's default stands (read as text, it was the string "None": a data dir named None, tracing
+to an endpoint named None).
+
+The server's settings that no flag sets (`SERVE_SECTIONS`: caps, capacity, pool, ...) are keys of the file too,
+nested as the server configuration's own fields (`caps: {jobs_per_tenant: 64}`); they land in `args.settings` for
+`serve` to validate (pydantic names a bad field), and have no variable.
 """
 
 from __future__ import annotations
@@ -24,6 +30,18 @@ ENV_PREFIX = "ENVFLEET_"
 CONFIG_ENV = "ENVFLEET_CONFIG"
 CONFIG_FLAG = "--config"
 CONFIGURABLE_COMMANDS = ("serve",)
+# the server configuration's fields (OrchestratorConfig) that no serve flag sets: the file's keys only
+SERVE_SECTIONS = (
+    "caps",
+    "capacity",
+    "pool",
+    "sandboxes",
+    "sessions",
+    "environments",
+    "max_message_bytes",
+    "client_keepalive_s",
+    "worker_heartbeat_timeout_s",
+)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _NOT_SETTABLE = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
@@ -88,6 +106,7 @@ def parse_args(
     targets = [parser, *(commands[c] for c in CONFIGURABLE_COMMANDS if c in commands)]
     config_path = _config_path(args, env)
     file_values = _read_config(config_path, targets) if config_path else {}
+    settings = {k: file_values.pop(k) for k in SERVE_SECTIONS if k in file_values}
     # argparse adds a repeatable (append) or counted option's command-line values to its default: taken as defaults,
     # the file's and the environment's would have stayed, and `--allow-policy-url https://only/` on the command line
     # still let an ENVFLEET_ALLOW_POLICY_URL=http:// through. They stand in after the parse, where the command line
@@ -112,17 +131,23 @@ def parse_args(
     for dest, (prog, action, value) in added.items():
         if prog in chosen and getattr(namespace, dest, action.default) == action.default:
             setattr(namespace, dest, value)
+    namespace.settings = settings
     return namespace
 
 
 def _config_path(argv: list[str], env: Mapping[str, str]) -> Path | None:
+    """The last --config of the command line (argparse keeps the last too), else $ENVFLEET_CONFIG. The configurable
+    parsers take no abbreviation (build_parser): a `--conf FILE` was --config to argparse, and no file was read."""
+    found: Path | None = None
     for i, token in enumerate(argv):
         if token == "--":
             break
         if token == CONFIG_FLAG and i + 1 < len(argv):
-            return Path(argv[i + 1])
-        if token.startswith(CONFIG_FLAG + "="):
-            return Path(token.split("=", 1)[1])
+            found = Path(argv[i + 1])
+        elif token.startswith(CONFIG_FLAG + "="):
+            found = Path(token.split("=", 1)[1])
+    if found is not None:
+        return found
     return Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else None
 
 
@@ -140,13 +165,14 @@ def _read_config(path: Path, targets: list[argparse.ArgumentParser]) -> dict[str
         return {}
     if not isinstance(loaded, dict):
         where.error(f"config file {path} must be a mapping of option names to values")
-    known = {a.dest for t in targets for a in settable_actions(t)}
+    known = {a.dest for t in targets for a in settable_actions(t)} | set(SERVE_SECTIONS)
     values: dict[str, Any] = {}
     for key, value in loaded.items():
         dest = str(key).replace("-", "_")
         if dest not in known:
             where.error(f"config file {path}: unknown key {key!r} (known: {', '.join(sorted(known))})")
-        values[dest] = value
+        if value is not None:
+            values[dest] = value
     return values
 
 

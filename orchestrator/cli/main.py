@@ -10,6 +10,7 @@ import signal
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import docker
 import docker.errors
@@ -119,11 +120,18 @@ def _server_config(args: argparse.Namespace) -> object:
     from orchestrator.cli.openenv import openenv_settings
     from orchestrator.cli.remote import security_config, worker_tls_config
     from orchestrator.cli.view import ui_settings
+    from orchestrator.core.errors import ConfigError
     from orchestrator.core.tracing import TracingConfig
     from orchestrator.server.app import OrchestratorConfig
-    from orchestrator.service.sessions import SessionConfig
     from orchestrator.worker.ray_fleet import RayConfig
 
+    # the config file's sections no flag sets (cli/config.py SERVE_SECTIONS), validated with the rest
+    settings: dict[str, Any] = dict(getattr(args, "settings", {}))
+    sessions = settings.pop("sessions", {})
+    if not isinstance(sessions, dict):
+        raise ConfigError("sessions: expected a mapping of session settings (max_per_tenant, ...)")
+    if "idle_ttl_s" in sessions:
+        raise ConfigError("sessions.idle_ttl_s: set it with session-ttl (the flag, its variable or its key)")
     return OrchestratorConfig(
         host=args.host,
         port=args.port,
@@ -134,7 +142,7 @@ def _server_config(args: argparse.Namespace) -> object:
         backend=_backend_config(args),
         security=security_config(args),
         reflection=args.reflection,
-        sessions=SessionConfig(idle_ttl_s=args.session_ttl),
+        sessions={**sessions, "idle_ttl_s": args.session_ttl},
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         workers=args.workers if args.workers is not None else (0 if args.ray_address else os.cpu_count() or 1),
         worker_listen=args.worker_listen,
@@ -152,6 +160,7 @@ def _server_config(args: argparse.Namespace) -> object:
         tokenizer_dirs=args.tokenizer_dir or [],
         **ui_settings(args),
         **openenv_settings(args),
+        **settings,
     )
 
 
@@ -317,13 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     from orchestrator.cli.openenv import add_openenv_arguments, add_openenv_command
     from orchestrator.cli.view import add_ui_arguments, add_view_command
 
-    p = argparse.ArgumentParser(prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.")
+    p = argparse.ArgumentParser(
+        prog="envfleet", description="A sandboxed agent-environment fleet for RL rollouts.", allow_abbrev=False
+    )
     p.add_argument("-v", "--verbose", action="count", default=0)
     add_version_argument(p)
     add_log_format_argument(p)
     sub = p.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the orchestrator's gRPC server")
+    # no abbreviations: the config file is found before the parse, by --config's whole name (cli/config.py)
+    serve = sub.add_parser("serve", help="run the orchestrator's gRPC server", allow_abbrev=False)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--data-dir", default=".envfleet", help="where the result log lives")

@@ -95,7 +95,8 @@ class OrchestratorConfig(BaseModel):
         "end (kept while a stream of it is open); None: kept for good, and the log grows without end",
     )
     backend: BackendConfig = Field(
-        DockerBackendConfig(owner="envfleet-orchestrator"), description="where sandboxes run: docker, or fake"
+        default_factory=lambda: DockerBackendConfig(owner="envfleet-orchestrator"),
+        description="where sandboxes run: docker, or fake",
     )
     reflection: bool | None = Field(None, description="server reflection; None: on without TLS, off with TLS")
     pool: PoolConfig = PoolConfig()

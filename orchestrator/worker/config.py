@@ -18,7 +18,7 @@ class WorkerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: BackendConfig = DockerBackendConfig(owner="envfleet-orchestrator")
+    backend: BackendConfig = Field(default_factory=lambda: DockerBackendConfig(owner="envfleet-orchestrator"))
     pool: PoolConfig = PoolConfig()
     slots: int = Field(64, ge=1, le=MAX_SLOTS, description="rollouts this worker expects to run at once")
     heartbeat_s: float = Field(1.0, gt=0, le=60)

@@ -6,15 +6,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from orchestrator.cli.config import env_name, parse_args, settable_actions, subcommand_parsers
+from orchestrator.cli.config import SERVE_SECTIONS, env_name, parse_args, settable_actions, subcommand_parsers
 from orchestrator.cli.healthcheck import default_address
 from orchestrator.cli.log_format import JsonFormatter, configure_logging
-from orchestrator.cli.main import build_parser
+from orchestrator.cli.main import _server_config, build_parser
+from orchestrator.core.errors import ConfigError
+from orchestrator.server.app import OrchestratorConfig
+from orchestrator.server.convert import validation_message
 
 
 def _serve() -> argparse.ArgumentParser:
@@ -185,3 +192,74 @@ def test_tokenizer_directories_from_flags_and_the_config_file(tmp_path: Path) ->
     assert _server_config(args).tokenizer_dirs == [b]  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="tokenizer_dirs: not a directory"):
         _server_config(parse_args(build_parser(), ["serve", "--tokenizer-dir", str(tmp_path / "none")], {}))
+
+
+def test_the_servers_settings_no_flag_sets_come_from_the_config_file(tmp_path: Path) -> None:
+    # the caps a refusal names (caps.jobs_per_tenant ...), the capacity, the pools, sessions' and sandboxes' own caps:
+    # the README said `caps:` in the server config, and `envfleet serve` had no way to set any of them
+    conf = tmp_path / "c.yaml"
+    conf.write_text(
+        "caps: {jobs_per_tenant: 7, sandbox: {cpus: 2}}\n"
+        "capacity: {max_sandboxes: 9}\n"
+        "sessions: {max_per_tenant: 3}\n"
+        "sandboxes: {max_per_tenant: 4}\n"
+        "pool: {enabled: false}\n"
+        "environments: ['environments.python_tool:PythonToolEnv']\n"
+        "client-keepalive-s: 30\n"
+        "session-ttl: 120\n"
+    )
+    args = parse_args(build_parser(), ["serve", "--backend", "fake", "--config", str(conf)], environ={})
+    config = _server_config(args)
+    assert isinstance(config, OrchestratorConfig)
+    assert (config.caps.jobs_per_tenant, config.caps.sandbox.cpus, config.capacity.max_sandboxes) == (7, 2, 9)
+    assert (config.sessions.max_per_tenant, config.sessions.idle_ttl_s, config.sandboxes.max_per_tenant) == (3, 120, 4)
+    assert not config.pool.enabled and config.client_keepalive_s == 30
+    assert config.environments == ["environments.python_tool:PythonToolEnv"]
+    # every section is a field of the server's configuration, and none is a flag's
+    flags = {a.dest for a in settable_actions(_serve())}
+    assert set(SERVE_SECTIONS) <= set(OrchestratorConfig.model_fields) and not set(SERVE_SECTIONS) & flags
+
+    conf.write_text("caps: {jobs_per_tenant: -1}\n")
+    args = parse_args(build_parser(), ["serve", "--backend", "fake", "--config", str(conf)], environ={})
+    with pytest.raises(ValidationError) as bad:
+        _server_config(args)
+    assert "caps.jobs_per_tenant" in validation_message(bad.value)
+    conf.write_text("sessions: {idle_ttl_s: 5}\n")
+    args = parse_args(build_parser(), ["serve", "--backend", "fake", "--config", str(conf)], environ={})
+    with pytest.raises(ConfigError, match="set it with session-ttl"):
+        _server_config(args)
+
+
+def test_the_config_flag_is_read_whole_and_last(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first, last = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("port: 1001\n")
+    last.write_text("port: 1002\n")
+    # argparse kept the last --config, the file was read from the first
+    assert parse_args(build_parser(), ["serve", "--config", str(first), "--config", str(last)], environ={}).port == 1002
+    # an abbreviation was --config to argparse, yet no file was read: now it is no option at all
+    with pytest.raises(SystemExit) as e:
+        parse_args(build_parser(), ["serve", "--conf", str(first)], environ={})
+    assert e.value.code == 2 and "unrecognized arguments: --conf" in capsys.readouterr().err
+
+
+def test_a_null_in_the_config_file_leaves_the_option_unset(tmp_path: Path) -> None:
+    # read as text, `data-dir: ~` was a result log in ./None, `otlp-endpoint: ~` traces sent to an endpoint "None"
+    conf = tmp_path / "c.yaml"
+    conf.write_text("data-dir: ~\notlp-endpoint: null\nray-address: ~\nport: 1003\ncaps: ~\n")
+    args = parse_args(build_parser(), ["serve", "--config", str(conf)], environ={"ENVFLEET_PORT": ""})
+    assert (args.data_dir, args.otlp_endpoint, args.ray_address, args.port) == (".envfleet", None, None, 1003)
+    assert args.settings == {}
+
+
+def test_a_bad_envd_choice_in_the_environment_is_one_line_not_a_traceback() -> None:
+    # $ENVFLEET_ENVD was read when the module loaded, into a default every config shared: a typo was a pydantic
+    # traceback of any command that made a docker backend's config (serve, sweep, envs validate)
+    r = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "sweep"],
+        env={**os.environ, "ENVFLEET_ENVD": "Python"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "$ENVFLEET_ENVD='Python': expected go or python" in r.stderr
