@@ -219,7 +219,8 @@ class SandboxPool:
 
     @property
     def idle_total(self) -> int:
-        return sum(len(p.idle) for p in self._pools.values())
+        # read at a scrape, on the metrics server's thread: the dict's values copied first (scheduler.queue_depth)
+        return sum(len(p.idle) for p in list(self._pools.values()))
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per pool: idle, target, acquire rate, start latency."""

@@ -772,7 +772,8 @@ class JobManager:
         await self._logged(f"job {job_id}'s removal", functools.partial(self.store.remove_job, job_id))
 
     def _count_in(self, state: JobState) -> int:
-        return sum(job.state == state for job in self._jobs.values())
+        # read at a scrape, on the metrics server's thread: the dict's values copied first (scheduler.queue_depth)
+        return sum(job.state == state for job in list(self._jobs.values()))
 
     async def close(self) -> None:
         """Stop running rollouts (their sandboxes are destroyed); unfinished jobs resume at the next start."""

@@ -199,9 +199,12 @@ class Scheduler:
     def in_flight(self) -> int:
         return self._running
 
+    # the gauges read these at a scrape, on the metrics server's thread: a copy of the dict's values first (one C
+    # call the event loop cannot cut into); iterated live, a queue added meanwhile was "dictionary changed size
+    # during iteration", and prometheus_client answered the whole page with a 500
     @property
     def queue_depth(self) -> int:
-        return sum(len(q.pending) for q in self._queues.values())
+        return sum(len(q.pending) for q in list(self._queues.values()))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="scheduler")
@@ -218,7 +221,7 @@ class Scheduler:
     @property
     def waiting_for_images(self) -> int:
         """Queued rollouts held back until their image is built."""
-        return sum(len(q.pending) for q in self._queues.values() if not q.ready)
+        return sum(len(q.pending) for q in list(self._queues.values()) if not q.ready)  # a scrape's: a copy
 
     def add_job(
         self,

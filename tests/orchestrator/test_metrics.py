@@ -5,13 +5,18 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+from prometheus_client import generate_latest
 
 from orchestrator.backends.docker.backend import DockerBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.server.app import OrchestratorConfig, create_server
+from orchestrator.core.models import JobState
+from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.conftest import REPO, TEST_OWNER
 from tests.orchestrator.conftest import job
@@ -53,3 +58,51 @@ async def test_metrics_endpoint_and_status(
         assert "waiting for an image" in r.stdout and "engine calls in flight / limit" in r.stdout
     finally:
         await orch.stop()
+
+
+async def test_a_scrape_while_the_loop_changes_what_the_gauges_count_never_fails(
+    fake_orchestrator: Orchestrator,
+) -> None:
+    # the job, queue and pool gauges are read at a scrape, on the metrics server's thread, while the event loop adds
+    # and removes jobs, queues and pools: a read that iterated a dict live raised "dictionary changed size during
+    # iteration", and prometheus_client answered the whole page with a 500
+    orch = fake_orchestrator
+    assert orch.metrics is not None and orch.pool is not None
+    jobs, queues, pools = orch.jobs._jobs, orch.jobs.scheduler._queues, orch.pool._pools
+    stop, failures, scrapes = threading.Event(), [], [0]
+
+    def scrape() -> None:
+        while not stop.is_set():
+            try:
+                generate_latest(orch.metrics.registry)  # type: ignore[union-attr]
+                scrapes[0] += 1
+            except RuntimeError as e:
+                failures.append(e)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        end = time.monotonic() + 2
+        i = 0
+        while time.monotonic() < end:  # the loop's own thread, blocked here: only the scraper runs beside it
+            key = f"k{i % 64}"
+            for d, value in (
+                (jobs, SimpleNamespace(state=JobState.RUNNING)),
+                (queues, SimpleNamespace(pending=[], ready=True)),
+                (pools, SimpleNamespace(idle=[])),
+            ):
+                if key in d:
+                    del d[key]  # type: ignore[attr-defined]
+                else:
+                    d[key] = value  # type: ignore[index]
+            i += 1
+    finally:
+        stop.set()
+        scraper.join()
+        sys.setswitchinterval(switch)
+        for d in (jobs, queues, pools):
+            for k in [k for k in d if str(k).startswith("k")]:
+                del d[k]  # type: ignore[attr-defined]
+    assert scrapes[0] > 10 and not failures, (scrapes[0], failures[:1])
