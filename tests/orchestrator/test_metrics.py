@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 from prometheus_client import generate_latest
@@ -68,7 +69,9 @@ async def test_a_scrape_while_the_loop_changes_what_the_gauges_count_never_fails
     # iteration", and prometheus_client answered the whole page with a 500
     orch = fake_orchestrator
     assert orch.metrics is not None and orch.pool is not None
-    jobs, queues, pools = orch.jobs._jobs, orch.jobs.scheduler._queues, orch.pool._pools
+    jobs: dict[Any, Any] = orch.jobs._jobs
+    queues: dict[Any, Any] = orch.jobs.scheduler._queues
+    pools: dict[Any, Any] = orch.pool._pools
     stop, failures, scrapes = threading.Event(), [], [0]
 
     def scrape() -> None:
@@ -94,9 +97,9 @@ async def test_a_scrape_while_the_loop_changes_what_the_gauges_count_never_fails
                 (pools, SimpleNamespace(idle=[])),
             ):
                 if key in d:
-                    del d[key]  # type: ignore[attr-defined]
+                    del d[key]
                 else:
-                    d[key] = value  # type: ignore[index]
+                    d[key] = value
             i += 1
     finally:
         stop.set()
@@ -104,5 +107,5 @@ async def test_a_scrape_while_the_loop_changes_what_the_gauges_count_never_fails
         sys.setswitchinterval(switch)
         for d in (jobs, queues, pools):
             for k in [k for k in d if str(k).startswith("k")]:
-                del d[k]  # type: ignore[attr-defined]
+                del d[k]
     assert scrapes[0] > 10 and not failures, (scrapes[0], failures[:1])
