@@ -30,6 +30,33 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DEFAULT_TOOL_PARSER = "hermes"
 
 
+def shown_url(url: str) -> str:
+    """`url` as an error message, a log line or a trace shows it: without the password (and user) of its userinfo,
+    which the policy client sends as HTTP Basic auth, and without its query, which may hold a key (`?key=...`)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return url.split("?", 1)[0].rsplit("@", 1)[-1]
+    if "@" not in parts.netloc and not parts.query and not parts.fragment:
+        return url
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port is not None else "")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def without_secrets(text: str, url: str) -> str:
+    """`text` (an exception's, which may quote the whole URL) with `url`'s password and query left out."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return text
+    for secret in (parts.password, parts.query):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
 def check_name(value: str, what: str) -> str:
     """`value` if it is a plain name (letters, digits, '.', '_', '-'; no path separator, no '..'), else ValueError."""
     if NAME_PATTERN.fullmatch(value) and ".." not in value:

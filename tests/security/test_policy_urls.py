@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.errors import PermissionDeniedError, PolicyHTTPError, PolicyResponseError
+from orchestrator.core.errors import EnvfleetError, PermissionDeniedError, PolicyHTTPError, PolicyResponseError
 from orchestrator.core.models import RolloutStatus
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.policy.client import OpenAIPolicy
@@ -240,6 +240,33 @@ async def test_error_messages_do_not_quote_response_bodies(
         await policy.aclose()
     assert SECRET[:20] not in str(e.value), str(e.value)
     assert SECRET[:20] not in getattr(e.value, "body", "")
+
+
+@pytest.mark.parametrize("answer", ["500 Internal Server Error", "unreachable", "too big"])
+async def test_error_messages_leave_out_the_urls_credentials(
+    http_server: Callable[[Respond], Awaitable[str]], answer: str
+) -> None:
+    # the client sends a URL's user:password as HTTP Basic auth, and a gateway's key may ride in its query; every
+    # error's message quoted the whole URL, into the log, the trainer's rollout and each trace's span (an OTLP
+    # collector's), where the api_key itself is never shown
+    if answer == "unreachable":
+        holder = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = holder.sockets[0].getsockname()[1]
+        holder.close()
+        await holder.wait_closed()
+        url = f"http://127.0.0.1:{port}/v1"
+    else:
+        body = b"x" * 4096 if answer == "too big" else b"{}"
+        url = await http_server(_answer("200 OK" if answer == "too big" else answer, body, "text/plain"))
+    secret_url = url.replace("http://", f"http://alice:{SECRET}@") + f"?key={SECRET}x"
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=secret_url, max_retries=0), max_response_bytes=1024)
+    try:
+        with pytest.raises(EnvfleetError) as e:
+            await policy.complete(MESSAGES, [], Sampling())
+    finally:
+        await policy.aclose()
+    message = str(e.value)
+    assert "policy server http://127.0.0.1:" in message and SECRET[:20] not in message and "alice" not in message
 
 
 async def test_a_huge_response_is_cut_at_the_cap(http_server: Callable[[Respond], Awaitable[str]]) -> None:

@@ -43,7 +43,7 @@ from orchestrator.core.errors import (
     PolicyResponseError,
     PolicyTimeoutError,
 )
-from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.core.policy import PolicyEndpoint, Sampling, shown_url, without_secrets
 from orchestrator.core.text import texts
 from orchestrator.rollout.policy import http, streaming
 from orchestrator.rollout.policy.base import Completion, Policy
@@ -195,6 +195,7 @@ class OpenAIPolicy(Policy):
 
     async def _attempt(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         timeout_s = self.endpoint.request_timeout_s
+        shown = shown_url(url)  # in what is said of it: an error's message goes to logs, traces and the trainer
         streamed = body.get("stream") is True
         cap = self.response_cap(body)
         try:
@@ -205,12 +206,12 @@ class OpenAIPolicy(Policy):
                     resp = await self._send(url, _dumps(body), headers, cap)
         except TimeoutError as e:
             said = "sent nothing for" if streamed else "did not answer within"
-            msg = f"policy server {url} {said} {timeout_s:g}s"
+            msg = f"policy server {shown} {said} {timeout_s:g}s"
             raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
         except (http.ConnectError, http.ReadError, http.RemoteProtocolError) as e:
-            raise _Retryable(self._unreachable(url, e), cause=e) from e
+            raise _Retryable(self._unreachable(shown, without_secrets(str(e), url), e), cause=e) from e
         except http.ResponseTooLarge as e:
-            message = self._too_big(url, e.status, e.what, cap)
+            message = self._too_big(shown, e.status, e.what, cap)
             partial, e.partial = e.partial, b""  # up to the cap's bytes: never kept by an error's traceback
             if not (streamed and _max_tokens(body) > self.kept_tokens):
                 raise PolicyResponseError(message) from None
@@ -218,7 +219,8 @@ class OpenAIPolicy(Policy):
             del partial
             raise _CutAtCap(answer, message) from None
         except http.HTTPError as e:
-            raise PolicyError(f"request to policy server {url} failed: {type(e).__name__}: {e}") from e
+            said = without_secrets(str(e), url)
+            raise PolicyError(f"request to policy server {shown} failed: {type(e).__name__}: {said}") from e
 
         if resp.is_success:
             if streamed and resp.headers.get("content-type", "").startswith(streaming.EVENT_STREAM):
@@ -227,26 +229,27 @@ class OpenAIPolicy(Policy):
                 return streaming.collect(resp.content)
             if len(resp.content) > self.max_response_bytes:  # a whole answer to a stream's request: a whole one's cap
                 what = f"is {len(resp.content)} bytes of {resp.headers.get('content-type') or 'no content type'}"
-                raise PolicyResponseError(self._too_big(url, resp.status, what, self.max_response_bytes))
+                raise PolicyResponseError(self._too_big(shown, resp.status, what, self.max_response_bytes))
             try:  # a whole answer, also from a server that does not stream
                 return _loads(resp.content)
             except ValueError as e:
                 raise PolicyResponseError(
-                    f"policy server {url} answered {resp.status} with a body that is not JSON ({_described(resp)})"
+                    f"policy server {shown} answered {resp.status} with a body that is not JSON ({_described(resp)})"
                 ) from e
-        log.debug("policy server %s answered HTTP %d: %r", url, resp.status, resp.content[:200])
+        log.debug("policy server %s answered HTTP %d: %r", shown, resp.status, resp.content[:200])
         if resp.status == 400 and CONTEXT_FULL.search(resp.content[:4096].decode(errors="replace")):
             # the conversation outgrew the model: the policy's own length, an episode cut there (TRUNCATED) as the
             # token-in, token-out client cuts it when it counts the tokens itself; never a POLICY_ERROR, masked
-            raise ContextFull(f"policy server {url} answered HTTP 400: the conversation is over the model's context")
-        http_err = PolicyHTTPError(f"policy server {url} answered HTTP {resp.status} ({_described(resp)})", resp.status)
+            raise ContextFull(f"policy server {shown} answered HTTP 400: the conversation is over the model's context")
+        said = f"policy server {shown} answered HTTP {resp.status} ({_described(resp)})"
+        http_err = PolicyHTTPError(said, resp.status)
         if resp.status == 429 or resp.status >= 500:
             raise _Retryable(http_err, _retry_after(resp))
         raise http_err
 
     @staticmethod
-    def _unreachable(url: str, e: Exception) -> PolicyConnectionError:
-        return PolicyConnectionError(f"policy server {url} unreachable: {type(e).__name__}: {e}")
+    def _unreachable(url: str, said: str, e: Exception) -> PolicyConnectionError:
+        return PolicyConnectionError(f"policy server {url} unreachable: {type(e).__name__}: {said}")
 
     async def _past_cap(self, cut: _CutAtCap, parse: Callable[[Any], Any], max_tokens: int) -> EnvfleetError:
         """What a stream cut at its cap is: GenerationTooLong when its complete events are an answer the parser
