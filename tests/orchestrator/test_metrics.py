@@ -7,15 +7,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.cli.status import Samples, histogram_quantile
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import JobState
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.testing.scripted_policy import ScriptedServer
@@ -109,3 +113,19 @@ async def test_a_scrape_while_the_loop_changes_what_the_gauges_count_never_fails
             for k in [k for k in d if str(k).startswith("k")]:
                 del d[k]
     assert scrapes[0] > 10 and not failures, (scrapes[0], failures[:1])
+
+
+def test_waits_and_calls_past_a_minute_land_in_buckets_not_in_inf() -> None:
+    # a queue wait, a tool call at its timeout, a cold create of a large image: past 60 s, the last bound, each was
+    # +Inf, and `envfleet status` showed a p50 of inf
+    metrics = Metrics()
+    for seconds in (5, 90, 300, 1200, 3000):
+        metrics.queue_wait_seconds.observe(seconds)
+        metrics.exec_seconds.observe(seconds)
+    samples: Samples = defaultdict(list)
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for s in family.samples:
+            samples[s.name].append((dict(s.labels), float(s.value)))
+    for name in ("envfleet_queue_wait_seconds", "envfleet_tool_exec_seconds"):
+        assert histogram_quantile(samples, name, 0.5) == 300, name
+        assert histogram_quantile(samples, name, 0.99) == 3600, name
