@@ -4,7 +4,9 @@ processes keep their own."""
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -20,7 +22,13 @@ from orchestrator.core.tracing import MAX_ATTRIBUTE_CHARS, Attributes, Attribute
 
 # W3C trace context, version 00 (what the SDK's propagator reads, without building a carrier and a context per call)
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+log = logging.getLogger(__name__)
+
 MAX_SPAN_ATTRIBUTES = 32
+# the longest a shutdown waits for the last spans to be exported: the OTLP exporters retry an unreachable collector
+# with a backoff, and one that accepts and never answers holds each export to its timeout, so a worker's exit (and
+# the control plane's, and asyncio.run's wait for its threads) took 10-30 s more
+SHUTDOWN_S = 5.0
 MAX_QUEUED_SPANS = 8192  # spans waiting for export; beyond, new ones are dropped (counted by the SDK) not buffered
 
 
@@ -143,5 +151,9 @@ class OTelTracer:
         self._provider.force_flush()
 
     def shutdown(self) -> None:
-        """Export what is buffered and stop the exporter."""
-        self._provider.shutdown()
+        """Export what is buffered and stop the exporter, for at most SHUTDOWN_S; what is left then is dropped."""
+        ending = threading.Thread(target=self._provider.shutdown, name="otel-shutdown", daemon=True)
+        ending.start()
+        ending.join(SHUTDOWN_S)
+        if ending.is_alive():
+            log.warning("the trace collector took no spans for %gs; the last ones are dropped", SHUTDOWN_S)

@@ -9,16 +9,20 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from orchestrator.backends.config import FakeBackendConfig
+from orchestrator.core import otel
 from orchestrator.core import tracing as tr
 from orchestrator.core.errors import ConfigError
 from orchestrator.core.models import Rollout, RolloutStatus
@@ -273,3 +277,31 @@ def test_an_endpoint_without_opentelemetry_installed_says_what_to_install(monkey
     monkeypatch.setitem(sys.modules, "orchestrator.core.otel", None)  # as if the otel extra were missing
     with pytest.raises(ConfigError, match=r"pip install 'envfleet\[otel\]'"):
         make_tracer(TracingConfig(otlp_endpoint="127.0.0.1:4317"), "envfleet")
+
+
+class _Silent(SpanExporter):
+    """A collector that takes the connection and never answers: each export waits until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.release.wait(60)
+        return SpanExportResult.FAILURE
+
+
+def test_a_shutdown_waits_for_a_silent_collector_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the OTLP exporters retry an unreachable collector with a backoff and hold each export to its timeout: a
+    # worker's exit (and asyncio.run's wait for the thread it ran in) took 10-30 s more, and longer with more spans
+    monkeypatch.setattr(otel, "SHUTDOWN_S", 0.5)
+    exporter = _Silent()
+    tracer = OTelTracer(exporter)
+    for i in range(50):
+        tracer.start("rollout", float(i)).end(i + 1.0)
+    t0 = time.monotonic()
+    ending = threading.Thread(target=tracer.shutdown, daemon=True)
+    ending.start()
+    ending.join(10)
+    took = time.monotonic() - t0
+    exporter.release.set()
+    assert not ending.is_alive() and took < 3, took
