@@ -40,6 +40,7 @@ from environments.swe.images import RepoTars, environment_image
 from environments.swe.instance import EnvironmentSpec, SweInstance, load_instances
 from environments.swe.script import EVAL_ENV
 from orchestrator.core.errors import InvalidRequestError, SandboxError
+from orchestrator.core.sandbox import PROBE_TIMEOUT_S, keeps_time
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,20 @@ def reference_solution(instance: SweInstance) -> tuple[ToolInvocation, ...]:
     return (*calls, ToolInvocation("submit", {"answer": "done"}))
 
 
+# what a grade says of a test run that ran out of time: its timeout, or the script held past it (the output cut)
+_OUT_OF_TIME = ("the tests timed out", "the test output is incomplete")
+# A test run past its time runs once more on a fresh copy, and past it again is graded as it is, a 0, once a shell
+# that does nothing shows the sandbox keeps time: validation ran the gold patch's tests in time, so a run past it is the
+# patch's own code that never ends (again), or a host too busy to run them in time (a second run most likely
+# finishes). Graded at once, a busy host's doing was a 0 for a correct patch.
+TESTS_RERUN_METRIC = "tests_ran_again_after_timeout"
+
+
+def ran_out_of_time(grade: Grade) -> bool:
+    """Whether the grade is that of a test run that ran out of time."""
+    return grade.error is not None and grade.error.startswith(_OUT_OF_TIME)
+
+
 def checked(grade: Grade) -> Grade:
     """The grade, unless the grader's own set-up of the repository failed before the patch went in (a fresh copy of
     a pristine repository in a /tmp it has just emptied: nothing of the agent's): SWE-bench counts that unresolved,
@@ -148,6 +163,8 @@ async def workspace_diff(sandbox: Sandbox, instance: SweInstance, git_dir: str, 
         f"{git} add -A .; {git} diff --cached --binary {instance.base_commit}"
     )
     r = await sandbox.exec(["bash", "-c", cmd], env=EVAL_ENV, timeout=DIFF_S, max_output=64 << 20)
+    if r.timed_out:  # the agent's tree too big to read in time, unless the host is why
+        await keeps_time(sandbox, f"the workspace's diff ran past {DIFF_S:g}s")
     if r.exit_code != 0 or r.truncated:
         log.info("%s: no usable workspace diff: %s", instance.instance_id, r.stderr.decode(errors="replace")[-300:])
         return None
@@ -269,10 +286,16 @@ class SweEnv(Environment):
     def scoring_timeout_s(self, task: Task) -> float:
         """A fresh folder, the repository's upload and the workspace's diff, then the instance's tests with their
         script's margin."""
-        return CLEAR_S + self.tool_timeout_s + DIFF_S + self.instance(task).test_runner.timeout_s + EXEC_MARGIN_S
+        tests = self.instance(task).test_runner.timeout_s + EXEC_MARGIN_S
+        return CLEAR_S + self.tool_timeout_s + DIFF_S + 2 * tests + PROBE_TIMEOUT_S  # the tests may run twice
 
     async def grade(self, sandbox: Sandbox, task: Task) -> Grade:
         """Grade the workspace as a prediction: its diff, on a fresh pristine copy, with the instance's tests."""
+        grade, _ = await self._grade(sandbox, task)
+        return grade
+
+    async def _grade(self, sandbox: Sandbox, task: Task) -> tuple[Grade, bool]:
+        """The grade, and whether the tests ran again after a first run ran out of time (TESTS_RERUN_METRIC)."""
         inst = self.instance(task)
         env_image = await asyncio.to_thread(lambda: self._env_image)
         # a fresh, unpredictable folder: nothing the agent left in /tmp can be in the way
@@ -288,12 +311,25 @@ class SweEnv(Environment):
         if diff is None or not diff.strip():
             # nothing (usable) changed: not resolved, as SWE-bench grades an empty patch, without a test run
             why = "empty patch" if diff is not None else "the workspace could not be read"
-            return Grade(task.id, False, False, False, None, ResolvedStatus.NO, None, why, {})
+            return Grade(task.id, False, False, False, None, ResolvedStatus.NO, None, why, {}), False
         out = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{root}/work")
+        again = ran_out_of_time(out.grade)
+        if again:
+            log.info("%s: %s; running them once more", task.id, out.grade.error)
+            second = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{root}/again")
+            error = second.grade.error or ""
+            # a second set-up that failed met what the first run's code left (a /tmp it filled): the first's grade
+            if ran_out_of_time(second.grade) or error.startswith(SETUP_FAILED):
+                await keeps_time(sandbox, f"the tests ran out of time twice ({out.grade.error})")
+            else:
+                out = second
         log.debug("%s graded %s (%s)", task.id, out.grade.resolution.value, out.grade.apply_method)
-        return checked(out.grade)
+        return checked(out.grade), again
 
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
         """Grade the workspace once, then apply the rubric to the grade."""
-        grade = await self.grade(sandbox, task)
-        return await self.rubric.score(SweScoringContext(sandbox, task, episode, grade))
+        grade, again = await self._grade(sandbox, task)
+        score = await self.rubric.score(SweScoringContext(sandbox, task, episode, grade))
+        if not again:
+            return score
+        return Score(score.reward, score.components, {**score.metrics, TESTS_RERUN_METRIC: 1.0})

@@ -6,13 +6,14 @@ import abc
 import logging
 import math
 import posixpath
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from orchestrator.core.errors import ArchiveTooLargeError, QuotaExceededError
+from orchestrator.core.errors import ArchiveTooLargeError, QuotaExceededError, SandboxUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -420,6 +421,23 @@ class Sandbox(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+PROBE_TIMEOUT_S = 10.0  # keeps_time's do-nothing shell: its limit...
+PROBE_SLOW_S = 2.0  # ...and what it may take in a sandbox that keeps time
+
+
+async def keeps_time(sandbox: Sandbox, what: str, cwd: str = "/") -> None:
+    """SandboxUnavailableError (INFRA_ERROR, retried) unless a shell that does nothing runs in the sandbox in time:
+    `what` (a grader's run past its timeout) on a host too busy to run anything is the fleet's doing, never a 0."""
+    t0 = time.monotonic()
+    r = await sandbox.exec(["/bin/sh", "-c", ":"], cwd=cwd, timeout=PROBE_TIMEOUT_S)
+    took = time.monotonic() - t0
+    if r.timed_out or r.exit_code != 0 or took > PROBE_SLOW_S:
+        raise SandboxUnavailableError(
+            f"{what}, and a shell that does nothing took {took:.1f}s in the sandbox (exit code {r.exit_code}): the "
+            "host, not the policy, is slow"
+        )
 
 
 @dataclass(frozen=True)

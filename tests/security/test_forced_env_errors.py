@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
 from environments.code_tests import SOLUTION, CodeTestsEnv
-from environments.swe.env import SweEnv
+from environments.swe.env import TESTS_RERUN_METRIC, SweEnv, _hunks
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
@@ -281,3 +282,40 @@ async def test_a_full_tmp_does_not_stop_the_swe_grade(tmp_path: Path, base_image
     outcomes = {tid: (r.status, r.reward, r.error.message if r.error else "") for tid, r in got.items()}
     assert outcomes == {solved.id: (RolloutStatus.OK, 1.0, ""), idle.id: (RolloutStatus.OK, 0.0, "")}
     assert "No space left on device" in json.dumps([t.model_dump() for t in got[idle.id].turns])
+
+
+# appended to the module the fix edits: the tests import it, and it sleeps past their timeout (on the first run only,
+# or on every run)
+SLOW_ONCE = (
+    "\nimport os as _os, time as _time\n"
+    "if not _os.path.exists('/tmp/slow-once'):\n    open('/tmp/slow-once', 'w').close()\n    _time.sleep(60)\n"
+)
+SLOW_ALWAYS = "\nimport time as _time\n_time.sleep(60)\n"
+
+
+async def test_swe_tests_past_their_timeout_run_once_more_before_a_0(tmp_path: Path, base_image: str) -> None:
+    # a busy host can hold a correct patch's tests past their timeout: graded at once, that was a 0. They run once
+    # more (a second run most likely finishes): a right fix then scores 1, and code that never ends scores 0 again
+    registry = Registry.from_entry_points()
+    env = registry.get("swe")
+    assert isinstance(env, SweEnv)
+    solved, other = env.tasks()[0], env.tasks()[2]
+    for task in (solved, other):
+        inst = env.instance(task)
+        runner = inst.test_runner.model_copy(update={"timeout_s": 10.0})
+        env.instances[inst.instance_id] = inst.model_copy(update={"test_runner": runner})
+    script = reference_script(env, [solved, other])
+
+    def slowed(task: Any, code: str) -> list[Step]:
+        path = _hunks(env.instance(task).patch)[0][0]
+        cmd = f"printf %s {shlex.quote(code)} >> /workspace/{path}"
+        return [Step(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": cmd})]), *script.tasks[task.id]]
+
+    steps = {solved.id: slowed(solved, SLOW_ONCE), other.id: slowed(other, SLOW_ALWAYS)}
+    async with serve(tmp_path, registry) as orch, EnvfleetClient(orch.address) as client:
+        got = await _run(client, "swe", Script(tasks=steps))
+    once, always = got[solved.id], got[other.id]
+    assert (once.status, once.reward) == (RolloutStatus.OK, 1.0), (once.status, once.error)
+    assert once.metrics[TESTS_RERUN_METRIC] == 1.0
+    assert (always.status, always.reward) == (RolloutStatus.OK, 0.0), (always.status, always.error)
+    assert always.metrics[TESTS_RERUN_METRIC] == 1.0

@@ -139,7 +139,7 @@ async def test_a_declarative_scoring_command_past_its_timeout_runs_again_then_sc
     # be the host's doing (here, the first run only: it leaves a mark and sleeps). A second run that fails may be the
     # first's leftovers ("left-broken": a 0 too), and two runs past their time on a sandbox that does not run `true`
     # in time are the host's (INFRA_ERROR, retried)
-    import orchestrator.service.declarative.env as declarative
+    import orchestrator.core.sandbox as sandbox_module
 
     endless = case in ("never-ends", "slow-host")
     second = "exit 3" if case == "left-broken" else "echo '{\"reward\": 1}'"
@@ -147,7 +147,7 @@ async def test_a_declarative_scoring_command_past_its_timeout_runs_again_then_sc
         'if [ ! -e /tmp/ran ]; then touch /tmp/ran; sleep 30; fi; python3 "$ENVFLEET_WORKSPACE/sol.py" >&2; ' + second
     )
     if case == "slow-host":
-        monkeypatch.setattr(declarative, "PROBE_SLOW_S", 0.0)  # any time at all is too slow
+        monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 0.0)  # any time at all is too slow
     spec = parse_spec(
         {
             "name": "runs-the-solution",

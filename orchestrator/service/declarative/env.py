@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import re
-import time
 from collections.abc import Iterator, Sequence
 from functools import cached_property
 from typing import Any, ClassVar, TypeGuard
@@ -26,9 +25,8 @@ from orchestrator.core.environment import (
     Task,
     ToolInvocation,
 )
-from orchestrator.core.errors import SandboxUnavailableError
 from orchestrator.core.image_spec import ImageSpec
-from orchestrator.core.sandbox import ExecResult, Sandbox
+from orchestrator.core.sandbox import PROBE_TIMEOUT_S, ExecResult, Sandbox, keeps_time
 from orchestrator.images import build_from_spec, build_image, ensure_base_image
 from orchestrator.images.build import BuildLimits
 from orchestrator.images.resolver import BuildsOwnImage
@@ -63,8 +61,6 @@ SCORING_TIMEOUT_METRIC = "scoring_timed_out"
 SCORING_FAILED_METRIC = "scoring_failed"
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("envfleet_strict_scoring", default=False)
 SCORING_SLACK_S = 5.0  # a scoring command's own start and its reply, twice
-PROBE_TIMEOUT_S = 10.0  # the trivial command's limit...
-PROBE_SLOW_S = 2.0  # ...and what it may take on a sandbox that keeps time
 # The package check runs at build time, offline: a missing package fails the build with this message.
 _PACKAGE_CHECK = (
     "for p in {packages}; do dpkg-query -W -f='${{Status}}' \"$p\" 2>/dev/null | grep -q 'install ok installed' "
@@ -295,16 +291,7 @@ def late_metrics(score: Score) -> list[str]:
 
 
 async def _keeps_time(sandbox: Sandbox) -> None:
-    """SandboxUnavailableError (INFRA_ERROR, retried) unless a trivial command runs in the sandbox in time: a
-    scoring command past its timeout twice on a host too busy to run anything is the fleet's doing, never a 0."""
-    t0 = time.monotonic()
-    r = await sandbox.exec(["/bin/sh", "-c", ":"], cwd=GRADER_CWD, timeout=PROBE_TIMEOUT_S)  # as scoring runs
-    took = time.monotonic() - t0
-    if r.timed_out or r.exit_code != 0 or took > PROBE_SLOW_S:
-        raise SandboxUnavailableError(
-            f"the scoring command ran past its timeout, and a shell that does nothing took {took:.1f}s in the "
-            f"sandbox (exit code {r.exit_code}): the host, not the policy, is slow"
-        )
+    await keeps_time(sandbox, "the scoring command ran past its timeout", GRADER_CWD)  # where scoring runs
 
 
 def make_environment(spec: EnvironmentSpec) -> DeclarativeEnvironment:
