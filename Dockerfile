@@ -26,9 +26,10 @@ RUN python3 -m compileall -q /opt/envfleet-orchestrator \
 USER 1000:1000
 WORKDIR /var/lib/envfleet
 EXPOSE 50051
-# grpc.health.v1 on ENVFLEET_PORT (default 50051): SERVING only while the server runs and the engine answers. With
-# TLS (ENVFLEET_TLS_CERT) the probe trusts ENVFLEET_HEALTH_TLS_CA, else that certificate; for mTLS it presents
-# ENVFLEET_HEALTH_TLS_CERT and ENVFLEET_HEALTH_TLS_KEY (orchestrator/cli/healthcheck.py)
+# grpc.health.v1 where the server says it listens (serving.json in its data directory; else ENVFLEET_PORT, default
+# 50051): SERVING only while the server runs and the engine answers. With TLS the probe trusts ENVFLEET_HEALTH_TLS_CA,
+# else the server's certificate; for mTLS it presents ENVFLEET_HEALTH_TLS_CERT and ENVFLEET_HEALTH_TLS_KEY
+# (orchestrator/cli/healthcheck.py)
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python3", "-m", "orchestrator.cli.healthcheck"]
 ENTRYPOINT ["envfleet"]

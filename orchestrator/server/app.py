@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import shutil
 import stat
 from collections.abc import Awaitable
@@ -243,6 +245,7 @@ class Orchestrator:
 
         Every stage is bounded: one that overruns is logged and left behind, and the backend's close, which always
         runs, removes every container this instance still owns."""
+        forget_serving(self.config.data_dir)
         if self.openenv is not None:  # first: its websockets close their sessions through the gRPC server
             await _bounded("the OpenEnv facade", self.openenv.close(), STOP_STAGE_S)
         await self._health.enter_graceful_shutdown()
@@ -520,4 +523,29 @@ async def create_server(
     except BaseException:
         await orch.stop(grace=0)
         raise
+    write_serving(config.data_dir, config.host, port, tls.cert_file if tls else None)
     return orch
+
+
+SERVING_FILE = "serving.json"
+
+
+def write_serving(data_dir: Path, host: str, port: int, cert: Path | None) -> None:
+    """Where this server listens, in its data directory, for the container's health probe (cli/healthcheck.py): the
+    port and TLS may come from a flag, a variable or the config file, and the probe read the variables alone, so a
+    server configured by its file or its flags was reported unhealthy. Replaced whole (a rename)."""
+    info = {"host": host, "port": port, "tls_cert": str(cert.resolve()) if cert else None, "pid": os.getpid()}
+    tmp = data_dir / f".{SERVING_FILE}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(info))
+        tmp.replace(data_dir / SERVING_FILE)
+    except OSError as e:  # the probe then goes by the variables, as before
+        log.warning("could not write %s: %s", data_dir / SERVING_FILE, e)
+
+
+def forget_serving(data_dir: Path) -> None:
+    """Remove this process's serving file (a server stopping is no longer where the probe should look)."""
+    path = data_dir / SERVING_FILE
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()

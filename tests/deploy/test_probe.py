@@ -4,6 +4,7 @@ server's ENVFLEET_* variables) or by flags."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,8 @@ async def _probe(*args: str, env: dict[str, str] | None = None) -> tuple[int, st
         text=True,
         timeout=30,
         cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", **(env or {})},
+        # no serving file unless the test names a data directory: the repository's .envfleet may hold a demo's
+        env={"PATH": "/usr/bin:/bin", "ENVFLEET_DATA_DIR": "/nonexistent", **(env or {})},
         check=False,
     )
     return p.returncode, p.stdout.strip()
@@ -55,3 +57,20 @@ async def test_probe_tls_and_mtls(tmp_path: Path, pki: dict[str, Path], base_ima
         assert code == 1 and out.startswith("UNREACHABLE"), out  # no client certificate
         client = ("--tls-cert", str(pki["client_cert"]), "--tls-key", str(pki["client_key"]))
         assert await _probe(address, "--tls-ca", str(pki["ca"]), *client) == (0, "SERVING")
+
+
+async def test_probe_finds_a_server_configured_by_its_file_or_flags(
+    tmp_path: Path, pki: dict[str, Path], base_image: str
+) -> None:
+    # the probe read ENVFLEET_PORT and ENVFLEET_TLS_CERT alone: a server whose port or TLS came from a flag or the
+    # config file (deploy/run.sh IMAGE --port 6000, `tls-cert:` in the file) was reported unhealthy. The server says
+    # where it listens in its data directory; the variables, wrong here, give way to it
+    data = tmp_path / "data"
+    tls = {"cert_file": pki["server_cert"], "key_file": pki["server_key"]}
+    wrong = {"ENVFLEET_PORT": "1", "ENVFLEET_DATA_DIR": str(data), "ENVFLEET_HEALTH_TLS_CA": str(pki["ca"])}
+    async with serve(data, security={"tls": tls}) as orch:
+        assert json.loads((data / "serving.json").read_text())["port"] == orch.port
+        assert await _probe(env=wrong) == (0, "SERVING")
+    assert not (data / "serving.json").exists()  # a stopped server is not where to look
+    code, out = await _probe("--timeout", "1", env=wrong)
+    assert code == 1 and out.startswith("UNREACHABLE"), out
