@@ -112,7 +112,10 @@ def parse_args(
     # still let an ENVFLEET_ALLOW_POLICY_URL=http:// through. They stand in after the parse, where the command line
     # gave none.
     added: dict[str, tuple[str, argparse.Action, Any]] = {}
+    command = _command_of(parser, args)
     for target in targets:
+        if target is not parser and commands.get(command) is not target:
+            continue  # another command's options: its variables, bad or not, are not this command's concern
         defaults: dict[str, Any] = {}
         for action in settable_actions(target):
             if action.dest in file_values:
@@ -133,6 +136,21 @@ def parse_args(
             setattr(namespace, dest, value)
     namespace.settings = settings
     return namespace
+
+
+def _command_of(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The subcommand the command line names: its first word that is no option nor an option's value."""
+    takes_value = {o for a in parser._actions if a.nargs != 0 for o in a.option_strings}
+    commands = subcommand_parsers(parser)
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in takes_value:
+            skip = True
+        elif not token.startswith("-"):
+            return token if token in commands else None
+    return None
 
 
 def _config_path(argv: list[str], env: Mapping[str, str]) -> Path | None:

@@ -263,3 +263,15 @@ def test_a_bad_envd_choice_in_the_environment_is_one_line_not_a_traceback() -> N
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "$ENVFLEET_ENVD='Python': expected go or python" in r.stderr
+
+
+def test_another_commands_bad_variable_or_key_is_not_this_commands_error(tmp_path: Path) -> None:
+    # serve's variables and file were read and checked for every command: ENVFLEET_PORT=abc made `envfleet jobs`
+    # fail with "envfleet serve: error"
+    conf = tmp_path / "c.yaml"
+    conf.write_text("port: fifty\nlog-format: json\n")
+    env = {"ENVFLEET_PORT": "abc", "ENVFLEET_CONFIG": str(conf)}
+    args = parse_args(build_parser(), ["-v", "jobs"], environ=env)
+    assert args.command == "jobs" and args.log_format == "json"  # the top level's options still come from both
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), ["serve"], environ=env)
