@@ -114,7 +114,7 @@ def parse_args(
     added: dict[str, tuple[str, argparse.Action, Any]] = {}
     command = _command_of(parser, args)
     for target in targets:
-        if target is not parser and commands.get(command) is not target:
+        if target is not parser and (command is None or commands[command] is not target):
             continue  # another command's options: its variables, bad or not, are not this command's concern
         defaults: dict[str, Any] = {}
         for action in settable_actions(target):
