@@ -655,7 +655,7 @@ class JobManager:
         except ValueError as e:
             raise InvalidRequestError(f"policy update: {e}") from None
         job.spec = checked.model_copy(update={"tasks": job.spec.tasks})
-        await self.store.update_spec(job_id, job.spec)
+        await self.store.update_policy(job_id, job.spec.policy)
         return await self.info(job_id)
 
     async def cancel(self, job_id: str, *, owner: str | None = None) -> JobInfo:

@@ -80,29 +80,39 @@ async def test_a_policy_update_that_changes_nothing_writes_nothing_and_one_that_
     tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # each UpdatePolicy dumped and checked the whole spec (up to 100,000 task ids, megabytes) and wrote it to the
-    # result log, whose one thread every tenant's appends, reads and acks share, changed or not
-    async with serve(tmp_path / "data", backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
-        spec = _spec(silent_policy, task_ids[:3])
+    # result log, whose one thread every tenant's appends, reads and acks share, changed or not. Now one that changes
+    # nothing writes nothing, and one that does writes the endpoint alone (a column of its own), which the next
+    # start reads over the spec's
+    data = tmp_path / "data"
+    spec = _spec(silent_policy, task_ids[:3])
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
         job_id = await client.submit(spec)
-        writes: list[JobSpec] = []
-        write = orch.jobs.store.update_spec
+        writes: list[PolicyEndpoint] = []
+        write = orch.jobs.store.update_policy
 
-        async def counted(job: str, new: JobSpec) -> None:
+        async def counted(job: str, new: PolicyEndpoint) -> None:
             writes.append(new)
             await write(job, new)
 
-        monkeypatch.setattr(orch.jobs.store, "update_spec", counted)
+        monkeypatch.setattr(orch.jobs.store, "update_policy", counted)
         same = pb.UpdatePolicyRequest(job_id=job_id, version=spec.policy.version)
         for _ in range(5):
             await client.rollout_stub.UpdatePolicy(same)
         assert writes == []
         await client.rollout_stub.UpdatePolicy(pb.UpdatePolicyRequest(job_id=job_id, version="v9"))
         [written] = writes
-        assert (
-            written.policy.version == "v9" and written.tasks == spec.tasks and written.policy.base_url == silent_policy
-        )
-        assert orch.jobs._jobs[job_id].spec == written
+        assert written.version == "v9" and written.base_url == silent_policy
+        kept = orch.jobs._jobs[job_id].spec
+        assert kept.policy == written and kept.tasks == spec.tasks
         assert (await client.get_job(job_id)).policy_version == "v9"
+    with contextlib.closing(sqlite3.connect(data / "results.sqlite3")) as db:
+        stored_spec, policy = db.execute("SELECT spec, policy FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+    submitted = JobSpec.model_validate_json(stored_spec)  # the spec as submitted, not written again
+    assert submitted.policy.version == spec.policy.version and submitted.tasks == spec.tasks
+    assert len(policy) < 1024 and PolicyEndpoint.model_validate_json(policy) == written
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        assert (await client.get_job(job_id)).policy_version == "v9"
+        assert orch.jobs._jobs[job_id].spec.policy == written
 
 
 async def test_a_cancel_whose_call_is_cancelled_is_carried_out_whole(
