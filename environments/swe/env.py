@@ -34,12 +34,12 @@ from environments.sdk import (
     ToolInvocation,
 )
 from environments.swe.builder.pins import INSTANCES
-from environments.swe.evaluate import EXEC_MARGIN_S, SWE_LIMITS, evaluate_in_sandbox
+from environments.swe.evaluate import EXEC_MARGIN_S, SWE_LIMITS, EvalOutput, EvaluationError, evaluate_in_sandbox
 from environments.swe.grading import FAIL_TO_PASS, PASS_TO_PASS, SETUP_FAILED, Grade, ResolvedStatus
 from environments.swe.images import RepoTars, environment_image
 from environments.swe.instance import EnvironmentSpec, SweInstance, load_instances
 from environments.swe.script import EVAL_ENV
-from orchestrator.core.errors import InvalidRequestError, SandboxError
+from orchestrator.core.errors import InvalidRequestError, SandboxError, SandboxFileError
 from orchestrator.core.sandbox import PROBE_TIMEOUT_S, keeps_time
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,22 @@ _OUT_OF_TIME = ("the tests timed out", "the test output is incomplete")
 # patch's own code that never ends (again), or a host too busy to run them in time (a second run most likely
 # finishes). Graded at once, a busy host's doing was a 0 for a correct patch.
 TESTS_RERUN_METRIC = "tests_ran_again_after_timeout"
+
+
+async def _rerun(sandbox: Sandbox, inst: SweInstance, diff: bytes, repo: bytes) -> EvalOutput | None:
+    """The tests run again on another fresh, pristine copy of the repository (the first's is within reach of the code
+    it ran: a FIFO it left in base/.git held the copy's git); None when this cannot be set up or carried out (a /tmp
+    the first run filled, a copy its leftovers stalled): what the first run's code did, not the fleet's failure."""
+    root = f"{GRADE_DIR}-{secrets.token_hex(6)}"
+    try:
+        r = await sandbox.exec(["/bin/sh", "-c", f"mkdir -p {root}/base"], cwd="/", timeout=CLEAR_S)
+        if r.exit_code != 0:
+            return None
+        await sandbox.upload(repo, f"{root}/base")
+        return await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=f"{root}/base", work_dir=f"{root}/work")
+    except (EvaluationError, SandboxFileError) as e:
+        log.info("%s: the second run of the tests could not be carried out: %s", inst.instance_id, e)
+        return None
 
 
 def ran_out_of_time(grade: Grade) -> bool:
@@ -306,7 +322,8 @@ class SweEnv(Environment):
         r = await sandbox.exec(["/bin/sh", "-c", f"{CLEAR_TMP}; mkdir -p {base}"], cwd="/", timeout=CLEAR_S)
         if r.exit_code != 0:
             raise SandboxError(f"could not create {base}: {r.stderr.decode(errors='replace')[-300:]}")
-        await sandbox.upload(await self._repos.tar(inst, env_image), base)
+        repo = await self._repos.tar(inst, env_image)
+        await sandbox.upload(repo, base)
         diff = await workspace_diff(sandbox, inst, f"{base}/.git", f"{root}/agent.index")
         if diff is None or not diff.strip():
             # nothing (usable) changed: not resolved, as SWE-bench grades an empty patch, without a test run
@@ -316,10 +333,9 @@ class SweEnv(Environment):
         again = ran_out_of_time(out.grade)
         if again:
             log.info("%s: %s; running them once more", task.id, out.grade.error)
-            second = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{root}/again")
-            error = second.grade.error or ""
-            # a second set-up that failed met what the first run's code left (a /tmp it filled): the first's grade
-            if ran_out_of_time(second.grade) or error.startswith(SETUP_FAILED):
+            second = await _rerun(sandbox, inst, diff, repo)
+            # one that could not be set up or carried out met what the first run's code left: the first's grade
+            if second is None or ran_out_of_time(second.grade) or (second.grade.error or "").startswith(SETUP_FAILED):
                 await keeps_time(sandbox, f"the tests ran out of time twice ({out.grade.error})")
             else:
                 out = second

@@ -46,10 +46,6 @@ EVAL_ENV: dict[str, str] = {
     "TZ": "UTC",
     "PYTHONHASHSEED": "0",
     "PYTHONDONTWRITEBYTECODE": "1",
-    # compiled files are looked for here, never in the repository's __pycache__ folders: a .pyc the patch added
-    # there (a .gitignore of its own lets it into the diff), compiled unchecked from a test file that passes, was
-    # what Python ran in place of the test file the grader had put back
-    "PYTHONPYCACHEPREFIX": f"{SCRATCH}/pycache",
     "PYTHONNOUSERSITE": "1",
     "LC_ALL": "C.UTF-8",
     "HOME": "/tmp",
@@ -224,7 +220,9 @@ def test_files(instance: SweInstance) -> list[str]:
             files.add(name.split("::", 1)[0])
         else:
             module = unittest_id(name).rsplit(".", 2)[0].replace(".", "/") + ".py"
-            roots = instance.test_runner.pythonpath or ["."]
+            # every folder the runner imports from, the cwd first: a copy the patch added at the root stood in for
+            # the one the grader put back under a pythonpath folder
+            roots = dict.fromkeys([".", *instance.test_runner.pythonpath])
             files.update(module if r == "." else f"{r}/{module}" for r in roots)
     for line in instance.test_patch.splitlines():
         if line.startswith(("--- a/", "+++ b/")):
@@ -299,6 +297,10 @@ if [ -n "$harness" ]; then
   printf '%s\n' "$harness" | git checkout -q "$BASE" --pathspec-from-file=- || fail_patched "harness files"
 fi
 git ls-files --others | grep -E {q(HARNESS_FILES)} | while IFS= read -r f; do rm -f -- "$f"; done
+# and the tree's compiled files: a .pyc the patch added to a __pycache__ (a .gitignore of its own lets it into the
+# diff), compiled unchecked from a passing copy of a test file, was what Python ran in place of the file put back
+# (the image's own, outside the tree, stay: compiled anew each run, pytest's imports took four times as long)
+find . -path ./.git -prune -o -type f -name '*.py[co]' -exec rm -f -- {{}} + || fail_patched "compiled files"
 if [ -s "$S/test.patch" ]; then
   git apply --verbose "$S/test.patch" 2>&1 | quoted || {{ echo "{TEST_PATCH_FAIL}"; exit 0; }}
 fi

@@ -28,6 +28,7 @@ import pytest
 from environments.code_tests import SOLUTION, CodeTestsEnv
 from environments.swe.env import TESTS_RERUN_METRIC, SweEnv, _hunks
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core import sandbox as sandbox_module
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.core.sandbox import Sandbox
@@ -291,31 +292,45 @@ SLOW_ONCE = (
     "if not _os.path.exists('/tmp/slow-once'):\n    open('/tmp/slow-once', 'w').close()\n    _time.sleep(60)\n"
 )
 SLOW_ALWAYS = "\nimport time as _time\n_time.sleep(60)\n"
+# ...and before it sleeps, a FIFO where the grader's pristine copy has its HEAD: a second run copied from that copy
+# blocked in git before its tests started, the evaluation's failure (ENV_ERROR, masked) for what was a 0
+STALLS_THE_COPY = (
+    "\nimport glob as _glob, os as _os\nfor _git in _glob.glob('/tmp/swe-grade-*/base/.git'):\n"
+    "    _os.remove(_git + '/HEAD')\n    _os.mkfifo(_git + '/HEAD')\n" + SLOW_ALWAYS
+)
 
 
-async def test_swe_tests_past_their_timeout_run_once_more_before_a_0(tmp_path: Path, base_image: str) -> None:
+async def test_swe_tests_past_their_timeout_run_once_more_before_a_0(
+    tmp_path: Path, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a busy host can hold a correct patch's tests past their timeout: graded at once, that was a 0. They run once
     # more (a second run most likely finishes): a right fix then scores 1, and code that never ends scores 0 again
+    monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 30.0)  # a busy CI host's shell is not what this tests
     registry = Registry.from_entry_points()
     env = registry.get("swe")
     assert isinstance(env, SweEnv)
-    solved, other = env.tasks()[0], env.tasks()[2]
-    for task in (solved, other):
+    solved, stalling, other = env.tasks()[0], env.tasks()[1], env.tasks()[2]
+    for task in (solved, stalling, other):
         inst = env.instance(task)
-        runner = inst.test_runner.model_copy(update={"timeout_s": 10.0})
+        runner = inst.test_runner.model_copy(update={"timeout_s": 20.0})
         env.instances[inst.instance_id] = inst.model_copy(update={"test_runner": runner})
-    script = reference_script(env, [solved, other])
+    script = reference_script(env, [solved, stalling, other])
 
     def slowed(task: Any, code: str) -> list[Step]:
         path = _hunks(env.instance(task).patch)[0][0]
         cmd = f"printf %s {shlex.quote(code)} >> /workspace/{path}"
         return [Step(tool_calls=[ScriptedToolCall(name="bash", arguments={"command": cmd})]), *script.tasks[task.id]]
 
-    steps = {solved.id: slowed(solved, SLOW_ONCE), other.id: slowed(other, SLOW_ALWAYS)}
+    steps = {
+        solved.id: slowed(solved, SLOW_ONCE),
+        stalling.id: slowed(stalling, STALLS_THE_COPY),
+        other.id: slowed(other, SLOW_ALWAYS),
+    }
     async with serve(tmp_path, registry) as orch, EnvfleetClient(orch.address) as client:
         got = await _run(client, "swe", Script(tasks=steps))
     once, always = got[solved.id], got[other.id]
     assert (once.status, once.reward) == (RolloutStatus.OK, 1.0), (once.status, once.error)
     assert once.metrics[TESTS_RERUN_METRIC] == 1.0
-    assert (always.status, always.reward) == (RolloutStatus.OK, 0.0), (always.status, always.error)
-    assert always.metrics[TESTS_RERUN_METRIC] == 1.0
+    for slow in (always, got[stalling.id]):
+        assert (slow.status, slow.reward) == (RolloutStatus.OK, 0.0), (slow.status, slow.error)
+        assert slow.metrics[TESTS_RERUN_METRIC] == 1.0

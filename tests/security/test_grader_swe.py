@@ -19,6 +19,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from environments.swe import script as swe_script
 from environments.swe.env import checked
 from environments.swe.evaluate import run_evaluation
 from environments.swe.grading import Grade, TestStatus, find_nonce, grade_log, parse_pytest, parse_unittest
@@ -344,27 +345,19 @@ def _unchecked_pyc(source: str, where: Path) -> None:
     src.unlink()
 
 
-@pytest.mark.parametrize("shadow", ["package", "pyc"])
-def test_the_unittest_runner_runs_the_test_file_the_grader_put_back_not_a_shadow_of_it(
-    tmp_path: Path, shadow: str
-) -> None:
-    # pkg/test_u.py is the grader's (failing here); beside it, what a patch added under the same module name. Python
-    # imports a package folder (or an extension module: the same check of the module's file refuses it) before the
-    # .py, and a __pycache__ .pyc compiled unchecked from a passing copy before the .py it never compares itself
-    # with. Each passed the test the grader had put back.
+def test_the_unittest_runner_runs_the_test_file_the_grader_put_back_not_a_shadow_of_it(tmp_path: Path) -> None:
+    # pkg/test_u.py is the grader's (failing here); beside it, a passing copy the patch added as a package of the same
+    # name, which Python imports before the .py (an extension module too: the same check of the module's file
+    # refuses it). It passed the test the grader had put back. (A .pyc compiled unchecked from a passing copy goes
+    # with the tree's compiled files: test_a_patch_cannot_replace_or_plug_into_the_test_runner.)
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "test_u.py").write_text(FAILING)
-    if shadow == "package":
-        (pkg / "test_u").mkdir()
-        (pkg / "test_u" / "__init__.py").write_text(PASSING)
-    else:
-        (pkg / "__pycache__").mkdir()
-        tag = sys.implementation.cache_tag
-        _unchecked_pyc(PASSING, pkg / "__pycache__" / f"test_u.{tag}.pyc")
+    (pkg / "test_u").mkdir()
+    (pkg / "test_u" / "__init__.py").write_text(PASSING)
     (tmp_path / "runner.py").write_text(UNITTEST_RUNNER)
-    env = {**os.environ, **EVAL_ENV}  # the script's environment: where compiled files are read from included
+    env = {**os.environ, **EVAL_ENV}
     out = subprocess.run(
         [sys.executable, "-P", "runner.py", "pkg.test_u.T.test_a"],
         cwd=tmp_path,
@@ -374,9 +367,18 @@ def test_the_unittest_runner_runs_the_test_file_the_grader_put_back_not_a_shadow
         env=env,
     )
     statuses = parse_unittest(out.stdout + out.stderr)
-    assert statuses.get("test_a (pkg.test_u.T.test_a)") in (TestStatus.FAILED, TestStatus.ERROR), out.stderr
-    if shadow != "pyc":  # the .pyc goes unread: the test file itself ran, and failed
-        assert "its module was loaded from" in out.stderr and "test_u" in out.stderr
+    assert statuses.get("test_a (pkg.test_u.T.test_a)") == TestStatus.ERROR, out.stderr
+    assert "its module was loaded from" in out.stderr and "test_u/__init__.py" in out.stderr
+
+
+def test_a_unittest_modules_copies_in_every_import_folder_are_put_back(tiny: Tiny) -> None:  # noqa: F811
+    # the runner imports from the cwd first, then the instance's pythonpath: a passing copy the patch added at the
+    # root stood in for the test file put back under tests/ (only that one was restored or removed)
+    runner = tiny.unittest.test_runner.model_copy(update={"pythonpath": ["tests"]})
+    instance = tiny.unittest.model_copy(
+        update={"test_runner": runner, "FAIL_TO_PASS": ["test_x (admin_views.tests.T.test_x)"], "PASS_TO_PASS": []}
+    )
+    assert {"admin_views/tests.py", "tests/admin_views/tests.py"} <= set(swe_script.test_files(instance))
 
 
 def test_the_pytest_runner_names_each_skip_and_each_test_that_never_ran(tmp_path: Path) -> None:
