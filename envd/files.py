@@ -85,7 +85,14 @@ def _entry(path: str, st: os.stat_result) -> Entry:
         kind, target = Kind.FILE, ""
     else:
         kind, target = Kind.OTHER, ""
-    return Entry(os.path.basename(path) or "/", path, kind, st.st_size, stat.S_IMODE(mode), st.st_mtime, target)
+    name = os.path.basename(path) or "/"
+    return Entry(_text(name), _text(path), kind, st.st_size, stat.S_IMODE(mode), st.st_mtime, _text(target))
+
+
+def _text(name: str) -> str:
+    """A file name as text: a byte that is no UTF-8 (surrogate-escaped by os) is U+FFFD, since a proto string cannot
+    carry it, and one such name failed a whole ListDir (INTERNAL, taken on the host for a dead envd)."""
+    return os.fsencode(name).decode("utf-8", "replace")
 
 
 def _lstat(path: str, shown: str) -> os.stat_result:

@@ -509,11 +509,13 @@ func fsWriteFile(path, workspace string, content []byte, mode uint32, makeParent
 	return fsWriteAll(fd, content)
 }
 
-// fsInfo is files.py's _entry: one file's metadata from its lstat, a link's target read, never followed.
+// fsInfo is files.py's _entry: one file's metadata from its lstat, a link's target read, never followed. Names are
+// text: a byte that is no UTF-8 (a name or a link target a command made) is U+FFFD, since a proto string cannot carry
+// it, and one such name failed a whole ListDir (INTERNAL, taken on the host for a dead envd).
 func fsInfo(dirfd int, name, full string, st *unix.Stat_t) (*pb.FileInfo, error) {
 	info := &pb.FileInfo{
-		Name:  fsBasename(full),
-		Path:  full,
+		Name:  strings.ToValidUTF8(fsBasename(full), "\uFFFD"),
+		Path:  strings.ToValidUTF8(full, "\uFFFD"),
 		Size:  st.Size,
 		Mode:  st.Mode & 0o7777,
 		Mtime: float64(st.Mtim.Sec) + float64(st.Mtim.Nsec)*1e-9, // as Python computes st_mtime
@@ -527,7 +529,7 @@ func fsInfo(dirfd int, name, full string, st *unix.Stat_t) (*pb.FileInfo, error)
 		if err != nil {
 			return nil, &fs.PathError{Op: "readlink", Path: full, Err: err}
 		}
-		info.Kind, info.LinkTarget = pb.FileKind_FILE_KIND_SYMLINK, target
+		info.Kind, info.LinkTarget = pb.FileKind_FILE_KIND_SYMLINK, strings.ToValidUTF8(target, "\uFFFD")
 	case unix.S_IFDIR:
 		info.Kind = pb.FileKind_FILE_KIND_DIR
 	case unix.S_IFREG:

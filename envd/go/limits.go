@@ -159,16 +159,20 @@ func refusedFilter() []unix.SockFilter {
 // signal notwithstanding: a command's tgkill(1, tid, SIGSEGV), or an rt_sigqueueinfo to any of envd's threads, killed
 // PID 1 and the sandbox, and a rollout heading for 0 became an infrastructure retry. Those calls may not send them
 // to envd: tgkill and rt_tgsigqueueinfo to thread group 1, and tkill, rt_sigqueueinfo and pidfd_send_signal (whose
-// target may be any of envd's threads, or a pidfd of it) to anyone. raise() and pthread_kill() are tgkill, so a
-// process may still fault itself that way; kill() sends every signal as before.
+// target may be any of envd's threads, or a pidfd of it) to anyone; nor may fcntl(F_SETSIG) choose one for a file's
+// I/O signal, which goes to the file's owner (F_SETOWN: envd, say) with si_code POLL_IN. raise() and pthread_kill()
+// are tgkill, so a process may still fault itself that way; kill() sends every signal as before.
 var faultSignals = []uint32{4, 5, 7, 8, 11, 16, 31}
 
+const fSetSig = 10 // fcntl's F_SETSIG, on every ABI
+
 // the calls of each ABI that send a signal with a chosen si_code: their number, where the signal is, and whether
-// only a target of thread group 1 is refused
+// only a target of thread group 1 is refused, or only fcntl's F_SETSIG (its command in arg1)
 type signalCall struct {
 	nr      uint32
 	sigArg  uint32
 	toGroup bool
+	setSig  bool
 }
 
 var signalCalls = []struct {
@@ -176,19 +180,23 @@ var signalCalls = []struct {
 	calls []signalCall
 }{
 	{unix.AUDIT_ARCH_X86_64, []signalCall{
-		{200, offArg1, false}, {234, offArg2, true}, {129, offArg1, false}, {297, offArg2, true}, {424, offArg1, false},
-		{x32SyscallBit | 200, offArg1, false}, {x32SyscallBit | 234, offArg2, true},
-		{x32SyscallBit | 524, offArg1, false}, {x32SyscallBit | 536, offArg2, true},
-		{x32SyscallBit | 424, offArg1, false},
+		{200, offArg1, false, false}, {234, offArg2, true, false}, {129, offArg1, false, false},
+		{297, offArg2, true, false}, {424, offArg1, false, false}, {72, offArg2, false, true},
+		{x32SyscallBit | 200, offArg1, false, false}, {x32SyscallBit | 234, offArg2, true, false},
+		{x32SyscallBit | 524, offArg1, false, false}, {x32SyscallBit | 536, offArg2, true, false},
+		{x32SyscallBit | 424, offArg1, false, false}, {x32SyscallBit | 72, offArg2, false, true},
 	}},
 	{auditArchI386, []signalCall{
-		{238, offArg1, false}, {270, offArg2, true}, {178, offArg1, false}, {335, offArg2, true}, {424, offArg1, false},
+		{238, offArg1, false, false}, {270, offArg2, true, false}, {178, offArg1, false, false},
+		{335, offArg2, true, false}, {424, offArg1, false, false}, {55, offArg2, false, true}, {221, offArg2, false, true},
 	}},
 	{unix.AUDIT_ARCH_AARCH64, []signalCall{
-		{130, offArg1, false}, {131, offArg2, true}, {138, offArg1, false}, {240, offArg2, true}, {424, offArg1, false},
+		{130, offArg1, false, false}, {131, offArg2, true, false}, {138, offArg1, false, false},
+		{240, offArg2, true, false}, {424, offArg1, false, false}, {25, offArg2, false, true},
 	}},
 	{auditArchARM, []signalCall{
-		{238, offArg1, false}, {268, offArg2, true}, {178, offArg1, false}, {363, offArg2, true}, {424, offArg1, false},
+		{238, offArg1, false, false}, {268, offArg2, true, false}, {178, offArg1, false, false},
+		{363, offArg2, true, false}, {424, offArg1, false, false}, {55, offArg2, false, true}, {221, offArg2, false, true},
 	}},
 }
 
@@ -214,6 +222,10 @@ func signalFilter() []unix.SockFilter {
 			if c.toGroup {
 				p.load(offArg0)
 				p.jeq(1, "", "allow")
+			}
+			if c.setSig {
+				p.load(offArg1)
+				p.jeq(fSetSig, "", "allow")
 			}
 			p.load(c.sigArg)
 			p.jeq(0, "signal", "signal") // on to the signal's check, whatever it is

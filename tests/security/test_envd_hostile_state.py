@@ -254,3 +254,18 @@ async def test_a_process_whose_main_thread_exited_dies_with_its_command_and_at_a
         await s.write_file("/tmp/beat", b"0")
         await asyncio.sleep(0.5)
         assert await s.read_file("/tmp/beat") == b"0", "it outlived the reset"
+
+
+@pytest.mark.parametrize("impl", ["go", "python"])
+async def test_a_name_that_is_no_utf8_is_listed_not_a_failed_call(impl: str, base_image: str) -> None:
+    # a proto string cannot carry a byte that is no UTF-8: one such name (or link target) a command made failed the
+    # whole ListDir as INTERNAL, which the host takes for a dead envd. Such bytes are listed as U+FFFD
+    make = (
+        "mkdir -p /workspace/d && cd /workspace/d && touch ok $(printf 'bad\\377name') && ln -s $(printf '\\376') link"
+    )
+    async with owned_backend(envd=impl) as backend, await backend.create(SandboxSpec(image=base_image)) as s:
+        assert (await s.exec(["sh", "-c", make])).exit_code == 0
+        entries = {e.name: e for e in await s.list_dir("/workspace/d")}
+        assert set(entries) == {"ok", "bad\ufffdname", "link"}, entries
+        assert entries["link"].link_target == "\ufffd"
+        assert (await s.exec(["echo", "alive"])).stdout == b"alive\n"

@@ -54,9 +54,10 @@ async def test_commands_start_with_no_signal_ignored(impl: str, base_image: str)
 
 # each call that sends a signal with an si_code of the sender's choosing (not SI_USER, as kill's): Go's runtime took
 # such a SIGSEGV (BUS, FPE, ILL, TRAP, STKFLT, SYS) for a fault of its own and died. x86_64 numbers; rt_sigqueueinfo
-# and pidfd_send_signal with si_code SI_QUEUE; tkill and the queued calls to an envd thread that is not its leader
+# and pidfd_send_signal with si_code SI_QUEUE; tkill and the queued calls to an envd thread that is not its leader;
+# and a pipe's I/O signal set to one (fcntl F_SETSIG) with envd as its owner
 FAULTS = """
-import ctypes, os, signal
+import ctypes, fcntl, os, signal
 libc = ctypes.CDLL(None, use_errno=True)
 SIGNALS = [signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, 16, signal.SIGSYS]
 threads = sorted(int(t) for t in os.listdir("/proc/1/task"))
@@ -73,7 +74,19 @@ for sig in SIGNALS:
                 sent += 1
             else:
                 refused += ctypes.get_errno() == 1
-print(sent, refused, len(SIGNALS) * len(threads) * 5)
+    # a file's I/O signal, chosen with F_SETSIG, goes to its owner: envd (F_SETOWN 1), with si_code POLL_IN
+    r, w = os.pipe()
+    fcntl.fcntl(r, fcntl.F_SETOWN, 1)
+    try:
+        fcntl.fcntl(r, 10, sig)  # F_SETSIG
+        fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC | os.O_NONBLOCK)
+        os.write(w, b"x")
+        sent += 1
+    except PermissionError:
+        refused += 1
+    os.close(r)
+    os.close(w)
+print(sent, refused, len(SIGNALS) * (len(threads) * 5 + 1))
 """
 
 
