@@ -34,7 +34,20 @@ def serving(environ: Mapping[str, str] = os.environ) -> dict[str, object] | None
     except (OSError, ValueError):
         return None
     ok = isinstance(info, dict) and isinstance(info.get("host"), str) and isinstance(info.get("port"), int)
-    return info if ok else None
+    return info if ok and _alive(info.get("pid")) else None
+
+
+def _alive(pid: object) -> bool:
+    """Whether the process that wrote the file still runs (one killed left it behind: then the variables count)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import stat
 from collections.abc import Awaitable
@@ -231,6 +232,7 @@ class Orchestrator:
         self.ui: ViewerServer | None = None
         self.openenv: OpenEnvFacade | None = None
         self._private_dir: Path | None = None  # the gRPC socket of the in-process OpenEnv facade
+        self._serving = ""  # its instance id in the data directory's serving file (write_serving)
         self.stalls = StallWatch("control plane")
 
     @property
@@ -245,7 +247,7 @@ class Orchestrator:
 
         Every stage is bounded: one that overruns is logged and left behind, and the backend's close, which always
         runs, removes every container this instance still owns."""
-        forget_serving(self.config.data_dir)
+        forget_serving(self.config.data_dir, self._serving)
         if self.openenv is not None:  # first: its websockets close their sessions through the gRPC server
             await _bounded("the OpenEnv facade", self.openenv.close(), STOP_STAGE_S)
         await self._health.enter_graceful_shutdown()
@@ -523,29 +525,32 @@ async def create_server(
     except BaseException:
         await orch.stop(grace=0)
         raise
-    write_serving(config.data_dir, config.host, port, tls.cert_file if tls else None)
+    orch._serving = write_serving(config.data_dir, config.host, port, tls.cert_file if tls else None)
     return orch
 
 
 SERVING_FILE = "serving.json"
 
 
-def write_serving(data_dir: Path, host: str, port: int, cert: Path | None) -> None:
+def write_serving(data_dir: Path, host: str, port: int, cert: Path | None) -> str:
     """Where this server listens, in its data directory, for the container's health probe (cli/healthcheck.py): the
     port and TLS may come from a flag, a variable or the config file, and the probe read the variables alone, so a
-    server configured by its file or its flags was reported unhealthy. Replaced whole (a rename)."""
+    server configured by its file or its flags was reported unhealthy. Replaced whole (a rename); returns the
+    server's instance id in it (every container's server is pid 1: the pid names no one server)."""
+    instance = secrets.token_hex(8)
     info = {"host": host, "port": port, "tls_cert": str(cert.resolve()) if cert else None, "pid": os.getpid()}
-    tmp = data_dir / f".{SERVING_FILE}.{os.getpid()}"
+    tmp = data_dir / f".{SERVING_FILE}.{instance}"
     try:
-        tmp.write_text(json.dumps(info))
+        tmp.write_text(json.dumps({**info, "instance": instance}))
         tmp.replace(data_dir / SERVING_FILE)
-    except OSError as e:  # the probe then goes by the variables, as before
+    except OSError as e:  # the probe then goes by the variables, or by an older server's file whose pid is gone
         log.warning("could not write %s: %s", data_dir / SERVING_FILE, e)
+    return instance
 
 
-def forget_serving(data_dir: Path) -> None:
-    """Remove this process's serving file (a server stopping is no longer where the probe should look)."""
+def forget_serving(data_dir: Path, instance: str) -> None:
+    """Remove this server's serving file (a server stopping is no longer where the probe should look)."""
     path = data_dir / SERVING_FILE
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        if json.loads(path.read_text()).get("pid") == os.getpid():
+        if instance and json.loads(path.read_text()).get("instance") == instance:
             path.unlink()
