@@ -301,9 +301,10 @@ class SweEnv(Environment):
 
     def scoring_timeout_s(self, task: Task) -> float:
         """A fresh folder, the repository's upload and the workspace's diff, then the instance's tests with their
-        script's margin."""
+        script's margin; the folder, the upload and the tests again for a rerun (_rerun), and the probe after it.
+        Past it the rollout is TIMEOUT, masked: a rerun the budget left out was a policy's way out of a 0."""
         tests = self.instance(task).test_runner.timeout_s + EXEC_MARGIN_S
-        return CLEAR_S + self.tool_timeout_s + DIFF_S + 2 * tests + PROBE_TIMEOUT_S  # the tests may run twice
+        return 2 * (CLEAR_S + self.tool_timeout_s + tests) + DIFF_S + PROBE_TIMEOUT_S
 
     async def grade(self, sandbox: Sandbox, task: Task) -> Grade:
         """Grade the workspace as a prediction: its diff, on a fresh pristine copy, with the instance's tests."""
