@@ -510,8 +510,9 @@ func fsWriteFile(path, workspace string, content []byte, mode uint32, makeParent
 }
 
 // fsInfo is files.py's _entry: one file's metadata from its lstat, a link's target read, never followed. Names are
-// text: a byte that is no UTF-8 (a name or a link target a command made) is U+FFFD, since a proto string cannot carry
-// it, and one such name failed a whole ListDir (INTERNAL, taken on the host for a dead envd).
+// text: a run of bytes that is no UTF-8 (in a name or a link target a command made) is one U+FFFD (files.py writes
+// one per invalid sequence, as Python decodes), since a proto string cannot carry it, and one such name failed a
+// whole ListDir (INTERNAL, taken on the host for a dead envd).
 func fsInfo(dirfd int, name, full string, st *unix.Stat_t) (*pb.FileInfo, error) {
 	info := &pb.FileInfo{
 		Name:  strings.ToValidUTF8(fsBasename(full), "\uFFFD"),

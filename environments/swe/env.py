@@ -134,7 +134,9 @@ async def _rerun(sandbox: Sandbox, inst: SweInstance, diff: bytes, repo: bytes) 
     the first run filled, a copy its leftovers stalled): what the first run's code did, not the fleet's failure."""
     root = f"{GRADE_DIR}-{secrets.token_hex(6)}"
     try:
-        r = await sandbox.exec(["/bin/sh", "-c", f"mkdir -p {root}/base"], cwd="/", timeout=CLEAR_S)
+        # /tmp emptied first (the first run's processes are gone, the diff is in memory): its copies left in place,
+        # a large repository's second copy ran out of room, and a host's slowness stood as a 0
+        r = await sandbox.exec(["/bin/sh", "-c", f"{CLEAR_TMP}; mkdir -p {root}/base"], cwd="/", timeout=CLEAR_S)
         if r.exit_code != 0:
             return None
         await sandbox.upload(repo, f"{root}/base")

@@ -300,7 +300,9 @@ git ls-files --others | grep -E {q(HARNESS_FILES)} | while IFS= read -r f; do rm
 # and the tree's compiled files: a .pyc the patch added to a __pycache__ (a .gitignore of its own lets it into the
 # diff), compiled unchecked from a passing copy of a test file, was what Python ran in place of the file put back
 # (the image's own, outside the tree, stay: compiled anew each run, pytest's imports took four times as long)
-find . -path ./.git -prune -o -type f -name '*.py[co]' -exec rm -f -- {{}} + || fail_patched "compiled files"
+# (links too: one named .pyc led to bytecode kept under another name)
+find . -path ./.git -prune -o "(" -name '*.py[co]' -o -name __pycache__ ")" ! -type d -exec rm -f -- {{}} + \\
+  || fail_patched "compiled files"
 if [ -s "$S/test.patch" ]; then
   git apply --verbose "$S/test.patch" 2>&1 | quoted || {{ echo "{TEST_PATCH_FAIL}"; exit 0; }}
 fi

@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.core.processes import owner_alive
+
 DEFAULT_PORT = 50051  # `envfleet serve --port`
 DEFAULT_DATA_DIR = ".envfleet"  # `envfleet serve --data-dir`
 SERVING_FILE = "serving.json"  # server/app.py write_serving
@@ -34,20 +36,13 @@ def serving(environ: Mapping[str, str] = os.environ) -> dict[str, object] | None
     except (OSError, ValueError):
         return None
     ok = isinstance(info, dict) and isinstance(info.get("host"), str) and isinstance(info.get("port"), int)
-    return info if ok and _alive(info.get("pid")) else None
+    return info if ok and _alive(info.get("pid"), info.get("started")) else None
 
 
-def _alive(pid: object) -> bool:
-    """Whether the process that wrote the file still runs (one killed left it behind: then the variables count)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _alive(pid: object, started: object) -> bool:
+    """Whether the process that wrote the file still runs: the same pid, started at the same tick (a container's
+    server is pid 1 at every start, so a killed one's file named a live pid). Otherwise the variables count."""
+    return isinstance(pid, int) and isinstance(started, str) and owner_alive(pid, started)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobSpec
 from orchestrator.core.private_dirs import make_private_dir, sweep_private_dirs
+from orchestrator.core.processes import proc_start_time
 from orchestrator.core.sandbox import SandboxBackend
 from orchestrator.core.stalls import StallWatch
 from orchestrator.core.tracing import Tracer, TracingConfig, make_tracer
@@ -538,7 +539,14 @@ def write_serving(data_dir: Path, host: str, port: int, cert: Path | None) -> st
     server configured by its file or its flags was reported unhealthy. Replaced whole (a rename); returns the
     server's instance id in it (every container's server is pid 1: the pid names no one server)."""
     instance = secrets.token_hex(8)
-    info = {"host": host, "port": port, "tls_cert": str(cert.resolve()) if cert else None, "pid": os.getpid()}
+    info = {
+        "host": host,
+        "port": port,
+        "tls_cert": str(cert.resolve()) if cert else None,
+        "pid": os.getpid(),
+        # with the pid, names this process across pid reuse: a container's server is pid 1 at every start
+        "started": proc_start_time(os.getpid()),
+    }
     tmp = data_dir / f".{SERVING_FILE}.{instance}"
     try:
         tmp.write_text(json.dumps({**info, "instance": instance}))

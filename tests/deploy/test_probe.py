@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,10 +77,14 @@ async def test_probe_finds_a_server_configured_by_its_file_or_flags(
 
 async def test_probe_passes_over_the_file_of_a_server_that_is_gone(tmp_path: Path, base_image: str) -> None:
     # a server killed (SIGKILL, the OOM killer) leaves its file: until the next one writes its own, the probe goes by
-    # the variables, not by a port no one listens on
+    # the variables, not by a port no one listens on. In a container the next server has the same pid (1): a pid that
+    # runs, started at another tick, is another process
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / "stale"
     stale.mkdir()
-    (stale / "serving.json").write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": int(gone.stdout)}))
     async with serve(tmp_path / "data") as orch:
-        assert await _probe(env={"ENVFLEET_PORT": str(orch.port), "ENVFLEET_DATA_DIR": str(stale)}) == (0, "SERVING")
+        for pid, started in ((int(gone.stdout), "1"), (os.getpid(), "1")):
+            info = {"host": "127.0.0.1", "port": 1, "pid": pid, "started": started}
+            (stale / "serving.json").write_text(json.dumps(info))
+            env = {"ENVFLEET_PORT": str(orch.port), "ENVFLEET_DATA_DIR": str(stale)}
+            assert await _probe(env=env) == (0, "SERVING"), info

@@ -115,15 +115,22 @@ async def test_a_patch_that_xfails_or_skips_the_tests_it_is_graded_by_resolves_n
 PASSING_UNITTESTS = UNITTESTS.replace("clamp(-5, 0, 10), 0)", "clamp(-5, 0, 10), clamp(-5, 0, 10))")
 
 
-def _binary_new_file(path: str) -> str:
-    """A git patch adding `path`: PASSING_UNITTESTS compiled to a .pyc that is never checked against its source."""
+def _binary_new_file(path: str, linked_from: str = "") -> str:
+    """A git patch adding `path`: PASSING_UNITTESTS compiled to a .pyc that is never checked against its source;
+    with `linked_from`, also a symbolic link there to it."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / Path(path).parent).mkdir(parents=True)
         _unchecked_pyc(PASSING_UNITTESTS, root / path)
+        added = [path]
+        if linked_from:
+            link = root / linked_from
+            link.parent.mkdir(parents=True)
+            link.symlink_to(os.path.relpath(root / path, link.parent))
+            added.append(linked_from)
         git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
         subprocess.run([*git, "init", "-q"], cwd=root, check=True)
-        subprocess.run([*git, "add", "-f", path], cwd=root, check=True)
+        subprocess.run([*git, "add", "-f", *added], cwd=root, check=True)
         return subprocess.run(
             [*git, "diff", "--cached", "--binary"], cwd=root, check=True, capture_output=True, text=True
         ).stdout
@@ -146,6 +153,14 @@ async def test_a_patch_cannot_replace_or_plug_into_the_test_runner(
         # the unittest module the grader puts back, stood in for by a passing copy of it under the same name
         pred(ut, "shadow-package", _new_file("tests/test_unit/__init__.py", PASSING_UNITTESTS)),
         pred(ut, "shadow-pyc", _binary_new_file(f"tests/__pycache__/test_unit.{sys.implementation.cache_tag}.pyc")),
+        # ... and the same bytes under another name, reached through a link that has the .pyc's
+        pred(
+            ut,
+            "shadow-pyc-link",
+            _binary_new_file(
+                "data/payload.bin", linked_from=f"tests/__pycache__/test_unit.{sys.implementation.cache_tag}.pyc"
+            ),
+        ),
     ]
     summary = await run_evaluation(
         [tiny.pytest, tiny.unittest], preds, run_id="r", backend=backend, client=docker_client, log_dir=tmp_path
@@ -161,6 +176,7 @@ async def test_a_patch_cannot_replace_or_plug_into_the_test_runner(
         ("shadow-shutil", tiny.unittest),
         ("shadow-package", tiny.unittest),
         ("shadow-pyc", tiny.unittest),
+        ("shadow-pyc-link", tiny.unittest),
     ):
         body = report(run, model, instance.instance_id)
         assert body["patch_successfully_applied"] and not body["resolved"], (model, body)
