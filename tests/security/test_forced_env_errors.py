@@ -289,7 +289,8 @@ async def test_a_full_tmp_does_not_stop_the_swe_grade(tmp_path: Path, base_image
 # marked outside /tmp, which the rerun empties; or on every run)
 SLOW_ONCE = (
     "\nimport os as _os, time as _time\n"
-    "if not _os.path.exists('/workspace/.slow-once'):\n    open('/workspace/.slow-once', 'w').close()\n    _time.sleep(60)\n"
+    "if not _os.path.exists('/workspace/.slow-once'):\n"
+    "    open('/workspace/.slow-once', 'w').close()\n    _time.sleep(60)\n"
 )
 SLOW_ALWAYS = "\nimport time as _time\n_time.sleep(60)\n"
 # ...and before it sleeps, a FIFO where the grader's pristine copy has its HEAD: a second run copied from that copy
