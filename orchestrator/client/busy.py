@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def retry_after(e: grpc.RpcError) -> float | None:
         status = status_pb2.Status()
         try:
             status.ParseFromString(value)
-        except Exception:  # a detail we cannot read is no promise
+        except DecodeError:  # a detail we cannot read is no promise
             return None
         if status.code != code_pb2.RESOURCE_EXHAUSTED:
             return None
