@@ -176,12 +176,13 @@ class ResultStore:
         # published at once: 8 GiB on the host's disk, after the rows were checkpointed); cut back at each reset
         db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
         db.executescript(SCHEMA)
-        if "owner" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:  # a log from before tenants
+        job_columns = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+        if "owner" not in job_columns:  # a log from before tenants
             db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT 'local'")
+        if "policy" not in job_columns:  # before policy updates had a column of their own
+            db.execute("ALTER TABLE jobs ADD COLUMN policy TEXT")
         if "wire" not in {row[1] for row in db.execute("PRAGMA table_info(rollouts)")}:  # before workers' bytes
             db.execute("ALTER TABLE rollouts ADD COLUMN wire BLOB")
-        if "policy" not in {row[1] for row in db.execute("PRAGMA table_info(jobs)")}:  # before policy updates' own
-            db.execute("ALTER TABLE jobs ADD COLUMN policy TEXT")
         self._db = db
 
     async def _run(self, fn: Callable[[], T]) -> T:
