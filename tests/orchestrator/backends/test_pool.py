@@ -32,8 +32,10 @@ async def _until(pred: Callable[[], bool], timeout: float = 30.0) -> None:
 async def pool_factory(backend: DockerBackend) -> AsyncIterator[Callable[..., SandboxPool]]:
     pools: list[SandboxPool] = []
 
-    def make(**kw: object) -> SandboxPool:
-        p = SandboxPool(backend, PoolConfig.model_validate(kw))  # type: ignore[arg-type]
+    def make(max_sandboxes: int | None = None, **kw: object) -> SandboxPool:
+        # max_sandboxes=1 for a test that checks which sandbox comes back: the refiller, which a cold acquire wakes,
+        # adds one of its own, and one that lands after the test's release is handed out first (LIFO)
+        p = SandboxPool(backend, PoolConfig.model_validate(kw), max_sandboxes=max_sandboxes)  # type: ignore[arg-type]
         p.start()
         pools.append(p)
         return p
@@ -385,7 +387,7 @@ async def test_a_sandbox_just_reset_is_handed_out_without_another_health_check(
     pool_factory: Callable[..., SandboxPool], base_image: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a reset has just proven envd alive: a second call to ask again would be one more envd call per rollout
-    pool: SandboxPool = pool_factory()
+    pool: SandboxPool = pool_factory(max_sandboxes=1)
     spec = SandboxSpec(image=base_image)
     sb, _ = await pool.acquire(spec)
     assert await pool.release(sb, recycle=True)
@@ -413,7 +415,7 @@ async def _killed_while_idle(pool: SandboxPool, spec: SandboxSpec, docker_client
 async def test_a_sandbox_that_died_while_idle_is_never_handed_out_after_the_probe_window(
     pool_factory: Callable[..., SandboxPool], base_image: str, docker_client: docker.DockerClient
 ) -> None:
-    pool: SandboxPool = pool_factory(probe_idle_after_s=0)
+    pool: SandboxPool = pool_factory(probe_idle_after_s=0, max_sandboxes=1)
     spec = SandboxSpec(image=base_image)
     killed = await _killed_while_idle(pool, spec, docker_client)
     again, source = await pool.acquire(spec)
@@ -429,7 +431,7 @@ async def test_a_sandbox_too_slow_to_answer_the_probe_is_handed_out_not_destroye
 ) -> None:
     # on a loaded host an idle envd can take longer than the probe's timeout to answer: destroying it, and starting
     # another, is what a loaded host can least afford. One that refuses is gone (the test above)
-    pool: SandboxPool = pool_factory(probe_idle_after_s=0, probe_timeout_s=0.5)
+    pool: SandboxPool = pool_factory(probe_idle_after_s=0, probe_timeout_s=0.5, max_sandboxes=1)
     spec = SandboxSpec(image=base_image)
     sb, _ = await pool.acquire(spec)
     assert await pool.release(sb, recycle=True)
@@ -450,7 +452,7 @@ async def test_a_sandbox_that_died_inside_the_probe_window_fails_as_the_sandbox_
 ) -> None:
     # the price of skipping the probe: the rollout's first call finds the sandbox gone, as a SandboxError (an
     # infrastructure retry), never as a command that ran
-    pool: SandboxPool = pool_factory(probe_idle_after_s=60)
+    pool: SandboxPool = pool_factory(probe_idle_after_s=60, max_sandboxes=1)
     spec = SandboxSpec(image=base_image)
     killed = await _killed_while_idle(pool, spec, docker_client)
     again, source = await pool.acquire(spec)
