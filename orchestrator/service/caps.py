@@ -2,7 +2,8 @@
 hold at once, how many rollouts one job may have, how much exec stdin may be in flight.
 
 Every refusal is RESOURCE_EXHAUSTED (QuotaExceededError) and names the cap by its configuration path (`caps.<field>`),
-so an operator knows which setting to raise and a tenant knows what it ran into.
+so an operator knows which setting to raise and a tenant knows what it ran into. One of a cap on what is held only
+for a while (streams, Execs, stdin in flight) carries RetryInfo (BusyError): it may succeed once one ends.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from orchestrator.core.archives import ArchiveLimits
 from orchestrator.core.echo import echo
 from orchestrator.core.environment import Environment
-from orchestrator.core.errors import InvalidRequestError, QuotaExceededError
+from orchestrator.core.errors import BusyError, InvalidRequestError, QuotaExceededError
 from orchestrator.core.sandbox import Limits
 
 
@@ -132,10 +133,12 @@ class TenantCounter:
         """What `tenant` holds now."""
         return self._held[tenant]
 
-    def check(self, tenant: str, amount: int = 1) -> None:
-        """QuotaExceededError when `amount` more would take the tenant over the cap."""
+    def check(self, tenant: str, amount: int = 1, *, frees: bool = False) -> None:
+        """QuotaExceededError when `amount` more would take the tenant over the cap; with `frees` (what is held
+        only for a while: a stream, an Exec), BusyError, worth asking again, unless `amount` alone is over it."""
         if self._held[tenant] + amount > self.cap:
-            raise QuotaExceededError(
+            error = BusyError if frees and amount <= self.cap else QuotaExceededError
+            raise error(
                 f"{self._held[tenant]} {self.unit} held and {amount} more asked for; "
                 f"{self.cap_name} is {self.cap} per tenant"
             )
@@ -146,8 +149,9 @@ class TenantCounter:
 
     @contextlib.contextmanager
     def hold(self, tenant: str, amount: int = 1) -> Iterator[None]:
-        """Hold `amount` for the duration; QuotaExceededError when it would take the tenant over the cap."""
-        self.check(tenant, amount)
+        """Hold `amount` for the duration; BusyError when it would take the tenant over the cap (QuotaExceededError
+        when `amount` alone is)."""
+        self.check(tenant, amount, frees=True)
         self._held[tenant] += amount
         try:
             yield

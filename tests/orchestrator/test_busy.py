@@ -45,7 +45,7 @@ async def test_caps_that_free_up_carry_retry_info_and_one_that_never_fits_does_n
     config: dict[str, Any] = {
         "sessions": {"max_per_tenant": 1},
         "sandboxes": {"max_per_tenant": 1},
-        "caps": {"jobs_per_tenant": 1},
+        "caps": {"jobs_per_tenant": 1, "streams_per_tenant": 1},
         "pool": {"enabled": False},
     }
     async with (
@@ -70,6 +70,13 @@ async def test_caps_that_free_up_carry_retry_info_and_one_that_never_fits_does_n
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await c.submit(spec)
         assert "caps.jobs_per_tenant is 1" in str(refused.value.details()) and retry_after(refused.value) == 1.0
+        # a stream over the cap: the slot frees when another stream ends (a trainer reconnecting before the server
+        # has found its dead stream gets this, and may ask again)
+        first = c.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id))
+        await asyncio.sleep(0.3)
+        e = await refusal(c.rollout_stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id)).read())
+        assert "caps.streams_per_tenant is 1" in str(e.details()) and retry_after(e) == 1.0
+        first.cancel()
         await c.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id))
         await c.session_stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id))
         await c.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=box.sandbox_id))
