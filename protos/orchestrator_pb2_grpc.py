@@ -339,8 +339,9 @@ class RolloutServiceStub:
     """---------------------------------------------------------------- jobs and rollouts
 
     Delivery, in short: SubmitJob, then StreamRollouts and Ack what you have consumed; after a disconnect, call
-    StreamRollouts again with resume_after = the highest seq you acked. Delivery is at least once: drop duplicates
-    by Rollout.id.
+    StreamRollouts again with resume_after = the last up_to you acked (0 is always right: acked rollouts are never
+    sent again; after acks by ids, resume from the last up_to, not from an id's seq). Delivery is at least once: drop
+    duplicates by Rollout.id.
 
     `seq` is an opaque cursor: an int64 that increases along one job's log. It is not a count or an index: seqs
     are shared by every job of the server and have gaps (never compute with them, never assume seq + 1 exists).
@@ -395,8 +396,9 @@ class RolloutServiceServicer:
     """---------------------------------------------------------------- jobs and rollouts
 
     Delivery, in short: SubmitJob, then StreamRollouts and Ack what you have consumed; after a disconnect, call
-    StreamRollouts again with resume_after = the highest seq you acked. Delivery is at least once: drop duplicates
-    by Rollout.id.
+    StreamRollouts again with resume_after = the last up_to you acked (0 is always right: acked rollouts are never
+    sent again; after acks by ids, resume from the last up_to, not from an id's seq). Delivery is at least once: drop
+    duplicates by Rollout.id.
 
     `seq` is an opaque cursor: an int64 that increases along one job's log. It is not a count or an index: seqs
     are shared by every job of the server and have gaps (never compute with them, never assume seq + 1 exists).
@@ -429,7 +431,10 @@ class RolloutServiceServicer:
 
         The stream ends (status OK) once the job is finished (COMPLETED or CANCELLED) and every logged rollout after
         resume_after that is not acked has been sent on it. It waits, open, while the job runs; keep no deadline on
-        it, or resume after DEADLINE_EXCEEDED. NOT_FOUND for an unknown job; INVALID_ARGUMENT for a field out of range.
+        it, or resume after DEADLINE_EXCEEDED. NOT_FOUND for an unknown job; INVALID_ARGUMENT for a field out of range
+        or a resume_after that is no seq of this job's sent rollouts; RESOURCE_EXHAUSTED with RetryInfo while the tenant
+        holds caps.streams_per_tenant streams (a dead connection's stream counts until keepalive finds it: ask again);
+        UNAUTHENTICATED, also on an open stream, once its token expires or is revoked (a new token, then resume).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -529,8 +534,9 @@ class RolloutService:
     """---------------------------------------------------------------- jobs and rollouts
 
     Delivery, in short: SubmitJob, then StreamRollouts and Ack what you have consumed; after a disconnect, call
-    StreamRollouts again with resume_after = the highest seq you acked. Delivery is at least once: drop duplicates
-    by Rollout.id.
+    StreamRollouts again with resume_after = the last up_to you acked (0 is always right: acked rollouts are never
+    sent again; after acks by ids, resume from the last up_to, not from an id's seq). Delivery is at least once: drop
+    duplicates by Rollout.id.
 
     `seq` is an opaque cursor: an int64 that increases along one job's log. It is not a count or an index: seqs
     are shared by every job of the server and have gaps (never compute with them, never assume seq + 1 exists).

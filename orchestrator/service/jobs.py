@@ -522,6 +522,17 @@ class JobManager:
                 f"resume_after={resume_after}: no rollout of job {job_id} was sent after seq {job.delivered}; "
                 "resume after the last seq this job's stream gave you"
             )
+        if resume_after:
+            # below what was sent, a seq of another job's (seqs are shared by all jobs) skipped this job's unacked
+            # rollouts up to it all the same; and one inside a group sent its rest as a short group, its
+            # advantages made of that rest alone
+            point = await self.store.resume_point(job_id, resume_after, grouped=job.spec.deliver_groups)
+            if point is None:
+                raise InvalidRequestError(
+                    f"resume_after={resume_after} is no seq of job {job_id}: resume after a seq this job's stream "
+                    "gave you, or from 0 (acked rollouts are never sent again)"
+                )
+            resume_after = point
         with self._streams.hold(job.owner):
             async with contextlib.aclosing(self._stream(job, resume_after, max_in_flight, max_batch)) as batches:
                 async for batch in batches:

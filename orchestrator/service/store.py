@@ -460,6 +460,26 @@ class ResultStore:
 
         return await self._run(q)
 
+    async def resume_point(self, job_id: str, seq: int, *, grouped: bool) -> int | None:
+        """Where a stream resuming after `seq` reads on from: `seq` itself when it is a published rollout of this
+        job, acked or not, except inside a group that goes on past it (delivered in groups), where the seq before the
+        group's first, so that the group is sent again whole; None when `seq` is no rollout of this job."""
+
+        def q() -> int | None:
+            row = self.db.execute(
+                "SELECT group_id FROM rollouts WHERE seq = ? AND job_id = ? AND visible = 1", (seq, job_id)
+            ).fetchone()
+            if row is None or not grouped:
+                return None if row is None else seq
+            first, last = self.db.execute(
+                "SELECT MIN(seq), MAX(seq) FROM rollouts INDEXED BY rollouts_group_visible "
+                "WHERE job_id = ? AND group_id = ? AND visible = 1",
+                (job_id, row[0]),
+            ).fetchone()
+            return seq if last == seq else int(first) - 1
+
+        return await self._run(q)
+
     async def next_group(self, job_id: str, after: int) -> str | None:
         """The group of the job's first unacked rollout with seq > after (None: none is logged yet)."""
 

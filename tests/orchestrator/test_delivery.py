@@ -716,6 +716,44 @@ async def test_a_group_in_parts_carries_the_whole_groups_advantages_and_failed_c
     assert group.advantages[1] is not None and group.advantages[1] > 0 and group.advantages[2] is None
 
 
+async def _first_message(stub: Any, job_id: str, resume_after: int) -> Any:
+    """The first message of a stream of `job_id` after `resume_after` (grpc.aio.EOF when it ends at once)."""
+    call = stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=job_id, resume_after=resume_after))
+    try:
+        async with asyncio.timeout(30):
+            return await call.read()
+    finally:
+        call.cancel()
+
+
+async def test_a_cursor_inside_a_group_sends_the_group_again_whole_and_one_of_another_job_is_refused(
+    fake_orchestrator: Orchestrator, fake_client: EnvfleetClient, task_ids: list[str]
+) -> None:
+    # a trainer that read a group's first part and resumed after its last seq got the rest as a group of its own,
+    # its advantages made of that rest alone; and seqs are shared by every job: another job's seq, below what this
+    # job sent, skipped this job's unacked rollouts up to it (nothing acked, nothing sent again, the stream ended)
+    stub = fake_client.rollout_stub
+    grouped = await fake_client.submit(job(REPLAY_URL, task_ids[:1], n=4, deliver_groups=True))
+    assert await until_done(fake_client, grouped, 4, timeout_s=60) == 4
+    (whole,) = (await _first_message(stub, grouped, 0)).groups
+    inside = whole.rollouts[1].seq
+    (again,) = (await _first_message(stub, grouped, inside)).groups
+    assert [(r.id, r.advantage) for r in again.rollouts] == [(r.id, r.advantage) for r in whole.rollouts]
+    assert await _first_message(stub, grouped, whole.rollouts[-1].seq) is grpc.aio.EOF  # after its end: the end
+
+    first = await fake_client.submit(job(REPLAY_URL, task_ids[:2]))
+    assert await until_done(fake_client, first, 2, timeout_s=60) == 2
+    other = await fake_client.submit(job(REPLAY_URL, task_ids[:1]))
+    assert await until_done(fake_client, other, 1, timeout_s=60) == 1
+    between = (await _first_message(stub, other, 0)).rollouts[0].seq
+    late = long_rollout(turns=1, job_id=first).model_copy(update={"id": f"{first}:late:0", "task_id": "late"})
+    assert (seq := await fake_orchestrator.jobs.store.append(late)) is not None and seq > between
+    sent = [r async for r in fake_client.rollouts(first, auto_ack=False)]
+    assert len(sent) == 3 and min(r.seq for r in sent) < between < max(r.seq for r in sent)
+    refused = stub.StreamRollouts(pb.StreamRolloutsRequest(job_id=first, resume_after=between))
+    await expect_error(refused, grpc.StatusCode.INVALID_ARGUMENT, f"resume_after={between} is no seq of job {first}")
+
+
 @pytest.mark.parametrize("damage", ["status from the future", "JSON cut short"])
 @pytest.mark.parametrize("groups", [False, True], ids=["rollouts", "groups"])
 async def test_a_row_this_version_cannot_stream_goes_out_as_an_infra_error_and_the_rest_follows(
