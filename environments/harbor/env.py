@@ -38,7 +38,7 @@ from environments.harbor.task import (
 )
 from orchestrator.core.environment import GRADER_ENV, Environment, Episode, Rubric, Score, Task
 from orchestrator.core.errors import SandboxError, SandboxFileError, SandboxFileNotFoundError
-from orchestrator.core.sandbox import ExecResult, Limits, Sandbox
+from orchestrator.core.sandbox import PROBE_TIMEOUT_S, ExecResult, Limits, Sandbox, keeps_time
 from orchestrator.images import build_image
 from orchestrator.images.build import BuildLimits
 from orchestrator.images.resolver import BuildsOwnImage
@@ -263,10 +263,10 @@ class HarborEnvironment(Environment, BuildsOwnImage):
 
     def scoring_timeout_s(self, task: Task) -> float:
         """test.sh at its timeout and the grader's four steps around it, twice for a validated task (it runs once
-        more after a timeout), then the look at /tmp."""
+        more after a timeout), then the look at /tmp and at the host's pace."""
         t = self.harbor_tasks[task.id]
         runs = 2 if self.validated else 1
-        return runs * (t.verifier_timeout_s + 4 * self.tool_timeout_s) + 2 * TMP_CHECK_S
+        return runs * (t.verifier_timeout_s + 4 * self.tool_timeout_s) + 2 * TMP_CHECK_S + PROBE_TIMEOUT_S
 
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
         """Upload tests/, run test.sh as Harbor does and read its reward. When the verifier cannot do its part (no
@@ -294,6 +294,9 @@ class HarborEnvironment(Environment, BuildsOwnImage):
                 return Score(0.0, {}, {TMP_FULL_METRIC: 1.0})
             if not self.validated:
                 raise
+            # twice past its timeout, or a step of the grader's failed: on a host too busy to run a shell that does
+            # nothing in time, that is the host's doing (INFRA_ERROR, retried), never a 0
+            await keeps_time(sandbox, f"{task.id}: the verifier failed ({e})")
             log.info("%s: the verifier failed after the agent's turn, not in validation (%s); scored 0", task.id, e)
             return Score(0.0, {}, {VERIFIER_FAILED_METRIC: 1.0})
 

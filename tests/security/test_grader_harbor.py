@@ -20,6 +20,7 @@ import docker
 import grpc
 import pytest
 
+import orchestrator.core.sandbox as sandbox_module
 from environments.harbor.archive import HarborKind
 from environments.harbor.env import (
     VERIFIER_FAILED_METRIC,
@@ -31,6 +32,7 @@ from environments.harbor.task import HarborRewardError, HarborTaskError
 from environments.harbor.validate import validate
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.core.environment import Episode, Score
+from orchestrator.core.errors import SandboxError
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxSpec
 from tests.environments.harbor.test_harbor import DOCKERFILE, TOML, make_task
 from tests.security.test_builds import Canary, canary  # noqa: F401  (the fixture)
@@ -229,7 +231,11 @@ HANG = "#!/bin/bash\necho 'while True: pass' > answer.py\n"
 
 
 async def test_a_verifier_the_agent_hung_scores_0_once_the_task_is_validated(
-    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+    tmp_path: Path,
+    base_image: str,
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # test.sh ran past its timeout because of the agent's code: ENV_ERROR, masked from training, so an agent about
     # to fail could trade its 0 for no signal by leaving a program that never ends. A validated task's test.sh
@@ -254,6 +260,10 @@ async def test_a_verifier_the_agent_hung_scores_0_once_the_task_is_validated(
     assert env.validated and not make_harbor_environment("harbor-hang", [d]).validated
     score = await score_after_the_hang()
     assert score.reward == 0.0 and score.metrics == {VERIFIER_FAILED_METRIC: 1.0}, score
+    # ... unless the sandbox cannot run a shell that does nothing in time: then the host is why, INFRA_ERROR
+    monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 0.0)  # any time at all is too slow
+    with pytest.raises(SandboxError, match="the host, not the policy, is slow"):
+        await score_after_the_hang()
 
 
 async def test_a_validated_verifier_a_busy_host_held_past_its_timeout_runs_again(
