@@ -42,6 +42,8 @@ REPO_PREFIX = "envfleet"
 TAIL_LINES = 20
 _SPOOL_MAX_BYTES = 64 << 20
 _NAME = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
+# a name as above, with a tag or a digest: no '..' segment, nothing the engine's URL router would clean into another
+IMAGE_REFERENCE = re.compile(_NAME.pattern[:-1] + r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
 _STEP = re.compile(r"^Step \d+/\d+ : ")
 _CONTINUED = re.compile(r"\\[ \t]*\r?\n")
 # an untrusted build starts only while the engine's disk would keep this much free past its own disk limit

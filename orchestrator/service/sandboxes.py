@@ -57,6 +57,7 @@ from orchestrator.core.sandbox import (
     SandboxBackend,
     SandboxSpec,
 )
+from orchestrator.images.build import IMAGE_REFERENCE
 from orchestrator.service.caps import CapsConfig, TenantBytes, TenantCounter, check_limits
 from orchestrator.service.declarative.dockerfile import TENANT_IMAGE_PREFIX
 from orchestrator.service.registry import Registry
@@ -234,6 +235,12 @@ class SandboxManager:
         if not image.startswith(ENVFLEET_IMAGE_PREFIX) or len(image) > 256:
             raise InvalidRequestError(
                 f"image {echo(image)}: only envfleet images (envfleet/...) may be used; they carry envd"
+            )
+        if not IMAGE_REFERENCE.match(image):
+            # checked by its text alone, "envfleet/x/../env-y" passed the prefix checks, for the engine to clean
+            raise InvalidRequestError(
+                f"image {echo(image)} is no image reference: lowercase [a-z0-9] words joined by '.', '_', '-' or "
+                "'/', then an optional :tag"
             )
         if image.startswith(TENANT_IMAGE_PREFIX):
             # by its tag, an environment's image passes no registry: it may be another tenant's private one, with

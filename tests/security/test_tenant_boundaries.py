@@ -149,6 +149,13 @@ async def test_a_raw_sandbox_is_never_made_on_an_environments_image(tmp_path: Pa
             grpc.StatusCode.INVALID_ARGUMENT,
             "is a registered environment's image: create the sandbox with env=NAME instead",
         )
+        # checked as text, the prefix checks passed this one, for the engine's URL router to clean into A's
+        for dotted in ("envfleet/x/../env-a-private:0123456789ab", "envfleet/../../containers/x"):
+            await expect_error(
+                b.sandbox_stub.Create(pb.CreateSandboxRequest(image=dotted)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "is no image reference",
+            )
         ok = await b.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))
         await b.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=ok.sandbox_id))
 
