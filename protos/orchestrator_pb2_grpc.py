@@ -1040,15 +1040,17 @@ class SandboxServiceServicer:
 
     def Exec(self, request, context):
         """Exec takes its stdin in the request: at most caps.exec_stdin_bytes, held whole by the server while it runs.
+        env: at most 256 variables; argv: at most 65,536 arguments, 2 Mi characters in all (else INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ExecStream(self, request_iterator, context):
-        """ExecStream is Exec with stdin streamed: the first message is the request, every later one a chunk of stdin,
-        passed on to the process as it reads it (flow control holds the sender back; the server holds a chunk or two
-        per call, whatever the total); closing the sending side closes the process's stdin.
+        """ExecStream is Exec with stdin streamed: the first message is the request (within 30 s of the call), every
+        later one a chunk of stdin of at most 4 MiB (the request's own stdin too), passed on to the process as it
+        reads it (flow control holds the sender back; the server holds a chunk or two per call, whatever the total);
+        closing the sending side closes the process's stdin.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

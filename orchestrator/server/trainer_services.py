@@ -34,6 +34,10 @@ MAX_ENV_REF = 200
 MAX_PATH = 4096
 MAX_IMAGE = 256
 MAX_TASK_ID = 128
+MAX_ARGS = 65_536  # arguments of one Exec's argv
+MAX_ARGV_CHARS = 2 << 20  # all of them together: Linux's ARG_MAX at the default 8 MiB stack
+MAX_STDIN_CHUNK = 4 << 20  # stdin of one ExecStream message: the server holds a chunk or two of each call
+FIRST_INPUT_S = 30.0  # how long an ExecStream may wait for its request (it holds no Exec slot until then)
 
 
 def _env_ref(value: str, required: bool = True) -> str:
@@ -80,6 +84,27 @@ def _path(value: str, what: str = "path") -> str:
     return value
 
 
+def _counted(request: pb.ExecRequest) -> None:
+    """Refuse an Exec whose variables or arguments are too many, counted before anything copies them: 3 million
+    variables held the event loop 144 s in `_stdin_size`'s copy, before their own check refused them."""
+    if len(request.env) > MAX_ENV_VARS:
+        raise InvalidRequestError(f"env: at most {MAX_ENV_VARS} variables, got {len(request.env)}")
+    if request.HasField("argv"):
+        args = request.argv.args
+        if len(args) > MAX_ARGS:
+            raise InvalidRequestError(f"argv: at most {MAX_ARGS} arguments, got {len(args)}")
+        if (chars := sum(map(len, args))) > MAX_ARGV_CHARS:
+            raise InvalidRequestError(f"argv: at most {MAX_ARGV_CHARS} characters in all, got {chars}")
+
+
+def _stdin_chunk(data: bytes) -> bytes:
+    if len(data) > MAX_STDIN_CHUNK:
+        raise InvalidRequestError(
+            f"an ExecStream message's stdin is {len(data)} bytes; send it in chunks of at most {MAX_STDIN_CHUNK}"
+        )
+    return data
+
+
 def _stdin_size(request: pb.ExecRequest) -> int:
     """The length of the request's stdin from message sizes alone: reading the field would copy it."""
     rest = pb.ExecRequest(
@@ -119,7 +144,7 @@ class _StreamedStdin:
     cancelled, and the caller's call hung without a status."""
 
     def __init__(self, first: pb.ExecInput, rest: AsyncIterator[pb.ExecInput]) -> None:
-        self._first: bytes = first.request.stdin
+        self._first: bytes = _stdin_chunk(first.request.stdin)
         self._rest = rest
         self.unreadable: InvalidRequestError | None = None
         self.broken = asyncio.Event()
@@ -131,7 +156,7 @@ class _StreamedStdin:
         try:
             async for m in self._rest:
                 if m.WhichOneof("input") == "stdin" and m.stdin:
-                    yield m.stdin
+                    yield _stdin_chunk(m.stdin)
             # gRPC ends the messages of a call its caller cancelled as it ends those of one it closed, and the
             # handler's cancellation comes a few loop turns later: ended at once, stdin let the command run on with
             # part of its input (`cat > f; touch done` ran to its end) whenever the end got to envd first. A cancel
@@ -235,7 +260,9 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
 
     async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecEvent]:
         # a request refused by a stdin cap is never copied out of its message
-        events = self._exec(self._auth.tenant(context), request, lambda: request.stdin, _stdin_size(request))
+        tenant = self._auth.tenant(context)
+        _counted(request)
+        events = self._exec(tenant, request, lambda: request.stdin, _stdin_size(request))
         async for ev in events:
             yield exec_event_pb(ev)
 
@@ -265,9 +292,14 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[pb.ExecInput], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ExecEvent]:
         tenant = self._auth.tenant(context)
-        first = await anext(aiter(request_iterator), None)
+        try:
+            async with asyncio.timeout(FIRST_INPUT_S):  # waiting, it counts against no cap
+                first = await anext(aiter(request_iterator), None)
+        except TimeoutError:
+            raise InvalidRequestError(f"ExecStream: no request within {FIRST_INPUT_S:g}s of the call") from None
         if first is None or first.WhichOneof("input") != "request":
             raise InvalidRequestError("the first message of ExecStream must be the request (ExecInput.request)")
+        _counted(first.request)
         stdin = _StreamedStdin(first, request_iterator)
         events = self._exec(tenant, first.request, stdin.chunks(), None)
         del first

@@ -3,6 +3,7 @@ backend: nothing here reaches a sandbox."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,7 +19,7 @@ from orchestrator.server.app import Orchestrator
 from orchestrator.server.convert import job_spec_from_pb
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
-from tests.orchestrator.servers import expect_unreadable_exec_stream
+from tests.orchestrator.servers import expect_error, expect_unreadable_exec_stream
 
 GOOD_POLICY = pb.PolicyEndpoint(base_url="http://127.0.0.1:9/v1", model="m")
 
@@ -241,3 +242,48 @@ async def test_a_count_that_only_sampling_reads_does_not_size_a_job_of_every_tas
     every = spec(tasks=pb.TaskSelection(kind=pb.TaskSelection.KIND_ALL, count=5000), group_size=256)
     job_id = (await fake_client.rollout_stub.SubmitJob(every)).job_id
     await fake_client.cancel_job(job_id)
+
+
+async def test_an_execs_arguments_and_streamed_stdin_are_bounded_before_anything_copies_them(
+    fake_client: EnvfleetClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 3 million variables held the event loop 144 s in the copy that sizes an Exec's stdin, before their own check
+    # refused them; nothing bounded argv; an ExecStream message's stdin could be a whole 64 MiB message, held as
+    # long as the command did not read it; and a stream that never sent its request held its call, counted nowhere
+    from orchestrator.server import trainer_services
+    from orchestrator.server.trainer_services import MAX_ARGS, MAX_ARGV_CHARS, MAX_STDIN_CHUNK
+
+    ss = fake_client.sandbox_stub
+    sid = (await ss.Create(pb.CreateSandboxRequest(image="envfleet/base:latest"))).sandbox_id
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    try:
+        cases = [
+            (pb.ExecRequest(sandbox_id=sid, env={f"V{i}": "" for i in range(257)}), "env: at most 256 variables"),
+            (pb.ExecRequest(sandbox_id=sid, argv=pb.Argv(args=[""] * (MAX_ARGS + 1))), f"at most {MAX_ARGS} arguments"),
+            (
+                pb.ExecRequest(sandbox_id=sid, argv=pb.Argv(args=["x" * (MAX_ARGV_CHARS // 2 + 1)] * 2)),
+                f"argv: at most {MAX_ARGV_CHARS} characters in all",
+            ),
+        ]
+        for request, fragment in cases:
+            await expect_error(ss.Exec(request), invalid, fragment)
+            await expect_error(ss.ExecStream(iter([pb.ExecInput(request=request)])), invalid, fragment)
+        big = b"x" * (MAX_STDIN_CHUNK + 1)
+        first = pb.ExecInput(request=pb.ExecRequest(sandbox_id=sid, shell="cat", stdin=big))
+        await expect_error(ss.ExecStream(iter([first])), invalid, f"in chunks of at most {MAX_STDIN_CHUNK}")
+        cat = pb.ExecInput(request=pb.ExecRequest(sandbox_id=sid, shell="cat"))
+        call = ss.ExecStream(iter([cat, pb.ExecInput(stdin=big)]))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in call:
+                pass
+        assert e.value.code() == invalid and f"in chunks of at most {MAX_STDIN_CHUNK}" in str(e.value.details())
+
+        monkeypatch.setattr(trainer_services, "FIRST_INPUT_S", 0.3)
+
+        async def nothing() -> AsyncIterator[pb.ExecInput]:
+            await asyncio.Event().wait()
+            yield cat
+
+        await expect_error(ss.ExecStream(nothing()), invalid, "ExecStream: no request within 0.3s")
+    finally:
+        await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
