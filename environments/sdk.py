@@ -19,6 +19,7 @@ from orchestrator.core.environment import (
     Task,
     ToolInvocation,
 )
+from orchestrator.core.errors import SandboxFileNotFoundError
 from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.models import ToolCallRecord, Turn
 from orchestrator.core.sandbox import ExecResult, Limits, Sandbox
@@ -35,6 +36,7 @@ __all__ = [
     "RewardFn",
     "Rubric",
     "Sandbox",
+    "SandboxFileNotFoundError",
     "Score",
     "ScoringContext",
     "Task",

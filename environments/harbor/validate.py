@@ -12,7 +12,7 @@ from orchestrator.core.environment import Episode, Score
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
-from orchestrator.rollout.step import classify_failure, env_call
+from orchestrator.rollout.step import classify_failure, env_call, env_score
 
 SANDBOX_TTL_S = 3 * 3600.0  # a validation sandbox a crashed process left is swept after this
 SLACK_S = 60.0
@@ -41,7 +41,7 @@ async def _run(env: HarborEnvironment, backend: SandboxBackend, image: str, task
             if r is not None and r.timed_out:
                 raise EnvfleetError(f"solution/solve.sh timed out after {t.agent_timeout_s:g}s")
             episode = Episode([Turn(role="user", text=task.prompt)], "", "submit")
-            return await env_call(env.score(sandbox, task, episode))
+            return await env_score(env, sandbox, task, episode)
     except TimeoutError:
         raise HarborRunError(f"the run did not finish within {budget:g}s") from None
 

@@ -113,8 +113,16 @@ class Rubric:
 
     functions: Sequence[tuple[str, RewardFn, float]]
 
+    def __post_init__(self) -> None:
+        names = [name for name, _, _ in self.functions]
+        if len(set(names)) != len(names):
+            # one name's value took the other's place in the components, while the reward summed both
+            raise ValueError(f"rubric function names are not unique: {names}")
+
     async def score(self, ctx: ScoringContext) -> Score:
-        """Run every function (in order) and combine them."""
+        """Run every function (in order) and combine them. A function runs on the server's event loop: one that
+        blocks (a sleep, a host-side subprocess or request) holds every rollout of the process meanwhile; run such
+        work in the sandbox, or in `asyncio.to_thread`."""
         components: dict[str, float] = {}
         metrics: dict[str, float] = {}
         reward = 0.0
@@ -122,6 +130,10 @@ class Rubric:
             value = fn(ctx)
             if inspect.isawaitable(value):
                 value = await value
+            if isinstance(value, str | bytes | bytearray):  # float("1") is 1.0: text is no number a function gives
+                raise TypeError(
+                    f"reward function {name!r} returned {type(value).__name__} {value[:40]!r}, not a number"
+                )
             value = float(value)
             if weight == 0:
                 metrics[name] = value

@@ -19,14 +19,15 @@ _PATH_FORBIDDEN = ("\n", "\r", "\0", "$", "\\")
 
 
 class ImageSpec(BaseModel):
-    """An image built FROM `base`: `files` (absolute path -> text) are copied in, then `run` commands run in order.
+    """An image built FROM `base` (empty: envfleet's base image, built if need be): `files` (absolute path -> text)
+    are copied in, then `run` commands run in order.
 
     `env` is set before the commands run and `workdir` is their working directory (and the image's).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    base: str
+    base: str = ""
     files: dict[str, str] = Field(default_factory=dict)
     run: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -35,7 +36,7 @@ class ImageSpec(BaseModel):
     @field_validator("base")
     @classmethod
     def _check_base(cls, v: str) -> str:
-        if not _IMAGE_REF.match(v):
+        if v and not _IMAGE_REF.match(v):
             raise ValueError(f"base {v!r} is not an image reference")
         return v
 
@@ -87,6 +88,8 @@ def _check_image_path(path: str, what: str) -> str:
 
 def render_dockerfile(spec: ImageSpec) -> tuple[str, dict[str, bytes]]:
     """The Dockerfile for `spec` and its build context (relative path -> bytes, Dockerfile excluded)."""
+    if not spec.base:
+        raise ValueError("an ImageSpec's base is given before it is rendered (ImageResolver puts the base image's in)")
     lines = [f"FROM {spec.base}"]
     lines += [f'ENV {name}="{_env_quote(value)}"' for name, value in spec.env.items()]
     if spec.workdir is not None:

@@ -50,7 +50,7 @@ from orchestrator.core.tracing import (
 from orchestrator.rollout.episode import run_episode
 from orchestrator.rollout.policy.base import Policy
 from orchestrator.rollout.snapshots import SnapshotCache
-from orchestrator.rollout.step import classify_failure, env_call, finished_status
+from orchestrator.rollout.step import classify_failure, env_call, env_score, finished_status
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", Rollout, EncodedRollout, Rollout | EncodedRollout)  # a model, or a worker's encoded rollout
@@ -303,7 +303,7 @@ class RolloutRunner:
                     with Phase(span, "scoring") as phase:
                         # the grader's own timeouts decide what a grader that runs long scores, not what is left
                         deadline.reschedule(max(deadline.when() or 0.0, loop.time() + grading_s))
-                        score = await env_call(env.score(sandbox, item.task, result.episode))
+                        score = await env_score(env, sandbox, item.task, result.episode)
                         if score.reward is not None:
                             phase.span.set({REWARD: score.reward})
                     timing.scoring = phase.seconds

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any, TypeVar
 
-from orchestrator.core.environment import Environment, Episode, Finish, Task
+from orchestrator.core.environment import Environment, Episode, Finish, Score, Task
 from orchestrator.core.errors import ConfigError, EnvironmentBroken, PolicyError, SandboxError
 from orchestrator.core.models import RolloutError, RolloutStatus, ToolCallRecord, Turn
 from orchestrator.core.sandbox import Sandbox
@@ -155,13 +155,23 @@ async def replay_reference(env: Environment, sandbox: Sandbox, task: Task) -> Ep
 
 async def env_call(coro: Awaitable[T]) -> T:
     """Await environment code (setup, scoring); its failures, other than sandbox and policy ones, mean the
-    environment is broken (ENV_ERROR)."""
+    environment is broken (ENV_ERROR). A TimeoutError from inside is the environment's own (an asyncio.wait_for
+    of its code's): the rollout's deadline cancels this call and becomes a TimeoutError outside it."""
     try:
         return await coro
-    except (SandboxError, PolicyError, asyncio.CancelledError, TimeoutError):
+    except (SandboxError, PolicyError, asyncio.CancelledError):
         raise
     except Exception as e:
         raise EnvironmentBroken(f"{type(e).__name__}: {e}") from e
+
+
+async def env_score(env: Environment, sandbox: Sandbox, task: Task, episode: Episode) -> Score:
+    """`env.score(...)` as env_call awaits it, and a Score: anything else (a number returned instead) is the
+    environment's failure, ENV_ERROR, not an unclassified one (INFRA_ERROR, retried as the fleet's)."""
+    score = await env_call(env.score(sandbox, task, episode))
+    if not isinstance(score, Score):
+        raise EnvironmentBroken(f"{env.ref()}.score returned a {type(score).__name__}, not a Score")
+    return score
 
 
 def finished_status(finish: Finish) -> RolloutStatus:

@@ -13,7 +13,7 @@ from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
 from orchestrator.core.tools import call_tool, get_tools
-from orchestrator.rollout.step import classify_failure, env_call, replay_reference
+from orchestrator.rollout.step import classify_failure, env_call, env_score, replay_reference
 from orchestrator.service.declarative.env import late_metrics, strict_scoring
 
 TOOL_PROBES: dict[str, tuple[dict[str, str], str]] = {
@@ -83,9 +83,7 @@ async def _check_task(env: Environment, backend: SandboxBackend, image: str, tas
     async with await backend.create(spec) as sandbox:
         await env_call(env.setup(sandbox, task, seed))
         with strict_scoring():
-            empty = await env_call(
-                env.score(sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit"))
-            )
+            empty = await env_score(env, sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit"))
         if empty.reward != 0:
             problems.append(f"task {task.id}: an empty answer scores {empty.reward}, expected 0")
         problems += _in_time(task, "an empty answer", empty)
@@ -93,7 +91,7 @@ async def _check_task(env: Environment, backend: SandboxBackend, image: str, tas
         await env_call(env.setup(sandbox, task, seed))
         episode = await replay_reference(env, sandbox, task)
         with strict_scoring():
-            solved = await env_call(env.score(sandbox, task, episode))
+            solved = await env_score(env, sandbox, task, episode)
         if abs(solved.reward - 1.0) > 1e-9:
             problems.append(f"task {task.id}: the reference solution scores {solved.reward}, expected 1 ({solved})")
         problems += _in_time(task, "the reference solution", solved)

@@ -37,7 +37,7 @@ from orchestrator.core.errors import (
 from orchestrator.core.runtime import to_the_end
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
 from orchestrator.images.resolver import BuildsOwnImage
-from orchestrator.rollout.step import env_call, replay_reference
+from orchestrator.rollout.step import env_call, env_score, replay_reference
 from orchestrator.service.archives import (
     ArchiveCatalog,
     ArchiveStore,
@@ -390,7 +390,7 @@ class Registrar:
                 episode = await replay_reference(env, sandbox, task)
                 try:
                     with strict_scoring():
-                        score = await env_call(env.score(sandbox, task, episode))
+                        score = await env_score(env, sandbox, task, episode)
                 except EnvironmentBroken as e:
                     problem = f"on task {task.id!r}: {e.__cause__ or e}"
                     raise SpecCheckError([Problem("scoring.command", problem)]) from None

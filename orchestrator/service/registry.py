@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from orchestrator.core.echo import echo
-from orchestrator.core.environment import Environment
+from orchestrator.core.environment import Environment, Rubric
 from orchestrator.core.errors import EnvironmentNotFoundError, InvalidEnvironmentError, InvalidRequestError
 from orchestrator.core.tools import get_tools
 
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "envfleet.environments"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,31}$")
+MAX_TURNS = 1000  # as a job's and a declarative spec's max_turns
+MAX_TOOL_TIMEOUT_S = 3600.0  # as a declarative spec's tool_timeout_s
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,32 @@ class Registry:
         reg = cls()
         for ep in importlib.metadata.entry_points(group=group):
             try:
-                env_cls = ep.load()
-                reg.register(env_cls(), source=f"entry-point:{ep.value}")
+                env = ep.load()()
+                reg._refuse_another(env, f"entry-point:{ep.value}")
+                reg.register(env, source=f"entry-point:{ep.value}")
             except Exception:
                 log.exception("environment entry point %s (%s) failed to load", ep.name, ep.value)
+                continue
+            if ep.name != env.name:
+                log.warning(
+                    "environment entry point %s (%s) registers %s: the entry point's name is not used",
+                    ep.name,
+                    ep.value,
+                    env.ref(),
+                )
         return reg
+
+    def _refuse_another(self, env: Environment, source: str) -> None:
+        """InvalidEnvironmentError when `name@version` is registered from another source: the one read last silently
+        took the other's place (a copy of python-tool not renamed replaced the built-in, or the other way round,
+        in the order the entry points were read)."""
+        name, version = getattr(env, "name", ""), getattr(env, "version", "")
+        held = self._by_name.get(name, {}).get(version) if isinstance(name, str) else None
+        if held is not None and held.source != source:
+            raise InvalidEnvironmentError(
+                f"{name}@{version} from {source} is already registered from {held.source}: give one another name "
+                "or version"
+            )
 
     def load(self, reference: str) -> Environment:
         """Import `module:ClassName` (an Environment class outside any entry point: the operator's configuration,
@@ -79,6 +102,7 @@ class Registry:
         if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
             raise InvalidEnvironmentError(f"environment reference {reference!r} is not an Environment class")
         env = env_cls()
+        self._refuse_another(env, f"reference:{reference}")
         self.register(env, source=f"reference:{reference}")
         return env
 
@@ -95,6 +119,18 @@ class Registry:
             raise InvalidEnvironmentError(f"{name}@{version}: {e}") from None
         if not hasattr(env, "rubric"):
             raise InvalidEnvironmentError(f"{name}@{version}: no rubric")
+        if type(env).score is Environment.score and not isinstance(env.rubric, Rubric):
+            # a list of (name, fn, weight) registered, listed and described as fine, and failed every rollout
+            raise InvalidEnvironmentError(
+                f"{name}@{version}: rubric is a {type(env.rubric).__name__}; write Rubric([(name, fn, weight), ...])"
+            )
+        turns, tool_s = getattr(env, "max_turns", None), getattr(env, "tool_timeout_s", None)
+        if isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= MAX_TURNS:
+            raise InvalidEnvironmentError(f"{name}@{version}: max_turns {echo(turns)} must be an int in 1..{MAX_TURNS}")
+        if isinstance(tool_s, bool) or not isinstance(tool_s, int | float) or not 0 < tool_s <= MAX_TOOL_TIMEOUT_S:
+            raise InvalidEnvironmentError(
+                f"{name}@{version}: tool_timeout_s {echo(tool_s)} must be a number in (0, {MAX_TOOL_TIMEOUT_S:g}]"
+            )
         ids = [t.id for t in env.tasks()]
         if len(set(ids)) != len(ids):
             raise InvalidEnvironmentError(f"{name}@{version}: task ids are not unique")

@@ -44,6 +44,7 @@ from orchestrator.rollout.step import (
     EpisodeState,
     classify_failure,
     env_call,
+    env_score,
     finished_status,
     opening_turns,
     record_assistant,
@@ -429,7 +430,7 @@ class SessionManager:
                     finish = "max_turns"
                 if finish is None:
                     return StepResult(observation, 0.0, False, False, None, self._view(s))
-                score = await env_call(s.env.score(s.sandbox, s.task, s.state.episode(finish)))
+                score = await env_score(s.env, s.sandbox, s.task, s.state.episode(finish))
         except Exception as e:
             return await self._fail(s, observation, e)
         status = finished_status(finish)

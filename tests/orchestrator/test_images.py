@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import docker
 import docker.errors
@@ -181,6 +182,31 @@ def test_build_spec_from_base_adds_files_env_and_runs_commands(
     again = build_image(docker_client, name="test-images-spec", dockerfile=dockerfile, context_files=dict(context))
     assert again == tag
     assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.docker
+async def test_an_image_spec_without_a_base_is_built_on_the_base_image(
+    docker_client: docker.DockerClient, base_image: str, created_images: list[str]
+) -> None:
+    # the base was a required field, so the resolver's "no base: the base image" never ran; an author hard-coded
+    # envfleet/base:latest, which ensure_base_image never builds
+    nonce = uuid.uuid4().hex
+
+    class Spec(Environment):
+        name = "test-images-no-base"
+
+        def tasks(self) -> list[Any]:
+            return []
+
+        def image_spec(self) -> ImageSpec:
+            return ImageSpec(files={"/etc/envfleet-test/nonce": nonce})
+
+    tag, _ = await ImageResolver(docker_client).resolve(Spec())
+    created_images.append(tag)
+    history = [layer["Id"] for layer in docker_client.api.history(tag)]
+    assert docker_client.images.get(base_image).id in history
+    with pytest.raises(ValueError, match="base is given before it is rendered"):
+        render_dockerfile(ImageSpec())
 
 
 @pytest.mark.docker

@@ -1,11 +1,21 @@
-"""Environments given by reference (module:ClassName), as workers and benchmarks load them."""
+"""Environments given by reference (module:ClassName), as workers and benchmarks load them, and what registration and
+scoring make of an environment author's mistakes: a clear refusal at registration, or ENV_ERROR at a rollout, never
+a silent replacement, an infrastructure retry, or a number made of text."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.metadata
+import logging
+from typing import Any, ClassVar
+
 import pytest
 
-from orchestrator.core.errors import InvalidEnvironmentError
-from orchestrator.service.registry import Registry
+from environments.python_tool import PythonToolEnv
+from orchestrator.core.environment import Environment, Episode, Rubric, Score, ScoringContext, Task
+from orchestrator.core.errors import EnvironmentBroken, InvalidEnvironmentError
+from orchestrator.rollout.step import classify_failure, env_score
+from orchestrator.service.registry import ENTRY_POINT_GROUP, Registry
 
 
 def test_a_reference_loads_an_environment_class() -> None:
@@ -27,3 +37,117 @@ def test_a_reference_loads_an_environment_class() -> None:
 def test_a_bad_reference_says_what_is_wrong(reference: str, message: str) -> None:
     with pytest.raises(InvalidEnvironmentError, match=message):
         Registry().load(reference)
+
+
+def _exact(ctx: ScoringContext) -> float:
+    return 1.0
+
+
+class Mine(Environment):
+    """An author's environment, right as it is; the tests below break one thing each."""
+
+    name: ClassVar[str] = "mine"
+    tools: ClassVar[tuple[str, ...]] = ("submit",)
+    rubric: ClassVar[Any] = Rubric([("exact", _exact, 1.0)])
+
+    def tasks(self) -> list[Task]:
+        return [Task(id="t1", prompt="p")]
+
+
+class Copied(PythonToolEnv):
+    """python-tool copied as the model to start from, not renamed yet."""
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "message"),
+    [
+        ("rubric", [("exact", _exact, 1.0)], "rubric is a list; write Rubric"),  # as the README once put it
+        ("max_turns", 0, "max_turns 0 must be an int in 1..1000"),  # every rollout TRUNCATED, no model call
+        ("max_turns", 8.0, "max_turns 8.0 must be an int"),  # every rollout INFRA_ERROR, retried
+        ("max_turns", True, "max_turns True must be an int"),
+        ("tool_timeout_s", float("nan"), "tool_timeout_s nan must be a number in (0, 3600]"),
+        ("tool_timeout_s", 0, "tool_timeout_s 0 must be a number"),
+    ],
+)
+def test_an_environment_registration_refuses_what_would_fail_every_rollout(
+    attribute: str, value: object, message: str
+) -> None:
+    broken = type("Broken", (Mine,), {attribute: value})
+    with pytest.raises(InvalidEnvironmentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Registry().register(broken())
+    Registry().register(Mine())  # as it was, fine
+
+
+def test_one_name_and_version_from_two_places_is_refused_not_replaced(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the one read last took the other's place, silently, in whatever order the entry points came
+    registry = Registry()
+    registry.load("environments.python_tool:PythonToolEnv")
+    with pytest.raises(InvalidEnvironmentError, match=r"python-tool@1 from reference:.*Copied is already registered"):
+        registry.load(f"{__name__}:Copied")
+    assert registry.lookup("python-tool").source == "reference:environments.python_tool:PythonToolEnv"
+    registry.load("environments.python_tool:PythonToolEnv")  # the same source again: fine
+
+    points = [
+        importlib.metadata.EntryPoint("python-tool", "environments.python_tool:PythonToolEnv", ENTRY_POINT_GROUP),
+        importlib.metadata.EntryPoint("my-env", f"{__name__}:Copied", ENTRY_POINT_GROUP),
+        importlib.metadata.EntryPoint("not-mine", f"{__name__}:Mine", ENTRY_POINT_GROUP),
+    ]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: points)
+    with caplog.at_level(logging.WARNING, logger="orchestrator.service.registry"):
+        registry = Registry.from_entry_points()
+    assert registry.lookup("python-tool").source == "entry-point:environments.python_tool:PythonToolEnv"
+    assert registry.get("mine").name == "mine"
+    assert "my-env (tests.orchestrator.test_registry:Copied) failed to load" in caplog.text
+    assert "not-mine (tests.orchestrator.test_registry:Mine) registers mine@1" in caplog.text
+
+
+def test_a_rubric_with_two_functions_of_one_name_is_refused() -> None:
+    # the second's value took the first's place in the components, while the reward summed both
+    with pytest.raises(ValueError, match="rubric function names are not unique"):
+        Rubric([("exact", _exact, 1.0), ("exact", _exact, 0.5)])
+
+
+class Scoring(Mine):
+    async def score(self, sandbox: Any, task: Task, episode: Episode) -> Any:
+        return await self.outcome()
+
+    async def outcome(self) -> Any:
+        raise NotImplementedError
+
+
+async def _scored(outcome: Any) -> Any:
+    async def give() -> Any:
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    env = Scoring()
+    env.outcome = give  # type: ignore[method-assign]
+    return await env_score(env, None, env.tasks()[0], Episode([], "", "submit"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "message"),
+    [
+        (1.0, "mine@1.score returned a float, not a Score"),  # an AttributeError outside it: INFRA_ERROR, retried
+        (TimeoutError("the grader's own wait_for"), "TimeoutError: the grader's own wait_for"),  # TIMEOUT before
+    ],
+)
+async def test_an_environments_wrong_result_or_own_timeout_is_env_error(outcome: Any, message: str) -> None:
+    with pytest.raises(EnvironmentBroken, match=message) as e:
+        await _scored(outcome)
+    assert classify_failure(e.value)[0].value == "ENV_ERROR"
+    assert await _scored(Score(1.0)) == Score(1.0)
+
+
+async def test_a_reward_function_that_returns_text_is_env_error_not_a_number() -> None:
+    # float("1") is 1.0: a function that returned the sandbox's output undecoded, or a string, was a reward
+    rubric = Rubric([("exact", lambda ctx: "1", 1.0)])  # type: ignore[list-item, return-value]
+    env = type("Texty", (Mine,), {"rubric": rubric})()
+    with pytest.raises(EnvironmentBroken, match="reward function 'exact' returned str '1', not a number"):
+        await env_score(env, None, env.tasks()[0], Episode([], "", "submit"))  # type: ignore[arg-type]
+    numbers = Rubric([("passed", lambda ctx: True, 1.0), ("rate", lambda ctx: asyncio.sleep(0, 0.5), 1.0)])
+    env = type("Numbers", (Mine,), {"rubric": numbers})()
+    assert (await env_score(env, None, env.tasks()[0], Episode([], "", "submit"))).reward == 1.5  # type: ignore[arg-type]
