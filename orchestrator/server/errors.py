@@ -37,6 +37,8 @@ from orchestrator.core.errors import (
     SandboxPermissionError,
     UnauthenticatedError,
 )
+from orchestrator.server.map_guard import map_counter
+from protos import orchestrator_pb2
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +126,23 @@ class UnreadableRequestError(InvalidRequestError):
     """A request message that does not parse: gRPC parses it before any handler runs, and its error was UNKNOWN."""
 
 
+# the public API's requests whose maps are counted before they are parsed (map_guard: a map's parse is not linear)
+_MAPS = map_counter([m.input_type for s in orchestrator_pb2.DESCRIPTOR.services_by_name.values() for m in s.methods])
+
+
 def _lenient(deserialize: Callable[[bytes], Any] | None, max_bytes: int | None = None) -> Callable[[bytes], Any] | None:
     """`deserialize`, with a message that does not parse (a string field that is not UTF-8: how a lone surrogate
-    arrives), or over `max_bytes`, read as the UnreadableRequestError the handler's wrapper raises."""
+    arrives), over `max_bytes`, or with maps over map_guard's limits, read as the UnreadableRequestError the
+    handler's wrapper raises."""
     if deserialize is None:
         return None
+    request_type = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
 
     def read(data: bytes) -> Any:
         if max_bytes is not None and len(data) > max_bytes:
             return UnreadableRequestError(f"the request message is {len(data)} bytes, over this call's {max_bytes}")
+        if request_type is not None and (over := _MAPS(request_type, data)) is not None:
+            return UnreadableRequestError(f"the request message was refused unparsed: {over}")
         try:
             return deserialize(data)
         except DecodeError as e:

@@ -225,7 +225,7 @@ async def test_repeated_fields_past_their_limits_are_counted_before_anything_is_
     sandbox = pb.CreateSandboxRequest(env_vars={f"V{i}": "" for i in range(257)})
     cases = [
         (fake_client.rollout_stub.SubmitJob(too_many_ids), "tasks.ids has 100001 ids; the limit is 100000"),
-        (fake_client.env_stub.Validate(env_spec), "tasks: 100001 tasks; the limit is 100000"),
+        (fake_client.env_stub.Validate(env_spec), "tasks has 100001 items; the limit is 100000"),  # map_guard
         (fake_client.env_stub.Register(long_reference), "tasks[0].reference: 101 calls; the limit is 100"),
         (fake_client.env_stub.Validate(jsonl), "tasks_jsonl: more than 100000 tasks"),
         (fake_client.sandbox_stub.Create(sandbox), "env_vars: at most 256 variables, got 257"),

@@ -204,3 +204,29 @@ def _varint(n: int) -> bytes:
         out.append(byte | (0x80 if n else 0))
         if not n:
             return bytes(out)
+
+
+async def test_a_request_with_a_huge_map_is_refused_before_it_is_parsed(channel: grpc.aio.Channel) -> None:
+    # protobuf fills a map's hash table at a cost far past linear at some sizes: an ExecRequest of 600,000 env
+    # entries (7 MiB) took 7 s to parse here, 2.6 million (33 MiB) 160 s, on the event loop every call shares and
+    # before any handler could refuse it. Counted first on a shape that parses in linear time: INVALID_ARGUMENT
+    from orchestrator.server.map_guard import MAX_MAP_ENTRIES
+
+    too_many = {f"{i:x}": "" for i in range(MAX_MAP_ENTRIES + 1)}
+    sandboxes = pb_grpc.SandboxServiceStub(channel)
+    environments = pb_grpc.EnvironmentServiceStub(channel)
+    exec_request = pb.ExecRequest(sandbox_id="x", shell="true", env=too_many)
+    spec = pb.EnvironmentSpec(name="maps", version="1", image=pb.ImageSource(files=too_many))
+    cases = [
+        (sandboxes.Exec(exec_request), "env has"),
+        (sandboxes.ExecStream(iter([pb.ExecInput(request=exec_request)])), "request.env has"),
+        (sandboxes.Create(pb.CreateSandboxRequest(image="envfleet/base", env_vars=too_many)), "env_vars has"),
+        (environments.Validate(spec), "image.files has"),
+        (environments.Register(pb.EnvironmentSpec(tasks=[pb.TaskSpec(files=too_many)])), "tasks[0].files has"),
+    ]
+    for call, where in cases:
+        await expect_error(
+            call,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"refused unparsed: {where} {MAX_MAP_ENTRIES + 1} entries; the limit is {MAX_MAP_ENTRIES}",
+        )
