@@ -75,6 +75,9 @@ class ScoringContext:
 RewardFn = Callable[[ScoringContext], float | Awaitable[float]]
 
 
+MAX_SCORE_NAMES = 256  # components, and metrics, of one score
+
+
 @dataclass(frozen=True)
 class Score:
     """The reward, its named components (weight != 0) and metrics (weight 0). Each a finite number: a NaN would
@@ -91,6 +94,10 @@ class Score:
             # a group's statistics square it: past this, a group of them made advantages NaN, infinite, or 0
             raise ValueError(f"the reward is {self.reward!r:.40}, past the ±{MAX_REWARD:g} a reward may be")
         for kind, values in (("component", self.components), ("metric", self.metrics)):
+            if len(values) > MAX_SCORE_NAMES:
+                # each is a map entry of every copy of the rollout (log, stream, trainer): a reward.json of 150,000
+                # keys, 1 MiB, was as many of each
+                raise ValueError(f"{len(values)} {kind}s; a score has at most {MAX_SCORE_NAMES}")
             for name, value in values.items():
                 _finite(f"{kind} {name!r}", value)
             if not all(name.isascii() for name in values):

@@ -67,6 +67,19 @@ def test_a_score_is_finite(value: float) -> None:
         )
 
 
+def test_a_score_has_at_most_so_many_components_and_metrics() -> None:
+    # a verifier's reward.json (the agent's program runs inside test.sh) of 150,000 keys in its 1 MiB made as many
+    # map entries in every copy of the rollout: the log, the stream, each trainer's parse
+    from orchestrator.core.environment import MAX_SCORE_NAMES
+
+    many = {f"k{i}": 0.0 for i in range(MAX_SCORE_NAMES + 1)}
+    with pytest.raises(ValueError, match=f"{MAX_SCORE_NAMES + 1} components; a score has at most {MAX_SCORE_NAMES}"):
+        Score(1.0, many)
+    with pytest.raises(ValueError, match=f"{MAX_SCORE_NAMES + 1} metrics"):
+        Score(1.0, {}, many)
+    assert len(Score(1.0, dict(list(many.items())[:MAX_SCORE_NAMES])).components) == MAX_SCORE_NAMES
+
+
 async def test_a_rubric_that_returns_nan_is_the_environment_broken() -> None:
     rubric = Rubric([("a", lambda ctx: 1.0, 1.0), ("b", lambda ctx: math.nan, 0.5)])
     with pytest.raises(EnvironmentBroken, match="not a finite number"):
