@@ -43,6 +43,7 @@ from orchestrator.images import build_image
 from orchestrator.images.build import BuildLimits
 from orchestrator.images.resolver import BuildsOwnImage
 from orchestrator.service.declarative import dockerfile as dockerfile_check
+from orchestrator.service.registry import MAX_TOOL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +398,8 @@ def make_harbor_environment(
         "description": f"{len(tasks)} Harbor task(s)",
         "limits": _limits(list(tasks.values())),
         "system_prompt": SYSTEM_PROMPT + _workdir_note(next(iter(tasks.values())).workdir),
-        "tool_timeout_s": max(60.0, min(t.agent_timeout_s for t in tasks.values())),
+        # one tool call's cap: the agent's whole time, within what an environment's tool_timeout_s may be
+        "tool_timeout_s": min(MAX_TOOL_TIMEOUT_S, max(60.0, min(t.agent_timeout_s for t in tasks.values()))),
         "validated": validated,
         "__doc__": f"The Harbor environment {name}@{version}.",
     }

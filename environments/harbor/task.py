@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.echo import echo
 from orchestrator.core.environment import GRADER_ENV
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.service.declarative import dockerfile as dockerfile_check
@@ -30,6 +31,8 @@ MAX_FILE_BYTES = 16 << 20
 # was refused only by the RecursionError it raised, deep in the stack, where a garbage collection that ran a failing
 # finalizer could not even report it (the process's own error hook ran out of stack)
 MAX_TOML_DEPTH = 64
+MAX_TIMEOUT_S = 86_400.0  # any timeout_sec of a task
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT])i?B?", re.IGNORECASE)
 
 
 class HarborTaskError(InvalidRequestError):
@@ -121,6 +124,12 @@ def _text(path: Path, task: str) -> str | None:
         raise HarborTaskError(f"task {task}: {path.name} cannot be read as a file ({e.strerror})") from None
 
 
+def _shown(v: object) -> str:
+    """A task.toml value in a message: a scalar cut short, else its type (a table nested by 50,000 dotted keys made
+    repr() raise RecursionError, and the import an internal error)."""
+    return echo(v) if isinstance(v, str | int | float | bool) else f"a {type(v).__name__}"
+
+
 def _table(doc: dict[str, Any], name: str, task: str) -> dict[str, Any]:
     t = doc.get(name, {})
     if not isinstance(t, dict):
@@ -128,13 +137,33 @@ def _table(doc: dict[str, Any], name: str, task: str) -> dict[str, Any]:
     return t
 
 
-def _number(t: dict[str, Any], key: str, section: str, task: str, default: float | None) -> float | None:
+def _number(
+    t: dict[str, Any], key: str, section: str, task: str, default: float | None, least: float = 0.0
+) -> float | None:
     v = t.get(key, default)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-        raise HarborTaskError(f"task {task}: [{section}] {key} must be a positive number, not {v!r}")
+        raise HarborTaskError(f"task {task}: [{section}] {key} must be a positive number, not {_shown(v)}")
+    if v < least:
+        raise HarborTaskError(f"task {task}: [{section}] {key} = {_shown(v)} is under {least:g}")
+    if key.endswith("_sec") and v > MAX_TIMEOUT_S:
+        # a socket's timeout past what it takes raised OverflowError out of the build, uncaught
+        raise HarborTaskError(f"task {task}: [{section}] {key} = {_shown(v)} is over {MAX_TIMEOUT_S:g}s (a day)")
     return float(v)
+
+
+def _megabytes(t: dict[str, Any], key: str, task: str, least: float) -> int | None:
+    """[environment] `key`_mb, or Harbor's older `key` = "4G" / "512M" (it was ignored, and the default used)."""
+    if f"{key}_mb" in t or key not in t:
+        mb = _number(t, f"{key}_mb", "environment", task, None, least)
+        return None if mb is None else int(mb)
+    v = t[key]
+    m = _SIZE.fullmatch(v.strip()) if isinstance(v, str) else None
+    if m is None:
+        raise HarborTaskError(f'task {task}: [environment] {key} = {_shown(v)}: give {key}_mb = <MB> (or "4G")')
+    mb = float(m[1]) * {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}[m[2].upper()]
+    return int(_number({f"{key}_mb": mb}, f"{key}_mb", "environment", task, None, least) or 0)
 
 
 def _env(t: dict[str, Any], section: str, task: str) -> dict[str, str]:
@@ -156,11 +185,18 @@ def _env(t: dict[str, Any], section: str, task: str) -> dict[str, str]:
 
 
 def _nested_deeper(text: str, limit: int) -> bool:
-    """Whether TOML text opens more than `limit` arrays or inline tables inside each other, its strings and comments
-    left out (a string it misreads can only count too few: tomllib's own RecursionError stays the backstop)."""
-    depth, i, n = 0, 0, len(text)
+    """Whether TOML text opens more than `limit` arrays or inline tables inside each other, or tables by a dotted
+    key or header (`a.b.c = 1`, `[a.b.c]`), its strings and comments left out (a string it misreads can only count
+    too few: tomllib's own RecursionError stays the backstop). 50,000 dotted levels took tomllib 20-40 s."""
+    depth, dots, i, n = 0, 0, 0, len(text)
     while i < n:
         c = text[i]
+        if c == ".":
+            dots += 1
+            if depth + dots > limit:
+                return True
+        elif c in "=\n,{}]":
+            dots = 0
         if c == "#":
             end = text.find("\n", i)
             i = n if end < 0 else end
@@ -208,15 +244,28 @@ def load_task(path: Path) -> HarborTask:
         raise HarborTaskError(f"task {task}: instruction.md is empty")
     agent, envt, verifier = (_table(doc, n, task) for n in ("agent", "environment", "verifier"))
     network = envt.get("network_mode", "no-network")
-    if network != "no-network":
+    if network != "no-network" or envt.get("allow_internet", False) is not False:
+        shown = f"network_mode = {_shown(network)}" if network != "no-network" else "allow_internet is set"
         raise HarborTaskError(
-            f"task {task}: [environment] network_mode = {network!r}: envfleet sandboxes have no network; "
-            "only 'no-network' tasks can be imported"
+            f"task {task}: [environment] {shown}: envfleet sandboxes have no network; "
+            "only 'no-network' tasks (allow_internet = false) can be imported"
         )
+    for key in ("gpus", "gpu_types", "tpu"):
+        if envt.get(key):
+            raise HarborTaskError(f"task {task}: [environment] {key}: envfleet sandboxes have no accelerators")
+    if envt.get("os", "linux") != "linux":
+        raise HarborTaskError(f"task {task}: [environment] os = {_shown(envt['os'])}: sandboxes run Linux")
     workdir = envt.get("workdir", "/app")
     if not isinstance(workdir, str) or not _WORKDIR.fullmatch(workdir) or ".." in workdir.split("/") or workdir == "/":
-        raise HarborTaskError(f"task {task}: [environment] workdir {workdir!r} must be an absolute directory path")
+        raise HarborTaskError(
+            f"task {task}: [environment] workdir {_shown(workdir)} must be an absolute directory path"
+        )
     context = _files(path / "environment", task, "environment")
+    compose = sorted(n for n in context if n in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml"))
+    if compose:
+        raise HarborTaskError(
+            f"task {task}: environment/{compose[0]}: a task of several containers cannot run in one sandbox"
+        )
     image = envt.get("docker_image")
     dockerfile: str | None = None
     if image is not None:
@@ -226,8 +275,8 @@ def load_task(path: Path) -> HarborTask:
             or not image.startswith(dockerfile_check.ENVFLEET_IMAGE_PREFIX)
         ):
             raise HarborTaskError(
-                f"task {task}: [environment] docker_image {image!r} is not an envfleet image; builds are offline and "
-                "sandboxes need envd: give an environment/Dockerfile FROM envfleet/base"
+                f"task {task}: [environment] docker_image {_shown(image)} is not an envfleet image; builds are "
+                "offline and sandboxes need envd: give an environment/Dockerfile FROM envfleet/base"
             )
         try:  # the image becomes a FROM line: the same rules (not another environment's image, no variable)
             dockerfile_check.check(f"FROM {image}\n")
@@ -254,8 +303,9 @@ def load_task(path: Path) -> HarborTask:
     tests = _files(path / "tests", task, "tests")
     if "test.sh" not in tests:
         raise HarborTaskError(f"task {task}: no tests/test.sh")
-    memory = _number(envt, "memory_mb", "environment", task, None)
-    storage = _number(envt, "storage_mb", "environment", task, None)
+    # what a sandbox takes at least (Limits): below it, the whole import failed on a message naming no task
+    memory = _megabytes(envt, "memory", task, least=16)
+    storage = _megabytes(envt, "storage", task, least=1)
     return HarborTask(
         id=task,
         path=path,
@@ -264,9 +314,9 @@ def load_task(path: Path) -> HarborTask:
         docker_image=image,
         workdir=workdir.rstrip("/"),
         env=_env(envt, "environment", task),
-        cpus=_number(envt, "cpus", "environment", task, None),
-        memory_mb=int(memory) if memory else None,
-        storage_mb=int(storage) if storage else None,
+        cpus=_number(envt, "cpus", "environment", task, None, least=0.01),
+        memory_mb=memory,
+        storage_mb=storage,
         build_timeout_s=_number(envt, "build_timeout_sec", "environment", task, DEFAULT_BUILD_TIMEOUT_S) or 0.0,
         agent_timeout_s=_number(agent, "timeout_sec", "agent", task, DEFAULT_AGENT_TIMEOUT_S) or 0.0,
         verifier_timeout_s=_number(verifier, "timeout_sec", "verifier", task, DEFAULT_VERIFIER_TIMEOUT_S) or 0.0,

@@ -5,6 +5,7 @@ the tasks' Dockerfiles held to the rules of any tenant build, and the environmen
 from __future__ import annotations
 
 import io
+import re
 import secrets
 import tarfile
 import zipfile
@@ -340,3 +341,57 @@ def test_task_toml_depth_is_read_before_it_is_parsed_and_strings_do_not_count() 
     ]
     for text in texts:
         assert not _nested_deeper(text, MAX_TOML_DEPTH), text[:20]
+
+
+@pytest.mark.parametrize(
+    ("environment", "message"),
+    [
+        ("network_mode.a = 1\n", "network_mode = a dict: envfleet sandboxes have no network"),
+        ("allow_internet = true\n", "allow_internet is set: envfleet sandboxes have no network"),  # was ignored
+        ("gpus = 1\n", "gpus: envfleet sandboxes have no accelerators"),
+        ('os = "windows"\n', "os = 'windows': sandboxes run Linux"),
+        ("memory_mb = 8\n", "memory_mb = 8 is under 16"),  # a pydantic error naming no task, for the whole import
+        ("memory_mb = 0.5\n", "memory_mb = 0.5 is under 16"),  # int(0.5): the default, silently
+        ("cpus = 0.001\n", "cpus = 0.001 is under 0.01"),
+        ('memory = "lots"\n', "memory = 'lots': give memory_mb"),
+        ("build_timeout_sec = 1e10\n", "build_timeout_sec = 10000000000.0 is over 86400s"),  # OverflowError
+    ],
+)
+def test_task_toml_settings_the_sandbox_cannot_honour_are_refused_by_name(
+    tmp_path: Path, environment: str, message: str
+) -> None:
+    from environments.harbor.task import HarborTaskError, load_task
+    from tests.environments.harbor.test_harbor import TOML
+
+    d = make_task(tmp_path, "t")
+    head = TOML.split("[environment]")[0].format(verifier_timeout=60)
+    (d / "task.toml").write_text(head + "[environment]\n" + environment)
+    with pytest.raises(HarborTaskError, match=re.escape(f"task t: [environment] {message}")):
+        load_task(d)
+
+
+@pytest.mark.parametrize("key", ["network_mode" + ".a" * 50_000 + " = 1", "[environment" + ".a" * 50_000 + "]"])
+def test_a_table_nested_by_dotted_keys_is_refused_before_it_is_parsed(tmp_path: Path, key: str) -> None:
+    # tomllib took 20-40 s over 50,000 dotted levels (a 100 KB task.toml), and repr() of the table in the refusal
+    # raised RecursionError: INTERNAL
+    from environments.harbor.task import HarborTaskError, load_task
+    from tests.environments.harbor.test_harbor import TOML
+
+    d = make_task(tmp_path, "deep")
+    (d / "task.toml").write_text(TOML.format(verifier_timeout=60) + key + "\n")
+    with pytest.raises(HarborTaskError, match=r"task deep: task\.toml: nested too deeply \(over 64 levels\)"):
+        load_task(d)
+
+
+def test_a_compose_file_and_harbors_older_sizes_are_read_not_ignored(tmp_path: Path) -> None:
+    from environments.harbor.task import HarborTaskError, load_task
+    from tests.environments.harbor.test_harbor import TOML
+
+    d = make_task(tmp_path, "sizes")
+    head = TOML.split("[environment]")[0].format(verifier_timeout=60)
+    (d / "task.toml").write_text(head + '[environment]\nmemory = "2G"\nstorage = "512M"\n')
+    t = load_task(d)
+    assert (t.memory_mb, t.storage_mb) == (2048, 512)  # the default 1024 and none before
+    (d / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+    with pytest.raises(HarborTaskError, match="a task of several containers cannot run in one sandbox"):
+        load_task(d)
