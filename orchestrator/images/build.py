@@ -21,7 +21,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
@@ -149,6 +149,8 @@ def build_image(
     labs = dict(labels or {})
     _refuse_control_labels(dockerfile, labs)
     entries = _collect(context_files)
+    if limits is not None:
+        _refuse_added_archives(dockerfile, entries)
     args = dict(buildargs or {})
     # the images it builds FROM are inputs too: FROM envfleet/base:latest names whatever base this engine has now
     # (a new envd), so a cache keyed by the Dockerfile's text alone would hand out an image on the old one
@@ -183,6 +185,28 @@ def build_image(
         _check_image_labels(client, tag)
         log.info("built %s in %.1f s", tag, time.monotonic() - started)
     return tag
+
+
+_ADD = re.compile(r"^\s*(?:ONBUILD\s+)?ADD\s", re.IGNORECASE | re.MULTILINE)
+# what the engine unpacks when ADD's source is a local file: tar, and tar in gzip, bzip2, xz or zstd
+_ARCHIVE_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+
+
+def _refuse_added_archives(dockerfile: str, entries: Sequence[_Entry]) -> None:
+    """An untrusted Dockerfile with ADD and an archive in its context: the engine unpacks an ADDed archive itself, as
+    root on the host, outside the build's limits and before the disk guard sees a layer (16 MiB of xz can unpack to
+    hundreds of GiB). Which context file an ADD names (globs, folders) is the builder's to resolve: with ADD in the
+    Dockerfile, no context file may be an archive."""
+    if not _ADD.search(_CONTINUED.sub(" ", dockerfile)):
+        return
+    for e in entries:
+        with e.open() as f:
+            head = f.read(262)
+        if head.startswith(_ARCHIVE_MAGIC) or head[257:262] == b"ustar":
+            raise InvalidRequestError(
+                f"context file {e.path!r} is an archive and the Dockerfile uses ADD, which the engine would unpack "
+                "outside the build's limits: use COPY (and RUN tar -x, which runs under them)"
+            )
 
 
 def _refuse_control_labels(dockerfile: str, labels: Mapping[str, str]) -> None:

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.errors import ImageBuildError
+from orchestrator.core.errors import ImageBuildError, InvalidRequestError
 from orchestrator.images.build import BuildLimits, build_image
 from orchestrator.service.declarative.dockerfile import DockerfileError, check
 from orchestrator.service.tenancy import TenantGate
@@ -684,3 +684,34 @@ def test_builds_running_at_once_count_each_others_disk(monkeypatch: pytest.Monke
         pass
     with build_module._room(engine, limits):  # the first one's end gave its room back
         pass
+
+
+@pytest.mark.parametrize(
+    "archive",
+    [
+        b"\x1f\x8b\x08\x00" + bytes(40),  # gzip
+        b"BZh91AY&SY" + bytes(40),  # bzip2
+        b"\xfd7zXZ\x00" + bytes(40),  # xz
+        b"\x28\xb5\x2f\xfd" + bytes(40),  # zstd
+        bytes(257) + b"ustar\x0000" + bytes(40),  # tar
+    ],
+    ids=["gzip", "bzip2", "xz", "zstd", "tar"],
+)
+def test_an_untrusted_build_that_adds_an_archive_is_refused_before_the_engine_sees_it(
+    tmp_path: Path, archive: bytes
+) -> None:
+    # the engine unpacks an ADDed local archive itself, as root on the host, outside the build's memory and pids
+    # limits and before the disk guard sees a layer: 16 MiB of xz can be hundreds of GiB unpacked
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "blob.bin").write_bytes(archive)  # by its bytes, not its name: the engine reads them
+    for dockerfile in ("FROM envfleet/base:latest\nADD data/ /x/\n", "FROM envfleet/base:latest\nadd \\\n b /x\n"):
+        with pytest.raises(InvalidRequestError, match=r"context file 'data/blob\.bin' is an archive .* use COPY"):
+            build_image(
+                None,  # type: ignore[arg-type]  # refused before any engine call
+                name="t",
+                dockerfile=dockerfile,
+                context_files={"data": folder},
+                limits=BuildLimits(),
+                from_images=["envfleet/base:latest"],
+            )
