@@ -96,6 +96,13 @@ class CapsConfig(BaseModel):
         "and at its size until it is sent (a client that never reads holds them); past it a call waits its turn",
     )
     stdin_bytes_per_tenant: int = Field(64 << 20, ge=0, le=1 << 32, description="Exec stdin in flight per tenant")
+    write_bytes_per_tenant: int = Field(
+        256 << 20,
+        ge=1 << 10,
+        le=1 << 36,
+        description="WriteFile and Upload bytes in flight per tenant: a call past it is refused (busy), its message let"
+        " go at once (each call holds its content about four times over until envd has it)",
+    )
 
 
 def check_limits(limits: Limits, caps: SandboxCaps, what: str = "limits", runtime: str = "") -> None:

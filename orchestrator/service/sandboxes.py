@@ -199,6 +199,7 @@ class SandboxManager:
         self._admission = admission  # None: raw sandboxes are not counted against the host's capacity
         self._execs = TenantCounter(self.caps.streams_per_tenant, "caps.streams_per_tenant", "Execs")
         self._stdin = TenantCounter(self.caps.stdin_bytes_per_tenant, "caps.stdin_bytes_per_tenant", "stdin bytes")
+        self._writes = TenantCounter(self.caps.write_bytes_per_tenant, "caps.write_bytes_per_tenant", "bytes of writes")
         self._replies = TenantBytes(self.caps.read_bytes_per_tenant, "caps.read_bytes_per_tenant", "bytes of replies")
         self._live: dict[str, _Live] = {}
         self._reserved: dict[str, int] = {}
@@ -489,12 +490,14 @@ class SandboxManager:
         if not 0 <= mode <= 0o7777:
             raise InvalidRequestError(f"mode must be a permission mode (0 to 0o7777), got {mode}")
         live = await self._get(tenant, sandbox_id)
-        await self._use(live, live.sandbox.write_file(path, data, mode or 0o644))
+        with self._writes.hold(tenant, len(data)):
+            await self._use(live, live.sandbox.write_file(path, data, mode or 0o644))
 
     async def upload(self, tenant: str, sandbox_id: str, tar: bytes, dest_dir: str) -> int:
         """Extract a tar archive into dest_dir; returns the number of entries."""
         live = await self._get(tenant, sandbox_id)
-        return await self._use(live, live.sandbox.upload(tar, dest_dir or "."))
+        with self._writes.hold(tenant, len(tar)):
+            return await self._use(live, live.sandbox.upload(tar, dest_dir or "."))
 
     async def download(self, tenant: str, sandbox_id: str, path: str, *, until_sent: UntilSent | None = None) -> bytes:
         """A tar archive of a file or folder (links stored as links); refused once it streams past the cap. Counted

@@ -677,3 +677,51 @@ async def test_a_read_as_large_as_the_tenants_budget_still_reads(tmp_path: Path)
         got = await ss.ReadFile(pb.SandboxReadFileRequest(sandbox_id=sid, path="big"))
         assert len(got.content) == 1 * MiB and got.truncated
         await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
+
+
+async def test_writes_and_uploads_in_flight_are_capped_per_tenant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each WriteFile or Upload holds its content about four times over until envd has it, and nothing counted them:
+    # 100 writes of 63 MiB to a sandbox whose envd is slow held some 20 GiB. Past the cap a call is refused at once,
+    # busy (its message let go), and the budget comes back as calls end
+    from orchestrator.backends.fake.backend import FakeSandbox
+    from orchestrator.client.busy import retry_after
+
+    envd_slow = asyncio.Event()
+    write = FakeSandbox.write_file
+
+    async def slow_write(self: FakeSandbox, path: str, data: bytes, *a: Any, **kw: Any) -> None:
+        if path.startswith("slow"):
+            await envd_slow.wait()
+        await write(self, path, data, *a, **kw)
+
+    monkeypatch.setattr(FakeSandbox, "write_file", slow_write)
+    async with (
+        serve(tmp_path, backend=FAKE, caps={"write_bytes_per_tenant": 3 * MiB}) as orch,
+        EnvfleetClient(orch.address) as c,
+    ):
+        ss = c.sandbox_stub
+        sid = (await ss.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE))).sandbox_id
+        first = ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="slow", content=b"x" * (2 * MiB)))
+        await asyncio.sleep(0.3)  # it holds 2 MiB of the tenant's 3
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="b", content=b"y" * (2 * MiB)))
+        assert e.value.code() == EXHAUSTED and "caps.write_bytes_per_tenant is 3145728 per tenant" in str(
+            e.value.details()
+        )
+        assert retry_after(e.value) == 1.0
+        tar = io.BytesIO()
+        with tarfile.open(fileobj=tar, mode="w") as t:
+            info = tarfile.TarInfo("big")
+            info.size = 2 * MiB
+            t.addfile(info, io.BytesIO(b"z" * info.size))
+        await expect_error(
+            ss.Upload(pb.SandboxUploadRequest(sandbox_id=sid, dest_dir=".", tar=tar.getvalue())),
+            EXHAUSTED,
+            "caps.write_bytes_per_tenant",
+        )
+        envd_slow.set()
+        await first
+        await ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="b", content=b"y" * (2 * MiB)))  # room
+        await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
