@@ -84,7 +84,7 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
     raw: dict[str, Any] = {
         "env": m.env,
         "tasks": {
-            "kind": KIND_FROM_PB.get(m.tasks.kind, "?"),
+            "kind": KIND_FROM_PB.get(m.tasks.kind, _unknown(m.tasks.kind)),
             "ids": list(m.tasks.ids),
             "count": m.tasks.count,
             "seed": m.tasks.seed,
@@ -92,8 +92,8 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         "sampling": sampling,
         "policy": policy,
         "deliver_groups": m.deliver_groups,
-        "advantage": ADVANTAGE_FROM_PB.get(m.advantage, "?"),
-        "token_mode": TOKEN_MODE_FROM_PB.get(m.token_mode, "?"),
+        "advantage": ADVANTAGE_FROM_PB.get(m.advantage, _unknown(m.advantage)),
+        "token_mode": TOKEN_MODE_FROM_PB.get(m.token_mode, _unknown(m.token_mode)),
         "max_model_len": m.max_model_len or None,
     }
     raw |= {k: getattr(m, k) or default for k, default in _WIRE_DEFAULTS.items()}
@@ -123,6 +123,11 @@ def rollout_pb(payload: str | bytes, seq: int = 0) -> pb.Rollout:
     return pb.Rollout(**d, seq=seq)
 
 
+def _unknown(number: int) -> str:
+    """How an enum number this server does not know reads in the refusal (a client's newer proto sent it)."""
+    return f"enum value {number}, unknown to this server (older than your proto?)"
+
+
 def _fill(target: pb.Rollout, entry: LogEntry, advantage: float | None = None) -> None:
     """Write a stored rollout into a message of the batch in place (a message appended to a repeated field would be
     copied): its wire bytes when a worker sent them, else its JSON converted. A row this version cannot convert (an
@@ -145,6 +150,7 @@ def _fill(target: pb.Rollout, entry: LogEntry, advantage: float | None = None) -
                 task_id=entry.task_id,
                 sample_index=int(sample) if sample.isdigit() and len(sample) < 10 else 0,
                 status=pb.ROLLOUT_STATUS_INFRA_ERROR,
+                tokens=pb.Tokens(status=pb.TOKEN_STATUS_MISSING),  # UNSPECIFIED is never sent
                 error=pb.RolloutError(
                     kind="UnreadableLogEntry",
                     message=f"the result log's row of this rollout cannot be read by this version: {type(e).__name__}",

@@ -287,3 +287,27 @@ async def test_an_execs_arguments_and_streamed_stdin_are_bounded_before_anything
         await expect_error(ss.ExecStream(nothing()), invalid, "ExecStream: no request within 0.3s")
     finally:
         await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
+
+
+def test_an_enum_value_this_server_does_not_know_is_named_by_its_number() -> None:
+    # a client on a newer proto sends a value this server lacks: the refusal said "(got '?')"
+    spec = pb.JobSpec(env="python-tool", policy=pb.PolicyEndpoint(base_url="http://127.0.0.1:9/v1"), advantage=9)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=r"advantage: .*enum value 9, unknown to this server"):
+        job_spec_from_pb(spec)
+    spec = pb.JobSpec(env="python-tool", policy=pb.PolicyEndpoint(base_url="http://127.0.0.1:9/v1"))
+    spec.tasks.kind = 7  # type: ignore[assignment]
+    with pytest.raises(InvalidRequestError, match=r"tasks.kind: .*enum value 7, unknown to this server"):
+        job_spec_from_pb(spec)
+
+
+def test_a_log_row_that_cannot_be_read_goes_out_with_its_tokens_missing() -> None:
+    # the stand-in INFRA_ERROR rollout carried no tokens message: status UNSPECIFIED, which the proto says is never sent
+    from orchestrator.server.convert import entry_to_pb
+    from orchestrator.service.store import LogEntry
+
+    m = entry_to_pb(LogEntry(seq=3, group_id="j:t", payload='{"id": ', rollout_id="j:t:0", job_id="j"))
+    assert (m.status, m.tokens.status, m.error.kind) == (
+        pb.ROLLOUT_STATUS_INFRA_ERROR,
+        pb.TOKEN_STATUS_MISSING,
+        "UnreadableLogEntry",
+    )
