@@ -296,7 +296,8 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             if not self.validated:
                 raise
             # twice past its timeout, or a step of the grader's failed: on a host too busy to run a shell that does
-            # nothing in time, that is the host's doing (INFRA_ERROR, retried), never a 0
+            # nothing in time, that is the host's doing (INFRA_ERROR, retried), never a 0. A shell the agent broke
+            # fails in time: the host keeps time, and the agent's doing scores 0
             await keeps_time(sandbox, f"{task.id}: the verifier failed ({e})")
             log.info("%s: the verifier failed after the agent's turn, not in validation (%s); scored 0", task.id, e)
             return Score(0.0, {}, {VERIFIER_FAILED_METRIC: 1.0})

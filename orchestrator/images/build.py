@@ -187,7 +187,6 @@ def build_image(
     return tag
 
 
-_ADD = re.compile(r"^\s*(?:ONBUILD\s+)?ADD\s", re.IGNORECASE | re.MULTILINE)
 # what the engine unpacks when ADD's source is a local file: tar, and tar in gzip, bzip2, xz or zstd
 _ARCHIVE_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 
@@ -197,7 +196,7 @@ def _refuse_added_archives(dockerfile: str, entries: Sequence[_Entry]) -> None:
     root on the host, outside the build's limits and before the disk guard sees a layer (16 MiB of xz can unpack to
     hundreds of GiB). Which context file an ADD names (globs, folders) is the builder's to resolve: with ADD in the
     Dockerfile, no context file may be an archive."""
-    if not _ADD.search(_CONTINUED.sub(" ", dockerfile)):
+    if not _adds(dockerfile):
         return
     for e in entries:
         with e.open() as f:
@@ -207,6 +206,21 @@ def _refuse_added_archives(dockerfile: str, entries: Sequence[_Entry]) -> None:
                 f"context file {e.path!r} is an archive and the Dockerfile uses ADD, which the engine would unpack "
                 "outside the build's limits: use COPY (and RUN tar -x, which runs under them)"
             )
+
+
+def _adds(dockerfile: str) -> bool:
+    """Whether the Dockerfile has an ADD (or ONBUILD ADD), read as the builder reads it: a keyword split by a
+    continuation (`AD\\` then `D`) is joined with nothing between, and `# escape=` may change the continuation."""
+    from orchestrator.service.declarative.dockerfile import DockerfileError, parse
+
+    try:
+        instructions = parse(dockerfile)
+    except DockerfileError:
+        return True  # read more than one way: as if it added
+    return any(
+        i.keyword == "ADD" or (i.keyword == "ONBUILD" and i.args.lstrip().upper().startswith("ADD"))
+        for i in instructions
+    )
 
 
 def _refuse_control_labels(dockerfile: str, labels: Mapping[str, str]) -> None:

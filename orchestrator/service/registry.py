@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from orchestrator.core.echo import echo
-from orchestrator.core.environment import Environment, Rubric
+from orchestrator.core.environment import Environment
 from orchestrator.core.errors import EnvironmentNotFoundError, InvalidEnvironmentError, InvalidRequestError
 from orchestrator.core.tools import get_tools
 
@@ -78,12 +78,13 @@ class Registry:
         return reg
 
     def _refuse_another(self, env: Environment, source: str) -> None:
-        """InvalidEnvironmentError when `name@version` is registered from another source: the one read last silently
-        took the other's place (a copy of python-tool not renamed replaced the built-in, or the other way round,
-        in the order the entry points were read)."""
+        """InvalidEnvironmentError when `name@version` is registered from another source as another class: the one
+        read last silently took the other's place (a copy of python-tool not renamed replaced the built-in, or the
+        other way round, in the order the entry points were read). The same class by another way (a configuration's
+        reference to a built-in) is the same environment."""
         name, version = getattr(env, "name", ""), getattr(env, "version", "")
         held = self._by_name.get(name, {}).get(version) if isinstance(name, str) else None
-        if held is not None and held.source != source:
+        if held is not None and held.source != source and type(held.env) is not type(env):
             raise InvalidEnvironmentError(
                 f"{name}@{version} from {source} is already registered from {held.source}: give one another name "
                 "or version"
@@ -119,7 +120,7 @@ class Registry:
             raise InvalidEnvironmentError(f"{name}@{version}: {e}") from None
         if not hasattr(env, "rubric"):
             raise InvalidEnvironmentError(f"{name}@{version}: no rubric")
-        if type(env).score is Environment.score and not isinstance(env.rubric, Rubric):
+        if type(env).score is Environment.score and not callable(getattr(env.rubric, "score", None)):
             # a list of (name, fn, weight) registered, listed and described as fine, and failed every rollout
             raise InvalidEnvironmentError(
                 f"{name}@{version}: rubric is a {type(env.rubric).__name__}; write Rubric([(name, fn, weight), ...])"

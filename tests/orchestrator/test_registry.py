@@ -77,6 +77,12 @@ def test_an_environment_registration_refuses_what_would_fail_every_rollout(
         Registry().register(broken())
     Registry().register(Mine())  # as it was, fine
 
+    class Scorer:  # any object with score(ctx), as the default Environment.score calls it
+        async def score(self, ctx: ScoringContext) -> Score:
+            return Score(1.0)
+
+    Registry().register(type("Duck", (Mine,), {"rubric": Scorer()})())
+
 
 def test_one_name_and_version_from_two_places_is_refused_not_replaced(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -88,6 +94,8 @@ def test_one_name_and_version_from_two_places_is_refused_not_replaced(
         registry.load(f"{__name__}:Copied")
     assert registry.lookup("python-tool").source == "reference:environments.python_tool:PythonToolEnv"
     registry.load("environments.python_tool:PythonToolEnv")  # the same source again: fine
+    from_entry = Registry.from_entry_points()
+    from_entry.load("environments.python_tool:PythonToolEnv")  # the same class another way (a config's reference)
 
     points = [
         importlib.metadata.EntryPoint("python-tool", "environments.python_tool:PythonToolEnv", ENTRY_POINT_GROUP),

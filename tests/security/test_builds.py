@@ -705,7 +705,12 @@ def test_an_untrusted_build_that_adds_an_archive_is_refused_before_the_engine_se
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "blob.bin").write_bytes(archive)  # by its bytes, not its name: the engine reads them
-    for dockerfile in ("FROM envfleet/base:latest\nADD data/ /x/\n", "FROM envfleet/base:latest\nadd \\\n b /x\n"):
+    for dockerfile in (
+        "FROM envfleet/base:latest\nADD data/ /x/\n",
+        "FROM envfleet/base:latest\nadd \\\n b /x\n",
+        "FROM envfleet/base:latest\nAD\\\nD data /x\n",  # the builder joins a continuation with nothing between
+        "# escape=`\nFROM envfleet/base:latest\nAD`\nD data /x\n",
+    ):
         with pytest.raises(InvalidRequestError, match=r"context file 'data/blob\.bin' is an archive .* use COPY"):
             build_image(
                 None,  # type: ignore[arg-type]  # refused before any engine call

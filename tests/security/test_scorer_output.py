@@ -27,3 +27,33 @@ def test_a_number_past_a_floats_range_is_no_error_in_a_component_and_no_reward()
     assert (score.reward, score.components) == (0.0, {"ok": 2.0})
     with pytest.raises(ScoringError, match='finite numeric "reward"'):
         parse_score(ExecResult(0, f'{{"reward": {huge}}}\n'.encode(), b""), 10)
+
+
+def test_more_components_than_a_score_keeps_leave_the_reward_standing() -> None:
+    # Score refuses more than 256 components (ValueError: ENV_ERROR, masked): a policy's program the scorer runs
+    # could print them, and trade its 0 for no signal
+    import json
+
+    from orchestrator.core.environment import MAX_SCORE_NAMES
+
+    line = json.dumps({"reward": 0, **{f"k{i}": 1 for i in range(MAX_SCORE_NAMES + 1)}}) + "\n"
+    score = parse_score(ExecResult(0, line.encode(), b""), 10)
+    assert (score.reward, score.components) == (0.0, {})
+
+
+async def test_a_shell_that_fails_in_time_says_the_host_keeps_time() -> None:
+    # the policy, as root, broke /bin/sh: the probe's nonzero exit was read as a slow host (INFRA_ERROR, retried and
+    # masked), a way out of a 0 the policy could choose. Only a probe past its time is the host's
+    from orchestrator.core.errors import SandboxUnavailableError
+    from orchestrator.core.sandbox import keeps_time
+
+    class Sandbox:
+        def __init__(self, result: ExecResult) -> None:
+            self.result = result
+
+        async def exec(self, *a: object, **kw: object) -> ExecResult:
+            return self.result
+
+    await keeps_time(Sandbox(ExecResult(127, b"", b"/bin/sh: not found")), "the verifier failed")  # type: ignore[arg-type]
+    with pytest.raises(SandboxUnavailableError, match="the host, not the policy, is slow"):
+        await keeps_time(Sandbox(ExecResult(-9, b"", b"", timed_out=True)), "the verifier failed")  # type: ignore[arg-type]

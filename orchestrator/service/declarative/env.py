@@ -18,6 +18,7 @@ import docker
 from orchestrator.core.environment import (
     GRADER_CWD,
     GRADER_ENV,
+    MAX_SCORE_NAMES,
     Environment,
     Episode,
     Rubric,
@@ -116,6 +117,9 @@ def parse_score(result: ExecResult, timeout_s: float) -> Score:
         )
     assert isinstance(out, dict)
     components = {str(k): float(v) for k, v in out.items() if k != "reward" and _finite(v)}
+    if len(components) > MAX_SCORE_NAMES:
+        # too many to keep (a Score refuses them: ENV_ERROR, masked, which the policy's program could print)
+        components = {}
     return Score(float(reward), components)
 
 

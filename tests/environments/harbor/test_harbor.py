@@ -18,6 +18,7 @@ from environments.harbor.env import HarborEnvironment, from_manifest, make_harbo
 from environments.harbor.task import HarborRewardError, HarborTaskError, load_task, parse_reward
 from environments.harbor.validate import check_task
 from orchestrator.backends.docker.backend import DockerBackend
+from orchestrator.core.environment import Score
 from orchestrator.core.errors import ImageBuildError
 
 DOCKERFILE = """FROM envfleet/base:latest
@@ -152,6 +153,10 @@ def test_reward_rules() -> None:
     assert parse_reward(None, b'{"a": 1, "b": 0}') == (0.5, {"a": 1.0, "b": 0.0})
     assert parse_reward(None, b'{"reward": 0.75, "a": 0}')[0] == 0.75
     assert parse_reward(None, b'{"a": 1e308, "b": 1e308}')[0] == 1e308  # the mean, not an infinite sum halved
+    # a result per test, past what a score keeps as components: the reward stands (its Score was a ValueError)
+    per_test = json.dumps({"reward": 0.5, **{f"test_{i}": i % 2 for i in range(300)}}).encode()
+    reward, components = parse_reward(None, per_test)
+    assert (reward, components) == (0.5, {}) and Score(reward, components).reward == 0.5
     for txt, js, msg in [
         (None, None, "neither"),
         (b"  \n", None, "empty"),
