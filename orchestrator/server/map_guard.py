@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError, Message
 
 MAX_MAP_ENTRIES = 65_536  # in one map field: its parse stays linear (0.03 s at 100,000 entries here)
 MAX_ENTRIES = 1_000_000  # in every map field of one request together (100,000 tasks' files, say)
+MIN_ENTRY_BYTES = 2  # a map entry on the wire at least: its tag and a length of 0
 MAX_REPEATED = 100_000  # messages of one repeated field on the way to a map (as a spec's tasks)
 
 _FILE = "envfleet_map_shapes.proto"
@@ -83,8 +84,8 @@ def map_counter(request_types: list[Descriptor]) -> Callable[[Descriptor, bytes]
 
     def check(real: Descriptor, data: bytes) -> str | None:
         cls = classes.get(real.full_name)
-        if cls is None:
-            return None
+        if cls is None or len(data) <= MAX_MAP_ENTRIES * MIN_ENTRY_BYTES:
+            return None  # too small to hold a map over the limit (an Exec's usual few hundred bytes: no second parse)
         try:
             shape = cls.FromString(data)
         except DecodeError:
