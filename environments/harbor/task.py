@@ -18,6 +18,7 @@ from typing import Any
 from orchestrator.core.echo import echo
 from orchestrator.core.environment import GRADER_ENV, MAX_SCORE_NAMES
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
+from orchestrator.core.models import MAX_REWARD
 from orchestrator.service.declarative import dockerfile as dockerfile_check
 
 log = logging.getLogger(__name__)
@@ -141,32 +142,39 @@ def _table(doc: dict[str, Any], name: str, task: str) -> dict[str, Any]:
 
 
 def _number(
-    t: dict[str, Any], key: str, section: str, task: str, default: float | None, least: float = 0.0
+    t: dict[str, Any],
+    key: str,
+    section: str,
+    task: str,
+    default: float | None,
+    least: float = 0.0,
+    most: float = math.inf,
 ) -> float | None:
     v = t.get(key, default)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
         raise HarborTaskError(f"task {task}: [{section}] {key} must be a positive number, not {_shown(v)}")
-    if v < least:
-        raise HarborTaskError(f"task {task}: [{section}] {key} = {_shown(v)} is under {least:g}")
+    if not least <= v <= most:
+        bound = f"under {least:.15g}" if v < least else f"over {most:.15g}"
+        raise HarborTaskError(f"task {task}: [{section}] {key} = {_shown(v)} is {bound}")
     if key.endswith("_sec") and v > MAX_TIMEOUT_S:
         # a socket's timeout past what it takes raised OverflowError out of the build, uncaught
         raise HarborTaskError(f"task {task}: [{section}] {key} = {_shown(v)} is over {MAX_TIMEOUT_S:g}s (a day)")
     return float(v)
 
 
-def _megabytes(t: dict[str, Any], key: str, task: str, least: float) -> int | None:
+def _megabytes(t: dict[str, Any], key: str, task: str, least: float, most: float) -> int | None:
     """[environment] `key`_mb, or Harbor's older `key` = "4G" / "512M" (it was ignored, and the default used)."""
     if f"{key}_mb" in t or key not in t:
-        mb = _number(t, f"{key}_mb", "environment", task, None, least)
+        mb = _number(t, f"{key}_mb", "environment", task, None, least, most)
         return None if mb is None else int(mb)
     v = t[key]
     m = _SIZE.fullmatch(v.strip()) if isinstance(v, str) else None
     if m is None:
         raise HarborTaskError(f'task {task}: [environment] {key} = {_shown(v)}: give {key}_mb = <MB> (or "4G")')
     mb = float(m[1]) * {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}[m[2].upper()]
-    return int(_number({f"{key}_mb": mb}, f"{key}_mb", "environment", task, None, least) or 0)
+    return int(_number({f"{key}_mb": mb}, f"{key}_mb", "environment", task, None, least, most) or 0)
 
 
 def _env(t: dict[str, Any], section: str, task: str) -> dict[str, str]:
@@ -311,9 +319,9 @@ def load_task(path: Path) -> HarborTask:
     tests = _files(path / "tests", task, "tests")
     if "test.sh" not in tests:
         raise HarborTaskError(f"task {task}: no tests/test.sh")
-    # what a sandbox takes at least (Limits): below it, the whole import failed on a message naming no task
-    memory = _megabytes(envt, "memory", task, least=16)
-    storage = _megabytes(envt, "storage", task, least=1)
+    # within what a sandbox takes (Limits): past it, the whole import failed on a message naming no task
+    memory = _megabytes(envt, "memory", task, least=16, most=1 << 20)
+    storage = _megabytes(envt, "storage", task, least=1, most=1 << 20)
     return HarborTask(
         id=task,
         path=path,
@@ -322,7 +330,7 @@ def load_task(path: Path) -> HarborTask:
         docker_image=image,
         workdir=workdir.rstrip("/"),
         env=_env(envt, "environment", task),
-        cpus=_number(envt, "cpus", "environment", task, None, least=0.01),
+        cpus=_number(envt, "cpus", "environment", task, None, least=0.01, most=1024),
         memory_mb=memory,
         storage_mb=storage,
         build_timeout_s=_number(envt, "build_timeout_sec", "environment", task, DEFAULT_BUILD_TIMEOUT_S) or 0.0,
@@ -345,6 +353,14 @@ def _finite(v: object) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def _bounded(reward: float, where: str) -> float:
+    """A reward within ±MAX_REWARD: past it a Score refuses it (ENV_ERROR), where the verifier's number, which
+    test.sh may take from the agent's program, is a failed verifier's case (0 in a validated task)."""
+    if abs(reward) > MAX_REWARD:
+        raise HarborRewardError(f"{where}: the reward {reward:g} is past ±{MAX_REWARD:g}")
+    return reward
+
+
 def parse_reward(txt: bytes | None, js: bytes | None) -> tuple[float, dict[str, float]]:
     """Harbor's rule: reward.txt (one float) wins over reward.json (an object of finite numbers). The scalar is
     its "reward" key, else the mean of its values; anything missing, empty or non-numeric is a HarborRewardError."""
@@ -358,7 +374,7 @@ def parse_reward(txt: bytes | None, js: bytes | None) -> tuple[float, dict[str, 
             value = None
         if value is None:
             raise HarborRewardError(f"/logs/verifier/reward.txt is not a finite number: {text[:200]!r}")
-        return value, {}
+        return _bounded(value, "/logs/verifier/reward.txt"), {}
     if js is None:
         raise HarborRewardError("test.sh wrote neither /logs/verifier/reward.txt nor /logs/verifier/reward.json")
     if not js.strip():
@@ -378,7 +394,10 @@ def parse_reward(txt: bytes | None, js: bytes | None) -> tuple[float, dict[str, 
             raise HarborRewardError(f"/logs/verifier/reward.json: {k!r} is {v!r}, not a finite number")
         values[str(k)] = f
     # each value divided first: two values near a float's limit have a finite mean and an infinite sum
-    reward = values["reward"] if "reward" in values else sum(v / len(values) for v in values.values())
+    reward = _bounded(
+        values["reward"] if "reward" in values else sum(v / len(values) for v in values.values()),
+        "/logs/verifier/reward.json",
+    )
     if len(values) > MAX_SCORE_NAMES:
         # a verifier's result per test: the reward stands, its keys are too many to keep as components
         return reward, {}

@@ -187,8 +187,21 @@ def build_image(
     return tag
 
 
-# what the engine unpacks when ADD's source is a local file: tar, and tar in gzip, bzip2, xz or zstd
-_ARCHIVE_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+# what the engine decompresses when ADD's source is a local file (then unpacks, when a tar header follows): gzip,
+# bzip2, xz, zstd, and zstd behind a skippable frame (a first word, little-endian, of 0x184D2A50-5F)
+_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+
+
+def _archive(head: bytes) -> bool:
+    """Whether a file starting with `head` (its first 512 bytes) is one the engine would unpack: compressed, as
+    above, or a tar header whose checksum holds (an old V7 tar has no "ustar" magic; Go's reader takes it)."""
+    if head.startswith(_COMPRESSED) or int.from_bytes(head[:4].ljust(4, b"\0"), "little") & ~0xF == 0x184D2A50:
+        return True
+    try:
+        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+    except tarfile.HeaderError:  # too short, all zeros, a bad checksum
+        return False
+    return True
 
 
 def _refuse_added_archives(dockerfile: str, entries: Sequence[_Entry]) -> None:
@@ -200,8 +213,8 @@ def _refuse_added_archives(dockerfile: str, entries: Sequence[_Entry]) -> None:
         return
     for e in entries:
         with e.open() as f:
-            head = f.read(262)
-        if head.startswith(_ARCHIVE_MAGIC) or head[257:262] == b"ustar":
+            head = f.read(tarfile.BLOCKSIZE)
+        if _archive(head):
             raise InvalidRequestError(
                 f"context file {e.path!r} is an archive and the Dockerfile uses ADD, which the engine would unpack "
                 "outside the build's limits: use COPY (and RUN tar -x, which runs under them)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import re
 from collections.abc import Iterable
@@ -120,10 +121,13 @@ class Registry:
             raise InvalidEnvironmentError(f"{name}@{version}: {e}") from None
         if not hasattr(env, "rubric"):
             raise InvalidEnvironmentError(f"{name}@{version}: no rubric")
-        if type(env).score is Environment.score and not callable(getattr(env.rubric, "score", None)):
+        rubric = env.rubric
+        scorer = not isinstance(rubric, type) and inspect.iscoroutinefunction(getattr(rubric, "score", None))
+        if type(env).score is Environment.score and not scorer:
             # a list of (name, fn, weight) registered, listed and described as fine, and failed every rollout
+            shown = echo(rubric) if isinstance(rubric, type) else f"a {type(rubric).__name__}"
             raise InvalidEnvironmentError(
-                f"{name}@{version}: rubric is a {type(env.rubric).__name__}; write Rubric([(name, fn, weight), ...])"
+                f"{name}@{version}: rubric is {shown} with no async score(ctx); write Rubric([(name, fn, weight), ...])"
             )
         turns, tool_s = getattr(env, "max_turns", None), getattr(env, "tool_timeout_s", None)
         if isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= MAX_TURNS:

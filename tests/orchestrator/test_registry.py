@@ -61,7 +61,9 @@ class Copied(PythonToolEnv):
 @pytest.mark.parametrize(
     ("attribute", "value", "message"),
     [
-        ("rubric", [("exact", _exact, 1.0)], "rubric is a list; write Rubric"),  # as the README once put it
+        ("rubric", [("exact", _exact, 1.0)], "rubric is a list with no async score"),  # as the README once put it
+        ("rubric", Rubric, "rubric is <class"),  # the class, never made
+        ("rubric", type("SyncScore", (), {"score": lambda self, ctx: 1.0})(), "rubric is a SyncScore with no async"),
         ("max_turns", 0, "max_turns 0 must be an int in 1..1000"),  # every rollout TRUNCATED, no model call
         ("max_turns", 8.0, "max_turns 8.0 must be an int"),  # every rollout INFRA_ERROR, retried
         ("max_turns", True, "max_turns True must be an int"),

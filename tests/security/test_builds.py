@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import secrets
 import subprocess
+import tarfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -686,6 +688,20 @@ def test_builds_running_at_once_count_each_others_disk(monkeypatch: pytest.Monke
         pass
 
 
+def _tar(v7: bool = False) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as t:
+        info = tarfile.TarInfo("f")
+        info.size = 1
+        t.addfile(info, io.BytesIO(b"x"))
+    data = bytearray(out.getvalue())
+    if v7:  # the magic and version gone, the checksum made again over the header as it is now
+        data[257:265] = bytes(8)
+        data[148:156] = b" " * 8
+        data[148:156] = b"%06o\0 " % sum(data[:512])
+    return bytes(data)
+
+
 @pytest.mark.parametrize(
     "archive",
     [
@@ -693,9 +709,11 @@ def test_builds_running_at_once_count_each_others_disk(monkeypatch: pytest.Monke
         b"BZh91AY&SY" + bytes(40),  # bzip2
         b"\xfd7zXZ\x00" + bytes(40),  # xz
         b"\x28\xb5\x2f\xfd" + bytes(40),  # zstd
-        bytes(257) + b"ustar\x0000" + bytes(40),  # tar
+        _tar(),
+        _tar(v7=True),  # no "ustar" magic: Go's reader takes it by its checksum
+        (0x184D2A53).to_bytes(4, "little") + (4).to_bytes(4, "little") + b"skip" + b"\x28\xb5\x2f\xfd",  # zstd
     ],
-    ids=["gzip", "bzip2", "xz", "zstd", "tar"],
+    ids=["gzip", "bzip2", "xz", "zstd", "tar", "tar-v7", "zstd-skippable-frame"],
 )
 def test_an_untrusted_build_that_adds_an_archive_is_refused_before_the_engine_sees_it(
     tmp_path: Path, archive: bytes
@@ -705,6 +723,7 @@ def test_an_untrusted_build_that_adds_an_archive_is_refused_before_the_engine_se
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "blob.bin").write_bytes(archive)  # by its bytes, not its name: the engine reads them
+    (folder / "plain.txt").write_bytes(b"print(1)\n" * 100)  # and no plain file is taken for one
     for dockerfile in (
         "FROM envfleet/base:latest\nADD data/ /x/\n",
         "FROM envfleet/base:latest\nadd \\\n b /x\n",

@@ -350,6 +350,9 @@ def test_task_toml_depth_is_read_before_it_is_parsed_and_strings_do_not_count() 
         ("memory_mb = 8\n", "memory_mb = 8 is under 16"),  # a pydantic error naming no task, for the whole import
         ("memory_mb = 0.5\n", "memory_mb = 0.5 is under 16"),  # int(0.5): the default, silently
         ("cpus = 0.001\n", "cpus = 0.001 is under 0.01"),
+        ("cpus = 2000\n", "cpus = 2000 is over 1024"),  # past a sandbox's most: the same message naming no task
+        ('memory = "2T"\n', "memory_mb = 2097152.0 is over 1048576"),
+        ("storage_mb = 5000000\n", "storage_mb = 5000000 is over 1048576"),
         ('memory = "lots"\n', "memory = 'lots': give memory_mb"),
         ("build_timeout_sec = 1e10\n", "build_timeout_sec = 10000000000.0 is over 86400s"),  # OverflowError
     ],

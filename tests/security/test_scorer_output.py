@@ -39,6 +39,9 @@ def test_more_components_than_a_score_keeps_leave_the_reward_standing() -> None:
     line = json.dumps({"reward": 0, **{f"k{i}": 1 for i in range(MAX_SCORE_NAMES + 1)}}) + "\n"
     score = parse_score(ExecResult(0, line.encode(), b""), 10)
     assert (score.reward, score.components) == (0.0, {})
+    # a reward past what a Score takes: a failed scoring (0 on the policy's answer), not a ValueError
+    with pytest.raises(ScoringError, match=r"a reward of 1e\+300, past"):
+        parse_score(ExecResult(0, b'{"reward": 1e300}\n', b""), 10)
 
 
 async def test_a_shell_that_fails_in_time_says_the_host_keeps_time() -> None:

@@ -27,6 +27,7 @@ from orchestrator.core.environment import (
     ToolInvocation,
 )
 from orchestrator.core.image_spec import ImageSpec
+from orchestrator.core.models import MAX_REWARD
 from orchestrator.core.sandbox import PROBE_TIMEOUT_S, ExecResult, Sandbox, keeps_time
 from orchestrator.images import build_from_spec, build_image, ensure_base_image
 from orchestrator.images.build import BuildLimits
@@ -116,6 +117,9 @@ def parse_score(result: ExecResult, timeout_s: float) -> Score:
             f"its output ended with: {_tail(result.stdout) or '(nothing)'}"
         )
     assert isinstance(out, dict)
+    if abs(reward) > MAX_REWARD:
+        # a Score refuses it (ENV_ERROR, masked), and the policy's program the command runs could print it
+        raise ScoringError(f"scoring command printed a reward of {reward:g}, past ±{MAX_REWARD:g}")
     components = {str(k): float(v) for k, v in out.items() if k != "reward" and _finite(v)}
     if len(components) > MAX_SCORE_NAMES:
         # too many to keep (a Score refuses them: ENV_ERROR, masked, which the policy's program could print)

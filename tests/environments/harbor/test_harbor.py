@@ -152,7 +152,8 @@ def test_reward_rules() -> None:
     assert parse_reward(b"0.25\n", b'{"reward": 1}') == (0.25, {})  # reward.txt wins, as in Harbor
     assert parse_reward(None, b'{"a": 1, "b": 0}') == (0.5, {"a": 1.0, "b": 0.0})
     assert parse_reward(None, b'{"reward": 0.75, "a": 0}')[0] == 0.75
-    assert parse_reward(None, b'{"a": 1e308, "b": 1e308}')[0] == 1e308  # the mean, not an infinite sum halved
+    assert parse_reward(None, b'{"a": 1e12, "b": 1e12}')[0] == 1e12  # the mean, not a sum halved
+    assert parse_reward(None, b'{"reward": 1, "runtime_ns": 1e15}')[1]["runtime_ns"] == 1e15  # a component: any size
     # a result per test, past what a score keeps as components: the reward stands (its Score was a ValueError)
     per_test = json.dumps({"reward": 0.5, **{f"test_{i}": i % 2 for i in range(300)}}).encode()
     reward, components = parse_reward(None, per_test)
@@ -168,6 +169,9 @@ def test_reward_rules() -> None:
         (None, b'{"a": 1' + b"0" * 400 + b"}", "not a finite number"),
         (None, b'{"a": 1' + b"0" * 5000 + b"}", "not JSON"),
         (None, b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+        # past what a Score takes (ENV_ERROR, where the agent's program may have written it): a failed verifier's
+        (b"1e300", None, r"reward 1e\+300 is past"),
+        (None, b'{"a": 1e308, "b": 1e308}', r"reward 1e\+308 is past"),
     ]:
         with pytest.raises(HarborRewardError, match=msg):
             parse_reward(txt, js)
