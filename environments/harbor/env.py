@@ -190,6 +190,7 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             context_files=context,
             limits=limits,
             from_images=dockerfile_check.check(text),  # each on this host: a build never pulls
+            adds=dockerfile_check.adds(text),
         )
 
     async def _sh(self, sandbox: Sandbox, cmd: str, timeout: float, what: str) -> ExecResult:

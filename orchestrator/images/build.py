@@ -129,6 +129,7 @@ def build_image(
     limits: BuildLimits | None = None,
     made_files: Callable[[], Mapping[str, ContextFile]] | None = None,
     from_images: Collection[str] | None = None,
+    adds: bool | None = None,
 ) -> str:
     """Build `envfleet/<name>:<hash of the inputs, 12 hex; 24 with limits>` unless the engine has it already; return
     the tag.
@@ -140,6 +141,8 @@ def build_image(
     `from_images`: the images the Dockerfile reads (FROM and --from, none of its own stages), as the caller's check
     of an untrusted Dockerfile found them: each must be on this host, since the engine would pull a missing one over
     the host network (ImageBuildError says so, and nothing is built); None: a trusted Dockerfile's FROM lines.
+    `adds`: whether an untrusted Dockerfile (with `limits`) has ADD, as the caller's parse of it found
+    (declarative.dockerfile.adds); None: taken to, and no context file may then be an archive.
     Raises ImageBuildError naming the failing step.
     """
     if not _NAME.match(name):
@@ -149,8 +152,8 @@ def build_image(
     labs = dict(labels or {})
     _refuse_control_labels(dockerfile, labs)
     entries = _collect(context_files)
-    if limits is not None:
-        _refuse_added_archives(dockerfile, entries)
+    if limits is not None and adds is not False:
+        _refuse_added_archives(entries)
     args = dict(buildargs or {})
     # the images it builds FROM are inputs too: FROM envfleet/base:latest names whatever base this engine has now
     # (a new envd), so a cache keyed by the Dockerfile's text alone would hand out an image on the old one
@@ -204,13 +207,11 @@ def _archive(head: bytes) -> bool:
     return True
 
 
-def _refuse_added_archives(dockerfile: str, entries: Sequence[_Entry]) -> None:
+def _refuse_added_archives(entries: Sequence[_Entry]) -> None:
     """An untrusted Dockerfile with ADD and an archive in its context: the engine unpacks an ADDed archive itself, as
     root on the host, outside the build's limits and before the disk guard sees a layer (16 MiB of xz can unpack to
     hundreds of GiB). Which context file an ADD names (globs, folders) is the builder's to resolve: with ADD in the
     Dockerfile, no context file may be an archive."""
-    if not _adds(dockerfile):
-        return
     for e in entries:
         with e.open() as f:
             head = f.read(tarfile.BLOCKSIZE)
@@ -219,21 +220,6 @@ def _refuse_added_archives(dockerfile: str, entries: Sequence[_Entry]) -> None:
                 f"context file {e.path!r} is an archive and the Dockerfile uses ADD, which the engine would unpack "
                 "outside the build's limits: use COPY (and RUN tar -x, which runs under them)"
             )
-
-
-def _adds(dockerfile: str) -> bool:
-    """Whether the Dockerfile has an ADD (or ONBUILD ADD), read as the builder reads it: a keyword split by a
-    continuation (`AD\\` then `D`) is joined with nothing between, and `# escape=` may change the continuation."""
-    from orchestrator.service.declarative.dockerfile import DockerfileError, parse
-
-    try:
-        instructions = parse(dockerfile)
-    except DockerfileError:
-        return True  # read more than one way: as if it added
-    return any(
-        i.keyword == "ADD" or (i.keyword == "ONBUILD" and i.args.lstrip().upper().startswith("ADD"))
-        for i in instructions
-    )
 
 
 def _refuse_control_labels(dockerfile: str, labels: Mapping[str, str]) -> None:

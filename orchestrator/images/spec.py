@@ -33,4 +33,5 @@ def build_from_spec(
         log_dir=log_dir,
         limits=limits,
         from_images=from_images,
+        adds=False,  # its files are COPYed (render_dockerfile writes no ADD)
     )

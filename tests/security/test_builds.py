@@ -724,18 +724,31 @@ def test_an_untrusted_build_that_adds_an_archive_is_refused_before_the_engine_se
     folder.mkdir()
     (folder / "blob.bin").write_bytes(archive)  # by its bytes, not its name: the engine reads them
     (folder / "plain.txt").write_bytes(b"print(1)\n" * 100)  # and no plain file is taken for one
-    for dockerfile in (
-        "FROM envfleet/base:latest\nADD data/ /x/\n",
-        "FROM envfleet/base:latest\nadd \\\n b /x\n",
-        "FROM envfleet/base:latest\nAD\\\nD data /x\n",  # the builder joins a continuation with nothing between
-        "# escape=`\nFROM envfleet/base:latest\nAD`\nD data /x\n",
-    ):
-        with pytest.raises(InvalidRequestError, match=r"context file 'data/blob\.bin' is an archive .* use COPY"):
-            build_image(
-                None,  # type: ignore[arg-type]  # refused before any engine call
-                name="t",
-                dockerfile=dockerfile,
-                context_files={"data": folder},
-                limits=BuildLimits(),
-                from_images=["envfleet/base:latest"],
-            )
+    with pytest.raises(InvalidRequestError, match=r"context file 'data/blob\.bin' is an archive .* use COPY"):
+        build_image(
+            None,  # type: ignore[arg-type]  # refused before any engine call
+            name="t",
+            dockerfile="FROM envfleet/base:latest\nADD data/ /x/\n",
+            context_files={"data": folder},
+            limits=BuildLimits(),
+            from_images=["envfleet/base:latest"],
+            adds=None,  # not said: taken to add (Harbor says, from its parse)
+        )
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "adds"),
+    [
+        ("FROM envfleet/base:latest\nADD data/ /x/\n", True),
+        ("FROM envfleet/base:latest\nadd \\\n b /x\n", True),
+        ("FROM envfleet/base:latest\nAD\\\nD data /x\n", True),  # a continuation is joined with nothing between
+        ("# escape=`\nFROM envfleet/base:latest\nAD`\nD data /x\n", True),
+        ('FROM envfleet/base:latest\nADD ["data", "/x/"]\n', True),
+        ("FROM envfleet/base:latest\nCOPY data /x\nRUN echo address\n", False),
+    ],
+)
+def test_add_is_found_as_the_builder_reads_it(dockerfile: str, adds: bool) -> None:
+    # split by a continuation, or under `# escape=`, ADD passed a line-by-line regex (Harbor's build gives this)
+    from orchestrator.service.declarative.dockerfile import adds as has_add
+
+    assert has_add(dockerfile) is adds

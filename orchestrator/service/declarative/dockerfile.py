@@ -143,6 +143,20 @@ def _continues(line: str, n: int, escape: str) -> tuple[bool, str]:
     return False, line
 
 
+def adds(text: str) -> bool:
+    """Whether a Dockerfile has an ADD (or ONBUILD ADD), read as the builder reads it: a keyword split by a
+    continuation (`AD\\` then `D`) is joined with nothing between, and `# escape=` may change the continuation.
+    One that could be read more than one way counts as adding."""
+    try:
+        instructions = parse(text)
+    except DockerfileError:
+        return True
+    return any(
+        i.keyword == "ADD" or (i.keyword == "ONBUILD" and i.args.lstrip().upper().startswith("ADD"))
+        for i in instructions
+    )
+
+
 def parse(text: str) -> list[Instruction]:
     """The logical instructions of a Dockerfile, as the builder's parser cuts them: continuation lines joined and
     comments dropped (DockerfileError where the file could be read more than one way)."""
