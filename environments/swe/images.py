@@ -203,6 +203,7 @@ def repo_image(
         labels=labels,
         cache_dir=cache_dir,
         limits=BuildLimits(),  # it unpacks and patches the dataset's archive: task content, bounded like a tenant's
+        adds=False,  # COPY, then unpacked by snapshot.py under the build's limits
     )
 
 
