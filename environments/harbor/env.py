@@ -65,7 +65,10 @@ SYSTEM_PROMPT = (
     "You are an agent working in a Linux sandbox without network access. Use the tools to complete the task; "
     "call submit when done."
 )
-DEFAULT_LIMITS = Limits(memory_mb=1024, cpus=1.0, pids=256)
+# a task that sets no limits: Harbor's 2 GiB and 1 CPU; a process cap Harbor does not have (a fork bomb stays in its
+# sandbox); /tmp and the workspace are tmpfs within the memory (Harbor's are on the container's disk), at 256 MiB
+# and 1 GiB the most that fits beside a quarter kept for the processes
+DEFAULT_LIMITS = Limits(memory_mb=2048, cpus=1.0, pids=1024, tmp_mb=256)
 
 
 class VerifierTimeoutError(HarborRewardError):
@@ -278,6 +281,10 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             raise HarborRewardError(f"{path} is over {MAX_OUTPUT} bytes")
         return data
 
+    def episode_timeout_s(self, task: Task) -> float:
+        """[agent] timeout_sec: the agent's whole run, as Harbor's (then test.sh scores what it left)."""
+        return self.harbor_tasks[task.id].agent_timeout_s
+
     def scoring_timeout_s(self, task: Task) -> float:
         """test.sh at its timeout and the grader's four steps around it, twice for a validated task (it runs once
         more after a timeout), then the look at /tmp and at the host's pace."""
@@ -390,7 +397,7 @@ def _limits(tasks: Sequence[HarborTask]) -> Limits:
     mem = max((t.memory_mb for t in tasks if t.memory_mb), default=d.memory_mb)
     cpus = max((t.cpus for t in tasks if t.cpus), default=d.cpus)
     storage = max((t.storage_mb for t in tasks if t.storage_mb), default=d.workspace_mb)
-    return Limits(memory_mb=mem, cpus=cpus, pids=d.pids, workspace_mb=storage)
+    return Limits(memory_mb=mem, cpus=cpus, pids=d.pids, tmp_mb=d.tmp_mb, workspace_mb=storage)
 
 
 def _workdir_note(workdir: str) -> str:

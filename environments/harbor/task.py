@@ -27,6 +27,15 @@ TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]*$")
 _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,255}$")
+# where the agent and test.sh run when neither task.toml nor the Dockerfile's last stage says (Harbor's tasks
+# mostly set WORKDIR /app)
+DEFAULT_WORKDIR = "/app"
+# where the sandbox mounts its own (tmpfs, envd, devices) or the image tail puts Harbor's paths: a workdir there is
+# no link to /workspace
+_SANDBOX_DIRS = (
+    *("/tmp", "/workspace", "/dev", "/proc", "/sys", "/run"),
+    *("/logs", "/tests", "/solution", "/opt/harbor", "/opt/envfleet"),
+)
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0
 DEFAULT_BUILD_TIMEOUT_S = 600.0
@@ -223,6 +232,50 @@ def _solution_env(t: dict[str, Any], task: str) -> dict[str, str]:
     return out
 
 
+def _is_workdir(v: object) -> bool:
+    """An absolute path without `..` that the image tail can make a link to /workspace: not one the sandbox keeps."""
+    if not isinstance(v, str) or not _WORKDIR.fullmatch(v) or ".." in v.split("/"):
+        return False
+    v = v.rstrip("/")
+    return v == "/workspace" or (v != "" and not any(v == d or v.startswith(d + "/") for d in _SANDBOX_DIRS))
+
+
+def _dockerfile_workdir(text: str, task: str) -> str | None:
+    """The working directory the Dockerfile leaves its last stage in (its last WORKDIR, a relative one joined to
+    the one before, a stage FROM an earlier stage starting in that stage's), where Harbor runs the agent and
+    test.sh; None when the last stage sets none (the base image's). One this cannot read for sure (a variable,
+    quotes, `..`), or one the sandbox keeps (/, /tmp), is said and left to the default: [environment] workdir names
+    it."""
+    stages: list[tuple[set[str], str | None]] = []  # (the stage's index and name, lower case; its workdir)
+    current: str | None = None
+    line = 0
+    for i in dockerfile_check.parse(text):
+        if i.keyword == "FROM":
+            words = [w.lower() for w in i.args.split() if not w.startswith("--")]
+            current = next((w for keys, w in reversed(stages) if words and words[0] in keys), None)
+            keys = {str(len(stages)), *(words[2:3] if len(words) >= 3 and words[1] == "as" else [])}
+            stages.append((keys, current))
+        elif i.keyword == "WORKDIR" and stages:
+            arg, line = i.args.strip(), i.line
+            # relative: to the one before; after a FROM of an image, to that image's, unknown here ("?" stays)
+            current = re.sub("/+", "/", arg if arg.startswith("/") else f"{current or '?'}/{arg}").rstrip("/") or "/"
+            stages[-1] = (stages[-1][0], current)
+    if current is None:
+        return None
+    if not _is_workdir(current):
+        log.warning(
+            "task %s: environment/Dockerfile line %d: the last WORKDIR, %s, is not a plain path this reads, or is "
+            "one the sandbox keeps (/, /tmp, /workspace/..., /dev, Harbor's /logs, /tests, /solution); the workdir "
+            'is %s: give [environment] workdir = "/path" in task.toml',
+            task,
+            line,
+            echo(current),
+            DEFAULT_WORKDIR,
+        )
+        return None
+    return current
+
+
 def _nested_deeper(text: str, limit: int) -> bool:
     """Whether TOML text opens more than `limit` arrays or inline tables inside each other, or tables by a dotted
     key or header (`a.b.c = 1`, `[a.b.c]`), its strings and comments left out (a string it misreads can only count
@@ -305,10 +358,11 @@ def load_task(path: Path) -> HarborTask:
             task,
             ", ".join(unmet),
         )
-    workdir = envt.get("workdir", "/app")
-    if not isinstance(workdir, str) or not _WORKDIR.fullmatch(workdir) or ".." in workdir.split("/") or workdir == "/":
+    workdir = envt.get("workdir")
+    if workdir is not None and not _is_workdir(workdir):
         raise HarborTaskError(
-            f"task {task}: [environment] workdir {_shown(workdir)} must be an absolute directory path"
+            f"task {task}: [environment] workdir {_shown(workdir)} must be an absolute directory path, not / or "
+            f"one the sandbox keeps ({', '.join(_SANDBOX_DIRS)}; /workspace itself is fine)"
         )
     executables: set[str] = set()
     context = _files(path / "environment", task, "environment", executables)
@@ -339,6 +393,10 @@ def load_task(path: Path) -> HarborTask:
             dockerfile_check.check(dockerfile)
         except InvalidRequestError as e:
             raise HarborTaskError(f"task {task}: environment/Dockerfile: {e}") from None
+        if workdir is None:
+            workdir = _dockerfile_workdir(dockerfile, task)
+    if workdir is None:
+        workdir = DEFAULT_WORKDIR
     verifier_env = _env(verifier, "verifier", task)
     # test.sh runs with the clean grader's Python variables over the task's: a user site directory let a
     # usercustomize.py the agent planted run in the verifier's pythons (its HOME: see HarborEnvironment.score)

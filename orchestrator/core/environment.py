@@ -150,16 +150,25 @@ class Rubric:
         return Score(reward, components, metrics)
 
 
-MAX_SCORING_S = 24 * 3600.0  # the most an environment's scoring_timeout_s is taken at
+MAX_SCORING_S = 24 * 3600.0  # the most an environment's scoring_timeout_s (or episode_timeout_s) is taken at
 
 
 def scoring_budget(env: Environment, task: Task) -> float:
     """`env.scoring_timeout_s(task)`, within [0, MAX_SCORING_S]; an environment whose answer is not a number it
     can be (it raised, or said NaN) is logged and given none: a hint, never the rollout's failure."""
+    return _seconds(env, task, "scoring_timeout_s")
+
+
+def episode_budget(env: Environment, task: Task) -> float:
+    """`env.episode_timeout_s(task)` as scoring_budget takes its hint: 0, none, when it is not a number it can be."""
+    return _seconds(env, task, "episode_timeout_s")
+
+
+def _seconds(env: Environment, task: Task, hook: str) -> float:
     try:
-        s = float(env.scoring_timeout_s(task))
+        s = float(getattr(env, hook)(task))
     except Exception:
-        log.exception("%s: scoring_timeout_s failed; its scoring gets what is left of the rollout's time", env.ref())
+        log.exception("%s: %s failed; taken as none (the rollout's own time decides)", env.ref(), hook)
         return 0.0
     return 0.0 if math.isnan(s) else min(max(s, 0.0), MAX_SCORING_S)
 
@@ -211,6 +220,13 @@ class Environment(abc.ABC):
         gives scoring at least this much, past its own time if need be: a grader that runs out of the rollout's time
         (a policy that left a program that never ends, for the grader to wait out) made a masked TIMEOUT of what its
         own timeout scores 0."""
+        return 0.0
+
+    def episode_timeout_s(self, task: Task) -> float:
+        """The most the agent's episode of `task` may take, its policy calls and tool calls together; 0: the job's
+        (its rollout_timeout_s, less what scoring keeps). The shorter of the two ends it as the job's does: the tool
+        call running is stopped, the episode is TRUNCATED ("time") and scored as the agent left the sandbox (a
+        Harbor task's [agent] timeout_sec)."""
         return 0.0
 
     async def score(self, sandbox: Sandbox, task: Task, episode: Episode) -> Score:

@@ -8,13 +8,14 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from orchestrator.backends.pool import SandboxPool, lease_for, pool_labels
-from orchestrator.core.environment import Environment, ImageSource, Task, scoring_budget
+from orchestrator.core.environment import Environment, ImageSource, Task, episode_budget, scoring_budget
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, SandboxWaitTimeoutError
 from orchestrator.core.models import (
     EncodedRollout,
@@ -219,6 +220,7 @@ class RolloutRunner:
         loop = asyncio.get_running_loop()
         span = parent.open("attempt", t_start, {ROLLOUT_ID: item.id, JOB_ID: item.job_id, ATTEMPT: attempt})
         grading_s = scoring_budget(env, item.task)
+        episode_s = episode_budget(env, item.task)
         sandbox = None
         warm = False
         failure: Exception | None = None
@@ -277,8 +279,10 @@ class RolloutRunner:
                     # scored (a TRUNCATED 0 for the fleet's slowness), beside samples of its group that had it all
                     episode_start = loop.time()
                     deadline.reschedule(episode_start + spec.rollout_timeout_s)
-                    # the episode's share: scoring keeps the rest, whatever the policy spent
-                    episode_deadline = episode_start + spec.rollout_timeout_s - scoring_reserve(spec)
+                    # the episode's share: scoring keeps the rest, whatever the policy spent; an environment's
+                    # own limit on the agent's time (Harbor's [agent] timeout_sec) ends it sooner the same way
+                    rollout_episode_end = episode_start + spec.rollout_timeout_s - scoring_reserve(spec)
+                    episode_deadline = min(rollout_episode_end, episode_start + (episode_s or math.inf))
                     with Phase(span, "episode") as phase:
                         result = await run_episode(
                             env,
@@ -295,7 +299,7 @@ class RolloutRunner:
                             deadline=episode_deadline,
                             # a generation the server's failures delayed is cut by half the scoring's reserve at the
                             # latest, its turn lost but the rollout scored: past the rollout's end it was TIMEOUT
-                            cut_by=episode_deadline + scoring_reserve(spec) / 2,
+                            cut_by=rollout_episode_end + scoring_reserve(spec) / 2,
                         )
                     tokens = result.tokens.result()
                     timing.generation, timing.tools = result.generation_s, result.tools_s

@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Task
 from orchestrator.core.errors import PolicyError
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.rollout.episode import _PastDeadline
 from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.client import OpenAIPolicy
+from orchestrator.rollout.runner import WorkItem
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step, start_scripted_server
 from tests.orchestrator.conftest import ENV, job
-from tests.orchestrator.servers import FAKE, serve
+from tests.orchestrator.servers import FAKE, local_runner, serve
 
 
 async def _spending(tmp_path: Path, **fleet: float) -> Rollout:
@@ -204,3 +207,31 @@ async def test_the_time_failed_attempts_took_moves_the_cut_no_later_than_its_lim
                 progress.last = loop.time()
                 await asyncio.sleep(0.02)
     assert cut.expired() and 0.5 <= loop.time() - t0 < 1.5
+
+
+async def test_an_environments_own_time_for_the_agent_ends_the_episode_and_it_is_scored(tmp_path: Path) -> None:
+    # Harbor's [agent] timeout_sec is the agent's whole run: it capped each tool call only, so an agent that made
+    # slow calls had the rollout's time (here 60 s), not the task's 3 s
+    class Hurried(type(Registry.from_entry_points().get(ENV))):  # type: ignore[misc]
+        def episode_timeout_s(self, task: Task) -> float:
+            return 3.0
+
+    env = Hurried()
+    task = env.tasks()[0]
+    slow = Step(tool_calls=[ScriptedToolCall(name="python", arguments={"code": "print(1)"})])
+    async with (
+        await start_scripted_server(Script(default=[slow] * 8), tokens=False) as scripted,
+        serve(tmp_path / "data", backend=FAKE.model_copy(update={"exec_latency_s": 2.0})) as orch,
+    ):
+        policy = OpenAIPolicy(PolicyEndpoint(base_url=scripted.url, model="scripted"))
+        try:
+            item = WorkItem("direct", task, 0, time.monotonic())
+            spec = job(scripted.url, [task.id], rollout_timeout_s=60, max_infra_retries=0)
+            async with asyncio.timeout(30):
+                rollout = await local_runner(orch).run(item, env, spec, policy, "v1")
+        finally:
+            await policy.aclose()
+    assert (rollout.status, rollout.reward, rollout.error) == (RolloutStatus.TRUNCATED, 0.0, None)
+    assert rollout.timing is not None and 2.5 < rollout.timing.generation + rollout.timing.tools < 5
+    answered = [t for t in rollout.turns if t.role == "tool"]
+    assert len(answered) in (1, 2) and "timed out" in answered[-1].text

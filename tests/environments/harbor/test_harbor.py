@@ -338,6 +338,59 @@ async def test_the_oracle_runs_with_the_solutions_env(
     assert (c.oracle, c.empty, c.problems) == (1.0, 0.0, [])
 
 
+def test_the_workdir_is_the_dockerfiles_last_one_unless_task_toml_names_it(tmp_path: Path) -> None:
+    # Harbor runs the agent and test.sh in the image's working directory: here it was /app whatever the Dockerfile
+    # said, and a task built in /srv/app found an empty /app
+    def workdir(name: str, dockerfile: str, toml_extra: str = "") -> str:
+        return load_task(make_task(tmp_path, name, dockerfile=dockerfile, toml_extra=toml_extra)).workdir
+
+    base = "FROM envfleet/base:latest\n"
+    assert workdir("abs", base + "WORKDIR /srv/app\nRUN true\n") == "/srv/app"
+    assert workdir("rel", base + "WORKDIR /srv\nWORKDIR app/\n") == "/srv/app"
+    assert workdir("last", base + "WORKDIR /tmp/build\nRUN true\nWORKDIR /opt/proj\n") == "/opt/proj"
+    staged = "FROM envfleet/base:latest AS b\nWORKDIR /build\nFROM envfleet/base:latest\nWORKDIR /x\nFROM b\n"
+    assert workdir("staged", staged) == "/build"  # a stage FROM an earlier one starts in its workdir
+    assert workdir("none", base + "RUN true\n") == "/app"  # none set: Harbor's usual /app
+    assert workdir("named", base + "WORKDIR /srv/app\n", 'workdir = "/opt/w"\n') == "/opt/w"  # task.toml's wins
+    # what cannot be read for sure, or cannot be linked to the workspace, is the default (and said)
+    for name, line in (
+        ("var", "WORKDIR $HOME"),
+        ("tmp", "WORKDIR /tmp"),
+        ("root", "WORKDIR /"),
+        ("up", "WORKDIR /a/../b"),
+    ):
+        assert workdir(name, base + line + "\n") == "/app", line
+    for bad in ("/tmp/x", "/workspace/sub", "/logs", "relative"):
+        with pytest.raises(HarborTaskError, match=r"workdir .* must be an absolute directory path"):
+            load_task(
+                make_task(tmp_path, "named-" + bad.strip("/").replace("/", "-"), toml_extra=f'workdir = "{bad}"\n')
+            )
+
+
+def test_a_task_without_limits_gets_harbors_defaults(tmp_path: Path) -> None:
+    d = make_task(tmp_path, "unlimited")
+    (d / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 60\n')
+    env = make_harbor_environment("harbor-unlimited", [d])
+    assert (env.limits.memory_mb, env.limits.cpus, env.limits.pids) == (2048, 1.0, 1024)
+    assert env.episode_timeout_s(env.tasks()[0]) == 600.0  # [agent] timeout_sec's default: the whole run
+
+
+async def test_the_agent_and_test_sh_run_in_the_dockerfiles_workdir(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    dockerfile = "FROM envfleet/base:latest\nWORKDIR /srv/app\nRUN printf 'hello\\n' > greeting.txt\n"
+    solve = "#!/bin/bash\nset -e\ntr a-z A-Z < greeting.txt > out.txt\n"
+    test = (
+        '#!/bin/bash\nmkdir -p /logs/verifier\nif [ "$(pwd)" = /srv/app ] && [ "$(cat /srv/app/out.txt)" = HELLO ]; '
+        "then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
+    )
+    d = make_task(tmp_path, "srv-app", dockerfile=dockerfile, solve=solve, test=test, extra_solution={})
+    env = make_harbor_environment("harbor-srv-app", [d])
+    c = await check_task(env, backend, env.build_image(docker_client), "srv-app")
+    assert (c.oracle, c.empty, c.problems) == (1.0, 0.0, [])
+    assert "/srv/app is /workspace" in env.system_prompt
+
+
 def test_the_environment_key_tells_executable_files_apart_and_reads_solution_leniently(tmp_path: Path) -> None:
     # the executable mark was an optional byte beside the next file's name: {a (executable), b} and {a, xb} made
     # one key, and a task whose environment/ differed got another task's image
