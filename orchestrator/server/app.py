@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
+from orchestrator.core.errors import ConfigError
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobSpec
 from orchestrator.core.private_dirs import make_private_dir, sweep_private_dirs
@@ -235,6 +237,7 @@ class Orchestrator:
         self.openenv: OpenEnvFacade | None = None
         self._private_dir: Path | None = None  # the gRPC socket of the in-process OpenEnv facade
         self._serving = ""  # its instance id in the data directory's serving file (write_serving)
+        self._data_lock: int | None = None  # the data directory's lock (lock_data_dir), held until the stop's end
         self.stalls = StallWatch("control plane")
 
     @property
@@ -280,6 +283,9 @@ class Orchestrator:
                 await self.stalls.stop()
                 if self._private_dir is not None:
                     shutil.rmtree(self._private_dir, ignore_errors=True)
+                if self._data_lock is not None:
+                    os.close(self._data_lock)
+                    self._data_lock = None
                 await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
 
 
@@ -290,6 +296,31 @@ def _private_data_dir(path: Path) -> None:
     if stat.S_IMODE(path.stat().st_mode) & 0o077:
         log.warning("data directory %s was open to other users; it is 0700 now", path)
         path.chmod(0o700)
+
+
+DATA_LOCK_FILE = "lock"
+
+
+def lock_data_dir(path: Path) -> int:
+    """Hold the data directory for this server alone (an flock the kernel drops when the process dies, however it
+    dies): two servers on one directory both resumed its unfinished jobs, ran each rollout twice and wrote one result
+    log. Returns the lock's descriptor; ConfigError naming the holder when another server has it."""
+    fd = os.open(path / DATA_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise ConfigError(
+            f"data directory {path} is in use by another envfleet server (pid {holder or 'unknown'}); stop it, or "
+            "give this one a data directory of its own (--data-dir)"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 async def _swept(backend: SandboxBackend) -> None:
@@ -330,12 +361,14 @@ async def create_server(
     # what killed control planes and workers of this host left in the temp directory (their sockets, archives)
     await asyncio.to_thread(sweep_private_dirs)
     _private_data_dir(config.data_dir)
+    data_lock = lock_data_dir(config.data_dir)
     with_workers = config.workers or config.worker_listen or config.ray
-    identity = await worker_identity(config) if with_workers else None
     # what has started so far is stopped again if a later step fails (a port taken, a store that will not open):
     # local workers and Ray actors outlived a failed start, and the backend's sweeper and pool ran on
     undo = contextlib.AsyncExitStack()
+    undo.callback(os.close, data_lock)
     try:
+        identity = await worker_identity(config) if with_workers else None
         store = await ResultStore.open(config.data_dir / "results.sqlite3", synchronous=config.result_log_sync)
         undo.push_async_callback(store.close)
         fleet = await start_fleet(config.backend)
@@ -478,7 +511,7 @@ async def create_server(
         config.data_dir,
     )
     orch = Orchestrator(config, server, port, jobs, backend, store, health_servicer, tracer)
-    orch._private_dir = private_dir
+    orch._private_dir, orch._data_lock = private_dir, data_lock
     orch.stalls.start()
 
     pending: set[asyncio.Task[None]] = set()

@@ -222,3 +222,36 @@ async def test_backend_docker_still_uses_docker(
         container = await asyncio.to_thread(docker_client.containers.get, sandbox.id)
         assert container.labels[LABEL_OWNER] == TEST_OWNER and container.status == "running"
         await c.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=box.sandbox_id))
+
+
+async def test_a_data_directory_serves_one_server_at_a_time(tmp_path: Path) -> None:
+    # two servers on one data directory both resumed its unfinished jobs (each rollout run twice) and wrote one
+    # result log; the second is refused with the holder named, and a killed holder's lock goes with it
+    data = tmp_path / "data"
+    first, _ = await _serve_cli(data, "--backend", "fake", "--workers", "0")
+    try:
+        second = subprocess.run(
+            [*SERVE, "--metrics-port", "-1", "--data-dir", str(data), "--backend", "fake", "--workers", "0"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=NO_ENGINE,
+            timeout=60,
+        )
+        assert second.returncode != 0 and "listening" not in second.stdout
+        assert f"data directory {data} is in use by another envfleet server (pid {first.pid})" in second.stderr
+        assert "Traceback" not in second.stderr
+        with pytest.raises(ConfigError, match="in use by another envfleet server"):  # in a process of its own too
+            async with serve(data, backend=FAKE):
+                pass
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        again, _ = await _serve_cli(data, "--backend", "fake", "--workers", "0")
+        _stop(again)
+        assert again.returncode == 0
+    finally:
+        _stop(first)
+    async with serve(data, backend=FAKE):  # each stop let go of it
+        pass
+    async with serve(data, backend=FAKE):
+        pass
