@@ -99,6 +99,9 @@ def check_uploaded(env: HarborEnvironment) -> None:
 class HarborKind(ArchiveKind):
     """Harbor / Terminal-Bench task directories, uploaded with `envfleet envs import-harbor --server`."""
 
+    # 2: the workdir is the Dockerfile's, scripts run by their `#!` line, [agent] timeout_sec is the whole episode
+    rules = "2"
+
     def load(self, archive: Path, dest: Path, name: str, version: str, limits: ArchiveLimits) -> Environment:
         """Unpack safely, parse every task, and refuse what a tenant may not ask for."""
         env = make_harbor_environment(name, _unpack(archive, dest, limits), version)

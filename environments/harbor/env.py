@@ -3,16 +3,17 @@
 The image is the tasks' environment/Dockerfile (their build context: environment/), built offline under the tenant
 build limits, plus a tail that makes Harbor's writable paths work on a read-only root:
 
-- the task's workdir (default /app) becomes a symlink to /workspace (the sandbox's writable tmpfs); what the image
-  had there is moved to /opt/harbor/seed, which setup copies into /workspace (also the reset seed);
+- the task's workdir (the Dockerfile's last WORKDIR, else /app) becomes a symlink to /workspace (the sandbox's
+  writable tmpfs); what the image had there is moved to /opt/harbor/seed, which setup copies into /workspace (also
+  the reset seed);
 - /tests, /solution and /logs become symlinks into /tmp/harbor/ (the writable /tmp tmpfs), made by setup.
 
 The whole Dockerfile (the task's text and the tail) is checked as the tenant's Dockerfiles are, right before it is
 built; a task's last instruction may not continue into the tail.
 
 The agent's tools run in /workspace (= the workdir); after the episode tests/ is uploaded to /tests and
-`bash /tests/test.sh` runs from the workdir with [verifier] env and timeout, under the clean grader's environment
-(GRADER_ENV: no user site, an empty HOME); the reward is read by Harbor's rules.
+`/tests/test.sh` runs (by its `#!` line) from the workdir with [verifier] env and timeout, under the clean grader's
+environment (GRADER_ENV: no user site, an empty HOME); the reward is read by Harbor's rules.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ ORACLE_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 
 
 def _in(workdir: str, cmd: str) -> list[str]:
-    """Run `cmd` from the task's workdir as Harbor does (a cd, so `pwd` shows the workdir, not /workspace)."""
+    """Run `cmd` from the task's workdir as Harbor does (a cd, so `pwd` shows the workdir, not /workspace). A script
+    runs by its own `#!` line, as Harbor's (a `#!/usr/bin/env python3` test.sh ran as bash here); one without runs
+    under bash, which execs it so."""
     return ["/bin/bash", "-c", f"cd {shlex.quote(workdir)} && exec {cmd}"]
 
 
@@ -232,13 +235,14 @@ class HarborEnvironment(Environment, BuildsOwnImage):
             await sandbox.write_file(f"{dest}/{rel}", data, mode=0o755 if executable else 0o644)
 
     async def run_solution(self, sandbox: Sandbox, task_id: str, *, empty: bool = False) -> ExecResult | None:
-        """Upload solution/ and run `bash /solution/solve.sh` from the workdir (the oracle); `empty`: nothing."""
+        """Upload solution/ and run `/solution/solve.sh` (by its `#!` line) from the workdir (the oracle); `empty`:
+        nothing."""
         t = self.harbor_tasks[task_id]
         if empty:
             return None
         await self._upload(sandbox, t, "solution")
         return await sandbox.exec(
-            _in(t.workdir, "/bin/bash /solution/solve.sh"),
+            _in(t.workdir, "/solution/solve.sh"),
             env={**ORACLE_ENV, **t.solution_env},  # as Harbor's oracle agent runs it
             timeout=t.agent_timeout_s,
             max_output=MAX_OUTPUT,
@@ -352,7 +356,7 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         # user site, and a HOME the agent could not write to, so nothing it left there runs in the verifier's
         # pythons or tools (git's config, pip's, npm's)
         r = await sandbox.exec(
-            _in(t.workdir, "/bin/bash /tests/test.sh"),
+            _in(t.workdir, "/tests/test.sh"),
             env={**t.verifier_env, **GRADER_ENV, "HOME": home},
             timeout=t.verifier_timeout_s,
             max_output=MAX_OUTPUT,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import posixpath
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -30,11 +31,15 @@ _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,255}$")
 # where the agent and test.sh run when neither task.toml nor the Dockerfile's last stage says (Harbor's tasks
 # mostly set WORKDIR /app)
 DEFAULT_WORKDIR = "/app"
-# where the sandbox mounts its own (tmpfs, envd, devices) or the image tail puts Harbor's paths: a workdir there is
-# no link to /workspace
-_SANDBOX_DIRS = (
-    *("/tmp", "/workspace", "/dev", "/proc", "/sys", "/run"),
+# What a workdir may not be, nor lie under: it becomes a link to /workspace, which the agent writes, and what the
+# image had there is moved out. Where the sandbox mounts its own (tmpfs, envd, devices) or the image tail puts
+# Harbor's paths, it is no link at all; where the grader's commands, libraries and configuration live (its PATH,
+# GRADER_PATH; /etc's ld.so.preload), the agent's own `mkdir` or library ran in the grader and wrote the reward.
+_KEPT_DIRS = (
+    *("/tmp", "/workspace", "/dev", "/proc", "/sys", "/run", "/var/run", "/var/tmp", "/boot"),
     *("/logs", "/tests", "/solution", "/opt/harbor", "/opt/envfleet"),
+    *("/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"),
+    *("/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/libexec", "/usr/local"),
 )
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0
@@ -232,20 +237,30 @@ def _solution_env(t: dict[str, Any], task: str) -> dict[str, str]:
     return out
 
 
-def _is_workdir(v: object) -> bool:
-    """An absolute path without `..` that the image tail can make a link to /workspace: not one the sandbox keeps."""
-    if not isinstance(v, str) or not _WORKDIR.fullmatch(v) or ".." in v.split("/"):
-        return False
-    v = v.rstrip("/")
-    return v == "/workspace" or (v != "" and not any(v == d or v.startswith(d + "/") for d in _SANDBOX_DIRS))
+WORKDIR_RULE = "not /, nor a system or sandbox folder such as /usr/local/bin, /etc, /tmp, /opt, /workspace/x or /logs"
+
+
+def _workdir(v: object) -> str | None:
+    """`v` as a workdir the image tail can make a link to /workspace (normalized: `/./tmp` is /tmp), or None: not an
+    absolute path of plain names, `..` in it, `/`, one of _KEPT_DIRS or under one, or a folder that holds one (/opt,
+    /usr: moved out of the image whole)."""
+    if not isinstance(v, str) or not _WORKDIR.fullmatch(v) or ".." in v.split("/") or v.startswith("//"):
+        return None
+    v = posixpath.normpath(v)
+    if v == "/workspace":
+        return v
+    if v == "/" or any(v == d or v.startswith(d + "/") or d.startswith(v + "/") for d in _KEPT_DIRS):
+        return None
+    return v
 
 
 def _dockerfile_workdir(text: str, task: str) -> str | None:
     """The working directory the Dockerfile leaves its last stage in (its last WORKDIR, a relative one joined to
     the one before, a stage FROM an earlier stage starting in that stage's), where Harbor runs the agent and
-    test.sh; None when the last stage sets none (the base image's). One this cannot read for sure (a variable,
-    quotes, `..`), or one the sandbox keeps (/, /tmp), is said and left to the default: [environment] workdir names
-    it."""
+    test.sh (normalized, as the builder cleans it); None when the last stage sets none, and the caller's default
+    stands (DEFAULT_WORKDIR: not the base image's /workspace, where Harbor's tasks keep nothing). One this cannot
+    read for sure (a variable, quotes, `..`, a relative one after an image's FROM) or that cannot be the workdir
+    (_workdir: /, /tmp, /usr/local/bin...) is said and left to the default: [environment] workdir names another."""
     stages: list[tuple[set[str], str | None]] = []  # (the stage's index and name, lower case; its workdir)
     current: str | None = None
     line = 0
@@ -262,18 +277,19 @@ def _dockerfile_workdir(text: str, task: str) -> str | None:
             stages[-1] = (stages[-1][0], current)
     if current is None:
         return None
-    if not _is_workdir(current):
+    workdir = _workdir(current)
+    if workdir is None:
         log.warning(
             "task %s: environment/Dockerfile line %d: the last WORKDIR, %s, is not a plain path this reads, or is "
-            "one the sandbox keeps (/, /tmp, /workspace/..., /dev, Harbor's /logs, /tests, /solution); the workdir "
-            'is %s: give [environment] workdir = "/path" in task.toml',
+            "one that cannot become the agent's workspace (%s); the workdir is %s: give [environment] workdir = "
+            '"/path" in task.toml',
             task,
             line,
             echo(current),
+            WORKDIR_RULE,
             DEFAULT_WORKDIR,
         )
-        return None
-    return current
+    return workdir
 
 
 def _nested_deeper(text: str, limit: int) -> bool:
@@ -358,11 +374,12 @@ def load_task(path: Path) -> HarborTask:
             task,
             ", ".join(unmet),
         )
-    workdir = envt.get("workdir")
-    if workdir is not None and not _is_workdir(workdir):
+    named = envt.get("workdir")
+    workdir = None if named is None else _workdir(named)
+    if named is not None and workdir is None:
         raise HarborTaskError(
-            f"task {task}: [environment] workdir {_shown(workdir)} must be an absolute directory path, not / or "
-            f"one the sandbox keeps ({', '.join(_SANDBOX_DIRS)}; /workspace itself is fine)"
+            f"task {task}: [environment] workdir {_shown(named)} must be an absolute directory path that can become "
+            f"the agent's workspace ({WORKDIR_RULE})"
         )
     executables: set[str] = set()
     context = _files(path / "environment", task, "environment", executables)

@@ -12,6 +12,7 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from orchestrator.core.environment import Environment
 from orchestrator.core.sandbox import SandboxBackend
@@ -54,6 +55,11 @@ class ArchiveKind(abc.ABC):
     async def validate(self, env: Environment, backend: SandboxBackend, image: str) -> Sequence[TaskValidation]:
         """Check every task of an environment `load` made on sandboxes of `image` (already built); every step is
         time-bounded. A task with problems fails the registration."""
+
+    # How this kind reads and grades an archive. A registration records the rules it was validated under; one of
+    # other rules (older code's) is loaded as not validated (`validated` is not applied), since its checks proved
+    # nothing about how its tasks run now. Change it whenever `load` or the grading changes what a task does.
+    rules: ClassVar[str] = ""
 
     def validated(self, env: Environment) -> Environment:
         """`env` (made by `load`) as a registered archive's, whose every task passed `validate`: in the control plane

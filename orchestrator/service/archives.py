@@ -99,6 +99,7 @@ class StoredArchive(BaseModel):
     visibility: Literal["private", "public"] = "private"
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(ge=0)
+    rules: str = Field("", max_length=64)  # its kind's rules it was validated under (ArchiveKind.rules)
 
     def ref(self) -> str:
         """`name@version`."""
@@ -213,6 +214,7 @@ class Shipment:
     version: str
     digest: str
     path: Path
+    validated: bool  # validated under its kind's rules now in force: the worker marks it so (ArchiveKind.validated)
 
 
 class ArchiveCatalog:

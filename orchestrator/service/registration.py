@@ -573,6 +573,7 @@ class Registrar:
                 visibility=upload.visibility,
                 digest=upload.digest,
                 size=len(upload.data),
+                rules=self._kind(upload.kind).rules,
             )
             async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its store
                 await self._check_held(tenant, len(upload.data), "more")
@@ -603,8 +604,23 @@ class Registrar:
             )
 
     def _add_archive(self, env: Environment, record: StoredArchive, path: Path) -> None:
-        env = self._kind(record.kind).validated(env)  # it passed its checks when it was registered
+        kind = self._kind(record.kind)
+        # it passed its checks when it was registered, under the rules then in force: under other ones (an upgrade
+        # changed how its tasks run), what they proved is not known, and a failure is the environment's, not a 0
+        validated = record.rules == kind.rules
+        if validated:
+            env = kind.validated(env)
+        else:
+            log.warning(
+                "%s (tenant %s) was validated under %s archive rules %r, not this version's %r: it runs as not "
+                "validated (a grader failure is ENV_ERROR, never a 0) until it is registered again under a new version",
+                record.ref(),
+                record.owner,
+                record.kind,
+                record.rules,
+                kind.rules,
+            )
         owner = None if record.visibility == "public" else record.owner
         self._registry.register(env, source=ARCHIVE_SOURCE + record.kind, owner=owner)
-        self.catalog.add(env, Shipment(record.kind, record.name, record.version, record.digest, path))
+        self.catalog.add(env, Shipment(record.kind, record.name, record.version, record.digest, path, validated))
         self._owners.setdefault(record.name, record.owner)

@@ -91,8 +91,10 @@ class WorkerAgent:
         self._metrics_s = metrics_s
         self._declarative: dict[str, Environment] = {}
         self._kinds = dict(load_kinds() if kinds is None else kinds)
-        # uploaded environments by archive digest, loaded once (a failed load is the answer until the bytes come again)
-        self._archives: dict[str, asyncio.Task[Environment]] = {}
+        # uploaded environments by registration (_archive_key), loaded once (a failed load is the answer until the
+        # bytes come again): by digest alone, a second registration of the same bytes (another tenant's, another
+        # version, validated under other rules) ran as the first
+        self._archives: dict[tuple[str, str, str, bool], asyncio.Task[Environment]] = {}
         self._archive_dir: Path | None = None
         self._specs: dict[str, tuple[bytes, JobSpec]] = {}  # job id -> its spec as last sent, and parsed
         # job id -> its spec and its environment's as JSON, as this stream last carried them (WorkerHello.keeps_specs)
@@ -331,48 +333,73 @@ class WorkerAgent:
         return env
 
     def _start_loading(self, m: wpb.ArchiveEnvironment) -> None:
-        loading = self._archives.get(m.sha256)
+        key = _archive_key(m)
+        loading = self._archives.get(key)
         # a load that failed is tried again with the bytes sent again (the control plane sends them after a failure):
         # kept, a passing fault (a full disk, bytes damaged on the way) broke the environment here for good
         if loading is None or (loading.done() and (loading.cancelled() or loading.exception() is not None)):
-            self._archives[m.sha256] = asyncio.create_task(self._load_archive(m), name=f"loading {m.name}@{m.version}")
+            self._archives[key] = asyncio.create_task(self._load_archive(m), name=f"loading {m.name}@{m.version}")
 
     async def _load_archive(self, m: wpb.ArchiveEnvironment) -> Environment:
-        """Unpack and load an uploaded environment the control plane sent (it checked the archive already)."""
+        """Unpack and load an uploaded environment the control plane sent (it checked the archive already): from the
+        bytes `m` carries, else from those a load of another registration of the same bytes kept (the control plane
+        sends a stream the bytes of a digest once)."""
         kind = self._kinds.get(m.kind)
         if kind is None:
             raise LookupError(f"this worker has no plug-in for archives of kind {m.kind!r}")
-        digest = hashlib.sha256(m.archive).hexdigest()
-        if digest != m.sha256:
-            raise ValueError(f"the archive of {m.name}@{m.version} arrived damaged (sha256 {digest}, not {m.sha256})")
         if self._archive_dir is None:
             # marked as this process's: left by a killed worker, the next worker or control plane removes it
             self._archive_dir = await asyncio.to_thread(make_private_dir, "worker-archives")
-        folder = self._archive_dir / digest
-        await asyncio.to_thread(shutil.rmtree, folder, True)  # what a load that failed left
+        folder = self._archive_dir / m.sha256
+        archive = folder / "archive"
+        if m.archive:
+            digest = hashlib.sha256(m.archive).hexdigest()
+            if digest != m.sha256:
+                raise ValueError(
+                    f"the archive of {m.name}@{m.version} arrived damaged (sha256 {digest}, not {m.sha256})"
+                )
+            await asyncio.to_thread(_keep, archive, m.archive)
+        elif not archive.exists():
+            raise LookupError(f"the control plane sent no archive of {m.name}@{m.version} on this stream")
+        # a tree of its own per registration: each is its own environment (its name, version, validation)
+        tree = folder / ("tree-" + hashlib.sha256(repr(_archive_key(m)).encode()).hexdigest()[:16])
+        await asyncio.to_thread(shutil.rmtree, tree, True)  # what a load that failed left
         try:
-            folder.mkdir()
-            archive = folder / "archive"
-            await asyncio.to_thread(archive.write_bytes, m.archive)
-            tree = folder / "tree"
             tree.mkdir()
             env = await asyncio.to_thread(kind.load, archive, tree, m.name, m.version, WIDEST_ARCHIVE_LIMITS)
         except BaseException:
-            await asyncio.shield(asyncio.to_thread(shutil.rmtree, folder, True))
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, tree, True))
             raise
-        return kind.validated(env)  # only registered archives are shipped: each passed its checks
+        # only registered archives are shipped, each checked; marked validated when under the rules this runs
+        return kind.validated(env) if m.validated else env
 
     async def _archived(self, m: wpb.ArchiveEnvironment) -> Environment:
-        loading = self._archives.get(m.sha256)
-        if loading is None:
-            raise LookupError(f"the control plane sent no archive of {m.name}@{m.version} on this stream")
-        return await asyncio.shield(loading)  # a cancelled rollout does not cancel the load others wait for
+        key = _archive_key(m)
+        if key not in self._archives:
+            # another registration of the same bytes, whose assignment carried them: its load keeps them
+            same = [asyncio.shield(t) for k, t in self._archives.items() if k[0] == m.sha256]
+            await asyncio.gather(*same, return_exceptions=True)
+            if key not in self._archives:
+                self._start_loading(m)
+        return await asyncio.shield(self._archives[key])  # a cancelled rollout does not cancel the load others wait for
 
     @staticmethod
     def _task(env: Environment, task_id: str) -> Task:
         # by the environment object, not its ref: one name@version of other content (another control plane's
         # registration, an archive of other bytes) is another environment, whose tasks the old ones are not
         return indexed_tasks(env)[1][task_id]
+
+
+def _archive_key(m: wpb.ArchiveEnvironment) -> tuple[str, str, str, bool]:
+    return (m.sha256, m.name, m.version, m.validated)
+
+
+def _keep(path: Path, data: bytes) -> None:
+    """An archive's bytes at `path`, whole or not at all (another load may read them)."""
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 _REFUSALS = frozenset(

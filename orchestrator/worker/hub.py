@@ -400,7 +400,13 @@ class WorkerHub:
         shipped = self._archives.shipment(env)
         if shipped is None:
             return None
-        m = wpb.ArchiveEnvironment(kind=shipped.kind, name=shipped.name, version=shipped.version, sha256=shipped.digest)
+        m = wpb.ArchiveEnvironment(
+            kind=shipped.kind,
+            name=shipped.name,
+            version=shipped.version,
+            sha256=shipped.digest,
+            validated=shipped.validated,
+        )
         if shipped.digest not in worker.archives:
             data = await asyncio.to_thread(shipped.path.read_bytes)
             # checked again after the read: the first assignment queued carries the bytes, so it is the first read

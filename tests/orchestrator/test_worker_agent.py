@@ -228,6 +228,44 @@ async def test_an_archive_that_failed_to_load_loads_when_its_bytes_come_again(tm
             shutil.rmtree(agent._archive_dir, True)
 
 
+async def test_two_registrations_of_the_same_bytes_are_two_environments_on_a_worker(tmp_path: Path) -> None:
+    # a worker kept uploaded environments by the archive's digest: another tenant's registration of the same bytes
+    # (or another version, or one validated under older rules) ran as the first, with its name and its validation
+    import hashlib
+    import shutil
+
+    class Kind:
+        def load(self, archive: Path, tree: Path, name: str, version: str, limits: Any) -> str:
+            return f"{name}@{version}:{archive.read_bytes().decode()}"
+
+        def validated(self, env: Any) -> Any:
+            return env + " (validated)"
+
+    data = b"tasks"
+    first = wpb.ArchiveEnvironment(
+        kind="k", name="a", version="1", sha256=hashlib.sha256(data).hexdigest(), archive=data, validated=True
+    )
+    # the control plane sends a stream a digest's bytes once: the second registration's assignment has none
+    second = wpb.ArchiveEnvironment(kind="k", name="b", version="2", sha256=first.sha256, validated=False)
+    agent = WorkerAgent(
+        f"unix:{tmp_path}/w.sock",
+        TOKEN,
+        _Executor(),  # type: ignore[arg-type]
+        Registry.from_entry_points(),
+        kinds={"k": Kind()},  # type: ignore[dict-item]
+    )
+    try:
+        agent._start_loading(first)
+        assert cast(str, await agent._archived(second)) == "b@2:tasks"
+        assert cast(str, await agent._archived(first)) == "a@1:tasks (validated)"
+        unknown = wpb.ArchiveEnvironment(kind="k", name="c", version="1", sha256="0" * 64)
+        with pytest.raises(LookupError, match="sent no archive of c@1"):
+            await agent._archived(unknown)
+    finally:
+        if agent._archive_dir is not None:
+            shutil.rmtree(agent._archive_dir, True)
+
+
 def test_one_name_at_version_of_other_content_is_another_environment_on_a_worker() -> None:
     # a worker kept declarative environments and their tasks by name@version: a control plane that came back with
     # another registration of that name and version (another data dir) had its rollouts run with the old tasks and

@@ -360,7 +360,15 @@ def test_the_workdir_is_the_dockerfiles_last_one_unless_task_toml_names_it(tmp_p
         ("up", "WORKDIR /a/../b"),
     ):
         assert workdir(name, base + line + "\n") == "/app", line
-    for bad in ("/tmp/x", "/workspace/sub", "/logs", "relative"):
+    assert workdir("usr-src", base + "WORKDIR /usr/src/app\n") == "/usr/src/app"  # node's images
+    assert workdir("var-www", base + "WORKDIR /var/www/\n") == "/var/www"
+    # a folder that holds the sandbox's own (moved out of the image whole: the build failed), or the grader's
+    # commands and configuration (the agent's `mkdir` in /usr/local/bin ran in the grader), however it is spelled
+    for i, arg in enumerate(("/opt", "/usr", "/usr/local/bin", "/etc", "//tmp", "/./tmp", "/opt/./envfleet")):
+        assert workdir(f"kept-{i}", f"{base}WORKDIR {arg}\n") == "/app", arg
+    assert workdir("dotted", base + "WORKDIR /srv/./app\n") == "/srv/app"
+    bad_names = ("/tmp/x", "/workspace/sub", "/logs", "relative", "/opt", "/usr/local/bin", "//workspace", "/./tmp")
+    for bad in bad_names:
         with pytest.raises(HarborTaskError, match=r"workdir .* must be an absolute directory path"):
             load_task(
                 make_task(tmp_path, "named-" + bad.strip("/").replace("/", "-"), toml_extra=f'workdir = "{bad}"\n')
@@ -389,6 +397,24 @@ async def test_the_agent_and_test_sh_run_in_the_dockerfiles_workdir(
     c = await check_task(env, backend, env.build_image(docker_client), "srv-app")
     assert (c.oracle, c.empty, c.problems) == (1.0, 0.0, [])
     assert "/srv/app is /workspace" in env.system_prompt
+
+
+async def test_test_sh_and_solve_sh_run_by_their_own_interpreter_line(
+    tmp_path: Path, base_image: str, backend: DockerBackend, docker_client: docker.DockerClient
+) -> None:
+    # Harbor runs the scripts themselves: a test.sh written in Python (its `#!/usr/bin/env python3`) ran under bash
+    # here, wrote no reward, and its task failed the import
+    test = (
+        "#!/usr/bin/env python3\nimport os, pathlib\nout = pathlib.Path('/app/out.txt')\n"
+        "ok = out.exists() and out.read_text().strip() == os.environ['EXPECT']\n"
+        "pathlib.Path('/logs/verifier').mkdir(parents=True, exist_ok=True)\n"
+        "pathlib.Path('/logs/verifier/reward.txt').write_text('1' if ok else '0')\n"
+    )
+    solve = "#!/usr/bin/env python3\nimport pathlib\npathlib.Path('out.txt').write_text('HELLO')\n"
+    d = make_task(tmp_path, "py-scripts", test=test, solve=solve, extra_solution={})
+    env = make_harbor_environment("harbor-py-scripts", [d])
+    c = await check_task(env, backend, env.build_image(docker_client), "py-scripts")
+    assert (c.oracle, c.empty, c.problems) == (1.0, 0.0, [])
 
 
 def test_the_environment_key_tells_executable_files_apart_and_reads_solution_leniently(tmp_path: Path) -> None:

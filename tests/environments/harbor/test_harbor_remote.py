@@ -8,6 +8,7 @@ timeout scores 0 on either (the server and each worker know a registered archive
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import sys
@@ -141,6 +142,20 @@ async def test_register_remotely_then_run_jobs_in_process_and_on_workers(
         await orch.workers.hub.wait_for_workers(1, timeout_s=120)
         _check_rewards(await _job(orch.address, policy.url))
         assert sum(w.served for w in orch.workers.hub.workers()) == 3
+
+    # a record of an older version, validated under older rules (its tasks ran in /app, their scripts under bash, the
+    # agent's time per tool call): what that proved is not known now, so it runs as not validated, on the control
+    # plane and on its workers, and the verifier that timed out on the agent's program is ENV_ERROR, not a 0
+    [record] = [p for p in stored if p.suffix == ".json"]
+    raw = json.loads(record.read_text())
+    assert raw.pop("rules") == "2"
+    record.write_text(json.dumps(raw))
+    async with serve(data, security=security, workers=1) as orch:
+        assert orch.workers is not None
+        await orch.workers.hub.wait_for_workers(1, timeout_s=120)
+        rollouts = await _job(orch.address, policy.url)
+    assert rollouts["upper-txt"].status == RolloutStatus.OK and rollouts["upper-txt"].reward == 1.0
+    assert rollouts["hang"].status == RolloutStatus.ENV_ERROR and rollouts["hang"].reward is None
 
 
 async def test_a_failing_oracle_is_refused_by_the_server(tmp_path: Path, base_image: str) -> None:
