@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import random
 import secrets
 import time
@@ -25,7 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.backends.pool import SandboxPool, pool_labels
 from orchestrator.core.echo import echo
-from orchestrator.core.environment import Environment, Finish, ImageSource, Task, indexed_tasks, scoring_budget
+from orchestrator.core.environment import (
+    Environment,
+    Finish,
+    ImageSource,
+    Task,
+    episode_budget,
+    indexed_tasks,
+    scoring_budget,
+)
 from orchestrator.core.errors import (
     BusyError,
     EnvironmentBroken,
@@ -150,6 +159,8 @@ class _Session:
     closed_after_end: bool = False  # dropped once its episode had ended (while its sandbox was being recycled)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     waiting: int = 0  # steps waiting for the one running (MAX_WAITING_STEPS)
+    # the environment's own limit on the agent's time (Environment.episode_timeout_s), on time.monotonic(); None: none
+    episode_end: float | None = None
 
 
 # Steps of one session that may wait behind the running one: a client that retries a step whose call it gave up on
@@ -292,7 +303,10 @@ class SessionManager:
         except BaseException:
             await asyncio.shield(self._pool.release(sandbox, recycle=False))
             raise
-        return _Session(sid, tenant, env, task, seed, max_turns, sandbox, image, EpisodeState.start(env))
+        session = _Session(sid, tenant, env, task, seed, max_turns, sandbox, image, EpisodeState.start(env))
+        if own := episode_budget(env, task):  # the agent's time, from the end of the setup, as a rollout's
+            session.episode_end = time.monotonic() + own
+        return session
 
     @staticmethod
     def _observation(env: Environment, task: Task) -> Observation:
@@ -419,21 +433,31 @@ class SessionManager:
                     fits = s.state.fits(action.arguments, action.name, action.call_id, calls=1)
                 else:
                     fits = s.state.fits(action.text)
+                left = math.inf if s.episode_end is None else s.episode_end - time.monotonic()
+                taken = False
                 if not fits:
                     finish = "length"  # the episode is as long as it may be (EPISODE_BYTES): TRUNCATED without it
+                elif left <= 0:
+                    finish = "time"  # past the agent's time (the client's own generation counts): scored as it is
                 elif isinstance(action, ToolAction):
                     call = ToolCallRecord(
                         id=action.call_id or f"call-{s.turn}", name=action.name, arguments=action.arguments
                     )
                     record_assistant(s.state, "", [call])
                     t0 = time.monotonic()
-                    observation = (await run_tool_call(s.env, s.sandbox, s.state, call)).output
+                    taken = True
+                    # stopped at the agent's time, as a rollout's tool call is (TRUNCATED, and scored)
+                    timeout_s = min(s.env.tool_timeout_s, left)
+                    observation = (await run_tool_call(s.env, s.sandbox, s.state, call, timeout_s)).output
                     self._pool.metrics.exec_seconds.observe(time.monotonic() - t0)  # as a job's tool calls are
-                    finish = "submit" if s.state.submitted else None
+                    if s.state.submitted:
+                        finish = "submit"
+                    elif s.episode_end is not None and time.monotonic() >= s.episode_end:
+                        finish = "time"
                 else:
                     record_assistant(s.state, action.text, [])
                     finish, s.state.answer = "stop", action.text
-                if finish != "length":  # a step past the budget is not taken
+                if finish not in ("length", "time") or taken:  # a step not taken is no turn
                     s.turn += 1
                 if finish is None and s.turn >= s.max_turns:
                     finish = "max_turns"

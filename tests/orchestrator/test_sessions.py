@@ -555,3 +555,34 @@ async def test_a_reset_whose_environment_cannot_make_its_messages_opens_no_sessi
                 "opening messages of task py-000 could not be made: RuntimeError: 'no template'",
             )
         assert orch.sessions is not None and orch.sessions.open_sessions() == 0
+
+
+async def test_an_environments_own_time_for_the_agent_ends_a_session_and_it_is_scored(tmp_path: Path) -> None:
+    # Harbor's [agent] timeout_sec is the agent's whole run: a session (the verl and OpenEnv integrations drive
+    # Harbor tasks through them) ran on to its 24 h lifetime, each tool call capped alone
+    base = Registry.from_entry_points().get(ENV)
+
+    class Hurried(type(base)):  # type: ignore[misc, valid-type]
+        name = "hurried-tool"
+
+        def episode_timeout_s(self, task: Task) -> float:
+            return 3.0
+
+    registry = Registry.from_entry_points()
+    registry.register(Hurried())
+    task = Hurried().tasks()[0]
+    slow = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=2.0)
+    async with serve(tmp_path / "data", registry, backend=slow) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.session_stub
+        sid = (await stub.Reset(pb.ResetRequest(env="hurried-tool", task_id=task.id))).session_id
+        first = await stub.Step(pb.StepRequest(session_id=sid, action=tool("python", code="1")))
+        assert not first.terminated and not first.truncated and first.info.turn == 1
+        # 1 s left: the call is stopped there by its own timeout, and the episode ends, scored
+        second = await stub.Step(pb.StepRequest(session_id=sid, action=tool("python", code="2")))
+        assert second.truncated and second.status == pb.ROLLOUT_STATUS_TRUNCATED and second.reward == 0.0
+        assert "timed out" in second.observation and second.info.turn == 2
+        # the client's own time between steps (its generation) is the agent's too: a step past it is not taken
+        sid = (await stub.Reset(pb.ResetRequest(env="hurried-tool", task_id=task.id))).session_id
+        await asyncio.sleep(3.2)
+        late = await stub.Step(pb.StepRequest(session_id=sid, action=tool("python", code="1")))
+        assert late.truncated and late.info.turn == 0 and late.observation == "" and late.reward == 0.0
