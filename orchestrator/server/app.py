@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -252,41 +253,43 @@ class Orchestrator:
 
         Every stage is bounded: one that overruns is logged and left behind, and the backend's close, which always
         runs, removes every container this instance still owns."""
-        forget_serving(self.config.data_dir, self._serving)
-        if self.openenv is not None:  # first: its websockets close their sessions through the gRPC server
-            await _bounded("the OpenEnv facade", self.openenv.close(), STOP_STAGE_S)
-        await self._health.enter_graceful_shutdown()
-        await _bounded("the gRPC server", self.server.stop(grace), grace + STOP_STAGE_S)
-        if self.ui is not None:
-            await asyncio.to_thread(self.ui.close)
-        if self.sessions is not None:
-            await _bounded("the sessions", self.sessions.close_all(), STOP_STAGE_S)
-        if self.sandboxes is not None:
-            await _bounded("the sandbox service", self.sandboxes.close_all(), STOP_STAGE_S)
-        if self.workers is not None:
-            self.workers.hub.stopping()
-        await _bounded("the jobs", self.jobs.close(), STOP_STAGE_S)
-        if self.workers is not None:
-            await _bounded("the workers", self.workers.stop(), STOP_STAGE_S + 10)
-            await _bounded("the sweep of lost workers' sandboxes", _swept(self.backend), STOP_STAGE_S)
-        if self.pool is not None:
-            drain_s = STOP_STAGE_S + self.pool.idle_total * REMOVE_BUDGET_S  # it destroys every idle sandbox
-            await _bounded("the warm pool", self.pool.close(), drain_s)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
         try:
-            await self.backend.close()
-        finally:
+            forget_serving(self.config.data_dir, self._serving)
+            if self.openenv is not None:  # first: its websockets close their sessions through the gRPC server
+                await _bounded("the OpenEnv facade", self.openenv.close(), STOP_STAGE_S)
+            await self._health.enter_graceful_shutdown()
+            await _bounded("the gRPC server", self.server.stop(grace), grace + STOP_STAGE_S)
+            if self.ui is not None:
+                await asyncio.to_thread(self.ui.close)
+            if self.sessions is not None:
+                await _bounded("the sessions", self.sessions.close_all(), STOP_STAGE_S)
+            if self.sandboxes is not None:
+                await _bounded("the sandbox service", self.sandboxes.close_all(), STOP_STAGE_S)
+            if self.workers is not None:
+                self.workers.hub.stopping()
+            await _bounded("the jobs", self.jobs.close(), STOP_STAGE_S)
+            if self.workers is not None:
+                await _bounded("the workers", self.workers.stop(), STOP_STAGE_S + 10)
+                await _bounded("the sweep of lost workers' sandboxes", _swept(self.backend), STOP_STAGE_S)
+            if self.pool is not None:
+                drain_s = STOP_STAGE_S + self.pool.idle_total * REMOVE_BUDGET_S  # it destroys every idle sandbox
+                await _bounded("the warm pool", self.pool.close(), drain_s)
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+        finally:  # whatever failed above: the containers, the result log and the data directory are let go
             try:
-                await self.store.close()
+                await self.backend.close()
             finally:
-                await self.stalls.stop()
-                if self._private_dir is not None:
-                    shutil.rmtree(self._private_dir, ignore_errors=True)
-                if self._data_lock is not None:
-                    os.close(self._data_lock)
-                    self._data_lock = None
-                await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
+                try:
+                    await self.store.close()
+                finally:
+                    if self._data_lock is not None:  # after the log's close: the next server may open it now
+                        os.close(self._data_lock)
+                        self._data_lock = None
+                    await self.stalls.stop()
+                    if self._private_dir is not None:
+                        shutil.rmtree(self._private_dir, ignore_errors=True)
+                    await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
 
 
 def _private_data_dir(path: Path) -> None:
@@ -308,7 +311,13 @@ def lock_data_dir(path: Path) -> int:
     fd = os.open(path / DATA_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # ENOLCK, EOPNOTSUPP: NFS without locks, some FUSE
+            os.close(fd)
+            raise ConfigError(
+                f"data directory {path} cannot be locked ({e.strerror}): it must be on a file system with flock "
+                "(a local disk); put it there"
+            ) from None
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
         raise ConfigError(
