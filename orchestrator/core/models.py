@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from orchestrator.core.echo import MAX_MESSAGE_CHARS, bounded
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint, Sampling
+from orchestrator.core.text import as_text
 
 MAX_TASK_IDS = 100_000  # ids one job may name
 # the largest reward, either sign: a group's statistics square rewards, and past this they overflowed (advantages
@@ -216,11 +218,21 @@ class Provenance(_Model):
     policy_version: str = ""
 
 
+MAX_KIND_CHARS = 200  # an exception's class name
+
+
 class RolloutError(_Model):
-    """Why a rollout failed."""
+    """Why a rollout failed. Made text and cut short wherever it is made: an environment's exception may quote
+    megabytes, or a lone surrogate, which no result log or wire holds (on a worker, a rollout that could not be sent
+    was taken for the worker's loss, and its episode run again on every worker in turn)."""
 
     kind: str
     message: str
+
+    @field_validator("kind", "message")
+    @classmethod
+    def _carried(cls, v: str, info: ValidationInfo) -> str:
+        return bounded(as_text(v), MAX_KIND_CHARS if info.field_name == "kind" else MAX_MESSAGE_CHARS)
 
 
 class Rollout(_Model):

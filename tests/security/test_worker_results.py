@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from orchestrator.core.models import EncodedRollout, Rollout, RolloutStatus
+from orchestrator.core.models import EncodedRollout, Rollout, RolloutError, RolloutStatus
 from orchestrator.service.registry import Registry
 from orchestrator.worker import results
 from orchestrator.worker.results import encode
@@ -306,3 +306,18 @@ async def test_a_check_that_fails_on_its_own_fails_the_rollout_over_never_hangs_
     got = await _one("unix", _forged)
     assert isinstance(got, Rollout) and got.status == RolloutStatus.INFRA_ERROR and got.reward is None, got
     assert got.error is not None and "a bug of the check" in got.error.message, got.error
+
+
+async def test_an_environments_failure_of_any_size_or_text_is_delivered_as_it_is() -> None:
+    # a failure's message is the environment's exception's text: 20 MB of it made the rollout too large to send, and
+    # a lone surrogate (no UTF-8 has one) made it fail to encode; on a worker either was taken for the worker's loss,
+    # the episode run again on every worker in turn, and the environment's failure delivered as INFRA_ERROR
+    def failed(a: wpb.Assignment) -> wpb.RolloutResult:
+        error = RolloutError(kind="ValueError", message="bad \ud800 " + "x" * (20 << 20))
+        return encode(a.assignment_id, rollout_for(a, status=RolloutStatus.ENV_ERROR, reward=None, error=error))
+
+    got = await _one("unix", failed)
+    assert isinstance(got, EncodedRollout), got
+    rollout = Rollout.model_validate_json(got.json)
+    assert rollout.status == RolloutStatus.ENV_ERROR and rollout.error is not None
+    assert rollout.error.message.startswith("bad \ufffd xxx") and len(rollout.error.message) < 5000
