@@ -122,6 +122,12 @@ class ImageBuildError(FailedPreconditionError, RuntimeError):
         self.step = step
 
 
+class ImageNotOnHostError(ImageBuildError):
+    """An image a build reads is not on this host, or the engine cannot say (builds never pull). At registration the
+    spec's problem; at a rollout, this host's (a Ray node without the base image the control plane's host has):
+    INFRA_ERROR, never the environment's ENV_ERROR."""
+
+
 class PolicyError(EnvfleetError):
     """The policy server could not produce a completion; the rollout is POLICY_ERROR, never scored."""
 

@@ -32,7 +32,7 @@ import requests
 import urllib3
 
 from orchestrator.backends.docker.sweeper import CONTROL_LABELS
-from orchestrator.core.errors import EngineError, ImageBuildError, InvalidRequestError
+from orchestrator.core.errors import EngineError, ImageBuildError, ImageNotOnHostError, InvalidRequestError
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, safe_name
 from orchestrator.images.disk_guard import DiskGuard
 
@@ -375,12 +375,12 @@ def _present_ids(client: docker.DockerClient, refs: Collection[str]) -> dict[str
         try:
             ids[f"from:{ref}"] = str(client.images.get(ref).id)
         except docker.errors.ImageNotFound:
-            raise ImageBuildError(
+            raise ImageNotOnHostError(
                 f"the Dockerfile reads {ref!r}, which is not an image on this host; builds are offline and never "
                 "pull one: name an envfleet image this host has (envfleet/base:latest, say)"
             ) from None
         except docker.errors.APIError as e:
-            raise ImageBuildError(f"the Dockerfile reads {ref!r}, which the engine cannot look up: {e}") from None
+            raise ImageNotOnHostError(f"the Dockerfile reads {ref!r}, which the engine cannot look up: {e}") from None
     return ids
 
 

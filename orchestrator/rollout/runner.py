@@ -16,7 +16,13 @@ from typing import TypeVar
 
 from orchestrator.backends.pool import SandboxPool, lease_for, pool_labels
 from orchestrator.core.environment import Environment, ImageSource, Task, episode_budget, scoring_budget
-from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, SandboxWaitTimeoutError
+from orchestrator.core.errors import (
+    ConfigError,
+    EnvironmentBroken,
+    ImageBuildError,
+    ImageNotOnHostError,
+    SandboxWaitTimeoutError,
+)
 from orchestrator.core.models import (
     EncodedRollout,
     JobSpec,
@@ -148,12 +154,18 @@ async def traced_rollout(tracer: Tracer, item: WorkItem, env_ref: str, run: Call
 class RolloutRunner:
     """Runs work items on a sandbox backend, tracing each (no-op unless a tracer is given)."""
 
-    def __init__(self, sandboxes: SandboxPool, images: ImageSource, tracer: Tracer = NOOP_TRACER) -> None:
+    def __init__(
+        self,
+        sandboxes: SandboxPool,
+        images: ImageSource,
+        tracer: Tracer = NOOP_TRACER,
+        snapshots: SnapshotCache | None = None,
+    ) -> None:
         self.sandboxes = sandboxes
         self.images = images
         self.tracer = tracer
         self.active: dict[str, Sandbox] = {}  # rollout id -> its sandbox, while it runs
-        self.snapshots = SnapshotCache()
+        self.snapshots = SnapshotCache() if snapshots is None else snapshots
 
     async def run(
         self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str
@@ -234,6 +246,8 @@ class RolloutRunner:
                     with Phase(span, "acquire") as phase:
                         try:
                             image, image_id = await self.images.resolve(env)
+                        except ImageNotOnHostError as e:  # this host's lack, not the environment's: INFRA_ERROR
+                            raise ConfigError(f"this host cannot build the image of {env.ref()}: {e}") from e
                         except ImageBuildError as e:
                             raise EnvironmentBroken(f"image for {env.ref()} could not be built: {e}") from e
                         prov.image, prov.image_id = image, image_id

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import io
 import logging
 import posixpath
@@ -46,6 +47,16 @@ class SnapshotBudget:
     per_job_count: int = 256
     per_job_bytes: int = 1 << 30
     total_bytes: int = 4 << 30
+
+    def shared_by(self, processes: int) -> SnapshotBudget:
+        """Each of `processes` on one host's share of its bytes (a job's and all): each worker process held the
+        whole, 4 GiB of memory a worker, 64 GiB on a host of 16."""
+        n = max(1, processes)
+        return dataclasses.replace(
+            self,
+            per_job_bytes=max(self.per_job_bytes // n, self.max_bytes),
+            total_bytes=max(self.total_bytes // n, self.max_bytes),
+        )
 
 
 class _Unusable(Exception):

@@ -51,9 +51,9 @@ async def worker_identity(config: OrchestratorConfig) -> FleetIdentity:
 
 
 def _host_share(config: OrchestratorConfig, workers: int) -> dict[str, Any]:
-    """What each of `workers` processes on one host gets of the host's budgets: its warm pool's idle sandboxes and,
-    on Docker, its execs at once."""
-    share: dict[str, Any] = {"pool": config.pool.shared_by(workers)}
+    """What each of `workers` processes on one host gets of the host's budgets: its warm pool's idle sandboxes, its
+    group snapshots' memory and, on Docker, its execs at once."""
+    share: dict[str, Any] = {"pool": config.pool.shared_by(workers), "host_share": workers}
     if isinstance(config.backend, DockerBackendConfig):
         share["backend"] = config.backend.shared_by(workers)
     return share

@@ -29,6 +29,12 @@ class WorkerConfig(BaseModel):
         "plane never came back on its data directory); none: it waits for ever",
     )
     metrics_s: float = Field(5.0, gt=0, le=300, description="how often a heartbeat carries the worker's metrics")
+    host_share: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="worker processes on this host: each holds its share of the group snapshots' memory",
+    )
     tracing: TracingConfig = Field(TracingConfig(), description="where this worker exports its spans; off by default")
     environments: list[str] = Field(
         default_factory=list, description="module:ClassName environments to load beside the entry points"

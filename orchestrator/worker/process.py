@@ -15,6 +15,7 @@ from orchestrator.core.runtime import tune_gc
 from orchestrator.core.stalls import StallWatch
 from orchestrator.core.tracing import make_tracer
 from orchestrator.rollout.runner import RolloutRunner
+from orchestrator.rollout.snapshots import SnapshotBudget, SnapshotCache
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
 from orchestrator.service.executor import LocalExecutor
 from orchestrator.service.fleet import start_fleet
@@ -54,7 +55,8 @@ async def run_worker(
         pool = SandboxPool(fleet.backend, config.pool, metrics, max_sandboxes=config.slots)
         pool.start()
         parts.push_async_callback(pool.close)
-        executor = LocalExecutor(RolloutRunner(pool, fleet.images, tracer), TokenizerCache(config.tokenizer_dirs))
+        runner = RolloutRunner(pool, fleet.images, tracer, SnapshotCache(SnapshotBudget().shared_by(config.host_share)))
+        executor = LocalExecutor(runner, TokenizerCache(config.tokenizer_dirs))
         parts.push_async_callback(executor.close)
         agent = WorkerAgent(
             target,

@@ -265,3 +265,35 @@ async def test_a_rollout_out_of_time_before_it_had_a_sandbox_is_infrastructure_n
     assert (r.status, r.reward, r.attempts) == (RolloutStatus.INFRA_ERROR, None, 1), r
     assert r.error is not None and r.error.kind == "SandboxWaitTimeoutError", r.error
     assert "no sandbox within the rollout's 0.5s" in r.error.message
+
+
+async def test_an_image_this_host_lacks_is_infrastructure_not_the_environments(
+    tmp_path: Path, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # builds never pull: a Ray node without the base image the control plane's host had made each rollout placed
+    # there ENV_ERROR (never retried, the environment blamed), where the same rollouts ran on the control plane
+    import time
+
+    from orchestrator.core.errors import ImageNotOnHostError
+    from orchestrator.core.policy import PolicyEndpoint
+    from orchestrator.rollout.policy.client import OpenAIPolicy
+    from orchestrator.rollout.runner import WorkItem
+    from tests.orchestrator.servers import FAKE
+
+    async def missing(env: object) -> tuple[str, str]:
+        raise ImageNotOnHostError("the Dockerfile reads 'envfleet/base:latest', which is not an image on this host")
+
+    async with serve(tmp_path / "data", backend=FAKE) as orch:
+        runner = local_runner(orch)
+        monkeypatch.setattr(runner.images, "resolve", missing)
+        env = orch.jobs.registry.get(ENV)
+        item = WorkItem("direct", next(t for t in env.tasks() if t.id == task_ids[0]), 0, time.monotonic())
+        policy = OpenAIPolicy(PolicyEndpoint(base_url="http://127.0.0.1:9/v1"))
+        try:
+            r = await runner.run(
+                item, env, job("http://127.0.0.1:9/v1", task_ids[:1], max_infra_retries=1), policy, "v1"
+            )
+        finally:
+            await policy.aclose()
+    assert (r.status, r.reward, r.attempts) == (RolloutStatus.INFRA_ERROR, None, 2), r
+    assert r.error is not None and "this host cannot build the image of python-tool@1" in r.error.message

@@ -88,3 +88,17 @@ async def test_group_starts_from_one_snapshot(tmp_path: Path, base_image: str, e
     finally:
         await orch.stop()
         await policy.close()
+
+
+def test_worker_processes_of_one_host_share_its_snapshot_memory() -> None:
+    # each worker process held the whole budget in memory: 4 GiB a worker, 64 GiB on a host of 16 workers
+    from orchestrator.rollout.snapshots import SnapshotBudget
+    from orchestrator.server.worker_plane import _host_share
+    from orchestrator.worker.config import WorkerConfig
+
+    whole = SnapshotBudget()
+    share = whole.shared_by(16)
+    assert share.total_bytes * 16 == whole.total_bytes and share.per_job_bytes < whole.per_job_bytes
+    assert share.max_bytes == whole.max_bytes and share.total_bytes >= share.max_bytes  # one snapshot still fits
+    config = OrchestratorConfig(data_dir=Path("unused"), workers=16)
+    assert WorkerConfig().model_copy(update=_host_share(config, 16)).host_share == 16
