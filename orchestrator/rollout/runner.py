@@ -97,6 +97,11 @@ def attempt_s(spec: JobSpec, grading_s: float) -> float:
     return 2 * spec.rollout_timeout_s + grading_s
 
 
+def left_retries(spec: JobSpec, spent: int) -> int:
+    """The infrastructure retries a rollout has left after `spent` attempts elsewhere (on workers that were lost)."""
+    return max(0, spec.max_infra_retries - spent)
+
+
 def scoring_reserve(spec: JobSpec) -> float:
     """What of a rollout's time its scoring keeps: the episode's tool calls end (TRUNCATED, "time") when only this is
     left, so that a policy that spends its time in them is still scored rather than a masked TIMEOUT. A quarter of

@@ -27,7 +27,7 @@ from orchestrator.core.echo import error_text
 from orchestrator.core.environment import Environment, Task, indexed_tasks
 from orchestrator.core.models import JobSpec
 from orchestrator.core.private_dirs import make_private_dir
-from orchestrator.rollout.runner import WorkItem
+from orchestrator.rollout.runner import WorkItem, left_retries
 from orchestrator.service.archives import load_kinds
 from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS
 from orchestrator.service.declarative.env import make_environment
@@ -276,6 +276,8 @@ class WorkerAgent:
             outbox.put(self._failed(a, "cannot run it", e))
             return
         item = WorkItem(a.job_id, task, a.sample_index, time.monotonic() - a.queued_s, a.tenant, a.traceparent)
+        if a.attempts_spent:  # the job's infrastructure retries are one budget, whichever workers spend it
+            spec = spec.model_copy(update={"max_infra_retries": left_retries(spec, a.attempts_spent)})
         try:
             rollout = await self._executor.run(item, env, spec)
             result = encode(a.assignment_id, rollout)

@@ -28,7 +28,7 @@ from orchestrator.core.environment import Environment, ImageSource, scoring_budg
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError
 from orchestrator.core.processes import cpu_ticks
-from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, attempt_s, unrun_rollout
+from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, attempt_s, left_retries, unrun_rollout
 from orchestrator.service.archives import ArchiveCatalog
 from orchestrator.service.declarative.env import DeclarativeEnvironment
 from orchestrator.worker.metrics import MAX_SNAPSHOT_BYTES
@@ -204,7 +204,7 @@ class WorkerHub:
             try:
                 worker = await self._pick(item, env, spec, failed_on)
                 try:
-                    rollout = await self._run_on(worker, item, env, spec)
+                    rollout = await self._run_on(worker, item, env, spec, spent=len(lost))
                 finally:
                     self._free_slot()
             except AssignmentTooLargeError as e:  # no worker could take it: INFRA_ERROR at once, never retried
@@ -332,7 +332,9 @@ class WorkerHub:
             budget = budgets[item.task.id] = scoring_budget(env, item.task)
         return budget
 
-    async def _run_on(self, worker: _Worker, item: WorkItem, env: Environment, spec: JobSpec) -> EncodedRollout:
+    async def _run_on(
+        self, worker: _Worker, item: WorkItem, env: Environment, spec: JobSpec, spent: int = 0
+    ) -> EncodedRollout:
         assignment_id = f"a{next(self._ids)}"
         sent = time.monotonic()
         queued_s = sent - item.enqueued_at
@@ -343,7 +345,7 @@ class WorkerHub:
         # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
         # worker's reader enforces it (_expire)
         each = attempt_s(spec, self._scoring_budget(item, env)) + RETRY_BACKOFF_CAP_S
-        budget = (spec.max_infra_retries + 1) * each + self.result_slack_s
+        budget = (left_retries(spec, spent) + 1) * each + self.result_slack_s
         digest = archive.sha256 if archive is not None else ""
         spec_json, env_json = self._encode(item.job_id, env, spec)
         carried = worker.specs.get(item.job_id) is spec  # its spec, and its environment's, are there
@@ -360,6 +362,7 @@ class WorkerHub:
             traceparent=item.traceparent,
             env_spec_json=env_json,
             env_archive=archive,
+            attempts_spent=spent,
         )
         if (size := _assignment_size(assignment)) > MAX_ASSIGNMENT_BYTES:
             # sent, it would end the worker's stream (the wire refuses the message): every rollout there retried, and

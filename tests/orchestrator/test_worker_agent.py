@@ -34,8 +34,10 @@ class _Executor:
         self.big = big
         self.cancelled: list[int] = []
         self.ended: list[str] = []
+        self.retries: list[int] = []  # each run's job spec's max_infra_retries
 
     async def run(self, item: WorkItem, env: Any, job: Any) -> Rollout:
+        self.retries.append(job.max_infra_retries)
         if item.sample_index == 1:
             try:
                 await asyncio.sleep(3600)
@@ -354,3 +356,24 @@ async def test_an_assignment_cancelled_before_it_ran_says_so() -> None:
     _forget(running, "a2", cancelled, outbox, never)  # not cancelled by the control plane: nothing to say
     assert running == {} and cancelled == set()
     assert list(outbox._items) == [wpb.RolloutResult(assignment_id="a1", cancelled=True)]
+
+
+async def test_a_worker_retries_within_what_lost_workers_left_of_the_jobs_budget(tmp_path: Path) -> None:
+    # each worker's runner had the job's whole max_infra_retries, whatever attempts lost workers had spent
+    task_id = Registry.from_entry_points().get(ENV).tasks()[0].id
+    job = spec([task_id], max_infra_retries=3).model_dump_json().encode()
+    assignments = [
+        wpb.Assignment(
+            assignment_id=f"a{spent}",
+            job_spec_json=job,
+            job_id="j",
+            task_id=task_id,
+            sample_index=0,
+            attempts_spent=spent,
+        )
+        for spent in (0, 2)
+    ]
+    executor = _Executor()
+    plane = _ControlPlane(task_id, (), end_after_results=False, assignments=assignments)
+    await _agent_against(plane, executor, tmp_path, streams=1, results=2)
+    assert sorted(executor.retries) == [1, 3]

@@ -204,6 +204,9 @@ async def test_a_worker_that_cannot_run_a_rollout_is_not_given_its_retry_nor_new
     assert all(isinstance(r, EncodedRollout) and r.status == RolloutStatus.OK for r in got), got
     assert len(bad.assignments) == 1 and len(good.assignments) == 3, (len(bad.assignments), len(good.assignments))
     assert isinstance(got[0], EncodedRollout) and got[0].attempts == 2  # its one failed attempt is counted
+    # and the retry went with the attempt spent: the job's retries are one budget, each worker's runner retried an
+    # infrastructure failure up to all of them again ((R+1)^2 attempts in all, each up to the rollout's time)
+    assert [a.attempts_spent for a in good.assignments] == [1, 0, 0]
 
 
 async def test_a_jobs_spec_goes_to_a_worker_that_keeps_it_once_and_again_when_it_changed_or_failed() -> None:
