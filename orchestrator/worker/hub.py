@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.core.environment import Environment, ImageSource, scoring_budget
 from orchestrator.core.errors import SandboxError
-from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError
+from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError, RolloutStatus
 from orchestrator.core.processes import cpu_ticks
 from orchestrator.rollout.runner import RETRY_BACKOFF_CAP_S, WorkItem, attempt_s, left_retries, unrun_rollout
 from orchestrator.service.archives import ArchiveCatalog
@@ -393,7 +393,10 @@ class WorkerHub:
         finally:
             worker.running.pop(assignment_id, None)
         worker.served += 1
-        worker.failing = False
+        # a rollout its host failed (its own retries spent there: the engine down, an image missing) keeps the
+        # worker counted full for placement, as an error answer does: answering at once, it looked the least loaded
+        # and drew the next rollouts to fail the same way
+        worker.failing = rollout.status == RolloutStatus.INFRA_ERROR
         self.dispatch_delays.append(max(0.0, time.monotonic() - sent - run_s))
         self._hosts_with.setdefault(env.ref(), set()).add(worker.host)
         return rollout

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 
-from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutStatus
+from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError, RolloutStatus
 from orchestrator.server.convert import rollout_pb
 from orchestrator.service.registry import Registry
 from orchestrator.worker import hub
@@ -207,6 +207,25 @@ async def test_a_worker_that_cannot_run_a_rollout_is_not_given_its_retry_nor_new
     # and the retry went with the attempt spent: the job's retries are one budget, each worker's runner retried an
     # infrastructure failure up to all of them again ((R+1)^2 attempts in all, each up to the rollout's time)
     assert [a.attempts_spent for a in good.assignments] == [1, 0, 0]
+
+
+async def test_a_worker_whose_host_fails_its_rollouts_is_not_given_the_next_ones() -> None:
+    # a worker whose engine is down answers each rollout INFRA_ERROR at once (its own retries spent there): it
+    # looked the least loaded, and every other rollout went to it to fail the same way
+    async def host_down(a: wpb.Assignment) -> wpb.RolloutResult:
+        error = RolloutError(kind="EngineError", message="the engine did not answer")
+        return encode(a.assignment_id, rollout_for(a, status=RolloutStatus.INFRA_ERROR, reward=None, error=error))
+
+    batch = items("job-host-down", 4)
+    env = Registry.from_entry_points().get(ENV)
+    job = spec([i.task.id for i in batch])
+    async with serve_hub() as w, ScriptedWorker(w.tcp, host_down, worker_id="down", host="a") as down:
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        async with ScriptedWorker(w.tcp, _answer, worker_id="sound", host="b") as sound:
+            await w.hub.wait_for_workers(2, timeout_s=30)
+            got = [await asyncio.wait_for(w.hub.run(i, env, job), 60) for i in batch]
+    assert [r.status for r in got].count(RolloutStatus.INFRA_ERROR) <= 1, got
+    assert len(down.assignments) <= 1 and len(sound.assignments) >= 3, (len(down.assignments), len(sound.assignments))
 
 
 async def test_a_jobs_spec_goes_to_a_worker_that_keeps_it_once_and_again_when_it_changed_or_failed() -> None:
