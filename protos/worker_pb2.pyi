@@ -101,20 +101,20 @@ class Assignment(_message.Message):
     def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ..., tenant: _Optional[str] = ..., traceparent: _Optional[str] = ..., env_archive: _Optional[_Union[ArchiveEnvironment, _Mapping]] = ..., attempts_spent: _Optional[int] = ...) -> None: ...
 
 class ArchiveEnvironment(_message.Message):
-    __slots__ = ("kind", "name", "version", "sha256", "archive", "validated")
+    __slots__ = ("kind", "name", "version", "sha256", "archive", "rules")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]
-    VALIDATED_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     name: str
     version: str
     sha256: str
     archive: bytes
-    validated: bool
-    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., archive: _Optional[bytes] = ..., validated: _Optional[bool] = ...) -> None: ...
+    rules: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., archive: _Optional[bytes] = ..., rules: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("assignment_id",)

@@ -219,6 +219,7 @@ class Provenance(_Model):
 
 
 MAX_KIND_CHARS = 200  # an exception's class name
+CUT_NOTE_CHARS = 64  # what a cut adds past the limit (bounded's note)
 
 
 class RolloutError(_Model):
@@ -232,7 +233,10 @@ class RolloutError(_Model):
     @field_validator("kind", "message")
     @classmethod
     def _carried(cls, v: str, info: ValidationInfo) -> str:
-        return bounded(as_text(v), MAX_KIND_CHARS if info.field_name == "kind" else MAX_MESSAGE_CHARS)
+        limit = MAX_KIND_CHARS if info.field_name == "kind" else MAX_MESSAGE_CHARS
+        if len(v) > limit + CUT_NOTE_CHARS:  # one cut already made (its note past the limit) is left as it is
+            v = bounded(v, limit)
+        return as_text(v)
 
 
 class Rollout(_Model):

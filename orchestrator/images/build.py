@@ -380,7 +380,9 @@ def _present_ids(client: docker.DockerClient, refs: Collection[str]) -> dict[str
                 "pull one: name an envfleet image this host has (envfleet/base:latest, say)"
             ) from None
         except docker.errors.APIError as e:
-            raise ImageNotOnHostError(f"the Dockerfile reads {ref!r}, which the engine cannot look up: {e}") from None
+            # a reference the engine refuses (4xx) is the Dockerfile's; one it cannot answer for (5xx), the host's
+            error = ImageBuildError if e.is_client_error() else ImageNotOnHostError
+            raise error(f"the Dockerfile reads {ref!r}, which the engine cannot look up: {e}") from None
     return ids
 
 

@@ -257,16 +257,16 @@ class Orchestrator:
             forget_serving(self.config.data_dir, self._serving)
             if self.openenv is not None:  # first: its websockets close their sessions through the gRPC server
                 await _bounded("the OpenEnv facade", self.openenv.close(), STOP_STAGE_S)
-            await self._health.enter_graceful_shutdown()
+            await _bounded("the health service", self._health.enter_graceful_shutdown(), STOP_STAGE_S)
             await _bounded("the gRPC server", self.server.stop(grace), grace + STOP_STAGE_S)
             if self.ui is not None:
-                await asyncio.to_thread(self.ui.close)
+                await _bounded("the viewer", asyncio.to_thread(self.ui.close), STOP_STAGE_S)
             if self.sessions is not None:
                 await _bounded("the sessions", self.sessions.close_all(), STOP_STAGE_S)
             if self.sandboxes is not None:
                 await _bounded("the sandbox service", self.sandboxes.close_all(), STOP_STAGE_S)
             if self.workers is not None:
-                self.workers.hub.stopping()
+                self.workers.hub.stopping()  # sets a flag
             await _bounded("the jobs", self.jobs.close(), STOP_STAGE_S)
             if self.workers is not None:
                 await _bounded("the workers", self.workers.stop(), STOP_STAGE_S + 10)
@@ -275,7 +275,7 @@ class Orchestrator:
                 drain_s = STOP_STAGE_S + self.pool.idle_total * REMOVE_BUDGET_S  # it destroys every idle sandbox
                 await _bounded("the warm pool", self.pool.close(), drain_s)
             if self._metrics_server is not None:
-                self._metrics_server.shutdown()
+                await _bounded("the metrics server", asyncio.to_thread(self._metrics_server.shutdown), STOP_STAGE_S)
         finally:  # whatever failed above: the containers, the result log and the data directory are let go
             try:
                 await self.backend.close()

@@ -214,7 +214,7 @@ class Shipment:
     version: str
     digest: str
     path: Path
-    validated: bool  # validated under its kind's rules now in force: the worker marks it so (ArchiveKind.validated)
+    rules: str  # its kind's rules it was validated under: a worker whose plug-in has other ones loads it unvalidated
 
 
 class ArchiveCatalog:

@@ -607,8 +607,7 @@ class Registrar:
         kind = self._kind(record.kind)
         # it passed its checks when it was registered, under the rules then in force: under other ones (an upgrade
         # changed how its tasks run), what they proved is not known, and a failure is the environment's, not a 0
-        validated = record.rules == kind.rules
-        if validated:
+        if record.rules == kind.rules:
             env = kind.validated(env)
         else:
             log.warning(
@@ -622,5 +621,5 @@ class Registrar:
             )
         owner = None if record.visibility == "public" else record.owner
         self._registry.register(env, source=ARCHIVE_SOURCE + record.kind, owner=owner)
-        self.catalog.add(env, Shipment(record.kind, record.name, record.version, record.digest, path, validated))
+        self.catalog.add(env, Shipment(record.kind, record.name, record.version, record.digest, path, record.rules))
         self._owners.setdefault(record.name, record.owner)

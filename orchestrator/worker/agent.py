@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, generate_latest
@@ -94,8 +95,9 @@ class WorkerAgent:
         # uploaded environments by registration (_archive_key), loaded once (a failed load is the answer until the
         # bytes come again): by digest alone, a second registration of the same bytes (another tenant's, another
         # version, validated under other rules) ran as the first
-        self._archives: dict[tuple[str, str, str, bool], asyncio.Task[Environment]] = {}
-        self._archive_dir: Path | None = None
+        self._archives: dict[tuple[str, str, str, str], asyncio.Task[Environment]] = {}
+        self._bytes: dict[str, asyncio.Task[Path]] = {}  # by digest: the archive's bytes, kept in a file
+        self._archive_dir: asyncio.Future[Path] | None = None
         self._specs: dict[str, tuple[bytes, JobSpec]] = {}  # job id -> its spec as last sent, and parsed
         # job id -> its spec and its environment's as JSON, as this stream last carried them (WorkerHello.keeps_specs)
         self._carried: dict[str, tuple[bytes, bytes]] = {}
@@ -142,11 +144,14 @@ class WorkerAgent:
                         await stop.wait()
                 delay = min(delay * 2, RECONNECT_MAX_S)
         finally:
-            for loading in self._archives.values():
-                loading.cancel()
-            await asyncio.gather(*self._archives.values(), return_exceptions=True)
+            tasks = [*self._archives.values(), *self._bytes.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             if self._archive_dir is not None:
-                await asyncio.to_thread(shutil.rmtree, self._archive_dir, True)
+                folder = await asyncio.gather(self._archive_dir, return_exceptions=True)
+                if isinstance(folder[0], Path):
+                    await asyncio.to_thread(shutil.rmtree, folder[0], True)
 
     async def _session(self, stop: asyncio.Event) -> None:
         outbox: Outbox[wpb.WorkerMessage | wpb.RolloutResult] = Outbox()
@@ -335,36 +340,52 @@ class WorkerAgent:
         return env
 
     def _start_loading(self, m: wpb.ArchiveEnvironment) -> None:
+        """An assignment that carries an archive's bytes: keep them (checked), and load its registration. Bytes that
+        come again (the control plane sends them after a failure) retry whatever failed of that digest, each
+        registration's load too: kept, a passing fault (a full disk, bytes damaged on the way) broke the environment
+        here for good."""
+        kept = self._bytes.get(m.sha256)
+        if kept is None or _failed(kept) or any(_failed(t) for k, t in self._archives.items() if k[0] == m.sha256):
+            self._bytes[m.sha256] = asyncio.create_task(self._keep_bytes(m), name=f"keeping {m.name}@{m.version}")
+            for key in [k for k, t in self._archives.items() if k[0] == m.sha256 and _failed(t)]:
+                del self._archives[key]
+        self._load(m)
+
+    def _load(self, m: wpb.ArchiveEnvironment) -> asyncio.Task[Environment]:
         key = _archive_key(m)
         loading = self._archives.get(key)
-        # a load that failed is tried again with the bytes sent again (the control plane sends them after a failure):
-        # kept, a passing fault (a full disk, bytes damaged on the way) broke the environment here for good
-        if loading is None or (loading.done() and (loading.cancelled() or loading.exception() is not None)):
-            self._archives[key] = asyncio.create_task(self._load_archive(m), name=f"loading {m.name}@{m.version}")
+        if loading is None:
+            loading = self._archives[key] = asyncio.create_task(
+                self._load_archive(m), name=f"loading {m.name}@{m.version}"
+            )
+        return loading
+
+    async def _keep_bytes(self, m: wpb.ArchiveEnvironment) -> Path:
+        """The archive's bytes, checked against their digest, in a file of this worker's (whole or not at all)."""
+        digest = hashlib.sha256(m.archive).hexdigest()
+        if digest != m.sha256:
+            raise ValueError(f"the archive of {m.name}@{m.version} arrived damaged (sha256 {digest}, not {m.sha256})")
+        folder = await self._archives_folder() / m.sha256
+        await asyncio.to_thread(_keep, folder / "archive", m.archive)
+        return folder / "archive"
+
+    async def _archives_folder(self) -> Path:
+        if self._archive_dir is None:  # made once: loads of two archives in one batch made one each
+            self._archive_dir = asyncio.ensure_future(asyncio.to_thread(make_private_dir, "worker-archives"))
+        return await asyncio.shield(self._archive_dir)
 
     async def _load_archive(self, m: wpb.ArchiveEnvironment) -> Environment:
-        """Unpack and load an uploaded environment the control plane sent (it checked the archive already): from the
-        bytes `m` carries, else from those a load of another registration of the same bytes kept (the control plane
-        sends a stream the bytes of a digest once)."""
+        """Load one registration of an uploaded environment (the control plane checked the archive already) from
+        its digest's bytes, which an assignment of this registration or of another of the same bytes carried."""
         kind = self._kinds.get(m.kind)
         if kind is None:
             raise LookupError(f"this worker has no plug-in for archives of kind {m.kind!r}")
-        if self._archive_dir is None:
-            # marked as this process's: left by a killed worker, the next worker or control plane removes it
-            self._archive_dir = await asyncio.to_thread(make_private_dir, "worker-archives")
-        folder = self._archive_dir / m.sha256
-        archive = folder / "archive"
-        if m.archive:
-            digest = hashlib.sha256(m.archive).hexdigest()
-            if digest != m.sha256:
-                raise ValueError(
-                    f"the archive of {m.name}@{m.version} arrived damaged (sha256 {digest}, not {m.sha256})"
-                )
-            await asyncio.to_thread(_keep, archive, m.archive)
-        elif not archive.exists():
+        kept = self._bytes.get(m.sha256)
+        if kept is None:
             raise LookupError(f"the control plane sent no archive of {m.name}@{m.version} on this stream")
+        archive = await asyncio.shield(kept)
         # a tree of its own per registration: each is its own environment (its name, version, validation)
-        tree = folder / ("tree-" + hashlib.sha256(repr(_archive_key(m)).encode()).hexdigest()[:16])
+        tree = archive.parent / ("tree-" + hashlib.sha256(repr(_archive_key(m)).encode()).hexdigest()[:16])
         await asyncio.to_thread(shutil.rmtree, tree, True)  # what a load that failed left
         try:
             tree.mkdir()
@@ -372,18 +393,12 @@ class WorkerAgent:
         except BaseException:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, tree, True))
             raise
-        # only registered archives are shipped, each checked; marked validated when under the rules this runs
-        return kind.validated(env) if m.validated else env
+        # validated under the rules this worker's plug-in grades by (the control plane judges by its own)
+        return kind.validated(env) if m.rules == kind.rules else env
 
     async def _archived(self, m: wpb.ArchiveEnvironment) -> Environment:
-        key = _archive_key(m)
-        if key not in self._archives:
-            # another registration of the same bytes, whose assignment carried them: its load keeps them
-            same = [asyncio.shield(t) for k, t in self._archives.items() if k[0] == m.sha256]
-            await asyncio.gather(*same, return_exceptions=True)
-            if key not in self._archives:
-                self._start_loading(m)
-        return await asyncio.shield(self._archives[key])  # a cancelled rollout does not cancel the load others wait for
+        # a registration not seen yet loads from the bytes another registration of the same digest carried
+        return await asyncio.shield(self._load(m))  # a cancelled rollout does not cancel the load others wait for
 
     @staticmethod
     def _task(env: Environment, task_id: str) -> Task:
@@ -392,16 +407,24 @@ class WorkerAgent:
         return indexed_tasks(env)[1][task_id]
 
 
-def _archive_key(m: wpb.ArchiveEnvironment) -> tuple[str, str, str, bool]:
-    return (m.sha256, m.name, m.version, m.validated)
+def _archive_key(m: wpb.ArchiveEnvironment) -> tuple[str, str, str, str]:
+    return (m.sha256, m.name, m.version, m.rules)
+
+
+def _failed(task: asyncio.Task[Any]) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)
 
 
 def _keep(path: Path, data: bytes) -> None:
     """An archive's bytes at `path`, whole or not at all (another load may read them)."""
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 _REFUSALS = frozenset(

@@ -411,7 +411,7 @@ class WorkerHub:
             name=shipped.name,
             version=shipped.version,
             sha256=shipped.digest,
-            validated=shipped.validated,
+            rules=shipped.rules,
         )
         if shipped.digest not in worker.archives:
             data = await asyncio.to_thread(shipped.path.read_bytes)

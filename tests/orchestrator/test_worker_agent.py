@@ -195,6 +195,8 @@ async def test_an_archive_that_failed_to_load_loads_when_its_bytes_come_again(tm
     loaded: list[bytes] = []
 
     class Kind:
+        rules = ""
+
         def load(self, archive: Path, tree: Path, name: str, version: str, limits: Any) -> str:
             loaded.append(archive.read_bytes())
             return f"{name}@{version}"
@@ -227,7 +229,7 @@ async def test_an_archive_that_failed_to_load_loads_when_its_bytes_come_again(tm
         assert cast(str, await agent._archived(sent)) == "env@1" and loaded == [good]
     finally:
         if agent._archive_dir is not None:
-            shutil.rmtree(agent._archive_dir, True)
+            shutil.rmtree(await agent._archives_folder(), True)
 
 
 async def test_two_registrations_of_the_same_bytes_are_two_environments_on_a_worker(tmp_path: Path) -> None:
@@ -237,6 +239,8 @@ async def test_two_registrations_of_the_same_bytes_are_two_environments_on_a_wor
     import shutil
 
     class Kind:
+        rules = "2"  # this worker's plug-in's: the second registration was validated under older ones
+
         def load(self, archive: Path, tree: Path, name: str, version: str, limits: Any) -> str:
             return f"{name}@{version}:{archive.read_bytes().decode()}"
 
@@ -245,10 +249,10 @@ async def test_two_registrations_of_the_same_bytes_are_two_environments_on_a_wor
 
     data = b"tasks"
     first = wpb.ArchiveEnvironment(
-        kind="k", name="a", version="1", sha256=hashlib.sha256(data).hexdigest(), archive=data, validated=True
+        kind="k", name="a", version="1", sha256=hashlib.sha256(data).hexdigest(), archive=data, rules="2"
     )
     # the control plane sends a stream a digest's bytes once: the second registration's assignment has none
-    second = wpb.ArchiveEnvironment(kind="k", name="b", version="2", sha256=first.sha256, validated=False)
+    second = wpb.ArchiveEnvironment(kind="k", name="b", version="2", sha256=first.sha256, rules="1")
     agent = WorkerAgent(
         f"unix:{tmp_path}/w.sock",
         TOKEN,
@@ -263,9 +267,33 @@ async def test_two_registrations_of_the_same_bytes_are_two_environments_on_a_wor
         unknown = wpb.ArchiveEnvironment(kind="k", name="c", version="1", sha256="0" * 64)
         with pytest.raises(LookupError, match="sent no archive of c@1"):
             await agent._archived(unknown)
+        # a registration whose load failed loads again when the bytes come again, whichever registration's
+        # assignment carries them (the control plane sends them once after a failure)
+        other = b"other tasks"
+        digest = hashlib.sha256(other).hexdigest()
+        c = wpb.ArchiveEnvironment(kind="k", name="c", version="1", sha256=digest, archive=b"damaged", rules="2")
+        d = wpb.ArchiveEnvironment(kind="k", name="d", version="1", sha256=digest, rules="2")
+        agent._start_loading(c)  # and, in the same batch, another archive: one folder for both
+        agent._start_loading(
+            wpb.ArchiveEnvironment(
+                kind="k", name="e", version="1", sha256=hashlib.sha256(b"e").hexdigest(), archive=b"e"
+            )
+        )
+        with pytest.raises(ValueError, match="arrived damaged"):
+            await agent._archived(d)
+        resent = wpb.ArchiveEnvironment()
+        resent.CopyFrom(c)
+        resent.archive = other
+        agent._start_loading(resent)
+        assert cast(str, await agent._archived(d)) == "d@1:other tasks (validated)"
+        assert cast(str, await agent._archived(c)) == "c@1:other tasks (validated)"
+        folder = await agent._archives_folder()
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == sorted(
+            [first.sha256, digest, hashlib.sha256(b"e").hexdigest()]
+        )
     finally:
         if agent._archive_dir is not None:
-            shutil.rmtree(agent._archive_dir, True)
+            shutil.rmtree(await agent._archives_folder(), True)
 
 
 def test_one_name_at_version_of_other_content_is_another_environment_on_a_worker() -> None:

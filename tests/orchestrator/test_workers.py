@@ -190,7 +190,7 @@ async def test_an_archive_goes_once_per_worker_stream(tmp_path: Path) -> None:
     digest = hashlib.sha256(b"the archive").hexdigest()
     env = PythonToolEnv()
     catalog = ArchiveCatalog()
-    catalog.add(env, Shipment("harbor", env.name, env.version, digest, path, True))
+    catalog.add(env, Shipment("harbor", env.name, env.version, digest, path, ""))
     hub = WorkerHub(FakeBackend(FAKE).images, archives=catalog)
     one, two = _Worker("w1", "h", 1, 1), _Worker("w2", "h", 1, 2)
     first, again, other = [await hub._archive_for(w, env) for w in (one, one, two)]
@@ -217,7 +217,7 @@ async def test_an_archive_goes_again_to_a_worker_that_failed_its_assignment(tmp_
     path.write_bytes(b"the archive")
     env = PythonToolEnv()
     catalog = ArchiveCatalog()
-    catalog.add(env, Shipment("harbor", env.name, env.version, hashlib.sha256(b"the archive").hexdigest(), path, True))
+    catalog.add(env, Shipment("harbor", env.name, env.version, hashlib.sha256(b"the archive").hexdigest(), path, ""))
     hub = WorkerHub(FakeBackend(FAKE).images, archives=catalog)
     worker = _Worker("w1", "h", 1, 1)
     first = await hub._archive_for(worker, env)
@@ -256,7 +256,7 @@ async def test_a_worker_lost_while_its_assignment_is_made_loses_no_rollout(tmp_p
     env = PythonToolEnv()
     catalog = ArchiveCatalog()
     catalog.add(
-        env, Shipment("harbor", env.name, env.version, hashlib.sha256(b"x").hexdigest(), SlowArchive(tmp_path), True)
+        env, Shipment("harbor", env.name, env.version, hashlib.sha256(b"x").hexdigest(), SlowArchive(tmp_path), "")
     )
     hub = WorkerHub(FakeBackend(FAKE).images, archives=catalog)
     ends = {"w1": asyncio.Event(), "w2": asyncio.Event()}

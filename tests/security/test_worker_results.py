@@ -321,3 +321,6 @@ async def test_an_environments_failure_of_any_size_or_text_is_delivered_as_it_is
     rollout = Rollout.model_validate_json(got.json)
     assert rollout.status == RolloutStatus.ENV_ERROR and rollout.error is not None
     assert rollout.error.message.startswith("bad \ufffd xxx") and len(rollout.error.message) < 5000
+    # and a cut message read again (the result log, a remote worker's JSON checked against its protobuf form) is
+    # the same message: cut again at every reading, it changed
+    assert RolloutError.model_validate_json(rollout.error.model_dump_json()) == rollout.error
