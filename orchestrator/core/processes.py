@@ -4,6 +4,7 @@ an owner gone by this, and only then remove what it left."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -16,6 +17,17 @@ def process_host() -> str:
     except OSError:
         namespace = ""
     return f"{socket.gethostname()}{namespace}"
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot of the host's kernel: CLOCK_MONOTONIC (time.monotonic) is one clock for every process of it, and a
+    wall-clock jump (NTP, a VM resumed) moves it not at all. Empty where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def proc_stat(pid: int) -> list[bytes]:

@@ -52,6 +52,24 @@ def _created(stamp: str) -> float:
     return whole + float(f"0.{frac or 0}")
 
 
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
+
+
+def _engine_now(client: docker.DockerClient) -> float:
+    """The engine's own time (its SystemTime, RFC 3339 in its zone) as a Unix time: a build's containers and layers
+    are stamped by it, and compared with this host's clock, an engine behind it (a remote one, a clock set back) made
+    every step look older than the build, and the build's disk limit was never enforced. This host's clock when the
+    engine does not say."""
+    try:
+        m = _STAMP.fullmatch(str(client.info().get("SystemTime", "")))
+    except (docker.errors.DockerException, OSError):
+        m = None
+    if m is None:
+        return time.time()
+    zone = "+00:00" if m[3] == "Z" else m[3]
+    return datetime.datetime.fromisoformat(m[1] + zone).timestamp() + float(f"0.{m[2] or 0}")
+
+
 class DiskGuard:
     """Holds one build to `limit_mb` of layers; feed it every line the build prints (`saw`), then read `over`.
     `bases`: the ids of the images the Dockerfile builds FROM."""
@@ -66,7 +84,7 @@ class DiskGuard:
         self._reached = set(bases)  # image ids the build has reached: its FROM images, then each layer taken
         self._checks = 0  # the lines it printed that look like the engine's, each checked on the engine
         self.cut = False  # past MAX_CHECKS: it watches no more, and the build is to be cancelled (build._run_build)
-        self._started = time.time()
+        self._started = _engine_now(client)  # the engine's clock, which stamps what the build makes
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="build disk guard", daemon=True)

@@ -195,8 +195,9 @@ class RolloutRunner:
             attempt += 1
             rollout = await self._attempt(item, env, spec, policy, policy_version, started, parent, attempt)
             rollout.attempts = attempt
-            # wall-clock bounds for the trainer: from the first attempt's start to the last attempt's end
-            rollout.started_at, rollout.finished_at = started_at, time.time()
+            # wall-clock bounds for the trainer: from the first attempt's start to the last attempt's end, the end
+            # counted on the monotonic clock (a wall clock set back between the two made it end before it began)
+            rollout.started_at, rollout.finished_at = started_at, started_at + (time.monotonic() - started)
             if rollout.status != RolloutStatus.INFRA_ERROR or attempt > spec.max_infra_retries:
                 return rollout
             await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), RETRY_BACKOFF_CAP_S))  # the engine recovers

@@ -717,8 +717,9 @@ class JobManager:
     def _info(self, job: _Job) -> JobInfo:
         # the counts kept as rollouts were logged and acked: a list of thousands of jobs reads no log
         done = job.done
-        # the average since submit, frozen once the job is finished (documented on JobStatus.rollouts_per_s)
-        elapsed = max((job.finished_at or time.time()) - job.created_at, 1e-9)
+        # the average since submit, frozen once the job is finished (documented on JobStatus.rollouts_per_s); none
+        # when the wall clock went back past the submit (it was done x 1e9)
+        elapsed = (job.finished_at or time.time()) - job.created_at
         return JobInfo(
             job_id=job.job_id,
             spec=job.spec,
@@ -731,7 +732,7 @@ class JobManager:
                 by_status=dict(job.by_status),
                 acked=job.acked,
                 in_flight=self.scheduler.running_of(job.job_id),
-                rollouts_per_s=done / elapsed,
+                rollouts_per_s=done / elapsed if elapsed > 0 else 0.0,
             ),
         )
 

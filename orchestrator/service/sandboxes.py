@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import re
 import secrets
 import time
@@ -130,6 +131,9 @@ class _Live:
     sandbox: Sandbox
     reservation: Reservation | None = None
     probe_at: float = 0.0  # time.monotonic() of its next health check
+    # time.monotonic() of its ttl's end (record.expires_at is the wall clock's, to show): on the wall clock, a clock
+    # set an hour on destroyed tenants' sandboxes an hour early, and one set back kept them (and their quota) on
+    ends_at: float = math.inf
 
 
 def _limits(base: Limits, overrides: Mapping[str, Any]) -> Limits:
@@ -300,9 +304,10 @@ class SandboxManager:
             raise
         finally:
             self._reserved[tenant] -= 1
-        now = time.time()
-        record = SandboxRecord(sid, tag, env, "RUNNING", lim, now, now + ttl, runtime=runtime)
-        self._live[sid] = _Live(record, tenant, sandbox, reservation, time.monotonic() + self.config.probe_interval_s)
+        now, mono = time.time(), time.monotonic()
+        left = min(ttl, sandbox.lease_left_s())  # never past its container's lease, which the sweep goes by
+        record = SandboxRecord(sid, tag, env, "RUNNING", lim, now, now + left, runtime=runtime)
+        self._live[sid] = _Live(record, tenant, sandbox, reservation, mono + self.config.probe_interval_s, mono + left)
         return record
 
     def _tombstone(self, tenant: str, sandbox_id: str) -> SandboxRecord | None:
@@ -311,7 +316,7 @@ class SandboxManager:
     async def _get(self, tenant: str, sandbox_id: str) -> _Live:
         live = self._live.get(sandbox_id)
         if live is not None and live.tenant == tenant:
-            if time.time() < live.record.expires_at:
+            if time.monotonic() < live.ends_at:
                 return live
             await self._end(live, "EXPIRED", "its ttl ended")
         tomb = self._tombstone(tenant, sandbox_id)
@@ -538,8 +543,8 @@ class SandboxManager:
 
     async def reap(self) -> int:
         """Destroy sandboxes whose TTL ended, and forget old tombstones; returns how many were destroyed."""
-        now = time.time()
-        doomed = [x for x in list(self._live.values()) if now >= x.record.expires_at]
+        now, mono = time.time(), time.monotonic()
+        doomed = [x for x in list(self._live.values()) if mono >= x.ends_at]
         for live in doomed:
             log.info("sandbox %s of %s: ttl ended, destroying it", live.record.sandbox_id, live.tenant)
             await self._end(live, "EXPIRED", "its ttl ended")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import docker
 import grpc
+import pytest
 
 from orchestrator.backends.config import DockerBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
@@ -258,3 +259,25 @@ async def test_the_reaper_ends_a_sandbox_whose_container_died_and_spares_the_liv
         events = await _exec(client, live, shell="echo ok")
         assert b"".join(e.stdout for e in events) == b"ok\n"
         await stub.Delete(pb.DeleteSandboxRequest(sandbox_id=live))
+
+
+async def test_a_sandboxs_ttl_runs_on_the_monotonic_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # on the wall clock, a clock set an hour on (NTP, a VM resumed) destroyed every tenant's sandbox at the next
+    # reap, an hour early; one set back kept them, and their quota, an hour past their ttl
+    import time
+
+    from tests.orchestrator.servers import FAKE
+
+    async with (
+        serve(tmp_path, backend=FAKE, sandboxes={"reap_interval_s": 0.1}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        stub = client.sandbox_stub
+        sid = (await stub.Create(pb.CreateSandboxRequest(env="python-tool", ttl_s=60))).sandbox_id
+        short = (await stub.Create(pb.CreateSandboxRequest(env="python-tool", ttl_s=1))).sandbox_id
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() + 3600)
+        await asyncio.sleep(1.5)
+        assert (await stub.Get(pb.GetSandboxRequest(sandbox_id=sid))).state == pb.SANDBOX_STATE_RUNNING
+        monkeypatch.setattr(time, "time", lambda: wall() - 3600)
+        await expect_error(stub.Get(pb.GetSandboxRequest(sandbox_id=short)), grpc.StatusCode.NOT_FOUND, "expired")

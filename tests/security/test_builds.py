@@ -752,3 +752,24 @@ def test_add_is_found_as_the_builder_reads_it(dockerfile: str, adds: bool) -> No
     from orchestrator.service.declarative.dockerfile import adds as has_add
 
     assert has_add(dockerfile) is adds
+
+
+def test_the_build_guard_dates_a_build_by_the_engines_clock() -> None:
+    # a build's step containers and layers are stamped by the engine: compared with this host's clock, an engine
+    # whose clock is behind (a remote one, a clock set back) made every step look older than the build, none was
+    # watched, and the tenant's build disk limit was never enforced
+    from orchestrator.images.disk_guard import _engine_now
+
+    class Engine:
+        def __init__(self, stamp: str) -> None:
+            self.stamp = stamp
+
+        def info(self) -> dict[str, str]:
+            return {"SystemTime": self.stamp}
+
+    behind = time.time() - 600
+    utc = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(behind)) + ".123456789Z"
+    assert abs(_engine_now(cast(docker.DockerClient, Engine(utc))) - behind) < 1.0
+    zoned = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(behind + 3600)) + ".5+01:00"  # its zone's wall time
+    assert abs(_engine_now(cast(docker.DockerClient, Engine(zoned))) - behind) < 1.0
+    assert abs(_engine_now(cast(docker.DockerClient, Engine("no time"))) - time.time()) < 1.0  # this host's

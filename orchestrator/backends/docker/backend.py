@@ -144,7 +144,7 @@ class DockerSandbox(Sandbox):
         self.spec = spec
         self.transport = transport
         self.socket_dir = socket_dir
-        self.lease_expiry = lease_expiry  # no later than its label's, which the sweep goes by
+        self.lease_expiry = lease_expiry  # time.monotonic(): no later than its label's, which the sweep goes by
         self._backend = backend
         self._closed = False
         self._removal: asyncio.Task[None] | None = None
@@ -252,13 +252,13 @@ class DockerSandbox(Sandbox):
     async def reset(self, workspace_seed: str = "") -> ResetOutcome:
         if self._closed:
             return ResetOutcome(False, "closed")
-        if time.time() > self.lease_expiry - 60:
+        if time.monotonic() > self.lease_expiry - 60:
             return ResetOutcome(False, "its lease is about to expire")
         self.thaw()
         return await self.transport.reset(workspace_seed)
 
     def lease_left_s(self) -> float:
-        return self.lease_expiry - time.time()
+        return self.lease_expiry - time.monotonic()
 
     def _begin_removal(self) -> asyncio.Task[None]:
         """This sandbox's removal, begun on the first call: unusable at once, then its transport closed and its
@@ -392,7 +392,7 @@ class DockerBackend(SandboxBackend):
     async def _create(self, spec: SandboxSpec) -> DockerSandbox:
         # the lease as its label will say, before the label is written (whole seconds, rounded): counted from the end
         # of a slow create instead, it ran past the label's, and the sweep removed a sandbox the pool still handed out
-        lease_expiry = time.time() + spec.ttl_s - 1
+        lease_expiry = time.monotonic() + spec.ttl_s - 1
         for tries_left in reversed(range(NAME_TRIES)):
             name, user = sandbox_identity(spec)
             if name in self._creating or any(s.name == name for s in self._owned.values()):

@@ -16,7 +16,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.core.processes import owner_alive, proc_start_time, process_host
+from orchestrator.core.processes import boot_id, owner_alive, proc_start_time, process_host
 from orchestrator.core.sandbox import SandboxSpec
 
 if TYPE_CHECKING:
@@ -31,13 +31,16 @@ LABEL_PID = "envfleet.owner_pid"
 LABEL_PID_START = "envfleet.owner_start"
 LABEL_HOST = "envfleet.host"
 LABEL_LEASE = "envfleet.lease_expiry"
+# "<boot id>:<time.monotonic() seconds>": the lease on this boot's monotonic clock, which every process of the host
+# shares; the wall-clock one above is for a sweep on another boot (the engine's containers outlived a reboot)
+LABEL_LEASE_MONOTONIC = "envfleet.lease_monotonic"
 LABEL_SOCKET_DIR = "envfleet.socket_dir"  # written by older versions; never read: a label is no host path
 LABEL_SEAL = "envfleet.seal"
 LABEL_EXPORT = "envfleet.swe.export"  # a SWE repository's export container (environments/swe/images.py sweeps it)
 # the labels the sweep reads: no image built from tenant input may carry them (orchestrator/images/build.py)
 CONTROL_LABELS = frozenset(
     {LABEL_MANAGED, LABEL_OWNER, LABEL_INSTANCE, LABEL_PID, LABEL_PID_START, LABEL_HOST, LABEL_LEASE, LABEL_SOCKET_DIR}
-    | {LABEL_SEAL, LABEL_EXPORT}
+    | {LABEL_SEAL, LABEL_EXPORT, LABEL_LEASE_MONOTONIC}
 )
 
 
@@ -64,20 +67,37 @@ def labels_for(owner: Owner, spec: SandboxSpec, seal: str) -> dict[str, str]:
         **{k: v for k, v in spec.labels.items() if k not in CONTROL_LABELS},
         LABEL_MANAGED: "1",
         LABEL_INSTANCE: owner.instance,
-        **owner_labels(owner, time.time() + spec.ttl_s),
+        **owner_labels(owner, spec.ttl_s),
         LABEL_SEAL: seal,
     }
 
 
-def owner_labels(owner: Owner, lease_expiry: float) -> dict[str, str]:
-    """The labels `doomed` judges a container's owner and lease by (process, its start, host; unix seconds)."""
+def owner_labels(owner: Owner, lease_s: float) -> dict[str, str]:
+    """The labels `doomed` judges a container's owner and lease by (process, its start, host; the lease `lease_s`
+    from now, on the wall clock and on this boot's monotonic one)."""
     return {
         LABEL_OWNER: owner.name,
         LABEL_PID: str(owner.pid),
         LABEL_PID_START: owner.start,
         LABEL_HOST: owner.host,
-        LABEL_LEASE: f"{lease_expiry:.0f}",
+        LABEL_LEASE: f"{time.time() + lease_s:.0f}",
+        LABEL_LEASE_MONOTONIC: f"{boot_id()}:{time.monotonic() + lease_s:.0f}",
     }
+
+
+def lease_over(labels: Mapping[str, str], now: float) -> bool:
+    """Whether a container's lease has run out: on the monotonic clock when it was made on this boot (a wall clock
+    set an hour on, or a host resumed from a suspend, expired every sandbox in use at the next sweep, sibling
+    workers' too: INFRA_ERRORs, and a cold pool), else on the wall clock (`now`)."""
+    boot, _, at = labels.get(LABEL_LEASE_MONOTONIC, "").partition(":")
+    if boot and boot == boot_id():
+        with contextlib.suppress(ValueError):
+            return float(at) < time.monotonic()
+    try:
+        lease = float(labels.get(LABEL_LEASE, "0"))
+    except ValueError:
+        return False
+    return bool(lease) and lease < now
 
 
 def doomed(
@@ -92,11 +112,7 @@ def doomed(
 ) -> str:
     """Why sealed container `name` should be swept, or '' to keep it. `known`: names this instance holds or makes;
     `alive` remembers owners already looked up."""
-    try:
-        lease = float(labels.get(LABEL_LEASE, "0"))
-    except ValueError:
-        lease = 0.0
-    if lease and lease < now:
+    if lease_over(labels, now):
         return "lease expired"
     if older_than is not None and now - created > older_than:
         return f"older than {older_than:g}s"

@@ -22,7 +22,13 @@ import pytest
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig, DockerSandbox
 from orchestrator.backends.docker.host_config import leftovers
 from orchestrator.backends.docker.socket_dirs import SocketDirs
-from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, LABEL_LEASE, LABEL_MANAGED, LABEL_OWNER
+from orchestrator.backends.docker.sweeper import (
+    LABEL_INSTANCE,
+    LABEL_LEASE,
+    LABEL_LEASE_MONOTONIC,
+    LABEL_MANAGED,
+    LABEL_OWNER,
+)
 from orchestrator.core.errors import (
     SandboxCreateError,
     SandboxDiedError,
@@ -386,8 +392,27 @@ async def test_a_sandboxs_lease_ends_no_later_than_its_label_says(
     monkeypatch.setattr(startup, "wait_ready", slow_ready)
     sb = await backend.create(SandboxSpec(image=base_image))
     async with sb:
-        label = float(docker_client.api.inspect_container(sb.id)["Config"]["Labels"][LABEL_LEASE])
+        labels = docker_client.api.inspect_container(sb.id)["Config"]["Labels"]
+        label = float(labels[LABEL_LEASE_MONOTONIC].partition(":")[2])  # the clock the sweep goes by on this boot
         assert sb.lease_expiry <= label, (sb.lease_expiry, label)
+        assert float(labels[LABEL_LEASE]) > time.time() + 3000  # and the wall clock's, for another boot's sweep
+
+
+def test_a_lease_runs_out_on_the_monotonic_clock_of_its_boot_not_the_wall_clock() -> None:
+    # the wall clock set an hour on (NTP, a VM resumed) expired every sandbox in use at the next sweep, a sibling
+    # worker's too: INFRA_ERRORs and a cold pool. Its monotonic lease, on this boot, is what counts
+    from orchestrator.backends.docker.sweeper import lease_over
+    from orchestrator.core.processes import boot_id
+
+    now = time.time()
+    in_use = {LABEL_LEASE: f"{now + 600:.0f}", LABEL_LEASE_MONOTONIC: f"{boot_id()}:{time.monotonic() + 600:.0f}"}
+    assert boot_id() and not lease_over(in_use, now) and not lease_over(in_use, now + 3600)  # the jump
+    over = {**in_use, LABEL_LEASE_MONOTONIC: f"{boot_id()}:{time.monotonic() - 1:.0f}"}
+    assert lease_over(over, now)  # the wall clock says otherwise: the monotonic one decides
+    # another boot's (the engine's containers outlived a reboot), or a label of an older version: the wall clock's
+    other_boot = {**in_use, LABEL_LEASE_MONOTONIC: f"another-boot:{time.monotonic() + 600:.0f}"}
+    assert lease_over(other_boot, now + 3600) and not lease_over(other_boot, now)
+    assert lease_over({LABEL_LEASE: f"{now - 1:.0f}"}, now) and not lease_over({}, now)
 
 
 async def test_the_engine_watch_outlives_a_failed_sweep_and_close_still_removes_everything(
