@@ -14,6 +14,7 @@ import secrets
 import shutil
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 MAX_RESULT_BYTES = 8 << 20  # per message (the wire caps one at 64 MiB): large rollouts travel in several
+MAX_DECLARATIVE = 32  # declarative environments a worker keeps parsed beyond its running jobs
 
 
 class WorkerAgent:
@@ -90,7 +92,10 @@ class WorkerAgent:
         self._orphan_after_s = orphan_after_s
         self._metrics = metrics  # sent to the control plane every `metrics_s`, in a heartbeat
         self._metrics_s = metrics_s
-        self._declarative: dict[str, Environment] = {}
+        # declarative environments by their spec's digest, the most recently used MAX_DECLARATIVE: kept all, a worker
+        # held every version it ever ran (a trainer registering one a step: megabytes each, per worker process); a
+        # running job's stays with the job (_job_envs), so one dropped here is only parsed again
+        self._declarative: OrderedDict[str, Environment] = OrderedDict()
         self._kinds = dict(load_kinds() if kinds is None else kinds)
         # uploaded environments by registration (_archive_key), loaded once (a failed load is the answer until the
         # bytes come again): by digest alone, a second registration of the same bytes (another tenant's, another
@@ -337,6 +342,10 @@ class WorkerAgent:
         env = self._declarative.get(key)
         if env is None:
             env = self._declarative[key] = make_environment(EnvironmentSpec.model_validate_json(spec_json))
+            while len(self._declarative) > MAX_DECLARATIVE:
+                self._declarative.popitem(last=False)
+        else:
+            self._declarative.move_to_end(key)
         return env
 
     def _start_loading(self, m: wpb.ArchiveEnvironment) -> None:

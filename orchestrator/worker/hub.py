@@ -623,8 +623,10 @@ class WorkerHub:
         self._slots -= worker.slots
         if all(w.host != worker.host for w in self._workers.values()):
             # the images a host had count while it has a worker: hosts come and go for good in an autoscaled fleet
-            for hosts in self._hosts_with.values():
+            for ref, hosts in list(self._hosts_with.items()):
                 hosts.discard(worker.host)
+                if not hosts:  # and an environment no host has any more is forgotten (one a version, for ever)
+                    del self._hosts_with[ref]
         self.lost += 0 if self._closed else 1
         if not self._closed:
             log.warning(

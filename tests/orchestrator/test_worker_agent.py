@@ -319,6 +319,13 @@ def test_one_name_at_version_of_other_content_is_another_environment_on_a_worker
     second = agent._environment("mine@1", spec_json("new", "echo '{\"reward\": 1}'"))
     assert second is not first and agent._task(second, "t1").prompt == "new"
     assert agent._environment("mine@1", spec_json("old", "echo '{\"reward\": 0}'")) is first
+    # every version a worker ever ran stayed parsed: a trainer registering one a step grew each worker without end
+    from orchestrator.worker.agent import MAX_DECLARATIVE
+
+    for i in range(MAX_DECLARATIVE + 5):
+        agent._environment("mine@1", spec_json(f"version {i}", "true"))
+    assert len(agent._declarative) == MAX_DECLARATIVE
+    assert agent._environment("mine@1", spec_json("old", "echo '{\"reward\": 0}'")) is not first  # parsed again
 
 
 class _Refusing(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
