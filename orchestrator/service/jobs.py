@@ -760,7 +760,17 @@ class JobManager:
         self._forget(gone)
         for job in gone:
             await self._remove(job.job_id)
-        return len(gone)
+        # a finished job whose row this version cannot read (left alone at the start) has a retention all the same:
+        # never loaded, it was never expired, and it and its rollouts stayed in the log for good
+        unreadable = [job_id for job_id, end in self.store.unreadable.items() if self._expired(end, now)]
+        for job_id in unreadable:
+            del self.store.unreadable[job_id]
+            await self._remove(
+                job_id,
+                f"its row does not load in this version, and its retention of "
+                f"{self.retention_s:g}s after its end ran out",
+            )
+        return len(gone) + len(unreadable)
 
     async def _trim_finished(self, owner: str) -> None:
         """Make room for one more finished job of tenant `owner` under caps.finished_jobs_per_tenant: its oldest go

@@ -167,6 +167,8 @@ class ResultStore:
         self._drainer: asyncio.Task[None] | None = None
         self._last_end = float("-inf")  # loop time when the last transaction ended
         self._served: set[asyncio.Task[Any] | None] = set()  # the callers of the last transaction
+        # the job rows the last `jobs()` could not read, by id: their end (None: unfinished), which retention reads
+        self.unreadable: dict[str, float | None] = {}
 
     @classmethod
     async def open(cls, path: Path, synchronous: Literal["full", "normal"] = "full") -> ResultStore:
@@ -352,6 +354,7 @@ class ResultStore:
             ).fetchall()
             wanted = {s.value for s in states} if states is not None else None
             jobs = []
+            self.unreadable = {}
             for r in rows:
                 if wanted is not None and r[2] not in wanted:
                     continue
@@ -365,6 +368,7 @@ class ResultStore:
                     # as it is, for a version that can; one such row stopped the server's start. Said without the
                     # values it holds (pydantic quotes them: an api_key among them)
                     log.error("job %s in the result log does not load, so it is left alone: %s", r[0], error_text(e))
+                    self.unreadable[r[0]] = r[4]
             return jobs
 
         return await self._run(q)

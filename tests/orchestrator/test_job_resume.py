@@ -75,6 +75,16 @@ async def test_a_job_row_this_version_cannot_read_is_left_alone_and_the_server_s
         assert [j.job_id for j in await client.list_jobs()] == [good]
     with sqlite3.connect(data / "results.sqlite3") as db:  # and the row is still there, for a version that reads it
         assert db.execute("SELECT COUNT(*) FROM jobs WHERE job_id = ?", (bad,)).fetchone() == (1,)
+    # until its retention runs out, as any finished job's: never loaded, it was never expired, and stayed for good
+    async with serve(data, backend=FAKE, job_retention_s=0.2) as orch:
+        for _ in range(100):
+            with sqlite3.connect(data / "results.sqlite3") as db:
+                left = db.execute("SELECT COUNT(*) FROM rollouts WHERE job_id = ?", (bad,)).fetchone()
+                left += db.execute("SELECT COUNT(*) FROM jobs WHERE job_id = ?", (bad,)).fetchone()
+            if left == (0, 0):
+                break
+            await asyncio.sleep(0.1)
+        assert left == (0, 0), left
 
 
 async def test_a_cancel_cut_before_its_groups_were_published_publishes_them_at_the_restart(
