@@ -75,7 +75,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., results: _Optional[_Union[ResultBatch, _Mapping]] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json", "tenant", "traceparent", "env_archive", "attempts_spent")
+    __slots__ = ("assignment_id", "job_spec_json", "job_id", "task_id", "sample_index", "queued_s", "env_spec_json", "tenant", "traceparent", "env_archive", "attempts_spent", "env_digest")
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class Assignment(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     ENV_ARCHIVE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_SPENT_FIELD_NUMBER: _ClassVar[int]
+    ENV_DIGEST_FIELD_NUMBER: _ClassVar[int]
     assignment_id: str
     job_spec_json: bytes
     job_id: str
@@ -98,7 +99,8 @@ class Assignment(_message.Message):
     traceparent: str
     env_archive: ArchiveEnvironment
     attempts_spent: int
-    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ..., tenant: _Optional[str] = ..., traceparent: _Optional[str] = ..., env_archive: _Optional[_Union[ArchiveEnvironment, _Mapping]] = ..., attempts_spent: _Optional[int] = ...) -> None: ...
+    env_digest: str
+    def __init__(self, assignment_id: _Optional[str] = ..., job_spec_json: _Optional[bytes] = ..., job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., queued_s: _Optional[float] = ..., env_spec_json: _Optional[bytes] = ..., tenant: _Optional[str] = ..., traceparent: _Optional[str] = ..., env_archive: _Optional[_Union[ArchiveEnvironment, _Mapping]] = ..., attempts_spent: _Optional[int] = ..., env_digest: _Optional[str] = ...) -> None: ...
 
 class ArchiveEnvironment(_message.Message):
     __slots__ = ("kind", "name", "version", "sha256", "archive", "rules")

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 import inspect
+import json
 import logging
 import math
+import sys
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
 from orchestrator.core.image_spec import ImageSpec
@@ -253,6 +257,43 @@ def indexed_tasks(env: Environment) -> tuple[Sequence[Task], Mapping[str, Task]]
         tasks = tuple(env.tasks())
         known = _INDEXED[env] = (tasks, {t.id: t for t in tasks})
     return known
+
+
+_DIGESTS: weakref.WeakKeyDictionary[Environment, str] = weakref.WeakKeyDictionary()
+
+
+def environment_digest(env: Environment) -> str:
+    """What a plug-in environment is where it runs, as a digest: its ref, class and settings, its tasks (ids,
+    prompts, data), and the source of the modules of its class and rubric functions. Two processes that loaded the
+    same install agree on it; a node with another version of the plug-in (other tasks, another reward function)
+    does not. Computed once per environment object."""
+    known = _DIGESTS.get(env)
+    if known is not None:
+        return known
+    h = hashlib.sha256()
+
+    def put(value: object) -> None:
+        # what JSON cannot say goes by its type's name: a repr may hold an address, other in every process
+        h.update(json.dumps(value, sort_keys=True, default=lambda o: type(o).__qualname__).encode() + b"\0")
+
+    cls = type(env)
+    put([env.ref(), cls.__module__, cls.__qualname__, list(env.tools), env.system_prompt, env.max_turns])
+    put([env.tool_timeout_s, env.limits.model_dump(), env.runtime, env.reusable, env.workspace_seed])
+    modules = {cls.__module__}
+    rubric = getattr(env, "rubric", None)
+    for name, fn, weight in getattr(rubric, "functions", ()):
+        put([name, getattr(fn, "__qualname__", repr(fn)), weight])
+        modules.add(getattr(fn, "__module__", "") or "")
+    for module in sorted(modules):
+        path = getattr(sys.modules.get(module), "__file__", None)
+        try:
+            h.update(Path(path).read_bytes() if path else b"")
+        except OSError:
+            h.update(b"")
+    for task in indexed_tasks(env)[0]:
+        put([task.id, task.prompt, task.data])
+    digest = _DIGESTS[env] = h.hexdigest()
+    return digest
 
 
 class ImageSource(Protocol):

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.archives import ArchiveKind
 from orchestrator.core.echo import error_text
-from orchestrator.core.environment import Environment, Task, indexed_tasks
+from orchestrator.core.environment import Environment, Task, environment_digest, indexed_tasks
 from orchestrator.core.models import JobSpec
 from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.rollout.runner import WorkItem, left_retries
@@ -281,6 +281,11 @@ class WorkerAgent:
                 env = await self._archived(a.env_archive)
             else:
                 env = self._job_environment(a.job_id, spec.env, env_json)
+                if a.env_digest and (own := environment_digest(env)) != a.env_digest:
+                    raise LookupError(
+                        f"this worker's {env.ref()} is not the control plane's (digest {own[:12]}, not "
+                        f"{a.env_digest[:12]}): install the same version of its plug-in on every node"
+                    )
             task = self._task(env, a.task_id)
         except Exception as e:
             outbox.put(self._failed(a, "cannot run it", e))

@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
-from orchestrator.core.environment import Environment, ImageSource, scoring_budget
+from orchestrator.core.environment import Environment, ImageSource, environment_digest, scoring_budget
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.models import EncodedRollout, JobSpec, Rollout, RolloutError, RolloutStatus
 from orchestrator.core.processes import cpu_ticks
@@ -348,6 +348,7 @@ class WorkerHub:
         budget = (left_retries(spec, spent) + 1) * each + self.result_slack_s
         digest = archive.sha256 if archive is not None else ""
         spec_json, env_json = self._encode(item.job_id, env, spec)
+        plugin = not env_json and archive is None  # the worker's own install has it: their digests must agree
         carried = worker.specs.get(item.job_id) is spec  # its spec, and its environment's, are there
         if carried:
             spec_json = env_json = b""
@@ -363,6 +364,7 @@ class WorkerHub:
             env_spec_json=env_json,
             env_archive=archive,
             attempts_spent=spent,
+            env_digest=environment_digest(env) if plugin else "",
         )
         if (size := _assignment_size(assignment)) > MAX_ASSIGNMENT_BYTES:
             # sent, it would end the worker's stream (the wire refuses the message): every rollout there retried, and

@@ -412,3 +412,24 @@ async def test_a_worker_retries_within_what_lost_workers_left_of_the_jobs_budget
     plane = _ControlPlane(task_id, (), end_after_results=False, assignments=assignments)
     await _agent_against(plane, executor, tmp_path, streams=1, results=2)
     assert sorted(executor.retries) == [1, 3]
+
+
+async def test_a_worker_whose_plug_in_is_not_the_control_planes_refuses_its_rollouts(tmp_path: Path) -> None:
+    # a worker resolved a plug-in environment by name@version from its own install: a node with another version of
+    # it (other tasks, another reward function) ran and scored the rollouts as its own
+    from orchestrator.core.environment import environment_digest
+
+    env = Registry.from_entry_points().get(ENV)
+    task_id = env.tasks()[0].id
+    job = spec([task_id]).model_dump_json().encode()
+    assignments = [
+        wpb.Assignment(
+            assignment_id=f"a{i}", job_spec_json=job, job_id="j", task_id=task_id, sample_index=0, env_digest=digest
+        )
+        for i, digest in enumerate((environment_digest(env), "0" * 64))
+    ]
+    plane = _ControlPlane(task_id, (), end_after_results=False, assignments=assignments)
+    await _agent_against(plane, _Executor(), tmp_path, streams=1, results=2)
+    by_id = {r.assignment_id: r for r in plane.results}
+    assert by_id["a0"].rollout_json and not by_id["a0"].error
+    assert not by_id["a1"].rollout_json and f"this worker's {ENV}@1 is not the control plane's" in by_id["a1"].error

@@ -226,6 +226,10 @@ async def test_a_worker_whose_host_fails_its_rollouts_is_not_given_the_next_ones
             got = [await asyncio.wait_for(w.hub.run(i, env, job), 60) for i in batch]
     assert [r.status for r in got].count(RolloutStatus.INFRA_ERROR) <= 1, got
     assert len(down.assignments) <= 1 and len(sound.assignments) >= 3, (len(down.assignments), len(sound.assignments))
+    # a plug-in environment's assignment says what the control plane's is, for the worker to check its own against
+    from orchestrator.core.environment import environment_digest
+
+    assert {a.env_digest for a in sound.assignments} == {environment_digest(env)}
 
 
 async def test_a_jobs_spec_goes_to_a_worker_that_keeps_it_once_and_again_when_it_changed_or_failed() -> None:
