@@ -29,6 +29,7 @@ from orchestrator.core.errors import (
     AlreadyExistsError,
     ArchiveTooLargeError,
     EnvironmentBroken,
+    FailedPreconditionError,
     ImageBuildError,
     InvalidEnvironmentError,
     InvalidRequestError,
@@ -563,6 +564,15 @@ class Registrar:
         async with self._name_lock(upload.name):
             existing = self._claim(upload.name, upload.version, tenant, self._same_archive(upload))
             if existing is not None:
+                shipped = self.catalog.shipment(existing.env)
+                rules = self._kind(upload.kind).rules
+                if shipped is not None and shipped.rules != rules:
+                    # the same archive again is a no-op, but this one runs unvalidated (_add_archive): said, not
+                    # passed off as the registration it asked for
+                    raise FailedPreconditionError(
+                        f"{upload.ref()} was validated under older {upload.kind} rules ({shipped.rules!r}, not "
+                        f"{rules!r}) and runs as not validated; register it under a new version to validate it again"
+                    )
                 return existing
             record = StoredArchive(
                 owner=tenant,

@@ -154,6 +154,14 @@ async def test_register_remotely_then_run_jobs_in_process_and_on_workers(
         assert orch.workers is not None
         await orch.workers.hub.wait_for_workers(1, timeout_s=120)
         rollouts = await _job(orch.address, policy.url)
+        # the same archive again is no longer a silent no-op: it says the registration runs unvalidated, and how to
+        # validate it again
+        (task_dirs[0] / "instruction.md").write_text("Write greeting.txt in upper case to out.txt.\n")
+        code, out = await envfleet(
+            "envs", "import-harbor", *map(str, task_dirs), "--name", "remote-harbor",
+            "--server", orch.address, "--token-file", str(token),
+        )  # fmt: skip
+        assert code == 1 and "FAILED_PRECONDITION" in out and "register it under a new version" in out, out
     assert rollouts["upper-txt"].status == RolloutStatus.OK and rollouts["upper-txt"].reward == 1.0
     assert rollouts["hang"].status == RolloutStatus.ENV_ERROR and rollouts["hang"].reward is None
 
