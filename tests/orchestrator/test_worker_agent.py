@@ -186,6 +186,17 @@ async def test_a_worker_whose_start_fails_midway_closes_what_it_started(
     assert left == [], left
 
 
+def _archive_agent(tmp_path: Path, kind: object) -> WorkerAgent:
+    """A worker agent (connected to nothing) with `kind` as the plug-in of archives of kind "k"."""
+    return WorkerAgent(
+        f"unix:{tmp_path}/w.sock",
+        TOKEN,
+        _Executor(),  # type: ignore[arg-type]
+        Registry.from_entry_points(),
+        kinds={"k": kind},  # type: ignore[dict-item]
+    )
+
+
 async def test_an_archive_that_failed_to_load_loads_when_its_bytes_come_again(tmp_path: Path) -> None:
     # a failed load stayed the answer for the worker's life: a passing fault (a full disk, bytes damaged on the way)
     # broke the uploaded environment on this worker for good, since the control plane sends the bytes once a stream
@@ -206,13 +217,7 @@ async def test_an_archive_that_failed_to_load_loads_when_its_bytes_come_again(tm
 
     good = b"the archive"
     sent = wpb.ArchiveEnvironment(kind="k", name="env", version="1", sha256=hashlib.sha256(good).hexdigest())
-    agent = WorkerAgent(
-        f"unix:{tmp_path}/w.sock",
-        TOKEN,
-        _Executor(),  # type: ignore[arg-type]
-        Registry.from_entry_points(),
-        kinds={"k": Kind()},  # type: ignore[dict-item]
-    )
+    agent = _archive_agent(tmp_path, Kind())
     try:
         damaged = wpb.ArchiveEnvironment()
         damaged.CopyFrom(sent)
@@ -253,13 +258,7 @@ async def test_two_registrations_of_the_same_bytes_are_two_environments_on_a_wor
     )
     # the control plane sends a stream a digest's bytes once: the second registration's assignment has none
     second = wpb.ArchiveEnvironment(kind="k", name="b", version="2", sha256=first.sha256, rules="1")
-    agent = WorkerAgent(
-        f"unix:{tmp_path}/w.sock",
-        TOKEN,
-        _Executor(),  # type: ignore[arg-type]
-        Registry.from_entry_points(),
-        kinds={"k": Kind()},  # type: ignore[dict-item]
-    )
+    agent = _archive_agent(tmp_path, Kind())
     try:
         agent._start_loading(first)
         assert cast(str, await agent._archived(second)) == "b@2:tasks"

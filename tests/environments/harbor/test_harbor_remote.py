@@ -80,6 +80,12 @@ async def envfleet(*argv: str, env: dict[str, str] | None = None) -> tuple[int, 
     return proc.returncode, out.decode(errors="replace")
 
 
+async def _import_remote(address: str, task_dirs: list[Path], token: Path) -> tuple[int, str]:
+    """`envfleet envs import-harbor` of the tasks as remote-harbor, onto the server at `address`."""
+    argv = ("envs", "import-harbor", *map(str, task_dirs), "--name", "remote-harbor")
+    return await envfleet(*argv, "--server", address, "--token-file", str(token))
+
+
 async def _job(address: str, policy_url: str) -> dict[str, Rollout]:
     async with EnvfleetClient(address, token=TOKEN) as client:
         spec = JobSpec(
@@ -110,10 +116,7 @@ async def test_register_remotely_then_run_jobs_in_process_and_on_workers(
     token.write_text(TOKEN + "\n")
     security = {"token_file": token_file}
     async with serve(data, security=security) as orch:
-        code, out = await envfleet(
-            "envs", "import-harbor", *map(str, task_dirs), "--name", "remote-harbor",
-            "--server", orch.address, "--token-file", str(token),
-        )  # fmt: skip
+        code, out = await _import_remote(orch.address, task_dirs, token)
         assert code == 0, out
         assert "registered remote-harbor@1" in out and "3 task(s) validated" in out, out
         async with EnvfleetClient(orch.address, token=TOKEN) as client:
@@ -121,16 +124,10 @@ async def test_register_remotely_then_run_jobs_in_process_and_on_workers(
             assert (info.source, info.num_tasks) == ("archive:harbor", 3)
             assert {t.name for t in info.tools} >= {"bash", "write_file", "submit"}
             # the same archive again is a no-op; other content under the same version is refused
-            code, out = await envfleet(
-                "envs", "import-harbor", *map(str, task_dirs), "--name", "remote-harbor",
-                "--server", orch.address, "--token-file", str(token),
-            )  # fmt: skip
+            code, out = await _import_remote(orch.address, task_dirs, token)
             assert code == 0, out
             (task_dirs[0] / "instruction.md").write_text("Something else.\n")
-            code, out = await envfleet(
-                "envs", "import-harbor", *map(str, task_dirs), "--name", "remote-harbor",
-                "--server", orch.address, "--token-file", str(token),
-            )  # fmt: skip
+            code, out = await _import_remote(orch.address, task_dirs, token)
             assert code == 1 and "ALREADY_EXISTS" in out and "bump the version" in out, out
         _check_rewards(await _job(orch.address, policy.url))
     stored = list((data / "environments" / "archives" / "team-a").glob("remote-harbor@1.*"))
@@ -157,10 +154,7 @@ async def test_register_remotely_then_run_jobs_in_process_and_on_workers(
         # the same archive again is no longer a silent no-op: it says the registration runs unvalidated, and how to
         # validate it again
         (task_dirs[0] / "instruction.md").write_text("Write greeting.txt in upper case to out.txt.\n")
-        code, out = await envfleet(
-            "envs", "import-harbor", *map(str, task_dirs), "--name", "remote-harbor",
-            "--server", orch.address, "--token-file", str(token),
-        )  # fmt: skip
+        code, out = await _import_remote(orch.address, task_dirs, token)
         assert code == 1 and "FAILED_PRECONDITION" in out and "register it under a new version" in out, out
     assert rollouts["upper-txt"].status == RolloutStatus.OK and rollouts["upper-txt"].reward == 1.0
     assert rollouts["hang"].status == RolloutStatus.ENV_ERROR and rollouts["hang"].reward is None
