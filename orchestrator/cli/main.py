@@ -139,6 +139,7 @@ def _server_config(args: argparse.Namespace) -> object:
         max_in_flight=args.max_in_flight,
         job_retention_s=None if args.job_retention_s < 0 else args.job_retention_s,
         result_log_sync=args.result_log_sync,
+        result_log_acked=args.result_log_acked,
         backend=_backend_config(args),
         security=security_config(args),
         reflection=args.reflection,
@@ -353,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="full: each rollout is on disk (fsync) before it is streamed, so a power loss loses none a trainer saw; "
         "normal: it survives a crash of the server, not of the host, for 10-15%% more rollouts/s at the top rate",
+    )
+    serve.add_argument(
+        "--result-log-acked",
+        choices=["keep", "slim"],
+        default="keep",
+        help="keep: an acked rollout stays whole for the job's retention; slim: its turns and tokens go at the ack "
+        "(its status, reward, metrics and timing stay), for jobs that run for weeks",
     )
     add_ui_arguments(serve)
     add_openenv_arguments(serve)

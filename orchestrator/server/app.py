@@ -95,6 +95,12 @@ class OrchestratorConfig(BaseModel):
         "trainer has seen; normal: it survives a crash of the process but not of the host, for 10-15% more rollouts/s "
         "at the fleet bench's top rate",
     )
+    result_log_acked: Literal["keep", "slim"] = Field(
+        "keep",
+        description="keep: an acked rollout stays whole in the result log for the job's retention (the viewer and "
+        "exports show its episode); slim: it keeps its record (status, reward, metrics, timing) without its turns and "
+        "tokens, nearly all of its bytes, for a job that runs for weeks",
+    )
     max_in_flight: int = Field(64, ge=1, le=100_000, description="rollouts in flight on this host")
     job_retention_s: float | None = Field(
         DEFAULT_JOB_RETENTION_S,
@@ -378,7 +384,9 @@ async def create_server(
     undo.callback(os.close, data_lock)
     try:
         identity = await worker_identity(config) if with_workers else None
-        store = await ResultStore.open(config.data_dir / "results.sqlite3", synchronous=config.result_log_sync)
+        store = await ResultStore.open(
+            config.data_dir / "results.sqlite3", synchronous=config.result_log_sync, acked=config.result_log_acked
+        )
         undo.push_async_callback(store.close)
         fleet = await start_fleet(config.backend)
         backend, images = fleet.backend, fleet.images

@@ -101,6 +101,12 @@ ACK_ID_GROUPS = (
     "AND acked = 0 AND group_id IN (SELECT group_id FROM rollouts WHERE rollout_id IN ({marks}) AND +job_id = ? "
     "AND seq <= ?)"
 )
+# what an ack does to a row: marks it; or, slim, also drops its episode (turns, tokens: nearly all of its bytes) and
+# its wire form, which only streams read, and streams read no acked row
+ACKED = {
+    "keep": "UPDATE rollouts SET acked = 1",
+    "slim": "UPDATE rollouts SET acked = 1, wire = NULL, payload = json_remove(payload, '$.turns', '$.tokens')",
+}
 # the unacked rows of the group a row belongs to (an ack that cuts a group whose parts are not all sent)
 GROUP_OF = (
     "SELECT seq FROM rollouts INDEXED BY rollouts_group_visible WHERE job_id = ? AND visible = 1 AND acked = 0 "
@@ -157,9 +163,12 @@ class LogEntry:
 class ResultStore:
     """Append scored rollouts, read them from a cursor, ack them. Open with `await ResultStore.open(path)`."""
 
-    def __init__(self, path: Path, synchronous: Literal["full", "normal"] = "full") -> None:
+    def __init__(
+        self, path: Path, synchronous: Literal["full", "normal"] = "full", acked: Literal["keep", "slim"] = "keep"
+    ) -> None:
         self.path = path
         self._synchronous = synchronous
+        self._acked = acked
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store")
         self._db: sqlite3.Connection | None = None
         # each call with its future and the task that made it
@@ -171,12 +180,16 @@ class ResultStore:
         self.unreadable: dict[str, float | None] = {}
 
     @classmethod
-    async def open(cls, path: Path, synchronous: Literal["full", "normal"] = "full") -> ResultStore:
+    async def open(
+        cls, path: Path, synchronous: Literal["full", "normal"] = "full", acked: Literal["keep", "slim"] = "keep"
+    ) -> ResultStore:
         """Open (creating if needed) the log at `path`. `synchronous` full: each commit is synced to disk before
         its rows are read (and streamed); normal (SQLite's WAL mode's): a commit survives a crash of the process
         but may be lost with the host's power. Lost so, rollouts a trainer had read and acked came again under new
-        seqs from a rerun, past its dedup, and its cursor, past the log's end now, was refused."""
-        store = cls(path, synchronous)
+        seqs from a rerun, past its dedup, and its cursor, past the log's end now, was refused. `acked` slim: an
+        acked rollout keeps its record (status, reward, metrics, timing, provenance) but not its turns and tokens,
+        which no stream sends again: a job that runs for weeks kept every episode it ever delivered."""
+        store = cls(path, synchronous, acked)
         await asyncio.get_running_loop().run_in_executor(store._pool, store._connect)
         return store
 
@@ -569,7 +582,7 @@ class ResultStore:
             seqs = sorted(set(seqs))
             for i in range(0, len(seqs), 500):
                 chunk = seqs[i : i + 500]
-                db.execute(f"UPDATE rollouts SET acked = 1 WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+                db.execute(f"{ACKED[self._acked]} WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
             return seqs
 
         return await self._run(q)

@@ -412,3 +412,35 @@ async def test_a_log_stamped_by_a_newer_envfleet_is_refused(tmp_path: Path) -> N
     db.close()
     with pytest.raises(ConfigError, match="written by a newer envfleet"):
         await ResultStore.open(path)
+
+
+@pytest.mark.parametrize("acked", ["keep", "slim"])
+async def test_a_slim_log_drops_an_acked_rollouts_episode_and_keeps_its_record(
+    tmp_path: Path, acked: Literal["keep", "slim"]
+) -> None:
+    # an acked rollout stayed whole until its job's retention ran out: a job of weeks kept every episode it ever
+    # delivered (100-600 KB a rollout with token ids and logprobs, in two forms). Slim, the ack drops the episode
+    store = await ResultStore.open(tmp_path / "log.sqlite3", acked=acked)
+    try:
+        first, second = _sample(0), _sample(1)
+        seqs = [await store.append(_encoded(r)) for r in (first, second)]
+        assert seqs[0] is not None and await store.ack("job-a", seqs[0], [], delivered=seqs[-1] or 0) == [seqs[0]]
+        rows = store.db.execute("SELECT payload, wire FROM rollouts ORDER BY seq").fetchall()
+        kept = Rollout.model_validate_json(rows[0][0])
+        assert (kept.id, kept.status, kept.reward, kept.metrics, kept.timing) == (
+            first.id, first.status, first.reward, first.metrics, first.timing
+        )  # fmt: skip
+        if acked == "slim":
+            assert kept.turns == [] and rows[0][1] is None and len(rows[0][0]) < len(rows[1][0]) / 4
+        else:
+            assert kept.turns == first.turns and rows[0][1] is not None
+        (unacked,) = await store.read("job-a", 0, 10)  # what a stream reads is whole either way
+        assert Rollout.model_validate_json(unacked.payload).turns == second.turns and unacked.wire
+        assert (await store.counts("job-a")) == ({first.status.value: 2}, 1)
+    finally:
+        await store.close()
+    assert OrchestratorConfig().result_log_acked == "keep"
+    from orchestrator.cli.main import _server_config, build_parser
+
+    config = _server_config(build_parser().parse_args(["serve", "--result-log-acked", acked]))
+    assert isinstance(config, OrchestratorConfig) and config.result_log_acked == acked
