@@ -308,7 +308,7 @@ class RepoTars:
 
     @staticmethod
     def _export(client: docker.DockerClient, tag: str) -> bytes:
-        labels = export_labels(Owner.current(EXPORT_OWNER), time.time())
+        labels = export_labels(Owner.current(EXPORT_OWNER))
         container = client.containers.create(tag, command=["true"], labels=labels)
         stream = None
         try:
@@ -329,11 +329,11 @@ class RepoTars:
             container.remove(force=True)
 
 
-def export_labels(owner: Owner, now: float) -> dict[str, str]:
+def export_labels(owner: Owner) -> dict[str, str]:
     """The labels of an export container: the mark, and the owner and lease labels the sandbox sweep reads, so that
     `sweep_exports` judges it as that sweep judges a sandbox. Never `envfleet.managed`: that sweep acts only on
     containers sealed under its socket root's key, which this module does not hold."""
-    return {EXPORT_LABEL: "1", **owner_labels(owner, now + EXPORT_LEASE_S)}
+    return {EXPORT_LABEL: "1", **owner_labels(owner, EXPORT_LEASE_S)}
 
 
 def sweep_exports(client: docker.DockerClient) -> int:

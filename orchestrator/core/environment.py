@@ -266,15 +266,27 @@ def environment_digest(env: Environment) -> str:
     """What a plug-in environment is where it runs, as a digest: its ref, class and settings, its tasks (ids,
     prompts, data), and the source of the modules of its class and rubric functions. Two processes that loaded the
     same install agree on it; a node with another version of the plug-in (other tasks, another reward function)
-    does not. Computed once per environment object."""
+    does not. Nothing in it may differ between two processes of one install (an address in a repr, a set's order,
+    a .pyc's build time): a false difference refuses every rollout there. "" where it cannot be made (checked by
+    nobody). Computed once per environment object."""
     known = _DIGESTS.get(env)
-    if known is not None:
-        return known
+    if known is None:
+        try:
+            known = _digest(env)
+        except Exception:
+            log.exception("%s: its digest could not be made; workers will not check their install of it", env.ref())
+            known = ""
+        _DIGESTS[env] = known
+    return known
+
+
+def _digest(env: Environment) -> str:
     h = hashlib.sha256()
 
     def put(value: object) -> None:
-        # what JSON cannot say goes by its type's name: a repr may hold an address, other in every process
-        h.update(json.dumps(value, sort_keys=True, default=lambda o: type(o).__qualname__).encode() + b"\0")
+        # keys as text (JSON's own are; a tuple or mixed keys could not be sorted), and what JSON cannot say by its
+        # type's name: a repr may hold an address, other in every process
+        h.update(json.dumps(_keyed(value), sort_keys=True, default=lambda o: type(o).__qualname__).encode() + b"\0")
 
     cls = type(env)
     put([env.ref(), cls.__module__, cls.__qualname__, list(env.tools), env.system_prompt, env.max_turns])
@@ -282,18 +294,32 @@ def environment_digest(env: Environment) -> str:
     modules = {cls.__module__}
     rubric = getattr(env, "rubric", None)
     for name, fn, weight in getattr(rubric, "functions", ()):
-        put([name, getattr(fn, "__qualname__", repr(fn)), weight])
-        modules.add(getattr(fn, "__module__", "") or "")
+        code = getattr(fn, "func", fn)  # a functools.partial's function
+        if not inspect.isfunction(code) and not inspect.ismethod(code):
+            code = type(code)  # a callable object: its class (its repr has an address)
+        put([name, getattr(code, "__qualname__", ""), weight])
+        modules.add(getattr(code, "__module__", "") or "")
     for module in sorted(modules):
-        path = getattr(sys.modules.get(module), "__file__", None)
-        try:
-            h.update(Path(path).read_bytes() if path else b"")
-        except OSError:
-            h.update(b"")
-    for task in indexed_tasks(env)[0]:
+        path = getattr(sys.modules.get(module), "__file__", None) or ""
+        if path.endswith(".py"):  # the source; a .pyc holds its build time, other in every install
+            h.update(Path(path).read_bytes())
+    for task in sorted(indexed_tasks(env)[0], key=lambda t: t.id):  # in any order a host lists them
         put([task.id, task.prompt, task.data])
-    digest = _DIGESTS[env] = h.hexdigest()
-    return digest
+    return h.hexdigest()
+
+
+def _keyed(value: object, depth: int = 0) -> object:
+    """`value` with every mapping's keys as text, to MAX_DIGEST_DEPTH levels (deeper goes by its type's name)."""
+    if depth > MAX_DIGEST_DEPTH:
+        return type(value).__qualname__
+    if isinstance(value, Mapping):
+        return {str(k): _keyed(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_keyed(v, depth + 1) for v in value]
+    return value
+
+
+MAX_DIGEST_DEPTH = 32
 
 
 class ImageSource(Protocol):

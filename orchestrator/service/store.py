@@ -105,7 +105,10 @@ ACK_ID_GROUPS = (
 # its wire form, which only streams read, and streams read no acked row
 ACKED = {
     "keep": "UPDATE rollouts SET acked = 1",
-    "slim": "UPDATE rollouts SET acked = 1, wire = NULL, payload = json_remove(payload, '$.turns', '$.tokens')",
+    # a row whose JSON is damaged (a stream sends its wire bytes without reading it) keeps it: json_remove refused
+    # it, and every ack that reached the row failed, its rows sent again for ever
+    "slim": "UPDATE rollouts SET acked = 1, wire = NULL, payload = CASE WHEN json_valid(payload) "
+    "THEN json_remove(payload, '$.turns', '$.tokens') ELSE payload END",
 }
 # the unacked rows of the group a row belongs to (an ack that cuts a group whose parts are not all sent)
 GROUP_OF = (

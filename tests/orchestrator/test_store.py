@@ -437,6 +437,10 @@ async def test_a_slim_log_drops_an_acked_rollouts_episode_and_keeps_its_record(
         (unacked,) = await store.read("job-a", 0, 10)  # what a stream reads is whole either way
         assert Rollout.model_validate_json(unacked.payload).turns == second.turns and unacked.wire
         assert (await store.counts("job-a")) == ({first.status.value: 2}, 1)
+        # a row whose JSON is damaged (a stream sends its wire bytes, unread) is acked all the same: SQLite's
+        # json_remove refused it, and every ack that reached it failed, its rows sent again for ever
+        store.db.execute("UPDATE rollouts SET payload = '{damaged' WHERE seq = ?", (seqs[1],))
+        assert await store.ack("job-a", seqs[1] or 0, [], delivered=seqs[1] or 0) == [seqs[1]]
     finally:
         await store.close()
     assert OrchestratorConfig().result_log_acked == "keep"

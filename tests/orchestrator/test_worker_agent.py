@@ -432,3 +432,38 @@ async def test_a_worker_whose_plug_in_is_not_the_control_planes_refuses_its_roll
     by_id = {r.assignment_id: r for r in plane.results}
     assert by_id["a0"].rollout_json and not by_id["a0"].error
     assert not by_id["a1"].rollout_json and f"this worker's {ENV}@1 is not the control plane's" in by_id["a1"].error
+
+
+def test_an_environments_digest_is_the_same_in_every_process_of_one_install(tmp_path: Path) -> None:
+    # the digest a worker checks its install against: a reward function that was a functools.partial or a callable
+    # object went in by its repr, an address other in every process, and every rollout was refused on every worker
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "digest_env.py").write_text(
+        "import functools\n"
+        "from orchestrator.core.environment import Environment, Rubric, Task\n"
+        "def match(ctx, key): return 1.0\n"
+        "class Length:\n"
+        "    def __call__(self, ctx): return 0.0\n"
+        "class Env(Environment):\n"
+        "    name = 'digest-env'\n"
+        "    rubric = Rubric([('m', functools.partial(match, key='a'), 1.0), ('len', Length(), 0.0)])\n"
+        "    def tasks(self):\n"
+        "        return [Task(id=f't{i}', prompt='p', data={'set': {1, 2, 3}, (1, 2): 'tuple key', 3: 'int'})\n"
+        "                for i in range(3)]\n"
+    )
+    probe = (
+        "from digest_env import Env\nfrom orchestrator.core.environment import environment_digest\n"
+        "print(environment_digest(Env()))"
+    )
+
+    def digest(seed: str) -> str:
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": f"{tmp_path}:{os.getcwd()}"}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    first = digest("1")
+    assert len(first) == 64 and digest("2") == first

@@ -153,3 +153,13 @@ async def test_the_exports_kept_in_memory_are_bounded(tiny: Tiny, monkeypatch: p
         await repos.tar(tiny.pytest.model_copy(update={"instance_id": image}), image)
     # img1, used most recently each time, stays; img2 is dropped for img3 and read again
     assert loads == ["img1", "img2", "img3", "img2"]
+
+
+def test_an_exports_lease_is_its_own_length_from_now() -> None:
+    # the lease's argument became a length, and the export still passed a time: its lease ran 56 years, and only the
+    # age check on the engine's clock removed a stuck export
+    from orchestrator.backends.docker.sweeper import LABEL_LEASE, Owner, lease_over
+
+    labels = images.export_labels(Owner.current(images.EXPORT_OWNER))
+    assert abs(float(labels[LABEL_LEASE]) - (time.time() + images.EXPORT_LEASE_S)) < 5
+    assert not lease_over(labels, time.time())
