@@ -255,3 +255,22 @@ async def test_a_data_directory_serves_one_server_at_a_time(tmp_path: Path) -> N
         pass
     async with serve(data, backend=FAKE):
         pass
+
+
+async def test_a_stop_whose_early_stage_fails_still_lets_go_of_the_data_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a stage of the stop that raised (the health service's, the viewer's) skipped the rest: the backend's close,
+    # the result log's, and the data directory's lock, which then refused the next server in this process
+    from grpc_health.v1 import health
+
+    async def broken(self: object) -> None:
+        raise RuntimeError("the health service failed")
+
+    data = tmp_path / "data"
+    monkeypatch.setattr(health.aio.HealthServicer, "enter_graceful_shutdown", broken)
+    async with serve(data, backend=FAKE):
+        pass
+    monkeypatch.undo()
+    async with serve(data, backend=FAKE):  # the lock was let go, and the log closed
+        pass

@@ -297,3 +297,31 @@ async def test_an_image_this_host_lacks_is_infrastructure_not_the_environments(
             await policy.aclose()
     assert (r.status, r.reward, r.attempts) == (RolloutStatus.INFRA_ERROR, None, 2), r
     assert r.error is not None and "this host cannot build the image of python-tool@1" in r.error.message
+
+
+async def test_a_rollouts_end_comes_after_its_start_whatever_the_wall_clock_does(
+    tmp_path: Path, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # both ends were read off the wall clock: set back an hour during the rollout (NTP, a VM resumed), the rollout
+    # ended an hour before it began, against the contract's finished_at >= started_at
+    import time
+    import types
+
+    from orchestrator.core.policy import REPLAY_URL
+    from orchestrator.rollout import runner as runner_module
+    from orchestrator.rollout.policy.replay import ReplayPolicy
+    from orchestrator.rollout.runner import WorkItem
+    from tests.orchestrator.servers import FAKE
+
+    readings = iter([0.0])  # the first reading is the start; every later one is an hour behind
+
+    def jumping() -> float:
+        return time.time() - 3600 * (next(readings, None) is None)
+
+    monkeypatch.setattr(runner_module, "time", types.SimpleNamespace(time=jumping, monotonic=time.monotonic))
+    async with serve(tmp_path / "data", backend=FAKE) as orch:
+        env = orch.jobs.registry.get(ENV)
+        item = WorkItem("direct", next(t for t in env.tasks() if t.id == task_ids[0]), 0, time.monotonic())
+        r = await local_runner(orch).run(item, env, job(REPLAY_URL, task_ids[:1]), ReplayPolicy(env), "v1")
+    assert r.status == RolloutStatus.OK, r.error
+    assert 0 <= r.finished_at - r.started_at < 60, (r.started_at, r.finished_at)
