@@ -316,3 +316,17 @@ async def test_a_reward_file_over_the_cap_is_no_reward(tmp_path: Path) -> None:
     env = make_harbor_environment("big-reward", [make_task(tmp_path, "big-reward")])
     with pytest.raises(HarborRewardError, match=r"reward\.txt is over"):
         await env._read(Sandbox(), "/logs/verifier/reward.txt")  # type: ignore[arg-type]
+
+
+def test_the_workdir_the_agent_writes_is_never_where_the_grader_finds_its_commands(tmp_path: Path) -> None:
+    # the workdir becomes a link to /workspace, the agent's: a Dockerfile's `WORKDIR /usr/local/bin` (first on the
+    # grader's PATH), `/etc` (ld.so.preload) or `/opt` (envd's folder, moved out whole) gave the agent the grader's
+    # commands, libraries or daemon; spelled `/./usr/local/bin` or `//etc`, it passed the first version of the check
+    from environments.harbor.task import load_task
+
+    base = "FROM envfleet/base:latest\n"
+    for i, workdir in enumerate(("/usr/local/bin", "/./usr/local/bin", "//etc", "/etc/x", "/opt", "/usr", "/lib64")):
+        task = load_task(make_task(tmp_path, f"wd-{i}", dockerfile=f"{base}WORKDIR {workdir}\n"))
+        assert task.workdir == "/app", workdir
+        with pytest.raises(HarborTaskError, match="workdir"):
+            load_task(make_task(tmp_path, f"named-{i}", toml_extra=f'workdir = "{workdir}"\n'))
