@@ -45,14 +45,17 @@ SANDBOX_LABEL = "envfleet.managed"  # every sandbox carries it (backends/docker/
 MAX_CHECKS = 2_000
 
 
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?")
+
+
 def _created(stamp: str) -> float:
-    """The engine's RFC 3339 time (nanoseconds, Z) as a Unix time."""
-    head, _, frac = stamp.rstrip("Z").partition(".")
-    whole = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.UTC).timestamp()
-    return whole + float(f"0.{frac or 0}")
-
-
-_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
+    """The engine's RFC 3339 time (nanoseconds; Z, an offset, or none for UTC) as a Unix time; ValueError for
+    another form."""
+    m = _STAMP.fullmatch(stamp)
+    if m is None:
+        raise ValueError(f"not an RFC 3339 time: {stamp!r}")
+    zone = "+00:00" if m[3] in (None, "Z") else m[3]
+    return datetime.datetime.fromisoformat(m[1] + zone).timestamp() + float(f"0.{m[2] or 0}")
 
 
 def _engine_now(client: docker.DockerClient) -> float:
@@ -61,13 +64,9 @@ def _engine_now(client: docker.DockerClient) -> float:
     every step look older than the build, and the build's disk limit was never enforced. This host's clock when the
     engine does not say."""
     try:
-        m = _STAMP.fullmatch(str(client.info().get("SystemTime", "")))
-    except (docker.errors.DockerException, OSError):
-        m = None
-    if m is None:
+        return _created(str(client.info().get("SystemTime", "")))
+    except (docker.errors.DockerException, OSError, ValueError):
         return time.time()
-    zone = "+00:00" if m[3] == "Z" else m[3]
-    return datetime.datetime.fromisoformat(m[1] + zone).timestamp() + float(f"0.{m[2] or 0}")
 
 
 class DiskGuard:

@@ -6,6 +6,7 @@ the log: the caller gets an error id, which is in the log line too, never the ex
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import inspect
@@ -119,8 +120,9 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             cached = self._wrapped[details.method] = (handler, self._wrap(handler, details.method))
         return cached[1]
 
+    @abc.abstractmethod
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        raise NotImplementedError
+        """The handler that calls of `method` get in place of `handler`."""
 
 
 class ErrorInterceptor(WrappingInterceptor):

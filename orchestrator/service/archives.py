@@ -106,7 +106,9 @@ class StoredArchive(BaseModel):
         return f"{self.name}@{self.version}"
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` at `path` (its folder must exist), whole or not at all: synced, then moved in place; a failure leaves
+    no temporary copy."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -173,8 +175,8 @@ class ArchiveStore:
         """The archive first, then its record (a record always has its archive)."""
         folder = self._folder(record.owner)
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.archive_path(record), data)
-        _write_atomically(folder / f"{record.ref()}.json", record.model_dump_json(indent=1).encode())
+        write_atomically(self.archive_path(record), data)
+        write_atomically(folder / f"{record.ref()}.json", record.model_dump_json(indent=1).encode())
 
     def delete(self, record: StoredArchive) -> None:
         """Forget a record, its archive and its tree."""

@@ -559,13 +559,12 @@ class Registrar:
 
     async def register_archive(self, upload: ArchiveUpload, tenant: str) -> Registered:
         """Validate, persist (archive and record under the tenant's folder), add to the registry; all or nothing."""
-        self._kind(upload.kind)
+        rules = self._kind(upload.kind).rules
         self._check_size(upload)
         async with self._name_lock(upload.name):
             existing = self._claim(upload.name, upload.version, tenant, self._same_archive(upload))
             if existing is not None:
                 shipped = self.catalog.shipment(existing.env)
-                rules = self._kind(upload.kind).rules
                 if shipped is not None and shipped.rules != rules:
                     # the same archive again is a no-op, but this one runs unvalidated (_add_archive): said, not
                     # passed off as the registration it asked for
@@ -583,7 +582,7 @@ class Registrar:
                 visibility=upload.visibility,
                 digest=upload.digest,
                 size=len(upload.data),
-                rules=self._kind(upload.kind).rules,
+                rules=rules,
             )
             async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its store
                 await self._check_held(tenant, len(upload.data), "more")

@@ -30,7 +30,7 @@ from orchestrator.core.environment import Environment, Task, environment_digest,
 from orchestrator.core.models import JobSpec
 from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.rollout.runner import WorkItem, left_retries
-from orchestrator.service.archives import load_kinds
+from orchestrator.service.archives import load_kinds, write_atomically
 from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS
 from orchestrator.service.declarative.env import make_environment
 from orchestrator.service.declarative.spec import EnvironmentSpec
@@ -380,7 +380,8 @@ class WorkerAgent:
         if digest != m.sha256:
             raise ValueError(f"the archive of {m.name}@{m.version} arrived damaged (sha256 {digest}, not {m.sha256})")
         folder = await self._archives_folder() / m.sha256
-        await asyncio.to_thread(_keep, folder / "archive", m.archive)
+        await asyncio.to_thread(folder.mkdir, exist_ok=True)
+        await asyncio.to_thread(write_atomically, folder / "archive", m.archive)  # another load may read it
         return folder / "archive"
 
     async def _archives_folder(self) -> Path:
@@ -427,18 +428,6 @@ def _archive_key(m: wpb.ArchiveEnvironment) -> tuple[str, str, str, str]:
 
 def _failed(task: asyncio.Task[Any]) -> bool:
     return task.done() and (task.cancelled() or task.exception() is not None)
-
-
-def _keep(path: Path, data: bytes) -> None:
-    """An archive's bytes at `path`, whole or not at all (another load may read them)."""
-    path.parent.mkdir(exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    try:
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 _REFUSALS = frozenset(

@@ -186,6 +186,14 @@ async def test_a_worker_whose_start_fails_midway_closes_what_it_started(
     assert left == [], left
 
 
+def _carrying(m: wpb.ArchiveEnvironment, data: bytes) -> wpb.ArchiveEnvironment:
+    """`m` as an assignment that carries the archive's bytes sends it: with `data` as those bytes."""
+    out = wpb.ArchiveEnvironment()
+    out.CopyFrom(m)
+    out.archive = data
+    return out
+
+
 def _archive_agent(tmp_path: Path, kind: object) -> WorkerAgent:
     """A worker agent (connected to nothing) with `kind` as the plug-in of archives of kind "k"."""
     return WorkerAgent(
@@ -219,15 +227,10 @@ async def test_an_archive_that_failed_to_load_loads_when_its_bytes_come_again(tm
     sent = wpb.ArchiveEnvironment(kind="k", name="env", version="1", sha256=hashlib.sha256(good).hexdigest())
     agent = _archive_agent(tmp_path, Kind())
     try:
-        damaged = wpb.ArchiveEnvironment()
-        damaged.CopyFrom(sent)
-        damaged.archive = b"the archivE"
-        agent._start_loading(damaged)
+        agent._start_loading(_carrying(sent, b"the archivE"))  # damaged on the way
         with pytest.raises(ValueError, match="arrived damaged"):
             await agent._archived(sent)
-        again = wpb.ArchiveEnvironment()
-        again.CopyFrom(sent)
-        again.archive = good
+        again = _carrying(sent, good)
         agent._start_loading(again)
         assert cast(str, await agent._archived(sent)) == "env@1" and loaded == [good]
         agent._start_loading(again)  # a load that worked is kept
@@ -280,10 +283,7 @@ async def test_two_registrations_of_the_same_bytes_are_two_environments_on_a_wor
         )
         with pytest.raises(ValueError, match="arrived damaged"):
             await agent._archived(d)
-        resent = wpb.ArchiveEnvironment()
-        resent.CopyFrom(c)
-        resent.archive = other
-        agent._start_loading(resent)
+        agent._start_loading(_carrying(c, other))
         assert cast(str, await agent._archived(d)) == "d@1:other tasks (validated)"
         assert cast(str, await agent._archived(c)) == "c@1:other tasks (validated)"
         folder = await agent._archives_folder()
