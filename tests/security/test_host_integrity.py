@@ -115,11 +115,16 @@ async def test_the_sweep_removes_a_link_in_the_socket_root_without_following_it(
 
 
 async def test_a_spec_cannot_set_the_sweeps_labels(backend: DockerBackend) -> None:
+    from orchestrator.backends.docker.sweeper import lease_over
+    from orchestrator.core.processes import boot_id
     from orchestrator.core.sandbox import SandboxSpec
 
-    spec = SandboxSpec(image="x", labels={"envfleet.lease_expiry": "1", LABEL_SEAL: "forged", "team": "a"})
+    forged = {"envfleet.lease_expiry": "1", "envfleet.lease_monotonic": f"{boot_id()}:1", LABEL_SEAL: "forged"}
+    spec = SandboxSpec(image="x", labels={**forged, "team": "a"})
     labels = labels_for(backend.owner, spec, backend.sockets.seal("envfleet-000000000000"))
     assert labels["team"] == "a" and labels["envfleet.lease_expiry"] != "1"
+    # the lease a sweep of this boot goes by is the sweep's own too: a spec that set it had its sandbox swept at once
+    assert labels["envfleet.lease_monotonic"] != forged["envfleet.lease_monotonic"] and not lease_over(labels, 0.0)
     assert backend.sockets.verify("envfleet-000000000000", labels[LABEL_SEAL])
     assert not backend.sockets.verify("envfleet-000000000001", labels[LABEL_SEAL])
 
