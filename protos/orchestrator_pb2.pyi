@@ -434,14 +434,16 @@ class AckResponse(_message.Message):
     def __init__(self, acked: _Optional[int] = ...) -> None: ...
 
 class UpdatePolicyRequest(_message.Message):
-    __slots__ = ("job_id", "version", "base_url")
+    __slots__ = ("job_id", "version", "base_url", "api_key")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     version: str
     base_url: str
-    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[str] = ..., base_url: _Optional[str] = ...) -> None: ...
+    api_key: str
+    def __init__(self, job_id: _Optional[str] = ..., version: _Optional[str] = ..., base_url: _Optional[str] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class CancelJobRequest(_message.Message):
     __slots__ = ("job_id",)

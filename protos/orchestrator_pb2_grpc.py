@@ -452,7 +452,9 @@ class RolloutServiceServicer:
 
     def UpdatePolicy(self, request, context):
         """New rollouts use the new policy endpoint; each rollout records the version it started with.
-        FAILED_PRECONDITION once the job is finished.
+        FAILED_PRECONDITION once the job is finished. The job's api_key goes only to the origin (scheme, host and port) it
+        was given for: a base_url on another origin is INVALID_ARGUMENT unless the request sets api_key too (empty for
+        none), or the job has no key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -100,9 +100,13 @@ class EnvfleetClient:
         r = await self.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=self.timeout_s)
         return job_status_from_pb(r)
 
-    async def update_policy(self, job_id: str, version: str, base_url: str = "") -> JobStatus:
-        """Rollouts started from now on use this policy version (and endpoint, when given)."""
-        req = pb.UpdatePolicyRequest(job_id=job_id, version=version, base_url=base_url)
+    async def update_policy(
+        self, job_id: str, version: str, base_url: str = "", api_key: str | None = None
+    ) -> JobStatus:
+        """Rollouts started from now on use this policy version (and endpoint, when given). `api_key` None keeps the
+        job's key, which the server sends only to the origin it was given for: a base_url on another origin needs its
+        own key here ("" for none)."""
+        req = pb.UpdatePolicyRequest(job_id=job_id, version=version, base_url=base_url, api_key=api_key)
         return job_status_from_pb(await self.rollout_stub.UpdatePolicy(req, timeout=self.timeout_s))
 
     async def list_jobs(self) -> list[JobStatus]:
@@ -514,8 +518,8 @@ class SyncEnvfleetClient:
     def cancel_job(self, job_id: str) -> JobStatus:
         return self._call(self._client.cancel_job(job_id))
 
-    def update_policy(self, job_id: str, version: str, base_url: str = "") -> JobStatus:
-        return self._call(self._client.update_policy(job_id, version, base_url))
+    def update_policy(self, job_id: str, version: str, base_url: str = "", api_key: str | None = None) -> JobStatus:
+        return self._call(self._client.update_policy(job_id, version, base_url, api_key))
 
     def list_jobs(self) -> list[JobStatus]:
         return self._call(self._client.list_jobs())

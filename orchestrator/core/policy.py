@@ -67,6 +67,18 @@ def check_name(value: str, what: str) -> str:
     )
 
 
+def origin(url: str) -> tuple[str, str, int | None]:
+    """A checked base_url's origin (scheme, host, port; the scheme's default port filled in): where its api_key may
+    go. The key is a bearer secret, so a new base_url on another origin does not take it along (as a browser drops
+    Authorization on a redirect to another origin)."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or _DEFAULT_PORTS.get(scheme)
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 class PolicyEndpoint(BaseModel):
     """Where the policy is served: an OpenAI-compatible base URL (usually ending in /v1) and how to call it.
 

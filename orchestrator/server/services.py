@@ -206,12 +206,16 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
     async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:
         capped(request.version, "version", MAX_NAME, required=True)
         capped(request.base_url, "base_url", MAX_URL)
+        capped(request.api_key, "api_key", MAX_SECRET)
         self._policy_urls.check(request.base_url)
         tenant = self._auth.tenant(context)
         if request.base_url:
             job = await self._jobs.info(_job_id(request.job_id), owner=tenant)
             self._replay.check(tenant, job.spec.env, request.base_url)
-        info = await self._jobs.update_policy(_job_id(request.job_id), request.version, request.base_url, owner=tenant)
+        api_key = request.api_key if request.HasField("api_key") else None
+        info = await self._jobs.update_policy(
+            _job_id(request.job_id), request.version, request.base_url, api_key=api_key, owner=tenant
+        )
         return job_status_pb(info)
 
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.JobStatus:

@@ -55,6 +55,7 @@ from orchestrator.core.models import (
     RolloutError,
     RolloutStatus,
 )
+from orchestrator.core.policy import origin, shown_url
 from orchestrator.core.runtime import run_to_end
 from orchestrator.core.tracing import NOOP_TRACER, Tracer
 from orchestrator.rollout.runner import WorkItem, traced_rollout, unrun_rollout
@@ -654,15 +655,31 @@ class JobManager:
         job.notify_acked(seqs)
         return seqs
 
-    async def update_policy(self, job_id: str, version: str, base_url: str, *, owner: str | None = None) -> JobInfo:
-        """Rollouts started from now on use this endpoint and record this version."""
+    async def update_policy(
+        self, job_id: str, version: str, base_url: str, *, api_key: str | None = None, owner: str | None = None
+    ) -> JobInfo:
+        """Rollouts started from now on use this endpoint and record this version. `api_key` None keeps the job's
+        key, which stays on the origin it was given for: a base_url elsewhere must come with its own (or "")."""
         job = self._job(job_id, owner)
         if job.finished:
             raise JobFinishedError(f"job {job_id} is {job.state.value}; its policy can no longer change")
-        update = {"version": version} | ({"base_url": base_url} if base_url else {})
+        current = job.spec.policy
+        update = (
+            {"version": version}
+            | ({"base_url": base_url} if base_url else {})
+            | ({"api_key": api_key} if api_key is not None else {})
+        )
         try:
-            endpoint = job.spec.policy.model_validate({**job.spec.policy.model_dump(), **update})
-            if endpoint == job.spec.policy:  # nothing to change: no write, and no spec sent to the workers again
+            endpoint = current.model_validate({**current.model_dump(), **update})
+            # whoever holds the tenant's token could otherwise move the key to a host of theirs and read it there
+            # (no call answers it: it is a secret field)
+            if api_key is None and current.api_key and origin(endpoint.base_url) != origin(current.base_url):
+                raise ValueError(
+                    f"base_url {shown_url(endpoint.base_url)} is on another origin than the job's "
+                    f"{shown_url(current.base_url)}, and the job's api_key goes only where it was given: send "
+                    f"api_key with the new base_url (empty for none)"
+                )
+            if endpoint == current:  # nothing to change: no write, and no spec sent to the workers again
                 return await self.info(job_id)
             # the whole spec, checked as a submit checks it: an endpoint fine alone may not be for the job (a tito
             # job's on the replay policy), and one kept unchecked broke every read of the job, and the next start.

@@ -102,6 +102,45 @@ async def test_submit_and_update_policy_obey_the_allowlist(tmp_path: Path, base_
         await stub.CancelJob(pb.CancelJobRequest(job_id=reply.job_id), timeout=30)
 
 
+@pytest.mark.parametrize("new_key", ["sk-for-the-new-host", ""])
+async def test_an_api_key_stays_on_the_origin_it_was_given_for(
+    tmp_path: Path, recording_server: Callable[[Respond], Awaitable[tuple[str, Heard]]], new_key: str
+) -> None:
+    """UpdatePolicy moved a job to any base_url with the job's api_key: whoever held the tenant's token (not the key,
+    which no call answers) pointed the job at a host of theirs and read the key in the next rollout's header. A new
+    origin (scheme, host, port) needs its own key in the request; a new path on the same origin keeps the key."""
+
+    async def slow(writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(1.5)  # past the job's request timeout: its rollout fails, and the next one starts
+        await _answer("200 OK", CHAT)(writer)
+
+    old_url, old = await recording_server(slow)
+    new_url, new = await recording_server(_answer("200 OK", CHAT))
+    async with serve(tmp_path / "data", backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        stub = client.rollout_stub
+        tasks = pb.TaskSelection(kind=pb.TaskSelection.KIND_IDS, ids=["py-000", "py-001"])
+        policy = pb.PolicyEndpoint(base_url=old_url, api_key=API_KEY, max_retries=0, request_timeout_s=1)
+        job_id = (await stub.SubmitJob(pb.JobSpec(env=ENV, tasks=tasks, policy=policy, max_concurrency=1))).job_id
+
+        async def update(version: str, url: str, **key: str) -> None:
+            await stub.UpdatePolicy(pb.UpdatePolicyRequest(job_id=job_id, version=version, base_url=url, **key))
+
+        details = await expect_error(
+            update("2", new_url), grpc.StatusCode.INVALID_ARGUMENT, "another origin", "send api_key with the new"
+        )
+        assert API_KEY not in details
+        await update("2", old_url.removesuffix("/v1") + "/v2")  # the same origin: the key goes along
+        await update("3", new_url, api_key=new_key)
+        for _ in range(200):
+            if new.requests:
+                break
+            await asyncio.sleep(0.05)
+        sent = {h.get("authorization") for _, h, _ in new.requests}
+        assert sent == {f"Bearer {new_key}" if new_key else None}, sent
+        assert all(h.get("authorization") == f"Bearer {API_KEY}" for _, h, _ in old.requests), old.requests
+        await client.cancel_job(job_id)
+
+
 @dataclass
 class Heard:
     """The requests one loopback server received: request line, headers (names in lower case), body."""
