@@ -127,8 +127,8 @@ class ViewerServer:
             case ["job", job_id]:
                 return job_page(src.job(tenant, job_id), src.index(tenant, job_id), Query.from_params(params))
             case ["job", job_id, "rollout", rollout_id]:
-                rollout = src.rollout(tenant, job_id, rollout_id)
-                return rollout_page(rollout, self.decoder_for(rollout))
+                shown = src.rollout(tenant, job_id, rollout_id)
+                return rollout_page(shown.rollout, self.decoder_for(shown.rollout), slim=shown.slim)
             case ["job", job_id, "group", group_id]:
                 samples = src.group(tenant, job_id, group_id)
                 if not samples:

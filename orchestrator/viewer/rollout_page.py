@@ -102,15 +102,22 @@ def _kv_table(table_id: str, values: dict[str, float]) -> str:
     return f'<table id="{table_id}" style="width:auto">{rows}</table>'
 
 
-def rollout_page(r: Rollout, decode: TokenDecoder | None = None) -> str:
-    """The whole rollout page."""
+_SLIM = (
+    '<h3>Turns</h3><div class="card" id="slim">Not kept: this server keeps an acked rollout\'s record without its '
+    "turns and tokens (<code>--result-log-acked slim</code>); the trainer that acked it received them whole.</div>"
+)
+
+
+def rollout_page(r: Rollout, decode: TokenDecoder | None = None, *, slim: bool = False) -> str:
+    """The whole rollout page. `slim`: the log dropped its turns and tokens at its ack, which the page says."""
     p = r.provenance
     error = f'<div class="card" id="error"><b>{esc(r.error.kind)}</b>{folded(r.error.message)}</div>' if r.error else ""
     summary = (
         f'<div class="card" id="summary">{badge(r.status.value)} reward <b>{fmt_reward(r.reward)}</b> · env '
         f"{esc(r.env)} · task {esc(r.task_id)} · sample {r.sample_index} · group "
         f'<a href="{href(f"{job_url(r.job_id)}/group/{seg(r.group_id)}")}">{esc(r.group_id)}</a> · '
-        f"{len(r.turns)} turns · attempts {r.attempts} · policy {esc(p.policy_model)} {esc(p.policy_version)} · "
+        f"{'turns not kept' if slim else f'{len(r.turns)} turns'} · attempts {r.attempts} · "
+        f"policy {esc(p.policy_model)} {esc(p.policy_version)} · "
         f"image {esc(p.image)} · seed {p.seed}</div>"
     )
     body = (
@@ -119,7 +126,11 @@ def rollout_page(r: Rollout, decode: TokenDecoder | None = None) -> str:
         f"{_kv_table('components', r.reward_components)}</div><div><h3>Metrics</h3>"
         f"{_kv_table('metrics', r.metrics)}</div>"
         f'<div style="flex:1;min-width:420px"><h3>Timing</h3>{_waterfall(r)}</div></div>'
-        f'<h3>Turns</h3><div id="turns">{"".join(_turn(i, t) for i, t in enumerate(r.turns))}</div>'
-        f"<h3>Tokens</h3>{_tokens(r.tokens, decode)}"
+        + (
+            _SLIM
+            if slim
+            else f'<h3>Turns</h3><div id="turns">{"".join(_turn(i, t) for i, t in enumerate(r.turns))}</div>'
+            f"<h3>Tokens</h3>{_tokens(r.tokens, decode)}"
+        )
     )
     return page(f"Rollout {r.id}", body, [(r.job_id, href(job_url(r.job_id)))])

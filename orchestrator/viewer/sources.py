@@ -80,6 +80,15 @@ class JobView:
     policy: str = ""
 
 
+@dataclass(frozen=True)
+class Shown:
+    """One rollout as its page shows it. `slim`: the log dropped its turns and tokens at its ack
+    (`--result-log-acked slim`), so the page says so instead of showing an episode of no turns."""
+
+    rollout: Rollout
+    slim: bool = False
+
+
 class Source(Protocol):
     """What the viewer reads. `tenant` None means every job (a local file); a tenant sees only its own jobs."""
 
@@ -95,7 +104,7 @@ class Source(Protocol):
         """The job's rollouts table, up to date."""
         ...
 
-    def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Rollout:
+    def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Shown:
         """One rollout in full; NotFoundError when missing."""
         ...
 
@@ -185,12 +194,12 @@ class FileSource:
             f.seek(offset)
             return Rollout.model_validate_json(f.readline())
 
-    def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Rollout:
+    def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Shown:
         """One rollout, read back from its line."""
         offset = self._job(job_id).offsets.get(rollout_id)
         if offset is None:
             raise NotFoundError(f"no rollout {echo(rollout_id)} in job {echo(job_id)}")
-        return self._read(offset)
+        return Shown(self._read(offset))
 
     def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Sample]:
         """The samples of one group (each rollout read whole, one at a time)."""
@@ -258,18 +267,14 @@ class LiveSource:
         with self._lock:
             return list(self._indexes)
 
-    def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Rollout:
+    def rollout(self, tenant: str | None, job_id: str, rollout_id: str) -> Shown:
         """One of the job's rollouts."""
         self.job(tenant, job_id)
         with self._lock:
-            row = (
-                self._db()
-                .execute("SELECT seq, payload FROM rollouts WHERE job_id = ? AND rollout_id = ?", (job_id, rollout_id))
-                .fetchone()
-            )
+            row = self._db().execute(_ROLLOUT_SQL, (job_id, rollout_id)).fetchone()
         if row is None:
             raise NotFoundError(f"no rollout {echo(rollout_id)} in job {echo(job_id)}")
-        return _decode(row)
+        return Shown(_decode(row[:2]), slim=bool(row[2]))
 
     def group(self, tenant: str | None, job_id: str, group_id: str) -> list[Sample]:
         """The samples of one of the job's groups: their fields taken by SQLite's JSON functions, so no payload
@@ -278,6 +283,13 @@ class LiveSource:
         with self._lock:
             return read_group(self._db(), job_id, group_id)
 
+
+# A rollout whole, and whether an ack slimmed it: a logged rollout's JSON always names its turns, a slimmed one's not
+# (store.ACKED)
+_ROLLOUT_SQL = (
+    "SELECT seq, payload, acked AND json_valid(payload) AND json_type(payload, '$.turns') IS NULL FROM rollouts "
+    "WHERE job_id = ? AND rollout_id = ?"
+)
 
 # A group page's fields of each sample; the last assistant turn's text is cut in SQLite. A row that is no JSON (a
 # damaged log) is left out, as one would fail the whole query

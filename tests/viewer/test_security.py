@@ -224,7 +224,8 @@ async def test_a_live_group_page_decodes_no_sample_whole(tmp_path: Path, monkeyp
         assert isinstance(source, sources.LiveSource)
         group_id = f"{job_id}:{task_id}"
         # from a thread, as the viewer's: the source asks this loop who may see the job
-        rollouts = [await asyncio.to_thread(source.rollout, None, job_id, f"{group_id}:{i}") for i in range(3)]
+        shown = [await asyncio.to_thread(source.rollout, None, job_id, f"{group_id}:{i}") for i in range(3)]
+        rollouts = [s.rollout for s in shown]
         want = [sources.Sample.of(r) for r in rollouts]
 
         def whole(row: object) -> Rollout:
