@@ -7,17 +7,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from environments.swe.instance import Prediction
+from orchestrator.core.files import write_atomically
 
 REPORT = "report.json"
 SUMMARY = "summary.json"
@@ -30,20 +28,10 @@ def safe_component(text: str) -> str:
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write a file so a reader never sees half of it (a failure or a crash leaves the old file or none; a failure
-    also removes its temporary copy)."""
+    """Write a file, and its folders, so a reader never sees half of it (write_atomically)."""
     raw = data.encode() if isinstance(data, str) else data
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-        os.replace(tmp, path)
-    except BaseException:
-        # a full disk or a directory in the way: the half-written copy goes too (a crash can still leave one)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, raw)
 
 
 @dataclass(frozen=True)

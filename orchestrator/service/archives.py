@@ -30,6 +30,7 @@ from orchestrator.core.archives import ENTRY_POINT_GROUP, ArchiveKind
 from orchestrator.core.echo import echo, error_text
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import InvalidRequestError
+from orchestrator.core.files import write_atomically
 from orchestrator.service.declarative.spec import NAME_PATTERN, VERSION_PATTERN
 from orchestrator.service.tenancy import TENANT_PATTERN
 
@@ -104,22 +105,6 @@ class StoredArchive(BaseModel):
     def ref(self) -> str:
         """`name@version`."""
         return f"{self.name}@{self.version}"
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`data` at `path` (its folder must exist), whole or not at all: synced, then moved in place; a failure leaves
-    no temporary copy."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 class ArchiveStore:

@@ -27,10 +27,11 @@ from orchestrator.client.auth import ClientTLS, check_client_transport
 from orchestrator.core.archives import ArchiveKind
 from orchestrator.core.echo import error_text
 from orchestrator.core.environment import Environment, Task, environment_digest, indexed_tasks
+from orchestrator.core.files import write_atomically
 from orchestrator.core.models import JobSpec
 from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.rollout.runner import WorkItem, left_retries
-from orchestrator.service.archives import load_kinds, write_atomically
+from orchestrator.service.archives import load_kinds
 from orchestrator.service.caps import WIDEST_ARCHIVE_LIMITS
 from orchestrator.service.declarative.env import make_environment
 from orchestrator.service.declarative.spec import EnvironmentSpec
