@@ -7,11 +7,16 @@ import os
 import tempfile
 from pathlib import Path
 
+# the prefix of write_atomically's temporary copies: a process killed between its write and its rename leaves one,
+# which a folder's reader skips and its owner sweeps at the next start (sweep_temporaries)
+TEMPORARY_PREFIX = ".tmp-"
+
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """`data` at `path` (its folder must exist), whole or not at all: synced, then moved in place, so a reader (or a
-    restart after a crash) sees the old file or the new one, never half of one; a failure leaves no temporary copy."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    """`data` at `path` (its folder must exist), whole or not at all: synced, moved in place, and the move synced, so
+    a reader (or a restart after a crash, or a power loss) sees the old file or the new one, never half of one; a
+    failure leaves no temporary copy."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMPORARY_PREFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -22,3 +27,19 @@ def write_atomically(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    # the rename is the folder's change: synced, a caller's later record (the result log's, synced) never outlives
+    # the file it names after a power loss
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def sweep_temporaries(folder: Path) -> int:
+    """Remove the temporary copies a killed write_atomically left in `folder`; returns how many."""
+    left = [p for p in folder.glob(f"{TEMPORARY_PREFIX}*") if p.is_file() and not p.is_symlink()]
+    for path in left:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    return len(left)

@@ -30,7 +30,7 @@ from orchestrator.core.archives import ENTRY_POINT_GROUP, ArchiveKind
 from orchestrator.core.echo import echo, error_text
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import InvalidRequestError
-from orchestrator.core.files import write_atomically
+from orchestrator.core.files import sweep_temporaries, write_atomically
 from orchestrator.service.declarative.spec import NAME_PATTERN, VERSION_PATTERN
 from orchestrator.service.tenancy import TENANT_PATTERN
 
@@ -135,12 +135,28 @@ class ArchiveStore:
         folder.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(dir=folder, prefix=".staging-"))
 
-    def sweep_staging(self) -> int:
-        """Remove the staging folders a stopped process left; returns how many."""
-        left = list(self.root.glob("*/.staging-*")) if self.root.is_dir() else []
-        for path in left:
-            shutil.rmtree(path, ignore_errors=True)
-        return len(left)
+    def sweep(self) -> int:
+        """Remove what a killed process left: staging folders, temporary copies, and an archive or unpacked tree
+        with no record beside it (a registration killed before its record was written: the call failed, and the
+        tree counted against the tenant's cap for good). Returns how many; call it before any registration."""
+        left = 0
+        for folder in self.root.iterdir() if self.root.is_dir() else []:
+            if not folder.is_dir() or folder.is_symlink():
+                continue
+            left += sweep_temporaries(folder)
+            for path in folder.iterdir():
+                tree = path.is_dir() and not path.is_symlink()
+                # an archive is <ref>.tar and its tree <ref>/, beside their record <ref>.json
+                ref = path.name if tree else path.name.removesuffix(".tar") if path.suffix == ".tar" else ""
+                if path.name.startswith(".staging-") or (
+                    ref and not ref.startswith(".") and not (folder / f"{ref}.json").exists()
+                ):
+                    if tree:
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+                    left += 1
+        return left
 
     def held_bytes(self, tenant: str) -> int:
         """The bytes of the archives `tenant` keeps registered: as sent, and their unpacked trees (a small archive
@@ -176,7 +192,7 @@ class ArchiveStore:
         names' owners, where the record says them, are kept in `unreadable` (name -> owner)."""
         records = []
         self.unreadable: dict[str, str] = {}
-        for path in sorted(self.root.glob("*/*.json")) if self.root.is_dir() else []:
+        for path in sorted(self.root.glob("*/[!.]*.json")) if self.root.is_dir() else []:
             try:
                 record = StoredArchive.model_validate_json(path.read_bytes())
             except (OSError, ValidationError) as e:

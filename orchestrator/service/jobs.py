@@ -689,8 +689,10 @@ class JobManager:
             )
         except ValueError as e:  # by fields and reasons: pydantic's own text quotes the values, the api_key among them
             raise InvalidRequestError(f"policy update: {error_text(e)}") from None
+        # the log first: a write it refused (a full disk, a lock) left the new endpoint in force in memory only, the
+        # trainer's retry answered OK with nothing written ("nothing to change"), and a restart went back to the old
+        await self.store.update_policy(job_id, checked.policy)
         job.spec = checked.model_copy(update={"tasks": job.spec.tasks})
-        await self.store.update_policy(job_id, job.spec.policy)
         return await self.info(job_id)
 
     async def cancel(self, job_id: str, *, owner: str | None = None) -> JobInfo:

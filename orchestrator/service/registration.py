@@ -12,9 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +34,7 @@ from orchestrator.core.errors import (
     PermissionDeniedError,
     SandboxCreateError,
 )
+from orchestrator.core.files import sweep_temporaries, write_atomically
 from orchestrator.core.runtime import to_the_end
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
 from orchestrator.images.resolver import BuildsOwnImage
@@ -111,17 +110,7 @@ class SpecStore:
     def save(self, record: StoredSpec) -> None:
         """Persist a record (replacing one of the same name@version)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(record.model_dump_json(indent=1))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path(record.spec.ref()))
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self._path(record.spec.ref()), record.model_dump_json(indent=1).encode())
 
     def delete(self, ref: str) -> None:
         """Forget a record (if present)."""
@@ -133,7 +122,9 @@ class SpecStore:
         owners, where the file says them, are kept in `unreadable` (name -> owner)."""
         records = []
         self.unreadable: dict[str, str] = {}
-        for path in sorted(self.root.glob("*.json")) if self.root.is_dir() else []:
+        if self.root.is_dir():
+            sweep_temporaries(self.root)  # a save killed before its rename; never a registration
+        for path in sorted(self.root.glob("[!.]*.json")) if self.root.is_dir() else []:
             try:
                 records.append(StoredSpec.model_validate_json(path.read_bytes()))
             except (OSError, ValidationError) as e:
@@ -234,7 +225,7 @@ class Registrar:
             self._owners.setdefault(record.spec.name, record.owner)
             self._spec_bytes.add(record.owner, _spec_bytes(record.spec))
             count += 1
-        await asyncio.to_thread(self._archives.sweep_staging)
+        await asyncio.to_thread(self._archives.sweep)
         archives = await asyncio.to_thread(self._archives.load_all)
         for stored in archives:
             if stored.name in builtins:

@@ -76,6 +76,32 @@ async def test_a_policy_update_the_job_cannot_take_is_refused_and_changes_nothin
         assert [j.job_id for j in await client.list_jobs()] == [job_id]
 
 
+async def test_a_policy_update_the_log_refused_is_not_in_force_and_its_retry_writes_it(
+    tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the spec changed in memory before the log's write: one the log refused (a lock, a full disk) was in force
+    # all the same, the trainer's retry answered OK writing nothing ("nothing to change"), and the next start
+    # resumed the job on the old endpoint
+    data = tmp_path / "data"
+    spec = _spec(silent_policy, task_ids[:3])
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(spec)
+        write = orch.jobs.store.update_policy
+
+        async def refused(job: str, new: PolicyEndpoint) -> None:
+            raise sqlite3.OperationalError("database is locked")
+
+        monkeypatch.setattr(orch.jobs.store, "update_policy", refused)
+        update = pb.UpdatePolicyRequest(job_id=job_id, version="v2")
+        with pytest.raises(grpc.aio.AioRpcError):
+            await client.rollout_stub.UpdatePolicy(update)
+        assert (await client.get_job(job_id)).policy_version == spec.policy.version
+        monkeypatch.setattr(orch.jobs.store, "update_policy", write)
+        await client.rollout_stub.UpdatePolicy(update)  # the retry
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        assert (await client.get_job(job_id)).policy_version == "v2"
+
+
 async def test_a_policy_update_that_changes_nothing_writes_nothing_and_one_that_does_keeps_the_tasks(
     tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

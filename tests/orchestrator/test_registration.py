@@ -467,3 +467,39 @@ async def test_refused_registrations_under_fresh_names_leave_nothing_behind(tmp_
         with pytest.raises(QuotaExceededError, match=r"caps\.sandbox\.memory_mb"):
             await registrar.register(spec, "tenant-a")
     assert registrar._locks == {}
+
+
+def test_a_start_sweeps_what_a_killed_registration_left(tmp_path: Path) -> None:
+    # a process killed mid-registration left: a spec's temporary copy (whole, ending in .json: the next start
+    # registered it, for a call that had failed), an archive and its unpacked tree with no record (counted against
+    # the tenant's cap for good), and an archive store's temporary copy
+    from orchestrator.core.files import write_atomically
+    from orchestrator.service.archives import ArchiveStore, StoredArchive
+    from orchestrator.service.registration import SpecStore, StoredSpec
+
+    specs = SpecStore(tmp_path / "specs")
+    kept = StoredSpec(spec=parse_spec(word_count_spec(name="kept")), owner="tenant-a", registered_at=1.0)
+    specs.save(kept)
+    killed = kept.model_copy(update={"spec": parse_spec(word_count_spec(name="killed"))})
+    (specs.root / ".tmp-x1y2.json").write_text(killed.model_dump_json())  # the old save's copy, before its rename
+    (specs.root / ".tmp-z3").write_text(killed.model_dump_json())
+    assert [r.spec.name for r in specs.load_all()] == ["kept"]
+    assert sorted(p.name for p in specs.root.iterdir()) == [f"{kept.spec.ref()}.json"]
+
+    archives = ArchiveStore(tmp_path / "archives")
+    digest = "0" * 64
+    record = StoredArchive(
+        owner="tenant-a", registered_at=1.0, kind="k", name="a", version="1.tar", digest=digest, size=3
+    )
+    archives.tree("tenant-a", record.ref()).joinpath("task").write_bytes(b"t")
+    archives.save(record, b"tar")
+    folder = tmp_path / "archives" / "tenant-a"
+    held = archives.held_bytes("tenant-a")
+    archives.tree("tenant-a", "big@1").joinpath("blob").write_bytes(b"x" * 5_000)  # killed before its record
+    write_atomically(folder / "big@1.tar", b"y" * 5_000)
+    (folder / ".tmp-abc").write_bytes(b"z" * 1_000)
+    (folder / ".staging-def").mkdir()
+    assert archives.held_bytes("tenant-a") == held + 10_000
+    assert archives.sweep() == 4
+    assert archives.held_bytes("tenant-a") == held and archives.load_all() == [record]
+    assert sorted(p.name for p in folder.iterdir()) == ["a@1.tar", "a@1.tar.json", "a@1.tar.tar"]
