@@ -253,7 +253,10 @@ class JobManager:
 
     async def _resume(self, admit: Callable[[JobSpec], None] | None = None) -> None:
         now = time.time()
-        for stored in await self.store.jobs():
+        stored_jobs = await self.store.jobs()
+        for job_id in self.store.removing:
+            await self._remove(job_id, "its removal was cut short by a stop or a crash")
+        for stored in stored_jobs:
             if self._expired(stored.finished_at, now):
                 await self._remove(stored.job_id)
                 continue

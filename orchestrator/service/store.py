@@ -47,6 +47,8 @@ WAL_LIMIT_BYTES = 64 << 20  # what of the write-ahead log stays on disk once it 
 # with what this one knows (read by an older one, a job lost its policy column: UpdatePolicy's endpoint went back to
 # the submitted one, and again after the upgrade back). Logs from before the stamp read 0, and are this layout
 LOG_VERSION = 1
+# the state of a job row whose removal is under way (never a JobState: an older version leaves such a row alone)
+REMOVING = "REMOVING"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY,
@@ -181,6 +183,8 @@ class ResultStore:
         self._served: set[asyncio.Task[Any] | None] = set()  # the callers of the last transaction
         # the job rows the last `jobs()` could not read, by id: their end (None: unfinished), which retention reads
         self.unreadable: dict[str, float | None] = {}
+        # the jobs whose removal the last `jobs()` found under way (cut short by a stop or a crash)
+        self.removing: list[str] = []
 
     @classmethod
     async def open(
@@ -329,8 +333,11 @@ class ResultStore:
         )
 
     async def remove_job(self, job_id: str) -> None:
-        """Delete a job and its rollouts, a chunk of rows per call so that the calls of running jobs go between;
-        the job's row goes last, so a removal cut short by a crash is found and finished at the next start."""
+        """Delete a job and its rollouts, a chunk of rows per call so that the calls of running jobs go between.
+        The job's row is marked first (REMOVING) and goes last, so a removal cut short by a crash is found and
+        finished at the next start (`removing`): a job removed before its retention ran out (a tenant's finished
+        jobs over their cap) loaded again, with part of its rollouts, after it had answered NOT_FOUND."""
+        await self._run(lambda: self.db.execute("UPDATE jobs SET state = ? WHERE job_id = ?", (REMOVING, job_id)))
         while await self._run(
             lambda: (
                 self.db.execute(
@@ -371,8 +378,9 @@ class ResultStore:
             wanted = {s.value for s in states} if states is not None else None
             jobs = []
             self.unreadable = {}
+            self.removing = [r[0] for r in rows if r[2] == REMOVING]
             for r in rows:
-                if wanted is not None and r[2] not in wanted:
+                if r[2] == REMOVING or (wanted is not None and r[2] not in wanted):
                     continue
                 try:
                     spec = JobSpec.model_validate_json(r[1])

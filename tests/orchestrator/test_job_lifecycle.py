@@ -76,6 +76,42 @@ async def test_a_policy_update_the_job_cannot_take_is_refused_and_changes_nothin
         assert [j.job_id for j in await client.list_jobs()] == [job_id]
 
 
+async def test_a_removal_cut_short_is_finished_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a job is removed a chunk of rollouts at a time, its row last: one removed before its retention ran out (its
+    # tenant's finished jobs over their cap), cut short by a crash, loaded again at the next start with part of its
+    # rollouts, after it had answered NOT_FOUND
+    from orchestrator.service import store as store_module
+
+    data = tmp_path / "data"
+    async with serve(data, backend=FAKE) as orch:
+        ids = [t.id for t in orch.jobs.registry.get(ENV).tasks()][:3]
+        job_id, _ = await orch.jobs.submit(_spec(REPLAY_URL, ids))
+        assert len([e async for batch in orch.jobs.stream(job_id) for e in batch.entries]) == 3
+        store = orch.jobs.store
+        monkeypatch.setattr(store_module, "REMOVE_CHUNK", 1)
+        run, calls = store._run, []
+
+        async def killed(call: Any) -> Any:
+            calls.append(call)
+            if len(calls) == 3:
+                raise RuntimeError("killed")  # the process ends here, a rollout of the job's still in the log
+            return await run(call)
+
+        monkeypatch.setattr(store, "_run", killed)
+        with pytest.raises(RuntimeError, match="killed"):
+            await store.remove_job(job_id)
+        monkeypatch.setattr(store, "_run", run)
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        await expect_error(
+            client.rollout_stub.GetJob(pb.GetJobRequest(job_id=job_id)), grpc.StatusCode.NOT_FOUND, job_id
+        )
+    with contextlib.closing(sqlite3.connect(data / "results.sqlite3")) as db:
+        assert db.execute("SELECT count(*) FROM rollouts WHERE job_id = ?", (job_id,)).fetchone() == (0,)
+        assert db.execute("SELECT count(*) FROM jobs WHERE job_id = ?", (job_id,)).fetchone() == (0,)
+
+
 async def test_a_policy_update_the_log_refused_is_not_in_force_and_its_retry_writes_it(
     tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
