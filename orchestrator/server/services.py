@@ -5,13 +5,16 @@ Every call acts as the calling tenant (from its bearer token): a tenant sees onl
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import FailedPreconditionError, InvalidRequestError
 from orchestrator.core.models import MAX_TASK_IDS
+from orchestrator.core.runtime import to_the_end
 from orchestrator.rollout.tito.parsers import get_parser
 from orchestrator.rollout.tito.tokenizer import TokenizerDirs
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
@@ -22,6 +25,9 @@ from orchestrator.service.registration import Registrar
 from orchestrator.service.registry import Registry
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
+
+M = TypeVar("M")
+T = TypeVar("T")
 
 MAX_IN_FLIGHT = 100_000
 MAX_BATCH = 10_000
@@ -120,25 +126,40 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
 
     async def Register(self, request: pb.EnvironmentSpec, context: grpc.aio.ServicerContext) -> pb.EnvironmentInfo:
         tenant = self._auth.tenant(context)
-        r = await self._registrar_or_fail().register(spec_from_pb(request), tenant)
+        registrar = self._registrar_or_fail()
+        with registrar.admitted(tenant):
+            r = await registrar.register(await _converted(spec_from_pb, request), tenant)
         return environment_pb(r.env, r.source, self._image(r.env))
 
     async def Validate(self, request: pb.EnvironmentSpec, context: grpc.aio.ServicerContext) -> pb.ValidationReport:
         tenant = self._auth.tenant(context)
-        return validation_report_pb(await self._registrar_or_fail().validate(spec_from_pb(request), tenant))
+        registrar = self._registrar_or_fail()
+        with registrar.admitted(tenant):
+            return validation_report_pb(await registrar.validate(await _converted(spec_from_pb, request), tenant))
 
     async def RegisterArchive(
         self, request: pb.EnvironmentArchive, context: grpc.aio.ServicerContext
     ) -> pb.EnvironmentInfo:
         tenant = self._auth.tenant(context)
-        r = await self._registrar_or_fail().register_archive(archive_from_pb(request), tenant)
+        registrar = self._registrar_or_fail()
+        with registrar.admitted(tenant):
+            r = await registrar.register_archive(archive_from_pb(request), tenant)
         return environment_pb(r.env, r.source, self._image(r.env))
 
     async def ValidateArchive(
         self, request: pb.EnvironmentArchive, context: grpc.aio.ServicerContext
     ) -> pb.ValidationReport:
         tenant = self._auth.tenant(context)
-        return validation_report_pb(await self._registrar_or_fail().validate_archive(archive_from_pb(request), tenant))
+        registrar = self._registrar_or_fail()
+        with registrar.admitted(tenant):
+            return validation_report_pb(await registrar.validate_archive(archive_from_pb(request), tenant))
+
+
+async def _converted(convert: Callable[[M], T], request: M) -> T:
+    """`convert(request)` in a thread, to its end even when the call is cancelled (its admission is held until
+    then): a spec of 100,000 tasks takes seconds to convert, and on the event loop it held every tenant's calls,
+    streams and rollouts that long."""
+    return await to_the_end(asyncio.ensure_future(asyncio.to_thread(convert, request)))
 
 
 class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]

@@ -160,6 +160,10 @@ def _shadowed(ref: str, owner: str) -> None:
     )
 
 
+# the calls a tenant may have waiting for its check slots (Registrar.admitted)
+MAX_WAITING_CHECKS = 4
+
+
 class Registrar:
     """Validates, registers and reloads declarative environments and uploaded archives."""
 
@@ -192,6 +196,14 @@ class Registrar:
         self.catalog = ArchiveCatalog()  # which registered environments the worker hub ships as archives
         # builds and reference runs are tenant content: counted per tenant, so one cannot hold every slot
         self._checks = TenantGate(max_concurrent_checks, min(max_checks_per_tenant, max_concurrent_checks))
+        # the calls a tenant has under way, waiting for its slot included: each holds its request (a spec of up to
+        # 64 MiB, some hundreds of MiB once converted), and a dozen queued behind one slow check took 4.4 GiB
+        self._admitted = TenantCounter(
+            self._checks.per_tenant + MAX_WAITING_CHECKS,
+            f"environment checks a tenant runs or waits for (Register, Validate and their archive forms: its "
+            f"{self._checks.per_tenant} check slot(s) and {MAX_WAITING_CHECKS} waiting)",
+            "environment check(s) under way",
+        )
         self._owners: dict[str, str] = {}
         # a lock per name while a registration of it runs or waits: kept for every name ever tried, a tenant's loop
         # of refused registrations under fresh names grew it without end
@@ -291,6 +303,11 @@ class Registrar:
             tenant,
             lambda r: isinstance(r.env, DeclarativeEnvironment) and r.env.spec == spec,
         )
+
+    def admitted(self, tenant: str) -> contextlib.AbstractContextManager[None]:
+        """Hold one of the tenant's admissions for a registration call, its request's conversion included: a
+        BusyError (RESOURCE_EXHAUSTED, worth asking again) past its check slots and MAX_WAITING_CHECKS waiting."""
+        return self._admitted.hold(tenant)
 
     async def validate(self, spec: EnvironmentSpec, tenant: str = LOCAL_TENANT) -> ValidationResult:
         """Build the image, load the tasks and run a reference solution (or an empty episode) through scoring.

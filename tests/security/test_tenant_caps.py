@@ -391,3 +391,61 @@ async def test_a_registered_spec_that_no_longer_loads_keeps_its_name(tmp_path: P
             b.env_stub.Register(_spec("a-env", "1")), grpc.StatusCode.PERMISSION_DENIED, "belongs to another tenant"
         )
     assert json.loads(stored.read_text())["owner"] == "team-a"
+
+
+async def test_a_tenants_registration_calls_waiting_for_its_check_slot_are_capped(
+    tmp_path: Path, token_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each call waiting for the tenant's one check slot held its request (up to 64 MiB; hundreds of MiB once
+    # converted), and nothing refused the next: a dozen behind one slow check took 4.4 GiB of the control plane
+    from orchestrator.service import registration
+    from tests.orchestrator.test_registration import to_pb, word_count_spec
+
+    release = asyncio.Event()
+
+    async def slow(self: registration.Registrar, spec: Any, tenant: str) -> registration.ValidationResult:
+        await release.wait()  # a check that takes a while (the fake backend runs no reference solution)
+        return registration.ValidationResult(env=spec.ref(), image="checked", num_tasks=1)
+
+    monkeypatch.setattr(registration.Registrar, "_validated", slow)
+    async with (
+        serve(tmp_path, backend=FAKE, security={"token_file": token_file}) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        spec = to_pb(word_count_spec())
+        under_way = [
+            asyncio.ensure_future(a.env_stub.Validate(spec)) for _ in range(1 + registration.MAX_WAITING_CHECKS)
+        ]
+        await asyncio.sleep(0.5)
+        details = await expect_error(a.env_stub.Validate(spec), EXHAUSTED, "environment check(s) under way")
+        assert f"{1 + registration.MAX_WAITING_CHECKS} per tenant" in details
+        b_check = asyncio.ensure_future(b.env_stub.Validate(spec))  # B's own are not A's to spend
+        await asyncio.sleep(0.2)
+        release.set()
+        for report in await asyncio.gather(*under_way, b_check):
+            assert report.num_tasks > 0, report
+        assert (await a.env_stub.Validate(spec)).num_tasks > 0  # and given back
+
+
+async def test_a_spec_is_converted_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # converting a spec of 100,000 tasks (each task's JSON parsed and checked) took 2-30 s on the event loop: another
+    # tenant's ListJobs waited 6.6 s behind one Validate, and every stream and rollout with it
+    import threading
+
+    from orchestrator.server import services
+    from orchestrator.server.convert_specs import spec_from_pb
+    from tests.orchestrator.test_registration import to_pb, word_count_spec
+
+    threads: list[threading.Thread] = []
+    convert = spec_from_pb
+
+    def watched(request: Any) -> Any:
+        threads.append(threading.current_thread())
+        return convert(request)
+
+    monkeypatch.setattr(services, "spec_from_pb", watched)
+    async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        bad = to_pb({**word_count_spec(), "tools": ["no-such-tool"]})
+        await expect_error(client.env_stub.Validate(bad), grpc.StatusCode.INVALID_ARGUMENT, "no-such-tool")
+    assert threads and threading.main_thread() not in threads
