@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from typing import Any, Literal, NoReturn, TypeGuard
 
 import grpc
@@ -97,6 +97,8 @@ def _overran(what: str, got: int, cap: int) -> NoReturn:
 class EnvdTransport(Transport):
     """One gRPC channel to one sandbox's envd."""
 
+    _closed = False
+
     def __init__(self, socket_path: str, token: str) -> None:
         self.socket_path = socket_path
         self._md = (("authorization", f"Bearer {token}"),)
@@ -118,8 +120,12 @@ class EnvdTransport(Transport):
     async def health(self, timeout: float) -> bool:
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):
             return False
+        except asyncio.CancelledError:
+            if self._closed and not _cancelled_from_outside():
+                return False
+            raise
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def probe(self, timeout: float) -> Liveness:
@@ -129,6 +135,12 @@ class EnvdTransport(Transport):
             # a gone envd refuses the connection at once; one that has not answered in time is there but starved
             # of CPU, as the envds of a host at a load of 100 or more are
             return "slow" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "gone"
+        except grpc.aio.UsageError:
+            return "gone"  # closed: the sandbox was removed
+        except asyncio.CancelledError:
+            if self._closed and not _cancelled_from_outside():
+                return "gone"
+            raise
         return "alive" if reply.status == health_pb2.HealthCheckResponse.SERVING else "gone"
 
     @staticmethod
@@ -162,13 +174,15 @@ class EnvdTransport(Transport):
     ) -> AsyncIterator[ExecEvent]:
         deadline = (timeout or 600.0) + CALL_DEADLINE_S
         call: Any
-        if _inline(stdin):
-            call = self._proc.Start(
-                self._request(cmd, cwd, env, stdin, timeout, max_output), metadata=self._md, timeout=deadline
-            )
-        else:
-            chunks = _chunks(stdin) if isinstance(stdin, bytes) else stdin
-            call = await self._start_stream(self._request(cmd, cwd, env, b"", timeout, max_output), chunks, deadline)
+        with self._envd_errors():
+            if _inline(stdin):
+                call = self._proc.Start(
+                    self._request(cmd, cwd, env, stdin, timeout, max_output), metadata=self._md, timeout=deadline
+                )
+            else:
+                chunks = _chunks(stdin) if isinstance(stdin, bytes) else stdin
+                request = self._request(cmd, cwd, env, b"", timeout, max_output)
+                call = await self._start_stream(request, chunks, deadline)
         async for ev in self._events(call, max_output):
             yield ev
 
@@ -186,13 +200,18 @@ class EnvdTransport(Transport):
 
         call = self._proc.StartStream(messages(), metadata=self._md, timeout=deadline)
         try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                _raise(e)
-            data = await read_stdin(stdin, OLD_ENVD_STDIN_BYTES, "this sandbox's envd (built before StartStream)")
-            req.stdin = data
-            return self._proc.Start(req, metadata=self._md, timeout=deadline)
+            with self._envd_errors():
+                try:
+                    first = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    # stdin gathered before `answered`: the request stream must not take any of it meanwhile
+                    data = await read_stdin(
+                        stdin, OLD_ENVD_STDIN_BYTES, "this sandbox's envd (built before StartStream)"
+                    )
+                    req.stdin = data
+                    return self._proc.Start(req, metadata=self._md, timeout=deadline)
         except BaseException:
             call.cancel()
             raise
@@ -206,21 +225,20 @@ class EnvdTransport(Transport):
         without the end (a trainer's Exec read that as exit 0)."""
         sent = 0
         try:
-            async for ev in call:
-                which = ev.WhichOneof("event")
-                if which in ("stdout", "stderr"):
-                    data = getattr(ev, which)
-                    sent += len(data)
-                    _output_within(sent, max_output)
-                    yield ExecOutput(which, data)
-                elif which == "started":
-                    yield ExecStarted(ev.started.pid)
-                elif which == "ended":
-                    e = ev.ended
-                    yield ExecEnded(e.exit_code, e.signal, e.timed_out, e.truncated, e.oom_killed, e.duration_s)
-                    return  # nothing comes after the end
-        except grpc.aio.AioRpcError as e:
-            _raise(e)
+            with self._envd_errors():
+                async for ev in call:
+                    which = ev.WhichOneof("event")
+                    if which in ("stdout", "stderr"):
+                        data = getattr(ev, which)
+                        sent += len(data)
+                        _output_within(sent, max_output)
+                        yield ExecOutput(which, data)
+                    elif which == "started":
+                        yield ExecStarted(ev.started.pid)
+                    elif which == "ended":
+                        e = ev.ended
+                        yield ExecEnded(e.exit_code, e.signal, e.timed_out, e.truncated, e.oom_killed, e.duration_s)
+                        return  # nothing comes after the end
         finally:
             call.cancel()  # closing the stream early kills the process inside
         raise SandboxUnavailableError("envd's exec stream ended without the process's exit status")
@@ -239,10 +257,8 @@ class EnvdTransport(Transport):
         if not _inline(stdin):
             return await super().exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
         req = self._request(cmd, cwd, env, stdin, timeout, max_output)
-        try:
+        with self._envd_errors():
             r = await self._proc.Run(req, metadata=self._md, timeout=(timeout or 600.0) + CALL_DEADLINE_S)
-        except grpc.aio.AioRpcError as e:
-            _raise(e)
         _output_within(len(r.stdout) + len(r.stderr), max_output)
         end = r.ended
         return ExecResult(
@@ -263,15 +279,19 @@ class EnvdTransport(Transport):
             )
         except grpc.aio.AioRpcError as e:
             return ResetOutcome(False, f"envd reset failed: {e.code().name}: {e.details()}")
+        except grpc.aio.UsageError:
+            return ResetOutcome(False, "the sandbox was removed before its envd could reset it")
+        except asyncio.CancelledError:
+            if self._closed and not _cancelled_from_outside():
+                return ResetOutcome(False, "the sandbox was removed while its envd reset it")
+            raise
         return ResetOutcome(bool(r.ok), r.detail[:MAX_RESET_DETAIL])
 
     async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
-        try:
+        with self._envd_errors():
             r = await self._fs.ReadFile(
                 pb.ReadFileRequest(path=path, max_bytes=max_bytes), metadata=self._md, timeout=CALL_DEADLINE_S
             )
-        except grpc.aio.AioRpcError as e:
-            _raise(e)
         cap = max_bytes or ENVD_DEFAULT_READ_BYTES
         if len(r.content) > cap:
             _overran(f"{path!r}", len(r.content), cap)
@@ -279,16 +299,12 @@ class EnvdTransport(Transport):
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True) -> None:
         req = pb.WriteFileRequest(path=path, content=data, mode=mode, make_parents=make_parents)
-        try:
+        with self._envd_errors():
             await self._fs.WriteFile(req, metadata=self._md, timeout=CALL_DEADLINE_S)
-        except grpc.aio.AioRpcError as e:
-            _raise(e)
 
     async def list_dir(self, path: str) -> list[FileEntry]:
-        try:
+        with self._envd_errors():
             r = await self._fs.ListDir(pb.ListDirRequest(path=path), metadata=self._md, timeout=CALL_DEADLINE_S)
-        except grpc.aio.AioRpcError as e:
-            _raise(e)
         return [
             FileEntry(i.name, i.path, _KINDS.get(i.kind, "other"), i.size, i.mode, i.mtime, i.link_target)
             for i in r.entries
@@ -300,10 +316,8 @@ class EnvdTransport(Transport):
             for i in range(0, len(tar), UPLOAD_CHUNK):
                 yield pb.UploadChunk(data=tar[i : i + UPLOAD_CHUNK])
 
-        try:
+        with self._envd_errors():
             r = await self._fs.Upload(chunks(), metadata=self._md, timeout=CALL_DEADLINE_S)
-        except grpc.aio.AioRpcError as e:
-            _raise(e)
         return int(r.files)
 
     async def download(self, path: str) -> bytes:
@@ -317,26 +331,54 @@ class EnvdTransport(Transport):
         parts: list[bytes] = []
         total = 0
         request = pb.DownloadRequest(path=path, max_bytes=max_bytes)
-        call = self._fs.Download(request, metadata=self._md, timeout=CALL_DEADLINE_S)
+        with self._envd_errors():
+            call = self._fs.Download(request, metadata=self._md, timeout=CALL_DEADLINE_S)
         try:
-            async for chunk in call:
-                total += len(chunk.data)
-                if max_bytes and total > max_bytes:
-                    raise ArchiveTooLargeError(f"the archive of {path!r} is over the cap of {max_bytes} bytes")
-                parts.append(chunk.data)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise ArchiveTooLargeError(
-                    e.details() or f"the archive of {path!r} is over {max_bytes} bytes"
-                ) from None
-            _raise(e)
+            with self._envd_errors():
+                try:
+                    async for chunk in call:
+                        total += len(chunk.data)
+                        if max_bytes and total > max_bytes:
+                            raise ArchiveTooLargeError(f"the archive of {path!r} is over the cap of {max_bytes} bytes")
+                        parts.append(chunk.data)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise ArchiveTooLargeError(
+                            e.details() or f"the archive of {path!r} is over {max_bytes} bytes"
+                        ) from None
+                    raise
         finally:
             call.cancel()
         return b"".join(parts)
 
     async def close(self) -> None:
+        self._closed = True
         with contextlib.suppress(Exception):
             await self._channel.close()
+
+    @contextlib.contextmanager
+    def _envd_errors(self) -> Iterator[None]:
+        """envd's statuses as the sandbox errors they mean. A call the channel's close ended (the sandbox removed
+        under it: a Delete, a TTL, a session closed mid-step) fails as the sandbox's, where grpc raised a bare
+        CancelledError in a task nobody cancelled, and the RPC that made the call got no status at all."""
+        try:
+            yield
+        except grpc.aio.AioRpcError as e:
+            _raise(e)
+        except asyncio.CancelledError:
+            if self._closed and not _cancelled_from_outside():
+                raise SandboxUnavailableError("the sandbox was removed while this call to its envd ran") from None
+            raise
+        except grpc.aio.UsageError:
+            if self._closed:  # a call made after the removal
+                raise SandboxUnavailableError("the sandbox was removed before this call to its envd") from None
+            raise
+
+
+def _cancelled_from_outside() -> bool:
+    """Whether the running task itself is being cancelled (not only a gRPC call it awaits)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class _Prepended:
