@@ -199,10 +199,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         try:
             await stop.wait()
         finally:
+            # a second signal ends the process at once: a stop that waits on a wedged engine (a removal a call of up
+            # to api_timeout_s, one at a time) ignored every further SIGTERM and Ctrl-C until a SIGKILL; the
+            # result log is crash-safe, the data directory's lock goes with the process, and this instance's
+            # reaper removes its sandboxes once it is gone
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, _exit_now, 128 + sig)
             await orch.stop()
+        # stopped: nothing more to wait for. asyncio.run would join the default executor's threads, and an image
+        # build in one (minutes, bounded only by the engine's read timeout) held the exit that long
+        _exit_now(0)
 
     asyncio.run(go())
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """End the process now, output flushed, without joining its threads."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _cmd_scripted_policy(args: argparse.Namespace) -> int:

@@ -282,20 +282,23 @@ class Orchestrator:
                 await _bounded("the warm pool", self.pool.close(), drain_s)
             if self._metrics_server is not None:
                 await _bounded("the metrics server", asyncio.to_thread(self._metrics_server.shutdown), STOP_STAGE_S)
-        finally:  # whatever failed above: the containers, the result log and the data directory are let go
+        finally:  # whatever failed above: the result log, the data directory and the containers are let go
             try:
-                await self.backend.close()
-            finally:
+                # the log and the data directory first: the containers' removal waits on the engine, one call of up
+                # to api_timeout_s at a time while it does not answer, and held the next server off the data
+                # directory meanwhile (this instance's containers are no other server's to sweep)
                 try:
                     await self.store.close()
                 finally:
                     if self._data_lock is not None:  # after the log's close: the next server may open it now
                         os.close(self._data_lock)
                         self._data_lock = None
-                    await self.stalls.stop()
-                    if self._private_dir is not None:
-                        shutil.rmtree(self._private_dir, ignore_errors=True)
-                    await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
+                await self.backend.close()
+            finally:
+                await self.stalls.stop()
+                if self._private_dir is not None:
+                    shutil.rmtree(self._private_dir, ignore_errors=True)
+                await _bounded("the trace export", asyncio.to_thread(self.tracer.shutdown), STOP_STAGE_S)
 
 
 def _private_data_dir(path: Path) -> None:

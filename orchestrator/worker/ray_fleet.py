@@ -44,6 +44,7 @@ from orchestrator.worker.release import release
 log = logging.getLogger(__name__)
 
 ACTOR_STOP_S = 60.0
+HEAD_CONNECT_S = 10.0  # how long the cluster's head has to accept a connection at the start
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")  # listen hosts that name every address of this host
 ACTOR_ANSWER_S = 30.0  # an actor found by name that does not answer in this time is replaced
 # an actor whose worker the hub has not heard this long is killed and replaced: stopped, hung or partitioned, its
@@ -213,6 +214,7 @@ class RayWorkers:
         except ImportError:
             raise ConfigError("--ray-address needs Ray on this host: pip install 'envfleet[ray]'") from None
         if not ray.is_initialized():
+            await _head_answers(self.config.address)
             try:
                 await asyncio.to_thread(
                     ray.init, address=self.config.address, namespace=self.config.namespace, log_to_driver=False
@@ -469,6 +471,8 @@ class RayWorkers:
         it."""
         import ray
 
+        if not ray.is_initialized():  # never joined (its start failed): a call below would start a Ray of its own
+            return
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -502,6 +506,25 @@ class RayWorkers:
             self._placer.shutdown(wait=False)
         if self._initialized_ray:
             await asyncio.to_thread(ray.shutdown)
+
+
+async def _head_answers(address: str) -> None:
+    """ConfigError unless something accepts a connection at `address` (HOST:PORT; `auto` and ray:// ones are
+    Ray's to find): ray.init retried one that nothing answers for minutes, saying nothing."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        async with asyncio.timeout(HEAD_CONNECT_S):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    except (OSError, TimeoutError) as e:
+        raise ConfigError(
+            f"cannot join the Ray cluster at {address!r}: nothing answers there ({e or 'no answer'}); give the head's "
+            "GCS address (`ray start --head` prints it), or auto on one of the cluster's nodes"
+        ) from None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
 
 
 def worker_name(node_id: str, index: int) -> str:

@@ -404,9 +404,35 @@ async def test_joining_a_cluster_that_is_not_there_is_a_config_error(monkeypatch
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", no_cluster)
-    fleet = RayWorkers(RayConfig(address="10.0.0.9:6379"), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
-    with pytest.raises(ConfigError, match=r"cannot join the Ray cluster at '10\.0\.0\.9:6379': could not find"):
+    fleet = RayWorkers(RayConfig(address="auto"), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
+    with pytest.raises(ConfigError, match=r"cannot join the Ray cluster at 'auto': could not find"):
         await fleet.start()
+
+
+async def test_a_head_address_nothing_answers_is_a_config_error_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ray.init retried an address nothing answered for minutes, saying nothing; the Ctrl-C that ended it stopped the
+    # fleet, whose first Ray call started a local Ray instance on the host
+    import socket
+
+    import ray
+
+    from orchestrator.core.errors import ConfigError
+    from orchestrator.worker.config import WorkerConfig
+    from orchestrator.worker.ray_fleet import RayWorkers
+
+    def no_call(*a: object, **kw: object) -> None:
+        raise AssertionError("a Ray call")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    for name in ("init", "get", "wait", "kill", "shutdown"):
+        monkeypatch.setattr(ray, name, no_call)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fleet = RayWorkers(RayConfig(address=f"127.0.0.1:{port}"), "127.0.0.1:1", "token", WorkerConfig(), "fleet")
+    with pytest.raises(ConfigError, match=rf"cannot join the Ray cluster at '127\.0\.0\.1:{port}': nothing answers"):
+        await fleet.start()
+    await fleet.stop()  # never joined: nothing to stop, and no Ray of its own
 
 
 async def test_an_actor_whose_run_failed_ends_itself(monkeypatch: pytest.MonkeyPatch) -> None:
