@@ -184,6 +184,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"envfleet serve: {validation_message(e)}") from None
         except ConfigError as e:
             raise SystemExit(f"envfleet serve: {e}") from None
+        except OSError as e:  # a file a flag names that cannot be read (a token file, a TLS key): one line
+            raise SystemExit(f"envfleet serve: {e.strerror or e}: {e.filename or ''}".rstrip(": ")) from None
         tune_gc()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

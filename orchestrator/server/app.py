@@ -27,6 +27,7 @@ from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.errors import ConfigError
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobSpec
+from orchestrator.core.net import NO_SHARED_PORT, host_port, listen
 from orchestrator.core.private_dirs import make_private_dir, sweep_private_dirs
 from orchestrator.core.processes import proc_start_time
 from orchestrator.core.sandbox import SandboxBackend
@@ -249,7 +250,7 @@ class Orchestrator:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return host_port(self.config.host, self.port)
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
@@ -304,7 +305,14 @@ class Orchestrator:
 def _private_data_dir(path: Path) -> None:
     """The data directory, entered by this user alone: it holds every tenant's rollouts and job specs (their
     policies' API keys among them), and was made with the umask's 0755, its result log 0644, for any local user."""
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True)  # a new one is this user's from the start (its parents: the umask's)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ConfigError(f"cannot make the data directory {path} (--data-dir): {e.strerror}") from None
+    if not path.is_dir():
+        raise ConfigError(f"the data directory {path} (--data-dir) is not a directory")
     if stat.S_IMODE(path.stat().st_mode) & 0o077:
         log.warning("data directory %s was open to other users; it is 0700 now", path)
         path.chmod(0o700)
@@ -462,6 +470,7 @@ async def create_server(
                 # 400 MiB bound of tests/security/test_buffers.py), 56-77 MiB without; stdin throughput 10-20% lower
                 # (README)
                 ("grpc.http2.bdp_probe", 0),
+                NO_SHARED_PORT,
                 # a client whose host is gone answers no ping: its connection is cut, and its streams end
                 ("grpc.keepalive_time_ms", int(config.client_keepalive_s * 1000)),
                 ("grpc.keepalive_timeout_ms", int(min(config.client_keepalive_s, 20.0) * 1000)),
@@ -506,8 +515,8 @@ async def create_server(
         if config.reflection if config.reflection is not None else tls is None:
             names = [s.full_name for s in orchestrator_pb2.DESCRIPTOR.services_by_name.values()]
             reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        address = f"{config.host}:{config.port}"
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        address = host_port(config.host, config.port)
+        port = listen(server, address, credentials, "--host, --port")
         private_dir = None
         if config.openenv is not None:
             # the facade calls this server as a client, with its callers' tokens (the interceptor checks them), over a

@@ -15,6 +15,7 @@ import grpc
 from orchestrator.backends.config import DockerBackendConfig
 from orchestrator.client.auth import ClientTLS
 from orchestrator.core.environment import ImageSource
+from orchestrator.core.net import NO_SHARED_PORT, listen
 from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.server.security import server_credentials
 from orchestrator.service.archives import ArchiveCatalog
@@ -38,6 +39,7 @@ SERVER_OPTIONS = [
     # workers ping every 10 s; allow it without data in flight
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    NO_SHARED_PORT,
 ]
 
 
@@ -108,10 +110,8 @@ class WorkerPlane:
             server.add_insecure_port(plane.unix_target)
             if config.worker_listen:
                 host = config.worker_listen.rsplit(":", 1)[0]
-                if credentials is not None:
-                    port = server.add_secure_port(config.worker_listen, credentials)
-                else:  # loopback, or the operator passed insecure (create_server checked)
-                    port = server.add_insecure_port(config.worker_listen)
+                # TLS unless loopback, or the operator passed insecure (create_server checked)
+                port = listen(server, config.worker_listen, credentials, "--worker-listen")
                 plane.tcp_address = f"{host}:{port}"
             await server.start()
         except BaseException:

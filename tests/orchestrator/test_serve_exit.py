@@ -39,7 +39,8 @@ app.Orchestrator.stop = stop
 """
 
 
-def _serve(tmp_path: Path, patch: str) -> subprocess.Popen[str]:
+def _serve(tmp_path: Path, patch: str) -> tuple[subprocess.Popen[str], str]:
+    """The server and the address it listens on."""
     args = ["serve", "--port", "0", "--metrics-port", "-1", "--workers", "0", "--backend", "fake"]
     proc = subprocess.Popen(
         [sys.executable, "-c", WRAPPER.format(patch=patch), *args, "--data-dir", str(tmp_path), "--owner", TEST_OWNER],
@@ -51,7 +52,7 @@ def _serve(tmp_path: Path, patch: str) -> subprocess.Popen[str]:
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("listening"), (line, proc.stderr.read() if proc.stderr else "")
-    return proc
+    return proc, line.split()[1]
 
 
 def _waited(proc: subprocess.Popen[str], within_s: float) -> int | None:
@@ -63,7 +64,7 @@ def _waited(proc: subprocess.Popen[str], within_s: float) -> int | None:
 
 @pytest.mark.parametrize("wedged", [False, True])
 def test_serve_exits_on_its_signal(tmp_path: Path, wedged: bool) -> None:
-    proc = _serve(tmp_path, WEDGED if wedged else BUILDING)
+    proc, _ = _serve(tmp_path, WEDGED if wedged else BUILDING)
     try:
         proc.send_signal(signal.SIGTERM)
         if wedged:  # the first signal's stop hangs; the second ends the process
@@ -83,3 +84,36 @@ def test_serve_exits_on_its_signal(tmp_path: Path, wedged: bool) -> None:
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def _serve_fails(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--backend", "fake", "--metrics-port", "-1", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_serve_refuses_a_port_in_use_and_a_data_dir_it_cannot_use_in_one_line(tmp_path: Path) -> None:
+    # a port in use was a RuntimeError's traceback, or, gRPC binding with SO_REUSEPORT, no error at all: the second
+    # server shared the port, and the kernel spread a trainer's connections over both control planes
+    first, address = _serve(tmp_path / "first", "")
+    try:
+        port = address.rpartition(":")[2]
+        said = _serve_fails("--port", port, "--workers", "0", "--data-dir", str(tmp_path / "second"))
+        assert f"cannot listen on 127.0.0.1:{port} (--host, --port): the port is taken" in said, said
+    finally:
+        first.terminate()
+        assert first.wait(30) == 0
+        for pipe in (first.stdout, first.stderr):
+            if pipe is not None:
+                pipe.close()
+    (tmp_path / "file").write_text("")
+    said = _serve_fails("--port", "0", "--data-dir", str(tmp_path / "file"))
+    assert said == f"envfleet serve: the data directory {tmp_path / 'file'} (--data-dir) is not a directory"
+    said = _serve_fails("--port", "0", "--workers", "1", "--worker-token-file", str(tmp_path / "none"))
+    assert said == f"envfleet serve: No such file or directory: {tmp_path / 'none'}"
