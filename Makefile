@@ -43,9 +43,12 @@ chromium:
 		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
 		else sudo apt-get install -y -q chromium; fi; }
 
-# the leak check runs after a failed run too, where a leak is likeliest
+# the leak check runs after a failed run too, where a leak is likeliest; the envfleet containers there before the
+# run (a server running beside it) are not the run's, and are left alone
 test: venv buf docker base-image chromium
-	@rc=0; $(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider || rc=$$?; scripts/check-leaks.sh || rc=1; exit $$rc
+	@before=$$(mktemp); scripts/check-leaks.sh --list > $$before; rc=0; \
+	$(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider || rc=$$?; scripts/check-leaks.sh $$before || rc=1; \
+	rm -f $$before; exit $$rc
 
 # The tests that need no Docker engine (pytest -m "not docker"): the control plane on the fake backend, envd on the
 # host, parsers and validators. Starts no dockerd and builds no image.
