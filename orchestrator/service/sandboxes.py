@@ -274,20 +274,23 @@ class SandboxManager:
         if not 0 < ttl <= self.config.max_ttl_s:
             raise InvalidRequestError(f"ttl_s must be between 0 and {self.config.max_ttl_s:g}, got {ttl_s!r}")
         variables = _check_env_vars(env_vars or {}, "env_vars")
-        tag, lim, env_runtime = await self._image_and_limits(tenant, image, env, limits or {})
-        runtime = runtime or env_runtime
-        check_limits(lim, self.caps.sandbox, runtime=runtime)
+        # the tenant's cap before any engine call: a tenant at its cap kept thousands of image lookups in flight, on
+        # the threads every sandbox start shares. Its place is held from here, so creates side by side count
         live_now = sum(x.tenant == tenant for x in self._live.values()) + self._reserved.get(tenant, 0)
         if live_now >= self.config.max_per_tenant:
             raise BusyError(
                 f"{live_now} sandboxes are running; sandboxes.max_per_tenant is {self.config.max_per_tenant}; "
                 "delete some"
             )
-        need = Need(cpus=lim.cpus, memory_mb=lim.memory_mb)
-        reservation = self._admission.reserve(need, "a sandbox", tenant) if self._admission is not None else None
-        sid = "sb-" + secrets.token_hex(10)
         self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
+        reservation = None
         try:
+            tag, lim, env_runtime = await self._image_and_limits(tenant, image, env, limits or {})
+            runtime = runtime or env_runtime
+            check_limits(lim, self.caps.sandbox, runtime=runtime)
+            need = Need(cpus=lim.cpus, memory_mb=lim.memory_mb)
+            reservation = self._admission.reserve(need, "a sandbox", tenant) if self._admission is not None else None
+            sid = "sb-" + secrets.token_hex(10)
             sandbox = await self._backend.create(
                 SandboxSpec(
                     image=tag,
@@ -304,6 +307,8 @@ class SandboxManager:
             raise
         finally:
             self._reserved[tenant] -= 1
+            if not self._reserved[tenant]:
+                del self._reserved[tenant]
         now, mono = time.time(), time.monotonic()
         left = min(ttl, sandbox.lease_left_s())  # never past its container's lease, which the sweep goes by
         record = SandboxRecord(sid, tag, env, "RUNNING", lim, now, now + left, runtime=runtime)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,31 @@ async def test_per_tenant_counts_name_their_caps(tmp_path: Path) -> None:
         )
         await c.session_stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id))
         await c.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=box.sandbox_id))
+
+
+async def test_a_create_past_the_tenants_cap_makes_no_engine_call(tmp_path: Path) -> None:
+    # the image lookup (an engine call, on the threads every sandbox start shares) came before the cap: a tenant at
+    # its cap kept thousands of them in flight; and creates side by side each passed the cap, read before any held
+    config: dict[str, Any] = {"sandboxes": {"max_per_tenant": 2}}
+    async with serve(tmp_path, backend=FAKE, **config) as orch, EnvfleetClient(orch.address) as c:
+        assert orch.sandboxes is not None
+        present = orch.sandboxes._image_present
+        lookups: list[str] = []
+
+        def slow(image: str) -> bool:
+            lookups.append(image)
+            time.sleep(0.3)
+            return bool(present(image))
+
+        orch.sandboxes._image_present = slow
+        creates = [c.sandbox_stub.Create(pb.CreateSandboxRequest(image=FAKE_BASE_IMAGE)) for _ in range(6)]
+        replies = await asyncio.gather(*creates, return_exceptions=True)
+        made = [r for r in replies if isinstance(r, pb.SandboxInfo)]
+        refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(made) == 2 and len(refused) == 4 and len(lookups) == 2, replies
+        assert all(r.code() == EXHAUSTED and "sandboxes.max_per_tenant is 2" in str(r.details()) for r in refused)
+        for box in made:
+            await c.sandbox_stub.Delete(pb.DeleteSandboxRequest(sandbox_id=box.sandbox_id))
 
 
 def _spec(name: str, version: str, padding: int = 4096) -> pb.EnvironmentSpec:
