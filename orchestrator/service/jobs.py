@@ -810,6 +810,9 @@ class JobManager:
         )
         gone = finished[: max(0, len(finished) - self.caps.finished_jobs_per_tenant + 1)]
         self._forget(gone)
+        if len(gone) > 1:  # all marked at once: a submit cancelled during the first removal left the others loadable
+            ids = [job.job_id for job in gone]
+            await self._logged("the trimmed jobs' removal", lambda: self.store.mark_removing(ids))
         for job in gone:
             await self._remove(
                 job.job_id,

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,6 +330,13 @@ class ResultStore:
                 "INSERT INTO jobs (job_id, spec, state, created_at, total, owner) VALUES (?, ?, ?, ?, ?, ?)",
                 (job_id, spec.model_dump_json(), JobState.QUEUED.value, time.time(), total, owner),
             )
+        )
+
+    async def mark_removing(self, job_ids: Sequence[str]) -> None:
+        """Mark jobs whose removal is about to begin (REMOVING): one cut short, by a crash or a cancelled caller,
+        before its own turn came is finished at the next start, as `remove_job`'s own mark makes it."""
+        await self._run(
+            lambda: self.db.executemany("UPDATE jobs SET state = ? WHERE job_id = ?", [(REMOVING, j) for j in job_ids])
         )
 
     async def remove_job(self, job_id: str) -> None:

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.server.convert import job_spec_from_pb
 from protos import orchestrator_pb2 as pb
 from tests.orchestrator.servers import FAKE, FAKE_BASE_IMAGE, expect_error, serve, silent_policy
 
@@ -489,3 +490,31 @@ async def test_a_task_named_many_times_is_kept_once(tmp_path: Path) -> None:
         (stored,) = [j for j in await orch.jobs.store.jobs() if j.job_id == reply.job_id]
         assert stored.spec.tasks.ids == ["py-001", "py-000"]
         await c.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=reply.job_id))
+
+
+async def test_jobs_trimmed_together_stay_removed_when_the_submit_is_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the finished jobs a submit trims are forgotten at once and removed one by one: a submit cancelled during the
+    # first removal left the others in the log, unmarked, and the next start loaded them again
+    async with silent_policy() as url:
+        async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as c:
+            old = []
+            for _ in range(3):
+                old.append((await c.rollout_stub.SubmitJob(_job(url))).job_id)
+                await c.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=old[-1]))
+        async with serve(tmp_path, backend=FAKE, caps={"finished_jobs_per_tenant": 1}) as orch:
+            removing = asyncio.Event()
+
+            async def hangs(job_id: str) -> None:
+                removing.set()
+                await asyncio.Event().wait()
+
+            monkeypatch.setattr(orch.jobs.store, "remove_job", hangs)
+            submit = asyncio.ensure_future(orch.jobs.submit(job_spec_from_pb(_job(url))))
+            await asyncio.wait_for(removing.wait(), 10)
+            submit.cancel()
+            await asyncio.gather(submit, return_exceptions=True)
+        async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as c:
+            listed = {j.job_id for j in (await c.rollout_stub.ListJobs(pb.ListJobsRequest())).jobs}
+    assert not listed & set(old), listed
