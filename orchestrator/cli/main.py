@@ -32,6 +32,7 @@ from orchestrator.cli.remote import (
 )
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobStatus
+from orchestrator.core.processes import usable_cpus
 
 
 def terminal_console() -> Console:
@@ -145,7 +146,7 @@ def _server_config(args: argparse.Namespace) -> object:
         reflection=args.reflection,
         sessions={**sessions, "idle_ttl_s": args.session_ttl},
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        workers=args.workers if args.workers is not None else (0 if args.ray_address else os.cpu_count() or 1),
+        workers=args.workers if args.workers is not None else (0 if args.ray_address else usable_cpus()),
         worker_listen=args.worker_listen,
         worker_token_file=Path(args.worker_token_file) if args.worker_token_file else None,
         worker_tls=worker_tls_config(args),
@@ -387,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=None,
-        help="rollout worker processes on this host (default: one per core, or none with --ray-address); "
+        help="rollout worker processes on this host (default: one per core it may use, or none with --ray-address); "
         "0 runs rollouts in the server process",
     )
     serve.add_argument(

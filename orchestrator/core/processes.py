@@ -62,3 +62,17 @@ def cpu_ticks(pid: int) -> int | None:
     if not fields or fields[0] in (b"Z", b"X", b"T", b"t"):
         return None
     return int(fields[11]) + int(fields[12])
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a cpuset), and its cgroup's CPU quota (a container's
+    `--cpus`), whichever is fewer. `os.cpu_count()` counts the host's, and a server limited to two of 64 cores
+    started 64 workers."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:  # cgroup v2: "max 100000" (no quota) or "<quota> <period>" in microseconds
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)

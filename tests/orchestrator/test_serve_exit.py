@@ -117,3 +117,16 @@ def test_serve_refuses_a_port_in_use_and_a_data_dir_it_cannot_use_in_one_line(tm
     assert said == f"envfleet serve: the data directory {tmp_path / 'file'} (--data-dir) is not a directory"
     said = _serve_fails("--port", "0", "--workers", "1", "--worker-token-file", str(tmp_path / "none"))
     assert said == f"envfleet serve: No such file or directory: {tmp_path / 'none'}"
+
+
+def test_serve_starts_a_worker_per_cpu_it_may_use() -> None:
+    # os.cpu_count() counts the host's: under `taskset -c 0` (or a container's cpuset) a server started a worker
+    # for every core of the host
+    script = (
+        "from orchestrator.cli.main import _server_config, build_parser; "
+        "print(_server_config(build_parser().parse_args(['serve'])).workers)"
+    )
+    done = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
