@@ -283,6 +283,16 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    async def go() -> JobStatus:
+        async with connect(args) as client:
+            return await client.cancel_job(args.job_id)
+
+    status = asyncio.run(go())
+    print(f"job {status.job_id} {status.state.value}: {status.done} of {status.total} rollouts done")
+    return 0
+
+
 def _add_tokenizer_dir_argument(p: argparse.ArgumentParser, where: str = "") -> None:
     p.add_argument(
         "--tokenizer-dir",
@@ -497,6 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = sub.add_parser("jobs", help="list an orchestrator's jobs (your tenant's, with a token)")
     add_client_arguments(jobs)
     jobs.set_defaults(fn=_cmd_jobs)
+
+    cancel = sub.add_parser("cancel", help="cancel a job: queued rollouts never run, running ones are stopped")
+    cancel.add_argument("job_id")
+    add_client_arguments(cancel)
+    cancel.set_defaults(fn=_cmd_cancel)
 
     demo = sub.add_parser("demo", help="orchestrator + scripted policy + a job of scored rollouts, end to end")
     demo.add_argument("--out", default="demo-rollouts.jsonl")

@@ -27,33 +27,46 @@ from orchestrator.testing.scripted_policy import Script, start_scripted_server
 from orchestrator.testing.scripts import reference_script
 
 DEMO_ENV = "python-tool"
+CANCEL_ON_EXIT_S = 10.0  # for the job's CancelJob when the client stops early
 
 
 async def collect_rollouts(client: EnvfleetClient, spec: JobSpec, out: Path, console: Console) -> int:
     """Submit `spec`, stream every rollout with a live progress line, write JSONL, print a table; closes the client."""
     rollouts: list[Rollout] = []
     counts: Counter[str] = Counter()
-    async with client:
-        job_id = await client.submit(spec)
-        total = (await client.get_job(job_id)).total
-        t0 = time.monotonic()
-        progress = Progress(
-            TextColumn("[bold]job {task.fields[job]}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        with progress, out.open("w", encoding="utf-8") as f:
-            bar = progress.add_task("rollouts", total=total, job=job_id, stats="")
-            async for r in client.rollouts(job_id):
-                rollouts.append(r)
-                counts[r.status.value] += 1
-                f.write(r.model_dump_json() + "\n")
-                rate = len(rollouts) / max(time.monotonic() - t0, 1e-9)
-                failed = sum(v for k, v in counts.items() if k not in ("OK", "TRUNCATED"))
-                progress.update(bar, advance=1, stats=f"ok {counts['OK']} failed {failed} | {rate:.2f} rollouts/s")
+    # the file first: one that cannot be written failed the client after its job was submitted, and the job ran on
+    # the server to its end, nobody reading it
+    with out.open("w", encoding="utf-8") as f:
+        async with client:
+            job_id = await client.submit(spec)
+            try:
+                total = (await client.get_job(job_id)).total
+                t0 = time.monotonic()
+                progress = Progress(
+                    TextColumn("[bold]job {task.fields[job]}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TextColumn("{task.fields[stats]}"),
+                    TimeElapsedColumn(),
+                    console=console,
+                )
+                with progress:
+                    bar = progress.add_task("rollouts", total=total, job=job_id, stats="")
+                    async for r in client.rollouts(job_id):
+                        rollouts.append(r)
+                        counts[r.status.value] += 1
+                        f.write(r.model_dump_json() + "\n")
+                        rate = len(rollouts) / max(time.monotonic() - t0, 1e-9)
+                        failed = sum(v for k, v in counts.items() if k not in ("OK", "TRUNCATED"))
+                        stats = f"ok {counts['OK']} failed {failed} | {rate:.2f} rollouts/s"
+                        progress.update(bar, advance=1, stats=stats)
+            except BaseException:
+                # stopped (Ctrl-C) or failed: the job is cancelled, not left running on the server (its policy
+                # server's GPUs with it) with nobody reading it
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(client.cancel_job(job_id)), CANCEL_ON_EXIT_S)
+                    console.print(f"job {job_id} cancelled; {len(rollouts)} rollouts written to {out}")
+                raise
     _print_table(console, rollouts)
     console.print(f"{len(rollouts)} rollouts written to {out}; by status: {dict(counts)}")
     return 0 if len(rollouts) == total else 1

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from orchestrator.server.app import Orchestrator
 from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.conftest import REPO
 from tests.orchestrator.conftest import job
-from tests.orchestrator.servers import serve
+from tests.orchestrator.servers import FAKE, serve, silent_policy
 
 CLIENT_FLAGS = ("--server", "--token-file", "--tls-ca", "--tls-cert", "--tls-key", "--insecure")
 # Commands that never talk to an orchestrator, and why. A new command must be added here or take CLIENT_FLAGS.
@@ -205,6 +206,7 @@ def _closed_port() -> int:
         ["envs", "validate", "SPEC"],
         ["envs", "register", "SPEC"],
         ["jobs"],
+        ["cancel", "some-job"],
         ["rollout", "--env", "python-tool", "--policy", "http://127.0.0.1:9/v1"],
         ["status"],
     ],
@@ -243,3 +245,37 @@ def test_no_docker_engine_is_one_line_not_a_traceback(command: tuple[str, ...]) 
     )
     assert r.returncode == 1, r
     assert "Traceback" not in r.stderr and "cannot reach the Docker engine" in r.stderr, r.stderr
+
+
+async def test_a_stopped_rollout_command_cancels_its_job_and_cancel_cancels_one(tmp_path: Path) -> None:
+    # `envfleet rollout --server` submitted its job before it opened --out (a path it could not write failed it with
+    # the job running on), and a Ctrl-C left the job running on the server, nobody reading it; no command cancelled one
+    async with silent_policy() as url, serve(tmp_path / "data", backend=FAKE) as orch:
+        args = ["--server", orch.address, "--env", "python-tool", "--tasks", "1", "--policy", url]
+        r = await asyncio.to_thread(_envfleet, "rollout", *args, "--out", str(tmp_path / "no" / "x.jsonl"))
+        assert r.returncode == 1 and not orch.jobs._jobs, r.stderr
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "rollout", *args, "--out", str(tmp_path / "x.jsonl")],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            for _ in range(200):
+                if orch.jobs._jobs and (await orch.jobs.info(next(iter(orch.jobs._jobs)))).counts.in_flight:
+                    break
+                await asyncio.sleep(0.05)
+            (job_id,) = orch.jobs._jobs
+            proc.send_signal(signal.SIGINT)
+            out, _ = await asyncio.to_thread(proc.communicate, timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 130 and f"job {job_id} cancelled" in out, out
+        assert (await orch.jobs.info(job_id)).state.value == "CANCELLED"
+        job_id, _ = await orch.jobs.submit(job(url, ["py-000"]))
+        r = await asyncio.to_thread(_envfleet, "cancel", job_id, "--server", orch.address)
+        assert r.returncode == 0 and r.stdout.strip() == f"job {job_id} CANCELLED: 0 of 1 rollouts done", r.stderr
+        assert (await orch.jobs.info(job_id)).state.value == "CANCELLED"
