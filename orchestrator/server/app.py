@@ -416,6 +416,7 @@ async def create_server(
             kinds=load_kinds(),
             spec_bytes_per_tenant=config.caps.spec_bytes_per_tenant,
             check_s=config.caps.registration_check_s,
+            environments_per_tenant=config.caps.environments_per_tenant,
         )
         await registrar.load()
         metrics = Metrics()

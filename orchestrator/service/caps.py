@@ -86,6 +86,13 @@ class CapsConfig(BaseModel):
     spec_bytes_per_tenant: int = Field(
         512 << 20, ge=1 << 10, le=1 << 40, description="declarative specs a tenant keeps registered (their JSON)"
     )
+    environments_per_tenant: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="environments a tenant keeps registered, specs and archives, each version one: every tenant's "
+        "List answers the public ones whole, and 12,500 of one tenant's took it past the message limit for all",
+    )
     registration_check_s: float = Field(
         7200.0,
         ge=1,

@@ -181,6 +181,7 @@ class Registrar:
         kinds: Mapping[str, ArchiveKind] | None = None,
         spec_bytes_per_tenant: int = CapsConfig().spec_bytes_per_tenant,
         check_s: float = CapsConfig().registration_check_s,
+        environments_per_tenant: int = CapsConfig().environments_per_tenant,
     ) -> None:
         self._registry = registry
         # a check's time in all (build, reference runs, an archive's every task): its budgets come from the tenant's
@@ -210,6 +211,9 @@ class Registrar:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._cut_builds: dict[str, set[asyncio.Future[str]]] = {}  # builds of checks cut off, by tenant (_built)
         # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
+        self._kept = TenantCounter(
+            environments_per_tenant, "caps.environments_per_tenant", "environments registered (versions count)"
+        )
         self._spec_bytes = TenantCounter(
             spec_bytes_per_tenant, "caps.spec_bytes_per_tenant", "bytes of registered specs"
         )
@@ -236,6 +240,7 @@ class Registrar:
                 continue
             self._owners.setdefault(record.spec.name, record.owner)
             self._spec_bytes.add(record.owner, _spec_bytes(record.spec))
+            self._kept.add(record.owner, 1)
             count += 1
         await asyncio.to_thread(self._archives.sweep)
         archives = await asyncio.to_thread(self._archives.load_all)
@@ -458,6 +463,7 @@ class Registrar:
                 return existing
             size = _spec_bytes(spec)
             async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its tally
+                self._kept.check(tenant)
                 self._spec_bytes.check(tenant, size)
                 await self._validated(spec, tenant)
                 # to its end once begun, the name still locked: a call cancelled while the file was saved left it on
@@ -477,6 +483,7 @@ class Registrar:
             await asyncio.to_thread(self._store.delete, spec.ref())
             raise
         self._spec_bytes.add(tenant, size)
+        self._kept.add(tenant, 1)
         self._owners.setdefault(spec.name, tenant)
 
     # -- uploaded archives ---------------------------------------------------------------------------------------
@@ -593,6 +600,7 @@ class Registrar:
                 rules=rules,
             )
             async with self._checks.slot(tenant):  # a tenant's checks are serialized: so is the growth of its store
+                self._kept.check(tenant)
                 await self._check_held(tenant, len(upload.data), "more")
                 staging = await asyncio.to_thread(self._archives.staging, tenant)
                 dest = await asyncio.to_thread(self._archives.tree, tenant, upload.ref())
@@ -640,3 +648,4 @@ class Registrar:
         self._registry.register(env, source=ARCHIVE_SOURCE + record.kind, owner=owner)
         self.catalog.add(env, Shipment(record.kind, record.name, record.version, record.digest, path, record.rules))
         self._owners.setdefault(record.name, record.owner)
+        self._kept.add(record.owner, 1)

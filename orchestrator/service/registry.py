@@ -29,6 +29,8 @@ ENTRY_POINT_GROUP = "envfleet.environments"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,31}$")
 MAX_TURNS = 1000  # as a job's and a declarative spec's max_turns
+# the names an unknown name's error lists when none is close: every visible one made a message of megabytes
+KNOWN_IN_HINT = 20
 MAX_TOOL_TIMEOUT_S = 3600.0  # as a declarative spec's tool_timeout_s
 
 
@@ -161,7 +163,13 @@ class Registry:
         if not versions:
             by_name = self._visible(tenant)
             close = difflib.get_close_matches(name, list(by_name), n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(by_name))}"
+            known = sorted(by_name)
+            listed = ", ".join(known[:KNOWN_IN_HINT]) + (
+                f" and {len(known) - KNOWN_IN_HINT} more (EnvironmentService.List)"
+                if len(known) > KNOWN_IN_HINT
+                else ""
+            )
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {listed}"
             raise EnvironmentNotFoundError(f"no environment named {echo(name)}{hint}")
         if not version:
             return versions[max(versions, key=_version_key)]

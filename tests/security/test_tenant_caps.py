@@ -276,6 +276,51 @@ async def test_the_specs_a_tenant_keeps_registered_are_capped_across_restarts(tm
         await expect_error(a.env_stub.Register(_spec("a-env", "3")), EXHAUSTED, "caps.spec_bytes_per_tenant")
 
 
+async def test_the_environments_a_tenant_keeps_registered_are_counted_across_restarts(
+    tmp_path: Path, token_file: Path
+) -> None:
+    # only their bytes were capped: 12,500 small public versions of one tenant (59 MB of specs) took every tenant's
+    # List past the message limit, and an unknown name's error listed every one of them
+    caps, security = {"environments_per_tenant": 2}, {"token_file": token_file}
+    async with (
+        serve(tmp_path, backend=FAKE, caps=caps, security=security) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+        EnvfleetClient(orch.address, token=TOKEN_B) as b,
+    ):
+        await a.env_stub.Register(_spec("a-env", "1", padding=16))
+        await a.env_stub.Register(_spec("a-other", "1", padding=16))
+        await expect_error(
+            a.env_stub.Register(_spec("a-env", "2", padding=16)),
+            EXHAUSTED,
+            "2 environments registered (versions count) held and 1 more asked for; caps.environments_per_tenant is 2",
+        )
+        await a.env_stub.Register(_spec("a-env", "1", padding=16))  # the same again is a no-op
+        await b.env_stub.Register(_spec("b-env", "1", padding=16))  # the cap is per tenant
+    async with (
+        serve(tmp_path, backend=FAKE, caps=caps, security=security) as orch,
+        EnvfleetClient(orch.address, token=TOKEN_A) as a,
+    ):
+        await expect_error(a.env_stub.Register(_spec("a-env", "2", padding=16)), EXHAUSTED, "environments_per_tenant")
+
+
+def test_an_unknown_environments_error_lists_a_few_names() -> None:
+    from orchestrator.core.errors import EnvironmentNotFoundError
+    from orchestrator.service.declarative import make_environment, parse_spec
+    from orchestrator.service.registry import KNOWN_IN_HINT, Registry
+    from tests.orchestrator.test_registration import word_count_spec
+
+    registry = Registry()
+    for i in range(100):
+        registry.register(make_environment(parse_spec(word_count_spec(name=f"env-{i:03d}"))))
+    with pytest.raises(EnvironmentNotFoundError) as e:
+        registry.lookup("zzzzzzzz")
+    assert (
+        "env-000" in str(e.value)
+        and f"and {100 - KNOWN_IN_HINT} more" in str(e.value)
+        and "env-099" not in str(e.value)
+    )
+
+
 # A trainer whose process stops answering (its host crashed, a partition): its connection stays up as far as the
 # kernel knows, for hours
 _STOPPED_TRAINER = """
