@@ -449,6 +449,7 @@ async def create_server(
             tracer=tracer,
             retention_s=config.job_retention_s,
             admit=admit,
+            held_envs=registrar.unloaded,
         )
         undo.push_async_callback(jobs.close)
         jobs.scheduler.tenant_shares = auth.enabled  # a server without tokens has one user, who may take the host

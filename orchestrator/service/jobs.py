@@ -240,18 +240,23 @@ class JobManager:
         tracer: Tracer = NOOP_TRACER,
         retention_s: float | None = None,
         admit: Callable[[JobSpec], None] | None = None,
+        held_envs: Collection[str] = (),
     ) -> JobManager:
         """A manager that has resumed every unfinished job in the store (and removed those whose retention ran out
         while it was down). `admit` raises (an EnvfleetError) for a spec this server would refuse at SubmitJob now
-        (its policy URL off the allowlist, say): a resumed job must pass it too."""
+        (its policy URL off the allowlist, say): a resumed job must pass it too. An unfinished job of an environment
+        named in `held_envs` (registered, but its reload failed at this start) waits, unfinished and not run, for a
+        start that loads it, where it was cancelled for good as one whose environment is gone."""
         mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps, tracer, retention_s)
         mgr.scheduler.start()
-        await mgr._resume(admit)
+        await mgr._resume(admit, frozenset(held_envs))
         if retention_s is not None:
             mgr._expiry = asyncio.create_task(mgr._expire_forever(), name="job expiry")
         return mgr
 
-    async def _resume(self, admit: Callable[[JobSpec], None] | None = None) -> None:
+    async def _resume(
+        self, admit: Callable[[JobSpec], None] | None = None, held_envs: frozenset[str] = frozenset()
+    ) -> None:
         now = time.time()
         stored_jobs = await self.store.jobs()
         for job_id in self.store.removing:
@@ -283,6 +288,14 @@ class JobManager:
             if stored.spec.deliver_groups and job.state != JobState.COMPLETED:
                 await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
             if job.finished:
+                continue
+            if env is None and stored.spec.env.partition("@")[0] in held_envs:
+                log.error(
+                    "job %s waits: its environment %s did not load at this start (the error is logged above); a "
+                    "start that loads it resumes the job, or CancelJob ends it",
+                    job.job_id,
+                    stored.spec.env,
+                )
                 continue
             done_ids = await self.store.done_ids(job.job_id)
             try:

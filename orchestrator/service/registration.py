@@ -211,6 +211,9 @@ class Registrar:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._cut_builds: dict[str, set[asyncio.Future[str]]] = {}  # builds of checks cut off, by tenant (_built)
         # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
+        # the names of registered environments whose reload failed at this start (a full disk, a plug-in's error):
+        # their unfinished jobs wait for a start that loads them (JobManager.start's `held_envs`)
+        self.unloaded: set[str] = set()
         self._kept = TenantCounter(
             environments_per_tenant, "caps.environments_per_tenant", "environments registered (versions count)"
         )
@@ -237,6 +240,7 @@ class Registrar:
             except Exception:
                 log.exception("could not reload environment %s", record.spec.ref())
                 self._owners.setdefault(record.spec.name, record.owner)  # its name stays its owner's
+                self.unloaded.add(record.spec.name)
                 continue
             self._owners.setdefault(record.spec.name, record.owner)
             self._spec_bytes.add(record.owner, _spec_bytes(record.spec))
@@ -253,6 +257,7 @@ class Registrar:
             except Exception:
                 log.exception("could not reload environment archive %s of %s", stored.ref(), stored.owner)
                 self._owners.setdefault(stored.name, stored.owner)  # its name stays its owner's
+                self.unloaded.add(stored.name)
                 continue
             count += 1
         # the names of records that no longer load (a check tightened since) stay their owners', after those that

@@ -112,6 +112,35 @@ async def test_a_removal_cut_short_is_finished_at_the_next_start(
         assert db.execute("SELECT count(*) FROM jobs WHERE job_id = ?", (job_id,)).fetchone() == (0,)
 
 
+async def test_a_job_whose_environment_failed_to_load_at_a_start_waits_for_one_that_loads_it(
+    tmp_path: Path, silent_policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a registered environment whose reload failed at a start (a full disk, a plug-in's passing error) was as good as
+    # unregistered: its unfinished jobs were cancelled for good, and the next start, which loaded it, had none to run
+    from orchestrator.service import registration
+    from tests.security.test_tenant_caps import _spec as registered_spec
+
+    data = tmp_path / "data"
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        await client.env_stub.Register(registered_spec("held-env", "1", padding=16))
+        job_id = await client.submit(
+            JobSpec(env="held-env", tasks=TaskSelection(kind="all"), policy=PolicyEndpoint(base_url=silent_policy))
+        )
+        await _running(client, job_id)
+
+    def broken(spec: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(registration, "make_environment", broken)
+        async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+            status = await client.get_job(job_id)
+            assert status.state.value == "RUNNING" and status.in_flight == 0
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        await _running(client, job_id)  # resumed
+        assert (await client.cancel_job(job_id)).state.value == "CANCELLED"
+
+
 async def test_a_policy_update_the_log_refused_is_not_in_force_and_its_retry_writes_it(
     tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -573,7 +602,7 @@ async def test_a_stop_stage_that_fails_leaves_the_later_ones_to_run(
         monkeypatch.setattr(orch.jobs, "close", failing)
         monkeypatch.setattr(backend, "close", backend_close)
         monkeypatch.setattr(store, "close", store_close)
-    assert closed == ["backend", "store"]
+    assert closed == ["store", "backend"]  # the log (and the data directory) first: the removal waits on the engine
 
 
 async def test_a_server_whose_metrics_cannot_start_stops_what_had_started(tmp_path: Path) -> None:
