@@ -105,6 +105,14 @@ def parse_args(
     commands = subcommand_parsers(parser)
     targets = [parser, *(commands[c] for c in CONFIGURABLE_COMMANDS if c in commands)]
     config_path = _config_path(args, env)
+    command = _command_of(parser, args)
+    if config_path is not None and command not in CONFIGURABLE_COMMANDS and CONFIG_FLAG not in _flags(args):
+        # $ENVFLEET_CONFIG is the server's (a host's setting): a file of it that this command cannot read broke every
+        # command (`envfleet jobs` exited with serve's usage), whose only use of it is the top-level options
+        try:
+            config_path.read_bytes()
+        except OSError:
+            config_path = None
     file_values = _read_config(config_path, targets) if config_path else {}
     settings = {k: file_values.pop(k) for k in SERVE_SECTIONS if k in file_values}
     # argparse adds a repeatable (append) or counted option's command-line values to its default: taken as defaults,
@@ -112,7 +120,6 @@ def parse_args(
     # still let an ENVFLEET_ALLOW_POLICY_URL=http:// through. They stand in after the parse, where the command line
     # gave none.
     added: dict[str, tuple[str, argparse.Action, Any]] = {}
-    command = _command_of(parser, args)
     for target in targets:
         if target is not parser and (command is None or commands[command] is not target):
             continue  # another command's options: its variables, bad or not, are not this command's concern
@@ -136,6 +143,17 @@ def parse_args(
             setattr(namespace, dest, value)
     namespace.settings = settings
     return namespace
+
+
+def _flags(argv: list[str]) -> set[str]:
+    """The option names a command line gives (`--config=F` as `--config`), up to a `--`."""
+    flags = set()
+    for token in argv:
+        if token == "--":
+            break
+        if token.startswith("-"):
+            flags.add(token.split("=", 1)[0])
+    return flags
 
 
 def _command_of(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:

@@ -275,3 +275,17 @@ def test_another_commands_bad_variable_or_key_is_not_this_commands_error(tmp_pat
     assert args.command == "jobs" and args.log_format == "json"  # the top level's options still come from both
     with pytest.raises(SystemExit):
         parse_args(build_parser(), ["serve"], environ=env)
+
+
+def test_an_unreadable_config_of_the_environment_fails_serve_only(tmp_path: Path) -> None:
+    # $ENVFLEET_CONFIG is the server host's: a file of it that could not be read broke every command (`envfleet jobs`
+    # exited with serve's usage error), though only serve reads its settings
+    environ = {"ENVFLEET_CONFIG": str(tmp_path / "nope.yaml")}
+    args = parse_args(build_parser(), ["jobs", "--server", "127.0.0.1:1"], environ)
+    assert args.server == "127.0.0.1:1"
+    with pytest.raises(SystemExit) as e:
+        parse_args(build_parser(), ["serve"], environ)
+    assert e.value.code == 2
+    (tmp_path / "log.yaml").write_text("log_format: json\n")  # a readable one still sets the top-level options
+    args = parse_args(build_parser(), ["jobs"], {"ENVFLEET_CONFIG": str(tmp_path / "log.yaml")})
+    assert args.log_format == "json"
