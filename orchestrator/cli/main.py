@@ -23,7 +23,6 @@ from orchestrator.cli.envs import add_envs_commands
 from orchestrator.cli.errors import CommandLineError
 from orchestrator.cli.log_format import add_log_format_argument, configure_logging
 from orchestrator.cli.remote import (
-    DEFAULT_METRICS_PORT,
     add_client_arguments,
     add_serve_security_arguments,
     connect,
@@ -31,6 +30,7 @@ from orchestrator.cli.remote import (
     rpc_error_message,
 )
 from orchestrator.core.errors import EnvfleetError
+from orchestrator.core.metrics import DEFAULT_METRICS_PORT
 from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobStatus
 from orchestrator.core.processes import usable_cpus
 

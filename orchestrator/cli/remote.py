@@ -18,7 +18,6 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.server.security import SecurityConfig, TLSConfig, WorkerTLSConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
-DEFAULT_METRICS_PORT = 9464  # `envfleet serve --metrics-port`
 
 
 def add_serve_security_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # up to an hour: a big job's queue wait, a tool call at its timeout and a large image's cold create pass a minute,
 # and with 60 s the last bound every one of them was +Inf (a p50 of inf in `envfleet status`)
+# `envfleet serve --metrics-port`'s default: taken (another server on this host), serve picks a free port and says
+# so; a port the operator named that is taken is an error (Prometheus scraping it would read the other server)
+DEFAULT_METRICS_PORT = 9464
 LATENCY_BUCKETS = (
     *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
     *(120, 300, 600, 1800, 3600),

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from orchestrator.backends.config import BackendConfig, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig, SandboxPool
 from orchestrator.core.errors import ConfigError
-from orchestrator.core.metrics import Metrics
+from orchestrator.core.metrics import DEFAULT_METRICS_PORT, Metrics
 from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobSpec
 from orchestrator.core.net import NO_SHARED_PORT, host_port, listen
 from orchestrator.core.private_dirs import make_private_dir, sweep_private_dirs
@@ -570,7 +570,13 @@ async def create_server(
                 orch._metrics_server, _ = start_http_server(
                     config.metrics_port, addr=config.metrics_host, registry=served
                 )
-            except OSError as e:  # the port is taken (another orchestrator on this host): serve metrics elsewhere
+            except OSError as e:
+                if config.metrics_port != DEFAULT_METRICS_PORT:  # the operator's port: a scrape of it reads another
+                    raise ConfigError(
+                        f"cannot serve metrics on {host_port(config.metrics_host, config.metrics_port)} "
+                        f"(--metrics-port): {e.strerror or e}"
+                    ) from None
+                # the default taken (another orchestrator on this host): serve metrics elsewhere, and say where
                 log.warning("metrics port %d unavailable (%s); using a free port", config.metrics_port, e)
                 orch._metrics_server, _ = start_http_server(0, addr=config.metrics_host, registry=served)
             orch.metrics_port = orch._metrics_server.server_port
@@ -581,9 +587,11 @@ async def create_server(
                 orch.ui = start_live_viewer(
                     jobs, store.path, config.ui_host, config.ui_port, header_tenant, auth.enabled
                 )
-            except OSError as e:  # the port is taken: like the metrics, serve on a free one and say where
-                log.warning("viewer port %d unavailable (%s); using a free port", config.ui_port, e)
-                orch.ui = start_live_viewer(jobs, store.path, config.ui_host, 0, header_tenant, auth.enabled)
+            except OSError as e:  # the operator's port (the viewer has no default): bookmarks name it
+                raise ConfigError(
+                    f"cannot serve the viewer on {host_port(config.ui_host, config.ui_port)} (--ui-port): "
+                    f"{e.strerror or e}"
+                ) from None
             log.info("trajectory viewer on %s", orch.ui.url)
         if config.openenv is not None and private_dir is not None:
             from orchestrator.openenv.serving import start_facade  # the optional extra, loaded only here

@@ -87,8 +87,10 @@ def test_serve_exits_on_its_signal(tmp_path: Path, wedged: bool) -> None:
 
 
 def _serve_fails(*args: str) -> str:
+    """The last line a serve that ends in an error says (metrics off unless `args` name a port for them)."""
+    metrics = [] if "--metrics-port" in args else ["--metrics-port", "-1"]
     done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "serve", "--backend", "fake", "--metrics-port", "-1", *args],
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--backend", "fake", *metrics, *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -130,3 +132,22 @@ def test_serve_starts_a_worker_per_cpu_it_may_use() -> None:
         ["taskset", "-c", "0", sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60
     )
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+
+
+def test_a_metrics_or_viewer_port_the_operator_named_that_is_taken_is_an_error(tmp_path: Path) -> None:
+    # it was replaced by a free port with a warning: Prometheus, scraping the port it was told, read another server
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        common = ["--port", "0", "--workers", "0", "--data-dir", str(tmp_path)]
+        said = _serve_fails(*common, "--metrics-port", str(port))
+        assert (
+            said == f"envfleet serve: cannot serve metrics on 127.0.0.1:{port} (--metrics-port): Address already in use"
+        )
+        said = _serve_fails(*common, "--ui-port", str(port))
+        assert (
+            said == f"envfleet serve: cannot serve the viewer on 127.0.0.1:{port} (--ui-port): Address already in use"
+        )
