@@ -50,7 +50,7 @@ from orchestrator.server.security import (
     check_worker_transport,
     server_credentials,
 )
-from orchestrator.server.services import EnvironmentService, RolloutService
+from orchestrator.server.services import EnvironmentService, RolloutService, unread_replies
 from orchestrator.server.trainer_services import SandboxService, SessionService
 from orchestrator.server.worker_plane import WorkerPlane, worker_identity
 from orchestrator.service.archives import ArchiveStore, load_kinds
@@ -497,8 +497,9 @@ async def create_server(
             config.sandboxes, registry, backend, images, fleet.image_present, caps=config.caps, admission=jobs.scheduler
         )
         undo.push_async_callback(sandboxes.close_all)
+        unread = unread_replies(config.caps.read_bytes_per_tenant)  # one budget for the three list calls
         orchestrator_pb2_grpc.add_EnvironmentServiceServicer_to_server(
-            EnvironmentService(registry, registrar, auth), server
+            EnvironmentService(registry, registrar, auth, unread), server
         )
         orchestrator_pb2_grpc.add_RolloutServiceServicer_to_server(
             RolloutService(
@@ -507,11 +508,12 @@ async def create_server(
                 policy_urls,
                 tokenizers,
                 ReplayGate(config.security.replay_reference, auth, registrar.registered_by),
+                unread,
             ),
             server,
         )
         orchestrator_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, auth), server)
-        orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth), server)
+        orchestrator_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxService(sandboxes, auth, unread), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         if config.reflection if config.reflection is not None else tls is None:

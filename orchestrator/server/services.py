@@ -19,7 +19,9 @@ from orchestrator.rollout.tito.parsers import get_parser
 from orchestrator.rollout.tito.tokenizer import TokenizerDirs
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
 from orchestrator.server.convert_specs import archive_from_pb, spec_from_pb, validation_report_pb
+from orchestrator.server.replies import UnreadReplies
 from orchestrator.server.security import Authenticator, PolicyURLs, ReplayGate
+from orchestrator.service.caps import CapsConfig
 from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar
 from orchestrator.service.registry import Registry
@@ -27,6 +29,13 @@ from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
 M = TypeVar("M")
+
+
+def unread_replies(cap: int = CapsConfig().read_bytes_per_tenant) -> UnreadReplies:
+    """The list replies' budget (caps.read_bytes_per_tenant, counted apart from file replies)."""
+    return UnreadReplies(cap, "caps.read_bytes_per_tenant (list replies)")
+
+
 T = TypeVar("T")
 
 MAX_IN_FLIGHT = 100_000
@@ -92,11 +101,16 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
     """List and Describe registered environments; Register and Validate declarative specs and uploaded archives."""
 
     def __init__(
-        self, registry: Registry, registrar: Registrar | None = None, auth: Authenticator | None = None
+        self,
+        registry: Registry,
+        registrar: Registrar | None = None,
+        auth: Authenticator | None = None,
+        unread: UnreadReplies | None = None,
     ) -> None:
         self._registry = registry
         self._registrar = registrar
         self._auth = auth or Authenticator()
+        self._unread = unread or unread_replies()
 
     @staticmethod
     def _image(env: Environment) -> str:
@@ -105,10 +119,12 @@ class EnvironmentService(pb_grpc.EnvironmentServiceServicer):  # type: ignore[mi
     async def List(
         self, request: pb.ListEnvironmentsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnvironmentsResponse:
-        visible = self._registry.all(self._auth.tenant(context))  # another tenant's private ones are left out
-        return pb.ListEnvironmentsResponse(
+        tenant = self._auth.tenant(context)
+        visible = self._registry.all(tenant)  # another tenant's private ones are left out
+        reply = pb.ListEnvironmentsResponse(
             environments=[environment_pb(r.env, r.source, self._image(r.env)) for r in visible]
         )
+        return self._unread.hold(tenant, reply, context)
 
     async def Describe(
         self, request: pb.DescribeEnvironmentRequest, context: grpc.aio.ServicerContext
@@ -172,8 +188,10 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         policy_urls: PolicyURLs | None = None,
         tokenizers: TokenizerDirs | None = None,
         replay: ReplayGate | None = None,
+        unread: UnreadReplies | None = None,
     ) -> None:
         self._jobs = jobs
+        self._unread = unread or unread_replies()
         self._auth = auth or Authenticator()
         self._policy_urls = policy_urls or PolicyURLs(None)
         self._tokenizers = tokenizers or TokenizerDirs()
@@ -246,5 +264,6 @@ class RolloutService(pb_grpc.RolloutServiceServicer):  # type: ignore[misc]
         return job_status_pb(await self._jobs.info(_job_id(request.job_id), owner=self._auth.tenant(context)))
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
-        jobs = await self._jobs.list(owner=self._auth.tenant(context))
-        return pb.ListJobsResponse(jobs=[job_status_pb(i) for i in jobs])
+        tenant = self._auth.tenant(context)
+        jobs = await self._jobs.list(owner=tenant)
+        return self._unread.hold(tenant, pb.ListJobsResponse(jobs=[job_status_pb(i) for i in jobs]), context)

@@ -24,7 +24,9 @@ from orchestrator.server.convert_sessions import (
     step_response_pb,
 )
 from orchestrator.server.convert_specs import limits_overrides
+from orchestrator.server.replies import UnreadReplies, at_end
 from orchestrator.server.security import Authenticator
+from orchestrator.server.services import unread_replies
 from orchestrator.service.sandboxes import MAX_ENV_VARS, SandboxManager
 from orchestrator.service.sessions import SessionManager
 from protos import orchestrator_pb2 as pb
@@ -52,28 +54,6 @@ def _capped(value: str, what: str, limit: int) -> str:
     if len(value) > limit:
         raise InvalidRequestError(f"{what} is too long ({len(value)} characters, over {limit})")
     return value
-
-
-def _at_end(context: grpc.aio.ServicerContext) -> Callable[[Callable[[], None]], None]:
-    """Hands a release to the RPC's end: called once its reply is sent or the call is over (a client that never reads
-    its reply keeps it waiting, and keeps what it holds); at once if the RPC is over already."""
-    releases: list[Callable[[], None]] = []
-    ended = False
-
-    def end(_: object) -> None:
-        nonlocal ended
-        ended = True
-        for release in releases:
-            release()
-
-    def at_end(release: Callable[[], None]) -> None:
-        if ended:
-            release()
-        else:
-            releases.append(release)
-
-    context.add_done_callback(end)
-    return at_end
 
 
 def _path(value: str, what: str = "path") -> str:
@@ -235,9 +215,10 @@ class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
 class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
     """Create, Get, List, Exec, files, Delete."""
 
-    def __init__(self, sandboxes: SandboxManager, auth: Authenticator) -> None:
+    def __init__(self, sandboxes: SandboxManager, auth: Authenticator, unread: UnreadReplies | None = None) -> None:
         self._sandboxes = sandboxes
         self._auth = auth
+        self._unread = unread or unread_replies()
 
     async def Create(self, request: pb.CreateSandboxRequest, context: grpc.aio.ServicerContext) -> pb.SandboxInfo:
         tenant = self._auth.tenant(context)
@@ -260,7 +241,8 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
         self, request: pb.ListSandboxesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSandboxesResponse:
         tenant = self._auth.tenant(context)
-        return pb.ListSandboxesResponse(sandboxes=[sandbox_info_pb(r) for r in await self._sandboxes.list(tenant)])
+        reply = pb.ListSandboxesResponse(sandboxes=[sandbox_info_pb(r) for r in await self._sandboxes.list(tenant)])
+        return self._unread.hold(tenant, reply, context)
 
     async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecEvent]:
         # a request refused by a stdin cap is never copied out of its message
@@ -322,7 +304,7 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
             check_id(request.sandbox_id, "sandbox_id"),
             _path(request.path),
             request.max_bytes,
-            until_sent=_at_end(context),
+            until_sent=at_end(context),
         )
         return pb.SandboxReadFileResponse(content=data, truncated=truncated)
 
@@ -348,7 +330,7 @@ class SandboxService(pb_grpc.SandboxServiceServicer):  # type: ignore[misc]
     ) -> pb.SandboxDownloadResponse:
         tenant = self._auth.tenant(context)
         tar = await self._sandboxes.download(
-            tenant, check_id(request.sandbox_id, "sandbox_id"), _path(request.path), until_sent=_at_end(context)
+            tenant, check_id(request.sandbox_id, "sandbox_id"), _path(request.path), until_sent=at_end(context)
         )
         return pb.SandboxDownloadResponse(tar=tar)
 

@@ -107,7 +107,9 @@ class CapsConfig(BaseModel):
         ge=1 << 10,
         le=1 << 36,
         description="ReadFile and Download replies a tenant has in flight, each counted at its cap while it is read "
-        "and at its size until it is sent (a client that never reads holds them); past it a call waits its turn",
+        "and at its size until it is sent (a client that never reads holds them); past it a call waits its turn. "
+        "List replies (List, ListJobs, a sandboxes' List) not read yet have a budget of this size of their own, "
+        "past which a list call is refused busy",
     )
     stdin_bytes_per_tenant: int = Field(64 << 20, ge=0, le=1 << 32, description="Exec stdin in flight per tenant")
     write_bytes_per_tenant: int = Field(

@@ -725,3 +725,36 @@ async def test_writes_and_uploads_in_flight_are_capped_per_tenant(
         await first
         await ss.WriteFile(pb.SandboxWriteFileRequest(sandbox_id=sid, path="b", content=b"y" * (2 * MiB)))  # room
         await ss.Delete(pb.DeleteSandboxRequest(sandbox_id=sid))
+
+
+async def test_list_replies_a_client_never_reads_count_against_its_tenant_until_they_end(tmp_path: Path) -> None:
+    # a list reply (List, ListJobs, a sandboxes' List) waits here until its client reads it, and nothing counted it
+    # once its handler had returned: 100 unread List calls of 1.7 MiB each held 534 MiB of the control plane
+    async with serve(tmp_path, backend=FAKE) as orch, EnvfleetClient(orch.address) as c:
+        size = (await c.env_stub.List(pb.ListEnvironmentsRequest())).ByteSize()
+    caps = {"read_bytes_per_tenant": size + size // 2}
+    async with serve(tmp_path, backend=FAKE, caps=caps) as orch, EnvfleetClient(orch.address) as c:
+        listing = pb.ListEnvironmentsRequest().SerializeToString()
+        async with _unread_call(orch.address, "/envfleet.v1.EnvironmentService/List", listing):
+            await expect_error(
+                _listed_when_room(c), grpc.StatusCode.RESOURCE_EXHAUSTED, "bytes of list replies to your calls"
+            )
+            assert len((await c.rollout_stub.ListJobs(pb.ListJobsRequest())).jobs) == 0  # a small one still fits
+        for _ in range(100):  # the unread call ended: its bytes came back
+            try:
+                await c.env_stub.List(pb.ListEnvironmentsRequest())
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.05)
+        assert len((await c.env_stub.List(pb.ListEnvironmentsRequest())).environments) > 0
+
+
+async def _listed_when_room(c: EnvfleetClient) -> pb.ListEnvironmentsResponse:
+    """The second List, once the first (unread) holds its bytes: it is refused."""
+    for _ in range(100):
+        try:
+            await c.env_stub.List(pb.ListEnvironmentsRequest())
+        except grpc.aio.AioRpcError:
+            raise
+        await asyncio.sleep(0.05)  # the unread call's reply is not made yet
+    raise AssertionError("the unread List's reply was never counted")
