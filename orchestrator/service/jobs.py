@@ -133,6 +133,7 @@ class _Job:
     delivered: int = 0  # the highest seq sent on any stream: Ack refuses an up_to beyond it
     finished_at: float | None = None
     acked: int = 0  # rollouts acked so far (with done and by_status, what GetJob reports without reading the log)
+    policy_updates: asyncio.Lock = field(default_factory=asyncio.Lock)  # one UpdatePolicy at a time (update_policy)
 
     @property
     def ended(self) -> bool:
@@ -677,8 +678,18 @@ class JobManager:
         """Rollouts started from now on use this endpoint and record this version. `api_key` None keeps the job's
         key, which stays on the origin it was given for: a base_url elsewhere must come with its own (or "")."""
         job = self._job(job_id, owner)
+        # one at a time, each to its end once begun: two side by side both began from the old endpoint and the later
+        # write undid the other, and one cancelled after the log's write left the old endpoint in force here
+        await run_to_end(self._update_policy(job, version, base_url, api_key))
+        return await self.info(job_id)
+
+    async def _update_policy(self, job: _Job, version: str, base_url: str, api_key: str | None) -> None:
+        async with job.policy_updates:
+            await self._set_policy(job, version, base_url, api_key)
+
+    async def _set_policy(self, job: _Job, version: str, base_url: str, api_key: str | None) -> None:
         if job.finished:
-            raise JobFinishedError(f"job {job_id} is {job.state.value}; its policy can no longer change")
+            raise JobFinishedError(f"job {job.job_id} is {job.state.value}; its policy can no longer change")
         current = job.spec.policy
         update = (
             {"version": version}
@@ -696,7 +707,7 @@ class JobManager:
                     f"api_key with the new base_url (empty for none)"
                 )
             if endpoint == current:  # nothing to change: no write, and no spec sent to the workers again
-                return await self.info(job_id)
+                return
             # the whole spec, checked as a submit checks it: an endpoint fine alone may not be for the job (a tito
             # job's on the replay policy), and one kept unchecked broke every read of the job, and the next start.
             # Its task selection (up to 100,000 ids, checked at the submit) is kept as it is, not checked again
@@ -707,9 +718,8 @@ class JobManager:
             raise InvalidRequestError(f"policy update: {error_text(e)}") from None
         # the log first: a write it refused (a full disk, a lock) left the new endpoint in force in memory only, the
         # trainer's retry answered OK with nothing written ("nothing to change"), and a restart went back to the old
-        await self.store.update_policy(job_id, checked.policy)
+        await self.store.update_policy(job.job_id, checked.policy)
         job.spec = checked.model_copy(update={"tasks": job.spec.tasks})
-        return await self.info(job_id)
 
     async def cancel(self, job_id: str, *, owner: str | None = None) -> JobInfo:
         """Stop a job: pending work is dropped and running rollouts are cancelled (their sandboxes destroyed)."""

@@ -141,6 +141,40 @@ async def test_a_job_whose_environment_failed_to_load_at_a_start_waits_for_one_t
         assert (await client.cancel_job(job_id)).state.value == "CANCELLED"
 
 
+async def test_policy_updates_side_by_side_or_cut_short_keep_memory_and_log_alike(
+    tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each began from the endpoint in force and set the job's after the log's write: two side by side both began from
+    # the old one and the later undid the other's base_url; one cancelled after the write left memory on the old one
+    data = tmp_path / "data"
+    async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        job_id = await client.submit(_spec(silent_policy, task_ids[:1]))
+        write = orch.jobs.store.update_policy
+
+        async def slow(job: str, new: PolicyEndpoint) -> None:
+            await asyncio.sleep(0.2)
+            await write(job, new)
+
+        monkeypatch.setattr(orch.jobs.store, "update_policy", slow)
+        moved = silent_policy.removesuffix("/v1") + "/v2"  # the same origin
+        await asyncio.gather(orch.jobs.update_policy(job_id, "v2", moved), orch.jobs.update_policy(job_id, "v3", ""))
+        assert (orch.jobs._jobs[job_id].spec.policy.version, orch.jobs._jobs[job_id].spec.policy.base_url) == (
+            "v3",
+            moved,
+        )
+        cut = asyncio.ensure_future(orch.jobs.update_policy(job_id, "v4", ""))
+        await asyncio.sleep(0.1)  # its write is under way
+        cut.cancel()
+        await asyncio.gather(cut, return_exceptions=True)
+        await asyncio.sleep(0.3)  # and done
+        assert orch.jobs._jobs[job_id].spec.policy.version == "v4"
+    async with serve(data, backend=FAKE) as orch:
+        assert (orch.jobs._jobs[job_id].spec.policy.version, orch.jobs._jobs[job_id].spec.policy.base_url) == (
+            "v4",
+            moved,
+        )
+
+
 async def test_a_policy_update_the_log_refused_is_not_in_force_and_its_retry_writes_it(
     tmp_path: Path, silent_policy: str, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
