@@ -19,19 +19,16 @@ reward to learn from raises EpisodeFailedError, after `infra_retries` fresh trie
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from integrations.session import AsyncSessions, Message, Opening, StepResult
 from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
+from orchestrator.rollout.reasoning import answer_text
 from orchestrator.rollout.tito import ChatTemplateTokens, ToolCall, ToolParser
 
 log = logging.getLogger(__name__)
-
-_THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
-
 
 # what an engine says ended a sample: it did not finish it (vLLM's and SGLang's "abort", verl's "aborted": a weight
 # sync cut it), or it cut it at max_tokens; any other value, or none, is a sample the engine ended. The policy
@@ -79,11 +76,6 @@ class EpisodeTokens:
                 self.response_logprobs = None
             else:
                 self.response_logprobs += logprobs
-
-
-def answer_text(content: str) -> str:
-    """The final answer in a turn's content: its reasoning (`<think>...</think>`) removed."""
-    return _THINK.sub("", content).strip()
 
 
 def tool_message(call: ToolCall, result: StepResult) -> Message:

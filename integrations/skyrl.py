@@ -24,9 +24,10 @@ from typing import Any
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
-from integrations.episode import answer_text, tool_message
+from integrations.episode import tool_message
 from integrations.session import Message, Opening, StepResult, SyncSessions
 from orchestrator.client.busy import BUSY_WAIT_S
+from orchestrator.rollout.reasoning import answer_text
 from orchestrator.rollout.tito import get_parser
 
 ENV_ID = "envfleet"

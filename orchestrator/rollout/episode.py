@@ -36,6 +36,7 @@ from orchestrator.core.tracing import (
 from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import CUT_OFF
+from orchestrator.rollout.reasoning import answer_text
 from orchestrator.rollout.step import EpisodeState, record_assistant, record_opening, run_tool_call
 from orchestrator.rollout.tokens import TokenTracker
 
@@ -139,7 +140,7 @@ async def run_episode(
         calls = [ToolCallRecord(id=tc.id, name=tc.name, arguments=tc.arguments) for tc in c.tool_calls]
         record_assistant(state, c.text, calls)
         if not calls:
-            state.answer = c.text
+            state.answer = answer_text(c.text)  # its reasoning is no answer (a server's reasoning parser's part)
             # the parsers let through only a turn the server ended (an unfinished one is retried, then POLICY_ERROR)
             finish = "length" if c.finish_reason in CUT_OFF else "stop"
             break

@@ -10,11 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from integrations.episode import EpisodeTokens, Generated, answer_text, run_episode
+from integrations.episode import EpisodeTokens, Generated, run_episode
 from integrations.session import AsyncSessions
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
+from orchestrator.rollout.reasoning import answer_text
 from orchestrator.rollout.tito import ChatTemplateTokens, get_parser
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry

@@ -1,0 +1,71 @@
+"""A reasoning model's thinking is no answer: token-in, token-out decodes the sampled ids whole, `<think>...</think>`
+included, and the answer a grader read held the thinking (a right plain-text answer scored 0)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import JobSpec, TaskSelection
+from orchestrator.core.policy import PolicyEndpoint
+from orchestrator.rollout.reasoning import answer_text, split_reasoning
+from orchestrator.rollout.tito.parsers import get_parser
+from orchestrator.service.registry import Registry
+from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
+from orchestrator.testing.scripted_policy import Script, Step, start_scripted_server
+from tests.orchestrator.servers import FAKE, serve
+
+pytest.importorskip("transformers")
+
+CALL = '<tool_call>\n{"name": "submit", "arguments": {"answer": "1"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "rest"),
+    [
+        ("<think>\nhmm\n</think>\n\n42", "<think>\nhmm\n</think>", "\n\n42"),
+        ("  <think>a</think>b", "  <think>a</think>", "b"),
+        ("hmm, the prompt opened it\n</think>\n42", "hmm, the prompt opened it\n</think>", "\n42"),
+        ("<think>cut off while think", "<think>cut off while think", ""),
+        ("42", "", "42"),
+        ("the answer is <think>x</think> 42", "", "the answer is <think>x</think> 42"),
+    ],
+)
+def test_split_reasoning(text: str, reasoning: str, rest: str) -> None:
+    assert split_reasoning(text) == (reasoning, rest)
+
+
+def test_answer_text() -> None:
+    assert answer_text("<think>\nhmm\n</think>\n\n 42 ") == "42"
+    assert answer_text(" 42 ") == " 42 "  # no reasoning: as it is
+    assert answer_text("thinking\n</think>\n42") == "42"
+    assert answer_text("<think>cut off") == ""
+    # a call written while thinking is none: the parser reads what follows the thinking
+    said = split_reasoning(f"<think>maybe {CALL}</think>\n\n2")[1]
+    assert get_parser("hermes").parse(said, [])[1] == []
+
+
+@pytest.mark.parametrize("token_mode", ["chat", "tito"])
+async def test_a_plain_answer_after_thinking_scores_as_in_chat_mode(tmp_path: Path, token_mode: str) -> None:
+    env = Registry.from_entry_points().get("python-tool")
+    task = next(t for t in env.tasks() if t.id == "py-004")
+    answer = str(task.data["answer"])
+    script = Script(template="qwen3", model="qwen-like", tasks={task.id: [Step(content=answer)]})
+    server = await start_scripted_server(script)
+    try:
+        async with (
+            serve(tmp_path / "data", backend=FAKE, tokenizer_dirs=[QWEN_LIKE_DIR.parent]) as orch,
+            EnvfleetClient(orch.address) as client,
+        ):
+            policy = PolicyEndpoint(base_url=server.url, model="qwen-like", tokenizer=QWEN_LIKE_DIR.name)
+            spec = JobSpec(
+                env="python-tool", tasks=TaskSelection(kind="ids", ids=[task.id]), policy=policy, token_mode=token_mode
+            )
+            (rollout,) = [r async for r in client.rollouts(await client.submit(spec))]
+    finally:
+        await server.close()
+    assert (rollout.status.value, rollout.reward, rollout.tokens.status) == ("OK", 1.0, "complete")
+    if token_mode == "tito":  # the turn's text keeps the thinking the tokens hold
+        assert [t.text for t in rollout.turns if t.role == "assistant"][-1].startswith("<think>")
