@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -19,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import ConfigError
 from orchestrator.core.models import JobSpec, Rollout, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.service.registry import Registry
@@ -31,42 +33,59 @@ CANCEL_ON_EXIT_S = 10.0  # for the job's CancelJob when the client stops early
 
 
 async def collect_rollouts(client: EnvfleetClient, spec: JobSpec, out: Path, console: Console) -> int:
-    """Submit `spec`, stream every rollout with a live progress line, write JSONL, print a table; closes the client."""
+    """Submit `spec`, stream every rollout with a live progress line, write JSONL, print a table; closes the client.
+    The rollouts go to a file beside `out`, made before the submit (one that cannot be written failed the client
+    after its job was submitted, the job running on), and moved onto `out` once the job has ended or the client
+    stops: a submit that fails leaves `out` as it was."""
     rollouts: list[Rollout] = []
     counts: Counter[str] = Counter()
-    # the file first: one that cannot be written failed the client after its job was submitted, and the job ran on
-    # the server to its end, nobody reading it
-    with out.open("w", encoding="utf-8") as f:
-        async with client:
-            job_id = await client.submit(spec)
-            try:
-                total = (await client.get_job(job_id)).total
-                t0 = time.monotonic()
-                progress = Progress(
-                    TextColumn("[bold]job {task.fields[job]}"),
-                    BarColumn(),
-                    MofNCompleteColumn(),
-                    TextColumn("{task.fields[stats]}"),
-                    TimeElapsedColumn(),
-                    console=console,
-                )
-                with progress:
-                    bar = progress.add_task("rollouts", total=total, job=job_id, stats="")
-                    async for r in client.rollouts(job_id):
-                        rollouts.append(r)
-                        counts[r.status.value] += 1
-                        f.write(r.model_dump_json() + "\n")
-                        rate = len(rollouts) / max(time.monotonic() - t0, 1e-9)
-                        failed = sum(v for k, v in counts.items() if k not in ("OK", "TRUNCATED"))
-                        stats = f"ok {counts['OK']} failed {failed} | {rate:.2f} rollouts/s"
-                        progress.update(bar, advance=1, stats=stats)
-            except BaseException:
-                # stopped (Ctrl-C) or failed: the job is cancelled, not left running on the server (its policy
-                # server's GPUs with it) with nobody reading it
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(client.cancel_job(job_id)), CANCEL_ON_EXIT_S)
-                    console.print(f"job {job_id} cancelled; {len(rollouts)} rollouts written to {out}")
-                raise
+    try:
+        fd, partial = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    except OSError as e:
+        raise ConfigError(f"cannot write --out {out}: {e.strerror or e}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # as `open(out, "w")` would have made it (mkstemp's is 0600)
+    submitted = False
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            async with client:
+                job_id = await client.submit(spec)
+                submitted = True
+                try:
+                    total = (await client.get_job(job_id)).total
+                    t0 = time.monotonic()
+                    progress = Progress(
+                        TextColumn("[bold]job {task.fields[job]}"),
+                        BarColumn(),
+                        MofNCompleteColumn(),
+                        TextColumn("{task.fields[stats]}"),
+                        TimeElapsedColumn(),
+                        console=console,
+                    )
+                    with progress:
+                        bar = progress.add_task("rollouts", total=total, job=job_id, stats="")
+                        async for r in client.rollouts(job_id):
+                            rollouts.append(r)
+                            counts[r.status.value] += 1
+                            f.write(r.model_dump_json() + "\n")
+                            rate = len(rollouts) / max(time.monotonic() - t0, 1e-9)
+                            failed = sum(v for k, v in counts.items() if k not in ("OK", "TRUNCATED"))
+                            stats = f"ok {counts['OK']} failed {failed} | {rate:.2f} rollouts/s"
+                            progress.update(bar, advance=1, stats=stats)
+                except BaseException:
+                    # stopped (Ctrl-C) or failed: the job is cancelled, not left running on the server (its policy
+                    # server's GPUs with it) with nobody reading it
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(client.cancel_job(job_id)), CANCEL_ON_EXIT_S)
+                        console.print(f"job {job_id} cancelled; {len(rollouts)} rollouts written to {out}")
+                    raise
+    finally:
+        if submitted:
+            os.replace(partial, out)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
     _print_table(console, rollouts)
     console.print(f"{len(rollouts)} rollouts written to {out}; by status: {dict(counts)}")
     return 0 if len(rollouts) == total else 1

@@ -215,6 +215,8 @@ def _closed_port() -> int:
 def test_a_bad_address_is_one_clear_line(command: list[str], tmp_path: Path) -> None:
     addr = f"127.0.0.1:{_closed_port()}"
     command = [str(_echo_spec(tmp_path)) if c == "SPEC" else c for c in command]
+    if command[0] == "rollout":  # its --out defaults to the working directory's rollouts.jsonl
+        command += ["--out", str(tmp_path / "rollouts.jsonl")]
     r = _envfleet(*command, "--server", addr, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
@@ -254,6 +256,17 @@ async def test_a_stopped_rollout_command_cancels_its_job_and_cancel_cancels_one(
         args = ["--server", orch.address, "--env", "python-tool", "--tasks", "1", "--policy", url]
         r = await asyncio.to_thread(_envfleet, "rollout", *args, "--out", str(tmp_path / "no" / "x.jsonl"))
         assert r.returncode == 1 and not orch.jobs._jobs, r.stderr
+        assert (
+            r.stderr.strip()
+            == f"envfleet: error: cannot write --out {tmp_path / 'no' / 'x.jsonl'}: No such file or directory"
+        )
+        # a submit refused leaves --out as it was
+        kept = tmp_path / "kept.jsonl"
+        kept.write_text("earlier rollouts\n")
+        bad = ["--server", orch.address, "--env", "no-such-env", "--policy", url, "--out", str(kept)]
+        r = await asyncio.to_thread(_envfleet, "rollout", *bad)
+        assert r.returncode == 1 and kept.read_text() == "earlier rollouts\n", r.stderr
+        assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
         proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", "rollout", *args, "--out", str(tmp_path / "x.jsonl")],
             cwd=REPO,
