@@ -44,7 +44,7 @@ chromium:
 		else sudo apt-get install -y -q chromium; fi; }
 
 # the leak check runs after a failed run too, where a leak is likeliest; the envfleet containers there before the
-# run (a server running beside it) are not the run's, and are left alone
+# run, and any other of their owners' (a server running beside it), are not the run's, and are left alone
 test: venv buf docker base-image chromium
 	@before=$$(mktemp); scripts/check-leaks.sh --list > $$before; rc=0; \
 	$(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider || rc=$$?; scripts/check-leaks.sh $$before || rc=1; \

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Fails when a container made by envfleet is left on this machine (after the test suite, say), and removes it.
 #   check-leaks.sh            every envfleet container counts
-#   check-leaks.sh --list     prints the ids of the envfleet containers there now
-#   check-leaks.sh BEFORE     the ids in file BEFORE (a --list taken before the run) are not the run's: a server
-#                             running beside the tests keeps its sandboxes
+#   check-leaks.sh --list     prints "ID OWNER" of each envfleet container there now
+#   check-leaks.sh BEFORE     a --list taken before the run: its containers, and any other of their owners (a server
+#                             running beside the run makes and removes sandboxes meanwhile), are not the run's
 set -euo pipefail
-ids() { docker ps -aq --no-trunc --filter label=envfleet.managed=1; }
+list() { docker ps -a --no-trunc --filter label=envfleet.managed=1 --format '{{.ID}} {{.Label "envfleet.owner"}}'; }
 if [ "${1:-}" = "--list" ]; then
-  ids
+  list
   exit 0
 fi
-left=$(ids)
-if [ -n "${1:-}" ] && [ -s "$1" ]; then
-  left=$(printf '%s\n' $left | grep -vxF -f "$1" || true)
-fi
+before="${1:-/dev/null}"
+left=$(list | awk -v before="$before" '
+  BEGIN { while ((getline line < before) > 0) { split(line, f, " "); seen[f[1]] = 1; if (f[2] != "") owner[f[2]] = 1 } }
+  !($1 in seen) && ($2 == "" || !($2 in owner)) { print $1 }')
 if [ -n "$left" ]; then
   echo "LEAK: envfleet containers left behind:" >&2
   for id in $left; do
