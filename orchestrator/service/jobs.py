@@ -246,8 +246,9 @@ class JobManager:
         """A manager that has resumed every unfinished job in the store (and removed those whose retention ran out
         while it was down). `admit` raises (an EnvfleetError) for a spec this server would refuse at SubmitJob now
         (its policy URL off the allowlist, say): a resumed job must pass it too. An unfinished job of an environment
-        named in `held_envs` (registered, but its reload failed at this start) waits, unfinished and not run, for a
-        start that loads it, where it was cancelled for good as one whose environment is gone."""
+        named in `held_envs` (registered, but its reload failed at this start for a passing reason: the disk) waits,
+        unfinished and not run, for a start that loads it, where it was cancelled for good as one whose environment is
+        gone."""
         mgr = cls(store, registry, executor, max_in_flight, metrics, capacity, caps, tracer, retention_s)
         mgr.scheduler.start()
         await mgr._resume(admit, frozenset(held_envs))

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import shutil
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -150,6 +151,16 @@ class ValidationResult:
     tasks: list[TaskValidation] = field(default_factory=list)  # an archive's tasks, each checked
 
 
+def _passing(e: BaseException | None) -> bool:
+    """Whether a reload failed for what may pass by the next start: the disk (full, unreadable), anywhere in the
+    exception's chain."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _shadowed(ref: str, owner: str) -> None:
     log.error(
         "not loading environment %s of tenant %s: a built-in environment of this server has its name (the tenant "
@@ -211,8 +222,9 @@ class Registrar:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._cut_builds: dict[str, set[asyncio.Future[str]]] = {}  # builds of checks cut off, by tenant (_built)
         # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
-        # the names of registered environments whose reload failed at this start (a full disk, a plug-in's error):
-        # their unfinished jobs wait for a start that loads them (JobManager.start's `held_envs`)
+        # the names of registered environments whose reload failed at this start for a passing reason (the disk: full,
+        # unreadable; _passing): their unfinished jobs wait for a start that loads them (JobManager.start's
+        # `held_envs`). One that failed otherwise (a check tightened since, its plug-in gone) is as good as gone
         self.unloaded: set[str] = set()
         self._kept = TenantCounter(
             environments_per_tenant, "caps.environments_per_tenant", "environments registered (versions count)"
@@ -240,7 +252,8 @@ class Registrar:
             except Exception:
                 log.exception("could not reload environment %s", record.spec.ref())
                 self._owners.setdefault(record.spec.name, record.owner)  # its name stays its owner's
-                self.unloaded.add(record.spec.name)
+                if _passing(sys.exc_info()[1]):
+                    self.unloaded.add(record.spec.name)
                 continue
             self._owners.setdefault(record.spec.name, record.owner)
             self._spec_bytes.add(record.owner, _spec_bytes(record.spec))
@@ -257,7 +270,8 @@ class Registrar:
             except Exception:
                 log.exception("could not reload environment archive %s of %s", stored.ref(), stored.owner)
                 self._owners.setdefault(stored.name, stored.owner)  # its name stays its owner's
-                self.unloaded.add(stored.name)
+                if _passing(sys.exc_info()[1]):
+                    self.unloaded.add(stored.name)
                 continue
             count += 1
         # the names of records that no longer load (a check tightened since) stay their owners', after those that

@@ -138,7 +138,14 @@ async def test_a_job_whose_environment_failed_to_load_at_a_start_waits_for_one_t
             assert status.state.value == "RUNNING" and status.in_flight == 0
     async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
         await _running(client, job_id)  # resumed
-        assert (await client.cancel_job(job_id)).state.value == "CANCELLED"
+
+    def refused(spec: Any) -> Any:
+        raise ValueError("a check tightened since")
+
+    with monkeypatch.context() as patch:  # a failure that is no passing one: the environment is as good as gone
+        patch.setattr(registration, "make_environment", refused)
+        async with serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+            assert (await client.get_job(job_id)).state.value == "CANCELLED"
 
 
 async def test_policy_updates_side_by_side_or_cut_short_keep_memory_and_log_alike(
