@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # the prefix of write_atomically's temporary copies: a process killed between its write and its rename leaves one,
 # which a folder's reader skips and its owner sweeps at the next start (sweep_temporaries)
@@ -28,12 +31,16 @@ def write_atomically(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         raise
     # the rename is the folder's change: synced, a caller's later record (the result log's, synced) never outlives
-    # the file it names after a power loss
-    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    # the file it names after a power loss. The file is in place by now: a folder that cannot be synced is logged,
+    # not raised (raised, a caller undid nothing of a write that had happened, and the file stayed, unaccounted)
     try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    except OSError as e:
+        log.warning("wrote %s, but could not sync its folder: %s", path, e)
 
 
 def sweep_temporaries(folder: Path) -> int:

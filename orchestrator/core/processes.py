@@ -65,14 +65,49 @@ def cpu_ticks(pid: int) -> int | None:
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity (taskset, a cpuset), and its cgroup's CPU quota (a container's
-    `--cpus`), whichever is fewer. `os.cpu_count()` counts the host's, and a server limited to two of 64 cores
-    started 64 workers."""
+    """The CPUs this process may run on: its affinity (taskset, a cpuset), and the CPU quota of its cgroup and the
+    cgroups above it (a container's `--cpus`, systemd's CPUQuota=), whichever is fewer. `os.cpu_count()` counts the
+    host's, and a server limited to two of 64 cores started 64 workers."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:  # cgroup v2: "max 100000" (no quota) or "<quota> <period>" in microseconds
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
-        if quota != "max":
-            n = min(n, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, n)
+    quota = _cgroup_cpu_quota()
+    return max(1, min(n, quota) if quota is not None else n)
+
+
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """The tightest CPU quota over this process's cgroup and its parents, in whole CPUs rounded up (None: none).
+    cgroup v2: `cpu.max` ("max 100000" or "<quota> <period>", microseconds); v1: `cpu.cfs_quota_us` (-1: none) over
+    `cpu.cfs_period_us`."""
+    try:
+        with open(PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    quotas: list[int] = []
+    names: tuple[str, ...]
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            root, names = CGROUP_ROOT, ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1
+            root, names = os.path.join(CGROUP_ROOT, controllers), ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # this cgroup, then each above it (a container sees itself as /)
+            folder = os.path.join(root, *parts[:depth])
+            try:
+                words = [w for name in names for w in _words(os.path.join(folder, name))]
+            except OSError:
+                continue
+            if words[0] not in ("max", "-1") and len(words) > 1 and int(words[1]) > 0:
+                quotas.append(-(-int(words[0]) // int(words[1])))
+    return min(quotas) if quotas else None
+
+
+def _words(path: str) -> list[str]:
+    with open(path) as f:
+        return f.read().split()

@@ -121,12 +121,12 @@ def test_serve_refuses_a_port_in_use_and_a_data_dir_it_cannot_use_in_one_line(tm
     assert said == f"envfleet serve: No such file or directory: {tmp_path / 'none'}"
 
 
-def test_serve_starts_a_worker_per_cpu_it_may_use() -> None:
+def test_serve_starts_a_worker_per_cpu_it_may_use(tmp_path: Path) -> None:
     # os.cpu_count() counts the host's: under `taskset -c 0` (or a container's cpuset) a server started a worker
     # for every core of the host
     script = (
         "from orchestrator.cli.main import _server_config, build_parser; "
-        "print(_server_config(build_parser().parse_args(['serve'])).workers)"
+        f"print(_server_config(build_parser().parse_args(['serve', '--data-dir', {str(tmp_path)!r}])).workers)"
     )
     done = subprocess.run(
         ["taskset", "-c", "0", sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60
@@ -151,3 +151,34 @@ def test_a_metrics_or_viewer_port_the_operator_named_that_is_taken_is_an_error(t
         assert (
             said == f"envfleet serve: cannot serve the viewer on 127.0.0.1:{port} (--ui-port): Address already in use"
         )
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "cpus"),
+    [
+        # v2, a quota of 1.5 CPUs on a parent of this process's cgroup (systemd's CPUQuota=): 2
+        ("0::/system.slice/envfleet.service\n", {"system.slice/cpu.max": "150000 100000"}, 2),
+        ("0::/a/b\n", {"a/b/cpu.max": "max 100000", "cpu.max": "max 100000"}, None),
+        # v1, 0.5 of a CPU: 1
+        (
+            "4:cpu,cpuacct:/docker/x\n",
+            {"cpu,cpuacct/docker/x/cpu.cfs_quota_us": "50000", "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000"},
+            1,
+        ),
+        ("4:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000"}, None),
+    ],
+)
+def test_the_cgroup_cpu_quota_is_read_where_the_process_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroup: str, files: dict[str, str], cpus: int | None
+) -> None:
+    # only the root's cpu.max was read: a quota on the process's own cgroup or a parent (systemd), or cgroup v1's,
+    # was not seen, and a server limited to half a CPU started a worker per core
+    from orchestrator.core import processes
+
+    (tmp_path / "cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text + "\n")
+    monkeypatch.setattr(processes, "PROC_CGROUP", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(processes, "CGROUP_ROOT", str(tmp_path / "fs"))
+    assert processes._cgroup_cpu_quota() == cpus
