@@ -76,6 +76,12 @@ class StepResult:
         return EpisodeFailedError(status, self.error_kind, self.error_message)
 
 
+# a Step's statuses that are the fleet's failing, not the request's
+FLEET_FAILURES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+
+
 def reset_request(env: str, task_id: str = "", seed: int | None = None, max_turns: int = 0) -> pb.ResetRequest:
     """A Reset on a task id, else on a task drawn with the seed."""
     req = pb.ResetRequest(env=env, task_id=task_id, max_turns=max_turns)
@@ -158,9 +164,16 @@ class AsyncSessions:
         return opening_from_pb(await retry_busy(functools.partial(reset, timeout=self.timeout_s), self.busy_wait_s))
 
     async def step(self, session_id: str, action: ToolCall | str) -> StepResult:
-        """Run one tool call, or give the final answer."""
+        """Run one tool call, or give the final answer. The fleet failing the step (the server gone, the session
+        expired or lost with a restart, no answer in time) is EpisodeFailedError INFRA_ERROR, which run_episode
+        retries on a fresh session: a bare gRPC error failed the trainer's whole generation batch."""
         req = pb.StepRequest(session_id=session_id, action=action_pb(action))
-        return step_from_pb(await self.client.session_stub.Step(req, timeout=self.step_timeout_s))
+        try:
+            return step_from_pb(await self.client.session_stub.Step(req, timeout=self.step_timeout_s))
+        except grpc.aio.AioRpcError as e:
+            if e.code() in FLEET_FAILURES:
+                raise EpisodeFailedError("INFRA_ERROR", e.code().name, e.details() or "") from e
+            raise
 
     async def close(self, session_id: str) -> None:
         """Release the sandbox; a session that already expired has nothing to release."""

@@ -14,7 +14,6 @@ from orchestrator.service.sessions import Action, FinalAnswer, Observation, Sess
 from protos import orchestrator_pb2 as pb
 
 MAX_ID = 128
-MAX_TOOL_NAME = 128
 MAX_ACTION_BYTES = 4 << 20
 # a StepRequest's largest: an action's text at MAX_ACTION_BYTES characters of up to 4 bytes each, and its other fields
 MAX_STEP_REQUEST_BYTES = 4 * MAX_ACTION_BYTES + (64 << 10)
@@ -41,11 +40,12 @@ def action_from_pb(m: pb.Action) -> Action:
     which = m.WhichOneof("kind")
     if which == "tool_call":
         c = m.tool_call
-        # an empty name is the policy's text as a parser read it (an unclosed <tool_call>, a call without a name):
-        # like an unknown tool, an error the policy is told in the step's observation, as a job's rollout tells it;
-        # refused here, the policy's own output failed the adapter's whole batch
-        if len(c.name) > MAX_TOOL_NAME:
-            raise InvalidRequestError(f"action.tool_call.name is over {MAX_TOOL_NAME} characters")
+        # a name is the policy's text as a parser read it (empty: an unclosed <tool_call>; any length: whatever the
+        # model wrote): like an unknown tool, an error the policy is told in the step's observation, as a job's
+        # rollout tells it; refused here (an empty one, then one over 128 characters), the policy's own output
+        # failed the adapter's whole batch. It is bounded as the arguments are
+        if len(c.name) > MAX_ACTION_BYTES:
+            raise InvalidRequestError(f"action.tool_call.name is over {MAX_ACTION_BYTES} characters")
         if len(c.arguments) > MAX_ACTION_BYTES:
             raise InvalidRequestError(f"action.tool_call.arguments is over {MAX_ACTION_BYTES} characters")
         if len(c.id) > MAX_ID:

@@ -245,3 +245,15 @@ async def test_a_turn_that_stopped_before_its_end_token_gets_it_from_the_templat
     assert episode.response_ids[: n + 1] == [*firsts[0].ids[:n], tokens.turn_end_id]
     assert episode.response_mask[: n + 1] == [1] * n + [0]
     assert episode.response_logprobs is not None and episode.response_logprobs[n] == 0.0
+
+
+async def test_a_step_the_fleet_failed_is_an_infrastructure_failure_of_the_episode(orchestrator: Orchestrator) -> None:
+    # a Step on a session the fleet lost (expired, a restart) went up as a bare gRPC error and failed the trainer's
+    # whole generation batch, where run_episode retries an INFRA_ERROR on a fresh session
+    async with EnvfleetClient(orchestrator.address) as client:
+        sessions = AsyncSessions(client)
+        opening = await sessions.reset(ENV, TASK)
+        await sessions.close(opening.session_id)
+        with pytest.raises(EpisodeFailedError) as e:
+            await sessions.step(opening.session_id, "42")
+    assert e.value.status == "INFRA_ERROR" and e.value.kind == "NOT_FOUND"
