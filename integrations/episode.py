@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from integrations.session import AsyncSessions, Message, Opening, StepResult
 from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
-from orchestrator.rollout.reasoning import answer_text
+from orchestrator.rollout.reasoning import answer_text, split_reasoning
 from orchestrator.rollout.tito import ChatTemplateTokens, ToolCall, ToolParser
 
 log = logging.getLogger(__name__)
@@ -123,8 +123,11 @@ async def _attempt(
         out = await _finished_sample(generate, episode.prompt_ids + episode.response_ids, budget)
         episode.append(out.ids, 1, out.logprobs)
         episode.assistant_turns += 1
-        # decoded as the server would (special tokens dropped); tool markers are ordinary tokens, the parser sees them
-        content, calls = parser.parse(tokens.tokenizer.decode(out.ids, skip_special_tokens=True), tools)
+        # decoded as the server would (special tokens dropped); tool markers are ordinary tokens, the parser sees them,
+        # after the thinking (a call written while thinking is none, as in the fleet's own tito turns)
+        reasoning, said = split_reasoning(tokens.tokenizer.decode(out.ids, skip_special_tokens=True))
+        content, calls = parser.parse(said, tools)
+        content = reasoning + content
         if _cut_off(out, budget, tokens):
             calls = []  # a call it was writing may be cut short: none runs, as in the fleet's own tito turns
         result, messages = await _turn(sessions, sid, content, calls)

@@ -27,7 +27,7 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from integrations.episode import tool_message
 from integrations.session import Message, Opening, StepResult, SyncSessions
 from orchestrator.client.busy import BUSY_WAIT_S
-from orchestrator.rollout.reasoning import answer_text
+from orchestrator.rollout.reasoning import answer_text, split_reasoning
 from orchestrator.rollout.tito import get_parser
 
 ENV_ID = "envfleet"
@@ -104,7 +104,9 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
         assert self.opening is not None
         self.turns += 1
         sid = self.opening.session_id
-        content, calls = self.parser.parse(action, self.opening.tools)
+        reasoning, said = split_reasoning(action)  # a call written while thinking is none (the fleet's tito rule)
+        content, calls = self.parser.parse(said, self.opening.tools)
+        content = reasoning + content
         observations: list[Message] = []
         if not calls:
             result = self.sessions.step(sid, answer_text(content))
