@@ -91,10 +91,15 @@ def group_columns(group: GroupResult, pad_id: int | None = None) -> dict[str, li
     shared_prompt = _prompt_ids(group)
     if shared_prompt is None:
         scored_missing = any(r.status.scored and r.tokens.status == "missing" for r in rollouts)
-        raise RuntimeError(
-            f"every sample of group {group.group_id} ended without tokens ({[r.status.value for r in rollouts]}); "
-            "there is nothing to train on" + (f". {_NO_IDS}" if scored_missing else "")
-        )
+        if scored_missing or pad_id is None:  # a job that keeps no ids (a setup to fix), or nothing to mask with
+            raise RuntimeError(
+                f"every sample of group {group.group_id} ended without tokens ({[r.status.value for r in rollouts]}); "
+                "there is nothing to train on" + (f". {_NO_IDS}" if scored_missing else "")
+            )
+        # every sample failed before its first token (the fleet's failure: a sandbox that never came): each is masked
+        # on a prompt of the pad token, its reward None, as TRL masks a group of no rewards. Raised, one congested
+        # moment of the fleet ended the trainer's whole run
+        shared_prompt = [pad_id]
     cols: dict[str, list[Any]] = defaultdict(list)
     for r in rollouts:
         _check_tokens(r)

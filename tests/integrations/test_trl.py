@@ -99,6 +99,12 @@ def test_the_pad_token_comes_from_the_trainers_tokenizer() -> None:
 def test_a_group_without_tokens_or_with_inexact_tokens_is_refused() -> None:
     with pytest.raises(RuntimeError, match="nothing to train on"):
         group_columns(GroupResult("j:t", "t", [_rollout(0, RolloutStatus.ENV_ERROR)], [None], 1))
+    # with a pad token, a group whose every sample failed before its first token is masked whole: raised, one
+    # congested moment of the fleet (every sample INFRA_ERROR) ended the trainer's run
+    failed = [_rollout(i, RolloutStatus.INFRA_ERROR) for i in range(2)]
+    cols = group_columns(GroupResult("j:t", "t", failed, [None, None], 2), pad_id=7)
+    assert cols["prompt_ids"] == [[7], [7]] and cols["completion_ids"] == [[7], [7]]
+    assert cols["env_mask"] == [[0], [0]] and cols[REWARD_KEY] == [None, None]
     inconsistent = Tokens(status="inconsistent", prompt_ids=[1])
     with pytest.raises(RuntimeError, match="inconsistent tokens: GRPOTrainer needs exact ids"):
         group_columns(GroupResult("j:t", "t", [_rollout(0, RolloutStatus.OK, inconsistent)], [0.0], 0))
