@@ -77,9 +77,7 @@ class StepResult:
 
 
 # a Step's statuses that are the fleet's failing, not the request's
-FLEET_FAILURES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}
-)
+FLEET_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 def reset_request(env: str, task_id: str = "", seed: int | None = None, max_turns: int = 0) -> pb.ResetRequest:

@@ -172,20 +172,42 @@ class EnvfleetRollout:
     ) -> None:
         self.env = env
         self.policy = policy
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling  # None: the trainer's (GRPOConfig's temperature, top_p, max_completion_length)
         self.max_turns = max_turns
         self.max_concurrency = max_concurrency
         self.token_mode = token_mode
         self.client = SyncEnvfleetClient(server, token=token, **client_kwargs)
         self.job_ids: list[str] = []
 
-    def spec(self, task_ids: list[str], group_size: int, version: str) -> JobSpec:
+    def sampling_for(self, trainer: Any) -> Sampling:
+        """The jobs' sampling: the rollout's, else the trainer's. TRL recomputes the logprobs at its own temperature,
+        so a rollout's that differs is refused: the gradient and the importance ratio were of another distribution
+        than the one sampled, silently."""
+        args = getattr(trainer, "args", None)
+        temperature, top_p = getattr(args, "temperature", None), getattr(args, "top_p", None)
+        if self.sampling is None:
+            given = {
+                "temperature": temperature,
+                "top_p": top_p,
+                "max_tokens": getattr(args, "max_completion_length", None),
+            }
+            return Sampling(
+                **{k: v for k, v in given.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            )
+        if isinstance(temperature, int | float) and abs(temperature - self.sampling.temperature) > 1e-9:
+            raise ValueError(
+                f"the rollout samples at temperature {self.sampling.temperature:g} and the trainer computes logprobs "
+                f"at {temperature:g} (GRPOConfig.temperature): give EnvfleetRollout the trainer's, or no sampling"
+            )
+        return self.sampling
+
+    def spec(self, task_ids: list[str], group_size: int, version: str, sampling: Sampling | None = None) -> JobSpec:
         """The job for one round of groups."""
         return JobSpec(
             env=self.env,
             tasks=TaskSelection(kind="ids", ids=task_ids),
             group_size=group_size,
-            sampling=self.sampling,
+            sampling=sampling or self.sampling or Sampling(),
             policy=self.policy.model_copy(update={"version": version}),
             max_turns=self.max_turns,
             max_concurrency=self.max_concurrency,
@@ -201,9 +223,10 @@ class EnvfleetRollout:
             raise TypeError("EnvfleetRollout's prompts are task ids (str): build the dataset with task_dataset()")
         heads = runs(prompts, group_size)
         version = str(getattr(getattr(trainer, "state", None), "global_step", 0))
+        sampling = self.sampling_for(trainer)
         by_task: dict[str, list[GroupResult]] = defaultdict(list)
         for task_ids in rounds(heads):
-            job_id = self.client.submit(self.spec(task_ids, group_size, version))
+            job_id = self.client.submit(self.spec(task_ids, group_size, version, sampling))
             self.job_ids.append(job_id)
             for group in self.client.groups(job_id):
                 by_task[group.task_id].append(group)

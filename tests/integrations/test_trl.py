@@ -252,3 +252,23 @@ async def test_one_grpo_step_on_a_tiny_qwen2(orchestrator: Orchestrator, registr
     # TRL left the failed samples out of the reward: a 0 would have made the mean 6/8
     logged = next(h for h in trainer.state.log_history if "reward" in h)
     assert logged["reward"] == 1.0 and logged["rewards/envfleet_reward/mean"] == 1.0
+
+
+def test_the_jobs_sample_as_the_trainer_computes_logprobs() -> None:
+    # the jobs sampled at envfleet's defaults (temperature 1.0, 1024 tokens) whatever GRPOConfig said, and TRL
+    # recomputes the logprobs at its own temperature: the gradient was of another distribution, silently
+    args = type("Args", (), {"temperature": 0.7, "top_p": 0.95, "max_completion_length": 256})()
+    trainer = type("Trainer", (), {"args": args})()
+    policy = PolicyEndpoint(base_url="http://127.0.0.1:9/v1")
+    rollout = EnvfleetRollout("127.0.0.1:9", ENV, policy)
+    try:
+        assert rollout.sampling_for(trainer) == Sampling(temperature=0.7, top_p=0.95, max_tokens=256)
+        assert rollout.sampling_for(object()) == Sampling()  # no trainer arguments: envfleet's defaults
+    finally:
+        rollout.close()
+    rollout = EnvfleetRollout("127.0.0.1:9", ENV, policy, sampling=Sampling(temperature=1.0))
+    try:
+        with pytest.raises(ValueError, match=r"samples at temperature 1 and the trainer computes logprobs at 0\.7"):
+            rollout.sampling_for(trainer)
+    finally:
+        rollout.close()
