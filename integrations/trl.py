@@ -53,15 +53,27 @@ def envfleet_reward(completions: list[Any], **kwargs: Any) -> list[float | None]
     return [None if r is None else float(r) for r in rewards]
 
 
+# TRL hands each process its slice of the batch; a group is one job's, so a process must get whole groups
+_WHOLE_GROUPS = (
+    "each process must get whole groups: make per_device_train_batch_size x steps_per_generation a multiple of "
+    "num_generations (TRL spreads a prompt's copies over processes otherwise)"
+)
+
+
 def runs(task_ids: Sequence[str], group_size: int) -> list[str]:
     """The task of each run of `group_size` equal prompts (TRL's RepeatSampler order); ValueError otherwise."""
     if group_size < 1 or len(task_ids) % group_size:
-        raise ValueError(f"{len(task_ids)} prompts are not whole groups of num_generations={group_size}")
+        raise ValueError(
+            f"{len(task_ids)} prompts are not whole groups of num_generations={group_size}: {_WHOLE_GROUPS}"
+        )
     heads = list(task_ids[::group_size])
     for i, head in enumerate(heads):
         run = task_ids[i * group_size : (i + 1) * group_size]
         if any(t != head for t in run):
-            raise ValueError(f"prompts {i * group_size}..{(i + 1) * group_size - 1} are not one task repeated: {run}")
+            raise ValueError(
+                f"prompts {i * group_size}..{(i + 1) * group_size - 1} are not one task repeated: {run}; "
+                f"{_WHOLE_GROUPS}"
+            )
     return heads
 
 
