@@ -19,17 +19,19 @@ leaves out of the group's mean and std (its advantage becomes 0; a 0 reward woul
 env_mask is all 0, so none of its tokens enter the loss or the KL term. One that failed before sampling anything
 gets a single pad token (env_mask 0, logprob 0.0) as its completion: TRL needs a non-empty completion per prompt,
 and it pads every completion with that token anyway. So does a scored one that kept no completion (its first
-generation cut at its length or deadline): masked, its reward kept.
+generation cut at its length or deadline): masked, its reward kept. A reward function of your own beside
+envfleet_reward goes through `failed_masked`, so that it too says None for a failed rollout.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from orchestrator.client.sdk import GroupResult, SyncEnvfleetClient
-from orchestrator.core.models import JobSpec, Rollout, TaskSelection, TokenMode
+from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection, TokenMode
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 
 REWARD_KEY = "envfleet_reward"
@@ -58,6 +60,22 @@ _WHOLE_GROUPS = (
     "each process must get whole groups: make per_device_train_batch_size x steps_per_generation a multiple of "
     "num_generations (TRL spreads a prompt's copies over processes otherwise)"
 )
+
+
+def failed_masked(reward_func: Callable[..., list[float | None]]) -> Callable[..., list[float | None]]:
+    """Another reward function beside envfleet_reward, returning None for a failed rollout: TRL leaves a sample out
+    of its group's mean only when every reward function says None, and sums what the others say (a format reward's
+    0 for a rollout that never ran moved the group's baseline)."""
+
+    @functools.wraps(reward_func)
+    def masked(completions: list[Any], **kwargs: Any) -> list[float | None]:
+        statuses = kwargs.get(STATUS_KEY)
+        if statuses is None or len(statuses) != len(completions):
+            raise ValueError(f"failed_masked needs the {STATUS_KEY!r} column that EnvfleetRollout returns")
+        values = reward_func(completions, **kwargs)
+        return [v if RolloutStatus(s).scored else None for v, s in zip(values, statuses, strict=True)]
+
+    return masked
 
 
 def runs(task_ids: Sequence[str], group_size: int) -> list[str]:

@@ -272,3 +272,19 @@ def test_the_jobs_sample_as_the_trainer_computes_logprobs() -> None:
             rollout.sampling_for(trainer)
     finally:
         rollout.close()
+
+
+def test_another_reward_function_says_none_for_a_failed_rollout() -> None:
+    # TRL sums what the reward functions say and leaves a sample out only when all say None: a format reward's 0 for
+    # a rollout that never ran went into its group's baseline
+    from integrations.trl import STATUS_KEY, failed_masked
+
+    def length_reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
+        return [0.0 for _ in completions]
+
+    masked = failed_masked(length_reward)
+    statuses = ["OK", "INFRA_ERROR", "TRUNCATED"]
+    assert masked(["a", "b", "c"], **{STATUS_KEY: statuses}) == [0.0, None, 0.0]
+    assert masked.__name__ == "length_reward"  # TRL logs a reward function by its name
+    with pytest.raises(ValueError, match="needs the 'envfleet_status' column"):
+        masked(["a"])
