@@ -24,6 +24,7 @@ from orchestrator.backends.docker.sweeper import LABEL_OWNER, LABEL_PID
 from orchestrator.backends.pool import TENANT_LABEL, PoolConfig
 from orchestrator.cli.status import fetch_status, render_status
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import ConfigError
 from orchestrator.core.models import Rollout, RolloutStatus
 from orchestrator.server.app import Orchestrator, OrchestratorConfig, create_server
 from orchestrator.testing.scripted_policy import ScriptedServer
@@ -389,7 +390,7 @@ async def test_a_failed_start_leaves_no_worker_running(tmp_path: Path) -> None:
         metrics_port=None,
     )
     try:
-        with pytest.raises(RuntimeError, match="Failed to bind"):
+        with pytest.raises(ConfigError, match=r"cannot listen on .* \(--host, --port\): the port is taken"):
             await create_server(config)
     finally:
         taken.close()
