@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from integrations.session import AsyncSessions, Message, Opening, StepResult
 from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
-from orchestrator.rollout.reasoning import answer_text, split_reasoning
 from orchestrator.rollout.tito import ChatTemplateTokens, ToolCall, ToolParser
+from orchestrator.rollout.tito.reasoning import answer_text, split_reasoning
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from integrations.episode import tool_message
 from integrations.session import Message, Opening, StepResult, SyncSessions
 from orchestrator.client.busy import BUSY_WAIT_S
-from orchestrator.rollout.reasoning import answer_text, split_reasoning
 from orchestrator.rollout.tito import get_parser
+from orchestrator.rollout.tito.reasoning import answer_text, split_reasoning
 
 ENV_ID = "envfleet"
 

@@ -36,8 +36,8 @@ from orchestrator.core.tracing import (
 from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.base import Completion, Policy
 from orchestrator.rollout.policy.parsing import CUT_OFF
-from orchestrator.rollout.reasoning import answer_text
 from orchestrator.rollout.step import EpisodeState, record_assistant, record_opening, run_tool_call
+from orchestrator.rollout.tito.reasoning import answer_text
 from orchestrator.rollout.tokens import TokenTracker
 
 TOOL_SLACK_S = 30.0  # past its timeout, what a tool call may take to be stopped and answered

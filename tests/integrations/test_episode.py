@@ -15,8 +15,8 @@ from integrations.session import AsyncSessions
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
-from orchestrator.rollout.reasoning import answer_text
 from orchestrator.rollout.tito import ChatTemplateTokens, get_parser
+from orchestrator.rollout.tito.reasoning import answer_text
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import ScriptedServer

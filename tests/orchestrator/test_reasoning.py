@@ -10,8 +10,8 @@ import pytest
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
-from orchestrator.rollout.reasoning import answer_text, split_reasoning
 from orchestrator.rollout.tito.parsers import get_parser
+from orchestrator.rollout.tito.reasoning import answer_text, split_reasoning
 from orchestrator.service.registry import Registry
 from orchestrator.testing.qwen_like import QWEN_LIKE_DIR
 from orchestrator.testing.scripted_policy import Script, Step, start_scripted_server
@@ -26,11 +26,17 @@ CALL = '<tool_call>\n{"name": "submit", "arguments": {"answer": "1"}}\n</tool_ca
     ("text", "reasoning", "rest"),
     [
         ("<think>\nhmm\n</think>\n\n42", "<think>\nhmm\n</think>", "\n\n42"),
+        ("<think>\n\n</think>\n\n42", "<think>\n\n</think>", "\n\n42"),  # Qwen3 with thinking off
         ("  <think>a</think>b", "  <think>a</think>", "b"),
-        ("hmm, the prompt opened it\n</think>\n42", "hmm, the prompt opened it\n</think>", "\n42"),
         ("<think>cut off while think", "<think>cut off while think", ""),
         ("42", "", "42"),
         ("the answer is <think>x</think> 42", "", "the answer is <think>x</think> 42"),
+        # a closing tag the turn did not open is text: a call whose code splits on it, not thinking to drop
+        (
+            '<tool_call>{"code": "s.split(\'</think>\')"}</tool_call>',
+            "",
+            '<tool_call>{"code": "s.split(\'</think>\')"}</tool_call>',
+        ),
     ],
 )
 def test_split_reasoning(text: str, reasoning: str, rest: str) -> None:
@@ -40,14 +46,14 @@ def test_split_reasoning(text: str, reasoning: str, rest: str) -> None:
 def test_answer_text() -> None:
     assert answer_text("<think>\nhmm\n</think>\n\n 42 ") == "42"
     assert answer_text(" 42 ") == " 42 "  # no reasoning: as it is
-    assert answer_text("thinking\n</think>\n42") == "42"
+    assert answer_text("<think>x</think>Use `<think>` tags: 42") == "Use `<think>` tags: 42"  # the answer may name them
     assert answer_text("<think>cut off") == ""
     # a call written while thinking is none: the parser reads what follows the thinking
     said = split_reasoning(f"<think>maybe {CALL}</think>\n\n2")[1]
     assert get_parser("hermes").parse(said, [])[1] == []
 
 
-@pytest.mark.parametrize("token_mode", ["chat", "tito"])
+@pytest.mark.parametrize("token_mode", ["chat", "tito"])  # chat: the baseline (the server strips the reasoning)
 async def test_a_plain_answer_after_thinking_scores_as_in_chat_mode(tmp_path: Path, token_mode: str) -> None:
     env = Registry.from_entry_points().get("python-tool")
     task = next(t for t in env.tasks() if t.id == "py-004")

@@ -29,8 +29,8 @@ from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.parsing import CUT_OFF, NOT_SAID, finish_reason, served_model
-from orchestrator.rollout.reasoning import split_reasoning
 from orchestrator.rollout.tito.parsers import ToolParser, get_parser
+from orchestrator.rollout.tito.reasoning import split_reasoning
 from orchestrator.rollout.tito.template import ChatTemplateTokens
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
 
