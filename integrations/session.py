@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +77,17 @@ class StepResult:
         return EpisodeFailedError(status, self.error_kind, self.error_message)
 
 
+log = logging.getLogger(__name__)
+
 # a Step's statuses that are the fleet's failing, not the request's
 FLEET_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _unclosed(session_id: str, e: grpc.RpcError) -> None:
+    # gone already (expired, a restart), or the server is: its idle expiry releases the sandbox. Raised, it took the
+    # place of the episode's own error (an INFRA_ERROR to retry) in run_episode's cleanup
+    if e.code() != grpc.StatusCode.NOT_FOUND:
+        log.warning("could not close session %s (%s): its idle expiry releases it", session_id, e.code().name)
 
 
 def reset_request(env: str, task_id: str = "", seed: int | None = None, max_turns: int = 0) -> pb.ResetRequest:
@@ -180,8 +190,9 @@ class AsyncSessions:
                 pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout_s
             )
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:
+            if e.code() not in FLEET_FAILURES:
                 raise
+            _unclosed(session_id, e)
 
 
 class SyncSessions:
@@ -213,9 +224,15 @@ class SyncSessions:
         return opening_from_pb(retry_busy_sync(reset, self.busy_wait_s))
 
     def step(self, session_id: str, action: ToolCall | str) -> StepResult:
-        """Run one tool call, or give the final answer."""
+        """Run one tool call, or give the final answer; the fleet failing it is EpisodeFailedError INFRA_ERROR, as
+        AsyncSessions.step says."""
         req = pb.StepRequest(session_id=session_id, action=action_pb(action))
-        return step_from_pb(self._stub.Step(req, timeout=self.step_timeout_s, metadata=self._metadata))
+        try:
+            return step_from_pb(self._stub.Step(req, timeout=self.step_timeout_s, metadata=self._metadata))
+        except grpc.RpcError as e:
+            if e.code() in FLEET_FAILURES:
+                raise EpisodeFailedError("INFRA_ERROR", e.code().name, e.details() or "") from e
+            raise
 
     def close(self, session_id: str) -> None:
         """Release the sandbox; a session that already expired has nothing to release."""
@@ -224,8 +241,9 @@ class SyncSessions:
                 pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:
+            if e.code() not in FLEET_FAILURES:
                 raise
+            _unclosed(session_id, e)
 
     def shutdown(self) -> None:
         """Close the channel."""

@@ -257,3 +257,20 @@ async def test_a_step_the_fleet_failed_is_an_infrastructure_failure_of_the_episo
         with pytest.raises(EpisodeFailedError) as e:
             await sessions.step(opening.session_id, "42")
     assert e.value.status == "INFRA_ERROR" and e.value.kind == "NOT_FOUND"
+
+
+async def test_a_step_and_a_close_after_the_server_went_are_the_fleets_failure(tmp_path: Any) -> None:
+    # the server gone: the step's UNAVAILABLE went up bare, and the close in run_episode's cleanup raised it again in
+    # place of the episode's INFRA_ERROR, so no retry on a fresh session ever ran
+    from tests.orchestrator.servers import FAKE, serve
+
+    async with serve(tmp_path / "data", backend=FAKE) as orch:
+        address = orch.address
+        async with EnvfleetClient(address) as client:
+            opening = await AsyncSessions(client).reset(ENV, TASK)
+    async with EnvfleetClient(address) as client:
+        sessions = AsyncSessions(client, step_timeout_s=5)
+        with pytest.raises(EpisodeFailedError) as e:
+            await sessions.step(opening.session_id, "42")
+        assert e.value.status == "INFRA_ERROR" and e.value.kind in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+        await sessions.close(opening.session_id)  # no raise: its idle expiry (here: the stop) released it
