@@ -36,22 +36,17 @@ async def collect_rollouts(client: EnvfleetClient, spec: JobSpec, out: Path, con
     """Submit `spec`, stream every rollout with a live progress line, write JSONL, print a table; closes the client.
     The rollouts go to a file beside `out`, made before the submit (one that cannot be written failed the client
     after its job was submitted, the job running on), and moved onto `out` once the job has ended or the client
-    stops: a submit that fails leaves `out` as it was."""
+    stops: a submit that fails leaves `out` as it was. An `out` that is no plain file (/dev/stdout, a link, a pipe)
+    is written as it is, once the job is submitted."""
     rollouts: list[Rollout] = []
     counts: Counter[str] = Counter()
-    try:
-        fd, partial = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
-    except OSError as e:
-        raise ConfigError(f"cannot write --out {out}: {e.strerror or e}") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # as `open(out, "w")` would have made it (mkstemp's is 0600)
+    partial = _partial_beside(out)
     submitted = False
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            async with client:
-                job_id = await client.submit(spec)
-                submitted = True
+        async with client:
+            job_id = await client.submit(spec)
+            submitted = True
+            with (partial or out).open("w", encoding="utf-8") as f:
                 try:
                     total = (await client.get_job(job_id)).total
                     t0 = time.monotonic()
@@ -81,14 +76,35 @@ async def collect_rollouts(client: EnvfleetClient, spec: JobSpec, out: Path, con
                         console.print(f"job {job_id} cancelled; {len(rollouts)} rollouts written to {out}")
                     raise
     finally:
-        if submitted:
-            os.replace(partial, out)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
+        if partial is not None:
+            if submitted:
+                os.replace(partial, out)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
     _print_table(console, rollouts)
     console.print(f"{len(rollouts)} rollouts written to {out}; by status: {dict(counts)}")
     return 0 if len(rollouts) == total else 1
+
+
+def _partial_beside(out: Path) -> Path | None:
+    """An empty file beside `out` for the rollouts, with the mode `open(out, "w")` would give (None: `out` is no
+    plain file, and is written as it is); ConfigError naming `out` when neither can be written."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file")
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        if not os.access(out, os.W_OK):
+            raise ConfigError(f"cannot write --out {out}: permission denied")
+        return None
+    try:
+        fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    except OSError as e:
+        raise ConfigError(f"cannot write --out {out}: {e.strerror or e}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    os.close(fd)
+    return Path(name)
 
 
 def _print_table(console: Console, rollouts: list[Rollout]) -> None:

@@ -18,6 +18,7 @@ import yaml
 
 from orchestrator.cli.main import build_parser
 from orchestrator.client.sdk import EnvfleetClient, SyncEnvfleetClient
+from orchestrator.core.policy import REPLAY_URL as REPLAY
 from orchestrator.server.app import Orchestrator
 from orchestrator.testing.scripted_policy import ScriptedServer
 from tests.conftest import REPO
@@ -292,3 +293,10 @@ async def test_a_stopped_rollout_command_cancels_its_job_and_cancel_cancels_one(
         r = await asyncio.to_thread(_envfleet, "cancel", job_id, "--server", orch.address)
         assert r.returncode == 0 and r.stdout.strip() == f"job {job_id} CANCELLED: 0 of 1 rollouts done", r.stderr
         assert (await orch.jobs.info(job_id)).state.value == "CANCELLED"
+        # an --out that is no plain file is written as it is (a link to a file: through the link)
+        target, link = tmp_path / "target.jsonl", tmp_path / "link.jsonl"
+        target.write_text("")
+        link.symlink_to(target)
+        ok = ["--server", orch.address, "--env", "python-tool", "--tasks", "1", "--policy", REPLAY, "--out", str(link)]
+        r = await asyncio.to_thread(_envfleet, "rollout", *ok)
+        assert r.returncode == 0 and link.is_symlink() and len(target.read_text().splitlines()) == 1, r.stderr
