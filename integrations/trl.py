@@ -26,11 +26,14 @@ envfleet_reward goes through `failed_masked`, so that it too says None for a fai
 from __future__ import annotations
 
 import functools
+import inspect
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from orchestrator.client.sdk import GroupResult, SyncEnvfleetClient
+from orchestrator.core.echo import error_text
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection, TokenMode
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 
@@ -62,20 +65,40 @@ _WHOLE_GROUPS = (
 )
 
 
-def failed_masked(reward_func: Callable[..., list[float | None]]) -> Callable[..., list[float | None]]:
+def failed_masked(reward_func: Callable[..., Any]) -> Callable[..., Any]:
     """Another reward function beside envfleet_reward, returning None for a failed rollout: TRL leaves a sample out
     of its group's mean only when every reward function says None, and sums what the others say (a format reward's
     0 for a rollout that never ran moved the group's baseline)."""
 
+    def statuses(completions: list[Any], kwargs: dict[str, Any]) -> list[str]:
+        found = kwargs.get(STATUS_KEY)
+        if found is None or len(found) != len(completions):
+            raise ValueError(f"failed_masked needs the {STATUS_KEY!r} column that EnvfleetRollout returns")
+        return list(found)
+
+    def mask(values: list[float | None], said: list[str]) -> list[float | None]:
+        return [v if RolloutStatus(s).scored else None for v, s in zip(values, said, strict=True)]
+
+    if inspect.iscoroutinefunction(reward_func):  # TRL awaits those: the wrapper must be one too
+
+        @functools.wraps(reward_func)
+        async def masked_async(completions: list[Any], **kwargs: Any) -> list[float | None]:
+            said = statuses(completions, kwargs)
+            return mask(await reward_func(completions, **kwargs), said)
+
+        return masked_async
+
     @functools.wraps(reward_func)
     def masked(completions: list[Any], **kwargs: Any) -> list[float | None]:
-        statuses = kwargs.get(STATUS_KEY)
-        if statuses is None or len(statuses) != len(completions):
-            raise ValueError(f"failed_masked needs the {STATUS_KEY!r} column that EnvfleetRollout returns")
-        values = reward_func(completions, **kwargs)
-        return [v if RolloutStatus(s).scored else None for v, s in zip(values, statuses, strict=True)]
+        said = statuses(completions, kwargs)
+        return mask(reward_func(completions, **kwargs), said)
 
     return masked
+
+
+def _number(value: Any) -> float | None:
+    """A trainer's setting as a number (a numpy float too), None when it is none (None, a bool, text)."""
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
 
 
 def runs(task_ids: Sequence[str], group_size: int) -> list[str]:
@@ -214,17 +237,15 @@ class EnvfleetRollout:
         so a rollout's that differs is refused: the gradient and the importance ratio were of another distribution
         than the one sampled, silently."""
         args = getattr(trainer, "args", None)
-        temperature, top_p = getattr(args, "temperature", None), getattr(args, "top_p", None)
+        temperature, top_p = _number(getattr(args, "temperature", None)), _number(getattr(args, "top_p", None))
         if self.sampling is None:
-            given = {
-                "temperature": temperature,
-                "top_p": top_p,
-                "max_tokens": getattr(args, "max_completion_length", None),
-            }
-            return Sampling(
-                **{k: v for k, v in given.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-            )
-        if isinstance(temperature, int | float) and abs(temperature - self.sampling.temperature) > 1e-9:
+            length = _number(getattr(args, "max_completion_length", None))
+            given = {"temperature": temperature, "top_p": top_p, "max_tokens": None if length is None else int(length)}
+            try:
+                return Sampling(**{k: v for k, v in given.items() if v is not None})
+            except ValueError as e:  # a temperature past 2, say: said now, not at the first generation's error
+                raise ValueError(f"the trainer's sampling cannot be the jobs': {error_text(e)}") from None
+        if temperature is not None and abs(temperature - self.sampling.temperature) > 1e-9:
             raise ValueError(
                 f"the rollout samples at temperature {self.sampling.temperature:g} and the trainer computes logprobs "
                 f"at {temperature:g} (GRPOConfig.temperature): give EnvfleetRollout the trainer's, or no sampling"

@@ -92,8 +92,10 @@ def _cgroup_cpu_quota() -> int | None:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
             root, names = CGROUP_ROOT, ("cpu.max",)
-        elif "cpu" in controllers.split(","):  # v1
-            root, names = os.path.join(CGROUP_ROOT, controllers), ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        elif "cpu" in controllers.split(","):  # v1: mounted as listed here (cpu,cpuacct), or under cpu alone (RHEL 7)
+            roots = (os.path.join(CGROUP_ROOT, controllers), os.path.join(CGROUP_ROOT, "cpu"))
+            root = next((r for r in roots if os.path.isdir(r)), roots[0])
+            names = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
         else:
             continue
         parts = [p for p in path.split("/") if p]
@@ -101,10 +103,10 @@ def _cgroup_cpu_quota() -> int | None:
             folder = os.path.join(root, *parts[:depth])
             try:
                 words = [w for name in names for w in _words(os.path.join(folder, name))]
-            except OSError:
+                if len(words) == 2 and words[0] not in ("max", "-1") and int(words[1]) > 0:
+                    quotas.append(-(-int(words[0]) // int(words[1])))
+            except (OSError, ValueError):  # not there, or not what a kernel writes: no quota read from it
                 continue
-            if words[0] not in ("max", "-1") and len(words) > 1 and int(words[1]) > 0:
-                quotas.append(-(-int(words[0]) // int(words[1])))
     return min(quotas) if quotas else None
 
 

@@ -56,7 +56,8 @@ class UnreadReplies:
     def hold(self, tenant: str, reply: R, context: grpc.aio.ServicerContext) -> R:
         """`reply`, its size counted for `tenant` until its RPC ends; BusyError past the cap."""
         size = int(reply.ByteSize())
-        if self._held[tenant] + size > self.cap:
+        # one reply always goes (one past the cap alone could never be answered); past it, those that do not fit
+        if self._held[tenant] and self._held[tenant] + size > self.cap:
             raise BusyError(
                 f"{self._held[tenant]} bytes of list replies to your calls are not read yet and this one is {size}; "
                 f"{self.cap_name} is {self.cap} per tenant (read them, or end those calls)"

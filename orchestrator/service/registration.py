@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import shutil
@@ -151,13 +152,19 @@ class ValidationResult:
     tasks: list[TaskValidation] = field(default_factory=list)  # an archive's tasks, each checked
 
 
+# what may pass by the next start: the disk full or failing, a read-only remount, too many open files, memory
+_PASSING_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
+)
+
+
 def _passing(e: BaseException | None) -> bool:
-    """Whether a reload failed for what may pass by the next start: the disk (full, unreadable), anywhere in the
-    exception's chain."""
+    """Whether a reload failed for what may pass by the next start (_PASSING_ERRNOS), anywhere in the exception's
+    chain as Python shows it. A file gone (ENOENT: an archive deleted by hand) is no passing failure."""
     while e is not None:
-        if isinstance(e, OSError):
+        if isinstance(e, OSError) and e.errno in _PASSING_ERRNOS:
             return True
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ if e.__cause__ is not None or e.__suppress_context__ else e.__context__
     return False
 
 

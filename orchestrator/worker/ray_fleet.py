@@ -471,8 +471,8 @@ class RayWorkers:
         it."""
         import ray
 
-        if not self.placed and not ray.is_initialized():
-            return  # never joined (its start failed): a call below would start a Ray of its own on this host
+        if not ray.is_initialized():
+            return  # never joined (its start failed): any call below would start a Ray of its own on this host
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

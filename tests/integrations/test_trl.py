@@ -288,3 +288,32 @@ def test_another_reward_function_says_none_for_a_failed_rollout() -> None:
     assert masked.__name__ == "length_reward"  # TRL logs a reward function by its name
     with pytest.raises(ValueError, match="needs the 'envfleet_status' column"):
         masked(["a"])
+
+
+async def test_an_async_reward_function_stays_one_when_masked() -> None:
+    # TRL awaits a coroutine reward function; the sync wrapper hid it, and zipped over the coroutine
+    import inspect
+
+    from integrations.trl import STATUS_KEY, failed_masked
+
+    async def judged(completions: list[Any], **kwargs: Any) -> list[float | None]:
+        return [1.0 for _ in completions]
+
+    masked = failed_masked(judged)
+    assert inspect.iscoroutinefunction(masked)
+    assert await masked(["a", "b"], **{STATUS_KEY: ["OK", "ENV_ERROR"]}) == [1.0, None]
+
+
+def test_the_trainers_sampling_as_numbers_of_any_kind_and_out_of_range() -> None:
+    import numpy as np
+
+    policy = PolicyEndpoint(base_url="http://127.0.0.1:9/v1")
+    rollout = EnvfleetRollout("127.0.0.1:9", ENV, policy)
+    try:
+        args = type("Args", (), {"temperature": np.float32(0.5), "top_p": None, "max_completion_length": 64})()
+        assert rollout.sampling_for(type("T", (), {"args": args})()) == Sampling(temperature=0.5, max_tokens=64)
+        hot = type("Args", (), {"temperature": 3.0})()
+        with pytest.raises(ValueError, match="the trainer's sampling cannot be the jobs': temperature"):
+            rollout.sampling_for(type("T", (), {"args": hot})())
+    finally:
+        rollout.close()

@@ -668,3 +668,27 @@ async def test_a_server_whose_metrics_cannot_start_stops_what_had_started(tmp_pa
     with pytest.raises(OSError):  # nothing listens on the gRPC port any more
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.close()
+
+
+def test_only_a_passing_failure_holds_a_job() -> None:
+    import errno
+
+    from orchestrator.service.registration import _passing
+
+    assert _passing(OSError(errno.ENOSPC, "No space left on device"))
+    assert not _passing(FileNotFoundError(errno.ENOENT, "an archive deleted by hand"))
+    assert not _passing(ValueError("a check tightened since"))
+    try:
+        try:
+            raise OSError(errno.EIO, "I/O error")
+        except OSError:
+            raise RuntimeError("the plug-in's load failed") from None  # the context Python does not show
+    except RuntimeError as hidden:
+        assert not _passing(hidden)
+    try:
+        try:
+            raise OSError(errno.EIO, "I/O error")
+        except OSError as e:
+            raise RuntimeError("the plug-in's load failed") from e
+    except RuntimeError as caused:
+        assert _passing(caused)

@@ -510,6 +510,7 @@ async def test_a_stop_cut_short_still_kills_every_actor_of_the_fleet(monkeypatch
     fleet.placed = {"n" * 40: {0: _Placed(placed, "run-ref", "n" * 40, actor_name("fleet", "n" * 40, 0), "w")}}
     named = [actor_name("fleet", "n" * 40, 0), actor_name("fleet", "m" * 40, 0)]
     killed: list[str] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # joined (stop() of a fleet that never did returns)
     monkeypatch.setattr(ray, "get", lambda *a, **kw: time.sleep(3))  # its teardown takes longer than the budget
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor.name))
     monkeypatch.setattr(

@@ -166,6 +166,9 @@ def test_a_metrics_or_viewer_port_the_operator_named_that_is_taken_is_an_error(t
             1,
         ),
         ("4:cpu,cpuacct:/\n", {"cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000"}, None),
+        # RHEL 7 lists cpuacct,cpu and mounts it under cpu: 3 CPUs
+        ("4:cpuacct,cpu:/x\n", {"cpu/x/cpu.cfs_quota_us": "250000", "cpu/x/cpu.cfs_period_us": "100000"}, 3),
+        ("0::/\n", {"cpu.max": ""}, None),  # nothing a kernel writes: no quota, no crash
     ],
 )
 def test_the_cgroup_cpu_quota_is_read_where_the_process_is(

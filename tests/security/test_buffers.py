@@ -758,3 +758,26 @@ async def _listed_when_room(c: EnvfleetClient) -> pb.ListEnvironmentsResponse:
             raise
         await asyncio.sleep(0.05)  # the unread call's reply is not made yet
     raise AssertionError("the unread List's reply was never counted")
+
+
+def test_one_list_reply_always_goes_and_the_rest_fit_the_budget() -> None:
+    # a reply past the cap alone was refused busy for good: nothing held could ever make room for it
+    from orchestrator.core.errors import BusyError
+    from orchestrator.server.replies import UnreadReplies
+
+    class Call:
+        def __init__(self) -> None:
+            self.ends: list[Any] = []
+
+        def add_done_callback(self, end: Any) -> None:
+            self.ends.append(end)
+
+    budget = UnreadReplies(10, "caps.read_bytes_per_tenant (list replies)")
+    big, first = pb.ListEnvironmentsResponse(environments=[pb.EnvironmentInfo(name="x" * 20)]), Call()
+    assert budget.hold("t", big, first) is big and budget.held("t") == big.ByteSize() > 10  # alone: it goes
+    with pytest.raises(BusyError, match="bytes of list replies to your calls are not read yet"):
+        budget.hold("t", pb.ListEnvironmentsResponse(environments=[pb.EnvironmentInfo(name="y")]), Call())
+    assert budget.hold("other", big, Call()) is big  # the budget is the tenant's
+    for end in first.ends:
+        end(None)
+    assert budget.held("t") == 0
