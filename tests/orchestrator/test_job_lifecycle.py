@@ -19,6 +19,7 @@ from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend
 from orchestrator.client.convert import job_spec_to_pb
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.errors import ConfigError
 from orchestrator.core.models import JobSpec, JobState, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.server.app import Orchestrator
@@ -663,7 +664,7 @@ async def test_a_server_whose_metrics_cannot_start_stops_what_had_started(tmp_pa
         metrics_port=0,
         metrics_host="192.0.2.1",  # TEST-NET: not ours
     )
-    with pytest.raises(OSError):
+    with pytest.raises(ConfigError, match=r"cannot serve metrics on 192\.0\.2\.1:0 \(--metrics-port\)"):
         await create_server(config)
     with pytest.raises(OSError):  # nothing listens on the gRPC port any more
         _, writer = await asyncio.open_connection("127.0.0.1", port)
