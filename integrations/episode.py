@@ -26,7 +26,7 @@ from integrations.session import AsyncSessions, Message, Opening, StepResult
 from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
 from orchestrator.rollout.tito import ChatTemplateTokens, ToolCall, ToolParser
-from orchestrator.rollout.tito.reasoning import answer_text, split_reasoning
+from orchestrator.rollout.tito.reasoning import answer_text, parse_turn
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,7 @@ async def _attempt(
         episode.assistant_turns += 1
         # decoded as the server would (special tokens dropped); tool markers are ordinary tokens, the parser sees them,
         # after the thinking (a call written while thinking is none, as in the fleet's own tito turns)
-        reasoning, said = split_reasoning(tokens.tokenizer.decode(out.ids, skip_special_tokens=True))
-        content, calls = parser.parse(said, tools)
-        content = reasoning + content
+        content, calls = parse_turn(parser, tokens.tokenizer.decode(out.ids, skip_special_tokens=True), tools)
         if _cut_off(out, budget, tokens):
             calls = []  # a call it was writing may be cut short: none runs, as in the fleet's own tito turns
         result, messages = await _turn(sessions, sid, content, calls)

@@ -32,6 +32,8 @@ from orchestrator.rollout.policy.base import ToolCall
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 Message = dict[str, Any]
 
 
@@ -77,10 +79,16 @@ class StepResult:
         return EpisodeFailedError(status, self.error_kind, self.error_message)
 
 
-log = logging.getLogger(__name__)
-
 # a Step's statuses that are the fleet's failing, not the request's
 FLEET_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _raise_fleet_failure(e: grpc.RpcError) -> None:
+    """EpisodeFailedError INFRA_ERROR for a Step the fleet failed (the server gone, the session expired or lost with
+    a restart, no answer in time), which run_episode retries on a fresh session; a bare gRPC error failed the
+    trainer's whole generation batch. Another status is left to its caller to raise."""
+    if e.code() in FLEET_FAILURES:
+        raise EpisodeFailedError("INFRA_ERROR", e.code().name, e.details() or "") from e
 
 
 def _unclosed(session_id: str, e: grpc.RpcError) -> None:
@@ -172,15 +180,12 @@ class AsyncSessions:
         return opening_from_pb(await retry_busy(functools.partial(reset, timeout=self.timeout_s), self.busy_wait_s))
 
     async def step(self, session_id: str, action: ToolCall | str) -> StepResult:
-        """Run one tool call, or give the final answer. The fleet failing the step (the server gone, the session
-        expired or lost with a restart, no answer in time) is EpisodeFailedError INFRA_ERROR, which run_episode
-        retries on a fresh session: a bare gRPC error failed the trainer's whole generation batch."""
+        """Run one tool call, or give the final answer; the fleet failing it is EpisodeFailedError INFRA_ERROR."""
         req = pb.StepRequest(session_id=session_id, action=action_pb(action))
         try:
             return step_from_pb(await self.client.session_stub.Step(req, timeout=self.step_timeout_s))
         except grpc.aio.AioRpcError as e:
-            if e.code() in FLEET_FAILURES:
-                raise EpisodeFailedError("INFRA_ERROR", e.code().name, e.details() or "") from e
+            _raise_fleet_failure(e)
             raise
 
     async def close(self, session_id: str) -> None:
@@ -224,14 +229,12 @@ class SyncSessions:
         return opening_from_pb(retry_busy_sync(reset, self.busy_wait_s))
 
     def step(self, session_id: str, action: ToolCall | str) -> StepResult:
-        """Run one tool call, or give the final answer; the fleet failing it is EpisodeFailedError INFRA_ERROR, as
-        AsyncSessions.step says."""
+        """Run one tool call, or give the final answer; the fleet failing it is EpisodeFailedError INFRA_ERROR."""
         req = pb.StepRequest(session_id=session_id, action=action_pb(action))
         try:
             return step_from_pb(self._stub.Step(req, timeout=self.step_timeout_s, metadata=self._metadata))
         except grpc.RpcError as e:
-            if e.code() in FLEET_FAILURES:
-                raise EpisodeFailedError("INFRA_ERROR", e.code().name, e.details() or "") from e
+            _raise_fleet_failure(e)
             raise
 
     def close(self, session_id: str) -> None:

@@ -28,7 +28,7 @@ from integrations.episode import tool_message
 from integrations.session import Message, Opening, StepResult, SyncSessions
 from orchestrator.client.busy import BUSY_WAIT_S
 from orchestrator.rollout.tito import get_parser
-from orchestrator.rollout.tito.reasoning import answer_text, split_reasoning
+from orchestrator.rollout.tito.reasoning import answer_text, parse_turn
 
 ENV_ID = "envfleet"
 
@@ -104,9 +104,7 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
         assert self.opening is not None
         self.turns += 1
         sid = self.opening.session_id
-        reasoning, said = split_reasoning(action)  # a call written while thinking is none (the fleet's tito rule)
-        content, calls = self.parser.parse(said, self.opening.tools)
-        content = reasoning + content
+        content, calls = parse_turn(self.parser, action, self.opening.tools)  # as the fleet's tito turns
         observations: list[Message] = []
         if not calls:
             result = self.sessions.step(sid, answer_text(content))

@@ -106,14 +106,10 @@ def parse_args(
     targets = [parser, *(commands[c] for c in CONFIGURABLE_COMMANDS if c in commands)]
     config_path = _config_path(args, env)
     command = _command_of(parser, args)
-    if config_path is not None and command not in CONFIGURABLE_COMMANDS and CONFIG_FLAG not in _flags(args):
-        # $ENVFLEET_CONFIG is the server's (a host's setting): a file of it that this command cannot read broke every
-        # command (`envfleet jobs` exited with serve's usage), whose only use of it is the top-level options
-        try:
-            config_path.read_bytes()
-        except OSError:
-            config_path = None
-    file_values = _read_config(config_path, targets) if config_path else {}
+    # $ENVFLEET_CONFIG is the server's (a host's setting): a file of it that another command cannot read broke every
+    # command (`envfleet jobs` exited with serve's usage), whose only use of it is the top-level options
+    optional = command not in CONFIGURABLE_COMMANDS and _config_path(args, {}) is None
+    file_values = _read_config(config_path, targets, optional=optional) if config_path else {}
     settings = {k: file_values.pop(k) for k in SERVE_SECTIONS if k in file_values}
     # argparse adds a repeatable (append) or counted option's command-line values to its default: taken as defaults,
     # the file's and the environment's would have stayed, and `--allow-policy-url https://only/` on the command line
@@ -143,17 +139,6 @@ def parse_args(
             setattr(namespace, dest, value)
     namespace.settings = settings
     return namespace
-
-
-def _flags(argv: list[str]) -> set[str]:
-    """The option names a command line gives (`--config=F` as `--config`), up to a `--`."""
-    flags = set()
-    for token in argv:
-        if token == "--":
-            break
-        if token.startswith("-"):
-            flags.add(token.split("=", 1)[0])
-    return flags
 
 
 def _command_of(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
@@ -187,11 +172,14 @@ def _config_path(argv: list[str], env: Mapping[str, str]) -> Path | None:
     return Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else None
 
 
-def _read_config(path: Path, targets: list[argparse.ArgumentParser]) -> dict[str, Any]:
+def _read_config(path: Path, targets: list[argparse.ArgumentParser], *, optional: bool = False) -> dict[str, Any]:
+    """The file's values; a usage error when it cannot be read, unless `optional` (then none)."""
     where = targets[-1]
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
+        if optional:
+            return {}
         where.error(f"cannot read the config file {path}: {e.strerror or e}")
     try:
         loaded = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)

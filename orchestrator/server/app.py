@@ -38,6 +38,7 @@ from orchestrator.rollout.runner import RolloutRunner
 from orchestrator.rollout.tito.tokenizer import TokenizerCache, TokenizerDirs
 from orchestrator.server.convert_sessions import MAX_STEP_REQUEST_BYTES
 from orchestrator.server.errors import ErrorInterceptor
+from orchestrator.server.replies import unread_replies
 from orchestrator.server.security import (
     Authenticator,
     AuthInterceptor,
@@ -50,7 +51,7 @@ from orchestrator.server.security import (
     check_worker_transport,
     server_credentials,
 )
-from orchestrator.server.services import EnvironmentService, RolloutService, unread_replies
+from orchestrator.server.services import EnvironmentService, RolloutService
 from orchestrator.server.trainer_services import SandboxService, SessionService
 from orchestrator.server.worker_plane import WorkerPlane, worker_identity
 from orchestrator.service.archives import ArchiveStore, load_kinds

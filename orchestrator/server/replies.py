@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import Message
 
 from orchestrator.core.errors import BusyError
+from orchestrator.service.caps import CapsConfig
 
 Release = Callable[[], None]
 R = TypeVar("R", bound=Message)
@@ -71,3 +72,8 @@ class UnreadReplies:
 
         at_end(context)(release)
         return reply
+
+
+def unread_replies(cap: int = CapsConfig().read_bytes_per_tenant) -> UnreadReplies:
+    """The list replies' budget (caps.read_bytes_per_tenant, counted apart from file replies)."""
+    return UnreadReplies(cap, "caps.read_bytes_per_tenant (list replies)")

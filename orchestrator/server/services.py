@@ -19,9 +19,8 @@ from orchestrator.rollout.tito.parsers import get_parser
 from orchestrator.rollout.tito.tokenizer import TokenizerDirs
 from orchestrator.server.convert import batch_to_pb, environment_pb, job_spec_from_pb, job_status_pb
 from orchestrator.server.convert_specs import archive_from_pb, spec_from_pb, validation_report_pb
-from orchestrator.server.replies import UnreadReplies
+from orchestrator.server.replies import UnreadReplies, unread_replies
 from orchestrator.server.security import Authenticator, PolicyURLs, ReplayGate
-from orchestrator.service.caps import CapsConfig
 from orchestrator.service.jobs import MAX_ROLLOUTS_PER_JOB, JobManager
 from orchestrator.service.registration import Registrar
 from orchestrator.service.registry import Registry
@@ -29,13 +28,6 @@ from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
 
 M = TypeVar("M")
-
-
-def unread_replies(cap: int = CapsConfig().read_bytes_per_tenant) -> UnreadReplies:
-    """The list replies' budget (caps.read_bytes_per_tenant, counted apart from file replies)."""
-    return UnreadReplies(cap, "caps.read_bytes_per_tenant (list replies)")
-
-
 T = TypeVar("T")
 
 MAX_IN_FLIGHT = 100_000

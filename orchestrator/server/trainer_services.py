@@ -24,9 +24,8 @@ from orchestrator.server.convert_sessions import (
     step_response_pb,
 )
 from orchestrator.server.convert_specs import limits_overrides
-from orchestrator.server.replies import UnreadReplies, at_end
+from orchestrator.server.replies import UnreadReplies, at_end, unread_replies
 from orchestrator.server.security import Authenticator
-from orchestrator.server.services import unread_replies
 from orchestrator.service.sandboxes import MAX_ENV_VARS, SandboxManager
 from orchestrator.service.sessions import SessionManager
 from protos import orchestrator_pb2 as pb

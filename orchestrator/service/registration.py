@@ -14,7 +14,6 @@ import errno
 import functools
 import logging
 import shutil
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -228,7 +227,6 @@ class Registrar:
         # of refused registrations under fresh names grew it without end
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._cut_builds: dict[str, set[asyncio.Future[str]]] = {}  # builds of checks cut off, by tenant (_built)
-        # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
         # the names of registered environments whose reload failed at this start for a passing reason (the disk: full,
         # unreadable; _passing): their unfinished jobs wait for a start that loads them (JobManager.start's
         # `held_envs`). One that failed otherwise (a check tightened since, its plug-in gone) is as good as gone
@@ -236,6 +234,7 @@ class Registrar:
         self._kept = TenantCounter(
             environments_per_tenant, "caps.environments_per_tenant", "environments registered (versions count)"
         )
+        # the JSON bytes of the specs each tenant keeps registered, all held in memory: capped like its archives
         self._spec_bytes = TenantCounter(
             spec_bytes_per_tenant, "caps.spec_bytes_per_tenant", "bytes of registered specs"
         )
@@ -256,10 +255,10 @@ class Registrar:
                 self._registry.register(
                     make_environment(record.spec), source=SPEC_SOURCE, owner=_owner(record.spec, record.owner)
                 )
-            except Exception:
+            except Exception as e:
                 log.exception("could not reload environment %s", record.spec.ref())
                 self._owners.setdefault(record.spec.name, record.owner)  # its name stays its owner's
-                if _passing(sys.exc_info()[1]):
+                if _passing(e):
                     self.unloaded.add(record.spec.name)
                 continue
             self._owners.setdefault(record.spec.name, record.owner)
@@ -274,10 +273,10 @@ class Registrar:
                 continue
             try:
                 await self._reload_archive(stored)
-            except Exception:
+            except Exception as e:
                 log.exception("could not reload environment archive %s of %s", stored.ref(), stored.owner)
                 self._owners.setdefault(stored.name, stored.owner)  # its name stays its owner's
-                if _passing(sys.exc_info()[1]):
+                if _passing(e):
                     self.unloaded.add(stored.name)
                 continue
             count += 1

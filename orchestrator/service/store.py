@@ -344,7 +344,7 @@ class ResultStore:
         The job's row is marked first (REMOVING) and goes last, so a removal cut short by a crash is found and
         finished at the next start (`removing`): a job removed before its retention ran out (a tenant's finished
         jobs over their cap) loaded again, with part of its rollouts, after it had answered NOT_FOUND."""
-        await self._run(lambda: self.db.execute("UPDATE jobs SET state = ? WHERE job_id = ?", (REMOVING, job_id)))
+        await self.mark_removing([job_id])
         while await self._run(
             lambda: (
                 self.db.execute(

@@ -30,7 +30,7 @@ from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.parsing import CUT_OFF, NOT_SAID, finish_reason, served_model
 from orchestrator.rollout.tito.parsers import ToolParser, get_parser
-from orchestrator.rollout.tito.reasoning import split_reasoning
+from orchestrator.rollout.tito.reasoning import parse_turn
 from orchestrator.rollout.tito.template import ChatTemplateTokens
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
 
@@ -160,9 +160,7 @@ class TitoEpisode(Policy):
             content, calls = text, []  # cut off: whatever call it was writing was never finished
         else:
             # a call written while thinking is no call (a server's reasoning parser takes the thinking out first)
-            reasoning, said = split_reasoning(text)
-            content, calls = parser.parse(said, tools)
-            content = reasoning + content
+            content, calls = parse_turn(parser, text, tools)
         # made text: a parser's JSON keeps what a "\ud800" escape in the model's text says (a lone surrogate, which
         # neither the result log nor the wire can hold: the rollout could not be stored)
         calls = [

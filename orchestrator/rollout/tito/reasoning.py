@@ -7,6 +7,9 @@ on the tag, an answer that names it), never the end of a thinking the prompt mig
 
 from __future__ import annotations
 
+from orchestrator.rollout.policy.base import ToolCall
+from orchestrator.rollout.tito.parsers import ToolParser, Tools
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -26,3 +29,11 @@ def answer_text(content: str) -> str:
     the content as it is when it starts with none."""
     reasoning, rest = split_reasoning(content)
     return rest.strip() if reasoning else content
+
+
+def parse_turn(parser: ToolParser, text: str, tools: Tools = None) -> tuple[str, list[ToolCall]]:
+    """`parser.parse` of what follows the turn's thinking (a call written while thinking is none), the thinking kept
+    at the head of the content."""
+    reasoning, said = split_reasoning(text)
+    content, calls = parser.parse(said, tools)
+    return reasoning + content, calls
