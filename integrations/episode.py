@@ -26,7 +26,7 @@ from integrations.session import AsyncSessions, Message, Opening, StepResult
 from orchestrator.core.errors import EpisodeFailedError, GenerationAborted
 from orchestrator.core.models import RolloutStatus
 from orchestrator.rollout.tito import ChatTemplateTokens, ToolCall, ToolParser
-from orchestrator.rollout.tito.reasoning import answer_text, parse_turn
+from orchestrator.rollout.tito.reasoning import answer_text, parse_turn, prompt_opens_thinking
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +120,14 @@ async def _attempt(
         )
     while True:
         budget = response_length - len(episode.response_ids)
-        out = await _finished_sample(generate, episode.prompt_ids + episode.response_ids, budget)
+        context = episode.prompt_ids + episode.response_ids
+        out = await _finished_sample(generate, context, budget)
         episode.append(out.ids, 1, out.logprobs)
         episode.assistant_turns += 1
         # decoded as the server would (special tokens dropped); tool markers are ordinary tokens, the parser sees them,
         # after the thinking (a call written while thinking is none, as in the fleet's own tito turns)
-        content, calls = parse_turn(parser, tokens.tokenizer.decode(out.ids, skip_special_tokens=True), tools)
+        text = tokens.tokenizer.decode(out.ids, skip_special_tokens=True)
+        content, calls = parse_turn(parser, text, tools, opened=prompt_opens_thinking(tokens.decode, context))
         if _cut_off(out, budget, tokens):
             calls = []  # a call it was writing may be cut short: none runs, as in the fleet's own tito turns
         result, messages = await _turn(sessions, sid, content, calls)

@@ -57,8 +57,10 @@ def opening_messages(opening: Opening, with_tools: bool) -> list[Message]:
 
 class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
     """One envfleet session per episode. env_config: server, env, token, tool_parser, tools_in_system_prompt,
-    busy_wait_s (how long a Reset waits while the fleet is full; 0: fail at once); extras: task_id (or seed), env
-    (overrides env_config's), max_turns."""
+    busy_wait_s (how long a Reset waits while the fleet is full; 0: fail at once), thinking_in_prompt (true where the
+    chat template ends the generation prompt with `<think>`, as DeepSeek-R1's and Qwen3-Thinking-2507's do: each turn
+    starts inside the thinking, which is no answer and holds no call); extras: task_id (or seed), env (overrides
+    env_config's), max_turns."""
 
     def __init__(self, env_config: Mapping[str, Any] | None = None, extras: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -73,6 +75,7 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
         self.max_turns = int(extras.get("max_turns") or config.get("max_turns") or 0)
         self.with_tools = bool(config.get("tools_in_system_prompt", True))
         self.parser = get_parser(str(config.get("tool_parser", "hermes")))
+        self.thinking_in_prompt = bool(config.get("thinking_in_prompt", False))
         self.sessions = SyncSessions(
             str(config.get("server", "127.0.0.1:50051")),
             token=config.get("token") or None,
@@ -104,7 +107,8 @@ class EnvfleetTextEnv(BaseTextEnv):  # type: ignore[misc]
         assert self.opening is not None
         self.turns += 1
         sid = self.opening.session_id
-        content, calls = parse_turn(self.parser, action, self.opening.tools)  # as the fleet's tito turns
+        # as the fleet's tito turns
+        content, calls = parse_turn(self.parser, action, self.opening.tools, opened=self.thinking_in_prompt)
         observations: list[Message] = []
         if not calls:
             result = self.sessions.step(sid, answer_text(content))

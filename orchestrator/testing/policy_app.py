@@ -437,7 +437,7 @@ class ScriptedPolicyApp:
         return turn, answer
 
     def _sample(self, user: str, turn: int, prompt: list[int], step: Step, max_tokens: int | None) -> Sample:
-        ids, logprobs, cut = self.model.sample(user, turn, step, max_tokens)
+        ids, logprobs, cut = self.model.sample(user, turn, step, max_tokens, prompt)
         finish = "length" if cut else (step.finish_reason or "stop")
         sample = Sample(user, turn, prompt, ids, logprobs, finish)
         self.samples.append(sample)

@@ -35,6 +35,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 SPLIT_EVERY = 5
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(?!.*</tool_call>)(.*)", re.DOTALL)
 _ASSISTANT_TURN = f"{IM_START}assistant"
+# what DeepSeek-R1's and Qwen3-Thinking-2507's templates end the generation prompt with: the turn starts thinking
+OPEN_THINKING = "<think>\n"
 
 
 class RequestError(InvalidRequestError):
@@ -145,18 +147,22 @@ class QwenLikeModel:
 
     # --- sampling ----------------------------------------------------------------------------------------------------
 
-    def answer_text(self, user: str, turn: int, step: Step) -> str:
-        """The text the double writes for a scripted Step (<|im_end|> included)."""
+    def answer_text(self, user: str, turn: int, step: Step, *, opened: bool = False) -> str:
+        """The text the double writes for a scripted Step (<|im_end|> included); `opened`: the prompt ended with the
+        `<think>\n` that opens it (DeepSeek-R1's, Qwen3-Thinking-2507's templates), so the text starts inside it."""
         reasoning = REASONING[_digest("reasoning", user, turn) % len(REASONING)]
-        text = f"<think>\n{reasoning}\n</think>\n\n{step.content}"
+        text = f"{'' if opened else OPEN_THINKING}{reasoning}\n</think>\n\n{step.content}"
         for i, call in enumerate(step.tool_calls):
             text += ("\n" if step.content or i else "") + tool_call_text(call)
         return text + IM_END
 
-    def sample(self, user: str, turn: int, step: Step, max_tokens: int | None) -> tuple[list[int], list[float], bool]:
-        """The sampled ids and logprobs of a Step, cut at max_tokens; the flag says whether it was cut."""
+    def sample(
+        self, user: str, turn: int, step: Step, max_tokens: int | None, prompt: list[int] | None = None
+    ) -> tuple[list[int], list[float], bool]:
+        """The sampled ids and logprobs of a Step after prompt, cut at max_tokens; the flag says whether it was cut."""
+        opened = prompt is not None and self.decode(prompt[-4:]).endswith(OPEN_THINKING)
         ids: list[int] = []
-        for i, t in enumerate(self.encode(self.answer_text(user, turn, step))):
+        for i, t in enumerate(self.encode(self.answer_text(user, turn, step, opened=opened))):
             ids += self._pieces(t) if _digest("split", user, turn, i) % SPLIT_EVERY == 0 else [t]
         cut = max_tokens is not None and len(ids) > max_tokens
         if cut:

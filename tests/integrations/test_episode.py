@@ -5,6 +5,7 @@ template's own rendering), the episode's reward, and the budget."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +20,8 @@ from orchestrator.rollout.tito import ChatTemplateTokens, get_parser
 from orchestrator.rollout.tito.reasoning import answer_text
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
-from orchestrator.testing.scripted_policy import ScriptedServer
+from orchestrator.testing.qwen_like import thinking_in_prompt
+from orchestrator.testing.scripted_policy import Script, ScriptedServer, Step, start_scripted_server
 from tests.integrations.conftest import ENV
 from tests.integrations.engine import DoubleEngine
 from tests.integrations.exact import assert_sampled, observation_text, samples_of
@@ -80,6 +82,28 @@ async def test_an_episode_keeps_the_sampled_ids_exactly(
     assert "<think>" in tokens.decode(samples[0].ids) and '{"name":"python",  "arguments"' in tokens.decode(
         episode.response_ids
     )
+
+
+async def test_a_thinking_the_prompt_opened_is_no_answer(
+    orchestrator: Orchestrator, registry: Registry, tmp_path: Path
+) -> None:
+    # the template ends its generation prompt with `<think>\n` (DeepSeek-R1, Qwen3-Thinking-2507): the model writes
+    # only the close, and the plain answer the grader read held the thinking (a right answer scored 0)
+    from transformers import AutoTokenizer
+
+    task = next(t for t in registry.get(ENV).tasks() if t.id == TASK)
+    script = Script(template="qwen3", model="qwen-like", tasks={TASK: [Step(content=str(task.data["answer"]))]})
+    tokens = ChatTemplateTokens(AutoTokenizer.from_pretrained(thinking_in_prompt(tmp_path)))
+    server = await start_scripted_server(script)
+    try:
+        async with httpx.AsyncClient() as http:
+            episode = await _run(orchestrator, tokens, DoubleEngine(server, http))
+    finally:
+        await server.close()
+    assert (episode.status, episode.reward, episode.assistant_turns) == (RolloutStatus.OK, 1.0, 1)
+    (sample,) = samples_of(server, REQUEST)
+    assert "<think>" not in tokens.decode(sample.ids) and "</think>" in tokens.decode(sample.ids)
+    assert_sampled(episode.prompt_ids, episode.response_ids, episode.response_mask, episode.response_logprobs, [sample])
 
 
 async def test_out_of_budget_ends_the_episode_as_the_policys_own_outcome(

@@ -82,21 +82,25 @@ async def test_an_episode_that_raises_releases_its_session(orchestrator: Orchest
     assert orchestrator.sessions.open_sessions() == 0
 
 
-def _thinking_then_calling(address: str) -> Any:
+def _thinking_then_calling(address: str, opened: bool = False) -> Any:
     skyrl_gym = require("skyrl_gym", "skyrl")
     import integrations.skyrl  # noqa: F401  (registers "envfleet")
 
-    env = skyrl_gym.make("envfleet", env_config={"server": address, "env": ENV}, extras={"task_id": "py-004"})
+    config = {"server": address, "env": ENV, "thinking_in_prompt": opened}
+    env = skyrl_gym.make("envfleet", env_config=config, extras={"task_id": "py-004"})
     try:
         env.init([{"role": "user", "content": "ignored"}])
         submit = json.dumps({"name": "submit", "arguments": {"answer": "0"}})
         python = json.dumps({"name": "python", "arguments": {"code": "print(1)"}})
-        return env.step(f"<think>submit <tool_call>{submit}</tool_call> now?</think>\n<tool_call>{python}</tool_call>")
+        # opened: the template's generation prompt opened the thinking, so the model writes only its close
+        thinking = f"submit <tool_call>{submit}</tool_call> now?</think>"
+        return env.step(f"{'' if opened else '<think>'}{thinking}\n<tool_call>{python}</tool_call>")
     finally:
         env.close()
 
 
-async def test_a_call_written_while_thinking_is_not_run(orchestrator: Orchestrator) -> None:
+@pytest.mark.parametrize("opened", [False, True])
+async def test_a_call_written_while_thinking_is_not_run(orchestrator: Orchestrator, opened: bool) -> None:
     # the parser read the whole text: a submit the model only considered in its thinking ended the episode, scored
-    out = await asyncio.to_thread(_thinking_then_calling, orchestrator.address)
+    out = await asyncio.to_thread(_thinking_then_calling, orchestrator.address, opened)
     assert not out["done"] and [m["name"] for m in out["observations"]] == ["python"], out

@@ -30,7 +30,7 @@ from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.parsing import CUT_OFF, NOT_SAID, finish_reason, served_model
 from orchestrator.rollout.tito.parsers import ToolParser, get_parser
-from orchestrator.rollout.tito.reasoning import parse_turn
+from orchestrator.rollout.tito.reasoning import OPEN, parse_turn, prompt_opens_thinking
 from orchestrator.rollout.tito.template import ChatTemplateTokens
 from orchestrator.rollout.tito.tokenizer import TokenizerCache
 
@@ -156,11 +156,13 @@ class TitoEpisode(Policy):
             if cut >= 0:
                 text = text[:cut]
         calls: list[ToolCall]
+        opened = prompt_opens_thinking(tokens.decode, prompt)  # the turn began inside a thinking the prompt opened
         if finish in CUT_OFF:
-            content, calls = text, []  # cut off: whatever call it was writing was never finished
+            # cut off: whatever call it was writing was never finished
+            content, calls = (OPEN + text if opened else text), []
         else:
             # a call written while thinking is no call (a server's reasoning parser takes the thinking out first)
-            content, calls = parse_turn(parser, text, tools)
+            content, calls = parse_turn(parser, text, tools, opened=opened)
         # made text: a parser's JSON keeps what a "\ud800" escape in the model's text says (a lone surrogate, which
         # neither the result log nor the wire can hold: the rollout could not be stored)
         calls = [

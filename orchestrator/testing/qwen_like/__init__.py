@@ -104,3 +104,20 @@ def build(out_dir: Path, corpus: str | None = None) -> None:
 def _chunks(text: str) -> list[str]:
     # One training example per paragraph, in file order, so the pair counts (and the merges) are the same each run.
     return [p for p in text.split("\n\n") if p.strip()]
+
+
+def thinking_in_prompt(out_dir: Path) -> Path:
+    """A copy of the tokenizer in out_dir/"qwen-thinking" whose template ends the generation prompt with `<think>\\n`,
+    as DeepSeek-R1's and Qwen3-Thinking-2507's do (the turn starts inside its thinking); its path."""
+    gen = "{{- '<|im_start|>assistant\\n' }}"
+    config = json.loads((QWEN_LIKE_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = config["chat_template"]
+    if template.count(gen) != 1:
+        raise ValueError("the template's generation prompt is not where thinking_in_prompt expects it")
+    config["chat_template"] = template.replace(gen, gen + "{{- '<think>\\n' }}")
+    out = out_dir / "qwen-thinking"
+    out.mkdir(parents=True)
+    for name in FILES:
+        data = json.dumps(config, indent=2) if name == "tokenizer_config.json" else (QWEN_LIKE_DIR / name).read_text()
+        (out / name).write_text(data, encoding="utf-8")
+    return out
