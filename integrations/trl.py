@@ -217,7 +217,7 @@ class EnvfleetRollout:
         policy: PolicyEndpoint,
         *,
         sampling: Sampling | None = None,
-        max_turns: int = 16,
+        max_turns: int = 0,
         max_concurrency: int = 64,
         token_mode: TokenMode | None = None,
         token: str | None = None,

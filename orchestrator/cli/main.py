@@ -467,7 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--model", default="policy")
     rollout.add_argument("--api-key", default="")
     rollout.add_argument("--concurrency", type=int, default=8)
-    rollout.add_argument("--max-turns", type=int, default=16)
+    rollout.add_argument(
+        "--max-turns", type=int, default=0, help="at most this many turns (default 0: the environment's own limit)"
+    )
     rollout.add_argument("--out", default="rollouts.jsonl")
     rollout.add_argument(
         "--token-mode",

@@ -104,7 +104,9 @@ class JobSpec(_Model):
     policy: PolicyEndpoint
     max_concurrency: int = Field(8, ge=1, le=4096, description="rollouts of this job in flight at once")
     priority: int = Field(1, ge=1, le=100, description="weight in the fair share between one tenant's jobs")
-    max_turns: int = Field(16, ge=1, le=1000)
+    max_turns: int = Field(
+        0, ge=0, le=1000, description="0: the environment's own limit; else the smaller of this and the environment's"
+    )
     rollout_timeout_s: float = Field(
         600.0,
         gt=0,

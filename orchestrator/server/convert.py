@@ -57,11 +57,11 @@ _WIRE_DEFAULTS: dict[str, int | float] = {
     "group_size": 1,
     "max_concurrency": 8,
     "priority": 1,
-    "max_turns": 16,
     "rollout_timeout_s": 600.0,
 }
 _JOB_SPEC_NOTES = {k: f"0 means the default, {v:g}" for k, v in _WIRE_DEFAULTS.items()} | {
     "max_model_len": "0 means no limit but the server's",
+    "max_turns": "0 means the environment's own limit",
 }
 
 
@@ -98,6 +98,7 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         "advantage": ADVANTAGE_FROM_PB.get(m.advantage, _unknown(m.advantage)),
         "token_mode": TOKEN_MODE_FROM_PB.get(m.token_mode, _unknown(m.token_mode)),
         "max_model_len": m.max_model_len or None,
+        "max_turns": m.max_turns,
     }
     raw |= {k: getattr(m, k) or default for k, default in _WIRE_DEFAULTS.items()}
     if m.HasField("max_infra_retries"):
