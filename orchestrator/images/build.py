@@ -307,23 +307,39 @@ def _base_ids(client: docker.DockerClient, dockerfile: str) -> dict[str, str]:
 # What the limited builds running in this process may still write (each one's disk_mb): each build's check of the
 # disk counts the others', which two at once (a registration's checks run in parallel) took from the floor together.
 _reserved_bytes = 0
-_reserving = threading.Lock()
+_reserving = threading.Condition()
+# How long a build waits for the others running to end when only their room keeps it from starting: eight checks of
+# a registration at once on a disk with room for four failed the other four, where they had only to take turns.
+ROOM_WAIT_S = 900.0
 
 
 @contextlib.contextmanager
 def _room(client: docker.DockerClient, limits: BuildLimits) -> Iterator[None]:
-    """Hold a build's disk limit against the floor (_check_room) while it runs."""
+    """Hold a build's disk limit against the floor (_check_room) while it runs; while the builds running are what
+    keeps it from the room it needs, wait for them (ROOM_WAIT_S at most)."""
     global _reserved_bytes
-    usage = _engine_disk(client)
-    with _reserving:
-        if usage is not None:
-            _check_room(usage, limits, _reserved_bytes)
-        _reserved_bytes += limits.disk_mb << 20
+    need = limits.disk_mb << 20
+    deadline = time.monotonic() + ROOM_WAIT_S
+    while True:
+        usage = _engine_disk(client)  # read again each time: images removed meanwhile count
+        with _reserving:
+            try:
+                if usage is not None:
+                    _check_room(usage, limits, _reserved_bytes)
+                _reserved_bytes += need
+                break
+            except ImageBuildError:
+                left = deadline - time.monotonic()
+                if not _reserved_bytes or left <= 0:
+                    raise
+                _check_room(usage, limits, 0)  # alone it would not fit either: no wait makes room
+                _reserving.wait(min(left, 5.0))
     try:
         yield
     finally:
         with _reserving:
-            _reserved_bytes -= limits.disk_mb << 20
+            _reserved_bytes -= need
+            _reserving.notify_all()
 
 
 def _engine_disk(client: docker.DockerClient) -> Any:

@@ -10,6 +10,7 @@ import io
 import secrets
 import subprocess
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -680,12 +681,38 @@ def test_builds_running_at_once_count_each_others_disk(monkeypatch: pytest.Monke
     monkeypatch.setattr(real_shutil, "disk_usage", lambda path: roomy)
     limits = BuildLimits(disk_mb=2048)
     engine = cast(docker.DockerClient, Engine())
-    # 8 GB free, 5 kept: room for one build of 2
+    # 8 GB free, 5 kept: room for one build of 2; the second waits for the first (a while at most), then goes
+    monkeypatch.setattr(build_module, "ROOM_WAIT_S", 0.2)
     refused = pytest.raises(ImageBuildError, match="2048 MB and the builds running may write 2048 MB would leave")
     with build_module._room(engine, limits), refused, build_module._room(engine, limits):
         pass
     with build_module._room(engine, limits):  # the first one's end gave its room back
         pass
+    monkeypatch.setattr(build_module, "ROOM_WAIT_S", 60.0)
+    order: list[str] = []
+    first_in = threading.Event()
+
+    def first() -> None:
+        with build_module._room(engine, limits):
+            first_in.set()
+            time.sleep(0.3)
+            order.append("first ends")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_in.wait(5)
+    with build_module._room(engine, limits):  # eight checks at once on room for four failed four: now they take turns
+        order.append("second starts")
+    thread.join(5)
+    assert order == ["first ends", "second starts"]
+    # alone it would not fit either: no wait, refused at once
+    tight = real_shutil._ntuple_diskusage(total, total - (6 << 30), 6 << 30)  # type: ignore[attr-defined]
+    monkeypatch.setattr(real_shutil, "disk_usage", lambda path: tight)
+    started = time.monotonic()
+    alone = pytest.raises(ImageBuildError, match="has 6144 MB free: a build that may write 2048 MB would leave")
+    with alone, build_module._room(engine, limits):
+        pass
+    assert time.monotonic() - started < 5
 
 
 def _tar(v7: bool = False) -> bytes:
