@@ -60,6 +60,7 @@ TESTS_STARTED = ">>>>> Tests Started"  # with the run's nonce: from here on, wha
 START_TEST_OUTPUT = ">>>>> Start Test Output"
 END_TEST_OUTPUT = ">>>>> End Test Output"
 TEST_EXIT_CODE = ">>>>> Test Exit Code"
+TEST_OUTPUT_CUT = ">>>>> Test Output Cut"  # the tests printed past the cap: what is left is no whole report
 TEST_PATCH_FAIL = ">>>>> Test Patch Apply Failed"
 EMPTY_PATCH = ">>>>> Empty Patch"
 
@@ -251,6 +252,10 @@ def read_eval_log(log: str, framework: str, nonce: str = "") -> EvalLog:
     statuses = parse(output)
     if timed_out:
         return result(False, "the tests timed out", statuses, exit_code=exit_code, timed_out=True, output=output)
+    if TEST_OUTPUT_CUT in tail.split("\n"):
+        # the worst-status rule reads pytest's own summary, which a flood the code under test printed pushed past the
+        # cap: PASSED lines it printed earlier were all that was left
+        return result(False, "the tests printed past the output cap: the report was cut", statuses, output=output)
     if any(line.startswith(TESTS_ERROR) for line in tail.split("\n")):
         # the evaluation says the sandbox ran out of memory (evaluate.py): what the run printed does not describe it
         # (a test's process killed, its report maybe written before), so it is no resolution; it was graded as is

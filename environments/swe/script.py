@@ -23,6 +23,7 @@ from environments.swe.grading import (
     RESET_FAILED,
     START_TEST_OUTPUT,
     TEST_EXIT_CODE,
+    TEST_OUTPUT_CUT,
     TEST_PATCH_FAIL,
     TESTS_STARTED,
     TESTS_TIMEOUT,
@@ -230,6 +231,26 @@ def test_files(instance: SweInstance) -> list[str]:
     return sorted(f for f in files if f and not f.startswith("/") and ".." not in f.split("/"))
 
 
+def _test_ish(folder: str) -> bool:
+    return folder in ("test", "tests", "testing") or folder.startswith(("test_", "tests_"))
+
+
+def test_trees(instance: SweInstance) -> list[str]:
+    """The test folders the instance's tests live in (the outermost folder named like tests on each test file's path:
+    `tests`, `toolz/tests`): put back whole to base_commit, what the patch added there removed. The test files alone
+    were not enough: cachetools' test methods are a mixin in tests/__init__.py, which every test module imports, and a
+    patch that made them all pass there resolved the instance with its bug intact. A test file outside any such
+    folder (at the root, beside the code) is put back alone."""
+    trees: set[str] = set()
+    for f in test_files(instance):
+        parts = f.split("/")[:-1]
+        for i, folder in enumerate(parts):
+            if _test_ish(folder):
+                trees.add("/".join(parts[: i + 1]))
+                break
+    return sorted(t for t in trees if not any(t.startswith(f"{o}/") for o in trees))
+
+
 def eval_script(instance: SweInstance, *, nonce: str, repo_dir: str, work_dir: str, timeout_s: float) -> str:
     """The bash script. It always exits 0 once it has started: what happened is in its output (the markers)."""
     q = shlex.quote
@@ -238,6 +259,17 @@ def eval_script(instance: SweInstance, *, nonce: str, repo_dir: str, work_dir: s
     )
     env = " ".join(f"{k}={q(v)}" for k, v in EVAL_ENV.items())
     files = " ".join(q(f) for f in test_files(instance))
+    trees = " ".join(q(t) for t in test_trees(instance))
+    trees_reset = (
+        f"""in_tree=$(git ls-tree -r --name-only "$BASE" -- {trees})
+if [ -n "$in_tree" ]; then
+  printf '%s\\n' "$in_tree" | git checkout -q "$BASE" --pathspec-from-file=- || fail_patched "test folders"
+fi
+git clean -fdqx -- {trees} || fail_patched "test folders"
+"""
+        if trees
+        else ""
+    )
     return f"""#!/bin/bash
 set -uo pipefail
 export {env}
@@ -289,7 +321,9 @@ fi
 for f in {files}; do
   case $'\n'"$tracked"$'\n' in *$'\n'"$f"$'\n'*) ;; *) rm -f -- "$f" ;; esac
 done
-# so do the harness's own files, and those the patch added go: a conftest.py, pytest's configuration, a
+# and the test folders whole: their __init__.py (a mixin of the test methods), helpers and data files (the trees are
+# the grader's own; their untracked and ignored files go too)
+{trees_reset}# so do the harness's own files, and those the patch added go: a conftest.py, pytest's configuration, a
 # sitecustomize.py or a .pth file is code or options that pytest and python take for the grader's (a conftest.py
 # hook could report every test passed)
 harness=$(git ls-tree -r --name-only "$BASE" | grep -E {q(HARNESS_FILES)})
@@ -316,6 +350,8 @@ head -c {MAX_TEST_OUTPUT} "$S/tests.log"
 echo
 echo "{END_TEST_OUTPUT} {nonce}"
 echo "{TEST_EXIT_CODE}: $rc"
+# what the cut left out may be the real report (a run that printed forged PASSED lines and then past the cap)
+[ "$(stat -c %s "$S/tests.log")" -le {MAX_TEST_OUTPUT} ] || echo "{TEST_OUTPUT_CUT}"
 [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] || echo "{TESTS_TIMEOUT}"
 exit 0
 """

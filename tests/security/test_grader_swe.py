@@ -447,3 +447,62 @@ def test_pytests_configuration_is_the_harnesss_at_any_depth() -> None:
         ["grep", "-E", HARNESS_FILES], input="\n".join(paths) + "\n", capture_output=True, text=True, check=False
     ).stdout.split()
     assert picked == paths[:8]
+
+
+# the fix, made where the grader does not look: the test package's __init__.py, which every test module imports
+# first, patches the module under test (a mixin of the test methods there, cachetools', could pass them all alike)
+FIX_IN_TESTS = "import calc\n\n\ndef _clamp(x, lo, hi):\n    return min(max(x, lo), hi)\n\n\ncalc.clamp = _clamp\n"
+# the forged report, then a flood past the grader's cap: pytest's own summary, after it, was cut off
+FLOOD = """
+
+_flooded = []
+
+
+def _flood():
+    if not _flooded:
+        _flooded.append(1)
+        import sys
+        sys.stdout.write("{forged}" + "." * ({cap} + (1 << 20)) + "\\n")
+"""
+
+
+async def test_a_patch_cannot_pass_its_tests_from_their_folder_or_by_flooding_the_report(
+    tiny: Tiny,  # noqa: F811
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,
+    tmp_path: Path,
+) -> None:
+    # only the listed test files went back to base_commit: a fix in tests/__init__.py resolved the instance with its
+    # bug intact; and the log was graded as cut at 8 MiB, so forged PASSED lines above a flood outranked nothing
+    py, ut = tiny.pytest.instance_id, tiny.unittest.instance_id
+    listed = [*tiny.pytest.FAIL_TO_PASS, *tiny.pytest.PASS_TO_PASS]
+    forged = "".join(f"PASSED {t}\\n" for t in listed) + "FAILED zz.py::x\\n"
+    flooding = tiny.bad.replace("    if x > lo:", "    _flood()\n    if x > lo:") + FLOOD.format(
+        forged=forged, cap=swe_script.MAX_TEST_OUTPUT
+    )
+    in_tests = file_diff("tests/__init__.py", "", FIX_IN_TESTS)
+    preds = [
+        pred(py, "fix-in-tests", in_tests),
+        pred(ut, "fix-in-tests", in_tests),
+        pred(
+            py,
+            "helper-in-tests",
+            _new_file("tests/helper.py", FIX_IN_TESTS) + file_diff("tests/__init__.py", "", "from . import helper\n"),
+        ),
+        pred(py, "flood", file_diff("calc.py", tiny.bad, flooding)),
+        pred(py, "gold", tiny.pytest.patch),
+    ]
+    summary = await run_evaluation(
+        [tiny.pytest, tiny.unittest], preds, run_id="r", backend=backend, client=docker_client, log_dir=tmp_path
+    )
+    assert summary["error_instances"] == 0, summary["errors"]
+    run = tmp_path / "r"
+    for model, iid in (("fix-in-tests", py), ("fix-in-tests", ut), ("helper-in-tests", py)):
+        body = report(run, model, iid)
+        assert body["patch_successfully_applied"] and not body["resolved"], (model, iid, body)
+        assert body["tests_status"]["FAIL_TO_PASS"]["success"] == [], (model, iid, body)
+    flood = report(run, "flood", py)
+    assert flood["patch_successfully_applied"] and not flood["resolved"], flood
+    log = (run / "flood" / py / "test_output.txt").read_text()
+    assert ">>>>> Test Output Cut" in log.splitlines() and "short test summary info" not in log
+    assert report(run, "gold", py)["resolved"]  # the test folder put back takes nothing from a real fix
