@@ -114,10 +114,18 @@ def _is_spec_file(name: str) -> bool:
 
 
 def cmd_validate(args: argparse.Namespace, console: Console) -> int:
-    """A spec file: EnvironmentService.Validate (on --server, else in process). A name: the local checker; a server
-    cannot check an environment by name, since Validate takes a spec."""
+    """A spec file: EnvironmentService.Validate (on --server, else in process, and then the local checker on every
+    task, as for a name). A name: the local checker; a server cannot check an environment by name, since Validate
+    takes a spec."""
     if _is_spec_file(args.name):
-        return _validate_spec(args, console, dry_run=True)
+        code = _validate_spec(args, console, dry_run=True)
+        if code or args.server:
+            return code
+        # Validate ran one task's reference: a grader that fails on another task's data, or pays an empty answer,
+        # passed it and scored the policy 0 (or 1) there
+        from orchestrator.service.declarative import load_spec_file, make_environment
+
+        return asyncio.run(_check_local(make_environment(load_spec_file(Path(args.name))), args.limit, console))
     if args.server:
         raise CommandLineError(
             f"{args.name!r} is not a spec file: over --server, envs validate checks a declarative spec "

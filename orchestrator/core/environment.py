@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import math
+import numbers
 import sys
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
+from orchestrator.core.echo import echo
 from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.models import MAX_REWARD, Turn
 from orchestrator.core.sandbox import Limits, Sandbox
@@ -62,7 +64,9 @@ class Episode:
     """What happened in one rollout, as the scorer sees it."""
 
     turns: list[Turn]
-    answer: str | None  # the argument of `submit`, or the final text when the policy stopped without it
+    # the argument of `submit`, or the final text when the policy stopped without it; None when the episode was cut
+    # off (TRUNCATED: max_turns, length, time) before either: a scorer must take None as no answer, never fail on it
+    answer: str | None
     finish: Finish
     tool_calls: int = 0
 
@@ -125,10 +129,28 @@ class Rubric:
     functions: Sequence[tuple[str, RewardFn, float]]
 
     def __post_init__(self) -> None:
-        names = [name for name, _, _ in self.functions]
+        # kept as a tuple: a zip() or a generator was used up by the check below, and every rollout scored 0
+        functions = tuple(tuple(f) if isinstance(f, list) else f for f in self.functions)
+        object.__setattr__(self, "functions", functions)
+        for i, entry in enumerate(functions):
+            if not (isinstance(entry, tuple) and len(entry) == 3):
+                raise ValueError(f"rubric function {i} is {echo(entry)}, not a (name, function, weight) tuple")
+            name, fn, weight = entry
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"rubric function {i}: its name {echo(name)} is not a non-empty string")
+            if not callable(fn):
+                raise ValueError(f"rubric function {name!r}: {echo(fn)} is not callable")
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+                raise ValueError(f"rubric function {name!r}: its weight {echo(weight)} is not a finite number")
+        names = [name for name, _, _ in functions]
         if len(set(names)) != len(names):
             # one name's value took the other's place in the components, while the reward summed both
             raise ValueError(f"rubric function names are not unique: {names}")
+
+    @property
+    def pays(self) -> bool:
+        """Whether any function has a weight: a rubric of metrics only scores every episode 0."""
+        return any(weight != 0 for _, _, weight in self.functions)
 
     async def score(self, ctx: ScoringContext) -> Score:
         """Run every function (in order) and combine them. A function runs on the server's event loop: one that
@@ -138,13 +160,20 @@ class Rubric:
         metrics: dict[str, float] = {}
         reward = 0.0
         for name, fn, weight in self.functions:
-            value = fn(ctx)
-            if inspect.isawaitable(value):
-                value = await value
+            try:
+                value = fn(ctx)
+                if inspect.isawaitable(value):
+                    value = await value
+            except Exception as e:
+                # a KeyError's "'answr'" alone named no function: the trainer and the author saw nothing to go on
+                e.add_note(f"in reward function {name!r}")
+                raise
             if isinstance(value, str | bytes | bytearray):  # float("1") is 1.0: text is no number a function gives
                 raise TypeError(
                     f"reward function {name!r} returned {type(value).__name__} {value[:40]!r}, not a number"
                 )
+            if not isinstance(value, numbers.Real):  # a bool is one (a test passed); numpy's numbers are too
+                raise TypeError(f"reward function {name!r} returned {echo(value)}, not a number")
             value = float(value)
             if weight == 0:
                 metrics[name] = value
@@ -191,6 +220,10 @@ class Environment(abc.ABC):
     max_turns: ClassVar[int] = 16
     tool_timeout_s: ClassVar[float] = 60.0
     rubric: ClassVar[Rubric]
+    # The least a task's reference solution scores: the checker (`envfleet envs validate NAME`) runs every task's
+    # reference and an empty answer, and wants this much of the one and at most 0 of the other. 1 for an exact-match
+    # grader; a shaped reward's best may be more (a declarative spec's scoring.min_reference_reward).
+    min_reference_reward: ClassVar[float] = 1.0
     # Reusable sandboxes are reset in place between rollouts instead of destroyed (see orchestrator/backends/pool.py);
     # the workspace is then restored from `workspace_seed`, a directory in the image (empty: an empty workspace).
     reusable: ClassVar[bool] = False

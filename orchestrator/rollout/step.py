@@ -201,6 +201,7 @@ def classify_failure(
     elif isinstance(e, EnvironmentBroken):
         status = RolloutStatus.ENV_ERROR
         e = e.__cause__ or e
+        _log_environment_bug(e)
     elif isinstance(e, TimeoutError):
         status = RolloutStatus.TIMEOUT
         if not str(e):
@@ -208,4 +209,23 @@ def classify_failure(
     else:
         log.error("unclassified failure, counted as infrastructure", exc_info=e)
         status = RolloutStatus.INFRA_ERROR
-    return status, RolloutError(kind=type(e).__name__, message=str(e) or repr(e))
+    notes = "; ".join(str(n) for n in getattr(e, "__notes__", ()))  # where it was raised ("in reward function 'x'")
+    message = str(e) or repr(e)
+    return status, RolloutError(kind=type(e).__name__, message=f"{message} ({notes})" if notes else message)
+
+
+_BUGS_LOGGED: set[tuple[str, str, int]] = set()
+MAX_BUGS_LOGGED = 256  # distinct places; past them a broken environment's failures are not logged again
+
+
+def _log_environment_bug(e: BaseException) -> None:
+    """An environment's own failure, with its traceback, once per place it was raised: the trainer sees its type and
+    message only, and its author needs the line (a rollout per place, not one per rollout of a broken environment)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = (type(e).__name__, tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else None
+    if where is None or where in _BUGS_LOGGED or len(_BUGS_LOGGED) >= MAX_BUGS_LOGGED:
+        return
+    _BUGS_LOGGED.add(where)
+    log.warning("an environment failed (ENV_ERROR; logged once for this place)", exc_info=e)

@@ -1,5 +1,6 @@
 """The environment checker (`envfleet envs validate NAME`): its image builds, its tasks load, its tools run, and on
-every task the reference solution scores 1 while an empty answer scores 0. Run over every built-in by a test."""
+every task the reference solution scores at least the environment's `min_reference_reward` (1 by default) while an
+empty answer, and an episode cut off with no answer, score at most 0. Run over every built-in by a test."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.core.environment import Environment, Episode, ImageSource, Score, Task
-from orchestrator.core.errors import EnvfleetError
+from orchestrator.core.environment import Environment, Episode, Finish, ImageSource, Score, Task
+from orchestrator.core.errors import EnvfleetError, EnvironmentBroken
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
 from orchestrator.core.tools import call_tool, get_tools
@@ -82,18 +83,33 @@ async def _check_task(env: Environment, backend: SandboxBackend, image: str, tas
     problems = []
     async with await backend.create(spec) as sandbox:
         await env_call(env.setup(sandbox, task, seed))
-        with strict_scoring():
-            empty = await env_score(env, sandbox, task, Episode([Turn(role="user", text=task.prompt)], "", "submit"))
-        if empty.reward != 0:
-            problems.append(f"task {task.id}: an empty answer scores {empty.reward}, expected 0")
-        problems += _in_time(task, "an empty answer", empty)
+        # an empty answer, and an episode cut off before any (its answer None: a scorer's `answer.strip()` made
+        # every TRUNCATED rollout ENV_ERROR, masked from training instead of scored)
+        cases: tuple[tuple[str, str | None, Finish], ...] = (
+            ("an empty answer", "", "submit"),
+            ("no answer (cut off)", None, "max_turns"),
+        )
+        for what, answer, finish in cases:
+            opening = [Turn(role="user", text=task.prompt)]
+            with strict_scoring():
+                try:
+                    empty = await env_score(env, sandbox, task, Episode(opening, answer, finish))
+                except EnvironmentBroken as e:
+                    problems.append(f"task {task.id}: scoring {what} failed: {e}")
+                    continue
+            if empty.reward > 0:
+                problems.append(f"task {task.id}: {what} scores {empty.reward}, expected at most 0")
+            problems += _in_time(task, what, empty)
     async with await backend.create(spec) as sandbox:
         await env_call(env.setup(sandbox, task, seed))
         episode = await replay_reference(env, sandbox, task)
         with strict_scoring():
             solved = await env_score(env, sandbox, task, episode)
-        if abs(solved.reward - 1.0) > 1e-9:
-            problems.append(f"task {task.id}: the reference solution scores {solved.reward}, expected 1 ({solved})")
+        if solved.reward < env.min_reference_reward - 1e-9:
+            problems.append(
+                f"task {task.id}: the reference solution scores {solved.reward}, expected at least "
+                f"{env.min_reference_reward:g} (the environment's min_reference_reward) ({solved})"
+            )
         problems += _in_time(task, "the reference solution", solved)
     return problems
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from orchestrator.core.echo import echo
-from orchestrator.core.environment import Environment
+from orchestrator.core.environment import Environment, Task
 from orchestrator.core.errors import EnvironmentNotFoundError, InvalidEnvironmentError, InvalidRequestError
 from orchestrator.core.tools import get_tools
 
@@ -47,6 +47,61 @@ class Registered:
         return self.owner is None or tenant is None or self.owner == tenant
 
 
+# what an environment class sets: a name close to one of these and none of them is a misspelling, whose setting was
+# silently the default (`max_turn = 40` ran 16 turns)
+_SETTINGS = frozenset(
+    n
+    for n, v in vars(Environment).items()
+    if not n.startswith("_") and not callable(v) and not isinstance(v, property | classmethod | staticmethod)
+) | set(Environment.__annotations__)
+
+
+def _ours(ep: importlib.metadata.EntryPoint) -> bool:
+    dist = getattr(ep, "dist", None)
+    return dist is not None and dist.name == "envfleet"
+
+
+def _refuse_misspelt(env: Environment, ref: str) -> None:
+    for klass in type(env).__mro__:
+        if klass is Environment:
+            break
+        for attr, value in vars(klass).items():
+            method = callable(value) or isinstance(value, property | classmethod | staticmethod)
+            if attr.startswith("_") or attr in _SETTINGS or method:
+                continue
+            close = difflib.get_close_matches(attr, _SETTINGS, n=1, cutoff=0.8)
+            if close:
+                raise InvalidEnvironmentError(
+                    f"{ref}: {klass.__name__}.{attr} is no setting of an Environment; did you mean {close[0]!r}?"
+                )
+
+
+def _check_tasks(env: Environment, ref: str) -> None:
+    """The task list: Task objects with unique ids and a prompt, and references that call tools the environment
+    offers (a misspelt one scored every check 0, and the scripted runs with it)."""
+    try:
+        tasks = list(env.tasks())
+    except TypeError as e:
+        raise InvalidEnvironmentError(f"{ref}: tasks() must return a sequence of Task: {e}") from None
+    if not tasks:
+        raise InvalidEnvironmentError(f"{ref}: tasks() returned no tasks")
+    offered = set(env.tools)
+    for i, t in enumerate(tasks):
+        if not isinstance(t, Task):
+            raise InvalidEnvironmentError(f"{ref}: tasks()[{i}] is {echo(t)}, not a Task")
+        if not isinstance(t.id, str) or not t.id or not isinstance(t.prompt, str):
+            raise InvalidEnvironmentError(f"{ref}: task {i} needs a non-empty string id and a string prompt")
+        missing = sorted({inv.name for inv in t.reference} - offered)
+        if missing:
+            raise InvalidEnvironmentError(
+                f"{ref}: task {t.id!r}: its reference calls {missing}, which the environment does not offer "
+                f"(tools: {sorted(offered)})"
+            )
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise InvalidEnvironmentError(f"{ref}: task ids are not unique")
+
+
 def _version_key(v: str) -> tuple[tuple[int, int, str], ...]:
     """Versions in order, part by part: numbers by value, before words (1 < 2 < 10 < a). Every key compares with
     every other: `1` and `a` side by side once made sorting raise, and every registration after failed."""
@@ -63,7 +118,10 @@ class Registry:
     def from_entry_points(cls, group: str = ENTRY_POINT_GROUP) -> Registry:
         """Every environment installed packages declare; a broken plug-in is logged and skipped, not fatal."""
         reg = cls()
-        for ep in importlib.metadata.entry_points(group=group):
+        # envfleet's own first: a plug-in's copy of a built-in not renamed is then the one refused, whatever order the
+        # installed packages' entry points come in
+        points = sorted(importlib.metadata.entry_points(group=group), key=lambda ep: not _ours(ep))
+        for ep in points:
             try:
                 env = ep.load()()
                 reg._refuse_another(env, f"entry-point:{ep.value}")
@@ -138,9 +196,16 @@ class Registry:
             raise InvalidEnvironmentError(
                 f"{name}@{version}: tool_timeout_s {echo(tool_s)} must be a number in (0, {MAX_TOOL_TIMEOUT_S:g}]"
             )
-        ids = [t.id for t in env.tasks()]
-        if len(set(ids)) != len(ids):
-            raise InvalidEnvironmentError(f"{name}@{version}: task ids are not unique")
+        if type(env).score is Environment.score and not getattr(rubric, "pays", True):
+            raise InvalidEnvironmentError(
+                f"{name}@{version}: no rubric function has a weight, so every episode would score 0; give the reward's "
+                "functions a non-zero weight (a weight of 0 makes a metric)"
+            )
+        for hook in ("setup", "score"):
+            if not inspect.iscoroutinefunction(getattr(type(env), hook)):
+                raise InvalidEnvironmentError(f"{name}@{version}: {hook} must be an async def (a coroutine function)")
+        _refuse_misspelt(env, f"{name}@{version}")
+        _check_tasks(env, f"{name}@{version}")
         self._by_name.setdefault(name, {})[version] = Registered(env, source, owner)
 
     def get(self, ref: str, tenant: str | None = None) -> Environment:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from environments.code_tests import CodeTestsEnv
-from environments.python_tool import PythonToolEnv
+from environments.python_tool import PythonToolEnv, ShapedPythonToolEnv
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Rubric
 from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.images.resolver import ImageResolver
@@ -32,6 +33,22 @@ async def test_environment_passes_the_checker(name: str, backend: DockerBackend)
     report = await check_environment(env, backend, ImageResolver(backend.client))
     assert report.ok, report.problems
     assert report.tasks_checked == len(env.tasks())
+
+
+class StripsTheAnswer(PythonToolEnv):
+    """A scorer written as `answer.strip()`: an episode cut off (answer None) fails it, ENV_ERROR, masked."""
+
+    name = "python-tool-strips"
+    rubric = Rubric([("exact", lambda ctx: float(ctx.episode.answer.strip() == ctx.task.data["answer"]), 1.0)])  # type: ignore[union-attr]
+
+
+async def test_checker_takes_a_shaped_reward_and_finds_a_scorer_that_fails_on_no_answer(backend: DockerBackend) -> None:
+    # the reference had to score exactly 1: the shaped example the README points to (1.19) failed the checker
+    shaped = await check_environment(ShapedPythonToolEnv(), backend, ImageResolver(backend.client), limit=2)
+    assert shaped.ok and shaped.tasks_checked == 2, shaped.problems
+    strips = await check_environment(StripsTheAnswer(), backend, ImageResolver(backend.client), limit=1)
+    (problem,) = strips.problems
+    assert "scoring no answer (cut off) failed: AttributeError" in problem, problem
 
 
 def test_checker_finds_broken_tasks() -> None:

@@ -126,13 +126,14 @@ def test_every_command_that_can_reach_a_server_takes_the_client_flags() -> None:
     )
 
 
-def _echo_spec(folder: Path) -> Path:
-    """A declarative spec as a user writes it: YAML, a JSONL task file, a shell grader."""
+def _echo_spec(folder: Path, typo_in: int | None = None) -> Path:
+    """A declarative spec as a user writes it: YAML, a JSONL task file, a shell grader; `typo_in`: that task's data
+    misspells the key the grader reads."""
     tasks = [
         {
             "id": f"echo-{i}",
             "prompt": f"Submit the word w{i}.",
-            "data": {"word": f"w{i}"},
+            "data": {"wrod" if i == typo_in else "word": f"w{i}"},
             "reference": [{"name": "submit", "arguments": {"answer": f"w{i}"}}],
         }
         for i in range(2)
@@ -180,9 +181,17 @@ async def test_envs_commands_over_a_server(client: EnvfleetClient, tmp_path: Pat
 
 
 async def test_envs_validate_a_spec_without_a_server(tmp_path: Path, base_image: str) -> None:
-    """No --server: the spec is validated by an orchestrator started in the command's own process."""
+    """No --server: the spec is validated by an orchestrator started in the command's own process, and then every
+    task is checked as a plug-in's are (Validate runs one task's reference: a grader that failed on another task's
+    data passed, and scored the policy 0 there)."""
     r = await asyncio.to_thread(_envfleet, "envs", "validate", str(_echo_spec(tmp_path)))
     assert r.returncode == 0 and "cli-echo@0.2 is valid" in r.stdout, r.stderr
+    assert "cli-echo@0.2: ok; 2 tasks checked" in r.stdout, r.stdout
+    (tmp_path / "typo").mkdir()
+    r = await asyncio.to_thread(_envfleet, "envs", "validate", str(_echo_spec(tmp_path / "typo", typo_in=1)))
+    assert r.returncode == 1 and "cli-echo@0.2 is valid" in r.stdout, r.stderr
+    assert "problem task echo-1: ENV_ERROR: ScoringError" in r.stdout and "KeyError: 'word'" in r.stdout, r.stdout
+    assert "cli-echo@0.2: 1 problem(s); 2 tasks checked" in r.stdout, r.stdout
 
 
 async def test_status_reads_metrics_and_jobs(tmp_path: Path, base_image: str) -> None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import re
 from typing import Any, ClassVar
 
 import pytest
 
 from environments.python_tool import PythonToolEnv
-from orchestrator.core.environment import Environment, Episode, Rubric, Score, ScoringContext, Task
+from orchestrator.core.environment import Environment, Episode, Rubric, Score, ScoringContext, Task, ToolInvocation
 from orchestrator.core.errors import EnvironmentBroken, InvalidEnvironmentError
 from orchestrator.rollout.step import classify_failure, env_score
 from orchestrator.service.registry import ENTRY_POINT_GROUP, Registry
@@ -69,13 +70,26 @@ class Copied(PythonToolEnv):
         ("max_turns", True, "max_turns True must be an int"),
         ("tool_timeout_s", float("nan"), "tool_timeout_s nan must be a number in (0, 3600]"),
         ("tool_timeout_s", 0, "tool_timeout_s 0 must be a number"),
+        # a misspelt setting was silently the default: 16 turns, bash and submit
+        ("max_turn", 40, "Broken.max_turn is no setting of an Environment; did you mean 'max_turns'?"),
+        ("tool", ("bash",), "did you mean 'tools'?"),
+        ("rubric", Rubric([("turns", _exact, 0.0)]), "no rubric function has a weight, so every episode would score 0"),
+        ("setup", lambda self, sandbox, task, seed: None, "setup must be an async def"),
+        ("tasks", lambda self: [], "tasks() returned no tasks"),
+        ("tasks", [Task(id="t1", prompt="p")], "tasks() must return a sequence of Task"),  # a list, not a method
+        ("tasks", lambda self: [{"id": "t1", "prompt": "p"}], "tasks()[0] is {'id': 't1', 'prompt': 'p'}, not a Task"),
+        (
+            "tasks",
+            lambda self: [Task(id="t1", prompt="p", reference=(ToolInvocation("sumbit", {"answer": "1"}),))],
+            "task 't1': its reference calls ['sumbit'], which the environment does not offer",
+        ),
     ],
 )
 def test_an_environment_registration_refuses_what_would_fail_every_rollout(
     attribute: str, value: object, message: str
 ) -> None:
     broken = type("Broken", (Mine,), {attribute: value})
-    with pytest.raises(InvalidEnvironmentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(InvalidEnvironmentError, match=re.escape(message)):
         Registry().register(broken())
     Registry().register(Mine())  # as it was, fine
 
@@ -117,6 +131,50 @@ def test_a_rubric_with_two_functions_of_one_name_is_refused() -> None:
     # the second's value took the first's place in the components, while the reward summed both
     with pytest.raises(ValueError, match="rubric function names are not unique"):
         Rubric([("exact", _exact, 1.0), ("exact", _exact, 0.5)])
+
+
+@pytest.mark.parametrize(
+    ("functions", "message"),
+    [
+        ([("exact", _exact)], "rubric function 0 is .*, not a \\(name, function, weight\\) tuple"),
+        ([("exact", 1.0, _exact)], "rubric function 'exact': 1.0 is not callable"),
+        ([("exact", _exact, "1")], "rubric function 'exact': its weight '1' is not a finite number"),
+        ([("exact", _exact, float("nan"))], "its weight nan is not a finite number"),
+        ([("", _exact, 1.0)], "rubric function 0: its name '' is not a non-empty string"),
+    ],
+)
+def test_a_rubric_says_which_function_is_wrong(functions: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Rubric(functions)
+
+
+async def test_a_rubric_made_of_an_iterator_keeps_its_functions() -> None:
+    # the uniqueness check used the iterator up: every rollout scored 0.0, with no components, and registered fine
+    rubric = Rubric(zip(["exact", "turns"], [_exact, _exact], [1.0, 0.0], strict=True))  # type: ignore[arg-type]
+    assert await rubric.score(None) == Score(1.0, {"exact": 1.0}, {"turns": 1.0})  # type: ignore[arg-type]
+    assert Rubric([["exact", _exact, 1.0]]).functions == (("exact", _exact, 1.0),)  # type: ignore[list-item]
+
+
+async def test_a_reward_function_that_raises_is_named_in_the_rollouts_error(caplog: pytest.LogCaptureFixture) -> None:
+    # a KeyError's "'answr'" alone reached the trainer, and the server logged nothing: no function, no line
+    def typo(ctx: ScoringContext) -> float:
+        return float({"answer": 1}["answr"])
+
+    env = type("Typo", (Mine,), {"rubric": Rubric([("exact", _exact, 1.0), ("typo", typo, 1.0)])})()
+    with caplog.at_level(logging.WARNING, logger="orchestrator.rollout.step"):
+        for _ in range(2):
+            with pytest.raises(EnvironmentBroken) as e:
+                await env_score(env, None, env.tasks()[0], Episode([], "", "submit"))  # type: ignore[arg-type]
+            status, error = classify_failure(e.value)
+            assert (status.value, error.kind, error.message) == (
+                "ENV_ERROR",
+                "KeyError",
+                "'answr' (in reward function 'typo')",
+            )
+    # its traceback once, for the author (the second rollout's failure at the same place is not logged again)
+    assert caplog.text.count('["answr"]') == 1 and "in typo" in caplog.text
+    three = type("Numpy", (Mine,), {"rubric": Rubric([("exact", lambda ctx: __import__("numpy").float32(0.5), 1.0)])})()
+    assert (await env_score(three, None, three.tasks()[0], Episode([], "", "submit"))).reward == 0.5  # type: ignore[arg-type]
 
 
 class Scoring(Mine):

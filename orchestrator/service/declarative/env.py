@@ -315,6 +315,7 @@ def make_environment(spec: EnvironmentSpec) -> DeclarativeEnvironment:
         "runtime": spec.runtime,
         "max_turns": spec.max_turns,
         "tool_timeout_s": spec.tool_timeout_s,
+        "min_reference_reward": spec.scoring.min_reference_reward,
         "__doc__": f"The declarative environment {spec.ref()}.",
     }
     cls: type[DeclarativeEnvironment] = type(f"Declarative({spec.ref()})", (DeclarativeEnvironment,), attrs)
