@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.errors import PolicyTokenError
+from orchestrator.core.errors import PolicyResponseError, PolicyTokenError
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, Tokens
 from orchestrator.rollout.policy import token_checks as checks
 from orchestrator.rollout.policy.parsing import parse_chat_completion
@@ -247,6 +247,21 @@ def test_a_chat_answer_that_carries_fewer_tokens_than_it_sampled_never_passes_th
         parse_chat_completion(counted, model="m")
     whole = {"choices": [{**choice, "token_ids": [5, 6], "logprobs": None}], "usage": {"completion_tokens": 2}}
     assert parse_chat_completion(whole, model="m").completion_ids == [5, 6]
+
+
+def test_an_answer_that_sampled_no_tokens_is_a_policy_failure_never_an_empty_turn() -> None:
+    # a finished request samples at least its stop token: an empty list was a broken server's, and its empty turn was
+    # scored as the policy's answer (typically 0, with "complete" tokens of a zero-length turn)
+    empty = {"text": "", "token_ids": [], "finish_reason": "stop", "logprobs": {"tokens": [], "token_logprobs": []}}
+    for choice in (empty, {**empty, "finish_reason": None}, {**empty, "token_ids": None}):
+        with pytest.raises(PolicyResponseError, match="the server sampled no tokens"):
+            parse_completion({"choices": [choice]}, [1, 2, 3], 16, model="m")
+    chat = {"finish_reason": "stop", "message": {"content": ""}, "token_ids": [], "logprobs": {"content": []}}
+    with pytest.raises(PolicyResponseError, match="the server sampled no tokens"):
+        parse_chat_completion({"choices": [chat]}, model="m")
+    # a chat server that returns no ids at all is not one that sampled none: its tokens are missing, the turn is kept
+    bare = parse_chat_completion({"choices": [{"finish_reason": "stop", "message": {"content": ""}}]}, model="m")
+    assert bare.completion_ids is None and bare.text == ""
 
 
 def test_the_parsers_bounds_are_the_wires_own() -> None:

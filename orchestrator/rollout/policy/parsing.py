@@ -174,6 +174,10 @@ def parse_chat_completion(data: Any, *, model: str) -> Completion:
         # none for a turn that wrote something: they are missing, never the turn's tokens (its text would come back
         # as the next prompt's, and count as an observation the policy never sampled)
         completion_ids = logprobs = None
+    elif completion_ids == []:
+        # nothing sampled, not even the stop token a finished request ends with: a broken server, whose empty turn
+        # was scored as the policy's answer
+        raise PolicyResponseError("the server sampled no tokens (a finished request returns at least its stop token)")
 
     raw_message: dict[str, Any] = {"role": "assistant", "content": content if isinstance(content, str) else text}
     if content is None:

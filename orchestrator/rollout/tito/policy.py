@@ -224,6 +224,10 @@ def parse_completion(data: Any, prompt_ids: list[int], max_tokens: int, *, model
         )
     if len(ids) > max_tokens:
         raise PolicyResponseError(f"the server sampled {len(ids)} tokens, more than the max_tokens of {max_tokens}")
+    if not ids:
+        # a finished request samples at least its stop token (max_tokens >= 1): none is a broken server or proxy,
+        # whose empty turn was scored as the policy's answer
+        raise PolicyResponseError("the server sampled no tokens (a finished request returns at least its stop token)")
     echoed = choice.get("prompt_token_ids")
     # compared whole, not checked id by id: a list equal to the ids sent is ints, and it is thousands long
     if isinstance(echoed, list) and echoed != prompt_ids:

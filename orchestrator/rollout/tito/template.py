@@ -69,6 +69,7 @@ class ChatTemplateTokens:
         # the text cut is exact only if the end token's text always tokenizes as that one token
         self._turn_end_text = text if self.encode(text) == [self.turn_end_id] else None
         self._bases: dict[str, _Base] = {"": _Base(base.count(self.turn_end_id), tools_matter=False)}
+        self._check_turns(base)
         # what ends a turn: its end token and the eos; and what a server may stop a turn on, any special token
         self.end_ids = frozenset({self.turn_end_id, getattr(tokenizer, "eos_token_id", None)} - {None})
         self.stop_ids = self.end_ids | frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -102,6 +103,31 @@ class ChatTemplateTokens:
             if i in special:
                 return int(i)
         raise ValueError("the chat template ends an assistant turn with no special token; tito cannot find turns")
+
+    def _check_turns(self, base_ids: list[int]) -> None:
+        """ValueError unless the turn end found closes the assistant's turn and each probe's delta is that probe's
+        messages and the template's glue: a template whose assistant turn has no closing token (GLM-4's) made its
+        opening marker the "end", and every observation then carried a made-up assistant turn into the context,
+        with token arrays that were still consistent; one that writes its eos only after a conversation without the
+        generation prompt (Phi-3's) failed every rollout at its second turn."""
+        said = BASE_CONVERSATION[-1]["content"]
+        last = len(base_ids) - 1 - base_ids[::-1].index(self.turn_end_id)
+        if said not in self.decode(base_ids[: last + 1]) or said in self.decode(base_ids[last + 1 :]):
+            raise ValueError(
+                f"the chat template's turn end found, {self.decode([self.turn_end_id])!r}, does not close an "
+                "assistant turn (the template writes none after the assistant's text?): tito cannot find turns"
+            )
+        for probe in PROBES:
+            try:
+                self._render([*BASE_CONVERSATION, *probe], None, gen=True)
+            except Exception:
+                continue  # a role the template refuses (no tool turns): such an observation fails where it comes
+            delta = self.decode(self._delta(probe, None, self._bases[""].ends, by_text=False))
+            if said in delta or not all(str(m["content"]) in delta for m in probe):
+                raise ValueError(
+                    f"the chat template's delta for a {probe[0]['role']} message is not that message and the next "
+                    f"generation prompt ({delta[:200]!r}): tito cannot append observations to this template's turns"
+                )
 
     def _base(self, tools: Sequence[Mapping[str, Any]] | None) -> tuple[_Base, Sequence[Mapping[str, Any]] | None]:
         """The base under `tools`, and the tools to render deltas with (None when they change no delta)."""

@@ -5,6 +5,7 @@ its last assistant turn differently (an empty think block) from an earlier one. 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -110,3 +111,46 @@ def test_a_template_whose_deltas_carry_the_tools_renders_them() -> None:
     delta = tokens.decode(tokens.observation_ids([{"role": "user", "content": "next"}], TOOLS))
     assert delta == f"\n<|im_start|>user[TOOLS]{json.dumps(TOOLS)}[/TOOLS]next<|im_end|>\n<|im_start|>assistant\n"
     assert "[TOOLS]" not in tokens.decode(tokens.observation_ids([{"role": "tool", "content": "4"}], TOOLS))
+
+
+_TURNS = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+
+
+@pytest.mark.parametrize(
+    ("template", "eos", "message"),
+    [
+        # GLM-4's shape: a turn is its role marker and its text, closed by nothing (the model stops on the next
+        # marker): the last special token of the base, the assistant's own opening marker, was taken for its end,
+        # and every observation delta began with the base's "I am an assistant." (a made-up turn in the context)
+        (
+            f"{_TURNS}{{% endfor %}}{{% if add_generation_prompt %}}<|im_start|>assistant\n{{% endif %}}",
+            "<|endoftext|>",
+            "turn end found, '<|im_start|>', does not close an assistant turn",
+        ),
+        # the conversation's last assistant turn left open: the delta held the base's assistant text too
+        (
+            f"{_TURNS}{{% if not (loop.last and m.role == 'assistant') %}}<|im_end|>\n{{% endif %}}{{% endfor %}}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            None,
+            "turn end found, '<|im_end|>', does not close an assistant turn",
+        ),
+        # Phi-3's: the eos only after a conversation rendered without the generation prompt; every rollout failed
+        # at its second turn (POLICY_ERROR) instead of the tokenizer being refused
+        (
+            f"{_TURNS}<|im_end|>\n{{% endfor %}}{{% if add_generation_prompt %}}<|im_start|>assistant\n"
+            "{% else %}{{ eos_token }}{% endif %}",
+            "<|endoftext|>",
+            "its observation delta cannot be found",
+        ),
+    ],
+)
+def test_a_template_whose_turns_tito_cannot_find_is_refused_at_load(
+    template: str, eos: str | None, message: str
+) -> None:
+    tok = load_tokenizer(QWEN_LIKE_DIR)
+    if eos is not None:
+        tok.eos_token = eos
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = template
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ChatTemplateTokens(tok)
