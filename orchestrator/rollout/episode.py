@@ -169,11 +169,12 @@ async def run_episode(
                 break
             finally:
                 tools_s += phase.seconds
+                if tool_seconds is not None:
+                    # every call, the one cut at the deadline and the one that failed too: the slowest were left out
+                    tool_seconds(phase.seconds)
             if deadline is not None and not state.submitted and asyncio.get_running_loop().time() >= deadline:
                 finish = "time"  # it ran to the deadline (stopped there, or ended by itself just past it)
                 break
-            if tool_seconds is not None:
-                tool_seconds(phase.seconds)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result.output})
             if state.submitted or not state.fits(tokens=tracker.count()):
                 break

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -549,15 +550,20 @@ async def create_server(
     orch.stalls.start()
 
     pending: set[asyncio.Task[None]] = set()
+    # the health check says SERVING only while the server can do work: the docker engine answers, and the scheduler's
+    # loop runs (once it died no rollout started, and a health check that still said SERVING kept the process up)
+    serving = {"engine": True, "scheduler": True}
 
-    def engine_health(healthy: bool) -> None:
-        # the health check says NOT_SERVING while the docker engine does not answer
-        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+    def healthy(part: str, ok: bool) -> None:
+        serving[part] = ok
+        up = all(serving.values())
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         task = asyncio.get_running_loop().create_task(health_servicer.set("", status))
         pending.add(task)
         task.add_done_callback(pending.discard)
 
-    fleet.watch_health(engine_health)
+    fleet.watch_health(functools.partial(healthy, "engine"))
+    jobs.scheduler.on_failure(functools.partial(healthy, "scheduler", False))
     orch.pool, orch.metrics = pool, metrics
     orch.sessions, orch.sandboxes, orch.registrar = sessions, sandboxes, registrar
     orch.workers = workers

@@ -464,11 +464,8 @@ class JobManager:
             log.error("rollout %s: the executor failed", item.id, exc_info=e)
             error = RolloutError(kind=type(e).__name__, message=f"the rollout could not be run: {e}"[:2000])
             rollout = unrun_rollout(item, env.ref(), job.spec.policy.version, error)
-        counted = self._counted.get(rollout.status)
-        if counted is None:  # a labelled child looked up once per status, not per rollout
-            counted = self._counted[rollout.status] = self.metrics.rollouts.labels(rollout.status.value)
-        counted.inc()
         if job.state == JobState.CANCELLED:
+            self._count(rollout.status)
             return
         grouped = job.spec.deliver_groups
         try:
@@ -479,7 +476,9 @@ class JobManager:
             rollout = unrun_rollout(item, env.ref(), job.spec.policy.version, error, rollout.attempts)
             seq = await self._logged(f"rollout {item.id}", lambda: self.store.append(rollout, visible=not grouped))
         if seq is None:
-            return  # already in the log (a resumed duplicate)
+            return  # already in the log (a resumed duplicate): counted when it was first run
+        # counted as the log holds it: a rollout the log could not encode is the INFRA_ERROR stored in its place
+        self._count(rollout.status)
         if grouped:
             await self._logged(
                 f"group {item.group_id}",
@@ -490,6 +489,12 @@ class JobManager:
         if job.done >= job.total:
             await self._finish(job, JobState.COMPLETED)
         job.notify()
+
+    def _count(self, status: RolloutStatus) -> None:
+        counted = self._counted.get(status)
+        if counted is None:  # a labelled child looked up once per status, not per rollout
+            counted = self._counted[status] = self.metrics.rollouts.labels(status.value)
+        counted.inc()
 
     def _add(self, job: _Job) -> None:
         self._jobs[job.job_id] = job

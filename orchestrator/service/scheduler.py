@@ -210,6 +210,11 @@ class Scheduler:
         self._task = asyncio.create_task(self._loop(), name="scheduler")
         self._task.add_done_callback(_stopped)
 
+    def on_failure(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` if the scheduler's loop ends by an error: from then on no rollout starts."""
+        if self._task is not None:
+            self._task.add_done_callback(lambda t: None if t.cancelled() or t.exception() is None else listener())
+
     def check_fits(self, need: Need) -> None:
         """Refuse, with the numbers, a rollout that could never be admitted on this host."""
         cap = self.capacity

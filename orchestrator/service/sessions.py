@@ -448,8 +448,10 @@ class SessionManager:
                     taken = True
                     # stopped at the agent's time, as a rollout's tool call is (TRUNCATED, and scored)
                     timeout_s = min(s.env.tool_timeout_s, left)
-                    observation = (await run_tool_call(s.env, s.sandbox, s.state, call, timeout_s)).output
-                    self._pool.metrics.exec_seconds.observe(time.monotonic() - t0)  # as a job's tool calls are
+                    try:
+                        observation = (await run_tool_call(s.env, s.sandbox, s.state, call, timeout_s)).output
+                    finally:  # as a job's tool calls are: the one that failed too
+                        self._pool.metrics.exec_seconds.observe(time.monotonic() - t0)
                     if s.state.submitted:
                         finish = "submit"
                     elif s.episode_end is not None and time.monotonic() >= s.episode_end:

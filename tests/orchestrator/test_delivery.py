@@ -450,6 +450,9 @@ async def test_a_rollout_the_log_cannot_encode_is_delivered_masked_and_its_job_e
     assert masked.status == RolloutStatus.INFRA_ERROR and masked.reward is None
     assert masked.error is not None and "could not be stored: surrogates not allowed" in masked.error.message
     assert fine.status == RolloutStatus.OK
+    # the metric counts each as the log holds it: the OK that could not be stored was counted OK before
+    rollouts = fake_orchestrator.jobs.metrics.rollouts
+    assert (rollouts.labels("OK")._value.get(), rollouts.labels("INFRA_ERROR")._value.get()) == (1, 1)
 
 
 async def test_a_reader_that_stops_early_ends_its_stream_on_the_server(

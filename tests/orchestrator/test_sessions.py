@@ -23,7 +23,8 @@ from orchestrator.client.gym import SessionEnv
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.environment import Task
 from orchestrator.core.errors import SandboxDiedError
-from orchestrator.core.models import RolloutStatus
+from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
+from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.core.sandbox import ExecResult
 from orchestrator.rollout.policy.base import ToolCall
 from orchestrator.server.app import Orchestrator
@@ -499,6 +500,18 @@ async def test_a_truncated_gym_step_that_failed_is_no_reward_of_0(tmp_path: Path
                 env.close()
 
         reward, truncated, info = await asyncio.to_thread(episode)
+        # the failed call is in the tool time histogram, as the ones that end are; and a job's alike
+        exec_count = "envfleet_tool_exec_seconds_count"
+        assert orch.pool is not None
+        assert orch.pool.metrics.registry.get_sample_value(exec_count) == 1
+        spec = JobSpec(
+            env=ENV,
+            tasks=TaskSelection(kind="ids", ids=["py-000"]),
+            policy=PolicyEndpoint(base_url=REPLAY_URL),
+            max_infra_retries=0,
+        )
+        (r,) = [r async for r in client.rollouts(await client.submit(spec))]
+        assert r.status.value == "INFRA_ERROR" and orch.pool.metrics.registry.get_sample_value(exec_count) == 2
     assert math.isnan(reward) and truncated and info["scored"] is False and info["status"] == "INFRA_ERROR", info
 
 

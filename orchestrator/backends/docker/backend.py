@@ -335,8 +335,11 @@ class DockerBackend(SandboxBackend):
         return self.engine.errors
 
     def on_engine_health(self, listener: Callable[[bool], None]) -> None:
-        """Call `listener(healthy)` whenever the engine starts or stops answering."""
+        """Call `listener(healthy)` whenever the engine starts or stops answering; at once with False when it is
+        not answering now (it stopped before the listener came, while the server was still starting)."""
         self._health_listeners.append(listener)
+        if not self.engine_healthy:
+            listener(False)
 
     async def _watch_engine(self) -> None:
         while True:
