@@ -36,6 +36,12 @@ from protos import envd_pb2 as pb
 from protos import envd_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
+# The most a reply may be on the channel most calls use: a reply's bytes are held whole (and copied) before any cap
+# of the call's is checked, and a tenant's image can hold its own envd, which answered every call with 64 MiB (gzip
+# made it 64 KiB on the wire) and held about 200 MiB of the worker's memory a call. A call whose own cap is larger
+# (a test log, a raw Exec's max_output, a file read whole) goes over a second channel that takes MAX_MESSAGE_BYTES.
+SMALL_REPLY_BYTES = 8 << 20
+_REPLY_OVERHEAD = 64 << 10  # a reply's fields and framing past the output or content it carries
 UPLOAD_CHUNK = 1 << 20
 # Calls other than exec get this deadline; exec gets its own timeout plus this slack.
 CALL_DEADLINE_S = 60.0
@@ -102,20 +108,36 @@ class EnvdTransport(Transport):
     def __init__(self, socket_path: str, token: str) -> None:
         self.socket_path = socket_path
         self._md = (("authorization", f"Bearer {token}"),)
-        self._channel = grpc.aio.insecure_channel(
-            f"unix://{socket_path}",
+        self._channel = self._open(SMALL_REPLY_BYTES)
+        self._large: grpc.aio.Channel | None = None  # opened by the first call whose cap needs it
+        self._large_stubs: tuple[pb_grpc.ProcessStub, pb_grpc.FilesystemStub] | None = None
+        self._proc = pb_grpc.ProcessStub(self._channel)
+        self._fs = pb_grpc.FilesystemStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _open(self, max_reply: int) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(
+            f"unix://{self.socket_path}",
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", max_reply),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # replies as sent, never compressed: a few KiB of gzip were a reply of 64 MiB to hold
+                ("grpc.compression_enabled_algorithms_bitset", 1),
                 # a sandbox socket appears once; reconnect quickly rather than after grpc's 1 s default backoff
                 ("grpc.initial_reconnect_backoff_ms", 10),
                 ("grpc.min_reconnect_backoff_ms", 10),
                 ("grpc.max_reconnect_backoff_ms", 200),
             ],
         )
-        self._proc = pb_grpc.ProcessStub(self._channel)
-        self._fs = pb_grpc.FilesystemStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _for(self, cap: int) -> tuple[pb_grpc.ProcessStub, pb_grpc.FilesystemStub]:
+        """The stubs of the channel whose reply limit takes a reply of `cap` bytes of output or content."""
+        if cap + _REPLY_OVERHEAD <= SMALL_REPLY_BYTES or self._closed:  # closed: the call fails as any other does
+            return self._proc, self._fs
+        if self._large_stubs is None:
+            self._large = self._open(MAX_MESSAGE_BYTES)
+            self._large_stubs = pb_grpc.ProcessStub(self._large), pb_grpc.FilesystemStub(self._large)
+        return self._large_stubs
 
     async def health(self, timeout: float) -> bool:
         try:
@@ -257,8 +279,9 @@ class EnvdTransport(Transport):
         if not _inline(stdin):
             return await super().exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
         req = self._request(cmd, cwd, env, stdin, timeout, max_output)
+        proc, _ = self._for((max_output or ENVD_DEFAULT_MAX_OUTPUT) + ENVD_OUTPUT_SLACK)
         with self._envd_errors():
-            r = await self._proc.Run(req, metadata=self._md, timeout=(timeout or 600.0) + CALL_DEADLINE_S)
+            r = await proc.Run(req, metadata=self._md, timeout=(timeout or 600.0) + CALL_DEADLINE_S)
         _output_within(len(r.stdout) + len(r.stderr), max_output)
         end = r.ended
         return ExecResult(
@@ -288,11 +311,12 @@ class EnvdTransport(Transport):
         return ResetOutcome(bool(r.ok), r.detail[:MAX_RESET_DETAIL])
 
     async def read_file(self, path: str, max_bytes: int = 0) -> bytes:
+        cap = max_bytes or ENVD_DEFAULT_READ_BYTES
+        _, fs = self._for(cap)
         with self._envd_errors():
-            r = await self._fs.ReadFile(
+            r = await fs.ReadFile(
                 pb.ReadFileRequest(path=path, max_bytes=max_bytes), metadata=self._md, timeout=CALL_DEADLINE_S
             )
-        cap = max_bytes or ENVD_DEFAULT_READ_BYTES
         if len(r.content) > cap:
             _overran(f"{path!r}", len(r.content), cap)
         return bytes(r.content)
@@ -303,8 +327,9 @@ class EnvdTransport(Transport):
             await self._fs.WriteFile(req, metadata=self._md, timeout=CALL_DEADLINE_S)
 
     async def list_dir(self, path: str) -> list[FileEntry]:
+        _, fs = self._for(MAX_MESSAGE_BYTES - _REPLY_OVERHEAD)  # a folder's listing has no cap of its own
         with self._envd_errors():
-            r = await self._fs.ListDir(pb.ListDirRequest(path=path), metadata=self._md, timeout=CALL_DEADLINE_S)
+            r = await fs.ListDir(pb.ListDirRequest(path=path), metadata=self._md, timeout=CALL_DEADLINE_S)
         return [
             FileEntry(i.name, i.path, _KINDS.get(i.kind, "other"), i.size, i.mode, i.mtime, i.link_target)
             for i in r.entries
@@ -353,8 +378,10 @@ class EnvdTransport(Transport):
 
     async def close(self) -> None:
         self._closed = True
-        with contextlib.suppress(Exception):
-            await self._channel.close()
+        for channel in (self._channel, self._large):
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    await channel.close()
 
     @contextlib.contextmanager
     def _envd_errors(self) -> Iterator[None]:

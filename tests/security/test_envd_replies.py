@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.backends.envd_transport import MAX_RESET_DETAIL, STREAM_STDIN_OVER, EnvdTransport
+from orchestrator.backends.envd_transport import MAX_RESET_DETAIL, SMALL_REPLY_BYTES, STREAM_STDIN_OVER, EnvdTransport
 from orchestrator.core.errors import SandboxUnavailableError
 from orchestrator.core.sandbox import Transport
 from orchestrator.rollout.snapshots import _rebase, _Unusable
@@ -36,9 +36,12 @@ class HostileProcess(pb_grpc.ProcessServicer):  # type: ignore[misc]
         self.streamed = 0  # bytes of output the stream handed to gRPC
         self.stream_over = asyncio.Event()
         self.end_without_exit = False
+        self.run_bytes = 2 << 20  # of stdout, and as much of stderr
+        self.reset_detail = 8 << 20
 
     async def Run(self, request: pb.ProcessRequest, context: grpc.aio.ServicerContext) -> pb.RunResult:
-        return pb.RunResult(stdout=b"o" * (2 << 20), stderr=b"e" * (2 << 20), ended=pb.Ended(exit_code=0))
+        out = b"o" * self.run_bytes
+        return pb.RunResult(stdout=out, stderr=out, ended=pb.Ended(exit_code=0))
 
     async def _flood(self) -> AsyncIterator[pb.ProcessEvent]:
         yield pb.ProcessEvent(started=pb.Started(pid=7))
@@ -66,7 +69,7 @@ class HostileProcess(pb_grpc.ProcessServicer):  # type: ignore[misc]
             yield ev
 
     async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext) -> pb.ResetResponse:
-        return pb.ResetResponse(ok=False, detail="d" * (8 << 20))
+        return pb.ResetResponse(ok=False, detail="d" * self.reset_detail)
 
 
 class HostileFiles(pb_grpc.FilesystemServicer):  # type: ignore[misc]
@@ -100,6 +103,23 @@ async def test_a_run_reply_past_max_output_is_refused(hostile: tuple[EnvdTranspo
         await transport.exec(["true"])
 
 
+async def test_a_reply_past_what_the_call_could_need_is_refused_before_it_is_held(
+    hostile: tuple[EnvdTransport, HostileProcess],
+) -> None:
+    # every reply of up to 64 MiB was read and held whole before the call's cap was checked (about 200 MiB of the
+    # worker's memory a call), and a gzip reply of 64 KiB on the wire was as much: now a call of a small cap takes a
+    # reply of SMALL_REPLY_BYTES at most, refused by its length, and no compressed reply at all
+    transport, process = hostile
+    process.run_bytes = 30 << 20
+    with pytest.raises(SandboxUnavailableError, match="RESOURCE_EXHAUSTED") as e:
+        await transport.exec(["true"], max_output=64 << 10)
+    assert "the call allowed" not in str(e.value)  # gRPC refused it by its length, not the check after holding it
+    # a call whose own cap is large is still answered in full (a test log, a raw Exec's max_output)
+    process.run_bytes = SMALL_REPLY_BYTES
+    r = await transport.exec(["true"], max_output=3 * SMALL_REPLY_BYTES)
+    assert len(r.stdout) == len(r.stderr) == SMALL_REPLY_BYTES
+
+
 async def test_a_stream_past_max_output_is_cut(hostile: tuple[EnvdTransport, HostileProcess]) -> None:
     transport, process = hostile
     # stdin over STREAM_STDIN_OVER takes the streamed path, where the output is gathered here
@@ -129,14 +149,17 @@ async def test_a_stream_without_the_exit_is_unavailable(hostile: tuple[EnvdTrans
 async def test_a_file_past_max_bytes_is_refused(hostile: tuple[EnvdTransport, HostileProcess]) -> None:
     transport, _ = hostile
     # a grader reading "1" and a megabyte of blanks as the whole file would read a reward
-    with pytest.raises(SandboxUnavailableError, match="over the 1025 the call allowed"):
+    with pytest.raises(SandboxUnavailableError, match="RESOURCE_EXHAUSTED"):  # refused by its length, never held
         await transport.read_file("/logs/verifier/reward.txt", max_bytes=1025)
     with pytest.raises(SandboxUnavailableError, match="bytes of '/x'"):
         await transport.read_file("/x")
 
 
 async def test_a_reset_detail_is_cut(hostile: tuple[EnvdTransport, HostileProcess]) -> None:
-    transport, _ = hostile
+    transport, process = hostile
+    outcome = await transport.reset("")  # 8 MiB: refused by its length
+    assert not outcome.ok and "RESOURCE_EXHAUSTED" in outcome.detail and len(outcome.detail) <= MAX_RESET_DETAIL
+    process.reset_detail = 1 << 20
     outcome = await transport.reset("")
     assert not outcome.ok
     assert len(outcome.detail) == MAX_RESET_DETAIL
