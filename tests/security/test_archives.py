@@ -153,3 +153,20 @@ def test_a_header_that_large_is_refused_before_it_is_read(tmp_path: Path) -> Non
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, f"{peak >> 20} MiB held"
+
+
+def test_a_zips_member_count_is_refused_before_its_index_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ZipFile read the whole central directory first (300,000 empty entries in 24 MiB held 146 MiB), and the member
+    # cap counted them only afterwards
+    monkeypatch.setattr(snapshot, "MAX_MEMBERS", 100)
+    archive = tmp_path / "many.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for i in range(101):
+            zf.writestr(f"r/f{i}", b"")
+    read = []
+    monkeypatch.setattr(zipfile.ZipFile, "_RealGetContents", lambda self: read.append(1))
+    with pytest.raises(SnapshotError, match=r"more than 100 members \(101 in its index\)"):
+        extract_archive(archive, tmp_path / "dest")
+    assert read == []  # refused by its end record: the index never read

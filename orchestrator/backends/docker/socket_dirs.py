@@ -32,6 +32,7 @@ import re
 import secrets
 import shutil
 import stat
+import subprocess
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,12 +282,16 @@ class SocketDirs:
         return False
 
     def lock(self, name: str) -> bool:
-        """Take the directory from the sandbox (ours, 0755) and say whether envd's socket is there, a real socket."""
+        """Take the directory from the sandbox (ours, 0755) and say whether envd's socket is there, a real socket,
+        and nothing else: a folder or file the sandbox made there before stayed its own, writable for its whole life
+        (without the tmpfs, on the host's disk)."""
         fd = os.open(self.path(name), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             os.fchown(fd, os.geteuid(), os.getegid())
             os.fchmod(fd, 0o755)
             # from here on the sandbox cannot swap the entry: what lstat sees now is what a connect reaches
+            if os.listdir(fd) != [SOCKET_NAME]:
+                return False
             return stat.S_ISSOCK(os.lstat(SOCKET_NAME, dir_fd=fd).st_mode)
         except FileNotFoundError:
             return False
@@ -321,8 +326,12 @@ class SocketDirs:
             os.unlink(path)
             return
         _unmount(path)
-        # rmtree works from directory fds and never follows a link inside the tree
-        shutil.rmtree(path, ignore_errors=True)
+        # rmtree works from directory fds and never follows a link inside the tree; a tree deeper than Python's
+        # recursion (a sandbox's, 3,000 folders down) raised out of it and stopped every sweep there: rm goes on
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        except RecursionError:
+            subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False, capture_output=True)
 
     def claim_stale(self, now: float, keep: Collection[str]) -> Claims:
         """Directories older than STALE_AFTER_S and not in `keep` whose create is not under way: each one's lock is
