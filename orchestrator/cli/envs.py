@@ -15,6 +15,7 @@ from rich.table import Table
 
 from orchestrator.cli.errors import CommandLineError
 from orchestrator.cli.remote import add_client_arguments, orchestrator_client
+from orchestrator.core.tools import tool_names
 from protos import orchestrator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
 
     table = Table("environment", "tasks", "tools", "source", title="environments in the local registry")
     for r in Registry.from_entry_points().all():
-        table.add_row(r.env.ref(), str(len(r.env.tasks())), ", ".join(r.env.tools), r.source)
+        table.add_row(r.env.ref(), str(len(r.env.tasks())), ", ".join(tool_names(r.env.tools)), r.source)
     console.print(table)
     return 0
 

@@ -26,6 +26,7 @@ from orchestrator.core.image_spec import ImageSpec
 from orchestrator.core.models import MAX_REWARD, Turn
 from orchestrator.core.sandbox import Limits, Sandbox
 from orchestrator.core.text import as_text
+from orchestrator.core.tools import Tool
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,8 @@ class Environment(abc.ABC):
     name: ClassVar[str]
     version: ClassVar[str] = "1"
     description: ClassVar[str] = ""
-    tools: ClassVar[tuple[str, ...]] = ("bash", "submit")
+    # built-in tools by name, and the environment's own as Tool objects (core/tools.py)
+    tools: ClassVar[tuple[str | Tool, ...]] = ("bash", "submit")
     system_prompt: ClassVar[str] = "You are an agent working in a sandbox. Use the tools; call submit when done."
     limits: ClassVar[Limits] = Limits(memory_mb=512, cpus=1.0, pids=128)
     runtime: ClassVar[str] = ""  # the OCI runtime of its sandboxes (SandboxSpec.runtime); empty: the server's default
@@ -322,9 +324,15 @@ def _digest(env: Environment) -> str:
         h.update(json.dumps(_keyed(value), sort_keys=True, default=lambda o: type(o).__qualname__).encode() + b"\0")
 
     cls = type(env)
-    put([env.ref(), cls.__module__, cls.__qualname__, list(env.tools), env.system_prompt, env.max_turns])
+    tools = [t if isinstance(t, str) else [t.name, t.description, t.parameters] for t in env.tools]
+    put([env.ref(), cls.__module__, cls.__qualname__, tools, env.system_prompt, env.max_turns])
     put([env.tool_timeout_s, env.limits.model_dump(), env.runtime, env.reusable, env.workspace_seed])
     modules = {cls.__module__}
+    for tool in env.tools:  # an environment's own tool: its code's module, as a reward function's
+        if isinstance(tool, Tool):
+            run = getattr(tool.run, "func", tool.run)
+            put([tool.name, getattr(run, "__qualname__", "")])
+            modules.add(getattr(run, "__module__", "") or "")
     rubric = getattr(env, "rubric", None)
     for name, fn, weight in getattr(rubric, "functions", ()):
         code = getattr(fn, "func", fn)  # a functools.partial's function

@@ -1,19 +1,35 @@
-"""The built-in tools an environment can offer the policy: bash, python, read_file, write_file, str_replace, submit.
+"""The tools an environment offers the policy: the built-in bash, python, read_file, write_file, str_replace and
+submit, by name, and an environment's own, as Tool objects.
 
 A tool runs in the sandbox and returns the observation text. What goes wrong inside the task (a missing file, a
 bad argument) is an observation for the policy; what goes wrong with the sandbox (SandboxError) propagates, so the
-rollout becomes INFRA_ERROR instead of a wrong answer.
+rollout becomes INFRA_ERROR instead of a wrong answer. An environment's own tool gets only arguments that fit its
+JSON schema (others are an observation, the policy's mistake), and whatever else it raises, or a result other than a
+ToolResult, is the environment's failure (ENV_ERROR).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import inspect
 import json
-from collections.abc import Awaitable, Callable, Mapping
+import re
+import weakref
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.core.errors import InvalidRequestError, SandboxFileError
+from orchestrator.core.echo import echo
+from orchestrator.core.errors import (
+    EnvironmentBroken,
+    InvalidRequestError,
+    PolicyError,
+    SandboxError,
+    SandboxFileError,
+)
 from orchestrator.core.sandbox import ExecResult, Sandbox
+from orchestrator.core.text import as_text
 
 MAX_OBSERVATION = 16 << 10
 MAX_FILE_READ = 64 << 10
@@ -40,9 +56,11 @@ class ToolResult:
 ToolFn = Callable[[Sandbox, Mapping[str, Any], float], Awaitable[ToolResult]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Tool:
-    """A tool: its OpenAI function schema and what it does."""
+    """A tool: its OpenAI function schema and what it does. An environment's own tool is one of these in its `tools`:
+    a name (letters, digits, _ and -, up to 64), a description, `parameters` (a JSON schema of type object) and `run`,
+    an `async def run(sandbox, arguments, timeout_s) -> ToolResult` that gets arguments which fit the schema."""
 
     name: str
     description: str
@@ -166,12 +184,97 @@ BUILTIN_TOOLS: dict[str, Tool] = {
 }
 
 
-def get_tools(names: tuple[str, ...]) -> list[Tool]:
-    """The built-in tools by name; an unknown name is an error that lists the known ones."""
-    unknown = [n for n in names if n not in BUILTIN_TOOLS]
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+MAX_ARGUMENT_ERROR = 300  # characters of a schema error the policy is shown (it may quote the policy's own text)
+
+
+def get_tools(tools: Sequence[str | Tool]) -> list[Tool]:
+    """The tools of an environment's `tools`: built-in ones by name, its own as Tool objects (checked once, and run
+    behind their schema). InvalidRequestError says what is wrong: an unknown name (listing the built-in ones), a
+    malformed tool, a name given twice."""
+    unknown = [t for t in tools if isinstance(t, str) and t not in BUILTIN_TOOLS]
     if unknown:
         raise InvalidRequestError(f"unknown tool(s) {unknown}; built-in tools are {sorted(BUILTIN_TOOLS)}")
-    return [BUILTIN_TOOLS[n] for n in names]
+    out: list[Tool] = []
+    for t in tools:
+        if isinstance(t, str):
+            out.append(BUILTIN_TOOLS[t])
+        elif isinstance(t, Tool):
+            out.append(_own(t))
+        else:
+            raise InvalidRequestError(f"tool {echo(t)} is neither a built-in tool's name nor a Tool")
+    names = [t.name for t in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InvalidRequestError(f"tool(s) {twice} named more than once")
+    return out
+
+
+def tool_names(tools: Sequence[str | Tool]) -> list[str]:
+    """The names of an environment's `tools` (built-in names and its own Tools')."""
+    return [t if isinstance(t, str) else t.name for t in tools]
+
+
+# what an environment's own tool may raise as the built-in ones do: the sandbox's failure, or what call_tool makes
+# an observation of; anything else is the environment's (ENV_ERROR)
+_PASSED_ON = (
+    SandboxError,
+    PolicyError,
+    InvalidRequestError,
+    SandboxFileError,
+    UnicodeDecodeError,
+    asyncio.CancelledError,
+)
+_OWN: weakref.WeakKeyDictionary[Tool, Tool] = weakref.WeakKeyDictionary()  # an environment's Tool, behind its schema
+
+
+def _own(tool: Tool) -> Tool:
+    known = _OWN.get(tool)
+    if known is not None:
+        return known
+    import jsonschema  # type: ignore[import-untyped]  # only where an environment brings its own tools
+
+    name = tool.name
+    if not isinstance(name, str) or not _TOOL_NAME.match(name):
+        raise InvalidRequestError(f"tool name {echo(name)} must match {_TOOL_NAME.pattern}")
+    if name in BUILTIN_TOOLS:
+        raise InvalidRequestError(f"tool {name!r} is a built-in tool's name: offer it by name, or name yours otherwise")
+    if not isinstance(tool.description, str):
+        raise InvalidRequestError(f"tool {name!r}: its description must be text")
+    if not isinstance(tool.parameters, Mapping) or tool.parameters.get("type") != "object":
+        raise InvalidRequestError(f"tool {name!r}: its parameters must be a JSON schema of type object")
+    try:
+        jsonschema.Draft202012Validator.check_schema(dict(tool.parameters))
+    except jsonschema.SchemaError as e:
+        raise InvalidRequestError(f"tool {name!r}: its parameters are no JSON schema: {e.message}") from None
+    if not inspect.iscoroutinefunction(tool.run):
+        raise InvalidRequestError(f"tool {name!r}: run must be an async def (sandbox, arguments, timeout_s)")
+    validator = jsonschema.Draft202012Validator(dict(tool.parameters))
+    run = tool.run
+
+    async def guarded(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> ToolResult:
+        try:
+            error = next(iter(validator.iter_errors(dict(args))), None)
+        except RecursionError:
+            return ToolResult(f"error: the arguments of {name} are nested too deeply")
+        if error is not None:
+            message = error.message[:MAX_ARGUMENT_ERROR]
+            return ToolResult(f"error: the arguments do not fit {name}'s parameters: {message}")
+        try:
+            result = await run(sandbox, args, timeout)
+        except _PASSED_ON:
+            raise  # the sandbox's failure, or what call_tool makes an observation of
+        except Exception as e:
+            e.add_note(f"in tool {name!r}")  # the rollout's error names it (classify_failure)
+            raise EnvironmentBroken(f"tool {name!r} raised {type(e).__name__}: {e}") from e
+        if not isinstance(result, ToolResult):
+            raise EnvironmentBroken(f"tool {name!r} returned a {type(result).__name__}, not a ToolResult")
+        if not isinstance(result.output, str) or not (result.answer is None or isinstance(result.answer, str)):
+            raise EnvironmentBroken(f"tool {name!r} returned a ToolResult whose output or answer is not text")
+        return dataclasses.replace(result, output=_clip(as_text(result.output)))
+
+    checked = _OWN[tool] = dataclasses.replace(tool, run=guarded)
+    return checked
 
 
 async def call_tool(tool: Tool, sandbox: Sandbox, raw_arguments: str, timeout: float) -> ToolResult:

@@ -13,7 +13,7 @@ from orchestrator.core.environment import Environment, Episode, Finish, ImageSou
 from orchestrator.core.errors import EnvfleetError, EnvironmentBroken
 from orchestrator.core.models import Turn
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxBackend, SandboxSpec
-from orchestrator.core.tools import call_tool, get_tools
+from orchestrator.core.tools import call_tool, get_tools, tool_names
 from orchestrator.rollout.step import classify_failure, env_call, env_score, replay_reference
 from orchestrator.service.declarative.env import late_metrics, strict_scoring
 
@@ -56,7 +56,7 @@ def check_tasks(env: Environment) -> list[str]:
             problems.append(f"task {t.id!r}: empty id or prompt")
         if not t.reference:
             problems.append(f"task {t.id!r}: no reference solution to check")
-        elif any(inv.name not in env.tools for inv in t.reference):
+        elif any(inv.name not in tool_names(env.tools) for inv in t.reference):
             problems.append(f"task {t.id!r}: the reference uses a tool the environment does not offer")
     return problems
 

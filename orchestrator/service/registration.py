@@ -38,6 +38,7 @@ from orchestrator.core.errors import (
 from orchestrator.core.files import sweep_temporaries, write_atomically
 from orchestrator.core.runtime import to_the_end
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, SandboxBackend, SandboxSpec
+from orchestrator.core.tools import tool_names
 from orchestrator.images.resolver import BuildsOwnImage
 from orchestrator.rollout.step import env_call, env_score, replay_reference
 from orchestrator.service.archives import (
@@ -554,7 +555,7 @@ class Registrar:
         result = ValidationResult(env=upload.ref(), image="", num_tasks=len(env.tasks()))
         result.checks.append(
             f"archive: kind {upload.kind}, {len(upload.data)} bytes (sha256 {upload.digest[:12]}), "
-            f"{result.num_tasks} task(s), tools {', '.join(env.tools)}"
+            f"{result.num_tasks} task(s), tools {', '.join(tool_names(env.tools))}"
         )
         try:
             result.image = await self._built(env, tenant)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from orchestrator.core.environment import Environment, Task
+from orchestrator.core.tools import tool_names
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step
 
 Mode = Literal["solve", "wrong", "empty"]
@@ -37,7 +38,7 @@ FILLER_ARGUMENTS = {"python": {"code": "print(sum(range({i})))"}, "bash": {"comm
 
 def filler_steps(env: Environment, task: Task, turns: int) -> list[Step]:
     """`turns` assistant turns: harmless tool calls (python, else bash), then the task's reference solution."""
-    tool = "python" if "python" in env.tools else "bash"
+    tool = "python" if "python" in tool_names(env.tools) else "bash"
     filler = [
         Step(
             content=f"Step {i}.",
