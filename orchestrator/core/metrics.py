@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 # up to an hour: a big job's queue wait, a tool call at its timeout and a large image's cold create pass a minute,
 # and with 60 s the last bound every one of them was +Inf (a p50 of inf in `envfleet status`)
@@ -93,6 +97,38 @@ class Metrics:
         self.docker_api_in_flight = Gauge("envfleet_docker_api_in_flight", "Engine calls in flight", registry=r)
         self.docker_api_waiting = Gauge("envfleet_docker_api_waiting", "Engine calls waiting for a permit", registry=r)
 
+    def export_workers(
+        self,
+        connected: Callable[[], int],
+        slots: Callable[[], int],
+        waiting: Callable[[], int],
+        lost: Callable[[], int],
+    ) -> None:
+        """The rollout workers, read when scraped: with none connected or every slot taken, a rollout waits for one
+        counted in flight (not in the queue) and the fleet looked busy and healthy while it ran nothing."""
+        Gauge("envfleet_workers", "Rollout workers connected", registry=self.registry).set_function(connected)
+        Gauge(
+            "envfleet_worker_slots", "Rollouts the connected workers take at once", registry=self.registry
+        ).set_function(slots)
+        Gauge(
+            "envfleet_rollouts_waiting_for_worker",
+            "Rollouts waiting for a worker to connect or for a slot",
+            registry=self.registry,
+        ).set_function(waiting)
+        self.registry.register(_LostWorkers(lost))
+
     def render(self) -> bytes:
         """The text exposition format."""
         return bytes(generate_latest(self.registry))
+
+
+class _LostWorkers(Collector):
+    """envfleet_workers_lost_total, the hub's own count (a counter read when scraped)."""
+
+    def __init__(self, lost: Callable[[], int]) -> None:
+        self._lost = lost
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "envfleet_workers_lost", "Rollout workers lost (stream ended or heartbeats stopped)", value=self._lost()
+        )

@@ -458,6 +458,9 @@ async def create_server(
         # read when scraped
         metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
         metrics.result_log_bytes.set_function(store.size_bytes)
+        if workers is not None:
+            hub = workers.hub
+            metrics.export_workers(lambda: len(hub.workers()), lambda: hub.slots, lambda: hub.waiting, lambda: hub.lost)
         fleet.export_metrics(metrics)
         server = grpc.aio.server(
             interceptors=[

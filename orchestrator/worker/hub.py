@@ -152,6 +152,7 @@ class WorkerHub:
         self.lost = 0  # workers lost so far
         self._in_use = 0  # rollouts placed (or being placed) on workers; at most the connected workers' slots
         self._slots = 0  # the connected workers' slots, summed as they join and leave
+        self.waiting = 0  # rollouts waiting in _pick for a worker to connect or a slot to free
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         # what placing a rollout on a worker costs it: the round trip from sending the assignment to taking the result,
         # less the rollout's own run time (the wire both ways and the waits in both processes; the recent ones)
@@ -166,6 +167,11 @@ class WorkerHub:
     def images(self) -> ImageSource:
         """The control plane's image source: it builds a job's image before the job's rollouts are placed."""
         return self._images
+
+    @property
+    def slots(self) -> int:
+        """The connected workers' slots."""
+        return self._slots
 
     def workers(self) -> list[WorkerInfo]:
         """The connected workers."""
@@ -252,11 +258,14 @@ class WorkerHub:
         caller frees the slot (_free_slot) when it is done."""
         while True:
             if not self._workers:
+                self.waiting += 1
                 try:
                     async with asyncio.timeout(spec.rollout_timeout_s), self._joined:
                         await self._joined.wait_for(lambda: bool(self._workers) or self._closed)
                 except TimeoutError:
                     raise WorkerLostError(f"no worker connected within {spec.rollout_timeout_s:g}s") from None
+                finally:
+                    self.waiting -= 1
             if self._closed:
                 raise WorkerLostError("the control plane is stopping")
             if self._in_use < self._slots:
@@ -265,12 +274,15 @@ class WorkerHub:
             # others until their heartbeats starve and they are lost too
             waiter = asyncio.get_running_loop().create_future()
             self._slot_waiters.append(waiter)
+            self.waiting += 1
             try:
                 await waiter
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
                     self._wake(1)  # the slot it was woken for goes to the next in line
                 raise
+            finally:
+                self.waiting -= 1
         self._in_use += 1
         home = self._workers.get(self._group_home.get(item.job_id, {}).get(item.group_id, ""))
         if home is not None and home.load < 2.0 and not home.failing and home.id not in failed_on:

@@ -332,6 +332,12 @@ async def test_the_metrics_endpoint_serves_every_workers_metrics_labelled(
         assert all(lab.get("host") for lab, _ in samples["envfleet_sandbox_acquire_seconds_count"])
         # the control plane's own series stay as they were, and every family is declared once
         assert 'envfleet_rollouts_total{status="OK"} 16.0' in text
+        # the workers themselves: with none connected or every slot taken a rollout waits, counted in flight, and
+        # the fleet looked busy while it ran nothing
+        slots = sum(w.slots for w in orch.workers.hub.workers())
+        for line in ("envfleet_workers 2.0", f"envfleet_worker_slots {slots:.1f}", "envfleet_workers_lost_total 0.0"):
+            assert line in text.splitlines(), line
+        assert "envfleet_rollouts_waiting_for_worker 0.0" in text.splitlines()
         types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
         assert len(types) == len(set(types)), [t for t in types if types.count(t) > 1]
         table = Console(width=200, record=True)
