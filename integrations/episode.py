@@ -124,11 +124,12 @@ async def _attempt(
         out = await _finished_sample(generate, context, budget)
         episode.append(out.ids, 1, out.logprobs)
         episode.assistant_turns += 1
-        # decoded as the server would (special tokens dropped); tool markers are ordinary tokens, the parser sees them,
-        # after the thinking (a call written while thinking is none, as in the fleet's own tito turns)
-        text = tokens.tokenizer.decode(out.ids, skip_special_tokens=True)
+        # read as the fleet reads its own tito turns: the token it stopped on dropped, other special tokens kept (a
+        # tool-call marker may be one), the thinking first (a call written while thinking is none)
+        cut = _cut_off(out, budget, tokens)
+        text = tokens.turn_text(out.ids, cut=cut)
         content, calls = parse_turn(parser, text, tools, opened=prompt_opens_thinking(tokens.decode, context))
-        if _cut_off(out, budget, tokens):
+        if cut:
             calls = []  # a call it was writing may be cut short: none runs, as in the fleet's own tito turns
         result, messages = await _turn(sessions, sid, content, calls)
         if not result.done:

@@ -145,16 +145,7 @@ class TitoEpisode(Policy):
         finish = s.finish_reason
         if finish == NOT_SAID and len(s.ids) >= max_tokens and not (s.ids and s.ids[-1] in tokens.stop_ids):
             finish = "length"  # no finish_reason, but every token it could sample and no stop: it was cut there
-        # the token it stopped on is no text of the turn's: the turn's end, the eos, or any other special token the
-        # server stops on (Qwen's <|endoftext|>, Llama's <|eom_id|>), which a grader or a parser would read as text
-        end = tokens.end_ids if finish in CUT_OFF else tokens.stop_ids
-        text = tokens.decode(s.ids[:-1] if s.ids and s.ids[-1] in end else s.ids)
-        if finish not in CUT_OFF and sampling.stop:
-            # a stop string the server stopped at ends the text there, as the server's own text does (chat mode):
-            # the ids up to it decode to it and to what its last token carries past it
-            cut = min((i for i in (text.find(stop) for stop in sampling.stop if stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
+        text = tokens.turn_text(s.ids, cut=finish in CUT_OFF, stop=sampling.stop)
         calls: list[ToolCall]
         opened = prompt_opens_thinking(tokens.decode, prompt)  # the turn began inside a thinking the prompt opened
         if finish in CUT_OFF:

@@ -94,6 +94,21 @@ class ChatTemplateTokens:
         """Sampled ids as text, special tokens included (tool call markers may be special tokens)."""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
+    def turn_text(self, ids: Sequence[int], *, cut: bool, stop: Sequence[str] = ()) -> str:
+        """A sampled turn's text, as the fleet reads it (its tito turns and the verl driver alike): the token it
+        stopped on is no text of the turn's, so it goes (a cut turn's only when it is the turn's end or the eos; a
+        finished turn's when it is any special token the server stops on: Qwen's <|endoftext|>, Llama's
+        <|eom_id|>, which a grader or a parser would read as text); other special tokens stay (a tool-call marker may
+        be one, and skipping them all hid a Llama `<|python_tag|>` call from the parser). A finished turn ends at the
+        first of `stop`, the stop strings the server stopped at, as the server's own text does (chat mode)."""
+        end = self.end_ids if cut else self.stop_ids
+        text = self.decode(ids[:-1] if ids and ids[-1] in end else ids)
+        if not cut and stop:
+            at = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+            if at >= 0:
+                text = text[:at]
+        return text
+
     def _turn_end(self, base_ids: list[int]) -> int:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if isinstance(eos, int) and eos in base_ids:

@@ -154,3 +154,17 @@ def test_a_template_whose_turns_tito_cannot_find_is_refused_at_load(
     tok.chat_template = template
     with pytest.raises(ValueError, match=re.escape(message)):
         ChatTemplateTokens(tok)
+
+
+def test_a_turns_text_keeps_its_special_tokens_but_the_one_it_stopped_on(tokens: ChatTemplateTokens) -> None:
+    # one reading for the fleet's tito turns and the verl driver: the driver decoded with skip_special_tokens, and a
+    # tool-call marker that is a special token (Llama's <|python_tag|>, Mistral's [TOOL_CALLS]) never reached its
+    # parser, so the call was read as a final answer and scored
+    ids = tokens.encode("a<|im_start|>b<|im_end|>")
+    assert tokens.turn_text(ids, cut=False) == "a<|im_start|>b"
+    assert tokens.turn_text(ids, cut=True) == "a<|im_start|>b"  # <|im_end|> is the turn's end: dropped either way
+    cut_at_special = tokens.encode("a<|endoftext|>")
+    assert tokens.turn_text(cut_at_special, cut=False) == "a"  # a server may stop on any special token
+    assert tokens.turn_text(cut_at_special, cut=True) == "a<|endoftext|>"  # cut there: it is text it wrote
+    assert tokens.turn_text(tokens.encode("x STOP y"), cut=False, stop=["STOP"]) == "x "
+    assert tokens.turn_text(tokens.encode("x STOP y"), cut=True, stop=["STOP"]) == "x STOP y"
