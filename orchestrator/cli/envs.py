@@ -1,6 +1,7 @@
 """`envfleet envs list|describe|validate|register`: with `--server ADDR` they ask that orchestrator (its
-EnvironmentService); without it, list/describe/validate read the local registry (entry points), and register
-and the validation of a spec file use an orchestrator started in this process."""
+EnvironmentService); without it, list/describe/validate read the local registry (entry points), the validation of
+a spec file uses an orchestrator started in this process and then the checker on every task, and register asks
+the server at its default address (127.0.0.1:50051)."""
 
 from __future__ import annotations
 

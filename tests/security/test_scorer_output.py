@@ -60,3 +60,9 @@ async def test_a_shell_that_fails_in_time_says_the_host_keeps_time() -> None:
     await keeps_time(Sandbox(ExecResult(127, b"", b"/bin/sh: not found")), "the verifier failed")  # type: ignore[arg-type]
     with pytest.raises(SandboxUnavailableError, match="the host, not the policy, is slow"):
         await keeps_time(Sandbox(ExecResult(-9, b"", b"", timed_out=True)), "the verifier failed")  # type: ignore[arg-type]
+
+
+def test_a_true_or_false_component_counts_as_1_or_0() -> None:
+    # a grader's {"reward": 1, "passed": true} lost its component: only numbers were kept
+    score = parse_score(ExecResult(0, b'{"reward": 1, "passed": true, "lint": false, "note": "x"}\n', b""), 10)
+    assert score.components == {"passed": 1.0, "lint": 0.0}

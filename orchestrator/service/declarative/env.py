@@ -120,7 +120,8 @@ def parse_score(result: ExecResult, timeout_s: float) -> Score:
     if abs(reward) > MAX_REWARD:
         # a Score refuses it (ENV_ERROR, masked), and the policy's program the command runs could print it
         raise ScoringError(f"scoring command printed a reward of {reward:g}, past ±{MAX_REWARD:g}")
-    components = {str(k): float(v) for k, v in out.items() if k != "reward" and _finite(v)}
+    # a JSON true or false is a component of 1 or 0, as a Python reward function's bool is (it was dropped)
+    components = {str(k): float(v) for k, v in out.items() if k != "reward" and (_finite(v) or isinstance(v, bool))}
     if len(components) > MAX_SCORE_NAMES:
         # too many to keep (a Score refuses them: ENV_ERROR, masked, which the policy's program could print)
         components = {}
