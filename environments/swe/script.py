@@ -236,16 +236,17 @@ def _test_ish(folder: str) -> bool:
 
 
 def test_trees(instance: SweInstance) -> list[str]:
-    """The test folders the instance's tests live in (the outermost folder named like tests on each test file's path:
-    `tests`, `toolz/tests`): put back whole to base_commit, what the patch added there removed. The test files alone
-    were not enough: cachetools' test methods are a mixin in tests/__init__.py, which every test module imports, and a
-    patch that made them all pass there resolved the instance with its bug intact. A test file outside any such
-    folder (at the root, beside the code) is put back alone."""
+    """The test folders the instance's tests live in (the innermost folder named like tests on each test file's path:
+    `tests`, `toolz/tests`, `numpy/testing/tests`, never the `numpy/testing` package around it): put back whole to
+    base_commit, what the patch added there removed. The test files alone were not enough: cachetools' test methods
+    are a mixin in tests/__init__.py, which every test module imports, and a patch that made them all pass there
+    resolved the instance with its bug intact. A test file outside any such folder (at the root, beside the code) is
+    put back alone."""
     trees: set[str] = set()
     for f in test_files(instance):
         parts = f.split("/")[:-1]
-        for i, folder in enumerate(parts):
-            if _test_ish(folder):
+        for i in reversed(range(len(parts))):
+            if _test_ish(parts[i]):
                 trees.add("/".join(parts[: i + 1]))
                 break
     return sorted(t for t in trees if not any(t.startswith(f"{o}/") for o in trees))
@@ -265,7 +266,7 @@ def eval_script(instance: SweInstance, *, nonce: str, repo_dir: str, work_dir: s
 if [ -n "$in_tree" ]; then
   printf '%s\\n' "$in_tree" | git checkout -q "$BASE" --pathspec-from-file=- || fail_patched "test folders"
 fi
-git clean -fdqx -- {trees} || fail_patched "test folders"
+git clean -fdq -- {trees} || fail_patched "test folders"
 """
         if trees
         else ""
@@ -321,8 +322,8 @@ fi
 for f in {files}; do
   case $'\n'"$tracked"$'\n' in *$'\n'"$f"$'\n'*) ;; *) rm -f -- "$f" ;; esac
 done
-# and the test folders whole: their __init__.py (a mixin of the test methods), helpers and data files (the trees are
-# the grader's own; their untracked and ignored files go too)
+# and the test folders whole: their __init__.py (a mixin of the test methods), helpers and data files; the files the
+# patch added there go (ignored ones stay: a module built in place beside its tests may be one)
 {trees_reset}# so do the harness's own files, and those the patch added go: a conftest.py, pytest's configuration, a
 # sitecustomize.py or a .pth file is code or options that pytest and python take for the grader's (a conftest.py
 # hook could report every test passed)

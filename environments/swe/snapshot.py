@@ -17,6 +17,7 @@ import lzma
 import os
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import tarfile
@@ -161,6 +162,9 @@ class _Tree:
                     raise SnapshotError(f"link {_shown(rel)} points outside the tree (through another link)")
 
 
+_CD_HEADER = 46  # a zip central directory header's fixed part
+
+
 class _Budget:
     """Counts members and unpacked bytes against the archive's limits."""
 
@@ -174,16 +178,29 @@ class _Budget:
         self.max_member = limits.member_bytes
 
     def check_zip_index(self, archive: Path) -> None:
-        """The member count a zip's end record declares, against the cap, before ZipFile reads its index whole (300,000
-        empty entries in 24 MiB held 146 MiB, the cap of 10,000 counted only after). zipfile's own reader of the end
-        record (ZIP64 too); an end record it cannot read is ZipFile's to refuse."""
+        """The members of a zip's index (its central directory), counted against the cap before ZipFile reads it whole
+        (300,000 empty entries in 24 MiB held 146 MiB, the cap of 10,000 counted only after). Counted header by
+        header over the bytes ZipFile reads, where its end record says they are (zipfile's own reader of that record,
+        ZIP64 too): the count the record declares may be a lie. An index it cannot find is ZipFile's to refuse."""
         with archive.open("rb") as f:
             end = zipfile._EndRecData(f)  # type: ignore[attr-defined]
-        declared = end[zipfile._ECD_ENTRIES_TOTAL] if end else 0  # type: ignore[attr-defined]
-        if declared > self.max_members:
-            raise ArchiveLimitError(
-                f"the archive has more than {self.max_members} members ({declared} in its index)", "members"
-            )
+            if not end:
+                return
+            size = end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
+            start = end[zipfile._ECD_LOCATION] - size  # type: ignore[attr-defined]
+            if end[zipfile._ECD_SIGNATURE] == zipfile.stringEndArchive64:  # type: ignore[attr-defined]
+                start -= zipfile.sizeEndCentDir64 + zipfile.sizeEndCentDir64Locator  # type: ignore[attr-defined]
+            if start < 0:
+                return
+            f.seek(start)
+            index = f.read(size)  # at most the archive's own size, which its cap bounds
+        at = count = 0
+        while at + _CD_HEADER <= len(index) and index[at : at + 4] == b"PK\x01\x02":
+            count += 1
+            if count > self.max_members:
+                raise ArchiveLimitError(f"the archive has more than {self.max_members} members", "members")
+            name, extra, comment = struct.unpack_from("<HHH", index, at + 28)
+            at += _CD_HEADER + name + extra + comment
 
     def add(self, size: int, name: str) -> None:
         self.members += 1

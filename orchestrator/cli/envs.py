@@ -127,7 +127,8 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
         # passed it and scored the policy 0 (or 1) there
         from orchestrator.service.declarative import load_spec_file, make_environment
 
-        return asyncio.run(_check_local(make_environment(load_spec_file(Path(args.name))), args.limit, console))
+        env = make_environment(load_spec_file(Path(args.name)))
+        return asyncio.run(_check_local(env, args.limit, console, references=False))
     if args.server:
         raise CommandLineError(
             f"{args.name!r} is not a spec file: over --server, envs validate checks a declarative spec "
@@ -139,14 +140,15 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     return asyncio.run(_check_local(Registry.from_entry_points().get(args.name), args.limit, console))
 
 
-async def _check_local(env: Environment, limit: int | None, console: Console) -> int:
+async def _check_local(env: Environment, limit: int | None, console: Console, *, references: bool = True) -> int:
     from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
     from orchestrator.images.resolver import ImageResolver
     from orchestrator.service.checker import check_environment
 
     backend = await DockerBackend.start(DockerBackendConfig(owner="envfleet-validate"))
     try:
-        report = await check_environment(env, backend, ImageResolver(backend.client), limit=limit)
+        images = ImageResolver(backend.client)
+        report = await check_environment(env, backend, images, limit=limit, references=references)
     finally:
         await backend.close()
     for p in report.problems:

@@ -173,9 +173,10 @@ class Rubric:
                 raise TypeError(
                     f"reward function {name!r} returned {type(value).__name__} {value[:40]!r}, not a number"
                 )
-            if not isinstance(value, numbers.Real):  # a bool is one (a test passed); numpy's numbers are too
-                raise TypeError(f"reward function {name!r} returned {echo(value)}, not a number")
-            value = float(value)
+            try:  # a bool counts (a test passed), numpy's numbers and bools too
+                value = float(value)
+            except (TypeError, ValueError):  # None said "float() argument must be ... 'NoneType'", naming no function
+                raise TypeError(f"reward function {name!r} returned {echo(value)}, not a number") from None
             if weight == 0:
                 metrics[name] = value
             else:

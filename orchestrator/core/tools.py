@@ -257,6 +257,8 @@ def _own(tool: Tool) -> Tool:
             error = next(iter(validator.iter_errors(dict(args))), None)
         except RecursionError:
             return ToolResult(f"error: the arguments of {name} are nested too deeply")
+        except Exception as e:  # the schema's own fault (a $ref that resolves nowhere): the environment's
+            raise EnvironmentBroken(f"tool {name!r}: its parameters could not check the arguments: {e}") from e
         if error is not None:
             message = error.message[:MAX_ARGUMENT_ERROR]
             return ToolResult(f"error: the arguments do not fit {name}'s parameters: {message}")

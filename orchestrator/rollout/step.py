@@ -214,17 +214,18 @@ def classify_failure(
     return status, RolloutError(kind=type(e).__name__, message=f"{message} ({notes})" if notes else message)
 
 
-_BUGS_LOGGED: set[tuple[str, str, int]] = set()
-MAX_BUGS_LOGGED = 256  # distinct places; past them a broken environment's failures are not logged again
+_BUGS_LOGGED: set[tuple[str, str, int, str]] = set()
+MAX_BUGS_LOGGED = 256  # distinct failures; past them a broken environment's failures are not logged again
 
 
 def _log_environment_bug(e: BaseException) -> None:
-    """An environment's own failure, with its traceback, once per place it was raised: the trainer sees its type and
-    message only, and its author needs the line (a rollout per place, not one per rollout of a broken environment)."""
+    """An environment's own failure, with its traceback, once per place it was raised and message it said: the
+    trainer sees its type and message only, and its author needs the line (one rollout's, not every rollout's of a
+    broken environment; by message too, or one tenant's grader failure hid every other's raised at the same line)."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    where = (type(e).__name__, tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else None
+    where = (type(e).__name__, tb.tb_frame.f_code.co_filename, tb.tb_lineno, str(e)[:120]) if tb is not None else None
     if where is None or where in _BUGS_LOGGED or len(_BUGS_LOGGED) >= MAX_BUGS_LOGGED:
         return
     _BUGS_LOGGED.add(where)

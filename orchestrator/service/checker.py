@@ -42,8 +42,9 @@ class CheckReport:
         return not self.problems
 
 
-def check_tasks(env: Environment) -> list[str]:
-    """Static checks of the task list."""
+def check_tasks(env: Environment, *, references: bool = True) -> list[str]:
+    """Static checks of the task list; `references`: each task needs one (a declarative spec's tasks may have none,
+    as its Validate takes them)."""
     problems = []
     tasks = list(env.tasks())
     if not tasks:
@@ -55,7 +56,8 @@ def check_tasks(env: Environment) -> list[str]:
         if not t.id or not t.prompt.strip():
             problems.append(f"task {t.id!r}: empty id or prompt")
         if not t.reference:
-            problems.append(f"task {t.id!r}: no reference solution to check")
+            if references:
+                problems.append(f"task {t.id!r}: no reference solution to check")
         elif any(inv.name not in tool_names(env.tools) for inv in t.reference):
             problems.append(f"task {t.id!r}: the reference uses a tool the environment does not offer")
     return problems
@@ -81,15 +83,16 @@ async def _check_task(env: Environment, backend: SandboxBackend, image: str, tas
         image=image, limits=env.limits, runtime=env.runtime, env={**DETERMINISTIC_ENV, "ENVFLEET_SEED": str(seed)}
     )
     problems = []
-    async with await backend.create(spec) as sandbox:
-        await env_call(env.setup(sandbox, task, seed))
-        # an empty answer, and an episode cut off before any (its answer None: a scorer's `answer.strip()` made
-        # every TRUNCATED rollout ENV_ERROR, masked from training instead of scored)
-        cases: tuple[tuple[str, str | None, Finish], ...] = (
-            ("an empty answer", "", "submit"),
-            ("no answer (cut off)", None, "max_turns"),
-        )
-        for what, answer, finish in cases:
+    # an empty answer, and an episode cut off before any (its answer None: a scorer's `answer.strip()` made every
+    # TRUNCATED rollout ENV_ERROR, masked from training instead of scored); each in a sandbox of its own, as a
+    # rollout's scoring is (a grader that leaves state behind is no problem of the checker's making)
+    cases: tuple[tuple[str, str | None, Finish], ...] = (
+        ("an empty answer", "", "submit"),
+        ("no answer (cut off)", None, "max_turns"),
+    )
+    for what, answer, finish in cases:
+        async with await backend.create(spec) as sandbox:
+            await env_call(env.setup(sandbox, task, seed))
             opening = [Turn(role="user", text=task.prompt)]
             with strict_scoring():
                 try:
@@ -97,9 +100,9 @@ async def _check_task(env: Environment, backend: SandboxBackend, image: str, tas
                 except EnvironmentBroken as e:
                     problems.append(f"task {task.id}: scoring {what} failed: {e}")
                     continue
-            if empty.reward > 0:
-                problems.append(f"task {task.id}: {what} scores {empty.reward}, expected at most 0")
-            problems += _in_time(task, what, empty)
+        if empty.reward > 0:
+            problems.append(f"task {task.id}: {what} scores {empty.reward}, expected at most 0")
+        problems += _in_time(task, what, empty)
     async with await backend.create(spec) as sandbox:
         await env_call(env.setup(sandbox, task, seed))
         episode = await replay_reference(env, sandbox, task)
@@ -122,12 +125,19 @@ def _in_time(task: Task, what: str, score: Score) -> list[str]:
 
 
 async def check_environment(
-    env: Environment, backend: SandboxBackend, images: ImageSource, *, concurrency: int = 8, limit: int | None = None
+    env: Environment,
+    backend: SandboxBackend,
+    images: ImageSource,
+    *,
+    concurrency: int = 8,
+    limit: int | None = None,
+    references: bool = True,
 ) -> CheckReport:
-    """Run every check; problems are collected, not raised."""
+    """Run every check; problems are collected, not raised. `references`: check_tasks's (tasks without one are not
+    replayed either way)."""
     t0 = time.monotonic()
     report = CheckReport(env.ref())
-    report.problems += check_tasks(env)
+    report.problems += check_tasks(env, references=references)
     try:
         image, _ = await images.resolve(env)
     except EnvfleetError as e:

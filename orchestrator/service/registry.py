@@ -15,6 +15,7 @@ import importlib.metadata
 import inspect
 import logging
 import re
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -62,18 +63,35 @@ def _ours(ep: importlib.metadata.EntryPoint) -> bool:
 
 
 def _refuse_misspelt(env: Environment, ref: str) -> None:
-    for klass in type(env).__mro__:
-        if klass is Environment:
-            break
+    """A class attribute named like a setting its class does not set, holding what that setting holds: a misspelling
+    (`max_turn = 40`, `tool = (...)`). An attribute of another kind (`limit = 10`, where `limits` holds a Limits), or
+    one beside the setting it resembles in its own class (`names` beside `name`), is the author's own."""
+    mro = type(env).__mro__
+    for klass in mro[: mro.index(Environment)]:
         for attr, value in vars(klass).items():
             method = callable(value) or isinstance(value, property | classmethod | staticmethod)
             if attr.startswith("_") or attr in _SETTINGS or method:
                 continue
-            close = difflib.get_close_matches(attr, _SETTINGS, n=1, cutoff=0.8)
-            if close:
-                raise InvalidEnvironmentError(
-                    f"{ref}: {klass.__name__}.{attr} is no setting of an Environment; did you mean {close[0]!r}?"
-                )
+            for close in difflib.get_close_matches(attr, _SETTINGS, n=1, cutoff=0.85):
+                if close not in vars(klass) and _alike(value, _KINDS.get(close, object)):
+                    raise InvalidEnvironmentError(
+                        f"{ref}: {klass.__name__}.{attr} is no setting of an Environment; did you mean {close!r}?"
+                    )
+
+
+def _kinds() -> dict[str, type]:
+    hints = typing.get_type_hints(Environment)
+    inner = {k: typing.get_args(v)[0] if typing.get_origin(v) is typing.ClassVar else v for k, v in hints.items()}
+    return {k: typing.get_origin(v) or v for k, v in inner.items()}  # tuple[...] is a tuple
+
+
+_KINDS = _kinds()  # each setting's kind: str, int, float, tuple, Limits, Rubric...
+
+
+def _alike(value: object, kind: type) -> bool:
+    if kind is float:  # an int where a float goes (tool_timeout_s = 60)
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def _check_tasks(env: Environment, ref: str) -> None:

@@ -16,9 +16,10 @@ import pytest
 from environments.sdk import Environment, Rubric, Sandbox, ScoringContext, Task, Tool, ToolInvocation, ToolResult
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.errors import InvalidEnvironmentError
+from orchestrator.core.errors import EnvironmentBroken, InvalidEnvironmentError
 from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
+from orchestrator.core.tools import call_tool, get_tools
 from orchestrator.service.registry import Registry
 from tests.conftest import TEST_OWNER
 from tests.orchestrator.servers import serve
@@ -111,3 +112,12 @@ def test_a_malformed_tool_is_refused_at_registration(tool: Tool, message: str) -
     with pytest.raises(InvalidEnvironmentError, match=re.escape(message)):
         Registry().register(env)
     Registry().register(LanternEnv())
+
+
+async def test_a_schema_that_cannot_check_the_arguments_is_the_environments_failure() -> None:
+    # a $ref that resolves nowhere passes check_schema, and raised at the call: an unclassified failure, INFRA_ERROR,
+    # retried on fresh sandboxes and never naming the tool
+    dangling = Tool("lost", "x", {"type": "object", "properties": {"a": {"$ref": "#/$defs/nowhere"}}}, _look)
+    (tool,) = get_tools((dangling,))
+    with pytest.raises(EnvironmentBroken, match="tool 'lost': its parameters could not check the arguments"):
+        await call_tool(tool, None, '{"a": 1}', 5)  # type: ignore[arg-type]

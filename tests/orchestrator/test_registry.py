@@ -87,6 +87,8 @@ def test_an_environment_registration_refuses_what_would_fail_every_rollout(
     with pytest.raises(InvalidEnvironmentError, match=re.escape(message)):
         Registry().register(broken())
     Registry().register(Mine())  # as it was, fine
+    # an author's own attributes that only look like settings: another kind of value, or beside the setting itself
+    Registry().register(type("Own", (Mine,), {"limit": 10, "workspace_dir": "/w", "names": ("a",)})())
 
     class Scorer:  # any object with score(ctx), as the default Environment.score calls it
         async def score(self, ctx: ScoringContext) -> Score:
@@ -168,8 +170,14 @@ async def test_a_reward_function_that_raises_is_named_in_the_rollouts_error(capl
             )
     # its traceback once, for the author (the second rollout's failure at the same place is not logged again)
     assert caplog.text.count('["answr"]') == 1 and "in typo" in caplog.text
-    three = type("Numpy", (Mine,), {"rubric": Rubric([("exact", lambda ctx: __import__("numpy").float32(0.5), 1.0)])})()
-    assert (await env_score(three, None, three.tasks()[0], Episode([], "", "submit"))).reward == 0.5  # type: ignore[arg-type]
+    np = __import__("numpy")
+    funcs = [("half", lambda ctx: np.float32(0.5), 1.0), ("close", lambda ctx: np.isclose(1.0, 1.0), 1.0)]
+    three = type("Numpy", (Mine,), {"rubric": Rubric(funcs)})()
+    assert (await env_score(three, None, three.tasks()[0], Episode([], "", "submit"))).reward == 1.5  # type: ignore[arg-type]
+    none_rubric = Rubric([("exact", lambda ctx: None, 1.0)])  # type: ignore[list-item, return-value]
+    nothing = type("Nothing", (Mine,), {"rubric": none_rubric})()
+    with pytest.raises(EnvironmentBroken, match="reward function 'exact' returned None, not a number"):
+        await env_score(nothing, None, nothing.tasks()[0], Episode([], "", "submit"))  # type: ignore[arg-type]
 
 
 class Scoring(Mine):

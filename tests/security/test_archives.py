@@ -165,8 +165,27 @@ def test_a_zips_member_count_is_refused_before_its_index_is_read(
     with zipfile.ZipFile(archive, "w") as zf:
         for i in range(101):
             zf.writestr(f"r/f{i}", b"")
-    read = []
-    monkeypatch.setattr(zipfile.ZipFile, "_RealGetContents", lambda self: read.append(1))
-    with pytest.raises(SnapshotError, match=r"more than 100 members \(101 in its index\)"):
+    read: list[int] = []
+    real = zipfile.ZipFile._RealGetContents  # type: ignore[attr-defined]
+
+    def reading(self: zipfile.ZipFile) -> None:
+        read.append(1)
+        real(self)
+
+    monkeypatch.setattr(zipfile.ZipFile, "_RealGetContents", reading)
+    with pytest.raises(SnapshotError, match="more than 100 members"):
         extract_archive(archive, tmp_path / "dest")
-    assert read == []  # refused by its end record: the index never read
+    # an end record that declares 1 member: the headers are counted, not the record's word
+    data = bytearray(archive.read_bytes())
+    end = data.rfind(b"PK\x05\x06")
+    data[end + 8 : end + 12] = (1).to_bytes(2, "little") * 2
+    forged = tmp_path / "forged.zip"
+    forged.write_bytes(bytes(data))
+    with pytest.raises(SnapshotError, match="more than 100 members"):
+        extract_archive(forged, tmp_path / "dest2")
+    assert read == []  # refused before ZipFile read the index
+    with zipfile.ZipFile(archive, "w") as zf:
+        for i in range(100):
+            zf.writestr(f"r/f{i}", b"")
+    extract_archive(archive, tmp_path / "dest3")  # at the cap: fine
+    assert len(list((tmp_path / "dest3").iterdir())) == 100

@@ -506,3 +506,15 @@ async def test_a_patch_cannot_pass_its_tests_from_their_folder_or_by_flooding_th
     log = (run / "flood" / py / "test_output.txt").read_text()
     assert ">>>>> Test Output Cut" in log.splitlines() and "short test summary info" not in log
     assert report(run, "gold", py)["resolved"]  # the test folder put back takes nothing from a real fix
+
+
+def test_the_test_folders_put_back_are_the_innermost_on_each_path(tiny: Tiny) -> None:  # noqa: F811
+    # the outermost one was `numpy/testing`, numpy.testing's own source: a fix there was put back before the tests
+    listed = [
+        "tests/test_a.py::test_x",
+        "toolz/tests/test_b.py::test_y",
+        "numpy/testing/tests/test_utils.py::test_z",
+        "test_root.py::test_w",  # beside the code: put back alone
+    ]
+    instance = tiny.pytest.model_copy(update={"FAIL_TO_PASS": listed, "PASS_TO_PASS": [], "test_patch": ""})
+    assert swe_script.test_trees(instance) == ["numpy/testing/tests", "tests", "toolz/tests"]

@@ -262,6 +262,9 @@ def test_an_answer_that_sampled_no_tokens_is_a_policy_failure_never_an_empty_tur
     # a chat server that returns no ids at all is not one that sampled none: its tokens are missing, the turn is kept
     bare = parse_chat_completion({"choices": [{"finish_reason": "stop", "message": {"content": ""}}]}, model="m")
     assert bare.completion_ids is None and bare.text == ""
+    # nor is one whose logprob entries leave the stop token out (OpenAI's, llama.cpp's): an empty answer is the policy's
+    entries = {"finish_reason": "stop", "message": {"content": ""}, "logprobs": {"content": []}}
+    assert parse_chat_completion({"choices": [entries]}, model="m").text == ""
 
 
 def test_the_parsers_bounds_are_the_wires_own() -> None:

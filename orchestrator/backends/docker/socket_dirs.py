@@ -281,20 +281,23 @@ class SocketDirs:
             return True
         return False
 
-    def lock(self, name: str) -> bool:
-        """Take the directory from the sandbox (ours, 0755) and say whether envd's socket is there, a real socket,
-        and nothing else: a folder or file the sandbox made there before stayed its own, writable for its whole life
-        (without the tmpfs, on the host's disk)."""
+    def lock(self, name: str) -> str:
+        """Take the directory from the sandbox (ours, 0755); "" when envd's socket is there, a real socket, and
+        nothing else, else what is wrong: a folder or file the sandbox made there before stayed its own, writable for
+        its whole life (without the tmpfs, on the host's disk)."""
         fd = os.open(self.path(name), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             os.fchown(fd, os.geteuid(), os.getegid())
             os.fchmod(fd, 0o755)
             # from here on the sandbox cannot swap the entry: what lstat sees now is what a connect reaches
-            if os.listdir(fd) != [SOCKET_NAME]:
-                return False
-            return stat.S_ISSOCK(os.lstat(SOCKET_NAME, dir_fd=fd).st_mode)
+            if not stat.S_ISSOCK(os.lstat(SOCKET_NAME, dir_fd=fd).st_mode):
+                return f"{SOCKET_NAME} was swapped for something that is no socket"
+            others = sorted(set(os.listdir(fd)) - {SOCKET_NAME})
+            if TOKEN_NAME in others:
+                return "envd listens but left its token file readable"
+            return f"envd's folder holds more than its socket: {others[:5]}" if others else ""
         except FileNotFoundError:
-            return False
+            return f"{SOCKET_NAME} was removed once it was there"
         finally:
             os.close(fd)
 

@@ -182,10 +182,9 @@ async def wait_ready(backend: DockerBackend, cid: str, name: str, transport: Tra
     while True:
         if not locked and backend.sockets.has_socket(name):
             locked = True
-            if not backend.sockets.lock(name):
-                raise SandboxCreateError(f"sandbox {name}: {SOCKET_NAME} was swapped for something that is no socket")
-            if not backend.sockets.token_taken(name):
-                raise SandboxCreateError(f"sandbox {name}: envd listens but left its token file readable")
+            wrong = backend.sockets.lock(name)
+            if wrong:
+                raise SandboxCreateError(f"sandbox {name}: {wrong}")
         if locked and await transport.health(timeout=max(0.05, min(2.0, deadline - loop.time()))):
             return
         now = loop.time()

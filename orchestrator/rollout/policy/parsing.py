@@ -174,9 +174,10 @@ def parse_chat_completion(data: Any, *, model: str) -> Completion:
         # none for a turn that wrote something: they are missing, never the turn's tokens (its text would come back
         # as the next prompt's, and count as an observation the policy never sampled)
         completion_ids = logprobs = None
-    elif completion_ids == []:
-        # nothing sampled, not even the stop token a finished request ends with: a broken server, whose empty turn
-        # was scored as the policy's answer
+    elif completion_ids == [] and ids_at == "choices[0].token_ids":
+        # vLLM's sampled ids hold the stop token a finished request ends with: none is a broken server, whose empty
+        # turn was scored as the policy's answer (logprob entries, an OpenAI-style server's, leave the stop out: an
+        # empty answer there has none, and is the policy's)
         raise PolicyResponseError("the server sampled no tokens (a finished request returns at least its stop token)")
 
     raw_message: dict[str, Any] = {"role": "assistant", "content": content if isinstance(content, str) else text}
