@@ -20,16 +20,19 @@ NAME = "envfleet-0000000abcde"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a sandbox's uid needs root to take")
 
 
-def _as_sandbox(folder: Path, plant: bool) -> None:
-    """In a child with the sandbox's uid: plant a folder (or not) and listen on envd's socket."""
+def _as_sandbox(folder: Path, plant: str) -> None:
+    """In a child with the sandbox's uid: plant a folder or a file of that name (or nothing) and listen on envd's
+    socket."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
             os.chdir(folder)
             os.setgid(UID)
             os.setuid(UID)
-            if plant:
+            if plant == "keep":
                 os.mkdir("keep")
+            elif plant:
+                Path(plant).write_text("x")
             s = socket.socket(socket.AF_UNIX)
             s.bind("envd.sock")
             s.listen(1)
@@ -38,13 +41,20 @@ def _as_sandbox(folder: Path, plant: bool) -> None:
     os.waitpid(pid, 0)
 
 
-@pytest.mark.parametrize("plant", [False, True])
-def test_the_host_takes_a_socket_directory_holding_the_socket_alone(tmp_path: Path, plant: bool) -> None:
+@pytest.mark.parametrize(
+    ("plant", "wrong"),
+    [
+        ("", ""),
+        ("keep", "envd's folder holds more than its socket: ['keep']"),
+        ("token", "envd listens but left its token file readable"),
+    ],
+)
+def test_the_host_takes_a_socket_directory_holding_the_socket_alone(tmp_path: Path, plant: str, wrong: str) -> None:
     dirs = SocketDirs(tmp_path / "root", tmpfs=False, key_dir=tmp_path / "keys")
     folder = dirs.make(NAME, UID, UID)
     try:
         _as_sandbox(folder, plant)
-        assert dirs.lock(NAME) == ("envd's folder holds more than its socket: ['keep']" if plant else "")
+        assert dirs.lock(NAME) == wrong
     finally:
         dirs.remove(NAME)
     assert not folder.exists()
