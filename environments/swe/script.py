@@ -235,20 +235,24 @@ def _test_ish(folder: str) -> bool:
     return folder in ("test", "tests", "testing") or folder.startswith(("test_", "tests_"))
 
 
+def _test_tree(parts: list[str]) -> str:
+    """A test file's folder to put back whole: the outermost one named `test` or `tests` on its path (a mixin in
+    `tests/__init__.py` serves `tests/test_cache/test_lru.py` too), else the innermost named like tests (`testing`,
+    `test_*`: never a `testing` package of the code's above a `tests` folder, numpy's); "" for none."""
+    exact = [i for i, p in enumerate(parts) if p in ("test", "tests")]
+    if exact:
+        return "/".join(parts[: exact[0] + 1])
+    like = [i for i, p in enumerate(parts) if _test_ish(p)]
+    return "/".join(parts[: like[-1] + 1]) if like else ""
+
+
 def test_trees(instance: SweInstance) -> list[str]:
-    """The test folders the instance's tests live in (the innermost folder named like tests on each test file's path:
-    `tests`, `toolz/tests`, `numpy/testing/tests`, never the `numpy/testing` package around it): put back whole to
-    base_commit, what the patch added there removed. The test files alone were not enough: cachetools' test methods
-    are a mixin in tests/__init__.py, which every test module imports, and a patch that made them all pass there
-    resolved the instance with its bug intact. A test file outside any such folder (at the root, beside the code) is
-    put back alone."""
-    trees: set[str] = set()
-    for f in test_files(instance):
-        parts = f.split("/")[:-1]
-        for i in reversed(range(len(parts))):
-            if _test_ish(parts[i]):
-                trees.add("/".join(parts[: i + 1]))
-                break
+    """The test folders the instance's tests live in (_test_tree: `tests`, `toolz/tests`, `numpy/testing/tests`):
+    put back whole to base_commit, what the patch added there removed. The test files alone were not enough:
+    cachetools' test methods are a mixin in tests/__init__.py, which every test module imports, and a patch that made
+    them all pass there resolved the instance with its bug intact. A test file outside any such folder (at the root,
+    beside the code) is put back alone."""
+    trees = {_test_tree(f.split("/")[:-1]) for f in test_files(instance)} - {""}
     return sorted(t for t in trees if not any(t.startswith(f"{o}/") for o in trees))
 
 
@@ -261,12 +265,18 @@ def eval_script(instance: SweInstance, *, nonce: str, repo_dir: str, work_dir: s
     env = " ".join(f"{k}={q(v)}" for k, v in EVAL_ENV.items())
     files = " ".join(q(f) for f in test_files(instance))
     trees = " ".join(q(t) for t in test_trees(instance))
+    # ignored files the pristine tree has in them (a module built in place beside its tests) are kept: listed
+    # before the patch, as the ignore rules were then
+    ignored = f"git ls-files -z -o -i --exclude-standard -- {trees} | sort -z"
+    trees_listed = f'{ignored} > "$S/ignored.before"' if trees else ""
     trees_reset = (
         f"""in_tree=$(git ls-tree -r --name-only "$BASE" -- {trees})
 if [ -n "$in_tree" ]; then
   printf '%s\\n' "$in_tree" | git checkout -q "$BASE" --pathspec-from-file=- || fail_patched "test folders"
 fi
 git clean -fdq -- {trees} || fail_patched "test folders"
+{ignored} | comm -z -13 "$S/ignored.before" - \\
+  | xargs -0 -r rm -f -- || fail_patched "test folders"
 """
         if trees
         else ""
@@ -296,6 +306,7 @@ fi
 cd "$W" || fail_reset "cannot enter $W"
 head=$(git rev-parse HEAD 2>&1) || fail_reset "not a git repository: $head"
 [ "$head" = "$BASE" ] || fail_reset "HEAD is $head, expected $BASE"
+{trees_listed}
 if [ -s "$S/model.patch" ]; then
   method=""
   if git apply --verbose "$S/model.patch" 2>&1 | quoted; then method="git apply"
@@ -323,7 +334,8 @@ for f in {files}; do
   case $'\n'"$tracked"$'\n' in *$'\n'"$f"$'\n'*) ;; *) rm -f -- "$f" ;; esac
 done
 # and the test folders whole: their __init__.py (a mixin of the test methods), helpers and data files; the files the
-# patch added there go (ignored ones stay: a module built in place beside its tests may be one)
+# patch added there go, those it made ignored too (a .gitignore of its own let a tests/helpers/__init__.py stand in
+# for helpers.py), but the ignored ones the tree had before
 {trees_reset}# so do the harness's own files, and those the patch added go: a conftest.py, pytest's configuration, a
 # sitecustomize.py or a .pth file is code or options that pytest and python take for the grader's (a conftest.py
 # hook could report every test passed)

@@ -223,16 +223,24 @@ _PASSED_ON = (
     InvalidRequestError,
     SandboxFileError,
     UnicodeDecodeError,
+    UnicodeEncodeError,  # a lone surrogate's escape in the arguments (call_tool's observation, as for built-ins)
     asyncio.CancelledError,
 )
 _OWN: weakref.WeakKeyDictionary[Tool, Tool] = weakref.WeakKeyDictionary()  # an environment's Tool, behind its schema
+_GUARDED: weakref.WeakSet[Tool] = weakref.WeakSet()  # the tools _own made (given again, they are as they are)
+# arguments past this many bytes (as JSON) are checked off the event loop: a schema's check can be slow (uniqueItems
+# over objects is quadratic: 100 KB of arguments took 50 s), and on the loop it held every rollout of the process
+CHECK_INLINE_BYTES = 16 << 10
 
 
 def _own(tool: Tool) -> Tool:
+    if tool in _GUARDED:
+        return tool
     known = _OWN.get(tool)
     if known is not None:
         return known
     import jsonschema  # type: ignore[import-untyped]  # only where an environment brings its own tools
+    import referencing
 
     name = tool.name
     if not isinstance(name, str) or not _TOOL_NAME.match(name):
@@ -243,18 +251,33 @@ def _own(tool: Tool) -> Tool:
         raise InvalidRequestError(f"tool {name!r}: its description must be text")
     if not isinstance(tool.parameters, Mapping) or tool.parameters.get("type") != "object":
         raise InvalidRequestError(f"tool {name!r}: its parameters must be a JSON schema of type object")
+    try:  # plain JSON, as the wire and the digest take it (a MappingProxyType inside failed at every listing)
+        parameters = json.loads(json.dumps(tool.parameters, default=_mapping))
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"tool {name!r}: its parameters are not JSON: {e}") from None
     try:
-        jsonschema.Draft202012Validator.check_schema(dict(tool.parameters))
+        jsonschema.Draft202012Validator.check_schema(parameters)
     except jsonschema.SchemaError as e:
         raise InvalidRequestError(f"tool {name!r}: its parameters are no JSON schema: {e.message}") from None
     if not inspect.iscoroutinefunction(tool.run):
         raise InvalidRequestError(f"tool {name!r}: run must be an async def (sandbox, arguments, timeout_s)")
-    validator = jsonschema.Draft202012Validator(dict(tool.parameters))
+    outside = [ref for ref in _refs(parameters) if not ref.startswith("#")]
+    if outside:
+        # jsonschema fetched one with urlopen, with no timeout, at every call (a file: one's text reached the policy)
+        raise InvalidRequestError(f"tool {name!r}: its parameters refer outside themselves ({outside[0]!r})")
+    # an empty registry: a $ref is resolved within the schema, never fetched
+    validator = jsonschema.Draft202012Validator(parameters, registry=referencing.Registry())
     run = tool.run
+
+    def first_error(args: Mapping[str, Any]) -> Any:
+        return next(iter(validator.iter_errors(dict(args))), None)
 
     async def guarded(sandbox: Sandbox, args: Mapping[str, Any], timeout: float) -> ToolResult:
         try:
-            error = next(iter(validator.iter_errors(dict(args))), None)
+            if len(json.dumps(args)) <= CHECK_INLINE_BYTES:
+                error = first_error(args)
+            else:
+                error = await asyncio.to_thread(first_error, args)
         except RecursionError:
             return ToolResult(f"error: the arguments of {name} are nested too deeply")
         except Exception as e:  # the schema's own fault (a $ref that resolves nowhere): the environment's
@@ -275,8 +298,25 @@ def _own(tool: Tool) -> Tool:
             raise EnvironmentBroken(f"tool {name!r} returned a ToolResult whose output or answer is not text")
         return dataclasses.replace(result, output=_clip(as_text(result.output)))
 
-    checked = _OWN[tool] = dataclasses.replace(tool, run=guarded)
+    checked = _OWN[tool] = dataclasses.replace(tool, parameters=parameters, run=guarded)
+    _GUARDED.add(checked)
     return checked
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _refs(schema: object) -> list[str]:
+    """Every `$ref` in a JSON schema."""
+    if isinstance(schema, dict):
+        own = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
+        return own + [r for v in schema.values() for r in _refs(v)]
+    if isinstance(schema, list):
+        return [r for v in schema for r in _refs(v)]
+    return []
 
 
 async def call_tool(tool: Tool, sandbox: Sandbox, raw_arguments: str, timeout: float) -> ToolResult:

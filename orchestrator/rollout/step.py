@@ -214,19 +214,29 @@ def classify_failure(
     return status, RolloutError(kind=type(e).__name__, message=f"{message} ({notes})" if notes else message)
 
 
-_BUGS_LOGGED: set[tuple[str, str, int, str]] = set()
-MAX_BUGS_LOGGED = 256  # distinct failures; past them a broken environment's failures are not logged again
+_BUGS_LOGGED: dict[tuple[str, str, int], set[str]] = {}  # place -> the messages logged there
+MAX_BUG_PLACES = 256  # places an environment's failure was raised at; past them no new one is logged
+MAX_BUGS_PER_PLACE = 5  # messages logged for one place (one tenant's grader failures did not hide another's)
 
 
 def _log_environment_bug(e: BaseException) -> None:
-    """An environment's own failure, with its traceback, once per place it was raised and message it said: the
-    trainer sees its type and message only, and its author needs the line (one rollout's, not every rollout's of a
-    broken environment; by message too, or one tenant's grader failure hid every other's raised at the same line)."""
+    """An environment's own failure, with its traceback, once per place it was raised and message it said, for a few
+    messages a place: the trainer sees its type and message only, and its author needs the line (one rollout's, not
+    every rollout's of a broken environment; a few messages, or one tenant's grader failure hid every other's raised
+    at the same line, and one whose message names each task filled the log)."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    where = (type(e).__name__, tb.tb_frame.f_code.co_filename, tb.tb_lineno, str(e)[:120]) if tb is not None else None
-    if where is None or where in _BUGS_LOGGED or len(_BUGS_LOGGED) >= MAX_BUGS_LOGGED:
+    if tb is None:
         return
-    _BUGS_LOGGED.add(where)
-    log.warning("an environment failed (ENV_ERROR; logged once for this place)", exc_info=e)
+    where = (type(e).__name__, tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+    said = _BUGS_LOGGED.get(where)
+    if said is None:
+        if len(_BUGS_LOGGED) >= MAX_BUG_PLACES:
+            return
+        said = _BUGS_LOGGED[where] = set()
+    message = str(e)[:200]
+    if message in said or len(said) >= MAX_BUGS_PER_PLACE:
+        return
+    said.add(message)
+    log.warning("an environment failed (ENV_ERROR; logged once for this place and message)", exc_info=e)

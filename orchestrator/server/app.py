@@ -460,7 +460,8 @@ async def create_server(
         metrics.result_log_bytes.set_function(store.size_bytes)
         if workers is not None:
             hub = workers.hub
-            metrics.export_workers(lambda: len(hub.workers()), lambda: hub.slots, lambda: hub.waiting, lambda: hub.lost)
+            # read on the metrics server's thread: plain reads, never an iteration of what the event loop changes
+            metrics.export_workers(lambda: hub.connected, lambda: hub.slots, lambda: hub.waiting, lambda: hub.lost)
         fleet.export_metrics(metrics)
         server = grpc.aio.server(
             interceptors=[

@@ -173,6 +173,11 @@ class WorkerHub:
         """The connected workers' slots."""
         return self._slots
 
+    @property
+    def connected(self) -> int:
+        """How many workers are connected (read on the metrics thread too: one len, never an iteration)."""
+        return len(self._workers)
+
     def workers(self) -> list[WorkerInfo]:
         """The connected workers."""
         return [

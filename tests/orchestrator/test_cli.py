@@ -126,7 +126,7 @@ def test_every_command_that_can_reach_a_server_takes_the_client_flags() -> None:
     )
 
 
-def _echo_spec(folder: Path, typo_in: int | None = None) -> Path:
+def _echo_spec(folder: Path, typo_in: int | None = None, references: bool = True) -> Path:
     """A declarative spec as a user writes it: YAML, a JSONL task file, a shell grader; `typo_in`: that task's data
     misspells the key the grader reads."""
     tasks = [
@@ -134,7 +134,7 @@ def _echo_spec(folder: Path, typo_in: int | None = None) -> Path:
             "id": f"echo-{i}",
             "prompt": f"Submit the word w{i}.",
             "data": {"wrod" if i == typo_in else "word": f"w{i}"},
-            "reference": [{"name": "submit", "arguments": {"answer": f"w{i}"}}],
+            "reference": [{"name": "submit", "arguments": {"answer": f"w{i}"}}] if references else [],
         }
         for i in range(2)
     ]
@@ -192,6 +192,10 @@ async def test_envs_validate_a_spec_without_a_server(tmp_path: Path, base_image:
     assert r.returncode == 1 and "cli-echo@0.2 is valid" in r.stdout, r.stderr
     assert "problem task echo-1: ENV_ERROR: ScoringError" in r.stdout and "KeyError: 'word'" in r.stdout, r.stdout
     assert "cli-echo@0.2: 1 problem(s); 2 tasks checked" in r.stdout, r.stdout
+    # a spec's tasks may come without references, as the server's Validate takes them: nothing to replay, no problem
+    (tmp_path / "bare").mkdir()
+    r = await asyncio.to_thread(_envfleet, "envs", "validate", str(_echo_spec(tmp_path / "bare", references=False)))
+    assert r.returncode == 0 and "cli-echo@0.2: ok; 2 tasks checked" in r.stdout, (r.stdout, r.stderr)
 
 
 async def test_status_reads_metrics_and_jobs(tmp_path: Path, base_image: str) -> None:

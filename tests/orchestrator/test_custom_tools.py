@@ -9,6 +9,7 @@ import asyncio
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from environments.sdk import Environment, Rubric, Sandbox, ScoringContext, Task, Tool, ToolInvocation, ToolResult
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.errors import EnvironmentBroken, InvalidEnvironmentError
+from orchestrator.core.errors import EnvironmentBroken, InvalidEnvironmentError, InvalidRequestError
 from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.core.tools import call_tool, get_tools
@@ -121,3 +122,25 @@ async def test_a_schema_that_cannot_check_the_arguments_is_the_environments_fail
     (tool,) = get_tools((dangling,))
     with pytest.raises(EnvironmentBroken, match="tool 'lost': its parameters could not check the arguments"):
         await call_tool(tool, None, '{"a": 1}', 5)  # type: ignore[arg-type]
+
+
+async def _encodes(sandbox: Sandbox, args: Mapping[str, Any], timeout_s: float) -> ToolResult:
+    return ToolResult(str(args["cmd"]).encode().decode())
+
+
+async def test_a_tools_schema_stays_within_itself_and_its_arguments_are_the_policys_mistakes() -> None:
+    # a $ref outside the schema was fetched with urlopen, no timeout, at every call
+    remote = {"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/schema.json"}}}
+    with pytest.raises(InvalidRequestError, match="its parameters refer outside themselves"):
+        get_tools((Tool("far", "x", remote, _look),))
+    # a mapping of another kind is taken as JSON (json.dumps of it failed at every listing), and a tool given again
+    # is not wrapped twice
+    proxied = Tool("proxied", "x", MappingProxyType({"type": "object", "properties": {}}), _look)
+    (tool,) = get_tools((proxied,))
+    assert type(tool.parameters) is dict and get_tools((tool,)) == [tool]
+    # a lone surrogate's escape the tool cannot encode: an observation, as for a built-in tool, never ENV_ERROR
+    (encoding,) = get_tools(
+        (Tool("enc", "x", {"type": "object", "properties": {"cmd": {"type": "string"}}}, _encodes),)
+    )
+    result = await call_tool(encoding, None, '{"cmd": "\\ud800"}', 5)  # type: ignore[arg-type]
+    assert "lone surrogate" in result.output

@@ -508,13 +508,75 @@ async def test_a_patch_cannot_pass_its_tests_from_their_folder_or_by_flooding_th
     assert report(run, "gold", py)["resolved"]  # the test folder put back takes nothing from a real fix
 
 
-def test_the_test_folders_put_back_are_the_innermost_on_each_path(tiny: Tiny) -> None:  # noqa: F811
-    # the outermost one was `numpy/testing`, numpy.testing's own source: a fix there was put back before the tests
+def test_the_test_folders_put_back_are_the_tests_own(tiny: Tiny) -> None:  # noqa: F811
+    # the outermost folder named like tests was `numpy/testing`, numpy.testing's own source: a fix there was put back
+    # before the tests; the innermost missed tests/__init__.py above tests/test_cache/ (cachetools' mixin, one deeper)
     listed = [
-        "tests/test_a.py::test_x",
+        "tests/test_cache/test_a.py::test_x",
         "toolz/tests/test_b.py::test_y",
         "numpy/testing/tests/test_utils.py::test_z",
+        "pkg/testing/test_c.py::test_v",  # no tests folder: the innermost named like one
         "test_root.py::test_w",  # beside the code: put back alone
     ]
     instance = tiny.pytest.model_copy(update={"FAIL_TO_PASS": listed, "PASS_TO_PASS": [], "test_patch": ""})
-    assert swe_script.test_trees(instance) == ["numpy/testing/tests", "tests", "toolz/tests"]
+    assert swe_script.test_trees(instance) == ["numpy/testing/tests", "pkg/testing", "tests", "toolz/tests"]
+
+
+def test_a_file_the_patch_made_ignored_in_a_test_folder_is_removed(
+    tiny: Tiny,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `git clean` leaves ignored files: a patch whose .gitignore ignores tests/helpers/ planted a package there that
+    # the tests imported in place of the tracked tests/helpers.py (a package comes before a module). The eval script
+    # runs here on the host (bash, git, this pytest), in folders of the test's own
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    files = {
+        "calc.py": "def ok():\n    return False\n",
+        "tests/__init__.py": "",
+        "tests/helpers.py": "from calc import ok\n",
+        "tests/test_calc.py": "from tests.helpers import ok\n\n\ndef test_ok():\n    assert ok()\n",
+        # the pristine tree's own ignored file in a test folder (built in place) stays
+        ".gitignore": "tests/built.txt\n",
+    }
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    (repo / "tests" / "built.txt").write_text("built")
+    base = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    planted = file_diff(".gitignore", files[".gitignore"], files[".gitignore"] + "tests/helpers/\n") + _new_file(
+        "tests/helpers/__init__.py", "def ok():\n    return True"
+    )
+    instance = tiny.pytest.model_copy(
+        update={
+            "base_commit": base,
+            "FAIL_TO_PASS": ["tests/test_calc.py::test_ok"],
+            "PASS_TO_PASS": [],
+            "test_patch": "",
+        }
+    )
+    scratch = tmp_path / "scratch"
+    monkeypatch.setattr(swe_script, "SCRATCH", str(scratch))
+    bundle = swe_script.make_bundle(instance, planted, nonce="n0", repo_dir=str(repo), work_dir=str(tmp_path / "work"))
+    scratch.mkdir()
+    for name, data in bundle.files.items():
+        (scratch / name).write_bytes(data)
+    out = subprocess.run(["bash", str(scratch / "eval.sh")], capture_output=True, text=True, timeout=120)
+    grade = grade_log(
+        instance.instance_id,
+        out.stdout,
+        framework="pytest",
+        fail_to_pass=instance.FAIL_TO_PASS,
+        pass_to_pass=[],
+        model_patch=planted,
+        nonce="n0",
+        gold={},
+    )
+    assert grade.patch_successfully_applied and not grade.resolved, out.stdout[-3000:]
+    assert grade.statuses.get("tests/test_calc.py::test_ok") == TestStatus.FAILED, out.stdout[-3000:]
+    work = tmp_path / "work" / "tests"
+    assert (work / "built.txt").exists() and not (work / "helpers" / "__init__.py").exists()

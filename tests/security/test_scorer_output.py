@@ -66,3 +66,4 @@ def test_a_true_or_false_component_counts_as_1_or_0() -> None:
     # a grader's {"reward": 1, "passed": true} lost its component: only numbers were kept
     score = parse_score(ExecResult(0, b'{"reward": 1, "passed": true, "lint": false, "note": "x"}\n', b""), 10)
     assert score.components == {"passed": 1.0, "lint": 0.0}
+    assert parse_score(ExecResult(0, b'{"reward": true}\n', b""), 10).reward == 1.0  # the reward alike

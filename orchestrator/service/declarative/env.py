@@ -111,6 +111,8 @@ def parse_score(result: ExecResult, timeout_s: float) -> Score:
     except (ValueError, RecursionError):  # past the json module's depth or int digits too: what the policy can print
         out = None
     reward = out.get("reward") if isinstance(out, dict) else None
+    if isinstance(reward, bool):
+        reward = float(reward)  # true or false: 1 or 0, as a component's and a Python reward function's
     if not _finite(reward):
         raise ScoringError(
             'scoring command must print a JSON object with a finite numeric "reward" as its last line; '
