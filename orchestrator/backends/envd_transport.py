@@ -108,34 +108,38 @@ class EnvdTransport(Transport):
     def __init__(self, socket_path: str, token: str) -> None:
         self.socket_path = socket_path
         self._md = (("authorization", f"Bearer {token}"),)
-        self._channel = self._open(SMALL_REPLY_BYTES)
+        self._channel = self._open(SMALL_REPLY_BYTES, starting=True)
         self._large: grpc.aio.Channel | None = None  # opened by the first call whose cap needs it
         self._large_stubs: tuple[pb_grpc.ProcessStub, pb_grpc.FilesystemStub] | None = None
         self._proc = pb_grpc.ProcessStub(self._channel)
         self._fs = pb_grpc.FilesystemStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def _open(self, max_reply: int) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(
-            f"unix://{self.socket_path}",
-            options=[
-                ("grpc.max_receive_message_length", max_reply),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                # replies as sent, never compressed: a few KiB of gzip were a reply of 64 MiB to hold
-                ("grpc.compression_enabled_algorithms_bitset", 1),
-                # a sandbox socket appears once; reconnect quickly rather than after grpc's 1 s default backoff
+    def _open(self, max_reply: int, *, starting: bool) -> grpc.aio.Channel:
+        options = [
+            ("grpc.max_receive_message_length", max_reply),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # replies as sent, never compressed: a few KiB of gzip were a reply of 64 MiB to hold
+            ("grpc.compression_enabled_algorithms_bitset", 1),
+        ]
+        if starting:
+            # a sandbox socket appears once; reconnect quickly rather than after grpc's 1 s default backoff (the
+            # start polls its health, so an attempt cut short is tried again). The minimum is also each attempt's
+            # connect timeout: a channel opened once envd serves keeps grpc's 20 s, or its first call on a busy host
+            # failed at once ("timed out before receiving SETTINGS frame"), an INFRA_ERROR
+            options += [
                 ("grpc.initial_reconnect_backoff_ms", 10),
                 ("grpc.min_reconnect_backoff_ms", 10),
                 ("grpc.max_reconnect_backoff_ms", 200),
-            ],
-        )
+            ]
+        return grpc.aio.insecure_channel(f"unix://{self.socket_path}", options=options)
 
     def _for(self, cap: int) -> tuple[pb_grpc.ProcessStub, pb_grpc.FilesystemStub]:
         """The stubs of the channel whose reply limit takes a reply of `cap` bytes of output or content."""
         if cap + _REPLY_OVERHEAD <= SMALL_REPLY_BYTES or self._closed:  # closed: the call fails as any other does
             return self._proc, self._fs
         if self._large_stubs is None:
-            self._large = self._open(MAX_MESSAGE_BYTES)
+            self._large = self._open(MAX_MESSAGE_BYTES, starting=False)
             self._large_stubs = pb_grpc.ProcessStub(self._large), pb_grpc.FilesystemStub(self._large)
         return self._large_stubs
 
