@@ -180,7 +180,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PolicyEndpoint(_message.Message):
-    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries", "tokenizer", "tool_parser", "stream")
+    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries", "tokenizer", "tool_parser", "stream", "chat_template_kwargs")
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class PolicyEndpoint(_message.Message):
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     base_url: str
     model: str
     api_key: str
@@ -199,7 +200,8 @@ class PolicyEndpoint(_message.Message):
     tokenizer: str
     tool_parser: str
     stream: bool
-    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tool_parser: _Optional[str] = ..., stream: _Optional[bool] = ...) -> None: ...
+    chat_template_kwargs: str
+    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tool_parser: _Optional[str] = ..., stream: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups", "advantage", "token_mode", "max_model_len")

@@ -230,6 +230,7 @@ def job_spec_to_pb(s: JobSpec) -> pb.JobSpec:
             max_retries=s.policy.max_retries,
             tokenizer=s.policy.tokenizer,
             tool_parser=s.policy.tool_parser,
+            chat_template_kwargs=s.policy.chat_template_kwargs,
             stream=s.policy.stream,
         ),
         max_concurrency=s.max_concurrency,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.parse
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -28,6 +30,9 @@ REPLAY_URL = "replay://reference"
 # directories (orchestrator/rollout/tito/tokenizer.py resolves it), or one entry point of `envfleet.tool_parsers`.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DEFAULT_TOOL_PARSER = "hermes"
+MAX_TEMPLATE_KWARGS = 4096  # characters of chat_template_kwargs' JSON
+# apply_chat_template's own arguments, which the fleet sets at every render: never a template variable of the caller's
+TEMPLATE_RENDER_ARGUMENTS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize"})
 
 
 def shown_url(url: str) -> str:
@@ -116,6 +121,18 @@ class PolicyEndpoint(BaseModel):
         description="how tool calls are read from sampled text in tito mode: hermes, qwen3_coder, llama3_json, or "
         "an entry point of `envfleet.tool_parsers`",
     )
+    chat_template_kwargs: str = Field(
+        "",
+        max_length=MAX_TEMPLATE_KWARGS,
+        description='the chat template\'s own variables, a JSON object ({"enable_thinking": false} for Qwen3; a '
+        "dict is taken too): tito renders every prompt and observation with them, chat mode sends them as the "
+        "request's chat_template_kwargs (vLLM, SGLang); kept as its JSON text",
+    )
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs as a dict ({} unset)."""
+        return dict(json.loads(self.chat_template_kwargs)) if self.chat_template_kwargs else {}
 
     @field_validator("base_url")
     @classmethod
@@ -154,3 +171,30 @@ class PolicyEndpoint(BaseModel):
     @classmethod
     def _tool_parser_name(cls, v: str) -> str:
         return check_name(v, "tool_parser")
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs_given(cls, v: Any) -> Any:
+        """A dict is taken as its JSON (PolicyEndpoint(chat_template_kwargs={"enable_thinking": False}))."""
+        if isinstance(v, dict):
+            try:
+                return json.dumps(v, sort_keys=True, separators=(",", ":"))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"chat_template_kwargs is not JSON: {e}") from None
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: str) -> str:
+        if not v:
+            return v
+        try:
+            kwargs = json.loads(v)
+        except (ValueError, RecursionError):
+            raise ValueError("chat_template_kwargs is not JSON (a JSON object of the template's variables)") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a JSON object, got a {type(kwargs).__name__}")
+        taken = sorted(set(kwargs) & TEMPLATE_RENDER_ARGUMENTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs sets {taken}, which the fleet sets itself at every render")
+        return json.dumps(kwargs, sort_keys=True, separators=(",", ":"))  # one text for one set of variables

@@ -81,6 +81,8 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
     }
     if m.policy.tool_parser:
         policy["tool_parser"] = m.policy.tool_parser
+    if m.policy.chat_template_kwargs:
+        policy["chat_template_kwargs"] = m.policy.chat_template_kwargs
     for f in ("request_timeout_s", "max_retries"):
         if m.policy.HasField(f):
             policy[f] = getattr(m.policy, f)

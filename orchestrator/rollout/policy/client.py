@@ -135,6 +135,8 @@ class OpenAIPolicy(Policy):
             body["stop"] = list(sampling.stop)
         if user:
             body["user"] = user
+        if self.endpoint.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.endpoint.template_kwargs  # rendered by the server (vLLM, SGLang)
         return body
 
     async def complete(

@@ -72,7 +72,7 @@ class TitoPolicy(Policy):
 
     async def tokens(self) -> ChatTemplateTokens:
         """The endpoint's tokenizer, loaded once per process (the first episode waits for it)."""
-        return await self._tokenizers.get(self.endpoint.tokenizer)
+        return await self._tokenizers.get(self.endpoint.tokenizer, self.endpoint.chat_template_kwargs)
 
     @property
     def parser(self) -> ToolParser:

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.core.policy import TEMPLATE_RENDER_ARGUMENTS
+
 Message = Mapping[str, Any]
 MAX_CACHED_TOOLSETS = 64  # base renderings kept, one per distinct tool list
 
@@ -41,10 +43,6 @@ class _Base:
     tools_matter: bool
 
 
-# apply_chat_template's own arguments, which this class sets: never taken from a caller's template variables
-_RENDER_ARGUMENTS = frozenset({"conversation", "tools", "add_generation_prompt", "tokenize"})
-
-
 class ChatTemplateTokens:
     """A Hugging Face tokenizer's chat template as token ids: the first prompt, then observation deltas.
 
@@ -62,7 +60,7 @@ class ChatTemplateTokens:
         self.tokenizer = tokenizer
         # the template's own variables at every render (a trainer's `enable_thinking=False`, say): the prompt and
         # each observation's delta are rendered as the trainer renders its own prompts
-        self.template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RENDER_ARGUMENTS}
+        self.template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in TEMPLATE_RENDER_ARGUMENTS}
         base = self.encode(self._render(BASE_CONVERSATION, None, gen=False))
         self.turn_end_id = self._turn_end(base)
         text = self.decode([self.turn_end_id])

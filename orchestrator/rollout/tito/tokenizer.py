@@ -11,6 +11,8 @@ runs. Symlinks inside an operator's directory are the operator's choice and are 
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,21 +82,45 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 
 
+MAX_TEMPLATE_VARIANTS = 32  # chat template tokens kept, one per tokenizer and set of template variables (the newest)
+
+
 class TokenizerCache:
-    """Tokenizers by name, each loaded once per process in a thread (concurrent rollouts wait for the one load)."""
+    """Tokenizers by name, each loaded once per process in a thread (concurrent rollouts wait for the one load), and
+    their chat template tokens by the template's variables (a job's policy.chat_template_kwargs)."""
 
     def __init__(self, dirs: TokenizerDirs | Sequence[Path | str] = ()) -> None:
         self.dirs = dirs if isinstance(dirs, TokenizerDirs) else TokenizerDirs(dirs)
-        self._loaded: dict[str, ChatTemplateTokens] = {}
-        self._loading: dict[str, asyncio.Task[ChatTemplateTokens]] = {}
+        self._loaded: dict[str, Any] = {}  # name -> tokenizer
+        self._loading: dict[str, asyncio.Task[Any]] = {}
+        self._tokens: collections.OrderedDict[tuple[str, str], ChatTemplateTokens] = collections.OrderedDict()
         self.loads = 0  # tokenizers loaded so far (each name once)
 
-    async def get(self, name: str) -> ChatTemplateTokens:
-        """The chat template tokens of tokenizer `name`. ConfigError when this process cannot load it (the control
-        plane resolved the name at submit; a worker whose directories lack it is misconfigured)."""
-        tokens = self._loaded.get(name)
+    async def get(self, name: str, template_kwargs: str = "") -> ChatTemplateTokens:
+        """The chat template tokens of tokenizer `name` under `template_kwargs` (a JSON object's text, "" for none).
+        ConfigError when this process cannot load it (the control plane resolved the name at submit; a worker whose
+        directories lack it is misconfigured), or when the template cannot be read for tito."""
+        key = (name, template_kwargs)
+        tokens = self._tokens.get(key)
         if tokens is not None:
+            self._tokens.move_to_end(key)
             return tokens
+        tokenizer = await self._tokenizer(name)
+        tokens = self._tokens.get(key)  # made meanwhile, by a rollout that waited for the same load
+        if tokens is None:
+            try:
+                tokens = ChatTemplateTokens(tokenizer, json.loads(template_kwargs) if template_kwargs else None)
+            except Exception as e:  # a template tito cannot read, or one its variables break (jinja's errors)
+                raise ConfigError(f"tokenizer {name!r}'s chat template: {type(e).__name__}: {e}") from e
+            self._tokens[key] = tokens
+            if len(self._tokens) > MAX_TEMPLATE_VARIANTS:
+                self._tokens.popitem(last=False)
+        return tokens
+
+    async def _tokenizer(self, name: str) -> Any:
+        tokenizer = self._loaded.get(name)
+        if tokenizer is not None:
+            return tokenizer
         task = self._loading.get(name)
         if task is None:
             task = self._loading[name] = asyncio.create_task(self._load(name), name=f"load tokenizer {name}")
@@ -105,17 +131,17 @@ class TokenizerCache:
             if task.done() and self._loading.get(name) is task:
                 del self._loading[name]
 
-    async def _load(self, name: str) -> ChatTemplateTokens:
+    async def _load(self, name: str) -> Any:
         try:
             path = self.dirs.resolve(name)
         except InvalidRequestError as e:
             raise ConfigError(f"this process cannot load the tokenizer: {e}") from None
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, path)
-            tokens = ChatTemplateTokens(tokenizer)
+            ChatTemplateTokens(tokenizer)  # a template tito cannot read is refused at once, whatever the variables
         except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a bad folder
             raise ConfigError(f"tokenizer {name!r} ({path}) could not be loaded: {type(e).__name__}: {e}") from e
         log.info("loaded tokenizer %s from %s", name, path)
         self.loads += 1
-        self._loaded[name] = tokens
-        return tokens
+        self._loaded[name] = tokenizer
+        return tokenizer
