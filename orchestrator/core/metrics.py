@@ -47,6 +47,11 @@ class Metrics:
         )
         self.rollouts = Counter("envfleet_rollouts_total", "Finished rollouts by status", ["status"], registry=r)
         self.queue_depth = Gauge("envfleet_queue_depth", "Work items waiting for a slot", registry=r)
+        # sessions' and the raw sandbox API's sandboxes: made outside the pool, in no other sandbox gauge, they took
+        # the host's capacity unseen (a tenant holding raw sandboxes filled the host while busy read 0)
+        self.sandboxes_held = Gauge(
+            "envfleet_sandboxes_held", "Sandboxes of sessions and the raw sandbox API, held now", registry=r
+        )
         self.queue_wait_seconds = Histogram(
             "envfleet_queue_wait_seconds", "Time work items waited", buckets=LATENCY_BUCKETS, registry=r
         )

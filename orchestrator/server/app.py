@@ -458,6 +458,7 @@ async def create_server(
         # read when scraped
         metrics.queue_waiting_for_images.set_function(lambda: jobs.scheduler.waiting_for_images)
         metrics.result_log_bytes.set_function(store.size_bytes)
+        metrics.sandboxes_held.set_function(lambda: jobs.scheduler.reserved)
         if workers is not None:
             hub = workers.hub
             # read on the metrics server's thread: plain reads, never an iteration of what the event loop changes

@@ -129,3 +129,24 @@ def test_waits_and_calls_past_a_minute_land_in_buckets_not_in_inf() -> None:
     for name in ("envfleet_queue_wait_seconds", "envfleet_tool_exec_seconds"):
         assert histogram_quantile(samples, name, 0.5) == 300, name
         assert histogram_quantile(samples, name, 0.99) == 3600, name
+
+
+async def test_a_sessions_sandbox_is_in_the_held_gauge(tmp_path: Path) -> None:
+    # made outside the pool, a session's or a raw sandbox's took the host's capacity in no sandbox gauge at all
+    from orchestrator.backends.config import FakeBackendConfig
+    from protos import orchestrator_pb2 as pb
+
+    orch = await create_server(
+        OrchestratorConfig(port=0, data_dir=tmp_path, backend=FakeBackendConfig(owner=TEST_OWNER))
+    )
+    try:
+        metrics = orch.metrics
+        assert metrics is not None
+        assert "envfleet_sandboxes_held 0.0" in metrics.render().decode()
+        async with EnvfleetClient(orch.address) as c:
+            r = await c.session_stub.Reset(pb.ResetRequest(env="python-tool", task_id="py-000"))
+            assert "envfleet_sandboxes_held 1.0" in metrics.render().decode()
+            await c.session_stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id))
+        assert "envfleet_sandboxes_held 0.0" in metrics.render().decode()
+    finally:
+        await orch.stop()
