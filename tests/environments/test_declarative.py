@@ -108,7 +108,11 @@ def test_yaml_file_with_task_and_dockerfile_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("stdout", "exit_code", "expected"),
     [
-        (b'log line\n{"reward": 0.5, "tests": 3, "label": "x", "flag": true}\n', 0, (0.5, {"tests": 3.0})),
+        (
+            b'log line\n{"reward": 0.5, "tests": 3, "label": "x", "flag": true}\n',
+            0,
+            (0.5, {"tests": 3.0, "flag": 1.0}),
+        ),  # a bool is 1 or 0; text is left out
         (b'{"reward": 1}', 0, (1.0, {})),
     ],
 )
