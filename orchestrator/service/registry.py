@@ -1,6 +1,7 @@
 """The environment registry: `name@version` -> Environment, filled from the `envfleet.environments` entry points.
 
-A registration is validated before use: a well-formed name and version, known tools, unique task ids.
+A registration is validated before use: a well-formed name and version, known tools (built-in names, or its own
+Tools, checked), a rubric that pays, async hooks, no misspelt setting, and a task list of Tasks with unique ids.
 
 An environment is public (built-in entry points, the operator's references, specs registered as public) or private to
 the tenant that registered it: a lookup on behalf of another tenant reports a private environment exactly like a
@@ -48,8 +49,8 @@ class Registered:
         return self.owner is None or tenant is None or self.owner == tenant
 
 
-# what an environment class sets: a name close to one of these and none of them is a misspelling, whose setting was
-# silently the default (`max_turn = 40` ran 16 turns)
+# what an environment class sets: an attribute named close to one of these, holding its kind, where its class sets
+# no such setting, is a misspelling (_refuse_misspelt), whose setting was silently the default (`max_turn = 40`)
 _SETTINGS = frozenset(
     n
     for n, v in vars(Environment).items()
