@@ -52,13 +52,14 @@ def check_tasks(env: Environment, *, references: bool = True) -> list[str]:
     ids = [t.id for t in tasks]
     if len(set(ids)) != len(ids):
         problems.append("tasks(): ids are not unique")
+    offered = set(tool_names(env.tools))
     for t in tasks:
         if not t.id or not t.prompt.strip():
             problems.append(f"task {t.id!r}: empty id or prompt")
         if not t.reference:
             if references:
                 problems.append(f"task {t.id!r}: no reference solution to check")
-        elif any(inv.name not in tool_names(env.tools) for inv in t.reference):
+        elif any(inv.name not in offered for inv in t.reference):
             problems.append(f"task {t.id!r}: the reference uses a tool the environment does not offer")
     return problems
 

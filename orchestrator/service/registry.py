@@ -49,15 +49,6 @@ class Registered:
         return self.owner is None or tenant is None or self.owner == tenant
 
 
-# what an environment class sets: an attribute named close to one of these, holding its kind, where its class sets
-# no such setting, is a misspelling (_refuse_misspelt), whose setting was silently the default (`max_turn = 40`)
-_SETTINGS = frozenset(
-    n
-    for n, v in vars(Environment).items()
-    if not n.startswith("_") and not callable(v) and not isinstance(v, property | classmethod | staticmethod)
-) | set(Environment.__annotations__)
-
-
 def _ours(ep: importlib.metadata.EntryPoint) -> bool:
     dist = getattr(ep, "dist", None)
     return dist is not None and dist.name == "envfleet"
@@ -87,6 +78,9 @@ def _kinds() -> dict[str, type]:
 
 
 _KINDS = _kinds()  # each setting's kind: str, int, float, tuple, Limits, Rubric...
+# what an environment class sets: an attribute named close to one of these, holding its kind, where its class sets
+# no such setting, is a misspelling (_refuse_misspelt), whose setting was silently the default (`max_turn = 40`)
+_SETTINGS = frozenset(_KINDS)
 
 
 def _alike(value: object, kind: type) -> bool:

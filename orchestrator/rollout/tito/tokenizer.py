@@ -138,10 +138,13 @@ class TokenizerCache:
             raise ConfigError(f"this process cannot load the tokenizer: {e}") from None
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, path)
-            ChatTemplateTokens(tokenizer)  # a template tito cannot read is refused at once, whatever the variables
+            tokens = ChatTemplateTokens(
+                tokenizer
+            )  # a template tito cannot read is refused at once, whatever its variables
         except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a bad folder
             raise ConfigError(f"tokenizer {name!r} ({path}) could not be loaded: {type(e).__name__}: {e}") from e
         log.info("loaded tokenizer %s from %s", name, path)
         self.loads += 1
         self._loaded[name] = tokenizer
+        self._tokens[(name, "")] = tokens  # the check's own, kept: get() finds it rather than make it again
         return tokenizer
