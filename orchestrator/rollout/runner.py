@@ -23,6 +23,7 @@ from orchestrator.core.errors import (
     ImageNotOnHostError,
     SandboxWaitTimeoutError,
 )
+from orchestrator.core.log_limit import LogLimit
 from orchestrator.core.models import (
     EncodedRollout,
     JobSpec,
@@ -171,6 +172,7 @@ class RolloutRunner:
         self.tracer = tracer
         self.active: dict[str, Sandbox] = {}  # rollout id -> its sandbox, while it runs
         self.snapshots = SnapshotCache() if snapshots is None else snapshots
+        self._retries_said = LogLimit()  # a broken engine fails every rollout: a line a minute for each kind of failure
 
     async def run(
         self, item: WorkItem, env: Environment, spec: JobSpec, policy: Policy, policy_version: str
@@ -201,12 +203,15 @@ class RolloutRunner:
             if rollout.status != RolloutStatus.INFRA_ERROR or attempt > spec.max_infra_retries:
                 return rollout
             await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), RETRY_BACKOFF_CAP_S))  # the engine recovers
-            log.warning(
-                "rollout %s: infrastructure error (attempt %d), retrying on a fresh sandbox: %s",
-                item.id,
-                attempt,
-                rollout.error.message if rollout.error else "",
-            )
+            kind = rollout.error.kind if rollout.error else ""
+            if (more := self._retries_said.allow(kind)) is not None:
+                log.warning(
+                    "rollout %s: infrastructure error (attempt %d), retrying on a fresh sandbox: %s%s",
+                    item.id,
+                    attempt,
+                    rollout.error.message if rollout.error else "",
+                    more,
+                )
 
     async def _attempt(
         self,

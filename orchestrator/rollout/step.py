@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # type: ignore[attr-defined]
@@ -214,27 +215,32 @@ def classify_failure(
     return status, RolloutError(kind=type(e).__name__, message=f"{message} ({notes})" if notes else message)
 
 
-_BUGS_LOGGED: dict[tuple[str, str, int], set[str]] = {}  # place -> the messages logged there
+_BUGS_LOGGED: dict[tuple[str, str, int], tuple[float, set[str]]] = {}  # place -> since when, the messages logged
 MAX_BUG_PLACES = 256  # places an environment's failure was raised at; past them no new one is logged
 MAX_BUGS_PER_PLACE = 5  # messages logged for one place (one tenant's grader failures did not hide another's)
+BUG_MEMORY_S = 3600.0  # then a place logs again: a fleet's first hour did not silence its next weeks
 
 
 def _log_environment_bug(e: BaseException) -> None:
-    """An environment's own failure, with its traceback, once per place it was raised and message it said, for a few
-    messages a place: the trainer sees its type and message only, and its author needs the line (one rollout's, not
-    every rollout's of a broken environment; a few messages, or one tenant's grader failure hid every other's raised
-    at the same line, and one whose message names each task filled the log)."""
+    """An environment's own failure, with its traceback, once per place it was raised and message it said, a few
+    messages a place an hour: the trainer sees its type and message only, and its author needs the line (one
+    rollout's, not every rollout's of a broken environment; a few messages, or one tenant's grader failure hid every
+    other's raised at the same line, and one whose message names each task filled the log)."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is None:
         return
     where = (type(e).__name__, tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-    said = _BUGS_LOGGED.get(where)
-    if said is None:
+    now = time.monotonic()
+    entry = _BUGS_LOGGED.get(where)
+    if entry is None or now - entry[0] >= BUG_MEMORY_S:
+        for place in [p for p, (when, _) in _BUGS_LOGGED.items() if now - when >= BUG_MEMORY_S]:
+            del _BUGS_LOGGED[place]
         if len(_BUGS_LOGGED) >= MAX_BUG_PLACES:
             return
-        said = _BUGS_LOGGED[where] = set()
+        entry = _BUGS_LOGGED[where] = (now, set())
+    said = entry[1]
     message = str(e)[:200]
     if message in said or len(said) >= MAX_BUGS_PER_PLACE:
         return

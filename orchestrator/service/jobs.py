@@ -45,6 +45,7 @@ from orchestrator.core.errors import (
     JobNotFoundError,
     QuotaExceededError,
 )
+from orchestrator.core.log_limit import LogLimit
 from orchestrator.core.metrics import Metrics
 from orchestrator.core.models import (
     AdvantageMode,
@@ -217,6 +218,7 @@ class JobManager:
         for state in JobState:
             self.metrics.jobs.labels(state.value).set_function(functools.partial(self._count_in, state))
         self._jobs: dict[str, _Job] = {}
+        self._log_refusals = LogLimit()
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
         self._kept: Counter[str] = Counter()  # per tenant: its jobs here, finished or not
         self._admitting: Counter[str] = Counter()  # per tenant: submits past the cap's check, not recorded yet
@@ -445,7 +447,8 @@ class JobManager:
             try:
                 return await call()
             except (sqlite3.Error, OSError) as e:
-                log.error("the result log refused %s (%s); trying again in %.1fs", what, e, delay)
+                if (more := self._log_refusals.allow(type(e).__name__)) is not None:  # said by every rollout waiting
+                    log.error("the result log refused %s (%s); trying again in %.1fs%s", what, e, delay, more)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, LOG_RETRY_MAX_S)
 
@@ -506,6 +509,8 @@ class JobManager:
         for job in jobs:
             del self._jobs[job.job_id]
             self._kept[job.owner] -= 1
+            if not self._kept[job.owner]:  # a tenant with nothing kept has no entry (tenants come and go)
+                del self._kept[job.owner], self._unfinished[job.owner]
 
     def _set_state(self, job: _Job, state: JobState) -> None:
         was = job.finished

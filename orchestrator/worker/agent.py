@@ -28,6 +28,7 @@ from orchestrator.core.archives import ArchiveKind
 from orchestrator.core.echo import error_text
 from orchestrator.core.environment import Environment, Task, environment_digest, indexed_tasks
 from orchestrator.core.files import write_atomically
+from orchestrator.core.log_limit import LogLimit
 from orchestrator.core.models import JobSpec
 from orchestrator.core.private_dirs import make_private_dir
 from orchestrator.rollout.runner import WorkItem, left_retries
@@ -93,6 +94,7 @@ class WorkerAgent:
         self._orphan_after_s = orphan_after_s
         self._metrics = metrics  # sent to the control plane every `metrics_s`, in a heartbeat
         self._metrics_s = metrics_s
+        self._failures_said = LogLimit()
         # declarative environments by their spec's digest, the most recently used MAX_DECLARATIVE: kept all, a worker
         # held every version it ever ran (a trainer registering one a step: megabytes each, per worker process); a
         # running job's stays with the job (_job_envs), so one dropped here is only parsed again
@@ -309,14 +311,17 @@ class WorkerAgent:
         """The error result of an assignment: the control plane counts it an infrastructure failure and retries."""
         # a refused spec is said by its fields alone: pydantic's own text quotes the values (an api_key among them)
         bare = isinstance(e, ValidationError)
-        log.error(
-            "worker %s %s (assignment %s)%s",
-            self.worker_id,
-            what,
-            a.assignment_id,
-            f": {error_text(e)}" if bare else "",
-            exc_info=None if bare else e,
-        )
+        # a traceback a minute for each kind: a worker without a job's plug-in failed each of its assignments so
+        if (more := self._failures_said.allow((what, type(e).__name__))) is not None:
+            log.error(
+                "worker %s %s (assignment %s)%s%s",
+                self.worker_id,
+                what,
+                a.assignment_id,
+                f": {error_text(e)}" if bare else "",
+                more,
+                exc_info=None if bare else e,
+            )
         error = f"worker {self.worker_id} {what}: {type(e).__name__}: {error_text(e)}"[:2000]
         return wpb.RolloutResult(assignment_id=a.assignment_id, error=error)
 

@@ -74,3 +74,18 @@ async def test_a_whole_answer_without_usage_keeps_its_tokens() -> None:
     choice = {"index": 0, "message": message, "token_ids": [7, 8, 9, 10], "logprobs": lp, "finish_reason": "stop"}
     c = await _turn(json.dumps({"prompt_token_ids": [1, 2, 3], "choices": [choice]}).encode(), stream=False)
     assert c.completion_ids == [7, 8, 9, 10]
+
+
+async def test_a_server_that_never_sends_usage_is_warned_of_once_a_minute_not_every_turn(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tenant's server that ignores include_usage does on every turn: a line per turn was gigabytes a day."""
+    async with _raw_server("text/event-stream", _sse(*HELD_BACK)) as (url, _):
+        policy = OpenAIPolicy(PolicyEndpoint(base_url=url.rstrip("/"), stream=True, max_retries=0))
+        try:
+            with caplog.at_level(logging.WARNING, logger="orchestrator.rollout.policy.streaming"):
+                turns = [await policy.complete(MESSAGES, [], Sampling()) for _ in range(5)]
+        finally:
+            await policy.aclose()
+    assert all(c.completion_ids is None for c in turns)  # each turn's tokens still dropped
+    assert caplog.text.count("did not say how many tokens it sampled") == 1

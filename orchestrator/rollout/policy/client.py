@@ -43,6 +43,7 @@ from orchestrator.core.errors import (
     PolicyResponseError,
     PolicyTimeoutError,
 )
+from orchestrator.core.log_limit import LogLimit
 from orchestrator.core.policy import PolicyEndpoint, Sampling, shown_url, without_secrets
 from orchestrator.core.text import texts
 from orchestrator.rollout.policy import http, streaming
@@ -101,6 +102,9 @@ class OpenAIPolicy(Policy):
         self._backoff_base_s = backoff_base_s
         self._backoff_cap_s = backoff_cap_s
         self._url = f"{endpoint.base_url}/chat/completions"
+        # a line a minute for what every request of a rollout would say: retries (a server down or at its rate
+        # limit), a stream without usage (a server that ignores include_usage)
+        self._said = LogLimit()
 
     async def aclose(self) -> None:
         """Close the HTTP client and its connections."""
@@ -176,9 +180,15 @@ class OpenAIPolicy(Policy):
                     # what streamed in was no answer, and the failed attempt and the pause are the server's time
                     progress.last = -math.inf
                     progress.lost += loop.time() - started + delay
-                log.warning(
-                    "policy request failed (attempt %d/%d), retrying in %.2fs: %s", attempt + 1, attempts, delay, r
-                )
+                if (more := self._said.allow("retry")) is not None:
+                    log.warning(
+                        "policy request failed (attempt %d/%d), retrying in %.2fs: %s%s",
+                        attempt + 1,
+                        attempts,
+                        delay,
+                        r,
+                        more,
+                    )
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -227,8 +237,8 @@ class OpenAIPolicy(Policy):
         if resp.is_success:
             if streamed and resp.headers.get("content-type", "").startswith(streaming.EVENT_STREAM):
                 if len(resp.content) > STREAM_INLINE_BYTES:
-                    return await asyncio.to_thread(streaming.collect, resp.content)
-                return streaming.collect(resp.content)
+                    return await asyncio.to_thread(streaming.collect, resp.content, self._said)
+                return streaming.collect(resp.content, self._said)
             if len(resp.content) > self.max_response_bytes:  # a whole answer to a stream's request: a whole one's cap
                 what = f"is {len(resp.content)} bytes of {resp.headers.get('content-type') or 'no content type'}"
                 raise PolicyResponseError(self._too_big(shown, resp.status, what, self.max_response_bytes))

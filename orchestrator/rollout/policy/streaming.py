@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from orchestrator.core.errors import ContextFull, GenerationAborted, PolicyResponseError, PolicyTokenError
+from orchestrator.core.log_limit import LogLimit
 from orchestrator.core.text import texts
 from orchestrator.rollout.policy.parsing import CONTEXT_FULL
 
@@ -210,12 +211,13 @@ class _Choice:
         return None
 
 
-def collect(body: bytes) -> dict[str, Any]:
+def collect(body: bytes, said: LogLimit | None = None) -> dict[str, Any]:
     """The whole answer a streamed one adds up to (the first choice only: one is asked for). When the stream says
     how many tokens it sampled (`usage`, asked for with stream_options.include_usage), the token ids must be that
     many: a server whose tool or reasoning parser held a chunk back has sent neither its ids nor its logprobs, and
     the two lists would still be of one length. A chat stream that does not say is answered without its token ids
-    and logprobs, so the rollout's tokens are "missing", never complete with a hole in them."""
+    and logprobs, so the rollout's tokens are "missing", never complete with a hole in them. `said` limits the
+    warning that says so (a server that ignores include_usage does on every turn)."""
     choice, whole, sampled, lax = _read(body)
     out = choice.whole()
     whole["choices"] = [out]
@@ -231,13 +233,15 @@ def collect(body: bytes) -> dict[str, Any]:
         # completions endpoint (tito) runs no tool or reasoning parser, so nothing is held back there.
         out.pop("token_ids", None)
         out.pop("logprobs", None)
-        log.warning(
-            "the policy server's stream did not say how many tokens it sampled (no usage: it ignores "
-            "stream_options.include_usage), so ids its tool or reasoning parser held back would go unseen; this "
-            "turn's %d token ids are dropped and the rollout's tokens are missing. Use a server that sends usage "
-            "when streaming, token_mode tito, or stream: false",
-            carried,
-        )
+        if (more := "" if said is None else said.allow("no usage")) is not None:
+            log.warning(
+                "the policy server's stream did not say how many tokens it sampled (no usage: it ignores "
+                "stream_options.include_usage), so ids its tool or reasoning parser held back would go unseen; this "
+                "turn's %d token ids are dropped and the rollout's tokens are missing. Use a server that sends usage "
+                "when streaming, token_mode tito, or stream: false%s",
+                carried,
+                more,
+            )
     return texts(whole) if lax else whole
 
 

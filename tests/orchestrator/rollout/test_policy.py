@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -169,6 +170,19 @@ async def test_always_500_fails_after_the_retries(server: ScriptedServer, make_p
     assert e.value.status == 500
     assert isinstance(e.value, PolicyError) and isinstance(e.value, EnvfleetError)
     assert server.requests == 3
+
+
+async def test_retries_are_logged_once_a_minute_per_endpoint(
+    server: ScriptedServer, make_policy: PolicyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server down fails every request of every rollout: a warning per retry was a line per request a few seconds."""
+    policy = make_policy(server.url, max_retries=2)
+    with caplog.at_level(logging.WARNING, logger="orchestrator.rollout.policy.client"):
+        for _ in range(3):
+            with pytest.raises(PolicyHTTPError):
+                await policy.complete(MESSAGES, [], Sampling(), user="j:broken:0")
+    assert server.requests == 9
+    assert caplog.text.count("policy request failed (attempt") == 1
 
 
 async def test_a_4xx_fails_at_once(server: ScriptedServer, make_policy: PolicyFactory) -> None:

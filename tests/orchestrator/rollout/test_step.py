@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from orchestrator.core.models import JobSpec, RolloutStatus
 from orchestrator.core.policy import PolicyEndpoint, Sampling
 from orchestrator.core.sandbox import Limits
 from orchestrator.images.resolver import ImageResolver
+from orchestrator.rollout import step
 from orchestrator.rollout.policy.base import Completion, Policy, ToolCall
 from orchestrator.rollout.runner import RolloutRunner, WorkItem
 from orchestrator.rollout.step import classify_failure
@@ -221,3 +223,27 @@ def test_classify_failure(error: BaseException, status: RolloutStatus, message: 
     assert got_status == status
     assert got_error.message == message
     assert not got_status.scored
+
+
+def _raised_here(message: str) -> EnvironmentBroken:
+    try:
+        raise EnvironmentBroken(message)
+    except EnvironmentBroken as e:
+        return e
+
+
+def test_an_environments_failure_is_logged_a_few_times_a_place_an_hour(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once a place and message, a few messages a place, and again after an hour: a place's first messages did not
+    silence it for the fleet's weeks."""
+    monkeypatch.setattr(step, "_BUGS_LOGGED", {})
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="orchestrator.rollout.step"):
+        for message in ["a", "a", "b", "c", "d", "e", "f", "g"]:
+            classify_failure(_raised_here(message))
+        assert caplog.text.count("an environment failed") == step.MAX_BUGS_PER_PLACE
+        now[0] += step.BUG_MEMORY_S
+        classify_failure(_raised_here("a"))
+    assert caplog.text.count("an environment failed") == step.MAX_BUGS_PER_PLACE + 1
