@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
 from typing import Protocol
 
 from orchestrator.core.environment import Environment, ImageSource
@@ -54,7 +55,9 @@ class LocalExecutor:
         self.tokenizers = tokenizers or TokenizerCache()
         self._policies: collections.OrderedDict[PolicyEndpoint, OpenAIPolicy] = collections.OrderedDict()
         self._tito: dict[PolicyEndpoint, TitoPolicy] = {}
-        self._replays: dict[str, ReplayPolicy] = {}
+        # by the environment object, gone with it: by name@version, a worker kept every replayed environment's tasks
+        # for life, and replayed an older object's references for a newer one of the same name (another spec digest)
+        self._replays: weakref.WeakKeyDictionary[Environment, ReplayPolicy] = weakref.WeakKeyDictionary()
         self._running: collections.Counter[PolicyEndpoint] = collections.Counter()  # rollouts using each client
         self._closing: set[asyncio.Future[None]] = set()
 
@@ -116,9 +119,9 @@ class LocalExecutor:
             closing.add_done_callback(self._closing.discard)
 
     def _replay(self, env: Environment) -> ReplayPolicy:
-        policy = self._replays.get(env.ref())
+        policy = self._replays.get(env)
         if policy is None:
-            policy = self._replays[env.ref()] = ReplayPolicy(env)
+            policy = self._replays[env] = ReplayPolicy(env)
         return policy
 
     def job_ended(self, job_id: str) -> None:
