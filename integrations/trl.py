@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -230,7 +230,7 @@ class EnvfleetRollout:
         self.max_concurrency = max_concurrency
         self.token_mode = token_mode
         self.client = SyncEnvfleetClient(server, token=token, **client_kwargs)
-        self.job_ids: list[str] = []
+        self.job_ids: deque[str] = deque(maxlen=64)  # the last jobs, a job a step: not every one of a long run
 
     def sampling_for(self, trainer: Any) -> Sampling:
         """The jobs' sampling: the rollout's, else the trainer's. TRL recomputes the logprobs at its own temperature,

@@ -37,6 +37,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusC
 # An ack is idempotent (up_to is cumulative), so one that ran past its deadline on a busy server is sent again too
 ACK_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
 RETRY_S = 0.5  # between tries while the server cannot be reached
+MAX_ACKED_JOBS = 1024  # jobs whose highest ack a client remembers (a trainer with a job a step, for weeks)
 ACK_GAP_S = 0.1  # while rollouts come quicker than this, one auto-ack per gap acks all consumed meanwhile
 
 
@@ -74,7 +75,8 @@ class EnvfleetClient:
         self.sandbox_stub = pb_grpc.SandboxServiceStub(self._channel)
         # per job, the highest up_to acked through this client: a reader without auto_ack forgets the keys up to it
         # (none of them comes again) and resumes after it
-        self._acked: dict[str, int] = {}
+        # (the MAX_ACKED_JOBS acked last)
+        self._acked: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     async def __aenter__(self) -> EnvfleetClient:
         return self
@@ -131,6 +133,9 @@ class EnvfleetClient:
         )
         if up_to > self._acked.get(job_id, 0):
             self._acked[job_id] = up_to
+            self._acked.move_to_end(job_id)
+            if len(self._acked) > MAX_ACKED_JOBS:
+                self._acked.popitem(last=False)
         return int(r.acked)
 
     async def _ack_through_outages(self, job_id: str, up_to: int) -> None:

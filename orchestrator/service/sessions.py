@@ -273,6 +273,8 @@ class SessionManager:
             raise
         finally:
             self._reserved[tenant] -= 1
+            if not self._reserved[tenant]:
+                del self._reserved[tenant]
         session.reservation = reservation
         self._sessions[session.id] = session
         return self._view(session), observation

@@ -18,6 +18,7 @@ import docker
 import grpc
 import pytest
 
+from orchestrator.client import sdk
 from orchestrator.client.convert import rollout_from_pb
 from orchestrator.client.sdk import EnvfleetClient, SyncEnvfleetClient
 from orchestrator.core.models import RolloutStatus
@@ -90,6 +91,18 @@ async def test_backpressure_holds_at_max_in_flight(
     batch = await asyncio.wait_for(pending, 5)
     assert len(batch.rollouts) == 1
     call.cancel()
+
+
+async def test_a_client_remembers_the_acks_of_its_last_jobs_only(
+    fake_client: EnvfleetClient, monkeypatch: pytest.MonkeyPatch, task_ids: list[str]
+) -> None:
+    """A trainer that holds one client for weeks and runs a job a step: its client kept every job's ack."""
+    monkeypatch.setattr(sdk, "MAX_ACKED_JOBS", 2)
+    jobs = [await fake_client.submit(job(REPLAY_URL, task_ids[:1])) for _ in range(3)]
+    for job_id in jobs:
+        rollouts = [r async for r in fake_client.rollouts(job_id, auto_ack=False)]
+        await fake_client.ack(job_id, up_to=rollouts[-1].seq)
+    assert list(fake_client._acked) == jobs[1:]
 
 
 async def test_rows_acked_while_a_stream_reads_them_hold_no_room_in_its_window(
