@@ -248,7 +248,7 @@ class RolloutRunner:
         warm = False
         failure: Exception | None = None
         infra_failed = False
-        acquired = False  # the image and the sandbox are in hand: what runs out of time after this is the episode's
+        fleet_part = "acquire"  # the fleet's part, "acquire" then "setup", until the episode starts ("")
         setup_kind = "own"
         try:
             try:
@@ -281,7 +281,7 @@ class RolloutRunner:
                         warm = source == "warm"
                         self.active[item.id] = sandbox
                         phase.span.set({SANDBOX_WARM: warm})
-                    acquired = True
+                    fleet_part = "setup"
                     timing.sandbox_acquire = phase.seconds
                     with Phase(span, "setup") as phase:
                         box = sandbox
@@ -298,6 +298,7 @@ class RolloutRunner:
                             await env_call(env.setup(box, item.task, item.seed))
                             setup_kind = "own"
                     timing.setup = phase.seconds
+                    fleet_part = ""  # what runs out of time from here is the episode's
                     # the rollout's time is the episode's and its scoring's, counted from here: the fleet's part
                     # (the image, a sandbox, the environment's setup) had a limit of its own. Counted from the
                     # attempt's start, a slow sandbox shortened the policy's time, and the episode it cut short was
@@ -337,10 +338,12 @@ class RolloutRunner:
                             phase.span.set({REWARD: score.reward})
                     timing.scoring = phase.seconds
             except Exception as e:
-                if type(e) is TimeoutError and not acquired:  # the attempt's own deadline, in the fleet's part of it
+                if type(e) is TimeoutError and fleet_part:  # the attempt's own deadline, in the fleet's part of it
                     e = SandboxWaitTimeoutError(
                         f"no sandbox within the rollout's {spec.rollout_timeout_s:g}s (waiting for the image, a "
                         "place to start one, or the engine)"
+                        if fleet_part == "acquire"
+                        else f"the environment's setup did not end within the rollout's {spec.rollout_timeout_s:g}s"
                     )
                 failure = e
                 # a sandbox that failed us (or any failure nobody classified) is never reused

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import ClassVar
 
 import docker
 import grpc
@@ -16,7 +17,9 @@ from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.backends.fake import FakeBackend
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task
 from orchestrator.core.models import Rollout, RolloutStatus
+from orchestrator.core.sandbox import Sandbox
 from orchestrator.server.app import Orchestrator
 from orchestrator.service.registry import Registry
 from orchestrator.testing import toy_tokenizer as toy
@@ -265,6 +268,41 @@ async def test_a_rollout_out_of_time_before_it_had_a_sandbox_is_infrastructure_n
     assert (r.status, r.reward, r.attempts) == (RolloutStatus.INFRA_ERROR, None, 1), r
     assert r.error is not None and r.error.kind == "SandboxWaitTimeoutError", r.error
     assert "no sandbox within the rollout's 0.5s" in r.error.message
+
+
+async def _never(ctx: ScoringContext) -> float:
+    return 0.0
+
+
+class _SetupHangs(Environment):
+    """An environment whose setup outlasts the rollout: on a slow host, a copy of a big repository does."""
+
+    name: ClassVar[str] = "setup-hangs"
+    rubric: ClassVar[Rubric] = Rubric([("never", _never, 1.0)])
+
+    def tasks(self) -> list[Task]:
+        return [Task(id="t", prompt="p")]
+
+    async def setup(self, sandbox: Sandbox, task: Task, seed: int) -> None:
+        await asyncio.sleep(30)
+
+
+async def test_a_rollout_out_of_time_in_its_setup_is_infrastructure_not_a_timeout(
+    tmp_path: Path, policy_server: ScriptedServer
+) -> None:
+    # setup is the fleet's part (the episode's time starts after it): a setup cut by the rollout's deadline was a
+    # TIMEOUT, never retried, where the same time spent waiting for a sandbox was infrastructure
+    registry = Registry()
+    registry.register(_SetupHangs())
+    fake = FakeBackendConfig(owner=TEST_OWNER)
+    async with serve(tmp_path / "data", registry, backend=fake) as orch, EnvfleetClient(orch.address) as client:
+        spec = job(policy_server.url, ["t"], rollout_timeout_s=0.5, max_infra_retries=1)
+        job_id = await client.submit(spec.model_copy(update={"env": "setup-hangs"}))
+        async with asyncio.timeout(30):
+            (r,) = [r async for r in client.rollouts(job_id)]
+    assert (r.status, r.reward, r.attempts) == (RolloutStatus.INFRA_ERROR, None, 2), r
+    assert r.error is not None and r.error.kind == "SandboxWaitTimeoutError", r.error
+    assert "the environment's setup did not end within the rollout's 0.5s" in r.error.message
 
 
 async def test_an_image_this_host_lacks_is_infrastructure_not_the_environments(
