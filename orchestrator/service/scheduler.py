@@ -394,8 +394,10 @@ class Scheduler:
                 waiting.setdefault(q.tenant, []).append(q)
         if not waiting:
             return None
-        running, served = self._running_by_tenant, self._served
-        tenants = sorted(waiting, key=lambda t: (running[t], served.get(t, -1)))
+        # what a tenant holds counts its sessions and raw sandboxes too: by its rollouts alone, one that held its
+        # share in sessions got as much again of what was left for jobs
+        running, held, served = self._running_by_tenant, self._held_count, self._served
+        tenants = sorted(waiting, key=lambda t: (running[t] + held.get(t, 0), served.get(t, -1)))
         now = asyncio.get_running_loop().time()
         for tenant in tenants:  # the fairest first; the next ones backfill while it waits for room
             mine = waiting[tenant]

@@ -50,6 +50,29 @@ async def test_many_high_priority_jobs_of_one_tenant_do_not_starve_another() -> 
         await s.close()
 
 
+async def test_sessions_and_sandboxes_a_tenant_holds_count_in_its_share_of_job_slots() -> None:
+    started: Counter[str] = Counter()
+    gate = asyncio.Event()
+
+    async def run(item: WorkItem) -> None:
+        started[item.job_id] += 1
+        await gate.wait()
+
+    s = Scheduler(max_in_flight=8, run=run, capacity=Capacity(max_sandboxes=4, cpus=100, memory_mb=100_000))
+    s.start()
+    try:
+        held = [s.reserve(Need(), "a session", "alice") for _ in range(2)]
+        s.add_job("alice-job", priority=1, max_concurrency=64, items=_items("alice-job", 10), tenant="alice")
+        s.add_job("bob-job", priority=1, max_concurrency=64, items=_items("bob-job", 10), tenant="bob")
+        await asyncio.sleep(0.05)
+        assert started == {"bob-job": 2}, started  # alice holds 2 already: the 2 left are bob's
+    finally:
+        gate.set()
+        for r in held:
+            r.release()
+        await s.close()
+
+
 async def test_priority_still_weighs_one_tenants_jobs() -> None:
     started: Counter[str] = Counter()
     gate = asyncio.Event()
