@@ -44,6 +44,9 @@ class SessionFailedError(EnvfleetError, RuntimeError):
         self.status = status
 
 
+MAX_CALL_ID = 128  # the server's cap on a tool call's id
+
+
 class AnyText(spaces.Text):
     """Any string up to max_length characters (gymnasium's Text limits the charset; model output does not)."""
 
@@ -58,13 +61,14 @@ def parse_action(text: str) -> pb.Action:
     none), and it raised out of env.step."""
     try:
         obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # JSONDecodeError, and an integer past Python's 4,300 digits
         return pb.Action(final_answer=as_text(text))
     if isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]:
         args = obj.get("arguments", {})
+        call_id = as_text(str(obj.get("id", "")))
         return pb.Action(
             tool_call=pb.ToolCall(
-                id=as_text(str(obj.get("id", ""))),
+                id=call_id if len(call_id) <= MAX_CALL_ID else "",  # the server's cap: past it, the server names it
                 name=as_text(obj["name"]),
                 arguments=as_text(args) if isinstance(args, str) else json.dumps(args),
             )

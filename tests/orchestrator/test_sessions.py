@@ -19,7 +19,7 @@ from gymnasium.utils.env_checker import check_env
 from integrations.session import AsyncSessions, SyncSessions
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend, FakeExec
-from orchestrator.client.gym import SessionEnv
+from orchestrator.client.gym import SessionEnv, parse_action
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.environment import Task
 from orchestrator.core.errors import SandboxDiedError
@@ -597,3 +597,13 @@ async def test_an_environments_own_time_for_the_agent_ends_a_session_and_it_is_s
         await asyncio.sleep(3.2)
         late = await stub.Step(pb.StepRequest(session_id=sid, action=tool("python", code="1")))
         assert late.truncated and late.info.turn == 0 and late.observation == "" and late.reward == 0.0
+
+
+def test_a_gym_action_the_server_would_refuse_is_made_one_it_takes() -> None:
+    # the policy's text raised out of env.step: an integer past Python's digit limit (ValueError, not a
+    # JSONDecodeError), and a tool call id over the server's 128 characters (INVALID_ARGUMENT)
+    digits = "9" * 5000
+    assert parse_action(digits).final_answer == digits
+    call = parse_action(json.dumps({"name": "python", "id": "x" * 200, "arguments": {"code": "1"}})).tool_call
+    assert (call.id, call.name, json.loads(call.arguments)) == ("", "python", {"code": "1"})
+    assert parse_action(json.dumps({"name": "python", "id": "c1"})).tool_call.id == "c1"
