@@ -111,7 +111,12 @@ def opening_turns(messages: Sequence[dict[str, Any]]) -> list[Turn]:
 def record_opening(state: EpisodeState, messages: Sequence[dict[str, Any]]) -> None:
     """Record the opening chat messages as the episode's first turns, counted in its budget as every turn is (the
     environment's prompt, left out, let the cheap bound pass an episode over EPISODE_BYTES by its size)."""
-    for turn in opening_turns(messages):
+    record_turns(state, opening_turns(messages))
+
+
+def record_turns(state: EpisodeState, turns: Sequence[Turn]) -> None:
+    """Record turns made already (a session's opening, made for its Reset's observation)."""
+    for turn in turns:
         state._keep(turn)
 
 

@@ -57,6 +57,7 @@ from orchestrator.rollout.step import (
     finished_status,
     opening_turns,
     record_assistant,
+    record_turns,
     run_tool_call,
 )
 from orchestrator.service.caps import SandboxCaps, check_env_limits
@@ -260,13 +261,21 @@ class SessionManager:
                 f"{env.ref()}: the opening messages of task {task.id} could not be made: {type(e).__name__}: "
                 f"{echo(str(e), 300)}"
             ) from e
+        # the episode a scorer sees starts with the opening, as a job's rollout does (run_episode): without it a
+        # rubric that read the prompt or counted turns scored a session's episode unlike the same one in a job
+        state = EpisodeState.start(env)
+        record_turns(state, observation.messages)
+        if not state.fits():
+            raise FailedPreconditionError(
+                f"{env.ref()}: the opening messages of task {task.id} are over the episode's budget (EPISODE_BYTES)"
+            )
         need = Need(cpus=env.limits.cpus, memory_mb=env.limits.memory_mb)
         reservation = self._admission.reserve(need, "a session", tenant) if self._admission is not None else None
         self._reserved[tenant] = self._reserved.get(tenant, 0) + 1
         try:
             # at most the environment's own, as a job's rollouts are (runner.py): a session asked for more
             turns = min(max_turns, env.max_turns) if max_turns else env.max_turns
-            session = await self._open(tenant, env, task, seed, turns)
+            session = await self._open(tenant, env, task, seed, turns, state)
         except BaseException:
             if reservation is not None:
                 reservation.release()
@@ -279,7 +288,9 @@ class SessionManager:
         self._sessions[session.id] = session
         return self._view(session), observation
 
-    async def _open(self, tenant: str, env: Environment, task: Task, seed: int, max_turns: int) -> _Session:
+    async def _open(
+        self, tenant: str, env: Environment, task: Task, seed: int, max_turns: int, state: EpisodeState
+    ) -> _Session:
         sid = secrets.token_hex(12)
         image, _ = await self._images.resolve(env)
         last_step = self._step_budget(env, task)
@@ -305,7 +316,7 @@ class SessionManager:
         except BaseException:
             await asyncio.shield(self._pool.release(sandbox, recycle=False))
             raise
-        session = _Session(sid, tenant, env, task, seed, max_turns, sandbox, image, EpisodeState.start(env))
+        session = _Session(sid, tenant, env, task, seed, max_turns, sandbox, image, state)
         if own := episode_budget(env, task):  # the agent's time, from the end of the setup, as a rollout's
             session.episode_end = time.monotonic() + own
         return session

@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import docker
 import grpc
@@ -21,7 +21,7 @@ from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.backends.fake import FakeBackend, FakeExec
 from orchestrator.client.gym import SessionEnv, parse_action
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.core.environment import Task
+from orchestrator.core.environment import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from orchestrator.core.errors import SandboxDiedError
 from orchestrator.core.models import JobSpec, RolloutStatus, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
@@ -607,3 +607,40 @@ def test_a_gym_action_the_server_would_refuse_is_made_one_it_takes() -> None:
     call = parse_action(json.dumps({"name": "python", "id": "x" * 200, "arguments": {"code": "1"}})).tool_call
     assert (call.id, call.name, json.loads(call.arguments)) == ("", "python", {"code": "1"})
     assert parse_action(json.dumps({"name": "python", "id": "c1"})).tool_call.id == "c1"
+
+
+_SEEN: list[list[str]] = []
+
+
+async def _roles(ctx: ScoringContext) -> float:
+    _SEEN.append([t.role for t in ctx.episode.turns])
+    return 1.0
+
+
+class _Roles(Environment):
+    """Records the roles of the episode its scorer is given."""
+
+    name: ClassVar[str] = "roles"
+    tools: ClassVar[tuple[str, ...]] = ("submit",)
+    rubric: ClassVar[Rubric] = Rubric([("roles", _roles, 1.0)])
+
+    def tasks(self) -> list[Task]:
+        return [Task(id="t", prompt="say x", reference=(ToolInvocation("submit", {"answer": "x"}),))]
+
+
+async def test_a_sessions_scorer_sees_the_episode_a_jobs_does(tmp_path: Path) -> None:
+    # a session's episode began at the first step, a job's with the opening (system, user): a rubric that read the
+    # prompt or counted turns scored the same trajectory one way in a job and another in a session
+    _SEEN.clear()
+    registry = Registry()
+    registry.register(_Roles())
+    async with serve(tmp_path, registry, backend=FAKE) as orch, EnvfleetClient(orch.address) as client:
+        spec = JobSpec(env="roles", policy=PolicyEndpoint(base_url=REPLAY_URL))
+        (rollout,) = [r async for r in client.rollouts(await client.submit(spec))]
+        assert rollout.reward == 1.0, rollout.error
+        sid = (await client.session_stub.Reset(pb.ResetRequest(env="roles", task_id="t"))).session_id
+        step = await client.session_stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="x")))
+        assert step.reward == 1.0 and step.terminated
+        await client.session_stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    job_roles, session_roles = _SEEN
+    assert job_roles[:2] == ["system", "user"] and session_roles == job_roles, _SEEN
