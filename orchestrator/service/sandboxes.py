@@ -32,7 +32,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -77,6 +77,7 @@ MAX_TOMBSTONES_PER_TENANT = 1000
 LEASE_GRACE_S = 60.0
 MAX_LEASE_S = 7 * 24 * 3600.0  # SandboxSpec's limit
 PROBE_CONCURRENCY = 64
+DESTROY_CONCURRENCY = 16  # expired sandboxes removed at once
 _STDIN_BOUND_SLACK = 16  # a stdin length bound from message sizes is at most this much over the length
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 ENV_STRING_BYTES = 128 << 10  # MAX_ARG_STRLEN: one environment string, its NUL counted
@@ -209,6 +210,7 @@ class SandboxManager:
         self._reserved: dict[str, int] = {}
         self._ended: dict[str, OrderedDict[str, SandboxRecord]] = {}  # tenant -> its tombstones, oldest first
         self._reaper: asyncio.Task[None] | None = None
+        self._destroying: set[asyncio.Future[None]] = set()  # removals a List left behind it
 
     @classmethod
     def start(
@@ -334,19 +336,27 @@ class SandboxManager:
     async def _end(self, live: _Live, state: State, reason: str) -> None:
         """Forget a sandbox (a tombstone tells its owner how it ended, and why), give its capacity back and destroy
         it."""
+        if self._forget(live, state, reason):
+            await self._destroy(live)
+
+    def _forget(self, live: _Live, state: State, reason: str) -> bool:
+        """_end's bookkeeping, at once: False when the sandbox had ended already."""
         sid = live.record.sandbox_id
         if self._live.pop(sid, None) is None:
-            return
+            return False
         ended = self._ended.setdefault(live.tenant, OrderedDict())
         ended[sid] = dataclasses.replace(live.record, state=state, ended_at=time.time(), end_reason=reason)
         while len(ended) > MAX_TOMBSTONES_PER_TENANT:
             ended.popitem(last=False)
         if live.reservation is not None:
             live.reservation.release()
+        return True
+
+    async def _destroy(self, live: _Live) -> None:
         try:
             await asyncio.shield(live.sandbox.close())
         except SandboxError:
-            log.warning("could not destroy sandbox %s", sid, exc_info=True)
+            log.warning("could not destroy sandbox %s", live.record.sandbox_id, exc_info=True)
 
     async def _died(self, live: _Live, reason: str) -> None:
         log.warning("sandbox %s of %s died: %s; destroying it", live.record.sandbox_id, live.tenant, reason)
@@ -377,7 +387,12 @@ class SandboxManager:
 
     async def list(self, tenant: str) -> list[SandboxRecord]:
         """The tenant's running sandboxes, then those that ended in the last hour."""
-        await self.reap()
+        # the expired ones ended here, their containers removed behind the answer: awaited, every tenant's List
+        # waited on the removal of each sandbox any tenant let expire, one after another
+        if doomed := self._expire():
+            task = asyncio.ensure_future(self._destroy_all(doomed))
+            self._destroying.add(task)
+            task.add_done_callback(self._destroying.discard)
         running = [x.record for x in self._live.values() if x.tenant == tenant]
         ended = list(self._ended.get(tenant, OrderedDict()).values())
         return sorted(running, key=lambda r: r.created_at) + ended
@@ -548,15 +563,34 @@ class SandboxManager:
 
     async def reap(self) -> int:
         """Destroy sandboxes whose TTL ended, and forget old tombstones; returns how many were destroyed."""
+        doomed = self._expire()
+        await self._destroy_all(doomed)
+        return len(doomed)
+
+    def _expire(self) -> list[_Live]:
+        """End (_forget) the sandboxes whose TTL ended, and forget old tombstones; returns those to destroy."""
         now, mono = time.time(), time.monotonic()
         doomed = [x for x in list(self._live.values()) if mono >= x.ends_at]
         for live in doomed:
             log.info("sandbox %s of %s: ttl ended, destroying it", live.record.sandbox_id, live.tenant)
-            await self._end(live, "EXPIRED", "its ttl ended")
-        for ended in self._ended.values():
+            self._forget(live, "EXPIRED", "its ttl ended")
+        for tenant, ended in list(self._ended.items()):
             while ended and now - next(iter(ended.values())).ended_at > TOMBSTONE_KEEP_S:
                 ended.popitem(last=False)
-        return len(doomed)
+            if not ended:
+                del self._ended[tenant]
+        return doomed
+
+    async def _destroy_all(self, doomed: Sequence[_Live]) -> None:
+        """Destroy them, DESTROY_CONCURRENCY at a time (one after another, one tenant's many expired sandboxes
+        held the next reap, and the health checks behind it, for seconds each)."""
+        turns = asyncio.Semaphore(DESTROY_CONCURRENCY)
+
+        async def one(live: _Live) -> None:
+            async with turns:
+                await self._destroy(live)
+
+        await asyncio.gather(*(one(x) for x in doomed))
 
     async def end_dead(self) -> int:
         """Health-check the sandboxes due one (each every probe_interval_s) and end those whose container died;
@@ -604,4 +638,4 @@ class SandboxManager:
         for x in live:
             if x.reservation is not None:
                 x.reservation.release()
-        await asyncio.gather(*(x.sandbox.close() for x in live), return_exceptions=True)
+        await asyncio.gather(*(x.sandbox.close() for x in live), *self._destroying, return_exceptions=True)

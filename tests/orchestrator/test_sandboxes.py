@@ -281,3 +281,27 @@ async def test_a_sandboxs_ttl_runs_on_the_monotonic_clock(tmp_path: Path, monkey
         assert (await stub.Get(pb.GetSandboxRequest(sandbox_id=sid))).state == pb.SANDBOX_STATE_RUNNING
         monkeypatch.setattr(time, "time", lambda: wall() - 3600)
         await expect_error(stub.Get(pb.GetSandboxRequest(sandbox_id=short)), grpc.StatusCode.NOT_FOUND, "expired")
+
+
+async def test_a_list_does_not_wait_on_the_removal_of_sandboxes_that_expired(tmp_path: Path) -> None:
+    # List reaped first, removing each expired sandbox (any tenant's) one after another before it answered: one
+    # tenant's many short-lived sandboxes held every List of every tenant for seconds each
+    import time
+
+    from orchestrator.backends.config import FakeBackendConfig
+    from tests.conftest import TEST_OWNER
+
+    slow = FakeBackendConfig(owner=TEST_OWNER, destroy_latency_s=1.0)
+    async with (
+        serve(tmp_path, backend=slow, sandboxes={"reap_interval_s": 3600}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        stub = client.sandbox_stub
+        ids = [(await stub.Create(pb.CreateSandboxRequest(env="python-tool", ttl_s=1))).sandbox_id for _ in range(10)]
+        await asyncio.sleep(1.2)
+        t0 = time.monotonic()
+        listed = {s.sandbox_id: s.state for s in (await stub.List(pb.ListSandboxesRequest())).sandboxes}
+        took = time.monotonic() - t0
+        assert listed == dict.fromkeys(ids, pb.SANDBOX_STATE_EXPIRED)
+        assert took < 5.0, f"List waited {took:.1f}s on the removals (10 of 1 s each)"
+        assert orch.jobs.scheduler.reserved == 0  # their room came back at once
