@@ -25,6 +25,7 @@ from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
 from orchestrator.client.busy import BUSY_WAIT_S, retry_busy, retry_busy_sync
 from orchestrator.client.convert import known_status
 from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.client.step_retry import send_step, send_step_async, step_request
 from orchestrator.core.errors import EpisodeFailedError
 from orchestrator.core.models import RolloutStatus
 from orchestrator.core.text import as_text
@@ -155,6 +156,32 @@ def step_from_pb(r: pb.StepResponse) -> StepResult:
 STEP_TIMEOUT_S: float | None = None
 
 
+class _Turns:
+    """Each open session's turn, as its last answer said (a Step whose answer is lost is sent again at it,
+    step_retry); forgotten when the episode ends or the session closes."""
+
+    def __init__(self) -> None:
+        self._turns: dict[str, int] = {}
+
+    def opened(self, r: pb.ResetResponse) -> Opening:
+        self._turns[r.session_id] = r.info.turn
+        return opening_from_pb(r)
+
+    def request(self, session_id: str, action: ToolCall | str) -> pb.StepRequest:
+        return step_request(session_id, action_pb(action), self._turns.get(session_id))
+
+    def answered(self, session_id: str, r: pb.StepResponse) -> StepResult:
+        result = step_from_pb(r)
+        if result.done:
+            self._turns.pop(session_id, None)
+        else:
+            self._turns[session_id] = r.info.turn
+        return result
+
+    def closed(self, session_id: str) -> None:
+        self._turns.pop(session_id, None)
+
+
 class AsyncSessions:
     """SessionService over an EnvfleetClient's channel (its token and TLS), for asyncio code. `timeout_s` is Reset's
     and Close's deadline; `step_timeout_s` Step's (STEP_TIMEOUT_S); `busy_wait_s` how long Reset asks again while
@@ -173,23 +200,27 @@ class AsyncSessions:
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
         self.busy_wait_s = busy_wait_s
+        self._turns = _Turns()
 
     async def reset(self, env: str, task_id: str = "", *, seed: int | None = None, max_turns: int = 0) -> Opening:
         """Acquire a sandbox and set the task up."""
         reset = functools.partial(self.client.session_stub.Reset, reset_request(env, task_id, seed, max_turns))
-        return opening_from_pb(await retry_busy(functools.partial(reset, timeout=self.timeout_s), self.busy_wait_s))
+        return self._turns.opened(await retry_busy(functools.partial(reset, timeout=self.timeout_s), self.busy_wait_s))
 
     async def step(self, session_id: str, action: ToolCall | str) -> StepResult:
-        """Run one tool call, or give the final answer; the fleet failing it is EpisodeFailedError INFRA_ERROR."""
-        req = pb.StepRequest(session_id=session_id, action=action_pb(action))
+        """Run one tool call, or give the final answer; sent again at its turn while its answer is lost
+        (step_retry), then the fleet failing it is EpisodeFailedError INFRA_ERROR."""
+        call = functools.partial(self.client.session_stub.Step, timeout=self.step_timeout_s)
         try:
-            return step_from_pb(await self.client.session_stub.Step(req, timeout=self.step_timeout_s))
+            r = await send_step_async(call, self._turns.request(session_id, action))
         except grpc.aio.AioRpcError as e:
             _raise_fleet_failure(e)
             raise
+        return self._turns.answered(session_id, r)
 
     async def close(self, session_id: str) -> None:
         """Release the sandbox; a session that already expired has nothing to release."""
+        self._turns.closed(session_id)
         try:
             await self.client.session_stub.CloseSession(
                 pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout_s
@@ -221,24 +252,28 @@ class SyncSessions:
         self._metadata = bearer_metadata(token)
         self._channel = sync_channel(target, token=token, tls=tls, insecure=insecure)
         self._stub = pb_grpc.SessionServiceStub(self._channel)
+        self._turns = _Turns()  # SkyRL steps its environments in threads: each session's entry is its own
 
     def reset(self, env: str, task_id: str = "", *, seed: int | None = None, max_turns: int = 0) -> Opening:
         """Acquire a sandbox and set the task up."""
         req = reset_request(env, task_id, seed, max_turns)
         reset = functools.partial(self._stub.Reset, req, timeout=self.timeout_s, metadata=self._metadata)
-        return opening_from_pb(retry_busy_sync(reset, self.busy_wait_s))
+        return self._turns.opened(retry_busy_sync(reset, self.busy_wait_s))
 
     def step(self, session_id: str, action: ToolCall | str) -> StepResult:
-        """Run one tool call, or give the final answer; the fleet failing it is EpisodeFailedError INFRA_ERROR."""
-        req = pb.StepRequest(session_id=session_id, action=action_pb(action))
+        """Run one tool call, or give the final answer; sent again at its turn while its answer is lost
+        (step_retry), then the fleet failing it is EpisodeFailedError INFRA_ERROR."""
+        call = functools.partial(self._stub.Step, timeout=self.step_timeout_s, metadata=self._metadata)
         try:
-            return step_from_pb(self._stub.Step(req, timeout=self.step_timeout_s, metadata=self._metadata))
+            r = send_step(call, self._turns.request(session_id, action))
         except grpc.RpcError as e:
             _raise_fleet_failure(e)
             raise
+        return self._turns.answered(session_id, r)
 
     def close(self, session_id: str) -> None:
         """Release the sandbox; a session that already expired has nothing to release."""
+        self._turns.closed(session_id)
         try:
             self._stub.CloseSession(
                 pb.CloseSessionRequest(session_id=session_id), timeout=self.timeout_s, metadata=self._metadata

@@ -713,12 +713,14 @@ class Action(_message.Message):
     def __init__(self, tool_call: _Optional[_Union[ToolCall, _Mapping]] = ..., final_answer: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "action")
+    __slots__ = ("session_id", "action", "turn")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     action: Action
-    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
+    turn: int
+    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., turn: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("observation", "reward", "terminated", "truncated", "status", "reward_components", "metrics", "error", "info")

@@ -785,6 +785,8 @@ class SessionServiceServicer:
     def Step(self, request, context):
         """One action: a tool call or a final answer. A terminal step scores the episode and releases the sandbox.
         NOT_FOUND for an unknown session, or one that expired (the message says so); FAILED_PRECONDITION once ended.
+        A Step whose answer was lost (UNAVAILABLE, DEADLINE_EXCEEDED) may have run: send it again with the same `turn`
+        and the session answers what that step did, without acting again (see StepRequest.turn).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

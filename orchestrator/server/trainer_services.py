@@ -193,7 +193,8 @@ class SessionService(pb_grpc.SessionServiceServicer):  # type: ignore[misc]
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         tenant = self._auth.tenant(context)
         sid = check_id(request.session_id, "session_id")
-        result = await self._sessions.step(tenant, sid, action_from_pb(request.action))
+        turn = request.turn if request.HasField("turn") else None
+        result = await self._sessions.step(tenant, sid, action_from_pb(request.action), turn)
         return step_response_pb(result)
 
     async def CloseSession(

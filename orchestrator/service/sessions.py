@@ -162,6 +162,9 @@ class _Session:
     waiting: int = 0  # steps waiting for the one running (MAX_WAITING_STEPS)
     # the environment's own limit on the agent's time (Environment.episode_timeout_s), on time.monotonic(); None: none
     episode_end: float | None = None
+    # the last step's turn (the session's turn when it began) and its answer: a Step sent again at that turn, its
+    # answer lost, gets it again (a final step's reward among them) instead of the action running twice
+    last: tuple[int, StepResult] | None = None
 
 
 # Steps of one session that may wait behind the running one: a client that retries a step whose call it gave up on
@@ -378,10 +381,11 @@ class SessionManager:
         except SandboxError:
             log.warning("could not release the sandbox of session %s", s.id, exc_info=True)
 
-    async def step(self, tenant: str, session_id: str, action: Action) -> StepResult:
+    async def step(self, tenant: str, session_id: str, action: Action, turn: int | None = None) -> StepResult:
         """Apply one action; the step that ends the episode scores it and releases the sandbox. A step whose call is
         cancelled (a client's deadline) runs to its end all the same: cut midway, the transcript kept the assistant's
-        call without its tool turn (the next step reused its id), and a step cut while scoring scored again."""
+        call without its tool turn (the next step reused its id), and a step cut while scoring scored again. `turn`:
+        the session's turn the action is for; the step taken at it already is answered again (StepRequest.turn)."""
         s = await self._get(tenant, session_id)
         if s.lock.locked() and s.waiting >= MAX_WAITING_STEPS:
             # each waiting call holds its request (up to the server's message size) for as long as the steps before
@@ -398,12 +402,20 @@ class SessionManager:
             await s.lock.acquire()
         finally:
             s.waiting -= 1
-        return await run_to_end(self._step_locked(s, session_id, action))
+        return await run_to_end(self._step_locked(s, session_id, action, turn))
 
-    async def _step_locked(self, s: _Session, session_id: str, action: Action) -> StepResult:
+    async def _step_locked(self, s: _Session, session_id: str, action: Action, turn: int | None) -> StepResult:
         """The step, with the session's lock held by the caller; it lets go at the end."""
         try:
             self._check_open(s)  # closed or expired while this step waited for the one before it
+            if turn is not None:
+                if s.last is not None and s.last[0] == turn:
+                    return s.last[1]  # taken already, its answer lost on the way: the same answer, no second action
+                if turn != s.turn:
+                    raise FailedPreconditionError(
+                        f"session {session_id} is at turn {s.turn}, not {turn}: send the turn of the last answer's "
+                        "info (Reset's for the first step)"
+                    )
             # past its lifetime while its steps came one behind the other: the checks that skip a session in a step
             # never got to it, and it lived until the sweep took its sandbox mid-step (an infrastructure failure)
             if s.ended is None and (why := self._expired_why(s, time.monotonic())):
@@ -414,10 +426,12 @@ class SessionManager:
                     f"session {session_id} has ended ({s.ended.value}); call Reset for a new episode"
                 )
             s.last_used = time.monotonic()
+            began = s.turn
             try:
                 result = await self._step(s, action)
             finally:
                 s.last_used = time.monotonic()
+            s.last = (began, result)
             if not s.closed_after_end:
                 # closed during the step: its sandbox went midway, so neither a reward nor a failure. Closed once the
                 # step had ended the episode (its sandbox being recycled), the step's outcome stands: a scored

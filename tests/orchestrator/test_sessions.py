@@ -644,3 +644,47 @@ async def test_a_sessions_scorer_sees_the_episode_a_jobs_does(tmp_path: Path) ->
         await client.session_stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
     job_roles, session_roles = _SEEN
     assert job_roles[:2] == ["system", "user"] and session_roles == job_roles, _SEEN
+
+
+async def test_a_step_whose_answer_is_lost_is_asked_again_at_its_turn_and_never_runs_twice(tmp_path: Path) -> None:
+    # a Step's answer lost (a dropped connection, the caller's deadline) failed the episode as INFRA_ERROR, though
+    # the server ran the step to its end: a final step's reward was thrown away and the adapter ran the episode
+    # again. The clients send it again at its turn, and the server answers what that step did
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=1.0)
+    call = ToolCall("call_0", "python", json.dumps({"code": "print(7)"}))
+    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
+        sessions = AsyncSessions(client, step_timeout_s=0.3)  # each step's answer is past it: lost, asked again
+        opening = await sessions.reset(ENV, task_id="py-000")
+        sid = opening.session_id
+        result = await sessions.step(sid, call)
+        assert result.observation.strip() == "print(7)" and result.status is None
+        stub = client.session_stub
+        # the step ran once: the session is at turn 1, where the next one goes
+        await expect_error(
+            stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="7"), turn=2)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"session {sid} is at turn 1, not 2",
+        )
+        final = await stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="7"), turn=1))
+        assert final.terminated and final.status == pb.ROLLOUT_STATUS_OK
+        # the final step's answer again, the episode ended: the same reward, and no second action
+        again = await stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="wrong"), turn=1))
+        assert again == final
+        await expect_error(
+            stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="7"))),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "has ended (OK)",
+        )
+        await sessions.close(sid)
+
+        def sync_episode() -> str:
+            blocking = SyncSessions(client.target, step_timeout_s=0.3)
+            try:
+                opened = blocking.reset(ENV, task_id="py-000")
+                observation = blocking.step(opened.session_id, call).observation
+                blocking.close(opened.session_id)
+                return observation
+            finally:
+                blocking.shutdown()
+
+        assert (await asyncio.to_thread(sync_episode)).strip() == "print(7)"
