@@ -567,7 +567,7 @@ class SandboxManager:
         await self._destroy_all(doomed)
         return len(doomed)
 
-    def _expire(self) -> list[_Live]:
+    def _expire(self) -> Sequence[_Live]:
         """End (_forget) the sandboxes whose TTL ended, and forget old tombstones; returns those to destroy."""
         now, mono = time.time(), time.monotonic()
         doomed = [x for x in list(self._live.values()) if mono >= x.ends_at]
