@@ -207,7 +207,9 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         )
 
     async def _sh(self, sandbox: Sandbox, cmd: str, timeout: float, what: str) -> ExecResult:
-        r = await sandbox.exec(["/bin/sh", "-c", cmd], env=GRADER_PATH, timeout=timeout, max_output=MAX_OUTPUT)
+        # from /: envd's default, the workspace, is the agent's to `chmod 000`, and every step of the grader's then
+        # failed (exit 126), an ENV_ERROR the agent chose over its 0
+        r = await sandbox.exec(["/bin/sh", "-c", cmd], cwd="/", env=GRADER_PATH, timeout=timeout, max_output=MAX_OUTPUT)
         if not r.ok:
             raise HarborRunError(f"{what} failed (exit {r.exit_code}): {_tail(r)}")
         return r
@@ -267,6 +269,7 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         pick = f'if {agents}; then mkdir -m 0700 {fresh} && echo {fresh}; else echo "$h"; fi'
         r = await sandbox.exec(
             ["/bin/sh", "-c", pick],
+            cwd="/",
             env={**verifier_env, **GRADER_PATH},
             timeout=self.tool_timeout_s,
             max_output=MAX_OUTPUT,
@@ -334,7 +337,7 @@ class HarborEnvironment(Environment, BuildsOwnImage):
         that cannot be read is no."""
         try:
             df = "df -Pk /tmp | tail -n 1; df -Pi /tmp | tail -n 1"
-            r = await sandbox.exec(["/bin/sh", "-c", df], env=GRADER_PATH, timeout=TMP_CHECK_S)
+            r = await sandbox.exec(["/bin/sh", "-c", df], cwd="/", env=GRADER_PATH, timeout=TMP_CHECK_S)
             kib, inodes = (int(line.split()[3]) for line in r.stdout.decode().splitlines()[-2:])
         except (SandboxError, ValueError, IndexError):
             return False
@@ -343,9 +346,19 @@ class HarborEnvironment(Environment, BuildsOwnImage):
 
     async def _verify(self, sandbox: Sandbox, t: HarborTask) -> Score:
         # the agent owns /tmp/harbor: a link it left on the way to /tests or /logs/verifier (taken through the
-        # links of /tests and /logs) made the grader's upload or read fail, an ENV_ERROR instead of its 0
+        # links of /tests and /logs) made the grader's upload or read fail, an ENV_ERROR instead of its 0. And their
+        # modes: Harbor's verifier is root, whom no mode stops; ours is the agent's uid, and a `chmod 000` of the
+        # workspace (test.sh's workdir) or of the logs made the verifier fail, an ENV_ERROR for a task not validated.
+        # Each folder, parent first, is opened before what is in it is looked at: a link under a `chmod 000`
+        # /tmp/harbor could not be seen (lstat refused) and stayed. With no link left on the way, chmod -R changes
+        # nothing outside (it follows none it meets); what it cannot change (a folder gone) the next steps say
         path = " ".join(f"{RUNTIME}{p}" for p in ("", "/tests", "/logs", "/logs/verifier"))
-        reclaim = f'for d in {path}; do if [ -L "$d" ] || [ -e "$d" -a ! -d "$d" ]; then rm -f -- "$d"; fi; done'
+        reclaim = (
+            f'for d in {path}; do if [ -L "$d" ] || [ -e "$d" -a ! -d "$d" ]; then rm -f -- "$d"; '
+            'elif [ -d "$d" ]; then chmod u+rwx -- "$d"; fi; done'
+        )
+        tree = " ".join(f"{RUNTIME}{p}" for p in ("/tests", "/logs"))
+        reclaim += f"; chmod u+rwx /workspace 2>/dev/null; chmod -R u+rwX -- {tree} 2>/dev/null; true"
         await self._sh(sandbox, reclaim, self.tool_timeout_s, "reclaiming the grader's paths")
         await self._upload(sandbox, t, "tests")
         # whatever the agent left in /logs/verifier is not a reward

@@ -61,6 +61,7 @@ async def _score_after_the_agent(
     solve: str,
     planted: list[str],
     verifier_env: str = 'HOME = "/tmp"',
+    planted_cwd: str | None = None,
 ) -> Score:
     """The score of a task whose agent (its solve.sh) ran first, under a writable HOME, as many tasks need (the
     sandbox's uid has no account, so Docker's HOME is the read-only /); `planted`: a command that shows the agent's
@@ -73,7 +74,7 @@ async def _score_after_the_agent(
         await env.setup(s, task, 0)
         solved = await env.run_solution(s, task.id)
         assert solved is not None and solved.ok, solved
-        assert (await s.exec(planted)).exit_code == 0, "the agent's move did not take effect"
+        assert (await s.exec(planted, cwd=planted_cwd)).exit_code == 0, "the agent's move did not take effect"
         return await env.score(s, task, Episode([], "", "submit"))
 
 
@@ -330,3 +331,41 @@ def test_the_workdir_the_agent_writes_is_never_where_the_grader_finds_its_comman
         assert task.workdir == "/app", workdir
         with pytest.raises(HarborTaskError, match="workdir"):
             load_task(make_task(tmp_path, f"named-{i}", toml_extra=f'workdir = "{workdir}"\n'))
+
+
+LOCK_OUT = """#!/bin/bash
+chmod 000 /workspace /tmp/harbor/logs
+exit 0
+"""
+# a link to its own folder where the logs go, hidden under a /tmp/harbor nobody may look into: a look for links
+# made before the folder was opened again missed it, and the reward was written (and refused) through it
+HIDDEN_LINK = """#!/bin/bash
+rm -rf /tmp/harbor/logs && mkdir /workspace/l && ln -s /workspace/l /tmp/harbor/logs && chmod 000 /tmp/harbor
+exit 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("solve", "planted"),
+    [
+        (LOCK_OUT, "! ls /workspace && ! ls /tmp/harbor/logs"),
+        (HIDDEN_LINK, "! ls /tmp/harbor"),
+    ],
+    ids=["modes", "link-under-a-locked-folder"],
+)
+async def test_an_agent_that_locks_the_grader_out_of_its_paths_scores_0_never_a_masked_env_error(
+    tmp_path: Path,
+    base_image: str,
+    backend: DockerBackend,
+    docker_client: docker.DockerClient,
+    solve: str,
+    planted: str,
+) -> None:
+    # the grader runs as the agent's uid, where Harbor's verifier is root: a `chmod 000` of the workspace (envd's
+    # default cwd, and test.sh's workdir) or of the logs failed each step of the grader's, an ENV_ERROR (masked)
+    # the agent chose over its 0 for a task not validated
+    locked = ["/bin/sh", "-c", planted]
+    score = await _score_after_the_agent(
+        tmp_path, backend, docker_client, "locked", TEST_SH, solve, locked, planted_cwd="/"
+    )
+    assert score.reward == 0.0 and score.metrics == {"test_exit_code": 0.0}, score  # test.sh ran and said 0
