@@ -13,6 +13,7 @@ from environments.python_tool import num_turns, used_tool
 from environments.sdk import Environment, Rubric, ScoringContext, Task, ToolInvocation
 from orchestrator.core.environment import GRADER_CWD, GRADER_ENV
 from orchestrator.core.errors import SandboxError
+from orchestrator.core.sandbox import PROBE_TIMEOUT_S, keeps_time
 
 SOLUTION = "solution.py"
 TEST_TIMEOUT_S = 30.0
@@ -36,7 +37,6 @@ except OSError:
     pass
 out = os.fdopen(int(sys.argv[3]), "w")
 calls = json.load(sys.stdin)
-answers = []
 try:
     spec = importlib.util.spec_from_file_location("solution", sys.argv[1])
     mod = importlib.util.module_from_spec(spec)
@@ -44,13 +44,13 @@ try:
     fn = getattr(mod, sys.argv[2])
 except BaseException:
     fn = None
-for args in calls:
+for args in calls:  # an answer a line as each call returns: a call that never does leaves those before it counted
     try:
-        answers.append(json.dumps(fn(*args)))
+        answer = json.dumps(fn(*args))
     except BaseException:
-        answers.append(None)
-out.write(json.dumps(answers))
-out.flush()
+        answer = None
+    out.write(json.dumps(answer) + "\\n")
+    out.flush()
 os._exit(0)
 """
 # Runs in the sandbox after the episode (`python3 -I -c RUNNER solution function CHILD seconds`): reads the cases
@@ -61,7 +61,9 @@ os._exit(0)
 # scored 0. The policy's processes run as the grader's own uid, so no place in the sandbox is the grader's alone;
 # stdin and stdout are. Before STARTED nothing of the policy's has run: a grader that fails there (no python3, a
 # prctl refused) is the sandbox's failure, never a 0. After it, what goes wrong is the solution's doing: a solution
-# that never ends, wrote junk on its pipe or ran the sandbox out of memory scores what it passed.
+# that never ends, wrote junk on its pipe or ran the sandbox out of memory scores what it passed (the calls that
+# answered, a line each), once a shell that does nothing shows the host keeps time (keeps_time): on a host too busy
+# to run the cases in time, a right solution's 0 would be the fleet's failure passed off as a reward.
 STARTED = "envfleet-grader: running the solution"
 RUNNER = f"""
 import ctypes, json, os, select, signal, subprocess, sys, time
@@ -82,10 +84,11 @@ try:
     child.stdin.close()
 except OSError:
     pass
-chunks, size = [], 0
+chunks, size, timed_out = [], 0, False
 while size < 16 << 20:
     left = deadline - time.monotonic()
     if left <= 0 or not select.select([read], [], [], left)[0]:
+        timed_out = True
         break
     chunk = os.read(read, 1 << 20)
     if not chunk:
@@ -97,19 +100,15 @@ try:
 except OSError:
     pass
 child.wait()
-try:
-    answers = json.loads(b"".join(chunks))
-except (ValueError, RecursionError, MemoryError):
-    answers = []
-if not isinstance(answers, list):
-    answers = []
 passed = 0
-for (args, expected), answer in zip(cases, answers):
+# the whole lines only: one cut by the deadline (or the cap) is no answer
+for (args, expected), line in zip(cases, b"".join(chunks).split(b"\\n")[:-1]):
     try:
+        answer = json.loads(line)
         passed += isinstance(answer, str) and json.loads(answer) == expected
     except (ValueError, RecursionError, MemoryError):
         pass
-print(json.dumps({{"passed": passed, "total": len(cases)}}), flush=True)
+print(json.dumps({{"passed": passed, "total": len(cases), "timed_out": timed_out}}), flush=True)
 """
 
 
@@ -164,9 +163,11 @@ async def hidden_tests_passed(ctx: ScoringContext) -> float:
         raise SandboxError(f"the hidden tests' grader {how} before it ran the solution: {tail!r}")
     try:
         result = json.loads(lines[-1])
-        passed, total = int(result["passed"]), int(result["total"])
+        passed, total, timed_out = int(result["passed"]), int(result["total"]), result["timed_out"] is True
     except (ValueError, KeyError, TypeError):
-        return 0.0  # the solution stopped the grader (its memory, its CPU): it said nothing it could say
+        passed, total, timed_out = 0, 0, r.timed_out  # the solution stopped the grader (its memory, its CPU)
+    if timed_out:  # the cases ran out of time: the solution's doing only where the host keeps time
+        await keeps_time(sb, f"the hidden tests ran past their {TEST_TIMEOUT_S:g}s")
     if total != len(task.data["cases"]) or not 0 <= passed <= total:
         return 0.0
     return passed / total
@@ -204,5 +205,6 @@ class CodeTestsEnv(Environment):
         return build_tasks()
 
     def scoring_timeout_s(self, task: Task) -> float:
-        """The hidden tests' run, and the slack of a command on a busy host."""
-        return TEST_TIMEOUT_S + GRADER_SLACK_S
+        """The hidden tests' run, the slack of a command on a busy host, and the look at the host's pace after a
+        run out of time."""
+        return TEST_TIMEOUT_S + GRADER_SLACK_S + PROBE_TIMEOUT_S

@@ -12,8 +12,9 @@ import pytest
 import environments.code_tests as code_tests
 from environments.code_tests import SOLUTION, CodeTestsEnv, hidden_tests_passed
 from orchestrator.backends.docker import DockerBackend
+from orchestrator.core import sandbox as sandbox_module
 from orchestrator.core.environment import Episode, ScoringContext, Task
-from orchestrator.core.errors import SandboxError
+from orchestrator.core.errors import SandboxError, SandboxUnavailableError
 from orchestrator.core.sandbox import Hardening, Limits, Sandbox, SandboxSpec
 from orchestrator.service.declarative import make_environment, parse_spec
 
@@ -108,6 +109,7 @@ async def test_what_a_solution_does_to_the_grader_scores_0_and_never_masks_it(
     # hold, a hang (the grader ends it on its own clock, long before its command's timeout), the sandbox's memory
     # run out (the solution's processes are the kernel's first choice), processes that outlive the solution
     monkeypatch.setattr(code_tests, "TEST_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 30.0)  # a hang looks at the host's pace: not what this tests
     task = CodeTestsEnv().tasks()[0]
     fn = task.data["function"]
     cheats = {
@@ -128,6 +130,28 @@ async def test_what_a_solution_does_to_the_grader_scores_0_and_never_masks_it(
             assert time.monotonic() - t0 < 3.0 + code_tests.GRADER_SLACK_S / 2, how
         await s.write_file(SOLUTION, task.reference[0].arguments["content"].encode())
         assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 1.0
+
+
+async def test_a_solution_that_hangs_scores_the_cases_it_answered_where_the_host_keeps_time(
+    backend: DockerBackend, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the child answered all the calls at once at the end: a solution right on two cases and hanging on the third
+    # scored 0, and a host too slow to run a right one in time scored it 0 as well, the fleet's failure as a reward
+    monkeypatch.setattr(code_tests, "TEST_TIMEOUT_S", 3.0)
+    task = CodeTestsEnv().tasks()[0]
+    fn, total = task.data["function"], len(task.data["cases"])
+    two_then_hangs = (
+        task.reference[0].arguments["content"]
+        + f"\n_real, _calls = {fn}, []\ndef {fn}(*args):\n    _calls.append(1)\n"
+        + "    while len(_calls) > 2:\n        pass\n    return _real(*args)\n"
+    )
+    async with await backend.create(SandboxSpec(image=base_image)) as s:
+        await s.write_file(SOLUTION, two_then_hangs.encode())
+        monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 30.0)  # a busy CI host's shell is not what this tests
+        assert await hidden_tests_passed(ScoringContext(s, task, EPISODE)) == 2 / total
+        monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 0.0)  # the host as too slow to keep time
+        with pytest.raises(SandboxUnavailableError, match="the hidden tests ran past their 3s"):
+            await hidden_tests_passed(ScoringContext(s, task, EPISODE))
 
 
 @pytest.mark.parametrize("case", ["never-ends", "slow-once", "left-broken", "slow-host"])
