@@ -332,16 +332,29 @@ class SweEnv(Environment):
             # nothing (usable) changed: not resolved, as SWE-bench grades an empty patch, without a test run
             why = "empty patch" if diff is not None else "the workspace could not be read"
             return Grade(task.id, False, False, False, None, ResolvedStatus.NO, None, why, {}), False
-        out = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{root}/work")
-        again = ran_out_of_time(out.grade)
+        first: EvalOutput | None
+        try:
+            first = await evaluate_in_sandbox(sandbox, inst, diff, repo_dir=base, work_dir=f"{root}/work")
+            why = first.grade.error or ""
+        except EvaluationError as e:
+            # the script ran past its time before the tests started (applying the patch, putting the tests back):
+            # the gold patch did so in time in validation, so it is the patch's doing or the host's, found out as
+            # for tests that ran out of time; raised, it was an ENV_ERROR nobody retried
+            first, why = None, str(e)
+        again = first is None or ran_out_of_time(first.grade)
+        out = first
         if again:
-            log.info("%s: %s; running them once more", task.id, out.grade.error)
+            log.info("%s: %s; running them once more", task.id, why)
             second = await _rerun(sandbox, inst, diff, repo)
+            if first is None and second is not None and (second.grade.error or "").startswith(SETUP_FAILED):
+                return checked(second.grade), again  # no run got past the grader's own set-up: the fleet's failure
             # one that could not be set up or carried out met what the first run's code left: the first's grade
             if second is None or ran_out_of_time(second.grade) or (second.grade.error or "").startswith(SETUP_FAILED):
-                await keeps_time(sandbox, f"the tests ran out of time twice ({out.grade.error})")
+                await keeps_time(sandbox, f"the tests ran out of time twice ({why})")
             else:
                 out = second
+        if out is None:  # the host keeps time: the patch held the grader's set-up past its time, twice
+            return Grade(task.id, False, True, False, None, ResolvedStatus.NO, None, why, {}), again
         log.debug("%s graded %s (%s)", task.id, out.grade.resolution.value, out.grade.apply_method)
         return checked(out.grade), again
 

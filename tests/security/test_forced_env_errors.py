@@ -27,6 +27,7 @@ import pytest
 
 from environments.code_tests import SOLUTION, CodeTestsEnv
 from environments.swe.env import TESTS_RERUN_METRIC, SweEnv, _hunks
+from environments.swe.evaluate import EvaluationError, evaluate_in_sandbox
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core import sandbox as sandbox_module
 from orchestrator.core.models import JobSpec, Rollout, RolloutStatus, TaskSelection
@@ -335,3 +336,31 @@ async def test_swe_tests_past_their_timeout_run_once_more_before_a_0(
     for slow in (always, got[stalling.id]):
         assert (slow.status, slow.reward) == (RolloutStatus.OK, 0.0), (slow.status, slow.error)
         assert slow.metrics[TESTS_RERUN_METRIC] == 1.0
+
+
+async def test_a_swe_grader_set_up_past_its_time_runs_once_more_then_grades_never_an_env_error(
+    tmp_path: Path, base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the evaluation script ran past its time before the tests started (applying the patch, putting the tests back):
+    # raised, that was an ENV_ERROR nobody retried, a policy's way out of its 0. Now it runs once more, as tests
+    # past their time do, and past it twice on a host that keeps time is the patch's doing, graded
+    monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 30.0)  # a busy CI host's shell is not what this tests
+    registry = Registry.from_entry_points()
+    env = registry.get("swe")
+    assert isinstance(env, SweEnv)
+    once, always = env.tasks()[0], env.tasks()[1]
+    calls: dict[str, int] = {}
+
+    async def held(sandbox: Sandbox, inst: Any, diff: bytes, **kw: Any) -> Any:
+        calls[inst.instance_id] = calls.get(inst.instance_id, 0) + 1
+        if inst.instance_id == always.id or calls[inst.instance_id] == 1:
+            raise EvaluationError(f"{inst.instance_id}: the evaluation script itself ran past 20s + margin")
+        return await evaluate_in_sandbox(sandbox, inst, diff, **kw)
+
+    monkeypatch.setattr("environments.swe.env.evaluate_in_sandbox", held)
+    async with serve(tmp_path, registry) as orch, EnvfleetClient(orch.address) as client:
+        got = await _run(client, "swe", reference_script(env, [once, always]))
+    assert (got[once.id].status, got[once.id].reward) == (RolloutStatus.OK, 1.0), got[once.id].error
+    assert (got[always.id].status, got[always.id].reward) == (RolloutStatus.OK, 0.0), got[always.id].error
+    assert all(r.metrics[TESTS_RERUN_METRIC] == 1.0 for r in got.values())
+    assert calls == {once.id: 2, always.id: 2}
