@@ -47,9 +47,8 @@ class SandboxStartTimeoutError(SandboxCreateError, TimeoutError):
 
 
 class SandboxWaitTimeoutError(SandboxError, TimeoutError):
-    """A rollout's time ran out before its episode began: waiting for its image and sandbox (a congested fleet, a slow
-    engine) or in the environment's setup of the task (a slow host). The fleet's part, retried, never the episode's
-    TIMEOUT."""
+    """A rollout's time ran out before it had its image and sandbox (a congested fleet, a slow engine): the
+    fleet's fault, retried, never the episode's TIMEOUT."""
 
 
 class SandboxDiedError(SandboxError):

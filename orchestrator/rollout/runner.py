@@ -21,6 +21,7 @@ from orchestrator.core.errors import (
     EnvironmentBroken,
     ImageBuildError,
     ImageNotOnHostError,
+    SandboxError,
     SandboxWaitTimeoutError,
 )
 from orchestrator.core.log_limit import LogLimit
@@ -36,7 +37,7 @@ from orchestrator.core.models import (
     Turn,
     rollout_id,
 )
-from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec
+from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec, keeps_time
 from orchestrator.core.tracing import (
     ATTEMPT,
     ATTEMPTS,
@@ -155,6 +156,18 @@ async def traced_rollout(tracer: Tracer, item: WorkItem, env_ref: str, run: Call
     root.set(outcome)
     root.end(time.monotonic())
     return rollout
+
+
+async def _setup_overran(sandbox: Sandbox, env: Environment, spec: JobSpec) -> Exception:
+    """What a setup the rollout's deadline cut is: the host's (INFRA_ERROR, retried) where the sandbox does not keep
+    time, else the environment's (ENV_ERROR): a setup that hangs, or takes longer than the job gives a rollout. It
+    was TIMEOUT, the episode's outcome, before any episode began."""
+    what = f"the environment's setup did not end within the rollout's {spec.rollout_timeout_s:g}s"
+    try:
+        await keeps_time(sandbox, what)
+    except SandboxError as slow:
+        return slow
+    return EnvironmentBroken(f"{what}, on a sandbox that keeps time: {env.ref()}'s setup is stuck or slower than that")
 
 
 class RolloutRunner:
@@ -338,13 +351,13 @@ class RolloutRunner:
                             phase.span.set({REWARD: score.reward})
                     timing.scoring = phase.seconds
             except Exception as e:
-                if type(e) is TimeoutError and fleet_part:  # the attempt's own deadline, in the fleet's part of it
+                if type(e) is TimeoutError and fleet_part == "acquire":  # the attempt's deadline, the fleet's part
                     e = SandboxWaitTimeoutError(
                         f"no sandbox within the rollout's {spec.rollout_timeout_s:g}s (waiting for the image, a "
                         "place to start one, or the engine)"
-                        if fleet_part == "acquire"
-                        else f"the environment's setup did not end within the rollout's {spec.rollout_timeout_s:g}s"
                     )
+                elif type(e) is TimeoutError and fleet_part == "setup" and sandbox is not None:
+                    e = await _setup_overran(sandbox, env, spec)
                 failure = e
                 # a sandbox that failed us (or any failure nobody classified) is never reused
                 status, error = classify_failure(e, timeout_message=f"rollout exceeded {spec.rollout_timeout_s:g}s")

@@ -287,21 +287,34 @@ class _SetupHangs(Environment):
         await asyncio.sleep(30)
 
 
-async def test_a_rollout_out_of_time_in_its_setup_is_infrastructure_not_a_timeout(
-    tmp_path: Path, policy_server: ScriptedServer
+@pytest.mark.parametrize(
+    ("exec_latency_s", "status", "kind", "attempts"),
+    [
+        (0.0, RolloutStatus.ENV_ERROR, "EnvironmentBroken", 1),  # the sandbox keeps time: the setup is stuck
+        (3.0, RolloutStatus.INFRA_ERROR, "SandboxUnavailableError", 2),  # a do-nothing shell is slow: the host
+    ],
+    ids=["environment", "host"],
+)
+async def test_a_rollout_out_of_time_in_its_setup_is_the_environments_or_the_hosts_never_a_timeout(
+    tmp_path: Path,
+    policy_server: ScriptedServer,
+    exec_latency_s: float,
+    status: RolloutStatus,
+    kind: str,
+    attempts: int,
 ) -> None:
-    # setup is the fleet's part (the episode's time starts after it): a setup cut by the rollout's deadline was a
-    # TIMEOUT, never retried, where the same time spent waiting for a sandbox was infrastructure
+    # a setup cut by the rollout's deadline was TIMEOUT, the episode's outcome, before any episode began: a look at
+    # the host's pace says whose it is (retried when it is the host's)
     registry = Registry()
     registry.register(_SetupHangs())
-    fake = FakeBackendConfig(owner=TEST_OWNER)
+    fake = FakeBackendConfig(owner=TEST_OWNER, exec_latency_s=exec_latency_s)
     async with serve(tmp_path / "data", registry, backend=fake) as orch, EnvfleetClient(orch.address) as client:
         spec = job(policy_server.url, ["t"], rollout_timeout_s=0.5, max_infra_retries=1)
         job_id = await client.submit(spec.model_copy(update={"env": "setup-hangs"}))
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(60):
             (r,) = [r async for r in client.rollouts(job_id)]
-    assert (r.status, r.reward, r.attempts) == (RolloutStatus.INFRA_ERROR, None, 2), r
-    assert r.error is not None and r.error.kind == "SandboxWaitTimeoutError", r.error
+    assert (r.status, r.reward, r.attempts) == (status, None, attempts), r
+    assert r.error is not None and r.error.kind == kind, r.error
     assert "the environment's setup did not end within the rollout's 0.5s" in r.error.message
 
 
