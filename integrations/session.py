@@ -25,7 +25,7 @@ from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
 from orchestrator.client.busy import BUSY_WAIT_S, retry_busy, retry_busy_sync
 from orchestrator.client.convert import known_status
 from orchestrator.client.sdk import EnvfleetClient
-from orchestrator.client.step_retry import send_step, send_step_async, step_request
+from orchestrator.client.step_retry import send_step, send_step_async, step_request, turn_of
 from orchestrator.core.errors import EpisodeFailedError
 from orchestrator.core.models import RolloutStatus
 from orchestrator.core.text import as_text
@@ -164,7 +164,8 @@ class _Turns:
         self._turns: dict[str, int] = {}
 
     def opened(self, r: pb.ResetResponse) -> Opening:
-        self._turns[r.session_id] = r.info.turn
+        if (turn := turn_of(r.info)) is not None:
+            self._turns[r.session_id] = turn
         return opening_from_pb(r)
 
     def request(self, session_id: str, action: ToolCall | str) -> pb.StepRequest:
@@ -172,10 +173,10 @@ class _Turns:
 
     def answered(self, session_id: str, r: pb.StepResponse) -> StepResult:
         result = step_from_pb(r)
-        if result.done:
+        if result.done or (turn := turn_of(r.info)) is None:
             self._turns.pop(session_id, None)
         else:
-            self._turns[session_id] = r.info.turn
+            self._turns[session_id] = turn
         return result
 
     def closed(self, session_id: str) -> None:

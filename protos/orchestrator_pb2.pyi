@@ -677,7 +677,7 @@ class Observation(_message.Message):
     def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[ToolInfo, _Mapping]]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("env", "task_id", "seed", "turn", "max_turns", "image", "idle_ttl_s")
+    __slots__ = ("env", "task_id", "seed", "turn", "max_turns", "image", "idle_ttl_s", "steps_by_turn")
     ENV_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -685,6 +685,7 @@ class SessionInfo(_message.Message):
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     IDLE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_TURN_FIELD_NUMBER: _ClassVar[int]
     env: str
     task_id: str
     seed: int
@@ -692,7 +693,8 @@ class SessionInfo(_message.Message):
     max_turns: int
     image: str
     idle_ttl_s: float
-    def __init__(self, env: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., turn: _Optional[int] = ..., max_turns: _Optional[int] = ..., image: _Optional[str] = ..., idle_ttl_s: _Optional[float] = ...) -> None: ...
+    steps_by_turn: bool
+    def __init__(self, env: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., turn: _Optional[int] = ..., max_turns: _Optional[int] = ..., image: _Optional[str] = ..., idle_ttl_s: _Optional[float] = ..., steps_by_turn: _Optional[bool] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("session_id", "observation", "info")

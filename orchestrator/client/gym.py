@@ -28,7 +28,7 @@ from gymnasium import spaces
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
 from orchestrator.client.busy import BUSY_WAIT_S, retry_busy_sync
 from orchestrator.client.convert import known_status
-from orchestrator.client.step_retry import send_step, step_request
+from orchestrator.client.step_retry import send_step, step_request, turn_of
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.text import as_text
 from protos import orchestrator_pb2 as pb
@@ -116,7 +116,9 @@ class SessionEnv(gymnasium.Env[str, str]):
         self._channel = sync_channel(target, token=token, tls=tls, insecure=insecure)
         self._stub = pb_grpc.SessionServiceStub(self._channel)
         self.session_id: str | None = None
-        self._turn = 0  # the session's turn, as its last answer said: a Step whose answer is lost is sent again at it
+        # the session's turn, as its last answer said: a Step whose answer is lost is sent again at it (None: the
+        # server does not check turns, or the episode is over)
+        self._turn: int | None = None
 
     def _close_session(self) -> None:
         sid, self.session_id = self.session_id, None
@@ -140,7 +142,7 @@ class SessionEnv(gymnasium.Env[str, str]):
             req.seed = int(self.np_random.integers(0, 2**31 - 1))
         reset = functools.partial(self._stub.Reset, req, timeout=self.timeout_s, metadata=self._metadata)
         r = retry_busy_sync(reset, self.busy_wait_s)
-        self.session_id, self._turn = r.session_id, r.info.turn
+        self.session_id, self._turn = r.session_id, turn_of(r.info)
         info: dict[str, Any] = {
             "env": r.info.env,
             "task_id": r.info.task_id,
@@ -166,7 +168,7 @@ class SessionEnv(gymnasium.Env[str, str]):
             raise RuntimeError("call reset() before step()")
         call = functools.partial(self._stub.Step, timeout=self.step_timeout_s, metadata=self._metadata)
         r = send_step(call, step_request(self.session_id, parse_action(action), self._turn))
-        self._turn = r.info.turn
+        self._turn = None if r.terminated or r.truncated else turn_of(r.info)
         # the models' short name ("OK"); a status newer than this client is a ValueError that says so
         status = known_status(r.status, "the step").value if r.status else ""
         info: dict[str, Any] = {

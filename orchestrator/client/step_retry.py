@@ -25,6 +25,12 @@ STEP_RETRY_S = 60.0  # how long a Step is sent again; past it the last error sta
 STEP_RETRY_PAUSE_S = 0.5
 
 
+def turn_of(info: pb.SessionInfo) -> int | None:
+    """The turn to send the next Step at; None where the server does not check turns (SessionInfo.steps_by_turn): an
+    older one ignored the turn, and a Step sent again ran its action twice."""
+    return info.turn if info.steps_by_turn else None
+
+
 def step_request(session_id: str, action: pb.Action, turn: int | None) -> pb.StepRequest:
     """A Step at `turn` (the last answer's info.turn); None: no turn, never sent again."""
     req = pb.StepRequest(session_id=session_id, action=action)

@@ -84,6 +84,7 @@ def session_info_pb(v: SessionView) -> pb.SessionInfo:
         max_turns=v.max_turns,
         image=v.image,
         idle_ttl_s=v.idle_ttl_s,
+        steps_by_turn=True,
     )
 
 

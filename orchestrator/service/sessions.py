@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import random
@@ -162,9 +163,19 @@ class _Session:
     waiting: int = 0  # steps waiting for the one running (MAX_WAITING_STEPS)
     # the environment's own limit on the agent's time (Environment.episode_timeout_s), on time.monotonic(); None: none
     episode_end: float | None = None
-    # the last step's turn (the session's turn when it began) and its answer: a Step sent again at that turn, its
-    # answer lost, gets it again (a final step's reward among them) instead of the action running twice
-    last: tuple[int, StepResult] | None = None
+    # the last step's turn (the session's turn when it began), its action's digest and its answer: the same Step sent
+    # again at that turn, its answer lost, gets it again (a final step's reward among them) instead of running twice
+    last: tuple[int, str, StepResult] | None = None
+
+
+def _digest(action: Action) -> str:
+    """An action's fingerprint: a Step sent again is the same action (its text is not kept with the answer)."""
+    fields = (
+        ("call", action.name, action.arguments, action.call_id)
+        if isinstance(action, ToolAction)
+        else ("answer", action.text)
+    )
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 
 # Steps of one session that may wait behind the running one: a client that retries a step whose call it gave up on
@@ -410,7 +421,12 @@ class SessionManager:
             self._check_open(s)  # closed or expired while this step waited for the one before it
             if turn is not None:
                 if s.last is not None and s.last[0] == turn:
-                    return s.last[1]  # taken already, its answer lost on the way: the same answer, no second action
+                    if s.last[1] != _digest(action):  # two clients on one session, or a stale turn: not a resend
+                        raise FailedPreconditionError(
+                            f"session {session_id} took another action at turn {turn}: send the turn of the last "
+                            "answer's info"
+                        )
+                    return s.last[2]  # taken already, its answer lost on the way: the same answer, no second action
                 if turn != s.turn:
                     raise FailedPreconditionError(
                         f"session {session_id} is at turn {s.turn}, not {turn}: send the turn of the last answer's "
@@ -431,7 +447,7 @@ class SessionManager:
                 result = await self._step(s, action)
             finally:
                 s.last_used = time.monotonic()
-            s.last = (began, result)
+            s.last = (began, _digest(action), result)
             if not s.closed_after_end:
                 # closed during the step: its sandbox went midway, so neither a reward nor a failure. Closed once the
                 # step had ended the episode (its sandbox being recycled), the step's outcome stands: a scored

@@ -667,9 +667,15 @@ async def test_a_step_whose_answer_is_lost_is_asked_again_at_its_turn_and_never_
         )
         final = await stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="7"), turn=1))
         assert final.terminated and final.status == pb.ROLLOUT_STATUS_OK
-        # the final step's answer again, the episode ended: the same reward, and no second action
-        again = await stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="wrong"), turn=1))
-        assert again == final
+        # the final step sent again, the episode ended: the same answer, its reward, and no second action
+        again = await stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="7"), turn=1))
+        assert again == final and final.info.steps_by_turn
+        # another action at that turn is no resend (two clients on one session, a stale turn): refused
+        await expect_error(
+            stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="wrong"), turn=1)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"session {sid} took another action at turn 1",
+        )
         await expect_error(
             stub.Step(pb.StepRequest(session_id=sid, action=tool("submit", answer="7"))),
             grpc.StatusCode.FAILED_PRECONDITION,
