@@ -390,9 +390,7 @@ class SandboxManager:
         # the expired ones ended here, their containers removed behind the answer: awaited, every tenant's List
         # waited on the removal of each sandbox any tenant let expire, one after another
         if doomed := self._expire():
-            task = asyncio.ensure_future(self._destroy_all(doomed))
-            self._destroying.add(task)
-            task.add_done_callback(self._destroying.discard)
+            self._destroying_behind(doomed)
         running = [x.record for x in self._live.values() if x.tenant == tenant]
         ended = list(self._ended.get(tenant, OrderedDict()).values())
         return sorted(running, key=lambda r: r.created_at) + ended
@@ -564,7 +562,8 @@ class SandboxManager:
     async def reap(self) -> int:
         """Destroy sandboxes whose TTL ended, and forget old tombstones; returns how many were destroyed."""
         doomed = self._expire()
-        await self._destroy_all(doomed)
+        if doomed:
+            await asyncio.shield(self._destroying_behind(doomed))  # the reaper stopped midway: close_all awaits them
         return len(doomed)
 
     def _expire(self) -> Sequence[_Live]:
@@ -580,6 +579,13 @@ class SandboxManager:
             if not ended:
                 del self._ended[tenant]
         return doomed
+
+    def _destroying_behind(self, doomed: Sequence[_Live]) -> asyncio.Future[None]:
+        """Their removal, as a task close_all awaits."""
+        task = asyncio.ensure_future(self._destroy_all(doomed))
+        self._destroying.add(task)
+        task.add_done_callback(self._destroying.discard)
+        return task
 
     async def _destroy_all(self, doomed: Sequence[_Live]) -> None:
         """Destroy them, DESTROY_CONCURRENCY at a time (one after another, one tenant's many expired sandboxes
