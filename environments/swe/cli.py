@@ -22,6 +22,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return n
+
+
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `swe-eval`."""
     p.add_argument("--dataset", required=True, type=Path, help="instances (JSONL or JSON list)")
@@ -62,6 +72,12 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--projects", nargs="*", help="only these packages")
     p.add_argument("--per-project", type=int, default=None, help="instances per project (default: the pins')")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--max-pass-to-pass",
+        type=_at_least_one,
+        default=None,
+        help="a seeded sample of at most this many PASS_TO_PASS tests per instance (default: every one, as SWE-bench)",
+    )
     p.add_argument("--validate-runs", type=int, default=1, help="gold runs through the harness before shipping")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--log-dir", type=Path, default=Path("logs/swe-build"))
@@ -232,6 +248,7 @@ def swe_build(args: argparse.Namespace, console: Console) -> int:
         seed=args.seed if args.seed is not None else SEED,
         workers=args.workers,
         validate_runs=args.validate_runs,
+        max_pass_to_pass=args.max_pass_to_pass,
         instances_per_project=args.per_project,
     )
 

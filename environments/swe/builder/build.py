@@ -4,7 +4,7 @@ the sdists are fetched.
 Per project: fetch and check the sdist -> build its image (the pristine repository) -> run its test suite in a
 sandbox to find the passing tests -> inject bugs into functions (builder.mutate) -> run, per mutant, the test files
 that mention the mutated function (many mutants per sandbox, one exec) -> FAIL_TO_PASS = tests the mutant breaks,
-PASS_TO_PASS = a bounded sample of those it leaves passing, gold patch = the reverse diff, problem statement from
+PASS_TO_PASS = every one it leaves passing, gold patch = the reverse diff, problem statement from
 the failures -> validate every instance through the evaluation harness (gold resolves, empty does not).
 """
 
@@ -59,7 +59,9 @@ class BuildOptions:
     seed: int = SEED
     tries_per_instance: float = 3.0
     max_fail_to_pass: int = 8
-    max_pass_to_pass: int = 10
+    # None: every test of the files run that passed before the bug and still passes with it, as SWE-bench lists
+    # them (a sample of 10 let a patch that special-cased the failing inputs and broke the rest of a file resolve)
+    max_pass_to_pass: int | None = None
     max_failing: int = 40  # a mutant that breaks more tests than this is too blunt to be a task
     batch: int = 12  # mutants per sandbox
     workers: int = 2
@@ -346,11 +348,8 @@ class DatasetBuilder:
             if len(failing) <= self.options.max_fail_to_pass
             else sorted(local.sample(failing, self.options.max_fail_to_pass))
         )
-        p2p = (
-            still
-            if len(still) <= self.options.max_pass_to_pass
-            else sorted(local.sample(still, self.options.max_pass_to_pass))
-        )
+        cap = self.options.max_pass_to_pass
+        p2p = still if cap is None or len(still) <= cap else sorted(local.sample(still, cap))
         setup = file_diff(m.path, m.original, m.mutated)
         gold = file_diff(m.path, m.mutated, m.original)
         base = snapshot_commit(project.tree, {m.path: m.mutated.encode()})
