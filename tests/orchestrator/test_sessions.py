@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -406,6 +407,18 @@ async def test_resets_look_their_task_up_without_walking_the_environments_list(
     assert len(calls) == 1, calls
 
 
+def _sync_step(target: str, call: ToolCall, timeout_s: float = 300.0, step_timeout_s: float | None = None) -> str:
+    """One step of a fresh session through the blocking SyncSessions: its observation."""
+    blocking = SyncSessions(target, timeout_s=timeout_s, step_timeout_s=step_timeout_s)
+    try:
+        opened = blocking.reset(ENV, task_id="py-000")
+        observation = blocking.step(opened.session_id, call).observation
+        blocking.close(opened.session_id)
+        return observation
+    finally:
+        blocking.shutdown()
+
+
 async def test_the_adapters_sessions_keep_a_step_longer_than_their_call_deadline(tmp_path: Path) -> None:
     # the verl and SkyRL adapters gave Step Reset's deadline (300 s): a final step graded longer was scored by the
     # server, and the client got DEADLINE_EXCEEDED (no episode outcome), then closed the session mid-grading
@@ -418,17 +431,8 @@ async def test_the_adapters_sessions_keep_a_step_longer_than_their_call_deadline
         await sessions.close(opening.session_id)
         assert result.observation.strip() == "print(7)" and result.status is None
 
-        def sync_episode() -> str:
-            blocking = SyncSessions(client.target, timeout_s=0.5)
-            try:
-                opened = blocking.reset(ENV, task_id="py-000")
-                observation = blocking.step(opened.session_id, call).observation
-                blocking.close(opened.session_id)
-                return observation
-            finally:
-                blocking.shutdown()
-
-        assert (await asyncio.to_thread(sync_episode)).strip() == "print(7)"
+        blocking = functools.partial(_sync_step, client.target, call, timeout_s=0.5)
+        assert (await asyncio.to_thread(blocking)).strip() == "print(7)"
 
 
 async def test_a_policys_lone_surrogate_escape_is_a_step_not_a_client_crash(tmp_path: Path) -> None:
@@ -683,14 +687,5 @@ async def test_a_step_whose_answer_is_lost_is_asked_again_at_its_turn_and_never_
         )
         await sessions.close(sid)
 
-        def sync_episode() -> str:
-            blocking = SyncSessions(client.target, step_timeout_s=0.3)
-            try:
-                opened = blocking.reset(ENV, task_id="py-000")
-                observation = blocking.step(opened.session_id, call).observation
-                blocking.close(opened.session_id)
-                return observation
-            finally:
-                blocking.shutdown()
-
-        assert (await asyncio.to_thread(sync_episode)).strip() == "print(7)"
+        blocking = functools.partial(_sync_step, client.target, call, step_timeout_s=0.3)
+        assert (await asyncio.to_thread(blocking)).strip() == "print(7)"
