@@ -86,6 +86,14 @@ def _declarative_spec() -> dict[str, Any]:
     }
 
 
+def swe_registry() -> tuple[Registry, SweEnv]:
+    """The plug-ins' registry, and its swe environment."""
+    registry = Registry.from_entry_points()
+    env = registry.get("swe")
+    assert isinstance(env, SweEnv)
+    return registry, env
+
+
 async def _run(client: EnvfleetClient, env: str, script: Script) -> dict[str, Rollout]:
     policy = await start_scripted_server(script, tokens=False)
     try:
@@ -308,9 +316,7 @@ async def test_swe_tests_past_their_timeout_run_once_more_before_a_0(
     # a busy host can hold a correct patch's tests past their timeout: graded at once, that was a 0. They run once
     # more (a second run most likely finishes): a right fix then scores 1, and code that never ends scores 0 again
     monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 30.0)  # a busy CI host's shell is not what this tests
-    registry = Registry.from_entry_points()
-    env = registry.get("swe")
-    assert isinstance(env, SweEnv)
+    registry, env = swe_registry()
     solved, stalling, other = env.tasks()[0], env.tasks()[1], env.tasks()[2]
     for task in (solved, stalling, other):
         inst = env.instance(task)
@@ -345,9 +351,7 @@ async def test_a_swe_grader_set_up_past_its_time_runs_once_more_then_grades_neve
     # raised, that was an ENV_ERROR nobody retried, a policy's way out of its 0. Now it runs once more, as tests
     # past their time do, and past it twice on a host that keeps time is the patch's doing, graded
     monkeypatch.setattr(sandbox_module, "PROBE_SLOW_S", 30.0)  # a busy CI host's shell is not what this tests
-    registry = Registry.from_entry_points()
-    env = registry.get("swe")
-    assert isinstance(env, SweEnv)
+    registry, env = swe_registry()
     once, always = env.tasks()[0], env.tasks()[1]
     calls: dict[str, int] = {}
 

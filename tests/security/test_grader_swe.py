@@ -21,7 +21,7 @@ import docker
 import pytest
 
 from environments.swe import script as swe_script
-from environments.swe.env import SweEnv, checked
+from environments.swe.env import checked
 from environments.swe.evaluate import run_evaluation
 from environments.swe.grading import Grade, TestStatus, find_nonce, grade_log, parse_pytest, parse_unittest
 from environments.swe.patches import check_patch, file_diff
@@ -29,13 +29,12 @@ from environments.swe.script import EVAL_ENV, HARNESS_FILES, PYTEST_RUNNER, UNIT
 from orchestrator.backends.docker.backend import DockerBackend
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
-from orchestrator.service.registry import Registry
 from orchestrator.testing.scripted_policy import Script, ScriptedToolCall, Step
 from orchestrator.testing.scripts import reference_script
 from tests.environments.swe.conftest import UNITTESTS, Tiny, tiny  # noqa: F401  (the fixture)
 from tests.environments.swe.test_evaluate import HOOK, _forger, _new_file, pred, report
 from tests.orchestrator.servers import serve
-from tests.security.test_forced_env_errors import _run
+from tests.security.test_forced_env_errors import _run, swe_registry
 
 # prints a passing line for every test id in the command line, and exits 0: what `python -m pytest` ran before as
 # pytest.py (or, as pluggy.py, when pytest imported it)
@@ -593,9 +592,7 @@ def test_a_file_the_patch_made_ignored_in_a_test_folder_is_removed(
 async def test_a_fix_that_breaks_the_rest_of_its_file_resolves_nothing(tmp_path: Path, base_image: str) -> None:
     # PASS_TO_PASS was a sample of 10 of the tests the fix's files hold: a policy that fixed the failing inputs and
     # broke another function the sample left out was paid 1. It is every test of those files that passed (SWE-bench's)
-    registry = Registry.from_entry_points()
-    env = registry.get("swe")
-    assert isinstance(env, SweEnv)
+    registry, env = swe_registry()
     task = next(t for t in env.tasks() if t.id == "pypi__toolz-1.2.0-11336fb2")  # peek, in toolz/itertoolz.py
     assert "toolz/tests/test_itertoolz.py::test_take" in env.instance(task).PASS_TO_PASS  # the old sample had not
     fixed = reference_script(env, [task]).tasks[task.id]
