@@ -1,5 +1,5 @@
-"""Whether a raw sandbox's container died: a health call to its envd, and the engine's word only when envd refuses
-(cheap while it lives: no engine call per sandbox per check)."""
+"""Whether a raw sandbox's (or a session's) container died: a health call to its envd, and the engine's word only
+when envd refuses (cheap while it lives: no engine call per sandbox per check)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 2.0  # an envd with no answer by then is starved of CPU, not gone (EnvdTransport.probe)
 CHECK_TIMEOUT_S = 10.0  # a health check and the engine's word on the container: past this, no verdict this round
+PROBE_CONCURRENCY = 64  # health checks at once
 
 
 async def died(sandbox: Sandbox, name: str) -> str | None:

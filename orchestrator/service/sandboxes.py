@@ -62,7 +62,7 @@ from orchestrator.images.build import IMAGE_REFERENCE
 from orchestrator.service.caps import CapsConfig, TenantBytes, TenantCounter, check_limits
 from orchestrator.service.declarative.dockerfile import TENANT_IMAGE_PREFIX
 from orchestrator.service.registry import Registry
-from orchestrator.service.sandbox_health import death, died
+from orchestrator.service.sandbox_health import PROBE_CONCURRENCY, death, died
 from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,6 @@ TOMBSTONE_KEEP_S = 3600.0
 MAX_TOMBSTONES_PER_TENANT = 1000
 LEASE_GRACE_S = 60.0
 MAX_LEASE_S = 7 * 24 * 3600.0  # SandboxSpec's limit
-PROBE_CONCURRENCY = 64
 DESTROY_CONCURRENCY = 16  # expired sandboxes removed at once
 _STDIN_BOUND_SLACK = 16  # a stdin length bound from message sizes is at most this much over the length
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -63,6 +63,7 @@ from orchestrator.rollout.step import (
 )
 from orchestrator.service.caps import SandboxCaps, check_env_limits
 from orchestrator.service.registry import Registry
+from orchestrator.service.sandbox_health import PROBE_CONCURRENCY, died
 from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,13 @@ class SessionConfig(BaseModel):
     max_lifetime_s: float = Field(24 * 3600.0, gt=0, le=7 * 24 * 3600, description="hard cap on a session's age")
     max_per_tenant: int = Field(64, ge=1, le=100_000, description="open sessions per tenant")
     scoring_budget_s: float = Field(600.0, gt=0, le=24 * 3600, description="added to the tool timeout per step")
+    probe_interval_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="how often an open session's sandbox gets a health check between steps; one whose container died "
+        "ends the session (its capacity and the tenant's slot were held until its idle expiry)",
+    )
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,7 @@ class _Session:
     waiting: int = 0  # steps waiting for the one running (MAX_WAITING_STEPS)
     # the environment's own limit on the agent's time (Environment.episode_timeout_s), on time.monotonic(); None: none
     episode_end: float | None = None
+    probe_at: float = field(default_factory=time.monotonic)  # its sandbox's next health check, between steps
     # the last step's turn (the session's turn when it began), its action's digest and its answer: the same Step sent
     # again at that turn, its answer lost, gets it again (a final step's reward among them) instead of running twice
     last: tuple[int, str, StepResult] | None = None
@@ -563,13 +572,38 @@ class SessionManager:
         return sum(s.ended is None and tenant in (None, s.tenant) for s in self._sessions.values())
 
     async def _reap_forever(self) -> None:
-        interval = min(max(self.config.idle_ttl_s / 4, 0.2), 5.0)
+        interval = min(max(self.config.idle_ttl_s / 4, 0.2), 5.0, self.config.probe_interval_s)
         while True:
             await asyncio.sleep(interval)
             try:
                 await self.reap()
+                await self.end_dead()
             except Exception:
                 log.exception("session reaper failed")
+
+    async def end_dead(self) -> int:
+        """Health-check the sandboxes of open sessions between steps (each every probe_interval_s) and end those
+        whose container died: NOT_FOUND at the next call, saying so (an adapter's cue to run the episode again), and
+        their capacity and the tenant's slot back now, not at the idle expiry. Returns how many."""
+        now = time.monotonic()
+        due = [s for s in self._sessions.values() if s.ended is None and not s.lock.locked() and now >= s.probe_at]
+        for s in due:
+            s.probe_at = now + self.config.probe_interval_s
+        turns = asyncio.Semaphore(PROBE_CONCURRENCY)
+
+        async def check(s: _Session) -> str | None:
+            async with turns:
+                return await died(s.sandbox, s.id)
+
+        verdicts = await asyncio.gather(*(check(s) for s in due))
+        ended = 0
+        for s, why in zip(due, verdicts, strict=True):
+            # a step that began meanwhile finds the sandbox dead itself, and says so as its outcome
+            if why is not None and self._sessions.get(s.id) is s and s.ended is None and not s.lock.locked():
+                log.warning("session %s of %s: its sandbox died (%s); ending it", s.id, s.tenant, why)
+                await self._drop(s, f"ended: its sandbox died ({why}); call Reset for a new episode")
+                ended += 1
+        return ended
 
     async def reap(self) -> int:
         """Expire idle sessions now; returns how many."""

@@ -171,6 +171,38 @@ async def test_a_sandbox_killed_mid_session_is_never_a_reward_on_the_fake_backen
     assert s.truncated and not s.terminated and s.error.kind == "SandboxDiedError", s.error
 
 
+async def test_a_session_whose_sandbox_died_between_steps_ends_and_gives_its_room_back(tmp_path: Path) -> None:
+    # only a step found a dead sandbox: until then (the idle expiry, 600 s) it held its capacity and the tenant's slot
+    used: list[str] = []
+
+    def remember(cmd: FakeExec) -> ExecResult:
+        used.append(cmd.sandbox_name)
+        return ExecResult(0, cmd.stdin, b"")
+
+    backend = FakeBackendConfig(owner=TEST_OWNER, exec_handler=remember)
+    async with (
+        serve(tmp_path, backend=backend, sessions={"probe_interval_s": 0.2}) as orch,
+        EnvfleetClient(orch.address) as client,
+    ):
+        stub = client.session_stub
+        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-002"))
+        await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(2)")))
+        assert isinstance(orch.backend, FakeBackend) and orch.sessions is not None
+        assert orch.sessions.open_sessions() == 1 and orch.jobs.scheduler.reserved == 1
+        [victim] = [sb.id for sb in await orch.backend.list_owned() if sb.name == used[0]]
+        orch.backend.kill(victim)
+        for _ in range(50):
+            if orch.sessions.open_sessions() == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert orch.sessions.open_sessions() == 0 and orch.jobs.scheduler.reserved == 0
+        await expect_error(
+            stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)"))),
+            grpc.StatusCode.NOT_FOUND,
+            "ended: its sandbox died",
+        )
+
+
 async def test_a_session_closed_during_a_step_answers_its_steps_not_found_and_goes_back_once(tmp_path: Path) -> None:
     # a close while a step ran destroyed the sandbox under it: the step answered INFRA_ERROR (or a reward, had it
     # been scoring), the one queued behind it ran on the closed session, and both returned the sandbox to the pool
