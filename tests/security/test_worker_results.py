@@ -6,7 +6,10 @@ a worker of another release is refused with a clear error."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -17,6 +20,7 @@ from orchestrator.worker import results
 from orchestrator.worker.results import encode
 from protos import orchestrator_pb2 as pb
 from protos import worker_pb2 as wpb
+from tests.conftest import REPO
 from tests.orchestrator.worker_wire import ENV, ScriptedWorker, items, rollout_for, serve_hub, spec
 
 
@@ -324,3 +328,25 @@ async def test_an_environments_failure_of_any_size_or_text_is_delivered_as_it_is
     # and a cut message read again (the result log, a remote worker's JSON checked against its protobuf form) is
     # the same message: cut again at every reading, it changed
     assert RolloutError.model_validate_json(rollout.error.model_dump_json()) == rollout.error
+
+
+def test_a_worker_whose_grading_code_differs_is_another_release(tmp_path: Path) -> None:
+    # the release was the version (0.1.0 since the first commit) and the wire's schemas: a node left behind an
+    # upgrade that fixed a forgeable grader had the same release, was let in, and its rewards were trusted
+    from orchestrator.worker import release as release_module
+
+    tree = tmp_path / "environments"
+    shutil.copytree(REPO / "environments", tree, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def digest() -> str:
+        d = hashlib.sha256()
+        release_module._code(d, {"environments": [tree]})
+        return d.hexdigest()
+
+    before = digest()
+    (tree / "swe" / "stray.orig").write_text("not the build's")  # no part of a wheel: the same build
+    assert digest() == before
+    grading = tree / "swe" / "grading.py"
+    grading.write_text(grading.read_text() + "\n# one more line\n")
+    assert digest() != before
+    assert release_module._locations()["environments"] == [REPO / "environments"]
