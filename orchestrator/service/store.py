@@ -45,8 +45,11 @@ PAGE_SIZE = 16384
 WAL_LIMIT_BYTES = 64 << 20  # what of the write-ahead log stays on disk once it is checkpointed
 # the log's layout, stamped in SQLite's user_version: a log stamped by a newer envfleet is refused rather than read
 # with what this one knows (read by an older one, a job lost its policy column: UpdatePolicy's endpoint went back to
-# the submitted one, and again after the upgrade back). Logs from before the stamp read 0, and are this layout
-LOG_VERSION = 1
+# the submitted one, and again after the upgrade back). Logs from before the stamp read 0. Its rows hold the job spec
+# and the rollout as JSON, which the models read strictly (extra fields refused): a change to their fields is a new
+# layout (2: PolicyEndpoint.chat_template_kwargs, max_turns 0; an older version dropped each job it could not read),
+# and tests/orchestrator/test_store.py pins their shape to the layout
+LOG_VERSION = 2
 # the state of a job row whose removal is under way (never a JobState: an older version leaves such a row alone)
 REMOVING = "REMOVING"
 SCHEMA = """
