@@ -112,8 +112,20 @@ def _token_status(t: pb.Tokens) -> TokenStatus:
 
 
 def rollout_from_pb(m: pb.Rollout) -> Rollout:
-    """The model of a wire rollout (the client's edge). The server validated it when it was stored."""
+    """The model of a wire rollout (the client's edge). The server validated it when it was stored. A status this
+    client does not know (a newer server's) is not scored, as the contract says: an INFRA_ERROR without its reward,
+    the error saying why. Raised, it stopped the job's stream at that rollout on every resume, for good."""
     t = m.tokens
+    status = ROLLOUT_STATUS_FROM_PB.get(m.status)
+    error: RolloutError | None = None
+    if status is None:
+        error = RolloutError(
+            kind="UnknownStatus",
+            message=f"rollout {m.id!r} has status {m.status}, which this client does not know: the server is newer "
+            "than this client (upgrade envfleet here), so it is not scored",
+        )
+    elif m.HasField("error"):
+        error = _built(RolloutError, {"kind": m.error.kind, "message": m.error.message})
     return _built(
         Rollout,
         {
@@ -124,8 +136,8 @@ def rollout_from_pb(m: pb.Rollout) -> Rollout:
             "group_id": m.group_id,
             "sample_index": m.sample_index,
             "policy_version": m.policy_version,
-            "status": known_status(m.status, f"rollout {m.id!r}"),
-            "reward": m.reward if m.HasField("reward") else None,
+            "status": RolloutStatus.INFRA_ERROR if status is None else status,
+            "reward": m.reward if m.HasField("reward") and status is not None else None,
             "reward_components": dict(m.reward_components),
             "metrics": dict(m.metrics),
             "turns": [
@@ -156,9 +168,7 @@ def rollout_from_pb(m: pb.Rollout) -> Rollout:
             ),
             "timing": _built(Timing, {f: getattr(m.timing, f) for f in _TIMING_FIELDS}),
             "provenance": _built(Provenance, {f: getattr(m.provenance, f) for f in _PROVENANCE_FIELDS}),
-            "error": _built(RolloutError, {"kind": m.error.kind, "message": m.error.message})
-            if m.HasField("error")
-            else None,
+            "error": error,
             "attempts": m.attempts,
             "seq": m.seq,
             "started_at": m.started_at,

@@ -92,9 +92,11 @@ def test_built_makes_what_model_construct_makes(model: type[BaseModel]) -> None:
 
 
 @pytest.mark.parametrize("value", [0, 99])
-def test_a_status_this_client_does_not_know_says_so(value: int) -> None:
-    # a bare KeyError (99: a status newer than this client) stopped every reader of the job at that rollout, unsaid
+def test_a_status_this_client_does_not_know_is_not_scored_and_says_so(value: int) -> None:
+    # a bare KeyError (99: a status newer than this client) stopped every reader of the job at that rollout, unsaid;
+    # then a ValueError that said why stopped it all the same, at every resume. The contract: not scored
     m = rollout_pb(_every_field_set(RolloutStatus.OK).model_dump_json())
     m.status = value  # type: ignore[assignment]
-    with pytest.raises(ValueError, match=rf"rollout '{m.id}' has status {value}, which this client does not know"):
-        rollout_from_pb(m)
+    r = rollout_from_pb(m)
+    assert (r.status, r.reward) == (RolloutStatus.INFRA_ERROR, None) and r.error is not None
+    assert r.error.kind == "UnknownStatus" and f"has status {value}, which this client does not know" in r.error.message
