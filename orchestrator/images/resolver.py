@@ -6,6 +6,7 @@ import abc
 import asyncio
 import functools
 import logging
+import threading
 
 import docker
 import requests
@@ -36,6 +37,8 @@ class ImageResolver:
         self._cache: dict[str, tuple[str, str]] = {}
         self._builds: dict[str, asyncio.Future[tuple[str, str]]] = {}
         self._prebuilds: dict[str, asyncio.Task[None]] = {}
+        self._base_checked = threading.Lock()  # held while the base is made current, once a process
+        self._base: str | None = None
 
     def ready(self, env: Environment) -> bool:
         """Whether the environment's image is already built (resolve returns at once)."""
@@ -91,9 +94,19 @@ class ImageResolver:
         except Exception as e:
             log.warning("prebuilding the image of %s failed (its rollouts will report it): %s", env.ref(), e)
 
+    def build_own_image(self, env: BuildsOwnImage) -> str:
+        """A declarative spec's or an archive's image (blocking). `envfleet/base:latest`, which their Dockerfiles
+        build FROM, is made this install's base first, once a process: only a build of the base moved it, so after
+        an upgrade their images kept being built (a cache hit on the same key) on the base of the install before,
+        with its envd, without the protections the new orchestrator relies on."""
+        with self._base_checked:
+            if self._base is None:
+                self._base = ensure_base_image(self._client)
+        return env.build_image(self._client)
+
     def _build(self, env: Environment) -> tuple[str, str]:
         if isinstance(env, BuildsOwnImage):
-            tag = env.build_image(self._client)
+            tag = self.build_own_image(env)
             return tag, str(self._client.images.get(tag).id)
         spec = env.image_spec()
         if spec is None:

@@ -87,10 +87,11 @@ async def _docker_fleet(config: DockerBackendConfig) -> Fleet:
         metrics.docker_api_in_flight.set_function(lambda: backend.limiter.in_flight)
         metrics.docker_api_waiting.set_function(lambda: backend.limiter.waiting)
 
+    resolver = ImageResolver(client)
     return Fleet(
         backend,
-        ImageResolver(client),
-        lambda env: env.build_image(client),
+        resolver,
+        resolver.build_own_image,
         image_present,
         watch_health=backend.on_engine_health,
         export_metrics=export_metrics,

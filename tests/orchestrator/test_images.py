@@ -25,8 +25,9 @@ from orchestrator.core.errors import EngineError, ImageBuildError, InvalidReques
 from orchestrator.core.image_spec import ImageSpec, render_dockerfile
 from orchestrator.core.models import RolloutStatus
 from orchestrator.images import build_image, ensure_base_image
+from orchestrator.images.base import BASE_LATEST
 from orchestrator.images.build import BuildLimits, image_key
-from orchestrator.images.resolver import ImageResolver
+from orchestrator.images.resolver import BuildsOwnImage, ImageResolver
 from orchestrator.rollout.step import classify_failure
 from orchestrator.service.registry import Registry
 
@@ -386,3 +387,27 @@ def test_a_build_the_engine_failed_midway_leaves_no_layers(tmp_path: Path) -> No
                 limits=BuildLimits(),
             )
     assert [p.split("?")[0].rsplit("/", 1)[-1] for p in deleted] == ["sha256:ba9876543210" + "0" * 52]
+
+
+def test_an_environments_own_image_is_built_when_latest_names_this_installs_base(
+    docker_client: docker.DockerClient, base_image: str
+) -> None:
+    # only a build of the base moved `envfleet/base:latest`: after an upgrade, a declarative spec's or an archive's
+    # image (FROM envfleet/base:latest) was built on the base of the install before, its envd the old one
+    dockerfile = f"FROM {base_image}\nLABEL older=1\n"
+    older = build_image(docker_client, name="test-older-base", dockerfile=dockerfile, context_files={})
+    seen: list[str] = []
+
+    class Own(BuildsOwnImage):
+        def build_image(self, client: docker.DockerClient) -> str:
+            seen.append(str(client.images.get(BASE_LATEST).id))
+            return base_image
+
+    try:
+        docker_client.images.get(older).tag(BASE_LATEST.split(":")[0], "latest")  # an older install's base
+        assert ImageResolver(docker_client).build_own_image(Own()) == base_image
+        assert seen == [docker_client.images.get(base_image).id]
+    finally:
+        docker_client.images.get(base_image).tag(BASE_LATEST.split(":")[0], "latest")
+        with contextlib.suppress(docker.errors.DockerException):
+            docker_client.images.remove(older, noprune=True)
