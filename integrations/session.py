@@ -23,7 +23,7 @@ import grpc
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
 from orchestrator.client.busy import BUSY_WAIT_S, retry_busy, retry_busy_sync
-from orchestrator.client.convert import known_status
+from orchestrator.client.convert import step_outcome
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.client.step_retry import send_step, send_step_async, step_request, turn_of
 from orchestrator.core.errors import EpisodeFailedError
@@ -136,17 +136,17 @@ def action_pb(action: ToolCall | str) -> pb.Action:
 
 def step_from_pb(r: pb.StepResponse) -> StepResult:
     """The wire's StepResponse as a StepResult (status by its short name, reward None when absent)."""
-    status = known_status(r.status, "the step") if r.status else None
+    outcome = step_outcome(r)
     return StepResult(
         observation=r.observation,
-        reward=r.reward if r.HasField("reward") else None,
+        reward=outcome.reward,
         terminated=r.terminated,
         truncated=r.truncated,
-        status=status,
+        status=outcome.status,
         reward_components=dict(r.reward_components),
         metrics=dict(r.metrics),
-        error_kind=r.error.kind,
-        error_message=r.error.message,
+        error_kind=outcome.error_kind,
+        error_message=outcome.error_message,
     )
 
 

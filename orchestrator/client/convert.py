@@ -3,6 +3,7 @@ shares the enum tables."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -92,16 +93,28 @@ def rollout_status_from_pb(value: int) -> RolloutStatus | None:
     return ROLLOUT_STATUS_FROM_PB.get(value)
 
 
-def known_status(value: int, what: str) -> RolloutStatus:
-    """The model's status of `what`'s wire status, or ValueError saying why there is none: a bare KeyError of a
-    status newer than this client stopped every reader of the job at that rollout, with no word of the cause."""
-    status = ROLLOUT_STATUS_FROM_PB.get(value)
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a session's step says of the episode: no status while it goes on; a status this client does not know (a
+    newer server's) is not scored, as the contract says (INFRA_ERROR, no reward, an UnknownStatus error). Raised, it
+    ended the episode's client mid-way."""
+
+    status: RolloutStatus | None
+    reward: float | None
+    error_kind: str
+    error_message: str
+
+
+def step_outcome(r: pb.StepResponse) -> StepOutcome:
+    """The status, reward and error of a StepResponse, as StepOutcome says."""
+    reward = r.reward if r.HasField("reward") else None
+    if not r.status:
+        return StepOutcome(None, reward, r.error.kind, r.error.message)
+    status = ROLLOUT_STATUS_FROM_PB.get(r.status)
     if status is None:
-        raise ValueError(
-            f"{what} has status {value}, which this client does not know: the server is newer than this client "
-            "(upgrade envfleet here) or sent none"
-        )
-    return status
+        why = f"the step has status {r.status}, which this client does not know (upgrade envfleet here): not scored"
+        return StepOutcome(RolloutStatus.INFRA_ERROR, None, "UnknownStatus", why)
+    return StepOutcome(status, reward, r.error.kind, r.error.message)
 
 
 def _token_status(t: pb.Tokens) -> TokenStatus:

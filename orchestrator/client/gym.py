@@ -27,7 +27,7 @@ from gymnasium import spaces
 
 from orchestrator.client.auth import ClientTLS, bearer_metadata, sync_channel
 from orchestrator.client.busy import BUSY_WAIT_S, retry_busy_sync
-from orchestrator.client.convert import known_status
+from orchestrator.client.convert import step_outcome
 from orchestrator.client.step_retry import send_step, step_request, turn_of
 from orchestrator.core.errors import EnvfleetError
 from orchestrator.core.text import as_text
@@ -169,8 +169,8 @@ class SessionEnv(gymnasium.Env[str, str]):
         call = functools.partial(self._stub.Step, timeout=self.step_timeout_s, metadata=self._metadata)
         r = send_step(call, step_request(self.session_id, parse_action(action), self._turn))
         self._turn = None if r.terminated or r.truncated else turn_of(r.info)
-        # the models' short name ("OK"); a status newer than this client is a ValueError that says so
-        status = known_status(r.status, "the step").value if r.status else ""
+        outcome = step_outcome(r)  # a status newer than this client: not scored
+        status = outcome.status.value if outcome.status is not None else ""  # the models' short name ("OK")
         info: dict[str, Any] = {
             "turn": r.info.turn,
             "status": status,
@@ -179,10 +179,10 @@ class SessionEnv(gymnasium.Env[str, str]):
             "scored": status in SCORED or not status,
         }
         if status and status not in SCORED:
-            info["error"] = {"kind": r.error.kind, "message": r.error.message}
+            info["error"] = {"kind": outcome.error_kind, "message": outcome.error_message}
             if self.on_failure == "raise":
-                raise SessionFailedError(status, r.error.kind, r.error.message)
-        reward = r.reward if r.HasField("reward") else math.nan if not info["scored"] else 0.0
+                raise SessionFailedError(status, outcome.error_kind, outcome.error_message)
+        reward = outcome.reward if outcome.reward is not None else math.nan if not info["scored"] else 0.0
         return r.observation, float(reward), r.terminated, r.truncated, info
 
     def close(self) -> None:

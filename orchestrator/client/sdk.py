@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 
 from orchestrator.client.auth import ClientTLS, aio_channel
-from orchestrator.client.convert import job_spec_to_pb, job_status_from_pb, rollout_from_pb
+from orchestrator.client.convert import ROLLOUT_STATUS_FROM_PB, job_spec_to_pb, job_status_from_pb, rollout_from_pb
 from orchestrator.core.models import JobSpec, JobStatus, Rollout
 from protos import orchestrator_pb2 as pb
 from protos import orchestrator_pb2_grpc as pb_grpc
@@ -239,15 +239,8 @@ class EnvfleetClient:
                         continue  # nothing to yield or ack until the last part
                 members = [m for p in parts for m in p.rollouts] if parts else list(g.rollouts)
                 parts.clear()
-                rs = [rollout_from_pb(m) for m in members]
-                adv = [m.advantage if m.HasField("advantage") else None for m in members]
-                out.append(
-                    (
-                        g.group_id,
-                        max((r.seq for r in rs), default=0),
-                        GroupResult(g.group_id, g.task_id, rs, adv, g.failed),
-                    )
-                )
+                result = group_result(g, members)
+                out.append((g.group_id, max((r.seq for r in result.rollouts), default=0), result))
             return out
 
         async with self._items(job_id, unpack, resume_after, max_in_flight, 64, auto_ack) as items:
@@ -315,6 +308,18 @@ class EnvfleetClient:
             raise
         finally:
             await batches.aclose()
+
+
+def group_result(g: pb.Group, members: Sequence[pb.Rollout]) -> GroupResult:
+    """A whole group (its members, from its parts) as the SDK hands it out. A status this client does not know is
+    not scored (rollout_from_pb): it has no advantage, and counts as failed where the server, which knows it, counted
+    it scored (gave it an advantage)."""
+    rollouts = [rollout_from_pb(m) for m in members]
+    unknown = [m.HasField("advantage") and m.status not in ROLLOUT_STATUS_FROM_PB for m in members]
+    advantages = [
+        None if gone or not m.HasField("advantage") else m.advantage for m, gone in zip(members, unknown, strict=True)
+    ]
+    return GroupResult(g.group_id, g.task_id, rollouts, advantages, g.failed + sum(unknown))
 
 
 async def _next_batch(

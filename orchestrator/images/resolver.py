@@ -6,7 +6,6 @@ import abc
 import asyncio
 import functools
 import logging
-import threading
 
 import docker
 import requests
@@ -37,8 +36,6 @@ class ImageResolver:
         self._cache: dict[str, tuple[str, str]] = {}
         self._builds: dict[str, asyncio.Future[tuple[str, str]]] = {}
         self._prebuilds: dict[str, asyncio.Task[None]] = {}
-        self._base_checked = threading.Lock()  # held while the base is made current, once a process
-        self._base: str | None = None
 
     def ready(self, env: Environment) -> bool:
         """Whether the environment's image is already built (resolve returns at once)."""
@@ -96,12 +93,11 @@ class ImageResolver:
 
     def build_own_image(self, env: BuildsOwnImage) -> str:
         """A declarative spec's or an archive's image (blocking). `envfleet/base:latest`, which their Dockerfiles
-        build FROM, is made this install's base first, once a process: only a build of the base moved it, so after
-        an upgrade their images kept being built (a cache hit on the same key) on the base of the install before,
-        with its envd, without the protections the new orchestrator relies on."""
-        with self._base_checked:
-            if self._base is None:
-                self._base = ensure_base_image(self._client)
+        build FROM, is made this install's base first (a cache hit: some image lookups, tens of ms): only a build of
+        the base moved it, so after an upgrade their images kept being built (a cache hit on the same key) on the base
+        of the install before, with its envd, without the protections the new orchestrator relies on. At each build,
+        not once a process: another install on the engine (an old control plane still draining) may move it back."""
+        ensure_base_image(self._client)
         return env.build_image(self._client)
 
     def _build(self, env: Environment) -> tuple[str, str]:

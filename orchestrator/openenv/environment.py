@@ -20,7 +20,7 @@ import grpc
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import EnvironmentMetadata
 
-from orchestrator.client.convert import known_status
+from orchestrator.client.convert import step_outcome
 from orchestrator.core.errors import (
     SERVER_STATUS_KEY,
     EnvfleetError,
@@ -195,8 +195,8 @@ class EnvfleetEnvironment(Environment):  # type: ignore[type-arg]
         else:
             act = pb.Action(final_answer=action.answer or "")
         r = await self._call(self._backend.stub.Step, pb.StepRequest(session_id=self._session_id, action=act))
-        # the models' short name ("OK"); a status newer than this client is a ValueError that says so
-        status = known_status(r.status, "the step").value if r.status else ""
+        outcome = step_outcome(r)  # a status newer than this client: not scored
+        status = outcome.status.value if outcome.status is not None else ""  # the models' short name ("OK")
         done = bool(status) or r.terminated or r.truncated
         metadata: dict[str, Any] = {"turn": r.info.turn, "terminated": r.terminated, "truncated": r.truncated}
         if status:
@@ -206,11 +206,11 @@ class EnvfleetEnvironment(Environment):  # type: ignore[type-arg]
                 "reward_components": dict(r.reward_components),
                 "metrics": dict(r.metrics),
             }
-            if r.error.kind or r.error.message:
-                metadata["error"] = {"kind": r.error.kind, "message": r.error.message}
+            if outcome.error_kind or outcome.error_message:
+                metadata["error"] = {"kind": outcome.error_kind, "message": outcome.error_message}
         self._state = self._state.model_copy(update={"step_count": r.info.turn, "done": done, "status": status})
         # an episode that failed for a reason that is not the policy's has no reward: None, never 0
-        reward = r.reward if r.HasField("reward") else None
+        reward = outcome.reward
         return EnvfleetObservation(text=r.observation, reward=reward, done=done, metadata=metadata)
 
     async def _close_session(self) -> None:

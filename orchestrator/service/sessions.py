@@ -175,6 +175,7 @@ class _Session:
     # the last step's turn (the session's turn when it began), its action's digest and its answer: the same Step sent
     # again at that turn, its answer lost, gets it again (a final step's reward among them) instead of running twice
     last: tuple[int, str, StepResult] | None = None
+    died: StepResult | None = None  # its sandbox died between steps (end_dead): what the next Step answers
 
 
 def _digest(action: Action) -> str:
@@ -428,6 +429,8 @@ class SessionManager:
         """The step, with the session's lock held by the caller; it lets go at the end."""
         try:
             self._check_open(s)  # closed or expired while this step waited for the one before it
+            if s.died is not None:  # as a step that found the sandbox dead would have ended: INFRA_ERROR
+                return s.died
             if turn is not None:
                 if s.last is not None and s.last[0] == turn:
                     if s.last[1] != _digest(action):  # two clients on one session, or a stale turn: not a resend
@@ -583,8 +586,9 @@ class SessionManager:
 
     async def end_dead(self) -> int:
         """Health-check the sandboxes of open sessions between steps (each every probe_interval_s) and end those
-        whose container died: NOT_FOUND at the next call, saying so (an adapter's cue to run the episode again), and
-        their capacity and the tenant's slot back now, not at the idle expiry. Returns how many."""
+        whose container died, INFRA_ERROR, as the next step would have found it (that step answers so: the clients'
+        failure handling is the same whether the check or the step found it first), their capacity and the tenant's
+        slot back now, not at the idle expiry. Returns how many."""
         now = time.monotonic()
         due = [s for s in self._sessions.values() if s.ended is None and not s.lock.locked() and now >= s.probe_at]
         for s in due:
@@ -595,14 +599,24 @@ class SessionManager:
             async with turns:
                 return await died(s.sandbox, s.id)
 
-        verdicts = await asyncio.gather(*(check(s) for s in due))
+        verdicts = await asyncio.gather(*(check(s) for s in due), return_exceptions=True)
         ended = 0
         for s, why in zip(due, verdicts, strict=True):
+            if isinstance(why, BaseException):  # one session's check failing leaves the others' verdicts standing
+                log.error("health check of session %s failed", s.id, exc_info=why)
+                continue
             # a step that began meanwhile finds the sandbox dead itself, and says so as its outcome
-            if why is not None and self._sessions.get(s.id) is s and s.ended is None and not s.lock.locked():
-                log.warning("session %s of %s: its sandbox died (%s); ending it", s.id, s.tenant, why)
-                await self._drop(s, f"ended: its sandbox died ({why}); call Reset for a new episode")
-                ended += 1
+            if why is None or self._sessions.get(s.id) is not s or s.ended is not None or s.lock.locked():
+                continue
+            log.warning("session %s of %s: its sandbox died (%s); ending it", s.id, s.tenant, why)
+            error = RolloutError(kind="SandboxDiedError", message=f"the sandbox died between steps: {why}")
+            # said before the first await: a Step that takes the lock meanwhile answers it, never runs on the dead
+            s.died = StepResult("", None, False, True, RolloutStatus.INFRA_ERROR, self._view(s), error=error)
+            try:
+                await self._end(s, RolloutStatus.INFRA_ERROR)
+            except Exception:
+                log.exception("ending session %s failed", s.id)
+            ended += 1
         return ended
 
     async def reap(self) -> int:

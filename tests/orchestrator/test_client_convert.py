@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from orchestrator.client.convert import _built, rollout_from_pb
+from orchestrator.client.convert import StepOutcome, _built, rollout_from_pb, step_outcome
+from orchestrator.client.sdk import group_result
 from orchestrator.core.models import (
     Provenance,
     Rollout,
@@ -17,6 +18,7 @@ from orchestrator.core.models import (
     Turn,
 )
 from orchestrator.server.convert import rollout_pb
+from protos import orchestrator_pb2 as pb
 
 
 def _every_field_set(status: RolloutStatus) -> Rollout:
@@ -100,3 +102,28 @@ def test_a_status_this_client_does_not_know_is_not_scored_and_says_so(value: int
     r = rollout_from_pb(m)
     assert (r.status, r.reward) == (RolloutStatus.INFRA_ERROR, None) and r.error is not None
     assert r.error.kind == "UnknownStatus" and f"has status {value}, which this client does not know" in r.error.message
+
+
+def test_a_groups_member_of_a_status_this_client_does_not_know_has_no_advantage_and_counts_failed() -> None:
+    # the sample was unscored (rollout_from_pb) but kept the advantage the server gave it, and `failed` did not
+    # count it: a trainer reading the advantages trained on a sample whose status said it failed
+    member = rollout_pb(_every_field_set(RolloutStatus.OK).model_dump_json())
+    newer, known = pb.Rollout(), pb.Rollout()
+    newer.CopyFrom(member)
+    newer.status = 99  # type: ignore[assignment]
+    newer.advantage = 0.5
+    known.CopyFrom(member)
+    known.advantage = -0.5
+    g = pb.Group(group_id="g", task_id="t", failed=0)
+    result = group_result(g, [newer, known])
+    assert result.advantages == [None, -0.5] and result.failed == 1
+    assert [r.status for r in result.rollouts] == [RolloutStatus.INFRA_ERROR, RolloutStatus.OK]
+
+
+def test_a_steps_status_this_client_does_not_know_is_not_scored() -> None:
+    # known_status raised a ValueError out of env.step, the adapters' step and OpenEnv's, mid-episode
+    assert step_outcome(pb.StepResponse(reward=0.0)) == StepOutcome(None, 0.0, "", "")
+    ok = step_outcome(pb.StepResponse(status=pb.ROLLOUT_STATUS_OK, reward=1.0, terminated=True))
+    assert (ok.status, ok.reward) == (RolloutStatus.OK, 1.0)
+    newer = step_outcome(pb.StepResponse(status=99, reward=1.0, terminated=True))  # type: ignore[arg-type]
+    assert (newer.status, newer.reward, newer.error_kind) == (RolloutStatus.INFRA_ERROR, None, "UnknownStatus")

@@ -196,11 +196,11 @@ async def test_a_session_whose_sandbox_died_between_steps_ends_and_gives_its_roo
                 break
             await asyncio.sleep(0.1)
         assert orch.sessions.open_sessions() == 0 and orch.jobs.scheduler.reserved == 0
-        await expect_error(
-            stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)"))),
-            grpc.StatusCode.NOT_FOUND,
-            "ended: its sandbox died",
-        )
+        # the next step answers as one that found the sandbox dead itself does: INFRA_ERROR, never a reward
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
+        assert s.status == pb.ROLLOUT_STATUS_INFRA_ERROR and not s.HasField("reward") and s.truncated
+        assert s.error.kind == "SandboxDiedError" and "the sandbox died between steps" in s.error.message
+        assert used.count(used[0]) == 1  # the step ran nothing on the dead sandbox
 
 
 async def test_a_session_closed_during_a_step_answers_its_steps_not_found_and_goes_back_once(tmp_path: Path) -> None:
