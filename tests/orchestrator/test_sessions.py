@@ -150,7 +150,10 @@ async def test_idle_sessions_expire(tmp_path: Path) -> None:
         assert orch.sessions is not None and orch.sessions.open_sessions() == 0  # the reaper took the idle one too
 
 
-async def test_a_sandbox_killed_mid_session_is_never_a_reward_on_the_fake_backend(tmp_path: Path) -> None:
+@pytest.mark.parametrize("found_by", ["the step", "the health check"])
+async def test_a_sandbox_killed_mid_session_is_never_a_reward(tmp_path: Path, found_by: str) -> None:
+    # found by the next step, or by the health check between steps (until then, the idle expiry of 600 s, it held
+    # its capacity and the tenant's slot): the step answers the same either way, INFRA_ERROR
     used: list[str] = []
 
     def remember(cmd: FakeExec) -> ExecResult:
@@ -158,48 +161,29 @@ async def test_a_sandbox_killed_mid_session_is_never_a_reward_on_the_fake_backen
         return ExecResult(0, cmd.stdin, b"")
 
     backend = FakeBackendConfig(owner=TEST_OWNER, exec_handler=remember)
-    async with serve(tmp_path, backend=backend) as orch, EnvfleetClient(orch.address) as client:
-        stub = client.session_stub
-        r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-002"))
-        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(2)")))
-        assert s.observation == "print(2)" and not s.terminated
-        assert isinstance(orch.backend, FakeBackend)
-        [victim] = [sb.id for sb in await orch.backend.list_owned() if sb.name == used[0]]
-        orch.backend.kill(victim)
-        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
-    assert s.status == pb.ROLLOUT_STATUS_INFRA_ERROR and not s.HasField("reward")
-    assert s.truncated and not s.terminated and s.error.kind == "SandboxDiedError", s.error
-
-
-async def test_a_session_whose_sandbox_died_between_steps_ends_and_gives_its_room_back(tmp_path: Path) -> None:
-    # only a step found a dead sandbox: until then (the idle expiry, 600 s) it held its capacity and the tenant's slot
-    used: list[str] = []
-
-    def remember(cmd: FakeExec) -> ExecResult:
-        used.append(cmd.sandbox_name)
-        return ExecResult(0, cmd.stdin, b"")
-
-    backend = FakeBackendConfig(owner=TEST_OWNER, exec_handler=remember)
+    probe_s = 0.2 if found_by == "the health check" else 3600.0
     async with (
-        serve(tmp_path, backend=backend, sessions={"probe_interval_s": 0.2}) as orch,
+        serve(tmp_path, backend=backend, sessions={"probe_interval_s": probe_s}) as orch,
         EnvfleetClient(orch.address) as client,
     ):
         stub = client.session_stub
         r = await stub.Reset(pb.ResetRequest(env=ENV, task_id="py-002"))
-        await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(2)")))
+        s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(2)")))
+        assert s.observation == "print(2)" and not s.terminated
         assert isinstance(orch.backend, FakeBackend) and orch.sessions is not None
-        assert orch.sessions.open_sessions() == 1 and orch.jobs.scheduler.reserved == 1
         [victim] = [sb.id for sb in await orch.backend.list_owned() if sb.name == used[0]]
         orch.backend.kill(victim)
-        for _ in range(50):
-            if orch.sessions.open_sessions() == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert orch.sessions.open_sessions() == 0 and orch.jobs.scheduler.reserved == 0
-        # the next step answers as one that found the sandbox dead itself does: INFRA_ERROR, never a reward
+        if found_by == "the health check":
+            for _ in range(50):
+                if orch.sessions.open_sessions() == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert orch.sessions.open_sessions() == 0 and orch.jobs.scheduler.reserved == 0
         s = await stub.Step(pb.StepRequest(session_id=r.session_id, action=tool("python", code="print(1)")))
-        assert s.status == pb.ROLLOUT_STATUS_INFRA_ERROR and not s.HasField("reward") and s.truncated
-        assert s.error.kind == "SandboxDiedError" and "the sandbox died between steps" in s.error.message
+    assert s.status == pb.ROLLOUT_STATUS_INFRA_ERROR and not s.HasField("reward")
+    assert s.truncated and not s.terminated and s.error.kind == "SandboxDiedError", s.error
+    if found_by == "the health check":
+        assert "the sandbox died between steps" in s.error.message
         assert used.count(used[0]) == 1  # the step ran nothing on the dead sandbox
 
 
