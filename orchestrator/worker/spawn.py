@@ -67,10 +67,9 @@ class LocalWorkers:
             self._supervisors.append(asyncio.create_task(self._supervise(i), name=f"worker {i} supervisor"))
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
-        # -P: not the current folder first on sys.path (`-m` puts it there), so the worker imports the packages serve
-        # runs, not an `orchestrator/` or `environments/` folder where serve was started (its build digest, and its
-        # graders, were another's)
-        argv = [sys.executable, "-P", "-m", "orchestrator.worker", "--connect", self._target, "--name", f"w{index}"]
+        # `-m` puts the current folder first on sys.path, as serve's plug-ins (`--environments module:Class` of the
+        # folder serve runs in) need
+        argv = [sys.executable, "-m", "orchestrator.worker", "--connect", self._target, "--name", f"w{index}"]
         argv += ["--parent-pid", str(os.getpid())]
         argv += ["--config", self.config.model_dump_json()] + ["-v"] * self._verbose
         # a session of its own: a terminal's Ctrl-C reaches its whole foreground group, and the workers in serve's
