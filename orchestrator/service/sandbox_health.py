@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import SandboxError
 from orchestrator.core.sandbox import Sandbox, SandboxState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 PROBE_TIMEOUT_S = 2.0  # an envd with no answer by then is starved of CPU, not gone (EnvdTransport.probe)
 CHECK_TIMEOUT_S = 10.0  # a health check and the engine's word on the container: past this, no verdict this round
@@ -29,6 +33,28 @@ async def died(sandbox: Sandbox, name: str) -> str | None:
         log.info("sandbox %s: no verdict on its health this round: %s", name, e)
         return None
     return None if st.running else death(st)
+
+
+async def each_checked(
+    items: Sequence[T], check: Callable[[T], Awaitable[R]], name: Callable[[T], str]
+) -> list[R | None]:
+    """`check` of each item, PROBE_CONCURRENCY at a time; one whose check raised is logged, and None (one failing
+    check leaves the others' verdicts standing)."""
+    turns = asyncio.Semaphore(PROBE_CONCURRENCY)
+
+    async def one(item: T) -> R:
+        async with turns:
+            return await check(item)
+
+    outcomes = await asyncio.gather(*(one(x) for x in items), return_exceptions=True)
+    verdicts: list[R | None] = []
+    for x, outcome in zip(items, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            log.error("health check of %s failed", name(x), exc_info=outcome)
+            verdicts.append(None)
+        else:
+            verdicts.append(outcome)
+    return verdicts
 
 
 def death(st: SandboxState) -> str:

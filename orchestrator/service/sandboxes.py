@@ -62,7 +62,7 @@ from orchestrator.images.build import IMAGE_REFERENCE
 from orchestrator.service.caps import CapsConfig, TenantBytes, TenantCounter, check_limits
 from orchestrator.service.declarative.dockerfile import TENANT_IMAGE_PREFIX
 from orchestrator.service.registry import Registry
-from orchestrator.service.sandbox_health import PROBE_CONCURRENCY, death, died
+from orchestrator.service.sandbox_health import death, died, each_checked
 from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
 log = logging.getLogger(__name__)
@@ -604,16 +604,7 @@ class SandboxManager:
         due = [x for x in self._live.values() if now >= x.probe_at]
         for x in due:
             x.probe_at = now + self.config.probe_interval_s
-        turns = asyncio.Semaphore(PROBE_CONCURRENCY)
-
-        async def check(live: _Live) -> bool:
-            async with turns:
-                return await self._end_if_dead(live)
-
-        outcomes = await asyncio.gather(*(check(x) for x in due), return_exceptions=True)
-        for x, outcome in zip(due, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                log.error("health check of sandbox %s failed", x.record.sandbox_id, exc_info=outcome)
+        outcomes = await each_checked(due, self._end_if_dead, lambda x: f"sandbox {x.record.sandbox_id}")
         return sum(outcome is True for outcome in outcomes)
 
     async def _end_if_dead(self, live: _Live) -> bool:

@@ -63,7 +63,7 @@ from orchestrator.rollout.step import (
 )
 from orchestrator.service.caps import SandboxCaps, check_env_limits
 from orchestrator.service.registry import Registry
-from orchestrator.service.sandbox_health import PROBE_CONCURRENCY, died
+from orchestrator.service.sandbox_health import died, each_checked
 from orchestrator.service.scheduler import Need, Reservation, Scheduler
 
 log = logging.getLogger(__name__)
@@ -593,18 +593,9 @@ class SessionManager:
         due = [s for s in self._sessions.values() if s.ended is None and not s.lock.locked() and now >= s.probe_at]
         for s in due:
             s.probe_at = now + self.config.probe_interval_s
-        turns = asyncio.Semaphore(PROBE_CONCURRENCY)
-
-        async def check(s: _Session) -> str | None:
-            async with turns:
-                return await died(s.sandbox, s.id)
-
-        verdicts = await asyncio.gather(*(check(s) for s in due), return_exceptions=True)
+        verdicts = await each_checked(due, lambda s: died(s.sandbox, s.id), lambda s: f"session {s.id}")
         ended = 0
         for s, why in zip(due, verdicts, strict=True):
-            if isinstance(why, BaseException):  # one session's check failing leaves the others' verdicts standing
-                log.error("health check of session %s failed", s.id, exc_info=why)
-                continue
             # a step that began meanwhile finds the sandbox dead itself, and says so as its outcome
             if why is None or self._sessions.get(s.id) is not s or s.ended is not None or s.lock.locked():
                 continue
