@@ -16,7 +16,6 @@ import io
 import json
 import logging
 import re
-import shutil
 import tarfile
 import tempfile
 import threading
@@ -35,6 +34,7 @@ from orchestrator.backends.docker.sweeper import CONTROL_LABELS
 from orchestrator.core.errors import EngineError, ImageBuildError, ImageNotOnHostError, InvalidRequestError
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, safe_name
 from orchestrator.images.disk_guard import DiskGuard
+from orchestrator.images.gc import collect, engine_disk, mark_used
 
 log = logging.getLogger(__name__)
 
@@ -171,16 +171,20 @@ def build_image(
     # 96 bits of their key, past anyone's search for a collision with another tenant's; 48 would not be
     key = _key(dockerfile, entries, {**args, **bases}, labs)[: 12 if limits is None else 24]
     tag = f"{REPO_PREFIX}/{name}:{key}"
+    cache = cache_dir or default_cache_dir()
+    # marked before it is looked up: a collection (images/gc.py) on another process then leaves it alone
+    mark_used(tag, cache, now=True)
     if image_exists(client, tag):
         log.debug("cache hit: %s", tag)
         _check_image_labels(client, tag)
         return tag
-    cache = cache_dir or default_cache_dir()
     logs = log_dir or log_dir_for(cache)
     logs.mkdir(parents=True, exist_ok=True)
     with file_lock(cache / "locks", tag):
         if image_exists(client, tag):
             return tag
+        if limits is not None:  # tenants' images least recently used make room first, under disk pressure
+            collect(client, limits.disk_mb << 20, cache_dir=cache)
         with _room(client, limits) if limits is not None else contextlib.nullcontext():
             _prune_logs(logs)
             log_path = logs / f"{safe_name(name)}-{key}.log"
@@ -195,6 +199,7 @@ def build_image(
         if not image_exists(client, tag):
             raise ImageBuildError(f"building {tag}: the build finished but the image is missing", log_path=log_path)
         _check_image_labels(client, tag)
+        mark_used(tag, cache, now=True)
         log.info("built %s in %.1f s", tag, time.monotonic() - started)
     return tag
 
@@ -321,7 +326,7 @@ def _room(client: docker.DockerClient, limits: BuildLimits) -> Iterator[None]:
     need = limits.disk_mb << 20
     deadline = time.monotonic() + ROOM_WAIT_S
     while True:
-        usage = _engine_disk(client)  # read again each time: images removed meanwhile count
+        usage = engine_disk(client)  # read again each time: images removed meanwhile count
         with _reserving:
             try:
                 if usage is not None:
@@ -342,27 +347,19 @@ def _room(client: docker.DockerClient, limits: BuildLimits) -> Iterator[None]:
             _reserving.notify_all()
 
 
-def _engine_disk(client: docker.DockerClient) -> Any:
-    """The disk usage of the engine's data root where it is a path of this host (else None)."""
-    try:
-        root = str(client.info().get("DockerRootDir") or "")
-        return shutil.disk_usage(root) if root else None
-    except (docker.errors.APIError, OSError):
-        return None
-
-
 def _check_room(usage: Any, limits: BuildLimits, reserved: int) -> None:
     """Refuse a build of untrusted content that could leave the engine's disk with less than a floor free (what
-    sandboxes and the result log need to go on): images built, validated or not, are kept, and a tenant's builds
-    could fill the disk. `reserved`: what the builds already running may still write."""
+    sandboxes and the result log need to go on), once tenants' images had the chance to make room (images/gc.py).
+    `reserved`: what the builds already running may still write."""
     floor = max(KEEP_FREE_MIN_BYTES, int(usage.total * KEEP_FREE_SHARE))
     need = floor + (limits.disk_mb << 20) + reserved
     if usage.free < need:
         running = f" and the builds running may write {reserved >> 20} MB" if reserved else ""
         raise ImageBuildError(
             f"the engine's disk has {usage.free >> 20} MB free: a build that may write {limits.disk_mb} MB{running} "
-            f"would leave less than the {floor >> 20} MB kept free for sandboxes; builds wait until images are "
-            "removed (an operator: docker image prune, or unregister environments)"
+            f"would leave less than the {floor >> 20} MB kept free for sandboxes, with every tenant's image that "
+            "no container uses and was not used in the last minutes removed; builds wait until sandboxes end or an "
+            "operator frees the engine's disk"
         )
 
 

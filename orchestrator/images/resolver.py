@@ -6,12 +6,14 @@ import abc
 import asyncio
 import functools
 import logging
+import time
 
 import docker
 import requests
 
 from orchestrator.core.environment import Environment
 from orchestrator.core.errors import EngineError, ImageBuildError
+from orchestrator.images import gc
 from orchestrator.images.base import ensure_base_image
 from orchestrator.images.spec import build_from_spec
 
@@ -34,6 +36,7 @@ class ImageResolver:
     def __init__(self, client: docker.DockerClient) -> None:
         self._client = client
         self._cache: dict[str, tuple[str, str]] = {}
+        self._used: dict[str, float] = {}  # ref -> when resolve last handed its image out (monotonic)
         self._builds: dict[str, asyncio.Future[tuple[str, str]]] = {}
         self._prebuilds: dict[str, asyncio.Task[None]] = {}
 
@@ -46,7 +49,7 @@ class ImageResolver:
         an EngineError, which rollouts retry as infrastructure; its refusing one (a 4xx: a base image that does not
         exist) is the environment's ImageBuildError, as a failed build step is."""
         key = env.ref()
-        if key in self._cache:
+        if key in self._cache and self._current(key):
             return self._cache[key]
         build = self._builds.get(key)
         if build is None:
@@ -57,6 +60,19 @@ class ImageResolver:
             build.add_done_callback(functools.partial(self._built, key))
         return await asyncio.shield(build)
 
+    def _current(self, key: str) -> bool:
+        """Whether the image found for `key` may be handed out as it is: tenants' images are removed under disk
+        pressure (images/gc.py), never one used in the last minutes, so one this process resolved a while ago, or
+        one a sandbox found gone, is looked up again (a cache hit of its build) or built again."""
+        tag = self._cache[key][0]
+        now = time.monotonic()
+        if gc.take_missing(tag) or now - self._used.get(key, now) > gc.REVERIFY_S:
+            del self._cache[key]
+            return False
+        self._used[key] = now
+        gc.mark_used(tag)
+        return True
+
     def _built(self, key: str, build: asyncio.Future[tuple[str, str]]) -> None:
         self._builds.pop(key, None)  # a failed build is tried again by the next resolve
         if not build.cancelled():
@@ -65,6 +81,7 @@ class ImageResolver:
     async def _resolve(self, key: str, env: Environment) -> tuple[str, str]:
         try:
             self._cache[key] = await asyncio.to_thread(self._build, env)
+            self._used[key] = time.monotonic()
         except docker.errors.APIError as e:
             if e.is_server_error():
                 raise EngineError(f"the engine failed resolving the image of {key}: {e}") from e

@@ -618,12 +618,16 @@ def test_a_spec_file_whose_path_reads_as_a_pattern_gets_its_own_bytes(
 def test_a_tenant_build_never_takes_the_disk_sandboxes_need(
     docker_client: docker.DockerClient, tmp_path: Path, base_image: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # every image a tenant builds stays (a Validate's too), and each build keeps a log: builds filled the engine's
-    # disk, which stops every sandbox on it. A build starts only while its disk limit leaves a floor free
+    # a tenant's images (a Validate's too) and each build's log filled the engine's disk, which stops every sandbox
+    # on it. A build starts only while its disk limit leaves a floor free
+    import re
     import shutil as real_shutil
 
     from orchestrator.images import build as build_module
+    from orchestrator.images import gc
 
+    # the disk read as full makes a collection of tenants' images (test_image_gc.py), which here may take none
+    monkeypatch.setattr(gc, "POLICY", gc.ImageGC(selects=re.compile(r"^$")))
     marker = uuid.uuid4().hex
     text = f"FROM {base_image}\nLABEL test.marker={marker}\n"
     total = 100 << 30

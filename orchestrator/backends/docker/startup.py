@@ -26,6 +26,7 @@ from orchestrator.core.errors import (
     SandboxStartTimeoutError,
 )
 from orchestrator.core.sandbox import AUTO_USER, SANDBOX_UIDS, SandboxSpec, Transport
+from orchestrator.images import gc
 
 if TYPE_CHECKING:
     from orchestrator.backends.docker.backend import DockerBackend
@@ -75,6 +76,7 @@ async def create_until_ready(
     spec = spec.model_copy(update={"hardening": spec.hardening.model_copy(update={"user": user})})
     use_envd = spec.transport == "envd"
     runtime = await backend.runtime_for(spec)  # before anything is made: a missing runtime fails closed
+    gc.mark_used(spec.image)  # a tenant's image a sandbox is made from is used: a collection leaves it a while
     token = secrets.token_urlsafe(24)
     try:
         socket_dir = backend.sockets.make(name, uid, gid)
@@ -141,6 +143,7 @@ async def create_until_ready(
         else:
             await backend.discard(cid, name, transport)
         if isinstance(e, docker.errors.ImageNotFound):
+            gc.note_missing(spec.image)  # removed under disk pressure, say: the next resolve builds it again
             raise SandboxCreateError(f"image {spec.image!r} not found; build it first") from e
         if isinstance(e, docker.errors.APIError):
             raise SandboxCreateError(f"docker refused to create the sandbox: {e.explanation or e}") from e
