@@ -11,11 +11,11 @@ Caps (RESOURCE_EXHAUSTED, naming the cap): unfinished jobs per tenant, rollouts 
 job's environment, open streams per tenant. A tenant may submit jobs only on environments it can see (public ones
 and its own private ones).
 
-Retention: a finished job is kept `retention_s` after its end (and while a stream of it is open), then removed from
-memory and from the result log, so that a control plane that runs for weeks holds, lists and resumes only its recent
-jobs and its log stops growing once it holds that window. A tenant keeps at most caps.finished_jobs_per_tenant
-finished jobs within that window; past it its oldest go early. A job's counts live in memory: GetJob and ListJobs
-read no log."""
+Retention: a finished job is kept `retention_s` after its end (on the monotonic clock while this process runs; the
+wall clock spans a restart), and while a stream of it is open, then removed from memory and from the result log, so
+that a control plane that runs for weeks holds, lists and resumes only its recent jobs and its log stops growing once
+it holds that window. A tenant keeps at most caps.finished_jobs_per_tenant finished jobs within that window; past it
+its oldest go early. A job's counts live in memory: GetJob and ListJobs read no log."""
 
 from __future__ import annotations
 
@@ -133,6 +133,9 @@ class _Job:
     owner: str = LOCAL_TENANT  # the tenant that submitted it; other tenants see no such job
     delivered: int = 0  # the highest seq sent on any stream: Ack refuses an up_to beyond it
     finished_at: float | None = None
+    # when it ended on this process's monotonic clock, which retention and the finished-jobs cap read: on the wall
+    # clock, one set an hour on removed every finished job at the next expiry round, acked or not
+    ended_mono: float | None = None
     acked: int = 0  # rollouts acked so far (with done and by_status, what GetJob reports without reading the log)
     policy_updates: asyncio.Lock = field(default_factory=asyncio.Lock)  # one UpdatePolicy at a time (update_policy)
 
@@ -227,6 +230,8 @@ class JobManager:
         self._defer_timer: asyncio.TimerHandle | None = None  # START_DEFER_S after the first deferred job
         self._quiet_timer: asyncio.TimerHandle | None = None  # START_QUIET_S after the last submit was answered
         self._expiry: asyncio.Task[None] | None = None
+        # finished jobs whose rows this version cannot read (left alone at the start): when each ended (monotonic)
+        self._unreadable: dict[str, float] = {}
         self._cancelling: set[asyncio.Future[None]] = set()  # CancelJobs tearing their rollouts down: close waits
         self._counted: dict[RolloutStatus, MetricCounter] = {}  # metrics.rollouts by status
 
@@ -263,6 +268,11 @@ class JobManager:
     ) -> None:
         now = time.time()
         stored_jobs = await self.store.jobs()
+        self._unreadable = {
+            job_id: ended
+            for job_id, end in self.store.unreadable.items()
+            if (ended := self._ended(end, now)) is not None
+        }
         for job_id in self.store.removing:
             await self._remove(job_id, "its removal was cut short by a stop or a crash")
         for stored in stored_jobs:
@@ -285,6 +295,7 @@ class JobManager:
                 # a finished job's end was logged with its time (a row without one ends now, not never)
                 finished_at=stored.finished_at or (now if stored.state in FINISHED_STATES else None),
             )
+            job.ended_mono = self._ended(job.finished_at, now)
             by_status, job.acked = await self.store.counts(stored.job_id)
             job.by_status.update(by_status)
             job.done = sum(by_status.values())
@@ -522,6 +533,7 @@ class JobManager:
         self.executor.job_ended(job.job_id)
         self._set_state(job, state)
         job.finished_at = time.time()
+        job.ended_mono = time.monotonic()
         try:
             await self._logged(f"job {job.job_id}'s end", lambda: self.store.set_job_state(job.job_id, state))
         finally:
@@ -797,7 +809,20 @@ class JobManager:
         return [self._info(job) for job in self._jobs.values() if owner is None or job.owner == owner]
 
     def _expired(self, finished_at: float | None, now: float) -> bool:
+        """Whether a job that ended at `finished_at` (the wall clock, as the log keeps it) is past its retention at
+        `now`: at a start, where only the wall clock spans the stop (a running process reads `ended_mono`)."""
         return self.retention_s is not None and finished_at is not None and now - finished_at >= self.retention_s
+
+    def _ended(self, finished_at: float | None, now: float) -> float | None:
+        """A logged end (wall clock) on this process's monotonic clock: as long ago as the wall clock says, never in
+        the future (a clock set back) nor longer ago than the retention (a job past it was removed at the start)."""
+        if finished_at is None:
+            return None
+        ago = min(max(now - finished_at, 0.0), self.retention_s if self.retention_s is not None else float("inf"))
+        return time.monotonic() - ago
+
+    def _past_retention(self, ended: float | None, now: float) -> bool:
+        return self.retention_s is not None and ended is not None and now - ended >= self.retention_s
 
     async def _expire_forever(self) -> None:
         assert self.retention_s is not None
@@ -811,16 +836,17 @@ class JobManager:
 
     async def expire(self) -> int:
         """Remove the finished jobs whose retention ran out and that no stream reads now; returns how many."""
-        now = time.time()
-        gone = [j for j in self._jobs.values() if self._expired(j.finished_at, now) and not j.listeners]
+        now = time.monotonic()
+        gone = [j for j in self._jobs.values() if self._past_retention(j.ended_mono, now) and not j.listeners]
         self._forget(gone)
         for job in gone:
             await self._remove(job.job_id)
         # a finished job whose row this version cannot read (left alone at the start) has a retention all the same:
         # never loaded, it was never expired, and it and its rollouts stayed in the log for good
-        unreadable = [job_id for job_id, end in self.store.unreadable.items() if self._expired(end, now)]
+        unreadable = [job_id for job_id, ended in self._unreadable.items() if self._past_retention(ended, now)]
         for job_id in unreadable:
-            del self.store.unreadable[job_id]
+            del self._unreadable[job_id]
+            self.store.unreadable.pop(job_id, None)
             await self._remove(
                 job_id,
                 f"its row does not load in this version, and its retention of "
@@ -838,9 +864,9 @@ class JobManager:
             (
                 j
                 for j in self._jobs.values()
-                if j.owner == owner and j.finished and j.finished_at is not None and not j.listeners
+                if j.owner == owner and j.finished and j.ended_mono is not None and not j.listeners
             ),
-            key=lambda j: j.finished_at or 0.0,
+            key=lambda j: j.ended_mono or 0.0,
         )
         gone = finished[: max(0, len(finished) - self.caps.finished_jobs_per_tenant + 1)]
         self._forget(gone)

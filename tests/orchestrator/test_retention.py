@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -17,6 +19,7 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import DEFAULT_JOB_RETENTION_S, JobSpec, JobState, TaskSelection
 from orchestrator.core.policy import REPLAY_URL, PolicyEndpoint
 from orchestrator.server.app import Orchestrator, OrchestratorConfig
+from orchestrator.service import jobs as jobs_module
 from protos import orchestrator_pb2 as pb
 from tests.orchestrator.conftest import ENV
 from tests.orchestrator.servers import FAKE, expect_error, serve
@@ -100,6 +103,32 @@ async def test_a_job_with_an_open_stream_is_kept_until_the_stream_ends(tmp_path:
         assert (await client.get_job(job_id)).done == 3 and _rows(data, job_id) == (1, 3)
         call.cancel()
         await _gone(client, data, job_id)
+
+
+async def test_a_wall_clock_set_on_neither_removes_a_finished_job_early_nor_reorders_the_cap(
+    tmp_path: Path, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # retention ran on the wall clock: an NTP step of an hour (a clock kept in local time, a VM resumed) removed every
+    # finished job at the next expiry round, its rollouts unacked (a trainer between reconnects lost them); and the
+    # finished-jobs cap, sorting by the wall clock, took the newest as the oldest after a step back
+    data = tmp_path / "data"
+    caps = {"finished_jobs_per_tenant": 2}
+    async with serve(data, backend=FAKE, job_retention_s=3600, caps=caps) as orch, EnvfleetClient(orch.address) as c:
+        first, second = await _run(c, task_ids[:1]), await _run(c, task_ids[1:2])
+        # the job manager's clocks (gRPC's deadlines read the wall clock too)
+        monkeypatch.setattr(
+            jobs_module, "time", SimpleNamespace(time=lambda: time.time() + 7200, monotonic=time.monotonic)
+        )
+        assert await orch.jobs.expire() == 0
+        assert (await c.get_job(first)).state == JobState.COMPLETED
+        monkeypatch.setattr(
+            jobs_module, "time", SimpleNamespace(time=lambda: time.time() - 7200, monotonic=time.monotonic)
+        )
+        third = await _run(c, task_ids[2:3])  # past the cap: the oldest, `first`, goes
+        await expect_error(c.get_job(first), grpc.StatusCode.NOT_FOUND)
+        fourth = await _run(c, task_ids[3:4])  # then `second`, which ended before `third` whatever the wall clock says
+        await expect_error(c.get_job(second), grpc.StatusCode.NOT_FOUND)
+        assert {(await c.get_job(j)).state for j in (third, fourth)} == {JobState.COMPLETED}
 
 
 async def test_a_restart_removes_the_jobs_whose_retention_ran_out_while_it_was_down(
