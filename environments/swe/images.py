@@ -30,7 +30,7 @@ import docker.errors
 from environments.swe.instance import ArchiveSource, EnvironmentSpec, ImageSource, SdistSource, SweInstance
 from environments.swe.report import write_atomic
 from environments.swe.sources import MAX_SOURCE_BYTES, copy_archive, fetch_sdist, open_archive
-from orchestrator.backends.docker.sweeper import LABEL_EXPORT, LABEL_MANAGED, Owner, doomed, owner_labels
+from orchestrator.backends.docker.sweeper import LABEL_EXPORT, LABEL_MANAGED, LABEL_PID, Owner, doomed, owner_labels
 from orchestrator.core.echo import echo
 from orchestrator.core.errors import EnvironmentBroken, ImageBuildError, InvalidRequestError
 from orchestrator.images import ensure_base_image
@@ -336,6 +336,17 @@ def export_labels(owner: Owner) -> dict[str, str]:
     return {EXPORT_LABEL: "1", **owner_labels(owner, EXPORT_LEASE_S)}
 
 
+def export_verdict(
+    labels: dict[str, str], name: str, created: float, now: float, me: Owner, alive: dict[tuple[str, str], bool]
+) -> str:
+    """Why export container `name` should go, or '' to keep it: by its owner and lease as a sandbox is judged; by
+    its age only when it carries no owner (written before exports did). The age is the engine's `Created` against
+    this host's wall clock: a clock set 15 minutes on made a live sibling's export look old, and removed it mid-export
+    (an ENV_ERROR for its rollout), where its lease, on the monotonic clock, had not run out."""
+    legacy = LABEL_PID not in labels
+    return doomed(labels, name, created, now, EXPORT_LEASE_S if legacy else None, me, (), alive)
+
+
 def sweep_exports(client: docker.DockerClient) -> int:
     """Remove the export containers whose owner process is gone (killed during its export) or whose lease expired,
     by the sandbox sweep's own verdict (sweeper.doomed); returns how many were removed (blocking)."""
@@ -350,8 +361,7 @@ def sweep_exports(client: docker.DockerClient) -> int:
         if LABEL_MANAGED in labels:
             continue
         name = (c.get("Names") or ["/?"])[0].lstrip("/")
-        # older than its lease: also one written before exports carried an owner (no labels to judge it by)
-        reason = doomed(labels, name, float(c.get("Created", now)), now, EXPORT_LEASE_S, me, (), alive)
+        reason = export_verdict(labels, name, float(c.get("Created", now)), now, me, alive)
         if not reason:
             continue
         log.info("removing export container %s (%s)", name, reason)

@@ -163,3 +163,18 @@ def test_an_exports_lease_is_its_own_length_from_now() -> None:
     labels = images.export_labels(Owner.current(images.EXPORT_OWNER))
     assert abs(float(labels[LABEL_LEASE]) - (time.time() + images.EXPORT_LEASE_S)) < 5
     assert not lease_over(labels, time.time())
+
+
+def test_a_wall_clock_set_on_never_takes_a_live_exports_container() -> None:
+    # the age check ran before the owner's: a clock set 15 minutes on made a live sibling's export "older than 900s",
+    # and it was removed mid-export; the age counts only for an export that names no owner
+    from orchestrator.backends.docker.sweeper import Owner
+
+    me = Owner.current(images.EXPORT_OWNER)
+    labels = images.export_labels(me)
+    now = time.time()
+    stepped = now + 2 * images.EXPORT_LEASE_S
+    assert images.export_verdict(labels, "x", now, stepped, me, {}) == ""
+    legacy = {images.EXPORT_LABEL: "1"}
+    assert images.export_verdict(legacy, "x", now, stepped, me, {}).startswith("older than")
+    assert images.export_verdict(legacy, "x", now, now + 1, me, {}) == ""
