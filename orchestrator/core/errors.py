@@ -128,6 +128,12 @@ class ImageNotOnHostError(ImageBuildError):
     INFRA_ERROR, never the environment's ENV_ERROR."""
 
 
+class BuildRoomError(ImageBuildError):
+    """A build of untrusted content would leave the engine's disk under the floor kept for sandboxes, with the
+    tenants' images a collection may remove gone. This host's state, not the environment's: at a rollout (an image
+    removed under disk pressure, built again) INFRA_ERROR, never the environment's ENV_ERROR."""
+
+
 class PolicyError(EnvfleetError):
     """The policy server could not produce a completion; the rollout is POLICY_ERROR, never scored."""
 

@@ -31,10 +31,16 @@ import requests
 import urllib3
 
 from orchestrator.backends.docker.sweeper import CONTROL_LABELS
-from orchestrator.core.errors import EngineError, ImageBuildError, ImageNotOnHostError, InvalidRequestError
+from orchestrator.core.errors import (
+    BuildRoomError,
+    EngineError,
+    ImageBuildError,
+    ImageNotOnHostError,
+    InvalidRequestError,
+)
 from orchestrator.images.cache import default_cache_dir, file_lock, image_exists, log_dir_for, safe_name
 from orchestrator.images.disk_guard import DiskGuard
-from orchestrator.images.gc import collect, engine_disk, mark_used
+from orchestrator.images.gc import collect, engine_disk, mark_used, prune_marks
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +189,9 @@ def build_image(
     with file_lock(cache / "locks", tag):
         if image_exists(client, tag):
             return tag
-        if limits is not None:  # tenants' images least recently used make room first, under disk pressure
-            collect(client, limits.disk_mb << 20, cache_dir=cache)
-        with _room(client, limits) if limits is not None else contextlib.nullcontext():
+        with _room(client, limits, cache) if limits is not None else contextlib.nullcontext():
             _prune_logs(logs)
+            prune_marks(client, cache)
             log_path = logs / f"{safe_name(name)}-{key}.log"
             started = time.monotonic()
             if made_files is not None:
@@ -196,10 +201,10 @@ def build_image(
                 _write_context(context, dockerfile, entries)
                 context.seek(0)
                 _run_build(client, context, tag, args, labs, log_path, limits, bases.values())
+        mark_used(tag, cache, now=True)  # before it is looked up, as a cache hit is
         if not image_exists(client, tag):
             raise ImageBuildError(f"building {tag}: the build finished but the image is missing", log_path=log_path)
         _check_image_labels(client, tag)
-        mark_used(tag, cache, now=True)
         log.info("built %s in %.1f s", tag, time.monotonic() - started)
     return tag
 
@@ -319,14 +324,19 @@ ROOM_WAIT_S = 900.0
 
 
 @contextlib.contextmanager
-def _room(client: docker.DockerClient, limits: BuildLimits) -> Iterator[None]:
-    """Hold a build's disk limit against the floor (_check_room) while it runs; while the builds running are what
-    keeps it from the room it needs, wait for them (ROOM_WAIT_S at most)."""
+def _room(client: docker.DockerClient, limits: BuildLimits, cache: Path | None = None) -> Iterator[None]:
+    """Hold a build's disk limit against the floor (_check_room) while it runs, tenants' images least recently used
+    removed first to make room (images/gc.py); while the builds running are what keeps it from the room it needs,
+    wait for them (ROOM_WAIT_S at most)."""
     global _reserved_bytes
     need = limits.disk_mb << 20
     deadline = time.monotonic() + ROOM_WAIT_S
     while True:
-        usage = engine_disk(client)  # read again each time: images removed meanwhile count
+        usage = engine_disk(client)
+        if usage is not None and collect(
+            client, need + _reserved_bytes, cache_dir=cache, keep_free_bytes=_floor(usage)
+        ):
+            usage = engine_disk(client)  # read again: images removed meanwhile count
         with _reserving:
             try:
                 if usage is not None:
@@ -347,19 +357,24 @@ def _room(client: docker.DockerClient, limits: BuildLimits) -> Iterator[None]:
             _reserving.notify_all()
 
 
+def _floor(usage: Any) -> int:
+    """What the engine's disk keeps free for sandboxes and the result log past every untrusted build."""
+    return max(KEEP_FREE_MIN_BYTES, int(usage.total * KEEP_FREE_SHARE))
+
+
 def _check_room(usage: Any, limits: BuildLimits, reserved: int) -> None:
     """Refuse a build of untrusted content that could leave the engine's disk with less than a floor free (what
     sandboxes and the result log need to go on), once tenants' images had the chance to make room (images/gc.py).
     `reserved`: what the builds already running may still write."""
-    floor = max(KEEP_FREE_MIN_BYTES, int(usage.total * KEEP_FREE_SHARE))
+    floor = _floor(usage)
     need = floor + (limits.disk_mb << 20) + reserved
     if usage.free < need:
         running = f" and the builds running may write {reserved >> 20} MB" if reserved else ""
-        raise ImageBuildError(
+        raise BuildRoomError(
             f"the engine's disk has {usage.free >> 20} MB free: a build that may write {limits.disk_mb} MB{running} "
-            f"would leave less than the {floor >> 20} MB kept free for sandboxes, with every tenant's image that "
-            "no container uses and was not used in the last minutes removed; builds wait until sandboxes end or an "
-            "operator frees the engine's disk"
+            f"would leave less than the {floor >> 20} MB kept free for sandboxes, tenants' images that no "
+            "container uses and that were not used in the last 10 minutes removed first; builds wait until "
+            "sandboxes end or an operator frees the engine's disk"
         )
 
 

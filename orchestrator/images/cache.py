@@ -47,6 +47,21 @@ def file_lock(lock_dir: Path, name: str) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def lock_held(lock_dir: Path, name: str) -> bool:
+    """Whether a process (this one included) holds `file_lock(lock_dir, name)` now."""
+    path = lock_dir / f"{safe_name(name)}.lock"
+    try:
+        with path.open("rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    except FileNotFoundError:
+        pass
+    return False
+
+
 def image_exists(client: docker.DockerClient, tag: str) -> bool:
     """True when the engine has an image with this tag."""
     try:

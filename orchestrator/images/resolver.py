@@ -82,6 +82,11 @@ class ImageResolver:
         try:
             self._cache[key] = await asyncio.to_thread(self._build, env)
             self._used[key] = time.monotonic()
+        except docker.errors.ImageNotFound as e:  # removed between its build (or cache hit) and its lookup
+            raise EngineError(
+                f"the image of {key} was removed as it was resolved (a collection under disk pressure, an "
+                f"operator): {e}"
+            ) from e
         except docker.errors.APIError as e:
             if e.is_server_error():
                 raise EngineError(f"the engine failed resolving the image of {key}: {e}") from e

@@ -17,6 +17,7 @@ from typing import TypeVar
 from orchestrator.backends.pool import SandboxPool, lease_for, pool_labels
 from orchestrator.core.environment import Environment, ImageSource, Task, episode_budget, scoring_budget
 from orchestrator.core.errors import (
+    BuildRoomError,
     ConfigError,
     EnvironmentBroken,
     ImageBuildError,
@@ -270,7 +271,7 @@ class RolloutRunner:
                     with Phase(span, "acquire") as phase:
                         try:
                             image, image_id = await self.images.resolve(env)
-                        except ImageNotOnHostError as e:  # this host's lack, not the environment's: INFRA_ERROR
+                        except (ImageNotOnHostError, BuildRoomError) as e:  # this host's lack: INFRA_ERROR
                             raise ConfigError(f"this host cannot build the image of {env.ref()}: {e}") from e
                         except ImageBuildError as e:
                             raise EnvironmentBroken(f"image for {env.ref()} could not be built: {e}") from e

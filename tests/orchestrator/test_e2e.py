@@ -318,20 +318,24 @@ async def test_a_rollout_out_of_time_in_its_setup_is_the_environments_or_the_hos
     assert "the environment's setup did not end within the rollout's 0.5s" in r.error.message
 
 
+@pytest.mark.parametrize("room", [False, True])
 async def test_an_image_this_host_lacks_is_infrastructure_not_the_environments(
-    tmp_path: Path, task_ids: list[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, task_ids: list[str], monkeypatch: pytest.MonkeyPatch, room: bool
 ) -> None:
     # builds never pull: a Ray node without the base image the control plane's host had made each rollout placed
-    # there ENV_ERROR (never retried, the environment blamed), where the same rollouts ran on the control plane
+    # there ENV_ERROR (never retried, the environment blamed), where the same rollouts ran on the control plane. And
+    # an image removed under disk pressure is built again, which the disk's floor may refuse: the host's state too
     import time
 
-    from orchestrator.core.errors import ImageNotOnHostError
+    from orchestrator.core.errors import BuildRoomError, ImageNotOnHostError
     from orchestrator.core.policy import PolicyEndpoint
     from orchestrator.rollout.policy.client import OpenAIPolicy
     from orchestrator.rollout.runner import WorkItem
     from tests.orchestrator.servers import FAKE
 
     async def missing(env: object) -> tuple[str, str]:
+        if room:
+            raise BuildRoomError("the engine's disk has 6144 MB free: a build that may write 10240 MB would leave")
         raise ImageNotOnHostError("the Dockerfile reads 'envfleet/base:latest', which is not an image on this host")
 
     async with serve(tmp_path / "data", backend=FAKE) as orch:

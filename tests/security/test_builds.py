@@ -680,6 +680,16 @@ def test_builds_running_at_once_count_each_others_disk(monkeypatch: pytest.Monke
         def info(self) -> dict[str, str]:
             return {"DockerRootDir": "/"}
 
+        @property
+        def api(self) -> Engine:  # what a collection of tenants' images reads: none here
+            return self
+
+        def containers(self, all: bool) -> list[str]:
+            return []
+
+        def images(self) -> list[str]:
+            return []
+
     total = 100 << 30
     roomy = real_shutil._ntuple_diskusage(total, total - (8 << 30), 8 << 30)  # type: ignore[attr-defined]
     monkeypatch.setattr(real_shutil, "disk_usage", lambda path: roomy)

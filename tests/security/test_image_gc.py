@@ -6,20 +6,21 @@ tenant's; and one removed is built again when it is next needed."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil as real_shutil
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import docker
 import docker.errors
 import pytest
 
 from orchestrator.core.environment import Environment
-from orchestrator.core.errors import ImageBuildError, SandboxCreateError
+from orchestrator.core.errors import BuildRoomError, SandboxCreateError
 from orchestrator.core.processes import boot_id
 from orchestrator.core.sandbox import SandboxSpec
 from orchestrator.images import gc
@@ -152,7 +153,7 @@ def test_a_tenants_old_images_cannot_keep_the_next_build_out(
     assert _present(docker_client, [*old, new]) == [new]
     # with nothing left to remove (the new one was used just now), the next is refused, and says what was done
     _disk_freed_by_removals(monkeypatch, docker_client, [], free_gb=6)
-    with pytest.raises(ImageBuildError, match=r"with every tenant's image that no container uses .* removed"):
+    with pytest.raises(BuildRoomError, match=r"tenants' images that no container uses .* removed first"):
         _tenant_image(docker_client, marker, "next", tmp_path)
 
 
@@ -195,3 +196,133 @@ async def test_an_image_removed_from_under_a_resolver_is_built_again(
         resolver._used[env.ref()] -= gc.REVERIFY_S + 1
         assert (await resolver.resolve(env))[0] == tag and env.builds == 3
         assert await resolver.resolve(env) == (tag, docker_client.images.get(tag).id) and env.builds == 3
+
+
+def test_only_tenants_builds_match_what_a_collection_may_remove() -> None:
+    may = gc.TENANT_TAG.match
+    assert may("envfleet/env-word-count:" + "a" * 24) and may("envfleet/env-harbor-x-y:" + "0" * 24)
+    for tag in (
+        "envfleet/base:latest",
+        "envfleet/base:" + "a" * 12,
+        "envfleet/env-python-tool:" + "a" * 12,  # a plug-in's ImageSpec: the operator's build
+        "envfleet/swe/toolz-1:" + "a" * 24,
+        "envfleet/orchestrator:" + "a" * 24,
+        "other/env-x:" + "a" * 24,
+    ):
+        assert not may(tag), tag
+
+
+class _Engine:
+    """The engine calls a collection makes, over a disk of 100 GB that frees 5 GB an image removed."""
+
+    def __init__(self, tags: list[str], free_gb: float, on_remove: Any = None) -> None:
+        self.tags, self.free_gb, self.on_remove = list(tags), free_gb, on_remove
+        self.removed: list[str] = []
+        self.api = self
+
+    def info(self) -> dict[str, str]:
+        return {"DockerRootDir": "/"}
+
+    def containers(self, all: bool) -> list[dict[str, str]]:
+        return []
+
+    def images(self) -> list[dict[str, Any]]:
+        return [{"Id": f"sha256:{n}", "RepoTags": [t], "Created": 0} for n, t in enumerate(self.tags)]
+
+    def remove_image(self, tag: str) -> None:
+        self.tags.remove(tag)
+        self.removed.append(tag)
+        self.free_gb += 5
+        if self.on_remove is not None:
+            self.on_remove(tag)
+
+
+def _fake_disk(monkeypatch: pytest.MonkeyPatch, engine: _Engine) -> None:
+    def usage(path: str) -> Any:
+        free = int(engine.free_gb * GB)
+        return real_shutil._ntuple_diskusage(100 * GB, 100 * GB - free, free)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(real_shutil, "disk_usage", usage)
+
+
+def test_an_image_used_while_a_collection_runs_is_judged_again_before_it_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the list was made once and every tag on it removed: one a resolver looked up meanwhile (its mark fresh, the
+    # image found) was removed under it, and its rollout's sandbox could not be made
+    tags = [f"envfleet/env-gc-{w}:{'0' * 24}" for w in "ab"]
+    for n, tag in enumerate(tags):
+        gc.mark_used(tag, tmp_path, now=True)
+        _used(tag, tmp_path, 7200 - n)
+    engine = _Engine(tags, free_gb=2, on_remove=lambda tag: gc.mark_used(tags[1], tmp_path, now=True))
+    _fake_disk(monkeypatch, engine)
+    assert gc.collect(engine, cache_dir=tmp_path) == [tags[0]]  # type: ignore[arg-type]
+    assert engine.tags == [tags[1]]
+
+
+def test_a_collection_keeps_the_builds_floor_free_on_a_small_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # only the share full started one: on a disk of 100 GB at 84% full, a build that needed 20 GB kept free was refused
+    # while an image unused for an hour could have made the room
+    tag = f"envfleet/env-gc-a:{'0' * 24}"
+    gc.mark_used(tag, tmp_path, now=True)
+    _used(tag, tmp_path, 3600)
+    engine = _Engine([tag], free_gb=17)
+    _fake_disk(monkeypatch, engine)
+    assert gc.collect(engine, GB, cache_dir=tmp_path) == []  # type: ignore[arg-type]
+    assert gc.collect(engine, GB, cache_dir=tmp_path, keep_free_bytes=20 * GB) == [tag]  # type: ignore[arg-type]
+
+
+def test_marks_of_images_gone_are_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # every build leaves a mark, a failed one too: a tenant's stream of failing Dockerfiles added a file each, for good
+    monkeypatch.setattr(gc, "MAX_MARKS", 3)
+    kept = f"envfleet/env-gc-kept:{'0' * 24}"
+    engine = _Engine([kept], free_gb=50)
+    for n in range(6):
+        gc.mark_used(f"envfleet/env-gc-failed{n}:{'0' * 24}", tmp_path, now=True)
+    gc.mark_used(kept, tmp_path, now=True)
+    old = time.time() - 3600
+    for path in (tmp_path / "used").iterdir():
+        os.utime(path, (old, old))
+    gc.mark_used(f"envfleet/env-gc-fresh:{'0' * 24}", tmp_path, now=True)  # a build under way: not on the engine yet
+    assert gc.prune_marks(engine, tmp_path) == 6  # type: ignore[arg-type]
+    assert sorted(p.name for p in (tmp_path / "used").iterdir()) == sorted(
+        safe_name(t) for t in (kept, f"envfleet/env-gc-fresh:{'0' * 24}")
+    )
+
+
+async def test_an_image_gone_as_it_is_resolved_is_the_hosts_failure(tmp_path: Path) -> None:
+    # found by its build (a cache hit), then removed before its id was read: the engine's 404 was an ImageBuildError,
+    # the rollout ENV_ERROR (never retried, the environment blamed)
+    from orchestrator.core.errors import EngineError
+
+    class Gone(Environment, BuildsOwnImage):
+        name = "test-gc-gone"
+
+        def tasks(self) -> list[Any]:
+            return []
+
+        def build_image(self, client: docker.DockerClient) -> str:
+            raise docker.errors.ImageNotFound("No such image: envfleet/env-x:0")
+
+    class Resolver(ImageResolver):
+        def build_own_image(self, env: BuildsOwnImage) -> str:
+            return env.build_image(self._client)
+
+    with pytest.raises(EngineError, match="was removed as it was resolved"):
+        await Resolver(cast(docker.DockerClient, None)).resolve(Gone())
+
+
+def test_an_image_being_built_is_never_collected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a build may outlast the minimum age (up to its 15 minutes) with only its start's mark: its lock says it is used
+    from orchestrator.images.cache import file_lock
+
+    tag = f"envfleet/env-gc-slow:{'0' * 24}"
+    gc.mark_used(tag, tmp_path, now=True)
+    _used(tag, tmp_path, 3600)
+    engine = _Engine([tag], free_gb=2)
+    _fake_disk(monkeypatch, engine)
+    with file_lock(tmp_path / "locks", tag):
+        assert gc.collect(engine, cache_dir=tmp_path) == []  # type: ignore[arg-type]
+    assert gc.collect(engine, cache_dir=tmp_path) == [tag]  # type: ignore[arg-type]
