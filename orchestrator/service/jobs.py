@@ -266,12 +266,12 @@ class JobManager:
     async def _resume(
         self, admit: Callable[[JobSpec], None] | None = None, held_envs: frozenset[str] = frozenset()
     ) -> None:
-        now = time.time()
+        now, mono_now = time.time(), time.monotonic()  # read once: the ends keep their order, however long it takes
         stored_jobs = await self.store.jobs()
         self._unreadable = {
             job_id: ended
             for job_id, end in self.store.unreadable.items()
-            if (ended := self._ended(end, now)) is not None
+            if (ended := self._ended(end, now, mono_now)) is not None
         }
         for job_id in self.store.removing:
             await self._remove(job_id, "its removal was cut short by a stop or a crash")
@@ -295,7 +295,7 @@ class JobManager:
                 # a finished job's end was logged with its time (a row without one ends now, not never)
                 finished_at=stored.finished_at or (now if stored.state in FINISHED_STATES else None),
             )
-            job.ended_mono = self._ended(job.finished_at, now)
+            job.ended_mono = self._ended(job.finished_at, now, mono_now)
             by_status, job.acked = await self.store.counts(stored.job_id)
             job.by_status.update(by_status)
             job.done = sum(by_status.values())
@@ -813,13 +813,14 @@ class JobManager:
         `now`: at a start, where only the wall clock spans the stop (a running process reads `ended_mono`)."""
         return self.retention_s is not None and finished_at is not None and now - finished_at >= self.retention_s
 
-    def _ended(self, finished_at: float | None, now: float) -> float | None:
-        """A logged end (wall clock) on this process's monotonic clock: as long ago as the wall clock says, never in
-        the future (a clock set back) nor longer ago than the retention (a job past it was removed at the start)."""
+    def _ended(self, finished_at: float | None, now: float, mono_now: float) -> float | None:
+        """A logged end (wall clock) on this process's monotonic clock, both read at `now` and `mono_now`: as long ago
+        as the wall clock says, never in the future (a clock set back) nor longer ago than the retention (a job past
+        it was removed at the start)."""
         if finished_at is None:
             return None
         ago = min(max(now - finished_at, 0.0), self.retention_s if self.retention_s is not None else float("inf"))
-        return time.monotonic() - ago
+        return mono_now - ago
 
     def _past_retention(self, ended: float | None, now: float) -> bool:
         return self.retention_s is not None and ended is not None and now - ended >= self.retention_s
