@@ -1,7 +1,7 @@
 """How many engine calls may start, and how fast: a token-bucket rate and an adaptive (AIMD) concurrency limit.
 
-The limit starts fully open. A call that fails because the engine did not answer, or that took far longer than calls
-of its kind usually take, halves it and new calls wait for room; after a call the engine did not answer, new calls
+The limit starts fully open. A call that fails because the engine did not answer or answered 5xx, or that took far
+longer than calls of its kind usually take, halves it and new calls wait for room; after such a failure, new calls
 also pause (50 ms, doubling while failures go on, up to a ceiling). Every call that comes back in normal time raises
 the limit by 1/limit (about one per round of calls), up to the ceiling. Only calls that started after the last cut can
 cut again, so one stall that slows a whole round of calls halves the limit once, not once per call.
@@ -114,7 +114,7 @@ class CallLimiter:
 
     def release(self, permit: Permit, latency_s: float | None, *, overloaded: bool = False) -> None:
         """Give a permit back, saying how long its call took (None: it never ran) and whether it failed because
-        the engine did not answer (timeout, refused connection)."""
+        the engine is in trouble (no answer: a timeout, a refused connection; a 5xx)."""
         if permit.released:
             raise RuntimeError(f"permit for {permit.kind} released twice")
         permit.released = True
@@ -130,8 +130,13 @@ class CallLimiter:
             if typical is None:  # the first call of its kind only tells what is usual
                 typical = latency_s
             if latency_s > max(self.slow_min_s, self.slow_factor * typical):
+                # at one call in flight a slow call is the engine's pace, not our load: learnt as fast as any other
+                # (at 1% a call, an engine gone from 30 ms to 3 s a call kept the limit at one for some 70 calls of
+                # each kind, and 64 creates in lockstep made no sandbox for over five minutes)
+                alone = self.permits == 1
                 self._decrease(permit, f"{permit.kind} took {latency_s:.2f}s (usually {typical:.2f}s)")
-                self.typical_latency_s[permit.kind] = typical + SLOW_LATENCY_EWMA_ALPHA * (latency_s - typical)
+                alpha = LATENCY_EWMA_ALPHA if alone else SLOW_LATENCY_EWMA_ALPHA
+                self.typical_latency_s[permit.kind] = typical + alpha * (latency_s - typical)
             else:
                 self.limit = min(float(self.max_limit), self.limit + 1 / self.limit)
                 self.typical_latency_s[permit.kind] = typical + LATENCY_EWMA_ALPHA * (latency_s - typical)

@@ -30,6 +30,15 @@ T = TypeVar("T")
 ENGINE_SILENT = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
 
+def overloaded(error: BaseException | None) -> bool:
+    """Whether a call's failure says the engine is in trouble, not the call: no answer, or a 5xx (containerd down, its
+    disk full). A 5xx counted as an ordinary answer let the scheduler start every queued rollout into it, each
+    failing in milliseconds: a 30 s spell of 500s ended a queue of thousands INFRA_ERROR, its retries spent."""
+    if isinstance(error, ENGINE_SILENT):
+        return True
+    return isinstance(error, docker.errors.APIError) and error.is_server_error()
+
+
 class Engine:
     """The engine's low-level API, called through a limiter on a bounded pool."""
 
@@ -122,7 +131,7 @@ class Engine:
 
         def finished(done: Future[T]) -> None:
             latency = time.monotonic() - started[0] if started else None  # None: cancelled before it ran
-            silent = not done.cancelled() and isinstance(done.exception(), ENGINE_SILENT)
+            silent = not done.cancelled() and overloaded(done.exception())
             # a call stuck past close() finishes after the loop is gone; nobody waits for its permit then
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(functools.partial(self.limiter.release, permit, latency, overloaded=silent))

@@ -6,7 +6,10 @@ import asyncio
 import random
 from collections.abc import Callable
 
+import docker
+import docker.errors
 import pytest
+import requests
 
 from orchestrator.backends.docker.call_limiter import FIRST_BACKOFF_S, CallLimiter
 
@@ -186,3 +189,43 @@ async def test_a_permit_goes_back_once() -> None:
     with pytest.raises(RuntimeError, match="start released twice"):
         lim.release(permit, FAST)
     assert lim.in_flight == 0
+
+
+async def test_an_engine_answering_5xx_holds_new_calls_back_as_a_silent_one_does(
+    docker_client: docker.DockerClient,
+) -> None:
+    # a 5xx (containerd down, the engine's disk full) was an ordinary answer: every queued rollout started into it,
+    # each failing in milliseconds, and a 30 s spell of 500s ended thousands INFRA_ERROR with their retries spent
+    from orchestrator.backends.docker.config import DockerBackendConfig
+    from orchestrator.backends.docker.engine import Engine
+    from tests.conftest import TEST_OWNER
+
+    def failing(status: int) -> None:
+        response = requests.Response()
+        response.status_code = status
+        raise docker.errors.APIError(f"{status} from the engine", response=response)
+
+    engine = Engine(DockerBackendConfig(owner=TEST_OWNER))
+    try:
+        lim = engine.limiter
+        with pytest.raises(docker.errors.APIError):
+            await engine.call(failing, 404)  # the call's own fault: no sign of an engine in trouble
+        await until(lambda: lim.in_flight == 0)
+        assert lim.decreases == 0 and lim._hold_until == 0
+        with pytest.raises(docker.errors.APIError):
+            await engine.call(failing, 500)
+        await until(lambda: lim.decreases == 1)
+        assert lim._hold_until > asyncio.get_running_loop().time() - 1
+    finally:
+        engine.close()
+
+
+async def test_an_engine_slow_for_good_is_learnt_at_one_call_in_flight() -> None:
+    # a slow call moved its kind's usual latency 1% a call: an engine gone from 30 ms to 3 s a call held the limit at
+    # one for some 70 calls of each kind, and 64 creates in lockstep made no sandbox for over five minutes
+    lim = limiter()
+    for _ in range(20):
+        await one_call(lim, 0.03)
+    for _ in range(30):
+        await one_call(lim, 3.0)
+    assert lim.permits >= 4 and lim.typical_latency_s["create"] > 1.0
