@@ -59,6 +59,8 @@ T = TypeVar("T")
 # creates that found their picked name (and uid) taken, before one gives up: with 1,000 sandboxes live among the
 # 2 million uids, one pick in 2,000 is taken
 NAME_TRIES = 8
+# how long a failed call waits for the engine to say whether its sandbox died, before it is told "unavailable"
+DIAGNOSE_S = 5.0
 
 
 def engine_security_problem(info: Mapping[str, Any], *, allow_swap: bool = False) -> str:
@@ -163,10 +165,13 @@ class DockerSandbox(Sandbox):
             log.warning("sandbox %s could not be thawed", self.name)
 
     async def _diagnose(self, e: SandboxUnavailableError) -> SandboxError:
-        """Tell a dead container (killed from outside, OOM) from a merely unresponsive envd."""
+        """Tell a dead container (killed from outside, OOM) from a merely unresponsive envd, within DIAGNOSE_S: the
+        engine's answer waited out the limiter's queue and its 120 s timeout (a dockerd restarting, hung), and a
+        rollout whose deadline fell meanwhile was TIMEOUT, the policy's outcome, where its sandbox had failed."""
         try:
-            st = await self.state()
-        except SandboxError:
+            async with asyncio.timeout(DIAGNOSE_S):
+                st = await self.state()
+        except (SandboxError, TimeoutError):
             return e
         if st.running:
             return e

@@ -34,6 +34,7 @@ from orchestrator.core.errors import (
     SandboxDiedError,
     SandboxPermissionError,
     SandboxStartTimeoutError,
+    SandboxUnavailableError,
 )
 from orchestrator.core.sandbox import SANDBOX_UIDS, ExecOutput, Limits, SandboxSpec
 from tests.conftest import ENVD_IS_LAUNCH_PY, REPO, TEST_OWNER, owned_containers
@@ -491,3 +492,26 @@ async def test_a_docker_exec_command_started_while_the_last_ones_leftovers_are_k
         second = await s.exec("sleep 1.5; echo spared", timeout=10)
         assert (await first).exit_code == 0
         assert (second.exit_code, second.stdout) == (0, b"spared\n")
+
+
+async def test_a_failed_call_waits_for_the_engines_verdict_a_bounded_while(
+    sandbox: DockerSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # whether the container died was asked of the engine with no bound of its own: a dockerd restarting or hung kept
+    # the answer for the limiter's queue and 120 s, and a rollout whose deadline fell meanwhile was TIMEOUT, the
+    # policy's outcome, where its sandbox had failed (SandboxUnavailableError: INFRA_ERROR, retried)
+    from orchestrator.backends.docker import backend as backend_module
+
+    async def hung(cid: str) -> None:
+        await asyncio.sleep(300)
+
+    async def unavailable(*args: object) -> bytes:
+        raise SandboxUnavailableError("envd did not answer")
+
+    monkeypatch.setattr(backend_module, "DIAGNOSE_S", 0.5)
+    monkeypatch.setattr(sandbox._backend, "state_of", hung)
+    monkeypatch.setattr(sandbox.transport, "read_file", unavailable)
+    started = time.monotonic()
+    with pytest.raises(SandboxUnavailableError, match="envd did not answer"):
+        await sandbox.read_file("/etc/hostname")
+    assert time.monotonic() - started < 5
