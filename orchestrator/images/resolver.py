@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import time
@@ -18,6 +19,7 @@ from orchestrator.images.base import ensure_base_image
 from orchestrator.images.spec import build_from_spec
 
 log = logging.getLogger(__name__)
+BUILD_THREADS = 8  # images built (or looked up) at once by one process's resolver
 
 
 class BuildsOwnImage(abc.ABC):
@@ -35,6 +37,11 @@ class ImageResolver:
 
     def __init__(self, client: docker.DockerClient) -> None:
         self._client = client
+        # builds (up to their 15 minutes each, one per environment at once) on threads of their own: on asyncio's
+        # shared pool (min(32, cores + 4) threads, 6 on 2 cores) a tenant's jobs on a few environments whose images
+        # were being built held every thread, and each sandbox's create (its pty cap), the sweep and SubmitJob's
+        # conversion waited behind them for minutes
+        self._pool = concurrent.futures.ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="image-build")
         self._cache: dict[str, tuple[str, str]] = {}
         self._used: dict[str, float] = {}  # ref -> when resolve last handed its image out (monotonic)
         self._builds: dict[str, asyncio.Future[tuple[str, str]]] = {}
@@ -80,7 +87,7 @@ class ImageResolver:
 
     async def _resolve(self, key: str, env: Environment) -> tuple[str, str]:
         try:
-            self._cache[key] = await asyncio.to_thread(self._build, env)
+            self._cache[key] = await asyncio.get_running_loop().run_in_executor(self._pool, self._build, env)
             self._used[key] = time.monotonic()
         except docker.errors.ImageNotFound as e:  # removed between its build (or cache hit) and its lookup
             raise EngineError(

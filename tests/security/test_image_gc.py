@@ -5,6 +5,7 @@ tenant's; and one removed is built again when it is next needed."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -326,3 +327,39 @@ def test_an_image_being_built_is_never_collected(tmp_path: Path, monkeypatch: py
     with file_lock(tmp_path / "locks", tag):
         assert gc.collect(engine, cache_dir=tmp_path) == []  # type: ignore[arg-type]
     assert gc.collect(engine, cache_dir=tmp_path) == [tag]  # type: ignore[arg-type]
+
+
+async def test_builds_under_way_leave_the_shared_thread_pool_to_the_rest() -> None:
+    # builds ran on asyncio's shared pool (min(32, cores + 4) threads): a tenant's jobs on as many environments whose
+    # images were being built held every thread, and each sandbox's create (its pty cap), the sweep and SubmitJob's
+    # conversion waited behind them for as long as the builds took
+    import threading
+
+    release = threading.Event()
+
+    def env_named(n: int) -> Environment:
+        class Slow(Environment, BuildsOwnImage):
+            name = f"test-gc-slow-{n}"
+
+            def tasks(self) -> list[Any]:
+                return []
+
+            def build_image(self, client: docker.DockerClient) -> str:
+                release.wait(30)
+                return "envfleet/base:latest"
+
+        return Slow()
+
+    class Resolver(ImageResolver):
+        def _build(self, env: Environment) -> tuple[str, str]:
+            assert isinstance(env, BuildsOwnImage)
+            return env.build_image(self._client), "sha256:0"
+
+    resolver = Resolver(cast(docker.DockerClient, None))
+    builds = [asyncio.ensure_future(resolver.resolve(env_named(n))) for n in range(min(32, (os.cpu_count() or 1) + 4))]
+    try:
+        await asyncio.sleep(0.2)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 1), 5) == 1
+    finally:
+        release.set()
+        await asyncio.gather(*builds)
