@@ -27,6 +27,8 @@ LATENCY_EWMA_ALPHA = 0.1
 SLOW_LATENCY_EWMA_ALPHA = 0.01
 # the first pause after a call the engine did not answer; it doubles while they go on failing
 FIRST_BACKOFF_S = 0.05
+SERVER_ERRORS_IN_A_ROW = 2  # 5xx answers to one kind of call, none answered between, that say the engine is in trouble
+SLOW_ALONE_TO_LEARN = 3  # slow calls in a row, each alone in flight, that are learnt as the engine's pace
 
 
 @dataclass(eq=False)
@@ -35,6 +37,7 @@ class Permit:
 
     kind: str
     epoch: int
+    alone: bool = False  # no other call was in flight, nor could start: its time is the engine's pace alone
     released: bool = False
 
 
@@ -74,6 +77,8 @@ class CallLimiter:
         self._refilled_at: float | None = None
         self._hold_until = 0.0
         self._failures_in_a_row = 0
+        self._server_errors: dict[str, int] = {}  # per kind of call: 5xx in a row, none answered between
+        self._slow_alone: dict[str, int] = {}  # per kind of call: slow calls in a row that ran alone
         self._epoch = 0
         self._turn = asyncio.Lock()  # the head of the queue waits here for room; asyncio.Lock is FIFO
         self._room = asyncio.Event()
@@ -108,36 +113,48 @@ class CallLimiter:
                 self.waited_for_limit += "limit" in waited
                 self.waited_for_rate += "rate" in waited
                 self.waited_for_backoff += "backoff" in waited
-                return Permit(kind, self._epoch)
+                return Permit(kind, self._epoch, alone=self.in_flight == 1 and self.permits == 1)
         finally:
             self.waiting -= 1
 
-    def release(self, permit: Permit, latency_s: float | None, *, overloaded: bool = False) -> None:
-        """Give a permit back, saying how long its call took (None: it never ran) and whether it failed because
-        the engine is in trouble (no answer: a timeout, a refused connection; a 5xx)."""
+    def release(
+        self, permit: Permit, latency_s: float | None, *, overloaded: bool = False, server_error: bool = False
+    ) -> None:
+        """Give a permit back, saying how long its call took (None: it never ran), whether it failed because the
+        engine did not answer (a timeout, a refused connection), and whether it failed with a 5xx. A 5xx is the
+        engine's trouble once calls of its kind get SERVER_ERRORS_IN_A_ROW with none answered between: the engine
+        answers 500 for most starts it cannot make of an image, and a tenant's image made to fail so, again and again,
+        held every call back (each halved the limit and paused new calls), where other tenants' starts went on."""
         if permit.released:
             raise RuntimeError(f"permit for {permit.kind} released twice")
         permit.released = True
         self.in_flight -= 1
+        if server_error:
+            streak = self._server_errors[permit.kind] = self._server_errors.get(permit.kind, 0) + 1
+            overloaded = overloaded or streak >= SERVER_ERRORS_IN_A_ROW
+        elif latency_s is not None and not overloaded:
+            self._server_errors.pop(permit.kind, None)
         if overloaded:
             self._failures_in_a_row += 1
             pause = min(self.max_backoff_s, FIRST_BACKOFF_S * 2 ** (self._failures_in_a_row - 1))
             self._hold_until = max(self._hold_until, asyncio.get_running_loop().time() + pause)
-            self._decrease(permit, f"{permit.kind} got no answer from the engine; new calls wait {pause:g}s")
-        elif latency_s is not None:
+            self._decrease(permit, f"{permit.kind} failed in the engine; new calls wait {pause:g}s")
+        elif latency_s is not None and not server_error:
             self._failures_in_a_row = 0
             typical = self.typical_latency_s.get(permit.kind)
             if typical is None:  # the first call of its kind only tells what is usual
                 typical = latency_s
             if latency_s > max(self.slow_min_s, self.slow_factor * typical):
-                # at one call in flight a slow call is the engine's pace, not our load: learnt as fast as any other
-                # (at 1% a call, an engine gone from 30 ms to 3 s a call kept the limit at one for some 70 calls of
-                # each kind, and 64 creates in lockstep made no sandbox for over five minutes)
-                alone = self.permits == 1
+                # slow calls that ran alone, several in a row, are the engine's pace, not our load: learnt as fast as
+                # any other (at 1% a call, an engine gone from 30 ms to 3 s a call kept the limit at one for some 70
+                # calls of each kind, and 64 creates in lockstep made no sandbox for over five minutes); one stall
+                # alone is not, or the next would go unseen
+                streak = self._slow_alone[permit.kind] = self._slow_alone.get(permit.kind, 0) + 1 if permit.alone else 0
                 self._decrease(permit, f"{permit.kind} took {latency_s:.2f}s (usually {typical:.2f}s)")
-                alpha = LATENCY_EWMA_ALPHA if alone else SLOW_LATENCY_EWMA_ALPHA
+                alpha = LATENCY_EWMA_ALPHA if streak >= SLOW_ALONE_TO_LEARN else SLOW_LATENCY_EWMA_ALPHA
                 self.typical_latency_s[permit.kind] = typical + alpha * (latency_s - typical)
             else:
+                self._slow_alone.pop(permit.kind, None)
                 self.limit = min(float(self.max_limit), self.limit + 1 / self.limit)
                 self.typical_latency_s[permit.kind] = typical + LATENCY_EWMA_ALPHA * (latency_s - typical)
         self._room.set()

@@ -30,12 +30,9 @@ T = TypeVar("T")
 ENGINE_SILENT = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
 
-def overloaded(error: BaseException | None) -> bool:
-    """Whether a call's failure says the engine is in trouble, not the call: no answer, or a 5xx (containerd down, its
-    disk full). A 5xx counted as an ordinary answer let the scheduler start every queued rollout into it, each
-    failing in milliseconds: a 30 s spell of 500s ended a queue of thousands INFRA_ERROR, its retries spent."""
-    if isinstance(error, ENGINE_SILENT):
-        return True
+def server_error(error: BaseException | None) -> bool:
+    """Whether a call failed with a 5xx: the engine in trouble (containerd down, its disk full), or a start the engine
+    could not make of a tenant's image (it answers 500 for most start failures); the limiter tells them apart."""
     return isinstance(error, docker.errors.APIError) and error.is_server_error()
 
 
@@ -131,10 +128,12 @@ class Engine:
 
         def finished(done: Future[T]) -> None:
             latency = time.monotonic() - started[0] if started else None  # None: cancelled before it ran
-            silent = not done.cancelled() and overloaded(done.exception())
+            error = None if done.cancelled() else done.exception()
+            silent, failed = isinstance(error, ENGINE_SILENT), server_error(error)
+            release = functools.partial(self.limiter.release, permit, latency, overloaded=silent, server_error=failed)
             # a call stuck past close() finishes after the loop is gone; nobody waits for its permit then
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(functools.partial(self.limiter.release, permit, latency, overloaded=silent))
+                loop.call_soon_threadsafe(release)
 
         running = self._pool.submit(timed)
         running.add_done_callback(finished)

@@ -30,10 +30,15 @@ def limiter(
 
 
 async def one_call(
-    lim: CallLimiter, latency_s: float | None, kind: str = "create", *, overloaded: bool = False
+    lim: CallLimiter,
+    latency_s: float | None,
+    kind: str = "create",
+    *,
+    overloaded: bool = False,
+    server_error: bool = False,
 ) -> None:
     permit = await lim.acquire(kind)
-    lim.release(permit, latency_s, overloaded=overloaded)
+    lim.release(permit, latency_s, overloaded=overloaded, server_error=server_error)
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
@@ -212,8 +217,10 @@ async def test_an_engine_answering_5xx_holds_new_calls_back_as_a_silent_one_does
             await engine.call(failing, 404)  # the call's own fault: no sign of an engine in trouble
         await until(lambda: lim.in_flight == 0)
         assert lim.decreases == 0 and lim._hold_until == 0
-        with pytest.raises(docker.errors.APIError):
-            await engine.call(failing, 500)
+        for _ in range(2):  # one 5xx may be the call's (a start the engine cannot make of an image); two in a row not
+            assert lim.decreases == 0
+            with pytest.raises(docker.errors.APIError):
+                await engine.call(failing, 500)
         await until(lambda: lim.decreases == 1)
         assert lim._hold_until > asyncio.get_running_loop().time() - 1
     finally:
@@ -229,3 +236,39 @@ async def test_an_engine_slow_for_good_is_learnt_at_one_call_in_flight() -> None
     for _ in range(30):
         await one_call(lim, 3.0)
     assert lim.permits >= 4 and lim.typical_latency_s["create"] > 1.0
+
+
+async def test_a_tenants_image_failing_to_start_holds_no_one_else_back() -> None:
+    # the engine answers 500 for most starts it cannot make of an image: counted as the engine's trouble at once, a
+    # tenant's image made to fail so, with a cheap Validate or a retried create, halved everyone's limit each time
+    lim = limiter()
+    for _ in range(100):
+        await one_call(lim, FAST, "start", server_error=True)  # the tenant's image
+        await one_call(lim, FAST, "start")  # everyone else's
+    assert (lim.permits, lim.decreases, lim._hold_until) == (16, 0, 0)
+    # starts that all fail, none answered between: the engine's trouble (containerd down, its disk full)
+    await one_call(lim, FAST, "start", server_error=True)
+    await one_call(lim, FAST, "start", server_error=True)
+    assert lim.decreases == 1 and lim._hold_until > 0
+
+
+async def test_one_stall_is_not_learnt_as_the_engines_pace() -> None:
+    # learnt at 10% because the limit was at one when it ended, one 60 s hang took the usual time from 0.03 s to 6 s,
+    # and a 5 s stall after it went unseen; two stalls at a limit of two were learnt so too
+    lim = limiter()
+    for _ in range(20):
+        await one_call(lim, 0.03)
+    lim.limit = 1.0
+    await one_call(lim, 60.0)
+    assert lim.typical_latency_s["create"] < 1.0
+    cuts = lim.decreases
+    await one_call(lim, 5.0)
+    assert lim.decreases == cuts + 1
+    lim = limiter()
+    for _ in range(20):
+        await one_call(lim, 0.03)
+    lim.limit = 2.0
+    first, second = await lim.acquire("create"), await lim.acquire("create")
+    lim.release(first, 60.0)
+    lim.release(second, 60.0)
+    assert lim.typical_latency_s["create"] < 1.5
