@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 import time
 
 import docker
@@ -19,7 +20,8 @@ from orchestrator.images.base import ensure_base_image
 from orchestrator.images.spec import build_from_spec
 
 log = logging.getLogger(__name__)
-BUILD_THREADS = 8  # images built (or looked up) at once by one process's resolver
+# images built (or looked up) at once by one process's resolver: as many as asyncio's shared pool has, 8 at least
+BUILD_THREADS = max(8, min(32, (os.cpu_count() or 1) + 4))
 
 
 class BuildsOwnImage(abc.ABC):

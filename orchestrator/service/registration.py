@@ -9,6 +9,7 @@ A name@version is immutable: registering it again with the same spec is a no-op,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -74,6 +75,7 @@ SPEC_SOURCE = "spec"
 ARCHIVE_SOURCE = "archive:"  # + the kind
 VALIDATION_SANDBOX_TTL_S = 3600.0
 VALIDATION_SLACK_S = 60.0
+CHECK_BUILD_THREADS = 4  # checks' builds at once: the checks running (2 by default) and cut-off ones still building
 
 
 def _owner(spec: EnvironmentSpec, tenant: str) -> str | None:
@@ -208,6 +210,10 @@ class Registrar:
         self._caps = caps or SandboxCaps()
         self._backend = backend
         self._build_image = build_image  # blocking (run in a thread): the backend's way to get a spec's image
+        # checks' builds (a cut-off check's runs on, up to its 15 minutes) on threads of their own: on asyncio's
+        # shared pool (6 threads on 2 cores) a few tenants' cut-off checks held every thread, and the rest of the
+        # process (each sandbox's create, the sweep, SubmitJob) waited behind them
+        self._build_pool = concurrent.futures.ThreadPoolExecutor(CHECK_BUILD_THREADS, thread_name_prefix="check-build")
         self._store = store
         self._archives = archives or ArchiveStore(store.root / "archives")
         self._archive_caps = archive_caps or ArchiveCaps()
@@ -388,7 +394,7 @@ class Registrar:
         earlier = self._cut_builds.get(tenant)
         if earlier:
             await asyncio.wait(set(earlier))
-        build = asyncio.ensure_future(asyncio.to_thread(self._build_image, env))
+        build = asyncio.get_running_loop().run_in_executor(self._build_pool, self._build_image, env)
         try:
             return await asyncio.shield(build)
         except asyncio.CancelledError:

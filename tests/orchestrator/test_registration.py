@@ -469,6 +469,28 @@ async def test_refused_registrations_under_fresh_names_leave_nothing_behind(tmp_
     assert registrar._locks == {}
 
 
+async def test_a_checks_build_runs_off_the_shared_thread_pool(tmp_path: Path) -> None:
+    # checks built on asyncio's shared pool (6 threads on 2 cores): a few tenants' cut-off checks, each building on
+    # for up to 15 minutes, held every thread, and each sandbox's create, the sweep and SubmitJob waited behind them
+    import threading
+
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.service.declarative import SpecCheckError
+    from orchestrator.service.registration import Registrar, SpecStore
+
+    threads: list[str] = []
+
+    def build(env: object) -> str:
+        threads.append(threading.current_thread().name)
+        return "envfleet/threaded-check:1"
+
+    registrar = Registrar(Registry(), FakeBackend(FakeBackendConfig()), build, SpecStore(tmp_path))
+    with pytest.raises(SpecCheckError):  # the fake backend has no such image: the build is what this looks at
+        await registrar.validate(parse_spec(word_count_spec(name="threaded-check")), "tenant-a")
+    assert len(threads) == 1 and threads[0].startswith("check-build"), threads
+
+
 def test_a_start_sweeps_what_a_killed_registration_left(tmp_path: Path) -> None:
     # a process killed mid-registration left: a spec's temporary copy (whole, ending in .json: the next start
     # registered it, for a call that had failed), an archive and its unpacked tree with no record (counted against
