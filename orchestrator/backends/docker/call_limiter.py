@@ -1,7 +1,7 @@
 """How many engine calls may start, and how fast: a token-bucket rate and an adaptive (AIMD) concurrency limit.
 
-The limit starts fully open. A call that fails because the engine did not answer or answered 5xx, or that took far
-longer than calls of its kind usually take, halves it and new calls wait for room; after such a failure, new calls
+The limit starts fully open. A call that fails because the engine did not answer, or that took far longer than calls
+of its kind usually take, halves it and new calls wait for room; after a call the engine did not answer, new calls
 also pause (50 ms, doubling while failures go on, up to a ceiling). Every call that comes back in normal time raises
 the limit by 1/limit (about one per round of calls), up to the ceiling. Only calls that started after the last cut can
 cut again, so one stall that slows a whole round of calls halves the limit once, not once per call.
@@ -27,7 +27,6 @@ LATENCY_EWMA_ALPHA = 0.1
 SLOW_LATENCY_EWMA_ALPHA = 0.01
 # the first pause after a call the engine did not answer; it doubles while they go on failing
 FIRST_BACKOFF_S = 0.05
-SERVER_ERRORS_IN_A_ROW = 2  # 5xx answers to one kind of call, none answered between, that say the engine is in trouble
 SLOW_ALONE_TO_LEARN = 3  # slow calls in a row, each alone in flight, that are learnt as the engine's pace
 
 
@@ -77,7 +76,6 @@ class CallLimiter:
         self._refilled_at: float | None = None
         self._hold_until = 0.0
         self._failures_in_a_row = 0
-        self._server_errors: dict[str, int] = {}  # per kind of call: 5xx in a row, none answered between
         self._slow_alone: dict[str, int] = {}  # per kind of call: slow calls in a row that ran alone
         self._epoch = 0
         self._turn = asyncio.Lock()  # the head of the queue waits here for room; asyncio.Lock is FIFO
@@ -117,29 +115,19 @@ class CallLimiter:
         finally:
             self.waiting -= 1
 
-    def release(
-        self, permit: Permit, latency_s: float | None, *, overloaded: bool = False, server_error: bool = False
-    ) -> None:
-        """Give a permit back, saying how long its call took (None: it never ran), whether it failed because the
-        engine did not answer (a timeout, a refused connection), and whether it failed with a 5xx. A 5xx is the
-        engine's trouble once calls of its kind get SERVER_ERRORS_IN_A_ROW with none answered between: the engine
-        answers 500 for most starts it cannot make of an image, and a tenant's image made to fail so, again and again,
-        held every call back (each halved the limit and paused new calls), where other tenants' starts went on."""
+    def release(self, permit: Permit, latency_s: float | None, *, overloaded: bool = False) -> None:
+        """Give a permit back, saying how long its call took (None: it never ran) and whether it failed because
+        the engine did not answer (timeout, refused connection)."""
         if permit.released:
             raise RuntimeError(f"permit for {permit.kind} released twice")
         permit.released = True
         self.in_flight -= 1
-        if server_error:
-            streak = self._server_errors[permit.kind] = self._server_errors.get(permit.kind, 0) + 1
-            overloaded = overloaded or streak >= SERVER_ERRORS_IN_A_ROW
-        elif latency_s is not None and not overloaded:
-            self._server_errors.pop(permit.kind, None)
         if overloaded:
             self._failures_in_a_row += 1
             pause = min(self.max_backoff_s, FIRST_BACKOFF_S * 2 ** (self._failures_in_a_row - 1))
             self._hold_until = max(self._hold_until, asyncio.get_running_loop().time() + pause)
-            self._decrease(permit, f"{permit.kind} failed in the engine; new calls wait {pause:g}s")
-        elif latency_s is not None and not server_error:
+            self._decrease(permit, f"{permit.kind} got no answer from the engine; new calls wait {pause:g}s")
+        elif latency_s is not None:
             self._failures_in_a_row = 0
             typical = self.typical_latency_s.get(permit.kind)
             if typical is None:  # the first call of its kind only tells what is usual

@@ -30,12 +30,6 @@ T = TypeVar("T")
 ENGINE_SILENT = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
 
-def server_error(error: BaseException | None) -> bool:
-    """Whether a call failed with a 5xx: the engine in trouble (containerd down, its disk full), or a start the engine
-    could not make of a tenant's image (it answers 500 for most start failures); the limiter tells them apart."""
-    return isinstance(error, docker.errors.APIError) and error.is_server_error()
-
-
 class Engine:
     """The engine's low-level API, called through a limiter on a bounded pool."""
 
@@ -128,12 +122,10 @@ class Engine:
 
         def finished(done: Future[T]) -> None:
             latency = time.monotonic() - started[0] if started else None  # None: cancelled before it ran
-            error = None if done.cancelled() else done.exception()
-            silent, failed = isinstance(error, ENGINE_SILENT), server_error(error)
-            release = functools.partial(self.limiter.release, permit, latency, overloaded=silent, server_error=failed)
+            silent = not done.cancelled() and isinstance(done.exception(), ENGINE_SILENT)
             # a call stuck past close() finishes after the loop is gone; nobody waits for its permit then
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(release)
+                loop.call_soon_threadsafe(functools.partial(self.limiter.release, permit, latency, overloaded=silent))
 
         running = self._pool.submit(timed)
         running.add_done_callback(finished)
