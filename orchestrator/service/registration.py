@@ -394,11 +394,13 @@ class Registrar:
         earlier = self._cut_builds.get(tenant)
         if earlier:
             await asyncio.wait(set(earlier))
-        build = asyncio.get_running_loop().run_in_executor(self._build_pool, self._build_image, env)
+        queued = self._build_pool.submit(self._build_image, env)
+        build = asyncio.wrap_future(queued)
         try:
             return await asyncio.shield(build)
         except asyncio.CancelledError:
-            if not build.done():
+            # still waiting for a thread: it never runs (cut there, it ran later all the same, for no one)
+            if not queued.cancel() and not build.done():
                 cut = self._cut_builds.setdefault(tenant, set())
                 cut.add(build)
                 build.add_done_callback(functools.partial(self._build_ended, tenant))

@@ -491,6 +491,41 @@ async def test_a_checks_build_runs_off_the_shared_thread_pool(tmp_path: Path) ->
     assert len(threads) == 1 and threads[0].startswith("check-build"), threads
 
 
+async def test_a_check_cut_while_its_build_waits_for_a_thread_builds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a build queued behind others' (the checks' threads held by cut-off checks building on) ran when its turn came,
+    # for a check long gone, and its tenant's next check waited for it
+    import threading
+    import time
+
+    from orchestrator.backends.config import FakeBackendConfig
+    from orchestrator.backends.fake import FakeBackend
+    from orchestrator.service import registration
+    from orchestrator.service.declarative import SpecCheckError
+
+    monkeypatch.setattr(registration, "CHECK_BUILD_THREADS", 1)
+    release = threading.Event()
+    started: list[str] = []
+
+    def build(env: object) -> str:
+        started.append(type(env).__name__)
+        release.wait(30)
+        return "envfleet/queued-check:1"
+
+    registrar = registration.Registrar(
+        Registry(), FakeBackend(FakeBackendConfig()), build, registration.SpecStore(tmp_path), check_s=1
+    )
+    spec = parse_spec(word_count_spec(name="queued-check"))
+    for tenant in ("tenant-a", "tenant-b"):  # a's build holds the one thread; b's waits for it, and is cut there
+        with pytest.raises(SpecCheckError, match="did not finish within"):
+            await registrar.validate(spec, tenant)
+    release.set()
+    await asyncio.sleep(0.5)
+    time.sleep(0.1)
+    assert len(started) == 1
+
+
 def test_a_start_sweeps_what_a_killed_registration_left(tmp_path: Path) -> None:
     # a process killed mid-registration left: a spec's temporary copy (whole, ending in .json: the next start
     # registered it, for a call that had failed), an archive and its unpacked tree with no record (counted against
