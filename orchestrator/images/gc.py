@@ -68,8 +68,8 @@ def _marks(cache_dir: Path | None) -> Path:
 
 
 def mark_used(tag: str, cache_dir: Path | None = None, *, now: bool = False) -> None:
-    """Mark a tenant's `tag` used (a file's time under the cache folder): at most once a minute a process, unless
-    `now`; another tag is never collected and goes unmarked."""
+    """Mark a tenant's `tag` used (a file under the cache folder holding this boot and the monotonic time): at most
+    once a minute a process, unless `now`; another tag is never collected and goes unmarked."""
     if not POLICY.selects.match(tag):
         return
     t = time.monotonic()
