@@ -808,10 +808,10 @@ class JobManager:
         """Every job this orchestrator knows (of tenant `owner` only, when given)."""
         return [self._info(job) for job in self._jobs.values() if owner is None or job.owner == owner]
 
-    def _expired(self, finished_at: float | None, now: float) -> bool:
-        """Whether a job that ended at `finished_at` (the wall clock, as the log keeps it) is past its retention at
-        `now`: at a start, where only the wall clock spans the stop (a running process reads `ended_mono`)."""
-        return self.retention_s is not None and finished_at is not None and now - finished_at >= self.retention_s
+    def _expired(self, end: float | None, now: float) -> bool:
+        """Whether a job that ended at `end` is past its retention at `now`, both on one clock: the wall clock at a
+        start (as the log keeps ends: only it spans the stop), the monotonic one in a running process (`ended_mono`)."""
+        return self.retention_s is not None and end is not None and now - end >= self.retention_s
 
     def _ended(self, finished_at: float | None, now: float, mono_now: float) -> float | None:
         """A logged end (wall clock) on this process's monotonic clock, both read at `now` and `mono_now`: as long ago
@@ -821,9 +821,6 @@ class JobManager:
             return None
         ago = min(max(now - finished_at, 0.0), self.retention_s if self.retention_s is not None else float("inf"))
         return mono_now - ago
-
-    def _past_retention(self, ended: float | None, now: float) -> bool:
-        return self.retention_s is not None and ended is not None and now - ended >= self.retention_s
 
     async def _expire_forever(self) -> None:
         assert self.retention_s is not None
@@ -838,13 +835,13 @@ class JobManager:
     async def expire(self) -> int:
         """Remove the finished jobs whose retention ran out and that no stream reads now; returns how many."""
         now = time.monotonic()
-        gone = [j for j in self._jobs.values() if self._past_retention(j.ended_mono, now) and not j.listeners]
+        gone = [j for j in self._jobs.values() if self._expired(j.ended_mono, now) and not j.listeners]
         self._forget(gone)
         for job in gone:
             await self._remove(job.job_id)
         # a finished job whose row this version cannot read (left alone at the start) has a retention all the same:
         # never loaded, it was never expired, and it and its rollouts stayed in the log for good
-        unreadable = [job_id for job_id, ended in self._unreadable.items() if self._past_retention(ended, now)]
+        unreadable = [job_id for job_id, ended in self._unreadable.items() if self._expired(ended, now)]
         for job_id in unreadable:
             del self._unreadable[job_id]
             self.store.unreadable.pop(job_id, None)
