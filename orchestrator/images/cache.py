@@ -34,12 +34,15 @@ def safe_name(text: str) -> str:
     return _UNSAFE.sub("_", text).strip("_") or "_"
 
 
+def _lock_path(lock_dir: Path, name: str) -> Path:
+    return lock_dir / f"{safe_name(name)}.lock"
+
+
 @contextlib.contextmanager
 def file_lock(lock_dir: Path, name: str) -> Iterator[None]:
     """Hold an exclusive flock on `lock_dir/<name>.lock`, so two processes never build the same image at once."""
     lock_dir.mkdir(parents=True, exist_ok=True)
-    path = lock_dir / f"{safe_name(name)}.lock"
-    with path.open("a") as f:
+    with _lock_path(lock_dir, name).open("a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -49,9 +52,8 @@ def file_lock(lock_dir: Path, name: str) -> Iterator[None]:
 
 def lock_held(lock_dir: Path, name: str) -> bool:
     """Whether a process (this one included) holds `file_lock(lock_dir, name)` now."""
-    path = lock_dir / f"{safe_name(name)}.lock"
     try:
-        with path.open("rb") as f:
+        with _lock_path(lock_dir, name).open("rb") as f:
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

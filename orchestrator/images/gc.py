@@ -67,6 +67,11 @@ def _marks(cache_dir: Path | None) -> Path:
     return (cache_dir or default_cache_dir()) / "used"
 
 
+def _locks(marks: Path) -> Path:
+    """The cache folder's locks (images/cache.py file_lock), beside its marks: builds hold one a tag."""
+    return marks.parent / "locks"
+
+
 def mark_used(tag: str, cache_dir: Path | None = None, *, now: bool = False) -> None:
     """Mark a tenant's `tag` used (a file under the cache folder holding this boot and the monotonic time): at most
     once a minute a process, unless `now`; another tag is never collected and goes unmarked."""
@@ -121,7 +126,7 @@ def _idle_s(tag: str, created: int, marks: Path) -> float:
     boot, which a wall clock set on an hour moves not at all: it made every image look unused, in use or not); a
     mark of another boot by the file's time; no mark (an image from before marks) from when the engine made it.
     A tag being built (its build's lock held: the build may outlast the minimum age) was used just now."""
-    if lock_held(marks.parent / "locks", tag):
+    if lock_held(_locks(marks), tag):
         return 0.0
     path = marks / safe_name(tag)
     try:
@@ -178,7 +183,7 @@ def collect(
         return []
     removed: list[str] = []
     marks = _marks(cache_dir)
-    with file_lock((cache_dir or default_cache_dir()) / "locks", "image-gc"):
+    with file_lock(_locks(marks), "image-gc"):
         for tag, created in _candidates(client, policy, marks):
             usage = engine_disk(client)
             if usage is None or not short(usage, policy.low_share):
