@@ -27,6 +27,9 @@ READ_CHUNK = 64 << 10
 # output chunks held for a consumer that is slower than the process; past this the pipes are not read, so the
 # process blocks on a full pipe (backpressure) rather than envd's memory growing
 MAX_PENDING = 8
+# the processes a command's start gives oom_score_adj 1000 at most: itself and what it forked before envd's write
+# (a fork bomb's are the pid limit's business, not this walk's)
+FIRST_TO_GO_MAX = 256
 # Output goes out in turns: at once while they are few (a burst of PACE_BURST turns, then one more each PACE_EVERY_S),
 # each with what the pipes sent meanwhile (at most MAX_PENDING chunks, then the pipes wait, full), the chunks of a
 # stream in a row joined, in their order. A command that wrote a byte at a time was a message per byte, each a gRPC
@@ -73,13 +76,38 @@ def _set_once(fut: asyncio.Future[None]) -> None:
 def first_to_go(pid: int) -> None:
     """The command, and what it starts later, go before envd when the sandbox runs out of memory (envd/go/child.go,
     firstToGo): oom_score_adj 1000 adds the whole limit to their score. A process may lower its own back to 0, so
-    this is the default order, not a wall."""
-    with contextlib.suppress(OSError):  # gone already, or no /proc
-        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    this is the default order, not a wall.
+
+    Written once the command has exec'd (Popen returns then), so what it forked before the write inherited envd's 0:
+    a shell's workers started in its first milliseconds while envd waited for a core, enough of them to fill the
+    limit, and envd (the largest at 0) was the one killed. Its descendants found then are given 1000 too, each
+    written before its children are listed: one forked after the write inherits 1000, one forked before is listed.
+    """
+    todo, seen = [pid], 0
+    while todo and seen < FIRST_TO_GO_MAX:
+        seen += 1
+        target = todo.pop()
+        try:
+            fd = os.open(f"/proc/{target}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:  # gone already, or no /proc
+            continue
         try:
             os.write(fd, b"1000")
+        except OSError:
+            continue
         finally:
             os.close(fd)
+        todo.extend(_children(target))
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of a process's children, from each of its threads' children file (none where the kernel has none)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):  # gone, or no such file (gVisor)
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(c) for c in f.read().split())
+    return found
 
 
 def _pipe(nonblocking_end: int) -> tuple[int, int]:

@@ -19,6 +19,9 @@ import (
 const (
 	readChunk  = 64 << 10
 	maxPending = 8
+	// the processes a command's start gives oom_score_adj 1000 at most: itself and what it forked before envd's
+	// write (a fork bomb's are the pid limit's business, not this walk's)
+	firstToGoMax = 256
 )
 
 // output is a chunk of the process's stdout (stream 1) or stderr (stream 2).
@@ -179,15 +182,47 @@ func spawn(argv []string, cwd string, env []string, pathVar string, withStdin bo
 // workers): envd died, the sandbox with it, and the rollout was an infrastructure retry. oom_score_adj 1000 adds
 // the whole memory limit to a process's score, so any command's process goes before envd (0). A process may lower
 // its own back to 0 (it needs no privilege to), so this is the default order, not a wall. Written once the command
-// has exec'd (ForkExec returns then; before, it is non-dumpable like envd and its /proc files are root's), so a
-// process it forked in those microseconds keeps 0.
+// has exec'd (ForkExec returns then; before, it is non-dumpable like envd and its /proc files are root's), so what
+// it forked before the write inherited 0 (a shell's workers, started while envd waited for a core): its
+// descendants found then are given 1000 too, each written before its children are listed, so one forked after the
+// write inherits 1000 and one forked before is listed (envd/child.py, first_to_go).
 func firstToGo(pid int) {
-	fd, err := unix.Open("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return // gone already, or no /proc: nothing to order
+	todo := []int{pid}
+	for seen := 0; len(todo) > 0 && seen < firstToGoMax; seen++ {
+		target := todo[len(todo)-1]
+		todo = todo[:len(todo)-1]
+		fd, err := unix.Open("/proc/"+strconv.Itoa(target)+"/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			continue // gone already, or no /proc
+		}
+		_, err = unix.Write(fd, []byte("1000"))
+		unix.Close(fd)
+		if err == nil {
+			todo = append(todo, children(target)...)
+		}
 	}
-	_, _ = unix.Write(fd, []byte("1000"))
-	unix.Close(fd)
+}
+
+// children lists a process's children, from each of its threads' children file (none where the kernel has none).
+func children(pid int) []int {
+	dir := "/proc/" + strconv.Itoa(pid) + "/task/"
+	tasks, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	var found []int
+	for _, t := range tasks {
+		data, err := os.ReadFile(dir + t.Name() + "/children")
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(data)) {
+			if c, err := strconv.Atoi(f); err == nil {
+				found = append(found, c)
+			}
+		}
+	}
+	return found
 }
 
 // pump forwards one pipe's output until EOF or close(); past the budget it reads and drops.

@@ -85,13 +85,16 @@ def build_envd_binary(cache_dir: Path | None = None) -> Path:
     return out
 
 
-def _run(cmd: list[str], env: dict[str, str], step: str) -> None:
+def _run(cmd: list[str], env: dict[str, str], step: str) -> str:
+    """Runs `cmd` and returns its stdout; raises ImageBuildError with the end of its output where it failed."""
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if r.returncode != 0:
         raise ImageBuildError(f"{step} failed ({' '.join(cmd[:3])} ...):\n{(r.stdout + r.stderr)[-4000:]}", step=step)
+    return r.stdout
 
 
-def _build(go: str, files: dict[str, Path], work: Path, out: Path) -> None:
+def _prepare(go: str, files: dict[str, Path], work: Path, gocache: Path) -> dict[str, str]:
+    """A GOPATH under `work` holding the generated gRPC code and envd's sources; returns the environment to build in."""
     gopath = work / "gopath"
     pb_dir = gopath / "src" / PB_IMPORT
     main_dir = gopath / "src" / MAIN_IMPORT
@@ -104,7 +107,7 @@ def _build(go: str, files: dict[str, Path], work: Path, out: Path) -> None:
         "GO111MODULE": "off",
         "GOFLAGS": "",
         "CGO_ENABLED": "0",
-        "GOCACHE": str(out.parent.parent / "gocache"),
+        "GOCACHE": str(gocache),
         "GOBIN": str(bin_dir),
         "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
     }
@@ -131,6 +134,11 @@ def _build(go: str, files: dict[str, Path], work: Path, out: Path) -> None:
     for name, path in files.items():
         if name.startswith("go/"):
             shutil.copyfile(path, main_dir / Path(name).name)
+    return env
+
+
+def _build(go: str, files: dict[str, Path], work: Path, out: Path) -> None:
+    env = _prepare(go, files, work, out.parent.parent / "gocache")
     tmp = out.with_suffix(".tmp")
     _run(
         [go, "build", "-trimpath", "-ldflags=-w -buildid=", "-o", str(tmp), MAIN_IMPORT],
@@ -138,6 +146,17 @@ def _build(go: str, files: dict[str, Path], work: Path, out: Path) -> None:
         "envd-go build",
     )
     tmp.replace(out)
+
+
+def run_tests(work: Path, cache_dir: Path | None = None) -> str:
+    """`go test` over envd's Go sources and their tests (envd/go/*_test.go, which the binary leaves out), built in
+    `work`; returns its output, and raises ImageBuildError (with that output) where a test failed."""
+    files = sources()
+    for path in sorted(Path(files["go/main.go"]).parent.glob("*_test.go")):
+        files["go/" + path.name] = path
+    go = _toolchain()
+    env = _prepare(go, files, work, (cache_dir or default_cache_dir()) / "envd-go" / "gocache")
+    return _run([go, "test", "-count=1", "-v", MAIN_IMPORT], env, "envd-go test")
 
 
 if __name__ == "__main__":
