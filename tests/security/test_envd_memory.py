@@ -32,7 +32,7 @@ echo "killed $killed"
 async def test_many_small_processes_over_the_memory_limit_are_killed_before_envd(impl: str, base_image: str) -> None:
     spec = SandboxSpec(image=base_image, limits=Limits(memory_mb=256, pids=256, tmp_mb=8, workspace_mb=8))
     async with owned_backend(envd=impl) as backend, await backend.create(spec) as s:
-        # set once the command has exec'd (a process it forks in that moment keeps 0: see envd/go/child.go)
+        # set once the command has exec'd, and on what it forked before that (envd/go/child.go, firstToGo)
         r = await s.exec("sleep 0.2; cat /proc/self/oom_score_adj /proc/1/oom_score_adj")
         assert r.stdout == b"1000\n0\n"
         r = await s.exec(["/bin/sh", "-c", SPREAD], timeout=120)
