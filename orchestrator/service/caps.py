@@ -1,5 +1,6 @@
 """Server-side caps per request and per tenant: what one sandbox may ask for, how many jobs and streams a tenant may
-hold at once, how many rollouts one job may have, how much exec stdin may be in flight.
+hold at once, how many rollouts one job may have, how many bytes of results a tenant's jobs may keep in the result
+log, how much exec stdin may be in flight.
 
 Every refusal is RESOURCE_EXHAUSTED (QuotaExceededError) and names the cap by its configuration path (`caps.<field>`),
 so an operator knows which setting to raise and a tenant knows what it ran into. One of a cap on what is held only
@@ -76,6 +77,15 @@ class CapsConfig(BaseModel):
         64, ge=1, le=100_000, description="open StreamRollouts streams per tenant, and apart from them open Execs"
     )
     rollouts_per_job: int = Field(1_000_000, ge=1, le=1_000_000, description="tasks x group_size of one job")
+    result_bytes_per_tenant: int = Field(
+        64 << 30,
+        ge=1 << 10,
+        le=1 << 50,
+        description="bytes a tenant's jobs hold in the result log (each rollout's JSON and wire form; a job's go at "
+        "its removal). Past it its oldest finished jobs that no stream reads go early, where that brings it under; "
+        "while its unfinished jobs alone hold more, a job that logs a rollout is cancelled (its stream ends "
+        "RESOURCE_EXHAUSTED once all it logged is sent) and SubmitJob is refused",
+    )
     calls_per_tenant: int = Field(
         4096,
         ge=1,

@@ -137,6 +137,10 @@ class _Job:
     # clock, one set an hour on removed every finished job at the next expiry round, acked or not
     ended_mono: float | None = None
     acked: int = 0  # rollouts acked so far (with done and by_status, what GetJob reports without reading the log)
+    stored_bytes: int = 0  # what its rollouts hold in the result log (caps.result_bytes_per_tenant)
+    # why the server ended it, which its streams end with once all it logged is sent (this process only: a restart
+    # shows the job CANCELLED, and its streams end as a finished job's do)
+    ended_why: str = ""
     policy_updates: asyncio.Lock = field(default_factory=asyncio.Lock)  # one UpdatePolicy at a time (update_policy)
 
     @property
@@ -224,6 +228,7 @@ class JobManager:
         self._log_refusals = LogLimit()
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
         self._kept: Counter[str] = Counter()  # per tenant: its jobs here, finished or not
+        self._stored: Counter[str] = Counter()  # per tenant: the bytes its jobs here hold in the result log
         self._admitting: Counter[str] = Counter()  # per tenant: submits past the cap's check, not recorded yet
         self._submitting = 0  # submits in progress
         self._deferred: list[tuple[_Job, PendingItems]] = []  # accepted jobs whose rollouts wait for them
@@ -232,7 +237,8 @@ class JobManager:
         self._expiry: asyncio.Task[None] | None = None
         # finished jobs whose rows this version cannot read (left alone at the start): when each ended (monotonic)
         self._unreadable: dict[str, float] = {}
-        self._cancelling: set[asyncio.Future[None]] = set()  # CancelJobs tearing their rollouts down: close waits
+        # teardowns under way (CancelJobs, jobs removed early): close waits for them
+        self._teardowns: set[asyncio.Future[None]] = set()
         self._counted: dict[RolloutStatus, MetricCounter] = {}  # metrics.rollouts by status
 
     @classmethod
@@ -299,6 +305,7 @@ class JobManager:
             by_status, job.acked = await self.store.counts(stored.job_id)
             job.by_status.update(by_status)
             job.done = sum(by_status.values())
+            job.stored_bytes = await self.store.stored_bytes(stored.job_id)
             self._add(job)
             if stored.spec.deliver_groups and job.state != JobState.COMPLETED:
                 await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
@@ -370,6 +377,13 @@ class JobManager:
                 f"{unfinished} jobs are unfinished; caps.jobs_per_tenant is {self.caps.jobs_per_tenant}; "
                 "cancel some or wait for them to finish"
             )
+        if self._stored[owner] > self.caps.result_bytes_per_tenant:
+            self._trim_results(owner)
+            if self._stored[owner] > self.caps.result_bytes_per_tenant:
+                raise QuotaExceededError(
+                    f"{self._results_held(owner)}: cancel some of them, or wait for them to finish (a finished job "
+                    "that no stream reads then goes)"
+                )
         self._admitting[owner] += 1
         handed_over: list[bool] = []  # to the job's record, which lets go of the admission once the job counts
         try:
@@ -483,14 +497,21 @@ class JobManager:
             return
         grouped = job.spec.deliver_groups
         try:
-            seq = await self._logged(f"rollout {item.id}", lambda: self.store.append(rollout, visible=not grouped))
+            appended = await self._logged(
+                f"rollout {item.id}", lambda: self.store.append_sized(rollout, visible=not grouped)
+            )
         except ValueError as e:  # a rollout the log cannot encode (a bug upstream): masked, never lost
             log.error("rollout %s cannot be stored", item.id, exc_info=e)
             error = RolloutError(kind=type(e).__name__, message=f"the rollout could not be stored: {e}"[:2000])
             rollout = unrun_rollout(item, env.ref(), job.spec.policy.version, error, rollout.attempts)
-            seq = await self._logged(f"rollout {item.id}", lambda: self.store.append(rollout, visible=not grouped))
-        if seq is None:
+            appended = await self._logged(
+                f"rollout {item.id}", lambda: self.store.append_sized(rollout, visible=not grouped)
+            )
+        if appended is None:
             return  # already in the log (a resumed duplicate): counted when it was first run
+        job.stored_bytes += appended[1]
+        if self._jobs.get(job.job_id) is job:  # not removed meanwhile (a cancelled job's last appends)
+            self._stored[job.owner] += appended[1]
         # counted as the log holds it: a rollout the log could not encode is the INFRA_ERROR stored in its place
         self._count(rollout.status)
         if grouped:
@@ -503,6 +524,8 @@ class JobManager:
         if job.done >= job.total:
             await self._finish(job, JobState.COMPLETED)
         job.notify()
+        if self._stored[job.owner] > self.caps.result_bytes_per_tenant:
+            self._results_over(job)
 
     def _count(self, status: RolloutStatus) -> None:
         counted = self._counted.get(status)
@@ -514,14 +537,16 @@ class JobManager:
         self._jobs[job.job_id] = job
         self._kept[job.owner] += 1
         self._unfinished[job.owner] += not job.finished
+        self._stored[job.owner] += job.stored_bytes
 
-    def _forget(self, jobs: list[_Job]) -> None:
+    def _forget(self, jobs: Sequence[_Job]) -> None:
         """Take finished jobs out: GetJob, streams and acks see no such job from here on."""
         for job in jobs:
             del self._jobs[job.job_id]
             self._kept[job.owner] -= 1
+            self._stored[job.owner] -= job.stored_bytes
             if not self._kept[job.owner]:  # a tenant with nothing kept has no entry (tenants come and go)
-                del self._kept[job.owner], self._unfinished[job.owner]
+                del self._kept[job.owner], self._unfinished[job.owner], self._stored[job.owner]
 
     def _set_state(self, job: _Job, state: JobState) -> None:
         was = job.finished
@@ -638,6 +663,8 @@ class JobManager:
                         continue
                 # a full window must not keep a finished stream open: end when nothing is left to send
                 elif finished and (room > 0 or not await self.store.read(job_id, cursor, 1)):
+                    if job.ended_why:
+                        raise QuotaExceededError(job.ended_why)
                     return
                 me.full = len(me.outstanding) >= max_in_flight
                 if room <= 0 and not me.full:
@@ -688,9 +715,12 @@ class JobManager:
         return len(await run_to_end(self._ack(job, up_to, ids)))
 
     async def _ack(self, job: _Job, up_to: int, ids: Sequence[str]) -> list[int]:
-        seqs = await self.store.ack(
+        seqs, freed = await self.store.ack_sized(
             job.job_id, up_to, ids, delivered=job.delivered, whole_groups=job.spec.deliver_groups
         )
+        job.stored_bytes -= freed
+        if self._jobs.get(job.job_id) is job:
+            self._stored[job.owner] -= freed
         job.acked += len(seqs)
         job.notify_acked(seqs)
         return seqs
@@ -748,14 +778,22 @@ class JobManager:
         """Stop a job: pending work is dropped and running rollouts are cancelled (their sandboxes destroyed)."""
         job = self._job(job_id, owner)
         if not job.finished:
-            self._set_state(job, JobState.CANCELLED)
             # to its end even when the call is cancelled (a CancelJob past its deadline while sandboxes are torn
             # down): half done, the log said RUNNING, streams were never woken, and a restart ran the job again
-            cancelling = asyncio.ensure_future(self._cancel(job))
-            self._cancelling.add(cancelling)
-            cancelling.add_done_callback(self._cancelling.discard)
-            await run_to_end(cancelling)
+            await run_to_end(self._start_cancel(job))
         return await self.info(job_id)
+
+    def _start_cancel(self, job: _Job) -> asyncio.Future[None]:
+        """Cancel an unfinished job in the background; the future ends once it is torn down and its end logged."""
+        self._set_state(job, JobState.CANCELLED)
+        return self._background(self._cancel(job))
+
+    def _background(self, teardown: Awaitable[None]) -> asyncio.Future[None]:
+        """Run `teardown` to its end whoever waits for it (close waits for it)."""
+        running = asyncio.ensure_future(teardown)
+        self._teardowns.add(running)
+        running.add_done_callback(self._teardowns.discard)
+        return running
 
     async def _cancel(self, job: _Job) -> None:
         job_id = job.job_id
@@ -775,6 +813,10 @@ class JobManager:
             by_status, job.acked = await self._logged(f"job {job_id}'s counts", lambda: self.store.counts(job_id))
             job.by_status = Counter(by_status)
             job.done = sum(by_status.values())
+            stored = await self._logged(f"job {job_id}'s bytes", lambda: self.store.stored_bytes(job_id))
+            if self._jobs.get(job_id) is job:
+                self._stored[job.owner] += stored - job.stored_bytes
+            job.stored_bytes = stored
         finally:  # its streams wait for the end (_Job.ended), which a failed step above must not hold back
             await self._finish(job, JobState.CANCELLED)
 
@@ -852,13 +894,12 @@ class JobManager:
             )
         return len(gone) + len(unreadable)
 
-    async def _trim_finished(self, owner: str) -> None:
-        """Make room for one more finished job of tenant `owner` under caps.finished_jobs_per_tenant: its oldest go
-        before their retention runs out (a tenant submitting and cancelling in a loop kept every spec, up to 100,000
-        task ids each, for the whole retention)."""
+    def _oldest_finished(self, owner: str) -> Sequence[_Job]:
+        """Tenant `owner`'s finished jobs that may go before their retention runs out, the oldest end first: none
+        that a stream reads."""
         # a cancel still under way (finished, no end time yet) is no candidate: it sorted as the oldest, and was
         # removed from under the CancelJob tearing it down, which then said NOT_FOUND
-        finished = sorted(
+        return sorted(
             (
                 j
                 for j in self._jobs.values()
@@ -866,16 +907,56 @@ class JobManager:
             ),
             key=lambda j: j.ended_mono or 0.0,
         )
+
+    async def _trim_finished(self, owner: str) -> None:
+        """Make room for one more finished job of tenant `owner` under caps.finished_jobs_per_tenant: its oldest go
+        before their retention runs out (a tenant submitting and cancelling in a loop kept every spec, up to 100,000
+        task ids each, for the whole retention)."""
+        finished = self._oldest_finished(owner)
         gone = finished[: max(0, len(finished) - self.caps.finished_jobs_per_tenant + 1)]
         self._forget(gone)
+        why = f"its tenant had {self.caps.finished_jobs_per_tenant} finished (caps.finished_jobs_per_tenant)"
+        await self._remove_early(gone, why)
+
+    def _trim_results(self, owner: str) -> None:
+        """Bring tenant `owner`'s bytes in the result log under caps.result_bytes_per_tenant with its oldest finished
+        jobs, where they can: out of memory at once, out of the log in the background. A tenant whose policy answered 16 MiB turns,
+        or whose trainer never read, filled the log's disk, and every tenant's results then waited for room."""
+        cap = self.caps.result_bytes_per_tenant
+        finished = self._oldest_finished(owner)
+        n, over = 0, self._stored[owner] - cap
+        while n < len(finished) and over > 0:
+            over -= finished[n].stored_bytes
+            n += 1
+        if over > 0:
+            return  # its unfinished jobs alone hold more: its finished ones keep their retention
+        if gone := finished[:n]:
+            self._forget(gone)
+            why = f"its tenant's jobs held over caps.result_bytes_per_tenant ({cap} bytes) of results"
+            self._background(self._remove_early(gone, why))
+
+    def _results_over(self, job: _Job) -> None:
+        """Job `job` logged a rollout that took its tenant over caps.result_bytes_per_tenant: its finished jobs go
+        first, and where its unfinished ones alone hold more, the job is cancelled, its streams told why."""
+        self._trim_results(job.owner)
+        if self._stored[job.owner] > self.caps.result_bytes_per_tenant and not job.finished:
+            job.ended_why = f"job {job.job_id} was cancelled: {self._results_held(job.owner)}"
+            log.warning("%s", job.ended_why)
+            self._start_cancel(job)
+
+    def _results_held(self, owner: str) -> str:
+        return (
+            f"the tenant's unfinished jobs hold {self._stored[owner]} bytes of results in the result log, over "
+            f"caps.result_bytes_per_tenant = {self.caps.result_bytes_per_tenant}"
+        )
+
+    async def _remove_early(self, gone: Sequence[_Job], why: str) -> None:
+        """Remove jobs taken out of memory (_forget) before their retention ran out, saying `why`."""
         if len(gone) > 1:  # all marked at once: a submit cancelled during the first removal left the others loadable
             ids = [job.job_id for job in gone]
             await self._logged("the trimmed jobs' removal", lambda: self.store.mark_removing(ids))
         for job in gone:
-            await self._remove(
-                job.job_id,
-                f"its tenant had {self.caps.finished_jobs_per_tenant} finished (caps.finished_jobs_per_tenant)",
-            )
+            await self._remove(job.job_id, why)
 
     async def _remove(self, job_id: str, why: str = "") -> None:
         why = why or f"its retention of {self.retention_s:g}s after its end ran out"
@@ -899,7 +980,7 @@ class JobManager:
             job.notify()
         await self.executor.close()
         # cancels still tearing down finish (their sandboxes are gone with the executor's) before the log closes
-        await asyncio.gather(*self._cancelling, return_exceptions=True)
+        await asyncio.gather(*self._teardowns, return_exceptions=True)
 
 
 def _need(env: Environment) -> Need:

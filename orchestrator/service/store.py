@@ -115,6 +115,8 @@ ACKED = {
     "slim": "UPDATE rollouts SET acked = 1, wire = NULL, payload = CASE WHEN json_valid(payload) "
     "THEN json_remove(payload, '$.turns', '$.tokens') ELSE payload END",
 }
+# the bytes rows hold (caps.result_bytes_per_tenant): their JSON and their wire form
+STORED_BYTES = "COALESCE(SUM(LENGTH(CAST(payload AS BLOB)) + COALESCE(LENGTH(wire), 0)), 0)"
 # the unacked rows of the group a row belongs to (an ack that cuts a group whose parts are not all sent)
 GROUP_OF = (
     "SELECT seq FROM rollouts INDEXED BY rollouts_group_visible WHERE job_id = ? AND visible = 1 AND acked = 0 "
@@ -415,18 +417,24 @@ class ResultStore:
         An encoded rollout (from a worker) is stored as it came: its JSON, and its wire form for the stream. An
         invisible rollout is durable but not streamed yet: group delivery publishes a group once it is whole.
         """
+        appended = await self.append_sized(rollout, visible=visible)
+        return None if appended is None else appended[0]
+
+    async def append_sized(self, rollout: Rollout | EncodedRollout, *, visible: bool = True) -> tuple[int, int] | None:
+        """`append`, returning the seq and the bytes the row holds (its JSON and its wire form: `stored_bytes`)."""
         if isinstance(rollout, EncodedRollout):
             payload, wire = rollout.json, rollout.wire or None
         else:
             payload, wire = rollout.model_dump_json(exclude={"seq"}), None
+        size = len(payload.encode()) + len(wire or b"")
 
-        def q() -> int | None:
+        def q() -> tuple[int, int] | None:
             cur = self.db.execute(
                 "INSERT OR IGNORE INTO rollouts (job_id, rollout_id, group_id, status, payload, visible, wire) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (rollout.job_id, rollout.id, rollout.group_id, rollout.status.value, payload, int(visible), wire),
             )
-            return cur.lastrowid if cur.rowcount else None
+            return (cur.lastrowid or 0, size) if cur.rowcount else None
 
         return await self._run(q)
 
@@ -561,17 +569,23 @@ class ResultStore:
     async def ack(
         self, job_id: str, up_to: int, ids: Iterable[str], *, delivered: int, whole_groups: bool = False
     ) -> list[int]:
+        """`ack_sized`'s seqs."""
+        return (await self.ack_sized(job_id, up_to, ids, delivered=delivered, whole_groups=whole_groups))[0]
+
+    async def ack_sized(
+        self, job_id: str, up_to: int, ids: Iterable[str], *, delivered: int, whole_groups: bool = False
+    ) -> tuple[list[int], int]:
         """Ack every seq <= up_to and the given rollout ids among those delivered (seq <= `delivered`: an id is
         easily guessed, and one acked before it was sent would never be). With `whole_groups` a group is acked
         whole or not at all: a delivered id acks its group's every member once every part of the group is sent (one
         acked alone would leave the rest to go out as a part group), and an up_to inside a group acks none of it
         (a trainer that acked each message as it came, the last seq it held, lost the rest of every group that came
         in parts: acked whole, its parts on the wire or not sent yet were never sent again). Returns the seqs newly
-        acked."""
+        acked, and the bytes their rows gave up (slim; 0 where acked rows are kept whole)."""
         id_list = list(ids)
         by_ids = ACK_ID_GROUPS if whole_groups else ACK_IDS
 
-        def q() -> list[int]:
+        def q() -> tuple[list[int], int]:
             db = self.db
             # atomic: each call runs in a savepoint of the store's transaction
             seqs = [
@@ -601,10 +615,15 @@ class ResultStore:
                 else:
                     seqs += [r[0] for r in rows]
             seqs = sorted(set(seqs))
+            freed, slim = 0, self._acked == "slim"
             for i in range(0, len(seqs), 500):
                 chunk = seqs[i : i + 500]
-                db.execute(f"{ACKED[self._acked]} WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
-            return seqs
+                where = f"WHERE seq IN ({','.join('?' * len(chunk))})"
+                held = f"SELECT {STORED_BYTES} FROM rollouts {where}"
+                freed += db.execute(held, chunk).fetchone()[0] if slim else 0
+                db.execute(f"{ACKED[self._acked]} {where}", chunk)
+                freed -= db.execute(held, chunk).fetchone()[0] if slim else 0
+            return seqs, freed
 
         return await self._run(q)
 
@@ -615,6 +634,16 @@ class ResultStore:
                 self.db.execute(
                     "SELECT COALESCE(MAX(seq), 0) FROM rollouts WHERE job_id = ? AND visible = 1", (job_id,)
                 ).fetchone()[0]
+            )
+        )
+
+    async def stored_bytes(self, job_id: str) -> int:
+        """The bytes a job's rollouts hold in the log: each one's JSON and wire form (caps.result_bytes_per_tenant)."""
+        return int(
+            await self._run(
+                lambda: self.db.execute(f"SELECT {STORED_BYTES} FROM rollouts WHERE job_id = ?", (job_id,)).fetchone()[
+                    0
+                ]
             )
         )
 

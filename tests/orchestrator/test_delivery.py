@@ -448,15 +448,15 @@ async def test_a_rollout_the_log_cannot_encode_is_delivered_masked_and_its_job_e
     # a rollout holding what the log cannot encode (a lone surrogate: pydantic's ValueError) was never logged, and
     # its job waited for it for ever
     store = fake_orchestrator.jobs.store
-    append = store.append
+    append = store.append_sized
     unstorable = f":{task_ids[0]}:"
 
-    async def refusing(rollout: Any, *, visible: bool = True) -> int | None:
+    async def refusing(rollout: Any, *, visible: bool = True) -> tuple[int, int] | None:
         if unstorable in rollout.id and rollout.status == RolloutStatus.OK:
             raise ValueError("surrogates not allowed")
         return await append(rollout, visible=visible)
 
-    monkeypatch.setattr(store, "append", refusing)
+    monkeypatch.setattr(store, "append_sized", refusing)
     job_id = await _finished_job(fake_client, policy_server, task_ids[:2])
     got = {r.task_id: r async for r in fake_client.rollouts(job_id)}
     masked, fine = got[task_ids[0]], got[task_ids[1]]

@@ -284,7 +284,7 @@ async def test_a_cancel_is_in_the_log_before_its_sandboxes_are_torn_down(
             client.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=0.5),
             grpc.StatusCode.DEADLINE_EXCEEDED,
         )
-        assert orch.jobs._cancelling  # still tearing down
+        assert orch.jobs._teardowns  # still tearing down
         with contextlib.closing(sqlite3.connect(orch.jobs.store.path)) as db:
             (state,) = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         assert state == JobState.CANCELLED.value
@@ -311,7 +311,7 @@ async def test_an_open_stream_gets_the_groups_a_cancel_publishes(
             client.rollout_stub.CancelJob(pb.CancelJobRequest(job_id=job_id), timeout=0.5),
             grpc.StatusCode.DEADLINE_EXCEEDED,
         )
-        assert orch.jobs._cancelling  # still tearing down
+        assert orch.jobs._teardowns  # still tearing down
         orch.jobs._jobs[job_id].notify()  # what a result landing now does
         async with asyncio.timeout(20):
             assert await stream == [f"{job_id}:extra"]
