@@ -920,8 +920,9 @@ class JobManager:
 
     def _trim_results(self, owner: str) -> None:
         """Bring tenant `owner`'s bytes in the result log under caps.result_bytes_per_tenant with its oldest finished
-        jobs, where they can: out of memory at once, out of the log in the background. A tenant whose policy answered 16 MiB turns,
-        or whose trainer never read, filled the log's disk, and every tenant's results then waited for room."""
+        jobs, where they can: out of memory at once, out of the log in the background. A tenant whose policy
+        answered 16 MiB turns, or whose trainer never read, filled the log's disk, and every tenant's results then
+        waited for room."""
         cap = self.caps.result_bytes_per_tenant
         finished = self._oldest_finished(owner)
         n, over = 0, self._stored[owner] - cap
