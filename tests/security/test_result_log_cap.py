@@ -1,8 +1,9 @@
 """A tenant's results in the result log are bounded (caps.result_bytes_per_tenant): a tenant whose policy answers
 16 MiB turns, or whose trainer never reads, filled the log's disk, and every tenant's results then waited for room.
 Past the cap the tenant's oldest finished jobs that no stream reads go early, as many as bring it under; where its
-unfinished jobs alone hold more, a job that logs a rollout is cancelled (its streams end RESOURCE_EXHAUSTED, saying why, once all it logged is
-sent) and its SubmitJob is refused. Real gRPC, jobs, store and scheduler on the fake backend."""
+unfinished jobs alone hold more, a job that logs a rollout is cancelled (its streams end RESOURCE_EXHAUSTED, saying
+why, once all it logged is sent) and its SubmitJob is refused. Real gRPC, jobs, store and scheduler on the fake
+backend."""
 
 from __future__ import annotations
 
