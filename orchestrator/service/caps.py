@@ -82,9 +82,9 @@ class CapsConfig(BaseModel):
         ge=1 << 10,
         le=1 << 50,
         description="bytes a tenant's jobs hold in the result log (each rollout's JSON and wire form; a job's go at "
-        "its removal). Past it its oldest finished jobs that no stream reads go early, where that brings it under; "
-        "while its unfinished jobs alone hold more, a job that logs a rollout is cancelled (its stream ends "
-        "RESOURCE_EXHAUSTED once all it logged is sent) and SubmitJob is refused",
+        "its removal). Past it its oldest finished jobs wholly acked that no stream reads go early, where that brings "
+        "it under; where it does not, a job that logs a rollout is cancelled (its stream ends RESOURCE_EXHAUSTED once "
+        "all it logged is sent) and SubmitJob is refused",
     )
     calls_per_tenant: int = Field(
         4096,

@@ -237,8 +237,10 @@ class JobManager:
         self._expiry: asyncio.Task[None] | None = None
         # finished jobs whose rows this version cannot read (left alone at the start): when each ended (monotonic)
         self._unreadable: dict[str, float] = {}
-        # teardowns under way (CancelJobs, jobs removed early): close waits for them
-        self._teardowns: set[asyncio.Future[None]] = set()
+        self._teardowns: set[asyncio.Future[None]] = set()  # CancelJobs tearing their rollouts down: close waits
+        # removals of jobs taken out early (caps.result_bytes_per_tenant), in the background: close stops them (each
+        # is marked REMOVING before its rows go, and the next start finishes it)
+        self._removals: set[asyncio.Future[None]] = set()
         self._counted: dict[RolloutStatus, MetricCounter] = {}  # metrics.rollouts by status
 
     @classmethod
@@ -381,8 +383,8 @@ class JobManager:
             self._trim_results(owner)
             if self._stored[owner] > self.caps.result_bytes_per_tenant:
                 raise QuotaExceededError(
-                    f"{self._results_held(owner)}: cancel some of them, or wait for them to finish (a finished job "
-                    "that no stream reads then goes)"
+                    f"{self._results_held(owner)}: ack the rollouts of finished jobs (a finished job wholly acked, "
+                    "that no stream reads, then goes), or cancel unfinished ones"
                 )
         self._admitting[owner] += 1
         handed_over: list[bool] = []  # to the job's record, which lets go of the admission once the job counts
@@ -786,13 +788,14 @@ class JobManager:
     def _start_cancel(self, job: _Job) -> asyncio.Future[None]:
         """Cancel an unfinished job in the background; the future ends once it is torn down and its end logged."""
         self._set_state(job, JobState.CANCELLED)
-        return self._background(self._cancel(job))
+        return self._background(self._cancel(job), self._teardowns)
 
-    def _background(self, teardown: Awaitable[None]) -> asyncio.Future[None]:
-        """Run `teardown` to its end whoever waits for it (close waits for it)."""
-        running = asyncio.ensure_future(teardown)
-        self._teardowns.add(running)
-        running.add_done_callback(self._teardowns.discard)
+    @staticmethod
+    def _background(work: Awaitable[None], held: set[asyncio.Future[None]]) -> asyncio.Future[None]:
+        """Run `work` whoever waits for it, held in `held` until it ends."""
+        running = asyncio.ensure_future(work)
+        held.add(running)
+        running.add_done_callback(held.discard)
         return running
 
     async def _cancel(self, job: _Job) -> None:
@@ -894,16 +897,20 @@ class JobManager:
             )
         return len(gone) + len(unreadable)
 
-    def _oldest_finished(self, owner: str) -> Sequence[_Job]:
+    def _oldest_finished(self, owner: str, *, acked: bool = False) -> Sequence[_Job]:
         """Tenant `owner`'s finished jobs that may go before their retention runs out, the oldest end first: none
-        that a stream reads."""
+        that a stream reads, and with `acked` only those whose every rollout is acked."""
         # a cancel still under way (finished, no end time yet) is no candidate: it sorted as the oldest, and was
         # removed from under the CancelJob tearing it down, which then said NOT_FOUND
         return sorted(
             (
                 j
                 for j in self._jobs.values()
-                if j.owner == owner and j.finished and j.ended_mono is not None and not j.listeners
+                if j.owner == owner
+                and j.finished
+                and j.ended_mono is not None
+                and not j.listeners
+                and (not acked or j.acked >= j.done)
             ),
             key=lambda j: j.ended_mono or 0.0,
         )
@@ -920,25 +927,26 @@ class JobManager:
 
     def _trim_results(self, owner: str) -> None:
         """Bring tenant `owner`'s bytes in the result log under caps.result_bytes_per_tenant with its oldest finished
-        jobs, where they can: out of memory at once, out of the log in the background. A tenant whose policy
-        answered 16 MiB turns, or whose trainer never read, filled the log's disk, and every tenant's results then
-        waited for room."""
+        jobs wholly acked, where they can: out of memory at once, out of the log in the background. A tenant whose
+        policy answered 16 MiB turns, or whose trainer never read, filled the log's disk, and every tenant's results
+        then waited for room."""
         cap = self.caps.result_bytes_per_tenant
-        finished = self._oldest_finished(owner)
+        # only what its trainer has: results not acked yet are delivered at least once, as a job's retention keeps them
+        finished = self._oldest_finished(owner, acked=True)
         n, over = 0, self._stored[owner] - cap
         while n < len(finished) and over > 0:
             over -= finished[n].stored_bytes
             n += 1
         if over > 0:
-            return  # its unfinished jobs alone hold more: its finished ones keep their retention
+            return  # removing them would not do: they keep their retention
         if gone := finished[:n]:
             self._forget(gone)
             why = f"its tenant's jobs held over caps.result_bytes_per_tenant ({cap} bytes) of results"
-            self._background(self._remove_early(gone, why))
+            self._background(self._remove_early(gone, why), self._removals)
 
     def _results_over(self, job: _Job) -> None:
-        """Job `job` logged a rollout that took its tenant over caps.result_bytes_per_tenant: its finished jobs go
-        first, and where its unfinished ones alone hold more, the job is cancelled, its streams told why."""
+        """Job `job` logged a rollout that took its tenant over caps.result_bytes_per_tenant: its finished jobs wholly
+        acked go first, and where they cannot bring it under, the job is cancelled, its streams told why."""
         self._trim_results(job.owner)
         if self._stored[job.owner] > self.caps.result_bytes_per_tenant and not job.finished:
             job.ended_why = f"job {job.job_id} was cancelled: {self._results_held(job.owner)}"
@@ -947,8 +955,9 @@ class JobManager:
 
     def _results_held(self, owner: str) -> str:
         return (
-            f"the tenant's unfinished jobs hold {self._stored[owner]} bytes of results in the result log, over "
-            f"caps.result_bytes_per_tenant = {self.caps.result_bytes_per_tenant}"
+            f"the tenant's jobs hold {self._stored[owner]} bytes of results in the result log, over "
+            f"caps.result_bytes_per_tenant = {self.caps.result_bytes_per_tenant}, and its finished jobs whose "
+            "rollouts are all acked (which may go early) hold too little of it"
         )
 
     async def _remove_early(self, gone: Sequence[_Job], why: str) -> None:
@@ -981,7 +990,9 @@ class JobManager:
             job.notify()
         await self.executor.close()
         # cancels still tearing down finish (their sandboxes are gone with the executor's) before the log closes
-        await asyncio.gather(*self._teardowns, return_exceptions=True)
+        for removal in self._removals:
+            removal.cancel()
+        await asyncio.gather(*self._teardowns, *self._removals, return_exceptions=True)
 
 
 def _need(env: Environment) -> Need:

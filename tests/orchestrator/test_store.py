@@ -467,3 +467,47 @@ def test_the_shape_of_what_the_log_stores_is_its_layouts() -> None:
     assert STORED_SHAPES.get(store_module.LOG_VERSION) == shape, (
         f"the stored models changed (shape {shape}): bump store.LOG_VERSION and pin the new shape in STORED_SHAPES"
     )
+
+
+async def test_a_jobs_bytes_are_kept_as_it_grows_and_counted_once_for_a_log_from_before(tmp_path: Path) -> None:
+    # summed from the rows, the bytes a job held (caps.result_bytes_per_tenant) read every payload whole: a start
+    # read the whole log, and a cancel held every tenant's calls behind its job's rows
+    path = tmp_path / "log.sqlite3"
+    spec = JobSpec(env="e", tasks=TaskSelection(kind="ids", ids=["t"]), policy=PolicyEndpoint(base_url=REPLAY_URL))
+    store = await ResultStore.open(path)
+    try:
+        await store.create_job("job-a", spec, 4)
+
+        async def refused() -> None:
+            await store._run(lambda: store.db.execute("INSERT INTO nowhere VALUES (1)"))
+
+        # a batch with a call that fails: run again call by call, the others counted once, the failed one not
+        calls = [store.append_sized(_encoded(_sample(i))) for i in range(3)]
+        *appended, failed = await asyncio.gather(*calls, refused(), return_exceptions=True)
+        assert isinstance(failed, sqlite3.OperationalError)
+        sizes = [a[1] for a in appended if isinstance(a, tuple)]
+        assert len(sizes) == 3 and await store.append_sized(_encoded(_sample(0))) is None  # a duplicate adds nothing
+        summed = await store._run(
+            lambda: store.db.execute(f"SELECT {store_module.STORED_BYTES} FROM rollouts").fetchone()[0]
+        )
+        assert await store.stored_bytes("job-a") == sum(sizes) == summed
+
+        # the count is one row's read, not the rollouts' (the statements it ran say so)
+        traced: list[str] = []
+        await store._run(lambda: store.db.set_trace_callback(traced.append))
+        assert await store.stored_bytes("job-a") == summed
+        await store._run(lambda: store.db.set_trace_callback(None))
+        assert not [t for t in traced if "FROM rollouts" in t], traced
+        # a log from before the table: counted from its rows once, then kept
+        await store._run(lambda: store.db.execute("DELETE FROM job_bytes"))
+    finally:
+        await store.close()
+    store = await ResultStore.open(path)
+    try:
+        assert await store.stored_bytes("job-a") == summed
+        await store.append_sized(_encoded(_sample(3)))
+        assert await store.stored_bytes("job-a") > summed
+        await store.remove_job("job-a")
+        assert await store._run(lambda: store.db.execute("SELECT COUNT(*) FROM job_bytes").fetchone()[0]) == 0
+    finally:
+        await store.close()

@@ -1,9 +1,9 @@
 """A tenant's results in the result log are bounded (caps.result_bytes_per_tenant): a tenant whose policy answers
 16 MiB turns, or whose trainer never reads, filled the log's disk, and every tenant's results then waited for room.
-Past the cap the tenant's oldest finished jobs that no stream reads go early, as many as bring it under; where its
-unfinished jobs alone hold more, a job that logs a rollout is cancelled (its streams end RESOURCE_EXHAUSTED, saying
-why, once all it logged is sent) and its SubmitJob is refused. Real gRPC, jobs, store and scheduler on the fake
-backend."""
+Past the cap the tenant's oldest finished jobs whose rollouts are all acked and that no stream reads go early, as
+many as bring it under (results not acked yet stay: delivery is at least once); where they cannot, a job that logs a
+rollout is cancelled (its streams end RESOURCE_EXHAUSTED, saying why, once all it logged is sent) and its SubmitJob
+is refused. Real gRPC, jobs, store and scheduler on the fake backend."""
 
 from __future__ import annotations
 
@@ -130,7 +130,11 @@ async def test_a_tenant_whose_unfinished_jobs_hold_more_is_cancelled_told_why_an
         assert len(got) == info.done, details
         assert f"job {job_id} was cancelled" in details and f"caps.result_bytes_per_tenant = {cap}" in details
 
-        # no stream reads it now: the next submit makes room with it, and is taken
+        # sent, not acked: kept (a trainer that reads its jobs one at a time lost the unread ones), so still refused
+        await expect_error(a.rollout_stub.SubmitJob(_job()), EXHAUSTED, "ack the rollouts of finished jobs")
+        assert (await a.get_job(job_id)).state == JobState.CANCELLED
+        # acked, and no stream reads it: the next submit makes room with it, and is taken
+        await a.ack(job_id, up_to=max(r.seq for r in got))
         again = await a.rollout_stub.SubmitJob(_job(group_size=1))
         await _gone(a, data, job_id)
         assert again.job_id
