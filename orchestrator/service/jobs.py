@@ -949,7 +949,12 @@ class JobManager:
         acked go first, and where they cannot bring it under, the job is cancelled, its streams told why."""
         self._trim_results(job.owner)
         if self._stored[job.owner] > self.caps.result_bytes_per_tenant and not job.finished:
-            job.ended_why = f"job {job.job_id} was cancelled: {self._results_held(job.owner)}"
+            # a job that runs for weeks holds every rollout it delivered until it is removed, unless acks slim them
+            job.ended_why = (
+                f"job {job.job_id} was cancelled: {self._results_held(job.owner)}. Ack the rollouts of finished jobs; "
+                "for a job this large ask the operator for a higher cap, or for --result-log-acked slim (an acked "
+                "rollout then keeps its record, not its turns and tokens)"
+            )
             log.warning("%s", job.ended_why)
             self._start_cancel(job)
 
