@@ -408,7 +408,8 @@ class RolloutServiceServicer:
 
     def SubmitJob(self, request, context):
         """INVALID_ARGUMENT names every bad field; NOT_FOUND for an unknown environment (with the closest names);
-        RESOURCE_EXHAUSTED when one rollout of the environment could never fit the fleet.
+        RESOURCE_EXHAUSTED when one rollout of the environment could never fit the fleet, or past a cap of the tenant's
+        (caps.jobs_per_tenant, caps.rollouts_per_job, caps.result_bytes_per_tenant...: the message names it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -434,7 +435,9 @@ class RolloutServiceServicer:
         it, or resume after DEADLINE_EXCEEDED. NOT_FOUND for an unknown job; INVALID_ARGUMENT for a field out of range
         or a resume_after that is no seq of this job's sent rollouts; RESOURCE_EXHAUSTED with RetryInfo while the tenant
         holds caps.streams_per_tenant streams (a dead connection's stream counts until keepalive finds it: ask again);
-        UNAUTHENTICATED, also on an open stream, once its token expires or is revoked (a new token, then resume).
+        RESOURCE_EXHAUSTED without RetryInfo, in place of OK at the end, for a job the server cancelled because its
+        tenant's results in the log were over caps.result_bytes_per_tenant (the message says so); UNAUTHENTICATED, also
+        on an open stream, once its token expires or is revoked (a new token, then resume).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
