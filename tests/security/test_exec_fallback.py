@@ -4,13 +4,15 @@ holding stdout cannot hold the call, capped output with a truncation flag, exit 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import docker
 import pytest
 
 from orchestrator.backends.docker import DockerBackend
-from orchestrator.core.errors import SandboxFileError, SandboxFileNotFoundError
+from orchestrator.core.errors import SandboxError, SandboxFileError, SandboxFileNotFoundError
 from orchestrator.core.sandbox import SandboxSpec
 
 COUNT_SLEEPS = (
@@ -65,3 +67,24 @@ async def test_a_path_is_never_the_fallbacks_shell_text_or_finds_expression(
             await box.list_dir("-delete")
         assert sorted(e.name for e in await box.list_dir(box.spec.workspace)) == sorted(["keep.txt", name])
         assert await box.read_file("keep.txt") == b"kept"
+
+
+@pytest.mark.parametrize("end", ["kill", "remove"])
+async def test_a_sandbox_that_ends_under_a_command_is_the_sandboxs_failure_not_the_commands_exit(
+    backend: DockerBackend, base_image: str, end: str
+) -> None:
+    # the command came back as exit 137, killed: a scoring command passed the sandbox's end on as a reward of 0 (the
+    # envd transport's stream breaks, and the sandbox is found dead); and the engine's refusals once the container
+    # was gone came out as docker's raw APIError
+    async with await backend.create(SandboxSpec(image=base_image, transport="docker-exec")) as box:
+        running = asyncio.create_task(box.exec("sleep 60", timeout=60))
+        await asyncio.sleep(1.5)  # the command runs
+        api = docker.from_env().api
+        await asyncio.to_thread(lambda: api.kill(box.id) if end == "kill" else api.remove_container(box.id, force=True))
+        async with asyncio.timeout(30):
+            with pytest.raises(SandboxError):
+                await running
+        # a command the sandbox's own processes kill is its exit, as before
+    async with await backend.create(SandboxSpec(image=base_image, transport="docker-exec")) as box:
+        r = await box.exec("kill -9 $$")
+        assert (r.exit_code, r.signal, r.timed_out) == (137, 9, False), r

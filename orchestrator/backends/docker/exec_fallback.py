@@ -119,11 +119,10 @@ class DockerExecTransport(Transport):
         command runs, and a kill that came first would miss it. False: it never began (its start was never sent,
         the caller cancelled before the limiter let it through); an engine that refuses or does not answer counts
         as begun."""
-        api = self._backend.api
         for _ in range(int(DRAIN_S / STARTED_POLL_S)):
             try:
-                info = await self._backend.engine.call(api.exec_inspect, exec_id)
-            except (SandboxUnavailableError, docker.errors.APIError):
+                info = await self._inspect(exec_id)
+            except SandboxUnavailableError:
                 return True  # the kill says what is wrong
             if info.get("Running") or info.get("ExitCode") is not None:
                 return True
@@ -131,10 +130,20 @@ class DockerExecTransport(Transport):
         return False
 
     async def kill_leftovers(self) -> None:
-        """Kill every process in the sandbox but init and the keeper."""
+        """Kill every process in the sandbox but init and the keeper (none where the container is gone or stopped:
+        the engine refuses the exec, and the command that asked says what became of the sandbox)."""
         argv = ["/bin/sh", "-c", SWEEP, "sweep", self._keeper or "1"]
-        with contextlib.suppress(SandboxUnavailableError):
+        with contextlib.suppress(SandboxUnavailableError, docker.errors.APIError):
             await self._engine_exec(argv, "/", {}, wait=True)
+
+    async def _inspect(self, exec_id: str) -> dict[str, Any]:
+        """The engine's view of exec `exec_id`; SandboxUnavailableError where the engine refuses it (its container
+        removed or stopped meanwhile: the raw APIError reached the caller, a rollout's unclassified error)."""
+        try:
+            info: dict[str, Any] = await self._backend.engine.call(self._backend.api.exec_inspect, exec_id)
+        except docker.errors.APIError as e:
+            raise SandboxUnavailableError(f"docker exec: the engine cannot say how the command ended: {e}") from e
+        return info
 
     async def _engine_exec(self, argv: list[str], cwd: str, env: Mapping[str, str], *, wait: bool = False) -> Any:
         api = self._backend.api
@@ -241,24 +250,41 @@ class DockerExecTransport(Transport):
             if not finished:  # cancelled or failed: what it started goes
                 await to_the_end(self._kill(started=exec_id))
         code = await self._exit_code(exec_id)
+        if code > 128 and not timed_out and not await self._sandbox_runs():
+            # its sandbox stopped or went under it (a kill, a removal, the engine's restart): the command's 137 was
+            # the sandbox's end, which a scoring command passed on as its reward, 0
+            raise SandboxUnavailableError(f"docker exec: the sandbox stopped while the command ran (exit {code})")
         sig = code - 128 if code > 128 else 0
         yield ExecEnded(code, sig, timed_out, truncated, False, loop.time() - t0)
+
+    async def _sandbox_runs(self) -> bool:
+        """Whether the sandbox's container still runs (the engine cannot say: as if it did; the next call finds out)."""
+        try:
+            info = await self._backend.engine.call(self._backend.api.inspect_container, self._cid)
+        except docker.errors.NotFound:
+            return False
+        except (SandboxUnavailableError, docker.errors.APIError):
+            return True
+        return bool((info.get("State") or {}).get("Running"))
 
     async def _exit_code(self, exec_id: str) -> int:
         """The command's exit status from the engine (128 + signal when killed; 137 if it never shows as ended)."""
         for _ in range(int(DRAIN_S / POLL_S)):
-            info = await self._backend.engine.call(self._backend.api.exec_inspect, exec_id)
+            info = await self._inspect(exec_id)
             if not info.get("Running") and info.get("ExitCode") is not None:
                 return int(info["ExitCode"])
             await asyncio.sleep(POLL_S)
         return 137
 
     async def _exited(self, exec_id: str) -> None:
-        """Return once the engine says the command's own process has exited (its output may still be held open)."""
-        api = self._backend.api
+        """Return once the engine says the command's own process has exited (its output may still be held open), or
+        cannot say (_exit_code then says what is wrong)."""
         while True:
             await asyncio.sleep(POLL_S)
-            info = await self._backend.engine.call(api.exec_inspect, exec_id)
+            try:
+                info = await self._inspect(exec_id)
+            except SandboxUnavailableError:
+                return
             if not info.get("Running"):
                 return
 
