@@ -138,6 +138,8 @@ class _Job:
     ended_mono: float | None = None
     acked: int = 0  # rollouts acked so far (with done and by_status, what GetJob reports without reading the log)
     stored_bytes: int = 0  # what its rollouts hold in the result log (caps.result_bytes_per_tenant)
+    # of a finished job delivered in groups, its rollouts a stream can send (a group never whole is not); None: done
+    published: int | None = None
     # why the server ended it, which its streams end with once all it logged is sent (this process only: a restart
     # shows the job CANCELLED, and its streams end as a finished job's do)
     ended_why: str = ""
@@ -167,6 +169,11 @@ class _Job:
     @property
     def finished(self) -> bool:
         return self.state in FINISHED_STATES
+
+    @property
+    def wholly_acked(self) -> bool:
+        """Every rollout a stream can send is acked: its trainer has it all."""
+        return self.acked >= (self.done if self.published is None else self.published)
 
     @property
     def run_env(self) -> Environment:
@@ -312,6 +319,8 @@ class JobManager:
             if stored.spec.deliver_groups and job.state != JobState.COMPLETED:
                 await self.store.publish_complete_groups(job.job_id, stored.spec.group_size)
             if job.finished:
+                if stored.spec.deliver_groups:
+                    job.published = await self.store.published(job.job_id)
                 continue
             if env is None and stored.spec.env.partition("@")[0] in held_envs:
                 log.error(
@@ -335,6 +344,8 @@ class JobManager:
                 # what changed while it was down (an environment or a task gone, less capacity) ends the job: it stays,
                 # so that what it logged is streamed and acked and its retention applies, and the server starts
                 log.error("cannot resume job %s, so it is cancelled: %s", job.job_id, e)
+                if stored.spec.deliver_groups:  # its whole groups are published above
+                    job.published = await self.store.published(job.job_id)
                 await self._finish(job, JobState.CANCELLED)
                 continue
             log.info("resuming job %s: %d of %d rollouts left", job.job_id, len(items), job.total)
@@ -813,6 +824,8 @@ class JobManager:
             if job.spec.deliver_groups:
                 n = job.spec.group_size
                 await self._logged(f"job {job_id}'s groups", lambda: self.store.publish_complete_groups(job_id, n))
+                # a group it never completed is never sent, nor acked: counted, it kept the job "not wholly acked"
+                job.published = await self._logged(f"job {job_id}'s groups", lambda: self.store.published(job_id))
             by_status, job.acked = await self._logged(f"job {job_id}'s counts", lambda: self.store.counts(job_id))
             job.by_status = Counter(by_status)
             job.done = sum(by_status.values())
@@ -910,7 +923,7 @@ class JobManager:
                 and j.finished
                 and j.ended_mono is not None
                 and not j.listeners
-                and (not acked or j.acked >= j.done)
+                and (not acked or j.wholly_acked)
             ),
             key=lambda j: j.ended_mono or 0.0,
         )

@@ -49,8 +49,9 @@ WAL_LIMIT_BYTES = 64 << 20  # what of the write-ahead log stays on disk once it 
 # the submitted one, and again after the upgrade back). Logs from before the stamp read 0. Its rows hold the job spec
 # and the rollout as JSON, which the models read strictly (extra fields refused): a change to their fields is a new
 # layout (2: PolicyEndpoint.chat_template_kwargs, max_turns 0; an older version dropped each job it could not read),
-# and tests/orchestrator/test_store.py pins their shape to the layout
-LOG_VERSION = 2
+# and tests/orchestrator/test_store.py pins their shape to the layout. 3: job_bytes, which an older version's appends
+# and removals would leave behind the rows (caps.result_bytes_per_tenant counted wrong for good)
+LOG_VERSION = 3
 # the state of a job row whose removal is under way (never a JobState: an older version leaves such a row alone)
 REMOVING = "REMOVING"
 SCHEMA = """
@@ -677,10 +678,22 @@ class ResultStore:
             if row is not None:
                 return int(row[0])
             (n,) = self.db.execute(f"SELECT {STORED_BYTES} FROM rollouts WHERE job_id = ?", (job_id,)).fetchone()
-            self.db.execute("INSERT INTO job_bytes (job_id, bytes) VALUES (?, ?)", (job_id, n))
+            # what this transaction's calls logged of it is in the sum and is added at its end too
+            self.db.execute("INSERT INTO job_bytes (job_id, bytes) VALUES (?, ?)", (job_id, n - self._bytes[job_id]))
             return int(n)
 
         return await self._run(q)
+
+    async def published(self, job_id: str) -> int:
+        """How many of a job's rollouts are visible: those a stream can send and an ack can reach (a group that was
+        never whole is neither)."""
+        return int(
+            await self._run(
+                lambda: self.db.execute(
+                    "SELECT COUNT(*) FROM rollouts WHERE job_id = ? AND visible = 1", (job_id,)
+                ).fetchone()[0]
+            )
+        )
 
     async def counts(self, job_id: str) -> tuple[dict[str, int], int]:
         """Rollouts by status, and how many are acked."""

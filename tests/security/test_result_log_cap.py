@@ -18,8 +18,9 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobState
 from orchestrator.core.policy import REPLAY_URL
 from orchestrator.server.app import Orchestrator
+from orchestrator.testing.synthetic_rollouts import long_rollout
 from protos import orchestrator_pb2 as pb
-from tests.orchestrator.servers import FAKE, expect_error, serve
+from tests.orchestrator.servers import FAKE, expect_error, serve, silent_policy
 
 TOKEN_A, TOKEN_B = (secrets.token_urlsafe(24) for _ in range(2))
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -137,6 +138,30 @@ async def test_a_tenant_whose_unfinished_jobs_hold_more_is_cancelled_told_why_an
         await a.ack(job_id, up_to=max(r.seq for r in got))
         again = await a.rollout_stub.SubmitJob(_job(group_size=1))
         await _gone(a, data, job_id)
+        assert again.job_id
+
+
+async def test_a_grouped_job_cancelled_mid_group_goes_once_all_it_sent_is_acked(tmp_path: Path) -> None:
+    # a group it never completed is never sent, nor acked: counted among what is to be acked, the job could never go
+    # early, and its tenant stayed refused until its retention ran out (for good, kept for good)
+    data = tmp_path / "data"
+    async with silent_policy() as url, serve(data, backend=FAKE) as orch, EnvfleetClient(orch.address) as c:
+        spec = _job(group_size=4)
+        spec.deliver_groups = True
+        spec.policy.base_url = url
+        job_id = str((await c.rollout_stub.SubmitJob(spec)).job_id)
+        # one sample of its group logged, the others still running (the policy never answers)
+        member = long_rollout(turns=2, job_id=job_id).model_copy(
+            update={"id": f"{job_id}:py-000:0", "group_id": f"{job_id}:py-000", "sample_index": 0}
+        )
+        await orch.jobs.store.append(member, visible=False)
+        info = await c.cancel_job(job_id)
+        assert info.state == JobState.CANCELLED and info.done == 1
+        assert not [r async for r in c.rollouts(job_id)]  # its group is not whole: never sent
+        _cap(orch, 1024)
+        spec.deliver_groups = False
+        again = await c.rollout_stub.SubmitJob(spec)  # the cancelled job makes room, and goes
+        await _gone(c, data, job_id)
         assert again.job_id
 
 
