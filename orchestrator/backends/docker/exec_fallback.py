@@ -133,8 +133,13 @@ class DockerExecTransport(Transport):
         """Kill every process in the sandbox but init and the keeper (none where the container is gone or stopped:
         the engine refuses the exec, and the command that asked says what became of the sandbox)."""
         argv = ["/bin/sh", "-c", SWEEP, "sweep", self._keeper or "1"]
-        with contextlib.suppress(SandboxUnavailableError, docker.errors.APIError):
+        try:
             await self._engine_exec(argv, "/", {}, wait=True)
+        except SandboxUnavailableError:
+            pass
+        except docker.errors.APIError as e:
+            if e.status_code not in (404, 409):  # gone, or not running: nothing left to kill
+                raise SandboxUnavailableError(f"docker exec: the sweep of leftover processes failed: {e}") from e
 
     async def _inspect(self, exec_id: str) -> dict[str, Any]:
         """The engine's view of exec `exec_id`; SandboxUnavailableError where the engine refuses it (its container
@@ -250,22 +255,24 @@ class DockerExecTransport(Transport):
             if not finished:  # cancelled or failed: what it started goes
                 await to_the_end(self._kill(started=exec_id))
         code = await self._exit_code(exec_id)
-        if code > 128 and not timed_out and not await self._sandbox_runs():
-            # its sandbox stopped or went under it (a kill, a removal, the engine's restart): the command's 137 was
-            # the sandbox's end, which a scoring command passed on as its reward, 0
-            raise SandboxUnavailableError(f"docker exec: the sandbox stopped while the command ran (exit {code})")
+        if code > 128 and not timed_out and await self._removed():
+            # its sandbox was removed under it: the command's 137 was the sandbox's end, which a scoring command
+            # passed on as its reward, 0. One that stopped is left as the command's exit: here the sandbox's own
+            # processes can stop it (docker-init passes their signals on), and an unscored retry would be theirs
+            raise SandboxUnavailableError(f"docker exec: the sandbox was removed while the command ran (exit {code})")
         sig = code - 128 if code > 128 else 0
         yield ExecEnded(code, sig, timed_out, truncated, False, loop.time() - t0)
 
-    async def _sandbox_runs(self) -> bool:
-        """Whether the sandbox's container still runs (the engine cannot say: as if it did; the next call finds out)."""
+    async def _removed(self) -> bool:
+        """Whether the sandbox's container is gone or being removed, which only the engine's side can do (the engine
+        cannot say: not removed; the next call finds out)."""
         try:
             info = await self._backend.engine.call(self._backend.api.inspect_container, self._cid)
         except docker.errors.NotFound:
-            return False
-        except (SandboxUnavailableError, docker.errors.APIError):
             return True
-        return bool((info.get("State") or {}).get("Running"))
+        except (SandboxUnavailableError, docker.errors.APIError):
+            return False
+        return (info.get("State") or {}).get("Status") in ("removing", "dead")
 
     async def _exit_code(self, exec_id: str) -> int:
         """The command's exit status from the engine (128 + signal when killed; 137 if it never shows as ended)."""
@@ -278,13 +285,16 @@ class DockerExecTransport(Transport):
 
     async def _exited(self, exec_id: str) -> None:
         """Return once the engine says the command's own process has exited (its output may still be held open), or
-        cannot say (_exit_code then says what is wrong)."""
+        that the exec is gone (_exit_code then says so). An engine that fails a poll is polled again: the command's
+        deadline bounds the wait."""
         while True:
             await asyncio.sleep(POLL_S)
             try:
                 info = await self._inspect(exec_id)
-            except SandboxUnavailableError:
-                return
+            except SandboxUnavailableError as e:
+                if isinstance(e.__cause__, docker.errors.NotFound):
+                    return
+                continue
             if not info.get("Running"):
                 return
 
