@@ -232,6 +232,10 @@ class JobManager:
         for state in JobState:
             self.metrics.jobs.labels(state.value).set_function(functools.partial(self._count_in, state))
         self._jobs: dict[str, _Job] = {}
+        # the same jobs by tenant: a tenant's list and its early removals read its own, not every tenant's (a
+        # tenant at its caps made each of its submits, and each rollout of its logged over the byte cap, a pass over
+        # every job of the server: 100 tenants of 1,000 finished jobs, some 10 ms of the event loop a call)
+        self._by_owner: dict[str, dict[str, _Job]] = {}
         self._log_refusals = LogLimit()
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
         self._kept: Counter[str] = Counter()  # per tenant: its jobs here, finished or not
@@ -548,6 +552,7 @@ class JobManager:
 
     def _add(self, job: _Job) -> None:
         self._jobs[job.job_id] = job
+        self._by_owner.setdefault(job.owner, {})[job.job_id] = job
         self._kept[job.owner] += 1
         self._unfinished[job.owner] += not job.finished
         self._stored[job.owner] += job.stored_bytes
@@ -555,11 +560,12 @@ class JobManager:
     def _forget(self, jobs: Sequence[_Job]) -> None:
         """Take finished jobs out: GetJob, streams and acks see no such job from here on."""
         for job in jobs:
-            del self._jobs[job.job_id]
+            del self._jobs[job.job_id], self._by_owner[job.owner][job.job_id]
             self._kept[job.owner] -= 1
             self._stored[job.owner] -= job.stored_bytes
             if not self._kept[job.owner]:  # a tenant with nothing kept has no entry (tenants come and go)
                 del self._kept[job.owner], self._unfinished[job.owner], self._stored[job.owner]
+                del self._by_owner[job.owner]
 
     def _set_state(self, job: _Job, state: JobState) -> None:
         was = job.finished
@@ -864,7 +870,8 @@ class JobManager:
 
     async def list(self, *, owner: str | None = None) -> list[JobInfo]:
         """Every job this orchestrator knows (of tenant `owner` only, when given)."""
-        return [self._info(job) for job in self._jobs.values() if owner is None or job.owner == owner]
+        jobs = self._jobs if owner is None else self._by_owner.get(owner, {})
+        return [self._info(job) for job in jobs.values()]
 
     def _expired(self, end: float | None, now: float) -> bool:
         """Whether a job that ended at `end` is past its retention at `now`, both on one clock: the wall clock at a
@@ -918,12 +925,8 @@ class JobManager:
         return sorted(
             (
                 j
-                for j in self._jobs.values()
-                if j.owner == owner
-                and j.finished
-                and j.ended_mono is not None
-                and not j.listeners
-                and (not acked or j.wholly_acked)
+                for j in self._by_owner.get(owner, {}).values()
+                if j.finished and j.ended_mono is not None and not j.listeners and (not acked or j.wholly_acked)
             ),
             key=lambda j: j.ended_mono or 0.0,
         )
