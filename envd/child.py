@@ -30,6 +30,10 @@ MAX_PENDING = 8
 # the processes a command's start gives oom_score_adj 1000 at most: itself and what it forked before envd's write
 # (a fork bomb's are the pid limit's business, not this walk's)
 FIRST_TO_GO_MAX = 256
+# a command still inside its exec is tried again this often, this many times (a binary it may not read stays
+# non-dumpable, its /proc files root's, for good: 50 ms of timers, not of the loop's time)
+FIRST_TO_GO_RETRY_S = 0.001
+FIRST_TO_GO_TRIES = 50
 # Output goes out in turns: at once while they are few (a burst of PACE_BURST turns, then one more each PACE_EVERY_S),
 # each with what the pipes sent meanwhile (at most MAX_PENDING chunks, then the pipes wait, full), the chunks of a
 # stream in a row joined, in their order. A command that wrote a byte at a time was a message per byte, each a gRPC
@@ -73,7 +77,7 @@ def _set_once(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def first_to_go(pid: int) -> None:
+def first_to_go(pid: int, tries: int = 0) -> None:
     """The command, and what it starts later, go before envd when the sandbox runs out of memory (envd/go/child.go,
     firstToGo): oom_score_adj 1000 adds the whole limit to their score. A process may lower its own back to 0, so
     this is the default order, not a wall.
@@ -89,6 +93,13 @@ def first_to_go(pid: int) -> None:
         target = todo.pop()
         try:
             fd = os.open(f"/proc/{target}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+        except PermissionError:
+            if target == pid and tries < FIRST_TO_GO_TRIES:
+                # still inside its exec: the kernel closes the exec's close-on-exec pipe (Popen returns) before it
+                # makes the process dumpable, and until then its /proc files are root's. Refused so, the command
+                # and everything it started kept 0 (the whole of a CI run's SPREAD, and envd was killed)
+                asyncio.get_running_loop().call_later(FIRST_TO_GO_RETRY_S, first_to_go, pid, tries + 1)
+            continue
         except OSError:  # gone already, or no /proc
             continue
         try:

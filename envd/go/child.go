@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -192,6 +193,13 @@ func firstToGo(pid int) {
 		target := todo[len(todo)-1]
 		todo = todo[:len(todo)-1]
 		fd, err := unix.Open("/proc/"+strconv.Itoa(target)+"/oom_score_adj", unix.O_WRONLY|unix.O_CLOEXEC, 0)
+		if err == unix.EACCES && target == pid {
+			// still inside its exec: the kernel closes the exec's close-on-exec pipe (ForkExec returns) before it
+			// makes the process dumpable, and until then its /proc files are root's; refused so, the command and
+			// all it started kept 0. Tried again for a while (a binary it may not read stays so for good)
+			go retryFirstToGo(pid)
+			continue
+		}
 		if err != nil {
 			continue // gone already, or no /proc
 		}
@@ -200,6 +208,23 @@ func firstToGo(pid int) {
 		if err == nil {
 			todo = append(todo, children(target)...)
 		}
+	}
+}
+
+// retryFirstToGo runs firstToGo once the command's exec has made it dumpable, for 50 ms at most.
+func retryFirstToGo(pid int) {
+	path := "/proc/" + strconv.Itoa(pid) + "/oom_score_adj"
+	for i := 0; i < 50; i++ {
+		time.Sleep(time.Millisecond)
+		fd, err := unix.Open(path, unix.O_WRONLY|unix.O_CLOEXEC, 0)
+		if err == unix.EACCES {
+			continue
+		}
+		if err == nil {
+			unix.Close(fd)
+			firstToGo(pid)
+		}
+		return
 	}
 }
 
