@@ -180,7 +180,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PolicyEndpoint(_message.Message):
-    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries", "tokenizer", "tool_parser", "stream", "chat_template_kwargs")
+    __slots__ = ("base_url", "model", "api_key", "version", "request_timeout_s", "max_retries", "tokenizer", "tool_parser", "stream", "chat_template_kwargs", "outage_wait_s")
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,7 @@ class PolicyEndpoint(_message.Message):
     TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    OUTAGE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     base_url: str
     model: str
     api_key: str
@@ -201,7 +202,8 @@ class PolicyEndpoint(_message.Message):
     tool_parser: str
     stream: bool
     chat_template_kwargs: str
-    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tool_parser: _Optional[str] = ..., stream: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
+    outage_wait_s: float
+    def __init__(self, base_url: _Optional[str] = ..., model: _Optional[str] = ..., api_key: _Optional[str] = ..., version: _Optional[str] = ..., request_timeout_s: _Optional[float] = ..., max_retries: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tool_parser: _Optional[str] = ..., stream: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., outage_wait_s: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("env", "tasks", "group_size", "sampling", "policy", "max_concurrency", "priority", "max_turns", "rollout_timeout_s", "max_infra_retries", "deliver_groups", "advantage", "token_mode", "max_model_len")

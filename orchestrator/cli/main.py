@@ -324,6 +324,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
                 tokenizer=args.tokenizer,
                 tool_parser=args.tool_parser,
                 stream=args.stream,
+                outage_wait_s=args.outage_wait,
             ),
             max_concurrency=args.concurrency,
             max_turns=args.max_turns,
@@ -492,6 +493,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ask the policy server for streamed answers: a generation may run past the request timeout while it "
         "keeps sending",
+    )
+    rollout.add_argument(
+        "--outage-wait",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long a rollout waits out its policy server down or busy (refused, 429, 502-504, aborted) once its "
+        "retries are spent, none of it the rollout's time (default 300; 0: a POLICY_ERROR at once)",
     )
     _add_tokenizer_dir_argument(rollout, " (of the in-process orchestrator, without --server)")
     add_client_arguments(rollout, None, "an orchestrator address (default: run one in this process)")

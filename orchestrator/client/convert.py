@@ -251,6 +251,7 @@ def job_spec_to_pb(s: JobSpec) -> pb.JobSpec:
             version=s.policy.version,
             request_timeout_s=s.policy.request_timeout_s,
             max_retries=s.policy.max_retries,
+            outage_wait_s=s.policy.outage_wait_s,
             tokenizer=s.policy.tokenizer,
             tool_parser=s.policy.tool_parser,
             chat_template_kwargs=s.policy.chat_template_kwargs,

@@ -164,7 +164,13 @@ class PolicyResponseError(PolicyError, ValueError):
 
 class GenerationAborted(PolicyError):
     """The server answered 2xx, but its finish_reason says it did not finish the generation ("abort", "error"):
-    what it sent is partial. The client asks again, as after a 5xx; when the retries run out it is POLICY_ERROR."""
+    what it sent is partial. The client asks again, as after a 5xx; when the retries run out it is POLICY_ERROR.
+    `down`: the server aborted it ("abort", as vLLM and SGLang do for a weight sync), so it is waited out as a server
+    that is down is (PolicyEndpoint.outage_wait_s)."""
+
+    def __init__(self, message: str, *, down: bool = False) -> None:
+        super().__init__(message)
+        self.down = down
 
 
 class PolicyTokenError(PolicyResponseError):

@@ -109,6 +109,15 @@ class PolicyEndpoint(BaseModel):
         "then take as long as it keeps sending, where a whole answer must come within request_timeout_s",
     )
     max_retries: int = Field(3, ge=0, le=20)
+    outage_wait_s: float = Field(
+        300.0,
+        ge=0,
+        le=86400,
+        description="how long a request waits out a server that is down or busy (the connection refused or lost, "
+        "HTTP 429, 502, 503 or 504, a generation aborted as for a weight sync) past its max_retries, asked again "
+        "every few seconds, counted from its first such failure; its rollout's time limit still bounds it, and the "
+        "wait is not the policy's time. 0: such a failure is a POLICY_ERROR once the retries are spent",
+    )
     tokenizer: str = Field(
         "",
         max_length=128,

@@ -78,6 +78,7 @@ async def run_episode(
     tool_seconds: Callable[[float], None] | None = None,
     deadline: float | None = None,
     cut_by: float | None = None,
+    waits: http.Waits | None = None,
 ) -> EpisodeResult:
     """Run the loop. `turns` is filled as it goes, so a caller that times out still has the partial episode.
 
@@ -90,7 +91,10 @@ async def run_episode(
     policy's to spend (each is its own choice, up to the tool's timeout), so a rollout whose time they spent is
     scored, never a masked TIMEOUT. A generation past it is cut only while it is seen streaming in (_PastDeadline),
     by `cut_by` at the latest whatever its failed attempts took: a hung inference server is no outcome of the
-    policy's (its requests have their own timeout, and the rollout's stays TIMEOUT)."""
+    policy's (its requests have their own timeout, and the rollout's stays TIMEOUT). `waits`: what the rollout may
+    wait out of its policy server down or busy; what it waited moves `deadline` and `cut_by` on (the runner's own
+    end moves with it, Waits.moved)."""
+    waits = waits if waits is not None else http.Waits(math.inf)
     state = EpisodeState.start(env, turns)
     schemas = [t.schema() for t in state.tools.values()]
     try:  # environment code, as setup and scoring are: a bug in it is ENV_ERROR, never retried as infrastructure
@@ -107,7 +111,7 @@ async def run_episode(
     episode_policy = policy.for_episode(max_model_len=max_model_len)
     for turn in range(max_turns):
         phase = Phase(span, "policy", {TURN: turn})
-        cut = _PastDeadline(deadline, cut_by)
+        cut = _PastDeadline(deadline, cut_by, waits)
         try:
             with phase:
                 async with cut:
@@ -148,14 +152,15 @@ async def run_episode(
             limit = None
             timeout_s = env.tool_timeout_s
             if deadline is not None:
-                left = deadline - asyncio.get_running_loop().time()
+                left = deadline + waits.waited - asyncio.get_running_loop().time()
                 if left <= 0:
                     finish = "time"
                     break
                 # a call that ends by its own timeout before the deadline needs no timer of the episode's (µs each)
                 if left < env.tool_timeout_s + TOOL_SLACK_S:
                     timeout_s = min(timeout_s, left)
-                    limit = asyncio.timeout_at(min(deadline + CUT_STOP_S, cut_by or math.inf))
+                    end = math.inf if cut_by is None else cut_by + waits.waited
+                    limit = asyncio.timeout_at(min(deadline + waits.waited + CUT_STOP_S, end))
             phase = Phase(span, "tool", _call_attributes(call, turn))
             try:
                 async with limit or _NO_LIMIT:
@@ -172,7 +177,11 @@ async def run_episode(
                 if tool_seconds is not None:
                     # every call, the one cut at the deadline and the one that failed too: the slowest were left out
                     tool_seconds(phase.seconds)
-            if deadline is not None and not state.submitted and asyncio.get_running_loop().time() >= deadline:
+            if (
+                deadline is not None
+                and not state.submitted
+                and asyncio.get_running_loop().time() >= deadline + waits.waited
+            ):
                 finish = "time"  # it ran to the deadline (stopped there, or ended by itself just past it)
                 break
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result.output})
@@ -197,11 +206,12 @@ class _PastDeadline:
     that wrote on past the deadline, into the scoring's reserve and the rollout's end, made a losing rollout
     TIMEOUT, masked. A whole (not streamed) answer shows no progress until it is done."""
 
-    def __init__(self, deadline: float | None, cut_by: float | None = None) -> None:
+    def __init__(self, deadline: float | None, cut_by: float | None = None, waits: http.Waits | None = None) -> None:
         self._deadline = deadline
         self._cut_by = cut_by  # the latest it moves on to: before the rollout's own end (a TIMEOUT, masked)
         self._timeout = asyncio.timeout(None)
-        self._progress = http.Progress()
+        self._waits = waits if waits is not None else http.Waits(math.inf)
+        self._progress = http.Progress(waits=self._waits)
         self._token: contextvars.Token[http.Progress | None] | None = None
         self._check: asyncio.TimerHandle | None = None
 
@@ -216,9 +226,10 @@ class _PastDeadline:
         loop = asyncio.get_running_loop()
         now = loop.time()
         assert self._deadline is not None
-        due = self._deadline + self._progress.lost  # the time failed attempts took is the server's, not the policy's
+        # the time failed attempts took, and a wait for the server down, is the server's, not the policy's
+        due = self._deadline + self._waits.waited + self._progress.lost
         if self._cut_by is not None:
-            due = min(due, self._cut_by)
+            due = min(due, self._cut_by + self._waits.waited)
         if now < due:
             self._check = loop.call_at(due, self._look)
         elif now - self._progress.last < GENERATING_S:

@@ -59,6 +59,7 @@ from orchestrator.core.tracing import (
 )
 from orchestrator.rollout.episode import run_episode
 from orchestrator.rollout.policy.base import Policy
+from orchestrator.rollout.policy.http import Waits
 from orchestrator.rollout.snapshots import SnapshotCache
 from orchestrator.rollout.step import classify_failure, env_call, env_score, finished_status
 
@@ -95,9 +96,16 @@ class WorkItem:
 
 def attempt_s(spec: JobSpec, grading_s: float) -> float:
     """The longest one attempt runs: the fleet's part (the image, a sandbox, the environment's setup) within the
-    rollout's time, then the rollout's time again for the episode and its scoring, and a grader's own timeouts past
-    it (scoring_budget)."""
-    return 2 * spec.rollout_timeout_s + grading_s
+    rollout's time, then the rollout's time again for the episode and its scoring, a grader's own timeouts past it
+    (scoring_budget), and what it may wait out of its policy server down (PolicyEndpoint.outage_wait_s), which moves
+    its end on."""
+    return 2 * spec.rollout_timeout_s + grading_s + spec.policy.outage_wait_s
+
+
+def _later(deadline: asyncio.Timeout, seconds: float) -> float | None:
+    """`deadline`'s time moved on by `seconds` (None, no deadline, stays so)."""
+    when = deadline.when()
+    return None if when is None else when + seconds
 
 
 def left_retries(spec: JobSpec, spent: int) -> int:
@@ -340,6 +348,8 @@ class RolloutRunner:
                             # a generation the server's failures delayed is cut by half the scoring's reserve at the
                             # latest, its turn lost but the rollout scored: past the rollout's end it was TIMEOUT
                             cut_by=rollout_episode_end + scoring_reserve(spec) / 2,
+                            # a wait for the policy server down is none of the rollout's time: its end moves on too
+                            waits=Waits(spec.policy.outage_wait_s, lambda s: deadline.reschedule(_later(deadline, s))),
                         )
                     tokens = result.tokens.result()
                     timing.generation, timing.tools = result.generation_s, result.tools_s

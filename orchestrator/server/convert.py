@@ -83,7 +83,7 @@ def job_spec_from_pb(m: pb.JobSpec) -> JobSpec:
         policy["tool_parser"] = m.policy.tool_parser
     if m.policy.chat_template_kwargs:
         policy["chat_template_kwargs"] = m.policy.chat_template_kwargs
-    for f in ("request_timeout_s", "max_retries"):
+    for f in ("request_timeout_s", "max_retries", "outage_wait_s"):
         if m.policy.HasField(f):
             policy[f] = getattr(m.policy, f)
     raw: dict[str, Any] = {

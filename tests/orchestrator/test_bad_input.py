@@ -159,6 +159,7 @@ _pb_specs = st.builds(
         base_url=st.one_of(st.text(max_size=30), st.just("http://127.0.0.1:8000/v1")),
         request_timeout_s=st.floats(allow_nan=True, allow_infinity=True),
         max_retries=st.integers(-(2**31), 2**31 - 1),
+        outage_wait_s=st.floats(allow_nan=True, allow_infinity=True),
     ),
 )
 
@@ -174,6 +175,7 @@ def test_job_spec_validator_accepts_or_explains(m: pb.JobSpec) -> None:
         return
     assert isinstance(s, JobSpec)
     assert 1 <= s.group_size <= 1024 and 0 < s.rollout_timeout_s <= 86400
+    assert 0 <= s.policy.outage_wait_s <= 86400
     assert s.policy.base_url.startswith(("http://", "https://"))
 
 

@@ -101,6 +101,60 @@ async def test_policy_errors_and_hangs_are_never_rewards(fake_client: EnvfleetCl
     assert rb.error is not None and "exceeded 1s" in rb.error.message
 
 
+async def test_a_policy_server_restarted_mid_job_delays_its_rollouts_and_fails_none(
+    fake_client: EnvfleetClient, registry: Registry, task_ids: list[str]
+) -> None:
+    """A trainer's inference server restarting mid-job (it answers what it holds 503, refuses connections for a
+    while, then serves again): every rollout in flight, and each one started meanwhile, was a POLICY_ERROR once its
+    few retries were spent, the job's queue drained into masked samples. Now they wait for it (outage_wait_s) and
+    are scored as if nothing happened, the wait not taken from their episodes' time."""
+    client = fake_client  # the policy seam: no sandbox behaviour involved
+    script = reference_script(registry.get(ENV), latency_s=0.3)
+    server = await start_scripted_server(script)
+    port, url = server.port, server.url
+    ids = task_ids[:4]
+    # an episode of 6 s and its rollout's 8 s are shorter than the outage and the retries' backoff: only the wait's
+    # not counting as the policy's time lets an episode caught in it finish
+    spec = job(url, ids, n=2, max_concurrency=4, rollout_timeout_s=8)
+    spec = spec.model_copy(update={"policy": spec.policy.model_copy(update={"max_retries": 1, "outage_wait_s": 60})})
+    restarted: ScriptedServer | None = None
+    try:
+        job_id = await client.submit(spec)
+        for _ in range(1500):  # rollouts in flight, some waiting for an answer
+            if server.requests >= 6:
+                break
+            await asyncio.sleep(0.02)
+        await server.close()  # what it holds is answered 503; then nothing listens
+        await asyncio.sleep(5.0)
+        restarted = await start_scripted_server(script, port=port)
+        rollouts = [r async for r in client.rollouts(job_id)]
+    finally:
+        await server.close()
+        if restarted is not None:
+            await restarted.close()
+    assert len(rollouts) == 8
+    failed = [(r.id, r.status, r.error) for r in rollouts if r.status != RolloutStatus.OK or r.reward != 1.0]
+    assert not failed, failed
+    assert all(r.attempts == 1 for r in rollouts)
+    assert restarted.requests > 0 and sum(1 for r in rollouts if r.timing.total > 5.0) >= 4  # the outage held them
+
+
+async def test_a_policy_server_down_for_good_is_a_policy_error_once_the_wait_is_spent(
+    fake_client: EnvfleetClient, registry: Registry, task_ids: list[str]
+) -> None:
+    """Waiting out a server down has an end: the rollout's outage_wait_s, for all its requests together. Then it is
+    POLICY_ERROR, masked, saying so; never a TIMEOUT of the policy's, never a reward."""
+    server = await start_scripted_server(reference_script(registry.get(ENV)))
+    url = server.url
+    await server.close()
+    spec = job(url, task_ids[:1], rollout_timeout_s=60)
+    spec = spec.model_copy(update={"policy": spec.policy.model_copy(update={"max_retries": 1, "outage_wait_s": 1.5})})
+    (r,) = [r async for r in fake_client.rollouts(await fake_client.submit(spec))]
+    assert r.status == RolloutStatus.POLICY_ERROR and r.reward is None and r.attempts == 1
+    assert r.error is not None and "down or busy: outage_wait_s is 1.5s" in r.error.message, r.error
+    assert r.timing.total < 30
+
+
 async def _sandbox_of(orchestrator: Orchestrator, rollout_id: str, avoid: set[str] = frozenset()) -> str:  # type: ignore[assignment]
     """The container id of a running rollout's sandbox (waits for it)."""
     for _ in range(400):

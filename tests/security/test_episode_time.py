@@ -133,7 +133,10 @@ async def test_a_failing_server_past_the_episodes_time_is_not_cut_as_the_policys
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     endpoint = PolicyEndpoint(
-        base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", stream=True, max_retries=8
+        base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
+        stream=True,
+        max_retries=8,
+        outage_wait_s=0,  # a 503 and an aborted stream are a server down or busy: no wait past the retries here
     )
     policy = OpenAIPolicy(endpoint, backoff_base_s=0.3, backoff_cap_s=0.3)
     try:

@@ -67,7 +67,8 @@ async def _run(
         EnvfleetClient(orch.address) as client,
     ):
         chat = job(scripted.url, task_ids, max_concurrency=len(task_ids)).model_dump()
-        endpoint = {**chat["policy"], "max_retries": RETRIES, **(policy or {})}
+        # no wait for a server down or busy (a generation aborted is one): what the retries make of each answer
+        endpoint = {**chat["policy"], "max_retries": RETRIES, "outage_wait_s": 0, **(policy or {})}
         job_id = await client.submit(JobSpec.model_validate({**chat, **(spec or {}), "policy": endpoint}))
         async with asyncio.timeout(NO_HANG_S):
             rollouts = [r async for r in client.rollouts(job_id)]
@@ -214,12 +215,51 @@ async def test_an_aborted_generation_is_asked_for_again(
     assert (completion.text, completion.finish_reason) == ("final", "stop")
 
     url = await answering_server(lambda n: _chat("partial", "abort"))
-    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=2), backoff_base_s=0.01)
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=2, outage_wait_s=0), backoff_base_s=0.01)
     try:
         with pytest.raises(
             PolicyError, match=r"did not finish the generation \(finish_reason 'abort'\).*attempt 3 of 3"
         ):
             await policy.complete([{"role": "user", "content": "hi"}], [], Sampling())
+    finally:
+        await policy.aclose()
+
+
+async def test_a_server_that_aborts_for_a_while_is_waited_out_and_an_error_is_not(
+    answering_server: Callable[[Respond], Awaitable[str]],
+) -> None:
+    """A weight sync that aborts every request for longer than the retries' second or two is waited out
+    (PolicyEndpoint.outage_wait_s), never taken as a turn; finish_reason "error" is the server failing this request,
+    retried max_retries times only; a server that aborts for good is a POLICY_ERROR once the wait is over."""
+    hi = [{"role": "user", "content": "hi"}]
+    url = await answering_server(lambda n: _chat("partial", "abort") if n < 6 else _chat("final", "stop"))
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=0, outage_wait_s=30), backoff_base_s=0.01)
+    try:
+        assert (await policy.complete(hi, [], Sampling())).text == "final"
+    finally:
+        await policy.aclose()
+
+    asked = 0
+
+    def errored(n: int) -> bytes:
+        nonlocal asked
+        asked += 1
+        return _chat("partial", "error")
+
+    url = await answering_server(errored)
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=1, outage_wait_s=30), backoff_base_s=0.01)
+    try:
+        with pytest.raises(PolicyError, match=r"finish_reason 'error'\).*\(attempt 2 of 2\)$"):
+            await policy.complete(hi, [], Sampling())
+    finally:
+        await policy.aclose()
+    assert asked == 2
+
+    url = await answering_server(lambda n: _chat("partial", "abort"))
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=0, outage_wait_s=0.3), backoff_base_s=0.01)
+    try:
+        with pytest.raises(PolicyError, match=r"finish_reason 'abort'\).*down or busy: outage_wait_s is 0.3s\)$"):
+            await policy.complete(hi, [], Sampling())
     finally:
         await policy.aclose()
 

@@ -298,7 +298,8 @@ async def test_error_messages_leave_out_the_urls_credentials(
         body = b"x" * 4096 if answer == "too big" else b"{}"
         url = await http_server(_answer("200 OK" if answer == "too big" else answer, body, "text/plain"))
     secret_url = url.replace("http://", f"http://alice:{SECRET}@") + f"?key={SECRET}x"
-    policy = OpenAIPolicy(PolicyEndpoint(base_url=secret_url, max_retries=0), max_response_bytes=1024)
+    endpoint = PolicyEndpoint(base_url=secret_url, max_retries=0, outage_wait_s=0)
+    policy = OpenAIPolicy(endpoint, max_response_bytes=1024)
     try:
         with pytest.raises(EnvfleetError) as e:
             await policy.complete(MESSAGES, [], Sampling())

@@ -13,6 +13,12 @@ A 200 whose finish_reason says the server did not finish the generation ("abort"
 running for a weight sync; "error") is retried as a 5xx is: the partial answer is never a turn (parsing.py). A 400
 that says the conversation is over the model's context is ContextFull: the episode ends there, TRUNCATED.
 
+A server that is down or busy (the connection refused, reset or hung up on; HTTP 429, 502, 503, 504; a generation
+aborted) is waited out past max_retries, for the endpoint's outage_wait_s (a request's, and in a rollout all its
+requests' together: http.Waits): a trainer's inference server restarting, or its router with no replica up, made
+every rollout in flight, and every one started meanwhile, a POLICY_ERROR within seconds, the job's queue drained into
+masked samples. The wait is the server's time, not the policy's: every limit of the rollout moves on by it.
+
 With `PolicyEndpoint.stream` the answer is asked for as a stream (streaming.py): `request_timeout_s` then bounds the
 longest silence, not the whole generation, so a long generation is a turn, never a POLICY_ERROR for its length. Its
 byte cap grows with its max_tokens (`response_cap`); a stream that passes it whose complete events the parser takes
@@ -69,16 +75,27 @@ KEPT_TOKENS = EPISODE_BYTES // TOKEN_BYTES  # a turn of more tokens never fits a
 STREAM_INLINE_BYTES = 1 << 20
 
 
+# a server down or busy answers so: rate limited, and a proxy or the server itself with no model to serve yet
+DOWN_STATUSES = frozenset({429, 502, 503, 504})
+
+
 class _Retryable(Exception):
-    """An attempt failed in a way worth retrying; carries the error to raise when the retries run out."""
+    """An attempt failed in a way worth retrying; carries the error to raise when the retries run out. `down`: the
+    server was down or busy (refused, hung up, DOWN_STATUSES, aborted), which is waited out past the retries."""
 
     def __init__(
-        self, error: PolicyError, retry_after_s: float | None = None, cause: BaseException | None = None
+        self,
+        error: PolicyError,
+        retry_after_s: float | None = None,
+        cause: BaseException | None = None,
+        *,
+        down: bool = False,
     ) -> None:
         super().__init__(str(error))
         error.__cause__ = cause
         self.error = error
         self.retry_after_s = retry_after_s
+        self.down = down
 
 
 class OpenAIPolicy(Policy):
@@ -158,42 +175,77 @@ class OpenAIPolicy(Policy):
         """POST a JSON body to `url` (an endpoint of this server) and return `parse` of the decoded JSON answer,
         retrying 429, 5xx, timeouts, connection errors and an answer `parse` finds unfinished (GenerationAborted: a
         200 for a request the server aborted, as during a weight sync) with backoff; the shared transport of chat and
-        tito requests."""
+        tito requests. A server that is down or busy (`_Retryable.down`) is asked again past the retries, for the
+        endpoint's outage_wait_s (in a rollout, what is left of it for the rollout: http.Waits)."""
         headers = {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
         attempts = self.endpoint.max_retries + 1
         loop = asyncio.get_running_loop()
-        for attempt in range(attempts):
+        progress = http.PROGRESS.get()
+        waits = progress.waits if progress is not None else None
+        waited = 0.0  # past the retries, waiting out a server down or busy
+        attempt = 0
+        while True:
             started = loop.time()
             try:
                 try:  # unfinished: an answer parse finds so, or a stream cut short (streaming.py)
                     return parse(await self._attempt(url, body, headers))
                 except GenerationAborted as e:
-                    raise _Retryable(e) from None
+                    raise _Retryable(e, down=e.down) from None
                 except _CutAtCap as cut:
                     raise await self._past_cap(cut, parse, _max_tokens(body)) from None
             except _Retryable as r:
-                if attempt + 1 >= attempts:
-                    r.error.args = (f"{r.error} (attempt {attempt + 1} of {attempts})",)
-                    raise r.error from r.error.__cause__
-                delay = self._backoff(attempt, r.retry_after_s)
-                if (progress := http.PROGRESS.get()) is not None:
-                    # what streamed in was no answer, and the failed attempt and the pause are the server's time
-                    progress.last = -math.inf
-                    progress.lost += loop.time() - started + delay
-                if (more := self._said.allow("retry")) is not None:
-                    log.warning(
-                        "policy request failed (attempt %d/%d), retrying in %.2fs: %s%s",
-                        attempt + 1,
-                        attempts,
-                        delay,
-                        r,
-                        more,
-                    )
+                attempt += 1
+                now = loop.time()
+                delay = self._backoff(attempt - 1, r.retry_after_s)
+                spent = now - started + delay  # the failed attempt and the pause: the server's time
+                if progress is not None:
+                    progress.last = -math.inf  # what streamed in was no answer
+                if attempt < attempts:
+                    if progress is not None:
+                        progress.lost += spent
+                    if (more := self._said.allow("retry")) is not None:
+                        log.warning(
+                            "policy request failed (attempt %d/%d), retrying in %.2fs: %s%s",
+                            attempt,
+                            attempts,
+                            delay,
+                            r,
+                            more,
+                        )
+                else:
+                    within = r.down and waited + spent <= self.endpoint.outage_wait_s
+                    if not within or (waits is not None and not waits.take(spent)):
+                        error = self._given_up(r, attempt, attempts, waited, rollout=within)
+                        raise error from error.__cause__
+                    waited += spent
+                    if (more := self._said.allow("down")) is not None:
+                        log.warning(
+                            "policy server down or busy for %.0fs past the retries (waited out for up to %gs), asking "
+                            "again in %.2fs: %s%s",
+                            waited - delay,
+                            self.endpoint.outage_wait_s,
+                            delay,
+                            r,
+                            more,
+                        )
                 await asyncio.sleep(delay)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _given_up(self, r: _Retryable, attempt: int, attempts: int, waited: float, *, rollout: bool) -> PolicyError:
+        """The error of a request whose retries, and wait for a server down or busy, are spent; it says why
+        (`rollout`: the rollout's allowance ran out, not the request's)."""
+        if not r.down or not self.endpoint.outage_wait_s:
+            said = f"attempt {attempt} of {attempts}" if attempt == attempts else f"attempt {attempt}, retries spent"
+        else:
+            whose = ", spent by the rollout's requests" if rollout else ""
+            said = (
+                f"asked {attempt} times, {waited:.0f}s past the retries, with the server down or busy: "
+                f"outage_wait_s is {self.endpoint.outage_wait_s:g}s{whose}"
+            )
+        r.error.args = (f"{r.error} ({said})",)
+        return r.error
 
     def _backoff(self, attempt: int, retry_after_s: float | None) -> float:
-        delay = self._backoff_base_s * (1 << attempt) + random.uniform(0, self._backoff_base_s)
+        delay = self._backoff_base_s * (1 << min(attempt, 16)) + random.uniform(0, self._backoff_base_s)
         if retry_after_s is not None:
             delay = max(delay, retry_after_s)
         return min(self._backoff_cap_s, delay)
@@ -221,7 +273,7 @@ class OpenAIPolicy(Policy):
             msg = f"policy server {shown} {said} {timeout_s:g}s"
             raise _Retryable(PolicyTimeoutError(msg), cause=e) from e
         except (http.ConnectError, http.ReadError, http.RemoteProtocolError) as e:
-            raise _Retryable(self._unreachable(shown, without_secrets(str(e), url), e), cause=e) from e
+            raise _Retryable(self._unreachable(shown, without_secrets(str(e), url), e), cause=e, down=e.down) from e
         except http.ResponseTooLarge as e:
             message = self._too_big(shown, e.status, e.what, cap)
             partial, e.partial = e.partial, b""  # up to the cap's bytes: never kept by an error's traceback
@@ -256,7 +308,7 @@ class OpenAIPolicy(Policy):
         said = f"policy server {shown} answered HTTP {resp.status} ({_described(resp)})"
         http_err = PolicyHTTPError(said, resp.status)
         if resp.status == 429 or resp.status >= 500:
-            raise _Retryable(http_err, _retry_after(resp))
+            raise _Retryable(http_err, _retry_after(resp), down=resp.status in DOWN_STATUSES)
         raise http_err
 
     @staticmethod

@@ -22,7 +22,7 @@ import os
 import re
 import ssl
 import urllib.request
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -46,7 +46,12 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
 
 class HTTPError(PolicyError):
     """A request that got no complete answer; the subclass says why (its name is shown in error messages). Raised
-    inside the policy client only: it becomes a PolicyError (or a retry) there."""
+    inside the policy client only: it becomes a PolicyError (or a retry) there. `down`: the server was not there to
+    answer (the connection refused, reset, or hung up on before a complete answer), as while it restarts."""
+
+    def __init__(self, message: str, *, down: bool = False) -> None:
+        super().__init__(message)
+        self.down = down
 
 
 class ConnectError(HTTPError):
@@ -74,6 +79,30 @@ class Progress:
 
     last: float = -math.inf
     lost: float = 0.0
+    waits: Waits | None = None  # the rollout's allowance to wait out its server down or busy
+
+
+class Waits:
+    """A rollout's allowance to wait out its policy server down or busy past each request's retries
+    (PolicyEndpoint.outage_wait_s, for the whole rollout), and what it waited: none of it is the policy's time, so
+    each limit of the rollout moves on by `waited` (`moved` is told each pause before it is taken, and moves the
+    rollout's own end)."""
+
+    def __init__(self, allowed_s: float, moved: Callable[[float], None] | None = None) -> None:
+        self.left = allowed_s
+        self.waited = 0.0
+        self._moved = moved
+
+    def take(self, seconds: float) -> bool:
+        """Spend `seconds` of the allowance on one more pause (the failed attempt's time and the pause); False when
+        too little is left."""
+        if seconds > self.left:
+            return False
+        self.left -= seconds
+        self.waited += seconds
+        if self._moved is not None:
+            self._moved(seconds)
+        return True
 
 
 PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("envfleet_policy_progress", default=None)
@@ -191,15 +220,16 @@ class Client:
                 # (aiohttp resends only idempotent methods so, not a POST); once more, before the caller's backoff
                 return await self._post(session, url, body, sent, max_bytes, idle_timeout_s)
         except aiohttp.ClientConnectorError as e:  # refused, unreachable, no such host, a certificate refused
-            raise ConnectError(f"{type(e).__name__}: {e.os_error}") from e
+            refused = isinstance(e.os_error, ConnectionRefusedError | ConnectionResetError)
+            raise ConnectError(f"{type(e).__name__}: {e.os_error}", down=refused) from e
         except aiohttp.ServerDisconnectedError as e:
-            raise RemoteProtocolError("the server disconnected without a complete response") from e
+            raise RemoteProtocolError("the server disconnected without a complete response", down=True) from e
         except aiohttp.ClientPayloadError as e:
-            raise RemoteProtocolError(f"the server disconnected without a complete response ({e})") from e
+            raise RemoteProtocolError(f"the server disconnected without a complete response ({e})", down=True) from e
         except aiohttp.ClientResponseError as e:  # the response could not be parsed
             raise RemoteProtocolError(_malformed(e)) from e
-        except aiohttp.ClientOSError as e:
-            raise ReadError(f"{type(e).__name__}: {e}") from e
+        except aiohttp.ClientOSError as e:  # reset, a broken pipe
+            raise ReadError(f"{type(e).__name__}: {e}", down=True) from e
         except aiohttp.ClientConnectionError as e:
             raise ReadError(f"{type(e).__name__}: {e}") from e
         except (aiohttp.ClientError, ValueError) as e:  # ValueError: a URL or proxy aiohttp refuses

@@ -44,7 +44,8 @@ def finish_reason(value: Any, where: str) -> str:
     if value in FINISHED or value in CUT_OFF:
         return value
     if value in NOT_FINISHED:
-        raise GenerationAborted(f"the policy server did not finish the generation (finish_reason {value!r})")
+        said = f"the policy server did not finish the generation (finish_reason {value!r})"
+        raise GenerationAborted(said, down=value == "abort")
     shown = repr(value) if _NAME.fullmatch(value) else f"a string of {len(value)} characters"
     raise PolicyResponseError(
         f"{where} is {shown}, which this client does not know: it takes a turn that ended with one of "

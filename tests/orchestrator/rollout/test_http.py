@@ -78,7 +78,8 @@ def _reply(body: bytes, *extra: str, status: str = "200 OK") -> bytes:
 
 
 async def _complete(url: str, **kw: object) -> str:
-    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=0, **kw))  # type: ignore[arg-type]
+    """One request, no retry, no wait for a server that is down: what one answer makes of it."""
+    policy = OpenAIPolicy(PolicyEndpoint(base_url=url, max_retries=0, **{"outage_wait_s": 0, **kw}))  # type: ignore[arg-type]
     try:
         return (await policy.complete(MESSAGES, [], Sampling())).text
     finally:
@@ -169,26 +170,34 @@ async def test_a_reused_connection_that_dies_unanswered_is_retried_once_on_a_new
 
 
 @pytest.mark.parametrize(
-    ("raw", "match"),
+    ("raw", "match", "down"),
     [
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + OK_BODY[:10], "disconnected without a complete response"),
-        (b"SMTP ready\r\n\r\n", "malformed response"),
-        (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n", "headers are over aiohttp's limits"),
-        (b"", "disconnected without a complete response"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + OK_BODY[:10],
+            "disconnected without a complete response",
+            True,
+        ),
+        (b"SMTP ready\r\n\r\n", "malformed response", False),
+        (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n", "headers are over aiohttp's limits", False),
+        (b"", "disconnected without a complete response", True),
     ],
     ids=["cut-short", "not-http", "huge-head", "silent"],
 )
 async def test_a_broken_answer_is_a_connection_error(
-    serve: Callable[..., Awaitable[Server]], raw: bytes, match: str
+    serve: Callable[..., Awaitable[Server]], raw: bytes, match: str, down: bool
 ) -> None:
+    """A server that hung up may be one going down (waited out past the retries, PolicyEndpoint.outage_wait_s); one
+    that answers what is no HTTP is up, and broken."""
+
     async def answer(n: int, w: asyncio.StreamWriter) -> bool:
         w.write(raw)
         await w.drain()
         return False
 
     s = await serve(answer)
-    with pytest.raises(PolicyConnectionError, match=match):
+    with pytest.raises(PolicyConnectionError, match=match) as e:
         await _complete(s.url)
+    assert isinstance(e.value.__cause__, http.HTTPError) and e.value.__cause__.down is down
 
 
 async def test_a_header_that_never_ends_is_stopped_at_the_cap(serve: Callable[..., Awaitable[Server]]) -> None:

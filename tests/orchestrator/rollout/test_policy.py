@@ -23,6 +23,7 @@ from orchestrator.core.errors import (
     PolicyTokenError,
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.base import ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
 from orchestrator.rollout.policy.parsing import parse_chat_completion
@@ -210,13 +211,81 @@ async def test_a_timeout_is_retried(server: ScriptedServer, make_policy: PolicyF
     assert server.requests == 2
 
 
-async def test_connection_refused_fails_after_the_retries(make_policy: PolicyFactory) -> None:
+async def test_connection_refused_fails_after_the_retries_without_an_outage_wait(make_policy: PolicyFactory) -> None:
     s = await start_scripted_server(SCRIPT)
     url = s.url
     await s.close()
-    with pytest.raises(PolicyConnectionError, match=r"unreachable: ConnectError") as e:
-        await make_policy(url, max_retries=2).complete(MESSAGES, [], Sampling())
+    with pytest.raises(PolicyConnectionError, match=r"unreachable: ConnectError.* \(attempt 3 of 3\)$") as e:
+        await make_policy(url, max_retries=2, outage_wait_s=0).complete(MESSAGES, [], Sampling())
     assert isinstance(e.value, ConnectionError)
+
+
+async def test_a_server_down_is_waited_out_for_outage_wait_s_then_fails_saying_so(make_policy: PolicyFactory) -> None:
+    s = await start_scripted_server(SCRIPT)
+    url = s.url
+    await s.close()
+    t0 = time.monotonic()
+    with pytest.raises(PolicyConnectionError, match=r"down or busy: outage_wait_s is 0.5s\)$"):
+        await make_policy(url, max_retries=1, outage_wait_s=0.5).complete(MESSAGES, [], Sampling())
+    assert 0.45 < time.monotonic() - t0 < 5
+
+
+async def test_a_rollouts_requests_share_one_wait_and_each_pause_moves_its_limits(make_policy: PolicyFactory) -> None:
+    """In a rollout, outage_wait_s bounds all its requests' waits together (http.Waits): per request, a rollout of
+    many turns against a server that comes and goes could wait many times over; and every pause is told before it
+    is taken (the runner moves the rollout's end on by it)."""
+    s = await start_scripted_server(SCRIPT)
+    url = s.url
+    await s.close()
+    policy = make_policy(url, max_retries=0, outage_wait_s=10)
+    moved: list[float] = []
+    waits = http.Waits(0.4, moved.append)
+    token = http.PROGRESS.set(http.Progress(waits=waits))
+    try:
+        with pytest.raises(PolicyConnectionError, match=r"outage_wait_s is 10s, spent by the rollout's requests\)$"):
+            await policy.complete(MESSAGES, [], Sampling())
+        with pytest.raises(PolicyConnectionError, match=r"asked 1 times, 0s past the retries"):
+            await policy.complete(MESSAGES, [], Sampling())  # nothing is left for a second request to wait
+    finally:
+        http.PROGRESS.reset(token)
+    assert moved and sum(moved) == pytest.approx(waits.waited) and 0 < waits.waited <= 0.4
+    assert waits.left == pytest.approx(0.4 - waits.waited)
+
+
+async def test_a_server_that_restarts_mid_request_is_waited_for_not_a_policy_error(make_policy: PolicyFactory) -> None:
+    """A trainer's inference server restarting (refused connections, then a 503 while it loads) made every request
+    of the time a POLICY_ERROR once its few retries, a second or two, were spent."""
+    script = Script.model_validate({"tasks": {"t": [{"content": "back", "error_status": 503, "fail_times": 3}]}})
+    s = await start_scripted_server(script)
+    port, url = s.port, s.url
+    await s.close()
+    policy = make_policy(url, max_retries=1, outage_wait_s=30)
+    request = asyncio.create_task(policy.complete(MESSAGES, [], Sampling(), user="j:t:0"))
+    await asyncio.sleep(0.6)  # refused meanwhile, many times past the one retry
+    assert not request.done()
+    restarted = await start_scripted_server(script, port=port)
+    try:
+        c = await asyncio.wait_for(request, 10)
+    finally:
+        await restarted.close()
+    assert c.text == "back"
+    assert (restarted.requests, restarted.faults) == (4, 3)  # its 503s waited out too
+
+
+@pytest.mark.parametrize(("status", "waited"), [(503, True), (502, True), (429, True), (500, False)])
+async def test_only_a_server_down_or_busy_is_waited_out(make_policy: PolicyFactory, status: int, waited: bool) -> None:
+    """A 500 may be this request's own (a server that cannot answer it): asked max_retries more times, not for
+    minutes. 429, 502, 503 and 504 say the server, or the proxy in front of it, has no room or no replica yet."""
+    script = Script.model_validate({"tasks": {"t": [{"content": "ok", "error_status": status, "fail_times": 4}]}})
+    async with await start_scripted_server(script) as s:
+        policy = make_policy(s.url, max_retries=1, outage_wait_s=30)
+        if waited:
+            assert (await policy.complete(MESSAGES, [], Sampling(), user="j:t:0")).text == "ok"
+            assert s.requests == 5
+        else:
+            with pytest.raises(PolicyHTTPError, match=r"\(attempt 2 of 2\)$"):
+                await policy.complete(MESSAGES, [], Sampling(), user="j:t:0")
+            assert s.requests == 2
 
 
 async def test_200_concurrent_completions(make_policy: PolicyFactory) -> None:
