@@ -499,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="how long a rollout waits out its policy server down or busy (refused, 429, 502-504, aborted) once its "
+        help="how long a rollout waits out its policy server down or busy (refused, 429, 502, 503, aborted) once its "
         "retries are spent, none of it the rollout's time (default 300; 0: a POLICY_ERROR at once)",
     )
     _add_tokenizer_dir_argument(rollout, " (of the in-process orchestrator, without --server)")

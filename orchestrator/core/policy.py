@@ -113,10 +113,11 @@ class PolicyEndpoint(BaseModel):
         300.0,
         ge=0,
         le=86400,
-        description="how long a request waits out a server that is down or busy (the connection refused or lost, "
-        "HTTP 429, 502, 503 or 504, a generation aborted as for a weight sync) past its max_retries, asked again "
-        "every few seconds, counted from its first such failure; its rollout's time limit still bounds it, and the "
-        "wait is not the policy's time. 0: such a failure is a POLICY_ERROR once the retries are spent",
+        description="how long a rollout waits out its server down or busy (no connection: refused, reset, its host "
+        "unreachable; HTTP 429, 502 or 503; a generation aborted, as for a weight sync) once a request's max_retries "
+        "are spent, asked again every few seconds; for all of a rollout's requests together, none of it the "
+        "rollout's time (its limits move on by it). A server down longer than this counts as gone until it answers "
+        "a request. 0: such a failure is a POLICY_ERROR once the retries are spent",
     )
     tokenizer: str = Field(
         "",

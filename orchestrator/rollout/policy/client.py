@@ -13,11 +13,12 @@ A 200 whose finish_reason says the server did not finish the generation ("abort"
 running for a weight sync; "error") is retried as a 5xx is: the partial answer is never a turn (parsing.py). A 400
 that says the conversation is over the model's context is ContextFull: the episode ends there, TRUNCATED.
 
-A server that is down or busy (the connection refused, reset or hung up on; HTTP 429, 502, 503, 504; a generation
-aborted) is waited out past max_retries, for the endpoint's outage_wait_s (a request's, and in a rollout all its
-requests' together: http.Waits): a trainer's inference server restarting, or its router with no replica up, made
-every rollout in flight, and every one started meanwhile, a POLICY_ERROR within seconds, the job's queue drained into
-masked samples. The wait is the server's time, not the policy's: every limit of the rollout moves on by it.
+A server that is down or busy (no connection: refused, reset, its host unreachable; HTTP 429, 502, 503; a
+generation aborted) is waited out past max_retries, for the endpoint's outage_wait_s (a request's, and in a rollout
+all its requests' together: http.Waits): a trainer's inference server restarting, or its router with no replica up,
+made every rollout in flight, and every one started meanwhile, a POLICY_ERROR within seconds, the job's queue drained
+into masked samples. The wait is the server's time, not the policy's: every limit of the rollout moves on by it. A
+server down longer than outage_wait_s counts as gone: requests fail after their retries until one is answered.
 
 With `PolicyEndpoint.stream` the answer is asked for as a stream (streaming.py): `request_timeout_s` then bounds the
 longest silence, not the whole generation, so a long generation is a turn, never a POLICY_ERROR for its length. Its
@@ -75,13 +76,14 @@ KEPT_TOKENS = EPISODE_BYTES // TOKEN_BYTES  # a turn of more tokens never fits a
 STREAM_INLINE_BYTES = 1 << 20
 
 
-# a server down or busy answers so: rate limited, and a proxy or the server itself with no model to serve yet
-DOWN_STATUSES = frozenset({429, 502, 503, 504})
+# a server down or busy answers so: rate limited, and a proxy or the server itself with no model to serve yet. Not
+# 504: a proxy's time limit, which a long generation reaches again on every try (a timeout, retried max_retries times)
+DOWN_STATUSES = frozenset({429, 502, 503})
 
 
 class _Retryable(Exception):
     """An attempt failed in a way worth retrying; carries the error to raise when the retries run out. `down`: the
-    server was down or busy (refused, hung up, DOWN_STATUSES, aborted), which is waited out past the retries."""
+    server was down or busy (no connection, DOWN_STATUSES, a generation aborted), waited out past the retries."""
 
     def __init__(
         self,
@@ -119,6 +121,10 @@ class OpenAIPolicy(Policy):
         self._backoff_base_s = backoff_base_s
         self._backoff_cap_s = backoff_cap_s
         self._url = f"{endpoint.base_url}/chat/completions"
+        # since when the server has been down or busy, by any request's failure since the last answer: past
+        # outage_wait_s it counts as gone, and requests fail after their retries until one is answered (a server
+        # down for good, or a port mistyped, held every rollout of a job outage_wait_s each)
+        self._down_since: float | None = None
         # a line a minute for what every request of a rollout would say: retries (a server down or at its rate
         # limit), a stream without usage (a server that ignores include_usage)
         self._said = LogLimit()
@@ -188,16 +194,20 @@ class OpenAIPolicy(Policy):
             started = loop.time()
             try:
                 try:  # unfinished: an answer parse finds so, or a stream cut short (streaming.py)
-                    return parse(await self._attempt(url, body, headers))
+                    answer = parse(await self._attempt(url, body, headers))
                 except GenerationAborted as e:
                     raise _Retryable(e, down=e.down) from None
                 except _CutAtCap as cut:
                     raise await self._past_cap(cut, parse, _max_tokens(body)) from None
+                self._down_since = None
+                return answer
             except _Retryable as r:
                 attempt += 1
                 now = loop.time()
                 delay = self._backoff(attempt - 1, r.retry_after_s)
                 spent = now - started + delay  # the failed attempt and the pause: the server's time
+                if r.down and self._down_since is None:
+                    self._down_since = started
                 if progress is not None:
                     progress.last = -math.inf  # what streamed in was no answer
                 if attempt < attempts:
@@ -213,10 +223,10 @@ class OpenAIPolicy(Policy):
                             more,
                         )
                 else:
-                    within = r.down and waited + spent <= self.endpoint.outage_wait_s
-                    if not within or (waits is not None and not waits.take(spent)):
-                        error = self._given_up(r, attempt, attempts, waited, rollout=within)
-                        raise error from error.__cause__
+                    refused = self._no_wait(r, attempt, waited, spent, now + delay, waits)
+                    if refused is not None:
+                        r.error.args = (f"{r.error} ({refused})",)
+                        raise r.error from r.error.__cause__
                     waited += spent
                     if (more := self._said.allow("down")) is not None:
                         log.warning(
@@ -230,19 +240,33 @@ class OpenAIPolicy(Policy):
                         )
                 await asyncio.sleep(delay)
 
-    def _given_up(self, r: _Retryable, attempt: int, attempts: int, waited: float, *, rollout: bool) -> PolicyError:
-        """The error of a request whose retries, and wait for a server down or busy, are spent; it says why
-        (`rollout`: the rollout's allowance ran out, not the request's)."""
-        if not r.down or not self.endpoint.outage_wait_s:
-            said = f"attempt {attempt} of {attempts}" if attempt == attempts else f"attempt {attempt}, retries spent"
-        else:
-            whose = ", spent by the rollout's requests" if rollout else ""
-            said = (
-                f"asked {attempt} times, {waited:.0f}s past the retries, with the server down or busy: "
-                f"outage_wait_s is {self.endpoint.outage_wait_s:g}s{whose}"
+    def _no_wait(
+        self, r: _Retryable, attempt: int, waited: float, spent: float, retry_at: float, waits: http.Waits | None
+    ) -> str | None:
+        """None when a request whose retries are spent waits once more for its server down or busy (`spent`: this
+        pause, with the attempt before it; `waited`: its wait before it; asked again at `retry_at`), the pause taken
+        from its rollout's `waits`; else what its error says of why not."""
+        wait_s = self.endpoint.outage_wait_s
+        attempts = self.endpoint.max_retries + 1
+        if not r.down or not wait_s:
+            return f"attempt {attempt} of {attempts}" if attempt == attempts else f"attempt {attempt}, retries spent"
+        down_s = retry_at - (self._down_since if self._down_since is not None else retry_at)
+        if down_s > wait_s:
+            return (
+                f"attempt {attempt}: the server down or busy for {down_s:.1f}s, past outage_wait_s ({wait_s:g}s); "
+                "it counts as gone until it answers a request"
             )
-        r.error.args = (f"{r.error} ({said})",)
-        return r.error
+        if waited + spent > wait_s:
+            return (
+                f"attempt {attempt}: waited {waited:.1f}s for the server down or busy, all of outage_wait_s "
+                f"({wait_s:g}s)"
+            )
+        if waits is not None and not waits.take(spent):
+            return (
+                f"attempt {attempt}: its rollout waited {waits.waited:.1f}s in all for the server down or busy, all "
+                f"of outage_wait_s ({wait_s:g}s)"
+            )
+        return None
 
     def _backoff(self, attempt: int, retry_after_s: float | None) -> float:
         delay = self._backoff_base_s * (1 << min(attempt, 16)) + random.uniform(0, self._backoff_base_s)

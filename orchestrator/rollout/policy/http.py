@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
 import math
 import os
 import re
@@ -46,8 +47,10 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
 
 class HTTPError(PolicyError):
     """A request that got no complete answer; the subclass says why (its name is shown in error messages). Raised
-    inside the policy client only: it becomes a PolicyError (or a retry) there. `down`: the server was not there to
-    answer (the connection refused, reset, or hung up on before a complete answer), as while it restarts."""
+    inside the policy client only: it becomes a PolicyError (or a retry) there. `down`: no connection could be made
+    to the server (refused, reset, its host unreachable), as while it restarts. A server that hung up on a request
+    it had taken is not: that may be the request's doing (a proxy's limit on a long generation), and the retry after
+    a crash finds the port closed."""
 
     def __init__(self, message: str, *, down: bool = False) -> None:
         super().__init__(message)
@@ -132,6 +135,15 @@ class Response:
     def is_success(self) -> bool:
         """A 2xx status."""
         return 200 <= self.status < 300
+
+
+_DOWN_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+def _down(error: OSError) -> bool:
+    """Whether a failed connect says the server is not there now (it may be restarting), not that it is named wrong
+    (no such host) or refused (a certificate)."""
+    return error.errno in _DOWN_ERRNOS
 
 
 def _malformed(e: BaseException) -> str:
@@ -220,16 +232,15 @@ class Client:
                 # (aiohttp resends only idempotent methods so, not a POST); once more, before the caller's backoff
                 return await self._post(session, url, body, sent, max_bytes, idle_timeout_s)
         except aiohttp.ClientConnectorError as e:  # refused, unreachable, no such host, a certificate refused
-            refused = isinstance(e.os_error, ConnectionRefusedError | ConnectionResetError)
-            raise ConnectError(f"{type(e).__name__}: {e.os_error}", down=refused) from e
+            raise ConnectError(f"{type(e).__name__}: {e.os_error}", down=_down(e.os_error)) from e
         except aiohttp.ServerDisconnectedError as e:
-            raise RemoteProtocolError("the server disconnected without a complete response", down=True) from e
+            raise RemoteProtocolError("the server disconnected without a complete response") from e
         except aiohttp.ClientPayloadError as e:
-            raise RemoteProtocolError(f"the server disconnected without a complete response ({e})", down=True) from e
+            raise RemoteProtocolError(f"the server disconnected without a complete response ({e})") from e
         except aiohttp.ClientResponseError as e:  # the response could not be parsed
             raise RemoteProtocolError(_malformed(e)) from e
-        except aiohttp.ClientOSError as e:  # reset, a broken pipe
-            raise ReadError(f"{type(e).__name__}: {e}", down=True) from e
+        except aiohttp.ClientOSError as e:
+            raise ReadError(f"{type(e).__name__}: {e}") from e
         except aiohttp.ClientConnectionError as e:
             raise ReadError(f"{type(e).__name__}: {e}") from e
         except (aiohttp.ClientError, ValueError) as e:  # ValueError: a URL or proxy aiohttp refuses

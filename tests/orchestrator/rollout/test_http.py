@@ -175,19 +175,20 @@ async def test_a_reused_connection_that_dies_unanswered_is_retried_once_on_a_new
         (
             b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + OK_BODY[:10],
             "disconnected without a complete response",
-            True,
+            False,
         ),
         (b"SMTP ready\r\n\r\n", "malformed response", False),
         (b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n", "headers are over aiohttp's limits", False),
-        (b"", "disconnected without a complete response", True),
+        (b"", "disconnected without a complete response", False),
     ],
     ids=["cut-short", "not-http", "huge-head", "silent"],
 )
 async def test_a_broken_answer_is_a_connection_error(
     serve: Callable[..., Awaitable[Server]], raw: bytes, match: str, down: bool
 ) -> None:
-    """A server that hung up may be one going down (waited out past the retries, PolicyEndpoint.outage_wait_s); one
-    that answers what is no HTTP is up, and broken."""
+    """None of these is a server down (waited out past the retries, PolicyEndpoint.outage_wait_s): it answered, or
+    hung up on a request it had taken, which may be the request's doing (a proxy's limit on a long generation); the
+    retry after a crash finds its port closed."""
 
     async def answer(n: int, w: asyncio.StreamWriter) -> bool:
         w.write(raw)
@@ -198,6 +199,18 @@ async def test_a_broken_answer_is_a_connection_error(
     with pytest.raises(PolicyConnectionError, match=match) as e:
         await _complete(s.url)
     assert isinstance(e.value.__cause__, http.HTTPError) and e.value.__cause__.down is down
+
+
+async def test_only_no_connection_is_a_server_down() -> None:
+    """Refused (a server restarting) is down; no such host (a name mistyped) is not."""
+    holder = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = holder.sockets[0].getsockname()[1]
+    holder.close()
+    await holder.wait_closed()
+    for url, down in ((f"http://127.0.0.1:{port}/v1", True), ("http://no-such-host.invalid/v1", False)):
+        with pytest.raises(PolicyConnectionError) as e:
+            await _complete(url)
+        assert isinstance(e.value.__cause__, http.HTTPError) and e.value.__cause__.down is down, (url, e.value)
 
 
 async def test_a_header_that_never_ends_is_stopped_at_the_cap(serve: Callable[..., Awaitable[Server]]) -> None:
