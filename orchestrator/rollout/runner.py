@@ -331,6 +331,8 @@ class RolloutRunner:
                     # own limit on the agent's time (Harbor's [agent] timeout_sec) ends it sooner the same way
                     rollout_episode_end = episode_start + spec.rollout_timeout_s - scoring_reserve(spec)
                     episode_deadline = min(rollout_episode_end, episode_start + (episode_s or math.inf))
+                    # a wait for the policy server down is none of the rollout's time: its end moves on too
+                    waits = Waits(spec.policy.outage_wait_s, lambda s: deadline.reschedule(_later(deadline, s)))
                     with Phase(span, "episode") as phase:
                         result = await run_episode(
                             env,
@@ -348,8 +350,7 @@ class RolloutRunner:
                             # a generation the server's failures delayed is cut by half the scoring's reserve at the
                             # latest, its turn lost but the rollout scored: past the rollout's end it was TIMEOUT
                             cut_by=rollout_episode_end + scoring_reserve(spec) / 2,
-                            # a wait for the policy server down is none of the rollout's time: its end moves on too
-                            waits=Waits(spec.policy.outage_wait_s, lambda s: deadline.reschedule(_later(deadline, s))),
+                            waits=waits,
                         )
                     tokens = result.tokens.result()
                     timing.generation, timing.tools = result.generation_s, result.tools_s
@@ -398,6 +399,7 @@ class RolloutRunner:
                     "tool_calls": float(result.episode.tool_calls),
                     "sandbox_warm": float(warm),
                     "setup_from_snapshot": float(setup_kind == "restored"),
+                    "policy_outage_s": waits.waited,  # waited out for the policy server down (outage_wait_s)
                 },
                 turns=turns,
                 tokens=tokens,

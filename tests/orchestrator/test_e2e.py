@@ -137,6 +137,7 @@ async def test_a_policy_server_restarted_mid_job_delays_its_rollouts_and_fails_n
     assert not failed, failed
     assert all(r.attempts == 1 for r in rollouts)
     assert restarted.requests > 0 and sum(1 for r in rollouts if r.timing.total > 5.0) >= 4  # the outage held them
+    assert max(r.metrics["policy_outage_s"] for r in rollouts) > 2.0  # and they say how long
 
 
 async def test_a_policy_server_down_for_good_is_a_policy_error_once_the_wait_is_spent(
