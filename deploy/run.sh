@@ -14,6 +14,9 @@
 #   ENVFLEET_NETWORK      host [host], or a docker network name: then the port is published and the server
 #                         listens on 0.0.0.0, which needs TLS (ENVFLEET_TLS_CERT/KEY) or ENVFLEET_INSECURE=1
 #   DOCKER_SOCK           the engine's socket [/var/run/docker.sock]
+#   ENVFLEET_RESTART      the container's restart policy [unless-stopped]: a server that dies (a crash, an OOM kill)
+#                         is started again by the engine, resumes its jobs from the data volume and sweeps the
+#                         sandboxes it had; `no` leaves it down
 #   ENVFLEET_TLS_DIR      host folder of PEM files, mounted read-only at /etc/envfleet/tls; name the files by their
 #                         path inside: ENVFLEET_TLS_CERT, ENVFLEET_TLS_KEY (ENVFLEET_TLS_CLIENT_CA for mTLS), and for
 #                         the health probe ENVFLEET_HEALTH_TLS_CA unless the certificate is self-signed
@@ -32,6 +35,7 @@ DOCKER_SOCK=${DOCKER_SOCK:-/var/run/docker.sock}
 SOCKET_ROOT=${ENVFLEET_SOCKET_ROOT:-/run/envfleet-orchestrator}
 DATA_VOLUME=${ENVFLEET_DATA_VOLUME:-envfleet-data}
 NETWORK=${ENVFLEET_NETWORK:-host}
+RESTART=${ENVFLEET_RESTART:-unless-stopped}
 export ENVFLEET_PORT="${ENVFLEET_PORT:-50051}" ENVFLEET_SOCKET_ROOT="$SOCKET_ROOT"
 
 # Sandboxes are siblings: the engine bind-mounts their socket folders from the host's SOCKET_ROOT, which the server
@@ -51,7 +55,7 @@ mount --make-shared "$SOCKET_ROOT"
 # least), unless the kernel happened to hand the new namespace the old one's number.
 # CAP_SYS_PTRACE (with CAP_SYS_ADMIN) lets it cap each sandbox's ptys through /proc/PID/root of the sandbox's envd, a
 # process of another uid (orchestrator/backends/docker/ptys.py).
-set -- --name "$NAME" --detach --init --stop-timeout 30 --pid host \
+set -- --name "$NAME" --detach --init --stop-timeout 30 --restart "$RESTART" --pid host \
     --user 0:0 --cap-add SYS_ADMIN --cap-add SYS_PTRACE --security-opt apparmor=unconfined \
     --volume "$DOCKER_SOCK:/var/run/docker.sock" \
     --volume "$SOCKET_ROOT:$SOCKET_ROOT:rshared" \
@@ -79,7 +83,8 @@ fi
 for var in $(env | sed -n 's/^\(ENVFLEET_[A-Z0-9_]*\)=.*/\1/p'); do
     # this script's own settings; a client's token and a host cache path mean nothing inside
     case $var in
-        ENVFLEET_NAME | ENVFLEET_DATA_VOLUME | ENVFLEET_NETWORK | ENVFLEET_TLS_DIR | ENVFLEET_TOKEN | ENVFLEET_CACHE)
+        ENVFLEET_NAME | ENVFLEET_DATA_VOLUME | ENVFLEET_NETWORK | ENVFLEET_RESTART | ENVFLEET_TLS_DIR | ENVFLEET_TOKEN | \
+            ENVFLEET_CACHE)
             continue ;;
     esac
     set -- --env "$var" "$@"

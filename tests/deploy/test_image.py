@@ -141,6 +141,51 @@ async def test_a_killed_containers_sandboxes_are_swept_by_the_next_one(
     assert _owned_containers(docker_client) == []
 
 
+async def test_a_server_that_dies_in_its_container_is_started_again_and_finishes_its_job(
+    deployment: Deployment, docker_client: docker.DockerClient
+) -> None:
+    """deploy/run.sh's restart policy (unless-stopped): a server that dies in its container (a crash, the kernel's
+    OOM killer) is started again by the engine on the same data volume; it resumes the job, sweeps the sandboxes the
+    dead one held, and every rollout is delivered, scored. Without a policy the fleet stayed down until an operator
+    came, its sandboxes idle until their lease."""
+    env = Registry.from_entry_points().get(ENV)
+    policy = await start_scripted_server(reference_script(env, latency_s=1.0))
+    try:
+        await asyncio.to_thread(deployment.start)
+        ids = [t.id for t in env.tasks()][:6]
+        async with EnvfleetClient(deployment.address) as c:
+            job_id = await c.submit(job(policy.url, ids, max_concurrency=3))
+            for _ in range(600):
+                if len(_owned_containers(docker_client)) >= 3:
+                    break
+                await asyncio.sleep(0.05)
+        held = set(_owned_containers(docker_client))
+        assert len(held) >= 3, "the job should hold sandboxes now"
+        top = docker_cli("top", deployment.name, "-eo", "pid,args").stdout.splitlines()[1:]  # host pids (--pid host)
+        servers = [line.split()[0] for line in top if " serve " in f"{line} "]
+        assert len(servers) == 1, top
+        (server,) = servers
+        os.kill(int(server), signal.SIGKILL)
+        for _ in range(600):
+            if deployment.logs().count("listening") >= 2:
+                break
+            await asyncio.sleep(0.1)
+        restarts = docker_cli("inspect", "--format", "{{.RestartCount}}", deployment.name).stdout.strip()
+        assert restarts == "1", (restarts, deployment.state(), deployment.logs()[-3000:])
+        async with EnvfleetClient(deployment.address) as c:
+            async with asyncio.timeout(120):
+                rollouts = [r async for r in c.rollouts(job_id)]
+        assert sorted(r.task_id for r in rollouts) == sorted(ids)
+        assert all(r.status == RolloutStatus.OK and r.reward == 1.0 for r in rollouts), [
+            (r.status, r.error) for r in rollouts
+        ]
+        assert not held & set(_owned_containers(docker_client)), "the restarted server kept the dead one's sandboxes"
+    finally:
+        deployment.remove()
+        await policy.close()
+    assert _owned_containers(docker_client) == []
+
+
 def _host_probe(address: str) -> str:
     """The image's health probe, run on the host against the container's port."""
     p = subprocess.run(
