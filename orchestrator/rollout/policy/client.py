@@ -79,6 +79,10 @@ STREAM_INLINE_BYTES = 1 << 20
 # a server down or busy answers so: rate limited, and a proxy or the server itself with no model to serve yet. Not
 # 504: a proxy's time limit, which a long generation reaches again on every try (a timeout, retried max_retries times)
 DOWN_STATUSES = frozenset({429, 502, 503})
+# A server's outage goes on while its requests keep finding it down this often (a waiting request asks at least
+# every BACKOFF_CAP_S): a longer gap, with no answer seen, was no traffic (a server stopped after one job and
+# loading for the next, hours later, counted as down all along and gone at once)
+DOWN_GAP_S = 3 * BACKOFF_CAP_S
 
 
 class _Retryable(Exception):
@@ -121,10 +125,11 @@ class OpenAIPolicy(Policy):
         self._backoff_base_s = backoff_base_s
         self._backoff_cap_s = backoff_cap_s
         self._url = f"{endpoint.base_url}/chat/completions"
-        # since when the server has been down or busy, by any request's failure since the last answer: past
-        # outage_wait_s it counts as gone, and requests fail after their retries until one is answered (a server
-        # down for good, or a port mistyped, held every rollout of a job outage_wait_s each)
+        # since when the server has been down or busy, by its requests' failures since its last answer (and the
+        # latest of them): past outage_wait_s it counts as gone, and requests fail after their retries until one is
+        # answered (a server down for good, or a port mistyped, held every rollout of a job outage_wait_s each)
         self._down_since: float | None = None
+        self._down_last = -math.inf
         # a line a minute for what every request of a rollout would say: retries (a server down or at its rate
         # limit), a stream without usage (a server that ignores include_usage)
         self._said = LogLimit()
@@ -189,6 +194,7 @@ class OpenAIPolicy(Policy):
         progress = http.PROGRESS.get()
         waits = progress.waits if progress is not None else None
         waited = 0.0  # past the retries, waiting out a server down or busy
+        down_at: float | None = None  # this request's first failure of a server down or busy
         attempt = 0
         while True:
             started = loop.time()
@@ -206,8 +212,9 @@ class OpenAIPolicy(Policy):
                 now = loop.time()
                 delay = self._backoff(attempt - 1, r.retry_after_s)
                 spent = now - started + delay  # the failed attempt and the pause: the server's time
-                if r.down and self._down_since is None:
-                    self._down_since = started
+                if r.down:
+                    down_at = now if down_at is None else down_at
+                    self._went_down(now)
                 if progress is not None:
                     progress.last = -math.inf  # what streamed in was no answer
                 if attempt < attempts:
@@ -223,7 +230,7 @@ class OpenAIPolicy(Policy):
                             more,
                         )
                 else:
-                    refused = self._no_wait(r, attempt, waited, spent, now + delay, waits)
+                    refused = self._no_wait(r, attempt, waited, spent, down_at, now + delay, waits)
                     if refused is not None:
                         r.error.args = (f"{r.error} ({refused})",)
                         raise r.error from r.error.__cause__
@@ -240,12 +247,26 @@ class OpenAIPolicy(Policy):
                         )
                 await asyncio.sleep(delay)
 
+    def _went_down(self, now: float) -> None:
+        """A request found the server down or busy at `now`: the outage began then, unless one is going on (a failure
+        of it within DOWN_GAP_S, and no answer since)."""
+        if self._down_since is None or now - self._down_last > DOWN_GAP_S:
+            self._down_since = now
+        self._down_last = now
+
     def _no_wait(
-        self, r: _Retryable, attempt: int, waited: float, spent: float, retry_at: float, waits: http.Waits | None
+        self,
+        r: _Retryable,
+        attempt: int,
+        waited: float,
+        spent: float,
+        down_at: float | None,
+        retry_at: float,
+        waits: http.Waits | None,
     ) -> str | None:
         """None when a request whose retries are spent waits once more for its server down or busy (`spent`: this
-        pause, with the attempt before it; `waited`: its wait before it; asked again at `retry_at`), the pause taken
-        from its rollout's `waits`; else what its error says of why not."""
+        pause, with the attempt before it; `waited`: its wait before it; `down_at`: its first such failure; asked
+        again at `retry_at`), the pause taken from its rollout's `waits`; else what its error says of why not."""
         wait_s = self.endpoint.outage_wait_s
         attempts = self.endpoint.max_retries + 1
         if not r.down or not wait_s:
@@ -256,7 +277,7 @@ class OpenAIPolicy(Policy):
                 f"attempt {attempt}: the server down or busy for {down_s:.1f}s, past outage_wait_s ({wait_s:g}s); "
                 "it counts as gone until it answers a request"
             )
-        if waited + spent > wait_s:
+        if down_at is None or retry_at - down_at > wait_s:
             return (
                 f"attempt {attempt}: waited {waited:.1f}s for the server down or busy, all of outage_wait_s "
                 f"({wait_s:g}s)"
@@ -324,6 +345,8 @@ class OpenAIPolicy(Policy):
                 raise PolicyResponseError(
                     f"policy server {shown} answered {resp.status} with a body that is not JSON ({_described(resp)})"
                 ) from e
+        if resp.status not in DOWN_STATUSES:
+            self._down_since = None  # it answered: up, whatever it said
         log.debug("policy server %s answered HTTP %d: %r", shown, resp.status, resp.content[:200])
         if resp.status == 400 and CONTEXT_FULL.search(resp.content[:4096].decode(errors="replace")):
             # the conversation outgrew the model: the policy's own length, an episode cut there (TRUNCATED) as the

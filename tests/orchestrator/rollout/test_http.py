@@ -201,6 +201,31 @@ async def test_a_broken_answer_is_a_connection_error(
     assert isinstance(e.value.__cause__, http.HTTPError) and e.value.__cause__.down is down
 
 
+async def test_an_outage_counts_from_its_first_failure_not_from_the_start_of_the_request_it_cut(
+    serve: Callable[..., Awaitable[Server]],
+) -> None:
+    """A weight sync that aborts a generation 0.6 s along, then aborts for 0.2 s more, is a 0.2 s outage: counted
+    from the start of the aborted request, the generation's own time made it one past outage_wait_s (0.5 s), and
+    every request of the client then a POLICY_ERROR ("counts as gone"), the very drain the wait is for."""
+    aborted = json.dumps({"model": "m", "choices": [{"message": {"content": "par"}, "finish_reason": "abort"}]})
+
+    async def answer(n: int, w: asyncio.StreamWriter) -> bool:
+        if n == 1:
+            await asyncio.sleep(0.6)  # generating when the sync comes
+        w.write(_reply(aborted.encode() if n <= 2 else OK_BODY))
+        return True
+
+    s = await serve(answer)
+    policy = OpenAIPolicy(
+        PolicyEndpoint(base_url=s.url, max_retries=0, outage_wait_s=0.5), backoff_base_s=0.05, backoff_cap_s=0.1
+    )
+    try:
+        assert (await policy.complete(MESSAGES, [], Sampling())).text == "fine"
+    finally:
+        await policy.aclose()
+    assert len(s.requests) == 3
+
+
 async def test_only_no_connection_is_a_server_down() -> None:
     """Refused (a server restarting) is down; no such host (a name mistyped) is not."""
     holder = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)

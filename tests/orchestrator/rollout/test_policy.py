@@ -23,6 +23,7 @@ from orchestrator.core.errors import (
     PolicyTokenError,
 )
 from orchestrator.core.policy import PolicyEndpoint, Sampling
+from orchestrator.rollout.policy import client as client_module
 from orchestrator.rollout.policy import http
 from orchestrator.rollout.policy.base import ToolCall
 from orchestrator.rollout.policy.client import OpenAIPolicy
@@ -254,10 +255,15 @@ async def test_a_rollouts_requests_share_one_wait_and_each_pause_moves_its_limit
     assert waits.left == pytest.approx(0.4 - waits.waited)
 
 
-async def test_a_server_down_past_outage_wait_s_counts_as_gone_until_it_answers(make_policy: PolicyFactory) -> None:
+async def test_a_server_down_past_outage_wait_s_counts_as_gone_until_it_answers(
+    make_policy: PolicyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A server down for good, or a port mistyped, held each rollout of a job outage_wait_s before its POLICY_ERROR:
     a job of thousands took hours to fail. Past outage_wait_s it counts as gone, and each request fails after its
-    retries, until one is answered: then the next outage is waited out again."""
+    retries, until one is answered (any answer but a 429, 502 or 503) or none has found it down for DOWN_GAP_S (no
+    traffic: a server stopped after one job and loading for the next counted as gone at once): then the next outage
+    is waited out again."""
+    monkeypatch.setattr(client_module, "DOWN_GAP_S", 0.5)
     s = await start_scripted_server(SCRIPT)
     port, url = s.port, s.url
     await s.close()
@@ -277,6 +283,18 @@ async def test_a_server_down_past_outage_wait_s_counts_as_gone_until_it_answers(
     with pytest.raises(PolicyConnectionError, match=gone):
         await policy.complete(MESSAGES, [], Sampling())
     assert time.monotonic() - t2 >= 0.25, "after an answer, the next outage is waited out again"
+    async with await start_scripted_server(SCRIPT, port=port):  # a 400 is an answer too
+        with pytest.raises(PolicyHTTPError, match="HTTP 400"):
+            await policy.complete(MESSAGES, [], Sampling(), user="j:bad-request:0")
+    t3 = time.monotonic()
+    with pytest.raises(PolicyConnectionError, match=gone):
+        await policy.complete(MESSAGES, [], Sampling())
+    assert time.monotonic() - t3 >= 0.25, "after a 400, the next outage is waited out again"
+    await asyncio.sleep(0.6)  # no request for longer than DOWN_GAP_S
+    t4 = time.monotonic()
+    with pytest.raises(PolicyConnectionError, match=gone):
+        await policy.complete(MESSAGES, [], Sampling())
+    assert time.monotonic() - t4 >= 0.25, "after a quiet spell, the outage found is a new one, waited out again"
 
 
 async def test_a_server_that_restarts_mid_request_is_waited_for_not_a_policy_error(make_policy: PolicyFactory) -> None:
