@@ -106,6 +106,23 @@ async def test_container_runs_a_job_stops_on_sigterm_and_resumes(
     assert _owned_containers(docker_client) == []
 
 
+async def _a_job_holding_sandboxes(
+    deployment: Deployment, docker_client: docker.DockerClient, policy_url: str, ids: list[str], held: int
+) -> tuple[str, set[str]]:
+    """Start the container, submit a job of `ids` at `held` in flight, and wait until it holds that many sandboxes:
+    the job's id and their names."""
+    await asyncio.to_thread(deployment.start)
+    async with EnvfleetClient(deployment.address) as c:
+        job_id = await c.submit(job(policy_url, ids, max_concurrency=held))
+        for _ in range(600):
+            if len(_owned_containers(docker_client)) >= held:
+                break
+            await asyncio.sleep(0.05)
+    names = set(_owned_containers(docker_client))
+    assert len(names) >= held, "the job should hold sandboxes now"
+    return job_id, names
+
+
 async def test_a_killed_containers_sandboxes_are_swept_by_the_next_one(
     deployment: Deployment, docker_client: docker.DockerClient
 ) -> None:
@@ -115,16 +132,8 @@ async def test_a_killed_containers_sandboxes_are_swept_by_the_next_one(
     env = Registry.from_entry_points().get(ENV)
     policy = await start_scripted_server(reference_script(env, latency_s=5.0))
     try:
-        await asyncio.to_thread(deployment.start)
         ids = [t.id for t in env.tasks()][:4]
-        async with EnvfleetClient(deployment.address) as c:
-            await c.submit(job(policy.url, ids, max_concurrency=4))
-            for _ in range(600):
-                if len(_owned_containers(docker_client)) >= 4:
-                    break
-                await asyncio.sleep(0.05)
-        left = set(_owned_containers(docker_client))
-        assert len(left) >= 4, "the job should hold sandboxes now"
+        _, left = await _a_job_holding_sandboxes(deployment, docker_client, policy.url, ids, 4)
         killed = await asyncio.to_thread(docker_cli, "kill", deployment.name)
         assert killed.returncode == 0, killed.stderr
         await asyncio.to_thread(docker_cli, "rm", "--force", deployment.name)
@@ -151,18 +160,10 @@ async def test_a_server_that_dies_in_its_container_is_started_again_and_finishes
     env = Registry.from_entry_points().get(ENV)
     policy = await start_scripted_server(reference_script(env, latency_s=1.0))
     try:
-        await asyncio.to_thread(deployment.start)
         ids = [t.id for t in env.tasks()][:6]
-        async with EnvfleetClient(deployment.address) as c:
-            job_id = await c.submit(job(policy.url, ids, max_concurrency=3))
-            for _ in range(600):
-                if len(_owned_containers(docker_client)) >= 3:
-                    break
-                await asyncio.sleep(0.05)
-        held = set(_owned_containers(docker_client))
-        assert len(held) >= 3, "the job should hold sandboxes now"
+        job_id, held = await _a_job_holding_sandboxes(deployment, docker_client, policy.url, ids, 3)
         top = docker_cli("top", deployment.name, "-eo", "pid,args").stdout.splitlines()[1:]  # host pids (--pid host)
-        servers = [line.split()[0] for line in top if " serve " in f"{line} "]
+        servers = [line.split()[0] for line in top if " serve " in f"{line} " and "docker-init" not in line]
         assert len(servers) == 1, top
         (server,) = servers
         os.kill(int(server), signal.SIGKILL)
