@@ -230,7 +230,7 @@ class OpenAIPolicy(Policy):
                             more,
                         )
                 else:
-                    refused = self._no_wait(r, attempt, waited, spent, down_at, now + delay, waits)
+                    refused = self._no_wait(r, attempt, spent, down_at, now + delay, waits)
                     if refused is not None:
                         r.error.args = (f"{r.error} ({refused})",)
                         raise r.error from r.error.__cause__
@@ -258,15 +258,14 @@ class OpenAIPolicy(Policy):
         self,
         r: _Retryable,
         attempt: int,
-        waited: float,
         spent: float,
         down_at: float | None,
         retry_at: float,
         waits: http.Waits | None,
     ) -> str | None:
         """None when a request whose retries are spent waits once more for its server down or busy (`spent`: this
-        pause, with the attempt before it; `waited`: its wait before it; `down_at`: its first such failure; asked
-        again at `retry_at`), the pause taken from its rollout's `waits`; else what its error says of why not."""
+        pause, with the attempt before it; `down_at`: its first such failure; asked again at `retry_at`), the pause
+        taken from its rollout's `waits`; else what its error says of why not."""
         wait_s = self.endpoint.outage_wait_s
         attempts = self.endpoint.max_retries + 1
         if not r.down or not wait_s:
@@ -279,8 +278,8 @@ class OpenAIPolicy(Policy):
             )
         if down_at is None or retry_at - down_at > wait_s:
             return (
-                f"attempt {attempt}: waited {waited:.1f}s for the server down or busy, all of outage_wait_s "
-                f"({wait_s:g}s)"
+                f"attempt {attempt}: the server down or busy for {retry_at - (down_at or retry_at):.1f}s of this "
+                f"request's, all of outage_wait_s ({wait_s:g}s)"
             )
         if waits is not None and not waits.take(spent):
             return (
