@@ -50,8 +50,9 @@ WAL_LIMIT_BYTES = 64 << 20  # what of the write-ahead log stays on disk once it 
 # and the rollout as JSON, which the models read strictly (extra fields refused): a change to their fields is a new
 # layout (2: PolicyEndpoint.chat_template_kwargs, max_turns 0; an older version dropped each job it could not read),
 # and tests/orchestrator/test_store.py pins their shape to the layout. 3: job_bytes, which an older version's appends
-# and removals would leave behind the rows (caps.result_bytes_per_tenant counted wrong for good)
-LOG_VERSION = 3
+# and removals would leave behind the rows (caps.result_bytes_per_tenant counted wrong for good). 4:
+# PolicyEndpoint.outage_wait_s (an older version refuses every job spec that carries it)
+LOG_VERSION = 4
 # the state of a job row whose removal is under way (never a JobState: an older version leaves such a row alone)
 REMOVING = "REMOVING"
 SCHEMA = """

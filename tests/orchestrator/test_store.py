@@ -456,7 +456,8 @@ async def test_a_slim_log_drops_an_acked_rollouts_episode_and_keeps_its_record(
 # the shape of the models the log's rows hold, by layout (their JSON schemas without prose: fields, types,
 # constraints, enum values, extra fields refused): a change to it without a new LOG_VERSION let an older envfleet
 # read the log and drop each job whose spec it refused, where the stamp would have refused the log, naming the version
-STORED_SHAPES = {2: "419ff3e89392d1cd", 3: "419ff3e89392d1cd"}  # 3: the same rows, and job_bytes
+# 3: the same rows, and job_bytes; 4: PolicyEndpoint.outage_wait_s
+STORED_SHAPES = {2: "419ff3e89392d1cd", 3: "419ff3e89392d1cd", 4: "d4efd94f8a8b2d85"}
 
 
 def test_the_shape_of_what_the_log_stores_is_its_layouts() -> None:
