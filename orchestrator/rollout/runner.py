@@ -38,6 +38,7 @@ from orchestrator.core.models import (
     Turn,
     rollout_id,
 )
+from orchestrator.core.policy import REPLAY_URL
 from orchestrator.core.sandbox import DETERMINISTIC_ENV, Sandbox, SandboxSpec, keeps_time
 from orchestrator.core.tracing import (
     ATTEMPT,
@@ -98,8 +99,9 @@ def attempt_s(spec: JobSpec, grading_s: float) -> float:
     """The longest one attempt runs: the fleet's part (the image, a sandbox, the environment's setup) within the
     rollout's time, then the rollout's time again for the episode and its scoring, a grader's own timeouts past it
     (scoring_budget), and what it may wait out of its policy server down (PolicyEndpoint.outage_wait_s), which moves
-    its end on."""
-    return 2 * spec.rollout_timeout_s + grading_s + spec.policy.outage_wait_s
+    its end on (the replay policy has no server)."""
+    outage_s = 0.0 if spec.policy.base_url == REPLAY_URL else spec.policy.outage_wait_s
+    return 2 * spec.rollout_timeout_s + grading_s + outage_s
 
 
 def _later(deadline: asyncio.Timeout, seconds: float) -> float | None:
