@@ -115,7 +115,7 @@ class PolicyEndpoint(BaseModel):
         le=86400,
         description="how long a rollout waits out its server down or busy (no connection: refused, reset, its host "
         "unreachable; HTTP 429, 502 or 503; a generation aborted, as for a weight sync) once a request's max_retries "
-        "are spent, asked again every few seconds; for all of a rollout's requests together, none of it the "
+        "are spent, asked again every few seconds; for all of a rollout attempt's requests together, none of it the "
         "rollout's time (its limits move on by it). A server down longer than this counts as gone until it answers "
         "a request. 0: such a failure is a POLICY_ERROR once the retries are spent",
     )

@@ -14,11 +14,12 @@ running for a weight sync; "error") is retried as a 5xx is: the partial answer i
 that says the conversation is over the model's context is ContextFull: the episode ends there, TRUNCATED.
 
 A server that is down or busy (no connection: refused, reset, its host unreachable; HTTP 429, 502, 503; a
-generation aborted) is waited out past max_retries, for the endpoint's outage_wait_s (a request's, and in a rollout
-all its requests' together: http.Waits): a trainer's inference server restarting, or its router with no replica up,
-made every rollout in flight, and every one started meanwhile, a POLICY_ERROR within seconds, the job's queue drained
-into masked samples. The wait is the server's time, not the policy's: every limit of the rollout moves on by it. A
-server down longer than outage_wait_s counts as gone: requests fail after their retries until one is answered.
+generation aborted) is waited out past max_retries, for the endpoint's outage_wait_s (a request's, and all of a
+rollout attempt's requests' together: http.Waits): a trainer's inference server restarting, or its router with no
+replica up, made every rollout in flight, and every one started meanwhile, a POLICY_ERROR within seconds, the job's
+queue drained into masked samples. The wait is the server's time, not the policy's: every limit of the rollout
+moves on by it. A server down longer than outage_wait_s counts as gone: requests fail after their retries until one
+is answered.
 
 With `PolicyEndpoint.stream` the answer is asked for as a stream (streaming.py): `request_timeout_s` then bounds the
 longest silence, not the whole generation, so a long generation is a turn, never a POLICY_ERROR for its length. Its

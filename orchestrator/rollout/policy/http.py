@@ -86,10 +86,10 @@ class Progress:
 
 
 class Waits:
-    """A rollout's allowance to wait out its policy server down or busy past each request's retries
-    (PolicyEndpoint.outage_wait_s, for the whole rollout), and what it waited: none of it is the policy's time, so
-    each limit of the rollout moves on by `waited` (`moved` is told each pause before it is taken, and moves the
-    rollout's own end)."""
+    """A rollout attempt's allowance to wait out its policy server down or busy past each request's retries
+    (PolicyEndpoint.outage_wait_s, for all its requests), and what it waited: none of it is the policy's time, so
+    each limit of the attempt moves on by `waited` (`moved` is told each pause before it is taken, and moves the
+    attempt's own end)."""
 
     def __init__(self, allowed_s: float, moved: Callable[[float], None] | None = None) -> None:
         self.left = allowed_s
