@@ -232,13 +232,13 @@ class JobManager:
         for state in JobState:
             self.metrics.jobs.labels(state.value).set_function(functools.partial(self._count_in, state))
         self._jobs: dict[str, _Job] = {}
-        # the same jobs by tenant: a tenant's list and its early removals read its own, not every tenant's (a
-        # tenant at its caps made each of its submits, and each rollout of its logged over the byte cap, a pass over
-        # every job of the server: 100 tenants of 1,000 finished jobs, some 10 ms of the event loop a call)
+        # the same jobs by tenant, finished or not: a tenant's list and its early removals read its own, not every
+        # tenant's (a tenant at its caps made each of its submits, and each rollout of its logged over the byte cap,
+        # a pass over every job of the server: 100 tenants of 1,000 finished jobs, some 10 ms of the event loop a
+        # call); its size is the tenant's jobs kept here
         self._by_owner: dict[str, dict[str, _Job]] = {}
         self._log_refusals = LogLimit()
         self._unfinished: Counter[str] = Counter()  # per tenant: counted, not summed over every job ever seen
-        self._kept: Counter[str] = Counter()  # per tenant: its jobs here, finished or not
         self._stored: Counter[str] = Counter()  # per tenant: the bytes its jobs here hold in the result log
         self._admitting: Counter[str] = Counter()  # per tenant: submits past the cap's check, not recorded yet
         self._submitting = 0  # submits in progress
@@ -415,7 +415,7 @@ class JobManager:
             del self._admitting[owner]
 
     async def _admit(self, spec: JobSpec, env: Environment, owner: str, handed_over: list[bool]) -> tuple[str, int]:
-        if self._kept[owner] - self._unfinished[owner] >= self.caps.finished_jobs_per_tenant:
+        if len(self._by_owner.get(owner, ())) - self._unfinished[owner] >= self.caps.finished_jobs_per_tenant:
             await self._trim_finished(owner)
         spec = spec.model_copy(update={"env": env.ref()})
         job_id = uuid.uuid4().hex[:16]
@@ -553,7 +553,6 @@ class JobManager:
     def _add(self, job: _Job) -> None:
         self._jobs[job.job_id] = job
         self._by_owner.setdefault(job.owner, {})[job.job_id] = job
-        self._kept[job.owner] += 1
         self._unfinished[job.owner] += not job.finished
         self._stored[job.owner] += job.stored_bytes
 
@@ -561,11 +560,9 @@ class JobManager:
         """Take finished jobs out: GetJob, streams and acks see no such job from here on."""
         for job in jobs:
             del self._jobs[job.job_id], self._by_owner[job.owner][job.job_id]
-            self._kept[job.owner] -= 1
             self._stored[job.owner] -= job.stored_bytes
-            if not self._kept[job.owner]:  # a tenant with nothing kept has no entry (tenants come and go)
-                del self._kept[job.owner], self._unfinished[job.owner], self._stored[job.owner]
-                del self._by_owner[job.owner]
+            if not self._by_owner[job.owner]:  # a tenant with nothing kept has no entry (tenants come and go)
+                del self._by_owner[job.owner], self._unfinished[job.owner], self._stored[job.owner]
 
     def _set_state(self, job: _Job, state: JobState) -> None:
         was = job.finished
