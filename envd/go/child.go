@@ -23,6 +23,9 @@ const (
 	// the processes a command's start gives oom_score_adj 1000 at most: itself and what it forked before envd's
 	// write (a fork bomb's are the pid limit's business, not this walk's)
 	firstToGoMax = 256
+	// a command still inside its exec is tried again this often, this many times (envd/child.py, the same)
+	firstToGoRetry = time.Millisecond
+	firstToGoTries = 50
 )
 
 // output is a chunk of the process's stdout (stream 1) or stderr (stream 2).
@@ -188,6 +191,12 @@ func spawn(argv []string, cwd string, env []string, pathVar string, withStdin bo
 // descendants found then are given 1000 too, each written before its children are listed, so one forked after the
 // write inherits 1000 and one forked before is listed (envd/child.py, first_to_go).
 func firstToGo(pid int) {
+	firstToGoTry(pid, 0)
+}
+
+// firstToGoTry is firstToGo's `tries`-th try: a command still inside its exec is tried again every millisecond, 50
+// times at most (timers, not a goroutine that sleeps; a binary it may not read stays non-dumpable for good).
+func firstToGoTry(pid, tries int) {
 	todo := []int{pid}
 	for seen := 0; len(todo) > 0 && seen < firstToGoMax; seen++ {
 		target := todo[len(todo)-1]
@@ -196,8 +205,10 @@ func firstToGo(pid int) {
 		if err == unix.EACCES && target == pid {
 			// still inside its exec: the kernel closes the exec's close-on-exec pipe (ForkExec returns) before it
 			// makes the process dumpable, and until then its /proc files are root's; refused so, the command and
-			// all it started kept 0. Tried again for a while (a binary it may not read stays so for good)
-			go retryFirstToGo(pid)
+			// all it started kept 0
+			if tries < firstToGoTries {
+				time.AfterFunc(firstToGoRetry, func() { firstToGoTry(pid, tries+1) })
+			}
 			continue
 		}
 		if err != nil {
@@ -208,23 +219,6 @@ func firstToGo(pid int) {
 		if err == nil {
 			todo = append(todo, children(target)...)
 		}
-	}
-}
-
-// retryFirstToGo runs firstToGo once the command's exec has made it dumpable, for 50 ms at most.
-func retryFirstToGo(pid int) {
-	path := "/proc/" + strconv.Itoa(pid) + "/oom_score_adj"
-	for i := 0; i < 50; i++ {
-		time.Sleep(time.Millisecond)
-		fd, err := unix.Open(path, unix.O_WRONLY|unix.O_CLOEXEC, 0)
-		if err == unix.EACCES {
-			continue
-		}
-		if err == nil {
-			unix.Close(fd)
-			firstToGo(pid)
-		}
-		return
 	}
 }
 
