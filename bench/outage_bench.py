@@ -1,13 +1,21 @@
-"""`policy_outage`: what a job delivers when its policy server goes away mid-job and comes back, with the outage wait
-(PolicyEndpoint.outage_wait_s, the default 300 s) against without it (0: the behaviour before it).
+"""What a job delivers when a server it depends on goes away mid-job and comes back, with the outage waited out
+against without the wait (the behaviour before it):
 
-One in-process orchestrator (real gRPC, jobs, store and stream; the fake backend, so no Docker time blurs it) runs
-the same python-tool job twice, each side first in turn across `rounds`, against the scripted policy double in this
-process: once a quarter of the job's rollouts are done, the double is closed (what it holds is answered 503, then
-nothing listens) for `outage_s` and started again on the same port. Each side reports its rollouts by status, the
-job's wall time and the longest wait a rollout reported (`policy_outage_s`).
+- `policy_outage`: its policy server (PolicyEndpoint.outage_wait_s, the default 300 s, against 0). One in-process
+  orchestrator on the fake backend (no Docker time blurs it); the scripted policy double in this process is closed
+  (what it holds is answered 503, then nothing listens) and started again on the same port.
+- `engine_outage`: the docker engine (DockerBackendConfig.engine_outage_wait_s, the default 300 s, against 0). An
+  in-process orchestrator per side on real Docker, with no warm pool, reaches the engine through a relay
+  (orchestrator/testing/engine_relay.py) that is taken down (nothing listens, calls in flight are cut, as while a
+  dockerd restarts) and brought back; the sandboxes run on meanwhile.
 
-    python -m bench.outage_bench [--rollouts 64] [--outage-s 10] [--out bench/results.json]
+Each side runs the same python-tool job, each first in turn across `rounds`: once a quarter of its rollouts are
+done the server goes away for `outage_s` (10 s for the policy, 30 s for the engine: the engine call limiter's pauses
+of up to 5 s, each attempt's create waiting them out, carried a rollout through some 15 s of it before the wait).
+Each side reports its rollouts by status, the job's wall time and the longest wait a rollout reported
+(`policy_outage_s`, `engine_outage_s`).
+
+    python -m bench.outage_bench [policy|engine] [--rollouts N] [--outage-s S] [--out bench/results.json]
 """
 
 from __future__ import annotations
@@ -18,15 +26,20 @@ import collections
 import json
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.backends.config import FakeBackendConfig
+from orchestrator.backends.config import DockerBackendConfig, FakeBackendConfig
+from orchestrator.backends.pool import PoolConfig
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import JobSpec, TaskSelection
 from orchestrator.core.policy import PolicyEndpoint
 from orchestrator.server.app import OrchestratorConfig, create_server
 from orchestrator.service.registry import Registry
+from orchestrator.testing.engine_relay import EngineRelay
+from orchestrator.testing.policy_script import Script
 from orchestrator.testing.scripted_policy import ScriptedServer, start_scripted_server
 from orchestrator.testing.scripts import reference_script
 
@@ -34,43 +47,66 @@ ENV = "python-tool"
 OWNER = "envfleet-bench-outage"
 
 
+@dataclass
+class Outage:
+    """How one side takes its server down and brings it back."""
+
+    down: Callable[[], Awaitable[None]]
+    up: Callable[[], Awaitable[None]]
+
+
 async def _one_job(
-    client: EnvfleetClient, script: Any, ids: list[str], group: int, concurrency: int, wait_s: float, outage_s: float
+    client: EnvfleetClient, spec: JobSpec, outage: Outage, outage_s: float, metric: str
 ) -> dict[str, Any]:
-    server = await start_scripted_server(script)
-    port, url = server.port, server.url
-    back: ScriptedServer | None = None
-    spec = JobSpec(
-        env=ENV,
-        tasks=TaskSelection(kind="ids", ids=ids),
-        group_size=group,
-        policy=PolicyEndpoint(base_url=url, model="scripted", outage_wait_s=wait_s),
-        max_concurrency=concurrency,
-    )
-    total = len(ids) * group
-    try:
-        started = time.monotonic()
-        job_id = await client.submit(spec)
-        for _ in range(12_000):  # a quarter of the job done: up to 10 minutes
-            if (await client.get_job(job_id)).done >= total // 4:
-                break
-            await asyncio.sleep(0.05)
-        await server.close()
-        await asyncio.sleep(outage_s)
-        back = await start_scripted_server(script, port=port)
-        rollouts = [r async for r in client.rollouts(job_id)]
-        took = time.monotonic() - started
-    finally:
-        await server.close()
-        if back is not None:
-            await back.close()
+    """Run `spec`, taking the server down for `outage_s` once a quarter of its rollouts are done."""
+    total = len(spec.tasks.ids) * spec.group_size
+    started = time.monotonic()
+    job_id = await client.submit(spec)
+    for _ in range(12_000):  # a quarter of the job done: up to 10 minutes
+        if (await client.get_job(job_id)).done >= total // 4:
+            break
+        await asyncio.sleep(0.05)
+    await outage.down()
+    await asyncio.sleep(outage_s)
+    await outage.up()
+    rollouts = [r async for r in client.rollouts(job_id)]
+    took = time.monotonic() - started
     by_status = collections.Counter(r.status.value for r in rollouts)
     return {
         "rollouts": len(rollouts),
         "by_status": dict(sorted(by_status.items())),
         "ok_fraction": round(by_status.get("OK", 0) / max(len(rollouts), 1), 4),
         "job_s": round(took, 2),
-        "longest_wait_s": round(max((r.metrics.get("policy_outage_s", 0.0) for r in rollouts), default=0.0), 2),
+        "longest_wait_s": round(max((r.metrics.get(metric, 0.0) for r in rollouts), default=0.0), 2),
+    }
+
+
+def _job(url: str, ids: list[str], group: int, concurrency: int, **policy: Any) -> JobSpec:
+    return JobSpec(
+        env=ENV,
+        tasks=TaskSelection(kind="ids", ids=ids),
+        group_size=group,
+        policy=PolicyEndpoint(base_url=url, model="scripted", **policy),
+        max_concurrency=concurrency,
+    )
+
+
+def _workload(rollouts: int, tasks: int) -> tuple[Script, list[str], int]:
+    env = Registry.from_entry_points().get(ENV)
+    chosen = list(env.tasks())[:tasks]
+    return reference_script(env, chosen, latency_s=0.2), [t.id for t in chosen], max(1, rollouts // len(chosen))
+
+
+def _report(
+    figures: dict[str, dict[str, Any]], fractions: dict[str, list[float]], outage_s: float, jobs: int, **more: Any
+) -> dict[str, Any]:
+    return {
+        **figures,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ok_fractions": fractions,
+        "outage_s": outage_s,
+        "rollouts_per_job": jobs,
+        **more,
     }
 
 
@@ -78,10 +114,7 @@ async def policy_outage(
     rollouts: int = 64, concurrency: int = 16, outage_s: float = 10.0, rounds: int = 2
 ) -> dict[str, Any]:
     """Both sides `rounds` times, each first in turn; the last round's figures, and each round's OK fractions."""
-    env = Registry.from_entry_points().get(ENV)
-    tasks = list(env.tasks())[:16]
-    ids, group = [t.id for t in tasks], max(1, rollouts // len(tasks))
-    script = reference_script(env, tasks, latency_s=0.2)
+    script, ids, group = _workload(rollouts, 16)
     sides = {"waited_out": 300.0, "no_wait": 0.0}
     figures: dict[str, dict[str, Any]] = {}
     fractions: dict[str, list[float]] = {side: [] for side in sides}
@@ -95,33 +128,100 @@ async def policy_outage(
             async with EnvfleetClient(orch.address) as client:
                 for r in range(rounds):
                     for side in list(sides) if r % 2 == 0 else list(reversed(sides)):
-                        figures[side] = await _one_job(client, script, ids, group, concurrency, sides[side], outage_s)
+                        server = await start_scripted_server(script)
+                        back: list[ScriptedServer] = []
+
+                        async def restart(s: ScriptedServer = server, b: list[ScriptedServer] = back) -> None:
+                            b.append(await start_scripted_server(script, port=s.port))
+
+                        spec = _job(server.url, ids, group, concurrency, outage_wait_s=sides[side])
+                        try:
+                            outage = Outage(server.close, restart)
+                            figures[side] = await _one_job(client, spec, outage, outage_s, "policy_outage_s")
+                        finally:
+                            for s in (server, *back):
+                                await s.close()
                         fractions[side].append(figures[side]["ok_fraction"])
         finally:
             await orch.stop(grace=1)
-    return {
-        **figures,
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "ok_fractions": fractions,
-        "outage_s": outage_s,
-        "rollouts_per_job": len(ids) * group,
-        "in_flight": concurrency,
-        "note": "the policy double closed once a quarter of the job is done, started again outage_s later; "
+    return _report(
+        figures,
+        fractions,
+        outage_s,
+        len(ids) * group,
+        in_flight=concurrency,
+        note="the policy double closed once a quarter of the job is done, started again outage_s later; "
         "waited_out: outage_wait_s 300 (the default), no_wait: 0 (before it)",
-    }
+    )
+
+
+async def engine_outage(
+    rollouts: int = 16, concurrency: int = 2, outage_s: float = 40.0, rounds: int = 2
+) -> dict[str, Any]:
+    """Both sides `rounds` times, each first in turn, each on a server of its own; the last round's figures, and
+    each round's OK fractions."""
+    script, ids, group = _workload(rollouts, 16)
+    sides = {"waited_out": 300.0, "no_wait": 0.0}
+    figures: dict[str, dict[str, Any]] = {}
+    fractions: dict[str, list[float]] = {side: [] for side in sides}
+    policy = await start_scripted_server(script)
+    try:
+        for r in range(rounds):
+            for side in list(sides) if r % 2 == 0 else list(reversed(sides)):
+                with tempfile.TemporaryDirectory(prefix="envfleet-engine-outage-bench-") as tmp:
+                    relay = EngineRelay(Path(tmp) / "engine.sock")
+                    await relay.up()
+                    backend = DockerBackendConfig(owner=OWNER, base_url=relay.url, engine_outage_wait_s=sides[side])
+                    config = OrchestratorConfig(
+                        port=0,
+                        data_dir=Path(tmp) / "data",
+                        backend=backend,
+                        pool=PoolConfig(enabled=False),
+                        metrics_port=None,
+                    )
+                    orch = await create_server(config)
+                    try:
+                        async with EnvfleetClient(orch.address) as client:
+                            spec = _job(policy.url, ids, group, concurrency)
+                            outage = Outage(relay.down, relay.up)
+                            figures[side] = await _one_job(client, spec, outage, outage_s, "engine_outage_s")
+                    finally:
+                        await relay.up()  # the server's stop removes what it holds through it
+                        await orch.stop(grace=1)
+                        await relay.close()
+                fractions[side].append(figures[side]["ok_fraction"])
+    finally:
+        await policy.close()
+    return _report(
+        figures,
+        fractions,
+        outage_s,
+        len(ids) * group,
+        in_flight=concurrency,
+        note="real Docker, no warm pool; the engine's socket reached through a relay taken down once a quarter of "
+        "the job is done and brought back outage_s later; waited_out: engine_outage_wait_s 300 (the default), "
+        "no_wait: 0 (before it)",
+    )
+
+
+BENCHES = {"policy": ("policy_outage", policy_outage), "engine": ("engine_outage", engine_outage)}
 
 
 def main() -> None:
-    """Run the measurement alone and print it."""
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rollouts", type=int, default=64)
-    p.add_argument("--outage-s", type=float, default=10.0)
-    p.add_argument("--out", type=Path, default=None, help="also set `policy_outage` in this results.json")
+    """Run one measurement alone and print it."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("which", nargs="?", choices=sorted(BENCHES), default="policy")
+    p.add_argument("--rollouts", type=int, default=None, help="rollouts per job (policy 64, engine 32)")
+    p.add_argument("--outage-s", type=float, default=None, help="seconds down (policy 10, engine 30)")
+    p.add_argument("--out", type=Path, default=None, help="also set the figure in this results.json")
     args = p.parse_args()
-    result = asyncio.run(policy_outage(args.rollouts, outage_s=args.outage_s))
+    key, bench = BENCHES[args.which]
+    given = {"rollouts": args.rollouts, "outage_s": args.outage_s}
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    result = asyncio.run(bench(**kwargs))
     if args.out is not None:
         results = json.loads(args.out.read_text()) if args.out.exists() else {}
-        results["policy_outage"] = result
+        results[key] = result
         args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -26,7 +26,7 @@ import docker
 from bench.fleet_bench import run_all as fleet_run_all
 from bench.freeze_bench import idle_frozen
 from bench.orchestrator_bench import orchestrator_overhead, stream_throughput
-from bench.outage_bench import policy_outage
+from bench.outage_bench import engine_outage, policy_outage
 from bench.scale_bench import group_snapshot, orchestrator_overhead_recycled, warm_and_recycle
 from bench.stdin_bench import streamed_stdin
 from bench.swe_bench import swe_eval_throughput
@@ -205,6 +205,7 @@ async def main_async(out: Path, runs: int) -> dict[str, Any]:
     keep({"tracing": await tracing_run()})
     keep({"tito_overhead": await tito_overhead(tasks=16, rounds=7)})
     keep({"policy_outage": await policy_outage()})
+    keep({"engine_outage": await engine_outage()})
     return results
 
 

@@ -110,6 +110,13 @@ class DockerBackendConfig(BaseModel):
     )
     health_interval_s: float = Field(1.0, gt=0, description="how often the engine is pinged")
     health_timeout_s: float = Field(2.0, gt=0, description="a ping slower than this marks the engine unhealthy")
+    engine_outage_wait_s: float = Field(
+        300.0,
+        ge=0,
+        le=86400,
+        description="how long in all a rollout waits for the engine to answer again (a dockerd restarting) before "
+        "an attempt, rather than spend its infrastructure retries on it; 0: no wait",
+    )
     # Fifty sandboxes at once peak near 75 engine calls/s here (the engine manages 4-5 creates/s; each sandbox is a
     # create, a start, a state check per second while it starts, a remove): 200/s never holds a healthy engine back
     # and stops only a runaway loop. A burst of 50 lets fifty creates begin at once.

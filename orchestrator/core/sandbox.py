@@ -473,6 +473,14 @@ class SandboxBackend(abc.ABC):
     async def close(self) -> None:
         """Destroy every owned sandbox and stop background work."""
 
+    # how long, in all, a rollout waits for this backend's engine to answer again (wait_answering); 0: not at all
+    outage_wait_s: float = 0.0
+
+    async def wait_answering(self, limit_s: float) -> float:
+        """Wait for a backend found not answering (its container engine restarting) to answer again, `limit_s` at
+        most; the seconds waited, 0 at once while it answers. A backend that never stops answering returns 0."""
+        return 0.0
+
 
 # The same task and sample always see the same environment variables and seed.
 DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LC_ALL": "C.UTF-8"}

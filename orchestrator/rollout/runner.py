@@ -217,10 +217,22 @@ class RolloutRunner:
         # the same two readings are the timing's queue (each attempt's Timing) and the queue span
         parent.open("queue", item.enqueued_at).end(started)
         attempt = 0
+        backend = self.sandboxes.backend
+        # an engine found not answering (a dockerd restarting) is waited for before each attempt, rather than
+        # spending the rollout's retries in the second or two its backoff lasts: every rollout a worker started
+        # meanwhile was an INFRA_ERROR, a masked sample, and the job's queue drained into them
+        engine_wait_left = backend.outage_wait_s
+        engine_waited = 0.0
         while True:
             attempt += 1
+            if engine_wait_left > 0:
+                waited = await backend.wait_answering(engine_wait_left)
+                engine_wait_left -= waited
+                engine_waited += waited
             rollout = await self._attempt(item, env, spec, policy, policy_version, started, parent, attempt)
             rollout.attempts = attempt
+            if rollout.reward is not None:
+                rollout.metrics["engine_outage_s"] = engine_waited  # waited for the engine (outage_wait_s)
             # wall-clock bounds for the trainer: from the first attempt's start to the last attempt's end, the end
             # counted on the monotonic clock (a wall clock set back between the two made it end before it began)
             rollout.started_at, rollout.finished_at = started_at, started_at + (time.monotonic() - started)

@@ -132,11 +132,13 @@ class WorkerHub:
         heartbeat_timeout_s: float = 10.0,
         archives: ArchiveCatalog | None = None,
         result_slack_s: float = RESULT_SLACK_S,
+        engine_wait_s: float = 0.0,
     ) -> None:
         self._images = images
         self._archives = archives or ArchiveCatalog()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.result_slack_s = result_slack_s
+        self.engine_wait_s = engine_wait_s  # what a rollout may wait for its workers' engine (outage_wait_s)
         self._workers: dict[str, _Worker] = {}
         self._joined = asyncio.Condition()
         # job id -> group id -> the worker that ran the group's first sample (by job: a job's end drops its own)
@@ -359,10 +361,10 @@ class WorkerHub:
         archive = await self._archive_for(worker, env)
         if self._workers.get(worker.id) is not worker:  # dropped during the read: nobody would answer or expire it
             raise WorkerLostError(f"worker {worker.id} was lost")
-        # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the
-        # worker's reader enforces it (_expire)
+        # the runner's own budget (every attempt, the pauses between them, its waits for an engine that does not
+        # answer), and slack for the wire; the worker's reader enforces it (_expire)
         each = attempt_s(spec, self._scoring_budget(item, env)) + RETRY_BACKOFF_CAP_S
-        budget = (left_retries(spec, spent) + 1) * each + self.result_slack_s
+        budget = (left_retries(spec, spent) + 1) * each + self.engine_wait_s + self.result_slack_s
         digest = archive.sha256 if archive is not None else ""
         spec_json, env_json = self._encode(item.job_id, env, spec)
         plugin = not env_json and archive is None  # the worker's own install has it: their digests must agree

@@ -307,6 +307,7 @@ class DockerBackend(SandboxBackend):
         self.admission = ExecAdmission(slots, self.config.exec_admission_hold_s) if slots else None
         self.startups = asyncio.Semaphore(self.config.startup_slots())
         self.engine_healthy = True
+        self.outage_wait_s = self.config.engine_outage_wait_s
         self._health_listeners: list[Callable[[bool], None]] = []
         self._health_task: asyncio.Task[None] | None = None
         self._reaper: Reaper | None = None  # removes our sandboxes if this process dies without closing us
@@ -360,6 +361,9 @@ class DockerBackend(SandboxBackend):
                 if healthy:
                     await self._sweep_quietly()  # what the stall left half-created or half-removed
             await asyncio.sleep(self.config.health_interval_s)
+
+    async def wait_answering(self, limit_s: float) -> float:
+        return await self.engine.wait_answering(limit_s)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Blocking work that is more than one engine call: on the pool, outside the limiter (Engine.run_blocking)."""
@@ -539,12 +543,7 @@ class DockerBackend(SandboxBackend):
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
-            try:
-                n = await self.sweep()
-                if n:
-                    log.info("periodic sweep removed %d sandbox(es)", n)
-            except Exception:
-                log.exception("periodic sweep failed")
+            await self._sweep_quietly()
 
     async def close(self) -> None:
         self._closing = True

@@ -2,7 +2,8 @@
 
 No engine call blocks the event loop; an engine that does not answer becomes a SandboxUnavailableError (an
 infrastructure error). Pings go on their own thread and client, so they answer even when every pool thread waits on
-a stuck engine.
+a stuck engine. `answering` says whether the engine answered last: a call it did not answer clears it, an answered
+call or ping sets it, so that rollouts can wait for an engine that restarts rather than fail on it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class Engine:
             self.client = docker.from_env(**kwargs)
         self.api = self.client.api
         self.errors = 0
+        # cleared while the engine is found not answering (a call it left unanswered, a ping): set again by the next
+        # answer, whichever call or ping gets it (DockerBackend's health watch pings every health_interval_s)
+        self.answering = asyncio.Event()
+        self.answering.set()
         self._ping_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="docker-ping")
         ping_timeout = max(1, round(config.health_timeout_s))
         self._ping_client = (
@@ -69,9 +74,22 @@ class Engine:
         try:
             async with asyncio.timeout(self.config.health_timeout_s + 1):
                 await loop.run_in_executor(self._ping_pool, self._ping_client.ping)
-            return True
         except Exception:
+            self.answering.clear()
             return False
+        self.answering.set()
+        return True
+
+    async def wait_answering(self, limit_s: float) -> float:
+        """Wait for the engine, found not answering, to answer again (a ping or any call), for `limit_s` at most;
+        the seconds waited (0 at once while it answers). Its pings are the health watch's, not the waiters'."""
+        if self.answering.is_set() or limit_s <= 0:
+            return 0.0
+        start = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit_s):
+                await self.answering.wait()
+        return time.monotonic() - start
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking engine call on the pool, within the limiter; an engine that does not answer is an
@@ -133,13 +151,22 @@ class Engine:
 
     async def _outcome(self, fn: Callable[..., T], running: Awaitable[T]) -> T:
         try:
-            return await running
+            result = await running
         except ENGINE_SILENT as e:
             self.errors += 1
-            raise SandboxUnavailableError(
-                f"the docker engine did not answer {getattr(fn, '__name__', 'a call')} "
-                f"within {self.config.api_timeout_s:g}s: {e}"
-            ) from e
+            self.answering.clear()
+            what = getattr(fn, "__name__", "a call")
+            if isinstance(e, requests.exceptions.Timeout):
+                raise SandboxUnavailableError(
+                    f"the docker engine did not answer {what} within {self.config.api_timeout_s:g}s: {e}"
+                ) from e
+            # no socket, a refused connect, a hang-up: the daemon stopped or restarts (no time limit was reached)
+            raise SandboxUnavailableError(f"the docker engine could not be reached for {what}: {e}") from e
+        except docker.errors.APIError:
+            self.answering.set()  # an answer, if a refusal
+            raise
+        self.answering.set()
+        return result
 
     async def logs_tail(self, cid: str, lines: int = 20) -> str:
         """The last lines a container wrote, for an error message."""

@@ -1,0 +1,89 @@
+"""The docker engine goes away and comes back (a dockerd restarting) under a job: a relay in front of the real
+engine's socket is taken down (nothing listens, calls in flight are cut) and brought back. Rollouts wait for the
+engine (DockerBackendConfig.engine_outage_wait_s) rather than spend their infrastructure retries in the second or two
+their backoff lasts; a wait has an end, and after it they fail as before, masked, never a reward."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.backends.pool import PoolConfig
+from orchestrator.client.sdk import EnvfleetClient
+from orchestrator.core.models import RolloutStatus
+from orchestrator.service.registry import Registry
+from orchestrator.testing.engine_relay import EngineRelay
+from orchestrator.testing.scripted_policy import ScriptedServer, start_scripted_server
+from orchestrator.testing.scripts import reference_script
+from tests.conftest import TEST_OWNER
+from tests.orchestrator.conftest import ENV, job
+from tests.orchestrator.servers import serve, until_done
+
+pytestmark = pytest.mark.docker
+# the engine call limiter's pause of new calls after an unanswered one (5 s by default): with its default, three
+# attempts rode out some 15 s of an outage before the wait, and a test of it would need a longer one
+BACKOFF_S = 0.5
+
+
+@pytest.fixture
+async def relay(tmp_path: Path) -> AsyncIterator[EngineRelay]:
+    r = EngineRelay(tmp_path / "engine.sock")
+    await r.up()
+    yield r
+    await r.close()
+
+
+@pytest.fixture
+async def slow_policy(registry: Registry) -> AsyncIterator[ScriptedServer]:
+    server = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.3))
+    yield server
+    await server.close()
+
+
+def _through(relay: EngineRelay, wait_s: float) -> dict[str, Any]:
+    """A server whose engine is reached through `relay`; no warm pool (its sandboxes would ride through an outage,
+    and no rollout would need the engine)."""
+    backend = DockerBackendConfig(
+        owner=TEST_OWNER, base_url=relay.url, engine_outage_wait_s=wait_s, api_max_backoff_s=BACKOFF_S
+    )
+    return {"backend": backend, "pool": PoolConfig(enabled=False)}
+
+
+async def test_an_engine_restarting_mid_job_is_waited_for_and_fails_no_rollout(
+    tmp_path: Path, base_image: str, relay: EngineRelay, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    """Down 6 s under a job of 12 rollouts, 3 at a time: with no wait (engine_outage_wait_s 0, the code before it),
+    rollouts that started meanwhile spent their three attempts on it and were INFRA_ERRORs."""
+    async with serve(tmp_path / "data", **_through(relay, wait_s=60)) as orch, EnvfleetClient(orch.address) as c:
+        job_id = await c.submit(job(slow_policy.url, task_ids[:6], n=2, max_concurrency=3))
+        await until_done(c, job_id, 2, timeout_s=60, poll_s=0.05)
+        await relay.down()
+        await asyncio.sleep(6.0)
+        await relay.up()
+        rollouts = [r async for r in c.rollouts(job_id)]
+    assert len(rollouts) == 12
+    failed = [(r.id, r.status, r.error) for r in rollouts if r.status != RolloutStatus.OK or r.reward != 1.0]
+    assert not failed, failed
+    waited = sorted(r.metrics["engine_outage_s"] for r in rollouts)
+    assert waited[-1] > 3.0, waited  # some rollouts were held by the outage, and say how long
+    assert all(r.attempts <= 2 for r in rollouts), [r.attempts for r in rollouts]
+
+
+async def test_an_engine_down_for_good_fails_rollouts_as_infrastructure_once_the_wait_is_spent(
+    tmp_path: Path, base_image: str, relay: EngineRelay, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    """The wait is a rollout's, in all its attempts: then the rollout is INFRA_ERROR, masked, as before the wait."""
+    async with serve(tmp_path / "data", **_through(relay, wait_s=2)) as orch, EnvfleetClient(orch.address) as c:
+        await relay.down()
+        job_id = await c.submit(job(slow_policy.url, task_ids[:2], max_concurrency=2))
+        rollouts = [r async for r in c.rollouts(job_id)]
+        await relay.up()  # for the server's stop: it removes what it holds
+    assert [r.status for r in rollouts] == [RolloutStatus.INFRA_ERROR] * 2, [(r.status, r.error) for r in rollouts]
+    assert all(r.reward is None and r.attempts == 3 for r in rollouts)
+    total = [r.finished_at - r.started_at for r in rollouts]
+    assert all(2.0 <= t < 30.0 for t in total), total  # it waited its 2 s, and no longer than a few retries past it
