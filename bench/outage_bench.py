@@ -10,8 +10,9 @@ against without the wait (the behaviour before it):
   dockerd restarts) and brought back; the sandboxes run on meanwhile.
 
 Each side runs the same python-tool job, each first in turn across `rounds`: once a quarter of its rollouts are
-done the server goes away for `outage_s` (10 s for the policy, 30 s for the engine: the engine call limiter's pauses
-of up to 5 s, each attempt's create waiting them out, carried a rollout through some 15 s of it before the wait).
+done the server goes away for `outage_s` (10 s for the policy, 40 s for the engine, with 2 rollouts in flight: the
+engine call limiter's pauses, up to 5 s between calls, carried a job through about 15 s of it per rollout in flight
+before the wait).
 Each side reports its rollouts by status, the job's wall time and the longest wait a rollout reported
 (`policy_outage_s`, `engine_outage_s`).
 
@@ -170,24 +171,26 @@ async def engine_outage(
             for side in list(sides) if r % 2 == 0 else list(reversed(sides)):
                 with tempfile.TemporaryDirectory(prefix="envfleet-engine-outage-bench-") as tmp:
                     relay = EngineRelay(Path(tmp) / "engine.sock")
-                    await relay.up()
-                    backend = DockerBackendConfig(owner=OWNER, base_url=relay.url, engine_outage_wait_s=sides[side])
-                    config = OrchestratorConfig(
-                        port=0,
-                        data_dir=Path(tmp) / "data",
-                        backend=backend,
-                        pool=PoolConfig(enabled=False),
-                        metrics_port=None,
-                    )
-                    orch = await create_server(config)
                     try:
-                        async with EnvfleetClient(orch.address) as client:
-                            spec = _job(policy.url, ids, group, concurrency)
-                            outage = Outage(relay.down, relay.up)
-                            figures[side] = await _one_job(client, spec, outage, outage_s, "engine_outage_s")
+                        await relay.up()
+                        backend = DockerBackendConfig(owner=OWNER, base_url=relay.url, engine_outage_wait_s=sides[side])
+                        config = OrchestratorConfig(
+                            port=0,
+                            data_dir=Path(tmp) / "data",
+                            backend=backend,
+                            pool=PoolConfig(enabled=False),
+                            metrics_port=None,
+                        )
+                        orch = await create_server(config)
+                        try:
+                            async with EnvfleetClient(orch.address) as client:
+                                spec = _job(policy.url, ids, group, concurrency)
+                                outage = Outage(relay.down, relay.up)
+                                figures[side] = await _one_job(client, spec, outage, outage_s, "engine_outage_s")
+                        finally:
+                            await relay.up()  # the server's stop removes what it holds through it
+                            await orch.stop(grace=1)
                     finally:
-                        await relay.up()  # the server's stop removes what it holds through it
-                        await orch.stop(grace=1)
                         await relay.close()
                 fractions[side].append(figures[side]["ok_fraction"])
     finally:
@@ -211,8 +214,8 @@ def main() -> None:
     """Run one measurement alone and print it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("which", nargs="?", choices=sorted(BENCHES), default="policy")
-    p.add_argument("--rollouts", type=int, default=None, help="rollouts per job (policy 64, engine 32)")
-    p.add_argument("--outage-s", type=float, default=None, help="seconds down (policy 10, engine 30)")
+    p.add_argument("--rollouts", type=int, default=None, help="rollouts per job (policy 64, engine 16)")
+    p.add_argument("--outage-s", type=float, default=None, help="seconds down (policy 10, engine 40)")
     p.add_argument("--out", type=Path, default=None, help="also set the figure in this results.json")
     args = p.parse_args()
     key, bench = BENCHES[args.which]

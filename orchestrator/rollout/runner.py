@@ -218,14 +218,15 @@ class RolloutRunner:
         parent.open("queue", item.enqueued_at).end(started)
         attempt = 0
         backend = self.sandboxes.backend
-        # an engine found not answering (a dockerd restarting) is waited for before each attempt, rather than
-        # spending the rollout's retries in the second or two its backoff lasts: every rollout a worker started
-        # meanwhile was an INFRA_ERROR, a masked sample, and the job's queue drained into them
+        # an engine found not answering (a dockerd restarting) is waited for before each retry, rather than
+        # spending the rollout's retries on it: past the engine call limiter's pauses, the rollouts a worker started
+        # meanwhile were INFRA_ERRORs, masked samples, and the job's queue drained into them. Not before a first
+        # attempt: a warm sandbox needs no engine, and served rollouts through the outage
         engine_wait_left = backend.outage_wait_s
         engine_waited = 0.0
         while True:
             attempt += 1
-            if engine_wait_left > 0:
+            if attempt > 1 and engine_wait_left > 0:
                 waited = await backend.wait_answering(engine_wait_left)
                 engine_wait_left -= waited
                 engine_waited += waited

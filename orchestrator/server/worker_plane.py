@@ -97,12 +97,7 @@ class WorkerPlane:
             ray_tls = config.worker_tls.for_workers()
             if ray_tls.root_certificates is None:
                 log.warning("Ray workers verify this control plane by the system's roots; --worker-tls-ca names a CA")
-        hub = WorkerHub(
-            images,
-            heartbeat_timeout_s=config.worker_heartbeat_timeout_s,
-            archives=archives,
-            engine_wait_s=config.backend.engine_outage_wait_s if isinstance(config.backend, DockerBackendConfig) else 0,
-        )
+        hub = WorkerHub(images, heartbeat_timeout_s=config.worker_heartbeat_timeout_s, archives=archives)
         identity = identity or await worker_identity(config)
         token = identity.token
         server = grpc.aio.server(options=SERVER_OPTIONS)

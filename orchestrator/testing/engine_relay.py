@@ -37,6 +37,7 @@ class EngineRelay:
         self.url = f"unix://{path}"
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
+        self._listening = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-relay", daemon=True)
         self._thread.start()
@@ -60,12 +61,14 @@ class EngineRelay:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     async def _up(self) -> None:
+        self._listening = True
         if self._server is None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             self._server = await asyncio.start_unix_server(self._relay, path=str(self.path))
 
     async def _down(self) -> None:
+        self._listening = False  # a connection accepted before the close whose handler starts later is cut too
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -78,21 +81,36 @@ class EngineRelay:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         me = asyncio.current_task()
         assert me is not None
-        self._pipes.add(me)
-        try:
-            up_reader, up_writer = await asyncio.open_unix_connection(self.upstream)
-        except OSError:
-            self._pipes.discard(me)
+        if not self._listening:
             writer.transport.abort()
             return
+        self._pipes.add(me)
         try:
-            await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
-        except (asyncio.CancelledError, OSError):
-            pass  # taken down, or a side hung up
+            try:
+                up_reader, up_writer = await asyncio.open_unix_connection(self.upstream)
+            except BaseException:  # no engine behind it, or taken down meanwhile
+                writer.transport.abort()
+                return
+            pumps = {asyncio.create_task(_pump(reader, up_writer)), asyncio.create_task(_pump(up_reader, writer))}
+            cut = True
+            try:
+                done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
+                cut = any(not p.cancelled() and p.exception() is not None for p in done)  # a side hung up
+            except asyncio.CancelledError:
+                pass  # taken down
+            finally:
+                for p in pumps:
+                    p.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+                for w in (writer, up_writer):
+                    if cut:
+                        w.transport.abort()
+                    else:  # both ends said all they had: what is buffered still goes out
+                        w.close()
+                        with contextlib.suppress(OSError):
+                            await w.wait_closed()
         finally:
             self._pipes.discard(me)
-            for w in (writer, up_writer):
-                w.transport.abort()
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -175,6 +175,7 @@ class WorkerAgent:
             instance=self._instance,
             keeps_specs=True,
             release=release(),
+            engine_outage_wait_s=self._executor.runner.sandboxes.backend.outage_wait_s,
         )
         outbox.put(wpb.WorkerMessage(hello=hello))
 

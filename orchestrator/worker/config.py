@@ -11,6 +11,7 @@ from orchestrator.backends.pool import PoolConfig
 from orchestrator.core.tracing import TracingConfig
 
 MAX_SLOTS = 100_000  # rollouts one worker may say it runs at once
+MAX_ENGINE_WAIT_S = 86_400.0  # the longest wait for its engine a worker may say its rollouts take
 
 
 class WorkerConfig(BaseModel):

@@ -92,6 +92,7 @@ class _Worker:
     acks_cancel: bool = False  # it says when a cancelled rollout's sandbox is gone (WorkerHello.acks_cancel)
     instance: str = ""  # its process's secret (WorkerHello.instance): a hello with its id reconnects only with it
     keeps_specs: bool = False  # it keeps a job's spec from the assignment that carried it (WorkerHello.keeps_specs)
+    engine_wait_s: float = 0.0  # what a rollout of its may wait for its engine (WorkerHello.engine_outage_wait_s)
     # job id -> the spec this stream carried last (an older worker gets it every time): a job's spec of 1-2 KB went
     # with each of its assignments, the largest part of the wire's bytes and of the control plane's work to send them
     specs: dict[str, JobSpec] = field(default_factory=dict)
@@ -132,13 +133,11 @@ class WorkerHub:
         heartbeat_timeout_s: float = 10.0,
         archives: ArchiveCatalog | None = None,
         result_slack_s: float = RESULT_SLACK_S,
-        engine_wait_s: float = 0.0,
     ) -> None:
         self._images = images
         self._archives = archives or ArchiveCatalog()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.result_slack_s = result_slack_s
-        self.engine_wait_s = engine_wait_s  # what a rollout may wait for its workers' engine (outage_wait_s)
         self._workers: dict[str, _Worker] = {}
         self._joined = asyncio.Condition()
         # job id -> group id -> the worker that ran the group's first sample (by job: a job's end drops its own)
@@ -364,7 +363,7 @@ class WorkerHub:
         # the runner's own budget (every attempt, the pauses between them, its waits for an engine that does not
         # answer), and slack for the wire; the worker's reader enforces it (_expire)
         each = attempt_s(spec, self._scoring_budget(item, env)) + RETRY_BACKOFF_CAP_S
-        budget = (left_retries(spec, spent) + 1) * each + self.engine_wait_s + self.result_slack_s
+        budget = (left_retries(spec, spent) + 1) * each + worker.engine_wait_s + self.result_slack_s
         digest = archive.sha256 if archive is not None else ""
         spec_json, env_json = self._encode(item.job_id, env, spec)
         plugin = not env_json and archive is None  # the worker's own install has it: their digests must agree
@@ -465,6 +464,7 @@ class WorkerHub:
         worker.acks_cancel = hello.acks_cancel
         worker.keeps_specs = hello.keeps_specs
         worker.instance = hello.instance
+        worker.engine_wait_s = hello.engine_outage_wait_s
         previous = self._workers.get(worker.id)
         if previous is not None:
             self._drop(previous, "it connected again")

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from orchestrator.core.echo import echo
-from orchestrator.worker.config import MAX_SLOTS
+from orchestrator.worker.config import MAX_ENGINE_WAIT_S, MAX_SLOTS
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.release import release
 from protos import worker_pb2 as wpb
@@ -76,6 +76,13 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a worker's slots must be between 1 and {MAX_SLOTS}, got {hello.slots}",
+            )
+        if not 0 <= hello.engine_outage_wait_s <= MAX_ENGINE_WAIT_S:  # NaN is neither: refused too
+            # the budget of each of its assignments counts it in: a remote worker of 1e300 s was never found stuck
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a worker's engine_outage_wait_s must be between 0 and {MAX_ENGINE_WAIT_S:g}, got "
+                f"{hello.engine_outage_wait_s!r}",
             )
         for what, value in (("worker_id", hello.worker_id), ("host", hello.host), ("instance", hello.instance)):
             # the id and host label every sample of the fleet's metrics: a 1 MiB host made a scrape of 300 MiB

@@ -33,9 +33,11 @@ BACKOFF_S = 0.5
 @pytest.fixture
 async def relay(tmp_path: Path) -> AsyncIterator[EngineRelay]:
     r = EngineRelay(tmp_path / "engine.sock")
-    await r.up()
-    yield r
-    await r.close()
+    try:
+        await r.up()
+        yield r
+    finally:
+        await r.close()
 
 
 @pytest.fixture
@@ -87,3 +89,28 @@ async def test_an_engine_down_for_good_fails_rollouts_as_infrastructure_once_the
     assert all(r.reward is None and r.attempts == 3 for r in rollouts)
     total = [r.finished_at - r.started_at for r in rollouts]
     assert all(2.0 <= t < 30.0 for t in total), total  # it waited its 2 s, and no longer than a few retries past it
+
+
+async def test_warm_sandboxes_serve_rollouts_while_the_engine_is_down_without_a_wait(
+    tmp_path: Path, base_image: str, relay: EngineRelay, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    """A warm sandbox needs no engine (envd is reached by its own socket), so a rollout's first attempt is not held
+    for one found down: a first job leaves its recycled sandboxes warm, and a second one, run with the engine gone,
+    runs on them at once."""
+    backend = DockerBackendConfig(owner=TEST_OWNER, base_url=relay.url, engine_outage_wait_s=60)
+    async with serve(tmp_path / "data", backend=backend) as orch, EnvfleetClient(orch.address) as c:
+        first = [r async for r in c.rollouts(await c.submit(job(slow_policy.url, task_ids[:2], max_concurrency=2)))]
+        assert [r.status for r in first] == [RolloutStatus.OK] * 2, [(r.status, r.error) for r in first]
+        await relay.down()
+        await asyncio.sleep(2.5)  # the engine's pinger has found it gone
+        try:
+            second = [
+                r async for r in c.rollouts(await c.submit(job(slow_policy.url, task_ids[2:4], max_concurrency=2)))
+            ]
+        finally:
+            await relay.up()
+    assert [(r.status, r.reward, r.attempts) for r in second] == [(RolloutStatus.OK, 1.0, 1)] * 2, [
+        (r.status, r.error) for r in second
+    ]
+    assert [r.metrics["sandbox_warm"] for r in second] == [1.0, 1.0]
+    assert [r.metrics["engine_outage_s"] for r in second] == [0.0, 0.0]

@@ -100,6 +100,7 @@ class ScriptedWorker:
     keeps_specs: bool = False  # WorkerHello.keeps_specs: its assignments carry a job's spec once (an older one's each)
     release: str = field(default_factory=release)  # WorkerHello.release: this build's, unless a test says otherwise
     host: str = "scripted-host"
+    engine_outage_wait_s: float = 0.0  # WorkerHello.engine_outage_wait_s: what its rollouts may wait for its engine
     metrics: bytes = b""  # what its heartbeats carry as its Prometheus metrics
     token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
@@ -139,6 +140,7 @@ class ScriptedWorker:
             instance=self.instance,
             keeps_specs=self.keeps_specs,
             release=self.release,
+            engine_outage_wait_s=self.engine_outage_wait_s,
         )
 
         async def outbound() -> AsyncIterator[wpb.WorkerMessage]:

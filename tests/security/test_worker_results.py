@@ -197,6 +197,22 @@ async def test_a_worker_of_another_release_is_refused_with_a_clear_error() -> No
         assert w.hub.workers() == []
 
 
+@pytest.mark.parametrize("wait_s", [-1.0, float("nan"), float("inf"), 86_401.0])
+async def test_a_worker_that_claims_an_engine_wait_out_of_range_is_refused(wait_s: float) -> None:
+    # the budget of each of its assignments counts it in: a wait of 1e300 s (or NaN, which no comparison bounds) made
+    # a stuck worker's rollouts never given up, their slots and their sandboxes held for good
+    async def never(a: wpb.Assignment) -> None:
+        return None
+
+    async with serve_hub() as w:
+        odd = ScriptedWorker(w.tcp, never, engine_outage_wait_s=wait_s, heartbeat_s=None)
+        async with odd:
+            await asyncio.wait_for(odd.ended(), 30)
+        assert odd.error is not None and odd.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "engine_outage_wait_s must be between 0 and 86400" in (odd.error.details() or "")
+        assert w.hub.workers() == []
+
+
 @pytest.mark.parametrize("slots", [0, 100_001, 2**31 - 1])
 async def test_a_worker_that_claims_slots_out_of_range_is_refused(slots: int) -> None:
     # its slots are the fleet's room: 2**31 of them made it the least loaded worker for good, every job's rollouts
