@@ -101,14 +101,16 @@ class EngineRelay:
             finally:
                 for p in pumps:
                     p.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-                for w in (writer, up_writer):
-                    if cut:
+                try:
+                    await asyncio.gather(*pumps, return_exceptions=True)
+                    if not cut:  # both ends said all they had: what is buffered still goes out
+                        for w in (writer, up_writer):
+                            w.close()
+                            with contextlib.suppress(OSError):
+                                await w.wait_closed()
+                finally:  # cut, or taken down meanwhile: nothing of the connection stays
+                    for w in (writer, up_writer):
                         w.transport.abort()
-                    else:  # both ends said all they had: what is buffered still goes out
-                        w.close()
-                        with contextlib.suppress(OSError):
-                            await w.wait_closed()
         finally:
             self._pipes.discard(me)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.backends.docker.backend import DockerBackendConfig
+from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
 from orchestrator.backends.pool import PoolConfig
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
@@ -102,7 +102,13 @@ async def test_warm_sandboxes_serve_rollouts_while_the_engine_is_down_without_a_
         first = [r async for r in c.rollouts(await c.submit(job(slow_policy.url, task_ids[:2], max_concurrency=2)))]
         assert [r.status for r in first] == [RolloutStatus.OK] * 2, [(r.status, r.error) for r in first]
         await relay.down()
-        await asyncio.sleep(2.5)  # the engine's pinger has found it gone
+        engine = orch.backend
+        assert isinstance(engine, DockerBackend)
+        for _ in range(200):  # until the engine's pinger has found it gone
+            if not engine.engine_healthy:
+                break
+            await asyncio.sleep(0.05)
+        assert not engine.engine_healthy and not engine.engine.answering.is_set()
         try:
             second = [
                 r async for r in c.rollouts(await c.submit(job(slow_policy.url, task_ids[2:4], max_concurrency=2)))
