@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import docker
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
+from orchestrator.backends.docker.sweeper import LABEL_INSTANCE
 from orchestrator.backends.pool import PoolConfig
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
@@ -47,6 +49,20 @@ async def slow_policy(registry: Registry) -> AsyncIterator[ScriptedServer]:
     await server.close()
 
 
+async def _containers_of(backend: DockerBackend) -> list[str]:
+    """The names of the containers of this backend instance that the engine still has."""
+
+    def names() -> list[str]:
+        client = docker.from_env()
+        try:
+            found = client.api.containers(all=True, filters={"label": f"{LABEL_INSTANCE}={backend.owner.instance}"})
+            return [c["Names"][0] for c in found]
+        finally:
+            client.close()
+
+    return await asyncio.to_thread(names)
+
+
 def _through(relay: EngineRelay, wait_s: float) -> dict[str, Any]:
     """A server whose engine is reached through `relay`; no warm pool (its sandboxes would ride through an outage,
     and no rollout would need the engine)."""
@@ -68,6 +84,16 @@ async def test_an_engine_restarting_mid_job_is_waited_for_and_fails_no_rollout(
         await asyncio.sleep(6.0)
         await relay.up()
         rollouts = [r async for r in c.rollouts(job_id)]
+        # the sandboxes whose removal the outage refused are removed once the engine answers again (its sweep), not
+        # at the server's stop, nor at their lease's end an hour on
+        assert isinstance(orch.backend, DockerBackend)
+        left = await _containers_of(orch.backend)
+        for _ in range(100):
+            if not left:
+                break
+            await asyncio.sleep(0.2)
+            left = await _containers_of(orch.backend)
+        assert not left, left
     assert len(rollouts) == 12
     failed = [(r.id, r.status, r.error) for r in rollouts if r.status != RolloutStatus.OK or r.reward != 1.0]
     assert not failed, failed
