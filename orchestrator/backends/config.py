@@ -115,7 +115,7 @@ class DockerBackendConfig(BaseModel):
         ge=0,
         le=86400,
         description="how long in all a rollout waits for the engine to answer again (a dockerd restarting) before "
-        "an attempt, rather than spend its infrastructure retries on it; 0: no wait",
+        "an infrastructure retry, rather than spend its retries on it; 0: no wait",
     )
     # Fifty sandboxes at once peak near 75 engine calls/s here (the engine manages 4-5 creates/s; each sandbox is a
     # create, a start, a state check per second while it starts, a remove): 200/s never holds a healthy engine back

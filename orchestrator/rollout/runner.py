@@ -233,7 +233,7 @@ class RolloutRunner:
             rollout = await self._attempt(item, env, spec, policy, policy_version, started, parent, attempt)
             rollout.attempts = attempt
             if rollout.reward is not None:
-                rollout.metrics["engine_outage_s"] = engine_waited  # waited for the engine (outage_wait_s)
+                rollout.metrics["engine_outage_s"] = engine_waited  # waited for the engine (engine_outage_wait_s)
             # wall-clock bounds for the trainer: from the first attempt's start to the last attempt's end, the end
             # counted on the monotonic clock (a wall clock set back between the two made it end before it began)
             rollout.started_at, rollout.finished_at = started_at, started_at + (time.monotonic() - started)
