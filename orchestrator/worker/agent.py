@@ -61,7 +61,8 @@ MAX_DECLARATIVE = 32  # declarative environments a worker keeps parsed beyond it
 
 class WorkerAgent:
     """Runs a control plane's assignments on this process's executor. Over TCP, `tls` is whom it trusts (and, for
-    mTLS, what it presents); it refuses to send its token in clear off loopback unless `insecure`."""
+    mTLS, what it presents); it refuses to send its token in clear off loopback unless `insecure`. `engine_wait_s`:
+    what its rollouts may wait for their engine (its backend's outage_wait_s), said in its hello."""
 
     def __init__(
         self,
@@ -79,6 +80,7 @@ class WorkerAgent:
         kinds: Mapping[str, ArchiveKind] | None = None,
         tls: ClientTLS | None = None,
         insecure: bool = False,
+        engine_wait_s: float = 0.0,
     ) -> None:
         release()  # read once, at the start: the version read at the first hello was an upgrade's own
         check_client_transport(target, token, tls, insecure)
@@ -90,6 +92,7 @@ class WorkerAgent:
         self._executor = executor
         self._registry = registry
         self._slots = slots
+        self._engine_wait_s = engine_wait_s  # WorkerHello.engine_outage_wait_s: its backend's
         self._heartbeat_s = heartbeat_s
         self._orphan_after_s = orphan_after_s
         self._metrics = metrics  # sent to the control plane every `metrics_s`, in a heartbeat
@@ -175,7 +178,7 @@ class WorkerAgent:
             instance=self._instance,
             keeps_specs=True,
             release=release(),
-            engine_outage_wait_s=self._executor.runner.sandboxes.backend.outage_wait_s,
+            engine_outage_wait_s=self._engine_wait_s,
         )
         outbox.put(wpb.WorkerMessage(hello=hello))
 

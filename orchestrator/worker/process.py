@@ -71,6 +71,7 @@ async def run_worker(
             metrics_s=config.metrics_s,
             tls=tls,
             insecure=insecure,
+            engine_wait_s=fleet.backend.outage_wait_s,
         )
         if on_agent is not None:
             on_agent(agent)
