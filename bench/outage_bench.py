@@ -98,27 +98,28 @@ def _workload(rollouts: int, tasks: int) -> tuple[Script, list[str], int]:
     return reference_script(env, chosen, latency_s=0.2), [t.id for t in chosen], max(1, rollouts // len(chosen))
 
 
-def _report(
-    figures: dict[str, dict[str, Any]], fractions: dict[str, list[float]], outage_s: float, jobs: int, **more: Any
-) -> dict[str, Any]:
-    return {
-        **figures,
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "ok_fractions": fractions,
-        "outage_s": outage_s,
-        "rollouts_per_job": jobs,
-        **more,
-    }
+# each side's outage wait: the default, and none (the behaviour before the wait)
+SIDES = {"waited_out": 300.0, "no_wait": 0.0}
+
+
+async def _alternated(rounds: int, one_job: Callable[[float], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """`one_job(wait_s)` for both sides `rounds` times, each first in turn: the last round's figures of each side,
+    and each round's OK fractions."""
+    figures: dict[str, dict[str, Any]] = {}
+    fractions: dict[str, list[float]] = {side: [] for side in SIDES}
+    for r in range(rounds):
+        for side in list(SIDES) if r % 2 == 0 else list(reversed(SIDES)):
+            figures[side] = await one_job(SIDES[side])
+            fractions[side].append(figures[side]["ok_fraction"])
+    return {**figures, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ok_fractions": fractions}
 
 
 async def policy_outage(
     rollouts: int = 64, concurrency: int = 16, outage_s: float = 10.0, rounds: int = 2
 ) -> dict[str, Any]:
-    """Both sides `rounds` times, each first in turn; the last round's figures, and each round's OK fractions."""
+    """Both sides `rounds` times, each first in turn, on one server; the last round's figures, and each round's OK
+    fractions."""
     script, ids, group = _workload(rollouts, 16)
-    sides = {"waited_out": 300.0, "no_wait": 0.0}
-    figures: dict[str, dict[str, Any]] = {}
-    fractions: dict[str, list[float]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="envfleet-outage-bench-") as tmp:
         orch = await create_server(
             OrchestratorConfig(
@@ -127,33 +128,33 @@ async def policy_outage(
         )
         try:
             async with EnvfleetClient(orch.address) as client:
-                for r in range(rounds):
-                    for side in list(sides) if r % 2 == 0 else list(reversed(sides)):
-                        server = await start_scripted_server(script)
-                        back: list[ScriptedServer] = []
 
-                        async def restart(s: ScriptedServer = server, b: list[ScriptedServer] = back) -> None:
-                            b.append(await start_scripted_server(script, port=s.port))
+                async def one_job(wait_s: float) -> dict[str, Any]:
+                    server = await start_scripted_server(script)
+                    port = server.port  # a closed server has none: it starts again on this one
+                    back: list[ScriptedServer] = []
 
-                        spec = _job(server.url, ids, group, concurrency, outage_wait_s=sides[side])
-                        try:
-                            outage = Outage(server.close, restart)
-                            figures[side] = await _one_job(client, spec, outage, outage_s, "policy_outage_s")
-                        finally:
-                            for s in (server, *back):
-                                await s.close()
-                        fractions[side].append(figures[side]["ok_fraction"])
+                    async def restart() -> None:
+                        back.append(await start_scripted_server(script, port=port))
+
+                    spec = _job(server.url, ids, group, concurrency, outage_wait_s=wait_s)
+                    try:
+                        return await _one_job(client, spec, Outage(server.close, restart), outage_s, "policy_outage_s")
+                    finally:
+                        for s in (server, *back):
+                            await s.close()
+
+                result = await _alternated(rounds, one_job)
         finally:
             await orch.stop(grace=1)
-    return _report(
-        figures,
-        fractions,
-        outage_s,
-        len(ids) * group,
-        in_flight=concurrency,
-        note="the policy double closed once a quarter of the job is done, started again outage_s later; "
+    return {
+        **result,
+        "outage_s": outage_s,
+        "rollouts_per_job": len(ids) * group,
+        "in_flight": concurrency,
+        "note": "the policy double closed once a quarter of the job is done, started again outage_s later; "
         "waited_out: outage_wait_s 300 (the default), no_wait: 0 (before it)",
-    )
+    }
 
 
 async def engine_outage(
@@ -162,49 +163,44 @@ async def engine_outage(
     """Both sides `rounds` times, each first in turn, each on a server of its own; the last round's figures, and
     each round's OK fractions."""
     script, ids, group = _workload(rollouts, 16)
-    sides = {"waited_out": 300.0, "no_wait": 0.0}
-    figures: dict[str, dict[str, Any]] = {}
-    fractions: dict[str, list[float]] = {side: [] for side in sides}
     policy = await start_scripted_server(script)
+
+    async def one_job(wait_s: float) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="envfleet-engine-outage-bench-") as tmp:
+            relay = EngineRelay(Path(tmp) / "engine.sock")
+            try:
+                await relay.up()
+                config = OrchestratorConfig(
+                    port=0,
+                    data_dir=Path(tmp) / "data",
+                    backend=DockerBackendConfig(owner=OWNER, base_url=relay.url, engine_outage_wait_s=wait_s),
+                    pool=PoolConfig(enabled=False),
+                    metrics_port=None,
+                )
+                orch = await create_server(config)
+                try:
+                    async with EnvfleetClient(orch.address) as client:
+                        spec = _job(policy.url, ids, group, concurrency)
+                        return await _one_job(client, spec, Outage(relay.down, relay.up), outage_s, "engine_outage_s")
+                finally:
+                    await relay.up()  # the server's stop removes what it holds through it
+                    await orch.stop(grace=1)
+            finally:
+                await relay.close()
+
     try:
-        for r in range(rounds):
-            for side in list(sides) if r % 2 == 0 else list(reversed(sides)):
-                with tempfile.TemporaryDirectory(prefix="envfleet-engine-outage-bench-") as tmp:
-                    relay = EngineRelay(Path(tmp) / "engine.sock")
-                    try:
-                        await relay.up()
-                        backend = DockerBackendConfig(owner=OWNER, base_url=relay.url, engine_outage_wait_s=sides[side])
-                        config = OrchestratorConfig(
-                            port=0,
-                            data_dir=Path(tmp) / "data",
-                            backend=backend,
-                            pool=PoolConfig(enabled=False),
-                            metrics_port=None,
-                        )
-                        orch = await create_server(config)
-                        try:
-                            async with EnvfleetClient(orch.address) as client:
-                                spec = _job(policy.url, ids, group, concurrency)
-                                outage = Outage(relay.down, relay.up)
-                                figures[side] = await _one_job(client, spec, outage, outage_s, "engine_outage_s")
-                        finally:
-                            await relay.up()  # the server's stop removes what it holds through it
-                            await orch.stop(grace=1)
-                    finally:
-                        await relay.close()
-                fractions[side].append(figures[side]["ok_fraction"])
+        result = await _alternated(rounds, one_job)
     finally:
         await policy.close()
-    return _report(
-        figures,
-        fractions,
-        outage_s,
-        len(ids) * group,
-        in_flight=concurrency,
-        note="real Docker, no warm pool; the engine's socket reached through a relay taken down once a quarter of "
+    return {
+        **result,
+        "outage_s": outage_s,
+        "rollouts_per_job": len(ids) * group,
+        "in_flight": concurrency,
+        "note": "real Docker, no warm pool; the engine's socket reached through a relay taken down once a quarter of "
         "the job is done and brought back outage_s later; waited_out: engine_outage_wait_s 300 (the default), "
         "no_wait: 0 (before it)",
-    )
+    }
 
 
 BENCHES = {"policy": ("policy_outage", policy_outage), "engine": ("engine_outage", engine_outage)}
