@@ -26,7 +26,7 @@ import pytest
 import trustme
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
-from orchestrator.backends.docker.sweeper import LABEL_MANAGED, LABEL_OWNER
+from orchestrator.backends.docker.sweeper import LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER
 from orchestrator.backends.envd_transport import EnvdTransport
 from orchestrator.core.runtime import limit_malloc_arenas
 
@@ -218,10 +218,14 @@ async def backend(base_image: str) -> AsyncIterator[DockerBackend]:
         yield b
 
 
-def owned_containers(owner: str = TEST_OWNER) -> list[Any]:
-    """The sandbox containers `owner` has on this host, stopped ones too (one removed while listed is skipped)."""
+def owned_containers(owner: str = TEST_OWNER, instance: str | None = None) -> list[Any]:
+    """The sandbox containers `owner` (of one backend `instance`, when given) has on this host, stopped ones too (one
+    removed while listed is skipped)."""
+    labels = [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={owner}"]
+    if instance is not None:
+        labels.append(f"{LABEL_INSTANCE}={instance}")
     return docker.from_env().containers.list(  # type: ignore[no-any-return]
-        ignore_removed=True, all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_OWNER}={owner}"]}
+        ignore_removed=True, all=True, filters={"label": labels}
     )
 
 

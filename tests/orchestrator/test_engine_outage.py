@@ -1,7 +1,7 @@
 """The docker engine goes away and comes back (a dockerd restarting) under a job: a relay in front of the real
 engine's socket is taken down (nothing listens, calls in flight are cut) and brought back. Rollouts wait for the
-engine (DockerBackendConfig.engine_outage_wait_s) rather than spend their infrastructure retries in the second or two
-their backoff lasts; a wait has an end, and after it they fail as before, masked, never a reward."""
+engine (DockerBackendConfig.engine_outage_wait_s) before a retry rather than spend their infrastructure retries on
+it; a wait has an end, and after it they fail as before, masked, never a reward."""
 
 from __future__ import annotations
 
@@ -10,20 +10,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import docker
 import pytest
 
 from orchestrator.backends.docker.backend import DockerBackend, DockerBackendConfig
-from orchestrator.backends.docker.sweeper import LABEL_INSTANCE
 from orchestrator.backends.pool import PoolConfig
 from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
-from orchestrator.service.registry import Registry
 from orchestrator.testing.engine_relay import EngineRelay
-from orchestrator.testing.scripted_policy import ScriptedServer, start_scripted_server
-from orchestrator.testing.scripts import reference_script
-from tests.conftest import TEST_OWNER
-from tests.orchestrator.conftest import ENV, job
+from orchestrator.testing.scripted_policy import ScriptedServer
+from tests.conftest import TEST_OWNER, owned_containers
+from tests.orchestrator.conftest import job
 from tests.orchestrator.servers import serve, until_done
 
 pytestmark = pytest.mark.docker
@@ -40,27 +36,6 @@ async def relay(tmp_path: Path) -> AsyncIterator[EngineRelay]:
         yield r
     finally:
         await r.close()
-
-
-@pytest.fixture
-async def slow_policy(registry: Registry) -> AsyncIterator[ScriptedServer]:
-    server = await start_scripted_server(reference_script(registry.get(ENV), latency_s=0.3))
-    yield server
-    await server.close()
-
-
-async def _containers_of(backend: DockerBackend) -> list[str]:
-    """The names of the containers of this backend instance that the engine still has."""
-
-    def names() -> list[str]:
-        client = docker.from_env()
-        try:
-            found = client.api.containers(all=True, filters={"label": f"{LABEL_INSTANCE}={backend.owner.instance}"})
-            return [c["Names"][0] for c in found]
-        finally:
-            client.close()
-
-    return await asyncio.to_thread(names)
 
 
 def _through(relay: EngineRelay, wait_s: float) -> dict[str, Any]:
@@ -87,13 +62,14 @@ async def test_an_engine_restarting_mid_job_is_waited_for_and_fails_no_rollout(
         # the sandboxes whose removal the outage refused are removed once the engine answers again (its sweep), not
         # at the server's stop, nor at their lease's end an hour on
         assert isinstance(orch.backend, DockerBackend)
-        left = await _containers_of(orch.backend)
+        instance = orch.backend.owner.instance
+        left = await asyncio.to_thread(owned_containers, instance=instance)
         for _ in range(100):
             if not left:
                 break
             await asyncio.sleep(0.2)
-            left = await _containers_of(orch.backend)
-        assert not left, left
+            left = await asyncio.to_thread(owned_containers, instance=instance)
+        assert not left, [c.name for c in left]
     assert len(rollouts) == 12
     failed = [(r.id, r.status, r.error) for r in rollouts if r.status != RolloutStatus.OK or r.reward != 1.0]
     assert not failed, failed
