@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +216,15 @@ async def backend(base_image: str) -> AsyncIterator[DockerBackend]:
     """A docker backend owned by the test suite; every sandbox it made is gone afterwards."""
     async with owned_backend() as b:
         yield b
+
+
+async def until(check: Callable[[], bool], what: str, limit_s: float = 60.0) -> None:
+    """Wait until `check()` holds (a bound on a wait, not a speed assert)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not check():
+        assert loop.time() < deadline, f"still not {what} after {limit_s:g}s"
+        await asyncio.sleep(0.05)
 
 
 def owned_containers(owner: str = TEST_OWNER, instance: str | None = None) -> list[Any]:

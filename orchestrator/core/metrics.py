@@ -101,6 +101,11 @@ class Metrics:
         )
         self.docker_api_in_flight = Gauge("envfleet_docker_api_in_flight", "Engine calls in flight", registry=r)
         self.docker_api_waiting = Gauge("envfleet_docker_api_waiting", "Engine calls waiting for a permit", registry=r)
+        self.docker_engine_answering = Gauge(
+            "envfleet_docker_engine_answering",
+            "1 while the container engine answers, 0 while it does not (a rollout that needs it waits)",
+            registry=r,
+        )
 
     def export_workers(
         self,

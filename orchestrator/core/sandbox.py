@@ -481,6 +481,10 @@ class SandboxBackend(abc.ABC):
         most; the seconds waited, 0 at once while it answers. A backend that never stops answering returns 0."""
         return 0.0
 
+    def engine_answering(self) -> bool:
+        """Whether the engine answered last (False while a rollout that needs it would wait, wait_answering)."""
+        return True
+
 
 # The same task and sample always see the same environment variables and seed.
 DETERMINISTIC_ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LC_ALL": "C.UTF-8"}

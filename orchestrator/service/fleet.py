@@ -86,6 +86,7 @@ async def _docker_fleet(config: DockerBackendConfig) -> Fleet:
         metrics.docker_api_limit.set_function(lambda: backend.limiter.permits)
         metrics.docker_api_in_flight.set_function(lambda: backend.limiter.in_flight)
         metrics.docker_api_waiting.set_function(lambda: backend.limiter.waiting)
+        metrics.docker_engine_answering.set_function(lambda: backend.engine_answering())
 
     resolver = ImageResolver(client)
     return Fleet(

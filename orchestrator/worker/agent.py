@@ -15,7 +15,7 @@ import shutil
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,8 @@ MAX_DECLARATIVE = 32  # declarative environments a worker keeps parsed beyond it
 class WorkerAgent:
     """Runs a control plane's assignments on this process's executor. Over TCP, `tls` is whom it trusts (and, for
     mTLS, what it presents); it refuses to send its token in clear off loopback unless `insecure`. `engine_wait_s`:
-    what its rollouts may wait for their engine (its backend's outage_wait_s), said in its hello."""
+    what its rollouts may wait for their engine (its backend's outage_wait_s), said in its hello; `engine_answering`
+    whether that engine answers now (its backend's), said in each heartbeat."""
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class WorkerAgent:
         tls: ClientTLS | None = None,
         insecure: bool = False,
         engine_wait_s: float = 0.0,
+        engine_answering: Callable[[], bool] = lambda: True,
     ) -> None:
         release()  # read once, at the start: the version read at the first hello was an upgrade's own
         check_client_transport(target, token, tls, insecure)
@@ -93,6 +95,7 @@ class WorkerAgent:
         self._registry = registry
         self._slots = slots
         self._engine_wait_s = engine_wait_s  # WorkerHello.engine_outage_wait_s: its backend's
+        self._engine_answering = engine_answering  # Heartbeat.engine_down: its backend's, read at each heartbeat
         self._heartbeat_s = heartbeat_s
         self._orphan_after_s = orphan_after_s
         self._metrics = metrics  # sent to the control plane every `metrics_s`, in a heartbeat
@@ -190,7 +193,7 @@ class WorkerAgent:
         async def heartbeats() -> None:
             sent = float("-inf")
             while True:
-                beat = wpb.Heartbeat(running=len(running))
+                beat = wpb.Heartbeat(running=len(running), engine_down=not self._engine_answering())
                 if self._metrics is not None and time.monotonic() - sent >= self._metrics_s:
                     sent = time.monotonic()
                     beat.metrics = generate_latest(self._metrics)  # about 2 ms

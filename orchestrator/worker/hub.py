@@ -93,6 +93,7 @@ class _Worker:
     instance: str = ""  # its process's secret (WorkerHello.instance): a hello with its id reconnects only with it
     keeps_specs: bool = False  # it keeps a job's spec from the assignment that carried it (WorkerHello.keeps_specs)
     engine_wait_s: float = 0.0  # what a rollout of its may wait for its engine (WorkerHello.engine_outage_wait_s)
+    engine_down: bool = False  # its engine did not answer when it last said (Heartbeat.engine_down)
     # job id -> the spec this stream carried last (an older worker gets it every time): a job's spec of 1-2 KB went
     # with each of its assignments, the largest part of the wire's bytes and of the control plane's work to send them
     specs: dict[str, JobSpec] = field(default_factory=dict)
@@ -121,6 +122,7 @@ class WorkerInfo:
     running: int
     served: int
     trusted: bool  # a process of this host (unix socket); a remote one's rollouts are validated whole
+    engine_down: bool  # its container engine was not answering at its last heartbeat
 
 
 class WorkerHub:
@@ -182,7 +184,7 @@ class WorkerHub:
     def workers(self) -> list[WorkerInfo]:
         """The connected workers."""
         return [
-            WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served, w.trusted)
+            WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served, w.trusted, w.engine_down)
             for w in self._workers.values()
         ]
 
@@ -291,14 +293,21 @@ class WorkerHub:
                 self.waiting -= 1
         self._in_use += 1
         home = self._workers.get(self._group_home.get(item.job_id, {}).get(item.group_id, ""))
-        if home is not None and home.load < 2.0 and not home.failing and home.id not in failed_on:
+        # a home whose engine is down keeps its group while no other engine answers (one host's workers share one
+        # engine, and the group's snapshots are there)
+        if (
+            home is not None
+            and home.load < 2.0
+            and not home.failing
+            and home.id not in failed_on
+            and (not home.engine_down or all(w.engine_down for w in self._workers.values()))
+        ):
             return home
         hosts = self._hosts_with.get(env.ref(), set())
         candidates: Collection[_Worker] = self._workers.values()
         if failed_on:
             candidates = [w for w in candidates if w.id not in failed_on] or candidates
-        # least loaded first (a failing worker counted as full); among equals, a host that already has the image
-        worker = min(candidates, key=lambda w: (round(w.load + w.failing, 3), w.host not in hosts, w.served))
+        worker = min(candidates, key=lambda w: _placement(w, hosts))
         self._remember_home(item, worker, moved=home is not None)
         return worker
 
@@ -563,8 +572,10 @@ class WorkerHub:
                         )
                     for result in results:
                         self._deliver(worker, result)
-                elif message.heartbeat.metrics:
-                    self._take_metrics(worker, message.heartbeat.metrics)
+                elif message.HasField("heartbeat"):
+                    worker.engine_down = message.heartbeat.engine_down
+                    if message.heartbeat.metrics:
+                        self._take_metrics(worker, message.heartbeat.metrics)
                 now = time.monotonic()
                 if now >= worker.next_sweep:  # heartbeats come every second or so: the sweep runs as often
                     worker.next_sweep = now + OVERDUE_SWEEP_S
@@ -670,6 +681,14 @@ class WorkerHub:
         """Whether a process of this host with `pid` is connected: a remote worker's pid is its own host's (and
         whatever its hello says), so it never stands for a local one."""
         return any(w.trusted and w.pid == pid for w in self._workers.values())
+
+
+def _placement(worker: _Worker, hosts: set[str]) -> tuple[bool, bool, float, bool, int]:
+    """A worker's rank for a new rollout, the lowest first: one with room (a failing worker counted as full) whose
+    engine answers (a rollout on one whose engine is down waits for it, up to minutes, while another host could run
+    it now), then the least loaded; among equals, one whose host already has the image."""
+    load = round(worker.load + worker.failing, 3)
+    return load >= 1.0, worker.engine_down, load, worker.host not in hosts, worker.served
 
 
 def _assignment_size(a: wpb.Assignment) -> int:

@@ -72,6 +72,7 @@ async def run_worker(
             tls=tls,
             insecure=insecure,
             engine_wait_s=fleet.backend.outage_wait_s,
+            engine_answering=fleet.backend.engine_answering,
         )
         if on_agent is not None:
             on_agent(agent)

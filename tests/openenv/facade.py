@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-from collections.abc import Callable
 from typing import Any
 
 from openenv.core.generic_client import GenericEnvClient
@@ -62,15 +61,6 @@ def _request(base: str, path: str, method: str, headers: dict[str, str]) -> tupl
 async def http_get(base: str, path: str, method: str = "GET", **headers: str) -> tuple[int, dict[str, Any]]:
     """A plain HTTP request from a thread (the facade may run on this test's event loop); status and JSON body."""
     return await asyncio.to_thread(_request, base, path, method, {k.replace("_", "-"): v for k, v in headers.items()})
-
-
-async def until(check: Callable[[], bool], what: str, limit_s: float = 60.0) -> None:
-    """Wait until `check()` holds (a bound on a wait, not a speed assert)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not check():
-        assert loop.time() < deadline, f"still not {what} after {limit_s:g}s"
-        await asyncio.sleep(0.05)
 
 
 def facade_url(orch: Orchestrator) -> str:

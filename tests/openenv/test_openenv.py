@@ -17,8 +17,8 @@ from websockets.asyncio.client import ClientConnection
 from orchestrator.openenv.config import OpenEnvConfig
 from orchestrator.openenv.serving import start_facade
 from orchestrator.service.registry import Registry
-from tests.conftest import REPO, TEST_OWNER
-from tests.openenv.facade import ENV, env_client, exchange, facade_url, http_get, open_sessions, until, ws_connect
+from tests.conftest import REPO, TEST_OWNER, until
+from tests.openenv.facade import ENV, env_client, exchange, facade_url, http_get, open_sessions, ws_connect
 from tests.orchestrator.servers import FAKE, serve
 
 OPENENV = {"port": 0}

@@ -18,7 +18,7 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
 from orchestrator.testing.engine_relay import EngineRelay
 from orchestrator.testing.scripted_policy import ScriptedServer
-from tests.conftest import TEST_OWNER, owned_containers
+from tests.conftest import TEST_OWNER, owned_containers, until
 from tests.orchestrator.conftest import job
 from tests.orchestrator.servers import serve, until_done
 
@@ -122,3 +122,21 @@ async def test_warm_sandboxes_serve_rollouts_while_the_engine_is_down_without_a_
     ]
     assert [r.metrics["sandbox_warm"] for r in second] == [1.0, 1.0]
     assert [r.metrics["engine_outage_s"] for r in second] == [0.0, 0.0]
+
+
+async def test_a_worker_process_says_its_engine_is_down_and_back_in_its_heartbeats(
+    tmp_path: Path, base_image: str, relay: EngineRelay
+) -> None:
+    """The control plane places new rollouts on workers whose engine answers (WorkerHub._placement): a real worker
+    process says what its own engine does, heartbeat by heartbeat."""
+    async with serve(tmp_path / "data", workers=1, **_through(relay, wait_s=60)) as orch:
+        assert orch.workers is not None
+        hub = orch.workers.hub
+        await hub.wait_for_workers(1, timeout_s=120)
+        assert [w.engine_down for w in hub.workers()] == [False]
+        await relay.down()
+        try:
+            await until(lambda: [w.engine_down for w in hub.workers()] == [True], "said down", limit_s=30)
+        finally:
+            await relay.up()
+        await until(lambda: [w.engine_down for w in hub.workers()] == [False], "said back", limit_s=30)

@@ -48,7 +48,7 @@ async def test_metrics_endpoint_and_status(
         assert tool_calls and tool_calls[0] >= 3, tool_calls  # each rollout called a tool, submit at least
         assert "envfleet_queue_depth 0.0" in text and "envfleet_queue_waiting_for_images 0.0" in text
         assert "envfleet_docker_api_limit 16.0" in text  # api_workers: a healthy engine never had it cut
-        assert "envfleet_docker_api_waiting 0.0" in text
+        assert "envfleet_docker_api_waiting 0.0" in text and "envfleet_docker_engine_answering 1.0" in text
         assert 'envfleet_sandboxes{state="idle"}' in text  # python-tool recycles: its sandboxes wait warm
         r = await asyncio.to_thread(
             subprocess.run,

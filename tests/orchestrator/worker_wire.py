@@ -102,6 +102,7 @@ class ScriptedWorker:
     host: str = "scripted-host"
     engine_outage_wait_s: float = 0.0  # WorkerHello.engine_outage_wait_s: what its rollouts may wait for its engine
     metrics: bytes = b""  # what its heartbeats carry as its Prometheus metrics
+    engine_down: bool = False  # what its heartbeats say of its engine (read at each one)
     token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
     assign_messages: int = 0  # control messages that carried assignments
@@ -151,7 +152,8 @@ class ScriptedWorker:
         async def heartbeats() -> None:
             assert self.heartbeat_s is not None
             while True:
-                outbox.put_nowait(wpb.WorkerMessage(heartbeat=wpb.Heartbeat(running=0, metrics=self.metrics)))
+                beat = wpb.Heartbeat(running=0, metrics=self.metrics, engine_down=self.engine_down)
+                outbox.put_nowait(wpb.WorkerMessage(heartbeat=beat))
                 await asyncio.sleep(self.heartbeat_s)
 
         async def reply(a: wpb.Assignment) -> None:

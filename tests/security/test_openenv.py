@@ -15,7 +15,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from orchestrator.core.errors import ConfigError
 from orchestrator.openenv.config import OpenEnvConfig, check_facade_host
 from orchestrator.openenv.serving import start_facade
-from tests.openenv.facade import env_client, facade_url, http_get, open_sessions, until, ws_connect
+from tests.conftest import until
+from tests.openenv.facade import env_client, facade_url, http_get, open_sessions, ws_connect
 from tests.orchestrator.servers import FAKE, serve
 
 TOKEN_A, TOKEN_B = secrets.token_urlsafe(24), secrets.token_urlsafe(24)

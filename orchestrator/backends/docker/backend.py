@@ -365,6 +365,9 @@ class DockerBackend(SandboxBackend):
     async def wait_answering(self, limit_s: float) -> float:
         return await self.engine.wait_answering(limit_s)
 
+    def engine_answering(self) -> bool:
+        return self.engine.answering.is_set()
+
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Blocking work that is more than one engine call: on the pool, outside the limiter (Engine.run_blocking)."""
         return await self.engine.run_blocking(fn, *args, **kwargs)
