@@ -15,7 +15,7 @@ PROTOCOL_UNSPECIFIED: Protocol
 PROTOCOL_BATCHED: Protocol
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "host", "slots", "pid", "protocol", "acks_cancel", "instance", "keeps_specs", "release", "engine_outage_wait_s")
+    __slots__ = ("worker_id", "host", "slots", "pid", "protocol", "acks_cancel", "instance", "keeps_specs", "release", "engine_outage_wait_s", "engine_down")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class WorkerHello(_message.Message):
     KEEPS_SPECS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_OUTAGE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     slots: int
@@ -36,7 +37,8 @@ class WorkerHello(_message.Message):
     keeps_specs: bool
     release: str
     engine_outage_wait_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., acks_cancel: _Optional[bool] = ..., instance: _Optional[str] = ..., keeps_specs: _Optional[bool] = ..., release: _Optional[str] = ..., engine_outage_wait_s: _Optional[float] = ...) -> None: ...
+    engine_down: bool
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., acks_cancel: _Optional[bool] = ..., instance: _Optional[str] = ..., keeps_specs: _Optional[bool] = ..., release: _Optional[str] = ..., engine_outage_wait_s: _Optional[float] = ..., engine_down: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("running", "metrics", "engine_down")

@@ -182,6 +182,7 @@ class WorkerAgent:
             keeps_specs=True,
             release=release(),
             engine_outage_wait_s=self._engine_wait_s,
+            engine_down=not self._engine_answering(),
         )
         outbox.put(wpb.WorkerMessage(hello=hello))
 

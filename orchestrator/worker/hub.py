@@ -293,21 +293,19 @@ class WorkerHub:
                 self.waiting -= 1
         self._in_use += 1
         home = self._workers.get(self._group_home.get(item.job_id, {}).get(item.group_id, ""))
-        # a home whose engine is down keeps its group while no other engine answers (one host's workers share one
-        # engine, and the group's snapshots are there)
-        if (
-            home is not None
-            and home.load < 2.0
-            and not home.failing
-            and home.id not in failed_on
-            and (not home.engine_down or all(w.engine_down for w in self._workers.values()))
-        ):
-            return home
+        keeper = home if home and home.load < 2.0 and not home.failing and home.id not in failed_on else None
+        if keeper is not None and not keeper.engine_down:
+            return keeper
         hosts = self._hosts_with.get(env.ref(), set())
         candidates: Collection[_Worker] = self._workers.values()
         if failed_on:
             candidates = [w for w in candidates if w.id not in failed_on] or candidates
         worker = min(candidates, key=lambda w: _placement(w, hosts))
+        full, down, *_ = _placement(worker, hosts)
+        if keeper is not None and (full or down):
+            # its engine is down, and no worker whose engine answers has room: the group stays where its snapshots
+            # are (one host's workers share one engine; on another down one it would wait all the same)
+            return keeper
         self._remember_home(item, worker, moved=home is not None)
         return worker
 
@@ -474,6 +472,7 @@ class WorkerHub:
         worker.keeps_specs = hello.keeps_specs
         worker.instance = hello.instance
         worker.engine_wait_s = hello.engine_outage_wait_s
+        worker.engine_down = hello.engine_down  # before its first heartbeat: the rollouts woken below are placed now
         previous = self._workers.get(worker.id)
         if previous is not None:
             self._drop(previous, "it connected again")

@@ -128,15 +128,24 @@ async def test_a_worker_process_says_its_engine_is_down_and_back_in_its_heartbea
     tmp_path: Path, base_image: str, relay: EngineRelay
 ) -> None:
     """The control plane places new rollouts on workers whose engine answers (WorkerHub._placement): a real worker
-    process says what its own engine does, heartbeat by heartbeat."""
+    process says what its own engine does, in its hello and then heartbeat by heartbeat, and its metrics (on the
+    control plane's endpoint, labelled with it) say it too."""
+
+    def gauge() -> list[float]:
+        name = b"envfleet_docker_engine_answering "
+        lines = [line for _, _, text in hub.metric_snapshots() for line in text.splitlines() if line.startswith(name)]
+        return [float(line.removeprefix(name)) for line in lines]
+
     async with serve(tmp_path / "data", workers=1, **_through(relay, wait_s=60)) as orch:
         assert orch.workers is not None
         hub = orch.workers.hub
         await hub.wait_for_workers(1, timeout_s=120)
-        assert [w.engine_down for w in hub.workers()] == [False]
+        assert [w.engine_down for w in hub.workers()] == [False]  # its hello said so
+        await until(lambda: gauge() == [1.0], "its gauge at 1", limit_s=30)  # its metrics go every 5 s
         await relay.down()
         try:
             await until(lambda: [w.engine_down for w in hub.workers()] == [True], "said down", limit_s=30)
+            await until(lambda: gauge() == [0.0], "its gauge at 0", limit_s=30)
         finally:
             await relay.up()
         await until(lambda: [w.engine_down for w in hub.workers()] == [False], "said back", limit_s=30)

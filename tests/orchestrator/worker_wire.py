@@ -102,7 +102,7 @@ class ScriptedWorker:
     host: str = "scripted-host"
     engine_outage_wait_s: float = 0.0  # WorkerHello.engine_outage_wait_s: what its rollouts may wait for its engine
     metrics: bytes = b""  # what its heartbeats carry as its Prometheus metrics
-    engine_down: bool = False  # what its heartbeats say of its engine (read at each one)
+    engine_down: bool = False  # what its hello and heartbeats say of its engine (read at each)
     token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
     assign_messages: int = 0  # control messages that carried assignments
@@ -142,6 +142,7 @@ class ScriptedWorker:
             keeps_specs=self.keeps_specs,
             release=self.release,
             engine_outage_wait_s=self.engine_outage_wait_s,
+            engine_down=self.engine_down,
         )
 
         async def outbound() -> AsyncIterator[wpb.WorkerMessage]:
