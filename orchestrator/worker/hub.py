@@ -66,7 +66,8 @@ class _Running:
     item: WorkItem
     result: asyncio.Future[tuple[EncodedRollout, float]]  # the rollout, and its run time on the worker
     budget_s: float
-    deadline: float  # monotonic: past it, the worker counts as stuck on this rollout
+    sent: float  # monotonic
+    deadline: float  # monotonic: past it (and its engine's wait, if it said the engine was down), the worker is stuck
     archive: str = ""  # the digest of its environment's archive, if an uploaded one
 
 
@@ -94,6 +95,7 @@ class _Worker:
     keeps_specs: bool = False  # it keeps a job's spec from the assignment that carried it (WorkerHello.keeps_specs)
     engine_wait_s: float = 0.0  # what a rollout of its may wait for its engine (WorkerHello.engine_outage_wait_s)
     engine_down: bool = False  # its engine did not answer when it last said (Heartbeat.engine_down)
+    down_said_at: float = float("-inf")  # monotonic: when it last said its engine was down
     # job id -> the spec this stream carried last (an older worker gets it every time): a job's spec of 1-2 KB went
     # with each of its assignments, the largest part of the wire's bytes and of the control plane's work to send them
     specs: dict[str, JobSpec] = field(default_factory=dict)
@@ -367,10 +369,10 @@ class WorkerHub:
         archive = await self._archive_for(worker, env)
         if self._workers.get(worker.id) is not worker:  # dropped during the read: nobody would answer or expire it
             raise WorkerLostError(f"worker {worker.id} was lost")
-        # the runner's own budget (every attempt, the pauses between them, its waits for an engine that does not
-        # answer), and slack for the wire; the worker's reader enforces it (_expire)
+        # the runner's own budget (every attempt and the pauses between them), and slack for the wire; the worker's
+        # reader enforces it (_expire), with the runner's wait for its engine added once the worker says it is down
         each = attempt_s(spec, self._scoring_budget(item, env)) + RETRY_BACKOFF_CAP_S
-        budget = (left_retries(spec, spent) + 1) * each + worker.engine_wait_s + self.result_slack_s
+        budget = (left_retries(spec, spent) + 1) * each + self.result_slack_s
         digest = archive.sha256 if archive is not None else ""
         spec_json, env_json = self._encode(item.job_id, env, spec)
         plugin = not env_json and archive is None  # the worker's own install has it: their digests must agree
@@ -399,7 +401,7 @@ class WorkerHub:
                 f"the rollout's assignment is {size} bytes (the job's spec, its environment's spec and archive), over "
                 f"the worker wire's {MAX_ASSIGNMENT_BYTES}: submit fewer task ids, or a smaller environment"
             )
-        worker.running[assignment_id] = _Running(item, future, budget, sent + budget, digest)
+        worker.running[assignment_id] = _Running(item, future, budget, sent, sent + budget, digest)
         if worker.keeps_specs and not carried:
             worker.specs[item.job_id] = spec
         worker.outbox.put(assignment)
@@ -473,6 +475,8 @@ class WorkerHub:
         worker.instance = hello.instance
         worker.engine_wait_s = hello.engine_outage_wait_s
         worker.engine_down = hello.engine_down  # before its first heartbeat: the rollouts woken below are placed now
+        if worker.engine_down:
+            worker.down_said_at = time.monotonic()
         previous = self._workers.get(worker.id)
         if previous is not None:
             self._drop(previous, "it connected again")
@@ -573,6 +577,8 @@ class WorkerHub:
                         self._deliver(worker, result)
                 elif message.HasField("heartbeat"):
                     worker.engine_down = message.heartbeat.engine_down
+                    if worker.engine_down:
+                        worker.down_said_at = time.monotonic()
                     if message.heartbeat.metrics:
                         self._take_metrics(worker, message.heartbeat.metrics)
                 now = time.monotonic()
@@ -636,10 +642,13 @@ class WorkerHub:
         """Give up on the worker's rollouts past their budget: each fails over, and is stopped on the worker (a
         stuck rollout holds a sandbox there)."""
         for assignment_id, running in list(worker.running.items()):
-            if now > running.deadline and not running.result.done():
+            # its runner waits for an engine that does not answer (engine_outage_wait_s): counted in only for a
+            # rollout its worker said so during, else a stuck rollout was given up that much later, 5 minutes by default
+            waited = worker.engine_wait_s if worker.engine_down or worker.down_said_at >= running.sent else 0.0
+            if now > running.deadline + waited and not running.result.done():
                 worker.failing = True
                 running.result.set_exception(
-                    WorkerLostError(f"worker {worker.id} gave no result within {running.budget_s:g}s")
+                    WorkerLostError(f"worker {worker.id} gave no result within {running.budget_s + waited:g}s")
                 )
                 self._cancel(worker, assignment_id)
         for assignment_id, (give_up_at, _) in list(worker.cancelling.items()):

@@ -379,23 +379,34 @@ async def test_a_rollout_past_its_budget_is_given_up_and_stopped_on_the_worker()
     async def never(a: wpb.Assignment) -> None:
         return None  # it checks in, but this rollout never ends
 
-    # the budget: the fleet's part and the episode's (the rollout's timeout each), the longest retry pause (8 s), what
-    # the worker said its rollouts may wait for its engine (its hello: 2 s), and the slack
+    # the budget: the fleet's part and the episode's (the rollout's timeout each), the longest retry pause (8 s) and
+    # the slack; and what a worker said its rollouts may wait for its engine (its hello: 2 s), for a rollout it said
+    # its engine was down during (here for a moment). Counted in for every rollout, it held a stuck one 5 minutes
+    # longer by default.
+    env = Registry.from_entry_points().get(ENV)
+    a, b = items("job-stuck", 2)
+    job = spec([a.task.id, b.task.id], rollout_timeout_s=0.5)
     async with (
         serve_hub(result_slack_s=0.5) as w,
-        ScriptedWorker(w.tcp, never, engine_outage_wait_s=2.0) as worker,
+        ScriptedWorker(w.tcp, never, worker_id="steady", engine_outage_wait_s=2.0, slots=1) as steady,
+        ScriptedWorker(w.tcp, never, worker_id="flaky", engine_outage_wait_s=2.0, slots=1) as flaky,
     ):
-        await w.hub.wait_for_workers(1, timeout_s=30)
-        (item,) = items("job-stuck", 1)
-        env = Registry.from_entry_points().get(ENV)
-        got = await asyncio.wait_for(w.hub.run(item, env, spec([item.task.id], rollout_timeout_s=0.5)), 60)
-        for _ in range(100):  # the cancel is on its way to the worker
-            if worker.cancelled:
-                break
-            await asyncio.sleep(0.05)
-    assert isinstance(got, Rollout) and got.status == RolloutStatus.INFRA_ERROR and got.reward is None
-    assert got.error is not None and "gave no result within 11.5s" in got.error.message, got.error
-    assert worker.cancelled == [worker.assignments[0].assignment_id]
+        await w.hub.wait_for_workers(2, timeout_s=30)
+        runs = asyncio.gather(w.hub.run(a, env, job), w.hub.run(b, env, job))  # one each: a worker has one slot
+        await until(lambda: bool(steady.assignments and flaky.assignments), "both assigned")
+        flaky.engine_down = True
+        await until(lambda: any(i.engine_down for i in w.hub.workers()), "its heartbeat said its engine is down")
+        flaky.engine_down = False
+        await until(lambda: not any(i.engine_down for i in w.hub.workers()), "and back")
+        got = await asyncio.wait_for(runs, 60)
+        await until(lambda: bool(steady.cancelled and flaky.cancelled), "the cancels reached the workers")
+    lost = [r for r in got if isinstance(r, Rollout) and r.status == RolloutStatus.INFRA_ERROR and r.reward is None]
+    assert len(lost) == 2, got
+    said = sorted(r.error.message if r.error else "" for r in lost)
+    assert "worker flaky gave no result within 11.5s" in said[0], said
+    assert "worker steady gave no result within 9.5s" in said[1], said
+    for worker in (steady, flaky):
+        assert worker.cancelled == [worker.assignments[0].assignment_id]
 
 
 async def test_the_outbox_hands_out_what_is_queued_in_order_and_in_batches() -> None:
