@@ -225,7 +225,8 @@ async def test_an_archive_goes_again_to_a_worker_that_failed_its_assignment(tmp_
     assert first is not None and first.archive
     answer = asyncio.get_running_loop().create_future()
     item = WorkItem("j", env.tasks()[0], 0, time.monotonic())
-    worker.running["a1"] = _Running(item, answer, 60.0, time.monotonic() + 60, first.sha256)
+    now = time.monotonic()
+    worker.running["a1"] = _Running(item, answer, budget_s=60.0, sent=now, deadline=now + 60, archive=first.sha256)
     hub._deliver(worker, wpb.RolloutResult(assignment_id="a1", error="worker w1 cannot run it: OSError: disk full"))
     with pytest.raises(WorkerLostError):
         answer.result()
