@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12\x65nvfleet.worker.v1\"\xfa\x01\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12.\n\x08protocol\x18\x05 \x01(\x0e\x32\x1c.envfleet.worker.v1.Protocol\x12\x13\n\x0b\x61\x63ks_cancel\x18\x06 \x01(\x08\x12\x10\n\x08instance\x18\x07 \x01(\t\x12\x13\n\x0bkeeps_specs\x18\x08 \x01(\x08\x12\x0f\n\x07release\x18\t \x01(\t\x12\x1c\n\x14\x65ngine_outage_wait_s\x18\n \x01(\x01\x12\x13\n\x0b\x65ngine_down\x18\x0b \x01(\x08\"B\n\tHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07metrics\x18\x02 \x01(\x0c\x12\x13\n\x0b\x65ngine_down\x18\x03 \x01(\x08\"r\n\rRolloutResult\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x14\n\x0crollout_json\x18\x02 \x01(\x0c\x12\x12\n\nrollout_pb\x18\x04 \x01(\x0c\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tcancelled\x18\x05 \x01(\x08\"A\n\x0bResultBatch\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.envfleet.worker.v1.RolloutResult\"\xb7\x01\n\rWorkerMessage\x12\x30\n\x05hello\x18\x01 \x01(\x0b\x32\x1f.envfleet.worker.v1.WorkerHelloH\x00\x12\x32\n\theartbeat\x18\x02 \x01(\x0b\x32\x1d.envfleet.worker.v1.HeartbeatH\x00\x12\x32\n\x07results\x18\x04 \x01(\x0b\x32\x1f.envfleet.worker.v1.ResultBatchH\x00\x42\x06\n\x04kindJ\x04\x08\x03\x10\x04\"\xa8\x02\n\nAssignment\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x15\n\rjob_spec_json\x18\x02 \x01(\x0c\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\x05\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x15\n\renv_spec_json\x18\x07 \x01(\x0c\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12;\n\x0b\x65nv_archive\x18\n \x01(\x0b\x32&.envfleet.worker.v1.ArchiveEnvironment\x12\x16\n\x0e\x61ttempts_spent\x18\x0b \x01(\x05\x12\x12\n\nenv_digest\x18\x0c \x01(\t\"q\n\x12\x41rchiveEnvironment\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0f\n\x07\x61rchive\x18\x05 \x01(\x0c\x12\r\n\x05rules\x18\x06 \x01(\t\"\x1f\n\x06\x43\x61ncel\x12\x15\n\rassignment_id\x18\x01 \x01(\t\"\x1a\n\x08JobEnded\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"F\n\x0f\x41ssignmentBatch\x12\x33\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x1e.envfleet.worker.v1.Assignment\"\xb6\x01\n\x0e\x43ontrolMessage\x12\x35\n\x06\x61ssign\x18\x04 \x01(\x0b\x32#.envfleet.worker.v1.AssignmentBatchH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.envfleet.worker.v1.CancelH\x00\x12\x31\n\tjob_ended\x18\x03 \x01(\x0b\x32\x1c.envfleet.worker.v1.JobEndedH\x00\x42\x06\n\x04kindJ\x04\x08\x01\x10\x02*:\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x14\n\x10PROTOCOL_BATCHED\x10\x02\x32\x65\n\rWorkerService\x12T\n\x07\x43onnect\x12!.envfleet.worker.v1.WorkerMessage\x1a\".envfleet.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x12\x65nvfleet.worker.v1\"\xfa\x01\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12.\n\x08protocol\x18\x05 \x01(\x0e\x32\x1c.envfleet.worker.v1.Protocol\x12\x13\n\x0b\x61\x63ks_cancel\x18\x06 \x01(\x08\x12\x10\n\x08instance\x18\x07 \x01(\t\x12\x13\n\x0bkeeps_specs\x18\x08 \x01(\x08\x12\x0f\n\x07release\x18\t \x01(\t\x12\x1c\n\x14\x65ngine_outage_wait_s\x18\n \x01(\x01\x12\x13\n\x0b\x65ngine_down\x18\x0b \x01(\x08\"X\n\tHeartbeat\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07metrics\x18\x02 \x01(\x0c\x12\x13\n\x0b\x65ngine_down\x18\x03 \x01(\x08\x12\x14\n\x0c\x65ngine_waits\x18\x04 \x03(\t\"r\n\rRolloutResult\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x14\n\x0crollout_json\x18\x02 \x01(\x0c\x12\x12\n\nrollout_pb\x18\x04 \x01(\x0c\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tcancelled\x18\x05 \x01(\x08\"A\n\x0bResultBatch\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.envfleet.worker.v1.RolloutResult\"\xb7\x01\n\rWorkerMessage\x12\x30\n\x05hello\x18\x01 \x01(\x0b\x32\x1f.envfleet.worker.v1.WorkerHelloH\x00\x12\x32\n\theartbeat\x18\x02 \x01(\x0b\x32\x1d.envfleet.worker.v1.HeartbeatH\x00\x12\x32\n\x07results\x18\x04 \x01(\x0b\x32\x1f.envfleet.worker.v1.ResultBatchH\x00\x42\x06\n\x04kindJ\x04\x08\x03\x10\x04\"\xa8\x02\n\nAssignment\x12\x15\n\rassignment_id\x18\x01 \x01(\t\x12\x15\n\rjob_spec_json\x18\x02 \x01(\x0c\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x14\n\x0csample_index\x18\x05 \x01(\x05\x12\x10\n\x08queued_s\x18\x06 \x01(\x01\x12\x15\n\renv_spec_json\x18\x07 \x01(\x0c\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12;\n\x0b\x65nv_archive\x18\n \x01(\x0b\x32&.envfleet.worker.v1.ArchiveEnvironment\x12\x16\n\x0e\x61ttempts_spent\x18\x0b \x01(\x05\x12\x12\n\nenv_digest\x18\x0c \x01(\t\"q\n\x12\x41rchiveEnvironment\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0f\n\x07\x61rchive\x18\x05 \x01(\x0c\x12\r\n\x05rules\x18\x06 \x01(\t\"\x1f\n\x06\x43\x61ncel\x12\x15\n\rassignment_id\x18\x01 \x01(\t\"\x1a\n\x08JobEnded\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"F\n\x0f\x41ssignmentBatch\x12\x33\n\x0b\x61ssignments\x18\x01 \x03(\x0b\x32\x1e.envfleet.worker.v1.Assignment\"\xb6\x01\n\x0e\x43ontrolMessage\x12\x35\n\x06\x61ssign\x18\x04 \x01(\x0b\x32#.envfleet.worker.v1.AssignmentBatchH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.envfleet.worker.v1.CancelH\x00\x12\x31\n\tjob_ended\x18\x03 \x01(\x0b\x32\x1c.envfleet.worker.v1.JobEndedH\x00\x42\x06\n\x04kindJ\x04\x08\x01\x10\x02*:\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x14\n\x10PROTOCOL_BATCHED\x10\x02\x32\x65\n\rWorkerService\x12T\n\x07\x43onnect\x12!.envfleet.worker.v1.WorkerMessage\x1a\".envfleet.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOL']._serialized_start=1465
-  _globals['_PROTOCOL']._serialized_end=1523
+  _globals['_PROTOCOL']._serialized_start=1487
+  _globals['_PROTOCOL']._serialized_end=1545
   _globals['_WORKERHELLO']._serialized_start=44
   _globals['_WORKERHELLO']._serialized_end=294
   _globals['_HEARTBEAT']._serialized_start=296
-  _globals['_HEARTBEAT']._serialized_end=362
-  _globals['_ROLLOUTRESULT']._serialized_start=364
-  _globals['_ROLLOUTRESULT']._serialized_end=478
-  _globals['_RESULTBATCH']._serialized_start=480
-  _globals['_RESULTBATCH']._serialized_end=545
-  _globals['_WORKERMESSAGE']._serialized_start=548
-  _globals['_WORKERMESSAGE']._serialized_end=731
-  _globals['_ASSIGNMENT']._serialized_start=734
-  _globals['_ASSIGNMENT']._serialized_end=1030
-  _globals['_ARCHIVEENVIRONMENT']._serialized_start=1032
-  _globals['_ARCHIVEENVIRONMENT']._serialized_end=1145
-  _globals['_CANCEL']._serialized_start=1147
-  _globals['_CANCEL']._serialized_end=1178
-  _globals['_JOBENDED']._serialized_start=1180
-  _globals['_JOBENDED']._serialized_end=1206
-  _globals['_ASSIGNMENTBATCH']._serialized_start=1208
-  _globals['_ASSIGNMENTBATCH']._serialized_end=1278
-  _globals['_CONTROLMESSAGE']._serialized_start=1281
-  _globals['_CONTROLMESSAGE']._serialized_end=1463
-  _globals['_WORKERSERVICE']._serialized_start=1525
-  _globals['_WORKERSERVICE']._serialized_end=1626
+  _globals['_HEARTBEAT']._serialized_end=384
+  _globals['_ROLLOUTRESULT']._serialized_start=386
+  _globals['_ROLLOUTRESULT']._serialized_end=500
+  _globals['_RESULTBATCH']._serialized_start=502
+  _globals['_RESULTBATCH']._serialized_end=567
+  _globals['_WORKERMESSAGE']._serialized_start=570
+  _globals['_WORKERMESSAGE']._serialized_end=753
+  _globals['_ASSIGNMENT']._serialized_start=756
+  _globals['_ASSIGNMENT']._serialized_end=1052
+  _globals['_ARCHIVEENVIRONMENT']._serialized_start=1054
+  _globals['_ARCHIVEENVIRONMENT']._serialized_end=1167
+  _globals['_CANCEL']._serialized_start=1169
+  _globals['_CANCEL']._serialized_end=1200
+  _globals['_JOBENDED']._serialized_start=1202
+  _globals['_JOBENDED']._serialized_end=1228
+  _globals['_ASSIGNMENTBATCH']._serialized_start=1230
+  _globals['_ASSIGNMENTBATCH']._serialized_end=1300
+  _globals['_CONTROLMESSAGE']._serialized_start=1303
+  _globals['_CONTROLMESSAGE']._serialized_end=1485
+  _globals['_WORKERSERVICE']._serialized_start=1547
+  _globals['_WORKERSERVICE']._serialized_end=1648
 # @@protoc_insertion_point(module_scope)

@@ -41,14 +41,16 @@ class WorkerHello(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., pid: _Optional[int] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., acks_cancel: _Optional[bool] = ..., instance: _Optional[str] = ..., keeps_specs: _Optional[bool] = ..., release: _Optional[str] = ..., engine_outage_wait_s: _Optional[float] = ..., engine_down: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("running", "metrics", "engine_down")
+    __slots__ = ("running", "metrics", "engine_down", "engine_waits")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_WAITS_FIELD_NUMBER: _ClassVar[int]
     running: int
     metrics: bytes
     engine_down: bool
-    def __init__(self, running: _Optional[int] = ..., metrics: _Optional[bytes] = ..., engine_down: _Optional[bool] = ...) -> None: ...
+    engine_waits: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, running: _Optional[int] = ..., metrics: _Optional[bytes] = ..., engine_down: _Optional[bool] = ..., engine_waits: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RolloutResult(_message.Message):
     __slots__ = ("assignment_id", "rollout_json", "rollout_pb", "error", "cancelled")

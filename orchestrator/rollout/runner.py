@@ -195,6 +195,7 @@ class RolloutRunner:
         self.images = images
         self.tracer = tracer
         self.active: dict[str, Sandbox] = {}  # rollout id -> its sandbox, while it runs
+        self.engine_waits: set[str] = set()  # ids of the rollouts waiting for their engine to answer again
         self.snapshots = SnapshotCache() if snapshots is None else snapshots
         self._retries_said = LogLimit()  # a broken engine fails every rollout: a line a minute for each kind of failure
 
@@ -227,7 +228,11 @@ class RolloutRunner:
         while True:
             attempt += 1
             if attempt > 1 and engine_wait_left > 0:
-                waited = await backend.wait_answering(engine_wait_left)
+                self.engine_waits.add(item.id)  # a rollout worker says so: another host may take it meanwhile
+                try:
+                    waited = await backend.wait_answering(engine_wait_left)
+                finally:
+                    self.engine_waits.discard(item.id)
                 engine_wait_left -= waited
                 engine_waited += waited
             rollout = await self._attempt(item, env, spec, policy, policy_version, started, parent, attempt)

@@ -15,7 +15,7 @@ import shutil
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,8 @@ class WorkerAgent:
     """Runs a control plane's assignments on this process's executor. Over TCP, `tls` is whom it trusts (and, for
     mTLS, what it presents); it refuses to send its token in clear off loopback unless `insecure`. `engine_wait_s`:
     what its rollouts may wait for their engine (its backend's outage_wait_s), said in its hello; `engine_answering`
-    whether that engine answers now (its backend's), said in each heartbeat."""
+    whether that engine answers now (its backend's), and `engine_waits` the ids of the rollouts that wait for it (its
+    runner's), said in each heartbeat."""
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class WorkerAgent:
         insecure: bool = False,
         engine_wait_s: float = 0.0,
         engine_answering: Callable[[], bool] = lambda: True,
+        engine_waits: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         release()  # read once, at the start: the version read at the first hello was an upgrade's own
         check_client_transport(target, token, tls, insecure)
@@ -96,6 +98,7 @@ class WorkerAgent:
         self._slots = slots
         self._engine_wait_s = engine_wait_s  # WorkerHello.engine_outage_wait_s: its backend's
         self._engine_answering = engine_answering  # Heartbeat.engine_down: its backend's, read at each heartbeat
+        self._engine_waits = engine_waits  # Heartbeat.engine_waits: its runner's
         self._heartbeat_s = heartbeat_s
         self._orphan_after_s = orphan_after_s
         self._metrics = metrics  # sent to the control plane every `metrics_s`, in a heartbeat
@@ -195,6 +198,8 @@ class WorkerAgent:
             sent = float("-inf")
             while True:
                 beat = wpb.Heartbeat(running=len(running), engine_down=not self._engine_answering())
+                if beat.engine_down:
+                    beat.engine_waits.extend(self._engine_waits())
                 if self._metrics is not None and time.monotonic() - sent >= self._metrics_s:
                     sent = time.monotonic()
                     beat.metrics = generate_latest(self._metrics)  # about 2 ms

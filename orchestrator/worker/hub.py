@@ -96,6 +96,7 @@ class _Worker:
     engine_wait_s: float = 0.0  # what a rollout of its may wait for its engine (WorkerHello.engine_outage_wait_s)
     engine_down: bool = False  # its engine did not answer when it last said (Heartbeat.engine_down)
     down_said_at: float = float("-inf")  # monotonic: when it last said its engine was down
+    engine_waits: int = 0  # its rollouts that wait for its engine, as it last said (Heartbeat.engine_waits)
     # job id -> the spec this stream carried last (an older worker gets it every time): a job's spec of 1-2 KB went
     # with each of its assignments, the largest part of the wire's bytes and of the control plane's work to send them
     specs: dict[str, JobSpec] = field(default_factory=dict)
@@ -125,6 +126,7 @@ class WorkerInfo:
     served: int
     trusted: bool  # a process of this host (unix socket); a remote one's rollouts are validated whole
     engine_down: bool  # its container engine was not answering at its last heartbeat
+    engine_waits: int  # its rollouts that waited for that engine then
 
 
 class WorkerHub:
@@ -186,7 +188,7 @@ class WorkerHub:
     def workers(self) -> list[WorkerInfo]:
         """The connected workers."""
         return [
-            WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served, w.trusted, w.engine_down)
+            WorkerInfo(w.id, w.host, w.slots, w.pid, len(w.running), w.served, w.trusted, w.engine_down, w.engine_waits)
             for w in self._workers.values()
         ]
 
@@ -576,11 +578,16 @@ class WorkerHub:
                     for result in results:
                         self._deliver(worker, result)
                 elif message.HasField("heartbeat"):
-                    worker.engine_down = message.heartbeat.engine_down
+                    beat = message.heartbeat
+                    worker.engine_down = beat.engine_down
+                    waiting = beat.engine_waits[: worker.slots] if beat.engine_down else []
+                    worker.engine_waits = len(waiting)
                     if worker.engine_down:
                         worker.down_said_at = time.monotonic()
-                    if message.heartbeat.metrics:
-                        self._take_metrics(worker, message.heartbeat.metrics)
+                    if waiting:
+                        self._move_waiting(worker, waiting)
+                    if beat.metrics:
+                        self._take_metrics(worker, beat.metrics)
                 now = time.monotonic()
                 if now >= worker.next_sweep:  # heartbeats come every second or so: the sweep runs as often
                     worker.next_sweep = now + OVERDUE_SWEEP_S
@@ -592,6 +599,30 @@ class WorkerHub:
         except Exception as e:  # the connection broke
             why = f"its stream failed: {type(e).__name__}"
         self._drop(worker, why)
+
+    def _move_waiting(self, worker: _Worker, rollout_ids: Collection[str]) -> None:
+        """Fail over the rollouts that wait on `worker` for its engine to workers of other hosts whose engine answers,
+        as many as those have room for: each would wait up to engine_outage_wait_s (5 minutes by default) and hold
+        its slot, and a training step waits for its slowest rollout. One host's workers share one engine, so none
+        moves to a worker of the same host. Each counts one lost attempt, as a lost worker's rollout does."""
+        room = sum(
+            max(0, w.slots - len(w.running) - len(w.cancelling))
+            for w in self._workers.values()
+            if w.host != worker.host and not w.engine_down and not w.failing
+        )
+        ids = set(rollout_ids)
+        moved = 0
+        for assignment_id, running in list(worker.running.items()):
+            if moved == room:
+                break
+            if running.item.id in ids and not running.result.done():
+                running.result.set_exception(
+                    WorkerLostError(f"worker {worker.id}'s engine is down: moved to a worker whose engine answers")
+                )
+                self._cancel(worker, assignment_id)
+                moved += 1
+        if moved:
+            log.info("moved %d rollouts waiting for worker %s's engine to other hosts", moved, worker.id)
 
     def _local_cpu(self, worker: _Worker) -> int | None:
         if not worker.trusted or worker.pid not in self.local_pids():

@@ -149,3 +149,26 @@ async def test_a_worker_process_says_its_engine_is_down_and_back_in_its_heartbea
         finally:
             await relay.up()
         await until(lambda: [w.engine_down for w in hub.workers()] == [False], "said back", limit_s=30)
+
+
+async def test_a_worker_process_says_which_rollouts_wait_for_its_engine(
+    tmp_path: Path, base_image: str, relay: EngineRelay, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    """What the control plane moves to another host's worker (WorkerHub._move_waiting, test_worker_wire.py): a real
+    worker process's rollouts whose retry waits for its engine are said in its heartbeats, and run once it is back."""
+    async with (
+        serve(tmp_path / "data", workers=1, **_through(relay, wait_s=60)) as orch,
+        EnvfleetClient(orch.address) as c,
+    ):
+        assert orch.workers is not None
+        hub = orch.workers.hub
+        await hub.wait_for_workers(1, timeout_s=120)
+        await relay.down()
+        try:
+            job_id = await c.submit(job(slow_policy.url, task_ids[:2], max_concurrency=2))
+            await until(lambda: [w.engine_waits for w in hub.workers()] == [2], "both said to wait", limit_s=60)
+        finally:
+            await relay.up()
+        rollouts = [r async for r in c.rollouts(job_id)]
+    assert [(r.status, r.reward) for r in rollouts] == [(RolloutStatus.OK, 1.0)] * 2, [r.error for r in rollouts]
+    assert all(r.metrics["engine_outage_s"] > 0 for r in rollouts)

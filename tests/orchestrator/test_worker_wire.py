@@ -300,6 +300,50 @@ async def test_a_groups_samples_leave_a_home_whose_engine_is_down_only_for_a_wor
     assert other.assignments == []
 
 
+async def test_rollouts_waiting_for_a_down_engine_move_to_other_hosts_as_their_room_allows() -> None:
+    # a rollout whose retry waits for its engine (a dockerd restarting) held its slot up to engine_outage_wait_s,
+    # 5 minutes by default, while a worker of another host could run it now (and a training step waits for its
+    # slowest rollout); a worker of the same host shares the engine, so none goes there
+    async def never(a: wpb.Assignment) -> None:
+        return None
+
+    go = asyncio.Event()
+
+    async def held(a: wpb.Assignment) -> wpb.RolloutResult:
+        await go.wait()
+        return await _answer(a)
+
+    batch = items("job-move", 3)
+    env = Registry.from_entry_points().get(ENV)
+    job = spec([i.task.id for i in batch], max_infra_retries=1)
+    async with serve_hub() as w, ScriptedWorker(w.tcp, never, worker_id="down", host="a") as down:
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        runs = [asyncio.create_task(w.hub.run(i, env, job)) for i in batch]
+        try:
+            await until(lambda: len(down.assignments) == 3, "placed on the one worker")
+            # its engine goes down: two of its rollouts wait for it (the third runs on a warm sandbox, say)
+            down.engine_waits = [batch[0].id, batch[1].id]
+            down.engine_down = True
+            await until(lambda: [(i.engine_down, i.engine_waits) for i in w.hub.workers()] == [(True, 2)], "said")
+            async with ScriptedWorker(w.tcp, _answer, worker_id="sibling", host="a") as sibling:
+                await w.hub.wait_for_workers(2, timeout_s=30)
+                await asyncio.sleep(1.5)  # three of its heartbeats
+                assert (down.cancelled, sibling.assignments) == ([], [])
+            async with ScriptedWorker(w.tcp, held, worker_id="elsewhere", host="b", slots=1) as elsewhere:
+                await until(lambda: len(elsewhere.assignments) == 1, "one moved")
+                await asyncio.sleep(1.5)
+                assert len(down.cancelled) == 1 and len(elsewhere.assignments) == 1  # all the room it had
+                go.set()  # it has room again: the other follows
+                got = await asyncio.wait_for(asyncio.gather(*runs[:2]), 30)
+        finally:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+    assert [(r.status, r.attempts) for r in got] == [(RolloutStatus.OK, 2)] * 2  # the wait counted one attempt
+    assert sorted(down.cancelled) == sorted(a.assignment_id for a in down.assignments[:2])
+    assert {a.task_id for a in elsewhere.assignments} == {batch[0].task.id, batch[1].task.id}
+
+
 async def test_a_jobs_spec_goes_to_a_worker_that_keeps_it_once_and_again_when_it_changed_or_failed() -> None:
     # a job's spec went with each of its assignments: 1-2 KB of the 1.9 KB an assignment was for a job of 60 task
     # ids, and a declarative environment's spec (up to 100,000 tasks, megabytes) went along with it each time

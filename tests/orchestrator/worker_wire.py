@@ -103,6 +103,7 @@ class ScriptedWorker:
     engine_outage_wait_s: float = 0.0  # WorkerHello.engine_outage_wait_s: what its rollouts may wait for its engine
     metrics: bytes = b""  # what its heartbeats carry as its Prometheus metrics
     engine_down: bool = False  # what its hello and heartbeats say of its engine (read at each)
+    engine_waits: list[str] = field(default_factory=list)  # what its heartbeats say waits for its engine
     token: str = TOKEN
     assignments: list[wpb.Assignment] = field(default_factory=list)
     assign_messages: int = 0  # control messages that carried assignments
@@ -153,7 +154,9 @@ class ScriptedWorker:
         async def heartbeats() -> None:
             assert self.heartbeat_s is not None
             while True:
-                beat = wpb.Heartbeat(running=0, metrics=self.metrics, engine_down=self.engine_down)
+                beat = wpb.Heartbeat(
+                    running=0, metrics=self.metrics, engine_down=self.engine_down, engine_waits=self.engine_waits
+                )
                 outbox.put_nowait(wpb.WorkerMessage(heartbeat=beat))
                 await asyncio.sleep(self.heartbeat_s)
 

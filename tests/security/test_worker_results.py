@@ -20,7 +20,7 @@ from orchestrator.worker import results
 from orchestrator.worker.results import encode
 from protos import orchestrator_pb2 as pb
 from protos import worker_pb2 as wpb
-from tests.conftest import REPO
+from tests.conftest import REPO, until
 from tests.orchestrator.worker_wire import ENV, ScriptedWorker, items, rollout_for, serve_hub, spec
 
 
@@ -306,6 +306,32 @@ async def test_a_worker_that_sends_more_results_in_a_message_than_a_batch_is_dro
             flood.send(wpb.WorkerMessage(results=junk))
             await asyncio.wait_for(flood.ended(), 15)
         assert w.hub.workers() == [] and w.hub.lost == 1
+
+
+async def test_a_worker_that_names_rollouts_waiting_for_its_engine_moves_only_its_own() -> None:
+    # a heartbeat's engine_waits moves rollouts off their worker (WorkerHub._move_waiting): one that names another
+    # worker's rollouts, or 100,000 ids, moves nothing of another's and is read no further than its slots
+    never_ends = asyncio.Event()
+
+    async def never(a: wpb.Assignment) -> wpb.RolloutResult:
+        await never_ends.wait()
+        return _forged(a)
+
+    (item,) = items("job-named", 1)
+    env = Registry.from_entry_points().get(ENV)
+    async with serve_hub() as w, ScriptedWorker(w.tcp, never, worker_id="honest", host="a") as honest:
+        await w.hub.wait_for_workers(1, timeout_s=30)
+        run = asyncio.create_task(w.hub.run(item, env, spec([item.task.id], max_infra_retries=1)))
+        try:
+            await until(lambda: len(honest.assignments) == 1, "placed")
+            names = [item.id] * 100_000
+            async with ScriptedWorker(w.tcp, never, worker_id="m", host="b", engine_down=True, engine_waits=names):
+                await until(lambda: [i.engine_waits for i in w.hub.workers() if i.worker_id == "m"] == [64], "said")
+                await asyncio.sleep(1.0)  # two more of its heartbeats
+                assert honest.cancelled == [] and not run.done()
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
 
 
 async def test_a_check_that_fails_on_its_own_fails_the_rollout_over_never_hangs_it(
