@@ -38,6 +38,9 @@ from protos import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 
+# how long a worker's engine is down (as its heartbeats say) before its rollouts that wait for it move to other hosts:
+# a dockerd restarting in a few seconds is waited for, where a move spends a retry and the group's snapshot locality
+ENGINE_MOVE_AFTER_S = 5.0
 RESULT_SLACK_S = 120.0  # on top of a rollout's own time budget, before its worker counts as stuck
 # A cancelled rollout's slot (and the CancelJob that cancelled it) waits this long at most for its worker to say that
 # its sandbox is gone: freed at once, the worker was sent new rollouts while it still tore the cancelled ones down,
@@ -55,6 +58,14 @@ MAX_RESULTS_PER_MESSAGE = MAX_BATCH  # a worker's results travel in its outbox's
 
 class WorkerLostError(SandboxError):
     """The worker running a rollout went away (crashed, killed, stopped answering)."""
+
+
+class EngineMovedError(WorkerLostError):
+    """A rollout that waited for its host's engine, taken off that host's workers (WorkerHub._move_waiting)."""
+
+    def __init__(self, message: str, host: str) -> None:
+        super().__init__(message)
+        self.host = host
 
 
 class AssignmentTooLargeError(SandboxError):
@@ -96,6 +107,7 @@ class _Worker:
     engine_wait_s: float = 0.0  # what a rollout of its may wait for its engine (WorkerHello.engine_outage_wait_s)
     engine_down: bool = False  # its engine did not answer when it last said (Heartbeat.engine_down)
     down_said_at: float = float("-inf")  # monotonic: when it last said its engine was down
+    down_since: float = 0.0  # monotonic: when it first said so, of the outage it says now
     engine_waits: int = 0  # its rollouts that wait for its engine, as it last said (Heartbeat.engine_waits)
     # job id -> the spec this stream carried last (an older worker gets it every time): a job's spec of 1-2 KB went
     # with each of its assignments, the largest part of the wire's bytes and of the control plane's work to send them
@@ -139,11 +151,14 @@ class WorkerHub:
         heartbeat_timeout_s: float = 10.0,
         archives: ArchiveCatalog | None = None,
         result_slack_s: float = RESULT_SLACK_S,
+        engine_move_after_s: float = ENGINE_MOVE_AFTER_S,
     ) -> None:
         self._images = images
         self._archives = archives or ArchiveCatalog()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.result_slack_s = result_slack_s
+        self.engine_move_after_s = engine_move_after_s
+        self._moving: set[str] = set()  # assignments moved off a down engine's host (_move_waiting), not yet ended
         self._workers: dict[str, _Worker] = {}
         self._joined = asyncio.Condition()
         # job id -> group id -> the worker that ran the group's first sample (by job: a job's end drops its own)
@@ -230,6 +245,8 @@ class WorkerHub:
             except WorkerLostError as e:
                 if worker is not None:
                     failed_on.add(worker.id)
+                if isinstance(e, EngineMovedError):  # nor on the rest of its host, which shares the down engine
+                    failed_on.update(w.id for w in self._workers.values() if w.host == e.host)
                 lost.append(str(e))
                 if len(lost) > spec.max_infra_retries:
                     return _lost_rollout(item, env, spec, lost)
@@ -423,6 +440,7 @@ class WorkerHub:
             raise
         finally:
             worker.running.pop(assignment_id, None)
+            self._moving.discard(assignment_id)  # its retry is placed next (run), or it ends here
         worker.served += 1
         # a rollout its host failed (its own retries spent there: the engine down, an image missing) keeps the
         # worker counted full for placement, as an error answer does: answering at once, it looked the least loaded
@@ -478,7 +496,7 @@ class WorkerHub:
         worker.engine_wait_s = hello.engine_outage_wait_s
         worker.engine_down = hello.engine_down  # before its first heartbeat: the rollouts woken below are placed now
         if worker.engine_down:
-            worker.down_said_at = time.monotonic()
+            worker.down_said_at = worker.down_since = time.monotonic()
         previous = self._workers.get(worker.id)
         if previous is not None:
             self._drop(previous, "it connected again")
@@ -578,16 +596,7 @@ class WorkerHub:
                     for result in results:
                         self._deliver(worker, result)
                 elif message.HasField("heartbeat"):
-                    beat = message.heartbeat
-                    worker.engine_down = beat.engine_down
-                    waiting = beat.engine_waits[: worker.slots] if beat.engine_down else []
-                    worker.engine_waits = len(waiting)
-                    if worker.engine_down:
-                        worker.down_said_at = time.monotonic()
-                    if waiting:
-                        self._move_waiting(worker, waiting)
-                    if beat.metrics:
-                        self._take_metrics(worker, beat.metrics)
+                    self._take_heartbeat(worker, message.heartbeat)
                 now = time.monotonic()
                 if now >= worker.next_sweep:  # heartbeats come every second or so: the sweep runs as often
                     worker.next_sweep = now + OVERDUE_SWEEP_S
@@ -600,29 +609,42 @@ class WorkerHub:
             why = f"its stream failed: {type(e).__name__}"
         self._drop(worker, why)
 
-    def _move_waiting(self, worker: _Worker, rollout_ids: Collection[str]) -> None:
-        """Fail over the rollouts that wait on `worker` for its engine to workers of other hosts whose engine answers,
-        as many as those have room for: each would wait up to engine_outage_wait_s (5 minutes by default) and hold
-        its slot, and a training step waits for its slowest rollout. One host's workers share one engine, so none
-        moves to a worker of the same host. Each counts one lost attempt, as a lost worker's rollout does."""
-        room = sum(
+    def _take_heartbeat(self, worker: _Worker, beat: wpb.Heartbeat) -> None:
+        now = time.monotonic()
+        if beat.engine_down:
+            if not worker.engine_down:
+                worker.down_since = now
+            worker.down_said_at = now
+        worker.engine_down = beat.engine_down
+        # the rollouts of its own it names (a group's home runs up to twice its slots): those of another worker, or
+        # names past that, are not read
+        names = set(beat.engine_waits[: 2 * worker.slots]) if beat.engine_down else set()
+        waiting = [a for a, r in worker.running.items() if r.item.id in names and not r.result.done()]
+        worker.engine_waits = len(waiting)
+        if waiting and now - worker.down_since >= self.engine_move_after_s:
+            self._move_waiting(worker, waiting)
+        if beat.metrics:
+            self._take_metrics(worker, beat.metrics)
+
+    def _move_waiting(self, worker: _Worker, assignment_ids: list[str]) -> None:
+        """Fail over rollouts that wait on `worker` for its engine to workers of other hosts whose engine answers,
+        as many as those have room for (less what earlier moves took and have not yet been placed): each would wait
+        up to engine_outage_wait_s (5 minutes by default) and hold its slot, and a training step waits for its
+        slowest rollout. One host's workers share one engine, so the move is off the whole host (EngineMovedError).
+        Each counts one lost attempt, as a lost worker's rollout does."""
+        room = -len(self._moving) + sum(
             max(0, w.slots - len(w.running) - len(w.cancelling))
             for w in self._workers.values()
             if w.host != worker.host and not w.engine_down and not w.failing
         )
-        ids = set(rollout_ids)
-        moved = 0
-        for assignment_id, running in list(worker.running.items()):
-            if moved == room:
-                break
-            if running.item.id in ids and not running.result.done():
-                running.result.set_exception(
-                    WorkerLostError(f"worker {worker.id}'s engine is down: moved to a worker whose engine answers")
-                )
-                self._cancel(worker, assignment_id)
-                moved += 1
-        if moved:
-            log.info("moved %d rollouts waiting for worker %s's engine to other hosts", moved, worker.id)
+        moving = assignment_ids[: max(room, 0)]
+        for assignment_id in moving:
+            message = f"worker {worker.id}'s engine is down: moved to a host whose engine answers"
+            worker.running[assignment_id].result.set_exception(EngineMovedError(message, worker.host))
+            self._cancel(worker, assignment_id)
+        self._moving.update(moving)
+        if moving:
+            log.info("moved %d rollouts waiting for worker %s's engine to other hosts", len(moving), worker.id)
 
     def _local_cpu(self, worker: _Worker) -> int | None:
         if not worker.trusted or worker.pid not in self.local_pids():

@@ -303,7 +303,8 @@ async def test_a_groups_samples_leave_a_home_whose_engine_is_down_only_for_a_wor
 async def test_rollouts_waiting_for_a_down_engine_move_to_other_hosts_as_their_room_allows() -> None:
     # a rollout whose retry waits for its engine (a dockerd restarting) held its slot up to engine_outage_wait_s,
     # 5 minutes by default, while a worker of another host could run it now (and a training step waits for its
-    # slowest rollout); a worker of the same host shares the engine, so none goes there
+    # slowest rollout); not at once (a dockerd back in a few seconds is waited for), and never to a worker of the
+    # same host, which shares the engine (its own heartbeats may not say so yet)
     async def never(a: wpb.Assignment) -> None:
         return None
 
@@ -316,22 +317,27 @@ async def test_rollouts_waiting_for_a_down_engine_move_to_other_hosts_as_their_r
     batch = items("job-move", 3)
     env = Registry.from_entry_points().get(ENV)
     job = spec([i.task.id for i in batch], max_infra_retries=1)
-    async with serve_hub() as w, ScriptedWorker(w.tcp, never, worker_id="down", host="a") as down:
+    async with (
+        serve_hub(engine_move_after_s=1.0) as w,
+        ScriptedWorker(w.tcp, never, worker_id="down", host="a") as down,
+    ):
         await w.hub.wait_for_workers(1, timeout_s=30)
         runs = [asyncio.create_task(w.hub.run(i, env, job)) for i in batch]
         try:
             await until(lambda: len(down.assignments) == 3, "placed on the one worker")
-            # its engine goes down: two of its rollouts wait for it (the third runs on a warm sandbox, say)
-            down.engine_waits = [batch[0].id, batch[1].id]
-            down.engine_down = True
-            await until(lambda: [(i.engine_down, i.engine_waits) for i in w.hub.workers()] == [(True, 2)], "said")
-            async with ScriptedWorker(w.tcp, _answer, worker_id="sibling", host="a") as sibling:
-                await w.hub.wait_for_workers(2, timeout_s=30)
-                await asyncio.sleep(1.5)  # three of its heartbeats
-                assert (down.cancelled, sibling.assignments) == ([], [])
-            async with ScriptedWorker(w.tcp, held, worker_id="elsewhere", host="b", slots=1) as elsewhere:
-                await until(lambda: len(elsewhere.assignments) == 1, "one moved")
-                await asyncio.sleep(1.5)
+            async with (
+                ScriptedWorker(w.tcp, _answer, worker_id="sibling", host="a") as sibling,
+                ScriptedWorker(w.tcp, held, worker_id="elsewhere", host="b", slots=1) as elsewhere,
+            ):
+                await w.hub.wait_for_workers(3, timeout_s=30)
+                # its engine goes down: two of its rollouts wait for it (the third runs on a warm sandbox, say)
+                down.engine_waits = [batch[0].id, batch[1].id]
+                down.engine_down = True
+                await until(lambda: [i.engine_waits for i in w.hub.workers() if i.engine_down] == [2], "said")
+                # the heartbeat that first says so moves nothing
+                assert [i.running for i in w.hub.workers() if i.worker_id == "down"] == [3]
+                await until(lambda: len(elsewhere.assignments) == 1, "one moved, once down for a second")
+                await asyncio.sleep(1.5)  # three more of its heartbeats
                 assert len(down.cancelled) == 1 and len(elsewhere.assignments) == 1  # all the room it had
                 go.set()  # it has room again: the other follows
                 got = await asyncio.wait_for(asyncio.gather(*runs[:2]), 30)
@@ -342,6 +348,31 @@ async def test_rollouts_waiting_for_a_down_engine_move_to_other_hosts_as_their_r
     assert [(r.status, r.attempts) for r in got] == [(RolloutStatus.OK, 2)] * 2  # the wait counted one attempt
     assert sorted(down.cancelled) == sorted(a.assignment_id for a in down.assignments[:2])
     assert {a.task_id for a in elsewhere.assignments} == {batch[0].task.id, batch[1].task.id}
+    assert sibling.assignments == []
+
+
+async def test_moves_off_a_down_engine_reserve_the_room_they_take_until_they_are_placed() -> None:
+    # two workers of a host whose engine is down, heard in one pass of the loop (their moved rollouts are placed
+    # again only when their tasks next run): the second heartbeat counted the room the first's move had taken, and
+    # both went to the one free slot (and the rest to a worker of the down host, or over a full one's slots)
+    from orchestrator.backends.fake import FakeBackend
+    from tests.orchestrator.servers import FAKE
+
+    the_hub = hub.WorkerHub(FakeBackend(FAKE).images, engine_move_after_s=0)
+    loop = asyncio.get_running_loop()
+    down = [hub._Worker(f"down-{i}", "a", 1, i) for i in (1, 2)]
+    for worker, item in zip(down, items("job-room", 2), strict=True):
+        now = time.monotonic()
+        worker.running[f"a-{worker.id}"] = hub._Running(item, loop.create_future(), 60.0, now, now + 60.0)
+    for worker in (*down, hub._Worker("up", "b", 1, 3)):
+        the_hub._workers[worker.id] = worker
+    for worker in down:
+        (running,) = worker.running.values()
+        the_hub._take_heartbeat(worker, wpb.Heartbeat(engine_down=True, engine_waits=[running.item.id]))
+    moved = [w.id for w in down if w.cancelling]
+    assert len(moved) == 1, moved  # the one slot of the one host whose engine answers
+    left = [r for w in down for r in w.running.values()]
+    assert len(left) == 1 and not left[0].result.done()  # the other waits where it is
 
 
 async def test_a_jobs_spec_goes_to_a_worker_that_keeps_it_once_and_again_when_it_changed_or_failed() -> None:

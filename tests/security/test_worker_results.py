@@ -309,29 +309,35 @@ async def test_a_worker_that_sends_more_results_in_a_message_than_a_batch_is_dro
 
 
 async def test_a_worker_that_names_rollouts_waiting_for_its_engine_moves_only_its_own() -> None:
-    # a heartbeat's engine_waits moves rollouts off their worker (WorkerHub._move_waiting): one that names another
-    # worker's rollouts, or 100,000 ids, moves nothing of another's and is read no further than its slots
+    # a heartbeat's engine_waits moves rollouts off their worker (WorkerHub._move_waiting): a worker that names
+    # another worker's rollout, 100,000 times, beside its own, moves its own and nothing of the other's
     never_ends = asyncio.Event()
 
     async def never(a: wpb.Assignment) -> wpb.RolloutResult:
         await never_ends.wait()
         return _forged(a)
 
-    (item,) = items("job-named", 1)
+    theirs, mine = items("job-named", 2)
     env = Registry.from_entry_points().get(ENV)
-    async with serve_hub() as w, ScriptedWorker(w.tcp, never, worker_id="honest", host="a") as honest:
+    job = spec([theirs.task.id, mine.task.id], max_infra_retries=1)
+    async with serve_hub(engine_move_after_s=0) as w, ScriptedWorker(w.tcp, never, worker_id="h", host="a") as honest:
         await w.hub.wait_for_workers(1, timeout_s=30)
-        run = asyncio.create_task(w.hub.run(item, env, spec([item.task.id], max_infra_retries=1)))
+        runs = [asyncio.create_task(w.hub.run(theirs, env, job))]
         try:
             await until(lambda: len(honest.assignments) == 1, "placed")
-            names = [item.id] * 100_000
-            async with ScriptedWorker(w.tcp, never, worker_id="m", host="b", engine_down=True, engine_waits=names):
-                await until(lambda: [i.engine_waits for i in w.hub.workers() if i.worker_id == "m"] == [64], "said")
-                await asyncio.sleep(1.0)  # two more of its heartbeats
-                assert honest.cancelled == [] and not run.done()
+            async with ScriptedWorker(w.tcp, never, worker_id="m", host="b", slots=1) as mallory:
+                await w.hub.wait_for_workers(2, timeout_s=30)
+                runs.append(asyncio.create_task(w.hub.run(mine, env, job)))  # the one with room
+                await until(lambda: len(mallory.assignments) == 1, "placed")
+                mallory.engine_waits = [mine.id] + [theirs.id] * 100_000  # read no further than twice its slots
+                mallory.engine_down = True
+                await until(lambda: len(honest.assignments) == 2, "its own moved to the other host")
+                assert mallory.cancelled == [mallory.assignments[0].assignment_id]
+                assert honest.cancelled == [] and not runs[0].done()
         finally:
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
 
 
 async def test_a_check_that_fails_on_its_own_fails_the_rollout_over_never_hangs_it(
