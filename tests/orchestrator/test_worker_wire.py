@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 import pytest
@@ -234,14 +234,21 @@ async def test_a_worker_whose_host_fails_its_rollouts_is_not_given_the_next_ones
     assert {a.env_digest for a in sound.assignments} == {environment_digest(env)}
 
 
-async def test_new_rollouts_go_to_a_worker_whose_engine_answers_while_it_has_room() -> None:
-    # a rollout placed on a worker whose engine is down (a dockerd restarting) waits for it, minutes at most, while
-    # another host could run it now; such a worker took its share of new rollouts until waiting ones filled it
-    go = asyncio.Event()
+def _held_until(go: asyncio.Event) -> Callable[[wpb.Assignment], Awaitable[wpb.RolloutResult]]:
+    """A scripted worker's answer once `go` is set."""
 
     async def held(a: wpb.Assignment) -> wpb.RolloutResult:
         await go.wait()
         return await _answer(a)
+
+    return held
+
+
+async def test_new_rollouts_go_to_a_worker_whose_engine_answers_while_it_has_room() -> None:
+    # a rollout placed on a worker whose engine is down (a dockerd restarting) waits for it, minutes at most, while
+    # another host could run it now; such a worker took its share of new rollouts until waiting ones filled it
+    go = asyncio.Event()
+    held = _held_until(go)
 
     batch = items("job-engine-down", 5)
     env = Registry.from_entry_points().get(ENV)
@@ -274,10 +281,7 @@ async def test_a_groups_samples_leave_a_home_whose_engine_is_down_only_for_a_wor
     env = Registry.from_entry_points().get(ENV)
     job = spec([first.task.id, elsewhere.task.id])
     go = asyncio.Event()
-
-    async def held(a: wpb.Assignment) -> wpb.RolloutResult:
-        await go.wait()
-        return await _answer(a)
+    held = _held_until(go)
 
     async with serve_hub() as w, ScriptedWorker(w.tcp, _answer, worker_id="home", host="a") as home:
         await w.hub.wait_for_workers(1, timeout_s=30)
@@ -309,10 +313,7 @@ async def test_rollouts_waiting_for_a_down_engine_move_to_other_hosts_as_their_r
         return None
 
     go = asyncio.Event()
-
-    async def held(a: wpb.Assignment) -> wpb.RolloutResult:
-        await go.wait()
-        return await _answer(a)
+    held = _held_until(go)
 
     batch = items("job-move", 3)
     env = Registry.from_entry_points().get(ENV)
