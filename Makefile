@@ -8,7 +8,7 @@ BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
 TOOLS_PATH := PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH"
 
-.PHONY: venv buf docker go base-image chromium test test-fast test-integrations demo bench bench-scale proto lint image
+.PHONY: venv buf docker go base-image chromium test test-cluster test-fast test-integrations demo bench bench-scale proto lint image
 
 $(VENV_STAMP): pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -43,12 +43,22 @@ chromium:
 		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
 		else sudo apt-get install -y -q chromium; fi; }
 
-# the leak check runs after a failed run too, where a leak is likeliest; the envfleet containers there before the
-# run, and any other of their owners' (a server running beside it), are not the run's, and are left alone
-test: venv buf docker base-image chromium
-	@before=$$(mktemp); scripts/check-leaks.sh --list > $$before; rc=0; \
-	$(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider || rc=$$?; scripts/check-leaks.sh $$before || rc=1; \
+# pytest with these arguments, then the leak check, which runs after a failed run too, where a leak is likeliest; the
+# envfleet containers there before the run, and any other of their owners' (a server running beside it), are not the
+# run's, and are left alone
+checked_pytest = before=$$(mktemp); scripts/check-leaks.sh --list > $$before; rc=0; \
+	$(TOOLS_PATH) $(PY) -m pytest -q -p no:cacheprovider $(1) || rc=$$?; scripts/check-leaks.sh $$before || rc=1; \
 	rm -f $$before; exit $$rc
+
+# Every test but the Ray cluster's (make test-cluster), which .ci/run runs next
+test: venv buf docker base-image chromium
+	@$(call checked_pytest,-m "not cluster")
+
+# The tests of a real Ray cluster on this machine (a head and two sandbox-host nodes, a Docker job across them): about
+# 2.5 minutes, most of it the cluster's start. Ray is in the venv's extras; here a missing Ray fails, never skips.
+test-cluster: export ENVFLEET_REQUIRE_CLUSTER := 1
+test-cluster: venv docker base-image
+	@$(call checked_pytest,-m cluster)
 
 # The tests that need no Docker engine (pytest -m "not docker"): the control plane on the fake backend, envd on the
 # host, parsers and validators. Starts no dockerd and builds no image.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
 import signal
 import socket
@@ -31,7 +32,13 @@ from tests.conftest import REPO, TEST_OWNER, owned_containers
 from tests.orchestrator.conftest import job
 from tests.orchestrator.servers import check_delivery, until_done
 
-ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+# `make test-cluster` runs these (.ci/run calls it after `make test`); there a missing Ray fails rather than skips
+pytestmark = pytest.mark.cluster
+ray_cluster_utils: Any = (
+    importlib.import_module("ray.cluster_utils")
+    if os.environ.get("ENVFLEET_REQUIRE_CLUSTER") == "1"
+    else pytest.importorskip("ray.cluster_utils")
+)
 RESOURCE = "envfleet_sandbox_host"
 
 
