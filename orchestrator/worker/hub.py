@@ -117,6 +117,14 @@ class _Worker:
     def load(self) -> float:
         return (len(self.running) + len(self.cancelling)) / max(self.slots, 1)
 
+    def says_engine_down(self, down: bool, now: float) -> None:
+        """What its hello or a heartbeat says of its engine (WorkerHello/Heartbeat.engine_down)."""
+        if down:
+            if not self.engine_down:
+                self.down_since = now
+            self.down_said_at = now
+        self.engine_down = down
+
     def acknowledged(self, assignment_id: str) -> bool:
         """Mark a cancelled rollout's sandbox gone (its worker said so, or is gone, or was waited for long enough);
         whether it was one being cancelled."""
@@ -494,9 +502,8 @@ class WorkerHub:
         worker.keeps_specs = hello.keeps_specs
         worker.instance = hello.instance
         worker.engine_wait_s = hello.engine_outage_wait_s
-        worker.engine_down = hello.engine_down  # before its first heartbeat: the rollouts woken below are placed now
-        if worker.engine_down:
-            worker.down_said_at = worker.down_since = time.monotonic()
+        # before its first heartbeat: the rollouts woken below are placed now
+        worker.says_engine_down(hello.engine_down, time.monotonic())
         previous = self._workers.get(worker.id)
         if previous is not None:
             self._drop(previous, "it connected again")
@@ -611,11 +618,7 @@ class WorkerHub:
 
     def _take_heartbeat(self, worker: _Worker, beat: wpb.Heartbeat) -> None:
         now = time.monotonic()
-        if beat.engine_down:
-            if not worker.engine_down:
-                worker.down_since = now
-            worker.down_said_at = now
-        worker.engine_down = beat.engine_down
+        worker.says_engine_down(beat.engine_down, now)
         # the rollouts of its own it names (a group's home runs up to twice its slots): those of another worker, or
         # names past that, are not read
         names = set(beat.engine_waits[: 2 * worker.slots]) if beat.engine_down else set()

@@ -106,10 +106,7 @@ async def test_warm_sandboxes_serve_rollouts_while_the_engine_is_down_without_a_
         await relay.down()
         engine = orch.backend
         assert isinstance(engine, DockerBackend)
-        for _ in range(200):  # until the engine's pinger has found it gone
-            if not engine.engine_healthy:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: not engine.engine_healthy, "the engine's pinger found it gone", limit_s=10)
         assert not engine.engine_healthy and not engine.engine.answering.is_set()
         try:
             second = [
