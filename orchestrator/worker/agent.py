@@ -85,12 +85,14 @@ class WorkerAgent:
         engine_wait_s: float = 0.0,
         engine_answering: Callable[[], bool] = lambda: True,
         engine_waits: Callable[[], Collection[str]] = frozenset,
+        host: str | None = None,
     ) -> None:
         release()  # read once, at the start: the version read at the first hello was an upgrade's own
         check_client_transport(target, token, tls, insecure)
         self.target = target
         self._tls = tls
         self.worker_id = f"{name}-{socket.gethostname()}-{os.getpid()}"
+        self.host = host or socket.gethostname()  # WorkerHello.host: where its sandboxes run (WorkerConfig.host)
         self._instance = secrets.token_hex(16)  # WorkerHello.instance: only this process reconnects as worker_id
         self._token = token
         self._executor = executor
@@ -176,7 +178,7 @@ class WorkerAgent:
         cancelled: set[str] = set()  # assignments the control plane cancelled, whose end it waits to hear of
         hello = wpb.WorkerHello(
             worker_id=self.worker_id,
-            host=socket.gethostname(),
+            host=self.host,
             slots=self._slots,
             pid=os.getpid(),
             protocol=wpb.PROTOCOL_BATCHED,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,6 +13,8 @@ from orchestrator.core.tracing import TracingConfig
 
 MAX_SLOTS = 100_000  # rollouts one worker may say it runs at once
 MAX_ENGINE_WAIT_S = 86_400.0  # the longest wait for its engine a worker may say its rollouts take
+MAX_NAME_CHARS = 256
+NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_NAME_CHARS - 1}}}")  # a worker's id and its host's name
 
 
 class WorkerConfig(BaseModel):
@@ -23,6 +26,14 @@ class WorkerConfig(BaseModel):
     pool: PoolConfig = PoolConfig()
     slots: int = Field(64, ge=1, le=MAX_SLOTS, description="rollouts this worker expects to run at once")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
+    host: str | None = Field(
+        None,
+        pattern=f"^{NAME.pattern}$",
+        description="the sandbox host this worker says it runs on: workers that share one container engine, and so "
+        "its images, name one host, and the control plane moves the rollouts waiting for a host's engine that is "
+        "down to another host's workers; none: this machine's hostname (a second engine on one machine, or workers "
+        "in containers that share the node's engine, name theirs here)",
+    )
     orphan_after_s: float | None = Field(
         None,
         gt=0,

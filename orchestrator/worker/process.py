@@ -74,6 +74,7 @@ async def run_worker(
             engine_wait_s=fleet.backend.outage_wait_s,
             engine_answering=fleet.backend.engine_answering,
             engine_waits=lambda: runner.engine_waits,
+            host=config.host,
         )
         if on_agent is not None:
             on_agent(agent)

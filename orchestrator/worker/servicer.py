@@ -5,22 +5,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 from collections.abc import AsyncIterator
 
 import grpc
 
 from orchestrator.core.echo import echo
-from orchestrator.worker.config import MAX_ENGINE_WAIT_S, MAX_SLOTS
+from orchestrator.worker.config import MAX_ENGINE_WAIT_S, MAX_NAME_CHARS, MAX_SLOTS, NAME
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.release import release
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 
 log = logging.getLogger(__name__)
-
-MAX_NAME_CHARS = 256
-_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_NAME_CHARS - 1}}}")
 
 
 class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
@@ -86,7 +82,7 @@ class WorkerServicer(wpb_grpc.WorkerServiceServicer):  # type: ignore[misc]
             )
         for what, value in (("worker_id", hello.worker_id), ("host", hello.host), ("instance", hello.instance)):
             # the id and host label every sample of the fleet's metrics: a 1 MiB host made a scrape of 300 MiB
-            if not _NAME.fullmatch(value) and not (what == "instance" and not value):
+            if not NAME.fullmatch(value) and not (what == "instance" and not value):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"a worker's {what} is 1 to {MAX_NAME_CHARS} of the characters A-Z a-z 0-9 . _ : @ -, got "

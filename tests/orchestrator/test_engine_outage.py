@@ -18,6 +18,9 @@ from orchestrator.client.sdk import EnvfleetClient
 from orchestrator.core.models import RolloutStatus
 from orchestrator.testing.engine_relay import EngineRelay
 from orchestrator.testing.scripted_policy import ScriptedServer
+from orchestrator.worker.config import WorkerConfig
+from orchestrator.worker.hub import WorkerInfo
+from orchestrator.worker.spawn import LocalWorkers
 from tests.conftest import TEST_OWNER, owned_containers, until
 from tests.orchestrator.conftest import job
 from tests.orchestrator.servers import serve, until_done
@@ -169,3 +172,60 @@ async def test_a_worker_process_says_which_rollouts_wait_for_its_engine(
         rollouts = [r async for r in c.rollouts(job_id)]
     assert [(r.status, r.reward) for r in rollouts] == [(RolloutStatus.OK, 1.0)] * 2, [r.error for r in rollouts]
     assert all(r.metrics["engine_outage_s"] > 0 for r in rollouts)
+
+
+async def test_rollouts_waiting_for_a_hosts_engine_move_to_another_host_and_none_waits_it_out(
+    tmp_path: Path, base_image: str, slow_policy: ScriptedServer, task_ids: list[str]
+) -> None:
+    """Two sandbox hosts, each with its own engine (WorkerConfig.host; a relay apiece in front of this machine's
+    engine), a real worker process on each. Host a's engine goes down for good: rollouts placed on a (the other host
+    full) wait for it, say so in a's heartbeats, and the control plane moves them to b once b has room. They would
+    otherwise wait out a's engine_outage_wait_s of 10 minutes, past this test's limits."""
+    relays = {name: EngineRelay(tmp_path / f"{name}.sock") for name in ("a", "b")}
+    settings: dict[str, Any] = {"workers": 0, "worker_listen": "127.0.0.1:0"}  # remote workers only
+    try:
+        for r in relays.values():
+            await r.up()
+        async with serve(tmp_path / "data", **settings) as orch, EnvfleetClient(orch.address) as c:
+            plane = orch.workers
+            assert plane is not None and plane.tcp_address is not None
+            fleet: dict[str, LocalWorkers] = {}
+            for name, relay in relays.items():
+                backend = DockerBackendConfig(
+                    owner=TEST_OWNER, base_url=relay.url, engine_outage_wait_s=600, api_max_backoff_s=BACKOFF_S
+                )
+                config = WorkerConfig(host=f"host-{name}", slots=2, backend=backend, pool=PoolConfig(enabled=False))
+                fleet[name] = LocalWorkers(1, plane.tcp_address, plane.token, config)
+            try:
+                for workers in fleet.values():
+                    workers.start()
+                hub = plane.hub
+                await hub.wait_for_workers(2, timeout_s=120)
+                assert sorted(w.host for w in hub.workers()) == ["host-a", "host-b"]
+                await relays["a"].down()
+
+                def says(host: str) -> WorkerInfo:
+                    return next(w for w in hub.workers() if w.host == host)
+
+                await until(lambda: says("host-a").engine_down, "a said its engine is down", limit_s=30)
+                # b's two slots take two of the four (its engine answers); a takes the other two, b being full, and
+                # they wait for its engine until they are moved (each then counts an attempt)
+                job_id = await c.submit(job(slow_policy.url, task_ids[:4], max_concurrency=4))
+                done = await until_done(c, job_id, 4, timeout_s=120)
+                assert done == 4, f"{done} of 4 done in 2 minutes: those waiting for a's engine were not moved"
+                rollouts = [r async for r in c.rollouts(job_id)]
+                assert [(w.host, w.served, w.engine_down) for w in sorted(hub.workers(), key=lambda w: w.host)] == [
+                    ("host-a", 0, True),
+                    ("host-b", 4, False),
+                ]
+            finally:
+                for workers in fleet.values():
+                    await workers.stop()
+    finally:
+        for r in relays.values():
+            await r.close()
+    assert sorted(r.task_id for r in rollouts) == sorted(task_ids[:4])
+    assert [(r.status, r.reward) for r in rollouts] == [(RolloutStatus.OK, 1.0)] * 4, [r.error for r in rollouts]
+    assert sorted(r.attempts for r in rollouts) == [1, 1, 2, 2]  # a's two, moved
+    left = await asyncio.to_thread(owned_containers)
+    assert not left, [c.name for c in left]
