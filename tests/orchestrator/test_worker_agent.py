@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from pydantic import ValidationError
 
 from orchestrator.backends.config import FakeBackendConfig
 from orchestrator.core.models import Rollout, Turn
@@ -467,3 +468,13 @@ def test_an_environments_digest_is_the_same_in_every_process_of_one_install(tmp_
 
     first = digest("1")
     assert len(first) == 64 and digest("2") == first
+
+
+def test_a_worker_host_the_control_plane_would_refuse_is_refused_in_its_configuration() -> None:
+    """WorkerConfig.host goes in every hello, where a name of other characters, or longer, is refused
+    (tests/security/test_worker_results.py): a worker configured so would redial for ever; it does not start."""
+    assert WorkerConfig().host is None  # its machine's hostname, as before the field
+    assert WorkerConfig(host="node-7.rack:2@a_b").host == "node-7.rack:2@a_b"
+    for bad in ("", "two words", "-leading", "h" * 257, "line\n"):
+        with pytest.raises(ValidationError, match="host"):
+            WorkerConfig(host=bad)
