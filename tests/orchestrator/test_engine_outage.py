@@ -6,6 +6,8 @@ it; a wait has an end, and after it they fail as before, masked, never a reward.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -175,12 +177,17 @@ async def test_a_worker_process_says_which_rollouts_wait_for_its_engine(
 
 
 async def test_rollouts_waiting_for_a_hosts_engine_move_to_another_host_and_none_waits_it_out(
-    tmp_path: Path, base_image: str, slow_policy: ScriptedServer, task_ids: list[str]
+    tmp_path: Path,
+    base_image: str,
+    slow_policy: ScriptedServer,
+    task_ids: list[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Two sandbox hosts, each with its own engine (WorkerConfig.host; a relay apiece in front of this machine's
     engine), a real worker process on each. Host a's engine goes down for good: rollouts placed on a (the other host
     full) wait for it, say so in a's heartbeats, and the control plane moves them to b once b has room. They would
     otherwise wait out a's engine_outage_wait_s of 10 minutes, past this test's limits."""
+    caplog.set_level(logging.INFO, logger="orchestrator.worker.hub")
     relays = {name: EngineRelay(tmp_path / f"{name}.sock") for name in ("a", "b")}
     settings: dict[str, Any] = {"workers": 0, "worker_listen": "127.0.0.1:0"}  # remote workers only
     try:
@@ -204,10 +211,10 @@ async def test_rollouts_waiting_for_a_hosts_engine_move_to_another_host_and_none
                 assert sorted(w.host for w in hub.workers()) == ["host-a", "host-b"]
                 await relays["a"].down()
 
-                def says(host: str) -> WorkerInfo:
-                    return next(w for w in hub.workers() if w.host == host)
+                def says(host: str) -> WorkerInfo | None:
+                    return next((w for w in hub.workers() if w.host == host), None)
 
-                await until(lambda: says("host-a").engine_down, "a said its engine is down", limit_s=30)
+                await until(lambda: getattr(says("host-a"), "engine_down", False), "a said it is down", limit_s=30)
                 # b's two slots take two of the four (its engine answers); a takes the other two, b being full, and
                 # they wait for its engine until they are moved (each then counts an attempt)
                 job_id = await c.submit(job(slow_policy.url, task_ids[:4], max_concurrency=4))
@@ -218,9 +225,12 @@ async def test_rollouts_waiting_for_a_hosts_engine_move_to_another_host_and_none
                     ("host-a", 0, True),
                     ("host-b", 4, False),
                 ]
+                # moved, not lost with its worker (whose rollouts go to b alike, and count an attempt alike)
+                assert (hub.lost, [w.restarts for w in fleet.values()]) == (0, [0, 0])
+                moves = [re.match(r"moved (\d+) rollouts waiting for worker", r.getMessage()) for r in caplog.records]
+                assert sum(int(m[1]) for m in moves if m) == 2, caplog.text
             finally:
-                for workers in fleet.values():
-                    await workers.stop()
+                await asyncio.gather(*(w.stop() for w in fleet.values()), return_exceptions=True)
     finally:
         for r in relays.values():
             await r.close()

@@ -475,6 +475,7 @@ def test_a_worker_host_the_control_plane_would_refuse_is_refused_in_its_configur
     (tests/security/test_worker_results.py): a worker configured so would redial for ever; it does not start."""
     assert WorkerConfig().host is None  # its machine's hostname, as before the field
     assert WorkerConfig(host="node-7.rack:2@a_b").host == "node-7.rack:2@a_b"
+    assert WorkerConfig(host="h" * 256).host == "h" * 256  # the longest the hello check takes
     for bad in ("", "two words", "-leading", "h" * 257, "line\n"):
         with pytest.raises(ValidationError, match="host"):
             WorkerConfig(host=bad)
