@@ -186,7 +186,7 @@ async def test_rollouts_waiting_for_a_hosts_engine_move_to_another_host_and_none
     """Two sandbox hosts, each with its own engine (WorkerConfig.host; a relay apiece in front of this machine's
     engine), a real worker process on each. Host a's engine goes down for good: rollouts placed on a (the other host
     full) wait for it, say so in a's heartbeats, and the control plane moves them to b once b has room. They would
-    otherwise wait out a's engine_outage_wait_s of 10 minutes, past this test's limits."""
+    otherwise wait out a's engine_outage_wait_s of 10 minutes, past this test's limits. New rollouts then go to b."""
     caplog.set_level(logging.INFO, logger="orchestrator.worker.hub")
     relays = {name: EngineRelay(tmp_path / f"{name}.sock") for name in ("a", "b")}
     settings: dict[str, Any] = {"workers": 0, "worker_listen": "127.0.0.1:0"}  # remote workers only
@@ -229,6 +229,11 @@ async def test_rollouts_waiting_for_a_hosts_engine_move_to_another_host_and_none
                 assert (hub.lost, [w.restarts for w in fleet.values()]) == (0, [0, 0])
                 moves = [re.match(r"moved (\d+) rollouts waiting for worker", r.getMessage()) for r in caplog.records]
                 assert sum(int(m[1]) for m in moves if m) == 2, caplog.text
+                # with room on b, new rollouts go there, not to a's down engine: none waits there to be moved
+                second = await c.submit(job(slow_policy.url, task_ids[4:6], max_concurrency=2))
+                after = [r async for r in c.rollouts(second)]
+                assert [(r.status, r.attempts) for r in after] == [(RolloutStatus.OK, 1)] * 2, [r.error for r in after]
+                assert [w.served for w in sorted(hub.workers(), key=lambda w: w.host)] == [0, 6]
             finally:
                 await asyncio.gather(*(w.stop() for w in fleet.values()), return_exceptions=True)
     finally:
