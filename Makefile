@@ -54,8 +54,8 @@ checked_pytest = before=$$(mktemp); scripts/check-leaks.sh --list > $$before; rc
 test: venv buf docker base-image chromium
 	@$(call checked_pytest,-m "not cluster")
 
-# The tests of a real Ray cluster on this machine (a head and two sandbox-host nodes, a Docker job across them): about
-# 2.5 minutes, most of it the cluster's start. Ray is in the venv's extras; here a missing Ray fails, never skips.
+# The tests of a real Ray cluster on this machine (a head and two sandbox-host nodes, a Docker job across them): 1.5-2.5
+# minutes, most of it the cluster's start. Ray is in the venv's extras; here a missing Ray fails, never skips.
 test-cluster: export ENVFLEET_REQUIRE_CLUSTER := 1
 test-cluster: venv docker base-image
 	@$(call checked_pytest,-m cluster)

@@ -198,10 +198,7 @@ async def test_rollouts_waiting_for_a_hosts_engine_move_to_another_host_and_none
             assert plane is not None and plane.tcp_address is not None
             fleet: dict[str, LocalWorkers] = {}
             for name, relay in relays.items():
-                backend = DockerBackendConfig(
-                    owner=TEST_OWNER, base_url=relay.url, engine_outage_wait_s=600, api_max_backoff_s=BACKOFF_S
-                )
-                config = WorkerConfig(host=f"host-{name}", slots=2, backend=backend, pool=PoolConfig(enabled=False))
+                config = WorkerConfig(host=f"host-{name}", slots=2, **_through(relay, wait_s=600))
                 fleet[name] = LocalWorkers(1, plane.tcp_address, plane.token, config)
             try:
                 for workers in fleet.values():
